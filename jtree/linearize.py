@@ -1,0 +1,225 @@
+"""DFS layout of trees into static-shape batches, and the way back.
+
+`linearize` packs whole trees into rows of S tokens (first-fit decreasing; several trees per row)
+and emits the arrays the jitted step consumes (DESIGN.md section 3). Every array is [rows, S]:
+
+- `tokens`  int32  token ids (0 on padding)
+- `pos`     int32  index of the token in its standalone path (RoPE position)
+- `end`     int32  one past the last token of the token's node subtree; query i may attend key j
+                   iff j <= i < end[j]. Padding has end[j] = j + 1 (attends only to itself).
+- `pred`    int32  row-local index of the token whose logits score this token, -1 for none
+- `node`    int32  row-local node index (distinct per node within a row), -1 on padding
+- `valid`   bool   True on real tokens
+- `weight`, `adv_pos`, `adv_neg`  float32  loss coefficients W, P, N (`jtree.loss`)
+- `old_logprobs`  float32  per-token old-policy log-probs where given (0 elsewhere)
+
+Trees larger than S must be partitioned first. The number of distinct shapes is bounded by
+`len_buckets` (row lengths) and `n_rows` so the step compiles a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jtree.loss import Normalization, batch_normalizer, token_coefficients
+from jtree.tree import TrajectoryTree, TreeStats
+
+INT_FIELDS = ("tokens", "pos", "end", "pred", "node")
+FLOAT_FIELDS = ("weight", "adv_pos", "adv_neg", "old_logprobs")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """Where each tree of a batch sits: tree k occupies row `rows[k]` from `offsets[k]`."""
+
+    trees: tuple[TrajectoryTree, ...]
+    rows: np.ndarray
+    offsets: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TreeBatch:
+    """A linearized batch: [rows, S] numpy arrays plus the host-side layout to map results back."""
+
+    tokens: np.ndarray
+    pos: np.ndarray
+    end: np.ndarray
+    pred: np.ndarray
+    node: np.ndarray
+    valid: np.ndarray
+    weight: np.ndarray
+    adv_pos: np.ndarray
+    adv_neg: np.ndarray
+    old_logprobs: np.ndarray
+    layout: BatchLayout
+    normalization: str
+    normalizer: float
+    has_old_logprobs: bool
+    old_logprob_disagreement: float
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tokens.shape
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The device inputs of the step (a pytree of equally shaped arrays)."""
+        return {f: getattr(self, f) for f in INT_FIELDS + ("valid",) + FLOAT_FIELDS}
+
+    def stats(self) -> TreeStats:
+        total = TreeStats(0, 0, 0, 0, 0, 0)
+        for t in self.layout.trees:
+            total = total + t.stats()
+        return total
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - float(self.valid.mean())
+
+
+def pack_rows(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing bin packing of item sizes into rows of `capacity` tokens."""
+    order = np.argsort(-np.asarray(sizes, dtype=np.int64), kind="stable")
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        size = int(sizes[i])
+        for r, room in enumerate(free):
+            if size <= room:
+                rows[r].append(int(i))
+                free[r] -= size
+                break
+        else:
+            rows.append([int(i)])
+            free.append(capacity - size)
+    return rows
+
+
+def linearize(
+    trees: Sequence[TrajectoryTree],
+    seq_len: int,
+    *,
+    normalization: Normalization = "seq_mean_token_mean",
+    normalizer: float | None = None,
+    n_rows: int | None = None,
+    len_buckets: Sequence[int] | None = None,
+) -> TreeBatch:
+    """Lay `trees` out in DFS order into rows of at most `seq_len` tokens.
+
+    `normalizer` overrides the batch normalizer of `normalization` (pass the value computed over the
+    global batch when this call is one micro-batch or one device's share). `n_rows` fixes the number
+    of rows (padding with empty rows). `len_buckets` lists allowed row lengths: the row length is
+    the smallest bucket that holds the packed rows (default: always `seq_len`).
+    """
+    if not trees:
+        raise ValueError("trees: need at least one tree")
+    sizes = [t.n_tree_tokens for t in trees]
+    for i, n in enumerate(sizes):
+        if n > seq_len:
+            raise ValueError(
+                f"tree {i}: has {n} tree tokens, more than seq_len={seq_len}; partition it into "
+                "parts of at most seq_len tokens first (capacity partitioning, jtree.partition)"
+            )
+    rows = pack_rows(sizes, seq_len)
+    row_len = seq_len
+    if len_buckets:
+        fill = max(sum(sizes[i] for i in r) for r in rows)
+        fitting = sorted(b for b in len_buckets if b >= fill)
+        if not fitting:
+            raise ValueError(f"len_buckets: no bucket holds a row of {fill} tokens")
+        row_len = fitting[0]
+    if n_rows is None:
+        n_rows = len(rows)
+    elif n_rows < len(rows):
+        raise ValueError(f"n_rows={n_rows}: the trees need {len(rows)} rows of {row_len} tokens")
+
+    if normalizer is None:
+        normalizer = batch_normalizer(trees, normalization)
+    tree_row = np.zeros(len(trees), np.int64)
+    tree_off = np.zeros(len(trees), np.int64)
+    tree_node_off = np.zeros(len(trees), np.int64)
+    for r, members in enumerate(rows):
+        tok, nodes = 0, 0
+        for i in members:
+            tree_row[i], tree_off[i], tree_node_off[i] = r, tok, nodes
+            tok += sizes[i]
+            nodes += trees[i].n_nodes
+
+    per_tree = [dict(t.token_arrays) for t in trees]
+    has_old = any(t.old_logprobs is not None for t in trees)
+    if has_old and not all(t.old_logprobs is not None for t in trees):
+        missing = next(i for i, t in enumerate(trees) if t.old_logprobs is None)
+        raise ValueError(f"tree {missing}: old_logprobs missing while other trees have them")
+    disagreement = 0.0
+    for t, arrs in zip(trees, per_tree):
+        arrs.update(token_coefficients(t, normalization, normalizer))
+        if has_old:
+            # Position 0 is never scored, so rollout engines may leave anything there.
+            old = [np.concatenate([[0.0], o[1:]]) for o in t.old_logprobs]
+            arrs["old_logprobs"], d = t.tree_token_values(old)
+            disagreement = max(disagreement, d)
+        else:
+            arrs["old_logprobs"] = np.zeros(t.n_tree_tokens, np.float32)
+
+    size_arr = np.asarray(sizes, np.int64)
+    dest = np.repeat(tree_row * row_len + tree_off, size_arr) + _ranges(size_arr)
+    tok_shift = np.repeat(tree_off, size_arr)
+    cat = {k: np.concatenate([a[k] for a in per_tree]) for k in per_tree[0]}
+
+    total = n_rows * row_len
+    flat_index = np.arange(total, dtype=np.int32) % row_len
+    out: dict[str, np.ndarray] = {
+        "tokens": np.zeros(total, np.int32),
+        "pos": np.zeros(total, np.int32),
+        "end": flat_index + 1,
+        "pred": np.full(total, -1, np.int32),
+        "node": np.full(total, -1, np.int32),
+        "valid": np.zeros(total, bool),
+    }
+    for f in FLOAT_FIELDS:
+        out[f] = np.zeros(total, np.float32)
+    out["tokens"][dest] = cat["tokens"]
+    out["pos"][dest] = cat["pos"]
+    out["end"][dest] = cat["end"] + tok_shift
+    out["pred"][dest] = np.where(cat["pred"] >= 0, cat["pred"] + tok_shift, -1)
+    out["node"][dest] = cat["node"] + np.repeat(tree_node_off, size_arr)
+    out["valid"][dest] = True
+    for f in FLOAT_FIELDS:
+        out[f][dest] = cat[f]
+    shaped = {k: v.reshape(n_rows, row_len) for k, v in out.items()}
+    return TreeBatch(
+        **shaped,
+        layout=BatchLayout(tuple(trees), tree_row, tree_off),
+        normalization=normalization,
+        normalizer=float(normalizer),
+        has_old_logprobs=has_old,
+        old_logprob_disagreement=disagreement,
+    )
+
+
+def _ranges(sizes: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(n) for every n in `sizes`, without a Python loop."""
+    total = int(sizes.sum())
+    starts = np.repeat(np.cumsum(sizes) - sizes, sizes)
+    return np.arange(total, dtype=np.int64) - starts
+
+
+def unlinearize(batch: TreeBatch, per_token_values: np.ndarray) -> list[list[np.ndarray]]:
+    """Map a [rows, S] per-token array back to one array per path, per tree.
+
+    Result[k][p] is aligned with the tokens of path p of tree k (the p-th input sequence for trees
+    built with `from_sequences`). Values at a path's first position are whatever the array holds
+    there (0 for `token_logprobs`, which cannot score a first token).
+    """
+    values = np.asarray(per_token_values)
+    if values.shape[:2] != batch.shape:
+        raise ValueError(f"per_token_values: shape {values.shape} does not match batch {batch.shape}")
+    out = []
+    for tree, row, off in zip(batch.layout.trees, batch.layout.rows, batch.layout.offsets):
+        tree_vals = values[row, off : off + tree.n_tree_tokens]
+        flat = tree_vals[tree.flat_token_index]
+        splits = np.cumsum(tree.path_lengths)[:-1]
+        out.append(np.split(flat, splits))
+    return out

@@ -1,0 +1,86 @@
+"""Per-token log-probabilities on a linearized batch, scored through the `pred` row.
+
+Token i is scored by the logits at row pred(i): the previous token of its path, which for the first
+token of a node is the last token of the parent node. The log-sum-exp over the vocabulary is
+computed once per row in chunks under `jax.checkpoint`, so neither the forward nor the backward
+holds a [rows, S, vocab] logits tensor; the target logit is a d-length dot product per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jtree.linearize import TreeBatch
+
+DEFAULT_CHUNK = 1024
+
+
+def _row_logsumexp(h: jax.Array, w_out: jax.Array, chunk: int, with_entropy: bool):
+    """log-sum-exp (and entropy) of the logits of each row of h [N, d], chunk rows at a time."""
+    n, d = h.shape
+    chunk = min(chunk, n)
+    n_chunks = -(-n // chunk)
+    padded = jnp.pad(h, ((0, n_chunks * chunk - n), (0, 0))).reshape(n_chunks, chunk, d)
+
+    @jax.checkpoint
+    def one(hc: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits = jnp.dot(hc, w_out, preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        if not with_entropy:
+            return lse, jnp.zeros_like(lse)
+        p = jnp.exp(logits - lse[:, None])
+        return lse, lse - jnp.sum(p * logits, axis=-1)
+
+    lse, ent = jax.lax.map(one, padded)
+    return lse.reshape(-1)[:n], ent.reshape(-1)[:n]
+
+
+def logprobs_from_hidden(
+    hidden: jax.Array,
+    w_out: jax.Array,
+    tokens: jax.Array,
+    pred: jax.Array,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    with_entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """log p(tokens | path context) [rows, S] (0 where pred < 0), and optionally the entropy of
+    the distribution that scores each token."""
+    rows, s, d = hidden.shape
+    lse, ent = _row_logsumexp(hidden.reshape(rows * s, d), w_out, chunk, with_entropy)
+    lse, ent = lse.reshape(rows, s), ent.reshape(rows, s)
+    has_pred = pred >= 0
+    src = jnp.where(has_pred, pred, 0)
+    h_src = jnp.take_along_axis(hidden, src[..., None], axis=1)
+    target = jnp.einsum(
+        "rsd,rsd->rs", h_src, jnp.take(w_out.T, tokens, axis=0),
+        preferred_element_type=jnp.float32,
+    )
+    logp = jnp.where(has_pred, target - jnp.take_along_axis(lse, src, axis=1), 0.0)
+    entropy = jnp.where(has_pred, jnp.take_along_axis(ent, src, axis=1), 0.0) if with_entropy else None
+    return logp, entropy
+
+
+def token_logprobs(
+    model: Any,
+    batch: TreeBatch | Mapping[str, jax.Array],
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    with_entropy: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """For every token of `batch`, log p(token | its path context): a [rows, S] float32 array.
+
+    Positions with no scoring row (a sequence's first token, padding) hold 0. With
+    `with_entropy=True` also returns the entropy of each token's predictive distribution.
+    """
+    inputs = batch.arrays() if isinstance(batch, TreeBatch) else batch
+    hidden = model(inputs["tokens"], inputs["pos"], inputs["end"])
+    logp, entropy = logprobs_from_hidden(
+        hidden, model.output_embedding(), inputs["tokens"], inputs["pred"], chunk=chunk,
+        with_entropy=with_entropy,
+    )
+    return (logp, entropy) if with_entropy else logp

@@ -1,0 +1,104 @@
+"""Qwen3 dense decoder in Flax NNX, reading positions and the tree mask from a linearized batch.
+
+Module and parameter names mirror Hugging Face `Qwen3ForCausalLM` (`model.layers.N.self_attn.
+q_proj`, ...; NNX `kernel` is HF `weight` transposed), so checkpoints map by name.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jtree.models.config import Qwen3Config
+from jtree.models.layers import RMSNorm, SwiGLU, apply_rope, linear, rope_cos_sin
+from kernels import tree_attention
+
+
+class Qwen3Attention(nnx.Module):
+    """GQA self-attention with per-head q/k RMSNorm before RoPE, under the tree mask."""
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        kw = dict(init_std=cfg.initializer_range, dtype=cfg.compute_dtype,
+                  param_dtype=cfg.weight_dtype, rngs=rngs)
+        self.q_proj = linear(d, cfg.num_attention_heads * hd, bias=cfg.attention_bias, **kw)
+        self.k_proj = linear(d, cfg.num_key_value_heads * hd, bias=cfg.attention_bias, **kw)
+        self.v_proj = linear(d, cfg.num_key_value_heads * hd, bias=cfg.attention_bias, **kw)
+        self.o_proj = linear(cfg.num_attention_heads * hd, d, bias=cfg.attention_bias, **kw)
+        self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
+        self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
+        self.cfg = cfg
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array) -> jax.Array:
+        rows, s, _ = x.shape
+        cfg = self.cfg
+        q = self.q_norm(self.q_proj(x).reshape(rows, s, cfg.num_attention_heads, cfg.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(rows, s, cfg.num_key_value_heads, cfg.head_dim))
+        v = self.v_proj(x).reshape(rows, s, cfg.num_key_value_heads, cfg.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = tree_attention(q, k, v, end, impl=cfg.attention_impl)
+        return self.o_proj(out.reshape(rows, s, -1))
+
+
+class Qwen3DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
+                                       param_dtype=cfg.weight_dtype)
+        self.self_attn = Qwen3Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
+                                                param_dtype=cfg.weight_dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, init_std=cfg.initializer_range,
+                          dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, end)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nnx.Module):
+    """Embedding, decoder layers and final norm (HF `Qwen3Model`)."""
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+            embedding_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs,
+        )
+        self.layers = nnx.List([Qwen3DecoderLayer(cfg, rngs=rngs)
+                                for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
+        self.cfg = cfg
+
+    def __call__(self, tokens: jax.Array, pos: jax.Array, end: jax.Array) -> jax.Array:
+        x = self.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
+        for layer in self.layers:
+            x = layer(x, cos, sin, end)
+        return self.norm(x)
+
+
+class Qwen3(nnx.Module):
+    """Qwen3 causal LM (HF `Qwen3ForCausalLM`). Returns final hidden states, not logits.
+
+    Logits are never formed for the whole batch here: `jtree.token_logprobs` combines the hidden
+    states with `output_embedding()` only where a token is scored.
+    """
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.model = Qwen3Model(cfg, rngs=rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, init_std=cfg.initializer_range,
+            dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs,
+        )
+
+    def __call__(self, tokens: jax.Array, pos: jax.Array, end: jax.Array) -> jax.Array:
+        return self.model(tokens, pos, end)
+
+    def output_embedding(self) -> jax.Array:
+        """[hidden, vocab] matrix mapping final hidden states to logits."""
+        if self.lm_head is None:
+            w = self.model.embed_tokens.embedding[...].T
+        else:
+            w = self.lm_head.kernel[...]
+        return w.astype(self.config.compute_dtype)

@@ -1,0 +1,194 @@
+"""Training step: objectives, optimizer, gradient accumulation over micro-batches.
+
+The step is a pure function of (TrainState, inputs) so it can be jitted on one device, or wrapped
+in `shard_map` over a mesh. `inputs` is a dict of [micro_batches, rows, S] arrays; the micro-batches
+are scanned and their gradients summed, which equals the full-batch gradient because every loss
+coefficient is normalized over the global batch on the host (`jtree.loss`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jtree.baseline import linearize_baseline
+from jtree.linearize import TreeBatch, linearize
+from jtree.logprobs import token_logprobs
+from jtree.loss import Normalization, ppo_loss, sft_loss
+from jtree.tree import TrajectoryTree
+
+Inputs = Mapping[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What the step minimizes. `sft`: weighted NLL. `ppo`: clipped surrogate (+ KL, entropy)."""
+
+    kind: Literal["sft", "ppo"] = "sft"
+    normalization: Normalization = "seq_mean_token_mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    logprob_chunk: int = 1024
+    old_logprob_tolerance: float = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with global-norm clipping and a warmup + cosine learning-rate schedule."""
+
+    learning_rate: float = 3e-4
+    warmup_steps: int = 10
+    decay_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=max(cfg.decay_steps, cfg.warmup_steps + 1),
+        end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+    )
+
+
+class TrainState(NamedTuple):
+    params: Any
+    opt_state: Any
+    step: jax.Array
+
+
+def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation):
+    """Split an NNX model into its graph definition and a pure TrainState."""
+    graphdef, params = nnx.split(model)
+    return graphdef, TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+
+def objective_loss(model: Any, inputs: Inputs, objective: Objective):
+    """The objective on one micro-batch: (loss, metrics)."""
+    if objective.kind == "sft":
+        logp = token_logprobs(model, inputs, chunk=objective.logprob_chunk)
+        loss = sft_loss(logp, inputs)
+        return loss, {"nll": loss}
+    want_entropy = objective.entropy_coef != 0
+    out = token_logprobs(model, inputs, chunk=objective.logprob_chunk, with_entropy=want_entropy)
+    logp, entropy = out if want_entropy else (out, None)
+    return ppo_loss(
+        logp, inputs, old_logprobs=inputs["old_logprobs"], clip_low=objective.clip_low,
+        clip_high=objective.clip_high, ref_logprobs=inputs.get("ref_logprobs"),
+        kl_coef=objective.kl_coef, entropy=entropy, entropy_coef=objective.entropy_coef,
+    )
+
+
+def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective) -> Callable:
+    """(params, inputs [M, rows, S]) -> (loss, metrics, grads), summed over the M micro-batches."""
+
+    def micro(params: Any, inputs: Inputs):
+        def loss_fn(p: Any):
+            return objective_loss(nnx.merge(graphdef, p), inputs, objective)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return loss, metrics, grads
+
+    def grad_fn(params: Any, inputs: Inputs):
+        first = jax.tree_util.tree_map(lambda x: x[0], inputs)
+        acc0 = micro(params, first)
+        if jax.tree_util.tree_leaves(inputs)[0].shape[0] == 1:
+            return acc0
+
+        def body(acc, mb):
+            return jax.tree_util.tree_map(jnp.add, acc, micro(params, mb)), None
+
+        rest = jax.tree_util.tree_map(lambda x: x[1:], inputs)
+        acc, _ = jax.lax.scan(body, acc0, rest)
+        return acc
+
+    return grad_fn
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, objective: Objective
+) -> Callable[[TrainState, Inputs], tuple[TrainState, dict[str, jax.Array]]]:
+    """The (unjitted) train step; callers jit it, or wrap it for a mesh."""
+    grad_fn = make_grad_fn(graphdef, objective)
+
+    def step(state: TrainState, inputs: Inputs):
+        loss, metrics, grads = grad_fn(state.params, inputs)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    return step
+
+
+def make_logprob_fn(graphdef: nnx.GraphDef, chunk: int = 1024) -> Callable[[Any, Inputs], jax.Array]:
+    """(params, inputs [rows, S]) -> token log-probs [rows, S]; no gradient, for old/ref policies."""
+
+    def fn(params: Any, inputs: Inputs) -> jax.Array:
+        return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), inputs, chunk=chunk))
+
+    return fn
+
+
+def build_batch(
+    trees: Sequence[TrajectoryTree],
+    seq_len: int,
+    *,
+    mode: Literal["tree", "baseline"],
+    normalization: Normalization,
+    normalizer: float | None = None,
+    n_rows: int | None = None,
+    len_buckets: Sequence[int] | None = None,
+) -> TreeBatch:
+    """Linearize `trees` in tree mode or as the per-path baseline.
+
+    Pass `normalizer` (from `jtree.loss.batch_normalizer` over the whole step) when `trees` is one
+    micro-batch of a larger step, so the micro-batch losses sum to the step loss.
+    """
+    fn = {"tree": linearize, "baseline": linearize_baseline}.get(mode)
+    if fn is None:
+        raise ValueError(f"mode: {mode!r} is not 'tree' or 'baseline'")
+    return fn(trees, seq_len, normalization=normalization, normalizer=normalizer, n_rows=n_rows,
+              len_buckets=len_buckets)
+
+
+def stack_microbatches(batches: Sequence[TreeBatch]) -> dict[str, np.ndarray]:
+    """Stack equally shaped batches into [M, rows, S] step inputs."""
+    shapes = {b.shape for b in batches}
+    if len(shapes) != 1:
+        raise ValueError(f"micro-batches must share one shape, got {sorted(shapes)}")
+    arrays = [b.arrays() for b in batches]
+    return {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
+
+
+def needs_old_logprobs(batch: TreeBatch, objective: Objective) -> bool:
+    """Whether the PPO step must recompute old log-probs on the tree before the update.
+
+    Per-path old log-probs from a rollout engine can disagree on shared tokens; then the clipped
+    surrogate is no longer a function of one ratio per tree token, and the documented policy is to
+    recompute them with the current (pre-update) parameters on the tree.
+    """
+    if objective.kind != "ppo":
+        return False
+    return not batch.has_old_logprobs or (
+        batch.old_logprob_disagreement > objective.old_logprob_tolerance
+    )

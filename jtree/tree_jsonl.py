@@ -1,0 +1,159 @@
+"""JSON Lines files of trees and of sequence groups.
+
+Sequence groups: one sequence per line, `{"group": g, "tokens": [...], "loss_mask": [...],
+"advantage": a | [...], "old_logprobs": [...], "weight": w}` (all but `group` and `tokens`
+optional); all lines of one group merge into one tree, groups in order of first appearance.
+
+Trees: one tree per line, `{"parents": [...], "segments": [[...], ...], "paths": [{"node": n,
+"loss_mask": [...], "advantage": ..., "old_logprobs": [...], "weight": w}, ...]}` (`paths` optional:
+one path per leaf). Errors name the file, line and field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jtree.tree import TrajectoryTree
+
+_PATH_FIELDS = {"loss_mask": "loss_masks", "advantage": "advantages", "old_logprobs": "old_logprobs"}
+
+
+def _records(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{where}: expected a JSON object")
+            yield where, rec
+
+
+def _path_kwargs(items: Sequence[dict[str, Any]], where: Sequence[str]) -> dict[str, Any]:
+    """Collect optional per-path fields; a field must be present on all paths or on none."""
+    kwargs: dict[str, Any] = {}
+    for field, kw in _PATH_FIELDS.items():
+        present = [field in it for it in items]
+        if any(present) and not all(present):
+            missing = where[present.index(False)]
+            raise ValueError(f"{missing}: {field} is missing but other paths of the tree have it")
+        if all(present):
+            kwargs[kw] = [it[field] for it in items]
+    if any("weight" in it for it in items):
+        kwargs["weights"] = [it.get("weight", 1.0) for it in items]
+    return kwargs
+
+
+def read_sequence_groups(path: str | Path, *, vocab_size: int | None = None) -> list[TrajectoryTree]:
+    """One tree per group id, in order of first appearance."""
+    groups: dict[Any, list[tuple[str, dict[str, Any]]]] = {}
+    for where, rec in _records(path):
+        for field in ("group", "tokens"):
+            if field not in rec:
+                raise ValueError(f"{where}: missing field {field!r}")
+        unknown = set(rec) - {"group", "tokens", "weight", *_PATH_FIELDS}
+        if unknown:
+            raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+        groups.setdefault(json.dumps(rec["group"]), []).append((where, rec))
+    trees = []
+    for members in groups.values():
+        wheres = [w for w, _ in members]
+        recs = [r for _, r in members]
+        try:
+            trees.append(
+                TrajectoryTree.from_sequences(
+                    [r["tokens"] for r in recs], vocab_size=vocab_size,
+                    **_path_kwargs(recs, wheres),
+                )
+            )
+        except ValueError as e:
+            raise ValueError(_locate(str(e), "sequence", wheres)) from None
+    if not trees:
+        raise ValueError(f"{path}: no sequences")
+    return trees
+
+
+def _locate(message: str, label: str, wheres: Sequence[str]) -> str:
+    """Rewrite a 'sequence 3: ...' message from the tree builder into 'file:line: ...'."""
+    prefix, sep, rest = message.partition(": ")
+    parts = prefix.split(" ")
+    if sep and len(parts) == 2 and parts[0] == label and parts[1].isdigit():
+        i = int(parts[1])
+        if i < len(wheres):
+            return f"{wheres[i]}: {rest}"
+    return f"{wheres[0]} (group starting here): {message}"
+
+
+def write_sequence_groups(path: str | Path, trees: Sequence[TrajectoryTree]) -> None:
+    """Write every path of every tree as one line; tree k becomes group k."""
+    with open(path, "w") as f:
+        for k, t in enumerate(trees):
+            for p in range(t.n_paths):
+                rec: dict[str, Any] = {"group": k, "tokens": t.path_tokens(p).tolist()}
+                rec.update(_path_record(t, p))
+                f.write(json.dumps(rec) + "\n")
+
+
+def _path_record(t: TrajectoryTree, p: int) -> dict[str, Any]:
+    rec: dict[str, Any] = {"loss_mask": t.loss_masks[p].astype(int).tolist()}
+    if t.advantages is not None:
+        a = t.advantages[p]
+        rec["advantage"] = float(a[0]) if np.all(a == a[0]) else a.tolist()
+    if t.old_logprobs is not None:
+        rec["old_logprobs"] = t.old_logprobs[p].tolist()
+    rec["weight"] = float(t.weights[p])
+    return rec
+
+
+def read_trees(path: str | Path, *, vocab_size: int | None = None) -> list[TrajectoryTree]:
+    """One explicit tree per line."""
+    trees = []
+    for where, rec in _records(path):
+        for field in ("parents", "segments"):
+            if field not in rec:
+                raise ValueError(f"{where}: missing field {field!r}")
+        unknown = set(rec) - {"parents", "segments", "paths", "id"}
+        if unknown:
+            raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+        paths = rec.get("paths")
+        kwargs: dict[str, Any] = {}
+        if paths is not None:
+            if not isinstance(paths, list) or not all(isinstance(p, dict) for p in paths):
+                raise ValueError(f"{where}: paths must be a list of objects")
+            for i, p in enumerate(paths):
+                if "node" not in p:
+                    raise ValueError(f"{where}: path {i}: missing field 'node'")
+            kwargs["path_nodes"] = [p["node"] for p in paths]
+            kwargs.update(_path_kwargs(paths, [f"{where}: path {i}" for i in range(len(paths))]))
+        try:
+            trees.append(
+                TrajectoryTree.from_nodes(rec["parents"], rec["segments"], vocab_size=vocab_size,
+                                          **kwargs)
+            )
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    if not trees:
+        raise ValueError(f"{path}: no trees")
+    return trees
+
+
+def write_trees(path: str | Path, trees: Sequence[TrajectoryTree]) -> None:
+    """Write one explicit tree per line (nodes in DFS pre-order)."""
+    with open(path, "w") as f:
+        for t in trees:
+            rec = {
+                "parents": t.parents.tolist(),
+                "segments": [s.tolist() for s in t.segments],
+                "paths": [dict(node=int(t.path_nodes[p]), **_path_record(t, p))
+                          for p in range(t.n_paths)],
+            }
+            f.write(json.dumps(rec) + "\n")

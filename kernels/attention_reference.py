@@ -1,0 +1,39 @@
+"""Dense masked tree attention: the ground truth every other implementation is tested against.
+
+It materializes the [S, S] mask and scores, so it is for tests and small inputs only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def tree_mask(end: jax.Array) -> jax.Array:
+    """[rows, S, S] boolean mask: query i sees key j iff j <= i < end[j]."""
+    s = end.shape[-1]
+    i = jnp.arange(s)[:, None]
+    j = jnp.arange(s)[None, :]
+    return (j <= i) & (i < end[:, None, :])
+
+
+def attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    end: jax.Array,
+    *,
+    scale: float,
+    softcap: float | None = None,
+) -> jax.Array:
+    rows, s, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(rows, s, hkv, hq // hkv, d)
+    scores = jnp.einsum("rikgd,rjkd->rkgij", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    mask = tree_mask(end)[:, None, None]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("rkgij,rjkd->rikgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(rows, s, hq, d).astype(q.dtype)

@@ -1,0 +1,88 @@
+"""Random branching trees for property tests (hypothesis strategies and plain generators).
+
+Trees are generated as explicit random forests (several levels, many siblings, single-token nodes),
+then paths are chosen to end at leaves *and* internal nodes, with duplicates. `sequences_tree`
+returns the same data as token sequences merged through `TrajectoryTree.from_sequences`, which also
+exercises the trie merge.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from jtree.tree import TrajectoryTree
+
+
+def random_forest(
+    rng: np.random.Generator,
+    *,
+    max_nodes: int = 10,
+    max_seg: int = 5,
+    vocab: int = 64,
+    roots: int | None = None,
+    extra_paths: int = 3,
+    with_rl: bool = True,
+) -> dict:
+    """A random explicit forest with per-path data; returns TrajectoryTree.from_nodes kwargs."""
+    n = int(rng.integers(1, max_nodes + 1))
+    n_roots = int(roots if roots is not None else rng.integers(1, 3))
+    parents = [-1 if i < n_roots or i == 0 else int(rng.integers(0, i)) for i in range(n)]
+    seg_lens = [int(rng.choice([1, 1, 2, 3, max_seg])) for _ in range(n)]
+    segments = [rng.integers(0, vocab, size=k).tolist() for k in seg_lens]
+    children = {i for i in parents if i >= 0}
+    leaves = [i for i in range(n) if i not in children]
+    internal_ends = rng.choice(n, size=int(rng.integers(0, extra_paths + 1))).tolist()
+    path_nodes = leaves + internal_ends  # internal ends and duplicates of leaves
+    rng.shuffle(path_nodes)
+    lengths = []
+    for node in path_nodes:
+        length, cur = 0, node
+        while cur >= 0:
+            length += seg_lens[cur]
+            cur = parents[cur]
+        lengths.append(length)
+    kwargs: dict = {
+        "parents": parents,
+        "segments": segments,
+        "path_nodes": path_nodes,
+        "loss_masks": [(rng.random(n_) < 0.7).astype(int).tolist() for n_ in lengths],
+        "weights": rng.uniform(0.5, 2.0, size=len(path_nodes)).tolist(),
+    }
+    if with_rl:
+        kwargs["advantages"] = [
+            float(rng.normal()) if rng.random() < 0.5 else rng.normal(size=n_).tolist()
+            for n_ in lengths
+        ]
+        kwargs["old_logprobs"] = [(-rng.uniform(0.5, 6.0, size=n_)).tolist() for n_ in lengths]
+    return kwargs
+
+
+def explicit_tree(kwargs: dict) -> TrajectoryTree:
+    return TrajectoryTree.from_nodes(**kwargs)
+
+
+def sequences_tree(kwargs: dict) -> TrajectoryTree:
+    """The same paths, given as plain sequences (merged by the trie builder)."""
+    t = TrajectoryTree.from_nodes(**kwargs)
+    seqs = [t.path_tokens(p) for p in range(t.n_paths)]
+    return TrajectoryTree.from_sequences(
+        seqs,
+        loss_masks=list(t.loss_masks),
+        advantages=None if t.advantages is None else list(t.advantages),
+        old_logprobs=None if t.old_logprobs is None else list(t.old_logprobs),
+        weights=t.weights,
+    )
+
+
+@st.composite
+def forests(draw, n_trees: tuple[int, int] = (1, 3), **kw) -> list[TrajectoryTree]:
+    """A list of random trees, each built explicitly or from sequences."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    count = draw(st.integers(*n_trees))
+    rng = np.random.default_rng(seed)
+    trees = []
+    for _ in range(count):
+        kwargs = random_forest(rng, **kw)
+        trees.append(sequences_tree(kwargs) if rng.random() < 0.5 else explicit_tree(kwargs))
+    return trees
