@@ -78,9 +78,8 @@ def token_logprobs(
     `with_entropy=True` also returns the entropy of each token's predictive distribution.
     """
     inputs = batch.arrays() if isinstance(batch, TreeBatch) else batch
-    hidden = model(inputs["tokens"], inputs["pos"], inputs["end"])
     logp, entropy = logprobs_from_hidden(
-        hidden, model.output_embedding(), inputs["tokens"], inputs["pred"], chunk=chunk,
+        model(inputs).hidden, model.output_embedding(), inputs["tokens"], inputs["pred"], chunk=chunk,
         with_entropy=with_entropy,
     )
     return (logp, entropy) if with_entropy else logp

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jtree.baseline import linearize_baseline
 from jtree.linearize import TreeBatch, linearize
-from jtree.logprobs import token_logprobs
+from jtree.logprobs import logprobs_from_hidden, token_logprobs
 from jtree.loss import Normalization, ppo_loss, sft_loss
 from jtree.tree import TrajectoryTree
 
@@ -83,19 +83,23 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation)
 
 
 def objective_loss(model: Any, inputs: Inputs, objective: Objective):
-    """The objective on one micro-batch: (loss, metrics)."""
-    if objective.kind == "sft":
-        logp = token_logprobs(model, inputs, chunk=objective.logprob_chunk)
-        loss = sft_loss(logp, inputs)
-        return loss, {"nll": loss}
-    want_entropy = objective.entropy_coef != 0
-    out = token_logprobs(model, inputs, chunk=objective.logprob_chunk, with_entropy=want_entropy)
-    logp, entropy = out if want_entropy else (out, None)
-    return ppo_loss(
-        logp, inputs, old_logprobs=inputs["old_logprobs"], clip_low=objective.clip_low,
-        clip_high=objective.clip_high, ref_logprobs=inputs.get("ref_logprobs"),
-        kl_coef=objective.kl_coef, entropy=entropy, entropy_coef=objective.entropy_coef,
+    """The objective on one micro-batch, plus the model's auxiliary loss: (loss, metrics)."""
+    out = model(inputs)
+    want_entropy = objective.kind == "ppo" and objective.entropy_coef != 0
+    logp, entropy = logprobs_from_hidden(
+        out.hidden, model.output_embedding(), inputs["tokens"], inputs["pred"],
+        chunk=objective.logprob_chunk, with_entropy=want_entropy,
     )
+    if objective.kind == "sft":
+        loss = sft_loss(logp, inputs)
+        metrics = {"nll": loss}
+    else:
+        loss, metrics = ppo_loss(
+            logp, inputs, old_logprobs=inputs["old_logprobs"], clip_low=objective.clip_low,
+            clip_high=objective.clip_high, ref_logprobs=inputs.get("ref_logprobs"),
+            kl_coef=objective.kl_coef, entropy=entropy, entropy_coef=objective.entropy_coef,
+        )
+    return loss + out.aux_loss, dict(metrics, aux_loss=out.aux_loss)
 
 
 def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective) -> Callable:

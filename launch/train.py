@@ -14,13 +14,12 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jtree.baseline import unlinearize_baseline
 from jtree.config import TrainConfig, load_config
 from jtree.linearize import TreeBatch, unlinearize
 from jtree.loss import batch_normalizer
-from jtree.models import Qwen3
+from jtree.models import create_model
 from jtree.train import (
     build_batch,
     init_train_state,
@@ -85,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = sum((t.stats() for t in trees[1:]), trees[0].stats())
     print(f"data: {len(trees)} trees from {cfg.data.path}: {total.n_flat_tokens} flat tokens, "
           f"{total.n_tree_tokens} tree tokens, POR {total.por:.3f}")
-    model = Qwen3(cfg.model, rngs=nnx.Rngs(cfg.run.seed))
+    model = create_model("qwen3", cfg.model, seed=cfg.run.seed)
     optimizer = make_optimizer(cfg.optim)
     graphdef, state = init_train_state(model, optimizer)
     step_fn = jax.jit(make_train_step(graphdef, optimizer, cfg.objective))

@@ -40,6 +40,6 @@ def test_rope_uses_batch_positions():
     tokens = jnp.asarray([[3, 4, 5, 0, 0], [0, 0, 3, 4, 5]], jnp.int32)
     pos = jnp.asarray([[0, 1, 2, 0, 0], [0, 0, 0, 1, 2]], jnp.int32)
     end = jnp.asarray([[3, 3, 3, 4, 5], [1, 2, 5, 5, 5]], jnp.int32)
-    h = model(tokens, pos, end)
+    h = model({"tokens": tokens, "pos": pos, "end": end}).hidden
     np.testing.assert_allclose(h[0, :3], h[1, 2:], atol=1e-5)
     assert jax.tree_util.tree_leaves(h)[0].shape == (2, 5, 32)

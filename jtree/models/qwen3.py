@@ -6,12 +6,15 @@ q_proj`, ...; NNX `kernel` is HF `weight` transposed), so checkpoints map by nam
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jtree.models.config import Qwen3Config
 from jtree.models.layers import RMSNorm, SwiGLU, apply_rope, linear, rope_cos_sin
+from jtree.models.output import ModelOutput
 from kernels import tree_attention
 
 
@@ -80,8 +83,9 @@ class Qwen3Model(nnx.Module):
 class Qwen3(nnx.Module):
     """Qwen3 causal LM (HF `Qwen3ForCausalLM`). Returns final hidden states, not logits.
 
-    Logits are never formed for the whole batch here: `jtree.token_logprobs` combines the hidden
-    states with `output_embedding()` only where a token is scored.
+    Called on the batch inputs (`tokens`, `pos`, `end`, ...; see `jtree.linearize`). Logits are
+    never formed for the whole batch here: `jtree.token_logprobs` combines the hidden states with
+    `output_embedding()` only where a token is scored.
     """
 
     def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
@@ -92,8 +96,9 @@ class Qwen3(nnx.Module):
             dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs,
         )
 
-    def __call__(self, tokens: jax.Array, pos: jax.Array, end: jax.Array) -> jax.Array:
-        return self.model(tokens, pos, end)
+    def __call__(self, inputs: Mapping[str, jax.Array]) -> ModelOutput:
+        hidden = self.model(inputs["tokens"], inputs["pos"], inputs["end"])
+        return ModelOutput(hidden, jnp.zeros((), jnp.float32))
 
     def output_embedding(self) -> jax.Array:
         """[hidden, vocab] matrix mapping final hidden states to logits."""

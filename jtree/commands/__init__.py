@@ -1,0 +1,1 @@
+"""Subcommands of the `jtree` CLI (see `jtree.cli`)."""

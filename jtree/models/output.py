@@ -1,0 +1,16 @@
+"""What every model of the family returns."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+
+class ModelOutput(NamedTuple):
+    """Final hidden states [rows, S, hidden] and an auxiliary loss (a scalar already weighted so
+    that it adds to the objective as is; zero for dense models, the router load-balancing term
+    for mixture-of-experts models)."""
+
+    hidden: jax.Array
+    aux_loss: jax.Array
