@@ -238,6 +238,35 @@ def make_logprob_fn(graphdef: nnx.GraphDef, chunk: int = 1024) -> Callable[[Any,
     return fn
 
 
+def make_sharded_logprob_fn(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, specs: Any,
+                            chunk: int = 1024) -> Callable[[Any, Inputs], jax.Array]:
+    """(params, inputs [M, rows, S]) -> token log-probs [M, rows, S] over the mesh, no gradient
+    (old/reference policies, equivalence checks). `graphdef` is the tensor-parallel model."""
+
+    def local(params: Any, inputs: Inputs) -> jax.Array:
+        model = nnx.merge(graphdef, params)
+        return jax.lax.map(lambda x: token_logprobs(model, x, chunk=chunk, vocab_axis=MODEL),
+                           inputs)
+
+    def fn(params: Any, inputs: Inputs) -> jax.Array:
+        in_specs = (specs, {k: batch_spec(v.ndim) for k, v in inputs.items()})
+        out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=batch_spec(3))(
+            params, dict(inputs))
+        return jax.lax.stop_gradient(out)
+
+    return fn
+
+
+def state_shardings(optimizer: optax.GradientTransformation, params: Any, param_shardings: Any,
+                    mesh: jax.sharding.Mesh) -> TrainState:
+    """Shardings of a TrainState: optimizer moments like their parameters, scalars replicated."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_shapes = jax.eval_shape(optimizer.init, params)
+    opt = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_shardings,
+                                transform_non_params=lambda _: replicated)
+    return TrainState(param_shardings, opt, replicated)
+
+
 def build_batch(
     trees: Sequence[TrajectoryTree],
     seq_len: int,
@@ -276,8 +305,11 @@ def needs_old_logprobs(batch: TreeBatch, objective: Objective) -> bool:
     surrogate is no longer a function of one ratio per tree token, and the documented policy is to
     recompute them with the current (pre-update) parameters on the tree.
     """
+    return old_logprobs_stale(batch.has_old_logprobs, batch.old_logprob_disagreement, objective)
+
+
+def old_logprobs_stale(has_old: bool, disagreement: float, objective: Objective) -> bool:
+    """`needs_old_logprobs` from a batch's flags (missing, or disagreeing beyond tolerance)."""
     if objective.kind != "ppo":
         return False
-    return not batch.has_old_logprobs or (
-        batch.old_logprob_disagreement > objective.old_logprob_tolerance
-    )
+    return not has_old or disagreement > objective.old_logprob_tolerance
