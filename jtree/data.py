@@ -252,5 +252,23 @@ def make_pipeline(trees: Sequence[TrajectoryTree], plan: BatchPlan, *, seed: int
 
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()
-        it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+        it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count),
+                                  worker_init_fn=_exit_with_parent)
     return it_ds
+
+
+def _exit_with_parent(worker_index: int, worker_count: int) -> None:
+    """Grain worker start-up: exit when the training process is gone (a SIGKILLed trainer gives
+    its workers no chance to stop them, and they would hold its output pipes open)."""
+    import os
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()

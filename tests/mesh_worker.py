@@ -18,13 +18,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jtree.baseline import linearize_baseline  # noqa: E402
+from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
 from jtree.models import Qwen3  # noqa: E402
 from jtree.sharding import MeshConfig, make_mesh, named, param_specs, qwen3_rules  # noqa: E402
 from jtree.train import (  # noqa: E402
     Objective, OptimConfig, TrainState, make_optimizer, make_sharded_grad_fn,
-    make_train_step, tensor_parallel_graphdef,
+    make_train_step, state_shardings, tensor_parallel_graphdef,
 )
 from tests.models_util import rel_l2, tiny_config  # noqa: E402
 from tests.strategies import explicit_tree, random_forest, sequences_tree  # noqa: E402
@@ -50,6 +51,32 @@ def step_inputs(mode: str, objective: Objective) -> dict[str, np.ndarray]:
     return {k: np.stack([o[k] for o in out]) for k in out[0]}
 
 
+def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
+    """Save a sharded TrainState from a (4, 2) mesh, restore it onto (2, 4) and (8, 1)."""
+    def sharded_state(data: int, model_size: int):
+        mesh = make_mesh(MeshConfig(data=data, model=model_size))
+        specs = param_specs(params, qwen3_rules(cfg, model_size), mesh)
+        shardings = state_shardings(opt, params, named(mesh, specs), mesh)
+        return shardings
+
+    saved_sh = sharded_state(4, 2)
+    state = jax.device_put(TrainState(params, opt.init(params), np.int32(5)), saved_sh)
+    ckpt = Checkpointer(directory, keep=1)
+    ckpt.save(5, state, {"next_index": 5}, {"seed": 0})
+    ckpt.wait()
+    result = {"case": "restore", "equal": True, "resharded": True}
+    for shape in ((2, 4), (8, 1)):
+        target = sharded_state(*shape)
+        restored, data_state, meta = ckpt.restore(5, abstract_like(state, target))
+        result["equal"] &= data_state == {"next_index": 5} and int(restored.step) == 5
+        for a, b, sh in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state),
+                            jax.tree_util.tree_leaves(target)):
+            result["equal"] &= bool(np.array_equal(np.asarray(a), np.asarray(b)))
+            result["resharded"] &= a.sharding == sh
+    ckpt.close()
+    return result
+
+
 def main(cases: list[str]) -> None:
     cfg = tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
     model = Qwen3(cfg, rngs=nnx.Rngs(3))
@@ -57,6 +84,10 @@ def main(cases: list[str]) -> None:
     tp_graphdef = tensor_parallel_graphdef(model)
     opt = make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=0, decay_steps=10))
     for case in cases:
+        if case.startswith("restore:"):
+            print(json.dumps(dict(restore_on_other_meshes(cfg, params, opt, case[8:]),
+                                  case=case)), flush=True)
+            continue
         mode, kind, shape = case.split(":")
         data, model_size = (int(x) for x in shape.split("x"))
         objective = Objective(kind=kind, normalization="token_mean" if kind == "sft"

@@ -34,9 +34,12 @@ def check(result: dict) -> None:
         assert result["sharded_leaves"] > 0, result  # tensor parallel really split weights
 
 
-def test_tree_and_baseline_steps_on_tensor_and_data_parallel_meshes():
-    for result in run_cases(["tree:sft:2x4", "baseline:sft:4x2"]):
+def test_tree_and_baseline_steps_on_tensor_and_data_parallel_meshes(tmp_path):
+    step_results = run_cases(["tree:sft:2x4", "baseline:sft:4x2", f"restore:{tmp_path}/ckpt"])
+    for result in step_results[:2]:
         check(result)
+    restore = step_results[2]
+    assert restore["equal"] and restore["resharded"], restore  # (4, 2) -> (2, 4) and (8, 1)
 
 
 @pytest.mark.slow
