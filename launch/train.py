@@ -225,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(summary(history, wall, report.n_bad, ckpt))
     if cfg.run.compare_baseline and history:
         if jax.process_count() == 1:
-            compare_with_baseline(cfg, trees, trainer, state)
+            compare_with_baseline(cfg, trees, trainer, state, rows)
         else:
             say("compare_baseline: skipped (single-process check)")
     if ckpt is not None:
@@ -268,8 +268,10 @@ def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
 
 
 def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], trainer: Trainer,
-                          state: TrainState) -> None:
-    """Equivalence of log-probs and the speed of tree vs baseline steps, on step 0's trees."""
+                          state: TrainState, train_rows: int) -> None:
+    """Equivalence of log-probs and the speed of tree vs baseline steps, on step 0's trees. Each
+    mode is timed at the shape that holds every step of the run, as it would train (the trained
+    mode's is `train_rows`, so its step is not compiled again)."""
     d, mesh = cfg.data, trainer.mesh
     n_data = mesh.shape[DATA]
     chosen = [trees[int(i)] for i in step_indices(len(trees), d.trees_per_step,
@@ -297,7 +299,8 @@ def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], tra
     inputs = {}
     for mode in ("tree", "baseline"):
         n_bins = n_data * d.micro_batches
-        rows = plan_rows(trees, mode, d.seq_len, d.trees_per_step, n_bins, d.shuffle_seed, 1)
+        rows = train_rows if mode == cfg.run.mode else plan_rows(
+            trees, mode, d.seq_len, d.trees_per_step, n_bins, d.shuffle_seed, cfg.run.steps)
         plan = BatchPlan(mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
                          d.micro_batches, n_data, tuple(range(n_data)), rows)
         element = next(iter(make_pipeline(trees, plan, seed=d.shuffle_seed)))
