@@ -71,8 +71,9 @@ def print_report(r: Any, tol: Any) -> None:
     print(f"{'group':<18} {'layers':>6} {'tensors':>7} {'max|dhidden|':>12} "
           f"{'max rel dgrad':>13}  worst tensor")
     for name, g in r.groups.items():
-        print(f"{name:<18} {g.layers:6d} {g.tensors:7d} {g.max_abs_hidden:12.3e} "
-              f"{g.max_rel_grad:13.3e}  {g.worst_tensor}")
+        hidden = f"{g.max_abs_hidden:12.3e}" if g.layers else f"{'-':>12}"
+        print(f"{name:<18} {g.layers:6d} {g.tensors:7d} {hidden} {g.max_rel_grad:13.3e}  "
+              f"{g.worst_tensor}")
     print(f"overall: max |logit diff| on paths {r.max_abs_logits:.3e} (tol {tol.logits:.0e}), "
           f"max |log-prob diff| tree vs path {r.max_abs_logprobs:.3e} (tol {tol.logprobs:.0e}), "
           f"max relative grad diff {r.max_rel_grad:.3e} (tol {tol.grads:.0e}, {r.worst_tensor})")

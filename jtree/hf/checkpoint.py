@@ -1,9 +1,9 @@
 """Load and save Hugging Face checkpoint directories (config.json + safetensors) as jtree models.
 
 Everything goes through the architecture table (`jtree.hf.architectures`): names, layouts, tied
-tensors and placement. Loading validates the whole checkpoint against the model before reading a
-byte of weights: unknown architectures, unsupported config fields, missing, extra or misshapen
-tensors fail with the tensor's name. torch is never imported.
+tensors and placement. Loading validates the whole checkpoint against the model before converting
+any weight: unknown architectures, unsupported config fields, missing, extra or misshapen tensors
+fail with the tensor's or field's name. torch is never imported.
 """
 
 from __future__ import annotations
