@@ -178,6 +178,8 @@ def heuristic(sk: PathSkeleton, capacity: int) -> list[list[int]]:
     for u in range(sk.n_nodes - 1, -1, -1):
         if not sk.children[u]:
             items = [(int(sk.depth_end[u]), u)]  # a leaf's part id is the leaf itself
+        elif len(sk.children[u]) == 1:  # paths end here: nothing new to merge
+            items, open_parts[sk.children[u][0]] = open_parts[sk.children[u][0]], []
         else:
             items = [it for c in sk.children[u] for it in open_parts[c]]
             for c in sk.children[u]:

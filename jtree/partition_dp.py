@@ -34,6 +34,10 @@ from jtree.path_skeleton import PathSkeleton
 DEFAULT_MAX_WORK = 1_000_000
 
 
+class TooLargeForExactDP(ValueError):
+    """`dp_multi` refused a tree whose work bound exceeds `max_work`."""
+
+
 def dp_single(sk: PathSkeleton, capacity: int) -> list[list[int]]:
     """Optimal single-shared-node partition: groups of skeleton leaves (see module docstring)."""
     tokens = sk.subtree_tokens()
@@ -110,7 +114,7 @@ def dp_multi(sk: PathSkeleton, capacity: int, max_work: int = DEFAULT_MAX_WORK) 
     """Optimal partition (minimum N_computed, then fewest parts): groups of skeleton leaves."""
     bound = dp_multi_work_bound(sk, capacity, max_work)
     if bound > max_work:
-        raise ValueError(
+        raise TooLargeForExactDP(
             f"tree: too large for method='dp_multi' (up to {bound:.3g} groupings of "
             f"{len(sk.leaves)} path ends to enumerate, above max_work={max_work}); use "
             "method='heuristic' or 'dp_single', or raise max_work"

@@ -15,7 +15,7 @@ import json
 import numpy as np
 
 from jtree.partition import METHODS, partition
-from jtree.partition_dp import DEFAULT_MAX_WORK
+from jtree.partition_dp import DEFAULT_MAX_WORK, TooLargeForExactDP
 from jtree.tree import TrajectoryTree
 from jtree.tree_jsonl import read_sequence_groups, read_trees
 
@@ -85,10 +85,10 @@ def _partition_all(index: int, tree: TrajectoryTree, capacity: int, methods: lis
     for m in methods:
         try:
             r = partition(tree, capacity, m, max_work=max_work)
+        except TooLargeForExactDP as e:
+            out[m] = {"refused": str(e)}
+            continue
         except ValueError as e:
-            if m == "dp_multi" and "too large" in str(e):
-                out[m] = {"refused": str(e)}
-                continue
             raise ValueError(f"tree {index}: {e}") from None
         out[m] = {"parts": r.n_parts, "n_computed": r.n_computed, "err": r.err}
     return out
