@@ -229,7 +229,7 @@ def plot(report: dict, path: str) -> None:
     ax.set_title(f"ERR vs capacity, {e['tree_tokens']}-token tree")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=72)
     plt.close(fig)
 
 
