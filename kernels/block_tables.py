@@ -1,0 +1,139 @@
+"""Block sparsity of the tree mask, computed from `end` alone.
+
+For a q-block [qa, qb] and a kv-block [ka, kb], the block is
+- empty   when no key j of the block with j <= qb has end[j] > qa (no query of the block sees it),
+- full    when kb <= qa and min(end[ka..kb]) > qb (every query sees every key),
+- partial otherwise (the kernel applies the element test j <= i < end[j]).
+This is DESIGN.md section 2's rule, made exact for kv-blocks that reach past the q-block's last
+query (only possible when the two block sizes differ): there the maximum of `end` is taken over the
+keys j <= qb only.
+
+`block_tables` turns the classes into per-q-block lists of non-empty kv-blocks (for the forward
+and dq passes) and per-kv-block lists of non-empty q-blocks (for the dkv pass), padded to a static
+length. Padding entries repeat the last real entry, so a pipelined kernel that prefetches "the next
+block" fetches nothing new, and carry kind EMPTY so they are skipped. Works on numpy arrays (host)
+and on jax arrays (under jit) with the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def _xp(x: Any):
+    return np if isinstance(x, np.ndarray) else jnp
+
+
+def classify_blocks(end: Any, block_q: int, block_kv: int) -> Any:
+    """[rows, S/block_q, S/block_kv] int8 block classes (EMPTY, PARTIAL, FULL)."""
+    xp = _xp(end)
+    rows, s = end.shape
+    if s % block_q or s % block_kv:
+        raise ValueError(f"S={s} must be a multiple of block_q={block_q} and block_kv={block_kv}")
+    nq, nk = s // block_q, s // block_kv
+    end_blocks = end.reshape(rows, nk, block_kv)
+    if xp is np:
+        prefix_max = np.maximum.accumulate(end_blocks, axis=-1)
+    else:
+        prefix_max = jax.lax.cummax(end_blocks, axis=2)
+    end_min = end_blocks.min(axis=-1)  # [rows, nk]
+    qa = xp.arange(nq)[:, None] * block_q  # [nq, 1]
+    qb = qa + block_q - 1
+    ka = xp.arange(nk)[None, :] * block_kv  # [1, nk]
+    kb = ka + block_kv - 1
+    # Max of end over the keys of the block that are not after the q-block's last query.
+    last = xp.clip(xp.minimum(kb, qb) - ka, 0, block_kv - 1)  # [nq, nk]
+    kv_index = xp.broadcast_to(xp.arange(nk)[None, :], (nq, nk))
+    reach = prefix_max[:, kv_index, last]  # [rows, nq, nk]
+    nonempty = (ka <= qb)[None] & (reach > qa[None])
+    full = (kb <= qa)[None] & (end_min[:, None, :] > qb[None])
+    return xp.where(full, FULL, xp.where(nonempty, PARTIAL, EMPTY)).astype(xp.int8)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockTables:
+    """Compacted block lists. `kv_*` are per q-block (forward, dq); `q_*` per kv-block (dkv).
+
+    `kv_blocks[r, i, n]` is the n-th non-empty kv-block of q-block i (ascending), `kv_kind` its
+    class (EMPTY marks padding past `kv_count`). Likewise for `q_blocks`, `q_kind`, `q_count`.
+    """
+
+    kv_blocks: Any
+    kv_kind: Any
+    kv_count: Any
+    q_blocks: Any
+    q_kind: Any
+    q_count: Any
+    block_q: int = dataclasses.field(metadata=dict(static=True))
+    block_kv: int = dataclasses.field(metadata=dict(static=True))
+
+
+def _compact(classes: Any, max_len: int) -> tuple[Any, Any, Any]:
+    """Per leading index, the positions of non-EMPTY entries along the last axis, padded."""
+    xp = _xp(classes)
+    nonempty = classes != EMPTY
+    count = nonempty.sum(axis=-1).astype(xp.int32)
+    order = xp.argsort(~nonempty, axis=-1, kind="stable") if xp is np else jnp.argsort(
+        ~nonempty, axis=-1, stable=True)
+    order = order[..., :max_len].astype(xp.int32)
+    slot = xp.arange(max_len)
+    valid = slot < count[..., None]
+    last = xp.take_along_axis(order, xp.clip(count - 1, 0, None)[..., None], axis=-1)
+    index = xp.where(valid, order, last).astype(xp.int32)
+    kind = xp.where(valid, xp.take_along_axis(classes, index, axis=-1), EMPTY).astype(xp.int32)
+    return index, kind, count
+
+
+def block_tables(
+    end: Any,
+    block_q: int,
+    block_kv: int,
+    *,
+    max_kv_blocks: int | None = None,
+    max_q_blocks: int | None = None,
+) -> BlockTables:
+    """Block lists of the tree mask given by `end` [rows, S].
+
+    `max_kv_blocks` / `max_q_blocks` fix the padded list lengths (default: all blocks, which always
+    suffices). With numpy input a budget smaller than a list raises; under jit the caller sizes the
+    budget with `required_blocks` on the host (the batch bucket), since a traced value cannot.
+    """
+    classes = classify_blocks(end, block_q, block_kv)
+    nq, nk = classes.shape[1:]
+    max_kv = nk if max_kv_blocks is None else max_kv_blocks
+    max_q = nq if max_q_blocks is None else max_q_blocks
+    if isinstance(end, np.ndarray):
+        need_kv, need_q = _required(classes)
+        if need_kv > max_kv or need_q > max_q:
+            raise ValueError(
+                f"block budget too small: need {need_kv} kv-blocks per q-block and {need_q} "
+                f"q-blocks per kv-block, got max_kv_blocks={max_kv}, max_q_blocks={max_q}"
+            )
+    kv_blocks, kv_kind, kv_count = _compact(classes, max_kv)
+    q_blocks, q_kind, q_count = _compact(classes.transpose(0, 2, 1), max_q)
+    return BlockTables(kv_blocks, kv_kind, kv_count, q_blocks, q_kind, q_count, block_q, block_kv)
+
+
+def _required(classes: np.ndarray) -> tuple[int, int]:
+    nonempty = classes != EMPTY
+    return int(nonempty.sum(-1).max(initial=0)), int(nonempty.sum(-2).max(initial=0))
+
+
+def required_blocks(end: np.ndarray, block_q: int, block_kv: int) -> tuple[int, int]:
+    """(max non-empty kv-blocks of any q-block, max non-empty q-blocks of any kv-block)."""
+    return _required(classify_blocks(np.asarray(end), block_q, block_kv))
+
+
+def nonempty_fraction(end: np.ndarray, block_q: int, block_kv: int) -> float:
+    """Fraction of all (q-block, kv-block) pairs that are non-empty: the work a block-sparse
+    kernel does relative to dense attention."""
+    classes = classify_blocks(np.asarray(end), block_q, block_kv)
+    return float((classes != EMPTY).mean())
