@@ -6,9 +6,10 @@ every record; a bad record either stops the run with its `file:line` or, with
 
 Batching (`make_pipeline`) is a grain `MapDataset`: tree indices shuffled by seed (reshuffled
 every epoch), grouped `trees_per_step` at a time, then mapped by `StepBuilder` to this host's
-arrays. Every host computes the same global step (so all hosts agree on shapes and statistics
-without talking to each other), balances its trees over the global data shards x micro-batches
-(longest first onto the emptiest bin) and linearizes only the shards its devices hold. Loss
+arrays. A tree larger than a row is cut into capacity parts (`jtree.partition`); the baseline
+packs paths. Every host computes the same global step (so all hosts agree on shapes and
+statistics without talking to each other), balances the step's units over the global data shards
+x micro-batches (`jtree.balance`) and linearizes only the shards its devices hold. Loss
 coefficients stay raw (normalizer 1) and `row_norm` carries each row's share of the normalizer;
 the train step divides by the global sum (`jtree.train.normalize_coefficients`), so no host needs
 another host's trees. The iterator state is grain's and is saved with every checkpoint.
@@ -17,7 +18,6 @@ another host's trees. The iterator state is grain's and is saved with every chec
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -25,10 +25,13 @@ from typing import Any, Literal
 import grain
 import numpy as np
 
+from jtree.balance import assign_to_ranks
 from jtree.baseline import flatten_paths
 from jtree.chat import conversation_tree, load_tokenizer
-from jtree.linearize import FLOAT_FIELDS, INT_FIELDS, linearize, pack_rows
+from jtree.linearize import FLOAT_FIELDS, INT_FIELDS, linearize
 from jtree.loss import Normalization, batch_normalizer
+from jtree.packing import plan_rows as plan_packed_rows
+from jtree.partition import partition
 from jtree.tree import TrajectoryTree
 from jtree.tree_jsonl import (
     check_group_line, group_key, iter_lines, parse_line, tree_from_group, tree_from_record,
@@ -127,36 +130,26 @@ class BatchPlan:
     rows: int
 
 
-def _units(tree: TrajectoryTree, mode: Mode) -> list[int]:
-    """Sizes of what gets packed into rows: the tree, or each of its paths (baseline)."""
-    return [tree.n_tree_tokens] if mode == "tree" else [int(n) for n in tree.path_lengths]
+def training_units(tree: TrajectoryTree, mode: Mode, seq_len: int) -> list[TrajectoryTree]:
+    """What gets packed into rows: the tree, its capacity parts when it is larger than a row
+    (`jtree.partition`, exact: each path owned by one part), or its paths (baseline)."""
+    if mode == "baseline":
+        return flatten_paths([tree])
+    if tree.n_tree_tokens <= seq_len:
+        return [tree]
+    return list(partition(tree, seq_len).parts)
 
 
-def assign_bins(costs: Sequence[int], n_bins: int) -> list[list[int]]:
-    """Longest-processing-time balancing: largest item first onto the least loaded bin
-    (deterministic: ties go to the lower bin)."""
-    heap = [(0, b) for b in range(n_bins)]
-    bins: list[list[int]] = [[] for _ in range(n_bins)]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, b = heapq.heappop(heap)
-        bins[b].append(i)
-        heapq.heappush(heap, (load + costs[i], b))
-    return [sorted(b) for b in bins]
+def step_bins(units: Sequence[TrajectoryTree], n_bins: int) -> list[list[int]]:
+    """Units of one step balanced over the data shards x micro-batches (`jtree.balance`)."""
+    return [list(r) for r in assign_to_ranks([u.n_tree_tokens for u in units], n_bins).ranks]
 
 
-def step_bins(trees: Sequence[TrajectoryTree], mode: Mode, n_bins: int) -> list[list[int]]:
-    return assign_bins([sum(_units(t, mode)) for t in trees], n_bins)
-
-
-def rows_needed(trees: Sequence[TrajectoryTree], mode: Mode, seq_len: int) -> int:
-    """Rows of `seq_len` that first-fit-decreasing packing needs for `trees`."""
-    sizes = [u for t in trees for u in _units(t, mode)]
-    too_long = max(sizes, default=0)
-    if too_long > seq_len:
-        what = "tree" if mode == "tree" else "path"
-        raise ValueError(f"a {what} of {too_long} tokens exceeds data.seq_len={seq_len}; "
-                         "raise seq_len or partition trees (jtree.partition)")
-    return len(pack_rows(sizes, seq_len)) if sizes else 0
+def rows_needed(units: Sequence[TrajectoryTree], seq_len: int) -> int:
+    """Rows of `seq_len` that first-fit-decreasing packing needs for `units`."""
+    if not units:
+        return 0
+    return plan_packed_rows([u.n_tree_tokens for u in units], seq_len).n_rows
 
 
 def _empty_arrays(rows: int, seq_len: int) -> dict[str, np.ndarray]:
@@ -169,7 +162,8 @@ def _empty_arrays(rows: int, seq_len: int) -> dict[str, np.ndarray]:
     return out
 
 
-def step_info(trees: Sequence[TrajectoryTree]) -> dict[str, np.ndarray]:
+def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree]
+              ) -> dict[str, np.ndarray]:
     """Global statistics of a step (every host computes them from the same trees)."""
     stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
     has_old = all(t.old_logprobs is not None for t in trees)
@@ -182,6 +176,7 @@ def step_info(trees: Sequence[TrajectoryTree]) -> dict[str, np.ndarray]:
         "n_trees": np.int64(len(trees)), "n_paths": np.int64(stats.n_paths),
         "n_tree_tokens": np.int64(stats.n_tree_tokens),
         "n_flat_tokens": np.int64(stats.n_flat_tokens),
+        "n_computed_tokens": np.int64(sum(u.n_tree_tokens for u in units)),
         "has_old_logprobs": np.bool_(has_old),
         "old_logprob_disagreement": np.float64(disagreement),
     }
@@ -191,31 +186,31 @@ class StepBuilder:
     """Grain transform: the tree indices of one global step -> this host's step inputs.
 
     Output: `{"inputs": {field: [micro_batches, rows * len(shards), seq_len]} + row_norm,
-    "info": step_info(...)}`.
+    "info": step_info(...)}`. `units[i]` are the training units of `trees[i]` (`all_units`).
     """
 
-    def __init__(self, trees: Sequence[TrajectoryTree], plan: BatchPlan):
-        self.trees, self.plan = list(trees), plan
+    def __init__(self, trees: Sequence[TrajectoryTree], units: Sequence[Sequence[TrajectoryTree]],
+                 plan: BatchPlan):
+        self.trees, self.units, self.plan = list(trees), list(units), plan
 
     def __call__(self, indices: np.ndarray) -> dict[str, Any]:
         plan = self.plan
-        chosen = [self.trees[int(i)] for i in indices]
-        bins = step_bins(chosen, plan.mode, plan.n_shards * plan.micro_batches)
+        units = [u for i in indices for u in self.units[int(i)]]
+        bins = step_bins(units, plan.n_shards * plan.micro_batches)
         micro = []
         for m in range(plan.micro_batches):
-            parts = [self._linearize([chosen[i] for i in bins[s * plan.micro_batches + m]])
+            parts = [self._linearize([units[i] for i in bins[s * plan.micro_batches + m]])
                      for s in plan.shards]
             micro.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
         inputs = {k: np.stack([mb[k] for mb in micro]) for k in micro[0]}
-        return {"inputs": inputs, "info": step_info(chosen)}
+        return {"inputs": inputs, "info": step_info([self.trees[int(i)] for i in indices], units)}
 
-    def _linearize(self, trees: list[TrajectoryTree]) -> dict[str, np.ndarray]:
+    def _linearize(self, units: list[TrajectoryTree]) -> dict[str, np.ndarray]:
         plan = self.plan
-        if not trees:
+        if not units:
             out = _empty_arrays(plan.rows, plan.seq_len)
             out["row_norm"] = np.zeros(plan.rows, np.float32)
             return out
-        units = trees if plan.mode == "tree" else flatten_paths(trees)
         batch = linearize(units, plan.seq_len, normalization=plan.normalization, normalizer=1.0,
                           n_rows=plan.rows)
         row_norm = np.zeros(plan.rows, np.float64)
@@ -230,22 +225,27 @@ def step_indices(n_trees: int, trees_per_step: int, seed: int) -> grain.MapDatas
             .batch(trees_per_step, drop_remainder=True))
 
 
-def plan_rows(trees: Sequence[TrajectoryTree], mode: Mode, seq_len: int, trees_per_step: int,
-              n_bins: int, seed: int, steps: int) -> int:
+def all_units(trees: Sequence[TrajectoryTree], mode: Mode, seq_len: int
+              ) -> list[list[TrajectoryTree]]:
+    """`training_units` of every tree, computed once for the run."""
+    return [training_units(t, mode, seq_len) for t in trees]
+
+
+def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_per_step: int,
+                 n_bins: int, seed: int, steps: int) -> int:
     """The fewest rows per micro-batch that hold every one of the first `steps` steps."""
-    index = step_indices(len(trees), trees_per_step, seed)
+    index = step_indices(len(units), trees_per_step, seed)
     most = 1
     for k in range(steps):
-        chosen = [trees[int(i)] for i in index[k]]
-        for b in step_bins(chosen, mode, n_bins):
-            most = max(most, rows_needed([chosen[i] for i in b], mode, seq_len))
+        step_units = [u for i in index[k] for u in units[int(i)]]
+        for b in step_bins(step_units, n_bins):
+            most = max(most, rows_needed([step_units[i] for i in b], seq_len))
     return most
 
 
-def make_pipeline(trees: Sequence[TrajectoryTree], plan: BatchPlan, *, seed: int,
-                  worker_count: int = 0) -> grain.IterDataset:
+def make_pipeline(builder: StepBuilder, *, seed: int, worker_count: int = 0) -> grain.IterDataset:
     """Step inputs for this host, in step order (iterate it, checkpoint its iterator state)."""
-    ds = step_indices(len(trees), plan.trees_per_step, seed).map(StepBuilder(trees, plan))
+    ds = step_indices(len(builder.trees), builder.plan.trees_per_step, seed).map(builder)
     it_ds = ds.to_iter_dataset()
     if worker_count > 0:
         from absl import flags  # grain's workers read absl flags, which a script never parses

@@ -33,7 +33,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jtree.baseline import linearize_baseline, unlinearize_baseline  # noqa: E402
 from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
 from jtree.config import TrainConfig, load_config  # noqa: E402
-from jtree.data import BatchPlan, load_trees, make_pipeline, plan_rows, step_indices  # noqa: E402
+from jtree.data import (  # noqa: E402
+    BatchPlan, StepBuilder, all_units, load_trees, make_pipeline, rows_for_run, step_indices,
+)
 from jtree.linearize import linearize, unlinearize  # noqa: E402
 from jtree.metrics import MetricsLog  # noqa: E402
 from jtree.models import create_model  # noqa: E402
@@ -153,12 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = Trainer.build(cfg)
     mesh = trainer.mesh
     shards = host_data_shards(mesh)
-    n_bins = mesh.shape[DATA] * d.micro_batches
-    rows = d.rows_per_micro_batch or plan_rows(trees, cfg.run.mode, d.seq_len, d.trees_per_step,
-                                               n_bins, d.shuffle_seed, cfg.run.steps)
+    units = all_units(trees, cfg.run.mode, d.seq_len)
+    rows = d.rows_per_micro_batch or rows_for_run(units, d.seq_len, d.trees_per_step,
+                                                  mesh.shape[DATA] * d.micro_batches,
+                                                  d.shuffle_seed, cfg.run.steps)
     plan = BatchPlan(cfg.run.mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
                      d.micro_batches, mesh.shape[DATA], shards, rows)
-    pipeline = make_pipeline(trees, plan, seed=d.shuffle_seed, worker_count=d.worker_count)
+    pipeline = make_pipeline(StepBuilder(trees, units, plan), seed=d.shuffle_seed,
+                             worker_count=d.worker_count)
     iterator = iter(pipeline)
 
     state = None
@@ -205,8 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         state, metrics = trainer.step_fn(state, inputs)
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
         t2 = time.perf_counter()
-        record = step_record(step, metrics, info, cfg.run.mode, t1 - t0, t2 - t1,
-                             float(schedule(step)))
+        record = step_record(step, metrics, info, t1 - t0, t2 - t1, float(schedule(step)))
         history.append(record)
         metrics_log.write(record)
         if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
@@ -233,14 +236,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], mode: str,
-                host_s: float, device_s: float, lr: float) -> dict[str, Any]:
-    """One JSONL record: step metrics plus throughput and sharing numbers of the global batch."""
+def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host_s: float,
+                device_s: float, lr: float) -> dict[str, Any]:
+    """One JSONL record: step metrics plus throughput and sharing numbers of the global batch.
+    POR counts the trees' sharing, ERR what was really computed (parts of trees larger than a
+    row recompute their shared prefixes; the baseline computes every path)."""
     n_tree, n_flat = int(info["n_tree_tokens"]), int(info["n_flat_tokens"])
-    n_computed = n_tree if mode == "tree" else n_flat
+    n_computed = int(info["n_computed_tokens"])
     return dict(
         metrics, step=step, learning_rate=lr, n_trees=int(info["n_trees"]),
-        n_tree_tokens=n_tree, n_flat_tokens=n_flat, por=1 - n_tree / n_flat,
+        n_tree_tokens=n_tree, n_flat_tokens=n_flat, n_computed_tokens=n_computed,
+        por=1 - n_tree / n_flat,
         err=1 - n_computed / n_flat, tokens_per_s=n_flat / device_s,
         tree_tokens_per_s=n_computed / device_s, host_s=host_s, device_s=device_s,
     )
@@ -276,6 +282,7 @@ def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], tra
     n_data = mesh.shape[DATA]
     chosen = [trees[int(i)] for i in step_indices(len(trees), d.trees_per_step,
                                                   d.shuffle_seed)[0]]
+    chosen = [t for t in chosen if t.n_tree_tokens <= d.seq_len]  # the check packs whole trees
 
     def logprobs(batch) -> np.ndarray:
         arrays = {k: v[None] for k, v in batch.arrays().items()}
@@ -298,12 +305,14 @@ def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], tra
 
     inputs = {}
     for mode in ("tree", "baseline"):
-        n_bins = n_data * d.micro_batches
-        rows = train_rows if mode == cfg.run.mode else plan_rows(
-            trees, mode, d.seq_len, d.trees_per_step, n_bins, d.shuffle_seed, cfg.run.steps)
+        units = all_units(trees, mode, d.seq_len)
+        rows = train_rows if mode == cfg.run.mode else rows_for_run(
+            units, d.seq_len, d.trees_per_step, n_data * d.micro_batches, d.shuffle_seed,
+            cfg.run.steps)
         plan = BatchPlan(mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
                          d.micro_batches, n_data, tuple(range(n_data)), rows)
-        element = next(iter(make_pipeline(trees, plan, seed=d.shuffle_seed)))
+        element = StepBuilder(trees, units, plan)(step_indices(len(trees), d.trees_per_step,
+                                                               d.shuffle_seed)[0])
         inputs[mode] = to_global(mesh, element["inputs"], n_data)
     for mode in ("tree", "baseline"):  # compile both before timing
         state, metrics = trainer.step_fn(state, inputs[mode])

@@ -4,7 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jtree.data import BatchPlan, StepBuilder, load_trees, make_pipeline, plan_rows, step_indices
+from jtree.data import (
+    BatchPlan, StepBuilder, all_units, load_trees, make_pipeline, rows_for_run, step_indices,
+)
 from jtree.loss import batch_normalizer
 from jtree.train import Objective, build_batch, make_grad_fn, stack_microbatches
 from tests.models_util import tiny_model
@@ -17,8 +19,12 @@ def _forest(n, seed=0):
     return [explicit_tree(random_forest(rng, max_nodes=8)) for _ in range(n)]
 
 
-def _plan(mode="tree", shards=(0, 1), n_shards=2, rows=4, micro=2, per_step=6):
-    return BatchPlan(mode, "token_mean", 64, per_step, micro, n_shards, shards, rows)
+def _plan(mode="tree", shards=(0, 1), n_shards=2, rows=4, micro=2, per_step=6, seq_len=64):
+    return BatchPlan(mode, "token_mean", seq_len, per_step, micro, n_shards, shards, rows)
+
+
+def _builder(trees, plan):
+    return StepBuilder(trees, all_units(trees, plan.mode, plan.seq_len), plan)
 
 
 def test_bad_group_lines_fail_with_file_and_line_or_are_skipped_and_counted(tmp_path):
@@ -57,9 +63,9 @@ def test_bad_tree_lines_fail_with_file_and_line_or_are_skipped(tmp_path):
 def test_hosts_build_disjoint_shards_of_the_same_global_step():
     trees = _forest(12)
     index = step_indices(len(trees), 6, seed=3)
-    whole = StepBuilder(trees, _plan(shards=(0, 1)))(index[1])
-    first = StepBuilder(trees, _plan(shards=(0,)))(index[1])
-    second = StepBuilder(trees, _plan(shards=(1,)))(index[1])
+    whole = _builder(trees, _plan(shards=(0, 1)))(index[1])
+    first = _builder(trees, _plan(shards=(0,)))(index[1])
+    second = _builder(trees, _plan(shards=(1,)))(index[1])
     for key, value in whole["inputs"].items():
         assert value.shape[:2] == (2, 8)
         np.testing.assert_array_equal(
@@ -71,14 +77,23 @@ def test_hosts_build_disjoint_shards_of_the_same_global_step():
     assert int(whole["inputs"]["valid"].sum()) == sum(t.n_tree_tokens for t in chosen)
 
 
-@pytest.mark.parametrize("mode", ["tree", "baseline"])
-def test_raw_coefficients_with_row_norm_give_the_normalized_loss(mode):
-    """The pipeline's raw coefficients + per-row normalizer shares == host-normalized batch."""
+@pytest.mark.parametrize("mode, seq_len", [("tree", 64), ("baseline", 64), ("tree", None)])
+def test_raw_coefficients_with_row_norm_give_the_normalized_loss(mode, seq_len):
+    """The pipeline's raw coefficients + per-row normalizer shares == host-normalized batch of
+    whole trees, also when trees larger than a row (seq_len = longest path) are cut into parts."""
     trees = _forest(6, seed=1)
     graphdef, params = tiny_model(seed=4)
     objective = Objective(kind="sft", normalization="token_mean")
-    rows = plan_rows(trees, mode, 64, 6, 2, seed=0, steps=1)
-    element = StepBuilder(trees, _plan(mode, shards=(0,), n_shards=1, rows=rows))(np.arange(6))
+    if seq_len is None:
+        seq_len = max(int(t.path_lengths.max()) for t in trees)
+        assert max(t.n_tree_tokens for t in trees) > seq_len
+    units = all_units(trees, mode, seq_len)
+    if seq_len < 64:
+        assert len(sum(units, [])) > len(trees)  # some trees really are partitioned
+    rows = rows_for_run(units, seq_len, 6, 2, seed=0, steps=1)
+    plan = _plan(mode, shards=(0,), n_shards=1, rows=rows, seq_len=seq_len)
+    element = StepBuilder(trees, units, plan)(np.arange(6))
+    assert element["info"]["n_computed_tokens"] >= element["info"]["n_tree_tokens"]
     grad_fn = jax.jit(make_grad_fn(graphdef, objective))
     loss_raw, _, g_raw = grad_fn(params, element["inputs"])
     reference = build_batch(trees, 64, mode=mode, normalization="token_mean")
@@ -96,14 +111,14 @@ def test_shuffle_is_seeded_covers_each_epoch_and_iterator_state_resumes():
     assert np.concatenate([a[0], a[1]]).tolist() != np.concatenate([b[0], b[1]]).tolist()
 
     trees = _forest(8, seed=2)
-    plan = _plan(shards=(0,), n_shards=1, rows=plan_rows(trees, "tree", 64, 3, 2, 5, 10),
-                 per_step=3)
-    it = iter(make_pipeline(trees, plan, seed=5))
+    units = all_units(trees, "tree", 64)
+    plan = _plan(shards=(0,), n_shards=1, rows=rows_for_run(units, 64, 3, 2, 5, 10), per_step=3)
+    it = iter(make_pipeline(StepBuilder(trees, units, plan), seed=5))
     for _ in range(3):
         next(it)
     state = it.get_state()
     expected = [next(it)["inputs"]["tokens"] for _ in range(2)]
-    again = iter(make_pipeline(trees, plan, seed=5))
+    again = iter(make_pipeline(StepBuilder(trees, units, plan), seed=5))
     again.set_state(json.loads(json.dumps(state)))
     for want in expected:
         np.testing.assert_array_equal(next(again)["inputs"]["tokens"], want)
