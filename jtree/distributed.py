@@ -22,7 +22,7 @@ def initialize_from_env(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     given = [v for v in ENV_VARS if env.get(v)]
     if env.get("JTREE_DISTRIBUTED") == "auto":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        _cpu_collectives_over_gloo()
         jax.distributed.initialize()
         return True
     if not given:
@@ -36,6 +36,13 @@ def initialize_from_env(env: Mapping[str, str] | None = None) -> bool:
         raise ValueError("JTREE_NUM_PROCESSES and JTREE_PROCESS_ID must be integers") from None
     if not 0 <= pid < num:
         raise ValueError(f"JTREE_PROCESS_ID={pid} is not in [0, {num})")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _cpu_collectives_over_gloo()
     jax.distributed.initialize(env["JTREE_COORDINATOR"], num_processes=num, process_id=pid)
     return True
+
+
+def _cpu_collectives_over_gloo() -> None:
+    """Cross-process collectives for CPU devices (jax 0.10 needs the option; versions where it
+    is gone or the default do not)."""
+    if hasattr(jax.config, "jax_cpu_collectives_implementation"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")

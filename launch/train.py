@@ -21,32 +21,29 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jtree.distributed import initialize_from_env
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402  (after the import above: distributed start-up precedes device use)
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from jtree.baseline import linearize_baseline, unlinearize_baseline  # noqa: E402
-from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
-from jtree.config import TrainConfig, load_config  # noqa: E402
-from jtree.data import (  # noqa: E402
+from jtree.baseline import linearize_baseline, unlinearize_baseline
+from jtree.checkpoint import Checkpointer, abstract_like
+from jtree.config import TrainConfig, load_config
+from jtree.data import (
     BatchPlan, StepBuilder, all_units, load_trees, make_pipeline, rows_for_run, step_indices,
 )
-from jtree.linearize import linearize, unlinearize  # noqa: E402
-from jtree.metrics import MetricsLog  # noqa: E402
-from jtree.models import create_model  # noqa: E402
-from jtree.sharding import (  # noqa: E402
-    DATA, MODEL, SHARDING_RULES, batch_spec, make_mesh, named, param_specs,
-)
-from jtree.train import (  # noqa: E402
+from jtree.distributed import initialize_from_env
+from jtree.linearize import linearize, unlinearize
+from jtree.metrics import MetricsLog
+from jtree.models import create_model
+from jtree.sharding import DATA, MODEL, SHARDING_RULES, batch_spec, make_mesh, named, param_specs
+from jtree.train import (
     TrainState, make_optimizer, make_schedule, make_sharded_grad_fn, make_sharded_logprob_fn,
     make_train_step, old_logprobs_stale, state_shardings, tensor_parallel_graphdef,
 )
-from jtree.tree import TrajectoryTree  # noqa: E402
+from jtree.tree import TrajectoryTree
 
 
 def say(*args: Any) -> None:
@@ -138,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="continue from the latest checkpoint in checkpoint.dir")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
     args = parser.parse_args(argv)
-    initialize_from_env()
+    initialize_from_env()  # before anything touches a device
     cfg = load_config(args.config, args.overrides)
     if args.resume and cfg.checkpoint.dir is None:
         raise ValueError("--resume: checkpoint.dir is not set")

@@ -42,3 +42,14 @@ def test_two_processes_match_one(tmp_path):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
         assert y["n_tree_tokens"] == x["n_tree_tokens"]
     assert (tmp_path / "ckpt" / "3").is_dir()
+
+
+def test_distributed_environment_is_validated():
+    from jtree.distributed import initialize_from_env
+
+    assert initialize_from_env({}) is False  # nothing set: one process
+    with pytest.raises(ValueError, match=r"JTREE_NUM_PROCESSES, JTREE_PROCESS_ID not set"):
+        initialize_from_env({"JTREE_COORDINATOR": "localhost:1234"})
+    with pytest.raises(ValueError, match=r"JTREE_PROCESS_ID=2 is not in \[0, 2\)"):
+        initialize_from_env({"JTREE_COORDINATOR": "localhost:1234", "JTREE_NUM_PROCESSES": "2",
+                             "JTREE_PROCESS_ID": "2"})
