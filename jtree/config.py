@@ -8,6 +8,7 @@ falls back to a default. The `model` section names its `architecture` (a key of
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -22,12 +23,18 @@ from jtree.sharding import MeshConfig
 from jtree.train import Objective, OptimConfig
 
 
+_YAML11_EXPONENT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """Which architecture to build and its config (an instance of the architecture's class)."""
+    """Which architecture to build and its config (an instance of the architecture's class).
+    `init_from`: a Hugging Face checkpoint directory to start from instead of a random init (its
+    config.json must agree with the architecture fields given here)."""
 
     architecture: str = "qwen3"
     config: Any = dataclasses.field(default_factory=Qwen3Config)
+    init_from: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +127,8 @@ def _model_spec(value: Any, path: str) -> ModelSpec:
     arch = fields.pop("architecture", ModelSpec.architecture)
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}.architecture: {arch!r} is not one of {sorted(ARCHITECTURES)}")
-    return ModelSpec(arch, from_dict(ARCHITECTURES[arch][0], fields, path))
+    init_from = _check_value(fields.pop("init_from", None), str | None, f"{path}.init_from")
+    return ModelSpec(arch, from_dict(ARCHITECTURES[arch][0], fields, path), init_from)
 
 
 def _check_value(value: Any, hint: Any, path: str) -> Any:
@@ -162,6 +170,8 @@ def _check_value(value: Any, hint: Any, path: str) -> Any:
             raise ValueError(f"{path}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str) and _YAML11_EXPONENT.match(value):
+            return float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{path}: expected a number, got {value!r}")
         return float(value)

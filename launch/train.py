@@ -38,7 +38,9 @@ from jtree.distributed import initialize_from_env
 from jtree.linearize import linearize, unlinearize
 from jtree.metrics import MetricsLog
 from jtree.models import create_model
-from jtree.sharding import DATA, MODEL, SHARDING_RULES, batch_spec, make_mesh, named, param_specs
+from jtree.sharding import (
+    DATA, MODEL, SHARDING_RULES, batch_spec, make_mesh, named, param_path, param_specs,
+)
 from jtree.train import (
     TrainState, make_optimizer, make_schedule, make_sharded_grad_fn, make_sharded_logprob_fn,
     make_train_step, old_logprobs_stale, state_shardings, tensor_parallel_graphdef,
@@ -83,6 +85,7 @@ class Trainer:
     graphdef: Any
     specs: Any
     shardings: TrainState
+    optimizer: Any
     step_fn: Any
     logprob_fn: Any
     init_fn: Any
@@ -111,7 +114,31 @@ class Trainer:
             return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
         init_fn = jax.jit(init, out_shardings=shardings)
-        return cls(cfg, mesh, graphdef, specs, shardings, step_fn, logprob_fn, init_fn)
+        return cls(cfg, mesh, graphdef, specs, shardings, optimizer, step_fn, logprob_fn, init_fn)
+
+    def initial_state(self) -> TrainState:
+        """A fresh TrainState: random init, or the weights of `model.init_from` placed directly
+        onto the mesh (each host reads only what its devices hold)."""
+        path = self.cfg.model.init_from
+        if path is None:
+            return self.init_fn()
+        from jtree.hf import load
+
+        mcfg = self.cfg.model.config
+        by_name = {param_path(p).replace("/", "."): s for p, s in
+                   jax.tree_util.tree_flatten_with_path(self.shardings.params)[0]}
+        loaded, model = load(path, mcfg.param_dtype, compute_dtype=mcfg.dtype,
+                             attention_impl=mcfg.attention_impl,
+                             shardings=lambda name, shape: by_name[name])
+        for field in dataclasses.fields(mcfg):
+            ours, theirs = getattr(mcfg, field.name), getattr(loaded, field.name)
+            if field.name not in RUNTIME_FIELDS and ours != theirs:
+                raise ValueError(f"model.{field.name}: the config has {ours!r}, "
+                                 f"{path}/config.json has {theirs!r}")
+        params = nnx.split(model)[1]
+        opt_state = jax.jit(self.optimizer.init, out_shardings=self.shardings.opt_state)(params)
+        return TrainState(params, opt_state,
+                          jax.device_put(jnp.zeros((), jnp.int32), self.shardings.step))
 
     def run_meta(self) -> dict[str, Any]:
         """What a checkpoint must agree with to be resumed by this config."""
@@ -119,6 +146,11 @@ class Trainer:
         return {"architecture": c.model.architecture, "seed": c.run.seed,
                 "shuffle_seed": c.data.shuffle_seed, "trees_per_step": c.data.trees_per_step,
                 "mode": c.run.mode, "data_path": c.data.path}
+
+
+# Model-config fields that say how to run, not what the checkpoint holds.
+RUNTIME_FIELDS = ("attention_impl", "dtype", "param_dtype", "remat", "tensor_parallel_axis",
+                  "initializer_range")
 
 
 def check_resumable(meta: dict[str, Any], expected: dict[str, Any], where: str) -> None:
@@ -180,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.resume:
             say(f"--resume: no checkpoint in {ckpt.directory}, starting from scratch")
     if state is None:
-        state = trainer.init_fn()
+        state = trainer.initial_state()
 
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     say(f"model: {cfg.model.architecture} {mcfg.num_hidden_layers} layers, hidden "

@@ -59,5 +59,12 @@ def test_bad_config_names_the_key(overrides, match):
         load_config("configs/tiny.yaml", overrides)
 
 
+def test_exponent_without_a_dot_is_a_number():
+    cfg = load_config("configs/tiny.yaml", ["optim.learning_rate=1e-4", "model.rms_norm_eps=1E-5"])
+    assert cfg.optim.learning_rate == 1e-4 and cfg.model.config.rms_norm_eps == 1e-5
+    with pytest.raises(ValueError, match=r"optim\.learning_rate: expected a number, got 'fast'"):
+        load_config("configs/tiny.yaml", ["optim.learning_rate=fast"])
+
+
 def test_overrides_create_nested_sections():
     assert apply_overrides({}, ["a.b.c=[1, 2]"]) == {"a": {"b": {"c": [1, 2]}}}
