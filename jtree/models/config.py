@@ -6,7 +6,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-REMAT_POLICY_NAMES = ("none", "full", "dots", "dots_no_batch")
+from jtree.models.layers import REMAT_POLICIES
+
+REMAT_POLICY_NAMES = ("none", *REMAT_POLICIES)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -18,9 +20,9 @@ class Qwen3Config:
     `attention_impl` selects the `kernels.tree_attention` implementation; `dtype` is the compute
     dtype and `param_dtype` the storage dtype of the weights. `remat` is the activation
     rematerialization policy of each decoder layer (`jtree.models.layers.REMAT_POLICIES`).
-    `tensor_parallel_axis` is set by `jtree.sharding` for the copy of the model that runs inside
-    `shard_map` (weights are then this device's shard and partial sums are reduced over that mesh
-    axis); leave it unset everywhere else.
+    `tensor_parallel_axis` is set by `jtree.train.tensor_parallel_graphdef` for the copy of the
+    model that runs inside `shard_map` (weights are then this device's shard and partial sums are
+    reduced over that mesh axis); leave it unset everywhere else.
     """
 
     vocab_size: int = 512
