@@ -47,7 +47,8 @@ class DataConfig:
     tokenizer.json or Hugging Face tokenizer directory). Each step trains on `trees_per_step`
     trees, spread over the data-parallel shards and `micro_batches` per shard, each micro-batch
     packed into `rows_per_micro_batch` rows of `seq_len` tokens (None: the fewest rows that hold
-    every step of the run). `on_bad_record`: `raise` (stop at file:line) or `skip` (count and
+    every step of the run); a tree larger than `seq_len` is cut into parts by `partition_method`
+    (`jtree.partition`). `on_bad_record`: `raise` (stop at file:line) or `skip` (count and
     report). `worker_count` > 0 linearizes in that many grain worker processes.
     """
 
@@ -58,6 +59,7 @@ class DataConfig:
     micro_batches: int = 1
     rows_per_micro_batch: int | None = None
     shuffle_seed: int = 0
+    partition_method: Literal["heuristic", "dp_single", "dp_multi"] = "heuristic"
     on_bad_record: Literal["raise", "skip"] = "raise"
     tokenizer: str = "bytes"
     worker_count: int = 0

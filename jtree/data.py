@@ -31,6 +31,7 @@ from jtree.chat import conversation_tree, load_tokenizer
 from jtree.linearize import FLOAT_FIELDS, INT_FIELDS, linearize
 from jtree.loss import Normalization, batch_normalizer
 from jtree.packing import plan_rows as plan_packed_rows
+from jtree.partition import Method as PartitionMethod
 from jtree.partition import partition
 from jtree.tree import TrajectoryTree
 from jtree.tree_jsonl import (
@@ -130,14 +131,16 @@ class BatchPlan:
     rows: int
 
 
-def training_units(tree: TrajectoryTree, mode: Mode, seq_len: int) -> list[TrajectoryTree]:
+def training_units(tree: TrajectoryTree, mode: Mode, seq_len: int,
+                   method: PartitionMethod = "heuristic") -> list[TrajectoryTree]:
     """What gets packed into rows: the tree, its capacity parts when it is larger than a row
-    (`jtree.partition`, exact: each path owned by one part), or its paths (baseline)."""
+    (`jtree.partition` with `method`, exact: each path owned by one part), or its paths
+    (baseline)."""
     if mode == "baseline":
         return flatten_paths([tree])
     if tree.n_tree_tokens <= seq_len:
         return [tree]
-    return list(partition(tree, seq_len).parts)
+    return list(partition(tree, seq_len, method).parts)
 
 
 def step_bins(units: Sequence[TrajectoryTree], n_bins: int) -> list[list[int]]:
@@ -225,10 +228,10 @@ def step_indices(n_trees: int, trees_per_step: int, seed: int) -> grain.MapDatas
             .batch(trees_per_step, drop_remainder=True))
 
 
-def all_units(trees: Sequence[TrajectoryTree], mode: Mode, seq_len: int
-              ) -> list[list[TrajectoryTree]]:
+def all_units(trees: Sequence[TrajectoryTree], mode: Mode, seq_len: int,
+              method: PartitionMethod = "heuristic") -> list[list[TrajectoryTree]]:
     """`training_units` of every tree, computed once for the run."""
-    return [training_units(t, mode, seq_len) for t in trees]
+    return [training_units(t, mode, seq_len, method) for t in trees]
 
 
 def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_per_step: int,

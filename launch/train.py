@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = Trainer.build(cfg)
     mesh = trainer.mesh
     shards = host_data_shards(mesh)
-    units = all_units(trees, cfg.run.mode, d.seq_len)
+    units = all_units(trees, cfg.run.mode, d.seq_len, d.partition_method)
     rows = d.rows_per_micro_batch or rows_for_run(units, d.seq_len, d.trees_per_step,
                                                   mesh.shape[DATA] * d.micro_batches,
                                                   d.shuffle_seed, cfg.run.steps)
@@ -334,7 +334,7 @@ def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], tra
 
     inputs = {}
     for mode in ("tree", "baseline"):
-        units = all_units(trees, mode, d.seq_len)
+        units = all_units(trees, mode, d.seq_len, d.partition_method)
         rows = train_rows if mode == cfg.run.mode else rows_for_run(
             units, d.seq_len, d.trees_per_step, n_data * d.micro_batches, d.shuffle_seed,
             cfg.run.steps)
