@@ -1,12 +1,14 @@
 """YAML run configs validated into dataclasses, with `key.path=value` overrides.
 
 Unknown keys and wrong types fail with the dotted key path, so a typo in a config never silently
-falls back to a default.
+falls back to a default. The `model` section names its `architecture` (a key of
+`jtree.models.registry.ARCHITECTURES`) and is validated against that architecture's config class.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -16,30 +18,85 @@ from typing import Any, Literal
 import yaml
 
 from jtree.models.config import Qwen3Config
+from jtree.models.registry import ARCHITECTURES
+from jtree.sharding import MeshConfig
 from jtree.train import Objective, OptimConfig
+
+
+_YAML11_EXPONENT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Which architecture to build and its config (an instance of the architecture's class).
+    `init_from`: a Hugging Face checkpoint directory to start from instead of a random init (its
+    config.json must agree with the architecture fields given here)."""
+
+    architecture: str = "qwen3"
+    config: Any = dataclasses.field(default_factory=Qwen3Config)
+    init_from: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where training trees come from and how they are batched.
+    """Where training trees come from and how they are batched (`jtree.data`).
 
-    `format`: `groups` (JSONL, one sequence per line with a group id; one tree per group) or
-    `trees` (JSONL, one explicit tree per line). Each step trains on `trees_per_step` trees packed
-    into rows of `seq_len` tokens, split into `micro_batches` equal parts.
+    `format`: `groups` (JSONL, one sequence per line with a group id; one tree per group),
+    `trees` (JSONL, one explicit tree per line) or `chat` (JSONL, `{"messages": [...]}` per line,
+    tokenized with `tokenizer`: `bytes` for the built-in byte tokenizer, else a local
+    tokenizer.json or Hugging Face tokenizer directory). Each step trains on `trees_per_step`
+    trees, spread over the data-parallel shards and `micro_batches` per shard, each micro-batch
+    packed into `rows_per_micro_batch` rows of `seq_len` tokens (None: the fewest rows that hold
+    every step of the run); a tree larger than `seq_len` is cut into parts by `partition_method`
+    (`jtree.partition`). `on_bad_record`: `raise` (stop at file:line) or `skip` (count and
+    report). `worker_count` > 0 linearizes in that many grain worker processes.
     """
 
     path: str = "data/sample_groups.jsonl"
-    format: Literal["groups", "trees"] = "groups"
+    format: Literal["groups", "trees", "chat"] = "groups"
     seq_len: int = 1024
     trees_per_step: int = 8
     micro_batches: int = 1
     rows_per_micro_batch: int | None = None
     shuffle_seed: int = 0
+    partition_method: Literal["heuristic", "dp_single", "dp_multi"] = "heuristic"
+    on_bad_record: Literal["raise", "skip"] = "raise"
+    tokenizer: str = "bytes"
+    worker_count: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "trees_per_step", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        if self.rows_per_micro_batch is not None and self.rows_per_micro_batch < 1:
+            raise ValueError(f"rows_per_micro_batch: {self.rows_per_micro_batch} must be >= 1")
+        if self.worker_count < 0:
+            raise ValueError(f"worker_count: {self.worker_count} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints (`jtree.checkpoint`): saved every `every` steps and at the end into
+    `dir` (None: no checkpoints), the last `keep` kept; `async_save` writes in the background."""
+
+    dir: str | None = None
+    every: int = 100
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.keep < 1:
+            raise ValueError(f"every ({self.every}) and keep ({self.keep}) must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """The training run: length, mode, seed, logging."""
+    """The training run: length, mode, seed, logging.
+
+    `metrics_jsonl`: a file that gets one JSON object per step; `tensorboard_dir`: scalars for
+    TensorBoard (needs the `tensorboardX` package). `kill_after_checkpoint`: fault injection for
+    resume tests, the process SIGKILLs itself once the checkpoint of that step is committed.
+    """
 
     steps: int = 20
     seed: int = 0
@@ -47,20 +104,40 @@ class RunConfig:
     log_every: int = 1
     compare_baseline: bool = True
     timing_repeats: int = 5
+    metrics_jsonl: str | None = None
+    tensorboard_dir: str | None = None
+    kill_after_checkpoint: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    model: Qwen3Config = dataclasses.field(default_factory=Qwen3Config)
+    model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     objective: Objective = dataclasses.field(default_factory=Objective)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+
+def _model_spec(value: Any, path: str) -> ModelSpec:
+    """`{architecture: name, **config fields}` -> ModelSpec, fields checked against the
+    architecture's config class."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{path}: expected a mapping, got {type(value).__name__}")
+    fields = dict(value)
+    arch = fields.pop("architecture", ModelSpec.architecture)
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}.architecture: {arch!r} is not one of {sorted(ARCHITECTURES)}")
+    init_from = _check_value(fields.pop("init_from", None), str | None, f"{path}.init_from")
+    return ModelSpec(arch, from_dict(ARCHITECTURES[arch][0], fields, path), init_from)
 
 
 def _check_value(value: Any, hint: Any, path: str) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
+    if hint is ModelSpec:
+        return _model_spec(value, path)
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value, path)
     if origin in (typing.Union, types.UnionType):
@@ -95,6 +172,8 @@ def _check_value(value: Any, hint: Any, path: str) -> Any:
             raise ValueError(f"{path}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str) and _YAML11_EXPONENT.match(value):
+            return float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{path}: expected a number, got {value!r}")
         return float(value)

@@ -4,6 +4,10 @@ Token i is scored by the logits at row pred(i): the previous token of its path, 
 token of a node is the last token of the parent node. The log-sum-exp over the vocabulary is
 computed once per row in chunks under `jax.checkpoint`, so neither the forward nor the backward
 holds a [rows, S, vocab] logits tensor; the target logit is a d-length dot product per token.
+
+Vocab-parallel (`vocab_axis`, inside `shard_map`): `w_out` holds this device's contiguous slice of
+the vocabulary columns; the log-sum-exp combines per-device sums under a shared max, and the target
+logit is taken on the device that owns the token and summed over the axis.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from jtree.linearize import TreeBatch
 DEFAULT_CHUNK = 1024
 
 
-def _row_logsumexp(h: jax.Array, w_out: jax.Array, chunk: int, with_entropy: bool):
+def _row_logsumexp(h: jax.Array, w_out: jax.Array, chunk: int, with_entropy: bool,
+                   vocab_axis: str | None):
     """log-sum-exp (and entropy) of the logits of each row of h [N, d], chunk rows at a time."""
     n, d = h.shape
     chunk = min(chunk, n)
@@ -29,11 +34,18 @@ def _row_logsumexp(h: jax.Array, w_out: jax.Array, chunk: int, with_entropy: boo
     @jax.checkpoint
     def one(hc: jax.Array) -> tuple[jax.Array, jax.Array]:
         logits = jnp.dot(hc, w_out, preferred_element_type=jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
+        if vocab_axis is None:
+            lse = jax.nn.logsumexp(logits, axis=-1)
+        else:  # the max only stabilizes the exponent, so it carries no gradient
+            top = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), vocab_axis)
+            total = jax.lax.psum(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1), vocab_axis)
+            lse = top + jnp.log(total)
         if not with_entropy:
             return lse, jnp.zeros_like(lse)
-        p = jnp.exp(logits - lse[:, None])
-        return lse, lse - jnp.sum(p * logits, axis=-1)
+        expected = jnp.sum(jnp.exp(logits - lse[:, None]) * logits, axis=-1)
+        if vocab_axis is not None:
+            expected = jax.lax.psum(expected, vocab_axis)
+        return lse, lse - expected
 
     lse, ent = jax.lax.map(one, padded)
     return lse.reshape(-1)[:n], ent.reshape(-1)[:n]
@@ -47,22 +59,36 @@ def logprobs_from_hidden(
     *,
     chunk: int = DEFAULT_CHUNK,
     with_entropy: bool = False,
+    vocab_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """log p(tokens | path context) [rows, S] (0 where pred < 0), and optionally the entropy of
-    the distribution that scores each token."""
+    the distribution that scores each token. `vocab_axis`: see the module docstring."""
     rows, s, d = hidden.shape
-    lse, ent = _row_logsumexp(hidden.reshape(rows * s, d), w_out, chunk, with_entropy)
+    lse, ent = _row_logsumexp(hidden.reshape(rows * s, d), w_out, chunk, with_entropy, vocab_axis)
     lse, ent = lse.reshape(rows, s), ent.reshape(rows, s)
     has_pred = pred >= 0
     src = jnp.where(has_pred, pred, 0)
     h_src = jnp.take_along_axis(hidden, src[..., None], axis=1)
     target = jnp.einsum(
-        "rsd,rsd->rs", h_src, jnp.take(w_out.T, tokens, axis=0),
+        "rsd,rsd->rs", h_src, _target_columns(w_out, tokens, vocab_axis),
         preferred_element_type=jnp.float32,
     )
+    if vocab_axis is not None:
+        target = jax.lax.psum(target, vocab_axis)
     logp = jnp.where(has_pred, target - jnp.take_along_axis(lse, src, axis=1), 0.0)
     entropy = jnp.where(has_pred, jnp.take_along_axis(ent, src, axis=1), 0.0) if with_entropy else None
     return logp, entropy
+
+
+def _target_columns(w_out: jax.Array, tokens: jax.Array, vocab_axis: str | None) -> jax.Array:
+    """The output-embedding column of every token [rows, S, d] (zero off this device's slice)."""
+    if vocab_axis is None:
+        return jnp.take(w_out.T, tokens, axis=0)
+    cols = w_out.shape[1]
+    local = tokens - jax.lax.axis_index(vocab_axis) * cols
+    inside = (local >= 0) & (local < cols)
+    w = jnp.take(w_out.T, jnp.where(inside, local, 0), axis=0)
+    return jnp.where(inside[..., None], w, jnp.zeros_like(w))
 
 
 def token_logprobs(
@@ -71,6 +97,7 @@ def token_logprobs(
     *,
     chunk: int = DEFAULT_CHUNK,
     with_entropy: bool = False,
+    vocab_axis: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """For every token of `batch`, log p(token | its path context): a [rows, S] float32 array.
 
@@ -80,6 +107,6 @@ def token_logprobs(
     inputs = batch.arrays() if isinstance(batch, TreeBatch) else batch
     logp, entropy = logprobs_from_hidden(
         model(inputs).hidden, model.output_embedding(), inputs["tokens"], inputs["pred"], chunk=chunk,
-        with_entropy=with_entropy,
+        with_entropy=with_entropy, vocab_axis=vocab_axis,
     )
     return (logp, entropy) if with_entropy else logp

@@ -1,9 +1,16 @@
-"""Training step: objectives, optimizer, gradient accumulation over micro-batches.
+"""Training step: objectives, optimizer, gradient accumulation over micro-batches, mesh sharding.
 
-The step is a pure function of (TrainState, inputs) so it can be jitted on one device, or wrapped
-in `shard_map` over a mesh. `inputs` is a dict of [micro_batches, rows, S] arrays; the micro-batches
-are scanned and their gradients summed, which equals the full-batch gradient because every loss
-coefficient is normalized over the global batch on the host (`jtree.loss`).
+The step is a pure function of (TrainState, inputs) so it can be jitted on one device, or run over
+a ('data', 'model') mesh (`make_sharded_grad_fn`: data parallel over rows and Megatron tensor
+parallel inside `shard_map`, optax update outside it under the same `jit`). `inputs` is a dict of
+[micro_batches, rows, S] arrays; the micro-batches are scanned and their gradients summed, which
+equals the full-batch gradient because every loss coefficient is normalized over the global batch.
+
+Normalization: either the coefficients arrive normalized (host-side `normalizer`, as `linearize`
+does by default), or they arrive raw (`normalizer=1`) together with `row_norm` [micro_batches,
+rows], each row's share of the batch normalizer; the step then divides by the sum over all rows,
+micro-batches and data shards. The second form lets every host linearize its own trees without
+knowing the global batch (`jtree.data`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from jtree.baseline import linearize_baseline
 from jtree.linearize import TreeBatch, linearize
 from jtree.logprobs import logprobs_from_hidden, token_logprobs
 from jtree.loss import Normalization, ppo_loss, sft_loss
+from jtree.sharding import DATA, MODEL, batch_spec, vary_over
 from jtree.tree import TrajectoryTree
 
 Inputs = Mapping[str, jax.Array]
@@ -57,16 +65,20 @@ class OptimConfig:
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                    weight_decay=cfg.weight_decay),
+    )
+
+
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.learning_rate,
         warmup_steps=cfg.warmup_steps,
         decay_steps=max(cfg.decay_steps, cfg.warmup_steps + 1),
         end_value=cfg.learning_rate * cfg.min_lr_ratio,
-    )
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
     )
 
 
@@ -82,13 +94,18 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation)
     return graphdef, TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
 
-def objective_loss(model: Any, inputs: Inputs, objective: Objective):
-    """The objective on one micro-batch, plus the model's auxiliary loss: (loss, metrics)."""
+def objective_loss(model: Any, inputs: Inputs, objective: Objective, *,
+                   vocab_axis: str | None = None):
+    """The objective on one micro-batch, plus the model's auxiliary loss: (loss, metrics).
+
+    Metrics are sums (so they add over micro-batches and devices); the PPO clip fraction is
+    carried as its numerator `clipped_adv` and denominator `abs_adv` (see `finish_metrics`).
+    """
     out = model(inputs)
     want_entropy = objective.kind == "ppo" and objective.entropy_coef != 0
     logp, entropy = logprobs_from_hidden(
         out.hidden, model.output_embedding(), inputs["tokens"], inputs["pred"],
-        chunk=objective.logprob_chunk, with_entropy=want_entropy,
+        chunk=objective.logprob_chunk, with_entropy=want_entropy, vocab_axis=vocab_axis,
     )
     if objective.kind == "sft":
         loss = sft_loss(logp, inputs)
@@ -99,40 +116,108 @@ def objective_loss(model: Any, inputs: Inputs, objective: Objective):
             clip_high=objective.clip_high, ref_logprobs=inputs.get("ref_logprobs"),
             kl_coef=objective.kl_coef, entropy=entropy, entropy_coef=objective.entropy_coef,
         )
+        abs_adv = jnp.sum(jnp.abs(inputs["adv_pos"]) + jnp.abs(inputs["adv_neg"]))
+        metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv)
     return loss + out.aux_loss, dict(metrics, aux_loss=out.aux_loss)
 
 
-def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective) -> Callable:
-    """(params, inputs [M, rows, S]) -> (loss, metrics, grads), summed over the M micro-batches."""
+def finish_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Turn summed metrics into reported ones (the clip fraction as a ratio of sums)."""
+    if "clipped_adv" not in metrics:
+        return metrics
+    metrics = dict(metrics)
+    clipped, total = metrics.pop("clipped_adv"), metrics.pop("abs_adv")
+    return dict(metrics, clip_frac=clipped / jnp.maximum(total, 1e-30))
+
+
+def normalize_coefficients(inputs: Inputs, data_axis: str | None = None) -> Inputs:
+    """Divide raw loss coefficients by the batch normalizer when the batch carries `row_norm`
+    (the normalizer's per-row shares; summed over data shards inside shard_map)."""
+    if "row_norm" not in inputs:
+        return inputs
+    inputs = dict(inputs)
+    total = jnp.sum(inputs.pop("row_norm"))
+    if data_axis is not None:
+        total = jax.lax.psum(total, data_axis)
+    scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    for key in ("weight", "adv_pos", "adv_neg"):
+        inputs[key] = inputs[key] * scale
+    return inputs
+
+
+def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *, data_axis: str | None = None,
+                 vocab_axis: str | None = None) -> Callable:
+    """(params, inputs [M, rows, S]) -> (loss, metrics, grads), summed over the M micro-batches.
+
+    Inside shard_map, `data_axis` names the mesh axis the rows are split over: gradients are
+    accumulated per device over all micro-batches and all-reduced once at the end. `vocab_axis`
+    names the tensor-parallel axis when the output embedding is vocab-parallel.
+    """
 
     def micro(params: Any, inputs: Inputs):
         def loss_fn(p: Any):
-            return objective_loss(nnx.merge(graphdef, p), inputs, objective)
+            return objective_loss(nnx.merge(graphdef, p), inputs, objective, vocab_axis=vocab_axis)
 
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return loss, metrics, grads
 
     def grad_fn(params: Any, inputs: Inputs):
+        inputs = normalize_coefficients(inputs, data_axis)
+        if data_axis is not None:
+            params = vary_over(params, data_axis)
         first = jax.tree_util.tree_map(lambda x: x[0], inputs)
-        acc0 = micro(params, first)
-        if jax.tree_util.tree_leaves(inputs)[0].shape[0] == 1:
-            return acc0
+        acc = micro(params, first)
+        if jax.tree_util.tree_leaves(inputs)[0].shape[0] > 1:
 
-        def body(acc, mb):
-            return jax.tree_util.tree_map(jnp.add, acc, micro(params, mb)), None
+            def body(acc, mb):
+                return jax.tree_util.tree_map(jnp.add, acc, micro(params, mb)), None
 
-        rest = jax.tree_util.tree_map(lambda x: x[1:], inputs)
-        acc, _ = jax.lax.scan(body, acc0, rest)
-        return acc
+            rest = jax.tree_util.tree_map(lambda x: x[1:], inputs)
+            acc, _ = jax.lax.scan(body, acc, rest)
+        if data_axis is not None:
+            acc = jax.lax.psum(acc, data_axis)
+        loss, metrics, grads = acc
+        return loss, finish_metrics(metrics), grads
 
     return grad_fn
 
 
+def make_sharded_grad_fn(graphdef: nnx.GraphDef, objective: Objective, mesh: jax.sharding.Mesh,
+                         specs: Any) -> Callable:
+    """`make_grad_fn` over a ('data', 'model') mesh: rows split over `data`, parameters laid out
+    by `specs` (`jtree.sharding.param_specs`), `graphdef` the tensor-parallel model
+    (`tensor_parallel_graphdef`). Returns global loss, metrics and gradients (sharded like the
+    parameters)."""
+    local = make_grad_fn(graphdef, objective, data_axis=DATA, vocab_axis=MODEL)
+    P = jax.sharding.PartitionSpec
+
+    def grad_fn(params: Any, inputs: Inputs):
+        in_specs = (specs, {k: batch_spec(v.ndim) for k, v in inputs.items()})
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), specs))(
+            params, inputs)
+
+    return grad_fn
+
+
+def tensor_parallel_graphdef(model: nnx.Module) -> nnx.GraphDef:
+    """The graph of `model` with its tensor-parallel hook on (`tensor_parallel_axis='model'`), to
+    merge with per-device parameter shards inside shard_map. Built abstractly: no weights."""
+    cfg = model.config
+    if not hasattr(cfg, "tensor_parallel_axis"):
+        raise ValueError(f"{type(model).__name__}: this architecture has no tensor-parallel hook "
+                         "(config field tensor_parallel_axis)")
+    tp_cfg = dataclasses.replace(cfg, tensor_parallel_axis=MODEL)
+    abstract = nnx.eval_shape(lambda: type(model)(tp_cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract)[0]
+
+
 def make_train_step(
-    graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, objective: Objective
+    graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, objective: Objective, *,
+    grad_fn: Callable | None = None,
 ) -> Callable[[TrainState, Inputs], tuple[TrainState, dict[str, jax.Array]]]:
-    """The (unjitted) train step; callers jit it, or wrap it for a mesh."""
-    grad_fn = make_grad_fn(graphdef, objective)
+    """The (unjitted) train step; callers jit it. `grad_fn` defaults to the single-device
+    `make_grad_fn`; pass `make_sharded_grad_fn(...)` to run over a mesh."""
+    grad_fn = grad_fn or make_grad_fn(graphdef, objective)
 
     def step(state: TrainState, inputs: Inputs):
         loss, metrics, grads = grad_fn(state.params, inputs)
@@ -151,6 +236,35 @@ def make_logprob_fn(graphdef: nnx.GraphDef, chunk: int = 1024) -> Callable[[Any,
         return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), inputs, chunk=chunk))
 
     return fn
+
+
+def make_sharded_logprob_fn(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, specs: Any,
+                            chunk: int = 1024) -> Callable[[Any, Inputs], jax.Array]:
+    """(params, inputs [M, rows, S]) -> token log-probs [M, rows, S] over the mesh, no gradient
+    (old/reference policies, equivalence checks). `graphdef` is the tensor-parallel model."""
+
+    def local(params: Any, inputs: Inputs) -> jax.Array:
+        model = nnx.merge(graphdef, params)
+        return jax.lax.map(lambda x: token_logprobs(model, x, chunk=chunk, vocab_axis=MODEL),
+                           inputs)
+
+    def fn(params: Any, inputs: Inputs) -> jax.Array:
+        in_specs = (specs, {k: batch_spec(v.ndim) for k, v in inputs.items()})
+        out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=batch_spec(3))(
+            params, dict(inputs))
+        return jax.lax.stop_gradient(out)
+
+    return fn
+
+
+def state_shardings(optimizer: optax.GradientTransformation, params: Any, param_shardings: Any,
+                    mesh: jax.sharding.Mesh) -> TrainState:
+    """Shardings of a TrainState: optimizer moments like their parameters, scalars replicated."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_shapes = jax.eval_shape(optimizer.init, params)
+    opt = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_shardings,
+                                transform_non_params=lambda _: replicated)
+    return TrainState(param_shardings, opt, replicated)
 
 
 def build_batch(
@@ -191,8 +305,11 @@ def needs_old_logprobs(batch: TreeBatch, objective: Objective) -> bool:
     surrogate is no longer a function of one ratio per tree token, and the documented policy is to
     recompute them with the current (pre-update) parameters on the tree.
     """
+    return old_logprobs_stale(batch.has_old_logprobs, batch.old_logprob_disagreement, objective)
+
+
+def old_logprobs_stale(has_old: bool, disagreement: float, objective: Objective) -> bool:
+    """`needs_old_logprobs` from a batch's flags (missing, or disagreeing beyond tolerance)."""
     if objective.kind != "ppo":
         return False
-    return not batch.has_old_logprobs or (
-        batch.old_logprob_disagreement > objective.old_logprob_tolerance
-    )
+    return not has_old or disagreement > objective.old_logprob_tolerance

@@ -23,19 +23,28 @@ from jtree.tree import TrajectoryTree
 _PATH_FIELDS = {"loss_mask": "loss_masks", "advantage": "advantages", "old_logprobs": "old_logprobs"}
 
 
-def _records(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def iter_lines(path: str | Path) -> Iterator[tuple[str, str]]:
+    """(`file:line`, text) for every non-blank line."""
     with open(path) as f:
         for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{where}: expected a JSON object")
-            yield where, rec
+            if line.strip():
+                yield f"{path}:{n}", line
+
+
+def parse_line(where: str, line: str) -> dict[str, Any]:
+    """One JSON object; errors name `where`."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    return rec
+
+
+def _records(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    for where, line in iter_lines(path):
+        yield where, parse_line(where, line)
 
 
 def _path_kwargs(items: Sequence[dict[str, Any]], where: Sequence[str]) -> dict[str, Any]:
@@ -53,30 +62,39 @@ def _path_kwargs(items: Sequence[dict[str, Any]], where: Sequence[str]) -> dict[
     return kwargs
 
 
+def check_group_line(where: str, rec: dict[str, Any]) -> None:
+    """Field names of one sequence-group line."""
+    for field in ("group", "tokens"):
+        if field not in rec:
+            raise ValueError(f"{where}: missing field {field!r}")
+    unknown = set(rec) - {"group", "tokens", "weight", *_PATH_FIELDS}
+    if unknown:
+        raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+
+
+def group_key(rec: dict[str, Any]) -> str:
+    return json.dumps(rec["group"])
+
+
+def tree_from_group(members: Sequence[tuple[str, dict[str, Any]]], *,
+                    vocab_size: int | None = None) -> TrajectoryTree:
+    """Merge the lines of one group (`(where, record)` pairs) into a tree."""
+    wheres = [w for w, _ in members]
+    recs = [r for _, r in members]
+    try:
+        return TrajectoryTree.from_sequences(
+            [r["tokens"] for r in recs], vocab_size=vocab_size, **_path_kwargs(recs, wheres))
+    except ValueError as e:
+        raise ValueError(_locate(str(e), "sequence", wheres)) from None
+
+
 def read_sequence_groups(path: str | Path, *, vocab_size: int | None = None) -> list[TrajectoryTree]:
     """One tree per group id, in order of first appearance."""
-    groups: dict[Any, list[tuple[str, dict[str, Any]]]] = {}
+    groups: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for where, rec in _records(path):
-        for field in ("group", "tokens"):
-            if field not in rec:
-                raise ValueError(f"{where}: missing field {field!r}")
-        unknown = set(rec) - {"group", "tokens", "weight", *_PATH_FIELDS}
-        if unknown:
-            raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}")
-        groups.setdefault(json.dumps(rec["group"]), []).append((where, rec))
-    trees = []
-    for members in groups.values():
-        wheres = [w for w, _ in members]
-        recs = [r for _, r in members]
-        try:
-            trees.append(
-                TrajectoryTree.from_sequences(
-                    [r["tokens"] for r in recs], vocab_size=vocab_size,
-                    **_path_kwargs(recs, wheres),
-                )
-            )
-        except ValueError as e:
-            raise ValueError(_locate(str(e), "sequence", wheres)) from None
+        check_group_line(where, rec)
+        groups.setdefault(group_key(rec), []).append((where, rec))
+    trees = [tree_from_group(members, vocab_size=vocab_size) for members in groups.values()]
     if not trees:
         raise ValueError(f"{path}: no sequences")
     return trees
@@ -114,33 +132,35 @@ def _path_record(t: TrajectoryTree, p: int) -> dict[str, Any]:
     return rec
 
 
+def tree_from_record(where: str, rec: dict[str, Any], *,
+                     vocab_size: int | None = None) -> TrajectoryTree:
+    """One explicit tree from its JSON record; errors name `where`."""
+    for field in ("parents", "segments"):
+        if field not in rec:
+            raise ValueError(f"{where}: missing field {field!r}")
+    unknown = set(rec) - {"parents", "segments", "paths", "id"}
+    if unknown:
+        raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+    paths = rec.get("paths")
+    kwargs: dict[str, Any] = {}
+    if paths is not None:
+        if not isinstance(paths, list) or not all(isinstance(p, dict) for p in paths):
+            raise ValueError(f"{where}: paths must be a list of objects")
+        for i, p in enumerate(paths):
+            if "node" not in p:
+                raise ValueError(f"{where}: path {i}: missing field 'node'")
+        kwargs["path_nodes"] = [p["node"] for p in paths]
+        kwargs.update(_path_kwargs(paths, [f"{where}: path {i}" for i in range(len(paths))]))
+    try:
+        return TrajectoryTree.from_nodes(rec["parents"], rec["segments"], vocab_size=vocab_size,
+                                         **kwargs)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
 def read_trees(path: str | Path, *, vocab_size: int | None = None) -> list[TrajectoryTree]:
     """One explicit tree per line."""
-    trees = []
-    for where, rec in _records(path):
-        for field in ("parents", "segments"):
-            if field not in rec:
-                raise ValueError(f"{where}: missing field {field!r}")
-        unknown = set(rec) - {"parents", "segments", "paths", "id"}
-        if unknown:
-            raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}")
-        paths = rec.get("paths")
-        kwargs: dict[str, Any] = {}
-        if paths is not None:
-            if not isinstance(paths, list) or not all(isinstance(p, dict) for p in paths):
-                raise ValueError(f"{where}: paths must be a list of objects")
-            for i, p in enumerate(paths):
-                if "node" not in p:
-                    raise ValueError(f"{where}: path {i}: missing field 'node'")
-            kwargs["path_nodes"] = [p["node"] for p in paths]
-            kwargs.update(_path_kwargs(paths, [f"{where}: path {i}" for i in range(len(paths))]))
-        try:
-            trees.append(
-                TrajectoryTree.from_nodes(rec["parents"], rec["segments"], vocab_size=vocab_size,
-                                          **kwargs)
-            )
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+    trees = [tree_from_record(where, rec, vocab_size=vocab_size) for where, rec in _records(path)]
     if not trees:
         raise ValueError(f"{path}: no trees")
     return trees

@@ -1,156 +1,365 @@
-"""Train a model on trees from a JSONL file: `python -m launch.train --config configs/tiny.yaml`.
+"""Train on trees from JSONL: `python -m launch.train --config configs/tiny.yaml [--resume] [k=v]`.
 
-Prints one line per step (loss, tokens/s, POR). With `run.compare_baseline`, it finishes by
-checking tree-vs-baseline log-prob equivalence with the trained parameters and timing the tree step
-against the per-path baseline step on the same trees (alternating, medians).
+One process or many (`jtree.distributed`: `launch/local_multihost.sh`, TPU pod and SLURM recipes
+in launch/). The step runs over the ('data', 'model') mesh of the config: data parallel over rows,
+tensor parallel inside shard_map. Prints one line per step (loss, baseline-equivalent and tree
+tokens/s, POR, ERR, grad norm, host/device time), writes metrics as JSONL (and TensorBoard),
+checkpoints with Orbax (`--resume` continues from the latest one, data order included), and ends
+with a summary. With `run.compare_baseline` it checks tree-vs-baseline log-prob equivalence with
+the trained parameters and times the tree step against the per-path baseline step on the same
+trees (alternating, medians).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jtree.baseline import unlinearize_baseline
+from jtree.baseline import linearize_baseline, unlinearize_baseline
+from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.config import TrainConfig, load_config
-from jtree.linearize import TreeBatch, unlinearize
-from jtree.loss import batch_normalizer
+from jtree.data import (
+    BatchPlan, StepBuilder, all_units, load_trees, make_pipeline, rows_for_run, step_indices,
+)
+from jtree.distributed import initialize_from_env
+from jtree.linearize import linearize, unlinearize
+from jtree.metrics import MetricsLog
 from jtree.models import create_model
+from jtree.sharding import (
+    DATA, MODEL, SHARDING_RULES, batch_spec, make_mesh, named, param_path, param_specs,
+)
 from jtree.train import (
-    build_batch,
-    init_train_state,
-    make_logprob_fn,
-    make_optimizer,
-    make_train_step,
-    needs_old_logprobs,
-    stack_microbatches,
+    TrainState, make_optimizer, make_schedule, make_sharded_grad_fn, make_sharded_logprob_fn,
+    make_train_step, old_logprobs_stale, state_shardings, tensor_parallel_graphdef,
 )
 from jtree.tree import TrajectoryTree
-from jtree.tree_jsonl import read_sequence_groups, read_trees
 
 
-def load_trees(cfg: TrainConfig) -> list[TrajectoryTree]:
-    reader = read_sequence_groups if cfg.data.format == "groups" else read_trees
-    return reader(cfg.data.path, vocab_size=cfg.model.vocab_size)
+def say(*args: Any) -> None:
+    """Print on process 0 only."""
+    if jax.process_index() == 0:
+        print(*args, flush=True)
 
 
-def step_batches(cfg: TrainConfig, trees: Sequence[TrajectoryTree], mode: str, step: int,
-                 n_rows: int | None = None):
-    """The trees of `step` as equally shaped micro-batches, the chosen trees, and the host
-    preparation time. Rows per micro-batch: `n_rows`, else the config's, else as few as fit."""
-    d = cfg.data
-    order = np.random.default_rng(d.shuffle_seed + step // max(1, len(trees) // d.trees_per_step))
-    perm = order.permutation(len(trees))
-    start = (step * d.trees_per_step) % len(trees)
-    chosen = [trees[i] for i in np.roll(perm, -start)[: d.trees_per_step]]
-    per_micro = np.array_split(np.arange(len(chosen)), d.micro_batches)
-    t0 = time.perf_counter()
-    normalizer = batch_normalizer(chosen, cfg.objective.normalization)
-
-    def build(rows: int | None) -> list[TreeBatch]:
-        return [build_batch([chosen[i] for i in idx], d.seq_len, mode=mode,
-                            normalization=cfg.objective.normalization, normalizer=normalizer,
-                            n_rows=rows)
-                for idx in per_micro]
-
-    batches = build(n_rows or d.rows_per_micro_batch)
-    rows = {b.shape[0] for b in batches}
-    if len(rows) > 1:
-        batches = build(max(rows))
-    return batches, chosen, time.perf_counter() - t0
+def host_data_shards(mesh: Mesh) -> tuple[int, ...]:
+    """The data-axis indices whose devices live on this process (contiguous)."""
+    pid = jax.process_index()
+    shards = tuple(i for i in range(mesh.shape[DATA])
+                   if any(d.process_index == pid for d in mesh.devices[i]))
+    if not shards or shards != tuple(range(shards[0], shards[-1] + 1)):
+        raise ValueError(f"process {pid}: its devices hold data shards {shards}; expected a "
+                         "non-empty contiguous range (check the mesh/device order)")
+    return shards
 
 
-def rows_needed(cfg: TrainConfig, trees: Sequence[TrajectoryTree], mode: str) -> int:
-    """The most rows any step's micro-batch needs, so every step has one shape (one compile)."""
-    if cfg.data.rows_per_micro_batch is not None:
-        return cfg.data.rows_per_micro_batch
-    return max(step_batches(cfg, trees, mode, s)[0][0].shape[0] for s in range(cfg.run.steps))
+def to_global(mesh: Mesh, local: dict[str, np.ndarray], n_local_shards: int) -> dict[str, jax.Array]:
+    """Host-local [M, rows_local, ...] arrays -> global arrays split over `data`."""
+    out = {}
+    for key, value in local.items():
+        shape = (value.shape[0], value.shape[1] // n_local_shards * mesh.shape[DATA],
+                 *value.shape[2:])
+        sharding = NamedSharding(mesh, batch_spec(value.ndim))
+        out[key] = jax.make_array_from_process_local_data(sharding, value, shape)
+    return out
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything a run needs once the config is read: mesh, model graphs, jitted functions."""
+
+    cfg: TrainConfig
+    mesh: Mesh
+    graphdef: Any
+    specs: Any
+    shardings: TrainState
+    optimizer: Any
+    step_fn: Any
+    logprob_fn: Any
+    init_fn: Any
+
+    @classmethod
+    def build(cls, cfg: TrainConfig) -> Trainer:
+        mesh = make_mesh(cfg.mesh)
+        arch, mcfg = cfg.model.architecture, cfg.model.config
+        abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, seed=cfg.run.seed))
+        _, abstract_params = nnx.split(abstract)
+        if arch not in SHARDING_RULES:
+            raise ValueError(f"model.architecture: {arch!r} has no sharding rules yet")
+        specs = param_specs(abstract_params, SHARDING_RULES[arch](mcfg, mesh.shape[MODEL]), mesh)
+        graphdef = tensor_parallel_graphdef(abstract)
+        optimizer = make_optimizer(cfg.optim)
+        shardings = state_shardings(optimizer, abstract_params, named(mesh, specs), mesh)
+        grad_fn = make_sharded_grad_fn(graphdef, cfg.objective, mesh, specs)
+        step = make_train_step(graphdef, optimizer, cfg.objective, grad_fn=grad_fn)
+        replicated = NamedSharding(mesh, P())
+        step_fn = jax.jit(step, out_shardings=(shardings, replicated), donate_argnums=0)
+        logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, specs,
+                                                     cfg.objective.logprob_chunk))
+
+        def init() -> TrainState:
+            params = nnx.split(create_model(arch, mcfg, seed=cfg.run.seed))[1]
+            return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+        init_fn = jax.jit(init, out_shardings=shardings)
+        return cls(cfg, mesh, graphdef, specs, shardings, optimizer, step_fn, logprob_fn, init_fn)
+
+    def initial_state(self) -> TrainState:
+        """A fresh TrainState: random init, or the weights of `model.init_from` placed directly
+        onto the mesh (each host reads only what its devices hold)."""
+        path = self.cfg.model.init_from
+        if path is None:
+            return self.init_fn()
+        from jtree.hf import load
+
+        mcfg = self.cfg.model.config
+        by_name = {param_path(p).replace("/", "."): s for p, s in
+                   jax.tree_util.tree_flatten_with_path(self.shardings.params)[0]}
+        loaded, model = load(path, mcfg.param_dtype, compute_dtype=mcfg.dtype,
+                             attention_impl=mcfg.attention_impl,
+                             shardings=lambda name, shape: by_name[name])
+        for field in dataclasses.fields(mcfg):
+            ours, theirs = getattr(mcfg, field.name), getattr(loaded, field.name)
+            if field.name not in RUNTIME_FIELDS and ours != theirs:
+                raise ValueError(f"model.{field.name}: the config has {ours!r}, "
+                                 f"{path}/config.json has {theirs!r}")
+        params = nnx.split(model)[1]
+        opt_state = jax.jit(self.optimizer.init, out_shardings=self.shardings.opt_state)(params)
+        return TrainState(params, opt_state,
+                          jax.device_put(jnp.zeros((), jnp.int32), self.shardings.step))
+
+    def run_meta(self) -> dict[str, Any]:
+        """What a checkpoint must agree with to be resumed by this config."""
+        c = self.cfg
+        return {"architecture": c.model.architecture, "seed": c.run.seed,
+                "shuffle_seed": c.data.shuffle_seed, "trees_per_step": c.data.trees_per_step,
+                "mode": c.run.mode, "data_path": c.data.path}
+
+
+# Model-config fields that say how to run, not what the checkpoint holds.
+RUNTIME_FIELDS = ("attention_impl", "dtype", "param_dtype", "remat", "tensor_parallel_axis",
+                  "initializer_range")
+
+
+def check_resumable(meta: dict[str, Any], expected: dict[str, Any], where: str) -> None:
+    for key, value in expected.items():
+        if key in meta and meta[key] != value:
+            raise ValueError(f"{where}: written with {key}={meta[key]!r}, but the config has "
+                             f"{value!r}; resuming would not continue the same run")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default=None, help="YAML config file")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in checkpoint.dir")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
     args = parser.parse_args(argv)
+    initialize_from_env()  # before anything touches a device
     cfg = load_config(args.config, args.overrides)
-    if cfg.data.trees_per_step % cfg.data.micro_batches:
-        raise ValueError("data.trees_per_step must be a multiple of data.micro_batches")
+    if args.resume and cfg.checkpoint.dir is None:
+        raise ValueError("--resume: checkpoint.dir is not set")
+    d, mcfg = cfg.data, cfg.model.config
 
-    trees = load_trees(cfg)
+    trees, report = load_trees(d.path, d.format, vocab_size=mcfg.vocab_size,
+                               on_bad_record=d.on_bad_record, tokenizer=d.tokenizer)
     total = sum((t.stats() for t in trees[1:]), trees[0].stats())
-    print(f"data: {len(trees)} trees from {cfg.data.path}: {total.n_flat_tokens} flat tokens, "
-          f"{total.n_tree_tokens} tree tokens, POR {total.por:.3f}")
-    model = create_model("qwen3", cfg.model, seed=cfg.run.seed)
-    optimizer = make_optimizer(cfg.optim)
-    graphdef, state = init_train_state(model, optimizer)
-    step_fn = jax.jit(make_train_step(graphdef, optimizer, cfg.objective))
-    logprob_fn = jax.jit(make_logprob_fn(graphdef, cfg.objective.logprob_chunk))
-    print(f"model: Qwen3 {cfg.model.num_hidden_layers} layers, hidden {cfg.model.hidden_size}, "
-          f"{sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,} parameters; "
-          f"mode {cfg.run.mode}, objective {cfg.objective.kind}, backend {jax.default_backend()}")
+    say(f"data: {len(trees)} trees from {d.path} ({d.format}): {total.n_flat_tokens} flat tokens, "
+        f"{total.n_tree_tokens} tree tokens, POR {total.por:.3f}"
+        + (f"; skipped {report.n_bad} bad record(s), first: {report.first_errors[0]}"
+           if report.n_bad else ""))
 
-    n_rows = rows_needed(cfg, trees, cfg.run.mode)
-    for step in range(cfg.run.steps):
-        batches, chosen, host_s = step_batches(cfg, trees, cfg.run.mode, step, n_rows)
-        inputs = stack_microbatches(batches)
-        if any(needs_old_logprobs(b, cfg.objective) for b in batches):
-            inputs["old_logprobs"] = np.stack(
-                [np.asarray(logprob_fn(state.params, b.arrays())) for b in batches])
+    trainer = Trainer.build(cfg)
+    mesh = trainer.mesh
+    shards = host_data_shards(mesh)
+    units = all_units(trees, cfg.run.mode, d.seq_len, d.partition_method)
+    rows = d.rows_per_micro_batch or rows_for_run(units, d.seq_len, d.trees_per_step,
+                                                  mesh.shape[DATA] * d.micro_batches,
+                                                  d.shuffle_seed, cfg.run.steps)
+    plan = BatchPlan(cfg.run.mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
+                     d.micro_batches, mesh.shape[DATA], shards, rows)
+    pipeline = make_pipeline(StepBuilder(trees, units, plan), seed=d.shuffle_seed,
+                             worker_count=d.worker_count)
+    iterator = iter(pipeline)
+
+    state = None
+    start = 0
+    ckpt = None
+    if cfg.checkpoint.dir is not None:
+        ckpt = Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
+                            async_save=cfg.checkpoint.async_save)
+        latest = ckpt.latest_step() if args.resume else None
+        if latest is not None:
+            where = f"checkpoint {ckpt.directory}/{latest}"
+            check_resumable(ckpt.read_meta(latest), trainer.run_meta(), where)
+            abstract = abstract_like(jax.eval_shape(trainer.init_fn), trainer.shardings)
+            state, data_state, _ = ckpt.restore(latest, abstract)
+            iterator.set_state(data_state)
+            start = int(state.step)
+            say(f"resumed from {where} (step {start})")
+        elif args.resume:
+            say(f"--resume: no checkpoint in {ckpt.directory}, starting from scratch")
+    if state is None:
+        state = trainer.initial_state()
+
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+    say(f"model: {cfg.model.architecture} {mcfg.num_hidden_layers} layers, hidden "
+        f"{mcfg.hidden_size}, {n_params:,} parameters; mode {cfg.run.mode}, objective "
+        f"{cfg.objective.kind}; mesh data={mesh.shape[DATA]} x model={mesh.shape[MODEL]} over "
+        f"{jax.process_count()} process(es), backend {jax.default_backend()}; {d.micro_batches} "
+        f"micro-batch(es) x {rows} rows x {d.seq_len} per data shard")
+
+    metrics_log = MetricsLog(cfg.run.metrics_jsonl, cfg.run.tensorboard_dir, first_step=start,
+                             enabled=jax.process_index() == 0)
+    schedule = make_schedule(cfg.optim)
+    history = []
+    t_run = time.perf_counter()
+    for step in range(start, cfg.run.steps):
         t0 = time.perf_counter()
-        state, metrics = step_fn(state, inputs)
-        loss = float(metrics["loss"])
-        dev_s = time.perf_counter() - t0
-        stats = sum((t.stats() for t in chosen[1:]), chosen[0].stats())
+        element = next(iterator)
+        info = element["info"]
+        inputs = to_global(mesh, element["inputs"], len(shards))
+        if old_logprobs_stale(bool(info["has_old_logprobs"]),
+                              float(info["old_logprob_disagreement"]), cfg.objective):
+            inputs["old_logprobs"] = trainer.logprob_fn(state.params, inputs)
+        t1 = time.perf_counter()
+        state, metrics = trainer.step_fn(state, inputs)
+        metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
+        t2 = time.perf_counter()
+        record = step_record(step, metrics, info, t1 - t0, t2 - t1, float(schedule(step)))
+        history.append(record)
+        metrics_log.write(record)
         if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
-            print(f"step {step:4d}  loss {loss:8.4f}  grad_norm {float(metrics['grad_norm']):7.3f}  "
-                  f"tokens/s {stats.n_flat_tokens / dev_s:9.0f} (flat-equivalent)  "
-                  f"tree tokens/s {stats.n_tree_tokens / dev_s:9.0f}  POR {stats.por:.3f}  "
-                  f"host {host_s * 1e3:6.1f} ms  device {dev_s * 1e3:7.1f} ms"
-                  + ("  (includes compile)" if step == 0 else ""))
-    if cfg.run.compare_baseline:
-        compare_with_baseline(cfg, trees, graphdef, state, step_fn, logprob_fn, optimizer)
+            say(progress_line(record) + ("  (includes compile)" if step == start else ""))
+        done = step + 1
+        if ckpt is not None and (done % cfg.checkpoint.every == 0 or done == cfg.run.steps):
+            ckpt.save(done, state, iterator.get_state(), trainer.run_meta())
+            if cfg.run.kill_after_checkpoint == done:
+                ckpt.wait()
+                say(f"checkpoint {done} committed; fault injection: SIGKILL")
+                os.kill(os.getpid(), signal.SIGKILL)
+    if ckpt is not None:
+        ckpt.wait()
+    wall = time.perf_counter() - t_run
+    metrics_log.close()
+    say(summary(history, wall, report.n_bad, ckpt))
+    if cfg.run.compare_baseline and history:
+        if jax.process_count() == 1:
+            compare_with_baseline(cfg, trees, trainer, state, rows)
+        else:
+            say("compare_baseline: skipped (single-process check)")
+    if ckpt is not None:
+        ckpt.close()
     return 0
 
 
-def compare_with_baseline(cfg, trees, graphdef, state, step_fn, logprob_fn, optimizer) -> None:
-    """Equivalence of log-probs and the speed of tree vs baseline steps, on step 0's trees."""
-    tree_batches, chosen, _ = step_batches(cfg, trees, "tree", 0)
-    base_batches, _, _ = step_batches(cfg, trees, "baseline", 0)
-    diff = max(
-        _max_logprob_diff(logprob_fn, state.params, tb, bb, [chosen[i] for i in idx])
-        for tb, bb, idx in zip(tree_batches, base_batches,
-                               np.array_split(np.arange(len(chosen)), cfg.data.micro_batches))
+def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host_s: float,
+                device_s: float, lr: float) -> dict[str, Any]:
+    """One JSONL record: step metrics plus throughput and sharing numbers of the global batch.
+    POR counts the trees' sharing, ERR what was really computed (parts of trees larger than a
+    row recompute their shared prefixes; the baseline computes every path)."""
+    n_tree, n_flat = int(info["n_tree_tokens"]), int(info["n_flat_tokens"])
+    n_computed = int(info["n_computed_tokens"])
+    return dict(
+        metrics, step=step, learning_rate=lr, n_trees=int(info["n_trees"]),
+        n_tree_tokens=n_tree, n_flat_tokens=n_flat, n_computed_tokens=n_computed,
+        por=1 - n_tree / n_flat,
+        err=1 - n_computed / n_flat, tokens_per_s=n_flat / device_s,
+        tree_tokens_per_s=n_computed / device_s, host_s=host_s, device_s=device_s,
     )
-    print(f"equivalence: max |tree log-prob - baseline log-prob| over all path tokens = {diff:.2e}")
-    tree_in, base_in = stack_microbatches(tree_batches), stack_microbatches(base_batches)
-    for inputs in (tree_in, base_in):  # compile both before timing
-        jax.block_until_ready(step_fn(state, inputs))
+
+
+def progress_line(r: dict[str, Any]) -> str:
+    return (f"step {r['step']:4d}  loss {r['loss']:8.4f}  grad_norm {r['grad_norm']:7.3f}  "
+            f"tokens/s {r['tokens_per_s']:9.0f} (baseline-equivalent)  "
+            f"tree tokens/s {r['tree_tokens_per_s']:9.0f}  POR {r['por']:.3f}  ERR {r['err']:.3f}  "
+            f"host {r['host_s'] * 1e3:6.1f} ms  device {r['device_s'] * 1e3:7.1f} ms")
+
+
+def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
+            ckpt: Checkpointer | None) -> str:
+    if not history:
+        return "summary: no steps to run"
+    steady = history[1:] or history
+    return (f"summary: steps {history[0]['step']}-{history[-1]['step']} in {wall:.1f} s; final "
+            f"loss {history[-1]['loss']:.4f}; median baseline-equivalent tokens/s "
+            f"{np.median([r['tokens_per_s'] for r in steady]):.0f}, device "
+            f"{np.median([r['device_s'] for r in steady]) * 1e3:.1f} ms/step, host "
+            f"{np.median([r['host_s'] for r in steady]) * 1e3:.1f} ms/step (excluding the first "
+            f"step); bad records skipped {n_bad}"
+            + (f"; checkpoints in {ckpt.directory}" if ckpt is not None else ""))
+
+
+def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], trainer: Trainer,
+                          state: TrainState, train_rows: int) -> None:
+    """Equivalence of log-probs and the speed of tree vs baseline steps, on step 0's trees. Each
+    mode is timed at the shape that holds every step of the run, as it would train (the trained
+    mode's is `train_rows`, so its step is not compiled again)."""
+    d, mesh = cfg.data, trainer.mesh
+    n_data = mesh.shape[DATA]
+    chosen = [trees[int(i)] for i in step_indices(len(trees), d.trees_per_step,
+                                                  d.shuffle_seed)[0]]
+    chosen = [t for t in chosen if t.n_tree_tokens <= d.seq_len]  # the check packs whole trees
+
+    def logprobs(batch) -> np.ndarray:
+        arrays = {k: v[None] for k, v in batch.arrays().items()}
+        return np.asarray(trainer.logprob_fn(state.params, to_global(mesh, arrays, n_data)))[0]
+
+    def padded_rows(n: int) -> int:
+        return -(-n // n_data) * n_data
+
+    tree_b = linearize(chosen, d.seq_len, normalization=cfg.objective.normalization)
+    tree_b = linearize(chosen, d.seq_len, normalization=cfg.objective.normalization,
+                       n_rows=padded_rows(tree_b.shape[0]))
+    base_b = linearize_baseline(chosen, d.seq_len, normalization=cfg.objective.normalization)
+    base_b = linearize_baseline(chosen, d.seq_len, normalization=cfg.objective.normalization,
+                                n_rows=padded_rows(base_b.shape[0]))
+    lp_tree = unlinearize(tree_b, logprobs(tree_b))
+    lp_base = unlinearize_baseline(base_b, logprobs(base_b), chosen)
+    diff = max(float(np.max(np.abs(a - b))) for ta, tb in zip(lp_tree, lp_base)
+               for a, b in zip(ta, tb))
+    say(f"equivalence: max |tree log-prob - baseline log-prob| over all path tokens = {diff:.2e}")
+
+    inputs = {}
+    for mode in ("tree", "baseline"):
+        units = all_units(trees, mode, d.seq_len, d.partition_method)
+        rows = train_rows if mode == cfg.run.mode else rows_for_run(
+            units, d.seq_len, d.trees_per_step, n_data * d.micro_batches, d.shuffle_seed,
+            cfg.run.steps)
+        plan = BatchPlan(mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
+                         d.micro_batches, n_data, tuple(range(n_data)), rows)
+        element = StepBuilder(trees, units, plan)(step_indices(len(trees), d.trees_per_step,
+                                                               d.shuffle_seed)[0])
+        inputs[mode] = to_global(mesh, element["inputs"], n_data)
+    for mode in ("tree", "baseline"):  # compile both before timing
+        state, metrics = trainer.step_fn(state, inputs[mode])
+        jax.block_until_ready(metrics)
     times: dict[str, list[float]] = {"tree": [], "baseline": []}
     for _ in range(cfg.run.timing_repeats):
-        for name, inputs in (("tree", tree_in), ("baseline", base_in)):
+        for mode in ("tree", "baseline"):
             t0 = time.perf_counter()
-            jax.block_until_ready(step_fn(state, inputs))
-            times[name].append(time.perf_counter() - t0)
+            state, metrics = trainer.step_fn(state, inputs[mode])
+            jax.block_until_ready(metrics)
+            times[mode].append(time.perf_counter() - t0)
     t_tree, t_base = np.median(times["tree"]), np.median(times["baseline"])
     stats = sum((t.stats() for t in chosen[1:]), chosen[0].stats())
-    print(f"speed: tree step {t_tree * 1e3:.1f} ms ({tree_in['tokens'].shape[1]} rows x "
-          f"{tree_in['tokens'].shape[2]}), baseline step {t_base * 1e3:.1f} ms "
-          f"({base_in['tokens'].shape[1]} rows x {base_in['tokens'].shape[2]}); speedup "
-          f"{t_base / t_tree:.2f}x (token bound 1/(1-POR) = {1 / (1 - stats.por):.2f}x, "
-          f"medians of {cfg.run.timing_repeats} alternating runs)")
-
-
-def _max_logprob_diff(logprob_fn, params, tree_batch: TreeBatch, base_batch: TreeBatch,
-                      trees: Sequence[TrajectoryTree]) -> float:
-    lp_tree = unlinearize(tree_batch, np.asarray(logprob_fn(params, tree_batch.arrays())))
-    lp_base = unlinearize_baseline(base_batch, np.asarray(logprob_fn(params, base_batch.arrays())),
-                                   trees)
-    return max(float(np.max(np.abs(a - b))) for ta, tb in zip(lp_tree, lp_base)
-               for a, b in zip(ta, tb))
+    shape = {m: "x".join(str(s) for s in inputs[m]["tokens"].shape) for m in inputs}
+    say(f"speed: tree step {t_tree * 1e3:.1f} ms (micro-batches x rows x S = {shape['tree']}), "
+        f"baseline step {t_base * 1e3:.1f} ms ({shape['baseline']}); speedup "
+        f"{t_base / t_tree:.2f}x (token bound 1/(1-POR) = {1 / (1 - stats.por):.2f}x, "
+        f"medians of {cfg.run.timing_repeats} alternating runs)")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jtree.models.layers import REMAT_POLICIES
+
+REMAT_POLICY_NAMES = ("none", *REMAT_POLICIES)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -15,7 +18,11 @@ class Qwen3Config:
 
     Architecture fields carry the Hugging Face names so that `config.json` maps one to one.
     `attention_impl` selects the `kernels.tree_attention` implementation; `dtype` is the compute
-    dtype and `param_dtype` the storage dtype of the weights.
+    dtype and `param_dtype` the storage dtype of the weights. `remat` is the activation
+    rematerialization policy of each decoder layer (`jtree.models.layers.REMAT_POLICIES`).
+    `tensor_parallel_axis` is set by `jtree.train.tensor_parallel_graphdef` for the copy of the
+    model that runs inside `shard_map` (weights are then this device's shard and partial sums are
+    reduced over that mesh axis); leave it unset everywhere else.
     """
 
     vocab_size: int = 512
@@ -34,6 +41,9 @@ class Qwen3Config:
     attention_impl: str = "auto"
     dtype: str = "float32"
     param_dtype: str = "float32"
+    # How to run it (not Hugging Face fields):
+    remat: str = "none"
+    tensor_parallel_axis: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -44,6 +54,8 @@ class Qwen3Config:
         for field in ("dtype", "param_dtype"):
             if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field}: {getattr(self, field)!r} is not one of {tuple(DTYPES)}")
+        if self.remat not in REMAT_POLICY_NAMES:
+            raise ValueError(f"remat: {self.remat!r} is not one of {REMAT_POLICY_NAMES}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
 

@@ -59,14 +59,81 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class SwiGLU(nnx.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)). Under tensor parallelism (`tp_axis`), gate/up are column
+    shards and down is the matching row shard, so the output is reduced over `tp_axis`."""
 
     def __init__(self, hidden: int, intermediate: int, *, init_std: float, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype, rngs: nnx.Rngs):
+                 param_dtype: jnp.dtype, rngs: nnx.Rngs, tp_axis: str | None = None):
         kw = dict(bias=False, init_std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.gate_proj = linear(hidden, intermediate, **kw)
         self.up_proj = linear(hidden, intermediate, **kw)
         self.down_proj = linear(intermediate, hidden, **kw)
+        self.tp_axis = tp_axis
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return row_parallel(self.down_proj, jax.nn.silu(self.gate_proj(x)) * self.up_proj(x),
+                            self.tp_axis)
+
+
+# ---------------------------------------------------------------------- tensor-parallel hooks
+# Megatron-style tensor parallelism inside `shard_map` (jtree.sharding decides the splits): the
+# model sees only its shard of each weight. Column-parallel projections (q/k/v, gate/up) need no
+# change; these three helpers are the only places that communicate. With `axis=None` (no tensor
+# parallelism) each is exactly the plain single-device computation.
+
+
+def row_parallel(layer: nnx.Linear, x: jax.Array, axis: str | None) -> jax.Array:
+    """`layer(x)` for a row-parallel projection whose kernel holds this device's input rows: the
+    partial products are summed over `axis`, then the bias (if any) is added once."""
+    if axis is None:
+        return layer(x)
+    kernel = layer.kernel[...]
+    bias = layer.bias[...] if layer.bias is not None else None
+    x, kernel, bias = layer.promote_dtype((x, kernel, bias), dtype=layer.dtype)
+    y = jax.lax.psum(jnp.dot(x, kernel), axis)
+    return y if bias is None else y + bias
+
+
+def vocab_parallel_embed(embed: nnx.Embed, tokens: jax.Array, axis: str | None) -> jax.Array:
+    """Embedding lookup when the table's rows (the vocabulary) are split over `axis`: each device
+    looks up the tokens in its range, zeros elsewhere, and the results are summed."""
+    if axis is None:
+        return embed(tokens)
+    (table,) = embed.promote_dtype((embed.embedding[...],), dtype=embed.dtype, inexact=False)
+    rows = table.shape[0]
+    local = tokens - jax.lax.axis_index(axis) * rows
+    inside = (local >= 0) & (local < rows)
+    x = jnp.take(table, jnp.where(inside, local, 0), axis=0)
+    return jax.lax.psum(jnp.where(inside[..., None], x, jnp.zeros_like(x)), axis)
+
+
+def local_kv_heads(kv: jax.Array, q_heads_local: int, q_heads: int, kv_heads: int,
+                   axis: str | None) -> jax.Array:
+    """The kv heads [rows, S, h, D] read by this device's query heads.
+
+    When kv heads divide the tensor-parallel degree they are split like the query heads and
+    nothing changes. With fewer kv heads than devices, k/v projections are replicated and each
+    device keeps the single kv head that its contiguous block of query heads reads (GQA).
+    """
+    if axis is None or kv.shape[2] != kv_heads or q_heads_local == q_heads:
+        return kv
+    group = q_heads // kv_heads
+    first = jax.lax.axis_index(axis) * q_heads_local // group
+    return jax.lax.dynamic_slice_in_dim(kv, first, 1, axis=2)
+
+
+# ---------------------------------------------------------------------- rematerialization
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def call_layer(layer: nnx.Module, *args: jax.Array, remat: str) -> jax.Array:
+    """`layer(*args)`, recomputing its activations in the backward pass under policy `remat`
+    ("none" keeps them; "full" saves nothing; "dots" saves matmul outputs)."""
+    if remat == "none":
+        return layer(*args)
+    return nnx.remat(lambda m, *a: m(*a), policy=REMAT_POLICIES[remat])(layer, *args)

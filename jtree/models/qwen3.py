@@ -13,7 +13,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtree.models.config import Qwen3Config
-from jtree.models.layers import RMSNorm, SwiGLU, apply_rope, linear, rope_cos_sin
+from jtree.models.layers import (
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    call_layer,
+    linear,
+    local_kv_heads,
+    rope_cos_sin,
+    row_parallel,
+    vocab_parallel_embed,
+)
 from jtree.models.output import ModelOutput
 from kernels import tree_attention
 
@@ -35,13 +45,16 @@ class Qwen3Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array) -> jax.Array:
         rows, s, _ = x.shape
-        cfg = self.cfg
-        q = self.q_norm(self.q_proj(x).reshape(rows, s, cfg.num_attention_heads, cfg.head_dim))
-        k = self.k_norm(self.k_proj(x).reshape(rows, s, cfg.num_key_value_heads, cfg.head_dim))
-        v = self.v_proj(x).reshape(rows, s, cfg.num_key_value_heads, cfg.head_dim)
+        cfg, tp = self.cfg, self.cfg.tensor_parallel_axis
+        # Head counts come from the weights: under tensor parallelism they are this device's.
+        q = self.q_norm(self.q_proj(x).reshape(rows, s, -1, cfg.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(rows, s, -1, cfg.head_dim))
+        v = self.v_proj(x).reshape(rows, s, -1, cfg.head_dim)
+        heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = tree_attention(q, k, v, end, impl=cfg.attention_impl)
-        return self.o_proj(out.reshape(rows, s, -1))
+        return row_parallel(self.o_proj, out.reshape(rows, s, -1), tp)
 
 
 class Qwen3DecoderLayer(nnx.Module):
@@ -52,7 +65,8 @@ class Qwen3DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                                 param_dtype=cfg.weight_dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, init_std=cfg.initializer_range,
-                          dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs)
+                          dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs,
+                          tp_axis=cfg.tensor_parallel_axis)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array) -> jax.Array:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, end)
@@ -73,10 +87,10 @@ class Qwen3Model(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, tokens: jax.Array, pos: jax.Array, end: jax.Array) -> jax.Array:
-        x = self.embed_tokens(tokens)
+        x = vocab_parallel_embed(self.embed_tokens, tokens, self.cfg.tensor_parallel_axis)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
         for layer in self.layers:
-            x = layer(x, cos, sin, end)
+            x = call_layer(layer, x, cos, sin, end, remat=self.cfg.remat)
         return self.norm(x)
 
 
@@ -101,7 +115,8 @@ class Qwen3(nnx.Module):
         return ModelOutput(hidden, jnp.zeros((), jnp.float32))
 
     def output_embedding(self) -> jax.Array:
-        """[hidden, vocab] matrix mapping final hidden states to logits."""
+        """[hidden, vocab] matrix mapping final hidden states to logits (this device's vocabulary
+        columns under tensor parallelism)."""
         if self.lm_head is None:
             w = self.model.embed_tokens.embedding[...].T
         else:

@@ -1,0 +1,65 @@
+"""`jtree export-hf --config CFG --checkpoint DIR --out OUT`: a trained model as a Hugging Face
+directory.
+
+Restores the parameters of an Orbax training checkpoint (`jtree.checkpoint`, the latest step or
+`--step`) onto this host, rebuilds the model of the run's config (same `key=value` overrides as
+the run) and writes it with `jtree.hf.save`, which transformers' `from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jtree.checkpoint import Checkpointer, abstract_like
+from jtree.config import load_config
+from jtree.models import create_model
+from jtree.train import TrainState, make_optimizer
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export-hf", help="write a training checkpoint as a Hugging Face directory")
+    p.add_argument("--config", required=True, help="the run's YAML config")
+    p.add_argument("--checkpoint", required=True, help="the run's checkpoint.dir")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--dtype", default=None, help="stored dtype (default: the parameter dtype)")
+    p.add_argument("--copy-from", default=None,
+                   help="HF directory the run started from (tokenizer files, token ids)")
+    p.add_argument("overrides", nargs="*", help="the run's key.path=value overrides")
+    p.set_defaults(func=run)
+
+
+def trained_model(config_path: str, overrides: list[str], checkpoint: str,
+                  step: int | None = None) -> tuple[nnx.Module, object]:
+    """(model with the checkpoint's parameters, model config) on the default device."""
+    cfg = load_config(config_path, overrides)
+    arch, mcfg = cfg.model.architecture, cfg.model.config
+    optimizer = make_optimizer(cfg.optim)
+
+    def init() -> TrainState:
+        params = nnx.split(create_model(arch, mcfg))[1]
+        return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+    ckpt = Checkpointer(checkpoint, async_save=False)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise ValueError(f"--checkpoint: no checkpoint in {ckpt.directory}")
+    shapes = jax.eval_shape(init)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    state, _, _ = ckpt.restore(step, abstract_like(shapes, jax.tree.map(lambda _: device, shapes)))
+    ckpt.close()
+    graphdef = nnx.split(nnx.eval_shape(lambda: create_model(arch, mcfg)))[0]
+    return nnx.merge(graphdef, state.params), mcfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from jtree.hf import save
+
+    model, mcfg = trained_model(args.config, args.overrides, args.checkpoint, args.step)
+    save(model, mcfg, args.out, dtype=args.dtype, copy_from=args.copy_from)
+    print(f"wrote {args.out} from {args.checkpoint}")
+    return 0

@@ -1,0 +1,277 @@
+"""The input pipeline: JSONL -> trees -> per-step, per-host linearized arrays (grain).
+
+Loading (`load_trees`) reads sequence groups, explicit trees or chat conversations, validating
+every record; a bad record either stops the run with its `file:line` or, with
+`on_bad_record="skip"`, is skipped and counted.
+
+Batching (`make_pipeline`) is a grain `MapDataset`: tree indices shuffled by seed (reshuffled
+every epoch), grouped `trees_per_step` at a time, then mapped by `StepBuilder` to this host's
+arrays. A tree larger than a row is cut into capacity parts (`jtree.partition`); the baseline
+packs paths. Every host computes the same global step (so all hosts agree on shapes and
+statistics without talking to each other), balances the step's units over the global data shards
+x micro-batches (`jtree.balance`) and linearizes only the shards its devices hold. Loss
+coefficients stay raw (normalizer 1) and `row_norm` carries each row's share of the normalizer;
+the train step divides by the global sum (`jtree.train.normalize_coefficients`), so no host needs
+another host's trees. The iterator state is grain's and is saved with every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import grain
+import numpy as np
+
+from jtree.balance import assign_to_ranks
+from jtree.baseline import flatten_paths
+from jtree.chat import conversation_tree, load_tokenizer
+from jtree.linearize import FLOAT_FIELDS, INT_FIELDS, linearize
+from jtree.loss import Normalization, batch_normalizer
+from jtree.packing import plan_rows as plan_packed_rows
+from jtree.partition import Method as PartitionMethod
+from jtree.partition import partition
+from jtree.tree import TrajectoryTree
+from jtree.tree_jsonl import (
+    check_group_line, group_key, iter_lines, parse_line, tree_from_group, tree_from_record,
+)
+
+Mode = Literal["tree", "baseline"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What loading read: records (lines), trees built, and the skipped bad records."""
+
+    n_lines: int
+    n_trees: int
+    n_bad: int
+    first_errors: tuple[str, ...]
+
+
+class _BadRecords:
+    """Raise on the first bad record, or count it (keeping the first few messages)."""
+
+    def __init__(self, policy: str, keep: int = 5):
+        if policy not in ("raise", "skip"):
+            raise ValueError(f"on_bad_record: {policy!r} is not 'raise' or 'skip'")
+        self.policy, self.keep = policy, keep
+        self.count, self.errors = 0, []
+
+    def __call__(self, error: ValueError, lines: int = 1) -> None:
+        if self.policy == "raise":
+            raise error
+        self.count += lines
+        if len(self.errors) < self.keep:
+            self.errors.append(str(error))
+
+
+def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
+               on_bad_record: str = "raise", tokenizer: str = "bytes",
+               ) -> tuple[list[TrajectoryTree], LoadReport]:
+    """Every tree of a JSONL file, validated; see the module docstring for bad records."""
+    bad = _BadRecords(on_bad_record)
+    trees: list[TrajectoryTree] = []
+    n_lines = 0
+    if fmt == "groups":
+        groups: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        for where, line in iter_lines(path):
+            n_lines += 1
+            try:
+                rec = parse_line(where, line)
+                check_group_line(where, rec)
+                tree_from_group([(where, rec)], vocab_size=vocab_size)  # the line on its own
+            except ValueError as e:
+                bad(e)
+                continue
+            groups.setdefault(group_key(rec), []).append((where, rec))
+        for members in groups.values():
+            try:
+                trees.append(tree_from_group(members, vocab_size=vocab_size))
+            except ValueError as e:  # lines that disagree with each other: the whole group
+                bad(e, lines=len(members))
+    elif fmt in ("trees", "chat"):
+        tok = load_tokenizer(tokenizer) if fmt == "chat" else None
+        if tok is not None and vocab_size is not None and tok.vocab_size > vocab_size:
+            raise ValueError(f"tokenizer: {tokenizer} has {tok.vocab_size} tokens, more than "
+                             f"model.vocab_size={vocab_size}")
+        for where, line in iter_lines(path):
+            n_lines += 1
+            try:
+                rec = parse_line(where, line)
+                trees.append(tree_from_record(where, rec, vocab_size=vocab_size) if tok is None
+                             else conversation_tree(rec, tok, where=where, vocab_size=vocab_size))
+            except ValueError as e:
+                bad(e)
+    else:
+        raise ValueError(f"format: {fmt!r} is not one of ('groups', 'trees', 'chat')")
+    if not trees:
+        raise ValueError(f"{path}: no usable records ({bad.count} bad)"
+                         + (f"; first: {bad.errors[0]}" if bad.errors else ""))
+    return trees, LoadReport(n_lines, len(trees), bad.count, tuple(bad.errors))
+
+
+# ---------------------------------------------------------------------- step batching
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """Static shape of every step: `shards` are the global data-shard indices this host feeds,
+    out of `n_shards`; each gets `micro_batches` micro-batches of `rows` rows of `seq_len`."""
+
+    mode: Mode
+    normalization: Normalization
+    seq_len: int
+    trees_per_step: int
+    micro_batches: int
+    n_shards: int
+    shards: tuple[int, ...]
+    rows: int
+
+
+def training_units(tree: TrajectoryTree, mode: Mode, seq_len: int,
+                   method: PartitionMethod = "heuristic") -> list[TrajectoryTree]:
+    """What gets packed into rows: the tree, its capacity parts when it is larger than a row
+    (`jtree.partition` with `method`, exact: each path owned by one part), or its paths
+    (baseline)."""
+    if mode == "baseline":
+        return flatten_paths([tree])
+    if tree.n_tree_tokens <= seq_len:
+        return [tree]
+    return list(partition(tree, seq_len, method).parts)
+
+
+def step_bins(units: Sequence[TrajectoryTree], n_bins: int) -> list[list[int]]:
+    """Units of one step balanced over the data shards x micro-batches (`jtree.balance`)."""
+    return [list(r) for r in assign_to_ranks([u.n_tree_tokens for u in units], n_bins).ranks]
+
+
+def rows_needed(units: Sequence[TrajectoryTree], seq_len: int) -> int:
+    """Rows of `seq_len` that first-fit-decreasing packing needs for `units`."""
+    if not units:
+        return 0
+    return plan_packed_rows([u.n_tree_tokens for u in units], seq_len).n_rows
+
+
+def _empty_arrays(rows: int, seq_len: int) -> dict[str, np.ndarray]:
+    """An all-padding micro-batch (a bin that got no tree): attends to itself, weight 0."""
+    idx = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len))
+    out = {f: np.zeros((rows, seq_len), np.int32) for f in INT_FIELDS}
+    out.update(end=idx + 1, pred=np.full((rows, seq_len), -1, np.int32),
+               node=np.full((rows, seq_len), -1, np.int32), valid=np.zeros((rows, seq_len), bool))
+    out.update({f: np.zeros((rows, seq_len), np.float32) for f in FLOAT_FIELDS})
+    return out
+
+
+def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree]
+              ) -> dict[str, np.ndarray]:
+    """Global statistics of a step (every host computes them from the same trees)."""
+    stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
+    has_old = all(t.old_logprobs is not None for t in trees)
+    disagreement = 0.0
+    if has_old:
+        for t in trees:  # position 0 is never scored, as in `linearize`
+            old = [np.concatenate([[0.0], o[1:]]) for o in t.old_logprobs]
+            disagreement = max(disagreement, t.tree_token_values(old)[1])
+    return {
+        "n_trees": np.int64(len(trees)), "n_paths": np.int64(stats.n_paths),
+        "n_tree_tokens": np.int64(stats.n_tree_tokens),
+        "n_flat_tokens": np.int64(stats.n_flat_tokens),
+        "n_computed_tokens": np.int64(sum(u.n_tree_tokens for u in units)),
+        "has_old_logprobs": np.bool_(has_old),
+        "old_logprob_disagreement": np.float64(disagreement),
+    }
+
+
+class StepBuilder:
+    """Grain transform: the tree indices of one global step -> this host's step inputs.
+
+    Output: `{"inputs": {field: [micro_batches, rows * len(shards), seq_len]} + row_norm,
+    "info": step_info(...)}`. `units[i]` are the training units of `trees[i]` (`all_units`).
+    """
+
+    def __init__(self, trees: Sequence[TrajectoryTree], units: Sequence[Sequence[TrajectoryTree]],
+                 plan: BatchPlan):
+        self.trees, self.units, self.plan = list(trees), list(units), plan
+
+    def __call__(self, indices: np.ndarray) -> dict[str, Any]:
+        plan = self.plan
+        units = [u for i in indices for u in self.units[int(i)]]
+        bins = step_bins(units, plan.n_shards * plan.micro_batches)
+        micro = []
+        for m in range(plan.micro_batches):
+            parts = [self._linearize([units[i] for i in bins[s * plan.micro_batches + m]])
+                     for s in plan.shards]
+            micro.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+        inputs = {k: np.stack([mb[k] for mb in micro]) for k in micro[0]}
+        return {"inputs": inputs, "info": step_info([self.trees[int(i)] for i in indices], units)}
+
+    def _linearize(self, units: list[TrajectoryTree]) -> dict[str, np.ndarray]:
+        plan = self.plan
+        if not units:
+            out = _empty_arrays(plan.rows, plan.seq_len)
+            out["row_norm"] = np.zeros(plan.rows, np.float32)
+            return out
+        batch = linearize(units, plan.seq_len, normalization=plan.normalization, normalizer=1.0,
+                          n_rows=plan.rows)
+        row_norm = np.zeros(plan.rows, np.float64)
+        for t, r in zip(batch.layout.trees, batch.layout.rows):
+            row_norm[r] += batch_normalizer([t], plan.normalization)
+        return dict(batch.arrays(), row_norm=row_norm.astype(np.float32))
+
+
+def step_indices(n_trees: int, trees_per_step: int, seed: int) -> grain.MapDataset:
+    """Tree indices of every step: a seeded shuffle of all trees, reshuffled every epoch."""
+    return (grain.MapDataset.range(n_trees).seed(seed).shuffle().repeat()
+            .batch(trees_per_step, drop_remainder=True))
+
+
+def all_units(trees: Sequence[TrajectoryTree], mode: Mode, seq_len: int,
+              method: PartitionMethod = "heuristic") -> list[list[TrajectoryTree]]:
+    """`training_units` of every tree, computed once for the run."""
+    return [training_units(t, mode, seq_len, method) for t in trees]
+
+
+def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_per_step: int,
+                 n_bins: int, seed: int, steps: int) -> int:
+    """The fewest rows per micro-batch that hold every one of the first `steps` steps."""
+    index = step_indices(len(units), trees_per_step, seed)
+    most = 1
+    for k in range(steps):
+        step_units = [u for i in index[k] for u in units[int(i)]]
+        for b in step_bins(step_units, n_bins):
+            most = max(most, rows_needed([step_units[i] for i in b], seq_len))
+    return most
+
+
+def make_pipeline(builder: StepBuilder, *, seed: int, worker_count: int = 0) -> grain.IterDataset:
+    """Step inputs for this host, in step order (iterate it, checkpoint its iterator state)."""
+    ds = step_indices(len(builder.trees), builder.plan.trees_per_step, seed).map(builder)
+    it_ds = ds.to_iter_dataset()
+    if worker_count > 0:
+        from absl import flags  # grain's workers read absl flags, which a script never parses
+
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count),
+                                  worker_init_fn=_exit_with_parent)
+    return it_ds
+
+
+def _exit_with_parent(worker_index: int, worker_count: int) -> None:
+    """Grain worker start-up: exit when the training process is gone (a SIGKILLed trainer gives
+    its workers no chance to stop them, and they would hold its output pipes open)."""
+    import os
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()

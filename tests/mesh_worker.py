@@ -1,0 +1,130 @@
+"""Run one train step on several meshes of 8 forced host devices and compare with one device.
+
+Run in a subprocess (`tests/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
+backend, which the rest of the test session has long done. Prints one JSON line per case with the
+largest relative differences (loss, gradient norm, updated parameters and their updates) to the single-device step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jtree.baseline import linearize_baseline  # noqa: E402
+from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
+from jtree.linearize import linearize  # noqa: E402
+from jtree.loss import batch_normalizer  # noqa: E402
+from jtree.models import Qwen3  # noqa: E402
+from jtree.sharding import MeshConfig, make_mesh, named, param_specs, qwen3_rules  # noqa: E402
+from jtree.train import (  # noqa: E402
+    Objective, OptimConfig, TrainState, make_optimizer, make_sharded_grad_fn,
+    make_train_step, state_shardings, tensor_parallel_graphdef,
+)
+from tests.models_util import rel_l2, tiny_config  # noqa: E402
+from tests.strategies import explicit_tree, random_forest, sequences_tree  # noqa: E402
+from flax import nnx  # noqa: E402
+
+S, ROWS = 64, 8
+
+
+def step_inputs(mode: str, objective: Objective) -> dict[str, np.ndarray]:
+    """Two micro-batches of branching trees, raw coefficients plus per-row normalizer shares
+    (the form `jtree.data` produces)."""
+    rng = np.random.default_rng(7)
+    trees = [(explicit_tree if i % 2 else sequences_tree)(random_forest(rng, max_nodes=8))
+             for i in range(10)]
+    fn = linearize if mode == "tree" else linearize_baseline
+    out = []
+    for part in (trees[:5], trees[5:]):
+        b = fn(part, S, normalization=objective.normalization, normalizer=1.0, n_rows=ROWS)
+        arrays = dict(b.arrays())
+        arrays["row_norm"] = np.zeros(ROWS, np.float32)
+        arrays["row_norm"][0] = batch_normalizer(part, objective.normalization)
+        out.append(arrays)
+    return {k: np.stack([o[k] for o in out]) for k in out[0]}
+
+
+def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
+    """Save a sharded TrainState from a (4, 2) mesh, restore it onto (2, 4) and (8, 1)."""
+    def sharded_state(data: int, model_size: int):
+        mesh = make_mesh(MeshConfig(data=data, model=model_size))
+        specs = param_specs(params, qwen3_rules(cfg, model_size), mesh)
+        shardings = state_shardings(opt, params, named(mesh, specs), mesh)
+        return shardings
+
+    saved_sh = sharded_state(4, 2)
+    state = jax.device_put(TrainState(params, opt.init(params), np.int32(5)), saved_sh)
+    ckpt = Checkpointer(directory, keep=1)
+    ckpt.save(5, state, {"next_index": 5}, {"seed": 0})
+    ckpt.wait()
+    result = {"case": "restore", "equal": True, "resharded": True}
+    for shape in ((2, 4), (8, 1)):
+        target = sharded_state(*shape)
+        restored, data_state, meta = ckpt.restore(5, abstract_like(state, target))
+        result["equal"] &= data_state == {"next_index": 5} and int(restored.step) == 5
+        for a, b, sh in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state),
+                            jax.tree_util.tree_leaves(target)):
+            result["equal"] &= bool(np.array_equal(np.asarray(a), np.asarray(b)))
+            result["resharded"] &= a.sharding == sh
+    ckpt.close()
+    return result
+
+
+def main(cases: list[str]) -> None:
+    cfg = tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    model = Qwen3(cfg, rngs=nnx.Rngs(3))
+    graphdef, params = nnx.split(model)
+    tp_graphdef = tensor_parallel_graphdef(model)
+    opt = make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=0, decay_steps=10))
+    for case in cases:
+        if case.startswith("restore:"):
+            print(json.dumps(dict(restore_on_other_meshes(cfg, params, opt, case[8:]),
+                                  case=case)), flush=True)
+            continue
+        mode, kind, shape = case.split(":")
+        data, model_size = (int(x) for x in shape.split("x"))
+        objective = Objective(kind=kind, normalization="token_mean" if kind == "sft"
+                              else "seq_mean_token_mean")
+        inputs = step_inputs(mode, objective)
+        if kind == "ppo":
+            rng = np.random.default_rng(1)
+            inputs["old_logprobs"] = (-rng.uniform(0.5, 5.0, inputs["tokens"].shape)
+                                      ).astype(np.float32)
+        state = TrainState(params, opt.init(params), np.int32(0))
+        ref_state, ref_metrics = jax.jit(make_train_step(graphdef, opt, objective))(state, inputs)
+
+        mesh = make_mesh(MeshConfig(data=data, model=model_size))
+        specs = param_specs(params, qwen3_rules(cfg, model_size), mesh)
+        sharded_params = jax.device_put(params, named(mesh, specs))
+        grad_fn = make_sharded_grad_fn(tp_graphdef, objective, mesh, specs)
+        step = jax.jit(make_train_step(tp_graphdef, opt, objective, grad_fn=grad_fn))
+        new_state, metrics = step(TrainState(sharded_params, opt.init(sharded_params),
+                                             np.int32(0)), inputs)
+        leaves = jax.tree_util.tree_leaves
+        result = {
+            "case": case,
+            "loss_rel": abs(float(metrics["loss"]) - float(ref_metrics["loss"]))
+            / abs(float(ref_metrics["loss"])),
+            "grad_norm_rel": abs(float(metrics["grad_norm"]) - float(ref_metrics["grad_norm"]))
+            / float(ref_metrics["grad_norm"]),
+            "params_rel_l2": max(rel_l2(a, b) for a, b in
+                                 zip(leaves(new_state.params), leaves(ref_state.params))),
+            "update_rel_l2": max(
+                rel_l2(np.asarray(a) - np.asarray(p0), np.asarray(b) - np.asarray(p0))
+                for a, b, p0 in zip(leaves(new_state.params), leaves(ref_state.params),
+                                    leaves(params))),
+            "sharded_leaves": sum(not s.is_fully_replicated for s in
+                                  leaves(jax.tree.map(lambda a: a.sharding, new_state.params))),
+        }
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,63 @@
+"""Small training runs for end-to-end tests: a tiny dataset, a tiny config, subprocess launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from jtree.synthetic import AgentShape, agent_rollout_group
+from jtree.tree_jsonl import write_sequence_groups
+
+WORKTREE = Path(__file__).resolve().parent.parent
+VOCAB = 64
+
+
+def write_groups(path: Path, n_groups: int = 12, seed: int = 0) -> Path:
+    """Branching agent-rollout groups small enough for a 128-token row."""
+    rng = np.random.default_rng(seed)
+    shape = AgentShape(vocab_size=VOCAB, system_len=16, task_len=6, turns=2, assistant_len=8,
+                       tool_len=6, rollouts=4, think_len=4)
+    write_sequence_groups(path, [agent_rollout_group(rng, shape) for _ in range(n_groups)])
+    return path
+
+
+def tiny_overrides(data: Path, **extra: object) -> list[str]:
+    base = {
+        "data.path": str(data), "data.seq_len": 128, "data.trees_per_step": 4,
+        "data.micro_batches": 2, "model.vocab_size": VOCAB, "model.hidden_size": 32,
+        "model.intermediate_size": 64, "model.num_hidden_layers": 1,
+        "model.num_attention_heads": 4, "model.num_key_value_heads": 2, "model.head_dim": 8,
+        "model.attention_impl": "reference", "optim.learning_rate": 1e-2,
+        "optim.warmup_steps": 1, "run.compare_baseline": False, "run.log_every": 1,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `python -m launch.train ARGS` from the worktree, output to `log`.out/.err (files,
+    not pipes: a killed run's data workers must not keep the test waiting for end-of-file)."""
+    full_env = dict(os.environ, PYTHONPATH=str(WORKTREE), **(env or {}))
+    full_env.pop("XLA_FLAGS", None)
+    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "launch.train", *args], cwd=WORKTREE,
+                                env=full_env, stdout=out, stderr=err)
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> tuple[int, str, str]:
+    """Wait for a `launch` process: (return code, stdout, stderr)."""
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return code, Path(f"{log}.out").read_text(), Path(f"{log}.err").read_text()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
