@@ -30,7 +30,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.block_tables import FULL, PARTIAL, block_tables
+from kernels.block_tables import FULL, PARTIAL, block_tables, round_up_to_blocks
 
 DEFAULT_BLOCK = 128
 LANES = 128
@@ -50,9 +50,8 @@ class _Config(NamedTuple):
 
 def padded_length(s: int, *, block_q: int | None = None, block_kv: int | None = None,
                   **_options) -> int:
-    """The smallest length >= s that the blocks divide (the dispatch pads S up to it)."""
-    m = int(np.lcm(block_q or DEFAULT_BLOCK, block_kv or DEFAULT_BLOCK))
-    return -(-s // m) * m
+    """The length the dispatch pads S to for these blocks."""
+    return round_up_to_blocks(s, block_q or DEFAULT_BLOCK, block_kv or DEFAULT_BLOCK)
 
 
 def tree_attention_tpu(
@@ -158,6 +157,76 @@ def _on_kind(kind, body):
     pl.when(kind == PARTIAL)(lambda: body(True))
 
 
+class _Specs(NamedTuple):
+    """BlockSpecs of one grid: q-like tiles (q, out, dq, d_out), k/v tiles, the kv-block's slice
+    of `end`, and per-query rows (lse, delta)."""
+
+    q: pl.BlockSpec
+    kv: pl.BlockSpec
+    end: pl.BlockSpec
+    row: pl.BlockSpec
+
+
+def _specs(q_map, kv_map, end_map, row_map, d: int, cfg: _Config) -> _Specs:
+    bq, bk = cfg.block_q, cfg.block_kv
+    return _Specs(pl.BlockSpec((None, None, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
+                  pl.BlockSpec((None, 1, bk), end_map), pl.BlockSpec((None, None, 1, bq), row_map))
+
+
+def _per_q_block_specs(group: int, d: int, cfg: _Config) -> _Specs:
+    """Grid (rows, Hq, nq, steps): step n of q-block i reads the n-th kv-block of its list."""
+
+    def q_map(r, h, i, n, tab):
+        return r, h, i, 0
+
+    def kv_map(r, h, i, n, tab):
+        return r, jax.lax.div(h, group), _block(tab[r, i, n]), 0
+
+    def end_map(r, h, i, n, tab):
+        return r, 0, _block(tab[r, i, n])
+
+    def row_map(r, h, i, n, tab):
+        return r, h, 0, i
+
+    return _specs(q_map, kv_map, end_map, row_map, d, cfg)
+
+
+def _per_kv_block_specs(group: int, d: int, cfg: _Config) -> _Specs:
+    """Grid (rows, Hkv, nk, group, steps): query head hk * group + gi, step n of kv-block j reads
+    the n-th q-block of its list."""
+
+    def q_map(r, hk, j, gi, n, tab):
+        return r, hk * group + gi, _block(tab[r, j, n]), 0
+
+    def kv_map(r, hk, j, gi, n, tab):
+        return r, hk, j, 0
+
+    def end_map(r, hk, j, gi, n, tab):
+        return r, 0, j
+
+    def row_map(r, hk, j, gi, n, tab):
+        return r, hk * group + gi, 0, _block(tab[r, j, n])
+
+    return _specs(q_map, kv_map, end_map, row_map, d, cfg)
+
+
+def _call(kernel, name: str, *, grid, cfg: _Config, in_specs, out_specs, out_shape, scratch,
+          accumulating: int = 1):
+    """A pallas_call with one scalar-prefetched block table; every grid axis is parallel except
+    the last `accumulating` ones, whose steps accumulate into scratch in order."""
+    semantics = ("parallel",) * (len(grid) - accumulating) + ("arbitrary",) * accumulating
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid,
+                                               in_specs=in_specs, out_specs=out_specs,
+                                               scratch_shapes=scratch),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        interpret=cfg.interpret,
+        name=name,
+    )
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -205,47 +274,17 @@ def _fwd_kernel(kv_table, q_ref, k_ref, v_ref, end_ref, o_ref, lse_ref, m_scr, l
 def _forward(q, k, v, end, kv_table, cfg: _Config):
     """q [rows, Hq, S, D], k, v [rows, Hkv, S, D], end [rows, 1, S] -> out, lse [rows, Hq, 1, S]."""
     rows, hq, s, d = q.shape
-    g = hq // k.shape[1]
-    bq, bk = cfg.block_q, cfg.block_kv
-    steps = kv_table.shape[2]
-
-    def q_map(r, h, i, n, tab):
-        return r, h, i, 0
-
-    def kv_map(r, h, i, n, tab):
-        return r, jax.lax.div(h, g), _block(tab[r, i, n]), 0
-
-    def end_map(r, h, i, n, tab):
-        return r, 0, _block(tab[r, i, n])
-
-    def lse_map(r, h, i, n, tab):
-        return r, h, 0, i
-
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(rows, hq, s // bq, steps),
-        in_specs=[
-            pl.BlockSpec((None, None, bq, d), q_map),
-            pl.BlockSpec((None, None, bk, d), kv_map),
-            pl.BlockSpec((None, None, bk, d), kv_map),
-            pl.BlockSpec((None, 1, bk), end_map),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, bq, d), q_map),
-            pl.BlockSpec((None, None, 1, bq), lse_map),
-        ],
-        scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
-                        pltpu.VMEM((bq, d), jnp.float32)],
-    )
-    return pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, steps=steps),
-        grid_spec=grid_spec,
+    specs = _per_q_block_specs(hq // k.shape[1], d, cfg)
+    bq = cfg.block_q
+    return _call(
+        functools.partial(_fwd_kernel, cfg=cfg, steps=kv_table.shape[2]), "tree_attention_fwd",
+        grid=(rows, hq, s // bq, kv_table.shape[2]), cfg=cfg,
+        in_specs=[specs.q, specs.kv, specs.kv, specs.end],
+        out_specs=[specs.q, specs.row],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((rows, hq, 1, s), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=cfg.interpret,
-        name="tree_attention_fwd",
+        scratch=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
+                 pltpu.VMEM((bq, d), jnp.float32)],
     )(kv_table, q, k, v, end)
 
 
@@ -286,45 +325,14 @@ def _dq_kernel(kv_table, q_ref, k_ref, v_ref, end_ref, do_ref, lse_ref, delta_re
 
 def _backward_dq(q, k, v, end, d_out, lse, delta, kv_table, cfg: _Config):
     rows, hq, s, d = q.shape
-    g = hq // k.shape[1]
-    bq, bk = cfg.block_q, cfg.block_kv
-    steps = kv_table.shape[2]
-
-    def q_map(r, h, i, n, tab):
-        return r, h, i, 0
-
-    def kv_map(r, h, i, n, tab):
-        return r, jax.lax.div(h, g), _block(tab[r, i, n]), 0
-
-    def end_map(r, h, i, n, tab):
-        return r, 0, _block(tab[r, i, n])
-
-    def row_map(r, h, i, n, tab):
-        return r, h, 0, i
-
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(rows, hq, s // bq, steps),
-        in_specs=[
-            pl.BlockSpec((None, None, bq, d), q_map),
-            pl.BlockSpec((None, None, bk, d), kv_map),
-            pl.BlockSpec((None, None, bk, d), kv_map),
-            pl.BlockSpec((None, 1, bk), end_map),
-            pl.BlockSpec((None, None, bq, d), q_map),
-            pl.BlockSpec((None, None, 1, bq), row_map),
-            pl.BlockSpec((None, None, 1, bq), row_map),
-        ],
-        out_specs=pl.BlockSpec((None, None, bq, d), q_map),
-        scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
-    )
-    return pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=cfg, steps=steps),
-        grid_spec=grid_spec,
+    specs = _per_q_block_specs(hq // k.shape[1], d, cfg)
+    return _call(
+        functools.partial(_dq_kernel, cfg=cfg, steps=kv_table.shape[2]), "tree_attention_dq",
+        grid=(rows, hq, s // cfg.block_q, kv_table.shape[2]), cfg=cfg,
+        in_specs=[specs.q, specs.kv, specs.kv, specs.end, specs.q, specs.row, specs.row],
+        out_specs=specs.q,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=cfg.interpret,
-        name="tree_attention_dq",
+        scratch=[pltpu.VMEM((cfg.block_q, d), jnp.float32)],
     )(kv_table, q, k, v, end, d_out, lse, delta)
 
 
@@ -372,46 +380,16 @@ def _dkv_kernel(q_table, q_ref, k_ref, v_ref, end_ref, do_ref, lse_ref, delta_re
 def _backward_dkv(q, k, v, end, d_out, lse, delta, q_table, cfg: _Config):
     rows, hq, s, d = q.shape
     hkv = k.shape[1]
-    g = hq // hkv
-    bq, bk = cfg.block_q, cfg.block_kv
-    steps = q_table.shape[2]
-
-    def q_map(r, hk, j, gi, n, tab):
-        return r, hk * g + gi, _block(tab[r, j, n]), 0
-
-    def row_map(r, hk, j, gi, n, tab):
-        return r, hk * g + gi, 0, _block(tab[r, j, n])
-
-    def kv_map(r, hk, j, gi, n, tab):
-        return r, hk, j, 0
-
-    def end_map(r, hk, j, gi, n, tab):
-        return r, 0, j
-
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(rows, hkv, s // bk, g, steps),
-        in_specs=[
-            pl.BlockSpec((None, None, bq, d), q_map),
-            pl.BlockSpec((None, None, bk, d), kv_map),
-            pl.BlockSpec((None, None, bk, d), kv_map),
-            pl.BlockSpec((None, 1, bk), end_map),
-            pl.BlockSpec((None, None, bq, d), q_map),
-            pl.BlockSpec((None, None, 1, bq), row_map),
-            pl.BlockSpec((None, None, 1, bq), row_map),
-        ],
-        out_specs=[pl.BlockSpec((None, None, bk, d), kv_map),
-                   pl.BlockSpec((None, None, bk, d), kv_map)],
-        scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)],
-    )
-    return pl.pallas_call(
-        functools.partial(_dkv_kernel, cfg=cfg, steps=steps, group=g),
-        grid_spec=grid_spec,
+    specs = _per_kv_block_specs(hq // hkv, d, cfg)
+    bk = cfg.block_kv
+    return _call(
+        functools.partial(_dkv_kernel, cfg=cfg, steps=q_table.shape[2], group=hq // hkv),
+        "tree_attention_dkv", grid=(rows, hkv, s // bk, hq // hkv, q_table.shape[2]), cfg=cfg,
+        in_specs=[specs.q, specs.kv, specs.kv, specs.end, specs.q, specs.row, specs.row],
+        out_specs=[specs.kv, specs.kv],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
-        interpret=cfg.interpret,
-        name="tree_attention_dkv",
+        scratch=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)],
+        accumulating=2,  # the query heads of the group and the q-block list
     )(q_table, q, k, v, end, d_out, lse, delta)
 
 

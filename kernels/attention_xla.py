@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.block_tables import block_tables
+from kernels.block_tables import block_tables, round_up_to_blocks
 
 DEFAULT_BLOCK = 64
 DEFAULT_GROUP = 4
@@ -65,10 +65,9 @@ def default_blocks(s: int) -> tuple[int, int]:
 
 def padded_length(s: int, *, block_q: int | None = None, block_kv: int | None = None,
                   **_options) -> int:
-    """The smallest length >= s that the blocks divide (the dispatch pads S up to it)."""
+    """The length the dispatch pads S to for these blocks."""
     dq, dk = default_blocks(s)
-    m = int(np.lcm(block_q or dq, block_kv or dk))
-    return -(-s // m) * m
+    return round_up_to_blocks(s, block_q or dq, block_kv or dk)
 
 
 def tree_attention_xla(
@@ -123,7 +122,8 @@ def _schedule(end, cfg: _Config) -> _Schedule:
     row_base = (xp.arange(rows, dtype=xp.int32) * nk)[:, None, None]
     kv_index = (tables.kv_blocks + row_base).reshape(rows * nq, max_kv)
     count = tables.kv_count.reshape(rows * nq)
-    order = xp.argsort(-count, stable=True).astype(xp.int32)
+    order = (np.argsort(-count, kind="stable") if xp is np else
+             jnp.argsort(-count, stable=True)).astype(xp.int32)
     n_groups = -(-(rows * nq) // cfg.group)
     pad = n_groups * cfg.group - rows * nq
     groups = xp.concatenate([order, xp.full((pad,), rows * nq, xp.int32)])

@@ -6,6 +6,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from kernels import available_impls
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -44,6 +46,9 @@ class Qwen3Config:
         for field in ("dtype", "param_dtype"):
             if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field}: {getattr(self, field)!r} is not one of {tuple(DTYPES)}")
+        if self.attention_impl not in available_impls():
+            raise ValueError(f"attention_impl: {self.attention_impl!r} is not one of "
+                             f"{available_impls()}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
 
