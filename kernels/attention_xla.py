@@ -29,7 +29,7 @@ import numpy as np
 from kernels.block_tables import block_tables, round_up_to_blocks
 
 DEFAULT_BLOCK = 64
-DEFAULT_GROUP = 4
+DEFAULT_GROUP = 1  # fastest on CPU (launch/bench_attention.py sweep); larger suits wide devices
 _MASKED = -1e30  # finite, so exp(m_old - m_new) never sees inf - inf
 
 

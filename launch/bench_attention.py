@@ -233,7 +233,8 @@ def plot(rows: list[dict], sweep: list[dict], path: Path) -> None:
     for block in sorted({r["block"] for r in sweep}):
         rs = [r for r in sweep if r["block"] == block]
         axes[2].plot([r["group"] for r in rs], [r["ms"] for r in rs], "o-", label=f"block {block}")
-    axes[2].set(xscale="log", xlabel="group", ylabel="fwd+bwd ms",
+    axes[2].set(xscale="log", xticks=[1, 2, 4, 8], xticklabels=["1", "2", "4", "8"],
+                xlabel="group", ylabel="fwd+bwd ms",
                 title=f"xla blocks/groups, POR 0.6, S={sweep[0]['S']}" if sweep else "")
     axes[2].legend(fontsize=7)
     fig.tight_layout()
