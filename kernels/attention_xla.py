@@ -2,19 +2,19 @@
 
 The sequence is cut into q-blocks of `block_q` and kv-blocks of `block_kv` tokens. Each q-block
 keeps flash-style running statistics (max, sum, weighted values) while it walks its own list of
-non-empty kv-blocks (`kernels.block_tables`), gathering only those blocks. Lists differ a lot in
-length (a block deep in a long shared prompt sees many blocks, the first block of a tree one), so
-q-blocks are sorted by list length and processed `group` at a time: a group runs as many steps as
-its longest list, a loop whose trip count is read from the data. Work is therefore within a few
-percent of the non-empty block count without any static budget, and live memory is one group's
-blocks plus O(S) outputs.
+non-empty kv-blocks (`kernels.block_tables`), gathering one kv-block per step; a loop whose trip
+count is read from the data, so there is no static block budget and no [q-blocks, max-blocks, ...]
+gather. With `group` > 1, q-blocks are sorted by list length and processed `group` at a time (one
+bigger matmul per step; a group runs as many steps as its longest list, so work grows a little
+beyond the non-empty block count). On CPU group 1 measured fastest and does exactly the non-empty
+blocks; live memory is one group's blocks plus O(S) inputs and outputs.
 
 The backward pass (custom VJP, residuals: output and log-sum-exp, both O(S)) walks the same
 schedule once: it recomputes the probabilities of each visited block, accumulates dq in the loop
 and scatter-adds the block's dk and dv contributions into O(S) accumulators.
 
 Heads are laid out so that the Hq / Hkv query heads sharing a kv head form one matrix of
-(Hq / Hkv) * block_q rows: one matmul per kv head and block for every query head of the group.
+(Hq / Hkv) * block_q rows: one matmul per kv head and block serves all of its query heads.
 """
 
 from __future__ import annotations

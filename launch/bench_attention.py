@@ -5,13 +5,14 @@ measures, side by side in one process (alternating runs, medians):
 - the fraction of (q-block, kv-block) pairs that are non-empty, and the pairs the `xla` schedule
   computes relative to them (1.0 = no wasted block);
 - forward+backward time and peak temporary memory (XLA buffer assignment of the compiled step) of
-  `xla`, of the dense `reference` (where it fits), and of `xla` on a causal mask with the same
-  number of non-empty blocks (the cost of tree masking over plain causal masking);
+  `xla` and of `xla` on a causal mask with the same number of non-empty blocks (the cost of tree
+  masking over plain causal masking), alternating; then of the dense `reference` where it fits
+  (timed in its own loop with half the repeats: its temporaries would slow whatever runs next);
 - a sweep of block size and group size at one setting (the basis of the `xla` defaults).
 
 Writes bench_out/bench_attention.json and bench_out/bench_attention.png.
 
-    PYTHONPATH=. python -m launch.bench_attention              # full run (~30 min on 2 cores)
+    PYTHONPATH=. python -m launch.bench_attention              # full run (~25 min on 2 cores)
     PYTHONPATH=. python -m launch.bench_attention --quick      # S <= 2048
 """
 
@@ -153,12 +154,15 @@ def bench_case(por: float, s: int, heads: Heads, repeats: int, reference_max_s: 
     computed, nonempty = schedule_work(end)
     causal_len = causal_length_with_blocks(nonempty, block)
     q, k, v, cot = _inputs(s, heads)
-    runs = {"xla": (_step("xla", ()), (q, k, v, jnp.asarray(end), cot)),
-            "causal_same_blocks": (_step("xla", ()),
-                                   (q, k, v, jnp.asarray(causal_end(s, causal_len)), cot))}
-    if s <= reference_max_s:
-        runs["reference"] = (_step("reference", ()), (q, k, v, jnp.asarray(end), cot))
-    timing = time_side_by_side(runs, repeats)
+    timing = time_side_by_side(
+        {"xla": (_step("xla", ()), (q, k, v, jnp.asarray(end), cot)),
+         "causal_same_blocks": (_step("xla", ()),
+                                (q, k, v, jnp.asarray(causal_end(s, causal_len)), cot))},
+        repeats)
+    if s <= reference_max_s:  # timed on its own: its GB-sized temporaries would slow the next run
+        timing.update(time_side_by_side(
+            {"reference": (_step("reference", ()), (q, k, v, jnp.asarray(end), cot))},
+            max(1, repeats // 2)))
     row = {"por_target": por, "por": stats.por, "S": s, "trees": len(trees),
            "fill": stats.n_tree_tokens / s, "block": block,
            "nonempty_fraction": nonempty_fraction(end, block, block),
@@ -233,10 +237,11 @@ def plot(rows: list[dict], sweep: list[dict], path: Path) -> None:
     for block in sorted({r["block"] for r in sweep}):
         rs = [r for r in sweep if r["block"] == block]
         axes[2].plot([r["group"] for r in rs], [r["ms"] for r in rs], "o-", label=f"block {block}")
-    axes[2].set(xscale="log", xticks=[1, 2, 4, 8], xticklabels=["1", "2", "4", "8"],
-                xlabel="group", ylabel="fwd+bwd ms",
+    axes[2].set(xscale="log", xlabel="group", ylabel="fwd+bwd ms",
                 title=f"xla blocks/groups, POR 0.6, S={sweep[0]['S']}" if sweep else "")
     axes[2].legend(fontsize=7)
+    axes[2].minorticks_off()
+    axes[2].set(xticks=[1, 2, 4, 8], xticklabels=["1", "2", "4", "8"])
     fig.tight_layout()
     fig.savefig(path, dpi=80)
 
@@ -249,7 +254,7 @@ def main(argv=None) -> int:
                         default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--heads", type=int, nargs=3, default=[8, 2, 64],
                         metavar=("Q_HEADS", "KV_HEADS", "HEAD_DIM"))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--reference-max-s", type=int, default=4096)
     parser.add_argument("--sweep-s", type=int, default=4096)
     parser.add_argument("--quick", action="store_true", help="S <= 2048, 3 repeats")
