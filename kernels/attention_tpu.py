@@ -109,8 +109,8 @@ def _check_supported(q, k, v, block_q: int, block_kv: int) -> None:
         raise ValueError(f"pallas_tpu: q, k, v must all be float32 or all bfloat16 (the MXU "
                          f"input types); got {q.dtype}, {k.dtype}, {v.dtype}")
     if d != 64 and d % LANES:
-        raise ValueError(f"pallas_tpu: head_dim={d} must be 64 or a multiple of {LANES} "
-                         "(a (block, head_dim) tile must be lane-aligned)")
+        raise ValueError(f"pallas_tpu: head_dim={d} must be 64 or a multiple of {LANES} (the "
+                         "lane width: the kernel's (block, head_dim) tiles are laid out for these)")
     for name, b in (("block_q", block_q), ("block_kv", block_kv)):
         if b % LANES:
             raise ValueError(f"pallas_tpu: {name}={b} must be a multiple of {LANES}: blocks lie "
