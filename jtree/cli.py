@@ -9,9 +9,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from jtree.commands import stats
+from jtree.commands import compare_torch, stats
 
-COMMANDS = (stats,)
+COMMANDS = (stats, compare_torch)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

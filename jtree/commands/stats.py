@@ -1,10 +1,21 @@
-"""`jtree stats FILE`: how much the trees of a JSONL file share."""
+"""`jtree stats FILE`: how much the trees of a JSONL file share, and what partitioning costs.
+
+With `--capacity C`, every tree is partitioned into parts of at most C tree tokens by each method
+(`--methods`), reporting parts, N_computed and ERR per tree and in total (`dp_multi` is reported as
+refused on trees too large for it). `--plot OUT.png` draws one tree (node size by tokens; with a
+capacity, colour by how many heuristic parts compute each node) and its overlap curve; `--json`
+writes every number.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+import numpy as np
+
+from jtree.partition import METHODS, partition
+from jtree.partition_dp import DEFAULT_MAX_WORK, TooLargeForExactDP
 from jtree.tree import TrajectoryTree
 from jtree.tree_jsonl import read_sequence_groups, read_trees
 
@@ -14,6 +25,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file")
     p.add_argument("--format", choices=("groups", "trees"), default="groups")
     p.add_argument("--json", dest="json_out", default=None, help="write the numbers here")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="partition every tree into parts of at most this many tree tokens")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated partition methods (default: {','.join(METHODS)})")
+    p.add_argument("--max-work", type=int, default=DEFAULT_MAX_WORK,
+                   help="dp_multi refuses trees that need more groupings than this")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="draw a tree and its overlap curve (tree vs baseline)")
+    p.add_argument("--plot-tree", type=int, default=None,
+                   help="index of the tree to draw (default: the one with most tree tokens)")
     p.set_defaults(func=run)
 
 
@@ -30,7 +51,91 @@ def run(args: argparse.Namespace) -> int:
     for name, s in [*((str(i), s) for i, s in enumerate(rows)), ("total", total)]:
         print(f"{name:>6} {s.n_paths:6d} {s.n_nodes:6d} {s.n_tree_tokens:9d} {s.n_flat_tokens:9d} "
               f"{s.por:6.3f} {s.compression:6.2f}")
+    report: dict = {"trees": [s.as_dict() for s in rows], "total": total.as_dict()}
+    if args.capacity is not None:
+        methods = _methods(args.methods)
+        per_tree = [_partition_all(i, t, args.capacity, methods, args.max_work)
+                    for i, t in enumerate(trees)]
+        totals = _totals(per_tree, methods, total.n_flat_tokens)
+        _print_partitions(per_tree, totals, methods, args.capacity)
+        report["capacity"] = args.capacity
+        for entry, parts in zip(report["trees"], per_tree):
+            entry["partition"] = parts
+        report["total"]["partition"] = totals
+    if args.plot:
+        _plot(trees, args)
+        print(f"wrote {args.plot}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"trees": [s.as_dict() for s in rows], "total": total.as_dict()}, f, indent=1)
+            json.dump(report, f, indent=1)
     return 0
+
+
+def _methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"--methods: {m!r} is not one of {METHODS}")
+    return methods
+
+
+def _partition_all(index: int, tree: TrajectoryTree, capacity: int, methods: list[str],
+                   max_work: int) -> dict:
+    out = {}
+    for m in methods:
+        try:
+            r = partition(tree, capacity, m, max_work=max_work)
+        except TooLargeForExactDP as e:
+            out[m] = {"refused": str(e)}
+            continue
+        except ValueError as e:
+            raise ValueError(f"tree {index}: {e}") from None
+        out[m] = {"parts": r.n_parts, "n_computed": r.n_computed, "err": r.err}
+    return out
+
+
+def _totals(per_tree: list[dict], methods: list[str], n_flat: int) -> dict:
+    totals = {}
+    for m in methods:
+        done = [p[m] for p in per_tree if "refused" not in p[m]]
+        if len(done) < len(per_tree):
+            totals[m] = {"refused_trees": len(per_tree) - len(done)}
+            continue
+        computed = sum(d["n_computed"] for d in done)
+        totals[m] = {"parts": sum(d["parts"] for d in done), "n_computed": computed,
+                     "err": 1.0 - computed / n_flat}
+    return totals
+
+
+def _print_partitions(per_tree: list[dict], totals: dict, methods: list[str],
+                      capacity: int) -> None:
+    print(f"\npartition, capacity {capacity} tree tokens (parts / N_computed / ERR)")
+    print(f"{'tree':>6} " + " ".join(f"{m:>26}" for m in methods))
+    for name, entry in [*((str(i), p) for i, p in enumerate(per_tree)), ("total", totals)]:
+        cells = []
+        for m in methods:
+            e = entry[m]
+            if "parts" in e:
+                cells.append(f"{e['parts']:>5d} {e['n_computed']:>12d} {e['err']:>7.3f}")
+            else:
+                cells.append(f"{'refused (too large)':>26}")
+        print(f"{name:>6} " + " ".join(cells))
+
+
+def _plot(trees: list[TrajectoryTree], args: argparse.Namespace) -> None:
+    from jtree.tree_plot import plot_tree_overview
+
+    index = args.plot_tree
+    if index is None:
+        index = int(np.argmax([t.n_tree_tokens for t in trees]))
+    if not 0 <= index < len(trees):
+        raise ValueError(f"--plot-tree: {index} is out of range (file has {len(trees)} trees)")
+    tree = trees[index]
+    copies = None
+    title = f"tree {index}"
+    if args.capacity is not None:
+        parts = partition(tree, args.capacity).parts
+        copies = np.bincount(np.concatenate([p.source_nodes for p in parts]),
+                             minlength=tree.n_nodes)
+        title += f", {len(parts)} heuristic parts at capacity {args.capacity}"
+    plot_tree_overview(tree, args.plot, title=title, copies=copies)

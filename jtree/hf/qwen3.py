@@ -1,0 +1,100 @@
+"""`Qwen3ForCausalLM` <-> `jtree.models.Qwen3`: config fields, tensor names, mesh placement."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jtree.hf.config_map import REQUIRED, ROPE_KEYS, equals, read_config, rope_theta
+from jtree.hf.spec import NNX_TO_TORCH, Architecture, PartitionRule
+from jtree.models.config import Qwen3Config
+
+_HF_NAME = "Qwen3ForCausalLM"
+
+# HF key -> default when absent (transformers' Qwen3Config defaults).
+_FIELDS: dict[str, Any] = {
+    "vocab_size": REQUIRED,
+    "hidden_size": REQUIRED,
+    "intermediate_size": REQUIRED,
+    "num_hidden_layers": REQUIRED,
+    "num_attention_heads": REQUIRED,
+    "num_key_value_heads": None,  # None: num_attention_heads (no GQA)
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "max_position_embeddings": 32768,
+    "initializer_range": 0.02,
+}
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+def _full_attention_only(value: Any, hf: Mapping[str, Any]) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or any(t != "full_attention" for t in value):
+        return "only full attention is supported (no sliding-window layers)"
+    return None
+
+
+_CHECKS = {
+    "hidden_act": equals("silu"),
+    "attention_dropout": equals(0.0),
+    "use_sliding_window": equals(False),
+    "layer_types": _full_attention_only,
+}
+# Only read by transformers when use_sliding_window is true, which the checks refuse.
+_INERT = frozenset({"sliding_window", "max_window_layers"}) | ROPE_KEYS
+
+
+def config_from_hf(hf: Mapping[str, Any], runtime: Mapping[str, Any]) -> Qwen3Config:
+    values = read_config(hf, _HF_NAME, fields=_FIELDS, checks=_CHECKS, inert=_INERT)
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    values["rope_theta"] = rope_theta(hf, _DEFAULT_ROPE_THETA)
+    return Qwen3Config(**values, **runtime)
+
+
+def config_to_hf(cfg: Qwen3Config) -> dict[str, Any]:
+    """config.json fields in the form both transformers 4 and 5 read (top-level `rope_theta`)."""
+    out = {key: getattr(cfg, key) for key in _FIELDS}
+    out.update(
+        model_type="qwen3",
+        rope_theta=cfg.rope_theta,
+        rope_scaling=None,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=cfg.num_hidden_layers,
+        use_cache=True,
+    )
+    return out
+
+
+def _tied(cfg: Qwen3Config) -> dict[str, str]:
+    return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
+
+
+# Megatron-style tensor parallelism over the mesh axis "model": column-parallel input projections
+# (output features split), row-parallel output projections (input features split), vocab-parallel
+# embedding and output head; norms replicated. Every other mesh axis holds full replicas.
+_PARTITION = (
+    PartitionRule(r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.kernel", (None, "model")),
+    PartitionRule(r".*\.(q_proj|k_proj|v_proj)\.bias", ("model",)),
+    PartitionRule(r".*\.(o_proj|down_proj)\.kernel", ("model", None)),
+    PartitionRule(r"model\.embed_tokens\.embedding", ("model", None)),
+    PartitionRule(r"lm_head\.kernel", (None, "model")),
+)
+
+QWEN3 = Architecture(
+    hf_name=_HF_NAME,
+    model_type="qwen3",
+    model_key="qwen3",
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    tensors=NNX_TO_TORCH,
+    tied=_tied,
+    partition=_PARTITION,
+    layer_types=lambda cfg: ["full_attention"] * cfg.num_hidden_layers,
+)

@@ -1,0 +1,121 @@
+"""The safetensors files of a checkpoint directory: one `model.safetensors`, or shards listed by
+`model.safetensors.index.json`. Read and written through safetensors' numpy API (no torch, no
+pickle), one tensor at a time so a checkpoint never has to fit in host memory twice."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SHARD_PATTERN = "model-{:05d}-of-{:05d}.safetensors"
+
+
+class CheckpointTensors(contextlib.AbstractContextManager):
+    """Names, shapes and dtypes of every tensor in a checkpoint directory; `read(name)` loads one.
+
+    Use as a context manager (files stay open, memory-mapped, while reading).
+    """
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, object] = {}
+        self.file_of: dict[str, str] = {}
+        index = self.directory / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{index}: not a safetensors index ({e})") from None
+            files = sorted(set(weight_map.values()))
+        elif (self.directory / SINGLE_FILE).exists():
+            weight_map, files = None, [SINGLE_FILE]
+        else:
+            raise ValueError(f"{self.directory}: no {SINGLE_FILE} or {INDEX_FILE}")
+        for file in files:
+            path = self.directory / file
+            if not path.exists():
+                raise ValueError(f"{index}: lists {file}, which does not exist")
+            handle = self._stack.enter_context(safe_open(str(path), framework="numpy"))
+            self._handles[file] = handle
+            for name in handle.keys():
+                if weight_map is not None and weight_map.get(name) != file:
+                    raise ValueError(
+                        f"{path}: tensor {name!r} is not listed for this file in {INDEX_FILE}"
+                    )
+                self.file_of[name] = file
+        if weight_map is not None:
+            for name, file in weight_map.items():
+                if name not in self.file_of:
+                    raise ValueError(f"{INDEX_FILE}: tensor {name!r} is missing from {file}")
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def names(self) -> list[str]:
+        return sorted(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype code of a tensor ("F32", "BF16", "I8", ...)."""
+        return self._handles[self.file_of[name]].get_slice(name).get_dtype()
+
+    def read(self, name: str) -> np.ndarray:
+        return self._handles[self.file_of[name]].get_tensor(name)
+
+
+def write_checkpoint(
+    directory: str | Path,
+    tensors: Sequence[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]],
+    *,
+    max_shard_size: int,
+) -> list[str]:
+    """Write `(name, shape, dtype, produce)` tensors as safetensors files; returns the file names.
+
+    Tensors are grouped in order into shards of at most `max_shard_size` bytes (a tensor larger
+    than that gets a shard of its own); one shard is written as `model.safetensors`, several as
+    `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`, as transformers does.
+    Only one shard's arrays are materialized at a time.
+    """
+    shards: list[list[int]] = []
+    size = 0
+    for i, (_, shape, dtype, _) in enumerate(tensors):
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if not shards or (size + nbytes > max_shard_size and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    names = (
+        [SINGLE_FILE] if len(shards) == 1
+        else [SHARD_PATTERN.format(k + 1, len(shards)) for k in range(len(shards))]
+    )
+    directory = Path(directory)
+    weight_map, total = {}, 0
+    for file, members in zip(names, shards):
+        arrays = {}
+        for i in members:
+            name, shape, dtype, produce = tensors[i]
+            arr = np.ascontiguousarray(produce())
+            if arr.shape != tuple(shape) or arr.dtype != np.dtype(dtype):
+                raise ValueError(f"tensor {name!r}: produced {arr.shape} {arr.dtype}, "
+                                 f"expected {tuple(shape)} {np.dtype(dtype)}")
+            arrays[name] = arr
+            weight_map[name] = file
+            total += arr.nbytes
+        save_file(arrays, str(directory / file), metadata={"format": "pt"})
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names

@@ -1,0 +1,95 @@
+"""Loading onto a device mesh (8 host CPU devices), and jtree.hf working without torch.
+
+XLA_FLAGS must be set before jax creates its CPU client, which in a full pytest run has already
+happened, so the check runs in a fresh interpreter.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r'''
+import sys, tempfile
+import jax, numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jtree.hf
+from jtree.linearize import linearize
+from jtree.models import Qwen3
+from jtree.tree import TrajectoryTree
+from tests.models_util import tiny_config
+
+assert jax.device_count() == 8, jax.devices()
+# The rule as documented in jtree/hf/qwen3.py, written out independently.
+def expected_spec(name):
+    leaf = name.split(".")
+    if name == "model.embed_tokens.embedding":
+        return P("model", None)
+    if name == "lm_head.kernel":
+        return P(None, "model")
+    if leaf[-2] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        return P(None, "model") if leaf[-1] == "kernel" else P("model")
+    if leaf[-2] in ("o_proj", "down_proj") and leaf[-1] == "kernel":
+        return P("model", None)
+    return P()
+
+def params(model):
+    return {".".join(map(str, p)): v.get_value()
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+cfg = tiny_config(tie_word_embeddings=False, attention_bias=True)
+with tempfile.TemporaryDirectory() as d:
+    jtree.hf.save(Qwen3(cfg, rngs=nnx.Rngs(0)), cfg, d)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    _, plain = jtree.hf.load(d, attention_impl="reference")
+    _, sharded = jtree.hf.load(d, attention_impl="reference", mesh=mesh)
+    n_split = 0
+    for name, value in params(sharded).items():
+        want = NamedSharding(mesh, expected_spec(name))
+        assert value.sharding.is_equivalent_to(want, value.ndim), (name, value.sharding)
+        n_split += any(a is not None for a in expected_spec(name))
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(params(plain)[name]))
+    assert n_split == 2 * 7 + 2 + 3 * 2, n_split  # per layer: 7 kernels, 3 biases; embed + head
+
+    # The sharded model computes what the unsharded one does.
+    batch = linearize([TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 5]])], 16).arrays()
+    def hidden(model):
+        g, p = nnx.split(model)
+        return np.asarray(jax.jit(lambda p, x: nnx.merge(g, p)(x).hidden)(p, batch))
+    np.testing.assert_allclose(hidden(sharded), hidden(plain), atol=1e-5, rtol=0)
+
+    # Any sharding per parameter.
+    replicated = NamedSharding(mesh, P())
+    _, rep = jtree.hf.load(d, shardings=lambda name, shape: replicated)
+    assert all(v.sharding.is_fully_replicated for v in params(rep).values())
+
+    # Errors name the parameter or the axis.
+    try:
+        jtree.hf.load(d, mesh=Mesh(np.array(jax.devices()).reshape(8), ("data",)))
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert "parameter 'lm_head.kernel'" in str(e) and "no axis 'model'" in str(e), e
+with tempfile.TemporaryDirectory() as d:
+    odd = tiny_config(vocab_size=90, tie_word_embeddings=True)
+    jtree.hf.save(Qwen3(odd, rngs=nnx.Rngs(0)), odd, d)
+    try:
+        jtree.hf.load(d, mesh=mesh)
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert "'model.embed_tokens.embedding': dimension 90" in str(e), e
+
+# Load and save never needed torch or transformers.
+assert "torch" not in sys.modules and "transformers" not in sys.modules
+print("OK")
+'''
+
+
+def test_load_places_parameters_on_a_mesh_without_torch():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

@@ -1,0 +1,56 @@
+import numpy as np
+import pytest
+
+from jtree.linearize import linearize
+from jtree.loss import batch_normalizer
+from jtree.packing import build_microbatches, plan_rows
+from jtree.partition import partition
+from tests.strategies import explicit_tree, random_forest
+
+
+def test_plan_rows_first_fit_decreasing_and_padding_report():
+    plan = plan_rows([5, 3, 8, 2, 6], 10)
+    assert sorted(sorted(r) for r in plan.rows) == [[0], [1, 4], [2, 3]]  # 8+2 | 6+3 | 5
+    assert plan.row_len == 10 and plan.n_rows == 3 and plan.used_tokens == 24
+    assert plan.padding_tokens == 6 and plan.padding_fraction == pytest.approx(0.2)
+
+
+def test_plan_rows_buckets_and_row_multiple():
+    plan = plan_rows([3, 3, 2], 16, len_buckets=[4, 8, 16], rows_multiple=4)
+    assert plan.row_len == 8  # one row of 8 tokens: the smallest bucket that holds it
+    assert plan.n_rows == 4 and plan.padding_tokens == 4 * 8 - 8
+
+
+def test_plan_rows_errors():
+    with pytest.raises(ValueError, match="item 1: has 20 tokens"):
+        plan_rows([3, 20], 16)
+    with pytest.raises(ValueError, match="len_buckets"):
+        plan_rows([3, 9], 16, len_buckets=[4])
+    with pytest.raises(ValueError, match="sizes"):
+        plan_rows([], 16)
+
+
+def test_microbatches_share_one_shape_and_hold_every_part_once():
+    rng = np.random.default_rng(0)
+    trees = [explicit_tree(random_forest(rng, max_nodes=12, max_seg=4)) for _ in range(6)]
+    cap = max(int(t.path_lengths.max()) for t in trees)
+    parts = [p for t in trees for p in partition(t, cap).parts]
+    norm = batch_normalizer(trees, "token_mean")
+    mb = build_microbatches(parts, cap, rows_per_microbatch=2, normalization="token_mean",
+                            normalizer=norm, len_buckets=[cap // 2, cap])
+    shapes = {b.shape for b in mb.batches}
+    assert len(shapes) == 1 and shapes.pop() == (2, mb.plan.row_len)
+    assert len(mb.batches) == mb.plan.n_rows // 2
+    held = [id(t) for b in mb.batches for t in b.layout.trees]
+    assert sorted(held) == sorted(id(p) for p in parts)
+    assert all(b.normalizer == norm for b in mb.batches)
+    # The padding the plan reports is the padding the batches have.
+    valid = sum(int(b.valid.sum()) for b in mb.batches)
+    assert valid == mb.plan.used_tokens
+    total = sum(b.valid.size for b in mb.batches)
+    assert 1 - valid / total == pytest.approx(mb.plan.padding_fraction)
+    inputs = mb.inputs()
+    assert inputs["tokens"].shape == (len(mb.batches), 2, mb.plan.row_len)
+    # Weights summed over micro-batches equal the whole trees' weights.
+    whole = linearize(trees, sum(t.n_tree_tokens for t in trees), normalization="token_mean")
+    assert inputs["weight"].sum() == pytest.approx(whole.weight.sum(), rel=1e-5)
