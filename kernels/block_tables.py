@@ -127,6 +127,12 @@ def _required(classes: np.ndarray) -> tuple[int, int]:
     return int(nonempty.sum(-1).max(initial=0)), int(nonempty.sum(-2).max(initial=0))
 
 
+def round_up_to_blocks(s: int, block_q: int, block_kv: int) -> int:
+    """The smallest length >= s that both block sizes divide."""
+    m = int(np.lcm(block_q, block_kv))
+    return -(-s // m) * m
+
+
 def required_blocks(end: np.ndarray, block_q: int, block_kv: int) -> tuple[int, int]:
     """(max non-empty kv-blocks of any q-block, max non-empty q-blocks of any kv-block)."""
     return _required(classify_blocks(np.asarray(end), block_q, block_kv))

@@ -7,8 +7,10 @@ import dataclasses
 import jax.numpy as jnp
 
 from jtree.models.layers import REMAT_POLICIES
+from kernels import available_impls
 
 REMAT_POLICY_NAMES = ("none", *REMAT_POLICIES)
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -56,6 +58,9 @@ class Qwen3Config:
                 raise ValueError(f"{field}: {getattr(self, field)!r} is not one of {tuple(DTYPES)}")
         if self.remat not in REMAT_POLICY_NAMES:
             raise ValueError(f"remat: {self.remat!r} is not one of {REMAT_POLICY_NAMES}")
+        if self.attention_impl not in available_impls():
+            raise ValueError(f"attention_impl: {self.attention_impl!r} is not one of "
+                             f"{available_impls()}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
 
