@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.block_tables import block_tables, round_up_to_blocks
+from kernels.vma import varying_like
 
 DEFAULT_BLOCK = 64
 DEFAULT_GROUP = 1  # fastest on CPU (launch/bench_attention.py sweep); larger suits wide devices
@@ -235,8 +236,9 @@ def _forward(q, k, v, end, sched: _Schedule, cfg: _Config):
             acc = alpha.reshape(qg.shape[:3])[..., None] * acc + pv
             return m_new, alpha * l + p.sum(axis=-1), acc
 
-        init = (jnp.full(stat_shape, _MASKED, jnp.float32), jnp.zeros(stat_shape, jnp.float32),
-                jnp.zeros(qg.shape, jnp.float32))
+        init = varying_like((jnp.full(stat_shape, _MASKED, jnp.float32),
+                             jnp.zeros(stat_shape, jnp.float32), jnp.zeros(qg.shape, jnp.float32)),
+                            qg, blocks, sched)
         m, l, acc = jax.lax.fori_loop(0, sched.count[gid].max(), step, init)
         l = jnp.where(l > 0, l, 1.0).reshape(qg.shape[:3])
         return None, ((acc / l[..., None]).astype(q.dtype), m.reshape(qg.shape[:3]) + jnp.log(l))
@@ -295,12 +297,12 @@ def _attention_bwd(cfg, residuals, d_out):
                             preferred_element_type=jnp.float32)
             return dq, dk_acc.at[kid].add(dk), dv_acc.at[kid].add(dv)
 
-        dq0 = jnp.zeros(qg.shape, jnp.float32)
+        dq0 = varying_like(jnp.zeros(qg.shape, jnp.float32), qg, dog, blocks, sched)
         dq, dk_acc, dv_acc = jax.lax.fori_loop(0, sched.count[gid].max(), step,
                                                (dq0, dk_acc, dv_acc))
         return (dk_acc, dv_acc), dq.astype(q.dtype)
 
-    acc0 = jnp.zeros(blocks.k.shape, jnp.float32)
+    acc0 = varying_like(jnp.zeros(blocks.k.shape, jnp.float32), blocks, do_blocks, sched)
     (dk, dv), dq = jax.lax.scan(group_body, (acc0, acc0), sched.groups)
     inverse = jnp.argsort(sched.groups.reshape(-1), stable=True)[: rows * nq]
     dq = dq.reshape(-1, *dq.shape[2:])[inverse]
