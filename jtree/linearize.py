@@ -13,6 +13,12 @@ and emits the arrays the jitted step consumes (DESIGN.md section 3). Every array
 - `weight`, `adv_pos`, `adv_neg`  float32  loss coefficients W, P, N (`jtree.loss`)
 - `old_logprobs`  float32  per-token old-policy log-probs where given (0 elsewhere)
 
+plus `score_index` [rows, K] int32: the row-local positions of the tokens the loss reads (a
+non-zero W, P or N), in order, padded with -1. The loss scores only these (`jtree.logprobs.
+scored_logprobs`): prompt, tool and padding positions never reach the vocabulary projection. K is
+`score_len` when given (equal shapes across micro-batches and hosts), else the largest row's count
+rounded up to a multiple of `SCORE_ALIGN`.
+
 Trees larger than S must be partitioned first. The number of distinct shapes is bounded by
 `len_buckets` (row lengths) and `n_rows` so the step compiles a bounded number of times.
 """
@@ -29,6 +35,7 @@ from jtree.tree import TrajectoryTree, TreeStats
 
 INT_FIELDS = ("tokens", "pos", "end", "pred", "node")
 FLOAT_FIELDS = ("weight", "adv_pos", "adv_neg", "old_logprobs")
+SCORE_ALIGN = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +61,7 @@ class TreeBatch:
     adv_pos: np.ndarray
     adv_neg: np.ndarray
     old_logprobs: np.ndarray
+    score_index: np.ndarray
     layout: BatchLayout
     normalization: str
     normalizer: float
@@ -65,8 +73,10 @@ class TreeBatch:
         return self.tokens.shape
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The device inputs of the step (a pytree of equally shaped arrays)."""
-        return {f: getattr(self, f) for f in INT_FIELDS + ("valid",) + FLOAT_FIELDS}
+        """The device inputs of the step: [rows, S] per-token arrays and `score_index` [rows, K]."""
+        out = {f: getattr(self, f) for f in INT_FIELDS + ("valid",) + FLOAT_FIELDS}
+        out["score_index"] = self.score_index
+        return out
 
     def stats(self) -> TreeStats:
         total = TreeStats(0, 0, 0, 0, 0, 0)
@@ -105,13 +115,15 @@ def linearize(
     normalizer: float | None = None,
     n_rows: int | None = None,
     len_buckets: Sequence[int] | None = None,
+    score_len: int | None = None,
 ) -> TreeBatch:
     """Lay `trees` out in DFS order into rows of at most `seq_len` tokens.
 
     `normalizer` overrides the batch normalizer of `normalization` (pass the value computed over the
     global batch when this call is one micro-batch or one device's share). `n_rows` fixes the number
     of rows (padding with empty rows). `len_buckets` lists allowed row lengths: the row length is
-    the smallest bucket that holds the packed rows (default: always `seq_len`).
+    the smallest bucket that holds the packed rows (default: always `seq_len`). `score_len` fixes
+    the width K of `score_index` (see the module docstring).
     """
     if not trees:
         raise ValueError("trees: need at least one tree")
@@ -191,12 +203,44 @@ def linearize(
     shaped = {k: v.reshape(n_rows, row_len) for k, v in out.items()}
     return TreeBatch(
         **shaped,
+        score_index=score_positions(shaped, score_len),
         layout=BatchLayout(tuple(trees), tree_row, tree_off),
         normalization=normalization,
         normalizer=float(normalizer),
         has_old_logprobs=has_old,
         old_logprob_disagreement=disagreement,
     )
+
+
+def score_positions(arrays: dict[str, np.ndarray], score_len: int | None = None) -> np.ndarray:
+    """[rows, K] row-local positions of the tokens with a non-zero loss coefficient, -1 padded."""
+    scored = (arrays["weight"] != 0) | (arrays["adv_pos"] != 0) | (arrays["adv_neg"] != 0)
+    rows, s = scored.shape
+    counts = scored.sum(axis=1)
+    need = int(counts.max(initial=0))
+    if score_len is None:
+        score_len = aligned_score_len(need, s)
+    elif need > score_len:
+        raise ValueError(f"score_len={score_len}: a row has {need} scored tokens")
+    order = np.argsort(~scored, axis=1, kind="stable")[:, :score_len]
+    if order.shape[1] < score_len:  # score_len > S: more slots than positions
+        order = np.pad(order, ((0, 0), (0, score_len - order.shape[1])))
+    slot = np.arange(score_len)
+    return np.where(slot[None] < counts[:, None], order, -1).astype(np.int32)
+
+
+def aligned_score_len(need: int, seq_len: int) -> int:
+    """The `score_index` width for rows of at most `need` scored tokens: `need` rounded up to a
+    multiple of `SCORE_ALIGN` (a bounded set of shapes), at most `seq_len`."""
+    return min(seq_len, max(SCORE_ALIGN, -(-need // SCORE_ALIGN) * SCORE_ALIGN))
+
+
+def pad_score_index(index: np.ndarray, score_len: int) -> np.ndarray:
+    """`score_index` widened to `score_len` slots (so batches of one step share a shape)."""
+    if index.shape[-1] > score_len:
+        raise ValueError(f"score_len={score_len}: narrower than the batch's {index.shape[-1]}")
+    width = [(0, 0)] * (index.ndim - 1) + [(0, score_len - index.shape[-1])]
+    return np.pad(index, width, constant_values=-1)
 
 
 def _ranges(sizes: np.ndarray) -> np.ndarray:
