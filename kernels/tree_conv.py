@@ -16,6 +16,8 @@ import jax.numpy as jnp
 def path_context(pred: jax.Array, width: int) -> jax.Array:
     """[R, S, width] row-local indices of the 1st..width-th previous tokens along each token's path
     (-1 where the path has fewer tokens). `pred` [R, S] is -1 for a path's first token."""
+    if width == 0:
+        return jnp.zeros(pred.shape + (0,), pred.dtype)
     steps = [pred]
     for _ in range(width - 1):
         prev = steps[-1]
