@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jtree.chunk_tables import DEFAULT_CHUNK_SIZE
 from jtree.linearize import TreeBatch, linearize, unlinearize
 from jtree.loss import Normalization
 from jtree.tree import TrajectoryTree
@@ -29,6 +30,8 @@ def linearize_baseline(
     normalizer: float | None = None,
     n_rows: int | None = None,
     len_buckets: Sequence[int] | None = None,
+    gdn_chunk_size: int = DEFAULT_CHUNK_SIZE,
+    gdn_chunks: int | None = None,
 ) -> TreeBatch:
     """Pack the paths of `trees` as separate sequences (same arguments as `linearize`)."""
     for i, t in enumerate(trees):
@@ -37,7 +40,7 @@ def linearize_baseline(
             raise ValueError(f"tree {i}: a path of {longest} tokens exceeds seq_len={seq_len}")
     return linearize(
         flatten_paths(trees), seq_len, normalization=normalization, normalizer=normalizer,
-        n_rows=n_rows, len_buckets=len_buckets,
+        n_rows=n_rows, len_buckets=len_buckets, gdn_chunk_size=gdn_chunk_size, gdn_chunks=gdn_chunks,
     )
 
 
