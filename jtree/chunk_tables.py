@@ -33,10 +33,12 @@ def chunks_needed(trees: Sequence[TrajectoryTree], tree_row: np.ndarray, n_rows:
 
 
 def default_chunk_count(row_len: int, chunk_size: int, needed: int) -> int:
-    """The chunk capacity of a row: the smallest power of two >= max(needed, ceil(row_len / C)),
-    so the step compiles for a bounded number of shapes."""
-    want = max(int(needed), -(-row_len // chunk_size), 1)
-    return 1 << (want - 1).bit_length()
+    """The chunk capacity of a row: max(needed, ceil(row_len / C)) rounded up to a multiple of a
+    quarter of ceil(row_len / C), so the step compiles for a bounded number of shapes and at most
+    a quarter of a full row's chunks are padding."""
+    base = -(-row_len // chunk_size)
+    step = max(1, base // 4)
+    return -(-max(int(needed), base) // step) * step
 
 
 def chunk_tables(

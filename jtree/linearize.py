@@ -133,7 +133,7 @@ def linearize(
     of rows (padding with empty rows). `len_buckets` lists allowed row lengths: the row length is
     the smallest bucket that holds the packed rows (default: always `seq_len`).
     `gdn_chunk_size` is the chunk length C of the gated-delta-rule tables and `gdn_chunks` their
-    chunk capacity NC per row (default: the smallest power of two that fits and is at least
+    chunk capacity NC per row (default: `jtree.chunk_tables.default_chunk_count`, at least
     ceil(S / C); fix it to give every micro-batch the same shape).
     """
     if not trees:

@@ -14,9 +14,9 @@ scan carries a buffer of chunk-final states (slot 0: the initial state, slot c +
 chunk c) and each chunk reads its entering state from a slot given by a table. A plain sequence
 reads slot c (the previous chunk). On a tree whose node segments are cut into chunks, a node's
 first chunk reads its parent's last chunk instead, so siblings start from the same parent state and
-autodiff sums their gradients into it. The body of the scan is linear in the buffer, so the
-backward pass keeps one entering state per chunk, O(chunks x state), and never a copy of the
-buffer per step.
+the backward pass sums their gradients into it. The backward pass (a custom VJP: a reverse scan)
+keeps one entering state per chunk, O(chunks x state), never a copy of the buffer per step, and
+spends O(state) per chunk on routing.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -161,26 +162,78 @@ def _chunk_terms(q, k, v, g, beta) -> _ChunkTerms:
     )
 
 
-def _route_chunks(terms: _ChunkTerms, src: jax.Array, initial_state: jax.Array):
-    """Scan over chunks in order; chunk c enters with buffer[src[:, c]] and stores its final state
-    in buffer[c + 1]. Returns (o [B, NC, H, C, dv], buffer [B, NC + 1, H, dk, dv])."""
+def _chunk_step(t: _ChunkTerms, s: jax.Array):
+    """One chunk from entering state s [B, H, dk, dv]: (output [B, H, C, dv], final state, v_new)."""
+    v_new = t.u - _einsum("bhck,bhkv->bhcv", t.w, s)
+    o = _einsum("bhck,bhkv->bhcv", t.q_decayed, s) + _einsum("bhcd,bhdv->bhcv", t.attn, v_new)
+    s_out = s * t.chunk_decay[..., None, None] + _einsum("bhck,bhcv->bhkv", t.k_decayed, v_new)
+    return o, s_out, v_new
+
+
+def _chunks_first(terms: _ChunkTerms) -> _ChunkTerms:
+    return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 1, 0), terms)
+
+
+def _scan_forward(terms: _ChunkTerms, src: jax.Array, initial_state: jax.Array):
     b, nc = src.shape
     buffer = jnp.zeros((b, nc + 1) + initial_state.shape[1:], jnp.float32)
-    buffer = buffer.at[:, 0].set(initial_state.astype(jnp.float32))
+    buffer = buffer.at[:, 0].set(initial_state)
     rows = jnp.arange(b)
 
     def body(buf, xs):
         t, src_c, c = xs
-        s = buf[rows, src_c]  # [B, H, dk, dv]; linear in buf, so buf is never a residual
-        v_new = t.u - _einsum("bhck,bhkv->bhcv", t.w, s)
-        o = _einsum("bhck,bhkv->bhcv", t.q_decayed, s) + _einsum("bhcd,bhdv->bhcv", t.attn, v_new)
-        s_out = s * t.chunk_decay[..., None, None] + _einsum("bhck,bhcv->bhkv", t.k_decayed, v_new)
+        o, s_out, _ = _chunk_step(t, buf[rows, src_c])
         return jax.lax.dynamic_update_index_in_dim(buf, s_out, c + 1, axis=1), o
 
-    xs = (jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 1, 0), terms), src.T,
-          jnp.arange(nc, dtype=jnp.int32))
+    xs = (_chunks_first(terms), src.T, jnp.arange(nc, dtype=jnp.int32))
     buffer, o = jax.lax.scan(body, buffer, xs)
     return jnp.moveaxis(o, 0, 1), buffer
+
+
+@jax.custom_vjp
+def _route_chunks(terms: _ChunkTerms, src: jax.Array, initial_state: jax.Array):
+    """`initial_state` [B, H, dk, dv] float32. Scan over chunks in order; chunk c enters with
+    buffer[src[:, c]] and stores its final state in buffer[c + 1]. Returns (o [B, NC, H, C, dv],
+    buffer [B, NC + 1, H, dk, dv]).
+
+    Custom VJP: slot c + 1 is written only by chunk c, so the final buffer holds every chunk's
+    entering state and is the only state residual, O(chunks x state). The backward scan runs in
+    reverse carrying the buffer's cotangent and adds each chunk's entering-state cotangent into
+    its source slot in place, O(state) per chunk. (Plain autodiff adds a buffer-sized scatter per
+    step, O(chunks^2 x state) time, and XLA copies the carry when a slice of it is emitted per
+    step, which is why nothing read from the buffer is a scan output here.)
+    """
+    return _scan_forward(terms, src, initial_state)
+
+
+def _route_fwd(terms, src, initial_state):
+    o, buffer = _scan_forward(terms, src, initial_state)
+    return (o, buffer), (terms, src, buffer)
+
+
+def _route_bwd(res, cts):
+    terms, src, buffer = res
+    d_o, d_buffer = cts
+    b, nc = src.shape
+    rows = jnp.arange(b)
+    entering = jnp.moveaxis(buffer[rows[:, None], src], 1, 0)  # [NC, B, H, dk, dv]
+
+    def body(d_buf, xs):
+        t, src_c, c, s, d_o_c = xs
+        _, vjp = jax.vjp(_chunk_step, t, s)
+        d_s_out = jax.lax.dynamic_index_in_dim(d_buf, c + 1, axis=1, keepdims=False)
+        d_t, d_s = vjp((d_o_c, d_s_out, jnp.zeros_like(t.u)))
+        return d_buf.at[rows, src_c].add(d_s), d_t
+
+    xs = (_chunks_first(terms), src.T, jnp.arange(nc, dtype=jnp.int32), entering,
+          jnp.moveaxis(d_o, 1, 0))
+    d_buf, d_terms = jax.lax.scan(body, d_buffer.astype(jnp.float32), xs, reverse=True)
+    d_terms = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 1), d_terms)
+    d_src = np.zeros(src.shape, jax.dtypes.float0)
+    return d_terms, d_src, d_buf[:, 0]
+
+
+_route_chunks.defvjp(_route_fwd, _route_bwd)
 
 
 def gated_delta_rule_chunked(
@@ -207,7 +260,8 @@ def gated_delta_rule_chunked(
         return x.reshape((b, nc, chunk_size) + x.shape[2:])
 
     terms = _chunk_terms(*(chunked(x) for x in (q, k, v, g, beta)))
-    state = _zero_state(v, q.shape[-1]) if initial_state is None else initial_state
+    state = (_zero_state(v, q.shape[-1]) if initial_state is None
+             else initial_state.astype(jnp.float32))
     src = jnp.broadcast_to(jnp.arange(nc, dtype=jnp.int32), (b, nc))
     o, buffer = _route_chunks(terms, src, state)
     o = jnp.swapaxes(o, 2, 3).reshape(b, nc * chunk_size, hv, dv)[:, :t]
@@ -258,7 +312,8 @@ def tree_gated_delta_rule(
         return picked.reshape((r, nc, c) + x.shape[2:])
 
     terms = _chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta)))
-    state = _zero_state(v, q.shape[-1]) if initial_state is None else initial_state
+    state = (_zero_state(v, q.shape[-1]) if initial_state is None
+             else initial_state.astype(jnp.float32))
     o, buffer = _route_chunks(terms, chunk_src, state)
     o = jnp.swapaxes(o, 2, 3).reshape(r, nc * c, hv, dv)
     has_slot = (token_slot >= 0)[..., None, None]

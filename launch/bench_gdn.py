@@ -2,9 +2,9 @@
 
 `PYTHONPATH=. python -m launch.bench_gdn [--out bench_out/gdn] [--paths 16] [--path-len 512]`
 
-For each target POR, builds a tree of `--paths` rollouts of `--path-len` tokens that share a
-prefix on two levels (a common prompt, then pairs of rollouts sharing a turn), so POR = 1 -
-tree tokens / flat tokens hits the target. The tree mode runs the layer on the DFS layout with
+For each target POR, builds a tree of `--paths` rollouts of `--path-len` tokens that share
+prefixes on two levels (a common prompt, then pairs of rollouts sharing a turn), sized so that
+POR = 1 - tree tokens / flat tokens hits the target. The tree mode runs the layer on the DFS layout with
 chunk routing; the baseline runs the same layer on the paths packed one per row (each a plain
 sequence). Both differentiate a weighted sum of the outputs with respect to the layer's
 parameters and inputs. Reports median step time (alternating runs in one process), XLA's
@@ -32,18 +32,17 @@ from jtree.tree import TrajectoryTree
 
 
 def por_tree(rng: np.random.Generator, n_paths: int, path_len: int, por: float) -> TrajectoryTree:
-    """`n_paths` sequences of `path_len` tokens: a prompt shared by all, then a turn shared by
-    pairs. With prompt P and pair turn Q (tree tokens P + n/2 Q + n (L - P - Q)), pick P, Q = P/4
-    so that 1 - tree/flat = por."""
+    """`n_paths` sequences of `path_len` tokens: a prompt of P tokens shared by all, then a turn of
+    Q = (L - P) / 2 tokens shared by pairs, then a private tail. Then flat - tree tokens =
+    (n - 1) P + (n / 2) Q, and P is chosen so that 1 - tree / flat = por."""
     n, big_l = n_paths, path_len
-    # flat - tree = (n - 1) P + (n / 2) Q = por * n * L, with Q = P / 4.
-    p = int(round(por * n * big_l / ((n - 1) + n / 8)))
-    q = p // 4
-    if p + q >= big_l:
-        raise ValueError(f"por={por}: shared prefix {p + q} does not fit paths of {big_l} tokens")
+    p = int(round((por - 0.25) * n * big_l / (0.75 * n - 1)))
+    if not 0 <= p < big_l:
+        raise ValueError(f"por={por}: needs a prompt of {p} tokens; use 0.25 <= por < (n-1)/n")
+    q = (big_l - p) // 2
     prompt = rng.integers(1, 1000, size=p)
     seqs = []
-    for pair in range(n // 2):
+    for _ in range(n // 2):
         turn = rng.integers(1, 1000, size=q)
         for _ in range(2):
             seqs.append(np.concatenate([prompt, turn, rng.integers(1, 1000, size=big_l - p - q)]))

@@ -54,9 +54,10 @@ def test_routing_gives_every_token_its_path(trees, chunk):
 def test_chunk_capacity_is_bucketed_and_checked():
     tree = TrajectoryTree.from_nodes([-1, 0, 0, 1], [[1] * 5, [2] * 3, [3], [4] * 4])
     batch = linearize([tree], 16, gdn_chunk_size=2)
-    # Node chunks: 3 + 2 + 1 + 2 = 8 -> capacity 8 (a power of two >= ceil(16 / 2) = 8).
+    # Node chunks: 3 + 2 + 1 + 2 = 8 -> capacity 8 (= ceil(16 / 2), in steps of 8 // 4 = 2).
     assert batch.gdn_chunk_tokens.shape == (1, 8, 2)
-    assert default_chunk_count(16, 2, 9) == 16
+    assert default_chunk_count(16, 2, 9) == 10
+    assert default_chunk_count(4096, 64, 70) == 80
     with pytest.raises(ValueError, match="gdn_chunks=4: row 0 needs 8 chunks"):
         linearize([tree], 16, gdn_chunk_size=2, gdn_chunks=4)
     with pytest.raises(ValueError, match="gdn_chunk_size"):

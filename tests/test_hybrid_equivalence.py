@@ -18,7 +18,7 @@ from jtree.baseline import linearize_baseline, unlinearize_baseline
 from jtree.linearize import linearize, unlinearize
 from jtree.models import Qwen3Moe, Qwen3MoeConfig, Qwen3Next, Qwen3NextConfig
 from jtree.train import Objective
-from tests.models_util import logprob_fn, loss_and_grad_fn, rel_l2, scatter_paths
+from tests.models_util import assert_loss_and_grads_match, logprob_fn, off_policy_ppo_inputs
 from tests.strategies import forests
 
 S, TREE_ROWS, BASE_ROWS, CHUNK = 64, 3, 40, 3
@@ -69,42 +69,25 @@ def test_logprobs_equal_baseline(trees, kind):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
-def _check_loss_and_grads(graphdef, params, tree_in, base_in, objective):
-    """Loss (objective + router aux loss, coefficient 0.5 so it matters) and every gradient."""
-    fn = loss_and_grad_fn(graphdef, objective)
-    loss_t, g_t = fn(params, tree_in)
-    loss_b, g_b = fn(params, base_in)
-    scale = sum(float(np.abs(tree_in[k]).sum()) for k in ("weight", "adv_pos", "adv_neg")) + 1.0
-    assert abs(float(loss_t) - float(loss_b)) <= 1e-6 * max(abs(float(loss_b)), scale)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_t), jax.tree_util.tree_leaves(g_b)):
-        assert rel_l2(a, b) <= 1e-5, jax.tree_util.keystr(path)
-
-
 @pytest.mark.parametrize("kind", ["moe", "next"])
 @settings(max_examples=3, deadline=None)
 @given(trees=FORESTS)
 def test_sft_loss_and_grads_equal_baseline(trees, kind):
     graphdef, params = tiny(kind)
     tree, base = _batches(trees, "seq_mean_token_mean")
-    _check_loss_and_grads(graphdef, params, tree.arrays(), base.arrays(), Objective(kind="sft"))
+    assert_loss_and_grads_match(graphdef, params, tree.arrays(), base.arrays(),
+                                Objective(kind="sft"))
 
 
 @pytest.mark.parametrize("kind", ["moe", "next"])
 @settings(max_examples=3, deadline=None)
 @given(trees=FORESTS)
 def test_ppo_loss_and_grads_equal_baseline(trees, kind):
-    """Clipped surrogate + KL + entropy + aux loss, advantages differing between paths."""
+    """Clipped surrogate + KL + entropy + aux loss (coefficient 0.5, so it matters), advantages
+    differing between paths."""
     graphdef, params = tiny(kind)
     tree, base = _batches(trees, "token_mean")
-    rng = np.random.default_rng(len(trees))
-    cur = np.asarray(logprob_fn(graphdef)(params, tree.arrays()))
-    tree_in = dict(tree.arrays())
-    tree_in["old_logprobs"] = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
-    tree_in["ref_logprobs"] = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
-    base_in = scatter_paths(
-        base, [p for t in unlinearize(tree, tree_in["old_logprobs"]) for p in t], "old_logprobs")
-    base_in["ref_logprobs"] = scatter_paths(
-        base, [p for t in unlinearize(tree, tree_in["ref_logprobs"]) for p in t], "x")["x"]
+    tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=len(trees))
     objective = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05,
                           entropy_coef=0.01)
-    _check_loss_and_grads(graphdef, params, tree_in, base_in, objective)
+    assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective)
