@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jtree.chunk_tables import DEFAULT_CHUNK_SIZE
 from jtree.linearize import TreeBatch, linearize, unlinearize
 from jtree.loss import Normalization
 from jtree.tree import TrajectoryTree
@@ -30,7 +29,7 @@ def linearize_baseline(
     normalizer: float | None = None,
     n_rows: int | None = None,
     len_buckets: Sequence[int] | None = None,
-    gdn_chunk_size: int = DEFAULT_CHUNK_SIZE,
+    gdn_chunk_size: int | None = None,
     gdn_chunks: int | None = None,
 ) -> TreeBatch:
     """Pack the paths of `trees` as separate sequences (same arguments as `linearize`)."""

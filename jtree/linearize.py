@@ -16,7 +16,8 @@ and emits the arrays the jitted step consumes (DESIGN.md section 3). Every array
                    in the per-path baseline, used to weight per-token statistics such as the MoE
                    router load-balancing loss so that they equal the baseline's
 
-Chunk tables for the gated delta rule (`jtree.chunk_tables`, `kernels.tree_gated_delta_rule`):
+Chunk tables for the gated delta rule (`jtree.chunk_tables`, `kernels.tree_gated_delta_rule`),
+only when `gdn_chunk_size` is given (models with linear-attention layers need them):
 `gdn_chunk_tokens` [rows, NC, C], `gdn_chunk_src` [rows, NC], `gdn_token_slot` [rows, S] (int32).
 
 Trees larger than S must be partitioned first. The number of distinct shapes is bounded by
@@ -31,7 +32,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from jtree.chunk_tables import (
-    DEFAULT_CHUNK_SIZE,
     chunk_tables,
     chunks_needed,
     concat_ranges,
@@ -69,9 +69,9 @@ class TreeBatch:
     adv_neg: np.ndarray
     old_logprobs: np.ndarray
     path_count: np.ndarray
-    gdn_chunk_tokens: np.ndarray
-    gdn_chunk_src: np.ndarray
-    gdn_token_slot: np.ndarray
+    gdn_chunk_tokens: np.ndarray | None
+    gdn_chunk_src: np.ndarray | None
+    gdn_token_slot: np.ndarray | None
     layout: BatchLayout
     normalization: str
     normalizer: float
@@ -83,8 +83,10 @@ class TreeBatch:
         return self.tokens.shape
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The device inputs of the step: [rows, S] arrays plus the [rows, NC, ...] chunk tables."""
-        return {f: getattr(self, f) for f in INT_FIELDS + ("valid",) + FLOAT_FIELDS + GDN_FIELDS}
+        """The device inputs of the step: [rows, S] arrays, plus the [rows, NC, ...] chunk tables
+        when the batch has them."""
+        fields = INT_FIELDS + ("valid",) + FLOAT_FIELDS + GDN_FIELDS
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
     def stats(self) -> TreeStats:
         total = TreeStats(0, 0, 0, 0, 0, 0)
@@ -123,7 +125,7 @@ def linearize(
     normalizer: float | None = None,
     n_rows: int | None = None,
     len_buckets: Sequence[int] | None = None,
-    gdn_chunk_size: int = DEFAULT_CHUNK_SIZE,
+    gdn_chunk_size: int | None = None,
     gdn_chunks: int | None = None,
 ) -> TreeBatch:
     """Lay `trees` out in DFS order into rows of at most `seq_len` tokens.
@@ -132,13 +134,16 @@ def linearize(
     global batch when this call is one micro-batch or one device's share). `n_rows` fixes the number
     of rows (padding with empty rows). `len_buckets` lists allowed row lengths: the row length is
     the smallest bucket that holds the packed rows (default: always `seq_len`).
-    `gdn_chunk_size` is the chunk length C of the gated-delta-rule tables and `gdn_chunks` their
-    chunk capacity NC per row (default: `jtree.chunk_tables.default_chunk_count`, at least
-    ceil(S / C); fix it to give every micro-batch the same shape).
+    `gdn_chunk_size` (e.g. `jtree.chunk_tables.DEFAULT_CHUNK_SIZE`) adds the gated-delta-rule
+    chunk tables with chunks of that many tokens; `gdn_chunks` is their chunk capacity NC per row
+    (default: `jtree.chunk_tables.default_chunk_count`, at least ceil(S / C); fix it to give
+    every micro-batch the same shape).
     """
     if not trees:
         raise ValueError("trees: need at least one tree")
-    if gdn_chunk_size < 1:
+    if gdn_chunk_size is None and gdn_chunks is not None:
+        raise ValueError("gdn_chunks: given without gdn_chunk_size")
+    if gdn_chunk_size is not None and gdn_chunk_size < 1:
         raise ValueError(f"gdn_chunk_size: must be >= 1, got {gdn_chunk_size}")
     sizes = [t.n_tree_tokens for t in trees]
     for i, n in enumerate(sizes):
@@ -217,11 +222,13 @@ def linearize(
     for f in FLOAT_FIELDS:
         out[f][dest] = cat[f]
     shaped = {k: v.reshape(n_rows, row_len) for k, v in out.items()}
-    if gdn_chunks is None:
-        needed = chunks_needed(trees, tree_row, n_rows, gdn_chunk_size)
-        gdn_chunks = default_chunk_count(row_len, gdn_chunk_size, int(needed.max()))
-    shaped.update(chunk_tables(trees, tree_row, tree_off, n_rows, row_len, gdn_chunk_size,
-                               gdn_chunks))
+    shaped.update(dict.fromkeys(GDN_FIELDS))
+    if gdn_chunk_size is not None:
+        if gdn_chunks is None:
+            needed = chunks_needed(trees, tree_row, n_rows, gdn_chunk_size)
+            gdn_chunks = default_chunk_count(row_len, gdn_chunk_size, int(needed.max()))
+        shaped.update(chunk_tables(trees, tree_row, tree_off, n_rows, row_len, gdn_chunk_size,
+                                   gdn_chunks))
     return TreeBatch(
         **shaped,
         layout=BatchLayout(tuple(trees), tree_row, tree_off),

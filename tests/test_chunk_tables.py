@@ -62,3 +62,7 @@ def test_chunk_capacity_is_bucketed_and_checked():
         linearize([tree], 16, gdn_chunk_size=2, gdn_chunks=4)
     with pytest.raises(ValueError, match="gdn_chunk_size"):
         linearize([tree], 16, gdn_chunk_size=0)
+    with pytest.raises(ValueError, match="gdn_chunks: given without"):
+        linearize([tree], 16, gdn_chunks=8)
+    plain = linearize([tree], 16)  # dense models need no chunk tables
+    assert plain.gdn_chunk_tokens is None and "gdn_chunk_src" not in plain.arrays()

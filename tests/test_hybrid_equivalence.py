@@ -51,7 +51,8 @@ def tiny(kind: str):
 def _batches(trees, normalization):
     tree = linearize(trees, S, normalization=normalization, n_rows=TREE_ROWS,
                      gdn_chunk_size=CHUNK, gdn_chunks=S)
-    base = linearize_baseline(trees, S, normalization=normalization, n_rows=BASE_ROWS)
+    base = linearize_baseline(trees, S, normalization=normalization, n_rows=BASE_ROWS,
+                              gdn_chunk_size=S)
     return tree, base
 
 

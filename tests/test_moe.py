@@ -62,7 +62,8 @@ def test_aux_loss_weights_equal_repeating_tokens():
 def test_model_aux_loss_needs_path_count_and_config_flag():
     cfg = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                num_attention_heads=2, num_key_value_heads=1, head_dim=8, attention_impl="reference")
-    batch = linearize([TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4, 5]])], 8).arrays()
+    batch = linearize([TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4, 5]])], 8,
+                      gdn_chunk_size=4).arrays()
     off = Qwen3Moe(Qwen3MoeConfig(**cfg), rngs=nnx.Rngs(0))
     assert float(off(batch).aux_loss) == 0.0  # HF adds it only with output_router_logits
     on = Qwen3Moe(Qwen3MoeConfig(**cfg, output_router_logits=True), rngs=nnx.Rngs(0))

@@ -36,6 +36,13 @@ def feed_forward(cfg: Qwen3MoeConfig, layer: int, shared_intermediate: int | Non
     return SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
 
+def token_embedding(cfg: Qwen3MoeConfig, *, rngs: nnx.Rngs) -> nnx.Embed:
+    """HF `embed_tokens` with normal(0, initializer_range) init."""
+    return nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
+                     param_dtype=cfg.weight_dtype,
+                     embedding_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+
+
 def apply_feed_forward(mlp: nnx.Module, x: jax.Array) -> tuple[jax.Array, RouterStats | None]:
     if isinstance(mlp, SparseMoeBlock):
         return mlp(x)
@@ -73,10 +80,7 @@ class Qwen3MoeModel(nnx.Module):
     """Embedding, decoder layers and final norm (HF `Qwen3MoeModel`)."""
 
     def __init__(self, cfg: Qwen3MoeConfig, *, rngs: nnx.Rngs):
-        self.embed_tokens = nnx.Embed(
-            cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
-            embedding_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs,
-        )
+        self.embed_tokens = token_embedding(cfg, rngs=rngs)
         self.layers = nnx.List([Qwen3MoeDecoderLayer(cfg, i, rngs=rngs)
                                 for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)

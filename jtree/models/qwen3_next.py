@@ -22,7 +22,12 @@ from jtree.models.moe import RouterStats
 from jtree.models.moe_config import Qwen3NextConfig
 from jtree.models.output import ModelOutput
 from jtree.models.qwen3 import Qwen3
-from jtree.models.qwen3_moe import apply_feed_forward, feed_forward, router_aux_loss
+from jtree.models.qwen3_moe import (
+    apply_feed_forward,
+    feed_forward,
+    router_aux_loss,
+    token_embedding,
+)
 from kernels import tree_attention
 
 
@@ -95,10 +100,7 @@ class Qwen3NextModel(nnx.Module):
     """Embedding, hybrid decoder layers and final norm (HF `Qwen3NextModel`)."""
 
     def __init__(self, cfg: Qwen3NextConfig, *, rngs: nnx.Rngs):
-        self.embed_tokens = nnx.Embed(
-            cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
-            embedding_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs,
-        )
+        self.embed_tokens = token_embedding(cfg, rngs=rngs)
         self.layers = nnx.List([Qwen3NextDecoderLayer(cfg, i, rngs=rngs)
                                 for i in range(cfg.num_hidden_layers)])
         self.norm = OffsetRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
