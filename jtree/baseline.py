@@ -29,6 +29,8 @@ def linearize_baseline(
     normalizer: float | None = None,
     n_rows: int | None = None,
     len_buckets: Sequence[int] | None = None,
+    gdn_chunk_size: int | None = None,
+    gdn_chunks: int | None = None,
 ) -> TreeBatch:
     """Pack the paths of `trees` as separate sequences (same arguments as `linearize`)."""
     for i, t in enumerate(trees):
@@ -37,7 +39,7 @@ def linearize_baseline(
             raise ValueError(f"tree {i}: a path of {longest} tokens exceeds seq_len={seq_len}")
     return linearize(
         flatten_paths(trees), seq_len, normalization=normalization, normalizer=normalizer,
-        n_rows=n_rows, len_buckets=len_buckets,
+        n_rows=n_rows, len_buckets=len_buckets, gdn_chunk_size=gdn_chunk_size, gdn_chunks=gdn_chunks,
     )
 
 

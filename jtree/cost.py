@@ -1,7 +1,8 @@
 """Work model of a training step: what tree mode saves, in FLOPs (DESIGN.md section 8).
 
 A step's work has three parts that scale differently:
-- per computed token: the projections and MLP of every layer (q, k, v, o, gate, up, down);
+- per computed token: the projections and MLP of every layer (q, k, v, o, gate, up, down; the
+  experts a token visits in MoE layers; Gated DeltaNet projections and state updates);
 - per visible (query, key) pair: attention scores and the weighted sum of values;
 - per scored token (a token with a non-zero loss coefficient): the output projection to the
   vocabulary and its softmax. Both modes score exactly the tokens that carry a loss coefficient
@@ -48,13 +49,31 @@ class FlopModel:
 
     @classmethod
     def for_config(cls, cfg: Any) -> FlopModel:
-        """From a Qwen3-style config (hidden_size, intermediate_size, head counts, head_dim,
-        num_hidden_layers, vocab_size)."""
-        d, hd, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+        """From a Qwen3-family config. Dense Qwen3: q/k/v/o and a SwiGLU MLP per layer. Qwen3-MoE:
+        the router and the `num_experts_per_tok` experts a token visits (dense MLP on
+        `mlp_only_layers` and off the `decoder_sparse_step`). Qwen3-Next: its `layer_types`
+        (Gated DeltaNet layers count their projections and the per-token state update, and no
+        attention pairs; full-attention layers have a gated query of twice the width) and the
+        shared expert."""
+        d, hd = cfg.hidden_size, cfg.head_dim
         q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-        proj = d * q + 2 * d * kv + q * d + 3 * d * cfg.intermediate_size
-        return cls(per_token=PROJECTION_PASSES * 2.0 * proj * layers,
-                   per_pair=ATTENTION_PASSES * 4.0 * q * layers,
+        types = getattr(cfg, "layer_types", None) or ("full_attention",) * cfg.num_hidden_layers
+        gated = getattr(cfg, "layer_types", None) is not None  # Qwen3-Next gates its attention
+        per_token = per_pair = 0.0
+        for i, kind in enumerate(types):
+            if kind == "full_attention":
+                per_token += d * q * (2 if gated else 1) + 2 * d * kv + q * d
+                per_pair += 4.0 * q
+            else:
+                hk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                hv = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+                state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * \
+                    cfg.linear_value_head_dim
+                per_token += (d * (2 * hk + 2 * hv + 2 * cfg.linear_num_value_heads) + hv * d
+                              + 4 * state)
+            per_token += _mlp_flops(cfg, i)
+        return cls(per_token=PROJECTION_PASSES * 2.0 * per_token,
+                   per_pair=ATTENTION_PASSES * per_pair,
                    per_scored=LOSS_PASSES * 2.0 * d * cfg.vocab_size)
 
     def flops(self, work: Work) -> float:
@@ -67,6 +86,19 @@ class FlopModel:
         return {"tokens": self.per_token * work.tokens / total,
                 "attention": self.per_pair * work.pairs / total,
                 "loss": self.per_scored * work.scored / total}
+
+
+def _mlp_flops(cfg: Any, layer: int) -> float:
+    """Multiply-adds per token of layer `layer`'s feed-forward block."""
+    d = cfg.hidden_size
+    experts = getattr(cfg, "num_experts", 0)
+    sparse = experts > 0 and layer not in getattr(cfg, "mlp_only_layers", ()) and \
+        (layer + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0
+    if not sparse:
+        return 3.0 * d * cfg.intermediate_size
+    shared = getattr(cfg, "shared_expert_intermediate_size", 0)
+    return (d * experts + cfg.num_experts_per_tok * 3.0 * d * cfg.moe_intermediate_size
+            + (3.0 * d * shared + d if shared else 0.0))
 
 
 @dataclasses.dataclass(frozen=True)

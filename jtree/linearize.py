@@ -12,6 +12,13 @@ and emits the arrays the jitted step consumes (DESIGN.md section 3). Every array
 - `valid`   bool   True on real tokens
 - `weight`, `adv_pos`, `adv_neg`  float32  loss coefficients W, P, N (`jtree.loss`)
 - `old_logprobs`  float32  per-token old-policy log-probs where given (0 elsewhere)
+- `path_count`  int32  number of paths through the token (0 on padding): the token's multiplicity
+                   in the per-path baseline, used to weight per-token statistics such as the MoE
+                   router load-balancing loss so that they equal the baseline's
+
+Chunk tables for the gated delta rule (`jtree.chunk_tables`, `kernels.tree_gated_delta_rule`),
+only when `gdn_chunk_size` is given (models with linear-attention layers need them):
+`gdn_chunk_tokens` [rows, NC, C], `gdn_chunk_src` [rows, NC], `gdn_token_slot` [rows, S] (int32).
 
 plus `score_index` [rows, K] int32: the row-local positions of the tokens the loss reads (a
 non-zero W, P or N), in order, padded with -1. The loss scores only these (`jtree.logprobs.
@@ -30,11 +37,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jtree.chunk_tables import (
+    chunk_tables,
+    chunks_needed,
+    concat_ranges,
+    default_chunk_count,
+)
 from jtree.loss import Normalization, batch_normalizer, token_coefficients
 from jtree.tree import TrajectoryTree, TreeStats
 
-INT_FIELDS = ("tokens", "pos", "end", "pred", "node")
+INT_FIELDS = ("tokens", "pos", "end", "pred", "node", "path_count")
 FLOAT_FIELDS = ("weight", "adv_pos", "adv_neg", "old_logprobs")
+GDN_FIELDS = ("gdn_chunk_tokens", "gdn_chunk_src", "gdn_token_slot")
 SCORE_ALIGN = 64
 
 
@@ -61,6 +75,10 @@ class TreeBatch:
     adv_pos: np.ndarray
     adv_neg: np.ndarray
     old_logprobs: np.ndarray
+    path_count: np.ndarray
+    gdn_chunk_tokens: np.ndarray | None
+    gdn_chunk_src: np.ndarray | None
+    gdn_token_slot: np.ndarray | None
     score_index: np.ndarray
     layout: BatchLayout
     normalization: str
@@ -73,10 +91,10 @@ class TreeBatch:
         return self.tokens.shape
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The device inputs of the step: [rows, S] per-token arrays and `score_index` [rows, K]."""
-        out = {f: getattr(self, f) for f in INT_FIELDS + ("valid",) + FLOAT_FIELDS}
-        out["score_index"] = self.score_index
-        return out
+        """The device inputs of the step: [rows, S] arrays, `score_index` [rows, K], plus the
+        [rows, NC, ...] chunk tables when the batch has them."""
+        fields = INT_FIELDS + ("valid",) + FLOAT_FIELDS + GDN_FIELDS + ("score_index",)
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
     def stats(self) -> TreeStats:
         total = TreeStats(0, 0, 0, 0, 0, 0)
@@ -115,6 +133,8 @@ def linearize(
     normalizer: float | None = None,
     n_rows: int | None = None,
     len_buckets: Sequence[int] | None = None,
+    gdn_chunk_size: int | None = None,
+    gdn_chunks: int | None = None,
     score_len: int | None = None,
 ) -> TreeBatch:
     """Lay `trees` out in DFS order into rows of at most `seq_len` tokens.
@@ -122,11 +142,19 @@ def linearize(
     `normalizer` overrides the batch normalizer of `normalization` (pass the value computed over the
     global batch when this call is one micro-batch or one device's share). `n_rows` fixes the number
     of rows (padding with empty rows). `len_buckets` lists allowed row lengths: the row length is
-    the smallest bucket that holds the packed rows (default: always `seq_len`). `score_len` fixes
-    the width K of `score_index` (see the module docstring).
+    the smallest bucket that holds the packed rows (default: always `seq_len`).
+    `gdn_chunk_size` (e.g. `jtree.chunk_tables.DEFAULT_CHUNK_SIZE`) adds the gated-delta-rule
+    chunk tables with chunks of that many tokens; `gdn_chunks` is their chunk capacity NC per row
+    (default: `jtree.chunk_tables.default_chunk_count`, at least ceil(S / C); fix it to give
+    every micro-batch the same shape). `score_len` fixes the width K of `score_index` (see the
+    module docstring).
     """
     if not trees:
         raise ValueError("trees: need at least one tree")
+    if gdn_chunk_size is None and gdn_chunks is not None:
+        raise ValueError("gdn_chunks: given without gdn_chunk_size")
+    if gdn_chunk_size is not None and gdn_chunk_size < 1:
+        raise ValueError(f"gdn_chunk_size: must be >= 1, got {gdn_chunk_size}")
     sizes = [t.n_tree_tokens for t in trees]
     for i, n in enumerate(sizes):
         if n > seq_len:
@@ -167,6 +195,7 @@ def linearize(
     disagreement = 0.0
     for t, arrs in zip(trees, per_tree):
         arrs.update(token_coefficients(t, normalization, normalizer))
+        arrs["path_count"] = np.bincount(t.flat_token_index, minlength=t.n_tree_tokens)
         if has_old:
             # Position 0 is never scored, so rollout engines may leave anything there.
             old = [np.concatenate([[0.0], o[1:]]) for o in t.old_logprobs]
@@ -176,7 +205,7 @@ def linearize(
             arrs["old_logprobs"] = np.zeros(t.n_tree_tokens, np.float32)
 
     size_arr = np.asarray(sizes, np.int64)
-    dest = np.repeat(tree_row * row_len + tree_off, size_arr) + _ranges(size_arr)
+    dest = np.repeat(tree_row * row_len + tree_off, size_arr) + concat_ranges(size_arr)
     tok_shift = np.repeat(tree_off, size_arr)
     cat = {k: np.concatenate([a[k] for a in per_tree]) for k in per_tree[0]}
 
@@ -188,6 +217,7 @@ def linearize(
         "end": flat_index + 1,
         "pred": np.full(total, -1, np.int32),
         "node": np.full(total, -1, np.int32),
+        "path_count": np.zeros(total, np.int32),
         "valid": np.zeros(total, bool),
     }
     for f in FLOAT_FIELDS:
@@ -197,10 +227,18 @@ def linearize(
     out["end"][dest] = cat["end"] + tok_shift
     out["pred"][dest] = np.where(cat["pred"] >= 0, cat["pred"] + tok_shift, -1)
     out["node"][dest] = cat["node"] + np.repeat(tree_node_off, size_arr)
+    out["path_count"][dest] = cat["path_count"]
     out["valid"][dest] = True
     for f in FLOAT_FIELDS:
         out[f][dest] = cat[f]
     shaped = {k: v.reshape(n_rows, row_len) for k, v in out.items()}
+    shaped.update(dict.fromkeys(GDN_FIELDS))
+    if gdn_chunk_size is not None:
+        if gdn_chunks is None:
+            needed = chunks_needed(trees, tree_row, n_rows, gdn_chunk_size)
+            gdn_chunks = default_chunk_count(row_len, gdn_chunk_size, int(needed.max()))
+        shaped.update(chunk_tables(trees, tree_row, tree_off, n_rows, row_len, gdn_chunk_size,
+                                   gdn_chunks))
     return TreeBatch(
         **shaped,
         score_index=score_positions(shaped, score_len),
@@ -241,13 +279,6 @@ def pad_score_index(index: np.ndarray, score_len: int) -> np.ndarray:
         raise ValueError(f"score_len={score_len}: narrower than the batch's {index.shape[-1]}")
     width = [(0, 0)] * (index.ndim - 1) + [(0, score_len - index.shape[-1])]
     return np.pad(index, width, constant_values=-1)
-
-
-def _ranges(sizes: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(n) for every n in `sizes`, without a Python loop."""
-    total = int(sizes.sum())
-    starts = np.repeat(np.cumsum(sizes) - sizes, sizes)
-    return np.arange(total, dtype=np.int64) - starts
 
 
 def unlinearize(batch: TreeBatch, per_token_values: np.ndarray) -> list[list[np.ndarray]]:

@@ -6,9 +6,10 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
-from jtree.linearize import TreeBatch
+from jtree.linearize import TreeBatch, unlinearize
 from jtree.models import Qwen3, Qwen3Config
 from jtree.train import Objective, make_logprob_fn, objective_loss
 
@@ -52,3 +53,34 @@ def scatter_paths(batch: TreeBatch, per_path: list[np.ndarray], field: str) -> d
 def rel_l2(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def off_policy_ppo_inputs(params, graphdef, tree: TreeBatch, base: TreeBatch, seed: int):
+    """Tree and baseline inputs with the same old/ref log-probs per path token, both off the
+    current policy (so the PPO clip really acts), set on the tree and copied to every path."""
+    rng = np.random.default_rng(seed)
+    cur = np.asarray(logprob_fn(graphdef)(params, tree.arrays()))
+    tree_in = dict(tree.arrays())
+    tree_in["old_logprobs"] = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
+    tree_in["ref_logprobs"] = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
+    base_in = scatter_paths(
+        base, [p for t in unlinearize(tree, tree_in["old_logprobs"]) for p in t], "old_logprobs")
+    base_in["ref_logprobs"] = scatter_paths(
+        base, [p for t in unlinearize(tree, tree_in["ref_logprobs"]) for p in t], "x")["x"]
+    return tree_in, base_in
+
+
+def assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective: Objective) -> None:
+    """Tree loss == baseline loss and every parameter gradient within 1e-5 relative L2."""
+    fn = loss_and_grad_fn(graphdef, objective)
+    loss_t, g_t = fn(params, tree_in)
+    loss_b, g_b = fn(params, base_in)
+    if objective.kind == "sft":  # a sum of same-sign terms: plain relative difference
+        assert float(loss_t) == pytest.approx(float(loss_b), rel=1e-6, abs=1e-9)
+    else:
+        # The surrogate of mixed-sign advantages cancels, so a 1-ulp log-prob difference can be a
+        # large fraction of a near-zero loss; measure relative to the loss scale sum(|W|+|P|+|N|).
+        scale = sum(float(np.abs(tree_in[k]).sum()) for k in ("weight", "adv_pos", "adv_neg"))
+        assert abs(float(loss_t) - float(loss_b)) <= 1e-6 * max(abs(float(loss_b)), scale)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_t), jax.tree_util.tree_leaves(g_b)):
+        assert rel_l2(a, b) <= 1e-5, jax.tree_util.keystr(path)

@@ -114,3 +114,20 @@ def test_chat_records_become_trees_with_one_path_per_assistant_turn():
     n_assistant = sum(m["role"] == "assistant" for m in record["messages"])
     assert tree.n_paths == n_assistant == 4
     assert tree.stats().por > 0.3  # later turns re-read the conversation so far
+
+
+def test_flop_model_counts_moe_experts_and_linear_attention_layers():
+    from jtree.models.moe_config import Qwen3MoeConfig, Qwen3NextConfig
+
+    dense = FlopModel.for_config(Qwen3Config(hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=2, head_dim=8))
+    moe = FlopModel.for_config(Qwen3MoeConfig(hidden_size=16, intermediate_size=32,
+                                              num_hidden_layers=2, head_dim=8, num_experts=8,
+                                              num_experts_per_tok=2, moe_intermediate_size=16,
+                                              mlp_only_layers=(1,)))
+    # Layer 0: router (16 x 8) + 2 experts of 3 x 16 x 16 instead of the dense 3 x 16 x 32.
+    assert moe.per_token - dense.per_token == 6 * (16 * 8 + 2 * 3 * 16 * 16 - 3 * 16 * 32)
+    assert moe.per_pair == dense.per_pair
+    cfg = Qwen3NextConfig(num_hidden_layers=4, full_attention_interval=4)
+    # One full-attention layer of four: pairs cost only there.
+    assert FlopModel.for_config(cfg).per_pair == 3.5 * 4 * cfg.num_attention_heads * cfg.head_dim

@@ -7,10 +7,15 @@ from typing import Any
 from flax import nnx
 
 from jtree.models.config import Qwen3Config
+from jtree.models.moe_config import Qwen3MoeConfig, Qwen3NextConfig
 from jtree.models.qwen3 import Qwen3
+from jtree.models.qwen3_moe import Qwen3Moe
+from jtree.models.qwen3_next import Qwen3Next
 
 ARCHITECTURES: dict[str, tuple[type, type]] = {
     "qwen3": (Qwen3Config, Qwen3),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3Moe),
+    "qwen3_next": (Qwen3NextConfig, Qwen3Next),
 }
 
 

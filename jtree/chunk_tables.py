@@ -1,0 +1,104 @@
+"""Chunk tables for the gated delta rule on DFS-laid-out trees (`kernels.tree_gated_delta_rule`).
+
+Every node segment is cut into chunks of at most C tokens (a chunk never spans two nodes), numbered
+per row in token (= DFS) order. A chunk enters with the state after the previous chunk of its node,
+or, for a node's first chunk, after its parent's last chunk (a root starts from slot 0, the
+initial state). Because a parent precedes its subtree, a scan over chunks in order always has the
+entering state ready. All arrays are built with numpy, vectorized over nodes and tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jtree.tree import TrajectoryTree
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+def concat_ranges(sizes: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(n) for every n in `sizes`, without a Python loop."""
+    total = int(sizes.sum())
+    starts = np.repeat(np.cumsum(sizes) - sizes, sizes)
+    return np.arange(total, dtype=np.int64) - starts
+
+
+def chunks_needed(trees: Sequence[TrajectoryTree], tree_row: np.ndarray, n_rows: int,
+                  chunk_size: int) -> np.ndarray:
+    """Number of chunks each row needs: sum over its nodes of ceil(len / chunk_size)."""
+    per_tree = np.array([int(np.sum(-(-np.diff(t.node_offsets) // chunk_size))) for t in trees])
+    return np.bincount(tree_row, weights=per_tree, minlength=n_rows).astype(np.int64)
+
+
+def default_chunk_count(row_len: int, chunk_size: int, needed: int) -> int:
+    """The chunk capacity of a row: max(needed, ceil(row_len / C)) rounded up to a multiple of a
+    quarter of ceil(row_len / C), so the step compiles for a bounded number of shapes and at most
+    a quarter of a full row's chunks are padding."""
+    base = -(-row_len // chunk_size)
+    step = max(1, base // 4)
+    return -(-max(int(needed), base) // step) * step
+
+
+def chunk_tables(
+    trees: Sequence[TrajectoryTree],
+    tree_row: np.ndarray,
+    tree_off: np.ndarray,
+    n_rows: int,
+    row_len: int,
+    chunk_size: int,
+    n_chunks: int,
+) -> dict[str, np.ndarray]:
+    """`gdn_chunk_tokens` [rows, NC, C], `gdn_chunk_src` [rows, NC], `gdn_token_slot` [rows, S].
+
+    chunk_tokens: row-local token index of each chunk slot, -1 for empty slots and unused chunks.
+    chunk_src: buffer slot of the entering state (0: initial state; c + 1: after chunk c).
+    token_slot: c * C + j for the token in slot j of chunk c, -1 on padding.
+    """
+    n_nodes = np.array([t.n_nodes for t in trees], np.int64)
+    lengths = np.concatenate([np.diff(t.node_offsets) for t in trees]).astype(np.int64)
+    node_row = np.repeat(tree_row, n_nodes)
+    node_start = np.concatenate([t.node_offsets[:-1] for t in trees]) + np.repeat(tree_off, n_nodes)
+    node_base = np.cumsum(n_nodes) - n_nodes
+    parent = np.concatenate([np.where(t.parents >= 0, t.parents + b, -1)
+                             for t, b in zip(trees, node_base)])
+    n_ch = -(-lengths // chunk_size)
+
+    # Chunk index of each node's first chunk within its row, counting in token order.
+    order = np.lexsort((node_start, node_row))
+    cum = np.cumsum(n_ch[order]) - n_ch[order]
+    row_first = np.full(n_rows, 0, np.int64)
+    first_of_row = np.r_[True, node_row[order][1:] != node_row[order][:-1]]
+    row_first[node_row[order][first_of_row]] = cum[first_of_row]
+    first_chunk = np.empty_like(cum)
+    first_chunk[order] = cum - row_first[node_row[order]]
+    last_chunk = first_chunk + n_ch - 1
+
+    needed = np.bincount(node_row, weights=n_ch, minlength=n_rows)
+    if needed.max() > n_chunks:
+        r = int(np.argmax(needed))
+        raise ValueError(f"gdn_chunks={n_chunks}: row {r} needs {int(needed[r])} chunks of "
+                         f"{chunk_size} tokens (every node starts a new chunk)")
+
+    # One entry per chunk.
+    c_node = np.repeat(np.arange(len(lengths)), n_ch)
+    c_j = concat_ranges(n_ch)
+    c_row = node_row[c_node]
+    c_idx = first_chunk[c_node] + c_j
+    c_start = node_start[c_node] + c_j * chunk_size
+    c_len = np.minimum(chunk_size, lengths[c_node] - c_j * chunk_size)
+    par = parent[c_node]
+    from_parent = np.where(par >= 0, last_chunk[np.maximum(par, 0)] + 1, 0)
+    c_src = np.where(c_j > 0, c_idx, from_parent)
+
+    src = np.zeros((n_rows, n_chunks), np.int32)
+    src[c_row, c_idx] = c_src
+    tokens = np.full((n_rows, n_chunks, chunk_size), -1, np.int32)
+    slot = np.full((n_rows, row_len), -1, np.int32)
+    t_chunk = np.repeat(np.arange(len(c_idx)), c_len)
+    t_j = concat_ranges(c_len)
+    t_tok = c_start[t_chunk] + t_j
+    tokens[c_row[t_chunk], c_idx[t_chunk], t_j] = t_tok
+    slot[c_row[t_chunk], t_tok] = c_idx[t_chunk] * chunk_size + t_j
+    return {"gdn_chunk_tokens": tokens, "gdn_chunk_src": src, "gdn_token_slot": slot}

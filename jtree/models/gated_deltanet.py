@@ -1,0 +1,113 @@
+"""Qwen3-Next's Gated DeltaNet token mixer on tree batches (HF `Qwen3NextGatedDeltaNet`).
+
+x -> in_proj_qkvz / in_proj_ba, grouped per key head as HF lays them out ([q, k, v-group,
+z-group] and [b-group, a-group] for each key head) -> depthwise causal conv1d over (q, k, v) along
+each token's path, then SiLU -> gated delta rule with beta = sigmoid(b) and
+g = -exp(A_log) * softplus(a + dt_bias), routed over the tree's chunks -> RMSNorm of each head's
+output gated by SiLU(z) -> out_proj.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jtree.models.layers import linear
+from jtree.models.moe_config import Qwen3NextConfig
+from kernels.gdn import tree_gated_delta_rule
+from kernels.tree_conv import path_context, tree_causal_conv1d
+
+
+class GdnRouting(NamedTuple):
+    """Per-batch tree layout the GDN layers read (built once per forward by `gdn_routing`)."""
+
+    conv_context: jax.Array  # [R, S, K - 1] previous tokens along each path
+    chunk_tokens: jax.Array  # [R, NC, C]
+    chunk_src: jax.Array  # [R, NC]
+    token_slot: jax.Array  # [R, S]
+
+
+def gdn_routing(inputs: Mapping[str, jax.Array], conv_kernel: int) -> GdnRouting:
+    missing = [f for f in ("pred", "gdn_chunk_tokens", "gdn_chunk_src", "gdn_token_slot")
+               if f not in inputs]
+    if missing:
+        raise ValueError(f"inputs: {missing} missing; linear-attention layers need the pred chain "
+                         "and the chunk tables of jtree.linearize")
+    return GdnRouting(path_context(inputs["pred"], conv_kernel - 1), inputs["gdn_chunk_tokens"],
+                      inputs["gdn_chunk_src"], inputs["gdn_token_slot"])
+
+
+class GatedRMSNorm(nnx.Module):
+    """RMSNorm(x) * weight * SiLU(gate) (HF `Qwen3NextRMSNormGated`; norm before gate)."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        out = self.weight[...] * x32.astype(dtype)
+        return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
+
+
+class DepthwiseConv1d(nnx.Module):
+    """Holds HF's `conv1d.weight` [channels, 1, K] (no bias)."""
+
+    def __init__(self, channels: int, kernel: int, *, init_std: float, param_dtype: jnp.dtype,
+                 rngs: nnx.Rngs):
+        self.weight = nnx.Param(
+            nnx.initializers.normal(init_std)(rngs.params(), (channels, 1, kernel), param_dtype))
+
+    def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:
+        return tree_causal_conv1d(x, self.weight[...][:, 0, :], context)
+
+
+class GatedDeltaNet(nnx.Module):
+    """The linear-attention layer of Qwen3-Next, exact on tree batches."""
+
+    def __init__(self, cfg: Qwen3NextConfig, *, rngs: nnx.Rngs):
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        kw = dict(bias=False, init_std=cfg.initializer_range, dtype=cfg.compute_dtype,
+                  param_dtype=cfg.weight_dtype, rngs=rngs)
+        self.in_proj_qkvz = linear(cfg.hidden_size, 2 * nk * dk + 2 * nv * dv, **kw)
+        self.in_proj_ba = linear(cfg.hidden_size, 2 * nv, **kw)
+        self.conv1d = DepthwiseConv1d(2 * nk * dk + nv * dv, cfg.linear_conv_kernel_dim,
+                                      init_std=cfg.initializer_range, param_dtype=cfg.weight_dtype,
+                                      rngs=rngs)
+        self.dt_bias = nnx.Param(jnp.ones((nv,), cfg.weight_dtype))
+        a = jax.random.uniform(rngs.params(), (nv,), jnp.float32, 0.01, 16.0)
+        self.A_log = nnx.Param(jnp.log(a).astype(cfg.weight_dtype))
+        self.norm = GatedRMSNorm(dv, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
+        self.out_proj = linear(nv * dv, cfg.hidden_size, **kw)
+        self.cfg = cfg
+
+    def __call__(self, x: jax.Array, routing: GdnRouting) -> jax.Array:
+        cfg = self.cfg
+        r, s, _ = x.shape
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        per = nv // nk
+        qkvz = self.in_proj_qkvz(x).reshape(r, s, nk, 2 * dk + 2 * per * dv)
+        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + per * dv], axis=-1)
+        ba = self.in_proj_ba(x).reshape(r, s, nk, 2 * per)
+        b, a = ba[..., :per].reshape(r, s, nv), ba[..., per:].reshape(r, s, nv)
+
+        mixed = jnp.concatenate([q.reshape(r, s, -1), k.reshape(r, s, -1), v.reshape(r, s, -1)], -1)
+        mixed = jax.nn.silu(self.conv1d(mixed, routing.conv_context))
+        q, k, v = jnp.split(mixed, [nk * dk, 2 * nk * dk], axis=-1)
+        beta = jax.nn.sigmoid(b)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        o, _ = tree_gated_delta_rule(
+            q.reshape(r, s, nk, dk), k.reshape(r, s, nk, dk), v.reshape(r, s, nv, dv), g, beta,
+            chunk_tokens=routing.chunk_tokens, chunk_src=routing.chunk_src,
+            token_slot=routing.token_slot)
+        o = self.norm(o, z.reshape(r, s, nv, dv))
+        return self.out_proj(o.reshape(r, s, nv * dv))

@@ -1,0 +1,127 @@
+"""Sparse mixture-of-experts feed-forward (Hugging Face `Qwen3MoeSparseMoeBlock`, and with a gated
+shared expert `Qwen3NextSparseMoeBlock`) and the router load-balancing loss on tree batches.
+
+Parameters keep HF's names and layouts: `gate.weight` [E, hidden], `experts.gate_up_proj`
+[E, 2 * moe_intermediate, hidden] (gate rows first), `experts.down_proj` [E, hidden,
+moe_intermediate]. Experts run dropless: the (token, expert) assignments are sorted by expert and
+multiplied with `jax.lax.ragged_dot`, so no token is ever dropped and the math equals HF's loop.
+
+Load-balancing loss on a tree. HF (`load_balancing_loss_func` with the attention mask) pools all
+MoE layers and all non-padding tokens of the forward batch:
+    f_e = sum_{l,t} [e in top_k(l, t)] / (L T),   P_e = sum_{l,t} softmax(l, t)_e / (L T),
+    aux = E * sum_e f_e P_e
+On the per-path baseline a shared tree token occurs once per path through it, so the tree computes
+the same sums with each token weighted by `path_count` (its multiplicity in the baseline batch) and
+T = sum of path_count: f_e and P_e, hence aux and its gradient, equal the baseline's exactly. It is
+a ratio of batch sums, so like HF it is defined per forward pass (one micro-batch).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jtree.models.layers import SwiGLU, linear
+
+
+class RouterStats(NamedTuple):
+    """What the load-balancing loss needs from one MoE layer, per token: [N, E] and [N, k]."""
+
+    probs: jax.Array
+    top_experts: jax.Array
+
+
+class TopKRouter(nnx.Module):
+    """softmax (fp32) over expert logits, top-k, optional renormalization (HF `*TopKRouter`)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, *,
+                 init_std: float, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(
+            nnx.initializers.normal(init_std)(rngs.params(), (num_experts, hidden), param_dtype))
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, RouterStats]:
+        """x [N, hidden] -> (weights [N, k] in x's dtype, experts [N, k], stats)."""
+        logits = x @ self.weight[...].astype(x.dtype).T
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        top_w, top_e = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk_prob:
+            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        return top_w.astype(x.dtype), top_e, RouterStats(probs, top_e)
+
+
+class Experts(nnx.Module):
+    """E SwiGLU experts stored as 3-D tensors (HF `*Experts`)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, *, init_std: float,
+                 param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(init_std)
+        self.gate_up_proj = nnx.Param(
+            init(rngs.params(), (num_experts, 2 * intermediate, hidden), param_dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, intermediate), param_dtype))
+
+    def __call__(self, x: jax.Array, top_e: jax.Array, top_w: jax.Array) -> jax.Array:
+        """sum_k top_w[:, k] * expert_{top_e[:, k]}(x), x [N, hidden]."""
+        n, k = top_e.shape
+        num_experts = self.gate_up_proj.shape[0]
+        flat_e = top_e.reshape(-1)
+        order = jnp.argsort(flat_e, stable=True)
+        token = order // k
+        group_sizes = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)
+        gate_up = jax.lax.ragged_dot(
+            x[token], jnp.swapaxes(self.gate_up_proj[...].astype(x.dtype), 1, 2), group_sizes)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        y = jax.lax.ragged_dot(jax.nn.silu(gate) * up,
+                               jnp.swapaxes(self.down_proj[...].astype(x.dtype), 1, 2), group_sizes)
+        y = y * top_w.reshape(-1)[order][:, None]
+        return jnp.zeros_like(x).at[token].add(y)
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router + experts, plus (Qwen3-Next) a shared SwiGLU expert scaled by sigmoid(shared gate)."""
+
+    def __init__(self, hidden: int, *, num_experts: int, top_k: int, moe_intermediate: int,
+                 norm_topk_prob: bool, shared_intermediate: int | None, init_std: float,
+                 dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        kw = dict(init_std=init_std, param_dtype=param_dtype, rngs=rngs)
+        self.gate = TopKRouter(hidden, num_experts, top_k, norm_topk_prob, **kw)
+        self.experts = Experts(hidden, moe_intermediate, num_experts, **kw)
+        if shared_intermediate is None:
+            self.shared_expert = self.shared_expert_gate = None
+        else:
+            self.shared_expert = SwiGLU(hidden, shared_intermediate, dtype=dtype, **kw)
+            self.shared_expert_gate = linear(hidden, 1, bias=False, dtype=dtype, **kw)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, RouterStats]:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        top_w, top_e, stats = self.gate(flat)
+        out = self.experts(flat, top_e, top_w)
+        if self.shared_expert is not None:
+            out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(shape), stats
+
+
+def load_balancing_loss(stats: list[RouterStats], token_weight: jax.Array,
+                        num_experts: int) -> jax.Array:
+    """HF's Switch-style aux loss pooled over layers, each token weighted by `token_weight` [N]
+    (the path multiplicity on tree batches; 0 on padding). See the module docstring."""
+    if not stats:
+        return jnp.zeros((), jnp.float32)
+    w = token_weight.reshape(-1).astype(jnp.float32)
+    total = len(stats) * jnp.sum(w)
+    counts = sum(jnp.einsum("n,nke->e", w, jax.nn.one_hot(s.top_experts, num_experts)) for s in stats)
+    prob_sum = sum(jnp.einsum("n,ne->e", w, s.probs) for s in stats)
+    safe = jnp.maximum(total, 1e-30)
+    return num_experts * jnp.sum((counts / safe) * (prob_sum / safe))
+
+
+def is_moe_layer(layer: int, num_experts: int, decoder_sparse_step: int,
+                 mlp_only_layers: tuple[int, ...]) -> bool:
+    """HF's rule for which decoder layers get a sparse MoE block instead of a dense MLP."""
+    return (layer not in mlp_only_layers and num_experts > 0
+            and (layer + 1) % decoder_sparse_step == 0)

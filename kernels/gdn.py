@@ -1,0 +1,321 @@
+"""The gated delta rule (Gated DeltaNet): recurrent reference, chunked form, and tree routing.
+
+Per value head, with state S [d_k, d_v] and L2-normalised q, k (q also scaled by d_k**-0.5):
+
+    S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,    o_t = S_t^T q_t
+
+(Hugging Face `torch_recurrent_gated_delta_rule` / `torch_chunk_gated_delta_rule` with
+`use_qk_l2norm_in_kernel=True`). Key heads are shared by `Hv // Hk` consecutive value heads.
+
+The chunked form cuts the sequence into chunks of C tokens. Everything inside a chunk that does
+not depend on the entering state (decays, the UT transform of the delta rule, the masked q k^T) is
+computed for all chunks at once; a `lax.scan` over chunks then applies the entering state. The
+scan carries a buffer of chunk-final states (slot 0: the initial state, slot c + 1: the state after
+chunk c) and each chunk reads its entering state from a slot given by a table. A plain sequence
+reads slot c (the previous chunk). On a tree whose node segments are cut into chunks, a node's
+first chunk reads its parent's last chunk instead, so siblings start from the same parent state and
+the backward pass sums their gradients into it. The backward pass (a custom VJP: a reverse scan)
+keeps one entering state per chunk, O(chunks x state), never a copy of the buffer per step, and
+spends O(state) per chunk on routing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _einsum(spec: str, *args: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, *args, precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _check_shapes(q, k, v, g, beta, initial_state) -> None:
+    if q.ndim != 4 or q.shape != k.shape or v.ndim != 4 or q.shape[:2] != v.shape[:2]:
+        raise ValueError(f"q, k must be [B, T, Hk, dk] and v [B, T, Hv, dv]; got q {q.shape}, "
+                         f"k {k.shape}, v {v.shape}")
+    if v.shape[2] % q.shape[2]:
+        raise ValueError(f"key heads ({q.shape[2]}) must divide value heads ({v.shape[2]})")
+    if g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
+        raise ValueError(f"g and beta must be [B, T, Hv] = {v.shape[:3]}; got {g.shape}, {beta.shape}")
+    want = (v.shape[0], v.shape[2], q.shape[3], v.shape[3])
+    if initial_state is not None and initial_state.shape != want:
+        raise ValueError(f"initial_state must be [B, Hv, dk, dv] = {want}; got {initial_state.shape}")
+
+
+def _prepare_qk(q: jax.Array, k: jax.Array, n_v_heads: int) -> tuple[jax.Array, jax.Array]:
+    """fp32 L2-normalised q and k (eps 1e-6, as HF/FLA), q scaled by dk**-0.5, one per value head."""
+
+    def l2norm(x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+    rep = n_v_heads // q.shape[2]
+    q = jnp.repeat(l2norm(q), rep, axis=2) * (q.shape[-1] ** -0.5)
+    return q, jnp.repeat(l2norm(k), rep, axis=2)
+
+
+def _zero_state(v: jax.Array, dk: int) -> jax.Array:
+    return jnp.zeros((v.shape[0], v.shape[2], dk, v.shape[3]), jnp.float32)
+
+
+def gated_delta_rule_recurrent(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Token-by-token reference. q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log decay, <= 0) and
+    beta [B, T, Hv]; initial_state [B, Hv, dk, dv] (zeros if None).
+
+    Returns (o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] float32).
+    """
+    _check_shapes(q, k, v, g, beta, initial_state)
+    q, k = _prepare_qk(q, k, v.shape[2])
+    state = _zero_state(v, q.shape[-1]) if initial_state is None else initial_state.astype(jnp.float32)
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs
+        s = s * jnp.exp(g_t)[..., None, None]
+        delta = (v_t - _einsum("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]
+        s = s + _einsum("bhk,bhv->bhkv", k_t, delta)
+        return s, _einsum("bhkv,bhk->bhv", s, q_t)
+
+    xs = tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (q, k, v, g, beta))
+    state, o = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(o, 0, 1).astype(v.dtype), state
+
+
+def _unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C], by block doubling.
+
+    Blocks of size 1 are their own inverses; two neighbouring inverted blocks combine as
+    [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]]. That is log2(C) rounds of batched
+    matmuls, exact like forward substitution (no matrix powers), and much faster than a
+    triangular solve on CPU. C is padded to a power of two with identity rows.
+    """
+    c = a.shape[-1]
+    p = 1 << (c - 1).bit_length()
+    lead = a.shape[:-2]
+    a = jnp.pad(a, [(0, 0)] * len(lead) + [(0, p - c), (0, p - c)])
+    inv = jnp.ones(lead + (p, 1, 1), a.dtype)
+    size = 1
+    while size < p:
+        nb = p // (2 * size)
+        blocks = a.reshape(lead + (nb, 2 * size, nb, 2 * size))
+        diag = jnp.einsum("...iaib->...iab", blocks)  # the nb diagonal blocks of size 2 * size
+        pair = inv.reshape(lead + (nb, 2, size, size))
+        top, bottom = pair[..., 0, :, :], pair[..., 1, :, :]
+        lower = -_einsum("...ij,...jk,...kl->...il", bottom, diag[..., size:, :size], top)
+        zeros = jnp.zeros_like(top)
+        inv = jnp.concatenate([jnp.concatenate([top, zeros], -1),
+                               jnp.concatenate([lower, bottom], -1)], -2)
+        size *= 2
+    return inv.reshape(lead + (p, p))[..., :c, :c]
+
+
+class _ChunkTerms(NamedTuple):
+    """State-independent quantities of every chunk, [B, NC, H, C, ...] (NC chunks of C tokens)."""
+
+    u: jax.Array  # UT-transformed beta * v                 [.., C, dv]
+    w: jax.Array  # UT-transformed beta * k * decay-to-token [.., C, dk]
+    q_decayed: jax.Array  # q * decay from chunk start       [.., C, dk]
+    k_decayed: jax.Array  # k * decay to chunk end           [.., C, dk]
+    attn: jax.Array  # causal q k^T with pairwise decays     [.., C, C]
+    chunk_decay: jax.Array  # decay over the whole chunk    [..]
+
+
+def _chunk_terms(q, k, v, g, beta) -> _ChunkTerms:
+    """q, k [B, NC, C, H, dk] (prepared), v [.., dv], g, beta [B, NC, C, H]; all fp32.
+
+    Empty slots (g = beta = k = 0) leave the state unchanged, so chunks may be padded at the end.
+    """
+    q, k, v = (jnp.swapaxes(x, 2, 3) for x in (q, k, v))  # [B, NC, H, C, d]
+    g, beta = jnp.swapaxes(g, 2, 3), jnp.swapaxes(beta, 2, 3)  # [B, NC, H, C]
+    c = g.shape[-1]
+    cum = jnp.cumsum(g, axis=-1)
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    # exp(cum_i - cum_j) for j <= i; masked before exp so it never overflows.
+    pair_decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    k_beta = k * beta[..., None]
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    ut = jnp.where(strict, _einsum("...id,...jd->...ij", k_beta, k) * pair_decay, 0.0)
+    # (I + ut)^-1 applied to beta*v and to beta*k*exp(cum): the WY form of the delta rule.
+    inv = _unit_lower_inverse(ut)
+    u = _einsum("...ij,...jd->...id", inv, v * beta[..., None])
+    w = _einsum("...ij,...jd->...id", inv, k_beta * jnp.exp(cum)[..., None])
+    attn = _einsum("...id,...jd->...ij", q, k) * pair_decay
+    last = cum[..., -1:]
+    return _ChunkTerms(
+        u=u,
+        w=w,
+        q_decayed=q * jnp.exp(cum)[..., None],
+        k_decayed=k * jnp.exp(last - cum)[..., None],
+        attn=attn,
+        chunk_decay=jnp.exp(last[..., 0]),
+    )
+
+
+def _chunk_step(t: _ChunkTerms, s: jax.Array):
+    """One chunk from entering state s [B, H, dk, dv]: (output [B, H, C, dv], final state, v_new)."""
+    v_new = t.u - _einsum("bhck,bhkv->bhcv", t.w, s)
+    o = _einsum("bhck,bhkv->bhcv", t.q_decayed, s) + _einsum("bhcd,bhdv->bhcv", t.attn, v_new)
+    s_out = s * t.chunk_decay[..., None, None] + _einsum("bhck,bhcv->bhkv", t.k_decayed, v_new)
+    return o, s_out, v_new
+
+
+def _chunks_first(terms: _ChunkTerms) -> _ChunkTerms:
+    return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 1, 0), terms)
+
+
+def _scan_forward(terms: _ChunkTerms, src: jax.Array, initial_state: jax.Array):
+    b, nc = src.shape
+    buffer = jnp.zeros((b, nc + 1) + initial_state.shape[1:], jnp.float32)
+    buffer = buffer.at[:, 0].set(initial_state)
+    rows = jnp.arange(b)
+
+    def body(buf, xs):
+        t, src_c, c = xs
+        o, s_out, _ = _chunk_step(t, buf[rows, src_c])
+        return jax.lax.dynamic_update_index_in_dim(buf, s_out, c + 1, axis=1), o
+
+    xs = (_chunks_first(terms), src.T, jnp.arange(nc, dtype=jnp.int32))
+    buffer, o = jax.lax.scan(body, buffer, xs)
+    return jnp.moveaxis(o, 0, 1), buffer
+
+
+@jax.custom_vjp
+def _route_chunks(terms: _ChunkTerms, src: jax.Array, initial_state: jax.Array):
+    """`initial_state` [B, H, dk, dv] float32. Scan over chunks in order; chunk c enters with
+    buffer[src[:, c]] and stores its final state in buffer[c + 1]. Returns (o [B, NC, H, C, dv],
+    buffer [B, NC + 1, H, dk, dv]).
+
+    Custom VJP: slot c + 1 is written only by chunk c, so the final buffer holds every chunk's
+    entering state and is the only state residual, O(chunks x state). The backward scan runs in
+    reverse carrying the buffer's cotangent and adds each chunk's entering-state cotangent into
+    its source slot in place, O(state) per chunk. (Plain autodiff adds a buffer-sized scatter per
+    step, O(chunks^2 x state) time, and XLA copies the carry when a slice of it is emitted per
+    step, which is why nothing read from the buffer is a scan output here.)
+    """
+    return _scan_forward(terms, src, initial_state)
+
+
+def _route_fwd(terms, src, initial_state):
+    o, buffer = _scan_forward(terms, src, initial_state)
+    return (o, buffer), (terms, src, buffer)
+
+
+def _route_bwd(res, cts):
+    terms, src, buffer = res
+    d_o, d_buffer = cts
+    b, nc = src.shape
+    rows = jnp.arange(b)
+    entering = jnp.moveaxis(buffer[rows[:, None], src], 1, 0)  # [NC, B, H, dk, dv]
+
+    def body(d_buf, xs):
+        t, src_c, c, s, d_o_c = xs
+        _, vjp = jax.vjp(_chunk_step, t, s)
+        d_s_out = jax.lax.dynamic_index_in_dim(d_buf, c + 1, axis=1, keepdims=False)
+        d_t, d_s = vjp((d_o_c, d_s_out, jnp.zeros_like(t.u)))
+        return d_buf.at[rows, src_c].add(d_s), d_t
+
+    xs = (_chunks_first(terms), src.T, jnp.arange(nc, dtype=jnp.int32), entering,
+          jnp.moveaxis(d_o, 1, 0))
+    d_buf, d_terms = jax.lax.scan(body, d_buffer.astype(jnp.float32), xs, reverse=True)
+    d_terms = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 1), d_terms)
+    d_src = np.zeros(src.shape, jax.dtypes.float0)
+    return d_terms, d_src, d_buf[:, 0]
+
+
+_route_chunks.defvjp(_route_fwd, _route_bwd)
+
+
+def gated_delta_rule_chunked(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+    *,
+    chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array]:
+    """Chunked form of `gated_delta_rule_recurrent` (same arguments and results)."""
+    _check_shapes(q, k, v, g, beta, initial_state)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    b, t, hv, dv = v.shape
+    q, k = _prepare_qk(q, k, hv)
+    pad = -t % chunk_size
+    nc = (t + pad) // chunk_size
+
+    def chunked(x: jax.Array) -> jax.Array:
+        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape((b, nc, chunk_size) + x.shape[2:])
+
+    terms = _chunk_terms(*(chunked(x) for x in (q, k, v, g, beta)))
+    state = (_zero_state(v, q.shape[-1]) if initial_state is None
+             else initial_state.astype(jnp.float32))
+    src = jnp.broadcast_to(jnp.arange(nc, dtype=jnp.int32), (b, nc))
+    o, buffer = _route_chunks(terms, src, state)
+    o = jnp.swapaxes(o, 2, 3).reshape(b, nc * chunk_size, hv, dv)[:, :t]
+    return o.astype(v.dtype), buffer[:, nc]
+
+
+def tree_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    chunk_tokens: jax.Array,
+    chunk_src: jax.Array,
+    token_slot: jax.Array,
+    initial_state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule on rows of DFS-ordered trees, each token seeing only its path.
+
+    q, k [R, S, Hk, dk], v [R, S, Hv, dv], g, beta [R, S, Hv] per row token. The chunk tables (see
+    `jtree.linearize`): `chunk_tokens` [R, NC, C] row-local token of each chunk slot (-1: empty;
+    a chunk holds tokens of one node), `chunk_src` [R, NC] the buffer slot a chunk's entering state
+    comes from (0: `initial_state` or zeros; c' + 1: the state after chunk c', i.e. the previous
+    chunk of the node or the parent's last chunk), `token_slot` [R, S] flat slot c * C + j of
+    each token (-1: in no chunk; its output is 0).
+
+    Returns (o [R, S, Hv, dv] in v's dtype, buffer [R, NC + 1, Hv, dk, dv] of chunk-final states).
+    """
+    _check_shapes(q, k, v, g, beta, initial_state)
+    r, s, hv, dv = v.shape
+    if chunk_tokens.ndim != 3 or chunk_tokens.shape[0] != r or chunk_src.shape != chunk_tokens.shape[:2]:
+        raise ValueError(f"chunk_tokens must be [R, NC, C] and chunk_src [R, NC]; got "
+                         f"{chunk_tokens.shape}, {chunk_src.shape} for {r} rows")
+    if token_slot.shape != (r, s):
+        raise ValueError(f"token_slot must be [R, S] = {(r, s)}; got {token_slot.shape}")
+    _, nc, c = chunk_tokens.shape
+    q, k = _prepare_qk(q, k, hv)
+
+    filled = (chunk_tokens >= 0).reshape(r, nc * c)
+    gather_idx = jnp.where(filled, chunk_tokens.reshape(r, nc * c), 0)
+
+    def to_chunks(x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        idx = gather_idx.reshape(gather_idx.shape + (1,) * (x.ndim - 2))
+        mask = filled.reshape(filled.shape + (1,) * (x.ndim - 2))
+        picked = jnp.where(mask, jnp.take_along_axis(x, idx, axis=1), 0.0)
+        return picked.reshape((r, nc, c) + x.shape[2:])
+
+    terms = _chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta)))
+    state = (_zero_state(v, q.shape[-1]) if initial_state is None
+             else initial_state.astype(jnp.float32))
+    o, buffer = _route_chunks(terms, chunk_src, state)
+    o = jnp.swapaxes(o, 2, 3).reshape(r, nc * c, hv, dv)
+    has_slot = (token_slot >= 0)[..., None, None]
+    o = jnp.take_along_axis(o, jnp.where(token_slot >= 0, token_slot, 0)[..., None, None], axis=1)
+    return jnp.where(has_slot, o, 0.0).astype(v.dtype), buffer

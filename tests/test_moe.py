@@ -1,0 +1,106 @@
+"""MoE block, router aux loss weighting, Qwen3-MoE / Qwen3-Next configs and parameter names."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jtree.linearize import linearize
+from jtree.models import ARCHITECTURES, Qwen3Moe, Qwen3MoeConfig, Qwen3Next, Qwen3NextConfig
+from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss
+from jtree.tree import TrajectoryTree
+
+
+def _block(shared=None, norm=True):
+    return SparseMoeBlock(16, num_experts=5, top_k=2, moe_intermediate=8, norm_topk_prob=norm,
+                          shared_intermediate=shared, init_std=0.5, dtype=jnp.float32,
+                          param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("shared", [None, 12])
+@pytest.mark.parametrize("norm", [False, True])
+def test_dropless_experts_equal_a_dense_loop(shared, norm):
+    block = _block(shared, norm)
+    x = jax.random.normal(jax.random.key(1), (3, 7, 16))
+    out, stats = block(x)
+    flat = x.reshape(-1, 16)
+    probs = jax.nn.softmax(flat @ block.gate.weight[...].T, axis=-1)
+    want = jnp.zeros_like(flat)
+    for n in range(flat.shape[0]):
+        top = np.argsort(-np.asarray(probs[n]))[:2]
+        w = probs[n, top] / (probs[n, top].sum() if norm else 1.0)
+        for e, we in zip(top, w):
+            gate, up = jnp.split(block.experts.gate_up_proj[...][e] @ flat[n], 2)
+            want = want.at[n].add(we * (block.experts.down_proj[...][e] @ (jax.nn.silu(gate) * up)))
+    if shared is not None:
+        want = want + jax.nn.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
+    np.testing.assert_allclose(out.reshape(-1, 16), want, atol=1e-5)
+    np.testing.assert_allclose(stats.probs, probs, atol=1e-6)
+
+
+def test_aux_loss_weights_equal_repeating_tokens():
+    """Weighting a token by its multiplicity m gives exactly the loss of a batch holding m copies
+    (what the per-path baseline holds for a shared tree token), value and gradient."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, 6, 5)), jnp.float32)  # 2 layers, 6 tokens, 5 experts
+    mult = np.array([3, 1, 0, 2, 1, 4])
+
+    def loss(lg, weight, index):
+        stats = [RouterStats(jax.nn.softmax(lg[i][index], -1),
+                             jax.lax.top_k(jax.nn.softmax(lg[i][index], -1), 2)[1]) for i in range(2)]
+        return load_balancing_loss(stats, weight, 5)
+
+    repeat = np.repeat(np.arange(6), mult)
+    tree, g_tree = jax.value_and_grad(loss)(logits, jnp.asarray(mult), np.arange(6))
+    flat, g_flat = jax.value_and_grad(loss)(logits, jnp.ones(len(repeat)), repeat)
+    assert float(tree) == pytest.approx(float(flat), rel=1e-6)
+    np.testing.assert_allclose(g_tree, g_flat, atol=1e-7)
+    assert float(jnp.linalg.norm(g_tree)) > 0
+
+
+def test_model_aux_loss_needs_path_count_and_config_flag():
+    cfg = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=8, attention_impl="reference")
+    batch = linearize([TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4, 5]])], 8,
+                      gdn_chunk_size=4).arrays()
+    off = Qwen3Moe(Qwen3MoeConfig(**cfg), rngs=nnx.Rngs(0))
+    assert float(off(batch).aux_loss) == 0.0  # HF adds it only with output_router_logits
+    on = Qwen3Moe(Qwen3MoeConfig(**cfg, output_router_logits=True), rngs=nnx.Rngs(0))
+    assert float(on(batch).aux_loss) > 0.0
+    with pytest.raises(ValueError, match="path_count"):
+        on({k: v for k, v in batch.items() if k != "path_count"})
+    nxt = Qwen3Next(Qwen3NextConfig(**cfg, layer_types=("linear_attention",)), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="gdn_chunk_tokens"):
+        nxt({k: v for k, v in batch.items() if k != "gdn_chunk_tokens"})
+
+
+def test_parameter_names_follow_hugging_face():
+    def names(model):
+        return {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model))}
+
+    moe = names(Qwen3Moe(Qwen3MoeConfig(num_hidden_layers=2, mlp_only_layers=(1,)), rngs=nnx.Rngs(0)))
+    assert {"model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.0.mlp.experts.down_proj", "model.layers.1.mlp.gate_proj.kernel",
+            "model.layers.0.self_attn.q_norm.weight"} <= moe
+    nxt = names(Qwen3Next(Qwen3NextConfig(num_hidden_layers=4), rngs=nnx.Rngs(0)))
+    for n in ("linear_attn.in_proj_qkvz.kernel", "linear_attn.in_proj_ba.kernel",
+              "linear_attn.conv1d.weight", "linear_attn.dt_bias", "linear_attn.A_log",
+              "linear_attn.norm.weight", "linear_attn.out_proj.kernel",
+              "mlp.shared_expert.up_proj.kernel", "mlp.shared_expert_gate.kernel"):
+        assert f"model.layers.0.{n}" in nxt
+    assert "model.layers.3.self_attn.q_proj.kernel" in nxt  # every 4th layer is full attention
+    assert "model.layers.3.linear_attn.A_log" not in nxt
+    assert set(ARCHITECTURES) >= {"qwen3", "qwen3_moe", "qwen3_next"}
+
+
+def test_configs_validate():
+    assert Qwen3NextConfig(num_hidden_layers=8).layer_types[3::4] == ("full_attention",) * 2
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        Qwen3MoeConfig(num_experts=2, num_experts_per_tok=3)
+    with pytest.raises(ValueError, match=r"layer_types\[1\]"):
+        Qwen3NextConfig(num_hidden_layers=2, layer_types=("linear_attention", "mamba"))
+    with pytest.raises(ValueError, match="layer_types: 1 entries"):
+        Qwen3NextConfig(num_hidden_layers=2, layer_types=("linear_attention",))
+    with pytest.raises(ValueError, match="linear_num_key_heads"):
+        Qwen3NextConfig(linear_num_key_heads=3, linear_num_value_heads=4)
