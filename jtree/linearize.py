@@ -108,20 +108,22 @@ class TreeBatch:
 
 
 def pack_rows(sizes: Sequence[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing bin packing of item sizes into rows of `capacity` tokens."""
-    order = np.argsort(-np.asarray(sizes, dtype=np.int64), kind="stable")
+    """First-fit decreasing bin packing of item sizes into rows of `capacity` tokens (items in
+    decreasing size, ties in input order; each goes to the first row with room)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    order = np.argsort(-sizes, kind="stable")
+    free = np.empty(len(sizes), np.int64)  # room left in each open row (at most one per item)
     rows: list[list[int]] = []
-    free: list[int] = []
     for i in order:
-        size = int(sizes[i])
-        for r, room in enumerate(free):
-            if size <= room:
-                rows[r].append(int(i))
-                free[r] -= size
-                break
+        size = sizes[i]
+        fits = np.flatnonzero(free[: len(rows)] >= size)
+        if fits.size:
+            r = int(fits[0])
+            rows[r].append(int(i))
+            free[r] -= size
         else:
+            free[len(rows)] = capacity - size
             rows.append([int(i)])
-            free.append(capacity - size)
     return rows
 
 

@@ -94,8 +94,20 @@ def least_padding_plan(sizes: Sequence[int], max_len: int, len_buckets: Sequence
     if not candidates:
         raise ValueError(f"len_buckets: none between the largest item ({largest}) and "
                          f"max_len={max_len}")
-    plans = [plan_rows(sizes, b, rows_multiple=rows_multiple) for b in candidates]
-    return min(plans, key=lambda p: (p.n_rows * p.row_len, -p.row_len))
+    total = sum(int(s) for s in sizes)
+
+    def lower_bound(b: int) -> int:  # positions of the fewest rows of length b that could hold all
+        return -(-(-(-total // b)) // rows_multiple) * rows_multiple * b
+
+    best = None
+    for b in sorted(candidates, key=lambda b: (lower_bound(b), -b)):
+        if best is not None and lower_bound(b) > best.n_rows * best.row_len:
+            break  # no remaining length can beat the best plan
+        plan = plan_rows(sizes, b, rows_multiple=rows_multiple)
+        if best is None or (plan.n_rows * plan.row_len, -plan.row_len) < \
+                (best.n_rows * best.row_len, -best.row_len):
+            best = plan
+    return best
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

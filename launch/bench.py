@@ -7,7 +7,9 @@ alternating runs, medians. Measured the way DESIGN.md section 8 (and the seeds) 
 
 - POR, token bound N_flat / N_computed, ideal speedup FLOPs_baseline / FLOPs_tree (`jtree.cost`:
   per computed token, per visible (query, key) pair, per scored token), realized speedup (median
-  baseline step time / median tree step time), efficiency = realized / ideal;
+  baseline step time / median tree step time, wall clock; the range of the per-pair ratios shows
+  the noise), efficiency = realized / ideal, and the same from the process CPU time of the steps
+  (less sensitive to other jobs taking the cores of a shared machine);
 - host preparation (partitioning, packing, linearization, transfer; from trees whose cached
   layouts are cold) vs the device step, and host tokens/s;
 - padding of each layout, and peak step memory of each mode from XLA's compiled memory analysis
@@ -48,19 +50,21 @@ from jtree.cost import FlopModel, Work, batch_work, choose_mode, ideal_speedup
 from jtree.data import training_units
 from jtree.loss import batch_normalizer
 from jtree.models import Qwen3, Qwen3Config
-from jtree.packing import build_microbatches, least_padding_plan
+from jtree.packing import MicroBatches, build_microbatches, least_padding_plan
 from jtree.synthetic import AgentShape, agent_rollout_group, chat_record, por_forest
 from jtree.train import Objective, OptimConfig, TrainState, make_optimizer, make_train_step
 from jtree.tree import TrajectoryTree
+from kernels.attention_xla import default_blocks, schedule_work
+from kernels.block_tables import EMPTY, FULL, classify_blocks, round_up_to_blocks
 
 SHAPES = {
     # Projections and MLP dominate: hidden 256, MLP 1024, 4 layers, paths of ~512 tokens.
     "proj": Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=1024,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=64, attention_impl="xla"),
-    # Attention dominates: hidden 64, one 64-wide query head per kv head, paths of ~4k tokens.
+    # Attention dominates: hidden 64, one 64-wide head, rows of 16k, paths of ~2.7k tokens.
     "attn": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
                         head_dim=64, attention_impl="xla"),
 }
 ROW_BUCKETS = 16  # row lengths are multiples of S / 16
@@ -97,7 +101,7 @@ def _chat(shape: str, seq_len: int, n_records: int) -> Workload:
     def make() -> list[TrajectoryTree]:
         rng = np.random.default_rng(11)
         tok = ByteTokenizer()
-        return [conversation_tree(chat_record(rng, system_words=80, turns=4, user_words=20,
+        return [conversation_tree(chat_record(rng, system_words=80, turns=3, user_words=20,
                                               assistant_words=30, tool_words=40,
                                               reasoning_words=40), tok, where=f"chat {i}",
                                   vocab_size=SHAPES[shape].vocab_size)
@@ -107,12 +111,12 @@ def _chat(shape: str, seq_len: int, n_records: int) -> Workload:
 
 
 def workloads() -> list[Workload]:
-    out = [_synthetic("proj", 4096, 12288, 512, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
-    out += [_synthetic("attn", 16384, 49152, 4096, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
-    out.append(_agent("proj", 4096, 3, AgentShape(vocab_size=2048, system_len=600, task_len=80,
+    out = [_synthetic("proj", 4096, 8192, 512, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
+    out += [_synthetic("attn", 16384, 32768, 2730, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
+    out.append(_agent("proj", 4096, 1, AgentShape(vocab_size=2048, system_len=600, task_len=80,
                                                   turns=3, assistant_len=60, tool_len=120,
-                                                  rollouts=8, think_len=60)))
-    out.append(_agent("attn", 16384, 2, AgentShape(vocab_size=512, system_len=2000,
+                                                  rollouts=6, think_len=60)))
+    out.append(_agent("attn", 16384, 1, AgentShape(vocab_size=512, system_len=2000,
                                                    task_len=200, turns=3, assistant_len=200,
                                                    tool_len=400, rollouts=6, think_len=150)))
     out.append(_chat("proj", 8192, 2))
@@ -125,24 +129,39 @@ def workloads() -> list[Workload]:
 @dataclasses.dataclass
 class Prepared:
     inputs: dict[str, jax.Array]
-    work: Work
-    rows: int
-    row_len: int
-    padding: float
+    micro: MicroBatches
 
 
 def prepare(trees: Sequence[TrajectoryTree], mode: str, seq_len: int) -> Prepared:
-    """Units (parts of trees larger than a row, or paths), least-padding rows, linearized
-    micro-batches of one row each, on the device."""
+    """What the host does before a step: units (parts of trees larger than a row, or paths),
+    least-padding rows, linearized micro-batches of one row each, on the device."""
     units = ([u for t in trees for u in training_units(t, "tree", seq_len)] if mode == "tree"
              else flatten_paths(trees))
     buckets = [seq_len * i // ROW_BUCKETS for i in range(1, ROW_BUCKETS + 1)]
     plan = least_padding_plan([u.n_tree_tokens for u in units], seq_len, buckets)
     micro = build_microbatches(units, plan.row_len, rows_per_microbatch=1,
                                normalizer=batch_normalizer(trees, "seq_mean_token_mean"))
-    work = sum((batch_work(b) for b in micro.batches), Work(0, 0, 0))
-    inputs = jax.device_put(micro.inputs())
-    return Prepared(inputs, work, plan.n_rows, plan.row_len, plan.padding_fraction)
+    return Prepared(jax.device_put(micro.inputs()), micro)
+
+
+def block_stats(ends: Sequence[np.ndarray], work: Work) -> dict[str, float]:
+    """Attention blocks of the `xla` kernel's default size: non-empty and full block counts, the
+    blocks its schedule computes per non-empty block, and the visible pairs per computed pair."""
+    nonempty = full = computed = computed_pairs = 0
+    for end in ends:
+        block_q, block_kv = default_blocks(end.shape[1])
+        s = round_up_to_blocks(end.shape[1], block_q, block_kv)
+        padded = np.concatenate([end, np.arange(end.shape[1], s, dtype=np.int32)[None]
+                                 .repeat(end.shape[0], 0) + 1], axis=1)
+        classes = classify_blocks(padded, block_q, block_kv)
+        nonempty += int((classes != EMPTY).sum())
+        full += int((classes == FULL).sum())
+        blocks = schedule_work(padded, block_q=block_q, block_kv=block_kv)[0]
+        computed += blocks
+        computed_pairs += blocks * block_q * block_kv
+    return {"nonempty_blocks": nonempty, "full_fraction": full / max(nonempty, 1),
+            "computed_per_nonempty": computed / max(nonempty, 1),
+            "pair_efficiency": work.pairs / max(computed_pairs, 1)}
 
 
 def host_seconds(workload: Workload, mode: str, repeats: int) -> float:
@@ -169,37 +188,45 @@ def peak_bytes(compiled: Any) -> int:
 
 def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: int,
             max_reps: int, budget_s: float) -> tuple[dict[str, Any], TrainState]:
+    """One workload: compile both steps (memory from the compiled executables), one warm-up run
+    each, then alternating tree/baseline runs (at least `min_reps` pairs, more while `budget_s`
+    lasts, at most `max_reps`), then host preparation timed from cold trees."""
     cfg = SHAPES[workload.shape]
     trees = workload.make_trees()
     stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
     prep = {mode: prepare(trees, mode, workload.seq_len) for mode in ("tree", "baseline")}
     fm = FlopModel.for_config(cfg)
-    tree_w, base_w = prep["tree"].work, prep["baseline"].work
-    choice = choose_mode(fm, trees, tree_tokens=prep["tree"].rows * prep["tree"].row_len,
-                         baseline_tokens=prep["baseline"].rows * prep["baseline"].row_len,
+    work = {m: sum((batch_work(b) for b in p.micro.batches), Work(0, 0, 0))
+            for m, p in prep.items()}
+    tree_w, base_w = work["tree"], work["baseline"]
+    plans = {m: p.micro.plan for m, p in prep.items()}
+    choice = choose_mode(fm, trees, tree_tokens=plans["tree"].n_rows * plans["tree"].row_len,
+                         baseline_tokens=plans["baseline"].n_rows * plans["baseline"].row_len,
                          min_gain=AUTO_MIN_GAIN)
-    memory, compile_s = {}, {}
+    memory, compile_s, compiled = {}, {}, {}
     for mode in ("tree", "baseline"):
         t0 = time.perf_counter()
-        memory[mode] = peak_bytes(step.lower(state, prep[mode].inputs).compile())
+        compiled[mode] = step.lower(state, prep[mode].inputs).compile()
         compile_s[mode] = time.perf_counter() - t0
-    losses = {}
-    for mode in ("tree", "baseline"):  # first call of each shape (compiles for the cache)
-        state, metrics = step(state, prep[mode].inputs)
-        losses[mode] = float(metrics["loss"])
+        memory[mode] = peak_bytes(compiled[mode])
+        state, metrics = compiled[mode](state, prep[mode].inputs)  # warm-up run
+        jax.block_until_ready(metrics)
     times: dict[str, list[float]] = {"tree": [], "baseline": []}
+    cpu: dict[str, list[float]] = {"tree": [], "baseline": []}
     t_start = time.perf_counter()
     while len(times["tree"]) < max_reps and (
             len(times["tree"]) < min_reps or time.perf_counter() - t_start < budget_s):
         for mode in ("tree", "baseline"):
-            t0 = time.perf_counter()
-            state, metrics = step(state, prep[mode].inputs)
+            t0, c0 = time.perf_counter(), time.process_time()
+            state, metrics = compiled[mode](state, prep[mode].inputs)
             jax.block_until_ready(metrics)
             times[mode].append(time.perf_counter() - t0)
+            cpu[mode].append(time.process_time() - c0)
     host = {mode: host_seconds(workload, mode, 3) for mode in ("tree", "baseline")}
     device = {mode: float(np.median(times[mode])) for mode in times}
     pair_ratios = np.asarray(times["baseline"]) / np.asarray(times["tree"])
     realized = device["baseline"] / device["tree"]
+    realized_cpu = float(np.median(cpu["baseline"]) / np.median(cpu["tree"]))
     ideal = ideal_speedup(fm, tree_w, base_w)
     row = {
         "workload": workload.name, "shape": workload.shape, "seq_len": workload.seq_len,
@@ -208,22 +235,25 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
         "token_bound": base_w.tokens / tree_w.tokens, "ideal_speedup": ideal,
         "realized_speedup": realized, "efficiency": realized / ideal,
         "ratio_spread": [float(pair_ratios.min()), float(pair_ratios.max())],
+        "realized_speedup_cpu_time": realized_cpu, "efficiency_cpu_time": realized_cpu / ideal,
         "repeats": len(times["tree"]),
         "flop_shares_tree": fm.shares(tree_w), "flop_shares_baseline": fm.shares(base_w),
         "auto_mode": choice.mode, "auto_predicted_gain": choice.predicted_gain,
         "auto_reason": choice.reason,
-        "first_step_loss": losses,
     }
     for mode, key in (("tree", "tree"), ("baseline", "base")):
-        p = prep[mode]
+        p, w = plans[mode], work[mode]
+        blocks = block_stats([b.end for b in prep[mode].micro.batches], w)
         row.update({
             f"{key}_device_s": device[mode], f"{key}_host_s": host[mode],
             f"{key}_host_fraction": host[mode] / (host[mode] + device[mode]),
-            f"{key}_host_tokens_per_s": p.work.tokens / host[mode],
-            f"{key}_rows": p.rows, f"{key}_row_len": p.row_len, f"{key}_padding": p.padding,
-            f"{key}_scored": p.work.scored, f"{key}_pairs": p.work.pairs,
+            f"{key}_host_tokens_per_s": w.tokens / host[mode],
+            f"{key}_rows": p.n_rows, f"{key}_row_len": p.row_len,
+            f"{key}_padding": p.padding_fraction,
+            f"{key}_scored": w.scored, f"{key}_pairs": w.pairs,
             f"{key}_peak_mib": memory[mode] / 2**20, f"{key}_compile_s": compile_s[mode],
-            f"{key}_times_s": times[mode],
+            f"{key}_times_s": times[mode], f"{key}_cpu_s": cpu[mode],
+            **{f"{key}_{k}": v for k, v in blocks.items()},
         })
     return row, state
 
@@ -241,13 +271,15 @@ def make_step(cfg: Qwen3Config) -> tuple[Callable, TrainState]:
 
 COLUMNS = (
     ("workload", "{}"), ("por", "{:.2f}"), ("ideal_speedup", "{:.2f}"), ("token_bound", "{:.2f}"),
-    ("realized_speedup", "{:.2f}"), ("efficiency", "{:.2f}"),
+    ("realized_speedup", "{:.2f}"), ("ratio_spread", "{0[0]:.2f}-{0[1]:.2f}"),
+    ("efficiency", "{:.2f}"), ("efficiency_cpu_time", "{:.2f}"),
     ("tree_device_s", "{:.2f}"), ("base_device_s", "{:.2f}"),
     ("tree_host_fraction", "{:.1%}"), ("base_host_fraction", "{:.1%}"),
     ("tree_padding", "{:.1%}"), ("base_padding", "{:.1%}"),
     ("tree_peak_mib", "{:.0f}"), ("base_peak_mib", "{:.0f}"), ("auto_mode", "{}"),
 )
-HEADERS = ("workload", "POR", "ideal", "token bound", "realized", "efficiency", "tree s",
+HEADERS = ("workload", "POR", "ideal", "token bound", "realized", "run-pair range",
+           "efficiency", "efficiency (CPU time)", "tree s",
            "baseline s", "tree host", "base host", "tree pad", "base pad", "tree MiB",
            "base MiB", "auto")
 
@@ -321,9 +353,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="run workloads whose name contains this")
     parser.add_argument("--min-reps", type=int, default=3)
-    parser.add_argument("--max-reps", type=int, default=7)
-    parser.add_argument("--budget", type=float, default=40.0,
+    parser.add_argument("--max-reps", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=20.0,
                         help="seconds of alternating runs per workload after the minimum")
+    parser.add_argument("--total-budget", type=float, default=1500.0,
+                        help="seconds for the whole run: later workloads get fewer repeats "
+                             "(never below --min-reps) when earlier ones ran long")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -333,15 +368,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps: dict[str, tuple[Callable, TrainState]] = {}
     rows = []
     t_all = time.perf_counter()
-    for w in workloads():
-        if args.only not in w.name:
-            continue
+    chosen = [w for w in workloads() if args.only in w.name]
+    for i, w in enumerate(chosen):
         if w.shape not in steps:
             steps[w.shape] = make_step(SHAPES[w.shape])
         step, state = steps[w.shape]
         t0 = time.perf_counter()
+        left = args.total_budget - (time.perf_counter() - t_all)
+        budget = min(args.budget, max(0.0, left / (len(chosen) - i) - 30.0))
         row, state = measure(w, step, state, min_reps=args.min_reps, max_reps=args.max_reps,
-                             budget_s=args.budget)
+                             budget_s=budget)
         steps[w.shape] = (step, state)
         rows.append(row)
         print(f"{w.name}: POR {row['por']:.2f}, ideal {row['ideal_speedup']:.2f}x, realized "

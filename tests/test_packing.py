@@ -65,3 +65,19 @@ def test_least_padding_plan_packs_at_the_bucket_that_wastes_least():
     assert (tie.row_len, tie.n_rows) == (100, 1)
     with pytest.raises(ValueError, match="len_buckets"):
         least_padding_plan([60], 100, [50])
+
+
+def test_least_padding_plan_equals_trying_every_bucket():
+    rng = np.random.default_rng(4)
+    for _ in range(30):
+        sizes = rng.integers(1, 400, size=int(rng.integers(1, 40))).tolist()
+        buckets = sorted(set(rng.integers(1, 33, size=8).tolist()))
+        buckets = [b * 32 for b in buckets]
+        multiple = int(rng.integers(1, 4))
+        fitting = [b for b in buckets if b >= max(sizes)]
+        if not fitting:
+            continue
+        got = least_padding_plan(sizes, 1024, buckets, rows_multiple=multiple)
+        every = [plan_rows(sizes, b, rows_multiple=multiple) for b in fitting]
+        best = min(every, key=lambda p: (p.n_rows * p.row_len, -p.row_len))
+        assert (got.row_len, got.n_rows, got.rows) == (best.row_len, best.n_rows, best.rows)
