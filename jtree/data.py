@@ -296,7 +296,8 @@ def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_
     return most
 
 
-def make_pipeline(builder: StepBuilder | AutoStepBuilder, *, seed: int, worker_count: int = 0) -> grain.IterDataset:
+def make_pipeline(builder: StepBuilder | AutoStepBuilder, *, seed: int,
+                  worker_count: int = 0) -> grain.IterDataset:
     """Step inputs for this host, in step order (iterate it, checkpoint its iterator state)."""
     ds = step_indices(len(builder.trees), builder.plan.trees_per_step, seed).map(builder)
     it_ds = ds.to_iter_dataset()

@@ -67,7 +67,7 @@ SHAPES = {
                         num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
                         head_dim=64, attention_impl="xla"),
 }
-ROW_BUCKETS = 16  # row lengths are multiples of S / 16
+ROW_ALIGN = 64  # row lengths are multiples of the attention block (what the kernel pads to)
 AUTO_MIN_GAIN = 1.05
 
 
@@ -137,7 +137,7 @@ def prepare(trees: Sequence[TrajectoryTree], mode: str, seq_len: int) -> Prepare
     least-padding rows, linearized micro-batches of one row each, on the device."""
     units = ([u for t in trees for u in training_units(t, "tree", seq_len)] if mode == "tree"
              else flatten_paths(trees))
-    buckets = [seq_len * i // ROW_BUCKETS for i in range(1, ROW_BUCKETS + 1)]
+    buckets = range(ROW_ALIGN, seq_len + 1, ROW_ALIGN)
     plan = least_padding_plan([u.n_tree_tokens for u in units], seq_len, buckets)
     micro = build_microbatches(units, plan.row_len, rows_per_microbatch=1,
                                normalizer=batch_normalizer(trees, "seq_mean_token_mean"))
