@@ -11,9 +11,11 @@ from collections.abc import Callable
 
 import jax
 
+from kernels.attention_mgpu import attention_mgpu
 from kernels.attention_reference import attention_reference
 
 _IMPLS: dict[str, Callable[..., jax.Array]] = {"reference": attention_reference}
+_IMPLS["pallas_mosaic_gpu"] = attention_mgpu
 
 
 def available_impls() -> tuple[str, ...]:
