@@ -108,6 +108,10 @@ def forward_call(
                 Stream(lambda b: end_ref.at[r, keys(b)], buf["end"], bar["end"], partial_only=True),
             ], bar["free"], stages)
 
+        def rendezvous():
+            plgpu.barrier_arrive(bar["schedule"])
+            plgpu.barrier_wait(bar["schedule"])
+
         @pl.when(wg < CONSUMERS)
         def _():
             plgpu.set_max_registers(232, action="increase")
@@ -115,12 +119,16 @@ def forward_call(
             queries = pl.ds(q_start, WG_ROWS)
             q_tile, p_tile = buf["q"].at[wg], buf["p"].at[wg]
             fetch_tiles([(q_ref.at[r, queries, head], q_tile)], bar["q"], wg)
+            # FA3 ping-pong: warpgroup 1 starts one rendezvous behind warpgroup 0, so each
+            # one's wgmmas run while the other one does its softmax.
+            pl.when(wg == 1)(rendezvous)
 
             def block(slot, coords, kind, carry):
                 (kv_block,) = coords
                 acc, m, l = carry
                 plgpu.barrier_wait(bar["kt"].at[slot])
                 t = logits_base2(matmul(q_tile, buf["kt"].at[slot], shape), scale, softcap)
+                rendezvous()
 
                 def masked(t):
                     plgpu.barrier_wait(bar["end"].at[slot])
@@ -135,6 +143,7 @@ def forward_call(
                 l = l * alpha + p.sum(axis=1)
                 p_tile[...] = p.astype(p_tile.dtype)
                 plgpu.commit_smem()  # make the register -> SMEM store visible to wgmma
+                rendezvous()
                 plgpu.barrier_wait(bar["v"].at[slot])
                 pv = matmul(p_tile, buf["v"].at[slot], (WG_ROWS, head_dim))
                 return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
@@ -143,6 +152,7 @@ def forward_call(
                     jnp.full((WG_ROWS,), NEG, jnp.float32),
                     jnp.zeros((WG_ROWS,), jnp.float32))
             acc, m, l = consume(n_blocks, entry, block, init, bar["free"], stages)
+            pl.when(wg == 0)(rendezvous)
             q_tile[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(q_tile.dtype)
             buf["lse"].at[wg][...] = m + jnp.log2(l)
             store_tiles([(q_tile, o_ref.at[r, queries, head]),
@@ -156,6 +166,7 @@ def forward_call(
         v=plgpu.Barrier(num_barriers=stages),
         end=plgpu.Barrier(num_barriers=stages),
         free=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        schedule=plgpu.Barrier(num_arrivals=CONSUMERS),
     )
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((rows, q_heads, seq), jnp.float32))
