@@ -109,7 +109,8 @@ def _check_smem(kernel: str, buffers: dict[str, Any]) -> None:
     """Raise if a kernel's SMEM buffers exceed what one Hopper CTA can allocate."""
     total = sum(smem_bytes(b.shape, b.dtype) for b in buffers.values())
     if total > SMEM_LIMIT:
-        sizes = ", ".join(f"{n}={smem_bytes(b.shape, b.dtype) // 1024}K" for n, b in buffers.items())
+        sizes = ", ".join(f"{name}={smem_bytes(b.shape, b.dtype) // 1024}K"
+                          for name, b in buffers.items())
         raise ValueError(
             f"pallas_mosaic_gpu {kernel} kernel needs {total // 1024} KiB of shared memory "
             f"({sizes}), more than the {SMEM_LIMIT // 1024} KiB of a Hopper CTA; use a smaller "

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels.block_tables import PARTIAL
-from kernels.mgpu_forward import query_tile
+from kernels.mgpu_forward import q_block_cta
 from kernels.mgpu_pipeline import (
     CONSUMERS,
     PRODUCER,
@@ -106,19 +106,11 @@ def dq_call(q, do, lse, delta, k_t, v_t, k, end, table, count, *, stages: int,
 
     def kernel(q_ref, do_ref, lse_ref, delta_ref, kt_ref, vt_ref, k_ref, end_ref, table_ref,
                count_ref, dq_ref, buf, bar):
-        qb, hb, r = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("r")
-        wg = lax.axis_index("wg")
-        kv_head = hb * heads_per_cta // group
-        n_blocks = count_ref[r, qb]
-        fetch_table(table_ref.at[r, qb], buf["table"], bar["table"], wg)
-
-        def entry(n):
-            block, kind = list_entry(buf["table"], n)
-            return (block,), kind
+        cta = q_block_cta(table_ref, count_ref, buf["table"], bar["table"], heads_per_cta, group)
+        r, wg, kv_head, n_blocks, entry, head, q_start = cta
 
         @pl.when(wg == PRODUCER)
         def _():
-            plgpu.set_max_registers(40, action="decrease")
             keys = lambda b: pl.ds(b * DQ_BLOCK_KV, DQ_BLOCK_KV)
             produce(n_blocks, entry, [
                 Stream(lambda b: kt_ref.at[r, kv_head, :, keys(b)], buf["kt"], bar["kt"]),
@@ -130,7 +122,6 @@ def dq_call(q, do, lse, delta, k_t, v_t, k, end, table, count, *, stages: int,
         @pl.when(wg < CONSUMERS)
         def _():
             plgpu.set_max_registers(232, action="increase")
-            head, q_start = query_tile(qb, hb, wg, heads_per_cta)
             queries = pl.ds(q_start, WG_ROWS)
             q_tile, do_tile, ds_tile = buf["q"].at[wg], buf["do"].at[wg], buf["ds"].at[wg]
             fetch_tiles([(q_ref.at[r, queries, head], q_tile),
@@ -196,7 +187,6 @@ def dkv_call(q_t, do_t, q, do, lse, delta, k, v, end, table, count, *, stages: i
 
         @pl.when(wg == PRODUCER)
         def _():
-            plgpu.set_max_registers(40, action="decrease")
             qs = lambda b: pl.ds(b * DKV_BLOCK_Q, DKV_BLOCK_Q)
             produce(n_blocks * group, entry, [
                 Stream(lambda h, b: qt_ref.at[r, h, :, qs(b)], buf["qt"], bar["qt"]),

@@ -10,7 +10,7 @@ O += P V (wgmma). Outputs O and the base-2 log-sum-exp (the only residual the ba
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -24,6 +24,7 @@ from kernels.mgpu_pipeline import (
     NEG,
     PRODUCER,
     WG_ROWS,
+    Entry,
     Stream,
     consume,
     fetch_table,
@@ -54,12 +55,35 @@ def forward_buffers(seq: int, head_dim: int, block_kv: int, stages: int,
     )
 
 
-def query_tile(q_block: jax.Array, head_block: jax.Array, wg: jax.Array, heads_per_cta: int):
-    """(q head, first position) of consumer `wg`'s 64 query rows in a forward or dq CTA."""
+class QBlockCta(NamedTuple):
+    """A forward or dQ CTA: its row, kv head and kv-block list; per consumer, its query tile."""
+
+    row: jax.Array
+    wg: jax.Array
+    kv_head: jax.Array
+    n_blocks: jax.Array
+    entry: Entry
+    head: jax.Array  # q head of consumer `wg`'s 64 query rows
+    q_start: jax.Array  # their first position
+
+
+def q_block_cta(table_ref: Any, count_ref: Any, table_smem: Any, table_ready: Any,
+                heads_per_cta: int, group: int) -> QBlockCta:
+    """Prologue of a CTA over grid ("q", "h", "r"): locate it and load its kv-block list."""
+    q_block, head_block, row = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("r")
+    wg = lax.axis_index("wg")
     head0 = head_block * heads_per_cta
     if heads_per_cta == 1:
-        return head0, (q_block * CONSUMERS + wg) * WG_ROWS
-    return head0 + wg, q_block * WG_ROWS
+        head, q_start = head0, (q_block * CONSUMERS + wg) * WG_ROWS
+    else:
+        head, q_start = head0 + wg, q_block * WG_ROWS
+    fetch_table(table_ref.at[row, q_block], table_smem, table_ready, wg)
+
+    def entry(n):
+        block, kind = list_entry(table_smem, n)
+        return (block,), kind
+
+    return QBlockCta(row, wg, head0 // group, count_ref[row, q_block], entry, head, q_start)
 
 
 def forward_call(
@@ -88,19 +112,11 @@ def forward_call(
     shape = (WG_ROWS, block_kv)
 
     def kernel(q_ref, kt_ref, v_ref, end_ref, table_ref, count_ref, o_ref, lse_ref, buf, bar):
-        qb, hb, r = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("r")
-        wg = lax.axis_index("wg")
-        kv_head = hb * heads_per_cta // group
-        n_blocks = count_ref[r, qb]
-        fetch_table(table_ref.at[r, qb], buf["table"], bar["table"], wg)
-
-        def entry(n):
-            block, kind = list_entry(buf["table"], n)
-            return (block,), kind
+        cta = q_block_cta(table_ref, count_ref, buf["table"], bar["table"], heads_per_cta, group)
+        r, wg, kv_head, n_blocks, entry, head, q_start = cta
 
         @pl.when(wg == PRODUCER)
         def _():
-            plgpu.set_max_registers(40, action="decrease")
             keys = lambda b: pl.ds(b * block_kv, block_kv)
             produce(n_blocks, entry, [
                 Stream(lambda b: kt_ref.at[r, kv_head, :, keys(b)], buf["kt"], bar["kt"]),
@@ -115,7 +131,6 @@ def forward_call(
         @pl.when(wg < CONSUMERS)
         def _():
             plgpu.set_max_registers(232, action="increase")
-            head, q_start = query_tile(qb, hb, wg, heads_per_cta)
             queries = pl.ds(q_start, WG_ROWS)
             q_tile, p_tile = buf["q"].at[wg], buf["p"].at[wg]
             fetch_tiles([(q_ref.at[r, queries, head], q_tile)], bar["q"], wg)

@@ -45,7 +45,8 @@ NEG = -1e30
 def tiled_smem(shape: Sequence[int], dtype: Any) -> Any:
     """SMEM tile type that wgmma reads: (8, 64) tiles with a 128-byte swizzle (16-bit dtypes)."""
     return plgpu.SMEM(
-        tuple(shape), dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        tuple(shape), dtype,
+        transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)),
     )
 
 
@@ -77,6 +78,7 @@ Entry = Callable[[jax.Array], tuple[tuple[jax.Array, ...], jax.Array]]
 
 def produce(steps: jax.Array, entry: Entry, streams: Sequence[Stream], free: Any, stages: int):
     """Producer warpgroup: TMA every stream's tile of work-list steps 0..steps-1 into the ring."""
+    plgpu.set_max_registers(40, action="decrease")  # it only issues copies: registers to consumers
 
     @pl.loop(0, steps)
     def _(n):
@@ -111,7 +113,7 @@ def consume(
     free: Any,
     stages: int,
 ) -> Any:
-    """Consumer loop over the work list: `body(slot, coords, kind, carry)`, then release the slot."""
+    """Consumer loop over the work list: `body(slot, coords, kind, carry)`, then free the slot."""
 
     def step(n, carry):
         slot = lax.rem(n, stages)

@@ -1,7 +1,7 @@
 """Mosaic GPU (Hopper) tree-attention kernels, checked without a GPU.
 
 - Numerics: the three kernels (forward, dQ, dK/dV) run end to end in the Mosaic GPU interpreter
-  with race detection on (in a child process with a hard timeout, see tests/mgpu_interpret.py),
+  with race detection on (in a child process with a hard timeout, see launch/mgpu_interpret.py),
   and are compared with the dense reference. Inputs are bfloat16 (what wgmma multiplies); the
   reference runs in float32 on the same bf16 values. Tolerance: max abs error <= BF16_TOL x the
   largest reference magnitude (bf16 keeps 8 significant bits; the kernels round P, dS and the
@@ -54,9 +54,10 @@ def _kernel(tmp_path, q, k, v, end, d_out, *, softcap=None, block_kv=64):
     source, target = tmp_path / "in.npz", tmp_path / "out.npz"
     np.savez(source, q=np.asarray(q, np.float32), k=np.asarray(k, np.float32),
              v=np.asarray(v, np.float32), d_out=np.asarray(d_out), end=np.asarray(end),
-             softcap=np.nan if softcap is None else softcap, block_kv=block_kv)
+             dtype=str(q.dtype), softcap=np.nan if softcap is None else softcap,
+             block_kv=block_kv)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "-m", "tests.mgpu_interpret", str(source), str(target)],
+    run = subprocess.run([sys.executable, "-m", "launch.mgpu_interpret", str(source), str(target)],
                          cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=INTERPRETER_TIMEOUT_S)
     assert run.returncode == 0, f"interpreter run failed:\n{run.stderr[-5000:]}"
@@ -130,16 +131,23 @@ def test_empty_blocks_are_never_read_and_full_blocks_unmasked(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim, seq, softcap", [
     (4, 1, 128, 300, None),  # head pairs, 2 pairs per kv head in dK/dV; S padded to 384
-    (3, 1, 64, 256, 30.0),  # odd group: one head per CTA, dK/dV loops over 3 heads
+    (3, 1, 64, 320, 30.0),  # odd group: one head per CTA, dK/dV loops over 3 heads
 ])
 def test_random_forests_in_interpreter(tmp_path, q_heads, kv_heads, head_dim, seq, softcap):
-    """Random multi-level forests (several trees per row, paths ending at internal nodes,
-    duplicates), two rows, padding tails; every block kind occurs."""
+    """Random multi-level trees (long shared prompt, siblings, paths ending at internal nodes,
+    duplicates), several per row, two or more rows, padding tails; every block kind occurs."""
     rng = np.random.default_rng(seq)
-    trees = [TrajectoryTree.from_nodes(**random_forest(rng, max_nodes=12, max_seg=24, roots=1))
-             for _ in range(8)]
-    end = jnp.asarray(linearize(trees, seq, n_rows=2).end)
-    padded = np.pad(np.asarray(end), ((0, 0), (0, -seq % SEQ_MULTIPLE)))
+    trees = []
+    for _ in range(5):
+        forest = random_forest(rng, max_nodes=12, max_seg=24, roots=1, with_rl=False)
+        segments = [rng.integers(0, 64, 100).tolist()] + forest["segments"][1:]  # the prompt
+        trees.append(TrajectoryTree.from_nodes(forest["parents"], segments,
+                                               path_nodes=forest["path_nodes"]))
+    end = jnp.asarray(linearize(trees, seq).end)
+    assert end.shape[0] >= 2 and (np.diff(np.asarray(end), axis=1) < 0).any()  # rows, branches
+    pad_end = np.arange(seq + 1, seq + 1 + -seq % SEQ_MULTIPLE)  # as attention_mgpu pads
+    padded = np.concatenate(
+        [np.asarray(end), np.broadcast_to(pad_end, (end.shape[0], pad_end.size))], axis=1)
     assert set(np.unique(classify_blocks(padded, 64, 64))) == {EMPTY, PARTIAL, FULL}
     q, k, v, d_out = _inputs(end, q_heads, kv_heads, head_dim, seed=3)
     _assert_close(_kernel(tmp_path, q, k, v, end, d_out, softcap=softcap),
