@@ -99,7 +99,8 @@ def _ring_barriers(names: tuple[str, ...], stages: int, resident: int) -> dict[s
 
 def dq_call(q, do, lse, delta, k_t, v_t, k, end, table, count, *, stages: int,
             heads_per_cta: int, scale: float, softcap: float | None, interpret: Any) -> jax.Array:
-    """dQ [rows, S, Hq, D]. `k_t`, `v_t` are [rows, Hkv, D, S]; `lse`, `delta` [rows, Hq, S]."""
+    """dQ [rows, S, Hq, D]. `k_t`, `v_t` are [rows, Hkv, D, S]; `lse`, `delta` [rows, Hq, S];
+    `table`, `count` the kv-block lists at kv-block size DQ_BLOCK_KV, as in `forward_call`."""
     rows, seq, q_heads, head_dim = q.shape
     group = q_heads // k.shape[2]
     shape = (WG_ROWS, DQ_BLOCK_KV)
@@ -167,8 +168,9 @@ def dq_call(q, do, lse, delta, k_t, v_t, k, end, table, count, *, stages: int,
 def dkv_call(q_t, do_t, q, do, lse, delta, k, v, end, table, count, *, stages: int,
              scale: float, softcap: float | None,
              interpret: Any) -> tuple[jax.Array, jax.Array]:
-    """dK, dV [rows, S, Hkv, D]. `q_t`, `do_t` are [rows, Hq, D, S]; `table` [rows, nk, 2, L] holds
-    each 128-key block's (q-block, kind) list at q-block size DKV_BLOCK_Q."""
+    """dK, dV [rows, S, Hkv, D]. `q_t`, `do_t` are [rows, Hq, D, S]; `table` holds each 128-key
+    block's (q-block, kind) list at q-block size DKV_BLOCK_Q (layout: `mgpu_pipeline.list_entry`)
+    and `count` [rows, nk] its length."""
     rows, seq, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads

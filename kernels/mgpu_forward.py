@@ -103,8 +103,8 @@ def forward_call(
 ) -> tuple[jax.Array, jax.Array]:
     """O [rows, S, Hq, D] and base-2 LSE [rows, Hq, S] under the tree mask.
 
-    `k_t` is k transposed to [rows, Hkv, D, S]; `table` [rows, nq, 2, L] holds each q-block's
-    (kv-block, kind) list and `count` [rows, nq] its length.
+    `k_t` is k transposed to [rows, Hkv, D, S]; `table` holds each q-block's (kv-block, kind) list
+    (layout: `mgpu_pipeline.list_entry`) and `count` [rows, nq] its length.
     """
     rows, seq, q_heads, head_dim = q.shape
     group = q_heads // v.shape[2]
