@@ -22,7 +22,7 @@ attention-heavy one (S = 16384); agent-rollout trees (`jtree.synthetic.agent_rol
 shared system prompt, parallel tool calls, think-mode branches) on both; chat conversations
 (`jtree.synthetic.chat_record`) through the chat ingestion path (`jtree.chat`, byte tokenizer).
 
-    PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), ~20-30 min here
+    PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), ~15-20 min here
     PYTHONPATH=. python -m launch.bench --only proj     # workloads whose name contains "proj"
 
 Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.png.
@@ -111,10 +111,10 @@ def _chat(shape: str, seq_len: int, n_records: int) -> Workload:
 
 
 def workloads() -> list[Workload]:
-    out = [_synthetic("proj", 4096, 8192, 512, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
+    out = [_synthetic("proj", 4096, 6144, 512, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
     out += [_synthetic("attn", 16384, 32768, 2730, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
-    out.append(_agent("proj", 4096, 1, AgentShape(vocab_size=2048, system_len=600, task_len=80,
-                                                  turns=3, assistant_len=60, tool_len=120,
+    out.append(_agent("proj", 4096, 1, AgentShape(vocab_size=2048, system_len=500, task_len=80,
+                                                  turns=3, assistant_len=60, tool_len=100,
                                                   rollouts=6, think_len=60)))
     out.append(_agent("attn", 16384, 1, AgentShape(vocab_size=512, system_len=2000,
                                                    task_len=200, turns=3, assistant_len=200,
@@ -356,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-reps", type=int, default=5)
     parser.add_argument("--budget", type=float, default=20.0,
                         help="seconds of alternating runs per workload after the minimum")
-    parser.add_argument("--total-budget", type=float, default=1500.0,
+    parser.add_argument("--total-budget", type=float, default=1200.0,
                         help="seconds for the whole run: later workloads get fewer repeats "
                              "(never below --min-reps) when earlier ones ran long")
     parser.add_argument("--out", default="bench_out")
