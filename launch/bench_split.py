@@ -3,8 +3,9 @@
 `launch.bench` reports efficiency = realized / ideal speedup, with the ideal from FLOPs. When it
 falls short, this splits each mode's step time: the attention kernel's forward + backward alone
 (the same `xla` kernel on the same `end` layouts, one micro-batch at a time as the step scans them,
-times the model's layer count) and the rest (projections, MLP, norms, loss, optimizer). Comparing
-each part's baseline/tree time ratio with its FLOP ratio shows which part runs below its FLOP rate
+times the model's layer count) and the rest (projections, MLP, norms, loss, optimizer), and the step's fixed cost: the same
+step on one 64-token row (optimizer update, gradient buffers; what does not shrink with the
+tokens). Comparing each part's baseline/tree time ratio with its FLOP ratio shows which part runs below its FLOP rate
 in one mode (a timing breakdown, not a trace; same process, alternating runs, medians).
 
     PYTHONPATH=. python -m launch.bench_split "proj/synthetic POR 0.3"
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.cost import FlopModel, Work, batch_work
+from jtree.synthetic import por_tree
 from kernels import tree_attention
 from launch.bench import SHAPES, make_step, prepare, workloads
 
@@ -66,6 +68,9 @@ def split(name: str, repeats: int) -> dict[str, float]:
                                                       cfg.num_key_value_heads, cfg.head_dim)
         compiled = step.lower(state, p.inputs).compile()
         runs[f"{mode} step"] = step_run(compiled, p.inputs)
+    tiny = prepare([por_tree(np.random.default_rng(0), 64, 1, 0.0, vocab_size=cfg.vocab_size)],
+                   "tree", 64)
+    runs["fixed"] = step_run(step.lower(state, tiny.inputs).compile(), tiny.inputs)
     times: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(repeats + 1):  # the first round warms up
         for key, run in runs.items():
@@ -75,7 +80,7 @@ def split(name: str, repeats: int) -> dict[str, float]:
                 times[key].append(time.perf_counter() - t0)
     med = {k: float(np.median(v)) for k, v in times.items()}
     fm = FlopModel.for_config(cfg)
-    out = {}
+    out = {"fixed_s": med["fixed"]}
     for mode in ("tree", "baseline"):
         attn = med[f"{mode} attention"] * cfg.num_hidden_layers
         out[f"{mode}_attention_s"], out[f"{mode}_step_s"] = attn, med[f"{mode} step"]
@@ -98,6 +103,9 @@ def report(name: str, s: dict[str, float]) -> str:
     total = (s["baseline_attention_flops"] + s["baseline_rest_flops"]) / \
         (s["tree_attention_flops"] + s["tree_rest_flops"])
     lines.append(f"| step | {t:.2f} | {b:.2f} | {b / t:.2f} | {total:.2f} | 100% |")
+    f = s["fixed_s"]
+    lines.append(f"| fixed (step on one 64-token row) | {f:.2f} | {f:.2f} | | | {f / t:.0%} |")
+    lines.append(f"step minus fixed: base/tree {(b - f) / (t - f):.2f} vs FLOP ratio {total:.2f}")
     return "\n".join(lines)
 
 
