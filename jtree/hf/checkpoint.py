@@ -129,8 +129,8 @@ def load(
 
     `dtype` is the parameter (storage) dtype every weight is cast to, `compute_dtype` the
     activation dtype (default: `dtype`), e.g. `dtype="float32", compute_dtype="bfloat16"` for fp32
-    master weights with bf16 compute. With `mesh`, parameters are placed by the architecture's
-    partition table (Megatron-style over the axis "model", see `jtree.hf.qwen3`); `shardings`
+    master weights with bf16 compute. With `mesh`, parameters are placed by the train step's
+    sharding rules (tensor parallel over the axis "model", see `jtree.sharding`); `shardings`
     instead gives any `jax.sharding.Sharding` per (jtree parameter name, shape).
     """
     if mesh is not None and shardings is not None:
@@ -146,7 +146,7 @@ def load(
     config = arch.config_from_hf(hf_config, runtime)
     graphdef, flat = _abstract_params(arch, config)
     expected = _tensor_table(arch, config, flat)
-    sharding_fn = mesh_shardings(arch, mesh) if mesh is not None else shardings
+    sharding_fn = mesh_shardings(arch, config, mesh) if mesh is not None else shardings
     leaves = []
     with CheckpointTensors(directory) as ckpt:
         _validate(ckpt, arch, config, expected)

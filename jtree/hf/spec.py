@@ -2,8 +2,8 @@
 
 Each supported architecture is one `Architecture` entry: how its `config.json` becomes a jtree
 config (and back), which HF tensor every jtree parameter is stored as and in which layout
-(transposed, permuted, ...), which HF tensors are tied to others, and how parameters are placed on
-a device mesh. Loader, saver and the PyTorch comparison only read these tables, so adding an
+(transposed, permuted, ...) and which HF tensors are tied to others. (Placement on a device mesh
+follows the train step's rules for `model_key`, `jtree.sharding`.) Loader, saver and the PyTorch comparison only read these tables, so adding an
 architecture (or a per-architecture permutation such as a grouped projection) is a new entry, not
 a new code path.
 """
@@ -48,14 +48,6 @@ class TensorRule:
 
 
 @dataclasses.dataclass(frozen=True)
-class PartitionRule:
-    """jtree parameters whose dotted path fully matches `pattern` get PartitionSpec(*spec)."""
-
-    pattern: str
-    spec: tuple[str | None, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class Architecture:
     """One HF architecture (the `architectures[0]` of config.json) and its jtree counterpart.
 
@@ -66,7 +58,6 @@ class Architecture:
     - `tensors`: parameter name and layout table.
     - `tied(config)`: HF tensors that the HF model ties to another one (alias -> source), which a
       checkpoint may omit or contain as an exact copy.
-    - `partition`: placement on a mesh (first match wins; unmatched parameters are replicated).
     - `layer_types(config)`: the type of each decoder layer `model.layers.N`, for reports.
     """
 
@@ -77,7 +68,6 @@ class Architecture:
     config_to_hf: Callable[[Any], dict[str, Any]]
     tensors: tuple[TensorRule, ...]
     tied: Callable[[Any], Mapping[str, str]]
-    partition: tuple[PartitionRule, ...]
     layer_types: Callable[[Any], Sequence[str]]
 
     def tensor_rule(self, path: str) -> tuple[str, Layout]:
@@ -86,12 +76,6 @@ class Architecture:
             if re.fullmatch(rule.pattern, path):
                 return re.sub(rule.pattern, rule.hf_name, path), rule.layout
         raise ValueError(f"{self.hf_name}: jtree parameter {path!r} matches no tensor rule")
-
-    def partition_spec(self, path: str) -> tuple[str | None, ...]:
-        for rule in self.partition:
-            if re.fullmatch(rule.pattern, path):
-                return rule.spec
-        return ()
 
 
 def dotted(path: Sequence[Any]) -> str:
