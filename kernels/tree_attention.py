@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import attention_tpu, attention_xla
+from kernels.attention_mgpu import attention_mgpu, handles as mgpu_handles
 from kernels.attention_reference import attention_reference
 
 
@@ -31,10 +32,11 @@ _IMPLS: dict[str, _Impl] = {
     "reference": _Impl(attention_reference, None),
     "xla": _Impl(attention_xla.tree_attention_xla, attention_xla.padded_length),
     "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length),
+    "pallas_mosaic_gpu": _Impl(attention_mgpu, None),  # pads S itself
 }
 
-# What `auto` runs on each backend. GPU gets the portable block-sparse path until a GPU kernel is
-# registered under the name below.
+# What `auto` runs on each backend. On a GPU the Mosaic kernel needs bf16/f16 operands and head_dim
+# 64 or 128; other inputs run the block-sparse `xla` path (the same masked attention, not causal).
 _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_mosaic_gpu", "cpu": "xla"}
 
 
@@ -42,11 +44,15 @@ def available_impls() -> tuple[str, ...]:
     return ("auto",) + tuple(_IMPLS)
 
 
-def resolve_impl(impl: str, backend: str | None = None) -> str:
-    """Map `auto` to the implementation for `backend` (default: jax's default backend)."""
+def resolve_impl(impl: str, backend: str | None = None, *, dtype: Any = None,
+                 head_dim: int | None = None) -> str:
+    """Map `auto` to the implementation for `backend` (default: jax's default backend) and, when
+    given, the operand dtype and head_dim."""
     if impl == "auto":
         choice = _AUTO.get(backend or jax.default_backend(), "xla")
-        return choice if choice in _IMPLS else "xla"
+        if choice == "pallas_mosaic_gpu" and dtype is not None and not mgpu_handles(dtype, head_dim):
+            return "xla"
+        return choice
     if impl not in _IMPLS:
         raise ValueError(f"attention impl {impl!r} is not one of {available_impls()}")
     return impl
@@ -83,7 +89,7 @@ def tree_attention(
         _check_end(end)
     if scale is None:
         scale = q.shape[3] ** -0.5
-    chosen = _IMPLS[resolve_impl(impl)]
+    chosen = _IMPLS[resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3])]
     s = q.shape[1]
     target = s if chosen.padded_length is None else chosen.padded_length(s, **options)
     if target == s:
