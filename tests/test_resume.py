@@ -2,13 +2,15 @@
 more. Same per-step losses and same final parameters, bit for bit (same program, same machine),
 including the data order (grain iterator state in the checkpoint, restored with a worker process
 feeding the resumed run). The dense run checks the mechanics over 3 + 3 steps; a short MoE run
-(1 + 1 steps) checks them for an expert-parallel model (mesh model=2) with the router loss on."""
+(1 + 1 steps, slow) checks them for an expert-parallel model (mesh model=2) with the router loss
+on."""
 
 import signal
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from launch.train import main
 from tests.run_util import finish, launch, read_metrics, tiny_overrides, write_groups
@@ -68,6 +70,7 @@ def test_killed_run_resumes_exactly(tmp_path):
     _kill_resume_and_compare(tmp_path, common, straight, N)
 
 
+@pytest.mark.slow  # the mechanics are the dense test's; this adds an expert-parallel state
 def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(tmp_path):
     data = write_groups(tmp_path / "groups.jsonl")
     common = tiny_overrides(data, **{"run.steps": 2, "checkpoint.every": 1, **MOE_OVERRIDES})

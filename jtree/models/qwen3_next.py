@@ -23,13 +23,7 @@ from flax import nnx
 
 from jtree.models.gated_deltanet import GatedDeltaNet, GdnRouting, gdn_routing
 from jtree.models.layers import (
-    apply_rope,
-    call_layer,
-    linear,
-    local_kv_heads,
-    rope_cos_sin,
-    row_parallel,
-    vocab_parallel_embed,
+    apply_rope, call_layer, linear, local_kv_heads, rope_cos_sin, row_parallel, vocab_parallel_embed,
 )
 from jtree.models.moe import RouterStats
 from jtree.models.moe_config import Qwen3NextConfig
