@@ -5,6 +5,14 @@ z-group] and [b-group, a-group] for each key head) -> depthwise causal conv1d ov
 each token's path, then SiLU -> gated delta rule with beta = sigmoid(b) and
 g = -exp(A_log) * softplus(a + dt_bias), routed over the tree's chunks -> RMSNorm of each head's
 output gated by SiLU(z) -> out_proj.
+
+Tensor parallelism (`tensor_parallel_axis`) splits key heads, each with its value heads: the
+grouped in_proj_qkvz / in_proj_ba are column-parallel (a contiguous column block is whole key-head
+groups), dt_bias and A_log are split per value head, the recurrence and the gated norm are per head
+and need nothing, out_proj is row-parallel (one all-reduce forward, one backward). The conv weight
+lists the q, k and v channels of all heads one after another, so it stays replicated and each
+device convolves its own heads' channels (`local_conv_channels`); its gradient is all-reduced
+(channels x kernel numbers).
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jtree.models.layers import linear
+from jtree.models.layers import linear, row_parallel
 from jtree.models.moe_config import Qwen3NextConfig
 from kernels.gdn import tree_gated_delta_rule
 from kernels.tree_conv import path_context, tree_causal_conv1d
@@ -64,8 +72,25 @@ class DepthwiseConv1d(nnx.Module):
         self.weight = nnx.Param(
             nnx.initializers.normal(init_std)(rngs.params(), (channels, 1, kernel), param_dtype))
 
-    def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:
-        return tree_causal_conv1d(x, self.weight[...][:, 0, :], context)
+    def __call__(self, x: jax.Array, context: jax.Array, channels: jax.Array | None = None
+                 ) -> jax.Array:
+        """Convolve x [R, S, D] along the paths; `channels` [D] picks the weight rows x holds
+        (all of them by default)."""
+        weight = self.weight[...][:, 0, :]
+        return tree_causal_conv1d(x, weight if channels is None else weight[channels], context)
+
+
+def local_conv_channels(key_dim: int, value_dim: int, local_key_dim: int, local_value_dim: int,
+                        axis: str | None) -> jax.Array | None:
+    """Indices of this device's channels in the conv weight, whose rows are the q, k (key_dim
+    each) and v (value_dim) channels of all heads: its contiguous block of each. None (every
+    channel) when not tensor parallel."""
+    if axis is None or local_key_dim == key_dim:
+        return None
+    i = jax.lax.axis_index(axis)
+    key = i * local_key_dim + jnp.arange(local_key_dim)
+    value = 2 * key_dim + i * local_value_dim + jnp.arange(local_value_dim)
+    return jnp.concatenate([key, key_dim + key, value])
 
 
 class GatedDeltaNet(nnx.Module):
@@ -89,18 +114,22 @@ class GatedDeltaNet(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x: jax.Array, routing: GdnRouting) -> jax.Array:
-        cfg = self.cfg
+        cfg, tp = self.cfg, self.cfg.tensor_parallel_axis
         r, s, _ = x.shape
-        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        per = nv // nk
+        per = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+        # Head counts come from the weights: under tensor parallelism they are this device's.
+        nk = self.in_proj_qkvz.kernel.shape[1] // (2 * dk + 2 * per * dv)
+        nv = nk * per
         qkvz = self.in_proj_qkvz(x).reshape(r, s, nk, 2 * dk + 2 * per * dv)
         q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + per * dv], axis=-1)
         ba = self.in_proj_ba(x).reshape(r, s, nk, 2 * per)
         b, a = ba[..., :per].reshape(r, s, nv), ba[..., per:].reshape(r, s, nv)
 
         mixed = jnp.concatenate([q.reshape(r, s, -1), k.reshape(r, s, -1), v.reshape(r, s, -1)], -1)
-        mixed = jax.nn.silu(self.conv1d(mixed, routing.conv_context))
+        channels = local_conv_channels(cfg.linear_num_key_heads * dk,
+                                       cfg.linear_num_value_heads * dv, nk * dk, nv * dv, tp)
+        mixed = jax.nn.silu(self.conv1d(mixed, routing.conv_context, channels))
         q, k, v = jnp.split(mixed, [nk * dk, 2 * nk * dk], axis=-1)
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
@@ -110,4 +139,4 @@ class GatedDeltaNet(nnx.Module):
             chunk_tokens=routing.chunk_tokens, chunk_src=routing.chunk_src,
             token_slot=routing.token_slot)
         o = self.norm(o, z.reshape(r, s, nv, dv))
-        return self.out_proj(o.reshape(r, s, nv * dv))
+        return row_parallel(self.out_proj, o.reshape(r, s, nv * dv), tp)

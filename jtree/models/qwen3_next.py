@@ -6,6 +6,11 @@ the first `partial_rotary_factor` of each head, output * sigmoid(gate) before o_
 feed-forward is a sparse MoE block with a gated shared expert (or a dense MLP per HF's rule).
 Qwen3-Next's RMSNorms scale by (1 + weight) with zero-initialized weights. Parameter names mirror
 HF (`model.layers.N.linear_attn.in_proj_qkvz`, `...self_attn.q_proj`, `...mlp.shared_expert_gate`).
+
+Tensor parallelism (`tensor_parallel_axis`): gated attention splits query heads like dense Qwen3
+(q_proj's columns are [query, gate] per head, so a column split keeps each head's gate with it and
+the gate multiplies only local heads), Gated DeltaNet splits key heads with their value heads
+(`jtree.models.gated_deltanet`), MoE blocks are expert parallel, embeddings vocab parallel.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtree.models.gated_deltanet import GatedDeltaNet, GdnRouting, gdn_routing
-from jtree.models.layers import apply_rope, linear, rope_cos_sin
+from jtree.models.layers import (
+    apply_rope, call_layer, linear, local_kv_heads, rope_cos_sin, row_parallel, vocab_parallel_embed,
+)
 from jtree.models.moe import RouterStats
 from jtree.models.moe_config import Qwen3NextConfig
 from jtree.models.output import ModelOutput
@@ -61,15 +68,17 @@ class Qwen3NextAttention(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array) -> jax.Array:
         rows, s, _ = x.shape
-        cfg = self.cfg
-        q, gate = jnp.split(self.q_proj(x).reshape(rows, s, cfg.num_attention_heads, 2 * cfg.head_dim),
-                            2, axis=-1)
+        cfg, tp = self.cfg, self.cfg.tensor_parallel_axis
+        # Head counts come from the weights: under tensor parallelism they are this device's.
+        q, gate = jnp.split(self.q_proj(x).reshape(rows, s, -1, 2 * cfg.head_dim), 2, axis=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).reshape(rows, s, cfg.num_key_value_heads, cfg.head_dim))
-        v = self.v_proj(x).reshape(rows, s, cfg.num_key_value_heads, cfg.head_dim)
+        k = self.k_norm(self.k_proj(x).reshape(rows, s, -1, cfg.head_dim))
+        v = self.v_proj(x).reshape(rows, s, -1, cfg.head_dim)
+        heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = tree_attention(q, k, v, end, impl=cfg.attention_impl).reshape(rows, s, -1)
-        return self.o_proj(out * jax.nn.sigmoid(gate.reshape(rows, s, -1)))
+        return row_parallel(self.o_proj, out * jax.nn.sigmoid(gate.reshape(rows, s, -1)), tp)
 
 
 class Qwen3NextDecoderLayer(nnx.Module):
@@ -108,13 +117,13 @@ class Qwen3NextModel(nnx.Module):
 
     def __call__(self, inputs: Mapping[str, jax.Array]) -> tuple[jax.Array, list[RouterStats]]:
         cfg = self.cfg
-        x = self.embed_tokens(inputs["tokens"])
+        x = vocab_parallel_embed(self.embed_tokens, inputs["tokens"], cfg.tensor_parallel_axis)
         cos, sin = rope_cos_sin(inputs["pos"], cfg.rotary_dim, cfg.rope_theta)
         routing = (gdn_routing(inputs, cfg.linear_conv_kernel_dim)
                    if "linear_attention" in cfg.layer_types else None)
         all_stats = []
         for layer in self.layers:
-            x, stats = layer(x, cos, sin, inputs["end"], routing)
+            x, stats = call_layer(layer, x, cos, sin, inputs["end"], routing, remat=cfg.remat)
             if stats is not None:
                 all_stats.append(stats)
         return self.norm(x), all_stats
