@@ -25,5 +25,8 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+bench: $(STAMP)
+	$(PY) -m launch.bench
+
 clean:
 	rm -rf $(VENV) runs bench_out

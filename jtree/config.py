@@ -104,13 +104,17 @@ class RunConfig:
     """The training run: length, mode, seed, logging.
 
     `metrics_jsonl`: a file that gets one JSON object per step; `tensorboard_dir`: scalars for
-    TensorBoard (needs the `tensorboardX` package). `kill_after_checkpoint`: fault injection for
+    TensorBoard (needs the `tensorboardX` package). `mode`: `tree`, `baseline` (every path its own
+    sequence), or `auto`: each step in tree mode unless the cost model predicts a gain below
+    `auto_min_gain` over the baseline, then in baseline mode (same loss either way; the choice and
+    its reason are logged per step). `kill_after_checkpoint`: fault injection for
     resume tests, the process SIGKILLs itself once the checkpoint of that step is committed.
     """
 
     steps: int = 20
     seed: int = 0
-    mode: Literal["tree", "baseline"] = "tree"
+    mode: Literal["tree", "baseline", "auto"] = "tree"
+    auto_min_gain: float = 1.05
     log_every: int = 1
     compare_baseline: bool = True
     timing_repeats: int = 5

@@ -34,7 +34,8 @@ from jtree.balance import assign_to_ranks
 from jtree.baseline import flatten_paths
 from jtree.chat import conversation_tree, load_tokenizer
 from jtree.chunk_tables import chunks_needed, default_chunk_count
-from jtree.linearize import FLOAT_FIELDS, INT_FIELDS, linearize, pack_rows
+from jtree.cost import FlopModel, choose_mode, tree_work
+from jtree.linearize import FLOAT_FIELDS, INT_FIELDS, aligned_score_len, linearize, pack_rows
 from jtree.loss import Normalization, batch_normalizer
 from jtree.packing import plan_rows as plan_packed_rows
 from jtree.partition import Method as PartitionMethod
@@ -181,7 +182,7 @@ def step_gdn_chunks(bins: Sequence[Sequence[TrajectoryTree]], seq_len: int,
     return default_chunk_count(seq_len, chunk_size, needed)
 
 
-def _empty_arrays(rows: int, seq_len: int, gdn_chunk_size: int | None,
+def _empty_arrays(rows: int, seq_len: int, score_len: int, gdn_chunk_size: int | None,
                   gdn_chunks: int | None) -> dict[str, np.ndarray]:
     """An all-padding micro-batch (a bin that got no tree): attends to itself, weight 0, in no
     GDN chunk."""
@@ -190,6 +191,7 @@ def _empty_arrays(rows: int, seq_len: int, gdn_chunk_size: int | None,
     out.update(end=idx + 1, pred=np.full((rows, seq_len), -1, np.int32),
                node=np.full((rows, seq_len), -1, np.int32), valid=np.zeros((rows, seq_len), bool))
     out.update({f: np.zeros((rows, seq_len), np.float32) for f in FLOAT_FIELDS})
+    out["score_index"] = np.full((rows, score_len), -1, np.int32)
     if gdn_chunk_size is not None:
         out.update(gdn_chunk_tokens=np.full((rows, gdn_chunks, gdn_chunk_size), -1, np.int32),
                    gdn_chunk_src=np.zeros((rows, gdn_chunks), np.int32),
@@ -227,37 +229,85 @@ class StepBuilder:
     def __init__(self, trees: Sequence[TrajectoryTree], units: Sequence[Sequence[TrajectoryTree]],
                  plan: BatchPlan):
         self.trees, self.units, self.plan = list(trees), list(units), plan
+        self.scored = [[tree_work([u])[0].scored for u in us] for us in self.units]
 
     def __call__(self, indices: np.ndarray) -> dict[str, Any]:
         plan = self.plan
         units = [u for i in indices for u in self.units[int(i)]]
-        bins = [[units[i] for i in b]
-                for b in step_bins(units, plan.n_shards * plan.micro_batches)]
+        scored = [n for i in indices for n in self.scored[int(i)]]
+        index_bins = step_bins(units, plan.n_shards * plan.micro_batches)
+        score_len = self._score_len(units, scored, index_bins)
+        bins = [[units[i] for i in b] for b in index_bins]
         gdn_chunks = plan.gdn_chunks
         if plan.gdn_chunk_size is not None and gdn_chunks is None:
             gdn_chunks = step_gdn_chunks(bins, plan.seq_len, plan.gdn_chunk_size)
         micro = []
         for m in range(plan.micro_batches):
-            parts = [self._linearize(bins[s * plan.micro_batches + m], gdn_chunks)
+            parts = [self._linearize(bins[s * plan.micro_batches + m], score_len, gdn_chunks)
                      for s in plan.shards]
             micro.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
         inputs = {k: np.stack([mb[k] for mb in micro]) for k in micro[0]}
         return {"inputs": inputs, "info": step_info([self.trees[int(i)] for i in indices], units)}
 
-    def _linearize(self, units: list[TrajectoryTree], gdn_chunks: int | None
+    def _score_len(self, units: list[TrajectoryTree], scored: list[int],
+                   bins: list[list[int]]) -> int:
+        """The `score_index` width of this step, the same on every host: the most scored tokens
+        of any row of any (global) bin, packed as `linearize` packs them."""
+        need = 0
+        for b in bins:
+            for row in pack_rows([units[i].n_tree_tokens for i in b], self.plan.seq_len):
+                need = max(need, sum(scored[b[j]] for j in row))
+        return aligned_score_len(need, self.plan.seq_len)
+
+    def _linearize(self, units: list[TrajectoryTree], score_len: int, gdn_chunks: int | None
                    ) -> dict[str, np.ndarray]:
         plan = self.plan
         if not units:
-            out = _empty_arrays(plan.rows, plan.seq_len, plan.gdn_chunk_size, gdn_chunks)
+            out = _empty_arrays(plan.rows, plan.seq_len, score_len, plan.gdn_chunk_size,
+                                gdn_chunks)
             out["row_norm"] = np.zeros(plan.rows, np.float32)
             return out
         batch = linearize(units, plan.seq_len, normalization=plan.normalization, normalizer=1.0,
-                          n_rows=plan.rows, gdn_chunk_size=plan.gdn_chunk_size,
-                          gdn_chunks=gdn_chunks)
+                          n_rows=plan.rows, score_len=score_len,
+                          gdn_chunk_size=plan.gdn_chunk_size, gdn_chunks=gdn_chunks)
         row_norm = np.zeros(plan.rows, np.float64)
         for t, r in zip(batch.layout.trees, batch.layout.rows):
             row_norm[r] += batch_normalizer([t], plan.normalization)
         return dict(batch.arrays(), row_norm=row_norm.astype(np.float32))
+
+
+class AutoStepBuilder:
+    """Grain transform that trains each step in tree mode or in baseline mode, whichever the cost
+    model (`jtree.cost.choose_mode`) predicts faster: baseline when the predicted gain of tree
+    mode is below `min_gain` (little sharing, so the tree layout's padding and partitioning
+    cannot pay). Both modes give the same loss and gradients; the choice only changes speed.
+    `builders` maps "tree" and "baseline" to their `StepBuilder`s (same trees, each with its own
+    step shape). `info` gains the chosen `mode`, the `predicted_gain` and the `mode_reason`.
+    """
+
+    def __init__(self, builders: dict[str, StepBuilder], flop_model: FlopModel,
+                 min_gain: float):
+        if set(builders) != {"tree", "baseline"}:
+            raise ValueError(f"builders: need 'tree' and 'baseline', got {sorted(builders)}")
+        self.builders, self.flop_model, self.min_gain = builders, flop_model, min_gain
+        self.trees = builders["tree"].trees
+        self.plan = builders["tree"].plan
+
+    def padded_tokens(self, mode: str) -> int:
+        """Positions one step of `mode` computes over all data shards (its static shape)."""
+        p = self.builders[mode].plan
+        return p.n_shards * p.micro_batches * p.rows * p.seq_len
+
+    def __call__(self, indices: np.ndarray) -> dict[str, Any]:
+        choice = choose_mode(self.flop_model, [self.trees[int(i)] for i in indices],
+                             tree_tokens=self.padded_tokens("tree"),
+                             baseline_tokens=self.padded_tokens("baseline"),
+                             min_gain=self.min_gain)
+        element = self.builders[choice.mode](indices)
+        element["info"] = dict(element["info"], mode=choice.mode,
+                               predicted_gain=np.float64(choice.predicted_gain),
+                               mode_reason=choice.reason)
+        return element
 
 
 def step_indices(n_trees: int, trees_per_step: int, seed: int) -> grain.MapDataset:
@@ -284,7 +334,8 @@ def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_
     return most
 
 
-def make_pipeline(builder: StepBuilder, *, seed: int, worker_count: int = 0) -> grain.IterDataset:
+def make_pipeline(builder: StepBuilder | AutoStepBuilder, *, seed: int,
+                  worker_count: int = 0) -> grain.IterDataset:
     """Step inputs for this host, in step order (iterate it, checkpoint its iterator state)."""
     ds = step_indices(len(builder.trees), builder.plan.trees_per_step, seed).map(builder)
     it_ds = ds.to_iter_dataset()

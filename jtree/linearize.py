@@ -20,6 +20,12 @@ Chunk tables for the gated delta rule (`jtree.chunk_tables`, `kernels.tree_gated
 only when `gdn_chunk_size` is given (models with linear-attention layers need them):
 `gdn_chunk_tokens` [rows, NC, C], `gdn_chunk_src` [rows, NC], `gdn_token_slot` [rows, S] (int32).
 
+plus `score_index` [rows, K] int32: the row-local positions of the tokens the loss reads (a
+non-zero W, P or N), in order, padded with -1. The loss scores only these (`jtree.logprobs.
+scored_logprobs`): prompt, tool and padding positions never reach the vocabulary projection. K is
+`score_len` when given (equal shapes across micro-batches and hosts), else the largest row's count
+rounded up to a multiple of `SCORE_ALIGN`.
+
 Trees larger than S must be partitioned first. The number of distinct shapes is bounded by
 `len_buckets` (row lengths) and `n_rows` so the step compiles a bounded number of times.
 """
@@ -43,6 +49,7 @@ from jtree.tree import TrajectoryTree, TreeStats
 INT_FIELDS = ("tokens", "pos", "end", "pred", "node", "path_count")
 FLOAT_FIELDS = ("weight", "adv_pos", "adv_neg", "old_logprobs")
 GDN_FIELDS = ("gdn_chunk_tokens", "gdn_chunk_src", "gdn_token_slot")
+SCORE_ALIGN = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +79,7 @@ class TreeBatch:
     gdn_chunk_tokens: np.ndarray | None
     gdn_chunk_src: np.ndarray | None
     gdn_token_slot: np.ndarray | None
+    score_index: np.ndarray
     layout: BatchLayout
     normalization: str
     normalizer: float
@@ -83,9 +91,9 @@ class TreeBatch:
         return self.tokens.shape
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The device inputs of the step: [rows, S] arrays, plus the [rows, NC, ...] chunk tables
-        when the batch has them."""
-        fields = INT_FIELDS + ("valid",) + FLOAT_FIELDS + GDN_FIELDS
+        """The device inputs of the step: [rows, S] arrays, `score_index` [rows, K], plus the
+        [rows, NC, ...] chunk tables when the batch has them."""
+        fields = INT_FIELDS + ("valid",) + FLOAT_FIELDS + GDN_FIELDS + ("score_index",)
         return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
     def stats(self) -> TreeStats:
@@ -100,20 +108,22 @@ class TreeBatch:
 
 
 def pack_rows(sizes: Sequence[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing bin packing of item sizes into rows of `capacity` tokens."""
-    order = np.argsort(-np.asarray(sizes, dtype=np.int64), kind="stable")
+    """First-fit decreasing bin packing of item sizes into rows of `capacity` tokens (items in
+    decreasing size, ties in input order; each goes to the first row with room)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    order = np.argsort(-sizes, kind="stable")
+    free = np.empty(len(sizes), np.int64)  # room left in each open row (at most one per item)
     rows: list[list[int]] = []
-    free: list[int] = []
     for i in order:
-        size = int(sizes[i])
-        for r, room in enumerate(free):
-            if size <= room:
-                rows[r].append(int(i))
-                free[r] -= size
-                break
+        size = sizes[i]
+        fits = np.flatnonzero(free[: len(rows)] >= size)
+        if fits.size:
+            r = int(fits[0])
+            rows[r].append(int(i))
+            free[r] -= size
         else:
+            free[len(rows)] = capacity - size
             rows.append([int(i)])
-            free.append(capacity - size)
     return rows
 
 
@@ -127,6 +137,7 @@ def linearize(
     len_buckets: Sequence[int] | None = None,
     gdn_chunk_size: int | None = None,
     gdn_chunks: int | None = None,
+    score_len: int | None = None,
 ) -> TreeBatch:
     """Lay `trees` out in DFS order into rows of at most `seq_len` tokens.
 
@@ -137,7 +148,8 @@ def linearize(
     `gdn_chunk_size` (e.g. `jtree.chunk_tables.DEFAULT_CHUNK_SIZE`) adds the gated-delta-rule
     chunk tables with chunks of that many tokens; `gdn_chunks` is their chunk capacity NC per row
     (default: `jtree.chunk_tables.default_chunk_count`, at least ceil(S / C); fix it to give
-    every micro-batch the same shape).
+    every micro-batch the same shape). `score_len` fixes the width K of `score_index` (see the
+    module docstring).
     """
     if not trees:
         raise ValueError("trees: need at least one tree")
@@ -231,12 +243,44 @@ def linearize(
                                    gdn_chunks))
     return TreeBatch(
         **shaped,
+        score_index=score_positions(shaped, score_len),
         layout=BatchLayout(tuple(trees), tree_row, tree_off),
         normalization=normalization,
         normalizer=float(normalizer),
         has_old_logprobs=has_old,
         old_logprob_disagreement=disagreement,
     )
+
+
+def score_positions(arrays: dict[str, np.ndarray], score_len: int | None = None) -> np.ndarray:
+    """[rows, K] row-local positions of the tokens with a non-zero loss coefficient, -1 padded."""
+    scored = (arrays["weight"] != 0) | (arrays["adv_pos"] != 0) | (arrays["adv_neg"] != 0)
+    rows, s = scored.shape
+    counts = scored.sum(axis=1)
+    need = int(counts.max(initial=0))
+    if score_len is None:
+        score_len = aligned_score_len(need, s)
+    elif need > score_len:
+        raise ValueError(f"score_len={score_len}: a row has {need} scored tokens")
+    order = np.argsort(~scored, axis=1, kind="stable")[:, :score_len]
+    if order.shape[1] < score_len:  # score_len > S: more slots than positions
+        order = np.pad(order, ((0, 0), (0, score_len - order.shape[1])))
+    slot = np.arange(score_len)
+    return np.where(slot[None] < counts[:, None], order, -1).astype(np.int32)
+
+
+def aligned_score_len(need: int, seq_len: int) -> int:
+    """The `score_index` width for rows of at most `need` scored tokens: `need` rounded up to a
+    multiple of `SCORE_ALIGN` (a bounded set of shapes), at most `seq_len`."""
+    return min(seq_len, max(SCORE_ALIGN, -(-need // SCORE_ALIGN) * SCORE_ALIGN))
+
+
+def pad_score_index(index: np.ndarray, score_len: int) -> np.ndarray:
+    """`score_index` widened to `score_len` slots (so batches of one step share a shape)."""
+    if index.shape[-1] > score_len:
+        raise ValueError(f"score_len={score_len}: narrower than the batch's {index.shape[-1]}")
+    width = [(0, 0)] * (index.ndim - 1) + [(0, score_len - index.shape[-1])]
+    return np.pad(index, width, constant_values=-1)
 
 
 def unlinearize(batch: TreeBatch, per_token_values: np.ndarray) -> list[list[np.ndarray]]:

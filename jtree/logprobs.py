@@ -5,6 +5,12 @@ token of a node is the last token of the parent node. The log-sum-exp over the v
 computed once per row in chunks under `jax.checkpoint`, so neither the forward nor the backward
 holds a [rows, S, vocab] logits tensor; the target logit is a d-length dot product per token.
 
+`scored_logprobs` is the training loss's fused cross-entropy: it scores only the tokens listed in
+`score_index` (those with a loss coefficient), each chunk of them forming its logits once for both
+the log-sum-exp and the target logit under `jax.checkpoint`. Prompt, tool and padding positions
+never reach the vocabulary projection, and nothing of size rows x S x vocab exists in the forward
+or the backward.
+
 Vocab-parallel (`vocab_axis`, inside `shard_map`): `w_out` holds this device's contiguous slice of
 the vocabulary columns; the log-sum-exp combines per-device sums under a shared max, and the target
 logit is taken on the device that owns the token and summed over the axis.
@@ -77,6 +83,64 @@ def logprobs_from_hidden(
         target = jax.lax.psum(target, vocab_axis)
     logp = jnp.where(has_pred, target - jnp.take_along_axis(lse, src, axis=1), 0.0)
     entropy = jnp.where(has_pred, jnp.take_along_axis(ent, src, axis=1), 0.0) if with_entropy else None
+    return logp, entropy
+
+
+def scored_logprobs(
+    hidden: jax.Array,
+    w_out: jax.Array,
+    tokens: jax.Array,
+    pred: jax.Array,
+    score_index: jax.Array,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    with_entropy: bool = False,
+    vocab_axis: str | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """log p of the tokens at `score_index` [rows, K] (row-local positions, -1 = empty slot):
+    [rows, K] float32, 0 on empty slots and for tokens without a scoring row; optionally their
+    entropies. Same values as `logprobs_from_hidden` gathered at `score_index`."""
+    rows, s, d = hidden.shape
+    k = score_index.shape[1]
+    at = jnp.where(score_index >= 0, score_index, 0)
+    src = jnp.take_along_axis(pred, at, axis=1)
+    live = (score_index >= 0) & (src >= 0)
+    h = jnp.take_along_axis(hidden, jnp.where(live, src, 0)[..., None], axis=1)
+    tok = jnp.take_along_axis(tokens, at, axis=1)
+    n = rows * k
+    chunk = min(chunk, n)
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+    h_chunks = jnp.pad(h.reshape(n, d), ((0, pad), (0, 0))).reshape(n_chunks, chunk, d)
+    tok_chunks = jnp.pad(tok.reshape(n), (0, pad)).reshape(n_chunks, chunk)
+
+    @jax.checkpoint
+    def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        hc, tc = args
+        logits = jnp.dot(hc, w_out, preferred_element_type=jnp.float32)
+        if vocab_axis is None:
+            lse = jax.nn.logsumexp(logits, axis=-1)
+            target = jnp.take_along_axis(logits, tc[:, None], axis=1)[:, 0]
+        else:
+            top = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), vocab_axis)
+            total = jax.lax.psum(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1), vocab_axis)
+            lse = top + jnp.log(total)
+            cols = logits.shape[1]
+            local = tc - jax.lax.axis_index(vocab_axis) * cols
+            inside = (local >= 0) & (local < cols)
+            picked = jnp.take_along_axis(logits, jnp.where(inside, local, 0)[:, None], axis=1)
+            target = jax.lax.psum(jnp.where(inside, picked[:, 0], 0.0), vocab_axis)
+        logp = target - lse
+        if not with_entropy:
+            return logp, jnp.zeros_like(logp)
+        expected = jnp.sum(jnp.exp(logits - lse[:, None]) * logits, axis=-1)
+        if vocab_axis is not None:
+            expected = jax.lax.psum(expected, vocab_axis)
+        return logp, lse - expected
+
+    logp, ent = jax.lax.map(one, (h_chunks, tok_chunks))
+    logp = jnp.where(live, logp.reshape(-1)[:n].reshape(rows, k), 0.0)
+    entropy = jnp.where(live, ent.reshape(-1)[:n].reshape(rows, k), 0.0) if with_entropy else None
     return logp, entropy
 
 

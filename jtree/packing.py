@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jtree.linearize import TreeBatch, linearize, pack_rows
+from jtree.linearize import TreeBatch, linearize, pack_rows, pad_score_index
 from jtree.loss import Normalization, batch_normalizer
 from jtree.tree import TrajectoryTree
 
@@ -79,6 +79,37 @@ def plan_rows(
     return RowPlan(tuple(tuple(r) for r in rows), buckets[0], n_rows, sum(sizes))
 
 
+def least_padding_plan(sizes: Sequence[int], max_len: int, len_buckets: Sequence[int], *,
+                       rows_multiple: int = 1) -> RowPlan:
+    """The row length among `len_buckets` (those holding the largest item, at most `max_len`)
+    whose first-fit-decreasing packing computes the fewest padded positions (rows x length).
+
+    `plan_rows` packs at `max_len` and then shrinks the length to fit; this instead packs at every
+    bucket length, which cuts padding when items are a large fraction of a row: three trees of
+    0.4 S need two rows of S (40% padding) but exactly three rows of 0.4 S. Ties go to the longer
+    rows (fewer, larger matmuls).
+    """
+    largest = max(int(s) for s in sizes)
+    candidates = sorted({int(b) for b in len_buckets if largest <= b <= max_len})
+    if not candidates:
+        raise ValueError(f"len_buckets: none between the largest item ({largest}) and "
+                         f"max_len={max_len}")
+    total = sum(int(s) for s in sizes)
+
+    def lower_bound(b: int) -> int:  # positions of the fewest rows of length b that could hold all
+        return -(-(-(-total // b)) // rows_multiple) * rows_multiple * b
+
+    best = None
+    for b in sorted(candidates, key=lambda b: (lower_bound(b), -b)):
+        if best is not None and lower_bound(b) > best.n_rows * best.row_len:
+            break  # no remaining length can beat the best plan
+        plan = plan_rows(sizes, b, rows_multiple=rows_multiple)
+        if best is None or (plan.n_rows * plan.row_len, -plan.row_len) < \
+                (best.n_rows * best.row_len, -best.row_len):
+            best = plan
+    return best
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class MicroBatches:
     """M equally shaped micro-batches of one step (all with the step's normalizer)."""
@@ -116,4 +147,11 @@ def build_microbatches(
         batches.append(linearize([trees[i] for i in members], plan.row_len,
                                  normalization=normalization, normalizer=normalizer,
                                  n_rows=rows_per_microbatch))
-    return MicroBatches(tuple(batches), plan)
+    return MicroBatches(tuple(same_score_len(batches)), plan)
+
+
+def same_score_len(batches: Sequence[TreeBatch]) -> list[TreeBatch]:
+    """The batches with `score_index` widened to the widest one (one step shape)."""
+    width = max(b.score_index.shape[1] for b in batches)
+    return [dataclasses.replace(b, score_index=pad_score_index(b.score_index, width))
+            for b in batches]

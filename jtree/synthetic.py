@@ -82,3 +82,97 @@ def agent_rollout_group(rng: np.random.Generator, shape: AgentShape = AgentShape
     return TrajectoryTree.from_sequences(
         seqs, loss_masks=masks, advantages=list(adv), vocab_size=v
     )
+
+
+# ---------------------------------------------------------------------- controlled-POR trees
+
+
+def por_tree(rng: np.random.Generator, tree_tokens: int, n_paths: int, por: float, *,
+             vocab_size: int = 512, trained_fraction: float = 1.0) -> TrajectoryTree:
+    """A tree of exactly `tree_tokens` tokens and `n_paths` paths whose POR is `por` (to rounding).
+
+    Shape: a shared prefix of P tokens, then `n_paths` branches of random lengths summing to
+    `tree_tokens - P`. Flat tokens are P * n_paths + (tree_tokens - P), so
+    POR = (n_paths - 1) * P / flat, which fixes P = tree_tokens * por / ((1 - por) (n_paths - 1)).
+    With `por` 0 the tree is a forest of `n_paths` unrelated sequences (nothing is shared, so the
+    tree layout is the baseline layout). Branch lengths are a random composition (paths differ in
+    length, as rollouts do). The last `trained_fraction` of each branch is trained (loss mask 1),
+    the prefix and the start of each branch are context.
+    """
+    if not 0.0 <= por < 1.0:
+        raise ValueError(f"por: {por} must be in [0, 1)")
+    if n_paths < 1 or (por > 0 and n_paths < 2):
+        raise ValueError(f"n_paths: {n_paths} paths cannot share (need >= 2 for por > 0)")
+    prefix = 0 if por == 0 else int(round(tree_tokens * por / ((1 - por) * (n_paths - 1))))
+    rest = tree_tokens - prefix
+    if prefix >= tree_tokens or rest < n_paths:
+        raise ValueError(f"por={por} with {n_paths} paths leaves no room for {n_paths} branches "
+                         f"in {tree_tokens} tokens (use more paths)")
+    cuts = np.sort(rng.choice(np.arange(1, rest), size=n_paths - 1, replace=False))
+    branch_lens = np.diff(np.concatenate([[0], cuts, [rest]]))
+    segments = [rng.integers(1, vocab_size, size=n) for n in branch_lens]
+    if prefix:
+        parents = [-1] + [0] * n_paths
+        segments = [rng.integers(1, vocab_size, size=prefix)] + segments
+        path_nodes = list(range(1, n_paths + 1))
+    else:
+        parents, path_nodes = [-1] * n_paths, list(range(n_paths))
+    masks = []
+    for b in branch_lens:
+        mask = np.zeros(prefix + b)
+        mask[prefix + b - max(1, int(round(trained_fraction * b))):] = 1.0
+        masks.append(mask)
+    return TrajectoryTree.from_nodes(parents, segments, path_nodes=path_nodes, loss_masks=masks,
+                                     vocab_size=vocab_size)
+
+
+def por_forest(rng: np.random.Generator, flat_tokens: int, por: float, *, path_len: int,
+               max_tree_tokens: int, **kwargs) -> list[TrajectoryTree]:
+    """`por_tree`s holding about `flat_tokens` flat tokens in paths of about `path_len` tokens.
+
+    Workloads of different POR then hold the same per-branch work (the baseline's cost stays put
+    while the tree's shrinks) in paths of the same length (the same attention per token). The
+    trees are as few as fit `max_tree_tokens` each; each gets n_paths = T / ((1 - POR) path_len)
+    paths (at least what the POR needs). `kwargs` go to `por_tree`.
+    """
+    tree_total = flat_tokens * (1 - por)
+    n_trees = max(1, int(np.ceil(tree_total / max_tree_tokens)))
+    tree_tokens = int(round(tree_total / n_trees))
+    n_paths = max(int(round(tree_tokens / ((1 - por) * path_len))), 1)
+    if por > 0:
+        n_paths = max(n_paths, int(np.floor(por / (1 - por))) + 2)
+    return [por_tree(rng, tree_tokens, n_paths, por, **kwargs) for _ in range(n_trees)]
+
+
+# ---------------------------------------------------------------------- chat conversations
+
+_WORDS = ("the", "agent", "reads", "file", "returns", "value", "error", "test", "patch", "run",
+          "search", "result", "function", "call", "config", "line", "fix", "output", "check",
+          "build", "query", "table", "index", "step", "plan", "next", "because", "then", "and",
+          "with", "missing", "import", "module", "path", "list", "count", "update", "diff")
+
+
+def _text(rng: np.random.Generator, n_words: int) -> str:
+    words = rng.choice(_WORDS, size=max(1, int(rng.integers(n_words // 2, n_words * 3 // 2 + 1))))
+    return " ".join(words) + "."
+
+
+def chat_record(rng: np.random.Generator, *, system_words: int = 120, turns: int = 6,
+                user_words: int = 25, assistant_words: int = 40, tool_words: int = 60,
+                tool_prob: float = 0.5, reasoning_prob: float = 0.4,
+                reasoning_words: int = 50) -> dict:
+    """One multi-turn conversation in the `{"messages": [...]}` format of `jtree.chat`: a system
+    prompt, then turns of a user message, an assistant reply (with `reasoning_content` sometimes:
+    think-mode, dropped from later contexts) and sometimes a tool result the next assistant turn
+    reads. Every assistant turn becomes a path of the conversation's tree."""
+    messages = [{"role": "system", "content": _text(rng, system_words)}]
+    for _ in range(turns):
+        messages.append({"role": "user", "content": _text(rng, user_words)})
+        reply = {"role": "assistant", "content": _text(rng, assistant_words)}
+        if rng.random() < reasoning_prob:
+            reply["reasoning_content"] = _text(rng, reasoning_words)
+        messages.append(reply)
+        if rng.random() < tool_prob:
+            messages.append({"role": "tool", "content": _text(rng, tool_words)})
+            messages.append({"role": "assistant", "content": _text(rng, assistant_words)})
+    return {"messages": messages}

@@ -27,8 +27,9 @@ from flax import nnx
 
 from jtree.baseline import linearize_baseline
 from jtree.linearize import TreeBatch, linearize
-from jtree.logprobs import logprobs_from_hidden, token_logprobs
+from jtree.logprobs import logprobs_from_hidden, scored_logprobs, token_logprobs
 from jtree.loss import Normalization, ppo_loss, sft_loss
+from jtree.packing import same_score_len
 from jtree.sharding import DATA, MODEL, batch_spec, vary_over
 from jtree.tree import TrajectoryTree
 
@@ -103,10 +104,18 @@ def objective_loss(model: Any, inputs: Inputs, objective: Objective, *,
     """
     out = model(inputs)
     want_entropy = objective.kind == "ppo" and objective.entropy_coef != 0
-    logp, entropy = logprobs_from_hidden(
-        out.hidden, model.output_embedding(), inputs["tokens"], inputs["pred"],
-        chunk=objective.logprob_chunk, with_entropy=want_entropy, vocab_axis=vocab_axis,
-    )
+    if "score_index" in inputs:  # score only the tokens with a loss coefficient
+        logp, entropy = scored_logprobs(
+            out.hidden, model.output_embedding(), inputs["tokens"], inputs["pred"],
+            inputs["score_index"], chunk=objective.logprob_chunk, with_entropy=want_entropy,
+            vocab_axis=vocab_axis,
+        )
+        inputs = gather_scored(inputs)
+    else:
+        logp, entropy = logprobs_from_hidden(
+            out.hidden, model.output_embedding(), inputs["tokens"], inputs["pred"],
+            chunk=objective.logprob_chunk, with_entropy=want_entropy, vocab_axis=vocab_axis,
+        )
     if objective.kind == "sft":
         loss = sft_loss(logp, inputs)
         metrics = {"nll": loss}
@@ -119,6 +128,18 @@ def objective_loss(model: Any, inputs: Inputs, objective: Objective, *,
         abs_adv = jnp.sum(jnp.abs(inputs["adv_pos"]) + jnp.abs(inputs["adv_neg"]))
         metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv)
     return loss + out.aux_loss, dict(metrics, aux_loss=out.aux_loss)
+
+
+SCORED_FIELDS = ("weight", "adv_pos", "adv_neg", "old_logprobs", "ref_logprobs")
+
+
+def gather_scored(inputs: Inputs) -> dict[str, jax.Array]:
+    """The per-token loss inputs at `score_index` [rows, K] (0 on empty slots), so the losses of
+    `jtree.loss` run on the scored tokens only."""
+    index = inputs["score_index"]
+    at = jnp.where(index >= 0, index, 0)
+    return {key: jnp.where(index >= 0, jnp.take_along_axis(inputs[key], at, axis=1), 0.0)
+            for key in SCORED_FIELDS if key in inputs}
 
 
 def finish_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -304,7 +325,7 @@ def stack_microbatches(batches: Sequence[TreeBatch]) -> dict[str, np.ndarray]:
     shapes = {b.shape for b in batches}
     if len(shapes) != 1:
         raise ValueError(f"micro-batches must share one shape, got {sorted(shapes)}")
-    arrays = [b.arrays() for b in batches]
+    arrays = [b.arrays() for b in same_score_len(batches)]
     return {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
 
 

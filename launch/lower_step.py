@@ -50,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               **{f: np.float32 for f in FLOAT_FIELDS}}
     inputs = {k: jax.ShapeDtypeStruct(shape, t, sharding=NamedSharding(mesh, batch_spec(3)))
               for k, t in dtypes.items()}
+    inputs["score_index"] = jax.ShapeDtypeStruct(shape, np.int32,  # widest: every token scored
+                                                 sharding=NamedSharding(mesh, batch_spec(3)))
     inputs["row_norm"] = jax.ShapeDtypeStruct(shape[:2], np.float32,
                                               sharding=NamedSharding(mesh, batch_spec(2)))
     chunk = gdn_chunk_size(cfg)

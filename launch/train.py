@@ -3,7 +3,8 @@
 One process or many (`jtree.distributed`: `launch/local_multihost.sh`, TPU pod and SLURM recipes
 in launch/). The step runs over the ('data', 'model') mesh of the config: data parallel over rows,
 tensor parallel inside shard_map. Prints one line per step (loss, baseline-equivalent and tree
-tokens/s, POR, ERR, grad norm, host/device time), writes metrics as JSONL (and TensorBoard),
+tokens/s, POR, ERR, grad norm, host/device time; with `run.mode=auto` the mode each step
+chose and why), writes metrics as JSONL (and TensorBoard),
 checkpoints with Orbax (`--resume` continues from the latest one, data order included), and ends
 with a summary. With `run.compare_baseline` it checks tree-vs-baseline log-prob equivalence with
 the trained parameters and times the tree step against the per-path baseline step on the same
@@ -31,8 +32,10 @@ from jax.sharding import PartitionSpec as P
 from jtree.baseline import linearize_baseline, unlinearize_baseline
 from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.config import TrainConfig, load_config
+from jtree.cost import FlopModel
 from jtree.data import (
-    BatchPlan, StepBuilder, all_units, load_trees, make_pipeline, rows_for_run, step_indices,
+    AutoStepBuilder, BatchPlan, StepBuilder, all_units, load_trees, make_pipeline, rows_for_run,
+    step_indices,
 )
 from jtree.distributed import initialize_from_env
 from jtree.linearize import linearize, unlinearize
@@ -192,15 +195,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = Trainer.build(cfg)
     mesh = trainer.mesh
     shards = host_data_shards(mesh)
-    units = all_units(trees, cfg.run.mode, d.seq_len, d.partition_method)
-    rows = d.rows_per_micro_batch or rows_for_run(units, d.seq_len, d.trees_per_step,
-                                                  mesh.shape[DATA] * d.micro_batches,
-                                                  d.shuffle_seed, cfg.run.steps)
-    plan = BatchPlan(cfg.run.mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
-                     d.micro_batches, mesh.shape[DATA], shards, rows, gdn_chunk_size(cfg),
-                     d.gdn_chunks)
-    pipeline = make_pipeline(StepBuilder(trees, units, plan), seed=d.shuffle_seed,
-                             worker_count=d.worker_count)
+    modes = ("tree", "baseline") if cfg.run.mode == "auto" else (cfg.run.mode,)
+    builders, rows_by_mode = {}, {}
+    for mode in modes:
+        units = all_units(trees, mode, d.seq_len, d.partition_method)
+        rows_by_mode[mode] = d.rows_per_micro_batch or rows_for_run(
+            units, d.seq_len, d.trees_per_step, mesh.shape[DATA] * d.micro_batches,
+            d.shuffle_seed, cfg.run.steps)
+        plan = BatchPlan(mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
+                         d.micro_batches, mesh.shape[DATA], shards, rows_by_mode[mode],
+                         gdn_chunk_size(cfg), d.gdn_chunks)
+        builders[mode] = StepBuilder(trees, units, plan)
+    builder = (AutoStepBuilder(builders, FlopModel.for_config(mcfg), cfg.run.auto_min_gain)
+               if cfg.run.mode == "auto" else builders[cfg.run.mode])
+    rows = "/".join(f"{rows_by_mode[m]}" for m in modes)
+    pipeline = make_pipeline(builder, seed=d.shuffle_seed, worker_count=d.worker_count)
     iterator = iter(pipeline)
 
     state = None
@@ -228,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{mcfg.hidden_size}, {n_params:,} parameters; mode {cfg.run.mode}, objective "
         f"{cfg.objective.kind}; mesh data={mesh.shape[DATA]} x model={mesh.shape[MODEL]} over "
         f"{jax.process_count()} process(es), backend {jax.default_backend()}; {d.micro_batches} "
-        f"micro-batch(es) x {rows} rows x {d.seq_len} per data shard")
+        f"micro-batch(es) x {rows} rows ({'/'.join(modes)}) x {d.seq_len} per data shard")
 
     metrics_log = MetricsLog(cfg.run.metrics_jsonl, cfg.run.tensorboard_dir, first_step=start,
                              enabled=jax.process_index() == 0)
@@ -252,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics_log.write(record)
         if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
             say(progress_line(record) + ("  (includes compile)" if step == start else ""))
+            if "mode_reason" in info:
+                say(f"           auto mode: {info['mode']} ({info['mode_reason']})")
         done = step + 1
         if ckpt is not None and (done % cfg.checkpoint.every == 0 or done == cfg.run.steps):
             ckpt.save(done, state, iterator.get_state(), trainer.run_meta())
@@ -266,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(summary(history, wall, report.n_bad, ckpt))
     if cfg.run.compare_baseline and history:
         if jax.process_count() == 1:
-            compare_with_baseline(cfg, trees, trainer, state, rows)
+            compare_with_baseline(cfg, trees, trainer, state, rows_by_mode)
         else:
             say("compare_baseline: skipped (single-process check)")
     if ckpt is not None:
@@ -281,6 +292,9 @@ def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host
     row recompute their shared prefixes; the baseline computes every path)."""
     n_tree, n_flat = int(info["n_tree_tokens"]), int(info["n_flat_tokens"])
     n_computed = int(info["n_computed_tokens"])
+    if "mode" in info:  # the automatic mode choice of this step
+        metrics = dict(metrics, mode=str(info["mode"]),
+                       predicted_gain=float(info["predicted_gain"]))
     return dict(
         metrics, step=step, learning_rate=lr, n_trees=int(info["n_trees"]),
         n_tree_tokens=n_tree, n_flat_tokens=n_flat, n_computed_tokens=n_computed,
@@ -312,10 +326,10 @@ def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
 
 
 def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], trainer: Trainer,
-                          state: TrainState, train_rows: int) -> None:
+                          state: TrainState, train_rows: dict[str, int]) -> None:
     """Equivalence of log-probs and the speed of tree vs baseline steps, on step 0's trees. Each
     mode is timed at the shape that holds every step of the run, as it would train (the trained
-    mode's is `train_rows`, so its step is not compiled again)."""
+    modes' rows are `train_rows`, so their step is not compiled again)."""
     d, mesh = cfg.data, trainer.mesh
     n_data = mesh.shape[DATA]
     chosen = [trees[int(i)] for i in step_indices(len(trees), d.trees_per_step,
@@ -343,7 +357,7 @@ def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], tra
     inputs = {}
     for mode in ("tree", "baseline"):
         units = all_units(trees, mode, d.seq_len, d.partition_method)
-        rows = train_rows if mode == cfg.run.mode else rows_for_run(
+        rows = train_rows[mode] if mode in train_rows else rows_for_run(
             units, d.seq_len, d.trees_per_step, n_data * d.micro_batches, d.shuffle_seed,
             cfg.run.steps)
         plan = BatchPlan(mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,

@@ -6,12 +6,14 @@ import numpy as np
 import pytest
 
 from jtree.chunk_tables import default_chunk_count
+from jtree.cost import FlopModel
 from jtree.data import (
-    BatchPlan, StepBuilder, all_units, load_trees, make_pipeline, rows_for_run, step_indices,
+    AutoStepBuilder, BatchPlan, StepBuilder, all_units, load_trees, make_pipeline, rows_for_run, step_indices,
 )
 from jtree.loss import batch_normalizer
 from jtree.train import Objective, build_batch, make_grad_fn, stack_microbatches
-from tests.models_util import tiny_model
+from jtree.synthetic import por_forest
+from tests.models_util import tiny_config, tiny_model
 from tests.run_util import VOCAB, write_groups
 from tests.strategies import explicit_tree, random_forest
 
@@ -125,6 +127,36 @@ def test_shuffle_is_seeded_covers_each_epoch_and_iterator_state_resumes():
     again.set_state(json.loads(json.dumps(state)))
     for want in expected:
         np.testing.assert_array_equal(next(again)["inputs"]["tokens"], want)
+
+
+def test_auto_mode_picks_by_predicted_gain_and_both_modes_give_the_same_loss():
+    """Low sharing -> baseline, high sharing -> tree, with the reason in `info`; the step's loss
+    and gradients are the same whichever mode runs it (the choice only changes speed)."""
+    graphdef, params = tiny_model(seed=5)
+    objective = Objective(kind="sft", normalization="token_mean")
+    grad_fn = jax.jit(make_grad_fn(graphdef, objective))
+    flop_model = FlopModel.for_config(tiny_config())
+    for por, want in ((0.0, "baseline"), (0.8, "tree")):
+        trees = por_forest(np.random.default_rng(2), 240, por, path_len=40, max_tree_tokens=60,
+                           vocab_size=64)
+        builders = {}
+        for mode in ("tree", "baseline"):
+            units = all_units(trees, mode, 64)
+            rows = rows_for_run(units, 64, len(trees), 1, seed=0, steps=1)
+            builders[mode] = StepBuilder(trees, units, _plan(mode, shards=(0,), n_shards=1,
+                                                             rows=rows, micro=1,
+                                                             per_step=len(trees)))
+        auto = AutoStepBuilder(builders, flop_model, min_gain=1.05)
+        element = auto(np.arange(len(trees)))
+        assert element["info"]["mode"] == want, element["info"]["mode_reason"]
+        stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
+        assert f"POR {stats.por:.3f}" in element["info"]["mode_reason"]
+        other = builders["tree" if want == "baseline" else "baseline"](np.arange(len(trees)))
+        loss_a, _, g_a = grad_fn(params, element["inputs"])
+        loss_b, _, g_b = grad_fn(params, other["inputs"])
+        assert float(loss_a) == pytest.approx(float(loss_b), rel=1e-6)
+        for a, b in zip(jax.tree_util.tree_leaves(g_a), jax.tree_util.tree_leaves(g_b)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
 def _chunks_used(gdn_chunk_tokens: np.ndarray) -> int:

@@ -19,6 +19,23 @@ def test_demo_job_runs_end_to_end(capsys):
     assert re.search(r"speedup [\d.]+x", out)
 
 
+def test_auto_mode_logs_each_steps_choice_and_trains_like_tree_mode(capsys):
+    """`run.mode=auto` on the sample trees (POR ~0.6): every step says which mode it chose and
+    why, and the losses are those of a tree-mode run (both modes are exact)."""
+    common = ["--config", "configs/tiny.yaml", "run.steps=2", "data.trees_per_step=2",
+              "model.num_hidden_layers=1", "model.hidden_size=32", "model.intermediate_size=64",
+              "run.compare_baseline=false"]
+    losses = {}
+    for mode in ("auto", "tree"):
+        assert main(common + [f"run.mode={mode}"]) == 0
+        out = capsys.readouterr().out
+        losses[mode] = [float(x) for x in re.findall(r"^step +\d+ +loss +([\d.]+)", out, re.M)]
+        if mode == "auto":
+            reasons = re.findall(r"auto mode: (tree|baseline) \(predicted gain ([\d.]+)x", out)
+            assert len(reasons) == 2 and all(m == "tree" for m, _ in reasons), out
+    assert losses["auto"] == losses["tree"]
+
+
 @pytest.mark.parametrize("compare", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["train", "with_baseline_check"])
 def test_qwen3_next_job_runs_with_chunk_tables(tmp_path, capsys, compare):

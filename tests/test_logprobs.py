@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jtree.linearize import linearize
-from jtree.logprobs import logprobs_from_hidden
+from jtree.logprobs import logprobs_from_hidden, scored_logprobs
 from jtree.tree import TrajectoryTree
 from tests.models_util import logprob_fn, tiny_model
 
@@ -57,3 +57,73 @@ def test_packing_and_padding_do_not_leak():
     off = packed_batch.layout.offsets[1]
     packed = np.asarray(fn(params, packed_batch.arrays()))[0, off : off + 5]
     np.testing.assert_allclose(packed, alone, atol=1e-6)
+
+
+def _scored_case(seed=0):
+    rng = np.random.default_rng(seed)
+    rows, s, d, v = 2, 12, 8, 30
+    h = jnp.asarray(rng.normal(size=(rows, s, d)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, v, (rows, s)), jnp.int32)
+    pred = jnp.asarray(rng.integers(-1, s, (rows, s)), jnp.int32)
+    index = np.full((rows, 7), -1, np.int32)
+    index[0, :5] = [0, 2, 3, 7, 11]
+    index[1, :3] = [1, 4, 9]
+    return h, w, tokens, pred, jnp.asarray(index)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1024])
+def test_scored_logprobs_equal_all_token_logprobs_at_the_scored_positions(chunk):
+    h, w, tokens, pred, index = _scored_case()
+    full, full_ent = logprobs_from_hidden(h, w, tokens, pred, with_entropy=True)
+    got, ent = scored_logprobs(h, w, tokens, pred, index, chunk=chunk, with_entropy=True)
+    at = jnp.maximum(index, 0)
+    want = jnp.where(index >= 0, jnp.take_along_axis(full, at, axis=1), 0.0)
+    want_ent = jnp.where(index >= 0, jnp.take_along_axis(full_ent, at, axis=1), 0.0)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=2e-5)
+    assert np.all(np.asarray(got)[np.asarray(index) < 0] == 0)
+
+    # Gradients of a weighted sum agree with the all-token path (hidden and output embedding).
+    weights = jnp.asarray(np.random.default_rng(1).uniform(size=tokens.shape), jnp.float32)
+
+    def full_loss(h, w):
+        return jnp.sum(weights * logprobs_from_hidden(h, w, tokens, pred)[0] *
+                       (jnp.zeros(tokens.shape).at[jnp.arange(2)[:, None], at].max(
+                           (index >= 0).astype(jnp.float32))))
+
+    def scored_loss(h, w):
+        wt = jnp.where(index >= 0, jnp.take_along_axis(weights, at, axis=1), 0.0)
+        return jnp.sum(wt * scored_logprobs(h, w, tokens, pred, index, chunk=chunk)[0])
+
+    for a, b in zip(jax.grad(full_loss, (0, 1))(h, w), jax.grad(scored_loss, (0, 1))(h, w)):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_vocab_parallel_scored_logprobs_match_single_device():
+    """Vocab split over a 'model' axis of 1 device still runs the psum/pmax code path."""
+    h, w, tokens, pred, index = _scored_case(2)
+    mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    P = jax.sharding.PartitionSpec
+
+    def local(h, w, tokens, pred, index):
+        return scored_logprobs(h, w, tokens, pred, index, chunk=5, vocab_axis="model")[0]
+
+    got = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, "model"), P(), P(), P()),
+                        out_specs=P(), check_vma=False)(h, w, tokens, pred, index)
+    want = scored_logprobs(h, w, tokens, pred, index, chunk=5)[0]
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_score_index_lists_exactly_the_tokens_with_a_loss_coefficient():
+    tree = TrajectoryTree.from_sequences([[5, 6, 7, 8], [5, 6, 9]],
+                                         loss_masks=[[0, 0, 1, 1], [0, 1, 1]])
+    batch = linearize([tree, TrajectoryTree.from_sequences([[3, 4]], loss_masks=[[0, 0]])], 8)
+    for r in range(batch.shape[0]):
+        listed = batch.score_index[r][batch.score_index[r] >= 0]
+        assert listed.tolist() == np.flatnonzero(batch.weight[r] != 0).tolist()
+    assert batch.score_index.shape[1] == 8  # aligned to 64, capped at S
+    with pytest.raises(ValueError, match="score_len=2: a row has 4 scored tokens"):
+        linearize([tree], 8, score_len=2)
+    wide = linearize([tree], 8, score_len=12)
+    assert wide.score_index.shape == (1, 12) and (wide.score_index >= 0).sum() == 4

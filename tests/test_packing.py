@@ -3,7 +3,7 @@ import pytest
 
 from jtree.linearize import linearize
 from jtree.loss import batch_normalizer
-from jtree.packing import build_microbatches, plan_rows
+from jtree.packing import build_microbatches, least_padding_plan, plan_rows
 from jtree.partition import partition
 from tests.strategies import explicit_tree, random_forest
 
@@ -54,3 +54,30 @@ def test_microbatches_share_one_shape_and_hold_every_part_once():
     # Weights summed over micro-batches equal the whole trees' weights.
     whole = linearize(trees, sum(t.n_tree_tokens for t in trees), normalization="token_mean")
     assert inputs["weight"].sum() == pytest.approx(whole.weight.sum(), rel=1e-5)
+
+
+def test_least_padding_plan_packs_at_the_bucket_that_wastes_least():
+    sizes = [40, 40, 40]  # rows of 100 hold two (40% padding); rows of 40 hold one (none)
+    assert plan_rows(sizes, 100).padding_tokens == 80
+    plan = least_padding_plan(sizes, 100, [25, 40, 50, 100])
+    assert (plan.row_len, plan.n_rows, plan.padding_tokens) == (40, 3, 0)
+    tie = least_padding_plan([50, 50], 100, [50, 100])  # both exact: the longer rows win
+    assert (tie.row_len, tie.n_rows) == (100, 1)
+    with pytest.raises(ValueError, match="len_buckets"):
+        least_padding_plan([60], 100, [50])
+
+
+def test_least_padding_plan_equals_trying_every_bucket():
+    rng = np.random.default_rng(4)
+    for _ in range(30):
+        sizes = rng.integers(1, 400, size=int(rng.integers(1, 40))).tolist()
+        buckets = sorted(set(rng.integers(1, 33, size=8).tolist()))
+        buckets = [b * 32 for b in buckets]
+        multiple = int(rng.integers(1, 4))
+        fitting = [b for b in buckets if b >= max(sizes)]
+        if not fitting:
+            continue
+        got = least_padding_plan(sizes, 1024, buckets, rows_multiple=multiple)
+        every = [plan_rows(sizes, b, rows_multiple=multiple) for b in fitting]
+        best = min(every, key=lambda p: (p.n_rows * p.row_len, -p.row_len))
+        assert (got.row_len, got.n_rows, got.rows) == (best.row_len, best.n_rows, best.rows)

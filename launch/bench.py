@@ -1,0 +1,399 @@
+"""End-to-end speedup of tree training over the per-branch baseline (not a test).
+
+For every workload, the tree step and the baseline step (`jtree.baseline`: every path its own
+packed sequence, through the same linearization, model, attention kernel family and loss code)
+run on the same trees, with the same model config, in one process: both compiled and run once, then
+alternating runs, medians. Measured the way DESIGN.md section 8 (and the seeds) define it:
+
+- POR, token bound N_flat / N_computed, ideal speedup FLOPs_baseline / FLOPs_tree (`jtree.cost`:
+  per computed token, per visible (query, key) pair, per scored token), realized speedup (median
+  over run pairs of baseline step time / tree step time, wall clock, each tree run paired with the
+  baseline run right after it; the range of the pair ratios shows the noise), efficiency = realized / ideal, and the same from the process CPU time of the steps
+  (less sensitive to other jobs taking the cores of a shared machine);
+- host preparation (partitioning, packing, linearization, transfer; from trees whose cached
+  layouts are cold) vs the device step, and host tokens/s;
+- padding of each layout, and peak step memory of each mode from XLA's compiled memory analysis
+  (arguments + outputs + temporaries of the jitted step; not a process RSS);
+- the automatic mode choice (`jtree.cost.choose_mode`) for the batch, and its predicted gain.
+
+Workloads: synthetic trees with POR 0 / 0.3 / 0.5 / 0.7 / 0.9 at a constant flat-token count and
+path length (`jtree.synthetic.por_forest`) on a projection-dominated model (S = 4096) and an
+attention-heavy one (S = 16384); agent-rollout trees (`jtree.synthetic.agent_rollout_group`: long
+shared system prompt, parallel tool calls, think-mode branches) on both; chat conversations
+(`jtree.synthetic.chat_record`) through the chat ingestion path (`jtree.chat`, byte tokenizer).
+
+    PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), ~15-20 min here
+    PYTHONPATH=. python -m launch.bench --only proj     # workloads whose name contains "proj"
+
+Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jtree.baseline import flatten_paths
+from jtree.chat import ByteTokenizer, conversation_tree
+from jtree.cost import FlopModel, Work, batch_work, choose_mode, ideal_speedup
+from jtree.data import training_units
+from jtree.loss import batch_normalizer
+from jtree.models import Qwen3, Qwen3Config
+from jtree.packing import MicroBatches, build_microbatches, least_padding_plan
+from jtree.synthetic import AgentShape, agent_rollout_group, chat_record, por_forest
+from jtree.train import Objective, OptimConfig, TrainState, make_optimizer, make_train_step
+from jtree.tree import TrajectoryTree
+from kernels.attention_xla import default_blocks, schedule_work
+from kernels.block_tables import EMPTY, FULL, classify_blocks, round_up_to_blocks
+
+SHAPES = {
+    # Projections and MLP dominate: hidden 256, MLP 1024, 4 layers, paths of ~512 tokens.
+    "proj": Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=1024,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64, attention_impl="xla"),
+    # Attention dominates: hidden 64, one 64-wide head, rows of 16k, paths of ~2.7k tokens.
+    "attn": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                        head_dim=64, attention_impl="xla"),
+}
+ROW_ALIGN = 64  # row lengths are multiples of the attention block (what the kernel pads to)
+AUTO_MIN_GAIN = 1.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    shape: str
+    seq_len: int
+    make_trees: Callable[[], list[TrajectoryTree]]  # deterministic: cold trees on every call
+
+
+def _synthetic(shape: str, seq_len: int, flat: int, path_len: int, por: float) -> Workload:
+    vocab = SHAPES[shape].vocab_size
+
+    def make() -> list[TrajectoryTree]:
+        return por_forest(np.random.default_rng(int(por * 100)), flat, por, path_len=path_len,
+                          max_tree_tokens=seq_len, vocab_size=vocab, trained_fraction=0.5)
+
+    return Workload(f"{shape}/synthetic POR {por:.1f}", shape, seq_len, make)
+
+
+def _agent(shape: str, seq_len: int, n_trees: int, agent: AgentShape) -> Workload:
+    def make() -> list[TrajectoryTree]:
+        rng = np.random.default_rng(7)
+        return [agent_rollout_group(rng, agent) for _ in range(n_trees)]
+
+    return Workload(f"{shape}/agent", shape, seq_len, make)
+
+
+def _chat(shape: str, seq_len: int, n_records: int) -> Workload:
+    def make() -> list[TrajectoryTree]:
+        rng = np.random.default_rng(11)
+        tok = ByteTokenizer()
+        return [conversation_tree(chat_record(rng, system_words=80, turns=3, user_words=20,
+                                              assistant_words=30, tool_words=40,
+                                              reasoning_words=40), tok, where=f"chat {i}",
+                                  vocab_size=SHAPES[shape].vocab_size)
+                for i in range(n_records)]
+
+    return Workload(f"{shape}/chat", shape, seq_len, make)
+
+
+def workloads() -> list[Workload]:
+    out = [_synthetic("proj", 4096, 6144, 512, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
+    out += [_synthetic("attn", 16384, 32768, 2730, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
+    out.append(_agent("proj", 4096, 1, AgentShape(vocab_size=2048, system_len=500, task_len=80,
+                                                  turns=3, assistant_len=60, tool_len=100,
+                                                  rollouts=6, think_len=60)))
+    out.append(_agent("attn", 16384, 1, AgentShape(vocab_size=512, system_len=2000,
+                                                   task_len=200, turns=3, assistant_len=200,
+                                                   tool_len=400, rollouts=6, think_len=150)))
+    out.append(_chat("proj", 8192, 2))
+    return out
+
+
+# ----------------------------------------------------------------------------- one mode's batch
+
+
+@dataclasses.dataclass
+class Prepared:
+    inputs: dict[str, jax.Array]
+    micro: MicroBatches
+
+
+def prepare(trees: Sequence[TrajectoryTree], mode: str, seq_len: int) -> Prepared:
+    """What the host does before a step: units (parts of trees larger than a row, or paths),
+    least-padding rows, linearized micro-batches of one row each, on the device."""
+    units = ([u for t in trees for u in training_units(t, "tree", seq_len)] if mode == "tree"
+             else flatten_paths(trees))
+    buckets = range(ROW_ALIGN, seq_len + 1, ROW_ALIGN)
+    plan = least_padding_plan([u.n_tree_tokens for u in units], seq_len, buckets)
+    micro = build_microbatches(units, plan.row_len, rows_per_microbatch=1,
+                               normalizer=batch_normalizer(trees, "seq_mean_token_mean"))
+    return Prepared(jax.device_put(micro.inputs()), micro)
+
+
+def block_stats(ends: Sequence[np.ndarray], work: Work) -> dict[str, float]:
+    """Attention blocks of the `xla` kernel's default size: non-empty and full block counts, the
+    blocks its schedule computes per non-empty block, and the visible pairs per computed pair."""
+    nonempty = full = computed = computed_pairs = 0
+    for end in ends:
+        block_q, block_kv = default_blocks(end.shape[1])
+        s = round_up_to_blocks(end.shape[1], block_q, block_kv)
+        padded = np.concatenate([end, np.arange(end.shape[1], s, dtype=np.int32)[None]
+                                 .repeat(end.shape[0], 0) + 1], axis=1)
+        classes = classify_blocks(padded, block_q, block_kv)
+        nonempty += int((classes != EMPTY).sum())
+        full += int((classes == FULL).sum())
+        blocks = schedule_work(padded, block_q=block_q, block_kv=block_kv)[0]
+        computed += blocks
+        computed_pairs += blocks * block_q * block_kv
+    return {"nonempty_blocks": nonempty, "full_fraction": full / max(nonempty, 1),
+            "computed_per_nonempty": computed / max(nonempty, 1),
+            "pair_efficiency": work.pairs / max(computed_pairs, 1)}
+
+
+def host_seconds(workload: Workload, mode: str, repeats: int) -> float:
+    """Median host preparation time from freshly built trees (no cached layouts)."""
+    times = []
+    for _ in range(repeats):
+        trees = workload.make_trees()
+        t0 = time.perf_counter()
+        prepared = prepare(trees, mode, workload.seq_len)
+        jax.block_until_ready(prepared.inputs)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def peak_bytes(compiled: Any) -> int:
+    """Arguments + outputs + temporaries of a compiled step (XLA buffer assignment)."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: int,
+            max_reps: int, budget_s: float) -> tuple[dict[str, Any], TrainState]:
+    """One workload: compile both steps (memory from the compiled executables), one warm-up run
+    each, then alternating tree/baseline runs (at least `min_reps` pairs, more while `budget_s`
+    lasts, at most `max_reps`), then host preparation timed from cold trees."""
+    cfg = SHAPES[workload.shape]
+    trees = workload.make_trees()
+    stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
+    prep = {mode: prepare(trees, mode, workload.seq_len) for mode in ("tree", "baseline")}
+    fm = FlopModel.for_config(cfg)
+    work = {m: sum((batch_work(b) for b in p.micro.batches), Work(0, 0, 0))
+            for m, p in prep.items()}
+    tree_w, base_w = work["tree"], work["baseline"]
+    plans = {m: p.micro.plan for m, p in prep.items()}
+    choice = choose_mode(fm, trees, tree_tokens=plans["tree"].n_rows * plans["tree"].row_len,
+                         baseline_tokens=plans["baseline"].n_rows * plans["baseline"].row_len,
+                         min_gain=AUTO_MIN_GAIN)
+    memory, compile_s, compiled = {}, {}, {}
+    for mode in ("tree", "baseline"):
+        t0 = time.perf_counter()
+        compiled[mode] = step.lower(state, prep[mode].inputs).compile()
+        compile_s[mode] = time.perf_counter() - t0
+        memory[mode] = peak_bytes(compiled[mode])
+        state, metrics = compiled[mode](state, prep[mode].inputs)  # warm-up run
+        jax.block_until_ready(metrics)
+    times: dict[str, list[float]] = {"tree": [], "baseline": []}
+    cpu: dict[str, list[float]] = {"tree": [], "baseline": []}
+    t_start = time.perf_counter()
+    while len(times["tree"]) < max_reps and (
+            len(times["tree"]) < min_reps or time.perf_counter() - t_start < budget_s):
+        for mode in ("tree", "baseline"):
+            t0, c0 = time.perf_counter(), time.process_time()
+            state, metrics = compiled[mode](state, prep[mode].inputs)
+            jax.block_until_ready(metrics)
+            times[mode].append(time.perf_counter() - t0)
+            cpu[mode].append(time.process_time() - c0)
+    host = {mode: host_seconds(workload, mode, 3) for mode in ("tree", "baseline")}
+    device = {mode: float(np.median(times[mode])) for mode in times}
+    # Each ratio compares a tree run with the baseline run right after it (same load on a shared
+    # machine); their median is the realized speedup (the ratio of the medians is kept too).
+    pair_ratios = np.asarray(times["baseline"]) / np.asarray(times["tree"])
+    realized = float(np.median(pair_ratios))
+    realized_cpu = float(np.median(np.asarray(cpu["baseline"]) / np.asarray(cpu["tree"])))
+    ideal = ideal_speedup(fm, tree_w, base_w)
+    row = {
+        "workload": workload.name, "shape": workload.shape, "seq_len": workload.seq_len,
+        "n_trees": len(trees), "n_paths": stats.n_paths, "por": stats.por,
+        "n_flat_tokens": base_w.tokens, "n_computed_tokens": tree_w.tokens,
+        "token_bound": base_w.tokens / tree_w.tokens, "ideal_speedup": ideal,
+        "realized_speedup": realized, "efficiency": realized / ideal,
+        "ratio_of_medians": device["baseline"] / device["tree"],
+        "ratio_spread": [float(pair_ratios.min()), float(pair_ratios.max())],
+        "realized_speedup_cpu_time": realized_cpu, "efficiency_cpu_time": realized_cpu / ideal,
+        "repeats": len(times["tree"]),
+        "flop_shares_tree": fm.shares(tree_w), "flop_shares_baseline": fm.shares(base_w),
+        "auto_mode": choice.mode, "auto_predicted_gain": choice.predicted_gain,
+        "auto_reason": choice.reason,
+    }
+    for mode, key in (("tree", "tree"), ("baseline", "base")):
+        p, w = plans[mode], work[mode]
+        blocks = block_stats([b.end for b in prep[mode].micro.batches], w)
+        row.update({
+            f"{key}_device_s": device[mode], f"{key}_host_s": host[mode],
+            f"{key}_host_fraction": host[mode] / (host[mode] + device[mode]),
+            f"{key}_host_tokens_per_s": w.tokens / host[mode],
+            f"{key}_rows": p.n_rows, f"{key}_row_len": p.row_len,
+            f"{key}_padding": p.padding_fraction,
+            f"{key}_scored": w.scored, f"{key}_pairs": w.pairs,
+            f"{key}_peak_mib": memory[mode] / 2**20, f"{key}_compile_s": compile_s[mode],
+            f"{key}_times_s": times[mode], f"{key}_cpu_s": cpu[mode],
+            **{f"{key}_{k}": v for k, v in blocks.items()},
+        })
+    return row, state
+
+
+def make_step(cfg: Qwen3Config) -> tuple[Callable, TrainState]:
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    optimizer = make_optimizer(OptimConfig(learning_rate=1e-4))
+    state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+    step = jax.jit(make_train_step(graphdef, optimizer, Objective()), donate_argnums=0)
+    return step, state
+
+
+# ----------------------------------------------------------------------------- reporting
+
+COLUMNS = (
+    ("workload", "{}"), ("por", "{:.2f}"), ("ideal_speedup", "{:.2f}"), ("token_bound", "{:.2f}"),
+    ("realized_speedup", "{:.2f}"), ("ratio_spread", "{0[0]:.2f}-{0[1]:.2f}"),
+    ("efficiency", "{:.2f}"), ("efficiency_cpu_time", "{:.2f}"),
+    ("tree_device_s", "{:.2f}"), ("base_device_s", "{:.2f}"),
+    ("tree_host_fraction", "{:.1%}"), ("base_host_fraction", "{:.1%}"),
+    ("tree_padding", "{:.1%}"), ("base_padding", "{:.1%}"),
+    ("tree_peak_mib", "{:.0f}"), ("base_peak_mib", "{:.0f}"), ("auto_mode", "{}"),
+)
+HEADERS = ("workload", "POR", "ideal", "token bound", "realized", "run-pair range",
+           "efficiency", "efficiency (CPU time)", "tree s",
+           "baseline s", "tree host", "base host", "tree pad", "base pad", "tree MiB",
+           "base MiB", "auto")
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + " --- |" * len(HEADERS)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt.format(r[k]) for k, fmt in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    por = np.linspace(0, 0.92, 200)
+    ax.plot(por, 1 / (1 - por), color="0.6", ls="--", label="token bound 1/(1-POR)")
+    markers = {"proj": ("tab:blue", "o"), "attn": ("tab:red", "s")}
+    for shape, (color, marker) in markers.items():
+        sel = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["por"])
+        if not sel:
+            continue
+        synth = [r for r in sel if "synthetic" in r["workload"]]
+        if synth:
+            ax.plot([r["por"] for r in synth], [r["ideal_speedup"] for r in synth], color=color,
+                    lw=1, label=f"{shape}: ideal (FLOPs)")
+        ax.scatter([r["por"] for r in sel], [r["realized_speedup"] for r in sel], color=color,
+                   marker=marker, zorder=3, label=f"{shape}: realized")
+        for r in sel:
+            if "synthetic" not in r["workload"]:
+                ax.annotate(r["workload"].split("/")[1], (r["por"], r["realized_speedup"]),
+                            textcoords="offset points", xytext=(5, -10), fontsize=8)
+    ax.set_xlabel("POR (fraction of flat tokens that are shared repeats)")
+    ax.set_ylabel("speedup over the per-branch baseline")
+    ax.set_title("jtree tree vs baseline training step (CPU, medians of alternating runs)")
+    ax.set_yscale("log")
+    ax.set_yticks([1, 2, 3, 5, 10])
+    ax.set_yticklabels(["1", "2", "3", "5", "10"])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> str:
+    import os
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), "
+            f"load average at start {os.getloadavg()[0]:.1f}")
+
+
+def write(out: Path, info: str, rows: Sequence[dict[str, Any]], wall: float) -> None:
+    (out / "bench.md").write_text(f"machine: {info}; wall {wall:.0f} s\n\n{table(rows)}\n")
+    (out / "bench.json").write_text(json.dumps({"machine": info, "wall_s": wall, "rows": rows,
+                                                "shapes": {k: dataclasses.asdict(v) for k, v in
+                                                           SHAPES.items()}}, indent=1))
+    plot(rows, out / "bench.png")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="run workloads whose name contains this")
+    parser.add_argument("--min-reps", type=int, default=4)
+    parser.add_argument("--max-reps", type=int, default=7)
+    parser.add_argument("--budget", type=float, default=20.0,
+                        help="seconds of alternating runs per workload after the minimum")
+    parser.add_argument("--total-budget", type=float, default=1200.0,
+                        help="seconds for the whole run: later workloads get fewer repeats "
+                             "(never below --min-reps) when earlier ones ran long")
+    parser.add_argument("--out", default="bench_out")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    print(f"machine: {info}", flush=True)
+    steps: dict[str, tuple[Callable, TrainState]] = {}
+    rows = []
+    t_all = time.perf_counter()
+    chosen = [w for w in workloads() if args.only in w.name]
+    for i, w in enumerate(chosen):
+        if w.shape not in steps:
+            steps[w.shape] = make_step(SHAPES[w.shape])
+        step, state = steps[w.shape]
+        t0 = time.perf_counter()
+        left = args.total_budget - (time.perf_counter() - t_all)
+        budget = min(args.budget, max(0.0, left / (len(chosen) - i) - 30.0))
+        row, state = measure(w, step, state, min_reps=args.min_reps, max_reps=args.max_reps,
+                             budget_s=budget)
+        steps[w.shape] = (step, state)
+        rows.append(row)
+        print(f"{w.name}: POR {row['por']:.2f}, ideal {row['ideal_speedup']:.2f}x, realized "
+              f"{row['realized_speedup']:.2f}x (pairs {row['ratio_spread'][0]:.2f}-"
+              f"{row['ratio_spread'][1]:.2f}, {row['repeats']} reps), efficiency "
+              f"{row['efficiency']:.2f}; tree {row['tree_device_s']:.2f} s, baseline "
+              f"{row['base_device_s']:.2f} s; auto: {row['auto_reason']} "
+              f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+        write(out, info, rows, time.perf_counter() - t_all)  # after every workload
+    print(table(rows))
+    print(f"wrote {out}/bench.json, bench.md, bench.png ({time.perf_counter() - t_all:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

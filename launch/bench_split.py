@@ -1,0 +1,123 @@
+"""Where a bench workload's step time goes: attention vs everything else, tree vs baseline.
+
+`launch.bench` reports efficiency = realized / ideal speedup, with the ideal from FLOPs. When it
+falls short, this splits each mode's step time: the attention kernel's forward + backward alone
+(the same `xla` kernel on the same `end` layouts, one micro-batch at a time as the step scans them,
+times the model's layer count) and the rest (projections, MLP, norms, loss, optimizer), and the step's fixed cost: the same
+step on one 64-token row (optimizer update, gradient buffers; what does not shrink with the
+tokens). Comparing each part's baseline/tree time ratio with its FLOP ratio shows which part runs below its FLOP rate
+in one mode (a timing breakdown, not a trace; same process, alternating runs, medians).
+
+    PYTHONPATH=. python -m launch.bench_split "proj/synthetic POR 0.3"
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtree.cost import FlopModel, Work, batch_work
+from jtree.synthetic import por_tree
+from kernels import tree_attention
+from launch.bench import SHAPES, make_step, prepare, workloads
+
+
+def attention_grad_fn(end: np.ndarray, heads: int, kv_heads: int, head_dim: int) -> Callable:
+    """A compiled fwd+bwd of the `xla` tree attention over micro-batches `end` [M, 1, S] (scanned
+    like the train step scans them), and its inputs."""
+    m, _, s = end.shape
+    q = jax.random.normal(jax.random.key(0), (m, 1, s, heads, head_dim))
+    k = jax.random.normal(jax.random.key(1), (m, 1, s, kv_heads, head_dim))
+
+    def loss(q, k, v, end):
+        def body(total, x):
+            return total + jnp.sum(tree_attention(*x, impl="xla") ** 2), None
+        return jax.lax.scan(body, 0.0, (q, k, v, end))[0]
+
+    args = (q, k, k, jnp.asarray(end))
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    return lambda: compiled(*args)
+
+
+def split(name: str, repeats: int) -> dict[str, float]:
+    """Median seconds of the attention part and the whole step, per mode, alternating."""
+    workload = next((w for w in workloads() if w.name == name), None)
+    if workload is None:
+        raise ValueError(f"workload: no bench workload named {name!r}")
+    cfg = SHAPES[workload.shape]
+    trees = workload.make_trees()
+    step, state = make_step(cfg)
+    runs, work, held = {}, {}, {"state": state}
+
+    def step_run(compiled: Callable, inputs: dict) -> Callable:
+        def run():  # the step donates its state: carry the updated one
+            held["state"], metrics = compiled(held["state"], inputs)
+            return metrics
+        return run
+
+    for mode in ("tree", "baseline"):
+        p = prepare(trees, mode, workload.seq_len)
+        end = np.stack([b.end for b in p.micro.batches])
+        work[mode] = sum((batch_work(b) for b in p.micro.batches), Work(0, 0, 0))
+        runs[f"{mode} attention"] = attention_grad_fn(end, cfg.num_attention_heads,
+                                                      cfg.num_key_value_heads, cfg.head_dim)
+        compiled = step.lower(state, p.inputs).compile()
+        runs[f"{mode} step"] = step_run(compiled, p.inputs)
+    tiny = prepare([por_tree(np.random.default_rng(0), 64, 1, 0.0, vocab_size=cfg.vocab_size)],
+                   "tree", 64)
+    runs["fixed"] = step_run(step.lower(state, tiny.inputs).compile(), tiny.inputs)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for i in range(repeats + 1):  # the first round warms up
+        for key, run in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            if i:
+                times[key].append(time.perf_counter() - t0)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    fm = FlopModel.for_config(cfg)
+    out = {"fixed_s": med["fixed"]}
+    for mode in ("tree", "baseline"):
+        attn = med[f"{mode} attention"] * cfg.num_hidden_layers
+        out[f"{mode}_attention_s"], out[f"{mode}_step_s"] = attn, med[f"{mode} step"]
+        out[f"{mode}_rest_s"] = med[f"{mode} step"] - attn
+        w = work[mode]
+        out[f"{mode}_attention_flops"] = fm.per_pair * w.pairs
+        out[f"{mode}_rest_flops"] = fm.per_token * w.tokens + fm.per_scored * w.scored
+    return out
+
+
+def report(name: str, s: dict[str, float]) -> str:
+    lines = [f"{name}", "| part | tree s | baseline s | time ratio base/tree | FLOP ratio base/tree |"
+             " tree share of step |", "| --- | --- | --- | --- | --- | --- |"]
+    for part in ("attention", "rest"):
+        t, b = s[f"tree_{part}_s"], s[f"baseline_{part}_s"]
+        flops = s[f"baseline_{part}_flops"] / s[f"tree_{part}_flops"]
+        lines.append(f"| {part} | {t:.2f} | {b:.2f} | {b / t:.2f} | {flops:.2f} | "
+                     f"{t / s['tree_step_s']:.0%} |")
+    t, b = s["tree_step_s"], s["baseline_step_s"]
+    total = (s["baseline_attention_flops"] + s["baseline_rest_flops"]) / \
+        (s["tree_attention_flops"] + s["tree_rest_flops"])
+    lines.append(f"| step | {t:.2f} | {b:.2f} | {b / t:.2f} | {total:.2f} | 100% |")
+    f = s["fixed_s"]
+    lines.append(f"| fixed (step on one 64-token row) | {f:.2f} | {f:.2f} | | | {f / t:.0%} |")
+    lines.append(f"step minus fixed: base/tree {(b - f) / (t - f):.2f} vs FLOP ratio {total:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("workloads", nargs="+", help="bench workload names")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    for name in args.workloads:
+        print(report(name, split(name, args.repeats)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
