@@ -19,6 +19,7 @@ from jtree.models.layers import RMSNorm, SwiGLU, linear, rope_cos_sin
 from jtree.models.moe import RouterStats, SparseMoeBlock, is_moe_layer, load_balancing_loss
 from jtree.models.moe_config import Qwen3MoeConfig
 from jtree.models.output import ModelOutput
+from jtree.models.prefix import AttentionCache, PrefixLayout, prefix_layout
 from jtree.models.qwen3 import Qwen3, Qwen3Attention
 
 
@@ -70,10 +71,13 @@ class Qwen3MoeDecoderLayer(nnx.Module):
                                                 param_dtype=cfg.weight_dtype)
         self.mlp = feed_forward(cfg, layer, None, rngs=rngs)
 
-    def __call__(self, x, cos, sin, end) -> tuple[jax.Array, RouterStats | None]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, end)
+    def __call__(self, x, cos, sin, end, prefix: AttentionCache | None = None,
+                 layout: PrefixLayout | None = None
+                 ) -> tuple[jax.Array, RouterStats | None, AttentionCache]:
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, end, prefix, layout)
+        x = x + h
         y, stats = apply_feed_forward(self.mlp, self.post_attention_layernorm(x))
-        return x + y, stats
+        return x + y, stats, kv
 
 
 class Qwen3MoeModel(nnx.Module):
@@ -86,15 +90,18 @@ class Qwen3MoeModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
         self.cfg = cfg
 
-    def __call__(self, tokens, pos, end) -> tuple[jax.Array, list[RouterStats]]:
+    def __call__(self, tokens, pos, end, prefix: tuple[AttentionCache, ...] | None = None,
+                 layout: PrefixLayout | None = None
+                 ) -> tuple[jax.Array, list[RouterStats], tuple[AttentionCache, ...]]:
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
-        all_stats = []
-        for layer in self.layers:
-            x, stats = layer(x, cos, sin, end)
+        all_stats, exports = [], []
+        for i, layer in enumerate(self.layers):
+            x, stats, kv = layer(x, cos, sin, end, None if prefix is None else prefix[i], layout)
+            exports.append(kv)
             if stats is not None:
                 all_stats.append(stats)
-        return self.norm(x), all_stats
+        return self.norm(x), all_stats, tuple(exports)
 
 
 class Qwen3Moe(Qwen3):
@@ -108,6 +115,9 @@ class Qwen3Moe(Qwen3):
             cfg.hidden_size, cfg.vocab_size, bias=False, init_std=cfg.initializer_range,
             dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs)
 
-    def __call__(self, inputs: Mapping[str, jax.Array]) -> ModelOutput:
-        hidden, stats = self.model(inputs["tokens"], inputs["pos"], inputs["end"])
-        return ModelOutput(hidden, router_aux_loss(self.config, stats, inputs))
+    def __call__(self, inputs: Mapping[str, jax.Array],
+                 prefix: tuple[AttentionCache, ...] | None = None) -> ModelOutput:
+        layout = None if prefix is None else prefix_layout(inputs)
+        hidden, stats, exports = self.model(inputs["tokens"], inputs["pos"], inputs["end"], prefix,
+                                            layout)
+        return ModelOutput(hidden, router_aux_loss(self.config, stats, inputs), exports)

@@ -21,14 +21,14 @@ from jtree.models.layers import apply_rope, linear, rope_cos_sin
 from jtree.models.moe import RouterStats
 from jtree.models.moe_config import Qwen3NextConfig
 from jtree.models.output import ModelOutput
-from jtree.models.qwen3 import Qwen3
+from jtree.models.prefix import AttentionCache, LayerCache, PrefixLayout, prefix_layout
+from jtree.models.qwen3 import Qwen3, attend
 from jtree.models.qwen3_moe import (
     apply_feed_forward,
     feed_forward,
     router_aux_loss,
     token_embedding,
 )
-from kernels import tree_attention
 
 
 class OffsetRMSNorm(nnx.Module):
@@ -59,7 +59,9 @@ class Qwen3NextAttention(nnx.Module):
         self.k_norm = OffsetRMSNorm(hd, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array,
+                 prefix: AttentionCache | None = None, layout: PrefixLayout | None = None
+                 ) -> tuple[jax.Array, AttentionCache]:
         rows, s, _ = x.shape
         cfg = self.cfg
         q, gate = jnp.split(self.q_proj(x).reshape(rows, s, cfg.num_attention_heads, 2 * cfg.head_dim),
@@ -68,8 +70,8 @@ class Qwen3NextAttention(nnx.Module):
         k = self.k_norm(self.k_proj(x).reshape(rows, s, cfg.num_key_value_heads, cfg.head_dim))
         v = self.v_proj(x).reshape(rows, s, cfg.num_key_value_heads, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = tree_attention(q, k, v, end, impl=cfg.attention_impl).reshape(rows, s, -1)
-        return self.o_proj(out * jax.nn.sigmoid(gate.reshape(rows, s, -1)))
+        out = attend(q, k, v, end, prefix, layout, cfg.attention_impl).reshape(rows, s, -1)
+        return self.o_proj(out * jax.nn.sigmoid(gate.reshape(rows, s, -1))), AttentionCache(k, v)
 
 
 class Qwen3NextDecoderLayer(nnx.Module):
@@ -85,15 +87,16 @@ class Qwen3NextDecoderLayer(nnx.Module):
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                                       param_dtype=cfg.weight_dtype)
 
-    def __call__(self, x, cos, sin, end, routing: GdnRouting | None):
+    def __call__(self, x, cos, sin, end, routing: GdnRouting | None,
+                 prefix: LayerCache | None = None, layout: PrefixLayout | None = None):
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
-            h = self.linear_attn(h, routing)
+            h, cache = self.linear_attn(h, routing, prefix)
         else:
-            h = self.self_attn(h, cos, sin, end)
+            h, cache = self.self_attn(h, cos, sin, end, prefix, layout)
         x = x + h
         y, stats = apply_feed_forward(self.mlp, self.post_attention_layernorm(x))
-        return x + y, stats
+        return x + y, stats, cache
 
 
 class Qwen3NextModel(nnx.Module):
@@ -106,18 +109,23 @@ class Qwen3NextModel(nnx.Module):
         self.norm = OffsetRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
         self.cfg = cfg
 
-    def __call__(self, inputs: Mapping[str, jax.Array]) -> tuple[jax.Array, list[RouterStats]]:
+    def __call__(self, inputs: Mapping[str, jax.Array],
+                 prefix: tuple[LayerCache, ...] | None = None
+                 ) -> tuple[jax.Array, list[RouterStats], tuple[LayerCache, ...]]:
         cfg = self.cfg
+        layout = None if prefix is None else prefix_layout(inputs)
         x = self.embed_tokens(inputs["tokens"])
         cos, sin = rope_cos_sin(inputs["pos"], cfg.rotary_dim, cfg.rope_theta)
-        routing = (gdn_routing(inputs, cfg.linear_conv_kernel_dim)
+        routing = (gdn_routing(inputs, cfg.linear_conv_kernel_dim, layout)
                    if "linear_attention" in cfg.layer_types else None)
-        all_stats = []
-        for layer in self.layers:
-            x, stats = layer(x, cos, sin, inputs["end"], routing)
+        all_stats, exports = [], []
+        for i, layer in enumerate(self.layers):
+            x, stats, cache = layer(x, cos, sin, inputs["end"], routing,
+                                    None if prefix is None else prefix[i], layout)
+            exports.append(cache)
             if stats is not None:
                 all_stats.append(stats)
-        return self.norm(x), all_stats
+        return self.norm(x), all_stats, tuple(exports)
 
 
 class Qwen3Next(Qwen3):
@@ -130,6 +138,8 @@ class Qwen3Next(Qwen3):
             cfg.hidden_size, cfg.vocab_size, bias=False, init_std=cfg.initializer_range,
             dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs)
 
-    def __call__(self, inputs: Mapping[str, jax.Array]) -> ModelOutput:
-        hidden, stats = self.model(inputs)
-        return ModelOutput(hidden, router_aux_loss(self.config, stats, inputs))
+    def __call__(self, inputs: Mapping[str, jax.Array],
+                 prefix: tuple[LayerCache, ...] | None = None) -> ModelOutput:
+        """`prefix`: per-layer caches of the tokens above a part (`jtree.models.prefix`)."""
+        hidden, stats, exports = self.model(inputs, prefix)
+        return ModelOutput(hidden, router_aux_loss(self.config, stats, inputs), exports)
