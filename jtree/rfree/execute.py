@@ -1,0 +1,284 @@
+"""Running a redundancy-free program: parts depth-first over a stack of prefixes.
+
+Each part runs once forward with the prefix gathered from its parent's outputs (keys/values per
+attention layer, conv context and state per GDN layer, the hidden state of the attach token) and
+returns, besides its loss, the same per-token tensors for its own tokens. Its children run next
+(recursively); the cotangents they produce for their prefixes are mapped back onto this part's
+outputs and onto its own prefix. Then the part's backward runs once, fed with the cotangent of
+its loss (1) and the accumulated cotangents of its outputs, and hands the cotangent of its prefix
+up to its parent the same way. Every tree token is computed once forward and once backward, and
+the gradients are those of the unpartitioned tree.
+
+`prefix_backward` chooses how a part with children gets its backward:
+- `"residuals"`: keep the residuals of its forward (an eager `jax.vjp` of the jitted forward)
+  while its children run. Live memory: the residuals of the parts on the stack.
+- `"recompute"`: run the forward without residuals first (only the outputs children need), and
+  forward again with residuals for the backward once the children are done. Live memory: one
+  part's residuals plus the prefixes and outputs on the stack; costs one more forward per part
+  with children.
+Parts without children always run forward and backward in one jitted call.
+
+Trees that fit in a row (`RfreeProgram.whole`) run as ordinary micro-batches through
+`jtree.train.make_grad_fn`. Gradients are summed in place as parts finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jtree.models.prefix import AttentionCache, GdnCache, LayerCache
+from jtree.rfree.layout import PartBatch, RfreeProgram
+from jtree.train import Objective, finish_metrics, loss_from_hidden, make_grad_fn, make_logprob_fn
+from jtree.logprobs import logprobs_from_hidden
+
+PrefixBackward = Literal["residuals", "recompute"]
+
+
+class PartPrefix(NamedTuple):
+    """What a part reads from above: per-layer caches of its prefix and the attach token's final
+    hidden state [R, d] (it scores the part's subtree tops)."""
+
+    layers: tuple[LayerCache, ...]
+    hidden: jax.Array
+
+
+class PartOutput(NamedTuple):
+    """What a part hands to its children: per-layer caches of its own tokens and their final
+    hidden states [R, S, d]."""
+
+    exports: tuple[LayerCache, ...]
+    hidden: jax.Array
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree_util.tree_map(jnp.add, a, b)
+
+
+class RedundancyFreeStep:
+    """Loss, metrics and gradients of a `RfreeProgram` (see module docstring).
+
+    `conv_width` is K - 1 for the Gated DeltaNet conv of hybrid models (ignored otherwise).
+    `on_call`, if given, is called before every device call with its name (memory probes).
+    """
+
+    def __init__(self, graphdef: nnx.GraphDef, objective: Objective, *,
+                 prefix_backward: PrefixBackward = "residuals", conv_width: int = 0,
+                 on_call: Callable[[str], None] | None = None):
+        if prefix_backward not in ("residuals", "recompute"):
+            raise ValueError(f"prefix_backward: {prefix_backward!r} is not 'residuals' or "
+                             "'recompute'")
+        self.graphdef, self.objective = graphdef, objective
+        self.prefix_backward = prefix_backward
+        self.conv_width = conv_width
+        self.on_call = on_call or (lambda name: None)
+        self._forward = jax.jit(self._part_forward)
+        self._outputs = jax.jit(lambda p, x, c: self._part_forward(p, x, c)[1])
+        self._leaf = jax.jit(self._leaf_grad)
+        self._forward_backward = jax.jit(self._forward_and_backward)
+        self._extend = jax.jit(self._extend_prefix, static_argnums=(4,))
+        self._extend_back = jax.jit(self._extend_transpose, static_argnums=(4,))
+        self._accumulate = jax.jit(_add, donate_argnums=(0,))
+        self._whole = jax.jit(make_grad_fn(graphdef, objective))
+        self._logprobs = jax.jit(self._part_logprobs)
+        self._whole_logprobs = jax.jit(make_logprob_fn(graphdef, objective.logprob_chunk))
+
+    # ------------------------------------------------------------------ jitted pieces
+
+    def _part_hidden(self, params, inputs, prefix: PartPrefix | None):
+        model = nnx.merge(self.graphdef, params)
+        out = model(inputs, None if prefix is None else prefix.layers)
+        hidden, pred = out.hidden, inputs["pred"]
+        if prefix is not None:  # row 0 of the scoring rows: the attach token's hidden state
+            p = inputs["prefix_end"].shape[1]
+            hidden = jnp.concatenate([prefix.hidden[:, None].astype(hidden.dtype), hidden], 1)
+            pred = jnp.where(pred >= 0, pred - p + 1, -1)
+        return model, out, hidden, pred
+
+    def _part_forward(self, params, inputs, prefix):
+        model, out, hidden, pred = self._part_hidden(params, inputs, prefix)
+        loss, metrics = loss_from_hidden(model.output_embedding(), hidden, pred, out.aux_loss,
+                                         inputs, self.objective)
+        return loss, PartOutput(out.exports, out.hidden), metrics
+
+    def _part_logprobs(self, params, inputs, prefix):
+        model, out, hidden, pred = self._part_hidden(params, inputs, prefix)
+        logp, _ = logprobs_from_hidden(hidden, model.output_embedding(), inputs["tokens"], pred,
+                                       chunk=self.objective.logprob_chunk)
+        return jax.lax.stop_gradient(logp), PartOutput(out.exports, out.hidden)
+
+    def _leaf_grad(self, params, inputs, prefix):
+        def f(p, c):
+            loss, _, metrics = self._part_forward(p, inputs, c)
+            return loss, metrics
+
+        (loss, metrics), (d_params, d_prefix) = jax.value_and_grad(
+            f, argnums=(0, 1), has_aux=True)(params, prefix)
+        return loss, metrics, d_params, d_prefix
+
+    def _forward_and_backward(self, params, inputs, prefix, d_out):
+        def f(p, c):
+            loss, out, metrics = self._part_forward(p, inputs, c)
+            return (loss, out), metrics
+
+        (loss, _), vjp, metrics = jax.vjp(f, params, prefix, has_aux=True)
+        d_params, d_prefix = vjp((jnp.ones_like(loss), d_out))
+        return loss, metrics, d_params, d_prefix
+
+    def _extend_prefix(self, prefix: PartPrefix | None, out: PartOutput, index, state_index,
+                       p_par: int) -> PartPrefix:
+        """A child's prefix: slot j of its prefix is position index[j] of the parent's combined
+        coordinates ([parent prefix of `p_par` slots | parent own tokens]; -1 padding)."""
+        safe = jnp.maximum(index, 0)
+        layers = []
+        for i, own in enumerate(out.exports):
+            above = None if prefix is None else prefix.layers[i]
+            if isinstance(own, AttentionCache):
+                k = own.k if above is None else jnp.concatenate([above.k, own.k], 1)
+                v = own.v if above is None else jnp.concatenate([above.v, own.v], 1)
+                layers.append(AttentionCache(_take(k, safe), _take(v, safe)))
+            else:
+                layers.append(self._extend_gdn(above, own, index, state_index, p_par))
+        attach = index[:, -1] - p_par
+        hidden = jnp.take_along_axis(out.hidden, attach[:, None, None], axis=1)[:, 0]
+        return PartPrefix(tuple(layers), hidden)
+
+    def _extend_gdn(self, above: GdnCache | None, own: GdnCache, index, state_index, p_par: int
+                    ) -> GdnCache:
+        """The child's conv context (the K - 1 tokens above its attach token, from the parent's
+        [cached K - 1 | own] activations) and the state after its attach token."""
+        w = self.conv_width
+        rows, _, channels = own.conv.shape
+        tail = (jnp.zeros((rows, w, channels), own.conv.dtype) if above is None else above.conv)
+        source = jnp.concatenate([tail, own.conv], 1)
+        idx = index[:, -w:] if index.shape[1] >= w else jnp.pad(
+            index, ((0, 0), (w - index.shape[1], 0)), constant_values=-1)
+        idx = jnp.where(idx >= 0, idx - p_par + w, -1)
+        conv = jnp.where((idx >= 0)[..., None], _take(source, jnp.maximum(idx, 0)), 0)
+        state = jnp.take_along_axis(own.state, state_index[:, None, None, None, None], axis=1)
+        return GdnCache(conv, state[:, 0])
+
+    def _extend_transpose(self, prefix, out, index, state_index, p_par: int, d_child):
+        _, vjp = jax.vjp(lambda c, o: self._extend_prefix(c, o, index, state_index, p_par),
+                         prefix, out)
+        return vjp(d_child)
+
+    # ------------------------------------------------------------------ host-side traversal
+
+    def __call__(self, params: Any, program: RfreeProgram):
+        """(loss, metrics, grads) of the whole program, equal to the unpartitioned trees'."""
+        acc = _Accumulator(self)
+        if program.whole is not None:
+            self.on_call("whole")
+            loss, metrics, grads = self._whole(params, program.whole.inputs())
+            acc.add(loss, metrics, grads)
+        for root in _roots(program):
+            self._run(params, program, root, None, acc)
+        return acc.loss, finish_metrics(acc.metrics), acc.grads
+
+    def _run(self, params, program: RfreeProgram, k: int, prefix, acc: _Accumulator):
+        """Forward and backward of part k and everything below it; returns d(prefix)."""
+        part = program.parts[k]
+        inputs = part.inputs
+        if not part.children:
+            self.on_call("leaf")
+            loss, metrics, d_params, d_prefix = self._leaf(params, inputs, prefix)
+            acc.add(loss, metrics, d_params)
+            return d_prefix
+        vjp = None
+        if self.prefix_backward == "residuals":
+            self.on_call("forward")
+            (loss, out), vjp, metrics = jax.vjp(
+                lambda p, c: _split_aux(self._forward(p, inputs, c)), params, prefix,
+                has_aux=True)
+        else:
+            self.on_call("outputs")
+            out = self._outputs(params, inputs, prefix)
+        d_out = jax.tree_util.tree_map(jnp.zeros_like, out)
+        d_prefix_below = None
+        for c in part.children:
+            child = program.parts[c]
+            index, state = jnp.asarray(child.gather_index), jnp.asarray(child.gather_state)
+            self.on_call("extend")
+            child_prefix = self._extend(prefix, out, index, state, part.prefix_len)
+            d_child = self._run(params, program, c, child_prefix, acc)
+            del child_prefix
+            self.on_call("extend_back")
+            d_above, d_own = self._extend_back(prefix, out, index, state, part.prefix_len,
+                                               d_child)
+            d_out = self._accumulate(d_out, d_own)
+            if prefix is not None:
+                d_prefix_below = (d_above if d_prefix_below is None
+                                  else self._accumulate(d_prefix_below, d_above))
+        if vjp is not None:
+            self.on_call("backward")
+            d_params, d_prefix = vjp((jnp.ones_like(loss), d_out))
+        else:
+            self.on_call("forward_backward")
+            loss, metrics, d_params, d_prefix = self._forward_backward(params, inputs, prefix,
+                                                                       d_out)
+        del vjp, out, d_out
+        acc.add(loss, metrics, d_params)
+        if prefix is None or d_prefix_below is None:
+            return d_prefix
+        return self._accumulate(d_prefix, d_prefix_below)
+
+    def logprobs(self, params: Any, program: RfreeProgram) -> list[np.ndarray]:
+        """log p(token | its path) for every tree token of every tree (tree-token order; 0 where
+        a token has no scoring row), computed forward-only over the program."""
+        out_arrays = [np.zeros(t.n_tree_tokens, np.float32) for t in program.trees]
+        if program.whole is not None:
+            index_of = {id(program.trees[i]): i for i in program.whole_trees}
+            for batch in program.whole.batches:
+                logp = np.asarray(self._whole_logprobs(params, batch.arrays()))
+                for tree, row, off in zip(batch.layout.trees, batch.layout.rows,
+                                          batch.layout.offsets):
+                    out_arrays[index_of[id(tree)]][:] = logp[row, off : off + tree.n_tree_tokens]
+        stack: list[tuple[int, Any]] = [(r, None) for r in reversed(_roots(program))]
+        while stack:
+            k, prefix = stack.pop()
+            part = program.parts[k]
+            logp, out = self._logprobs(params, part.inputs, prefix)
+            logp = np.asarray(logp)[0]
+            for m in part.members:
+                out_arrays[m.tree][m.tokens] = logp[m.offset : m.offset + len(m.tokens)]
+            for c in reversed(part.children):
+                child = program.parts[c]
+                stack.append((c, self._extend(prefix, out, jnp.asarray(child.gather_index),
+                                              jnp.asarray(child.gather_state), part.prefix_len)))
+        return out_arrays
+
+
+class _Accumulator:
+    """Running sums of loss, metrics and gradients (updated in place on the device)."""
+
+    def __init__(self, step: RedundancyFreeStep):
+        self.step = step
+        self.loss = self.metrics = self.grads = None
+
+    def add(self, loss, metrics, grads) -> None:
+        if self.grads is None:
+            self.loss, self.metrics, self.grads = loss, metrics, grads
+            return
+        self.loss = self.loss + loss
+        self.metrics = _add(self.metrics, metrics)
+        self.grads = self.step._accumulate(self.grads, grads)
+
+
+def _split_aux(result):
+    loss, out, metrics = result
+    return (loss, out), metrics
+
+
+def _take(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[r, index[r, j]] for x [R, n, ...] and index [R, m]."""
+    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def _roots(program: RfreeProgram) -> list[int]:
+    return [k for k, p in enumerate(program.parts) if p.parent < 0]
