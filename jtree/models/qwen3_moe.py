@@ -16,7 +16,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtree.models.layers import RMSNorm, SwiGLU, linear, rope_cos_sin
-from jtree.models.moe import RouterStats, SparseMoeBlock, is_moe_layer, load_balancing_loss
+from jtree.models.moe import (
+    RouterStats,
+    SparseMoeBlock,
+    is_moe_layer,
+    load_balancing_loss,
+    router_load,
+)
 from jtree.models.moe_config import Qwen3MoeConfig
 from jtree.models.output import ModelOutput
 from jtree.models.prefix import AttentionCache, PrefixLayout, prefix_layout
@@ -51,15 +57,22 @@ def apply_feed_forward(mlp: nnx.Module, x: jax.Array) -> tuple[jax.Array, Router
 
 
 def router_aux_loss(cfg: Qwen3MoeConfig, stats: list[RouterStats],
-                    inputs: Mapping[str, jax.Array]) -> jax.Array:
-    """router_aux_loss_coef * load-balancing loss when `output_router_logits` (as HF), else 0."""
+                    inputs: Mapping[str, jax.Array]
+                    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """router_aux_loss_coef * load-balancing loss when `output_router_logits` (as HF), else 0;
+    and this forward's `router_load` (None without the aux loss). With `router_counts` [E] and
+    `router_total` [] in `inputs` (the load of the larger forward this batch is a piece of), the
+    loss is this piece's share of that forward's (`load_balancing_loss`)."""
     if not cfg.output_router_logits or not stats:
-        return jnp.zeros((), jnp.float32)
+        return jnp.zeros((), jnp.float32), None
     if "path_count" not in inputs:
         raise ValueError("inputs: 'path_count' (tokens' path multiplicity, from jtree.linearize) is "
                          "required for the router load-balancing loss")
-    return cfg.router_aux_loss_coef * load_balancing_loss(stats, inputs["path_count"],
-                                                          cfg.num_experts)
+    pooled = ((inputs["router_counts"], inputs["router_total"]) if "router_counts" in inputs
+              else None)
+    aux = cfg.router_aux_loss_coef * load_balancing_loss(stats, inputs["path_count"],
+                                                         cfg.num_experts, pooled)
+    return aux, router_load(stats, inputs["path_count"], cfg.num_experts)
 
 
 class Qwen3MoeDecoderLayer(nnx.Module):
@@ -120,4 +133,5 @@ class Qwen3Moe(Qwen3):
         layout = None if prefix is None else prefix_layout(inputs)
         hidden, stats, exports = self.model(inputs["tokens"], inputs["pos"], inputs["end"], prefix,
                                             layout)
-        return ModelOutput(hidden, router_aux_loss(self.config, stats, inputs), exports)
+        aux, load = router_aux_loss(self.config, stats, inputs)
+        return ModelOutput(hidden, aux, exports, load)

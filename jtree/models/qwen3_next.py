@@ -142,4 +142,5 @@ class Qwen3Next(Qwen3):
                  prefix: tuple[LayerCache, ...] | None = None) -> ModelOutput:
         """`prefix`: per-layer caches of the tokens above a part (`jtree.models.prefix`)."""
         hidden, stats, exports = self.model(inputs, prefix)
-        return ModelOutput(hidden, router_aux_loss(self.config, stats, inputs), exports)
+        aux, load = router_aux_loss(self.config, stats, inputs)
+        return ModelOutput(hidden, aux, exports, load)

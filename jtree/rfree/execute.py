@@ -33,9 +33,9 @@ import numpy as np
 from flax import nnx
 
 from jtree.models.prefix import AttentionCache, GdnCache, LayerCache
-from jtree.rfree.layout import PartBatch, RfreeProgram
-from jtree.train import Objective, finish_metrics, loss_from_hidden, make_grad_fn, make_logprob_fn
+from jtree.rfree.layout import Member, RfreeProgram
 from jtree.logprobs import logprobs_from_hidden
+from jtree.train import Objective, finish_metrics, loss_from_hidden, make_grad_fn
 
 PrefixBackward = Literal["residuals", "recompute"]
 
@@ -63,20 +63,21 @@ def _add(a: Any, b: Any) -> Any:
 class RedundancyFreeStep:
     """Loss, metrics and gradients of a `RfreeProgram` (see module docstring).
 
-    `conv_width` is K - 1 for the Gated DeltaNet conv of hybrid models (ignored otherwise).
-    `on_call`, if given, is called before every device call with its name (memory probes).
+    `on_call`, if given, is called before every device call as `on_call(name, fn, args)` with the
+    jitted function and its arguments (None, () for the backward of a saved `jax.vjp`): memory
+    probes read live buffers there and may lower `fn` for its temporary bytes.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, objective: Objective, *,
-                 prefix_backward: PrefixBackward = "residuals", conv_width: int = 0,
-                 on_call: Callable[[str], None] | None = None):
+                 prefix_backward: PrefixBackward = "residuals",
+                 on_call: Callable[[str, Any, tuple], None] | None = None):
         if prefix_backward not in ("residuals", "recompute"):
             raise ValueError(f"prefix_backward: {prefix_backward!r} is not 'residuals' or "
                              "'recompute'")
         self.graphdef, self.objective = graphdef, objective
         self.prefix_backward = prefix_backward
-        self.conv_width = conv_width
-        self.on_call = on_call or (lambda name: None)
+        self.conv_width: int | None = None  # K - 1 of the GDN conv, read from the model config
+        self.on_call = on_call or (lambda name, fn, args: None)
         self._forward = jax.jit(self._part_forward)
         self._outputs = jax.jit(lambda p, x, c: self._part_forward(p, x, c)[1])
         self._leaf = jax.jit(self._leaf_grad)
@@ -86,7 +87,8 @@ class RedundancyFreeStep:
         self._accumulate = jax.jit(_add, donate_argnums=(0,))
         self._whole = jax.jit(make_grad_fn(graphdef, objective))
         self._logprobs = jax.jit(self._part_logprobs)
-        self._whole_logprobs = jax.jit(make_logprob_fn(graphdef, objective.logprob_chunk))
+        self._whole_logprobs = jax.jit(self._whole_batch_logprobs)
+        self._pools_router: bool | None = None
 
     # ------------------------------------------------------------------ jitted pieces
 
@@ -107,10 +109,19 @@ class RedundancyFreeStep:
         return loss, PartOutput(out.exports, out.hidden), metrics
 
     def _part_logprobs(self, params, inputs, prefix):
+        """Forward only: log-probs [1, S], what children read, and the router load (or None)."""
         model, out, hidden, pred = self._part_hidden(params, inputs, prefix)
         logp, _ = logprobs_from_hidden(hidden, model.output_embedding(), inputs["tokens"], pred,
                                        chunk=self.objective.logprob_chunk)
-        return jax.lax.stop_gradient(logp), PartOutput(out.exports, out.hidden)
+        return (jax.lax.stop_gradient(logp), PartOutput(out.exports, out.hidden),
+                jax.lax.stop_gradient(out.router_load))
+
+    def _whole_batch_logprobs(self, params, inputs):
+        model = nnx.merge(self.graphdef, params)
+        out = model(inputs)
+        logp, _ = logprobs_from_hidden(out.hidden, model.output_embedding(), inputs["tokens"],
+                                       inputs["pred"], chunk=self.objective.logprob_chunk)
+        return jax.lax.stop_gradient(logp), jax.lax.stop_gradient(out.router_load)
 
     def _leaf_grad(self, params, inputs, prefix):
         def f(p, c):
@@ -172,56 +183,89 @@ class RedundancyFreeStep:
 
     def __call__(self, params: Any, program: RfreeProgram):
         """(loss, metrics, grads) of the whole program, equal to the unpartitioned trees'."""
+        self._read_config(params)
         acc = _Accumulator(self)
+        pooled = self._router_load(params, program) if self._uses_router_load(params, program) \
+            else {}
         if program.whole is not None:
-            self.on_call("whole")
-            loss, metrics, grads = self._whole(params, program.whole.inputs())
+            inputs = program.whole.inputs()
+            m = jax.tree_util.tree_leaves(inputs)[0].shape[0]
+            inputs.update({k: jnp.broadcast_to(v, (m,) + v.shape) for k, v in pooled.items()})
+            loss, metrics, grads = self._call("whole", self._whole, params, inputs)
             acc.add(loss, metrics, grads)
         for root in _roots(program):
-            self._run(params, program, root, None, acc)
+            self._run(params, program, root, None, acc, pooled)
         return acc.loss, finish_metrics(acc.metrics), acc.grads
 
-    def _run(self, params, program: RfreeProgram, k: int, prefix, acc: _Accumulator):
+    def _call(self, name: str, fn: Callable, *args):
+        self.on_call(name, fn, args)
+        return fn(*args)
+
+    def _read_config(self, params: Any) -> None:
+        """What the traversal needs from the model config (its parameters' shapes suffice)."""
+        if self.conv_width is None:
+            shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                            params)
+            cfg = nnx.merge(self.graphdef, shapes).config
+            self.conv_width = getattr(cfg, "linear_conv_kernel_dim", 1) - 1
+
+    def _uses_router_load(self, params: Any, program: RfreeProgram) -> bool:
+        """Whether the model has a router load-balancing loss (traced abstractly, once)."""
+        if self._pools_router is None:
+            first = program.parts[0].inputs if program.parts else program.whole.batches[0].arrays()
+            shape = jax.eval_shape(lambda p, x: nnx.merge(self.graphdef, p)(x).router_load,
+                                   params, first)
+            self._pools_router = shape is not None
+        return self._pools_router
+
+    def _router_load(self, params: Any, program: RfreeProgram) -> dict[str, jax.Array]:
+        """`router_counts`, `router_total` of the whole program (a forward-only pass first): the
+        load-balancing loss is a product of two batch sums, so each part's share needs the
+        routing counts of every part (`jtree.models.moe.load_balancing_loss`)."""
+        counts = total = 0.0
+        for _, _, load in self._forward_pass(params, program):
+            counts, total = counts + load[0], total + load[1]
+        return {"router_counts": counts, "router_total": total}
+
+    def _run(self, params, program: RfreeProgram, k: int, prefix, acc: _Accumulator,
+             pooled: dict[str, jax.Array]):
         """Forward and backward of part k and everything below it; returns d(prefix)."""
         part = program.parts[k]
-        inputs = part.inputs
+        inputs = dict(part.inputs, **pooled)
         if not part.children:
-            self.on_call("leaf")
-            loss, metrics, d_params, d_prefix = self._leaf(params, inputs, prefix)
+            loss, metrics, d_params, d_prefix = self._call("leaf", self._leaf, params, inputs,
+                                                           prefix)
             acc.add(loss, metrics, d_params)
             return d_prefix
         vjp = None
         if self.prefix_backward == "residuals":
-            self.on_call("forward")
+            self.on_call("forward", self._forward, (params, inputs, prefix))
             (loss, out), vjp, metrics = jax.vjp(
                 lambda p, c: _split_aux(self._forward(p, inputs, c)), params, prefix,
                 has_aux=True)
         else:
-            self.on_call("outputs")
-            out = self._outputs(params, inputs, prefix)
+            out = self._call("outputs", self._outputs, params, inputs, prefix)
         d_out = jax.tree_util.tree_map(jnp.zeros_like, out)
         d_prefix_below = None
         for c in part.children:
             child = program.parts[c]
             index, state = jnp.asarray(child.gather_index), jnp.asarray(child.gather_state)
-            self.on_call("extend")
-            child_prefix = self._extend(prefix, out, index, state, part.prefix_len)
-            d_child = self._run(params, program, c, child_prefix, acc)
+            child_prefix = self._call("extend", self._extend, prefix, out, index, state,
+                                      part.prefix_len)
+            d_child = self._run(params, program, c, child_prefix, acc, pooled)
             del child_prefix
-            self.on_call("extend_back")
-            d_above, d_own = self._extend_back(prefix, out, index, state, part.prefix_len,
-                                               d_child)
+            d_above, d_own = self._call("extend_back", self._extend_back, prefix, out, index,
+                                        state, part.prefix_len, d_child)
             d_out = self._accumulate(d_out, d_own)
             if prefix is not None:
                 d_prefix_below = (d_above if d_prefix_below is None
                                   else self._accumulate(d_prefix_below, d_above))
         if vjp is not None:
-            self.on_call("backward")
+            self.on_call("backward", None, ())
             d_params, d_prefix = vjp((jnp.ones_like(loss), d_out))
         else:
-            self.on_call("forward_backward")
-            loss, metrics, d_params, d_prefix = self._forward_backward(params, inputs, prefix,
-                                                                       d_out)
+            loss, metrics, d_params, d_prefix = self._call(
+                "forward_backward", self._forward_backward, params, inputs, prefix, d_out)
         del vjp, out, d_out
         acc.add(loss, metrics, d_params)
         if prefix is None or d_prefix_below is None:
@@ -231,27 +275,37 @@ class RedundancyFreeStep:
     def logprobs(self, params: Any, program: RfreeProgram) -> list[np.ndarray]:
         """log p(token | its path) for every tree token of every tree (tree-token order; 0 where
         a token has no scoring row), computed forward-only over the program."""
+        self._read_config(params)
         out_arrays = [np.zeros(t.n_tree_tokens, np.float32) for t in program.trees]
+        for members, logp, _ in self._forward_pass(params, program):
+            logp = np.asarray(logp)
+            for m in members:
+                out_arrays[m.tree][m.tokens] = logp[m.row, m.offset : m.offset + len(m.tokens)]
+        return out_arrays
+
+    def _forward_pass(self, params: Any, program: RfreeProgram):
+        """Forward only over the program, depth-first with the stack of prefixes: yields
+        (members, log-probs [rows, S], router load or None) per whole batch and per part."""
         if program.whole is not None:
             index_of = {id(program.trees[i]): i for i in program.whole_trees}
             for batch in program.whole.batches:
-                logp = np.asarray(self._whole_logprobs(params, batch.arrays()))
-                for tree, row, off in zip(batch.layout.trees, batch.layout.rows,
-                                          batch.layout.offsets):
-                    out_arrays[index_of[id(tree)]][:] = logp[row, off : off + tree.n_tree_tokens]
+                logp, load = self._call("whole_forward", self._whole_logprobs, params,
+                                        batch.arrays())
+                members = [Member(index_of[id(tree)], np.arange(tree.n_tree_tokens), off, row)
+                           for tree, row, off in zip(batch.layout.trees, batch.layout.rows,
+                                                     batch.layout.offsets)]
+                yield members, logp, load
         stack: list[tuple[int, Any]] = [(r, None) for r in reversed(_roots(program))]
         while stack:
             k, prefix = stack.pop()
             part = program.parts[k]
-            logp, out = self._logprobs(params, part.inputs, prefix)
-            logp = np.asarray(logp)[0]
-            for m in part.members:
-                out_arrays[m.tree][m.tokens] = logp[m.offset : m.offset + len(m.tokens)]
+            logp, out, load = self._call("part_forward", self._logprobs, params, part.inputs,
+                                         prefix)
+            yield part.members, logp, load
             for c in reversed(part.children):
                 child = program.parts[c]
                 stack.append((c, self._extend(prefix, out, jnp.asarray(child.gather_index),
                                               jnp.asarray(child.gather_state), part.prefix_len)))
-        return out_arrays
 
 
 class _Accumulator:

@@ -41,11 +41,12 @@ from jtree.tree import TrajectoryTree
 @dataclasses.dataclass(frozen=True)
 class Member:
     """Tree `tree` (index into the program's trees) contributes tree tokens `tokens` at own
-    positions `offset`, `offset + 1`, ... of a row."""
+    positions `offset`, `offset + 1`, ... of row `row` of its batch."""
 
     tree: int
     tokens: np.ndarray
     offset: int
+    row: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -121,13 +122,16 @@ def build_program(
     rows_per_microbatch: int = 1,
     gdn_chunk_size: int | None = None,
     gdn_chunks: int | None = None,
+    gdn_exports: int | None = None,
 ) -> RfreeProgram:
     """Plan and lay out `trees` for redundancy-free training: parts of at most `capacity` tokens
     in rows of `seq_len` (default `capacity`) tokens.
 
     `prefix_buckets` lists the allowed prefix lengths (default: `prefix_bucket`'s steps);
     `normalizer` defaults to the batch normalizer of `trees`; `gdn_chunk_size` adds the Gated
-    DeltaNet chunk tables (hybrid models), `gdn_chunks` fixes their chunk count per row. Whole
+    DeltaNet chunk tables (hybrid models), `gdn_chunks` fixes their chunk count per row and
+    `gdn_exports` the number of exported states per row (default: a power of two per part; fixed
+    values compile fewer shapes). Whole
     trees that do not fit into part rows go to micro-batches of `rows_per_microbatch` rows.
     """
     if not trees:
@@ -148,7 +152,7 @@ def build_program(
                 part, parent=part.parent + base if part.parent >= 0 else -1,
                 children=tuple(c + base for c in part.children))))
     tails, leftover = _fill_tails([len(p.own) for _, p in planned], small, trees, seq_len)
-    shape = _RowShape(seq_len, prefix_buckets, gdn_chunk_size, gdn_chunks)
+    shape = _RowShape(seq_len, prefix_buckets, gdn_chunk_size, gdn_chunks, gdn_exports)
     rows = [_part_row(planned, k, tails[k], trees, fields, shape) for k in range(len(planned))]
     parts = tuple(_link(rows, planned))
     whole = None
@@ -184,6 +188,7 @@ class _RowShape:
     prefix_buckets: Sequence[int] | None
     gdn_chunk_size: int | None
     gdn_chunks: int | None
+    gdn_exports: int | None
 
 
 @dataclasses.dataclass
@@ -263,6 +268,7 @@ def _row_arrays(members: list[Member], trees, fields, capacity: int, p: int, att
             "parent": np.where(has_parent, piece[np.minimum(parent_rank, n - 1)] + node_base, -1),
             "root_slot": np.where((first_pred >= 0) & ~has_parent, 1, 0),
             "last_token": tok[starts + lengths - 1],
+            "of_part": np.full(len(starts), m is members[0]),
         })
         node_base += len(starts)
     nodes = {k: np.concatenate([d[k] for d in node_parts]) for k in node_parts[0]}
@@ -279,10 +285,14 @@ def _gdn_tables(nodes: dict[str, np.ndarray], shape: _RowShape, n_initial: int,
                               np.zeros(len(lengths), np.int64), nodes["parent"].astype(np.int64),
                               nodes["root_slot"].astype(np.int64), 1, shape.seq_len, chunk_size,
                               n_chunks, n_initial=n_initial)
-    # The attach token of a child part is the last token of one of this row's node pieces.
-    piece_of = {int(t): i for i, t in enumerate(nodes["last_token"])}
+    # The attach token of a child part is the last token of one of the part's own node pieces
+    # (tree-token indices of the whole trees packed after it would collide).
+    piece_of = {int(t): i for i, t in enumerate(nodes["last_token"]) if nodes["of_part"][i]}
     slots = [int(built["last_slot"][piece_of[int(t)]]) for t in export_tokens]
-    width = 1 if len(slots) <= 1 else 1 << (len(slots) - 1).bit_length()
+    width = shape.gdn_exports or (1 if len(slots) <= 1 else 1 << (len(slots) - 1).bit_length())
+    if len(slots) > width:
+        raise ValueError(f"gdn_exports={width}: a part has {len(slots)} child parts starting "
+                         "below different tokens")
     slots = (slots + [slots[0] if slots else 0] * width)[:width]
     return dict(built["tables"], gdn_export_slots=np.asarray(slots, np.int32)[None])
 

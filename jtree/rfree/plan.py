@@ -54,8 +54,13 @@ class RfreePart:
         if self.attach < 0:
             return np.zeros(0, np.int32)
         t = self.tree
-        node = int(t.token_arrays["node"][self.attach])
-        chain = t._chain_token_index(node)
+        nodes, node = [], int(t.token_arrays["node"][self.attach])
+        while node >= 0:
+            nodes.append(node)
+            node = int(t.parents[node])
+        off = t.node_offsets
+        chain = np.concatenate([np.arange(off[n], off[n + 1], dtype=np.int32)
+                                for n in reversed(nodes)])
         return chain[: int(t.token_arrays["pos"][self.attach]) + 1]
 
 
