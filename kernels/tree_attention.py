@@ -13,7 +13,8 @@ parts. `prefix_k`, `prefix_v` [rows, P, Hkv, D] are laid out before the part's o
 `prefix_end` [rows, P] gives their subtree ends; `end` and `prefix_end` are in the part's combined
 coordinates (prefix key j at position j, own token i at position P + i), so the one rule
 j <= i < end[j] still decides visibility while queries exist only for the own tokens. An
-implementation without rectangular support raises ("prefix not supported").
+implementation without rectangular support raises ("prefix not supported"); `auto` picks `xla`
+for prefix calls where the backend's kernel has none (`pallas_mosaic_gpu` today).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import attention_tpu, attention_xla
+from kernels.attention_mgpu import attention_mgpu, handles as mgpu_handles
 from kernels.attention_reference import attention_reference
 
 
@@ -47,10 +49,11 @@ _IMPLS: dict[str, _Impl] = {
                  attention_xla.padded_lengths),
     "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length,
                         attention_tpu.padded_lengths),
+    "pallas_mosaic_gpu": _Impl(attention_mgpu, None),  # pads S itself; no prefix support yet
 }
 
-# What `auto` runs on each backend. GPU gets the portable block-sparse path until a GPU kernel is
-# registered under the name below.
+# What `auto` runs on each backend. On a GPU the Mosaic kernel needs bf16/f16 operands and head_dim
+# 64 or 128; other inputs run the block-sparse `xla` path (the same masked attention, not causal).
 _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_mosaic_gpu", "cpu": "xla"}
 
 
@@ -58,11 +61,15 @@ def available_impls() -> tuple[str, ...]:
     return ("auto",) + tuple(_IMPLS)
 
 
-def resolve_impl(impl: str, backend: str | None = None) -> str:
-    """Map `auto` to the implementation for `backend` (default: jax's default backend)."""
+def resolve_impl(impl: str, backend: str | None = None, *, dtype: Any = None,
+                 head_dim: int | None = None) -> str:
+    """Map `auto` to the implementation for `backend` (default: jax's default backend) and, when
+    given, the operand dtype and head_dim."""
     if impl == "auto":
         choice = _AUTO.get(backend or jax.default_backend(), "xla")
-        return choice if choice in _IMPLS else "xla"
+        if choice == "pallas_mosaic_gpu" and dtype is not None and not mgpu_handles(dtype, head_dim):
+            return "xla"
+        return choice
     if impl not in _IMPLS:
         raise ValueError(f"attention impl {impl!r} is not one of {available_impls()}")
     return impl
@@ -110,7 +117,7 @@ def tree_attention(
                             **options)
     if isinstance(end, np.ndarray):
         _check_end(end)
-    chosen = _IMPLS[resolve_impl(impl)]
+    chosen = _IMPLS[resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3])]
     s = q.shape[1]
     target = s if chosen.padded_length is None else chosen.padded_length(s, **options)
     if target == s:
@@ -140,7 +147,9 @@ def _with_prefix(q, k, v, end, prefix_k, prefix_v, prefix_end, *, impl: str, sca
                                      jnp.asarray(end, jnp.int32)], axis=1))
     if isinstance(end_all, np.ndarray):
         _check_end(end_all, first_query=p)
-    name = resolve_impl(impl)
+    name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3])
+    if impl == "auto" and _IMPLS[name].padded_lengths is None:
+        name = "xla"  # same masked attention; the backend's kernel has no prefix support yet
     chosen = _IMPLS[name]
     if chosen.padded_lengths is None:
         raise ValueError(f"attention impl {name!r}: prefix not supported (it cannot attend to "

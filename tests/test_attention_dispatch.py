@@ -10,10 +10,16 @@ from kernels.tree_attention import resolve_impl
 from tests.attention_cases import qkv
 
 
-@pytest.mark.parametrize("backend, impl", [("cpu", "xla"), ("tpu", "pallas_tpu"), ("gpu", "xla")])
-def test_auto_picks_per_backend(backend, impl):
-    # GPU runs `xla` until a GPU kernel is registered as "pallas_mosaic_gpu".
-    assert resolve_impl("auto", backend) == impl
+@pytest.mark.parametrize("backend, dtype, head_dim, impl", [
+    ("cpu", jnp.bfloat16, 128, "xla"),
+    ("tpu", jnp.float32, 128, "pallas_tpu"),
+    ("gpu", jnp.bfloat16, 128, "pallas_mosaic_gpu"),
+    ("gpu", jnp.float16, 64, "pallas_mosaic_gpu"),
+    ("gpu", jnp.float32, 128, "xla"),  # wgmma has no fp32 operands
+    ("gpu", jnp.bfloat16, 256, "xla"),  # the Mosaic backward does not fit shared memory
+])
+def test_auto_picks_per_backend(backend, dtype, head_dim, impl):
+    assert resolve_impl("auto", backend, dtype=dtype, head_dim=head_dim) == impl
 
 
 @pytest.mark.parametrize("end, match", [

@@ -1,4 +1,5 @@
-"""Loading onto a device mesh (8 host CPU devices), and jtree.hf working without torch.
+"""Loading onto a device mesh (8 host CPU devices), and jtree.hf working without torch, for Qwen3
+and Qwen3-Next (whose table covers Qwen3-MoE's experts too).
 
 XLA_FLAGS must be set before jax creates its CPU client, which in a full pytest run has already
 happened, so the check runs in a fresh interpreter.
@@ -87,9 +88,86 @@ print("OK")
 '''
 
 
-def test_load_places_parameters_on_a_mesh_without_torch():
+# Qwen3-Next (MoE experts, Gated DeltaNet, gated attention, shared expert, a dense MLP layer): the
+# rule of jtree/hf/qwen3_next.py and qwen3_moe.py, written out independently.
+SCRIPT_NEXT = r'''
+import sys, tempfile
+import jax, numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jtree.hf
+from jtree.linearize import linearize
+from jtree.models import Qwen3Next, Qwen3NextConfig
+from jtree.tree import TrajectoryTree
+
+def expected_spec(name):
+    leaf = name.split(".")
+    if leaf[-2] == "experts":
+        return P("model", None, None)  # whole experts per device
+    if leaf[-2] in ("in_proj_qkvz", "in_proj_ba"):
+        return P(None, "model")
+    if leaf[-1] in ("dt_bias", "A_log"):
+        return P("model")
+    if leaf[-2] == "out_proj":
+        return P("model", None)
+    if name == "model.embed_tokens.embedding":
+        return P("model", None)
+    if name == "lm_head.kernel":
+        return P(None, "model")
+    if leaf[-2] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        return P(None, "model")
+    if leaf[-2] in ("o_proj", "down_proj"):
+        return P("model", None)
+    return P()  # norms, conv1d, router, shared-expert gate
+
+cfg = Qwen3NextConfig(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,),
+                      layer_types=("linear_attention", "full_attention", "linear_attention"),
+                      linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=2,
+                      linear_num_value_heads=4, shared_expert_intermediate_size=24,
+                      tie_word_embeddings=False, attention_impl="reference")
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+def params(model):
+    return {".".join(map(str, p)): v.get_value()
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+with tempfile.TemporaryDirectory() as d:
+    jtree.hf.save(Qwen3Next(cfg, rngs=nnx.Rngs(0)), cfg, d)
+    _, plain = jtree.hf.load(d, attention_impl="reference")
+    _, sharded = jtree.hf.load(d, attention_impl="reference", mesh=mesh)
+splits = {}
+for name, value in params(sharded).items():
+    want = NamedSharding(mesh, expected_spec(name))
+    assert value.sharding.is_equivalent_to(want, value.ndim), (name, value.sharding)
+    splits[name.split(".")[-2]] = any(a is not None for a in expected_spec(name))
+    np.testing.assert_array_equal(np.asarray(value), np.asarray(params(plain)[name]))
+assert splits["experts"] and splits["in_proj_qkvz"] and splits["q_proj"], splits
+
+# The sharded model computes what the unsharded one does.
+trees = [TrajectoryTree.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 9], [1, 7]])]
+batch = linearize(trees, 16, gdn_chunk_size=4).arrays()
+def hidden(model):
+    g, p = nnx.split(model)
+    return np.asarray(jax.jit(lambda p, x: nnx.merge(g, p)(x).hidden)(p, batch))
+np.testing.assert_allclose(hidden(sharded), hidden(plain), atol=1e-5, rtol=0)
+assert "torch" not in sys.modules and "transformers" not in sys.modules
+print("OK")
+'''
+
+
+def _run_on_8_devices(script: str) -> None:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_load_places_parameters_on_a_mesh_without_torch():
+    _run_on_8_devices(SCRIPT)
+
+
+def test_load_places_qwen3_next_experts_and_gdn_on_a_mesh():
+    _run_on_8_devices(SCRIPT_NEXT)

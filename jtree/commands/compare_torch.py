@@ -1,10 +1,11 @@
 """`jtree compare-torch --hf-dir DIR --data FILE`: jtree on trees vs transformers on paths.
 
 Loads the checkpoint in jtree and in transformers (CPU, float32), builds trees from a JSONL file,
-and prints per decoder-layer type and overall: max |logit difference| on every path position,
-max |log-prob difference| between the tree and each path run alone, and the relative gradient
-difference per tensor between the tree loss in jtree and the per-path loss in PyTorch. Exits 1 when
-a number is above its tolerance (DESIGN.md section 9).
+and prints per block type (full / linear attention, MoE / dense MLP) and overall: max |logit
+difference| on every path position, max |log-prob difference| between the tree and each path run
+alone, and the relative gradient difference per tensor between the tree loss in jtree and the
+per-path loss in PyTorch (with the router load-balancing loss when the checkpoint turns it on).
+Exits 1 when a number is above its tolerance (DESIGN.md section 9).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-trees", type=int, default=None, help="use only the first N trees")
     p.add_argument("--normalization", choices=NORMALIZATIONS, default="seq_mean_token_mean")
     p.add_argument("--attention-impl", default="auto", help="jtree tree_attention implementation")
+    p.add_argument("--gdn-chunk-size", type=int, default=64,
+                   help="chunk length of the gated delta rule on trees (linear-attention layers)")
     p.add_argument("--logit-tol", type=float, default=DEFAULT_TOL)
     p.add_argument("--logprob-tol", type=float, default=DEFAULT_TOL)
     p.add_argument("--grad-tol", type=float, default=DEFAULT_TOL,
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-trees: must be >= 1, got {args.max_trees}")
         trees = trees[: args.max_trees]
     result = compare(model, config, load_torch_model(args.hf_dir), trees,
-                     normalization=args.normalization)
+                     normalization=args.normalization, gdn_chunk_size=args.gdn_chunk_size)
     tol = Tolerances(args.logit_tol, args.logprob_tol, args.grad_tol)
     print_report(result, tol)
     failures = result.failures(tol)
@@ -68,11 +71,14 @@ def print_report(r: Any, tol: Any) -> None:
     """Print a `jtree.hf.compare.Comparison` against its `Tolerances`."""
     print(f"{r.paths} paths, {r.tokens} path tokens; loss: tree {r.tree_loss:.6f}, "
           f"per-path (PyTorch) {r.path_loss:.6f}")
-    print(f"{'group':<18} {'layers':>6} {'tensors':>7} {'max|dhidden|':>12} "
+    if r.tree_aux_loss or r.path_aux_loss:
+        print(f"router aux loss (coef x load balancing): tree {r.tree_aux_loss:.6f}, "
+              f"all paths batched (PyTorch) {r.path_aux_loss:.6f}")
+    print(f"{'block type':<18} {'layers':>6} {'tensors':>7} {'max|dout|':>12} "
           f"{'max rel dgrad':>13}  worst tensor")
     for name, g in r.groups.items():
-        hidden = f"{g.max_abs_hidden:12.3e}" if g.layers else f"{'-':>12}"
-        print(f"{name:<18} {g.layers:6d} {g.tensors:7d} {hidden} {g.max_rel_grad:13.3e}  "
+        output = f"{g.max_abs_output:12.3e}" if g.layers else f"{'-':>12}"
+        print(f"{name:<18} {g.layers:6d} {g.tensors:7d} {output} {g.max_rel_grad:13.3e}  "
               f"{g.worst_tensor}")
     print(f"overall: max |logit diff| on paths {r.max_abs_logits:.3e} (tol {tol.logits:.0e}), "
           f"max |log-prob diff| tree vs path {r.max_abs_logprobs:.3e} (tol {tol.logprobs:.0e}), "

@@ -6,10 +6,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from jtree.hf.qwen3 import QWEN3
+from jtree.hf.qwen3_moe import QWEN3_MOE
+from jtree.hf.qwen3_next import QWEN3_NEXT
 from jtree.hf.spec import Architecture
 from jtree.models.registry import ARCHITECTURES as MODEL_CLASSES
 
-ARCHITECTURES: dict[str, Architecture] = {a.hf_name: a for a in (QWEN3,)}
+ARCHITECTURES: dict[str, Architecture] = {a.hf_name: a for a in (QWEN3, QWEN3_MOE, QWEN3_NEXT)}
 
 
 def architecture_of_hf_config(hf_config: Mapping[str, Any]) -> Architecture:

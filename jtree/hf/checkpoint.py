@@ -1,20 +1,19 @@
 """Load and save Hugging Face checkpoint directories (config.json + safetensors) as jtree models.
 
-Everything goes through the architecture table (`jtree.hf.architectures`): names, layouts, tied
-tensors and placement. Loading validates the whole checkpoint against the model before converting
-any weight: unknown architectures, unsupported config fields, missing, extra or misshapen tensors
-fail with the tensor's or field's name. torch is never imported.
+Everything goes through the architecture table (`jtree.hf.architectures`): names, layouts (one
+jtree parameter may be several HF tensors, e.g. one per expert), tied and ignored tensors, and
+placement. Loading validates the whole checkpoint against the model before converting any weight:
+unknown architectures, unsupported config fields, missing, extra or misshapen tensors fail with
+the tensor's or field's name. torch is never imported.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -22,7 +21,7 @@ from jax.sharding import Mesh
 from jtree.hf.architectures import architecture_of_config, architecture_of_hf_config, model_class
 from jtree.hf.placement import ShardingFn, mesh_shardings, place
 from jtree.hf.safetensors_io import INDEX_FILE, CheckpointTensors, write_checkpoint
-from jtree.hf.spec import Architecture, Layout, dotted
+from jtree.hf.spec import Architecture, Storage, dotted
 from jtree.models.config import DTYPES
 
 CONFIG_FILE = "config.json"
@@ -51,14 +50,12 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
     return out
 
 
-class Tensor(NamedTuple):
-    """One parameter: its jtree name and shape, its HF name, layout and shape."""
+class Param(NamedTuple):
+    """A jtree parameter (dotted name, shape) and the ways it may be stored, the saved one first."""
 
     name: str
     shape: tuple[int, ...]
-    hf_name: str
-    layout: Layout
-    hf_shape: tuple[int, ...]
+    storages: list[Storage]
 
 
 def _abstract_params(arch: Architecture, config: Any) -> tuple[nnx.GraphDef, list]:
@@ -69,18 +66,17 @@ def _abstract_params(arch: Architecture, config: Any) -> tuple[nnx.GraphDef, lis
     return graphdef, list(nnx.to_flat_state(params))
 
 
-def _tensor_table(arch: Architecture, config: Any, flat: list) -> dict[str, Tensor]:
-    """HF name -> Tensor for every parameter of the model, in parameter order."""
-    out: dict[str, Tensor] = {}
+def _param_table(arch: Architecture, config: Any, flat: list) -> list[Param]:
+    """Every parameter of the model, in parameter order, with its storages."""
+    out, owner = [], {}
     for path, var in flat:
         name = dotted(path)
-        hf_name, layout = arch.tensor_rule(name)
-        struct = jax.ShapeDtypeStruct(var.shape, var.dtype)
-        hf_shape = tuple(jax.eval_shape(lambda a: layout.to_hf(a, config), struct).shape)
-        if hf_name in out:
-            raise ValueError(f"{arch.hf_name}: parameters {out[hf_name].name!r} and {name!r} "
-                             f"both map to tensor {hf_name!r}")
-        out[hf_name] = Tensor(name, tuple(var.shape), hf_name, layout, hf_shape)
+        storages = arch.storages(name, tuple(var.shape), config)
+        for hf_name in {n for s in storages for n in s.hf_names}:
+            if owner.setdefault(hf_name, name) != name:
+                raise ValueError(f"{arch.hf_name}: parameters {owner[hf_name]!r} and {name!r} "
+                                 f"both map to tensor {hf_name!r}")
+        out.append(Param(name, tuple(var.shape), storages))
     return out
 
 
@@ -89,31 +85,58 @@ def _names_list(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def choose_storage(param: Param, available: set[str] | frozenset[str]) -> Storage | None:
+    """The first storage of `param` whose tensors are all in `available` (None if there is none).
+    This is how a checkpoint's layout is detected, per parameter, from its tensor names."""
+    for storage in param.storages:
+        if all(n in available for n in storage.hf_names):
+            return storage
+    return None
+
+
+def _closest_storage(param: Param, available: set[str]) -> Storage:
+    """The storage most of whose tensors are present (the saved one on a tie): the one whose
+    missing tensors an error should name."""
+    return max(param.storages, key=lambda s: sum(n in available for n in s.hf_names))
+
+
 def _validate(ckpt: CheckpointTensors, arch: Architecture, config: Any,
-              expected: Mapping[str, Tensor]) -> None:
+              params: list[Param]) -> list[Storage]:
+    """The storage of every parameter in this checkpoint, after checking names, shapes, dtypes
+    and tied tensors."""
     where = ckpt.directory
     tied = arch.tied(config)
     present = set(ckpt.names())
-    missing = sorted(set(expected) - present)
+    chosen, missing = [], []
+    for param in params:
+        storage = choose_storage(param, present)
+        if storage is None:
+            storage = _closest_storage(param, present)
+            missing += [n for n in storage.hf_names if n not in present]
+        chosen.append(storage)
     if missing:
         raise ValueError(f"{where}: {arch.hf_name} checkpoint is missing tensor(s) "
                          f"{_names_list(missing)}")
-    extra = sorted(present - set(expected) - set(tied))
+    used = {n for s in chosen for n in s.hf_names}
+    extra = sorted(n for n in present - used - set(tied) if not arch.is_ignored(n))
     if extra:
         raise ValueError(f"{where}: unexpected tensor(s) {_names_list(extra)} for "
                          f"{arch.hf_name} with this config.json")
-    for hf_name, t in expected.items():
-        got = ckpt.shape(hf_name)
-        if got != t.hf_shape:
-            raise ValueError(f"{where}: tensor {hf_name!r} has shape {got}, config.json implies "
-                             f"{t.hf_shape} ({ckpt.file_of[hf_name]})")
-        if ckpt.dtype(hf_name) not in FLOAT_DTYPES:
-            raise ValueError(f"{where}: tensor {hf_name!r} has dtype {ckpt.dtype(hf_name)}; only "
-                             "floating-point weights are supported (no quantized checkpoints)")
+    for storage in chosen:
+        for hf_name, hf_shape in zip(storage.hf_names, storage.hf_shapes):
+            got = ckpt.shape(hf_name)
+            if got != hf_shape:
+                raise ValueError(f"{where}: tensor {hf_name!r} has shape {got}, config.json "
+                                 f"implies {hf_shape} ({ckpt.file_of[hf_name]})")
+            if ckpt.dtype(hf_name) not in FLOAT_DTYPES:
+                raise ValueError(f"{where}: tensor {hf_name!r} has dtype {ckpt.dtype(hf_name)}; "
+                                 "only floating-point weights are supported (no quantized "
+                                 "checkpoints)")
     for alias, source in tied.items():
         if alias in present and not np.array_equal(ckpt.read(alias), ckpt.read(source)):
             raise ValueError(f"{where}: tensor {alias!r} differs from {source!r}, but config.json "
                              "ties them (tie_word_embeddings)")
+    return chosen
 
 
 def load(
@@ -127,10 +150,12 @@ def load(
 ) -> tuple[Any, nnx.Module]:
     """Read a Hugging Face checkpoint directory into `(config, model)`.
 
-    `dtype` is the parameter (storage) dtype every weight is cast to, `compute_dtype` the
-    activation dtype (default: `dtype`), e.g. `dtype="float32", compute_dtype="bfloat16"` for fp32
-    master weights with bf16 compute. With `mesh`, parameters are placed by the architecture's
-    partition table (Megatron-style over the axis "model", see `jtree.hf.qwen3`); `shardings`
+    The model class is the architecture's (`Qwen3`, `Qwen3Moe`, `Qwen3Next`). `dtype` is the
+    parameter (storage) dtype every weight is cast to, `compute_dtype` the activation dtype
+    (default: `dtype`), e.g. `dtype="float32", compute_dtype="bfloat16"` for fp32 master weights
+    with bf16 compute. Experts load from one tensor per expert (Hub) or the fused transformers 5
+    tensors, detected per parameter from the tensor names. With `mesh`, parameters are placed by
+    the architecture's partition table (see `jtree.hf.qwen3`, `jtree.hf.qwen3_moe`); `shardings`
     instead gives any `jax.sharding.Sharding` per (jtree parameter name, shape).
     """
     if mesh is not None and shardings is not None:
@@ -145,30 +170,57 @@ def load(
                "param_dtype": dtype}
     config = arch.config_from_hf(hf_config, runtime)
     graphdef, flat = _abstract_params(arch, config)
-    expected = _tensor_table(arch, config, flat)
+    params = _param_table(arch, config, flat)
     sharding_fn = mesh_shardings(arch, mesh) if mesh is not None else shardings
     leaves = []
     with CheckpointTensors(directory) as ckpt:
-        _validate(ckpt, arch, config, expected)
-        for (p, var), t in zip(flat, expected.values()):
-            value = t.layout.from_hf(ckpt.read(t.hf_name).astype(var.dtype, copy=False), config)
-            leaves.append((p, var.replace(place(value, t.name, sharding_fn))))
+        storages = _validate(ckpt, arch, config, params)
+        for (p, var), param, storage in zip(flat, params, storages):
+            tensors = [ckpt.read(n).astype(var.dtype, copy=False) for n in storage.hf_names]
+            value = storage.join(tensors)
+            del tensors
+            leaves.append((p, var.replace(place(value, param.name, sharding_fn))))
     return config, nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
-def to_hf_tensors(params: nnx.State | nnx.Module, config: Any, dtype: str | None = None
-                  ) -> dict[str, np.ndarray]:
+def to_hf_tensors(params: nnx.State | nnx.Module, config: Any, dtype: str | None = None, *,
+                  names: set[str] | frozenset[str] | None = None) -> dict[str, np.ndarray]:
     """Parameters (or anything with their structure, such as gradients) as HF-named host arrays
-    in HF layout, optionally cast to `dtype`. Tied HF tensors are not repeated."""
+    in HF layout, optionally cast to `dtype`. Tied HF tensors are not repeated.
+
+    By default every parameter is laid out as `save` writes it (experts one tensor per expert);
+    with `names` (e.g. a transformers model's `named_parameters()`), in the layout whose tensor
+    names are all in `names` (experts fused, as transformers 5 holds them in memory).
+    """
     arch = architecture_of_config(config)
     if isinstance(params, nnx.Module):
         params = nnx.state(params, nnx.Param)
     out = {}
     for p, var in nnx.to_flat_state(params):
-        hf_name, layout = arch.tensor_rule(dotted(p))
-        value = np.asarray(layout.to_hf(np.asarray(var.get_value()), config))
-        out[hf_name] = value if dtype is None else value.astype(DTYPES[dtype])
+        value = np.asarray(var.get_value())
+        param = Param(dotted(p), value.shape, arch.storages(dotted(p), value.shape, config))
+        storage = param.storages[0] if names is None else choose_storage(param, names)
+        if storage is None:
+            raise ValueError(f"to_hf_tensors: no layout of parameter {param.name!r} has all its "
+                             f"tensors in `names` (e.g. {param.storages[0].hf_names[0]!r})")
+        for i, hf_name in enumerate(storage.hf_names):
+            part = np.asarray(storage.part(value, i))
+            out[hf_name] = part if dtype is None else part.astype(DTYPES[dtype])
     return out
+
+
+class _HostCopy:
+    """The host copy of the parameter being written, kept while its tensors are produced (a
+    parameter's tensors are consecutive, so each parameter leaves the device once)."""
+
+    def __init__(self) -> None:
+        self._name, self._value = None, None
+
+    def __call__(self, name: str, var: nnx.Variable) -> np.ndarray:
+        if name != self._name:
+            self._name, self._value = None, None  # drop the previous copy first
+            self._value, self._name = np.asarray(var.get_value()), name
+        return self._value
 
 
 def _prepare_directory(directory: Path, overwrite: bool) -> None:
@@ -206,26 +258,30 @@ def save(
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"save: dtype = {dtype!r} is not one of {tuple(DTYPES)}")
     _, flat_expected = _abstract_params(arch, config)
-    expected = _tensor_table(arch, config, flat_expected)
+    expected = _param_table(arch, config, flat_expected)
     params = {dotted(p): var for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    extra = sorted(set(params) - {t.name for t in expected.values()})
+    extra = sorted(set(params) - {t.name for t in expected})
     if extra:
         raise ValueError(f"save: model parameter {extra[0]!r} is not part of {arch.hf_name} "
                          "with this config")
+    host = _HostCopy()
     tensors = []
-    for t in expected.values():
+    for t in expected:
         var = params.get(t.name)
+        storage = t.storages[0]
         if var is None:
-            raise ValueError(f"save: model has no parameter {t.name!r} (tensor {t.hf_name!r})")
+            raise ValueError(f"save: model has no parameter {t.name!r} "
+                             f"(tensor {storage.hf_names[0]!r})")
         if tuple(var.shape) != t.shape:
             raise ValueError(f"save: parameter {t.name!r} has shape {tuple(var.shape)}, config "
                              f"implies {t.shape}")
         out_dtype = np.dtype(DTYPES[dtype] if dtype else var.dtype)
+        for i, (hf_name, hf_shape) in enumerate(zip(storage.hf_names, storage.hf_shapes)):
 
-        def produce(var=var, layout=t.layout, out_dtype=out_dtype):
-            return np.asarray(layout.to_hf(np.asarray(var.get_value()), config)).astype(out_dtype)
+            def produce(name=t.name, var=var, storage=storage, i=i, out_dtype=out_dtype):
+                return np.asarray(storage.part(host(name, var), i)).astype(out_dtype)
 
-        tensors.append((t.hf_name, t.hf_shape, out_dtype, produce))
+            tensors.append((hf_name, hf_shape, out_dtype, produce))
     hf_config = {"architectures": [arch.hf_name], **arch.config_to_hf(config),
                  "torch_dtype": tensors[0][2].name}
     if copy_from is not None:

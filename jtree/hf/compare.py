@@ -3,8 +3,15 @@
 The tree side runs the linearized trees once (forward, and the gradient of the tree loss
 sum_t W_t * (-log p_t)); the PyTorch side runs every path as its own sequence and backpropagates the
 per-path loss sum_p sum_t c[p,t] * (-log p_t). Equal math gives equal logits on every path
-position, equal log-probs, and equal gradients. Differences are reported per decoder layer type
-(outputs of the layers, gradients of their parameters) and overall (logits, log-probs, gradients).
+position, equal log-probs, and equal gradients. Differences are reported per block type of the
+decoder layers (token mixers "full_attention" / "linear_attention" with their input norm,
+feed-forwards "moe" / "mlp" with theirs: block outputs and parameter gradients) and overall
+(logits, log-probs, gradients).
+
+MoE models with `output_router_logits` add the router load-balancing loss. HF defines it per
+forward pass, pooled over the batch's tokens; jtree's tree loss weights each tree token by the
+number of paths through it, so it equals HF's loss on one batch holding every path (padded and
+masked). The PyTorch side adds exactly that term: one extra forward/backward of all paths batched.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from flax import nnx
 
 from jtree.hf import torch_reference
 from jtree.hf.architectures import architecture_of_config
+from jtree.chunk_tables import DEFAULT_CHUNK_SIZE
 from jtree.hf.checkpoint import to_hf_tensors
 from jtree.linearize import TreeBatch, linearize, unlinearize
 from jtree.logprobs import logprobs_from_hidden
@@ -28,7 +36,10 @@ from jtree.loss import Normalization, batch_normalizer, path_coefficients
 from jtree.train import Objective, objective_loss
 from jtree.tree import TrajectoryTree
 
-LAYER = re.compile(r"model\.layers\.(\d+)")
+LAYER_PART = re.compile(r"model\.layers\.(\d+)\.(\w+)")
+# The blocks whose outputs are compared (HF and jtree module names alike).
+BLOCK = re.compile(r"model\.layers\.\d+\.(self_attn|linear_attn|mlp)")
+FFN_PARTS = ("mlp", "post_attention_layernorm")
 NON_LAYER_GROUP = "embeddings+head"
 
 
@@ -45,11 +56,11 @@ class Tolerances:
 
 @dataclasses.dataclass
 class GroupReport:
-    """Differences for the decoder layers of one type (or the non-layer parameters)."""
+    """Differences for the blocks of one type (or the non-layer parameters)."""
 
-    layers: int = 0
+    layers: int = 0  # decoder layers holding a block of this type
     tensors: int = 0
-    max_abs_hidden: float = 0.0  # max |layer output difference| over layers of the group
+    max_abs_output: float = 0.0  # max |block output difference| over the group's blocks
     max_rel_grad: float = 0.0  # max over tensors of ||g_jtree - g_torch|| / ||g_torch||
     worst_tensor: str = ""
 
@@ -65,6 +76,8 @@ class Comparison:
     worst_tensor: str
     tree_loss: float
     path_loss: float
+    tree_aux_loss: float  # router_aux_loss_coef * load-balancing loss (0 when off)
+    path_aux_loss: float
 
     def failures(self, tol: Tolerances) -> list[str]:
         out = []
@@ -80,44 +93,62 @@ class Comparison:
 
 
 def _jtree_side(model: nnx.Module, batch: TreeBatch, normalization: Normalization):
-    """Tree-mode hidden states, decoder-layer outputs, log-probs and tree-loss gradients."""
+    """Tree-mode hidden states, block outputs, log-probs, aux loss, tree loss and its gradients,
+    from one compiled forward and backward."""
     graphdef, params = nnx.split(model, nnx.Param)
-    forward, loss_grad = _jitted(graphdef, normalization)
-    inputs = batch.arrays()
-    hidden, layers, logp = forward(params, inputs)
-    loss, grads = loss_grad(params, inputs)
-    return np.asarray(hidden), {k: np.asarray(v) for k, v in layers.items()}, np.asarray(logp), \
-        float(loss), grads
+    (loss, (hidden, blocks, logp, aux)), grads = _loss_and_grad(graphdef, normalization)(
+        params, batch.arrays())
+    return (np.asarray(hidden), {k: np.asarray(v) for k, v in blocks.items()}, np.asarray(logp),
+            float(aux), float(loss), grads)
+
+
+def _first_output(value: Any) -> Any:
+    """The array a module returned on its first call (captures hold one entry per call; MoE
+    blocks and layers return (output, router stats))."""
+    while isinstance(value, tuple):
+        value = value[0]
+    return value
+
+
+class _Recording:
+    """The model as `objective_loss` calls it, keeping its output and its blocks' outputs."""
+
+    def __init__(self, model: nnx.Module):
+        self.model, self.out, self.blocks = model, None, {}
+
+    def __call__(self, inputs):
+        capture = nnx.capture(self.model, nnx.Intermediate, method_outputs=nnx.Intermediate)
+        self.out, intermediates = capture(inputs)
+        for path, var in nnx.to_flat_state(intermediates):
+            name = ".".join(str(p) for p in path[:-1])
+            if path[-1] == "__call__" and BLOCK.fullmatch(name):
+                self.blocks[name] = _first_output(var.get_value())
+        return self.out
+
+    def output_embedding(self):
+        return self.model.output_embedding()
 
 
 @functools.lru_cache(maxsize=4)
-def _jitted(graphdef: nnx.GraphDef, normalization: Normalization):
-    def forward(params, inputs):
-        model = nnx.merge(graphdef, params)
-        capture = nnx.capture(model, nnx.Intermediate, method_outputs=nnx.Intermediate)
-        out, intermediates = capture(inputs)
-        # Keep only decoder-layer outputs; jit drops every other captured value.
-        layers = {}
-        for path, var in nnx.to_flat_state(intermediates):
-            name = ".".join(str(p) for p in path[:-1])
-            if path[-1] == "__call__" and LAYER.fullmatch(name):
-                value = var.get_value()
-                layers[name] = value[0] if isinstance(value, tuple) else value
-        logp, _ = logprobs_from_hidden(out.hidden, model.output_embedding(), inputs["tokens"],
-                                       inputs["pred"])
-        return out.hidden, layers, logp
-
+def _loss_and_grad(graphdef: nnx.GraphDef, normalization: Normalization):
     objective = Objective(kind="sft", normalization=normalization)
 
     def loss(params, inputs):
-        return objective_loss(nnx.merge(graphdef, params), inputs, objective)[0]
+        model = _Recording(nnx.merge(graphdef, params))
+        value, metrics = objective_loss(model, inputs, objective)
+        logp, _ = logprobs_from_hidden(model.out.hidden, model.output_embedding(),
+                                       inputs["tokens"], inputs["pred"])
+        return value, (model.out.hidden, model.blocks, logp, metrics["aux_loss"])
 
-    return jax.jit(forward), jax.jit(jax.value_and_grad(loss))
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
-def _group_of(name: str, layer_types: Sequence[str]) -> str:
-    m = LAYER.match(name)
-    return layer_types[int(m.group(1))] if m else NON_LAYER_GROUP
+def _group_of(name: str, layer_types: Sequence[str], ffn_types: Sequence[str]) -> str:
+    m = LAYER_PART.match(name)
+    if m is None:
+        return NON_LAYER_GROUP
+    layer = int(m.group(1))
+    return ffn_types[layer] if m.group(2) in FFN_PARTS else layer_types[layer]
 
 
 def compare(
@@ -127,19 +158,25 @@ def compare(
     trees: Sequence[TrajectoryTree],
     *,
     normalization: Normalization = "seq_mean_token_mean",
+    gdn_chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> Comparison:
-    """Run `trees` through the jtree `model` and every path through `torch_model` (same weights)."""
+    """Run `trees` through the jtree `model` and every path through `torch_model` (same weights).
+
+    `gdn_chunk_size` is the chunk length of the gated delta rule on trees (linear-attention
+    layers only)."""
     arch = architecture_of_config(config)
-    layer_types = list(arch.layer_types(config))
+    layer_types, ffn_types = list(arch.layer_types(config)), list(arch.ffn_types(config))
     seq_len = -(-max(t.n_tree_tokens for t in trees) // 16) * 16
-    batch = linearize(trees, seq_len, normalization=normalization)
-    hidden, layer_out, logp_tree, tree_loss, grads = _jtree_side(model, batch, normalization)
+    chunks = gdn_chunk_size if "linear_attention" in layer_types else None
+    batch = linearize(trees, seq_len, normalization=normalization, gdn_chunk_size=chunks)
+    hidden, block_out, logp_tree, tree_aux, tree_loss, grads = _jtree_side(model, batch,
+                                                                          normalization)
     w_out = np.asarray(model.output_embedding(), np.float32)
     logp_paths = unlinearize(batch, logp_tree)
     normalizer = batch_normalizer(trees, normalization)
-    groups = {t: GroupReport() for t in dict.fromkeys(layer_types)}
+    groups = {t: GroupReport() for t in dict.fromkeys(layer_types + ffn_types)}
     groups[NON_LAYER_GROUP] = GroupReport()
-    for t in layer_types:
+    for t in layer_types + ffn_types:
         groups[t].layers += 1
     max_logits = max_logp = 0.0
     path_loss, n_paths, n_tokens = 0.0, 0, 0
@@ -149,20 +186,26 @@ def compare(
         coeffs = path_coefficients(tree, normalization, normalizer)
         for p in range(tree.n_paths):
             ref = torch_reference.run_path(torch_model, tree.path_tokens(p),
-                                           coefficients=coeffs[p], module_names=list(layer_out))
+                                           coefficients=coeffs[p], module_names=list(block_out))
             at = off + tree.path_token_index(p)
             logits = hidden[row, at].astype(np.float32) @ w_out
             max_logits = max(max_logits, float(np.abs(logits - ref.logits).max()))
             max_logp = max(max_logp, float(np.abs(tree_logp[p] - ref.logprobs).max()))
-            for name, value in layer_out.items():
-                g = groups[_group_of(name, layer_types)]
+            for name, value in block_out.items():
+                g = groups[_group_of(name, layer_types, ffn_types)]
                 diff = float(np.abs(value[row, at] - ref.module_outputs[name]).max())
-                g.max_abs_hidden = max(g.max_abs_hidden, diff)
+                g.max_abs_output = max(g.max_abs_output, diff)
             path_loss += float(-(coeffs[p] * ref.logprobs).sum())
             n_paths += 1
             n_tokens += len(at)
-    jtree_grads = to_hf_tensors(grads, config)
+    path_aux = 0.0
+    if getattr(config, "output_router_logits", False):
+        path_aux = torch_reference.backprop_router_aux_loss(
+            torch_model, [t.path_tokens(p) for t in trees for p in range(t.n_paths)])
+        path_loss += path_aux
     torch_grads = torch_reference.grads(torch_model)
+    # Experts in the layout transformers holds them (fused in transformers 5).
+    jtree_grads = to_hf_tensors(grads, config, names=frozenset(torch_grads))
     if set(jtree_grads) != set(torch_grads):
         odd = sorted(set(jtree_grads) ^ set(torch_grads))[0]
         side = "jtree" if odd in jtree_grads else "transformers"
@@ -170,14 +213,14 @@ def compare(
     worst, worst_rel = "", 0.0
     for name, g_torch in torch_grads.items():
         rel = _relative_difference(jtree_grads[name], g_torch)
-        group = groups[_group_of(name, layer_types)]
+        group = groups[_group_of(name, layer_types, ffn_types)]
         group.tensors += 1
         if not rel <= group.max_rel_grad:
             group.max_rel_grad, group.worst_tensor = rel, name
         if not rel <= worst_rel:
             worst_rel, worst = rel, name
     return Comparison(groups, n_paths, n_tokens, max_logits, max_logp, worst_rel, worst,
-                      tree_loss, path_loss)
+                      tree_loss, path_loss, tree_aux, path_aux)
 
 
 def _relative_difference(a: np.ndarray, b: np.ndarray) -> float:

@@ -75,15 +75,34 @@ def equals(expected: Any, *, default_ok: bool = True) -> Check:
     return check
 
 
-ROPE_KEYS = frozenset({"rope_theta", "rope_parameters", "rope_scaling"})
+def renamed(hf: Mapping[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
+    """`hf` with alias keys renamed to their canonical names (e.g. transformers 5 writes Qwen3-MoE's
+    `num_experts` as `num_local_experts`); both present with different values is an error."""
+    out = dict(hf)
+    for alias, name in aliases.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if out.get(name) is not None and value is not None and out[name] != value:
+            raise ValueError(f"config.json: {alias} = {value!r} conflicts with {name} = "
+                             f"{out[name]!r}")
+        if out.get(name) is None:
+            out[name] = value
+    return out
 
 
-def rope_theta(hf: Mapping[str, Any], default: float) -> float:
-    """The RoPE base from `rope_theta` (transformers 4) or `rope_parameters` / `rope_scaling`
-    (transformers 5); any RoPE type but the default (YaRN, linear, dynamic, ...) is refused."""
-    thetas = set()
-    if hf.get("rope_theta") is not None:
-        thetas.add(float(hf["rope_theta"]))
+ROPE_KEYS = frozenset({"rope_theta", "rope_parameters", "rope_scaling", "partial_rotary_factor"})
+
+
+def rope_settings(hf: Mapping[str, Any], default_theta: float,
+                  default_partial: float) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from the top-level keys (transformers 4) and/or
+    `rope_parameters` / `rope_scaling` (transformers 5); any RoPE type but the default (YaRN,
+    linear, dynamic, ...) is refused, and so are values that disagree between the places."""
+    found: dict[str, set[float]] = {"rope_theta": set(), "partial_rotary_factor": set()}
+    for key in found:
+        if hf.get(key) is not None:
+            found[key].add(float(hf[key]))
     for key in ("rope_parameters", "rope_scaling"):
         params = hf.get(key)
         if params is None:
@@ -96,12 +115,25 @@ def rope_theta(hf: Mapping[str, Any], default: float) -> float:
                 f"config.json: {key}.rope_type = {rope_type!r}: only the default RoPE is "
                 "supported (no YaRN, linear or dynamic scaling)"
             )
-        extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
+        extra = sorted(set(params) - {"rope_type", "type", *found})
         if extra:
             raise ValueError(f"config.json: {key}.{extra[0]} = {params[extra[0]]!r} is not "
                              "supported")
-        if params.get("rope_theta") is not None:
-            thetas.add(float(params["rope_theta"]))
-    if len(thetas) > 1:
-        raise ValueError(f"config.json: conflicting rope_theta values {sorted(thetas)}")
-    return thetas.pop() if thetas else default
+        for name in found:
+            if params.get(name) is not None:
+                found[name].add(float(params[name]))
+    for name, values in found.items():
+        if len(values) > 1:
+            raise ValueError(f"config.json: conflicting {name} values {sorted(values)}")
+    theta, partial = found["rope_theta"], found["partial_rotary_factor"]
+    return (theta.pop() if theta else default_theta, partial.pop() if partial else default_partial)
+
+
+def rope_theta(hf: Mapping[str, Any], default: float) -> float:
+    """The RoPE base of a model that rotates whole heads: a `partial_rotary_factor` other than 1
+    is refused (Qwen3 and Qwen3-MoE apply RoPE to the full head dimension)."""
+    theta, partial = rope_settings(hf, default, 1.0)
+    if partial != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor = {partial!r}: only 1.0 (RoPE on "
+                         "the whole head) is supported for this architecture")
+    return theta

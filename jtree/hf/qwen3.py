@@ -12,7 +12,7 @@ from jtree.models.config import Qwen3Config
 _HF_NAME = "Qwen3ForCausalLM"
 
 # HF key -> default when absent (transformers' Qwen3Config defaults).
-_FIELDS: dict[str, Any] = {
+FIELDS: dict[str, Any] = {
     "vocab_size": REQUIRED,
     "hidden_size": REQUIRED,
     "intermediate_size": REQUIRED,
@@ -26,10 +26,10 @@ _FIELDS: dict[str, Any] = {
     "max_position_embeddings": 32768,
     "initializer_range": 0.02,
 }
-_DEFAULT_ROPE_THETA = 10000.0
+DEFAULT_ROPE_THETA = 10000.0
 
 
-def _full_attention_only(value: Any, hf: Mapping[str, Any]) -> str | None:
+def full_attention_only(value: Any, hf: Mapping[str, Any]) -> str | None:
     if value is None:
         return None
     if not isinstance(value, list) or any(t != "full_attention" for t in value):
@@ -37,27 +37,27 @@ def _full_attention_only(value: Any, hf: Mapping[str, Any]) -> str | None:
     return None
 
 
-_CHECKS = {
+CHECKS = {
     "hidden_act": equals("silu"),
     "attention_dropout": equals(0.0),
     "use_sliding_window": equals(False),
-    "layer_types": _full_attention_only,
+    "layer_types": full_attention_only,
 }
 # Only read by transformers when use_sliding_window is true, which the checks refuse.
-_INERT = frozenset({"sliding_window", "max_window_layers"}) | ROPE_KEYS
+INERT = frozenset({"sliding_window", "max_window_layers"}) | ROPE_KEYS
 
 
 def config_from_hf(hf: Mapping[str, Any], runtime: Mapping[str, Any]) -> Qwen3Config:
-    values = read_config(hf, _HF_NAME, fields=_FIELDS, checks=_CHECKS, inert=_INERT)
+    values = read_config(hf, _HF_NAME, fields=FIELDS, checks=CHECKS, inert=INERT)
     if values["num_key_value_heads"] is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
-    values["rope_theta"] = rope_theta(hf, _DEFAULT_ROPE_THETA)
+    values["rope_theta"] = rope_theta(hf, DEFAULT_ROPE_THETA)
     return Qwen3Config(**values, **runtime)
 
 
 def config_to_hf(cfg: Qwen3Config) -> dict[str, Any]:
     """config.json fields in the form both transformers 4 and 5 read (top-level `rope_theta`)."""
-    out = {key: getattr(cfg, key) for key in _FIELDS}
+    out = {key: getattr(cfg, key) for key in FIELDS}
     out.update(
         model_type="qwen3",
         rope_theta=cfg.rope_theta,
@@ -72,14 +72,14 @@ def config_to_hf(cfg: Qwen3Config) -> dict[str, Any]:
     return out
 
 
-def _tied(cfg: Qwen3Config) -> dict[str, str]:
+def tied_head(cfg: Qwen3Config) -> dict[str, str]:
     return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
 
 
 # Megatron-style tensor parallelism over the mesh axis "model": column-parallel input projections
 # (output features split), row-parallel output projections (input features split), vocab-parallel
 # embedding and output head; norms replicated. Every other mesh axis holds full replicas.
-_PARTITION = (
+PARTITION = (
     PartitionRule(r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.kernel", (None, "model")),
     PartitionRule(r".*\.(q_proj|k_proj|v_proj)\.bias", ("model",)),
     PartitionRule(r".*\.(o_proj|down_proj)\.kernel", ("model", None)),
@@ -94,7 +94,8 @@ QWEN3 = Architecture(
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     tensors=NNX_TO_TORCH,
-    tied=_tied,
-    partition=_PARTITION,
+    tied=tied_head,
+    partition=PARTITION,
     layer_types=lambda cfg: ["full_attention"] * cfg.num_hidden_layers,
+    ffn_types=lambda cfg: ["mlp"] * cfg.num_hidden_layers,
 )

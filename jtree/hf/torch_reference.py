@@ -75,6 +75,24 @@ def run_path(
     )
 
 
+def backprop_router_aux_loss(model: Any, paths: Sequence[np.ndarray]) -> float:
+    """The router load-balancing term of HF's loss, `router_aux_loss_coef * aux_loss`, for one
+    forward of all `paths` as a batch (right-padded, padding masked out, as HF pools it);
+    backpropagated into `.grad`. Returns its value."""
+    import torch
+
+    length = max(len(p) for p in paths)
+    ids = torch.zeros((len(paths), length), dtype=torch.int64)
+    mask = torch.zeros((len(paths), length), dtype=torch.int64)
+    for i, p in enumerate(paths):
+        ids[i, : len(p)] = torch.as_tensor(np.asarray(p, np.int64))
+        mask[i, : len(p)] = 1
+    out = model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+    term = model.config.router_aux_loss_coef * out.aux_loss
+    term.backward()
+    return float(term.detach())
+
+
 def zero_grads(model: Any) -> None:
     model.zero_grad(set_to_none=True)
 

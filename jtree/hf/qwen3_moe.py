@@ -1,0 +1,94 @@
+"""`Qwen3MoeForCausalLM` <-> `jtree.models.Qwen3Moe`: config fields, tensor names, mesh placement.
+
+Experts. jtree holds each MoE layer's experts stacked, in transformers 5's fused module layout
+(`mlp.experts.gate_up_proj` [E, 2 * moe_intermediate, hidden], gate rows first, and
+`mlp.experts.down_proj` [E, hidden, moe_intermediate]). Checkpoints on the Hub store one tensor per
+expert (`mlp.experts.{e}.gate_proj.weight` [moe_intermediate, hidden], `.up_proj.weight`,
+`.down_proj.weight` [hidden, moe_intermediate]); transformers 5.23 converts those to the fused form
+when loading and back when saving. `load` accepts both (detected per parameter from the tensor
+names); `save` writes the per-expert Hub layout, which transformers 4 and 5, vLLM and the other
+tools read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jtree.hf import qwen3
+from jtree.hf.config_map import read_config, renamed, rope_theta
+from jtree.hf.spec import NNX_TO_TORCH, Architecture, PartitionRule, PerExpertRule
+from jtree.models.moe import is_moe_layer
+from jtree.models.moe_config import Qwen3MoeConfig
+
+_HF_NAME = "Qwen3MoeForCausalLM"
+
+# MoE keys -> default when absent (transformers 5.23's Qwen3MoeConfig defaults).
+MOE_FIELDS: dict[str, Any] = {
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": (),
+    "router_aux_loss_coef": 0.001,
+    "output_router_logits": False,
+}
+# head_dim None: hidden_size // num_attention_heads, as transformers' Qwen3MoeAttention.
+_FIELDS = {**qwen3.FIELDS, "num_key_value_heads": 4, "head_dim": None, **MOE_FIELDS}
+# transformers 5 writes `num_experts` under this name (Qwen3MoeConfig.attribute_map).
+_ALIASES = {"num_local_experts": "num_experts"}
+
+EXPERT_TENSORS = (
+    PerExpertRule(r"(.*)\.experts\.gate_up_proj",
+                  (r"\1.experts.{e}.gate_proj.weight", r"\1.experts.{e}.up_proj.weight")),
+    PerExpertRule(r"(.*)\.experts\.down_proj", (r"\1.experts.{e}.down_proj.weight",)),
+)
+
+# Experts are placed whole: the expert axis of the stacked tensors is split over "model" (expert
+# parallelism; each device holds E / model complete experts). Splitting the intermediate axis
+# instead would cut the packed [gate; up] rows of gate_up_proj unevenly between gate and up. The
+# router is replicated; everything else follows the dense Megatron rule (`qwen3.PARTITION`).
+EXPERT_PARTITION = (
+    PartitionRule(r".*\.mlp\.experts\.(gate_up_proj|down_proj)", ("model", None, None)),
+)
+
+
+def ffn_types(cfg: Qwen3MoeConfig) -> list[str]:
+    return ["moe" if is_moe_layer(i, cfg.num_experts, cfg.decoder_sparse_step, cfg.mlp_only_layers)
+            else "mlp" for i in range(cfg.num_hidden_layers)]
+
+
+def moe_values_to_hf(cfg: Qwen3MoeConfig) -> dict[str, Any]:
+    out = {key: getattr(cfg, key) for key in MOE_FIELDS}
+    out["mlp_only_layers"] = list(cfg.mlp_only_layers)
+    return out
+
+
+def config_from_hf(hf: Mapping[str, Any], runtime: Mapping[str, Any]) -> Qwen3MoeConfig:
+    hf = renamed(hf, _ALIASES)
+    values = read_config(hf, _HF_NAME, fields=_FIELDS, checks=qwen3.CHECKS, inert=qwen3.INERT)
+    if values["head_dim"] is None:
+        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+    values["rope_theta"] = rope_theta(hf, qwen3.DEFAULT_ROPE_THETA)
+    return Qwen3MoeConfig(**values, **runtime)
+
+
+def config_to_hf(cfg: Qwen3MoeConfig) -> dict[str, Any]:
+    """The dense fields as `qwen3.config_to_hf` writes them, plus the MoE fields (`num_experts`
+    under the Hub's name, which transformers 4 and 5 both read)."""
+    return {**qwen3.config_to_hf(cfg), "model_type": "qwen3_moe", **moe_values_to_hf(cfg)}
+
+
+QWEN3_MOE = Architecture(
+    hf_name=_HF_NAME,
+    model_type="qwen3_moe",
+    model_key="qwen3_moe",
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    tensors=EXPERT_TENSORS + NNX_TO_TORCH,
+    tied=qwen3.tied_head,
+    partition=EXPERT_PARTITION + qwen3.PARTITION,
+    layer_types=lambda cfg: ["full_attention"] * cfg.num_hidden_layers,
+    ffn_types=ffn_types,
+)

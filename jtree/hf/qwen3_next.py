@@ -1,0 +1,101 @@
+"""`Qwen3NextForCausalLM` <-> `jtree.models.Qwen3Next`: config fields, tensor names, mesh placement.
+
+Tensors. Everything is stored as transformers' modules name it; experts as in Qwen3-MoE (one tensor
+per expert on the Hub, fused in transformers 5 memory, see `jtree.hf.qwen3_moe`). The Gated
+DeltaNet projections `linear_attn.in_proj_qkvz` and `in_proj_ba` are kept by jtree in HF's own
+layout, grouped per key head ([q, k, v-group, z-group] and [b-group, a-group] per key head, see
+`jtree.models.gated_deltanet`), so they map without a permutation, and a contiguous split of their
+output features is a split by key heads. Hub checkpoints also carry the multi-token-prediction
+head (`mtp.*`), which the causal LM does not use: it is skipped, as transformers skips it.
+
+Config. transformers 5 nests `rope_theta` and `partial_rotary_factor` in `rope_parameters`;
+transformers 4 and the Hub configs have them at the top level (both are read; `save` writes the top
+level form, read by both). `layer_types` wins over `full_attention_interval`, as in transformers.
+Sliding-window keys are accepted and ignored: transformers' Qwen3-Next has no sliding window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jtree.hf import qwen3, qwen3_moe
+from jtree.hf.config_map import equals, read_config, rope_settings
+from jtree.hf.spec import NNX_TO_TORCH, Architecture, PartitionRule, TensorRule
+from jtree.models.moe_config import Qwen3NextConfig
+
+_HF_NAME = "Qwen3NextForCausalLM"
+
+# HF key -> default when absent (transformers 5.23's Qwen3NextConfig defaults).
+_FIELDS: dict[str, Any] = {
+    **qwen3.FIELDS,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    **qwen3_moe.MOE_FIELDS,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "shared_expert_intermediate_size": 512,
+    "full_attention_interval": 4,
+    "layer_types": None,  # None: from full_attention_interval
+}
+_CHECKS = {"hidden_act": equals("silu"), "attention_dropout": equals(0.0)}
+_INERT = qwen3.INERT | {"use_sliding_window"}
+_DEFAULT_PARTIAL_ROTARY = 0.25
+
+# Bare parameters (no `.weight`) of the Gated DeltaNet, stored as they are.
+_GDN_TENSORS = (TensorRule(r".*\.linear_attn\.(A_log|dt_bias)", r"\g<0>"),)
+
+# Gated DeltaNet: in_proj_qkvz / in_proj_ba column-parallel (contiguous = whole key-head groups),
+# out_proj row-parallel, the per-value-head dt_bias and A_log split alike; conv1d (channels ordered
+# [q of all heads, k, v], which a contiguous split does not cut by heads) and norms replicated.
+# Gated attention, shared expert and dense MLPs follow the dense rule, experts `qwen3_moe`'s.
+_GDN_PARTITION = (
+    PartitionRule(r".*\.linear_attn\.(in_proj_qkvz|in_proj_ba)\.kernel", (None, "model")),
+    PartitionRule(r".*\.linear_attn\.out_proj\.kernel", ("model", None)),
+    PartitionRule(r".*\.linear_attn\.(dt_bias|A_log)", ("model",)),
+)
+
+
+def config_from_hf(hf: Mapping[str, Any], runtime: Mapping[str, Any]) -> Qwen3NextConfig:
+    values = read_config(hf, _HF_NAME, fields=_FIELDS, checks=_CHECKS, inert=_INERT)
+    values["rope_theta"], values["partial_rotary_factor"] = rope_settings(
+        hf, qwen3.DEFAULT_ROPE_THETA, _DEFAULT_PARTIAL_ROTARY)
+    return Qwen3NextConfig(**values, **runtime)
+
+
+def config_to_hf(cfg: Qwen3NextConfig) -> dict[str, Any]:
+    out = {key: getattr(cfg, key) for key in _FIELDS}
+    out.update(
+        qwen3_moe.moe_values_to_hf(cfg),
+        model_type="qwen3_next",
+        layer_types=list(cfg.layer_types),
+        rope_theta=cfg.rope_theta,
+        partial_rotary_factor=cfg.partial_rotary_factor,
+        rope_scaling=None,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        use_cache=True,
+    )
+    return out
+
+
+QWEN3_NEXT = Architecture(
+    hf_name=_HF_NAME,
+    model_type="qwen3_next",
+    model_key="qwen3_next",
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    tensors=qwen3_moe.EXPERT_TENSORS + _GDN_TENSORS + NNX_TO_TORCH,
+    tied=qwen3.tied_head,
+    partition=qwen3_moe.EXPERT_PARTITION + _GDN_PARTITION + qwen3.PARTITION,
+    layer_types=lambda cfg: list(cfg.layer_types),
+    ffn_types=qwen3_moe.ffn_types,
+    ignored=(r"mtp\..*",),
+)

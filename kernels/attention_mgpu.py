@@ -1,0 +1,182 @@
+"""Tree attention as Pallas Mosaic GPU kernels for Hopper (`impl="pallas_mosaic_gpu"`).
+
+FlashAttention-3 structure (warp-specialized CTAs: one TMA producer warpgroup, two wgmma consumer
+warpgroups, a multi-stage TMA ring with ready/free barriers) driven by the compacted block lists of
+`kernels.block_tables`: EMPTY blocks are never fetched nor computed, FULL blocks skip the element
+mask, PARTIAL blocks apply j <= i < end[j] in-kernel. Forward saves only O and the log-sum-exp;
+the backward is a dQ kernel over the kv lists and a dK/dV kernel over the transposed q lists.
+See `mgpu_forward.py`, `mgpu_backward.py` and `mgpu_pipeline.py` for the kernels themselves.
+
+Inputs must be bf16 or f16 (what wgmma multiplies), head_dim a multiple of 64 (the 128-byte
+swizzled SMEM tile) and small enough for the SMEM budget; anything else raises ValueError.
+S is padded to a multiple of 128 with keys nobody sees (exact), and sliced back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kernels.block_tables import block_tables
+from kernels.mgpu_backward import (
+    DKV_BLOCK_KV,
+    DKV_BLOCK_Q,
+    DQ_BLOCK_KV,
+    dkv_buffers,
+    dkv_call,
+    dq_buffers,
+    dq_call,
+)
+from kernels.mgpu_forward import forward_buffers, forward_call
+from kernels.mgpu_pipeline import CONSUMERS, LIST_CHUNK, SMEM_LIMIT, WG_ROWS, smem_bytes
+
+SEQ_MULTIPLE = CONSUMERS * WG_ROWS  # every kernel's block sizes divide this
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything static about one call (hashable: it is a custom_vjp nondiff argument)."""
+
+    scale: float
+    softcap: float | None
+    block_kv: int
+    stages: int
+    heads_per_cta: int
+    interpret: Any
+
+
+def attention_mgpu(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    end: jax.Array,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    block_kv: int | None = None,
+    stages: int = 2,
+    interpret: Any = None,
+) -> jax.Array:
+    """Tree attention of q [rows, S, Hq, D] over k, v [rows, S, Hkv, D] on Hopper.
+
+    `block_kv` is the forward kv tile (default 128 for head_dim <= 128, else 64); `stages` the
+    depth of the TMA ring. `interpret` is passed to `plgpu.kernel` (an `InterpretGPUParams` runs
+    the kernels in the Mosaic GPU interpreter on CPU).
+    """
+    head_dim = q.shape[-1]
+    _check_operands(q, k, v)
+    if block_kv is None:
+        block_kv = 128 if head_dim <= 128 else 64
+    if block_kv % 64 or SEQ_MULTIPLE % block_kv:
+        raise ValueError(f"block_kv={block_kv}: must be 64 or 128 (a multiple of the 64-wide "
+                         f"swizzled tile dividing {SEQ_MULTIPLE})")
+    if stages < 1:
+        raise ValueError(f"stages={stages}: need at least one pipeline stage")
+    seq = q.shape[1]
+    padded = seq + (-seq % SEQ_MULTIPLE)
+    _check_smem("forward", forward_buffers(padded, head_dim, block_kv, stages, q.dtype))
+    group = q.shape[2] // k.shape[2]
+    static = _Static(float(scale), None if softcap is None else float(softcap), block_kv, stages,
+                     2 if group % 2 == 0 else 1, interpret)
+    pad = padded - seq
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        # Padding keys see only their own query: no real query (i < seq <= j) ever sees them.
+        pad_end = jnp.broadcast_to(jnp.arange(seq + 1, seq + pad + 1, dtype=end.dtype),
+                                   (end.shape[0], pad))
+        end = jnp.concatenate([end, pad_end], axis=1)
+    return _attention(q, k, v, end.astype(jnp.int32), static)[:, :seq]
+
+
+def handles(dtype: Any, head_dim: int) -> bool:
+    """Whether forward and backward both run for these operands (what `auto` asks on a GPU):
+    wgmma takes bf16/f16, and the backward's shared memory fits for head_dim 64 and 128."""
+    return jnp.dtype(dtype) in {jnp.dtype(d) for d in _DTYPES} and head_dim in (64, 128)
+
+
+def _check_operands(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1 or not dtypes <= set(_DTYPES):
+        raise ValueError(
+            f"pallas_mosaic_gpu: q, k, v must all be bfloat16 or float16 (wgmma operands), got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}; cast them or use impl='xla'")
+    head_dim = q.shape[-1]
+    if head_dim % 64:
+        raise ValueError(f"pallas_mosaic_gpu: head_dim={head_dim} must be a multiple of 64 (the "
+                         "128-byte swizzled SMEM tile wgmma reads)")
+
+
+def _check_smem(kernel: str, buffers: dict[str, Any]) -> None:
+    """Raise if a kernel's SMEM buffers exceed what one Hopper CTA can allocate."""
+    total = sum(smem_bytes(b.shape, b.dtype) for b in buffers.values())
+    if total > SMEM_LIMIT:
+        sizes = ", ".join(f"{name}={smem_bytes(b.shape, b.dtype) // 1024}K"
+                          for name, b in buffers.items())
+        raise ValueError(
+            f"pallas_mosaic_gpu {kernel} kernel needs {total // 1024} KiB of shared memory "
+            f"({sizes}), more than the {SMEM_LIMIT // 1024} KiB of a Hopper CTA; use a smaller "
+            "head_dim, block_kv or stages")
+
+
+def _list_table(blocks: jax.Array, kinds: jax.Array) -> jax.Array:
+    """[rows, n, 2, chunks, LIST_CHUNK] (block, kind) lists, one TMA tile per list (see
+    `mgpu_pipeline.list_entry`). Padding repeats the last entry; the kernels stop at the count."""
+    table = jnp.stack([blocks, kinds], axis=2)
+    pad = -table.shape[-1] % LIST_CHUNK
+    table = jnp.pad(table, ((0, 0), (0, 0), (0, 0), (0, pad)), mode="edge")
+    return table.reshape(*table.shape[:3], -1, LIST_CHUNK)
+
+
+def _transposed(x: jax.Array) -> jax.Array:
+    """[rows, S, H, D] -> [rows, H, D, S]: the K^T-style operand tiles wgmma reads untransposed."""
+    return jnp.transpose(x, (0, 2, 3, 1))
+
+
+def _forward(q, k, v, end, st: _Static):
+    block_q = SEQ_MULTIPLE // st.heads_per_cta
+    tables = block_tables(end, block_q, st.block_kv)
+    return forward_call(
+        q, _transposed(k), v, end, _list_table(tables.kv_blocks, tables.kv_kind), tables.kv_count,
+        block_kv=st.block_kv, stages=st.stages, heads_per_cta=st.heads_per_cta,
+        scale=st.scale, softcap=st.softcap, interpret=st.interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, end, st: _Static):
+    return _forward(q, k, v, end, st)[0]
+
+
+def _attention_fwd(q, k, v, end, st: _Static):
+    out, lse = _forward(q, k, v, end, st)
+    return out, (q, k, v, end, out, lse)
+
+
+def _attention_bwd(st: _Static, residuals, d_out):
+    q, k, v, end, out, lse = residuals
+    _, seq, _, head_dim = q.shape
+    _check_smem("dq", dq_buffers(seq, head_dim, st.stages, q.dtype))
+    _check_smem("dkv", dkv_buffers(seq, head_dim, st.stages, q.dtype))
+    d_out = d_out.astype(q.dtype)
+    # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: the softmax Jacobian's row term, O(S) memory.
+    delta = jnp.einsum("rshd,rshd->rhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    block_q = SEQ_MULTIPLE // st.heads_per_cta
+    kv_lists = block_tables(end, block_q, DQ_BLOCK_KV)
+    d_q = dq_call(
+        q, d_out, lse, delta, _transposed(k), _transposed(v), k, end,
+        _list_table(kv_lists.kv_blocks, kv_lists.kv_kind), kv_lists.kv_count,
+        stages=st.stages, heads_per_cta=st.heads_per_cta, scale=st.scale, softcap=st.softcap,
+        interpret=st.interpret)
+    q_lists = block_tables(end, DKV_BLOCK_Q, DKV_BLOCK_KV)
+    d_k, d_v = dkv_call(
+        _transposed(q), _transposed(d_out), q, d_out, lse, delta, k, v, end,
+        _list_table(q_lists.q_blocks, q_lists.q_kind), q_lists.q_count,
+        stages=st.stages, scale=st.scale, softcap=st.softcap, interpret=st.interpret)
+    return d_q, d_k, d_v, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,0 +1,110 @@
+"""Run the Mosaic GPU tree-attention kernels forward + backward in the Mosaic GPU interpreter (CPU).
+
+    python -m launch.mgpu_interpret    # random trees: errors vs the f32 reference, bf16 and f16;
+                                       # writes bench_out/mgpu_interpret.json
+    python -m launch.mgpu_interpret IN.npz OUT.npz   # one run on given inputs (used by the tests)
+
+IN holds q, k, v, d_out (float32 holding values of `dtype`), end, and scalars dtype, softcap (nan
+for none) and block_kv; OUT holds out, dq, dk, dv as float32 and `races` (race detection result).
+
+Run it as its own process, for three reasons:
+- The interpreter runs each simulated warpgroup as its own XLA CPU computation, and they block on
+  each other's barriers. XLA's CPU client runs computations on a thread pool sized to the cores;
+  on a 2-core machine the outer computation plus 3 warpgroups can leave one warpgroup without a
+  thread, and everything deadlocks. PJRT_NPROC (read when the CPU client is created, so before any
+  jax computation in the process) enlarges the pool.
+- A warpgroup that raises leaves the others blocked forever: a child process can be killed.
+- The interpreter keeps global state; a fresh process starts clean.
+The interpreter is a private jax API (`jax._src.pallas.mosaic_gpu.interpret`), used only here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("PJRT_NPROC", "16")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # noqa: E402
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: E402
+
+from jtree.linearize import linearize  # noqa: E402
+from jtree.tree import TrajectoryTree  # noqa: E402
+from kernels.attention_mgpu import attention_mgpu  # noqa: E402
+from kernels.attention_reference import attention_reference  # noqa: E402
+
+OUTPUTS = ("out", "dq", "dk", "dv")
+
+
+def value_and_grads(attend, q, k, v, end, d_out):
+    """[out, dq, dk, dv] of `attend(q, k, v, end)` with output cotangent `d_out`, as float32."""
+    out, pull = jax.vjp(lambda q, k, v: attend(q, k, v, end).astype(jnp.float32), q, k, v)
+    return [out, *(g.astype(jnp.float32) for g in pull(d_out))]
+
+
+def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The kernels' [out, dq, dk, dv] in the interpreter (race detection on) and `races`."""
+    dtype = jnp.dtype(str(inputs["dtype"]))
+    q, k, v = (jnp.asarray(inputs[n], dtype) for n in "qkv")
+    softcap = None if np.isnan(inputs["softcap"]) else float(inputs["softcap"])
+    interpret = InterpretGPUParams(detect_races=True)
+    attend = lambda q, k, v, e: attention_mgpu(
+        q, k, v, e, scale=q.shape[-1] ** -0.5, softcap=softcap,
+        block_kv=int(inputs["block_kv"]), interpret=interpret)
+    results = jax.jit(value_and_grads, static_argnums=0)(
+        attend, q, k, v, jnp.asarray(inputs["end"], jnp.int32), jnp.asarray(inputs["d_out"]))
+    arrays = {n: np.asarray(x) for n, x in zip(OUTPUTS, results)}
+    arrays["races"] = np.asarray(interpret_pallas_call.get_races().races_found)
+    return arrays
+
+
+def _check_random_trees() -> list[dict]:
+    """Two branching trees with 60-token prompts in one 256-token row, GQA group 2, head_dim 64."""
+    rng = np.random.default_rng(0)
+    trees = []
+    for lens in ((30, 40, 12, 0), (20, 30)):  # continuations of a shared prompt; 0: the prompt
+        prompt = rng.integers(0, 50, 60).tolist()
+        trees.append(TrajectoryTree.from_sequences(
+            [prompt + rng.integers(0, 50, n).tolist() for n in lens]))
+    end = linearize(trees, 256).end
+    rows = []
+    for dtype in ("bfloat16", "float16"):
+        shape = lambda h: (*end.shape, h, 64)
+        q, k, v = (np.asarray(jnp.asarray(rng.normal(size=shape(h)), dtype), np.float32)
+                   for h in (2, 1, 1))
+        d_out = rng.normal(size=shape(2)).astype(np.float32)
+        got = run(dict(q=q, k=k, v=v, d_out=d_out, end=end, dtype=np.asarray(dtype),
+                       softcap=np.asarray(np.nan), block_kv=np.asarray(64)))
+        reference = lambda q, k, v, e: attention_reference(q, k, v, e, scale=0.125)
+        want = value_and_grads(reference, q, k, v, jnp.asarray(end), d_out)
+        row = {"dtype": dtype, "races": bool(got["races"])}
+        for name, w in zip(OUTPUTS, want):
+            row[name] = float(np.abs(got[name] - np.asarray(w)).max() / np.abs(w).max())
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    if argv:
+        source, target = argv
+        with np.load(source) as data:
+            np.savez(target, **run(dict(data)))
+        return
+    rows = _check_random_trees()
+    print("max abs error / max |reference|, Mosaic GPU interpreter vs f32 dense reference")
+    print(f"{'dtype':9} " + " ".join(f"{n:>9}" for n in OUTPUTS) + "  races")
+    for row in rows:
+        print(f"{row['dtype']:9} " + " ".join(f"{row[n]:9.2e}" for n in OUTPUTS)
+              + f"  {row['races']}")
+    out_dir = Path("bench_out")
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "mgpu_interpret.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
