@@ -10,8 +10,8 @@ up to its parent the same way. Every tree token is computed once forward and onc
 the gradients are those of the unpartitioned tree.
 
 `prefix_backward` chooses how a part with children gets its backward:
-- `"residuals"`: keep the residuals of its forward (an eager `jax.vjp` of the jitted forward)
-  while its children run. Live memory: the residuals of the parts on the stack.
+- `"residuals"`: keep the residuals of its forward (its `jax.vjp`, returned from the jitted
+  forward as a pytree) while its children run, then apply it in one jitted backward call. Live memory: the residuals of the parts on the stack.
 - `"recompute"`: run the forward without residuals first (only the outputs children need), and
   forward again with residuals for the backward once the children are done. Live memory: one
   part's residuals plus the prefixes and outputs on the stack; costs one more forward per part
@@ -64,8 +64,7 @@ class RedundancyFreeStep:
     """Loss, metrics and gradients of a `RfreeProgram` (see module docstring).
 
     `on_call`, if given, is called before every device call as `on_call(name, fn, args)` with the
-    jitted function and its arguments (None, () for the backward of a saved `jax.vjp`): memory
-    probes read live buffers there and may lower `fn` for its temporary bytes.
+    jitted function and its arguments: memory probes read live buffers there and may lower `fn` for its temporary bytes.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, objective: Objective, *,
@@ -78,7 +77,8 @@ class RedundancyFreeStep:
         self.prefix_backward = prefix_backward
         self.conv_width: int | None = None  # K - 1 of the GDN conv, read from the model config
         self.on_call = on_call or (lambda name, fn, args: None)
-        self._forward = jax.jit(self._part_forward)
+        self._forward = jax.jit(self._forward_saving_residuals)
+        self._backward = jax.jit(lambda vjp, cotangents: vjp(cotangents))
         self._outputs = jax.jit(lambda p, x, c: self._part_forward(p, x, c)[1])
         self._leaf = jax.jit(self._leaf_grad)
         self._forward_backward = jax.jit(self._forward_and_backward)
@@ -122,6 +122,14 @@ class RedundancyFreeStep:
         logp, _ = logprobs_from_hidden(out.hidden, model.output_embedding(), inputs["tokens"],
                                        inputs["pred"], chunk=self.objective.logprob_chunk)
         return jax.lax.stop_gradient(logp), jax.lax.stop_gradient(out.router_load)
+
+    def _forward_saving_residuals(self, params, inputs, prefix):
+        """Forward of a part with children: its loss, outputs and metrics, and its `jax.vjp`
+        (a pytree of residuals, returned from the jitted call and fed to `_backward` later)."""
+        (loss, out), vjp, metrics = jax.vjp(
+            lambda p, c: _split_aux(self._part_forward(p, inputs, c)), params, prefix,
+            has_aux=True)
+        return loss, out, metrics, vjp
 
     def _leaf_grad(self, params, inputs, prefix):
         def f(p, c):
@@ -239,10 +247,7 @@ class RedundancyFreeStep:
             return d_prefix
         vjp = None
         if self.prefix_backward == "residuals":
-            self.on_call("forward", self._forward, (params, inputs, prefix))
-            (loss, out), vjp, metrics = jax.vjp(
-                lambda p, c: _split_aux(self._forward(p, inputs, c)), params, prefix,
-                has_aux=True)
+            loss, out, metrics, vjp = self._call("forward", self._forward, params, inputs, prefix)
         else:
             out = self._call("outputs", self._outputs, params, inputs, prefix)
         d_out = jax.tree_util.tree_map(jnp.zeros_like, out)
@@ -261,8 +266,8 @@ class RedundancyFreeStep:
                 d_prefix_below = (d_above if d_prefix_below is None
                                   else self._accumulate(d_prefix_below, d_above))
         if vjp is not None:
-            self.on_call("backward", None, ())
-            d_params, d_prefix = vjp((jnp.ones_like(loss), d_out))
+            d_params, d_prefix = self._call("backward", self._backward, vjp,
+                                            (jnp.ones_like(loss), d_out))
         else:
             loss, metrics, d_params, d_prefix = self._call(
                 "forward_backward", self._forward_backward, params, inputs, prefix, d_out)
