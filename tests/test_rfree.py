@@ -113,7 +113,7 @@ def _check(graphdef, params, objective, capacities, modes, chunk=None):
     trees = branching_trees(seed=7)
     loss_ref, grads_ref, logp_ref = _reference(graphdef, params, trees, objective, chunk)
     leaves_ref = jax.tree_util.tree_leaves(grads_ref)
-    # One step per mode for all capacities: rows and prefixes keep their shapes, so it compiles once.
+    # One step per mode for all capacities: rows and prefixes keep their shapes (compiled once).
     steps = {mode: RedundancyFreeStep(graphdef, objective, prefix_backward=mode) for mode in modes}
     for capacity in capacities:
         program = build_program(trees, capacity, seq_len=ROW, prefix_buckets=PREFIX,

@@ -11,7 +11,8 @@ the gradients are those of the unpartitioned tree.
 
 `prefix_backward` chooses how a part with children gets its backward:
 - `"residuals"`: keep the residuals of its forward (its `jax.vjp`, returned from the jitted
-  forward as a pytree) while its children run, then apply it in one jitted backward call. Live memory: the residuals of the parts on the stack.
+  forward as a pytree) while its children run, then apply it in one jitted backward call. Live
+  memory: the residuals of the parts on the stack.
 - `"recompute"`: run the forward without residuals first (only the outputs children need), and
   forward again with residuals for the backward once the children are done. Live memory: one
   part's residuals plus the prefixes and outputs on the stack; costs one more forward per part
@@ -20,6 +21,10 @@ Parts without children always run forward and backward in one jitted call.
 
 Trees that fit in a row (`RfreeProgram.whole`) run as ordinary micro-batches through
 `jtree.train.make_grad_fn`. Gradients are summed in place as parts finish.
+
+A MoE router load-balancing loss is pooled over the whole program (as one forward over the
+unpartitioned trees would compute it): a forward-only pass collects the routing counts first, and
+every part and micro-batch then adds its exact share (`jtree.models.moe.load_balancing_loss`).
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ class RedundancyFreeStep:
     """Loss, metrics and gradients of a `RfreeProgram` (see module docstring).
 
     `on_call`, if given, is called before every device call as `on_call(name, fn, args)` with the
-    jitted function and its arguments: memory probes read live buffers there and may lower `fn` for its temporary bytes.
+    jitted function and its arguments: memory probes read live buffers there and may lower `fn`
+    for its temporary bytes.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, objective: Objective, *,
