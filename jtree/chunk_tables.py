@@ -33,12 +33,24 @@ def chunks_needed(trees: Sequence[TrajectoryTree], tree_row: np.ndarray, n_rows:
 
 
 def default_chunk_count(row_len: int, chunk_size: int, needed: int) -> int:
-    """The chunk capacity of a row: max(needed, ceil(row_len / C)) rounded up to a multiple of a
-    quarter of ceil(row_len / C), so the step compiles for a bounded number of shapes and at most
-    a quarter of a full row's chunks are padding."""
+    """The chunk capacity NC of rows of `row_len` tokens when the fullest row needs `needed`
+    chunks: the smallest bucket that holds it.
+
+    A row needs at least base = ceil(row_len / C) chunks when full, and every node adds at most one
+    partly filled chunk, so needs range from base (few long nodes) up to row_len (one-token
+    nodes). Buckets are base * 2^j plus multiples of a quarter of that octave (base, 1.25 base,
+    1.5 base, 1.75 base, 2 base, 2.5 base, ...), capped at row_len: at most a quarter of the
+    needed chunks are padding (the GDN scan and its chunk work grow with NC), and a run compiles
+    for at most 4 * log2(C) + 1 chunk capacities per row length, in practice the few buckets
+    around its trees' typical node count.
+    """
     base = -(-row_len // chunk_size)
-    step = max(1, base // 4)
-    return -(-max(int(needed), base) // step) * step
+    need = max(int(needed), base)
+    octave = base
+    while 2 * octave <= need:
+        octave *= 2
+    step = max(1, octave // 4)
+    return min(octave + -(-(need - octave) // step) * step, max(row_len, base))
 
 
 def chunk_tables(

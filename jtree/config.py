@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+from jtree.chunk_tables import DEFAULT_CHUNK_SIZE
 from jtree.models.config import Qwen3Config
 from jtree.models.registry import ARCHITECTURES
 from jtree.sharding import MeshConfig
@@ -49,7 +50,12 @@ class DataConfig:
     packed into `rows_per_micro_batch` rows of `seq_len` tokens (None: the fewest rows that hold
     every step of the run); a tree larger than `seq_len` is cut into parts by `partition_method`
     (`jtree.partition`). `on_bad_record`: `raise` (stop at file:line) or `skip` (count and
-    report). `worker_count` > 0 linearizes in that many grain worker processes.
+    report). `worker_count` > 0 linearizes in that many grain worker processes. Models with
+    linear-attention layers (Qwen3-Next) get Gated DeltaNet chunk tables with chunks of
+    `gdn_chunk_size` tokens and `gdn_chunks` chunks per row (None: the smallest bucket of
+    `jtree.chunk_tables.default_chunk_count` that holds the step, so a run compiles for a few
+    shapes; fix it to compile once, a step that needs more then fails naming it); other models
+    ignore both.
     """
 
     path: str = "data/sample_groups.jsonl"
@@ -63,13 +69,17 @@ class DataConfig:
     on_bad_record: Literal["raise", "skip"] = "raise"
     tokenizer: str = "bytes"
     worker_count: int = 0
+    gdn_chunk_size: int = DEFAULT_CHUNK_SIZE
+    gdn_chunks: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "trees_per_step", "micro_batches"):
+        for name in ("seq_len", "trees_per_step", "micro_batches", "gdn_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
         if self.rows_per_micro_batch is not None and self.rows_per_micro_batch < 1:
             raise ValueError(f"rows_per_micro_batch: {self.rows_per_micro_batch} must be >= 1")
+        if self.gdn_chunks is not None and self.gdn_chunks < 1:
+            raise ValueError(f"gdn_chunks: {self.gdn_chunks} must be >= 1")
         if self.worker_count < 0:
             raise ValueError(f"worker_count: {self.worker_count} must be >= 0")
 

@@ -13,6 +13,11 @@ x micro-batches (`jtree.balance`) and linearizes only the shards its devices hol
 coefficients stay raw (normalizer 1) and `row_norm` carries each row's share of the normalizer;
 the train step divides by the global sum (`jtree.train.normalize_coefficients`), so no host needs
 another host's trees. The iterator state is grain's and is saved with every checkpoint.
+
+Models with linear-attention layers also get the gated-delta-rule chunk tables
+(`BatchPlan.gdn_chunk_size`). All micro-batches and shards of a step share one chunk capacity:
+the bucket (`jtree.chunk_tables.default_chunk_count`) of the most chunks any row of the global
+step needs, which every host computes alike; or a fixed `gdn_chunks` for the whole run.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import numpy as np
 from jtree.balance import assign_to_ranks
 from jtree.baseline import flatten_paths
 from jtree.chat import conversation_tree, load_tokenizer
-from jtree.linearize import FLOAT_FIELDS, INT_FIELDS, linearize
+from jtree.chunk_tables import chunks_needed, default_chunk_count
+from jtree.linearize import FLOAT_FIELDS, INT_FIELDS, linearize, pack_rows
 from jtree.loss import Normalization, batch_normalizer
 from jtree.packing import plan_rows as plan_packed_rows
 from jtree.partition import Method as PartitionMethod
@@ -119,7 +125,9 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
     """Static shape of every step: `shards` are the global data-shard indices this host feeds,
-    out of `n_shards`; each gets `micro_batches` micro-batches of `rows` rows of `seq_len`."""
+    out of `n_shards`; each gets `micro_batches` micro-batches of `rows` rows of `seq_len`.
+    `gdn_chunk_size`: add GDN chunk tables of that chunk size, with `gdn_chunks` chunks per row
+    (None: per step, see the module docstring)."""
 
     mode: Mode
     normalization: Normalization
@@ -129,6 +137,8 @@ class BatchPlan:
     n_shards: int
     shards: tuple[int, ...]
     rows: int
+    gdn_chunk_size: int | None = None
+    gdn_chunks: int | None = None
 
 
 def training_units(tree: TrajectoryTree, mode: Mode, seq_len: int,
@@ -155,13 +165,35 @@ def rows_needed(units: Sequence[TrajectoryTree], seq_len: int) -> int:
     return plan_packed_rows([u.n_tree_tokens for u in units], seq_len).n_rows
 
 
-def _empty_arrays(rows: int, seq_len: int) -> dict[str, np.ndarray]:
-    """An all-padding micro-batch (a bin that got no tree): attends to itself, weight 0."""
+def step_gdn_chunks(bins: Sequence[Sequence[TrajectoryTree]], seq_len: int,
+                    chunk_size: int) -> int:
+    """The chunk capacity of every row of a step whose bins (micro-batches of all shards) hold
+    `bins`: the bucket of the most chunks any row needs, rows packed as `linearize` packs them."""
+    needed = 0
+    for units in bins:
+        if not units:
+            continue
+        rows = pack_rows([u.n_tree_tokens for u in units], seq_len)
+        tree_row = np.empty(len(units), np.int64)
+        for r, members in enumerate(rows):
+            tree_row[members] = r
+        needed = max(needed, int(chunks_needed(units, tree_row, len(rows), chunk_size).max()))
+    return default_chunk_count(seq_len, chunk_size, needed)
+
+
+def _empty_arrays(rows: int, seq_len: int, gdn_chunk_size: int | None,
+                  gdn_chunks: int | None) -> dict[str, np.ndarray]:
+    """An all-padding micro-batch (a bin that got no tree): attends to itself, weight 0, in no
+    GDN chunk."""
     idx = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len))
     out = {f: np.zeros((rows, seq_len), np.int32) for f in INT_FIELDS}
     out.update(end=idx + 1, pred=np.full((rows, seq_len), -1, np.int32),
                node=np.full((rows, seq_len), -1, np.int32), valid=np.zeros((rows, seq_len), bool))
     out.update({f: np.zeros((rows, seq_len), np.float32) for f in FLOAT_FIELDS})
+    if gdn_chunk_size is not None:
+        out.update(gdn_chunk_tokens=np.full((rows, gdn_chunks, gdn_chunk_size), -1, np.int32),
+                   gdn_chunk_src=np.zeros((rows, gdn_chunks), np.int32),
+                   gdn_token_slot=np.full((rows, seq_len), -1, np.int32))
     return out
 
 
@@ -199,23 +231,29 @@ class StepBuilder:
     def __call__(self, indices: np.ndarray) -> dict[str, Any]:
         plan = self.plan
         units = [u for i in indices for u in self.units[int(i)]]
-        bins = step_bins(units, plan.n_shards * plan.micro_batches)
+        bins = [[units[i] for i in b]
+                for b in step_bins(units, plan.n_shards * plan.micro_batches)]
+        gdn_chunks = plan.gdn_chunks
+        if plan.gdn_chunk_size is not None and gdn_chunks is None:
+            gdn_chunks = step_gdn_chunks(bins, plan.seq_len, plan.gdn_chunk_size)
         micro = []
         for m in range(plan.micro_batches):
-            parts = [self._linearize([units[i] for i in bins[s * plan.micro_batches + m]])
+            parts = [self._linearize(bins[s * plan.micro_batches + m], gdn_chunks)
                      for s in plan.shards]
             micro.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
         inputs = {k: np.stack([mb[k] for mb in micro]) for k in micro[0]}
         return {"inputs": inputs, "info": step_info([self.trees[int(i)] for i in indices], units)}
 
-    def _linearize(self, units: list[TrajectoryTree]) -> dict[str, np.ndarray]:
+    def _linearize(self, units: list[TrajectoryTree], gdn_chunks: int | None
+                   ) -> dict[str, np.ndarray]:
         plan = self.plan
         if not units:
-            out = _empty_arrays(plan.rows, plan.seq_len)
+            out = _empty_arrays(plan.rows, plan.seq_len, plan.gdn_chunk_size, gdn_chunks)
             out["row_norm"] = np.zeros(plan.rows, np.float32)
             return out
         batch = linearize(units, plan.seq_len, normalization=plan.normalization, normalizer=1.0,
-                          n_rows=plan.rows)
+                          n_rows=plan.rows, gdn_chunk_size=plan.gdn_chunk_size,
+                          gdn_chunks=gdn_chunks)
         row_norm = np.zeros(plan.rows, np.float64)
         for t, r in zip(batch.layout.trees, batch.layout.rows):
             row_norm[r] += batch_normalizer([t], plan.normalization)

@@ -1,25 +1,29 @@
 """The device mesh ('data', 'model') and how parameters and batches are laid out on it.
 
-Data parallelism splits the rows of every batch array over `data`; Megatron-style tensor
-parallelism splits attention heads, MLP columns and the vocabulary over `model` (the model side of
-it is the small hook in `jtree.models.layers`: `row_parallel`, `vocab_parallel_embed`,
-`local_kv_heads`). Parameter layouts come from per-architecture rule lists: ordered
-(regex over the '/'-joined parameter path, PartitionSpec) pairs, first match wins, and a parameter
-that no rule matches is an error rather than a silent replica. A new architecture (MoE experts over
-`model`, GDN heads) adds its own rule list to `SHARDING_RULES`.
+Data parallelism splits the rows of every batch array over `data`; tensor parallelism splits over
+`model`: Megatron-style attention heads, MLP columns, Gated DeltaNet heads and the vocabulary, and
+whole MoE experts (expert parallel). The model side of it is a small hook in the models
+(`tensor_parallel_axis`; `row_parallel`, `vocab_parallel_embed`, `local_kv_heads` in
+`jtree.models.layers`, the expert split in `jtree.models.moe`). Parameter layouts come from
+per-architecture rule lists (`SHARDING_RULES`): ordered (regex over the '/'-joined parameter path,
+PartitionSpec) pairs, first match wins, and a parameter that no rule matches is an error rather
+than a silent replica. The same lists place Hugging Face checkpoints on a mesh
+(`jtree.hf.placement`), so training and loading cannot disagree.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jtree.models.moe import is_moe_layer
 
 DATA, MODEL = "data", "model"
 Rules = list[tuple[str, P]]
@@ -57,6 +61,9 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
 
 
 # ---------------------------------------------------------------------- parameter rules
+# The single source of truth for where every parameter lives on the mesh: used by the train step
+# (`param_specs`) and by Hugging Face loading (`jtree.hf.placement`). Patterns are searched in the
+# '/'-joined parameter path ('model/layers/0/self_attn/q_proj/kernel').
 
 
 def _divides(what: str, count: int, model: int) -> None:
@@ -64,13 +71,23 @@ def _divides(what: str, count: int, model: int) -> None:
         raise ValueError(f"mesh.model={model} must divide {what} ({count})")
 
 
-def qwen3_rules(cfg: Any, model: int) -> Rules:
-    """Dense Qwen3: column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel
-    embedding and LM head. KV heads are split when the model axis divides them and replicated
-    (each device keeps the head its queries read) when they divide the model axis."""
-    _divides("num_attention_heads", cfg.num_attention_heads, model)
-    _divides("intermediate_size", cfg.intermediate_size, model)
+def _embedding_rules(cfg: Any, model: int) -> Rules:
+    """Vocab-parallel embedding and LM head, replicated norms (every norm weight is per feature of
+    a whole hidden vector or of one head)."""
     _divides("vocab_size", cfg.vocab_size, model)
+    return [
+        (r"embed_tokens/embedding$", P(MODEL, None)),
+        (r"lm_head/kernel$", P(None, MODEL)),
+        (r"(norm|layernorm)/weight$", P()),
+    ]
+
+
+def _attention_rules(cfg: Any, model: int) -> Rules:
+    """Query heads split (column-parallel q_proj, whose columns are whole heads, for Qwen3-Next
+    each head's query and output gate), row-parallel o_proj. KV heads are split when the model
+    axis divides them and replicated (each device keeps the head its queries read, see
+    `jtree.models.layers.local_kv_heads`) when they divide the model axis."""
+    _divides("num_attention_heads", cfg.num_attention_heads, model)
     if cfg.num_key_value_heads % model == 0:
         kv_kernel, kv_bias = P(None, MODEL), P(MODEL)
     elif model % cfg.num_key_value_heads == 0:
@@ -79,21 +96,99 @@ def qwen3_rules(cfg: Any, model: int) -> Rules:
         raise ValueError(f"mesh.model={model} and num_key_value_heads "
                          f"({cfg.num_key_value_heads}) must divide one another")
     return [
-        (r"embed_tokens/embedding$", P(MODEL, None)),
-        (r"lm_head/kernel$", P(None, MODEL)),
         (r"self_attn/q_proj/kernel$", P(None, MODEL)),
         (r"self_attn/q_proj/bias$", P(MODEL)),
         (r"self_attn/[kv]_proj/kernel$", kv_kernel),
         (r"self_attn/[kv]_proj/bias$", kv_bias),
         (r"self_attn/o_proj/kernel$", P(MODEL, None)),
         (r"self_attn/o_proj/bias$", P()),
-        (r"mlp/(gate|up)_proj/kernel$", P(None, MODEL)),
-        (r"mlp/down_proj/kernel$", P(MODEL, None)),
-        (r"(norm|layernorm)/weight$", P()),
     ]
 
 
-SHARDING_RULES: dict[str, Callable[[Any, int], Rules]] = {"qwen3": qwen3_rules}
+def _swiglu_rules(prefix: str) -> Rules:
+    """Megatron SwiGLU: column-parallel gate/up, row-parallel down."""
+    return [
+        (rf"{prefix}/(gate|up)_proj/kernel$", P(None, MODEL)),
+        (rf"{prefix}/down_proj/kernel$", P(MODEL, None)),
+    ]
+
+
+def _dense_mlp_rules(cfg: Any, model: int) -> Rules:
+    _divides("intermediate_size", cfg.intermediate_size, model)
+    return _swiglu_rules("mlp")
+
+
+def _moe_rules(cfg: Any, model: int) -> Rules:
+    """Expert parallel: each device holds num_experts / model whole experts (HF layout, split on
+    the expert axis) and the router is replicated (`jtree.models.moe`). Qwen3-Next's shared expert
+    is a Megatron SwiGLU; its scalar gate is replicated."""
+    _divides("num_experts", cfg.num_experts, model)
+    rules = [
+        (r"mlp/gate/weight$", P()),
+        (r"mlp/experts/(gate_up_proj|down_proj)$", P(MODEL, None, None)),
+        (r"mlp/shared_expert_gate/kernel$", P()),
+    ]
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        _divides("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size, model)
+        rules += _swiglu_rules("mlp/shared_expert")
+    return rules
+
+
+def _gated_deltanet_rules(cfg: Any, model: int) -> Rules:
+    """Key heads split (with their value heads): in_proj_qkvz / in_proj_ba are grouped per key
+    head, so a column split hands each device whole groups; per-value-head dt_bias and A_log
+    split alike; out_proj row-parallel. The depthwise conv weight is stored [q | k | v] channels
+    of all heads, which no single split matches: it is replicated and each device uses its heads'
+    channels (`jtree.models.gated_deltanet.local_conv_channels`)."""
+    _divides("linear_num_key_heads", cfg.linear_num_key_heads, model)
+    return [
+        (r"linear_attn/in_proj_(qkvz|ba)/kernel$", P(None, MODEL)),
+        (r"linear_attn/(dt_bias|A_log)$", P(MODEL)),
+        (r"linear_attn/conv1d/weight$", P()),
+        (r"linear_attn/out_proj/kernel$", P(MODEL, None)),
+    ]
+
+
+def _has_dense_mlp(cfg: Any) -> bool:
+    return any(not is_moe_layer(i, cfg.num_experts, cfg.decoder_sparse_step, cfg.mlp_only_layers)
+               for i in range(cfg.num_hidden_layers))
+
+
+def qwen3_rules(cfg: Any, model: int) -> Rules:
+    """Dense Qwen3: column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel
+    embedding and LM head."""
+    return _attention_rules(cfg, model) + _embedding_rules(cfg, model) + _dense_mlp_rules(cfg, model)
+
+
+def qwen3_moe_rules(cfg: Any, model: int) -> Rules:
+    """Qwen3-MoE: dense Qwen3's attention and embeddings, expert-parallel MoE blocks, Megatron
+    dense MLPs where HF's layer rule puts them."""
+    rules = _attention_rules(cfg, model) + _embedding_rules(cfg, model) + _moe_rules(cfg, model)
+    return rules + (_dense_mlp_rules(cfg, model) if _has_dense_mlp(cfg) else [])
+
+
+def qwen3_next_rules(cfg: Any, model: int) -> Rules:
+    """Qwen3-Next: Qwen3-MoE's rules plus Gated DeltaNet heads split over `model`."""
+    rules = qwen3_moe_rules(cfg, model)
+    if "linear_attention" in cfg.layer_types:
+        rules += _gated_deltanet_rules(cfg, model)
+    return rules
+
+
+SHARDING_RULES: dict[str, Callable[[Any, int], Rules]] = {
+    "qwen3": qwen3_rules,
+    "qwen3_moe": qwen3_moe_rules,
+    "qwen3_next": qwen3_next_rules,
+}
+
+
+def architecture_rules(architecture: str, cfg: Any, model: int) -> Rules:
+    """The rule list of `architecture` (a key of `jtree.models.registry.ARCHITECTURES`) for a
+    tensor-parallel degree of `model`; raises when a split is impossible."""
+    if architecture not in SHARDING_RULES:
+        raise ValueError(f"architecture {architecture!r} has no sharding rules "
+                         f"(known: {sorted(SHARDING_RULES)})")
+    return SHARDING_RULES[architecture](cfg, model)
 
 
 def param_path(path: tuple[Any, ...]) -> str:
@@ -106,24 +201,30 @@ def param_path(path: tuple[Any, ...]) -> str:
     return "/".join(parts)
 
 
+def partition_spec(name: str, shape: Sequence[int], rules: Rules,
+                   mesh_shape: Mapping[str, int]) -> P:
+    """The PartitionSpec of the parameter at '/'-joined path `name`: the first rule whose pattern
+    is found in it, checked against the shape and the mesh. No match is an error."""
+    spec = next((s for pattern, s in rules if re.search(pattern, name)), None)
+    if spec is None:
+        raise ValueError(f"{name}: no sharding rule matches this parameter")
+    if len(spec) > len(shape):
+        raise ValueError(f"{name}: spec {spec} has more axes than shape {tuple(shape)}")
+    for dim, axis in zip(shape, spec):
+        if axis is None:
+            continue
+        if axis not in mesh_shape:
+            raise ValueError(f"{name}: the mesh (axes {tuple(mesh_shape)}) has no axis {axis!r}")
+        if dim % mesh_shape[axis]:
+            raise ValueError(f"{name}: dimension {dim} is not divisible by mesh.{axis}="
+                             f"{mesh_shape[axis]}")
+    return spec
+
+
 def param_specs(params: Any, rules: Rules, mesh: Mesh) -> Any:
     """A PartitionSpec for every parameter (same tree as `params`), checked against the mesh."""
-    compiled = [(re.compile(pattern), spec) for pattern, spec in rules]
-
-    def spec_for(path: tuple[Any, ...], leaf: Any) -> P:
-        name = param_path(path)
-        spec = next((s for pattern, s in compiled if pattern.search(name)), None)
-        if spec is None:
-            raise ValueError(f"{name}: no sharding rule matches this parameter")
-        if len(spec) > len(leaf.shape):
-            raise ValueError(f"{name}: spec {spec} has more axes than shape {leaf.shape}")
-        for dim, axis in zip(leaf.shape, spec):
-            if axis is not None and dim % mesh.shape[axis]:
-                raise ValueError(f"{name}: dimension {dim} is not divisible by mesh.{axis}="
-                                 f"{mesh.shape[axis]}")
-        return spec
-
-    return jax.tree_util.tree_map_with_path(spec_for, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: partition_spec(param_path(path), leaf.shape, rules, mesh.shape), params)
 
 
 def named(mesh: Mesh, specs: Any) -> Any:

@@ -209,12 +209,18 @@ def make_sharded_grad_fn(graphdef: nnx.GraphDef, objective: Objective, mesh: jax
 
 def tensor_parallel_graphdef(model: nnx.Module) -> nnx.GraphDef:
     """The graph of `model` with its tensor-parallel hook on (`tensor_parallel_axis='model'`), to
-    merge with per-device parameter shards inside shard_map. Built abstractly: no weights."""
+    merge with per-device parameter shards inside shard_map; models whose loss has batch-level
+    statistics (the MoE router loss) also learn the data axis (`data_parallel_axis='data'`) to
+    pool them over. Built abstractly: no weights."""
     cfg = model.config
-    if not hasattr(cfg, "tensor_parallel_axis"):
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    if "tensor_parallel_axis" not in fields:
         raise ValueError(f"{type(model).__name__}: this architecture has no tensor-parallel hook "
                          "(config field tensor_parallel_axis)")
-    tp_cfg = dataclasses.replace(cfg, tensor_parallel_axis=MODEL)
+    axes = {"tensor_parallel_axis": MODEL}
+    if "data_parallel_axis" in fields:
+        axes["data_parallel_axis"] = DATA
+    tp_cfg = dataclasses.replace(cfg, **axes)
     abstract = nnx.eval_shape(lambda: type(model)(tp_cfg, rngs=nnx.Rngs(0)))
     return nnx.split(abstract)[0]
 
@@ -284,17 +290,21 @@ def build_batch(
     normalizer: float | None = None,
     n_rows: int | None = None,
     len_buckets: Sequence[int] | None = None,
+    gdn_chunk_size: int | None = None,
+    gdn_chunks: int | None = None,
 ) -> TreeBatch:
     """Linearize `trees` in tree mode or as the per-path baseline.
 
     Pass `normalizer` (from `jtree.loss.batch_normalizer` over the whole step) when `trees` is one
-    micro-batch of a larger step, so the micro-batch losses sum to the step loss.
+    micro-batch of a larger step, so the micro-batch losses sum to the step loss. Models with
+    linear-attention layers need `gdn_chunk_size` (chunk tables) and, for micro-batches that must
+    stack, one `gdn_chunks` for all of them (see `jtree.chunk_tables.default_chunk_count`).
     """
     fn = {"tree": linearize, "baseline": linearize_baseline}.get(mode)
     if fn is None:
         raise ValueError(f"mode: {mode!r} is not 'tree' or 'baseline'")
     return fn(trees, seq_len, normalization=normalization, normalizer=normalizer, n_rows=n_rows,
-              len_buckets=len_buckets)
+              len_buckets=len_buckets, gdn_chunk_size=gdn_chunk_size, gdn_chunks=gdn_chunks)
 
 
 def stack_microbatches(batches: Sequence[TreeBatch]) -> dict[str, np.ndarray]:

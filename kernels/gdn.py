@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.vma import varying_like
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -234,7 +236,8 @@ def _route_bwd(res, cts):
 
     xs = (_chunks_first(terms), src.T, jnp.arange(nc, dtype=jnp.int32), entering,
           jnp.moveaxis(d_o, 1, 0))
-    d_buf, d_terms = jax.lax.scan(body, d_buffer.astype(jnp.float32), xs, reverse=True)
+    d_buf = varying_like(d_buffer.astype(jnp.float32), terms, src, buffer, d_o)
+    d_buf, d_terms = jax.lax.scan(body, d_buf, xs, reverse=True)
     d_terms = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 1), d_terms)
     d_src = np.zeros(src.shape, jax.dtypes.float0)
     return d_terms, d_src, d_buf[:, :n_init]
@@ -270,7 +273,7 @@ def gated_delta_rule_chunked(
     state = (_zero_state(v, q.shape[-1]) if initial_state is None
              else initial_state.astype(jnp.float32))
     src = jnp.broadcast_to(jnp.arange(nc, dtype=jnp.int32), (b, nc))
-    o, buffer = _route_chunks(terms, src, state[:, None])
+    o, buffer = _route_chunks(terms, src, varying_like(state, terms)[:, None])
     o = jnp.swapaxes(o, 2, 3).reshape(b, nc * chunk_size, hv, dv)[:, :t]
     return o.astype(v.dtype), buffer[:, nc]
 
@@ -337,7 +340,9 @@ def tree_gated_delta_rule(
         states = initial_state.astype(jnp.float32)[:, None]
     else:
         states = _zero_state(v, q.shape[-1])[:, None]
-    o, buffer = _route_chunks(terms, chunk_src, states)
+    # Inside shard_map a zero initial state must vary like the chunks it meets, so that its
+    # cotangent (the custom VJP's) has the type of the argument.
+    o, buffer = _route_chunks(terms, chunk_src, varying_like(states, terms, chunk_src))
     o = jnp.swapaxes(o, 2, 3).reshape(r, nc * c, hv, dv)
     has_slot = (token_slot >= 0)[..., None, None]
     o = jnp.take_along_axis(o, jnp.where(token_slot >= 0, token_slot, 0)[..., None, None], axis=1)

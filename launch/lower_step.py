@@ -31,10 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import numpy as np
     from jax.sharding import NamedSharding
 
+    from jtree.chunk_tables import default_chunk_count
     from jtree.config import load_config
     from jtree.linearize import FLOAT_FIELDS, INT_FIELDS
     from jtree.sharding import DATA, MODEL, batch_spec
-    from launch.train import Trainer
+    from launch.train import Trainer, gdn_chunk_size
 
     if jax.device_count() != args.devices:
         raise SystemExit("jax was initialized before XLA_FLAGS could be set; run as a module")
@@ -51,6 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               for k, t in dtypes.items()}
     inputs["row_norm"] = jax.ShapeDtypeStruct(shape[:2], np.float32,
                                               sharding=NamedSharding(mesh, batch_spec(2)))
+    chunk = gdn_chunk_size(cfg)
+    if chunk is not None:  # GDN chunk tables at the capacity of a full row of long nodes
+        n_chunks = d.gdn_chunks or default_chunk_count(d.seq_len, chunk, 0)
+        for key, extra in (("gdn_chunk_tokens", (n_chunks, chunk)), ("gdn_chunk_src", (n_chunks,)),
+                           ("gdn_token_slot", (d.seq_len,))):
+            inputs[key] = jax.ShapeDtypeStruct(
+                shape[:2] + extra, np.int32, sharding=NamedSharding(mesh, batch_spec(2 + len(extra))))
     exported = jax.export.export(trainer.step_fn, platforms=[args.platform])(state, inputs)
     text = exported.mlir_module()
     ops = {op: len(re.findall(rf"\b{op}\b", text)) for op in

@@ -39,7 +39,7 @@ from jtree.linearize import linearize, unlinearize
 from jtree.metrics import MetricsLog
 from jtree.models import create_model
 from jtree.sharding import (
-    DATA, MODEL, SHARDING_RULES, batch_spec, make_mesh, named, param_path, param_specs,
+    DATA, MODEL, architecture_rules, batch_spec, make_mesh, named, param_path, param_specs,
 )
 from jtree.train import (
     TrainState, make_optimizer, make_schedule, make_sharded_grad_fn, make_sharded_logprob_fn,
@@ -96,9 +96,11 @@ class Trainer:
         arch, mcfg = cfg.model.architecture, cfg.model.config
         abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, seed=cfg.run.seed))
         _, abstract_params = nnx.split(abstract)
-        if arch not in SHARDING_RULES:
-            raise ValueError(f"model.architecture: {arch!r} has no sharding rules yet")
-        specs = param_specs(abstract_params, SHARDING_RULES[arch](mcfg, mesh.shape[MODEL]), mesh)
+        try:
+            rules = architecture_rules(arch, mcfg, mesh.shape[MODEL])
+        except ValueError as e:
+            raise ValueError(f"model ({arch}) on mesh.model={mesh.shape[MODEL]}: {e}") from None
+        specs = param_specs(abstract_params, rules, mesh)
         graphdef = tensor_parallel_graphdef(abstract)
         optimizer = make_optimizer(cfg.optim)
         shardings = state_shardings(optimizer, abstract_params, named(mesh, specs), mesh)
@@ -150,7 +152,13 @@ class Trainer:
 
 # Model-config fields that say how to run, not what the checkpoint holds.
 RUNTIME_FIELDS = ("attention_impl", "dtype", "param_dtype", "remat", "tensor_parallel_axis",
-                  "initializer_range")
+                  "data_parallel_axis", "initializer_range")
+
+
+def gdn_chunk_size(cfg: TrainConfig) -> int | None:
+    """The GDN chunk size of the batches: `data.gdn_chunk_size` when the model has
+    linear-attention layers, else None (no chunk tables)."""
+    return cfg.data.gdn_chunk_size if cfg.model.config.needs_gdn_tables else None
 
 
 def check_resumable(meta: dict[str, Any], expected: dict[str, Any], where: str) -> None:
@@ -189,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   mesh.shape[DATA] * d.micro_batches,
                                                   d.shuffle_seed, cfg.run.steps)
     plan = BatchPlan(cfg.run.mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
-                     d.micro_batches, mesh.shape[DATA], shards, rows)
+                     d.micro_batches, mesh.shape[DATA], shards, rows, gdn_chunk_size(cfg),
+                     d.gdn_chunks)
     pipeline = make_pipeline(StepBuilder(trees, units, plan), seed=d.shuffle_seed,
                              worker_count=d.worker_count)
     iterator = iter(pipeline)
@@ -320,12 +329,11 @@ def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], tra
     def padded_rows(n: int) -> int:
         return -(-n // n_data) * n_data
 
-    tree_b = linearize(chosen, d.seq_len, normalization=cfg.objective.normalization)
-    tree_b = linearize(chosen, d.seq_len, normalization=cfg.objective.normalization,
-                       n_rows=padded_rows(tree_b.shape[0]))
-    base_b = linearize_baseline(chosen, d.seq_len, normalization=cfg.objective.normalization)
-    base_b = linearize_baseline(chosen, d.seq_len, normalization=cfg.objective.normalization,
-                                n_rows=padded_rows(base_b.shape[0]))
+    kw = dict(normalization=cfg.objective.normalization, gdn_chunk_size=gdn_chunk_size(cfg))
+    tree_b = linearize(chosen, d.seq_len, **kw)
+    tree_b = linearize(chosen, d.seq_len, n_rows=padded_rows(tree_b.shape[0]), **kw)
+    base_b = linearize_baseline(chosen, d.seq_len, **kw)
+    base_b = linearize_baseline(chosen, d.seq_len, n_rows=padded_rows(base_b.shape[0]), **kw)
     lp_tree = unlinearize(tree_b, logprobs(tree_b))
     lp_base = unlinearize_baseline(base_b, logprobs(base_b), chosen)
     diff = max(float(np.max(np.abs(a - b))) for ta, tb in zip(lp_tree, lp_base)
@@ -339,7 +347,8 @@ def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], tra
             units, d.seq_len, d.trees_per_step, n_data * d.micro_batches, d.shuffle_seed,
             cfg.run.steps)
         plan = BatchPlan(mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
-                         d.micro_batches, n_data, tuple(range(n_data)), rows)
+                         d.micro_batches, n_data, tuple(range(n_data)), rows, gdn_chunk_size(cfg),
+                         d.gdn_chunks)
         element = StepBuilder(trees, units, plan)(step_indices(len(trees), d.trees_per_step,
                                                                d.shuffle_seed)[0])
         inputs[mode] = to_global(mesh, element["inputs"], n_data)

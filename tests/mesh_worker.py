@@ -1,8 +1,11 @@
 """Run one train step on several meshes of 8 forced host devices and compare with one device.
 
 Run in a subprocess (`tests/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
-backend, which the rest of the test session has long done. Prints one JSON line per case with the
-largest relative differences (loss, gradient norm, updated parameters and their updates) to the single-device step.
+backend, which the rest of the test session has long done. A case is `model:mode:objective:DxM`
+(model `dense`, `moe` or `next`). Prints one JSON line per case with the largest relative
+differences to the single-device step: loss, gradient norm, per-parameter gradients (Adam's first
+moment after one step, i.e. the clipped gradient scaled by 1 - b1), updated parameters and their
+updates.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
@@ -17,33 +21,54 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jtree.baseline import linearize_baseline  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jtree.baseline import flatten_paths, linearize_baseline  # noqa: E402
 from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
+from jtree.data import step_gdn_chunks  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
-from jtree.models import Qwen3  # noqa: E402
-from jtree.sharding import MeshConfig, make_mesh, named, param_specs, qwen3_rules  # noqa: E402
+from jtree.models import create_model  # noqa: E402
+from jtree.sharding import (  # noqa: E402
+    MeshConfig, architecture_rules, make_mesh, named, param_specs, qwen3_rules,
+)
 from jtree.train import (  # noqa: E402
     Objective, OptimConfig, TrainState, make_optimizer, make_sharded_grad_fn,
     make_train_step, state_shardings, tensor_parallel_graphdef,
 )
-from tests.models_util import rel_l2, tiny_config  # noqa: E402
+from tests.models_util import (  # noqa: E402
+    perturbed, rel_l2, tiny_config, tiny_moe_config, tiny_next_config,
+)
 from tests.strategies import explicit_tree, random_forest, sequences_tree  # noqa: E402
-from flax import nnx  # noqa: E402
 
-S, ROWS = 64, 8
+S, ROWS, GDN_CHUNK = 64, 8, 4
 
 
-def step_inputs(mode: str, objective: Objective) -> dict[str, np.ndarray]:
+def tiny(kind: str) -> tuple[str, Any]:
+    """(architecture, config) of the tiny `dense`, `moe` or `next` model."""
+    if kind == "dense":
+        return "qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    if kind == "moe":
+        return "qwen3_moe", tiny_moe_config()
+    return "qwen3_next", tiny_next_config()
+
+
+def step_inputs(mode: str, objective: Objective, gdn: bool) -> dict[str, np.ndarray]:
     """Two micro-batches of branching trees, raw coefficients plus per-row normalizer shares
-    (the form `jtree.data` produces)."""
+    (the form `jtree.data` produces), GDN chunk tables sized as the pipeline sizes them."""
     rng = np.random.default_rng(7)
     trees = [(explicit_tree if i % 2 else sequences_tree)(random_forest(rng, max_nodes=8))
              for i in range(10)]
     fn = linearize if mode == "tree" else linearize_baseline
+    parts = (trees[:5], trees[5:])
+    kw = {}
+    if gdn:
+        units = [p if mode == "tree" else flatten_paths(p) for p in parts]
+        kw = dict(gdn_chunk_size=GDN_CHUNK, gdn_chunks=step_gdn_chunks(units, S, GDN_CHUNK))
     out = []
-    for part in (trees[:5], trees[5:]):
-        b = fn(part, S, normalization=objective.normalization, normalizer=1.0, n_rows=ROWS)
+    for part in parts:
+        b = fn(part, S, normalization=objective.normalization, normalizer=1.0, n_rows=ROWS, **kw)
         arrays = dict(b.arrays())
         arrays["row_norm"] = np.zeros(ROWS, np.float32)
         arrays["row_norm"][0] = batch_normalizer(part, objective.normalization)
@@ -78,21 +103,25 @@ def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
 
 
 def main(cases: list[str]) -> None:
-    cfg = tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-    model = Qwen3(cfg, rngs=nnx.Rngs(3))
-    graphdef, params = nnx.split(model)
-    tp_graphdef = tensor_parallel_graphdef(model)
     opt = make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=0, decay_steps=10))
     for case in cases:
         if case.startswith("restore:"):
+            _, cfg = tiny("dense")
+            params = nnx.split(create_model("qwen3", cfg, seed=3))[1]
             print(json.dumps(dict(restore_on_other_meshes(cfg, params, opt, case[8:]),
                                   case=case)), flush=True)
             continue
-        mode, kind, shape = case.split(":")
+        model_kind, mode, kind, shape = case.split(":")
+        arch, cfg = tiny(model_kind)
+        model = create_model(arch, cfg, seed=3)
+        graphdef, params = nnx.split(model)
+        if model_kind != "dense":
+            params = perturbed(params)
+        tp_graphdef = tensor_parallel_graphdef(model)
         data, model_size = (int(x) for x in shape.split("x"))
         objective = Objective(kind=kind, normalization="token_mean" if kind == "sft"
                               else "seq_mean_token_mean")
-        inputs = step_inputs(mode, objective)
+        inputs = step_inputs(mode, objective, cfg.needs_gdn_tables)
         if kind == "ppo":
             rng = np.random.default_rng(1)
             inputs["old_logprobs"] = (-rng.uniform(0.5, 5.0, inputs["tokens"].shape)
@@ -101,7 +130,7 @@ def main(cases: list[str]) -> None:
         ref_state, ref_metrics = jax.jit(make_train_step(graphdef, opt, objective))(state, inputs)
 
         mesh = make_mesh(MeshConfig(data=data, model=model_size))
-        specs = param_specs(params, qwen3_rules(cfg, model_size), mesh)
+        specs = param_specs(params, architecture_rules(arch, cfg, model_size), mesh)
         sharded_params = jax.device_put(params, named(mesh, specs))
         grad_fn = make_sharded_grad_fn(tp_graphdef, objective, mesh, specs)
         step = jax.jit(make_train_step(tp_graphdef, opt, objective, grad_fn=grad_fn))
@@ -114,6 +143,9 @@ def main(cases: list[str]) -> None:
             / abs(float(ref_metrics["loss"])),
             "grad_norm_rel": abs(float(metrics["grad_norm"]) - float(ref_metrics["grad_norm"]))
             / float(ref_metrics["grad_norm"]),
+            "grads_rel_l2": max(rel_l2(a, b) for a, b in zip(
+                leaves(optax.tree_utils.tree_get(new_state.opt_state, "mu")),
+                leaves(optax.tree_utils.tree_get(ref_state.opt_state, "mu")))),
             "params_rel_l2": max(rel_l2(a, b) for a, b in
                                  zip(leaves(new_state.params), leaves(ref_state.params))),
             "update_rel_l2": max(

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jtree.linearize import TreeBatch, unlinearize
-from jtree.models import Qwen3, Qwen3Config
+from jtree.models import Qwen3, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
 from jtree.train import Objective, make_logprob_fn, objective_loss
 
 
@@ -20,6 +20,34 @@ def tiny_config(**overrides) -> Qwen3Config:
                 tie_word_embeddings=False, attention_impl="reference", rope_theta=10_000.0)
     base.update(overrides)
     return Qwen3Config(**base)
+
+
+# Tiny MoE / Qwen3-Next models that split 4 ways: 4 query heads over 2 kv heads, 8 experts, 4 GDN
+# key heads with 2 value heads each. Layer 0 is MoE (Qwen3-Next: GDN + shared expert), layer 1
+# attention + dense MLP; the router loss is on and weighs 0.5.
+TINY_MOE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,),
+                router_aux_loss_coef=0.5, output_router_logits=True, tie_word_embeddings=False,
+                attention_impl="reference", rope_theta=10_000.0)
+TINY_NEXT = dict(TINY_MOE, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+                 linear_value_head_dim=6, shared_expert_intermediate_size=24,
+                 layer_types=("linear_attention", "full_attention"))
+
+
+def tiny_moe_config(**overrides) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(**dict(TINY_MOE, **overrides))
+
+
+def tiny_next_config(**overrides) -> Qwen3NextConfig:
+    return Qwen3NextConfig(**dict(TINY_NEXT, **overrides))
+
+
+def perturbed(params, scale: float = 0.1, seed: int = 1):
+    """Noise on every weight, so that zero-initialized norms and near-uniform routers matter."""
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree_util.tree_leaves(params))))
+    return jax.tree_util.tree_map(lambda x: x + scale * jax.random.normal(next(keys), x.shape),
+                                  params)
 
 
 def tiny_model(seed: int = 0, **overrides):

@@ -4,8 +4,9 @@ import pytest
 import yaml
 
 from jtree.config import TrainConfig, apply_overrides, load_config
-from jtree.models import Qwen3Config
+from jtree.models import Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
 from jtree.models.registry import ARCHITECTURES
+from jtree.sharding import architecture_rules
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
 
@@ -21,16 +22,36 @@ def test_tiny_config_loads_with_overrides():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_every_shipped_config_validates(path):
-    """Configs of architectures registered on this branch load; the others (MoE, Qwen3-Next,
-    registered by their own branch) fail on exactly the architecture key."""
+def test_every_shipped_config_validates_and_shards(path):
+    """Every shipped config loads into its architecture's config class, and its model splits over
+    its mesh.model (the sharding rules raise on a head, expert or vocabulary count that does not
+    divide)."""
     arch = yaml.safe_load(path.read_text())["model"]["architecture"]
-    if arch in ARCHITECTURES:
-        cfg = load_config(path)
-        assert cfg.model.architecture == arch
-    else:
-        with pytest.raises(ValueError, match=rf"model\.architecture: '{arch}' is not one of"):
-            load_config(path)
+    cfg = load_config(path)
+    assert cfg.model.architecture == arch
+    assert isinstance(cfg.model.config, ARCHITECTURES[arch][0])
+    assert architecture_rules(arch, cfg.model.config, cfg.mesh.model)
+
+
+def test_moe_and_next_sections_validate_with_their_key_paths():
+    cfg = load_config("configs/qwen3_30b_a3b.yaml", ["model.num_experts=64", "data.gdn_chunks=48"])
+    assert isinstance(cfg.model.config, Qwen3MoeConfig) and cfg.model.config.num_experts == 64
+    assert cfg.data.gdn_chunks == 48 and not cfg.model.config.needs_gdn_tables
+    nxt = load_config("configs/qwen3_next_80b_a3b.yaml", ["model.num_hidden_layers=8"])
+    assert isinstance(nxt.model.config, Qwen3NextConfig) and nxt.model.config.needs_gdn_tables
+    assert nxt.model.config.layer_types.count("full_attention") == 2
+    for overrides, match in [
+        (["model.num_expert=4"], r"model\.num_expert: unknown config key"),
+        (["model.mlp_only_layers=3"], r"model\.mlp_only_layers: expected a list"),
+        (["model.num_experts_per_tok=200"], r"model: num_experts_per_tok \(200\) must be in"),
+        (["data.gdn_chunks=0"], r"data: gdn_chunks: 0 must be >= 1"),
+        (["data.gdn_chunk_size=0"], r"data: gdn_chunk_size: 0 must be >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            load_config("configs/qwen3_30b_a3b.yaml", overrides)
+    with pytest.raises(ValueError, match=r"model\.layer_types\[1\]: expected a string"):
+        load_config("configs/qwen3_next_80b_a3b.yaml",
+                    ["model.num_hidden_layers=2", "model.layer_types=[full_attention, 3]"])
 
 
 @pytest.mark.parametrize(

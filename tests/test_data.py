@@ -1,9 +1,11 @@
+import dataclasses
 import json
 
 import jax
 import numpy as np
 import pytest
 
+from jtree.chunk_tables import default_chunk_count
 from jtree.data import (
     BatchPlan, StepBuilder, all_units, load_trees, make_pipeline, rows_for_run, step_indices,
 )
@@ -123,3 +125,39 @@ def test_shuffle_is_seeded_covers_each_epoch_and_iterator_state_resumes():
     again.set_state(json.loads(json.dumps(state)))
     for want in expected:
         np.testing.assert_array_equal(next(again)["inputs"]["tokens"], want)
+
+
+def _chunks_used(gdn_chunk_tokens: np.ndarray) -> int:
+    """The most chunks holding a token in any row."""
+    return int((gdn_chunk_tokens >= 0).any(axis=-1).sum(axis=-1).max())
+
+
+@pytest.mark.parametrize("mode", ["tree", "baseline"])
+def test_gdn_chunk_tables_share_one_bucketed_capacity_per_step(mode):
+    """Every micro-batch and shard of a step gets the same chunk capacity: the bucket of the
+    fullest row of the whole step (computed alike by every host); bins left empty get tables of
+    that capacity holding nothing."""
+    trees = _forest(12, seed=3)
+    index = step_indices(len(trees), 3, seed=0)
+    for k in range(4):
+        parts = []
+        for shards in ((0, 1), (0,), (1,)):
+            plan = dataclasses.replace(_plan(mode, shards=shards, per_step=3, rows=8),
+                                       gdn_chunk_size=3)
+            parts.append(_builder(trees, plan)(index[k])["inputs"])
+        whole, first, second = parts
+        for key in ("gdn_chunk_tokens", "gdn_chunk_src", "gdn_token_slot"):
+            np.testing.assert_array_equal(
+                whole[key], np.concatenate([first[key], second[key]], axis=1))
+        tables = whole["gdn_chunk_tokens"]  # [micro, rows, NC, C]
+        used = _chunks_used(tables)
+        assert tables.shape[2] == default_chunk_count(64, 3, used) >= used
+        per_bin = lambda x: x.reshape((2, 2, 8) + x.shape[2:])  # noqa: E731  [micro, shard, ...]
+        empty = ~per_bin(whole["valid"]).any(axis=(2, 3))
+        if mode == "tree":
+            assert empty.any()  # 3 trees for 4 bins: a bin with no tree
+        assert np.all(per_bin(tables)[empty] == -1)
+        assert np.all(whole["gdn_token_slot"][~whole["valid"]] == -1)
+    plan = dataclasses.replace(_plan(mode, per_step=3, rows=8), gdn_chunk_size=3, gdn_chunks=2)
+    with pytest.raises(ValueError, match=r"gdn_chunks=2: row \d+ needs \d+ chunks"):
+        _builder(trees, plan)(index[0])

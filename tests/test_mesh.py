@@ -1,9 +1,12 @@
 """One train step over ('data', 'model') meshes of 8 host devices equals the single-device step.
 
 The meshes run in a subprocess (`tests/mesh_worker.py`) because the device count is fixed when jax
-creates its CPU backend. Float32, DESIGN.md tolerances: loss and updated parameters within 1e-5
-relative. The (2, 4) mesh also exercises replicated KV heads (2 kv heads, 4-way tensor parallel)
-and the vocab-parallel embedding and loss.
+creates its CPU backend. A case is `model:mode:objective:DxM`, model `dense` (Qwen3), `moe`
+(Qwen3-MoE: expert parallel, router loss pooled over the data shards) or `next` (Qwen3-Next: Gated
+DeltaNet heads split, gated attention, shared expert). Float32, DESIGN.md tolerances: loss,
+gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
+2 kv heads on a 4-way model axis exercise replicated KV heads; every case exercises the
+vocab-parallel embedding and loss.
 """
 
 import json
@@ -29,21 +32,27 @@ def run_cases(cases: list[str]) -> list[dict]:
 def check(result: dict) -> None:
     assert result["loss_rel"] <= 1e-5, result
     assert result["grad_norm_rel"] <= 1e-5, result
+    assert result["grads_rel_l2"] <= 1e-5, result
     assert result["params_rel_l2"] <= 1e-5, result
     if not result["case"].endswith("x1"):
         assert result["sharded_leaves"] > 0, result  # tensor parallel really split weights
 
 
 def test_tree_and_baseline_steps_on_tensor_and_data_parallel_meshes(tmp_path):
-    step_results = run_cases(["tree:sft:2x4", "baseline:sft:4x2", f"restore:{tmp_path}/ckpt"])
-    for result in step_results[:2]:
+    # Qwen3-MoE's attention and dense-MLP layer are dense Qwen3's, so these two cases cover the
+    # dense split too (all dense cases run in the slow test).
+    cases = ["moe:baseline:sft:4x2", "next:tree:sft:2x4"]
+    step_results = run_cases(cases + [f"restore:{tmp_path}/ckpt"])
+    for result in step_results[:-1]:
         check(result)
-    restore = step_results[2]
+    restore = step_results[-1]
     assert restore["equal"] and restore["resharded"], restore  # (4, 2) -> (2, 4) and (8, 1)
 
 
 @pytest.mark.slow
-def test_all_meshes_modes_and_objectives():
-    cases = [f"{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in ("8x1", "4x2", "2x4")]
-    for result in run_cases(cases + ["tree:ppo:4x2", "baseline:ppo:2x4"]):
+def test_all_models_meshes_modes_and_objectives():
+    cases = [f"{model}:{mode}:sft:{mesh}" for model in ("dense", "moe", "next")
+             for mode in ("tree", "baseline") for mesh in ("8x1", "4x2", "2x4")]
+    extra = [f"{model}:tree:ppo:4x2" for model in ("dense", "moe", "next")]
+    for result in run_cases(cases + extra + ["dense:baseline:ppo:2x4"]):
         check(result)

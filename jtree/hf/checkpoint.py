@@ -155,8 +155,9 @@ def load(
     (default: `dtype`), e.g. `dtype="float32", compute_dtype="bfloat16"` for fp32 master weights
     with bf16 compute. Experts load from one tensor per expert (Hub) or the fused transformers 5
     tensors, detected per parameter from the tensor names. With `mesh`, parameters are placed by
-    the architecture's partition table (see `jtree.hf.qwen3`, `jtree.hf.qwen3_moe`); `shardings`
-    instead gives any `jax.sharding.Sharding` per (jtree parameter name, shape).
+    the train step's sharding rules (tensor parallel over the axis "model", `jtree.sharding`), so
+    a loaded model is where training expects it; `shardings` instead gives any
+    `jax.sharding.Sharding` per (jtree parameter name, shape).
     """
     if mesh is not None and shardings is not None:
         raise ValueError("load: pass mesh or shardings, not both")
@@ -171,7 +172,7 @@ def load(
     config = arch.config_from_hf(hf_config, runtime)
     graphdef, flat = _abstract_params(arch, config)
     params = _param_table(arch, config, flat)
-    sharding_fn = mesh_shardings(arch, mesh) if mesh is not None else shardings
+    sharding_fn = mesh_shardings(arch, config, mesh) if mesh is not None else shardings
     leaves = []
     with CheckpointTensors(directory) as ckpt:
         storages = _validate(ckpt, arch, config, params)

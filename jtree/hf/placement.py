@@ -1,36 +1,30 @@
-"""Where loaded parameters go: the default device, a mesh by the architecture's partition table,
-or a caller-chosen sharding per parameter."""
+"""Where loaded parameters go: the default device, a mesh by the training sharding rules, or a
+caller-chosen sharding per parameter."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from jtree.hf.spec import Architecture
+from jtree.sharding import MODEL, architecture_rules, partition_spec
 
 ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
 
-def mesh_shardings(arch: Architecture, mesh: Mesh) -> ShardingFn:
-    """NamedShardings from `arch.partition` (Megatron-style over the mesh axis "model"; every
-    other mesh axis holds replicas). A split dimension must divide evenly; an error names the
-    parameter otherwise."""
+def mesh_shardings(arch: Architecture, config: Any, mesh: Mesh) -> ShardingFn:
+    """NamedShardings from the train step's rules for `arch.model_key` (`jtree.sharding`, the
+    one source of truth: tensor parallel over the mesh axis "model", every other mesh axis holds
+    replicas), so a loaded model lands exactly where training expects it. An impossible split or
+    a missing axis raises, naming the parameter."""
+    rules = architecture_rules(arch.model_key, config, mesh.shape.get(MODEL, 1))
 
     def sharding(name: str, shape: tuple[int, ...]) -> jax.sharding.Sharding:
-        spec = arch.partition_spec(name)
-        for dim, axis in zip(shape, spec):
-            if axis is None:
-                continue
-            if axis not in mesh.shape:
-                raise ValueError(f"parameter {name!r}: mesh axes {tuple(mesh.shape)} have no "
-                                 f"axis {axis!r} (partition table of {arch.hf_name})")
-            if dim % mesh.shape[axis]:
-                raise ValueError(f"parameter {name!r}: dimension {dim} of shape {shape} does not "
-                                 f"divide over mesh axis {axis!r} of size {mesh.shape[axis]}")
-        return NamedSharding(mesh, PartitionSpec(*spec))
+        return NamedSharding(mesh, partition_spec(name.replace(".", "/"), shape, rules, mesh.shape))
 
     return sharding
 

@@ -1,4 +1,4 @@
-"""`Qwen3ForCausalLM` <-> `jtree.models.Qwen3`: config fields, tensor names, mesh placement."""
+"""`Qwen3ForCausalLM` <-> `jtree.models.Qwen3`: config fields and tensor names."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jtree.hf.config_map import REQUIRED, ROPE_KEYS, equals, read_config, rope_theta
-from jtree.hf.spec import NNX_TO_TORCH, Architecture, PartitionRule
+from jtree.hf.spec import NNX_TO_TORCH, Architecture
 from jtree.models.config import Qwen3Config
 
 _HF_NAME = "Qwen3ForCausalLM"
@@ -76,17 +76,6 @@ def tied_head(cfg: Qwen3Config) -> dict[str, str]:
     return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
 
 
-# Megatron-style tensor parallelism over the mesh axis "model": column-parallel input projections
-# (output features split), row-parallel output projections (input features split), vocab-parallel
-# embedding and output head; norms replicated. Every other mesh axis holds full replicas.
-PARTITION = (
-    PartitionRule(r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.kernel", (None, "model")),
-    PartitionRule(r".*\.(q_proj|k_proj|v_proj)\.bias", ("model",)),
-    PartitionRule(r".*\.(o_proj|down_proj)\.kernel", ("model", None)),
-    PartitionRule(r"model\.embed_tokens\.embedding", ("model", None)),
-    PartitionRule(r"lm_head\.kernel", (None, "model")),
-)
-
 QWEN3 = Architecture(
     hf_name=_HF_NAME,
     model_type="qwen3",
@@ -95,7 +84,6 @@ QWEN3 = Architecture(
     config_to_hf=config_to_hf,
     tensors=NNX_TO_TORCH,
     tied=tied_head,
-    partition=PARTITION,
     layer_types=lambda cfg: ["full_attention"] * cfg.num_hidden_layers,
     ffn_types=lambda cfg: ["mlp"] * cfg.num_hidden_layers,
 )

@@ -1,4 +1,4 @@
-"""`Qwen3MoeForCausalLM` <-> `jtree.models.Qwen3Moe`: config fields, tensor names, mesh placement.
+"""`Qwen3MoeForCausalLM` <-> `jtree.models.Qwen3Moe`: config fields and tensor names.
 
 Experts. jtree holds each MoE layer's experts stacked, in transformers 5's fused module layout
 (`mlp.experts.gate_up_proj` [E, 2 * moe_intermediate, hidden], gate rows first, and
@@ -17,7 +17,7 @@ from typing import Any
 
 from jtree.hf import qwen3
 from jtree.hf.config_map import read_config, renamed, rope_theta
-from jtree.hf.spec import NNX_TO_TORCH, Architecture, PartitionRule, PerExpertRule
+from jtree.hf.spec import NNX_TO_TORCH, Architecture, PerExpertRule
 from jtree.models.moe import is_moe_layer
 from jtree.models.moe_config import Qwen3MoeConfig
 
@@ -44,15 +44,6 @@ EXPERT_TENSORS = (
                   (r"\1.experts.{e}.gate_proj.weight", r"\1.experts.{e}.up_proj.weight")),
     PerExpertRule(r"(.*)\.experts\.down_proj", (r"\1.experts.{e}.down_proj.weight",)),
 )
-
-# Experts are placed whole: the expert axis of the stacked tensors is split over "model" (expert
-# parallelism; each device holds E / model complete experts). Splitting the intermediate axis
-# instead would cut the packed [gate; up] rows of gate_up_proj unevenly between gate and up. The
-# router is replicated; everything else follows the dense Megatron rule (`qwen3.PARTITION`).
-EXPERT_PARTITION = (
-    PartitionRule(r".*\.mlp\.experts\.(gate_up_proj|down_proj)", ("model", None, None)),
-)
-
 
 def ffn_types(cfg: Qwen3MoeConfig) -> list[str]:
     return ["moe" if is_moe_layer(i, cfg.num_experts, cfg.decoder_sparse_step, cfg.mlp_only_layers)
@@ -88,7 +79,6 @@ QWEN3_MOE = Architecture(
     config_to_hf=config_to_hf,
     tensors=EXPERT_TENSORS + NNX_TO_TORCH,
     tied=qwen3.tied_head,
-    partition=EXPERT_PARTITION + qwen3.PARTITION,
     layer_types=lambda cfg: ["full_attention"] * cfg.num_hidden_layers,
     ffn_types=ffn_types,
 )

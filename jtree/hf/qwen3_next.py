@@ -1,4 +1,4 @@
-"""`Qwen3NextForCausalLM` <-> `jtree.models.Qwen3Next`: config fields, tensor names, mesh placement.
+"""`Qwen3NextForCausalLM` <-> `jtree.models.Qwen3Next`: config fields and tensor names.
 
 Tensors. Everything is stored as transformers' modules name it; experts as in Qwen3-MoE (one tensor
 per expert on the Hub, fused in transformers 5 memory, see `jtree.hf.qwen3_moe`). The Gated
@@ -21,7 +21,7 @@ from typing import Any
 
 from jtree.hf import qwen3, qwen3_moe
 from jtree.hf.config_map import equals, read_config, rope_settings
-from jtree.hf.spec import NNX_TO_TORCH, Architecture, PartitionRule, TensorRule
+from jtree.hf.spec import NNX_TO_TORCH, Architecture, TensorRule
 from jtree.models.moe_config import Qwen3NextConfig
 
 _HF_NAME = "Qwen3NextForCausalLM"
@@ -51,17 +51,6 @@ _DEFAULT_PARTIAL_ROTARY = 0.25
 
 # Bare parameters (no `.weight`) of the Gated DeltaNet, stored as they are.
 _GDN_TENSORS = (TensorRule(r".*\.linear_attn\.(A_log|dt_bias)", r"\g<0>"),)
-
-# Gated DeltaNet: in_proj_qkvz / in_proj_ba column-parallel (contiguous = whole key-head groups),
-# out_proj row-parallel, the per-value-head dt_bias and A_log split alike; conv1d (channels ordered
-# [q of all heads, k, v], which a contiguous split does not cut by heads) and norms replicated.
-# Gated attention, shared expert and dense MLPs follow the dense rule, experts `qwen3_moe`'s.
-_GDN_PARTITION = (
-    PartitionRule(r".*\.linear_attn\.(in_proj_qkvz|in_proj_ba)\.kernel", (None, "model")),
-    PartitionRule(r".*\.linear_attn\.out_proj\.kernel", ("model", None)),
-    PartitionRule(r".*\.linear_attn\.(dt_bias|A_log)", ("model",)),
-)
-
 
 def config_from_hf(hf: Mapping[str, Any], runtime: Mapping[str, Any]) -> Qwen3NextConfig:
     values = read_config(hf, _HF_NAME, fields=_FIELDS, checks=_CHECKS, inert=_INERT)
@@ -94,7 +83,6 @@ QWEN3_NEXT = Architecture(
     config_to_hf=config_to_hf,
     tensors=qwen3_moe.EXPERT_TENSORS + _GDN_TENSORS + NNX_TO_TORCH,
     tied=qwen3.tied_head,
-    partition=qwen3_moe.EXPERT_PARTITION + _GDN_PARTITION + qwen3.PARTITION,
     layer_types=lambda cfg: list(cfg.layer_types),
     ffn_types=qwen3_moe.ffn_types,
     ignored=(r"mtp\..*",),

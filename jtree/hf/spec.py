@@ -2,8 +2,9 @@
 
 Each supported architecture is one `Architecture` entry: how its `config.json` becomes a jtree
 config (and back), which HF tensor every jtree parameter is stored as and in which layout
-(transposed, permuted, ...), which HF tensors are tied to others, and how parameters are placed on
-a device mesh. Loader, saver and the PyTorch comparison only read these tables, so adding an
+(transposed, permuted, ...) and which HF tensors are tied to others. Placement on a device mesh is
+not here: it follows the train step's rules for `model_key` (`jtree.sharding`, via
+`jtree.hf.placement`). Loader, saver and the PyTorch comparison only read these tables, so adding an
 architecture (or a per-architecture permutation such as a grouped projection) is a new entry, not
 a new code path.
 """
@@ -113,14 +114,6 @@ Rule = TensorRule | PerExpertRule
 
 
 @dataclasses.dataclass(frozen=True)
-class PartitionRule:
-    """jtree parameters whose dotted path fully matches `pattern` get PartitionSpec(*spec)."""
-
-    pattern: str
-    spec: tuple[str | None, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class Architecture:
     """One HF architecture (the `architectures[0]` of config.json) and its jtree counterpart.
 
@@ -132,7 +125,6 @@ class Architecture:
       `PerExpertRule`: one per expert and part).
     - `tied(config)`: HF tensors that the HF model ties to another one (alias -> source), which a
       checkpoint may omit or contain as an exact copy.
-    - `partition`: placement on a mesh (first match wins; unmatched parameters are replicated).
     - `layer_types(config)`: the token mixer of each decoder layer `model.layers.N`
       ("full_attention", "linear_attention") and `ffn_types(config)` its feed-forward ("mlp",
       "moe"), for reports.
@@ -147,7 +139,6 @@ class Architecture:
     config_to_hf: Callable[[Any], dict[str, Any]]
     tensors: tuple[Rule, ...]
     tied: Callable[[Any], Mapping[str, str]]
-    partition: tuple[PartitionRule, ...]
     layer_types: Callable[[Any], Sequence[str]]
     ffn_types: Callable[[Any], Sequence[str]]
     ignored: tuple[str, ...] = ()
@@ -161,12 +152,6 @@ class Architecture:
 
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignored)
-
-    def partition_spec(self, path: str) -> tuple[str | None, ...]:
-        for rule in self.partition:
-            if re.fullmatch(rule.pattern, path):
-                return rule.spec
-        return ()
 
 
 def dotted(path: Sequence[Any]) -> str:

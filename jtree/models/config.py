@@ -65,6 +65,12 @@ class Qwen3Config:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
 
     @property
+    def needs_gdn_tables(self) -> bool:
+        """Whether batches need the gated-delta-rule chunk tables (`linearize(gdn_chunk_size=)`):
+        only models with linear-attention layers read them."""
+        return False
+
+    @property
     def compute_dtype(self) -> jnp.dtype:
         return DTYPES[self.dtype]
 

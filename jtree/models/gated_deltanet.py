@@ -10,6 +10,14 @@ With a prefix (a part of a tree below tokens an earlier part computed, `jtree.mo
 conv reads its left context from the prefix's cached pre-conv activations and the part's subtrees
 start from the prefix's state (initial slot 1 of the chunk tables; slot 0 stays zeros for other
 trees of the row).
+
+Tensor parallelism (`tensor_parallel_axis`) splits key heads, each with its value heads: the
+grouped in_proj_qkvz / in_proj_ba are column-parallel (a contiguous column block is whole key-head
+groups), dt_bias and A_log are split per value head, the recurrence and the gated norm are per head
+and need nothing, out_proj is row-parallel (one all-reduce forward, one backward). The conv weight
+lists the q, k and v channels of all heads one after another, so it stays replicated and each
+device convolves its own heads' channels (`local_conv_channels`); its gradient is all-reduced
+(channels x kernel numbers).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jtree.models.layers import linear
+from jtree.models.layers import linear, row_parallel
 from jtree.models.moe_config import Qwen3NextConfig
 from jtree.models.prefix import GdnCache, PrefixLayout
 from kernels.gdn import tree_gated_delta_rule
@@ -82,9 +90,27 @@ class DepthwiseConv1d(nnx.Module):
         self.weight = nnx.Param(
             nnx.initializers.normal(init_std)(rngs.params(), (channels, 1, kernel), param_dtype))
 
-    def __call__(self, x: jax.Array, context: jax.Array, source: jax.Array | None = None
-                 ) -> jax.Array:
-        return tree_causal_conv1d(x, self.weight[...][:, 0, :], context, source)
+    def __call__(self, x: jax.Array, context: jax.Array, channels: jax.Array | None = None,
+                 source: jax.Array | None = None) -> jax.Array:
+        """Convolve x [R, S, D] along the paths; `channels` [D] picks the weight rows x holds
+        (all of them by default); `source` holds the context tokens when they are not x's own
+        (a cached prefix before them, `tree_causal_conv1d`)."""
+        weight = self.weight[...][:, 0, :]
+        return tree_causal_conv1d(x, weight if channels is None else weight[channels], context,
+                                  source)
+
+
+def local_conv_channels(key_dim: int, value_dim: int, local_key_dim: int, local_value_dim: int,
+                        axis: str | None) -> jax.Array | None:
+    """Indices of this device's channels in the conv weight, whose rows are the q, k (key_dim
+    each) and v (value_dim) channels of all heads: its contiguous block of each. None (every
+    channel) when not tensor parallel."""
+    if axis is None or local_key_dim == key_dim:
+        return None
+    i = jax.lax.axis_index(axis)
+    key = i * local_key_dim + jnp.arange(local_key_dim)
+    value = 2 * key_dim + i * local_value_dim + jnp.arange(local_value_dim)
+    return jnp.concatenate([key, key_dim + key, value])
 
 
 class GatedDeltaNet(nnx.Module):
@@ -111,11 +137,13 @@ class GatedDeltaNet(nnx.Module):
                  ) -> tuple[jax.Array, GdnCache]:
         """Output, and the pre-conv activations of these tokens with the states after the
         routing's export slots (what later parts of a partitioned tree start from)."""
-        cfg = self.cfg
+        cfg, tp = self.cfg, self.cfg.tensor_parallel_axis
         r, s, _ = x.shape
-        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        per = nv // nk
+        per = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+        # Head counts come from the weights: under tensor parallelism they are this device's.
+        nk = self.in_proj_qkvz.kernel.shape[1] // (2 * dk + 2 * per * dv)
+        nv = nk * per
         qkvz = self.in_proj_qkvz(x).reshape(r, s, nk, 2 * dk + 2 * per * dv)
         q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + per * dv], axis=-1)
         ba = self.in_proj_ba(x).reshape(r, s, nk, 2 * per)
@@ -125,7 +153,9 @@ class GatedDeltaNet(nnx.Module):
                                    -1)
         source = None if prefix is None else jnp.concatenate(
             [prefix.conv.astype(pre_conv.dtype), pre_conv], axis=1)
-        mixed = jax.nn.silu(self.conv1d(pre_conv, routing.conv_context, source))
+        channels = local_conv_channels(cfg.linear_num_key_heads * dk,
+                                       cfg.linear_num_value_heads * dv, nk * dk, nv * dv, tp)
+        mixed = jax.nn.silu(self.conv1d(pre_conv, routing.conv_context, channels, source))
         q, k, v = jnp.split(mixed, [nk * dk, 2 * nk * dk], axis=-1)
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
@@ -140,4 +170,4 @@ class GatedDeltaNet(nnx.Module):
         slots = (jnp.zeros((r, 0), jnp.int32) if routing.export_slots is None
                  else routing.export_slots)
         states = jnp.take_along_axis(buffer, slots[:, :, None, None, None], axis=1)
-        return self.out_proj(o.reshape(r, s, nv * dv)), GdnCache(pre_conv, states)
+        return row_parallel(self.out_proj, o.reshape(r, s, nv * dv), tp), GdnCache(pre_conv, states)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -71,8 +73,15 @@ class SwiGLU(nnx.Module):
         self.tp_axis = tp_axis
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return row_parallel(self.down_proj, jax.nn.silu(self.gate_proj(x)) * self.up_proj(x),
-                            self.tp_axis)
+        return row_parallel(self.down_proj, self._hidden(x), self.tp_axis)
+
+    def unreduced(self, x: jax.Array) -> jax.Array:
+        """This device's partial output, before the sum over `tp_axis` (the full output without
+        tensor parallelism), for callers that fold it into a larger sum (the MoE block)."""
+        return self.down_proj(self._hidden(x))
+
+    def _hidden(self, x: jax.Array) -> jax.Array:
+        return jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
 
 
 # ---------------------------------------------------------------------- tensor-parallel hooks
@@ -131,9 +140,10 @@ REMAT_POLICIES = {
 }
 
 
-def call_layer(layer: nnx.Module, *args: jax.Array, remat: str) -> jax.Array:
+def call_layer(layer: nnx.Module, *args: Any, remat: str) -> Any:
     """`layer(*args)`, recomputing its activations in the backward pass under policy `remat`
-    ("none" keeps them; "full" saves nothing; "dots" saves matmul outputs)."""
+    ("none" keeps them; "full" saves nothing; "dots" saves matmul outputs). Arguments and results
+    may be pytrees of arrays (MoE layers also return router statistics)."""
     if remat == "none":
         return layer(*args)
     return nnx.remat(lambda m, *a: m(*a), policy=REMAT_POLICIES[remat])(layer, *args)

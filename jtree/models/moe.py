@@ -13,9 +13,23 @@ MoE layers and all non-padding tokens of the forward batch:
 On the per-path baseline a shared tree token occurs once per path through it, so the tree computes
 the same sums with each token weighted by `path_count` (its multiplicity in the baseline batch) and
 T = sum of path_count: f_e and P_e, hence aux and its gradient, equal the baseline's exactly. It is
-a ratio of batch sums, so like HF it is defined per forward pass (one micro-batch); a batch can
-instead be given the routing counts of a larger forward it is a piece of (`router_counts`,
-`router_total` inputs), which makes the pieces' losses add up to that forward's.
+a ratio of batch sums, so like HF it is defined per forward pass (one micro-batch). Under data
+parallelism (`data_axis`) the sums are pooled over the data shards of the micro-batch, so the loss
+is the single-device one, and each shard returns 1/shards of it (the step sums the shards). A
+batch can instead be given the routing counts of a larger forward it is a piece of
+(`router_counts`, `router_total` inputs; the parts of a tree split redundancy-free), which makes
+the pieces' losses add up to that forward's.
+
+Tensor parallelism (`tp_axis`, inside `shard_map`): expert parallel. Each device holds
+num_experts / tp whole experts (the expert axis of both expert tensors is split, HF layout kept)
+and the replicated router; the tokens are already on every device of the tensor-parallel group
+(the attention output is all-reduced), so there is no all-to-all: every device routes all tokens
+identically, runs only the (token, expert) assignments of its own experts (dropless, its
+assignments sorted first, the rest outside every `ragged_dot` group and masked) and the partial
+outputs are summed with one `psum`. Qwen3-Next's shared expert is a Megatron SwiGLU whose partial
+output joins the same sum. Cost per MoE layer: one all-reduce of [tokens, hidden] forward and one
+backward (the same as a Megatron MLP), plus a tiny all-reduce of the router's gradient; expert
+compute per device is 1/tp of the total when routing is balanced.
 """
 
 from __future__ import annotations
@@ -66,45 +80,62 @@ class Experts(nnx.Module):
             init(rngs.params(), (num_experts, 2 * intermediate, hidden), param_dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, intermediate), param_dtype))
 
-    def __call__(self, x: jax.Array, top_e: jax.Array, top_w: jax.Array) -> jax.Array:
-        """sum_k top_w[:, k] * expert_{top_e[:, k]}(x), x [N, hidden]."""
+    def __call__(self, x: jax.Array, top_e: jax.Array, top_w: jax.Array,
+                 axis: str | None = None) -> jax.Array:
+        """sum_k top_w[:, k] * expert_{top_e[:, k]}(x), x [N, hidden]. With `axis` (expert
+        parallel) this device holds experts [i * E_local, (i + 1) * E_local) and the sum runs over
+        those only: the caller sums the partial outputs over `axis`."""
         n, k = top_e.shape
-        num_experts = self.gate_up_proj.shape[0]
+        local = self.gate_up_proj.shape[0]  # experts stored on this device
         flat_e = top_e.reshape(-1)
-        order = jnp.argsort(flat_e, stable=True)
+        if axis is not None:
+            flat_e = flat_e - jax.lax.axis_index(axis) * local
+        mine = (flat_e >= 0) & (flat_e < local)
+        # Other devices' assignments sort last, past the end of every ragged_dot group.
+        key = jnp.where(mine, flat_e, local)
+        # A stable argsort through lax.sort: jnp.argsort's result loses the varying-over-mesh-axes
+        # type of its key inside shard_map (jax 0.10), which silently breaks the gradient of x.
+        _, order = jax.lax.sort((key, jnp.arange(key.shape[0], dtype=key.dtype)), num_keys=1)
         token = order // k
-        group_sizes = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)
+        group_sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
         gate_up = jax.lax.ragged_dot(
             x[token], jnp.swapaxes(self.gate_up_proj[...].astype(x.dtype), 1, 2), group_sizes)
         gate, up = jnp.split(gate_up, 2, axis=-1)
         y = jax.lax.ragged_dot(jax.nn.silu(gate) * up,
                                jnp.swapaxes(self.down_proj[...].astype(x.dtype), 1, 2), group_sizes)
-        y = y * top_w.reshape(-1)[order][:, None]
+        y = jnp.where(mine[order][:, None], y * top_w.reshape(-1)[order][:, None], 0)
         return jnp.zeros_like(x).at[token].add(y)
 
 
 class SparseMoeBlock(nnx.Module):
-    """Router + experts, plus (Qwen3-Next) a shared SwiGLU expert scaled by sigmoid(shared gate)."""
+    """Router + experts, plus (Qwen3-Next) a shared SwiGLU expert scaled by sigmoid(shared gate).
+    `tp_axis`: expert parallel over that mesh axis (module docstring)."""
 
     def __init__(self, hidden: int, *, num_experts: int, top_k: int, moe_intermediate: int,
                  norm_topk_prob: bool, shared_intermediate: int | None, init_std: float,
-                 dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+                 dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
+                 tp_axis: str | None = None):
         kw = dict(init_std=init_std, param_dtype=param_dtype, rngs=rngs)
         self.gate = TopKRouter(hidden, num_experts, top_k, norm_topk_prob, **kw)
         self.experts = Experts(hidden, moe_intermediate, num_experts, **kw)
         if shared_intermediate is None:
             self.shared_expert = self.shared_expert_gate = None
         else:
-            self.shared_expert = SwiGLU(hidden, shared_intermediate, dtype=dtype, **kw)
+            self.shared_expert = SwiGLU(hidden, shared_intermediate, dtype=dtype, tp_axis=tp_axis,
+                                        **kw)
             self.shared_expert_gate = linear(hidden, 1, bias=False, dtype=dtype, **kw)
+        self.tp_axis = tp_axis
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, RouterStats]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         top_w, top_e, stats = self.gate(flat)
-        out = self.experts(flat, top_e, top_w)
+        out = self.experts(flat, top_e, top_w, self.tp_axis)
         if self.shared_expert is not None:
-            out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            shared = self.shared_expert.unreduced(flat)
+            out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * shared
+        if self.tp_axis is not None:
+            out = jax.lax.psum(out, self.tp_axis)
         return out.reshape(shape), stats
 
 
@@ -120,21 +151,27 @@ def router_load(stats: list[RouterStats], token_weight: jax.Array,
 
 
 def load_balancing_loss(stats: list[RouterStats], token_weight: jax.Array, num_experts: int,
+                        data_axis: str | None = None,
                         pooled: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """HF's Switch-style aux loss pooled over layers, each token weighted by `token_weight` [N]
-    (the path multiplicity on tree batches; 0 on padding). See the module docstring.
+    (the path multiplicity on tree batches; 0 on padding). See the module docstring; with
+    `data_axis` this shard's 1/shards share of the loss pooled over all shards.
 
     `pooled` = `router_load` of a larger forward this batch is one piece of (the parts of a tree
     split redundancy-free): the loss is then this piece's share E * sum_e f_e * P_piece_e, linear
     in its probabilities, and the shares of all pieces add up to the loss of the whole forward,
-    value and gradient."""
+    value and gradient (no collective: the pooled load already covers every piece)."""
     if not stats:
         return jnp.zeros((), jnp.float32)
     w = token_weight.reshape(-1).astype(jnp.float32)
     counts, total = router_load(stats, token_weight, num_experts) if pooled is None else pooled
     prob_sum = sum(jnp.einsum("n,ne->e", w, s.probs) for s in stats)
+    shards = 1
+    if data_axis is not None and pooled is None:
+        total, counts, prob_sum = jax.lax.psum((total, counts, prob_sum), data_axis)
+        shards = jax.lax.psum(1, data_axis)
     safe = jnp.maximum(total, 1e-30)
-    return num_experts * jnp.sum((counts / safe) * (prob_sum / safe))
+    return num_experts * jnp.sum((counts / safe) * (prob_sum / safe)) / shards
 
 
 def is_moe_layer(layer: int, num_experts: int, decoder_sparse_step: int,

@@ -17,6 +17,9 @@ class Qwen3MoeConfig(Qwen3Config):
 
     The router load-balancing loss is added to the objective (times `router_aux_loss_coef`) only
     when `output_router_logits` is true, as in HF's `*ForCausalLM.forward`.
+    `data_parallel_axis` is set by `jtree.train.tensor_parallel_graphdef` next to
+    `tensor_parallel_axis`: the mesh axis the batch rows are split over inside `shard_map`, over
+    which that loss pools its batch statistics (leave it unset everywhere else).
     """
 
     num_experts: int = 8
@@ -27,6 +30,8 @@ class Qwen3MoeConfig(Qwen3Config):
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False
+    # How to run it (not a Hugging Face field):
+    data_parallel_axis: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,6 +83,10 @@ class Qwen3NextConfig(Qwen3MoeConfig):
         if self.rotary_dim % 2 or self.rotary_dim < 2:
             raise ValueError(f"partial_rotary_factor ({self.partial_rotary_factor}) x head_dim "
                              f"({self.head_dim}) must give an even rotary dimension >= 2")
+
+    @property
+    def needs_gdn_tables(self) -> bool:
+        return "linear_attention" in self.layer_types
 
     @property
     def rotary_dim(self) -> int:

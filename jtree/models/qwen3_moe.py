@@ -4,7 +4,8 @@ Attention, norms and RoPE are Qwen3's; the feed-forward of each layer is a spars
 (`jtree.models.moe`) or, for `mlp_only_layers` / off `decoder_sparse_step`, Qwen3's dense MLP.
 Parameter names mirror HF (`model.layers.N.mlp.gate.weight`, `...mlp.experts.gate_up_proj`, ...).
 The router load-balancing loss is weighted per token by `path_count` so that it equals the
-per-path baseline's (see `jtree.models.moe`).
+per-path baseline's (see `jtree.models.moe`). Under tensor parallelism (`tensor_parallel_axis`)
+attention and embeddings are split like dense Qwen3's and the MoE blocks are expert parallel.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jtree.models.layers import RMSNorm, SwiGLU, linear, rope_cos_sin
+from jtree.models.layers import (
+    RMSNorm,
+    SwiGLU,
+    call_layer,
+    linear,
+    rope_cos_sin,
+    vocab_parallel_embed,
+)
 from jtree.models.moe import (
     RouterStats,
     SparseMoeBlock,
@@ -33,7 +41,7 @@ def feed_forward(cfg: Qwen3MoeConfig, layer: int, shared_intermediate: int | Non
                  rngs: nnx.Rngs) -> SparseMoeBlock | SwiGLU:
     """The MoE block or dense MLP of decoder layer `layer`, by HF's rule."""
     kw = dict(init_std=cfg.initializer_range, dtype=cfg.compute_dtype,
-              param_dtype=cfg.weight_dtype, rngs=rngs)
+              param_dtype=cfg.weight_dtype, rngs=rngs, tp_axis=cfg.tensor_parallel_axis)
     if is_moe_layer(layer, cfg.num_experts, cfg.decoder_sparse_step, cfg.mlp_only_layers):
         return SparseMoeBlock(cfg.hidden_size, num_experts=cfg.num_experts,
                               top_k=cfg.num_experts_per_tok,
@@ -70,8 +78,8 @@ def router_aux_loss(cfg: Qwen3MoeConfig, stats: list[RouterStats],
                          "required for the router load-balancing loss")
     pooled = ((inputs["router_counts"], inputs["router_total"]) if "router_counts" in inputs
               else None)
-    aux = cfg.router_aux_loss_coef * load_balancing_loss(stats, inputs["path_count"],
-                                                         cfg.num_experts, pooled)
+    aux = cfg.router_aux_loss_coef * load_balancing_loss(
+        stats, inputs["path_count"], cfg.num_experts, cfg.data_parallel_axis, pooled)
     return aux, router_load(stats, inputs["path_count"], cfg.num_experts)
 
 
@@ -106,11 +114,13 @@ class Qwen3MoeModel(nnx.Module):
     def __call__(self, tokens, pos, end, prefix: tuple[AttentionCache, ...] | None = None,
                  layout: PrefixLayout | None = None
                  ) -> tuple[jax.Array, list[RouterStats], tuple[AttentionCache, ...]]:
-        x = self.embed_tokens(tokens)
+        x = vocab_parallel_embed(self.embed_tokens, tokens, self.cfg.tensor_parallel_axis)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
         all_stats, exports = [], []
         for i, layer in enumerate(self.layers):
-            x, stats, kv = layer(x, cos, sin, end, None if prefix is None else prefix[i], layout)
+            x, stats, kv = call_layer(layer, x, cos, sin, end,
+                                      None if prefix is None else prefix[i], layout,
+                                      remat=self.cfg.remat)
             exports.append(kv)
             if stats is not None:
                 all_stats.append(stats)

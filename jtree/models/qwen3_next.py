@@ -6,6 +6,11 @@ the first `partial_rotary_factor` of each head, output * sigmoid(gate) before o_
 feed-forward is a sparse MoE block with a gated shared expert (or a dense MLP per HF's rule).
 Qwen3-Next's RMSNorms scale by (1 + weight) with zero-initialized weights. Parameter names mirror
 HF (`model.layers.N.linear_attn.in_proj_qkvz`, `...self_attn.q_proj`, `...mlp.shared_expert_gate`).
+
+Tensor parallelism (`tensor_parallel_axis`): gated attention splits query heads like dense Qwen3
+(q_proj's columns are [query, gate] per head, so a column split keeps each head's gate with it and
+the gate multiplies only local heads), Gated DeltaNet splits key heads with their value heads
+(`jtree.models.gated_deltanet`), MoE blocks are expert parallel, embeddings vocab parallel.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtree.models.gated_deltanet import GatedDeltaNet, GdnRouting, gdn_routing
-from jtree.models.layers import apply_rope, linear, rope_cos_sin
+from jtree.models.layers import (
+    apply_rope, call_layer, linear, local_kv_heads, rope_cos_sin, row_parallel, vocab_parallel_embed,
+)
 from jtree.models.moe import RouterStats
 from jtree.models.moe_config import Qwen3NextConfig
 from jtree.models.output import ModelOutput
@@ -63,15 +70,18 @@ class Qwen3NextAttention(nnx.Module):
                  prefix: AttentionCache | None = None, layout: PrefixLayout | None = None
                  ) -> tuple[jax.Array, AttentionCache]:
         rows, s, _ = x.shape
-        cfg = self.cfg
-        q, gate = jnp.split(self.q_proj(x).reshape(rows, s, cfg.num_attention_heads, 2 * cfg.head_dim),
-                            2, axis=-1)
+        cfg, tp = self.cfg, self.cfg.tensor_parallel_axis
+        # Head counts come from the weights: under tensor parallelism they are this device's.
+        q, gate = jnp.split(self.q_proj(x).reshape(rows, s, -1, 2 * cfg.head_dim), 2, axis=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).reshape(rows, s, cfg.num_key_value_heads, cfg.head_dim))
-        v = self.v_proj(x).reshape(rows, s, cfg.num_key_value_heads, cfg.head_dim)
+        k = self.k_norm(self.k_proj(x).reshape(rows, s, -1, cfg.head_dim))
+        v = self.v_proj(x).reshape(rows, s, -1, cfg.head_dim)
+        heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(q, k, v, end, prefix, layout, cfg.attention_impl).reshape(rows, s, -1)
-        return self.o_proj(out * jax.nn.sigmoid(gate.reshape(rows, s, -1))), AttentionCache(k, v)
+        out = row_parallel(self.o_proj, out * jax.nn.sigmoid(gate.reshape(rows, s, -1)), tp)
+        return out, AttentionCache(k, v)
 
 
 class Qwen3NextDecoderLayer(nnx.Module):
@@ -114,14 +124,15 @@ class Qwen3NextModel(nnx.Module):
                  ) -> tuple[jax.Array, list[RouterStats], tuple[LayerCache, ...]]:
         cfg = self.cfg
         layout = None if prefix is None else prefix_layout(inputs)
-        x = self.embed_tokens(inputs["tokens"])
+        x = vocab_parallel_embed(self.embed_tokens, inputs["tokens"], cfg.tensor_parallel_axis)
         cos, sin = rope_cos_sin(inputs["pos"], cfg.rotary_dim, cfg.rope_theta)
         routing = (gdn_routing(inputs, cfg.linear_conv_kernel_dim, layout)
                    if "linear_attention" in cfg.layer_types else None)
         all_stats, exports = [], []
         for i, layer in enumerate(self.layers):
-            x, stats, cache = layer(x, cos, sin, inputs["end"], routing,
-                                    None if prefix is None else prefix[i], layout)
+            x, stats, cache = call_layer(layer, x, cos, sin, inputs["end"], routing,
+                                         None if prefix is None else prefix[i], layout,
+                                         remat=cfg.remat)
             exports.append(cache)
             if stats is not None:
                 all_stats.append(stats)
