@@ -75,6 +75,30 @@ def chunk_tables(
     node_base = np.cumsum(n_nodes) - n_nodes
     parent = np.concatenate([np.where(t.parents >= 0, t.parents + b, -1)
                              for t, b in zip(trees, node_base)])
+    return node_chunk_tables(lengths, node_start, node_row, parent, np.zeros(len(lengths), np.int64),
+                             n_rows, row_len, chunk_size, n_chunks, n_initial=1)["tables"]
+
+
+def node_chunk_tables(
+    lengths: np.ndarray,
+    node_start: np.ndarray,
+    node_row: np.ndarray,
+    parent: np.ndarray,
+    root_slot: np.ndarray,
+    n_rows: int,
+    row_len: int,
+    chunk_size: int,
+    n_chunks: int,
+    *,
+    n_initial: int,
+) -> dict:
+    """Chunk tables from node arrays: each node's token count, first row-local token, row, parent
+    (global node index, -1 for a root) and, for roots, the initial slot (< `n_initial`) its first
+    chunk enters from. Chunk c stores its final state in buffer slot `n_initial` + c.
+
+    Returns {"tables": the three `gdn_*` arrays, "last_slot": the buffer slot holding each node's
+    final state (its last chunk's)}: what a later part that continues below a node starts from.
+    """
     n_ch = -(-lengths // chunk_size)
 
     # Chunk index of each node's first chunk within its row, counting in token order.
@@ -101,8 +125,9 @@ def chunk_tables(
     c_start = node_start[c_node] + c_j * chunk_size
     c_len = np.minimum(chunk_size, lengths[c_node] - c_j * chunk_size)
     par = parent[c_node]
-    from_parent = np.where(par >= 0, last_chunk[np.maximum(par, 0)] + 1, 0)
-    c_src = np.where(c_j > 0, c_idx, from_parent)
+    from_parent = np.where(par >= 0, last_chunk[np.maximum(par, 0)] + n_initial,
+                           root_slot[c_node])
+    c_src = np.where(c_j > 0, c_idx + n_initial - 1, from_parent)
 
     src = np.zeros((n_rows, n_chunks), np.int32)
     src[c_row, c_idx] = c_src
@@ -113,4 +138,5 @@ def chunk_tables(
     t_tok = c_start[t_chunk] + t_j
     tokens[c_row[t_chunk], c_idx[t_chunk], t_j] = t_tok
     slot[c_row[t_chunk], t_tok] = c_idx[t_chunk] * chunk_size + t_j
-    return {"gdn_chunk_tokens": tokens, "gdn_chunk_src": src, "gdn_token_slot": slot}
+    return {"tables": {"gdn_chunk_tokens": tokens, "gdn_chunk_src": src, "gdn_token_slot": slot},
+            "last_slot": last_chunk + n_initial}

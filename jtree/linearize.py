@@ -189,22 +189,7 @@ def linearize(
             tok += sizes[i]
             nodes += trees[i].n_nodes
 
-    per_tree = [dict(t.token_arrays) for t in trees]
-    has_old = any(t.old_logprobs is not None for t in trees)
-    if has_old and not all(t.old_logprobs is not None for t in trees):
-        missing = next(i for i, t in enumerate(trees) if t.old_logprobs is None)
-        raise ValueError(f"tree {missing}: old_logprobs missing while other trees have them")
-    disagreement = 0.0
-    for t, arrs in zip(trees, per_tree):
-        arrs.update(token_coefficients(t, normalization, normalizer))
-        arrs["path_count"] = np.bincount(t.flat_token_index, minlength=t.n_tree_tokens)
-        if has_old:
-            # Position 0 is never scored, so rollout engines may leave anything there.
-            old = [np.concatenate([[0.0], o[1:]]) for o in t.old_logprobs]
-            arrs["old_logprobs"], d = t.tree_token_values(old)
-            disagreement = max(disagreement, d)
-        else:
-            arrs["old_logprobs"] = np.zeros(t.n_tree_tokens, np.float32)
+    per_tree, has_old, disagreement = tree_token_fields(trees, normalization, normalizer)
 
     size_arr = np.asarray(sizes, np.int64)
     dest = np.repeat(tree_row * row_len + tree_off, size_arr) + concat_ranges(size_arr)
@@ -281,6 +266,31 @@ def pad_score_index(index: np.ndarray, score_len: int) -> np.ndarray:
         raise ValueError(f"score_len={score_len}: narrower than the batch's {index.shape[-1]}")
     width = [(0, 0)] * (index.ndim - 1) + [(0, score_len - index.shape[-1])]
     return np.pad(index, width, constant_values=-1)
+
+
+def tree_token_fields(
+    trees: Sequence[TrajectoryTree], normalization: Normalization, normalizer: float
+) -> tuple[list[dict[str, np.ndarray]], bool, float]:
+    """Every per-token field of each tree in tree-token (DFS) order, tree-local indices: the
+    `token_arrays`, loss coefficients, `path_count` and `old_logprobs`. Also whether the trees
+    carry old log-probs and the largest disagreement of per-path old log-probs on shared tokens."""
+    per_tree = [dict(t.token_arrays) for t in trees]
+    has_old = any(t.old_logprobs is not None for t in trees)
+    if has_old and not all(t.old_logprobs is not None for t in trees):
+        missing = next(i for i, t in enumerate(trees) if t.old_logprobs is None)
+        raise ValueError(f"tree {missing}: old_logprobs missing while other trees have them")
+    disagreement = 0.0
+    for t, arrs in zip(trees, per_tree):
+        arrs.update(token_coefficients(t, normalization, normalizer))
+        arrs["path_count"] = np.bincount(t.flat_token_index, minlength=t.n_tree_tokens)
+        if has_old:
+            # Position 0 is never scored, so rollout engines may leave anything there.
+            old = [np.concatenate([[0.0], o[1:]]) for o in t.old_logprobs]
+            arrs["old_logprobs"], d = t.tree_token_values(old)
+            disagreement = max(disagreement, d)
+        else:
+            arrs["old_logprobs"] = np.zeros(t.n_tree_tokens, np.float32)
+    return per_tree, has_old, disagreement
 
 
 def unlinearize(batch: TreeBatch, per_token_values: np.ndarray) -> list[list[np.ndarray]]:

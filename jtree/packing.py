@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jtree.chunk_tables import default_chunk_count
 from jtree.linearize import TreeBatch, linearize, pack_rows, pad_score_index
 from jtree.loss import Normalization, batch_normalizer
 from jtree.tree import TrajectoryTree
@@ -131,22 +132,30 @@ def build_microbatches(
     normalization: Normalization = "seq_mean_token_mean",
     normalizer: float | None = None,
     len_buckets: Sequence[int] | None = None,
+    gdn_chunk_size: int | None = None,
 ) -> MicroBatches:
     """Pack `trees` (each at most `seq_len` tokens) into micro-batches of `rows_per_microbatch`
     rows. `normalizer` defaults to the batch normalizer over all `trees`; pass the value over the
-    whole step when `trees` is one device's share."""
+    whole step when `trees` is one device's share. `gdn_chunk_size` adds the Gated DeltaNet chunk
+    tables, with one chunk capacity for all micro-batches."""
     if rows_per_microbatch < 1:
         raise ValueError(f"rows_per_microbatch: must be >= 1, got {rows_per_microbatch}")
     plan = plan_rows([t.n_tree_tokens for t in trees], seq_len, len_buckets=len_buckets,
                      rows_multiple=rows_per_microbatch)
     if normalizer is None:
         normalizer = batch_normalizer(trees, normalization)
+    gdn_chunks = None
+    if gdn_chunk_size is not None:
+        per_row = [sum(int(np.sum(-(-np.diff(trees[i].node_offsets) // gdn_chunk_size)))
+                       for i in row) for row in plan.rows]
+        gdn_chunks = default_chunk_count(plan.row_len, gdn_chunk_size, max(per_row))
     batches = []
     for start in range(0, len(plan.rows), rows_per_microbatch):
         members = sorted(i for row in plan.rows[start : start + rows_per_microbatch] for i in row)
         batches.append(linearize([trees[i] for i in members], plan.row_len,
                                  normalization=normalization, normalizer=normalizer,
-                                 n_rows=rows_per_microbatch))
+                                 n_rows=rows_per_microbatch, gdn_chunk_size=gdn_chunk_size,
+                                 gdn_chunks=gdn_chunks))
     return MicroBatches(tuple(same_score_len(batches)), plan)
 
 

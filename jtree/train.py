@@ -103,17 +103,25 @@ def objective_loss(model: Any, inputs: Inputs, objective: Objective, *,
     carried as its numerator `clipped_adv` and denominator `abs_adv` (see `finish_metrics`).
     """
     out = model(inputs)
+    return loss_from_hidden(model.output_embedding(), out.hidden, inputs["pred"], out.aux_loss,
+                            inputs, objective, vocab_axis=vocab_axis)
+
+
+def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_loss: jax.Array,
+                     inputs: Inputs, objective: Objective, *, vocab_axis: str | None = None):
+    """`objective_loss` from final hidden states: token i is scored by row `pred[i]` of `hidden`
+    (a part of a partitioned tree puts the hidden state of the token above it first)."""
     want_entropy = objective.kind == "ppo" and objective.entropy_coef != 0
     if "score_index" in inputs:  # score only the tokens with a loss coefficient
         logp, entropy = scored_logprobs(
-            out.hidden, model.output_embedding(), inputs["tokens"], inputs["pred"],
+            hidden, w_out, inputs["tokens"], pred,
             inputs["score_index"], chunk=objective.logprob_chunk, with_entropy=want_entropy,
             vocab_axis=vocab_axis,
         )
         inputs = gather_scored(inputs)
     else:
         logp, entropy = logprobs_from_hidden(
-            out.hidden, model.output_embedding(), inputs["tokens"], inputs["pred"],
+            hidden, w_out, inputs["tokens"], pred,
             chunk=objective.logprob_chunk, with_entropy=want_entropy, vocab_axis=vocab_axis,
         )
     if objective.kind == "sft":
@@ -127,7 +135,7 @@ def objective_loss(model: Any, inputs: Inputs, objective: Objective, *,
         )
         abs_adv = jnp.sum(jnp.abs(inputs["adv_pos"]) + jnp.abs(inputs["adv_neg"]))
         metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv)
-    return loss + out.aux_loss, dict(metrics, aux_loss=out.aux_loss)
+    return loss + aux_loss, dict(metrics, aux_loss=aux_loss)
 
 
 SCORED_FIELDS = ("weight", "adv_pos", "adv_neg", "old_logprobs", "ref_logprobs")

@@ -1,6 +1,6 @@
 """Dense masked tree attention: the ground truth every other implementation is tested against.
 
-It materializes the [S, S] mask and scores, so it is for tests and small inputs only.
+It materializes the [Sq, Skv] mask and scores, so it is for tests and small inputs only.
 """
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 
 
-def tree_mask(end: jax.Array) -> jax.Array:
-    """[rows, S, S] boolean mask: query i sees key j iff j <= i < end[j]."""
+def tree_mask(end: jax.Array, q_pos: jax.Array | None = None) -> jax.Array:
+    """[rows, Sq, Skv] boolean mask: query i (at key position q_pos[i], default i) sees key j iff
+    j <= q_pos[i] < end[j]."""
     s = end.shape[-1]
-    i = jnp.arange(s)[:, None]
-    j = jnp.arange(s)[None, :]
+    i = jnp.arange(s)[None, :, None] if q_pos is None else q_pos[:, :, None]
+    j = jnp.arange(s)[None, None, :]
     return (j <= i) & (i < end[:, None, :])
 
 
@@ -25,15 +26,16 @@ def attention_reference(
     *,
     scale: float,
     softcap: float | None = None,
+    q_pos: jax.Array | None = None,
 ) -> jax.Array:
-    rows, s, hq, d = q.shape
+    rows, sq, hq, d = q.shape
     hkv = k.shape[2]
-    qg = q.reshape(rows, s, hkv, hq // hkv, d)
+    qg = q.reshape(rows, sq, hkv, hq // hkv, d)
     scores = jnp.einsum("rikgd,rjkd->rkgij", qg, k, preferred_element_type=jnp.float32) * scale
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
-    mask = tree_mask(end)[:, None, None]
+    mask = tree_mask(end, q_pos)[:, None, None]
     scores = jnp.where(mask, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("rkgij,rjkd->rikgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(rows, s, hq, d).astype(q.dtype)
+    return out.reshape(rows, sq, hq, d).astype(q.dtype)

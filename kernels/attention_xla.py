@@ -15,6 +15,10 @@ and scatter-adds the block's dk and dv contributions into O(S) accumulators.
 
 Heads are laid out so that the Hq / Hkv query heads sharing a kv head form one matrix of
 (Hq / Hkv) * block_q rows: one matmul per kv head and block serves all of its query heads.
+
+Rectangular layouts (`q_pos`): the queries may be a subset of the key positions (a part of a tree
+whose keys start with the cached prefix of earlier parts); query i sits at key position q_pos[i]
+and sees key j iff j <= q_pos[i] < end[j].
 """
 
 from __future__ import annotations
@@ -71,6 +75,17 @@ def padded_length(s: int, *, block_q: int | None = None, block_kv: int | None = 
     return round_up_to_blocks(s, block_q or dq, block_kv or dk)
 
 
+def padded_lengths(sq: int, skv: int, *, block_q: int | None = None, block_kv: int | None = None,
+                   **_options) -> tuple[int, int]:
+    """(Sq', Skv') the dispatch pads a rectangular (q_pos) call to."""
+    bq, bk = _blocks(sq, skv, block_q, block_kv)
+    return -(-sq // bq) * bq, -(-skv // bk) * bk
+
+
+def _blocks(sq: int, skv: int, block_q: int | None, block_kv: int | None) -> tuple[int, int]:
+    return block_q or default_blocks(sq)[0], block_kv or default_blocks(skv)[1]
+
+
 def tree_attention_xla(
     q: jax.Array,
     k: jax.Array,
@@ -82,41 +97,56 @@ def tree_attention_xla(
     block_q: int | None = None,
     block_kv: int | None = None,
     group: int = DEFAULT_GROUP,
+    q_pos: jax.Array | None = None,
 ) -> jax.Array:
-    """Tree attention of q [rows, S, Hq, D] over k, v [rows, S, Hkv, D] (see `tree_attention`).
+    """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] (see `tree_attention`).
 
-    S must be a multiple of both block sizes (`tree_attention` pads it). `group` is how many
-    q-blocks are processed together: larger groups make bigger matmuls, smaller ones waste less
-    work on lists shorter than the longest of their group.
+    Without `q_pos`, Sq = Skv = S and query i sits at key position i; S must be a multiple of
+    both block sizes (`tree_attention` pads it). With `q_pos` [rows, Sq] (non-decreasing key
+    positions of the queries), Sq must be a multiple of block_q and Skv of block_kv. `group` is
+    how many q-blocks are processed together: larger groups make bigger matmuls, smaller ones
+    waste less work on lists shorter than the longest of their group.
     """
-    s = q.shape[1]
-    dq, dk = default_blocks(s)
-    block_q, block_kv = block_q or dq, block_kv or dk
-    if s % block_q or s % block_kv:
-        raise ValueError(
-            f"xla tree attention: S={s} must be a multiple of block_q={block_q} and "
-            f"block_kv={block_kv} (tree_attention pads S; call it instead)")
+    sq, skv = q.shape[1], k.shape[1]
+    if q_pos is None:
+        dq, dk = default_blocks(sq)
+        block_q, block_kv = block_q or dq, block_kv or dk
+        if sq % block_q or sq % block_kv:
+            raise ValueError(
+                f"xla tree attention: S={sq} must be a multiple of block_q={block_q} and "
+                f"block_kv={block_kv} (tree_attention pads S; call it instead)")
+    else:
+        block_q, block_kv = _blocks(sq, skv, block_q, block_kv)
+        if sq % block_q or skv % block_kv:
+            raise ValueError(
+                f"xla tree attention: Sq={sq} must be a multiple of block_q={block_q} and "
+                f"Skv={skv} of block_kv={block_kv} (tree_attention pads them; call it instead)")
     if group < 1:
         raise ValueError(f"xla tree attention: group={group} must be >= 1")
     cfg = _Config(float(scale), None if softcap is None else float(softcap), block_q, block_kv,
                   group)
-    sched = jax.tree.map(jnp.asarray, _schedule(end, cfg))  # built on the host if `end` is numpy
-    return _attention(q, k, v, jnp.asarray(end, jnp.int32), sched, cfg)
+    # Built on the host if `end` (and `q_pos`) are numpy arrays.
+    sched = jax.tree.map(jnp.asarray, _schedule(end, cfg, q_pos))
+    if q_pos is None:
+        q_pos = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (q.shape[0], sq))
+    return _attention(q, k, v, jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32), sched,
+                      cfg)
 
 
 def schedule_work(end: np.ndarray, *, block_q: int | None = None, block_kv: int | None = None,
-                  group: int = DEFAULT_GROUP) -> tuple[int, int]:
-    """(block pairs the schedule computes, non-empty block pairs) for a host `end` whose length
-    the blocks divide. Their ratio is the schedule's overhead (1.0 with group=1)."""
-    dq, dk = default_blocks(end.shape[1])
-    cfg = _Config(1.0, None, block_q or dq, block_kv or dk, group)
-    sched = _schedule(np.asarray(end, np.int32), cfg)
+                  group: int = DEFAULT_GROUP, q_pos: np.ndarray | None = None) -> tuple[int, int]:
+    """(block pairs the schedule computes, non-empty block pairs) for a host `end` (and `q_pos`)
+    whose lengths the blocks divide. Their ratio is the schedule's overhead (1.0 with group=1)."""
+    sq = end.shape[1] if q_pos is None else q_pos.shape[1]
+    cfg = _Config(1.0, None, *_blocks(sq, end.shape[1], block_q, block_kv), group)
+    sched = _schedule(np.asarray(end, np.int32), cfg,
+                      None if q_pos is None else np.asarray(q_pos, np.int32))
     computed = int(sched.count[sched.groups].max(axis=1).sum()) * group
     return computed, int(sched.count.sum())
 
 
-def _schedule(end, cfg: _Config) -> _Schedule:
-    tables = block_tables(end, cfg.block_q, cfg.block_kv)
+def _schedule(end, cfg: _Config, q_pos=None) -> _Schedule:
+    tables = block_tables(end, cfg.block_q, cfg.block_kv, q_pos=q_pos)
     xp = np if isinstance(end, np.ndarray) else jnp
     rows, nq, max_kv = tables.kv_blocks.shape
     nk = end.shape[1] // cfg.block_kv
@@ -182,11 +212,11 @@ def _to_blocks(q, k, v, end, cfg: _Config) -> _Blocks:
                    _kv_to_blocks(v, cfg.block_kv), end.reshape(-1, cfg.block_kv))
 
 
-def _visible(qid: jax.Array, kid: jax.Array, live: jax.Array, end_k: jax.Array, nq: int,
-             nk: int, cfg: _Config) -> jax.Array:
-    """[G, 1, 1, bq, bk] element mask j <= i < end[j] of q-blocks `qid` against kv-blocks `kid`;
-    all False where `live` is False (list exhausted, or a padding group member)."""
-    qpos = (qid % nq)[:, None] * cfg.block_q + jnp.arange(cfg.block_q)  # [G, bq]
+def _visible(qpos: jax.Array, kid: jax.Array, live: jax.Array, end_k: jax.Array, nk: int,
+             cfg: _Config) -> jax.Array:
+    """[G, 1, 1, bq, bk] element mask j <= q_pos[i] < end[j] of the q-blocks of a group (their
+    query positions `qpos` [G, bq]) against kv-blocks `kid`; all False where `live` is False
+    (list exhausted, or a padding group member)."""
     kpos = (kid % nk)[:, None] * cfg.block_kv + jnp.arange(cfg.block_kv)  # [G, bk]
     qpos, kpos, end_k = qpos[:, :, None], kpos[:, None, :], end_k[:, None, :]
     mask = (kpos <= qpos) & (qpos < end_k) & live[:, None, None]
@@ -205,28 +235,30 @@ def _scores(qg: jax.Array, kk: jax.Array, cfg: _Config) -> tuple[jax.Array, jax.
     return cfg.softcap * t, t
 
 
-def _group_step_inputs(blocks: _Blocks, sched: _Schedule, gid: jax.Array, n: jax.Array,
-                       nq: int, nk: int, cfg: _Config):
+def _group_step_inputs(blocks: _Blocks, sched: _Schedule, gid: jax.Array, qpos: jax.Array,
+                       n: jax.Array, nk: int, cfg: _Config):
     """kv-block ids, k, v and mask for step `n` of every q-block of a group."""
     kid = sched.kv_index[gid, n]
     live = n < sched.count[gid]
-    mask = _visible(gid, kid, live, blocks.end[kid], nq, nk, cfg)
+    mask = _visible(qpos, kid, live, blocks.end[kid], nk, cfg)
     return kid, blocks.k[kid], blocks.v[kid], mask
 
 
-def _forward(q, k, v, end, sched: _Schedule, cfg: _Config):
-    rows, s, hq, d = q.shape
-    nq, nk = s // cfg.block_q, s // cfg.block_kv
+def _forward(q, k, v, end, q_pos, sched: _Schedule, cfg: _Config):
+    rows, sq, hq, d = q.shape
+    nq, nk = sq // cfg.block_q, k.shape[1] // cfg.block_kv
     blocks = _to_blocks(q, k, v, end, cfg)
+    qpos_blocks = q_pos.reshape(rows * nq, cfg.block_q)
     hkv, m_rows = blocks.q.shape[1:3]
     stat_shape = (cfg.group, hkv, m_rows // cfg.block_q, cfg.block_q)  # per query row
 
     def group_body(_, gid):
         qg = jnp.take(blocks.q, gid, axis=0, mode="clip")
+        qpos = jnp.take(qpos_blocks, gid, axis=0, mode="clip")
 
         def step(n, carry):
             m, l, acc = carry
-            _, kk, vv, mask = _group_step_inputs(blocks, sched, gid, n, nq, nk, cfg)
+            _, kk, vv, mask = _group_step_inputs(blocks, sched, gid, qpos, n, nk, cfg)
             s_blk, _ = _scores(qg, kk, cfg)
             m_new = jnp.maximum(m, jnp.where(mask, s_blk, _MASKED).max(axis=-1))
             p = jnp.where(mask, jnp.exp(s_blk - m_new[..., None]), 0.0)
@@ -250,22 +282,23 @@ def _forward(q, k, v, end, sched: _Schedule, cfg: _Config):
     return _q_from_blocks(out, rows, hq, cfg.block_q), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, end, sched, cfg):
-    return _forward(q, k, v, end, sched, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, end, q_pos, sched, cfg):
+    return _forward(q, k, v, end, q_pos, sched, cfg)[0]
 
 
-def _attention_fwd(q, k, v, end, sched, cfg):
-    out, lse = _forward(q, k, v, end, sched, cfg)
-    return out, (q, k, v, end, sched, out, lse)
+def _attention_fwd(q, k, v, end, q_pos, sched, cfg):
+    out, lse = _forward(q, k, v, end, q_pos, sched, cfg)
+    return out, (q, k, v, end, q_pos, sched, out, lse)
 
 
 def _attention_bwd(cfg, residuals, d_out):
-    q, k, v, end, sched, out, lse = residuals
-    rows, s, hq, d = q.shape
-    nq, nk = s // cfg.block_q, s // cfg.block_kv
+    q, k, v, end, q_pos, sched, out, lse = residuals
+    rows, sq, hq, d = q.shape
+    nq, nk = sq // cfg.block_q, k.shape[1] // cfg.block_kv
     hkv = k.shape[2]
     blocks = _to_blocks(q, k, v, end, cfg)
+    qpos_blocks = q_pos.reshape(rows * nq, cfg.block_q)
     do_blocks = _q_to_blocks(d_out, hkv, cfg.block_q)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     delta_blocks = _q_to_blocks(delta, hkv, cfg.block_q)
@@ -274,13 +307,13 @@ def _attention_bwd(cfg, residuals, d_out):
     def group_body(carry, gid):
         dk_acc, dv_acc = carry
         take = functools.partial(jnp.take, indices=gid, axis=0, mode="clip")
-        qg, dog = take(blocks.q), take(do_blocks)
+        qg, dog, qpos = take(blocks.q), take(do_blocks), take(qpos_blocks)
         lse_g = take(lse).reshape(cfg.group, hkv, g, cfg.block_q, 1)
         delta_g = take(delta_blocks).reshape(cfg.group, hkv, g, cfg.block_q, 1)
 
         def step(n, carry):
             dq, dk_acc, dv_acc = carry
-            kid, kk, vv, mask = _group_step_inputs(blocks, sched, gid, n, nq, nk, cfg)
+            kid, kk, vv, mask = _group_step_inputs(blocks, sched, gid, qpos, n, nk, cfg)
             s_blk, t = _scores(qg, kk, cfg)
             p = jnp.where(mask, jnp.exp(s_blk - lse_g), 0.0)
             dp = jnp.einsum("nhmd,nhkd->nhmk", dog, vv, preferred_element_type=jnp.float32)
@@ -308,7 +341,7 @@ def _attention_bwd(cfg, residuals, d_out):
     dq = dq.reshape(-1, *dq.shape[2:])[inverse]
     return (_q_from_blocks(dq, rows, hq, cfg.block_q),
             _kv_from_blocks(dk, rows).astype(k.dtype), _kv_from_blocks(dv, rows).astype(v.dtype),
-            None, None)
+            None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

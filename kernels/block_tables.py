@@ -8,6 +8,11 @@ This is DESIGN.md section 2's rule, made exact for kv-blocks that reach past the
 query (only possible when the two block sizes differ): there the maximum of `end` is taken over the
 keys j <= qb only.
 
+Rectangular layouts (`q_pos`): when the queries are a subset of the key positions (a part whose
+keys are cached prefix tokens followed by its own tokens, and whose queries are only its own
+tokens), query i sits at key position q_pos[i] (non-decreasing) and the same rules apply with
+qa = q_pos of the block's first query and qb = q_pos of its last.
+
 `block_tables` turns the classes into per-q-block lists of non-empty kv-blocks (for the forward
 and dq passes) and per-kv-block lists of non-empty q-blocks (for the dkv pass), padded to a static
 length. Padding entries repeat the last real entry, so a pipelined kernel that prefetches "the next
@@ -31,29 +36,41 @@ def _xp(x: Any):
     return np if isinstance(x, np.ndarray) else jnp
 
 
-def classify_blocks(end: Any, block_q: int, block_kv: int) -> Any:
-    """[rows, S/block_q, S/block_kv] int8 block classes (EMPTY, PARTIAL, FULL)."""
+def classify_blocks(end: Any, block_q: int, block_kv: int, q_pos: Any = None) -> Any:
+    """[rows, Sq/block_q, Skv/block_kv] int8 block classes (EMPTY, PARTIAL, FULL).
+
+    `end` [rows, Skv]; `q_pos` [rows, Sq] is the key position of every query (default: query i at
+    position i, Sq = Skv), non-decreasing along each row.
+    """
     xp = _xp(end)
     rows, s = end.shape
-    if s % block_q or s % block_kv:
-        raise ValueError(f"S={s} must be a multiple of block_q={block_q} and block_kv={block_kv}")
-    nq, nk = s // block_q, s // block_kv
+    sq = s if q_pos is None else q_pos.shape[1]
+    if sq % block_q or s % block_kv:
+        what = f"S={s}" if q_pos is None else f"Sq={sq} (block_q) and Skv={s} (block_kv)"
+        raise ValueError(f"{what} must be a multiple of block_q={block_q} and block_kv={block_kv}")
+    nq, nk = sq // block_q, s // block_kv
     end_blocks = end.reshape(rows, nk, block_kv)
     if xp is np:
         prefix_max = np.maximum.accumulate(end_blocks, axis=-1)
     else:
         prefix_max = jax.lax.cummax(end_blocks, axis=2)
     end_min = end_blocks.min(axis=-1)  # [rows, nk]
-    qa = xp.arange(nq)[:, None] * block_q  # [nq, 1]
-    qb = qa + block_q - 1
-    ka = xp.arange(nk)[None, :] * block_kv  # [1, nk]
+    if q_pos is None:
+        qa = xp.arange(nq)[None, :, None] * block_q  # [1, nq, 1]
+        qb = qa + block_q - 1
+    else:
+        q_blocks = q_pos.reshape(rows, nq, block_q)
+        qa, qb = q_blocks[:, :, :1], q_blocks[:, :, -1:]  # [rows, nq, 1]
+    ka = xp.arange(nk)[None, None, :] * block_kv  # [1, 1, nk]
     kb = ka + block_kv - 1
     # Max of end over the keys of the block that are not after the q-block's last query.
-    last = xp.clip(xp.minimum(kb, qb) - ka, 0, block_kv - 1)  # [nq, nk]
-    kv_index = xp.broadcast_to(xp.arange(nk)[None, :], (nq, nk))
-    reach = prefix_max[:, kv_index, last]  # [rows, nq, nk]
-    nonempty = (ka <= qb)[None] & (reach > qa[None])
-    full = (kb <= qa)[None] & (end_min[:, None, :] > qb[None])
+    last = xp.clip(xp.minimum(kb, qb) - ka, 0, block_kv - 1)  # [rows | 1, nq, nk]
+    last = xp.broadcast_to(last, (rows, nq, nk))
+    row_index = xp.arange(rows)[:, None, None]
+    kv_index = xp.arange(nk)[None, None, :]
+    reach = prefix_max[row_index, kv_index, last]  # [rows, nq, nk]
+    nonempty = (ka <= qb) & (reach > qa)
+    full = (kb <= qa) & (end_min[:, None, :] > qb)
     return xp.where(full, FULL, xp.where(nonempty, PARTIAL, EMPTY)).astype(xp.int8)
 
 
@@ -99,14 +116,15 @@ def block_tables(
     *,
     max_kv_blocks: int | None = None,
     max_q_blocks: int | None = None,
+    q_pos: Any = None,
 ) -> BlockTables:
-    """Block lists of the tree mask given by `end` [rows, S].
+    """Block lists of the tree mask given by `end` [rows, S] (and `q_pos`, see `classify_blocks`).
 
     `max_kv_blocks` / `max_q_blocks` fix the padded list lengths (default: all blocks, which always
     suffices). With numpy input a budget smaller than a list raises; under jit the caller sizes the
     budget with `required_blocks` on the host (the batch bucket), since a traced value cannot.
     """
-    classes = classify_blocks(end, block_q, block_kv)
+    classes = classify_blocks(end, block_q, block_kv, q_pos)
     nq, nk = classes.shape[1:]
     max_kv = nk if max_kv_blocks is None else max_kv_blocks
     max_q = nq if max_q_blocks is None else max_q_blocks
@@ -133,13 +151,17 @@ def round_up_to_blocks(s: int, block_q: int, block_kv: int) -> int:
     return -(-s // m) * m
 
 
-def required_blocks(end: np.ndarray, block_q: int, block_kv: int) -> tuple[int, int]:
+def required_blocks(end: np.ndarray, block_q: int, block_kv: int,
+                    q_pos: np.ndarray | None = None) -> tuple[int, int]:
     """(max non-empty kv-blocks of any q-block, max non-empty q-blocks of any kv-block)."""
-    return _required(classify_blocks(np.asarray(end), block_q, block_kv))
+    q_pos = None if q_pos is None else np.asarray(q_pos)
+    return _required(classify_blocks(np.asarray(end), block_q, block_kv, q_pos))
 
 
-def nonempty_fraction(end: np.ndarray, block_q: int, block_kv: int) -> float:
+def nonempty_fraction(end: np.ndarray, block_q: int, block_kv: int,
+                      q_pos: np.ndarray | None = None) -> float:
     """Fraction of all (q-block, kv-block) pairs that are non-empty: the work a block-sparse
     kernel does relative to dense attention."""
-    classes = classify_blocks(np.asarray(end), block_q, block_kv)
+    q_pos = None if q_pos is None else np.asarray(q_pos)
+    classes = classify_blocks(np.asarray(end), block_q, block_kv, q_pos)
     return float((classes != EMPTY).mean())

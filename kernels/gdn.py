@@ -17,6 +17,11 @@ first chunk reads its parent's last chunk instead, so siblings start from the sa
 the backward pass sums their gradients into it. The backward pass (a custom VJP: a reverse scan)
 keeps one entering state per chunk, O(chunks x state), never a copy of the buffer per step, and
 spends O(state) per chunk on routing.
+
+The buffer may start with several initial states (slots 0 .. NI - 1, then chunk c writes slot
+NI + c): a part of a tree that continues below tokens computed by an earlier part starts those
+subtrees from the state the earlier part reached there, next to other trees of the same row that
+start from zeros.
 """
 
 from __future__ import annotations
@@ -176,16 +181,17 @@ def _chunks_first(terms: _ChunkTerms) -> _ChunkTerms:
     return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 1, 0), terms)
 
 
-def _scan_forward(terms: _ChunkTerms, src: jax.Array, initial_state: jax.Array):
+def _scan_forward(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array):
     b, nc = src.shape
-    buffer = jnp.zeros((b, nc + 1) + initial_state.shape[1:], jnp.float32)
-    buffer = buffer.at[:, 0].set(initial_state)
+    n_init = initial_states.shape[1]
+    buffer = jnp.zeros((b, n_init + nc) + initial_states.shape[2:], jnp.float32)
+    buffer = buffer.at[:, :n_init].set(initial_states)
     rows = jnp.arange(b)
 
     def body(buf, xs):
         t, src_c, c = xs
         o, s_out, _ = _chunk_step(t, buf[rows, src_c])
-        return jax.lax.dynamic_update_index_in_dim(buf, s_out, c + 1, axis=1), o
+        return jax.lax.dynamic_update_index_in_dim(buf, s_out, c + n_init, axis=1), o
 
     xs = (_chunks_first(terms), src.T, jnp.arange(nc, dtype=jnp.int32))
     buffer, o = jax.lax.scan(body, buffer, xs)
@@ -193,23 +199,23 @@ def _scan_forward(terms: _ChunkTerms, src: jax.Array, initial_state: jax.Array):
 
 
 @jax.custom_vjp
-def _route_chunks(terms: _ChunkTerms, src: jax.Array, initial_state: jax.Array):
-    """`initial_state` [B, H, dk, dv] float32. Scan over chunks in order; chunk c enters with
-    buffer[src[:, c]] and stores its final state in buffer[c + 1]. Returns (o [B, NC, H, C, dv],
-    buffer [B, NC + 1, H, dk, dv]).
+def _route_chunks(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array):
+    """`initial_states` [B, NI, H, dk, dv] float32. Scan over chunks in order; chunk c enters with
+    buffer[src[:, c]] and stores its final state in buffer[NI + c]. Returns (o [B, NC, H, C, dv],
+    buffer [B, NI + NC, H, dk, dv]).
 
-    Custom VJP: slot c + 1 is written only by chunk c, so the final buffer holds every chunk's
+    Custom VJP: slot NI + c is written only by chunk c, so the final buffer holds every chunk's
     entering state and is the only state residual, O(chunks x state). The backward scan runs in
     reverse carrying the buffer's cotangent and adds each chunk's entering-state cotangent into
     its source slot in place, O(state) per chunk. (Plain autodiff adds a buffer-sized scatter per
     step, O(chunks^2 x state) time, and XLA copies the carry when a slice of it is emitted per
     step, which is why nothing read from the buffer is a scan output here.)
     """
-    return _scan_forward(terms, src, initial_state)
+    return _scan_forward(terms, src, initial_states)
 
 
-def _route_fwd(terms, src, initial_state):
-    o, buffer = _scan_forward(terms, src, initial_state)
+def _route_fwd(terms, src, initial_states):
+    o, buffer = _scan_forward(terms, src, initial_states)
     return (o, buffer), (terms, src, buffer)
 
 
@@ -217,13 +223,14 @@ def _route_bwd(res, cts):
     terms, src, buffer = res
     d_o, d_buffer = cts
     b, nc = src.shape
+    n_init = buffer.shape[1] - nc
     rows = jnp.arange(b)
     entering = jnp.moveaxis(buffer[rows[:, None], src], 1, 0)  # [NC, B, H, dk, dv]
 
     def body(d_buf, xs):
         t, src_c, c, s, d_o_c = xs
         _, vjp = jax.vjp(_chunk_step, t, s)
-        d_s_out = jax.lax.dynamic_index_in_dim(d_buf, c + 1, axis=1, keepdims=False)
+        d_s_out = jax.lax.dynamic_index_in_dim(d_buf, c + n_init, axis=1, keepdims=False)
         d_t, d_s = vjp((d_o_c, d_s_out, jnp.zeros_like(t.u)))
         return d_buf.at[rows, src_c].add(d_s), d_t
 
@@ -233,7 +240,7 @@ def _route_bwd(res, cts):
     d_buf, d_terms = jax.lax.scan(body, d_buf, xs, reverse=True)
     d_terms = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 1), d_terms)
     d_src = np.zeros(src.shape, jax.dtypes.float0)
-    return d_terms, d_src, d_buf[:, 0]
+    return d_terms, d_src, d_buf[:, :n_init]
 
 
 _route_chunks.defvjp(_route_fwd, _route_bwd)
@@ -266,7 +273,7 @@ def gated_delta_rule_chunked(
     state = (_zero_state(v, q.shape[-1]) if initial_state is None
              else initial_state.astype(jnp.float32))
     src = jnp.broadcast_to(jnp.arange(nc, dtype=jnp.int32), (b, nc))
-    o, buffer = _route_chunks(terms, src, varying_like(state, terms))
+    o, buffer = _route_chunks(terms, src, varying_like(state, terms)[:, None])
     o = jnp.swapaxes(o, 2, 3).reshape(b, nc * chunk_size, hv, dv)[:, :t]
     return o.astype(v.dtype), buffer[:, nc]
 
@@ -282,6 +289,7 @@ def tree_gated_delta_rule(
     chunk_src: jax.Array,
     token_slot: jax.Array,
     initial_state: jax.Array | None = None,
+    initial_states: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule on rows of DFS-ordered trees, each token seeing only its path.
 
@@ -292,9 +300,20 @@ def tree_gated_delta_rule(
     chunk of the node or the parent's last chunk), `token_slot` [R, S] flat slot c * C + j of
     each token (-1: in no chunk; its output is 0).
 
-    Returns (o [R, S, Hv, dv] in v's dtype, buffer [R, NC + 1, Hv, dk, dv] of chunk-final states).
+    `initial_states` [R, NI, Hv, dk, dv] (instead of `initial_state`) gives NI initial slots:
+    `chunk_src` values 0 .. NI - 1 pick one of them and NI + c' the state after chunk c'.
+
+    Returns (o [R, S, Hv, dv] in v's dtype, buffer [R, NI + NC, Hv, dk, dv] of the initial and
+    chunk-final states).
     """
     _check_shapes(q, k, v, g, beta, initial_state)
+    if initial_state is not None and initial_states is not None:
+        raise ValueError("give initial_state or initial_states, not both")
+    want = (v.shape[0], None, v.shape[2], q.shape[3], v.shape[3])
+    if initial_states is not None and (initial_states.ndim != 5 or initial_states.shape[0] != want[0]
+                                       or initial_states.shape[2:] != want[2:]):
+        raise ValueError(f"initial_states must be [R, NI, Hv, dk, dv] = [{want[0]}, NI, "
+                         f"{want[2]}, {want[3]}, {want[4]}]; got {initial_states.shape}")
     r, s, hv, dv = v.shape
     if chunk_tokens.ndim != 3 or chunk_tokens.shape[0] != r or chunk_src.shape != chunk_tokens.shape[:2]:
         raise ValueError(f"chunk_tokens must be [R, NC, C] and chunk_src [R, NC]; got "
@@ -315,11 +334,15 @@ def tree_gated_delta_rule(
         return picked.reshape((r, nc, c) + x.shape[2:])
 
     terms = _chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta)))
-    state = (_zero_state(v, q.shape[-1]) if initial_state is None
-             else initial_state.astype(jnp.float32))
+    if initial_states is not None:
+        states = initial_states.astype(jnp.float32)
+    elif initial_state is not None:
+        states = initial_state.astype(jnp.float32)[:, None]
+    else:
+        states = _zero_state(v, q.shape[-1])[:, None]
     # Inside shard_map a zero initial state must vary like the chunks it meets, so that its
     # cotangent (the custom VJP's) has the type of the argument.
-    o, buffer = _route_chunks(terms, chunk_src, varying_like(state, terms, chunk_src))
+    o, buffer = _route_chunks(terms, chunk_src, varying_like(states, terms, chunk_src))
     o = jnp.swapaxes(o, 2, 3).reshape(r, nc * c, hv, dv)
     has_slot = (token_slot >= 0)[..., None, None]
     o = jnp.take_along_axis(o, jnp.where(token_slot >= 0, token_slot, 0)[..., None, None], axis=1)

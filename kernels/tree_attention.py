@@ -7,6 +7,14 @@ cannot honour the mask for given inputs raises; nothing falls back to plain caus
 Block-sparse implementations need S to be a multiple of their block sizes. The dispatch pads S with
 tokens that attend only to themselves (end[j] = j + 1), which no real query can see (j <= i fails),
 and drops them from the output, so padding never changes the result.
+
+Prefix (redundancy-free partitioning): a part of a tree can attend to keys computed by earlier
+parts. `prefix_k`, `prefix_v` [rows, P, Hkv, D] are laid out before the part's own keys and
+`prefix_end` [rows, P] gives their subtree ends; `end` and `prefix_end` are in the part's combined
+coordinates (prefix key j at position j, own token i at position P + i), so the one rule
+j <= i < end[j] still decides visibility while queries exist only for the own tokens. An
+implementation without rectangular support raises ("prefix not supported"); `auto` picks `xla`
+for prefix calls where the backend's kernel has none (`pallas_mosaic_gpu` today).
 """
 
 from __future__ import annotations
@@ -24,15 +32,24 @@ from kernels.attention_reference import attention_reference
 
 
 class _Impl(NamedTuple):
-    run: Callable[..., jax.Array]  # (q, k, v, end, *, scale, softcap, **options)
+    run: Callable[..., jax.Array]  # (q, k, v, end, *, scale, softcap, [q_pos], **options)
     padded_length: Callable[..., int] | None  # (S, **options) -> S' >= S it can run; None: any S
+    # (Sq, Skv, **options) -> (Sq', Skv') for calls with a prefix (keyword `q_pos` of `run`);
+    # None: the implementation does not support a prefix.
+    padded_lengths: Callable[..., tuple[int, int]] | None = None
+
+
+def _any_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
+    return sq, skv
 
 
 _IMPLS: dict[str, _Impl] = {
-    "reference": _Impl(attention_reference, None),
-    "xla": _Impl(attention_xla.tree_attention_xla, attention_xla.padded_length),
-    "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length),
-    "pallas_mosaic_gpu": _Impl(attention_mgpu, None),  # pads S itself
+    "reference": _Impl(attention_reference, None, _any_lengths),
+    "xla": _Impl(attention_xla.tree_attention_xla, attention_xla.padded_length,
+                 attention_xla.padded_lengths),
+    "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length,
+                        attention_tpu.padded_lengths),
+    "pallas_mosaic_gpu": _Impl(attention_mgpu, None),  # pads S itself; no prefix support yet
 }
 
 # What `auto` runs on each backend. On a GPU the Mosaic kernel needs bf16/f16 operands and head_dim
@@ -67,6 +84,9 @@ def tree_attention(
     impl: str = "auto",
     scale: float | None = None,
     softcap: float | None = None,
+    prefix_k: jax.Array | None = None,
+    prefix_v: jax.Array | None = None,
+    prefix_end: jax.Array | None = None,
     **options: Any,
 ) -> jax.Array:
     """Attention of q [rows, S, Hq, D] over k, v [rows, S, Hkv, D] under the tree mask `end`.
@@ -76,6 +96,10 @@ def tree_attention(
     implementation (e.g. `block_q`, `block_kv` for `xla` and `pallas_tpu`, `interpret` for
     `pallas_tpu`). `end` [rows, S] int32 must satisfy j < end[j] <= S (checked when it is a
     host array).
+
+    With a prefix (all three of `prefix_k`, `prefix_v` [rows, P, Hkv, D] and `prefix_end`
+    [rows, P]; see the module docstring), `end` and `prefix_end` are combined coordinates:
+    P + i < end[i] <= P + S and j < prefix_end[j] <= P + S.
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [rows, S, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
@@ -85,10 +109,14 @@ def tree_attention(
         raise ValueError(f"GQA: kv heads ({k.shape[2]}) must divide q heads ({q.shape[2]})")
     if end.shape != q.shape[:2]:
         raise ValueError(f"end: shape {end.shape} does not match q's [rows, S] {q.shape[:2]}")
-    if isinstance(end, np.ndarray):
-        _check_end(end)
     if scale is None:
         scale = q.shape[3] ** -0.5
+    prefix = (prefix_k, prefix_v, prefix_end)
+    if any(x is not None for x in prefix):
+        return _with_prefix(q, k, v, end, *prefix, impl=impl, scale=scale, softcap=softcap,
+                            **options)
+    if isinstance(end, np.ndarray):
+        _check_end(end)
     chosen = _IMPLS[resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3])]
     s = q.shape[1]
     target = s if chosen.padded_length is None else chosen.padded_length(s, **options)
@@ -99,14 +127,72 @@ def tree_attention(
     return out[:, :s]
 
 
-def _check_end(end: np.ndarray) -> None:
+def _with_prefix(q, k, v, end, prefix_k, prefix_v, prefix_end, *, impl: str, scale: float,
+                 softcap: float | None, **options: Any) -> jax.Array:
+    """Own queries over [prefix keys | own keys] (see the module docstring)."""
+    if prefix_k is None or prefix_v is None or prefix_end is None:
+        raise ValueError("prefix: give all of prefix_k, prefix_v and prefix_end, or none")
+    rows, s = q.shape[:2]
+    p = prefix_k.shape[1]
+    if (prefix_k.shape != prefix_v.shape or prefix_k.shape[0] != rows
+            or prefix_k.shape[2:] != k.shape[2:]):
+        raise ValueError(f"prefix_k, prefix_v must be [rows, P, Hkv, D] = [{rows}, P, "
+                         f"{k.shape[2]}, {k.shape[3]}]; got {prefix_k.shape}, {prefix_v.shape}")
+    if prefix_end.shape != (rows, p):
+        raise ValueError(f"prefix_end: shape {prefix_end.shape} does not match prefix_k's "
+                         f"[rows, P] {(rows, p)}")
+    end_all = (np.concatenate([prefix_end, end], axis=1)
+               if isinstance(end, np.ndarray) and isinstance(prefix_end, np.ndarray)
+               else jnp.concatenate([jnp.asarray(prefix_end, jnp.int32),
+                                     jnp.asarray(end, jnp.int32)], axis=1))
+    if isinstance(end_all, np.ndarray):
+        _check_end(end_all, first_query=p)
+    name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3])
+    if impl == "auto" and _IMPLS[name].padded_lengths is None:
+        name = "xla"  # same masked attention; the backend's kernel has no prefix support yet
+    chosen = _IMPLS[name]
+    if chosen.padded_lengths is None:
+        raise ValueError(f"attention impl {name!r}: prefix not supported (it cannot attend to "
+                         "cached keys of earlier parts; use 'xla' or 'reference')")
+    k_all = jnp.concatenate([prefix_k, k], axis=1)
+    v_all = jnp.concatenate([prefix_v, v], axis=1)
+    sq, skv = chosen.padded_lengths(s, p + s, **options)
+    q_pos = np.arange(p, p + s, dtype=np.int32)
+    if skv > p + s:
+        width = ((0, 0), (0, skv - p - s), (0, 0), (0, 0))
+        k_all, v_all = jnp.pad(k_all, width), jnp.pad(v_all, width)
+        pad_end = np.arange(p + s, skv, dtype=np.int32) + 1
+        end_all = _concat_rows(end_all, pad_end)
+    if sq > s:
+        q = jnp.pad(q, ((0, 0), (0, sq - s), (0, 0), (0, 0)))
+        q_pos = np.concatenate([q_pos, np.full(sq - s, skv - 1, np.int32)])
+    q_pos = np.broadcast_to(q_pos, (rows, sq))
+    if not isinstance(end_all, np.ndarray):
+        q_pos = jnp.asarray(q_pos)
+    out = chosen.run(q, k_all, v_all, end_all, scale=scale, softcap=softcap, q_pos=q_pos,
+                     **options)
+    return out[:, :s]
+
+
+def _concat_rows(end, tail: np.ndarray):
+    """`end` [rows, n] with `tail` appended to every row (numpy stays numpy)."""
+    rows = end.shape[0]
+    if isinstance(end, np.ndarray):
+        return np.concatenate([end, np.broadcast_to(tail, (rows, len(tail)))], axis=1)
+    return jnp.concatenate([end, jnp.broadcast_to(jnp.asarray(tail), (rows, len(tail)))], axis=1)
+
+
+def _check_end(end: np.ndarray, first_query: int = 0) -> None:
+    """Every key sees itself and no key's subtree reaches past the row (end[j] in (j, S]); in a
+    prefix layout the keys before `first_query` have no query, so they only need end[j] > j."""
     if not np.issubdtype(end.dtype, np.integer):
         raise ValueError(f"end: dtype {end.dtype} is not an integer type")
     j = np.arange(end.shape[1])
     bad = (end <= j) | (end > end.shape[1])
     if bad.any():
         r, i = map(int, np.argwhere(bad)[0])
-        raise ValueError(f"end: row {r}, token {i} has end={int(end[r, i])}; need "
+        where = f"token {i}" if i >= first_query else f"prefix key {i}"
+        raise ValueError(f"end: row {r}, {where} has end={int(end[r, i])}; need "
                          f"{i} < end <= S={end.shape[1]} (every token sees itself)")
 
 

@@ -25,12 +25,15 @@ def path_context(pred: jax.Array, width: int) -> jax.Array:
     return jnp.stack(steps, axis=-1)
 
 
-def tree_causal_conv1d(x: jax.Array, weight: jax.Array, context: jax.Array) -> jax.Array:
-    """out[i] = weight[:, K-1] * x[i] + sum_m weight[:, K-1-m] * x[context[i, m-1]], m = 1..K-1.
+def tree_causal_conv1d(x: jax.Array, weight: jax.Array, context: jax.Array,
+                       source: jax.Array | None = None) -> jax.Array:
+    """out[i] = weight[:, K-1] * x[i] + sum_m weight[:, K-1-m] * src[context[i, m-1]], m = 1..K-1.
 
     x [R, S, D]; weight [D, K] (HF `conv1d.weight` [D, 1, K] squeezed); context [R, S, K - 1] from
-    `path_context`. No bias, no activation; computed in x's dtype.
+    `path_context`, indexing `source` [R, S', D] (default: x itself; a part of a tree passes its
+    cached left context followed by x). No bias, no activation; computed in x's dtype.
     """
+    src = x if source is None else source
     kernel = weight.shape[-1]
     if context.shape != x.shape[:2] + (kernel - 1,):
         raise ValueError(f"context must be [R, S, K-1] = {x.shape[:2] + (kernel - 1,)}; "
@@ -39,6 +42,6 @@ def tree_causal_conv1d(x: jax.Array, weight: jax.Array, context: jax.Array) -> j
     out = x * w[:, kernel - 1]
     for m in range(1, kernel):
         idx = context[..., m - 1]
-        shifted = jnp.take_along_axis(x, jnp.maximum(idx, 0)[..., None], axis=1)
+        shifted = jnp.take_along_axis(src, jnp.maximum(idx, 0)[..., None], axis=1)
         out = out + jnp.where((idx >= 0)[..., None], shifted, 0) * w[:, kernel - 1 - m]
     return out

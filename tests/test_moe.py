@@ -8,7 +8,7 @@ from flax import nnx
 
 from jtree.linearize import linearize
 from jtree.models import ARCHITECTURES, Qwen3Moe, Qwen3MoeConfig, Qwen3Next, Qwen3NextConfig
-from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss
+from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
 from jtree.tree import TrajectoryTree
 
 
@@ -57,6 +57,35 @@ def test_aux_loss_weights_equal_repeating_tokens():
     assert float(tree) == pytest.approx(float(flat), rel=1e-6)
     np.testing.assert_allclose(g_tree, g_flat, atol=1e-7)
     assert float(jnp.linalg.norm(g_tree)) > 0
+
+
+def test_pooled_aux_loss_shares_add_up_to_the_whole_batch():
+    """Pieces of a batch given the whole batch's router load (the parts of a tree split
+    redundancy-free) have losses and gradients summing to the whole batch's."""
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(2, 9, 5)), jnp.float32)
+    weight = jnp.asarray(rng.integers(0, 4, size=9), jnp.float32)
+    pieces = [np.arange(0, 4), np.arange(4, 5), np.arange(5, 9)]
+
+    def stats_of(lg, index):
+        probs = [jax.nn.softmax(lg[i][index], -1) for i in range(2)]
+        return [RouterStats(p, jax.lax.top_k(p, 2)[1]) for p in probs]
+
+    def whole(lg):
+        return load_balancing_loss(stats_of(lg, np.arange(9)), weight, 5)
+
+    pooled = router_load(stats_of(logits, np.arange(9)), weight, 5)
+
+    def shared(lg):
+        return sum(load_balancing_loss(stats_of(lg, ix), weight[ix], 5, pooled=pooled)
+                   for ix in pieces)
+
+    separate = sum(load_balancing_loss(stats_of(logits, ix), weight[ix], 5) for ix in pieces)
+    value, grad = jax.value_and_grad(whole)(logits)
+    value_shared, grad_shared = jax.value_and_grad(shared)(logits)
+    assert float(value_shared) == pytest.approx(float(value), rel=1e-6)
+    assert abs(float(separate) - float(value)) > 1e-3  # per-piece losses would not add up
+    np.testing.assert_allclose(grad_shared, grad, atol=1e-7)
 
 
 def test_model_aux_loss_needs_path_count_and_config_flag():

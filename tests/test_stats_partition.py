@@ -62,3 +62,20 @@ def test_overlap_curve_areas_are_flat_and_tree_tokens():
         start, y = node_layout(tree)
         has_parent = tree.parents >= 0
         assert np.all(start[has_parent] > start[tree.parents[has_parent]])
+
+
+def test_stats_redundancy_free_computes_every_tree_token_once(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["stats", SAMPLE, "--capacity", "100", "--method", "redundancy_free,heuristic",
+                 "--json", str(out)]) == 2  # the duplicating heuristic cannot hold long paths
+    assert main(["stats", SAMPLE, "--capacity", "100", "--method", "redundancy_free",
+                 "--json", str(out)]) == 0
+    assert "redundancy_free" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    for tree, entry in zip(read_sequence_groups(SAMPLE), data["trees"]):
+        r = entry["partition"]["redundancy_free"]
+        assert r["n_computed"] == tree.n_tree_tokens
+        assert abs(r["err"] - tree.stats().por) < 1e-12
+        assert r["parts"] >= -(-tree.n_tree_tokens // 100)
+    assert data["total"]["partition"]["redundancy_free"]["n_computed"] == data["total"][
+        "n_tree_tokens"]

@@ -2,7 +2,9 @@
 
 With `--capacity C`, every tree is partitioned into parts of at most C tree tokens by each method
 (`--methods`), reporting parts, N_computed and ERR per tree and in total (`dp_multi` is reported as
-refused on trees too large for it). `--plot OUT.png` draws one tree (node size by tokens; with a
+refused on trees too large for it). Method `redundancy_free` plans the parts of `jtree.rfree` (no
+prefix duplicated: N_computed == N_tree, ERR == POR, at any capacity, paths longer than it
+included). `--plot OUT.png` draws one tree (node size by tokens; with a
 capacity, colour by how many heuristic parts compute each node) and its overlap curve; `--json`
 writes every number.
 """
@@ -16,6 +18,7 @@ import numpy as np
 
 from jtree.partition import METHODS, partition
 from jtree.partition_dp import DEFAULT_MAX_WORK, TooLargeForExactDP
+from jtree.rfree.plan import plan_parts
 from jtree.tree import TrajectoryTree
 from jtree.tree_jsonl import read_sequence_groups, read_trees
 
@@ -27,8 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", dest="json_out", default=None, help="write the numbers here")
     p.add_argument("--capacity", type=int, default=None,
                    help="partition every tree into parts of at most this many tree tokens")
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated partition methods (default: {','.join(METHODS)})")
+    p.add_argument("--methods", "--method", default=",".join(METHODS),
+                   help=f"comma-separated partition methods among {','.join(STATS_METHODS)} "
+                        f"(default: {','.join(METHODS)})")
     p.add_argument("--max-work", type=int, default=DEFAULT_MAX_WORK,
                    help="dp_multi refuses trees that need more groupings than this")
     p.add_argument("--plot", default=None, metavar="OUT.png",
@@ -36,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot-tree", type=int, default=None,
                    help="index of the tree to draw (default: the one with most tree tokens)")
     p.set_defaults(func=run)
+
+
+STATS_METHODS = METHODS + ("redundancy_free",)
 
 
 def load(path: str, fmt: str) -> list[TrajectoryTree]:
@@ -74,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
 def _methods(text: str) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
     for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"--methods: {m!r} is not one of {METHODS}")
+        if m not in STATS_METHODS:
+            raise ValueError(f"--methods: {m!r} is not one of {STATS_METHODS}")
     return methods
 
 
@@ -83,6 +90,12 @@ def _partition_all(index: int, tree: TrajectoryTree, capacity: int, methods: lis
                    max_work: int) -> dict:
     out = {}
     for m in methods:
+        if m == "redundancy_free":
+            parts = plan_parts(tree, capacity)
+            n_computed = sum(p.n_tree_tokens for p in parts)
+            out[m] = {"parts": len(parts), "n_computed": n_computed,
+                      "err": 1.0 - n_computed / tree.stats().n_flat_tokens}
+            continue
         try:
             r = partition(tree, capacity, m, max_work=max_work)
         except TooLargeForExactDP as e:

@@ -6,6 +6,11 @@ each token's path, then SiLU -> gated delta rule with beta = sigmoid(b) and
 g = -exp(A_log) * softplus(a + dt_bias), routed over the tree's chunks -> RMSNorm of each head's
 output gated by SiLU(z) -> out_proj.
 
+With a prefix (a part of a tree below tokens an earlier part computed, `jtree.models.prefix`), the
+conv reads its left context from the prefix's cached pre-conv activations and the part's subtrees
+start from the prefix's state (initial slot 1 of the chunk tables; slot 0 stays zeros for other
+trees of the row).
+
 Tensor parallelism (`tensor_parallel_axis`) splits key heads, each with its value heads: the
 grouped in_proj_qkvz / in_proj_ba are column-parallel (a contiguous column block is whole key-head
 groups), dt_bias and A_log are split per value head, the recurrence and the gated norm are per head
@@ -26,6 +31,7 @@ from flax import nnx
 
 from jtree.models.layers import linear, row_parallel
 from jtree.models.moe_config import Qwen3NextConfig
+from jtree.models.prefix import GdnCache, PrefixLayout
 from kernels.gdn import tree_gated_delta_rule
 from kernels.tree_conv import path_context, tree_causal_conv1d
 
@@ -33,20 +39,32 @@ from kernels.tree_conv import path_context, tree_causal_conv1d
 class GdnRouting(NamedTuple):
     """Per-batch tree layout the GDN layers read (built once per forward by `gdn_routing`)."""
 
-    conv_context: jax.Array  # [R, S, K - 1] previous tokens along each path
+    conv_context: jax.Array  # [R, S, K - 1] previous tokens along each path (see gdn_routing)
     chunk_tokens: jax.Array  # [R, NC, C]
     chunk_src: jax.Array  # [R, NC]
     token_slot: jax.Array  # [R, S]
+    export_slots: jax.Array | None  # [R, E] buffer slots whose states later parts start from
 
 
-def gdn_routing(inputs: Mapping[str, jax.Array], conv_kernel: int) -> GdnRouting:
+def gdn_routing(inputs: Mapping[str, jax.Array], conv_kernel: int,
+                layout: PrefixLayout | None = None) -> GdnRouting:
+    """Conv context and chunk tables. Without a prefix the conv context indexes the row's own
+    tokens; with one it indexes [K - 1 cached activations before the part | own tokens]."""
     missing = [f for f in ("pred", "gdn_chunk_tokens", "gdn_chunk_src", "gdn_token_slot")
                if f not in inputs]
     if missing:
         raise ValueError(f"inputs: {missing} missing; linear-attention layers need the pred chain "
                          "and the chunk tables of jtree.linearize")
-    return GdnRouting(path_context(inputs["pred"], conv_kernel - 1), inputs["gdn_chunk_tokens"],
-                      inputs["gdn_chunk_src"], inputs["gdn_token_slot"])
+    width = conv_kernel - 1
+    if layout is None:
+        context = path_context(inputs["pred"], width)
+    else:
+        p = layout.pred.shape[1]
+        combined = path_context(jnp.concatenate([layout.pred, inputs["pred"]], axis=1), width)
+        context = combined[:, p:]
+        context = jnp.where(context >= 0, context - p + width, -1)
+    return GdnRouting(context, inputs["gdn_chunk_tokens"], inputs["gdn_chunk_src"],
+                      inputs["gdn_token_slot"], inputs.get("gdn_export_slots"))
 
 
 class GatedRMSNorm(nnx.Module):
@@ -72,12 +90,14 @@ class DepthwiseConv1d(nnx.Module):
         self.weight = nnx.Param(
             nnx.initializers.normal(init_std)(rngs.params(), (channels, 1, kernel), param_dtype))
 
-    def __call__(self, x: jax.Array, context: jax.Array, channels: jax.Array | None = None
-                 ) -> jax.Array:
+    def __call__(self, x: jax.Array, context: jax.Array, channels: jax.Array | None = None,
+                 source: jax.Array | None = None) -> jax.Array:
         """Convolve x [R, S, D] along the paths; `channels` [D] picks the weight rows x holds
-        (all of them by default)."""
+        (all of them by default); `source` holds the context tokens when they are not x's own
+        (a cached prefix before them, `tree_causal_conv1d`)."""
         weight = self.weight[...][:, 0, :]
-        return tree_causal_conv1d(x, weight if channels is None else weight[channels], context)
+        return tree_causal_conv1d(x, weight if channels is None else weight[channels], context,
+                                  source)
 
 
 def local_conv_channels(key_dim: int, value_dim: int, local_key_dim: int, local_value_dim: int,
@@ -113,7 +133,10 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = linear(nv * dv, cfg.hidden_size, **kw)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, routing: GdnRouting) -> jax.Array:
+    def __call__(self, x: jax.Array, routing: GdnRouting, prefix: GdnCache | None = None
+                 ) -> tuple[jax.Array, GdnCache]:
+        """Output, and the pre-conv activations of these tokens with the states after the
+        routing's export slots (what later parts of a partitioned tree start from)."""
         cfg, tp = self.cfg, self.cfg.tensor_parallel_axis
         r, s, _ = x.shape
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -126,17 +149,25 @@ class GatedDeltaNet(nnx.Module):
         ba = self.in_proj_ba(x).reshape(r, s, nk, 2 * per)
         b, a = ba[..., :per].reshape(r, s, nv), ba[..., per:].reshape(r, s, nv)
 
-        mixed = jnp.concatenate([q.reshape(r, s, -1), k.reshape(r, s, -1), v.reshape(r, s, -1)], -1)
+        pre_conv = jnp.concatenate([q.reshape(r, s, -1), k.reshape(r, s, -1), v.reshape(r, s, -1)],
+                                   -1)
+        source = None if prefix is None else jnp.concatenate(
+            [prefix.conv.astype(pre_conv.dtype), pre_conv], axis=1)
         channels = local_conv_channels(cfg.linear_num_key_heads * dk,
                                        cfg.linear_num_value_heads * dv, nk * dk, nv * dv, tp)
-        mixed = jax.nn.silu(self.conv1d(mixed, routing.conv_context, channels))
+        mixed = jax.nn.silu(self.conv1d(pre_conv, routing.conv_context, channels, source))
         q, k, v = jnp.split(mixed, [nk * dk, 2 * nk * dk], axis=-1)
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        o, _ = tree_gated_delta_rule(
+        initial = None if prefix is None else jnp.stack(
+            [jnp.zeros_like(prefix.state), prefix.state], axis=1).astype(jnp.float32)
+        o, buffer = tree_gated_delta_rule(
             q.reshape(r, s, nk, dk), k.reshape(r, s, nk, dk), v.reshape(r, s, nv, dv), g, beta,
             chunk_tokens=routing.chunk_tokens, chunk_src=routing.chunk_src,
-            token_slot=routing.token_slot)
+            token_slot=routing.token_slot, initial_states=initial)
         o = self.norm(o, z.reshape(r, s, nv, dv))
-        return row_parallel(self.out_proj, o.reshape(r, s, nv * dv), tp)
+        slots = (jnp.zeros((r, 0), jnp.int32) if routing.export_slots is None
+                 else routing.export_slots)
+        states = jnp.take_along_axis(buffer, slots[:, :, None, None, None], axis=1)
+        return row_parallel(self.out_proj, o.reshape(r, s, nv * dv), tp), GdnCache(pre_conv, states)

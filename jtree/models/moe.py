@@ -15,7 +15,10 @@ the same sums with each token weighted by `path_count` (its multiplicity in the 
 T = sum of path_count: f_e and P_e, hence aux and its gradient, equal the baseline's exactly. It is
 a ratio of batch sums, so like HF it is defined per forward pass (one micro-batch). Under data
 parallelism (`data_axis`) the sums are pooled over the data shards of the micro-batch, so the loss
-is the single-device one, and each shard returns 1/shards of it (the step sums the shards).
+is the single-device one, and each shard returns 1/shards of it (the step sums the shards). A
+batch can instead be given the routing counts of a larger forward it is a piece of
+(`router_counts`, `router_total` inputs; the parts of a tree split redundancy-free), which makes
+the pieces' losses add up to that forward's.
 
 Tensor parallelism (`tp_axis`, inside `shard_map`): expert parallel. Each device holds
 num_experts / tp whole experts (the expert axis of both expert tensors is split, HF layout kept)
@@ -136,19 +139,35 @@ class SparseMoeBlock(nnx.Module):
         return out.reshape(shape), stats
 
 
+def router_load(stats: list[RouterStats], token_weight: jax.Array,
+                num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(counts [E], total): the token-weighted top-k assignments per expert pooled over layers,
+    and L * sum of weights (f_e = counts_e / total). Both are constants of the parameters' routing
+    (no gradient flows through top-k)."""
+    w = token_weight.reshape(-1).astype(jnp.float32)
+    counts = sum(jnp.einsum("n,nke->e", w, jax.nn.one_hot(s.top_experts, num_experts))
+                 for s in stats)
+    return jax.lax.stop_gradient(counts), len(stats) * jnp.sum(w)
+
+
 def load_balancing_loss(stats: list[RouterStats], token_weight: jax.Array, num_experts: int,
-                        data_axis: str | None = None) -> jax.Array:
+                        data_axis: str | None = None,
+                        pooled: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """HF's Switch-style aux loss pooled over layers, each token weighted by `token_weight` [N]
     (the path multiplicity on tree batches; 0 on padding). See the module docstring; with
-    `data_axis` this shard's 1/shards share of the loss pooled over all shards."""
+    `data_axis` this shard's 1/shards share of the loss pooled over all shards.
+
+    `pooled` = `router_load` of a larger forward this batch is one piece of (the parts of a tree
+    split redundancy-free): the loss is then this piece's share E * sum_e f_e * P_piece_e, linear
+    in its probabilities, and the shares of all pieces add up to the loss of the whole forward,
+    value and gradient (no collective: the pooled load already covers every piece)."""
     if not stats:
         return jnp.zeros((), jnp.float32)
     w = token_weight.reshape(-1).astype(jnp.float32)
-    total = len(stats) * jnp.sum(w)
-    counts = sum(jnp.einsum("n,nke->e", w, jax.nn.one_hot(s.top_experts, num_experts)) for s in stats)
+    counts, total = router_load(stats, token_weight, num_experts) if pooled is None else pooled
     prob_sum = sum(jnp.einsum("n,ne->e", w, s.probs) for s in stats)
     shards = 1
-    if data_axis is not None:
+    if data_axis is not None and pooled is None:
         total, counts, prob_sum = jax.lax.psum((total, counts, prob_sum), data_axis)
         shards = jax.lax.psum(1, data_axis)
     safe = jnp.maximum(total, 1e-30)

@@ -25,6 +25,7 @@ from jtree.models.layers import (
     vocab_parallel_embed,
 )
 from jtree.models.output import ModelOutput
+from jtree.models.prefix import AttentionCache, PrefixLayout, prefix_layout
 from kernels import tree_attention
 
 
@@ -43,7 +44,10 @@ class Qwen3Attention(nnx.Module):
         self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array,
+                 prefix: AttentionCache | None = None, layout: PrefixLayout | None = None
+                 ) -> tuple[jax.Array, AttentionCache]:
+        """Output and this call's keys/values; `prefix` adds cached keys before the own ones."""
         rows, s, _ = x.shape
         cfg, tp = self.cfg, self.cfg.tensor_parallel_axis
         # Head counts come from the weights: under tensor parallelism they are this device's.
@@ -53,8 +57,17 @@ class Qwen3Attention(nnx.Module):
         heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
         k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = tree_attention(q, k, v, end, impl=cfg.attention_impl)
-        return row_parallel(self.o_proj, out.reshape(rows, s, -1), tp)
+        out = attend(q, k, v, end, prefix, layout, cfg.attention_impl)
+        return row_parallel(self.o_proj, out.reshape(rows, s, -1), tp), AttentionCache(k, v)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array,
+           prefix: AttentionCache | None, layout: PrefixLayout | None, impl: str) -> jax.Array:
+    """`tree_attention`, over the cached prefix keys too when there is a prefix."""
+    if prefix is None:
+        return tree_attention(q, k, v, end, impl=impl)
+    return tree_attention(q, k, v, end, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v,
+                          prefix_end=layout.end)
 
 
 class Qwen3DecoderLayer(nnx.Module):
@@ -68,9 +81,12 @@ class Qwen3DecoderLayer(nnx.Module):
                           dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs,
                           tp_axis=cfg.tensor_parallel_axis)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, end)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array,
+                 prefix: AttentionCache | None = None, layout: PrefixLayout | None = None
+                 ) -> tuple[jax.Array, AttentionCache]:
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, end, prefix, layout)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
 class Qwen3Model(nnx.Module):
@@ -86,12 +102,18 @@ class Qwen3Model(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
         self.cfg = cfg
 
-    def __call__(self, tokens: jax.Array, pos: jax.Array, end: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, pos: jax.Array, end: jax.Array,
+                 prefix: tuple[AttentionCache, ...] | None = None,
+                 layout: PrefixLayout | None = None) -> tuple[jax.Array, tuple[AttentionCache, ...]]:
+        """Final hidden states and every layer's keys/values of these tokens."""
         x = vocab_parallel_embed(self.embed_tokens, tokens, self.cfg.tensor_parallel_axis)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
-        for layer in self.layers:
-            x = call_layer(layer, x, cos, sin, end, remat=self.cfg.remat)
-        return self.norm(x)
+        exports = []
+        for i, layer in enumerate(self.layers):
+            x, kv = call_layer(layer, x, cos, sin, end, None if prefix is None else prefix[i],
+                               layout, remat=self.cfg.remat)
+            exports.append(kv)
+        return self.norm(x), tuple(exports)
 
 
 class Qwen3(nnx.Module):
@@ -110,9 +132,12 @@ class Qwen3(nnx.Module):
             dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs,
         )
 
-    def __call__(self, inputs: Mapping[str, jax.Array]) -> ModelOutput:
-        hidden = self.model(inputs["tokens"], inputs["pos"], inputs["end"])
-        return ModelOutput(hidden, jnp.zeros((), jnp.float32))
+    def __call__(self, inputs: Mapping[str, jax.Array],
+                 prefix: tuple[AttentionCache, ...] | None = None) -> ModelOutput:
+        """`prefix`: per-layer keys/values of the tokens above a part (`jtree.models.prefix`)."""
+        layout = None if prefix is None else prefix_layout(inputs)
+        hidden, exports = self.model(inputs["tokens"], inputs["pos"], inputs["end"], prefix, layout)
+        return ModelOutput(hidden, jnp.zeros((), jnp.float32), exports)
 
     def output_embedding(self) -> jax.Array:
         """[hidden, vocab] matrix mapping final hidden states to logits (this device's vocabulary

@@ -28,14 +28,14 @@ from jtree.models.layers import (
 from jtree.models.moe import RouterStats
 from jtree.models.moe_config import Qwen3NextConfig
 from jtree.models.output import ModelOutput
-from jtree.models.qwen3 import Qwen3
+from jtree.models.prefix import AttentionCache, LayerCache, PrefixLayout, prefix_layout
+from jtree.models.qwen3 import Qwen3, attend
 from jtree.models.qwen3_moe import (
     apply_feed_forward,
     feed_forward,
     router_aux_loss,
     token_embedding,
 )
-from kernels import tree_attention
 
 
 class OffsetRMSNorm(nnx.Module):
@@ -66,7 +66,9 @@ class Qwen3NextAttention(nnx.Module):
         self.k_norm = OffsetRMSNorm(hd, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array,
+                 prefix: AttentionCache | None = None, layout: PrefixLayout | None = None
+                 ) -> tuple[jax.Array, AttentionCache]:
         rows, s, _ = x.shape
         cfg, tp = self.cfg, self.cfg.tensor_parallel_axis
         # Head counts come from the weights: under tensor parallelism they are this device's.
@@ -77,8 +79,9 @@ class Qwen3NextAttention(nnx.Module):
         heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
         k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = tree_attention(q, k, v, end, impl=cfg.attention_impl).reshape(rows, s, -1)
-        return row_parallel(self.o_proj, out * jax.nn.sigmoid(gate.reshape(rows, s, -1)), tp)
+        out = attend(q, k, v, end, prefix, layout, cfg.attention_impl).reshape(rows, s, -1)
+        out = row_parallel(self.o_proj, out * jax.nn.sigmoid(gate.reshape(rows, s, -1)), tp)
+        return out, AttentionCache(k, v)
 
 
 class Qwen3NextDecoderLayer(nnx.Module):
@@ -94,15 +97,16 @@ class Qwen3NextDecoderLayer(nnx.Module):
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                                       param_dtype=cfg.weight_dtype)
 
-    def __call__(self, x, cos, sin, end, routing: GdnRouting | None):
+    def __call__(self, x, cos, sin, end, routing: GdnRouting | None,
+                 prefix: LayerCache | None = None, layout: PrefixLayout | None = None):
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
-            h = self.linear_attn(h, routing)
+            h, cache = self.linear_attn(h, routing, prefix)
         else:
-            h = self.self_attn(h, cos, sin, end)
+            h, cache = self.self_attn(h, cos, sin, end, prefix, layout)
         x = x + h
         y, stats = apply_feed_forward(self.mlp, self.post_attention_layernorm(x))
-        return x + y, stats
+        return x + y, stats, cache
 
 
 class Qwen3NextModel(nnx.Module):
@@ -115,18 +119,24 @@ class Qwen3NextModel(nnx.Module):
         self.norm = OffsetRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
         self.cfg = cfg
 
-    def __call__(self, inputs: Mapping[str, jax.Array]) -> tuple[jax.Array, list[RouterStats]]:
+    def __call__(self, inputs: Mapping[str, jax.Array],
+                 prefix: tuple[LayerCache, ...] | None = None
+                 ) -> tuple[jax.Array, list[RouterStats], tuple[LayerCache, ...]]:
         cfg = self.cfg
+        layout = None if prefix is None else prefix_layout(inputs)
         x = vocab_parallel_embed(self.embed_tokens, inputs["tokens"], cfg.tensor_parallel_axis)
         cos, sin = rope_cos_sin(inputs["pos"], cfg.rotary_dim, cfg.rope_theta)
-        routing = (gdn_routing(inputs, cfg.linear_conv_kernel_dim)
+        routing = (gdn_routing(inputs, cfg.linear_conv_kernel_dim, layout)
                    if "linear_attention" in cfg.layer_types else None)
-        all_stats = []
-        for layer in self.layers:
-            x, stats = call_layer(layer, x, cos, sin, inputs["end"], routing, remat=cfg.remat)
+        all_stats, exports = [], []
+        for i, layer in enumerate(self.layers):
+            x, stats, cache = call_layer(layer, x, cos, sin, inputs["end"], routing,
+                                         None if prefix is None else prefix[i], layout,
+                                         remat=cfg.remat)
+            exports.append(cache)
             if stats is not None:
                 all_stats.append(stats)
-        return self.norm(x), all_stats
+        return self.norm(x), all_stats, tuple(exports)
 
 
 class Qwen3Next(Qwen3):
@@ -139,6 +149,9 @@ class Qwen3Next(Qwen3):
             cfg.hidden_size, cfg.vocab_size, bias=False, init_std=cfg.initializer_range,
             dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs)
 
-    def __call__(self, inputs: Mapping[str, jax.Array]) -> ModelOutput:
-        hidden, stats = self.model(inputs)
-        return ModelOutput(hidden, router_aux_loss(self.config, stats, inputs))
+    def __call__(self, inputs: Mapping[str, jax.Array],
+                 prefix: tuple[LayerCache, ...] | None = None) -> ModelOutput:
+        """`prefix`: per-layer caches of the tokens above a part (`jtree.models.prefix`)."""
+        hidden, stats, exports = self.model(inputs, prefix)
+        aux, load = router_aux_loss(self.config, stats, inputs)
+        return ModelOutput(hidden, aux, exports, load)

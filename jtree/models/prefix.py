@@ -1,0 +1,57 @@
+"""What a part of a tree reads from the tokens above it, and what it hands on (redundancy-free
+partitioning, `jtree.rfree`).
+
+A part's own tokens hang below a chain of tokens (its *prefix*) that earlier parts computed. Every
+model of the family can be called as `model(inputs, prefix=...)` with one cache entry per decoder
+layer, and always returns the same entries for its own tokens as `ModelOutput.exports`, from which
+the next parts' prefixes are gathered:
+
+- full-attention layers: `AttentionCache` — the keys (after q/k norm and RoPE) and values;
+- Gated DeltaNet layers: `GdnCache` — the pre-conv activations (the conv's left context) and the
+  recurrent state: for a prefix, the state after its last token (what the part's subtrees start
+  from) and the activations of its last K - 1 tokens; as exports, every own token's activations
+  and the states after the tokens listed in `inputs["gdn_export_slots"]`.
+
+The layout of the prefix comes with the batch (`jtree.rfree.layout`): `prefix_end` [R, P] and
+`prefix_pred` [R, P] in the part's combined coordinates (prefix token j at j, own token i at
+P + i), and `end`, `pred` of the own tokens in the same coordinates.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+import jax
+
+
+class AttentionCache(NamedTuple):
+    """Keys and values [R, n, Hkv, D] of n tokens of one attention layer."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class GdnCache(NamedTuple):
+    """Pre-conv activations [R, n, conv_dim] and recurrent state(s) of one Gated DeltaNet layer:
+    [R, Hv, dk, dv] in a prefix, [R, E, Hv, dk, dv] in exports."""
+
+    conv: jax.Array
+    state: jax.Array
+
+
+LayerCache = Union[AttentionCache, GdnCache]
+
+
+class PrefixLayout(NamedTuple):
+    """Where the prefix keys sit, from the batch: combined-coordinate `end` and `pred` [R, P]."""
+
+    end: jax.Array
+    pred: jax.Array
+
+
+def prefix_layout(inputs) -> PrefixLayout:
+    missing = [f for f in ("prefix_end", "prefix_pred") if f not in inputs]
+    if missing:
+        raise ValueError(f"inputs: {missing} missing; a call with a prefix needs the prefix layout "
+                         "of jtree.rfree")
+    return PrefixLayout(inputs["prefix_end"], inputs["prefix_pred"])

@@ -1,0 +1,349 @@
+"""Running a redundancy-free program: parts depth-first over a stack of prefixes.
+
+Each part runs once forward with the prefix gathered from its parent's outputs (keys/values per
+attention layer, conv context and state per GDN layer, the hidden state of the attach token) and
+returns, besides its loss, the same per-token tensors for its own tokens. Its children run next
+(recursively); the cotangents they produce for their prefixes are mapped back onto this part's
+outputs and onto its own prefix. Then the part's backward runs once, fed with the cotangent of
+its loss (1) and the accumulated cotangents of its outputs, and hands the cotangent of its prefix
+up to its parent the same way. Every tree token is computed once forward and once backward, and
+the gradients are those of the unpartitioned tree.
+
+`prefix_backward` chooses how a part with children gets its backward:
+- `"residuals"`: keep the residuals of its forward (its `jax.vjp`, returned from the jitted
+  forward as a pytree) while its children run, then apply it in one jitted backward call. Live
+  memory: the residuals of the parts on the stack.
+- `"recompute"`: run the forward without residuals first (only the outputs children need), and
+  forward again with residuals for the backward once the children are done. Live memory: one
+  part's residuals plus the prefixes and outputs on the stack; costs one more forward per part
+  with children.
+Parts without children always run forward and backward in one jitted call.
+
+Trees that fit in a row (`RfreeProgram.whole`) run as ordinary micro-batches through
+`jtree.train.make_grad_fn`. Gradients are summed in place as parts finish.
+
+A MoE router load-balancing loss is pooled over the whole program (as one forward over the
+unpartitioned trees would compute it): a forward-only pass collects the routing counts first, and
+every part and micro-batch then adds its exact share (`jtree.models.moe.load_balancing_loss`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jtree.models.prefix import AttentionCache, GdnCache, LayerCache
+from jtree.rfree.layout import Member, RfreeProgram
+from jtree.logprobs import logprobs_from_hidden
+from jtree.train import Objective, finish_metrics, loss_from_hidden, make_grad_fn
+
+PrefixBackward = Literal["residuals", "recompute"]
+
+
+class PartPrefix(NamedTuple):
+    """What a part reads from above: per-layer caches of its prefix and the attach token's final
+    hidden state [R, d] (it scores the part's subtree tops)."""
+
+    layers: tuple[LayerCache, ...]
+    hidden: jax.Array
+
+
+class PartOutput(NamedTuple):
+    """What a part hands to its children: per-layer caches of its own tokens and their final
+    hidden states [R, S, d]."""
+
+    exports: tuple[LayerCache, ...]
+    hidden: jax.Array
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree_util.tree_map(jnp.add, a, b)
+
+
+class RedundancyFreeStep:
+    """Loss, metrics and gradients of a `RfreeProgram` (see module docstring).
+
+    `on_call`, if given, is called before every device call as `on_call(name, fn, args)` with the
+    jitted function and its arguments: memory probes read live buffers there and may lower `fn`
+    for its temporary bytes.
+    """
+
+    def __init__(self, graphdef: nnx.GraphDef, objective: Objective, *,
+                 prefix_backward: PrefixBackward = "residuals",
+                 on_call: Callable[[str, Any, tuple], None] | None = None):
+        if prefix_backward not in ("residuals", "recompute"):
+            raise ValueError(f"prefix_backward: {prefix_backward!r} is not 'residuals' or "
+                             "'recompute'")
+        self.graphdef, self.objective = graphdef, objective
+        self.prefix_backward = prefix_backward
+        self.conv_width: int | None = None  # K - 1 of the GDN conv, read from the model config
+        self.on_call = on_call or (lambda name, fn, args: None)
+        self._forward = jax.jit(self._forward_saving_residuals)
+        self._backward = jax.jit(lambda vjp, cotangents: vjp(cotangents))
+        self._outputs = jax.jit(lambda p, x, c: self._part_forward(p, x, c)[1])
+        self._leaf = jax.jit(self._leaf_grad)
+        self._forward_backward = jax.jit(self._forward_and_backward)
+        self._extend = jax.jit(self._extend_prefix, static_argnums=(4,))
+        self._extend_back = jax.jit(self._extend_transpose, static_argnums=(4,))
+        self._accumulate = jax.jit(_add, donate_argnums=(0,))
+        self._whole = jax.jit(make_grad_fn(graphdef, objective))
+        self._logprobs = jax.jit(self._part_logprobs)
+        self._whole_logprobs = jax.jit(self._whole_batch_logprobs)
+        self._pools_router: bool | None = None
+
+    # ------------------------------------------------------------------ jitted pieces
+
+    def _part_hidden(self, params, inputs, prefix: PartPrefix | None):
+        model = nnx.merge(self.graphdef, params)
+        out = model(inputs, None if prefix is None else prefix.layers)
+        hidden, pred = out.hidden, inputs["pred"]
+        if prefix is not None:  # row 0 of the scoring rows: the attach token's hidden state
+            p = inputs["prefix_end"].shape[1]
+            hidden = jnp.concatenate([prefix.hidden[:, None].astype(hidden.dtype), hidden], 1)
+            pred = jnp.where(pred >= 0, pred - p + 1, -1)
+        return model, out, hidden, pred
+
+    def _part_forward(self, params, inputs, prefix):
+        model, out, hidden, pred = self._part_hidden(params, inputs, prefix)
+        loss, metrics = loss_from_hidden(model.output_embedding(), hidden, pred, out.aux_loss,
+                                         inputs, self.objective)
+        return loss, PartOutput(out.exports, out.hidden), metrics
+
+    def _part_logprobs(self, params, inputs, prefix):
+        """Forward only: log-probs [1, S], what children read, and the router load (or None)."""
+        model, out, hidden, pred = self._part_hidden(params, inputs, prefix)
+        logp, _ = logprobs_from_hidden(hidden, model.output_embedding(), inputs["tokens"], pred,
+                                       chunk=self.objective.logprob_chunk)
+        return (jax.lax.stop_gradient(logp), PartOutput(out.exports, out.hidden),
+                jax.lax.stop_gradient(out.router_load))
+
+    def _whole_batch_logprobs(self, params, inputs):
+        model = nnx.merge(self.graphdef, params)
+        out = model(inputs)
+        logp, _ = logprobs_from_hidden(out.hidden, model.output_embedding(), inputs["tokens"],
+                                       inputs["pred"], chunk=self.objective.logprob_chunk)
+        return jax.lax.stop_gradient(logp), jax.lax.stop_gradient(out.router_load)
+
+    def _forward_saving_residuals(self, params, inputs, prefix):
+        """Forward of a part with children: its loss, outputs and metrics, and its `jax.vjp`
+        (a pytree of residuals, returned from the jitted call and fed to `_backward` later)."""
+        (loss, out), vjp, metrics = jax.vjp(
+            lambda p, c: _split_aux(self._part_forward(p, inputs, c)), params, prefix,
+            has_aux=True)
+        return loss, out, metrics, vjp
+
+    def _leaf_grad(self, params, inputs, prefix):
+        def f(p, c):
+            loss, _, metrics = self._part_forward(p, inputs, c)
+            return loss, metrics
+
+        (loss, metrics), (d_params, d_prefix) = jax.value_and_grad(
+            f, argnums=(0, 1), has_aux=True)(params, prefix)
+        return loss, metrics, d_params, d_prefix
+
+    def _forward_and_backward(self, params, inputs, prefix, d_out):
+        def f(p, c):
+            loss, out, metrics = self._part_forward(p, inputs, c)
+            return (loss, out), metrics
+
+        (loss, _), vjp, metrics = jax.vjp(f, params, prefix, has_aux=True)
+        d_params, d_prefix = vjp((jnp.ones_like(loss), d_out))
+        return loss, metrics, d_params, d_prefix
+
+    def _extend_prefix(self, prefix: PartPrefix | None, out: PartOutput, index, state_index,
+                       p_par: int) -> PartPrefix:
+        """A child's prefix: slot j of its prefix is position index[j] of the parent's combined
+        coordinates ([parent prefix of `p_par` slots | parent own tokens]; -1 padding)."""
+        safe = jnp.maximum(index, 0)
+        layers = []
+        for i, own in enumerate(out.exports):
+            above = None if prefix is None else prefix.layers[i]
+            if isinstance(own, AttentionCache):
+                k = own.k if above is None else jnp.concatenate([above.k, own.k], 1)
+                v = own.v if above is None else jnp.concatenate([above.v, own.v], 1)
+                layers.append(AttentionCache(_take(k, safe), _take(v, safe)))
+            else:
+                layers.append(self._extend_gdn(above, own, index, state_index, p_par))
+        attach = index[:, -1] - p_par
+        hidden = jnp.take_along_axis(out.hidden, attach[:, None, None], axis=1)[:, 0]
+        return PartPrefix(tuple(layers), hidden)
+
+    def _extend_gdn(self, above: GdnCache | None, own: GdnCache, index, state_index, p_par: int
+                    ) -> GdnCache:
+        """The child's conv context (the K - 1 tokens above its attach token, from the parent's
+        [cached K - 1 | own] activations) and the state after its attach token."""
+        w = self.conv_width
+        rows, _, channels = own.conv.shape
+        tail = (jnp.zeros((rows, w, channels), own.conv.dtype) if above is None else above.conv)
+        source = jnp.concatenate([tail, own.conv], 1)
+        idx = index[:, -w:] if index.shape[1] >= w else jnp.pad(
+            index, ((0, 0), (w - index.shape[1], 0)), constant_values=-1)
+        idx = jnp.where(idx >= 0, idx - p_par + w, -1)
+        conv = jnp.where((idx >= 0)[..., None], _take(source, jnp.maximum(idx, 0)), 0)
+        state = jnp.take_along_axis(own.state, state_index[:, None, None, None, None], axis=1)
+        return GdnCache(conv, state[:, 0])
+
+    def _extend_transpose(self, prefix, out, index, state_index, p_par: int, d_child):
+        _, vjp = jax.vjp(lambda c, o: self._extend_prefix(c, o, index, state_index, p_par),
+                         prefix, out)
+        return vjp(d_child)
+
+    # ------------------------------------------------------------------ host-side traversal
+
+    def __call__(self, params: Any, program: RfreeProgram):
+        """(loss, metrics, grads) of the whole program, equal to the unpartitioned trees'."""
+        self._read_config(params)
+        acc = _Accumulator(self)
+        pooled = self._router_load(params, program) if self._uses_router_load(params, program) \
+            else {}
+        if program.whole is not None:
+            inputs = program.whole.inputs()
+            m = jax.tree_util.tree_leaves(inputs)[0].shape[0]
+            inputs.update({k: jnp.broadcast_to(v, (m,) + v.shape) for k, v in pooled.items()})
+            loss, metrics, grads = self._call("whole", self._whole, params, inputs)
+            acc.add(loss, metrics, grads)
+        for root in _roots(program):
+            self._run(params, program, root, None, acc, pooled)
+        return acc.loss, finish_metrics(acc.metrics), acc.grads
+
+    def _call(self, name: str, fn: Callable, *args):
+        self.on_call(name, fn, args)
+        return fn(*args)
+
+    def _read_config(self, params: Any) -> None:
+        """What the traversal needs from the model config (its parameters' shapes suffice)."""
+        if self.conv_width is None:
+            shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                            params)
+            cfg = nnx.merge(self.graphdef, shapes).config
+            self.conv_width = getattr(cfg, "linear_conv_kernel_dim", 1) - 1
+
+    def _uses_router_load(self, params: Any, program: RfreeProgram) -> bool:
+        """Whether the model has a router load-balancing loss (traced abstractly, once)."""
+        if self._pools_router is None:
+            first = program.parts[0].inputs if program.parts else program.whole.batches[0].arrays()
+            shape = jax.eval_shape(lambda p, x: nnx.merge(self.graphdef, p)(x).router_load,
+                                   params, first)
+            self._pools_router = shape is not None
+        return self._pools_router
+
+    def _router_load(self, params: Any, program: RfreeProgram) -> dict[str, jax.Array]:
+        """`router_counts`, `router_total` of the whole program (a forward-only pass first): the
+        load-balancing loss is a product of two batch sums, so each part's share needs the
+        routing counts of every part (`jtree.models.moe.load_balancing_loss`)."""
+        counts = total = 0.0
+        for _, _, load in self._forward_pass(params, program):
+            counts, total = counts + load[0], total + load[1]
+        return {"router_counts": counts, "router_total": total}
+
+    def _run(self, params, program: RfreeProgram, k: int, prefix, acc: _Accumulator,
+             pooled: dict[str, jax.Array]):
+        """Forward and backward of part k and everything below it; returns d(prefix)."""
+        part = program.parts[k]
+        inputs = dict(part.inputs, **pooled)
+        if not part.children:
+            loss, metrics, d_params, d_prefix = self._call("leaf", self._leaf, params, inputs,
+                                                           prefix)
+            acc.add(loss, metrics, d_params)
+            return d_prefix
+        vjp = None
+        if self.prefix_backward == "residuals":
+            loss, out, metrics, vjp = self._call("forward", self._forward, params, inputs, prefix)
+        else:
+            out = self._call("outputs", self._outputs, params, inputs, prefix)
+        d_out = jax.tree_util.tree_map(jnp.zeros_like, out)
+        d_prefix_below = None
+        for c in part.children:
+            child = program.parts[c]
+            index, state = jnp.asarray(child.gather_index), jnp.asarray(child.gather_state)
+            child_prefix = self._call("extend", self._extend, prefix, out, index, state,
+                                      part.prefix_len)
+            d_child = self._run(params, program, c, child_prefix, acc, pooled)
+            del child_prefix
+            d_above, d_own = self._call("extend_back", self._extend_back, prefix, out, index,
+                                        state, part.prefix_len, d_child)
+            d_out = self._accumulate(d_out, d_own)
+            if prefix is not None:
+                d_prefix_below = (d_above if d_prefix_below is None
+                                  else self._accumulate(d_prefix_below, d_above))
+        if vjp is not None:
+            d_params, d_prefix = self._call("backward", self._backward, vjp,
+                                            (jnp.ones_like(loss), d_out))
+        else:
+            loss, metrics, d_params, d_prefix = self._call(
+                "forward_backward", self._forward_backward, params, inputs, prefix, d_out)
+        del vjp, out, d_out
+        acc.add(loss, metrics, d_params)
+        if prefix is None or d_prefix_below is None:
+            return d_prefix
+        return self._accumulate(d_prefix, d_prefix_below)
+
+    def logprobs(self, params: Any, program: RfreeProgram) -> list[np.ndarray]:
+        """log p(token | its path) for every tree token of every tree (tree-token order; 0 where
+        a token has no scoring row), computed forward-only over the program."""
+        self._read_config(params)
+        out_arrays = [np.zeros(t.n_tree_tokens, np.float32) for t in program.trees]
+        for members, logp, _ in self._forward_pass(params, program):
+            logp = np.asarray(logp)
+            for m in members:
+                out_arrays[m.tree][m.tokens] = logp[m.row, m.offset : m.offset + len(m.tokens)]
+        return out_arrays
+
+    def _forward_pass(self, params: Any, program: RfreeProgram):
+        """Forward only over the program, depth-first with the stack of prefixes: yields
+        (members, log-probs [rows, S], router load or None) per whole batch and per part."""
+        if program.whole is not None:
+            index_of = {id(program.trees[i]): i for i in program.whole_trees}
+            for batch in program.whole.batches:
+                logp, load = self._call("whole_forward", self._whole_logprobs, params,
+                                        batch.arrays())
+                members = [Member(index_of[id(tree)], np.arange(tree.n_tree_tokens), off, row)
+                           for tree, row, off in zip(batch.layout.trees, batch.layout.rows,
+                                                     batch.layout.offsets)]
+                yield members, logp, load
+        stack: list[tuple[int, Any]] = [(r, None) for r in reversed(_roots(program))]
+        while stack:
+            k, prefix = stack.pop()
+            part = program.parts[k]
+            logp, out, load = self._call("part_forward", self._logprobs, params, part.inputs,
+                                         prefix)
+            yield part.members, logp, load
+            for c in reversed(part.children):
+                child = program.parts[c]
+                stack.append((c, self._extend(prefix, out, jnp.asarray(child.gather_index),
+                                              jnp.asarray(child.gather_state), part.prefix_len)))
+
+
+class _Accumulator:
+    """Running sums of loss, metrics and gradients (updated in place on the device)."""
+
+    def __init__(self, step: RedundancyFreeStep):
+        self.step = step
+        self.loss = self.metrics = self.grads = None
+
+    def add(self, loss, metrics, grads) -> None:
+        if self.grads is None:
+            self.loss, self.metrics, self.grads = loss, metrics, grads
+            return
+        self.loss = self.loss + loss
+        self.metrics = _add(self.metrics, metrics)
+        self.grads = self.step._accumulate(self.grads, grads)
+
+
+def _split_aux(result):
+    loss, out, metrics = result
+    return (loss, out), metrics
+
+
+def _take(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[r, index[r, j]] for x [R, n, ...] and index [R, m]."""
+    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def _roots(program: RfreeProgram) -> list[int]:
+    return [k for k, p in enumerate(program.parts) if p.parent < 0]

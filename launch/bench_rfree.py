@@ -1,0 +1,213 @@
+"""Benchmark redundancy-free partitioning: `python -m launch.bench_rfree`.
+
+On agent-rollout trees 2-8x larger than the capacity C (rows of C tokens, one row per device call
+or micro-batch), one SFT training step (loss and gradients) of a small dense Qwen3 three ways,
+measured side by side in one process (compile excluded, alternating, medians):
+
+- `baseline`: every path a separate sequence, packed into rows of C tokens, micro-batches scanned;
+- `duplicating`: the tree cut by the `jtree.partition` heuristic, each part holding its whole
+  prefix (N_computed > N_tree), parts packed into rows of C tokens, micro-batches scanned;
+- `rfree`: `jtree.rfree` parts of at most C tokens over cached prefixes (N_computed == N_tree),
+  run part by part (`RedundancyFreeStep`), the prefix backward from saved residuals;
+- `rfree_recompute`: the same, recomputing a part's forward for its backward (less memory held
+  while its children run, one more forward per part with children).
+
+Memory: the peak over the step's device calls of (bytes of live device arrays at the call + the
+called executable's temporary bytes from XLA's memory analysis); for the scanned steps that is
+one call. Also checks that the three losses agree.
+
+Writes bench_out/rfree.json and bench_out/rfree.png (or --out PREFIX).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jtree.baseline import flatten_paths
+from jtree.loss import batch_normalizer
+from jtree.models import Qwen3, Qwen3Config
+from jtree.packing import build_microbatches
+from jtree.partition import partition
+from jtree.rfree.execute import RedundancyFreeStep
+from jtree.rfree.layout import build_program
+from jtree.synthetic import AgentShape, agent_rollout_group
+from jtree.train import Objective, make_grad_fn
+from jtree.tree import TrajectoryTree
+
+OBJECTIVE = Objective(kind="sft", normalization="seq_mean_token_mean")
+
+
+def pick_tree(ratio: float, capacity: int, seed: int) -> TrajectoryTree:
+    """An agent-rollout tree of about `ratio` x `capacity` tree tokens whose paths fit C."""
+    best = None
+    for rollouts in (4, 6, 8, 12, 16, 24, 32, 48, 64):
+        for s in range(8):
+            shape = AgentShape(system_len=50, task_len=20, turns=3, assistant_len=16,
+                               tool_len=12, rollouts=rollouts, branch_prob=0.8, think_len=8,
+                               parallel_tools=3)
+            t = agent_rollout_group(np.random.default_rng(seed * 100 + s), shape)
+            if t.path_lengths.max() > capacity:
+                continue
+            err = abs(t.n_tree_tokens / capacity - ratio)
+            if best is None or err < best[0]:
+                best = (err, t)
+    return best[1]
+
+
+def live_bytes() -> int:
+    return sum(a.nbytes for a in jax.live_arrays())
+
+
+def temp_bytes(fn, args) -> int:
+    mem = fn.lower(*args).compile().memory_analysis()
+    return int(getattr(mem, "temp_size_in_bytes", 0) or 0)
+
+
+class PeakProbe:
+    """`on_call` hook of RedundancyFreeStep: peak of live bytes + the callee's temporaries."""
+
+    def __init__(self):
+        self.peak = 0
+        self._temp: dict = {}
+
+    def __call__(self, name, fn, args) -> None:
+        temp = 0
+        if fn is not None:
+            key = (name, jax.tree_util.tree_structure(args),
+                   tuple(getattr(x, "shape", None) for x in jax.tree_util.tree_leaves(args)))
+            if key not in self._temp:
+                self._temp[key] = temp_bytes(fn, args)
+            temp = self._temp[key]
+        self.peak = max(self.peak, live_bytes() + temp)
+
+
+def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: int) -> dict:
+    norm = batch_normalizer([tree], OBJECTIVE.normalization)
+    grad_fn = jax.jit(make_grad_fn(graphdef, OBJECTIVE))
+    base = build_microbatches(flatten_paths([tree]), capacity, rows_per_microbatch=1,
+                              normalization=OBJECTIVE.normalization, normalizer=norm).inputs()
+    dup_parts = partition(tree, capacity).parts
+    dup = build_microbatches(dup_parts, capacity, rows_per_microbatch=1,
+                             normalization=OBJECTIVE.normalization, normalizer=norm).inputs()
+    program = build_program([tree], capacity, normalization=OBJECTIVE.normalization,
+                            normalizer=norm)
+    steps = {"rfree": RedundancyFreeStep(graphdef, OBJECTIVE),
+             "rfree_recompute": RedundancyFreeStep(graphdef, OBJECTIVE,
+                                                   prefix_backward="recompute")}
+    runs = {
+        "baseline": lambda: grad_fn(params, base),
+        "duplicating": lambda: grad_fn(params, dup),
+        "rfree": lambda: steps["rfree"](params, program),
+        "rfree_recompute": lambda: steps["rfree_recompute"](params, program),
+    }
+    losses = {name: float(jax.block_until_ready(run())[0]) for name, run in runs.items()}
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            times[name].append(time.perf_counter() - t0)
+    memory = {}
+    for name, inputs in (("baseline", base), ("duplicating", dup)):
+        memory[name] = live_bytes() + temp_bytes(grad_fn, (params, inputs))
+    for name, mode in (("rfree", "residuals"), ("rfree_recompute", "recompute")):
+        probe = PeakProbe()
+        probed = RedundancyFreeStep(graphdef, OBJECTIVE, prefix_backward=mode, on_call=probe)
+        jax.block_until_ready(probed(params, program))
+        memory[name] = probe.peak
+    stats = tree.stats()
+    ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+    return {
+        "n_tree": stats.n_tree_tokens, "n_flat": stats.n_flat_tokens,
+        "ratio": stats.n_tree_tokens / capacity, "paths": stats.n_paths,
+        "n_computed": {"baseline": stats.n_flat_tokens,
+                       "duplicating": int(sum(p.n_tree_tokens for p in dup_parts)),
+                       "rfree": program.n_computed, "rfree_recompute": program.n_computed},
+        "calls": {"baseline": int(base["tokens"].shape[0]),
+                  "duplicating": int(dup["tokens"].shape[0]), "rfree": len(program.parts),
+                  "rfree_recompute": len(program.parts)},
+        "ms": ms, "peak_bytes": memory, "loss": losses,
+        "speedup_vs_baseline": {k: ms["baseline"] / ms[k] for k in ms if k != "baseline"},
+        "token_bound": stats.n_flat_tokens / stats.n_tree_tokens,
+    }
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = report["cases"]
+    x = [c["ratio"] for c in cases]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, style in (("baseline", "k--"), ("duplicating", "C1o-"), ("rfree", "C0s-"),
+                        ("rfree_recompute", "C2^-")):
+        axes[0].plot(x, [c["ms"][name] for c in cases], style, label=name)
+        axes[1].plot(x, [c["peak_bytes"][name] / 2**20 for c in cases], style, label=name)
+    axes[0].set(xlabel="tree tokens / capacity", ylabel="step time (ms)",
+                title=f"SFT step, capacity {report['capacity']}")
+    axes[1].set(xlabel="tree tokens / capacity", ylabel="peak MiB (live + temporaries)",
+                title="peak memory")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--capacity", type=int, default=256)
+    ap.add_argument("--ratios", default="2,4,6,8")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--attention", default="xla")
+    ap.add_argument("--out", default="bench_out/rfree")
+    args = ap.parse_args()
+    cfg = Qwen3Config(vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                      num_hidden_layers=args.layers, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=args.hidden // 4,
+                      tie_word_embeddings=False, attention_impl=args.attention)
+    graphdef, params = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(0)))
+    cases = []
+    print(f"{'ratio':>5} {'N_tree':>7} {'N_flat':>7} | {'N_computed b/d/r':>20} | "
+          f"{'ms baseline/dup/rfree/rfree_rc':>32} | {'peak MiB b/d/r/rc':>27} | "
+          f"{'speedup d/r/rc':>17} {'bound':>6}")
+    for i, ratio in enumerate(float(r) for r in args.ratios.split(",")):
+        tree = pick_tree(ratio, args.capacity, seed=i)
+        c = bench_tree(tree, args.capacity, graphdef, params, args.repeats)
+        cases.append(c)
+        n, ms, mb = c["n_computed"], c["ms"], {k: v / 2**20 for k, v in c["peak_bytes"].items()}
+        sp = c["speedup_vs_baseline"]
+        print(f"{c['ratio']:5.1f} {c['n_tree']:7d} {c['n_flat']:7d} | "
+              f"{n['baseline']:6d}/{n['duplicating']:6d}/{n['rfree']:6d} | "
+              f"{ms['baseline']:7.0f}/{ms['duplicating']:7.0f}/{ms['rfree']:7.0f}/"
+              f"{ms['rfree_recompute']:7.0f} | "
+              f"{mb['baseline']:6.1f}/{mb['duplicating']:6.1f}/{mb['rfree']:6.1f}/"
+              f"{mb['rfree_recompute']:6.1f} | "
+              f"{sp['duplicating']:5.2f}/{sp['rfree']:5.2f}/{sp['rfree_recompute']:5.2f} "
+              f"{c['token_bound']:6.2f}")
+        losses = list(c["loss"].values())
+        if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
+            raise AssertionError(f"losses disagree: {c['loss']}")
+    report = {"capacity": args.capacity, "model": dict(hidden=args.hidden, layers=args.layers,
+                                                       attention=args.attention),
+              "backend": jax.default_backend(), "cases": cases}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    plot(report, args.out + ".png")
+    print(f"wrote {args.out}.json and {args.out}.png")
+
+
+if __name__ == "__main__":
+    main()

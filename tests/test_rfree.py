@@ -1,0 +1,172 @@
+"""Redundancy-free partitioning (jtree.rfree): plans compute every tree token once, and running the
+parts depth-first over cached prefixes gives the unpartitioned tree's log-probs, loss and gradients
+(DESIGN.md section 9 tolerances) for dense, MoE and hybrid (GDN) tiny models, at capacities down to
+a few tokens (far below the longest shared prefix), with both prefix-backward modes.
+
+Trees: `branching_trees` (two trees needing several parts, one small tree that fits whole and is
+packed into a part row's spare room or a whole micro-batch) with per-path old log-probs that agree
+on shared tokens, so PPO is one function of the tree. Rows are 16 tokens at every capacity and the
+prefix has one bucket, so each model compiles a handful of shapes.
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+
+from jtree.linearize import linearize
+from jtree.models import Qwen3Next, Qwen3NextConfig
+from jtree.rfree.execute import RedundancyFreeStep
+from jtree.rfree.layout import build_program, prefix_bucket
+from jtree.rfree.plan import plan_parts
+from jtree.train import Objective, make_grad_fn, stack_microbatches
+from jtree.tree import TrajectoryTree
+from tests.models_util import logprob_fn, rel_l2, tiny_model
+from tests.strategies import forests
+from tests.test_hybrid_equivalence import COMMON, tiny
+from tests.test_partition_grad import branching_trees
+
+ROW, PREFIX, CHUNK = 16, [16], 3
+
+
+def on_path_tokens(tree: TrajectoryTree) -> np.ndarray:
+    """Tree tokens on at least one path (the ones training computes)."""
+    return np.unique(np.concatenate([tree.path_token_index(p) for p in range(tree.n_paths)]))
+
+
+def check_plan(tree: TrajectoryTree, capacity: int) -> None:
+    parts = plan_parts(tree, capacity)
+    owned = np.concatenate([p.own for p in parts])
+    assert np.array_equal(np.sort(owned), on_path_tokens(tree))  # each token exactly once
+    owner = np.full(tree.n_tree_tokens, -1)
+    for k, p in enumerate(parts):
+        assert 1 <= len(p.own) <= capacity
+        owner[p.own] = k
+    pred = tree.token_arrays["pred"]
+    for k, p in enumerate(parts):
+        if p.attach < 0:
+            assert p.parent == -1
+            assert np.all((pred[p.own] < 0) | (owner[np.maximum(pred[p.own], 0)] == k))
+        else:
+            assert p.parent < k and owner[p.attach] == p.parent and k in parts[p.parent].children
+            # own tokens hang below the attach token: the prefix is each own token's path head
+            outside = pred[p.own][owner[pred[p.own]] != k]
+            assert np.all(outside == p.attach)
+            chain = p.prefix
+            assert chain[-1] == p.attach and len(chain) == tree.token_arrays["pos"][p.attach] + 1
+            assert np.all(np.diff(chain) > 0) and np.all(pred[chain[1:]] == chain[:-1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(n_trees=(1, 1), max_nodes=14, max_seg=6))
+def test_plan_computes_every_token_once_and_parts_hang_below_one_token(trees):
+    for capacity in (1, 2, 3, 7, 40):
+        check_plan(trees[0], capacity)
+
+
+def test_plan_rejects_bad_capacity_and_prefix_buckets():
+    tree = branching_trees(seed=7)[0]
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="capacity"):
+            plan_parts(tree, bad)
+    with pytest.raises(ValueError, match="prefix_buckets"):
+        build_program([tree], 4, seq_len=ROW, prefix_buckets=[2])
+    with pytest.raises(ValueError, match="seq_len"):
+        build_program([tree], 8, seq_len=4)
+    assert [prefix_bucket(n) for n in (0, 1, 8, 9, 33, 100)] == [0, 8, 8, 12, 48, 128]
+
+
+def longest_shared_prefix(trees) -> int:
+    """Length of the longest prefix that several paths share."""
+    best = 0
+    for t in trees:
+        shared = np.bincount(t.flat_token_index, minlength=t.n_tree_tokens) > 1
+        best = max([best] + (t.token_arrays["pos"][shared] + 1).tolist())
+    return best
+
+
+def test_program_computes_each_token_once_and_packs_small_trees():
+    trees = branching_trees(seed=7)
+    assert longest_shared_prefix(trees) == 8  # capacities 5, 3 and 2 below cut shared prefixes
+    for capacity in (16, 5, 3, 2):
+        program = build_program(trees, capacity, seq_len=ROW)
+        assert program.n_computed == sum(len(on_path_tokens(t)) for t in trees)
+        assert len(program.parts) >= 2
+    # Capacity 16: the small tree rides in a part row's spare room; a 3-token-capacity row of 3
+    # tokens has no room, so it goes to an ordinary micro-batch.
+    assert build_program(trees, 16, seq_len=ROW).whole is None
+    assert build_program(trees, 3).whole_trees == (2,)
+
+
+def _reference(graphdef, params, trees, objective, chunk):
+    full = linearize(trees, 64, normalization=objective.normalization, gdn_chunk_size=chunk,
+                     gdn_chunks=64 if chunk else None)
+    loss, _, grads = jax.jit(make_grad_fn(graphdef, objective))(params, stack_microbatches([full]))
+    logp = np.asarray(logprob_fn(graphdef)(params, full.arrays()))
+    per_tree = [logp[r, o : o + t.n_tree_tokens]
+                for t, r, o in zip(full.layout.trees, full.layout.rows, full.layout.offsets)]
+    return loss, grads, per_tree
+
+
+def _check(graphdef, params, objective, capacities, modes, chunk=None):
+    trees = branching_trees(seed=7)
+    loss_ref, grads_ref, logp_ref = _reference(graphdef, params, trees, objective, chunk)
+    leaves_ref = jax.tree_util.tree_leaves(grads_ref)
+    # One step per mode for all capacities: rows and prefixes keep their shapes (compiled once).
+    steps = {mode: RedundancyFreeStep(graphdef, objective, prefix_backward=mode) for mode in modes}
+    for capacity in capacities:
+        program = build_program(trees, capacity, seq_len=ROW, prefix_buckets=PREFIX,
+                                normalization=objective.normalization, gdn_chunk_size=chunk,
+                                gdn_chunks=ROW if chunk else None,
+                                gdn_exports=4 if chunk else None)
+        for mode, step in steps.items():
+            loss, _, grads = step(params, program)
+            assert float(loss) == pytest.approx(float(loss_ref), rel=1e-5, abs=1e-7), (capacity,
+                                                                                      mode)
+            leaves = jax.tree_util.tree_leaves(grads)
+            assert len(leaves) == len(leaves_ref)
+            for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), leaves_ref):
+                assert rel_l2(a, b) <= 1e-5, (capacity, mode, jax.tree_util.keystr(path))
+        for got, want, tree in zip(step.logprobs(params, program), logp_ref, trees):
+            on = on_path_tokens(tree)
+            np.testing.assert_allclose(got[on], want[on], rtol=0, atol=1e-5)
+
+
+PPO = Objective(kind="ppo", normalization="token_mean", clip_low=0.1, clip_high=0.1,
+                kl_coef=0.05)
+SFT = Objective(kind="sft", normalization="seq_mean_token_mean")
+
+
+def test_dense_equals_unpartitioned_tree():
+    graphdef, params = tiny_model(seed=3)
+    _check(graphdef, params, SFT, capacities=(16, 5, 2), modes=("residuals", "recompute"))
+
+
+def test_moe_equals_unpartitioned_tree_with_pooled_router_loss():
+    graphdef, params = tiny("moe")
+    _check(graphdef, params, PPO, capacities=(5,), modes=("residuals",))
+
+
+def gdn_only_model():
+    """A one-layer Gated DeltaNet model with a dense MLP: the GDN prefix path (conv context,
+    states at attach tokens) at a fraction of the hybrid MoE model's compile time."""
+    cfg = Qwen3NextConfig(**{**COMMON, "mlp_only_layers": (0,)}, num_hidden_layers=1,
+                          linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=2,
+                          linear_num_value_heads=4, layer_types=("linear_attention",))
+    return nnx.split(Qwen3Next(cfg, rngs=nnx.Rngs(0)))
+
+
+def test_gdn_equals_unpartitioned_tree():
+    graphdef, params = gdn_only_model()
+    _check(graphdef, params, SFT, capacities=(5,), modes=("recompute",), chunk=CHUNK)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense", "moe", "hybrid", "gdn"])
+@pytest.mark.parametrize("objective", [SFT, PPO], ids=["sft", "ppo"])
+def test_equals_unpartitioned_tree_slow(kind, objective):
+    graphdef, params = {"dense": lambda: tiny_model(seed=3), "gdn": gdn_only_model}.get(
+        kind, lambda: tiny(kind))()
+    _check(graphdef, params, objective, capacities=(16, 5, 3, 2),
+           modes=("residuals", "recompute"), chunk=CHUNK if kind in ("hybrid", "gdn") else None)
