@@ -39,9 +39,9 @@ def check(result: dict) -> None:
 
 
 def test_tree_and_baseline_steps_on_tensor_and_data_parallel_meshes(tmp_path):
-    # Qwen3-MoE's attention and dense-MLP layer are dense Qwen3's, so these two cases cover the
-    # dense split too (all dense cases run in the slow test).
-    cases = ["moe:baseline:sft:4x2", "next:tree:sft:2x4"]
+    # A covering set: every mesh, both modes, both objectives and all three models appear (the
+    # full model x mode x mesh matrix runs in the slow test below).
+    cases = ["dense:tree:sft:8x1", "moe:baseline:sft:4x2", "moe:tree:ppo:2x4", "next:tree:sft:2x4"]
     step_results = run_cases(cases + [f"restore:{tmp_path}/ckpt"])
     for result in step_results[:-1]:
         check(result)
