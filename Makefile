@@ -19,11 +19,12 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m launch.train --config configs/tiny.yaml
 
+# Two workers, one per core; a test file stays on one worker so its compiled functions are shared.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
 
 bench: $(STAMP)
 	$(PY) -m launch.bench

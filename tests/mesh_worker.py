@@ -6,6 +6,11 @@ backend, which the rest of the test session has long done. A case is `model:mode
 differences to the single-device step: loss, gradient norm, per-parameter gradients (Adam's first
 moment after one step, i.e. the clipped gradient scaled by 1 - b1), updated parameters and their
 updates.
+
+Compiles dominate the cost (two per case, ~10 s each at XLA's default backend optimization), so the
+worker compiles with `--xla_backend_optimization_level=0` (both sides of every comparison use the
+same flags; it changes code generation speed, not the float semantics) and computes the
+single-device reference once per model, mode and objective rather than once per mesh.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import sys
 from typing import Any
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+                           " --xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -102,8 +108,63 @@ def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
     return result
 
 
+def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]:
+    """The single-device step every mesh of this (model, mode, objective) is compared with."""
+    arch, cfg = tiny(model_kind)
+    model = create_model(arch, cfg, seed=3)
+    graphdef, params = nnx.split(model)
+    if model_kind != "dense":
+        params = perturbed(params)
+    objective = Objective(kind=kind, normalization="token_mean" if kind == "sft"
+                          else "seq_mean_token_mean")
+    inputs = step_inputs(mode, objective, cfg.needs_gdn_tables)
+    if kind == "ppo":
+        rng = np.random.default_rng(1)
+        inputs["old_logprobs"] = (-rng.uniform(0.5, 5.0, inputs["tokens"].shape)
+                                  ).astype(np.float32)
+    state = TrainState(params, opt.init(params), np.int32(0))
+    ref_state, ref_metrics = jax.jit(make_train_step(graphdef, opt, objective))(state, inputs)
+    return dict(arch=arch, cfg=cfg, model=model, params=params, objective=objective,
+                inputs=inputs, state=ref_state, metrics=ref_metrics)
+
+
+def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
+    """One sharded step on the case's mesh, with its largest relative differences to `ref`."""
+    data, model_size = (int(x) for x in case.split(":")[3].split("x"))
+    params, objective = ref["params"], ref["objective"]
+    mesh = make_mesh(MeshConfig(data=data, model=model_size))
+    specs = param_specs(params, architecture_rules(ref["arch"], ref["cfg"], model_size), mesh)
+    sharded_params = jax.device_put(params, named(mesh, specs))
+    tp_graphdef = tensor_parallel_graphdef(ref["model"])
+    grad_fn = make_sharded_grad_fn(tp_graphdef, objective, mesh, specs)
+    step = jax.jit(make_train_step(tp_graphdef, opt, objective, grad_fn=grad_fn))
+    new_state, metrics = step(TrainState(sharded_params, opt.init(sharded_params), np.int32(0)),
+                              ref["inputs"])
+    ref_state, ref_metrics = ref["state"], ref["metrics"]
+    leaves = jax.tree_util.tree_leaves
+    return {
+        "case": case,
+        "loss_rel": abs(float(metrics["loss"]) - float(ref_metrics["loss"]))
+        / abs(float(ref_metrics["loss"])),
+        "grad_norm_rel": abs(float(metrics["grad_norm"]) - float(ref_metrics["grad_norm"]))
+        / float(ref_metrics["grad_norm"]),
+        "grads_rel_l2": max(rel_l2(a, b) for a, b in zip(
+            leaves(optax.tree_utils.tree_get(new_state.opt_state, "mu")),
+            leaves(optax.tree_utils.tree_get(ref_state.opt_state, "mu")))),
+        "params_rel_l2": max(rel_l2(a, b) for a, b in
+                             zip(leaves(new_state.params), leaves(ref_state.params))),
+        "update_rel_l2": max(
+            rel_l2(np.asarray(a) - np.asarray(p0), np.asarray(b) - np.asarray(p0))
+            for a, b, p0 in zip(leaves(new_state.params), leaves(ref_state.params),
+                                leaves(params))),
+        "sharded_leaves": sum(not s.is_fully_replicated for s in
+                              leaves(jax.tree.map(lambda a: a.sharding, new_state.params))),
+    }
+
+
 def main(cases: list[str]) -> None:
     opt = make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=0, decay_steps=10))
+    references: dict[tuple[str, str, str], dict[str, Any]] = {}
     for case in cases:
         if case.startswith("restore:"):
             _, cfg = tiny("dense")
@@ -111,51 +172,10 @@ def main(cases: list[str]) -> None:
             print(json.dumps(dict(restore_on_other_meshes(cfg, params, opt, case[8:]),
                                   case=case)), flush=True)
             continue
-        model_kind, mode, kind, shape = case.split(":")
-        arch, cfg = tiny(model_kind)
-        model = create_model(arch, cfg, seed=3)
-        graphdef, params = nnx.split(model)
-        if model_kind != "dense":
-            params = perturbed(params)
-        tp_graphdef = tensor_parallel_graphdef(model)
-        data, model_size = (int(x) for x in shape.split("x"))
-        objective = Objective(kind=kind, normalization="token_mean" if kind == "sft"
-                              else "seq_mean_token_mean")
-        inputs = step_inputs(mode, objective, cfg.needs_gdn_tables)
-        if kind == "ppo":
-            rng = np.random.default_rng(1)
-            inputs["old_logprobs"] = (-rng.uniform(0.5, 5.0, inputs["tokens"].shape)
-                                      ).astype(np.float32)
-        state = TrainState(params, opt.init(params), np.int32(0))
-        ref_state, ref_metrics = jax.jit(make_train_step(graphdef, opt, objective))(state, inputs)
-
-        mesh = make_mesh(MeshConfig(data=data, model=model_size))
-        specs = param_specs(params, architecture_rules(arch, cfg, model_size), mesh)
-        sharded_params = jax.device_put(params, named(mesh, specs))
-        grad_fn = make_sharded_grad_fn(tp_graphdef, objective, mesh, specs)
-        step = jax.jit(make_train_step(tp_graphdef, opt, objective, grad_fn=grad_fn))
-        new_state, metrics = step(TrainState(sharded_params, opt.init(sharded_params),
-                                             np.int32(0)), inputs)
-        leaves = jax.tree_util.tree_leaves
-        result = {
-            "case": case,
-            "loss_rel": abs(float(metrics["loss"]) - float(ref_metrics["loss"]))
-            / abs(float(ref_metrics["loss"])),
-            "grad_norm_rel": abs(float(metrics["grad_norm"]) - float(ref_metrics["grad_norm"]))
-            / float(ref_metrics["grad_norm"]),
-            "grads_rel_l2": max(rel_l2(a, b) for a, b in zip(
-                leaves(optax.tree_utils.tree_get(new_state.opt_state, "mu")),
-                leaves(optax.tree_utils.tree_get(ref_state.opt_state, "mu")))),
-            "params_rel_l2": max(rel_l2(a, b) for a, b in
-                                 zip(leaves(new_state.params), leaves(ref_state.params))),
-            "update_rel_l2": max(
-                rel_l2(np.asarray(a) - np.asarray(p0), np.asarray(b) - np.asarray(p0))
-                for a, b, p0 in zip(leaves(new_state.params), leaves(ref_state.params),
-                                    leaves(params))),
-            "sharded_leaves": sum(not s.is_fully_replicated for s in
-                                  leaves(jax.tree.map(lambda a: a.sharding, new_state.params))),
-        }
-        print(json.dumps(result), flush=True)
+        key = tuple(case.split(":")[:3])
+        if key not in references:
+            references[key] = reference_step(*key, opt)
+        print(json.dumps(compare_on_mesh(case, references[key], opt)), flush=True)
 
 
 if __name__ == "__main__":

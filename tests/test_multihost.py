@@ -15,7 +15,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     data = write_groups(tmp_path / "groups.jsonl")
     common = tiny_overrides(data, **{"run.steps": 3})
