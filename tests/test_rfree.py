@@ -114,9 +114,10 @@ def test_program_computes_each_token_once_and_packs_small_trees():
     assert len(set(lengths)) < len(lengths)
 
 
-def check_schedule(program, live: LiveBuffers) -> None:
+def check_schedule(program, live: LiveBuffers, mode: str) -> None:
     """The executor ran parts in post-order, children in `child_order` (largest need first), and
-    at every device call only the parts on the chain above the running part held buffers."""
+    at every device call only the parts on the chain above the running part held buffers (in
+    modes other than `residuals`, at most one part its residuals)."""
     parts = program.parts
     order = child_order(program)
     for k, kids in enumerate(order):
@@ -143,8 +144,14 @@ def check_schedule(program, live: LiveBuffers) -> None:
         while parts[k].parent >= 0:
             k = parts[k].parent
             chain.add(k)
-        assert held <= chain, (name, held, chain)
+        assert {j for _, j in held} <= chain, (name, held, chain)
         assert 0 < nbytes <= live.peak_bytes
+        if mode != "residuals":
+            assert sum(kind == "residuals" for kind, _ in held) <= 1, (name, held)
+    if mode == "auto":  # residuals kept exactly by the parts whose children are all leaves
+        kept = {j for _, _, held, _ in live.events for kind, j in held if kind == "residuals"}
+        assert kept == {k for k, p in enumerate(parts)
+                        if p.children and not any(parts[c].children for c in p.children)}
 
 
 def subtree_need(program, order, k: int) -> int:
@@ -198,7 +205,7 @@ def _check(graphdef, params, objective, capacities, modes, chunk=None):
             assert len(leaves) == len(leaves_ref)
             for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), leaves_ref):
                 assert rel_l2(a, b) <= 1e-5, (capacity, mode, jax.tree_util.keystr(path))
-            check_schedule(program, step.live)
+            check_schedule(program, step.live, mode)
         for got, want, tree in zip(step.logprobs(params, program), logp_ref, trees):
             on = on_path_tokens(tree)
             np.testing.assert_allclose(got[on], want[on], rtol=0, atol=1e-5)
@@ -211,7 +218,7 @@ SFT = Objective(kind="sft", normalization="seq_mean_token_mean")
 
 def test_dense_equals_unpartitioned_tree():
     graphdef, params = tiny_model(seed=3)
-    _check(graphdef, params, SFT, capacities=(16, 5, 2), modes=("residuals", "recompute"))
+    _check(graphdef, params, SFT, capacities=(16, 5, 2), modes=("residuals", "auto"))
 
 
 def test_moe_equals_unpartitioned_tree_with_pooled_router_loss():
@@ -240,4 +247,5 @@ def test_equals_unpartitioned_tree_slow(kind, objective):
     graphdef, params = {"dense": lambda: tiny_model(seed=3), "gdn": gdn_only_model}.get(
         kind, lambda: tiny(kind))()
     _check(graphdef, params, objective, capacities=(16, 5, 3, 2),
-           modes=("residuals", "recompute"), chunk=CHUNK if kind in ("hybrid", "gdn") else None)
+           modes=("residuals", "recompute", "auto"),
+           chunk=CHUNK if kind in ("hybrid", "gdn") else None)

@@ -20,6 +20,10 @@ at every device call, `RedundancyFreeStep.live`).
   forward again with residuals for the backward once the children are done. Live memory: one
   part's residuals plus the prefixes and outputs on the stack; costs one more forward per part
   with children.
+- `"auto"`: residuals for a part whose children are all leaf parts (its residuals are held only
+  while single leaf calls run), recompute for the parts above. Live memory: at most one part's
+  residuals, like `"recompute"`, at one more forward only for parts with grandchildren (few: the
+  parts near the roots).
 Parts without children always run forward and backward in one jitted call.
 
 Trees that fit in a row (`RfreeProgram.whole`) run as ordinary micro-batches through
@@ -46,7 +50,7 @@ from jtree.rfree.schedule import LiveBuffers, child_order
 from jtree.logprobs import logprobs_from_hidden
 from jtree.train import Objective, finish_metrics, loss_from_hidden, make_grad_fn
 
-PrefixBackward = Literal["residuals", "recompute"]
+PrefixBackward = Literal["residuals", "recompute", "auto"]
 
 
 class PartPrefix(NamedTuple):
@@ -80,9 +84,9 @@ class RedundancyFreeStep:
     def __init__(self, graphdef: nnx.GraphDef, objective: Objective, *,
                  prefix_backward: PrefixBackward = "residuals",
                  on_call: Callable[[str, Any, tuple], None] | None = None):
-        if prefix_backward not in ("residuals", "recompute"):
-            raise ValueError(f"prefix_backward: {prefix_backward!r} is not 'residuals' or "
-                             "'recompute'")
+        if prefix_backward not in ("residuals", "recompute", "auto"):
+            raise ValueError(f"prefix_backward: {prefix_backward!r} is not 'residuals', "
+                             "'recompute' or 'auto'")
         self.graphdef, self.objective = graphdef, objective
         self.prefix_backward = prefix_backward
         self.conv_width: int | None = None  # K - 1 of the GDN conv, read from the model config
@@ -280,7 +284,7 @@ class RedundancyFreeStep:
             acc.add(loss, metrics, d_params)
             return d_prefix
         vjp = None
-        if self.prefix_backward == "residuals":
+        if self._keeps_residuals(program, k):
             loss, out, metrics, vjp = self._call("forward", self._forward, params, inputs, prefix,
                                                  part=k)
             live.hold("residuals", k, vjp)
@@ -318,6 +322,12 @@ class RedundancyFreeStep:
         del vjp, out, d_out
         acc.add(loss, metrics, d_params)
         return self._accumulate(d_prefix, d_prefix_below)
+
+    def _keeps_residuals(self, program: RfreeProgram, k: int) -> bool:
+        """Whether part k (which has children) keeps its forward's residuals for its backward."""
+        if self.prefix_backward == "auto":
+            return not any(program.parts[c].children for c in program.parts[k].children)
+        return self.prefix_backward == "residuals"
 
     def logprobs(self, params: Any, program: RfreeProgram) -> list[np.ndarray]:
         """log p(token | its path) for every tree token of every tree (tree-token order; 0 where

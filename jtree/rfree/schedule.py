@@ -49,14 +49,14 @@ def child_order(program: RfreeProgram) -> list[tuple[int, ...]]:
 class LiveBuffers:
     """The device buffers the executor holds between its calls, by (kind, part).
 
-    `events` records every device call as (name, part, parts holding buffers, live bytes); bytes
+    `events` records every device call as (name, part, held (kind, part) keys, live bytes); bytes
     count each held array once (by identity), so they are real buffer sizes, not estimates.
     `peak_bytes` is the largest of them.
     """
 
     def __init__(self) -> None:
         self.held: dict[tuple[str, int], Any] = {}
-        self.events: list[tuple[str, int, frozenset[int], int]] = []
+        self.events: list[tuple[str, int, frozenset[tuple[str, int]], int]] = []
         self.peak_bytes = 0
 
     def hold(self, kind: str, part: int, tree: Any) -> None:
@@ -73,4 +73,4 @@ class LiveBuffers:
     def call(self, name: str, part: int) -> None:
         now = self.live_bytes()
         self.peak_bytes = max(self.peak_bytes, now)
-        self.events.append((name, part, frozenset(k for _, k in self.held), now))
+        self.events.append((name, part, frozenset(self.held), now))
