@@ -92,7 +92,7 @@ class RedundancyFreeStep:
         self.conv_width: int | None = None  # K - 1 of the GDN conv, read from the model config
         self.on_call = on_call or (lambda name, fn, args: None)
         self._forward = jax.jit(self._forward_saving_residuals)
-        self._backward = jax.jit(lambda vjp, cotangents: vjp(cotangents))
+        self._backward = jax.jit(lambda vjp, loss, d_out: vjp((jnp.ones_like(loss), d_out)))
         self._outputs = jax.jit(lambda p, x, c: self._part_forward(p, x, c)[1])
         self._leaf = jax.jit(self._leaf_grad)
         self._forward_backward = jax.jit(self._forward_and_backward)
@@ -219,7 +219,8 @@ class RedundancyFreeStep:
             self.live.hold("prefix", root, self._empty_prefix(params, program.parts[root]))
             self._run(params, program, order, root, self.live.held[("prefix", root)], acc, pooled)
             self.live.drop("prefix", root)
-        return acc.loss, finish_metrics(acc.metrics), acc.grads
+        loss, metrics, grads = acc.total
+        return loss, finish_metrics(metrics), grads
 
     def _call(self, name: str, fn: Callable, *args, part: int = -1):
         self.live.call(name, part)
@@ -292,7 +293,7 @@ class RedundancyFreeStep:
             out = self._call("outputs", self._outputs, params, inputs, prefix, part=k)
         live.hold("outputs", k, out)
         # Accumulators exist from the first child's return on (see jtree.rfree.schedule).
-        d_out = d_prefix_below = None
+        sums = None  # (d_out, d_prefix_below)
         for c in order[k]:
             child = program.parts[c]
             index, state = jnp.asarray(child.gather_index), jnp.asarray(child.gather_state)
@@ -307,19 +308,17 @@ class RedundancyFreeStep:
                                         state, part.prefix_len, d_child, part=c)
             live.drop("d_prefix", c)
             del d_child
-            d_out = d_own if d_out is None else self._accumulate(d_out, d_own)
-            d_prefix_below = (d_above if d_prefix_below is None
-                              else self._accumulate(d_prefix_below, d_above))
-            live.hold("accumulators", k, (d_out, d_prefix_below))
+            sums = (d_own, d_above) if sums is None else self._accumulate(sums, (d_own, d_above))
+            live.hold("accumulators", k, sums)
+        d_out, d_prefix_below = sums
         if vjp is not None:
-            d_params, d_prefix = self._call("backward", self._backward, vjp,
-                                            (jnp.ones_like(loss), d_out), part=k)
+            d_params, d_prefix = self._call("backward", self._backward, vjp, loss, d_out, part=k)
         else:
             loss, metrics, d_params, d_prefix = self._call(
                 "forward_backward", self._forward_backward, params, inputs, prefix, d_out, part=k)
         for kind in ("residuals", "outputs", "accumulators"):
             live.drop(kind, k)
-        del vjp, out, d_out
+        del vjp, out, d_out, sums
         acc.add(loss, metrics, d_params)
         return self._accumulate(d_prefix, d_prefix_below)
 
@@ -367,19 +366,16 @@ class RedundancyFreeStep:
 
 
 class _Accumulator:
-    """Running sums of loss, metrics and gradients (updated in place on the device)."""
+    """Running sums of loss, metrics and gradients (updated in place on the device, one call per
+    addition)."""
 
     def __init__(self, step: RedundancyFreeStep):
         self.step = step
-        self.loss = self.metrics = self.grads = None
+        self.total = None
 
     def add(self, loss, metrics, grads) -> None:
-        if self.grads is None:
-            self.loss, self.metrics, self.grads = loss, metrics, grads
-            return
-        self.loss = self.loss + loss
-        self.metrics = _add(self.metrics, metrics)
-        self.grads = self.step._accumulate(self.grads, grads)
+        new = (loss, metrics, grads)
+        self.total = new if self.total is None else self.step._accumulate(self.total, new)
 
 
 def _split_aux(result):
