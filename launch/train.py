@@ -244,11 +244,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         builder = RfreeStepBuilder(trees, RfreePlan(cfg.objective.normalization, d.seq_len,
                                                     rfree_capacity(cfg), d.trees_per_step,
                                                     gdn_chunk_size(cfg)))
-        rows = f"parts of <= {rfree_capacity(cfg)} tokens, one row per call,"
+        layout = (f"parts of <= {rfree_capacity(cfg)} tokens in rows of {d.seq_len}, one device "
+                  f"call per part")
     else:
         builder = (AutoStepBuilder(builders, FlopModel.for_config(mcfg), cfg.run.auto_min_gain)
                    if cfg.run.mode == "auto" else builders[cfg.run.mode])
-        rows = "/".join(f"{rows_by_mode[m]}" for m in modes) + f" rows ({'/'.join(modes)})"
+        rows = "/".join(f"{rows_by_mode[m]}" for m in modes)
+        layout = (f"{d.micro_batches} micro-batch(es) x {rows} rows ({'/'.join(modes)}) x "
+                  f"{d.seq_len} per data shard")
     pipeline = make_pipeline(builder, seed=d.shuffle_seed, worker_count=d.worker_count)
     iterator = iter(pipeline)
 
@@ -276,8 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"model: {cfg.model.architecture} {mcfg.num_hidden_layers} layers, hidden "
         f"{mcfg.hidden_size}, {n_params:,} parameters; mode {cfg.run.mode}, objective "
         f"{cfg.objective.kind}; mesh data={mesh.shape[DATA]} x model={mesh.shape[MODEL]} over "
-        f"{jax.process_count()} process(es), backend {jax.default_backend()}; {d.micro_batches} "
-        f"micro-batch(es) x {rows} x {d.seq_len} per data shard")
+        f"{jax.process_count()} process(es), backend {jax.default_backend()}; {layout}")
 
     metrics_log = MetricsLog(cfg.run.metrics_jsonl, cfg.run.tensorboard_dir, first_step=start,
                              enabled=jax.process_index() == 0)
