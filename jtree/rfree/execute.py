@@ -20,10 +20,10 @@ at every device call, `RedundancyFreeStep.live`).
   forward again with residuals for the backward once the children are done. Live memory: one
   part's residuals plus the prefixes and outputs on the stack; costs one more forward per part
   with children.
-- `"auto"`: residuals for a part whose children are all leaf parts (its residuals are held only
-  while single leaf calls run), recompute for the parts above. Live memory: at most one part's
-  residuals, like `"recompute"`, at one more forward only for parts with grandchildren (few: the
-  parts near the roots).
+- `"auto"` (default): residuals for a part whose children are all leaf parts (its residuals are
+  held only while single leaf calls run), recompute for the parts above. Live memory: at most one
+  part's residuals (plus a leaf call's), at one more forward only for parts with grandchildren
+  (few: the parts near the roots).
 Parts without children always run forward and backward in one jitted call.
 
 Trees that fit in a row (`RfreeProgram.whole`) run as ordinary micro-batches through
@@ -82,7 +82,7 @@ class RedundancyFreeStep:
     """
 
     def __init__(self, graphdef: nnx.GraphDef, objective: Objective, *,
-                 prefix_backward: PrefixBackward = "residuals",
+                 prefix_backward: PrefixBackward = "auto",
                  on_call: Callable[[str, Any, tuple], None] | None = None):
         if prefix_backward not in ("residuals", "recompute", "auto"):
             raise ValueError(f"prefix_backward: {prefix_backward!r} is not 'residuals', "
