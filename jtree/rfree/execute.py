@@ -92,10 +92,13 @@ class RedundancyFreeStep:
         self.conv_width: int | None = None  # K - 1 of the GDN conv, read from the model config
         self.on_call = on_call or (lambda name, fn, args: None)
         self._forward = jax.jit(self._forward_saving_residuals)
-        self._backward = jax.jit(lambda vjp, loss, d_out: vjp((jnp.ones_like(loss), d_out)))
+        # The backward calls add their part's loss, metrics and gradients to the running total
+        # (donated) and its prefix cotangent to the one its children gave (`d_below`).
+        self._backward = jax.jit(self._backward_into, donate_argnums=(5,))
         self._outputs = jax.jit(lambda p, x, c: self._part_forward(p, x, c)[1])
-        self._leaf = jax.jit(self._leaf_grad)
-        self._forward_backward = jax.jit(self._forward_and_backward)
+        self._leaf = jax.jit(self._leaf_into, donate_argnums=(3,))
+        self._forward_backward = jax.jit(self._forward_backward_into, donate_argnums=(5,))
+        self._zeros: Callable | None = None  # params -> zero (loss, metrics, grads)
         self._extend = jax.jit(self._extend_prefix, static_argnums=(4,))
         self._extend_back = jax.jit(self._extend_transpose, static_argnums=(4,))
         self._accumulate = jax.jit(_add, donate_argnums=(0,))
@@ -155,14 +158,22 @@ class RedundancyFreeStep:
             f, argnums=(0, 1), has_aux=True)(params, prefix)
         return loss, metrics, d_params, d_prefix
 
-    def _forward_and_backward(self, params, inputs, prefix, d_out):
+    def _leaf_into(self, params, inputs, prefix, total):
+        loss, metrics, d_params, d_prefix = self._leaf_grad(params, inputs, prefix)
+        return _add(total, (loss, metrics, d_params)), d_prefix
+
+    def _backward_into(self, vjp, loss, metrics, d_out, d_below, total):
+        d_params, d_prefix = vjp((jnp.ones_like(loss), d_out))
+        return _add(total, (loss, metrics, d_params)), _add(d_prefix, d_below)
+
+    def _forward_backward_into(self, params, inputs, prefix, d_out, d_below, total):
         def f(p, c):
             loss, out, metrics = self._part_forward(p, inputs, c)
             return (loss, out), metrics
 
         (loss, _), vjp, metrics = jax.vjp(f, params, prefix, has_aux=True)
         d_params, d_prefix = vjp((jnp.ones_like(loss), d_out))
-        return loss, metrics, d_params, d_prefix
+        return _add(total, (loss, metrics, d_params)), _add(d_prefix, d_below)
 
     def _extend_prefix(self, prefix: PartPrefix, out: PartOutput, index, state_index,
                        p_par: int) -> PartPrefix:
@@ -205,15 +216,15 @@ class RedundancyFreeStep:
         """(loss, metrics, grads) of the whole program, equal to the unpartitioned trees'."""
         self._read_config(params)
         self.live = LiveBuffers()
-        acc = _Accumulator(self)
         pooled = self._router_load(params, program) if self._uses_router_load(params, program) \
             else {}
         if program.whole is not None:
             inputs = program.whole.inputs()
             m = jax.tree_util.tree_leaves(inputs)[0].shape[0]
             inputs.update({k: jnp.broadcast_to(v, (m,) + v.shape) for k, v in pooled.items()})
-            loss, metrics, grads = self._call("whole", self._whole, params, inputs)
-            acc.add(loss, metrics, grads)
+            acc = _Accumulator(self._call("whole", self._whole, params, inputs))
+        else:
+            acc = _Accumulator(self._zero_total(params, program.parts[0], pooled))
         order = child_order(program)
         for root in _roots(program):
             self.live.hold("prefix", root, self._empty_prefix(params, program.parts[root]))
@@ -221,6 +232,19 @@ class RedundancyFreeStep:
             self.live.drop("prefix", root)
         loss, metrics, grads = acc.total
         return loss, finish_metrics(metrics), grads
+
+    def _zero_total(self, params: Any, part: PartBatch, pooled: dict[str, jax.Array]):
+        """Zero (loss, metrics, grads) to add the parts' results to (one call per step; the
+        metrics' structure is traced abstractly once)."""
+        if self._zeros is None:
+            loss, metrics, _, _ = jax.eval_shape(self._leaf_grad, params,
+                                                 dict(part.inputs, **pooled),
+                                                 self._empty_prefix(params, part))
+            shapes = (loss, metrics)
+            self._zeros = jax.jit(lambda p: jax.tree_util.tree_map(
+                lambda x: jnp.zeros(x.shape, x.dtype), shapes) + (
+                jax.tree_util.tree_map(jnp.zeros_like, p),))
+        return self._call("zeros", self._zeros, params)
 
     def _call(self, name: str, fn: Callable, *args, part: int = -1):
         self.live.call(name, part)
@@ -280,9 +304,8 @@ class RedundancyFreeStep:
         part, live = program.parts[k], self.live
         inputs = dict(part.inputs, **pooled)
         if not part.children:
-            loss, metrics, d_params, d_prefix = self._call("leaf", self._leaf, params, inputs,
-                                                           prefix, part=k)
-            acc.add(loss, metrics, d_params)
+            acc.total, d_prefix = self._call("leaf", self._leaf, params, inputs, prefix,
+                                             acc.total, part=k)
             return d_prefix
         vjp = None
         if self._keeps_residuals(program, k):
@@ -310,17 +333,17 @@ class RedundancyFreeStep:
             del d_child
             sums = (d_own, d_above) if sums is None else self._accumulate(sums, (d_own, d_above))
             live.hold("accumulators", k, sums)
-        d_out, d_prefix_below = sums
+        d_out, d_below = sums
         if vjp is not None:
-            d_params, d_prefix = self._call("backward", self._backward, vjp, loss, d_out, part=k)
+            acc.total, d_prefix = self._call("backward", self._backward, vjp, loss, metrics,
+                                             d_out, d_below, acc.total, part=k)
         else:
-            loss, metrics, d_params, d_prefix = self._call(
-                "forward_backward", self._forward_backward, params, inputs, prefix, d_out, part=k)
+            acc.total, d_prefix = self._call("forward_backward", self._forward_backward, params,
+                                             inputs, prefix, d_out, d_below, acc.total, part=k)
         for kind in ("residuals", "outputs", "accumulators"):
             live.drop(kind, k)
-        del vjp, out, d_out, sums
-        acc.add(loss, metrics, d_params)
-        return self._accumulate(d_prefix, d_prefix_below)
+        del vjp, out, d_out, d_below, sums
+        return d_prefix
 
     def _keeps_residuals(self, program: RfreeProgram, k: int) -> bool:
         """Whether part k (which has children) keeps its forward's residuals for its backward."""
@@ -357,7 +380,7 @@ class RedundancyFreeStep:
             k, prefix = stack.pop()
             part = program.parts[k]
             logp, out, load = self._call("part_forward", self._logprobs, params, part.inputs,
-                                         prefix, part=k)
+                                         prefix)
             yield part.members, logp, load
             for c in reversed(part.children):
                 child = program.parts[c]
@@ -366,16 +389,11 @@ class RedundancyFreeStep:
 
 
 class _Accumulator:
-    """Running sums of loss, metrics and gradients (updated in place on the device, one call per
-    addition)."""
+    """The running (loss, metrics, grads) of a step; the parts' backward calls add to it on the
+    device (donated, so in place)."""
 
-    def __init__(self, step: RedundancyFreeStep):
-        self.step = step
-        self.total = None
-
-    def add(self, loss, metrics, grads) -> None:
-        new = (loss, metrics, grads)
-        self.total = new if self.total is None else self.step._accumulate(self.total, new)
+    def __init__(self, total: tuple):
+        self.total = total
 
 
 def _split_aux(result):
