@@ -107,14 +107,19 @@ class RunConfig:
     TensorBoard (needs the `tensorboardX` package). `mode`: `tree`, `baseline` (every path its own
     sequence), or `auto`: each step in tree mode unless the cost model predicts a gain below
     `auto_min_gain` over the baseline, then in baseline mode (same loss either way; the choice and
-    its reason are logged per step). `kill_after_checkpoint`: fault injection for
+    its reason are logged per step), or `redundancy_free`: trees larger than `capacity` tokens
+    (default `data.seq_len`) split into parts that reuse their ancestors' cached prefixes
+    (`jtree.rfree`; single device only), `prefix_backward` choosing how a part with children gets
+    its backward (`residuals`, `recompute` or `auto`). `kill_after_checkpoint`: fault injection for
     resume tests, the process SIGKILLs itself once the checkpoint of that step is committed.
     """
 
     steps: int = 20
     seed: int = 0
-    mode: Literal["tree", "baseline", "auto"] = "tree"
+    mode: Literal["tree", "baseline", "auto", "redundancy_free"] = "tree"
     auto_min_gain: float = 1.05
+    capacity: int | None = None
+    prefix_backward: Literal["residuals", "recompute", "auto"] = "auto"
     log_every: int = 1
     compare_baseline: bool = True
     timing_repeats: int = 5

@@ -40,6 +40,7 @@ from jtree.loss import Normalization, batch_normalizer
 from jtree.packing import plan_rows as plan_packed_rows
 from jtree.partition import Method as PartitionMethod
 from jtree.partition import partition
+from jtree.rfree.layout import build_program
 from jtree.tree import TrajectoryTree
 from jtree.tree_jsonl import (
     check_group_line, group_key, iter_lines, parse_line, tree_from_group, tree_from_record,
@@ -310,6 +311,35 @@ class AutoStepBuilder:
         return element
 
 
+@dataclasses.dataclass(frozen=True)
+class RfreePlan:
+    """What every redundancy-free step is built with (`RfreeStepBuilder`)."""
+
+    normalization: Normalization
+    seq_len: int
+    capacity: int
+    trees_per_step: int
+    gdn_chunk_size: int | None = None
+
+
+class RfreeStepBuilder:
+    """Grain transform for `run.mode=redundancy_free`: the tree indices of one step -> the step's
+    `jtree.rfree` program (`{"program": RfreeProgram, "info": step_info(...)}`), run part by part
+    on one device by `jtree.rfree.execute.RedundancyFreeStep`."""
+
+    def __init__(self, trees: Sequence[TrajectoryTree], plan: RfreePlan):
+        self.trees, self.plan = list(trees), plan
+
+    def __call__(self, indices: np.ndarray) -> dict[str, Any]:
+        trees = [self.trees[int(i)] for i in indices]
+        plan = self.plan
+        program = build_program(trees, plan.capacity, seq_len=plan.seq_len,
+                                normalization=plan.normalization,
+                                gdn_chunk_size=plan.gdn_chunk_size)
+        info = dict(step_info(trees, trees), n_computed_tokens=np.int64(program.n_computed))
+        return {"program": program, "info": info}
+
+
 def step_indices(n_trees: int, trees_per_step: int, seed: int) -> grain.MapDataset:
     """Tree indices of every step: a seeded shuffle of all trees, reshuffled every epoch."""
     return (grain.MapDataset.range(n_trees).seed(seed).shuffle().repeat()
@@ -334,7 +364,7 @@ def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_
     return most
 
 
-def make_pipeline(builder: StepBuilder | AutoStepBuilder, *, seed: int,
+def make_pipeline(builder: StepBuilder | AutoStepBuilder | RfreeStepBuilder, *, seed: int,
                   worker_count: int = 0) -> grain.IterDataset:
     """Step inputs for this host, in step order (iterate it, checkpoint its iterator state)."""
     ds = step_indices(len(builder.trees), builder.plan.trees_per_step, seed).map(builder)

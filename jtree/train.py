@@ -253,15 +253,27 @@ def make_train_step(
     """The (unjitted) train step; callers jit it. `grad_fn` defaults to the single-device
     `make_grad_fn`; pass `make_sharded_grad_fn(...)` to run over a mesh."""
     grad_fn = grad_fn or make_grad_fn(graphdef, objective)
+    apply = apply_gradients(optimizer)
 
     def step(state: TrainState, inputs: Inputs):
-        loss, metrics, grads = grad_fn(state.params, inputs)
+        return apply(state, *grad_fn(state.params, inputs))
+
+    return step
+
+
+def apply_gradients(optimizer: optax.GradientTransformation) -> Callable[
+        [TrainState, jax.Array, dict[str, jax.Array], Any],
+        tuple[TrainState, dict[str, jax.Array]]]:
+    """(state, loss, metrics, grads) -> (next state, metrics with loss and grad norm): the update
+    half of a train step, for steps whose gradients come from elsewhere (`jtree.rfree`)."""
+
+    def apply(state: TrainState, loss: jax.Array, metrics: dict[str, jax.Array], grads: Any):
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
         return TrainState(params, opt_state, state.step + 1), metrics
 
-    return step
+    return apply
 
 
 def make_logprob_fn(graphdef: nnx.GraphDef, chunk: int = 1024) -> Callable[[Any, Inputs], jax.Array]:

@@ -10,11 +10,18 @@ measured side by side in one process (compile excluded, alternating, medians):
 - `rfree`: `jtree.rfree` parts of at most C tokens over cached prefixes (N_computed == N_tree),
   run part by part (`RedundancyFreeStep`), the prefix backward from saved residuals;
 - `rfree_recompute`: the same, recomputing a part's forward for its backward (less memory held
-  while its children run, one more forward per part with children).
+  while its children run, one more forward per part with children);
+- `rfree_auto`: residuals for parts whose children are all leaf parts, recompute above.
 
-Memory: the peak over the step's device calls of (bytes of live device arrays at the call + the
-called executable's temporary bytes from XLA's memory analysis); for the scanned steps that is
-one call. Also checks that the three losses agree.
+Parts run in post-order (`jtree.rfree.schedule`). Memory, two measures of real buffer bytes (the
+CPU backend has no device memory statistics):
+- `peak_bytes`: the peak over the step's device calls of (bytes of every live jax.Array in the
+  process at the call, `jax.live_arrays()`, + the called executable's temporary bytes from XLA's
+  memory analysis); for the scanned steps that is one call. Comparable across all methods.
+- `held_bytes` (rfree only): the peak of what the executor itself holds between calls (residuals,
+  outputs, prefixes, cotangent accumulators; `RedundancyFreeStep.live`), without parameters,
+  gradients and temporaries.
+Also reports the first step's time (compiles included) and checks that the losses agree.
 
 Writes bench_out/rfree.json and bench_out/rfree.png (or --out PREFIX).
 """
@@ -42,6 +49,7 @@ from jtree.train import Objective, make_grad_fn
 from jtree.tree import TrajectoryTree
 
 OBJECTIVE = Objective(kind="sft", normalization="seq_mean_token_mean")
+RFREE_MODES = {"rfree": "residuals", "rfree_recompute": "recompute", "rfree_auto": "auto"}
 
 
 def pick_tree(ratio: float, capacity: int, seed: int) -> TrajectoryTree:
@@ -98,30 +106,34 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
                              normalization=OBJECTIVE.normalization, normalizer=norm).inputs()
     program = build_program([tree], capacity, normalization=OBJECTIVE.normalization,
                             normalizer=norm)
-    steps = {"rfree": RedundancyFreeStep(graphdef, OBJECTIVE),
-             "rfree_recompute": RedundancyFreeStep(graphdef, OBJECTIVE,
-                                                   prefix_backward="recompute")}
+    steps = {name: RedundancyFreeStep(graphdef, OBJECTIVE, prefix_backward=mode)
+             for name, mode in RFREE_MODES.items()}
     runs = {
         "baseline": lambda: grad_fn(params, base),
         "duplicating": lambda: grad_fn(params, dup),
-        "rfree": lambda: steps["rfree"](params, program),
-        "rfree_recompute": lambda: steps["rfree_recompute"](params, program),
+        **{name: (lambda step=step: step(params, program)) for name, step in steps.items()},
     }
-    losses = {name: float(jax.block_until_ready(run())[0]) for name, run in runs.items()}
+    losses, first_s = {}, {}
+    for name, run in runs.items():
+        t0 = time.perf_counter()
+        losses[name] = float(jax.block_until_ready(run())[0])
+        first_s[name] = time.perf_counter() - t0
     times = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             t0 = time.perf_counter()
             jax.block_until_ready(run())
             times[name].append(time.perf_counter() - t0)
-    memory = {}
+    memory, held = {}, {}
     for name, inputs in (("baseline", base), ("duplicating", dup)):
         memory[name] = live_bytes() + temp_bytes(grad_fn, (params, inputs))
-    for name, mode in (("rfree", "residuals"), ("rfree_recompute", "recompute")):
+    for name, step in steps.items():  # the timed steps, now probed (nothing compiles again)
         probe = PeakProbe()
-        probed = RedundancyFreeStep(graphdef, OBJECTIVE, prefix_backward=mode, on_call=probe)
-        jax.block_until_ready(probed(params, program))
+        step.on_call = probe
+        jax.block_until_ready(step(params, program))
         memory[name] = probe.peak
+        held[name] = step.live.peak_bytes
+    part_shapes = {tuple(v.shape for v in p.inputs.values()) for p in program.parts}
     stats = tree.stats()
     ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
     return {
@@ -129,11 +141,14 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
         "ratio": stats.n_tree_tokens / capacity, "paths": stats.n_paths,
         "n_computed": {"baseline": stats.n_flat_tokens,
                        "duplicating": int(sum(p.n_tree_tokens for p in dup_parts)),
-                       "rfree": program.n_computed, "rfree_recompute": program.n_computed},
+                       **{name: program.n_computed for name in RFREE_MODES}},
         "calls": {"baseline": int(base["tokens"].shape[0]),
-                  "duplicating": int(dup["tokens"].shape[0]), "rfree": len(program.parts),
-                  "rfree_recompute": len(program.parts)},
-        "ms": ms, "peak_bytes": memory, "loss": losses,
+                  "duplicating": int(dup["tokens"].shape[0]),
+                  **{name: len(program.parts) for name in RFREE_MODES}},
+        "part_shapes": len(part_shapes), "prefix_lengths": sorted(
+            {p.prefix_len for p in program.parts}),
+        "ms": ms, "first_step_s": first_s, "peak_bytes": memory, "held_bytes": held,
+        "loss": losses,
         "speedup_vs_baseline": {k: ms["baseline"] / ms[k] for k in ms if k != "baseline"},
         "token_bound": stats.n_flat_tokens / stats.n_tree_tokens,
     }
@@ -149,7 +164,7 @@ def plot(report: dict, path: str) -> None:
     x = [c["ratio"] for c in cases]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for name, style in (("baseline", "k--"), ("duplicating", "C1o-"), ("rfree", "C0s-"),
-                        ("rfree_recompute", "C2^-")):
+                        ("rfree_recompute", "C2^-"), ("rfree_auto", "C3v-")):
         axes[0].plot(x, [c["ms"][name] for c in cases], style, label=name)
         axes[1].plot(x, [c["peak_bytes"][name] / 2**20 for c in cases], style, label=name)
     axes[0].set(xlabel="tree tokens / capacity", ylabel="step time (ms)",
@@ -179,23 +194,23 @@ def main() -> None:
                       tie_word_embeddings=False, attention_impl=args.attention)
     graphdef, params = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(0)))
     cases = []
-    print(f"{'ratio':>5} {'N_tree':>7} {'N_flat':>7} | {'N_computed b/d/r':>20} | "
-          f"{'ms baseline/dup/rfree/rfree_rc':>32} | {'peak MiB b/d/r/rc':>27} | "
-          f"{'speedup d/r/rc':>17} {'bound':>6}")
+    names = ["baseline", "duplicating", *RFREE_MODES]
+    print(f"{'ratio':>5} {'N_tree':>7} {'N_flat':>7} {'N_comp dup':>10} {'parts':>5} "
+          f"{'shapes':>6} | ms " + "/".join(names) + " | peak MiB (same order) | rfree held MiB "
+          "r/rc/auto | speedup vs baseline " + "/".join(names[1:]) + " | bound")
     for i, ratio in enumerate(float(r) for r in args.ratios.split(",")):
         tree = pick_tree(ratio, args.capacity, seed=i)
         c = bench_tree(tree, args.capacity, graphdef, params, args.repeats)
         cases.append(c)
-        n, ms, mb = c["n_computed"], c["ms"], {k: v / 2**20 for k, v in c["peak_bytes"].items()}
-        sp = c["speedup_vs_baseline"]
-        print(f"{c['ratio']:5.1f} {c['n_tree']:7d} {c['n_flat']:7d} | "
-              f"{n['baseline']:6d}/{n['duplicating']:6d}/{n['rfree']:6d} | "
-              f"{ms['baseline']:7.0f}/{ms['duplicating']:7.0f}/{ms['rfree']:7.0f}/"
-              f"{ms['rfree_recompute']:7.0f} | "
-              f"{mb['baseline']:6.1f}/{mb['duplicating']:6.1f}/{mb['rfree']:6.1f}/"
-              f"{mb['rfree_recompute']:6.1f} | "
-              f"{sp['duplicating']:5.2f}/{sp['rfree']:5.2f}/{sp['rfree_recompute']:5.2f} "
-              f"{c['token_bound']:6.2f}")
+        mib = {k: v / 2**20 for k, v in c["peak_bytes"].items()}
+        held = {k: v / 2**20 for k, v in c["held_bytes"].items()}
+        print(f"{c['ratio']:5.1f} {c['n_tree']:7d} {c['n_flat']:7d} "
+              f"{c['n_computed']['duplicating']:10d} {c['calls']['rfree']:5d} "
+              f"{c['part_shapes']:6d} | " + "/".join(f"{c['ms'][n]:.0f}" for n in names)
+              + " | " + "/".join(f"{mib[n]:.1f}" for n in names) + " | "
+              + "/".join(f"{held[n]:.1f}" for n in RFREE_MODES) + " | "
+              + "/".join(f"{c['speedup_vs_baseline'][n]:.2f}" for n in names[1:])
+              + f" | {c['token_bound']:.2f}")
         losses = list(c["loss"].values())
         if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
             raise AssertionError(f"losses disagree: {c['loss']}")

@@ -34,19 +34,21 @@ from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.config import TrainConfig, load_config
 from jtree.cost import FlopModel
 from jtree.data import (
-    AutoStepBuilder, BatchPlan, StepBuilder, all_units, load_trees, make_pipeline, rows_for_run,
-    step_indices,
+    AutoStepBuilder, BatchPlan, RfreePlan, RfreeStepBuilder, StepBuilder, all_units, load_trees,
+    make_pipeline, rows_for_run, step_indices,
 )
 from jtree.distributed import initialize_from_env
 from jtree.linearize import linearize, unlinearize
 from jtree.metrics import MetricsLog
 from jtree.models import create_model
+from jtree.rfree.execute import RedundancyFreeStep
 from jtree.sharding import (
     DATA, MODEL, architecture_rules, batch_spec, make_mesh, named, param_path, param_specs,
 )
 from jtree.train import (
-    TrainState, make_optimizer, make_schedule, make_sharded_grad_fn, make_sharded_logprob_fn,
-    make_train_step, old_logprobs_stale, state_shardings, tensor_parallel_graphdef,
+    TrainState, apply_gradients, make_optimizer, make_schedule, make_sharded_grad_fn,
+    make_sharded_logprob_fn, make_train_step, old_logprobs_stale, state_shardings,
+    tensor_parallel_graphdef,
 )
 from jtree.tree import TrajectoryTree
 
@@ -92,6 +94,7 @@ class Trainer:
     step_fn: Any
     logprob_fn: Any
     init_fn: Any
+    rfree_step: Any = None  # (state, RfreeProgram) -> (state, metrics), run.mode=redundancy_free
 
     @classmethod
     def build(cls, cfg: TrainConfig) -> Trainer:
@@ -119,7 +122,11 @@ class Trainer:
             return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
         init_fn = jax.jit(init, out_shardings=shardings)
-        return cls(cfg, mesh, graphdef, specs, shardings, optimizer, step_fn, logprob_fn, init_fn)
+        rfree_step = None
+        if cfg.run.mode == "redundancy_free":
+            rfree_step = make_rfree_step(cfg, mesh, nnx.split(abstract)[0], optimizer)
+        return cls(cfg, mesh, graphdef, specs, shardings, optimizer, step_fn, logprob_fn, init_fn,
+                   rfree_step)
 
     def initial_state(self) -> TrainState:
         """A fresh TrainState: random init, or the weights of `model.init_from` placed directly
@@ -151,6 +158,32 @@ class Trainer:
         return {"architecture": c.model.architecture, "seed": c.run.seed,
                 "shuffle_seed": c.data.shuffle_seed, "trees_per_step": c.data.trees_per_step,
                 "mode": c.run.mode, "data_path": c.data.path}
+
+
+def rfree_capacity(cfg: TrainConfig) -> int:
+    """`run.capacity` (default `data.seq_len`), checked against the rows it must fit."""
+    capacity = cfg.data.seq_len if cfg.run.capacity is None else cfg.run.capacity
+    if not 1 <= capacity <= cfg.data.seq_len:
+        raise ValueError(f"run.capacity={capacity}: must be in [1, data.seq_len={cfg.data.seq_len}]")
+    return capacity
+
+
+def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any):
+    """The `run.mode=redundancy_free` step: `jtree.rfree` gradients part by part, then the
+    optimizer update. Single device: the parts run as separate calls, not over a mesh."""
+    if mesh.devices.size != 1:
+        raise ValueError(f"run.mode=redundancy_free: runs on one device, but the mesh has "
+                         f"{mesh.devices.size} (mesh.data={mesh.shape[DATA]} x mesh.model="
+                         f"{mesh.shape[MODEL]}); set mesh.data=1 mesh.model=1 or another run.mode")
+    rfree_capacity(cfg)
+    grads_of = RedundancyFreeStep(graphdef, cfg.objective,
+                                  prefix_backward=cfg.run.prefix_backward)
+    update = jax.jit(apply_gradients(optimizer), donate_argnums=0)
+
+    def step(state: TrainState, program) -> tuple[TrainState, dict[str, jax.Array]]:
+        return update(state, *grads_of(state.params, program))
+
+    return step
 
 
 # Model-config fields that say how to run, not what the checkpoint holds.
@@ -195,7 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = Trainer.build(cfg)
     mesh = trainer.mesh
     shards = host_data_shards(mesh)
-    modes = ("tree", "baseline") if cfg.run.mode == "auto" else (cfg.run.mode,)
+    modes = {"auto": ("tree", "baseline"), "redundancy_free": ()}.get(cfg.run.mode,
+                                                                     (cfg.run.mode,))
     builders, rows_by_mode = {}, {}
     for mode in modes:
         units = all_units(trees, mode, d.seq_len, d.partition_method)
@@ -206,9 +240,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                          d.micro_batches, mesh.shape[DATA], shards, rows_by_mode[mode],
                          gdn_chunk_size(cfg), d.gdn_chunks)
         builders[mode] = StepBuilder(trees, units, plan)
-    builder = (AutoStepBuilder(builders, FlopModel.for_config(mcfg), cfg.run.auto_min_gain)
-               if cfg.run.mode == "auto" else builders[cfg.run.mode])
-    rows = "/".join(f"{rows_by_mode[m]}" for m in modes)
+    if cfg.run.mode == "redundancy_free":
+        builder = RfreeStepBuilder(trees, RfreePlan(cfg.objective.normalization, d.seq_len,
+                                                    rfree_capacity(cfg), d.trees_per_step,
+                                                    gdn_chunk_size(cfg)))
+        layout = (f"parts of <= {rfree_capacity(cfg)} tokens in rows of {d.seq_len}, one device "
+                  f"call per part")
+    else:
+        builder = (AutoStepBuilder(builders, FlopModel.for_config(mcfg), cfg.run.auto_min_gain)
+                   if cfg.run.mode == "auto" else builders[cfg.run.mode])
+        rows = "/".join(f"{rows_by_mode[m]}" for m in modes)
+        layout = (f"{d.micro_batches} micro-batch(es) x {rows} rows ({'/'.join(modes)}) x "
+                  f"{d.seq_len} per data shard")
     pipeline = make_pipeline(builder, seed=d.shuffle_seed, worker_count=d.worker_count)
     iterator = iter(pipeline)
 
@@ -236,8 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"model: {cfg.model.architecture} {mcfg.num_hidden_layers} layers, hidden "
         f"{mcfg.hidden_size}, {n_params:,} parameters; mode {cfg.run.mode}, objective "
         f"{cfg.objective.kind}; mesh data={mesh.shape[DATA]} x model={mesh.shape[MODEL]} over "
-        f"{jax.process_count()} process(es), backend {jax.default_backend()}; {d.micro_batches} "
-        f"micro-batch(es) x {rows} rows ({'/'.join(modes)}) x {d.seq_len} per data shard")
+        f"{jax.process_count()} process(es), backend {jax.default_backend()}; {layout}")
 
     metrics_log = MetricsLog(cfg.run.metrics_jsonl, cfg.run.tensorboard_dir, first_step=start,
                              enabled=jax.process_index() == 0)
@@ -248,12 +290,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         element = next(iterator)
         info = element["info"]
-        inputs = to_global(mesh, element["inputs"], len(shards))
-        if old_logprobs_stale(bool(info["has_old_logprobs"]),
-                              float(info["old_logprob_disagreement"]), cfg.objective):
-            inputs["old_logprobs"] = trainer.logprob_fn(state.params, inputs)
-        t1 = time.perf_counter()
-        state, metrics = trainer.step_fn(state, inputs)
+        stale = old_logprobs_stale(bool(info["has_old_logprobs"]),
+                                   float(info["old_logprob_disagreement"]), cfg.objective)
+        if "program" in element:  # run.mode=redundancy_free
+            if stale:
+                raise ValueError(f"run.mode=redundancy_free: objective.kind="
+                                 f"{cfg.objective.kind} needs old log-probs that the trees of "
+                                 f"step {step} do not carry (or that disagree on shared tokens)")
+            t1 = time.perf_counter()
+            state, metrics = trainer.rfree_step(state, element["program"])
+        else:
+            inputs = to_global(mesh, element["inputs"], len(shards))
+            if stale:
+                inputs["old_logprobs"] = trainer.logprob_fn(state.params, inputs)
+            t1 = time.perf_counter()
+            state, metrics = trainer.step_fn(state, inputs)
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
         t2 = time.perf_counter()
         record = step_record(step, metrics, info, t1 - t0, t2 - t1, float(schedule(step)))

@@ -1,5 +1,8 @@
 import re
 
+import jax
+import numpy as np
+
 import pytest
 
 from launch.train import main
@@ -57,3 +60,45 @@ def test_qwen3_next_job_runs_with_chunk_tables(tmp_path, capsys, compare):
     if compare:
         diff = float(re.search(r"equivalence: .* = ([\d.e+-]+)", out).group(1))
         assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("modes", [("redundancy_free",),
+                                   pytest.param(("redundancy_free", "tree"),
+                                                marks=pytest.mark.slow)],
+                         ids=["rfree", "rfree_vs_tree"])
+def test_redundancy_free_mode_trains(tmp_path, capsys, modes):
+    """`run.mode=redundancy_free` with a capacity below the trees' sizes (so they are split into
+    parts over cached prefixes) trains with N_computed == N_tree (ERR == POR); the slow variant
+    also checks the losses equal tree mode's (both exact; two more steps to compile)."""
+    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
+    steps = len(modes)
+    common = ["--config", "configs/tiny.yaml",
+              *tiny_overrides(data, **{"run.steps": steps, "data.trees_per_step": 2,
+                                       "data.micro_batches": 1, "model.attention_impl": "xla",
+                                       "run.capacity": 40, "run.prefix_backward": "residuals"})]
+    losses = {}
+    for mode in modes:
+        assert main(common + [f"run.mode={mode}"]) == 0
+        out = capsys.readouterr().out
+        losses[mode] = [float(x) for x in re.findall(r"^step +\d+ +loss +([\d.]+)", out, re.M)]
+        if mode == "redundancy_free":
+            por_err = re.findall(r"POR ([\d.]+)  ERR ([\d.]+)", out)
+            assert len(por_err) == steps and all(p == e for p, e in por_err), out
+            assert float(por_err[0][0]) > 0.3  # the trees share prefixes (so parts reuse them)
+    if "tree" in losses:
+        assert losses["redundancy_free"] == pytest.approx(losses["tree"], abs=2e-4)
+
+
+def test_redundancy_free_mode_refuses_a_multi_device_mesh_and_bad_capacity():
+    from jax.sharding import Mesh
+    from launch.train import make_rfree_step
+    from jtree.config import load_config
+
+    cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free"])
+    devices = np.array([jax.devices()[0]] * 2).reshape(2, 1)
+    with pytest.raises(ValueError, match="run.mode=redundancy_free.*mesh.data=2"):
+        make_rfree_step(cfg, Mesh(devices, ("data", "model")), None, None)
+    cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free", "run.capacity=4096"])
+    one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match="run.capacity=4096"):
+        make_rfree_step(cfg, one, None, None)

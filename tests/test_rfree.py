@@ -20,6 +20,7 @@ from jtree.models import Qwen3Next, Qwen3NextConfig
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.rfree.layout import build_program, prefix_bucket
 from jtree.rfree.plan import plan_parts
+from jtree.rfree.schedule import LiveBuffers, child_order, part_slots
 from jtree.train import Objective, make_grad_fn, stack_microbatches
 from jtree.tree import TrajectoryTree
 from tests.models_util import logprob_fn, rel_l2, tiny_model
@@ -97,6 +98,82 @@ def test_program_computes_each_token_once_and_packs_small_trees():
     # tokens has no room, so it goes to an ordinary micro-batch.
     assert build_program(trees, 16, seq_len=ROW).whole is None
     assert build_program(trees, 3).whole_trees == (2,)
+    # Parts at the top of a tree get an all-padding prefix as long as the shortest other one, so
+    # with one prefix bucket every part row has the same shapes (one compile per jitted piece).
+    program = build_program(trees, 3, seq_len=ROW, prefix_buckets=PREFIX)
+    assert {tuple(v.shape for v in p.inputs.values()) for p in program.parts} == {
+        tuple(v.shape for v in program.parts[0].inputs.values())}
+    program = build_program(trees, 3, seq_len=ROW)
+    lengths = [p.prefix_len for p in program.parts]
+    for p in program.parts:
+        if p.parent < 0:
+            assert p.prefix_len == min(q.prefix_len for q in program.parts if q.parent >= 0)
+            j = np.arange(p.prefix_len)
+            np.testing.assert_array_equal(p.inputs["prefix_end"][0], j + 1)  # padding only
+            np.testing.assert_array_equal(p.inputs["prefix_pred"][0], -1)
+    assert len(set(lengths)) < len(lengths)
+
+
+def check_schedule(program, live: LiveBuffers, mode: str) -> None:
+    """The executor ran parts in post-order, children in `child_order` (largest need first), and
+    at every device call only the parts on the chain above the running part held buffers (in
+    modes other than `residuals`, at most one part its residuals)."""
+    parts = program.parts
+    order = child_order(program)
+    for k, kids in enumerate(order):
+        assert sorted(kids) == sorted(parts[k].children)
+        needs = [subtree_need(program, order, c) for c in kids]
+        assert needs == sorted(needs, reverse=True)
+    calls = [(name, k) for name, k, _, _ in live.events if k >= 0]
+    ends = {"leaf", "backward", "forward_backward"}
+    backward = {k: i for i, (name, k) in enumerate(calls) if name in ends}
+    assert sorted(backward) == list(range(len(parts)))  # every part's backward, once
+    assert sum(name in ends for name, _ in calls) == len(parts)
+    for k, part in enumerate(parts):
+        span = [i for i, (_, j) in enumerate(calls) if j == k]
+        first = {c: min(i for i, (_, j) in enumerate(calls) if j == c) for c in part.children}
+        for c in part.children:  # the child's whole subtree runs between k's calls
+            assert span[0] < first[c] and backward[c] < backward[k]
+        assert sorted(first, key=first.get) == list(order[k])
+        for a, b in zip(order[k], order[k][1:]):  # subtree a finishes before b starts
+            assert backward[a] < first[b]
+    for name, k, held, nbytes in live.events:
+        if k < 0:
+            continue
+        chain = {k}
+        while parts[k].parent >= 0:
+            k = parts[k].parent
+            chain.add(k)
+        assert {j for _, j in held} <= chain, (name, held, chain)
+        assert 0 < nbytes <= live.peak_bytes
+        if mode != "residuals":
+            assert sum(kind == "residuals" for kind, _ in held) <= 1, (name, held)
+    if mode == "auto":  # residuals kept exactly by the parts whose children are all leaves
+        kept = {j for _, _, held, _ in live.events for kind, j in held if kind == "residuals"}
+        assert kept == {k for k, p in enumerate(parts)
+                        if p.children and not any(parts[c].children for c in p.children)}
+
+
+def subtree_need(program, order, k: int) -> int:
+    """need(k) of `jtree.rfree.schedule` for the given child order, recomputed recursively."""
+    kids = order[k]
+    slots = part_slots(program, k)
+    return slots + max([subtree_need(program, order, c) + (slots if i else 0)
+                        for i, c in enumerate(kids)], default=0)
+
+
+def test_child_order_minimizes_need_over_every_order():
+    import itertools
+
+    trees = branching_trees(seed=7)
+    for capacity in (5, 3, 2):
+        program = build_program(trees, capacity)  # default buckets: parts differ in size
+        order = child_order(program)
+        for k, part in enumerate(program.parts):
+            best = min(subtree_need(program, [o if j != k else perm for j, o in enumerate(order)],
+                                    k)
+                       for perm in itertools.islice(itertools.permutations(part.children), 720))
+            assert subtree_need(program, order, k) == best
 
 
 def _reference(graphdef, params, trees, objective, chunk):
@@ -128,6 +205,7 @@ def _check(graphdef, params, objective, capacities, modes, chunk=None):
             assert len(leaves) == len(leaves_ref)
             for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), leaves_ref):
                 assert rel_l2(a, b) <= 1e-5, (capacity, mode, jax.tree_util.keystr(path))
+            check_schedule(program, step.live, mode)
         for got, want, tree in zip(step.logprobs(params, program), logp_ref, trees):
             on = on_path_tokens(tree)
             np.testing.assert_allclose(got[on], want[on], rtol=0, atol=1e-5)
@@ -140,7 +218,7 @@ SFT = Objective(kind="sft", normalization="seq_mean_token_mean")
 
 def test_dense_equals_unpartitioned_tree():
     graphdef, params = tiny_model(seed=3)
-    _check(graphdef, params, SFT, capacities=(16, 5, 2), modes=("residuals", "recompute"))
+    _check(graphdef, params, SFT, capacities=(16, 5, 2), modes=("residuals", "auto"))
 
 
 def test_moe_equals_unpartitioned_tree_with_pooled_router_loss():
@@ -169,4 +247,5 @@ def test_equals_unpartitioned_tree_slow(kind, objective):
     graphdef, params = {"dense": lambda: tiny_model(seed=3), "gdn": gdn_only_model}.get(
         kind, lambda: tiny(kind))()
     _check(graphdef, params, objective, capacities=(16, 5, 3, 2),
-           modes=("residuals", "recompute"), chunk=CHUNK if kind in ("hybrid", "gdn") else None)
+           modes=("residuals", "recompute", "auto"),
+           chunk=CHUNK if kind in ("hybrid", "gdn") else None)

@@ -1,13 +1,16 @@
-"""Running a redundancy-free program: parts depth-first over a stack of prefixes.
+"""Running a redundancy-free program: parts in post-order over a stack of prefixes.
 
 Each part runs once forward with the prefix gathered from its parent's outputs (keys/values per
-attention layer, conv context and state per GDN layer, the hidden state of the attach token) and
-returns, besides its loss, the same per-token tensors for its own tokens. Its children run next
-(recursively); the cotangents they produce for their prefixes are mapped back onto this part's
-outputs and onto its own prefix. Then the part's backward runs once, fed with the cotangent of
-its loss (1) and the accumulated cotangents of its outputs, and hands the cotangent of its prefix
-up to its parent the same way. Every tree token is computed once forward and once backward, and
-the gradients are those of the unpartitioned tree.
+attention layer, conv context and state per GDN layer, the hidden state of the attach token; a
+part at the top of a tree reads an all-padding prefix of zeros) and returns, besides its loss, the
+same per-token tensors for its own tokens. Its children run next, each subtree to completion, in
+the order of `jtree.rfree.schedule.child_order`; the cotangents they produce for their prefixes
+are mapped back onto this part's outputs and onto its own prefix. Then the part's backward runs
+once, fed with the cotangent of its loss (1) and the accumulated cotangents of its outputs, and
+hands the cotangent of its prefix up to its parent the same way. Every tree token is computed once
+forward and once backward, and the gradients are those of the unpartitioned tree. Live buffers:
+those of the parts on one chain from a root part to the running part (`LiveBuffers` records them
+at every device call, `RedundancyFreeStep.live`).
 
 `prefix_backward` chooses how a part with children gets its backward:
 - `"residuals"`: keep the residuals of its forward (its `jax.vjp`, returned from the jitted
@@ -17,6 +20,10 @@ the gradients are those of the unpartitioned tree.
   forward again with residuals for the backward once the children are done. Live memory: one
   part's residuals plus the prefixes and outputs on the stack; costs one more forward per part
   with children.
+- `"auto"` (default): residuals for a part whose children are all leaf parts (its residuals are
+  held only while single leaf calls run), recompute for the parts above. Live memory: at most one
+  part's residuals (plus a leaf call's), at one more forward only for parts with grandchildren
+  (few: the parts near the roots).
 Parts without children always run forward and backward in one jitted call.
 
 Trees that fit in a row (`RfreeProgram.whole`) run as ordinary micro-batches through
@@ -38,11 +45,12 @@ import numpy as np
 from flax import nnx
 
 from jtree.models.prefix import AttentionCache, GdnCache, LayerCache
-from jtree.rfree.layout import Member, RfreeProgram
+from jtree.rfree.layout import Member, PartBatch, RfreeProgram
+from jtree.rfree.schedule import LiveBuffers, child_order
 from jtree.logprobs import logprobs_from_hidden
 from jtree.train import Objective, finish_metrics, loss_from_hidden, make_grad_fn
 
-PrefixBackward = Literal["residuals", "recompute"]
+PrefixBackward = Literal["residuals", "recompute", "auto"]
 
 
 class PartPrefix(NamedTuple):
@@ -70,24 +78,27 @@ class RedundancyFreeStep:
 
     `on_call`, if given, is called before every device call as `on_call(name, fn, args)` with the
     jitted function and its arguments: memory probes read live buffers there and may lower `fn`
-    for its temporary bytes.
+    for its temporary bytes. After a step, `live` holds what the executor held at each call.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, objective: Objective, *,
-                 prefix_backward: PrefixBackward = "residuals",
+                 prefix_backward: PrefixBackward = "auto",
                  on_call: Callable[[str, Any, tuple], None] | None = None):
-        if prefix_backward not in ("residuals", "recompute"):
-            raise ValueError(f"prefix_backward: {prefix_backward!r} is not 'residuals' or "
-                             "'recompute'")
+        if prefix_backward not in ("residuals", "recompute", "auto"):
+            raise ValueError(f"prefix_backward: {prefix_backward!r} is not 'residuals', "
+                             "'recompute' or 'auto'")
         self.graphdef, self.objective = graphdef, objective
         self.prefix_backward = prefix_backward
         self.conv_width: int | None = None  # K - 1 of the GDN conv, read from the model config
         self.on_call = on_call or (lambda name, fn, args: None)
         self._forward = jax.jit(self._forward_saving_residuals)
-        self._backward = jax.jit(lambda vjp, cotangents: vjp(cotangents))
+        # The backward calls add their part's loss, metrics and gradients to the running total
+        # (donated) and its prefix cotangent to the one its children gave (`d_below`).
+        self._backward = jax.jit(self._backward_into, donate_argnums=(5,))
         self._outputs = jax.jit(lambda p, x, c: self._part_forward(p, x, c)[1])
-        self._leaf = jax.jit(self._leaf_grad)
-        self._forward_backward = jax.jit(self._forward_and_backward)
+        self._leaf = jax.jit(self._leaf_into, donate_argnums=(3,))
+        self._forward_backward = jax.jit(self._forward_backward_into, donate_argnums=(5,))
+        self._zeros: Callable | None = None  # params -> zero (loss, metrics, grads)
         self._extend = jax.jit(self._extend_prefix, static_argnums=(4,))
         self._extend_back = jax.jit(self._extend_transpose, static_argnums=(4,))
         self._accumulate = jax.jit(_add, donate_argnums=(0,))
@@ -95,17 +106,18 @@ class RedundancyFreeStep:
         self._logprobs = jax.jit(self._part_logprobs)
         self._whole_logprobs = jax.jit(self._whole_batch_logprobs)
         self._pools_router: bool | None = None
+        self._empty: dict[tuple, PartPrefix] = {}
+        self.live = LiveBuffers()
 
     # ------------------------------------------------------------------ jitted pieces
 
-    def _part_hidden(self, params, inputs, prefix: PartPrefix | None):
+    def _part_hidden(self, params, inputs, prefix: PartPrefix):
         model = nnx.merge(self.graphdef, params)
-        out = model(inputs, None if prefix is None else prefix.layers)
-        hidden, pred = out.hidden, inputs["pred"]
-        if prefix is not None:  # row 0 of the scoring rows: the attach token's hidden state
-            p = inputs["prefix_end"].shape[1]
-            hidden = jnp.concatenate([prefix.hidden[:, None].astype(hidden.dtype), hidden], 1)
-            pred = jnp.where(pred >= 0, pred - p + 1, -1)
+        out = model(inputs, prefix.layers)
+        # Row 0 of the scoring rows: the attach token's hidden state.
+        p = inputs["prefix_end"].shape[1]
+        hidden = jnp.concatenate([prefix.hidden[:, None].astype(out.hidden.dtype), out.hidden], 1)
+        pred = jnp.where(inputs["pred"] >= 0, inputs["pred"] - p + 1, -1)
         return model, out, hidden, pred
 
     def _part_forward(self, params, inputs, prefix):
@@ -146,26 +158,33 @@ class RedundancyFreeStep:
             f, argnums=(0, 1), has_aux=True)(params, prefix)
         return loss, metrics, d_params, d_prefix
 
-    def _forward_and_backward(self, params, inputs, prefix, d_out):
+    def _leaf_into(self, params, inputs, prefix, total):
+        loss, metrics, d_params, d_prefix = self._leaf_grad(params, inputs, prefix)
+        return _add(total, (loss, metrics, d_params)), d_prefix
+
+    def _backward_into(self, vjp, loss, metrics, d_out, d_below, total):
+        d_params, d_prefix = vjp((jnp.ones_like(loss), d_out))
+        return _add(total, (loss, metrics, d_params)), _add(d_prefix, d_below)
+
+    def _forward_backward_into(self, params, inputs, prefix, d_out, d_below, total):
         def f(p, c):
             loss, out, metrics = self._part_forward(p, inputs, c)
             return (loss, out), metrics
 
         (loss, _), vjp, metrics = jax.vjp(f, params, prefix, has_aux=True)
         d_params, d_prefix = vjp((jnp.ones_like(loss), d_out))
-        return loss, metrics, d_params, d_prefix
+        return _add(total, (loss, metrics, d_params)), _add(d_prefix, d_below)
 
-    def _extend_prefix(self, prefix: PartPrefix | None, out: PartOutput, index, state_index,
+    def _extend_prefix(self, prefix: PartPrefix, out: PartOutput, index, state_index,
                        p_par: int) -> PartPrefix:
         """A child's prefix: slot j of its prefix is position index[j] of the parent's combined
         coordinates ([parent prefix of `p_par` slots | parent own tokens]; -1 padding)."""
         safe = jnp.maximum(index, 0)
         layers = []
-        for i, own in enumerate(out.exports):
-            above = None if prefix is None else prefix.layers[i]
+        for above, own in zip(prefix.layers, out.exports):
             if isinstance(own, AttentionCache):
-                k = own.k if above is None else jnp.concatenate([above.k, own.k], 1)
-                v = own.v if above is None else jnp.concatenate([above.v, own.v], 1)
+                k = jnp.concatenate([above.k, own.k], 1)
+                v = jnp.concatenate([above.v, own.v], 1)
                 layers.append(AttentionCache(_take(k, safe), _take(v, safe)))
             else:
                 layers.append(self._extend_gdn(above, own, index, state_index, p_par))
@@ -173,14 +192,12 @@ class RedundancyFreeStep:
         hidden = jnp.take_along_axis(out.hidden, attach[:, None, None], axis=1)[:, 0]
         return PartPrefix(tuple(layers), hidden)
 
-    def _extend_gdn(self, above: GdnCache | None, own: GdnCache, index, state_index, p_par: int
+    def _extend_gdn(self, above: GdnCache, own: GdnCache, index, state_index, p_par: int
                     ) -> GdnCache:
         """The child's conv context (the K - 1 tokens above its attach token, from the parent's
         [cached K - 1 | own] activations) and the state after its attach token."""
         w = self.conv_width
-        rows, _, channels = own.conv.shape
-        tail = (jnp.zeros((rows, w, channels), own.conv.dtype) if above is None else above.conv)
-        source = jnp.concatenate([tail, own.conv], 1)
+        source = jnp.concatenate([above.conv.astype(own.conv.dtype), own.conv], 1)
         idx = index[:, -w:] if index.shape[1] >= w else jnp.pad(
             index, ((0, 0), (w - index.shape[1], 0)), constant_values=-1)
         idx = jnp.where(idx >= 0, idx - p_par + w, -1)
@@ -198,22 +215,61 @@ class RedundancyFreeStep:
     def __call__(self, params: Any, program: RfreeProgram):
         """(loss, metrics, grads) of the whole program, equal to the unpartitioned trees'."""
         self._read_config(params)
-        acc = _Accumulator(self)
+        self.live = LiveBuffers()
         pooled = self._router_load(params, program) if self._uses_router_load(params, program) \
             else {}
         if program.whole is not None:
             inputs = program.whole.inputs()
             m = jax.tree_util.tree_leaves(inputs)[0].shape[0]
             inputs.update({k: jnp.broadcast_to(v, (m,) + v.shape) for k, v in pooled.items()})
-            loss, metrics, grads = self._call("whole", self._whole, params, inputs)
-            acc.add(loss, metrics, grads)
+            acc = _Accumulator(self._call("whole", self._whole, params, inputs))
+        else:
+            acc = _Accumulator(self._zero_total(params, program.parts[0], pooled))
+        order = child_order(program)
         for root in _roots(program):
-            self._run(params, program, root, None, acc, pooled)
-        return acc.loss, finish_metrics(acc.metrics), acc.grads
+            self.live.hold("prefix", root, self._empty_prefix(params, program.parts[root]))
+            self._run(params, program, order, root, self.live.held[("prefix", root)], acc, pooled)
+            self.live.drop("prefix", root)
+        loss, metrics, grads = acc.total
+        return loss, finish_metrics(metrics), grads
 
-    def _call(self, name: str, fn: Callable, *args):
+    def _zero_total(self, params: Any, part: PartBatch, pooled: dict[str, jax.Array]):
+        """Zero (loss, metrics, grads) to add the parts' results to (one call per step; the
+        metrics' structure is traced abstractly once)."""
+        if self._zeros is None:
+            loss, metrics, _, _ = jax.eval_shape(self._leaf_grad, params,
+                                                 dict(part.inputs, **pooled),
+                                                 self._empty_prefix(params, part))
+            shapes = (loss, metrics)
+            self._zeros = jax.jit(lambda p: jax.tree_util.tree_map(
+                lambda x: jnp.zeros(x.shape, x.dtype), shapes) + (
+                jax.tree_util.tree_map(jnp.zeros_like, p),))
+        return self._call("zeros", self._zeros, params)
+
+    def _call(self, name: str, fn: Callable, *args, part: int = -1):
+        self.live.call(name, part)
         self.on_call(name, fn, args)
         return fn(*args)
+
+    def _empty_prefix(self, params: Any, part: PartBatch) -> PartPrefix:
+        """Zeros in the shapes of `part`'s prefix, for a part at the top of a tree (its prefix
+        slots are all padding: masked in attention, no query reads their conv context or state)."""
+        key = (part.prefix_len,) + tuple(sorted((k, v.shape) for k, v in part.inputs.items()))
+        if key not in self._empty:
+            out = jax.eval_shape(lambda p, x: nnx.merge(self.graphdef, p)(x), params, part.inputs)
+            rows, p = part.inputs["tokens"].shape[0], part.prefix_len
+            layers = []
+            for e in out.exports:
+                if isinstance(e, AttentionCache):
+                    layers.append(AttentionCache(*(jnp.zeros((rows, p) + a.shape[2:], a.dtype)
+                                                   for a in e)))
+                else:
+                    layers.append(GdnCache(
+                        jnp.zeros((rows, self.conv_width) + e.conv.shape[2:], e.conv.dtype),
+                        jnp.zeros(e.state.shape[:1] + e.state.shape[2:], e.state.dtype)))
+            hidden = jnp.zeros((rows, out.hidden.shape[-1]), out.hidden.dtype)
+            self._empty[key] = PartPrefix(tuple(layers), hidden)
+        return self._empty[key]
 
     def _read_config(self, params: Any) -> None:
         """What the traversal needs from the model config (its parameters' shapes suffice)."""
@@ -241,47 +297,59 @@ class RedundancyFreeStep:
             counts, total = counts + load[0], total + load[1]
         return {"router_counts": counts, "router_total": total}
 
-    def _run(self, params, program: RfreeProgram, k: int, prefix, acc: _Accumulator,
-             pooled: dict[str, jax.Array]):
-        """Forward and backward of part k and everything below it; returns d(prefix)."""
-        part = program.parts[k]
+    def _run(self, params, program: RfreeProgram, order: list[tuple[int, ...]], k: int,
+             prefix: PartPrefix, acc: _Accumulator, pooled: dict[str, jax.Array]) -> PartPrefix:
+        """Forward and backward of part k and everything below it (post-order); returns
+        d(prefix). The caller holds `prefix` (as ("prefix", k) in `self.live`)."""
+        part, live = program.parts[k], self.live
         inputs = dict(part.inputs, **pooled)
         if not part.children:
-            loss, metrics, d_params, d_prefix = self._call("leaf", self._leaf, params, inputs,
-                                                           prefix)
-            acc.add(loss, metrics, d_params)
+            acc.total, d_prefix = self._call("leaf", self._leaf, params, inputs, prefix,
+                                             acc.total, part=k)
             return d_prefix
         vjp = None
-        if self.prefix_backward == "residuals":
-            loss, out, metrics, vjp = self._call("forward", self._forward, params, inputs, prefix)
+        if self._keeps_residuals(program, k):
+            loss, out, metrics, vjp = self._call("forward", self._forward, params, inputs, prefix,
+                                                 part=k)
+            live.hold("residuals", k, vjp)
         else:
-            out = self._call("outputs", self._outputs, params, inputs, prefix)
-        d_out = jax.tree_util.tree_map(jnp.zeros_like, out)
-        d_prefix_below = None
-        for c in part.children:
+            out = self._call("outputs", self._outputs, params, inputs, prefix, part=k)
+        live.hold("outputs", k, out)
+        # Accumulators exist from the first child's return on (see jtree.rfree.schedule).
+        sums = None  # (d_out, d_prefix_below)
+        for c in order[k]:
             child = program.parts[c]
             index, state = jnp.asarray(child.gather_index), jnp.asarray(child.gather_state)
             child_prefix = self._call("extend", self._extend, prefix, out, index, state,
-                                      part.prefix_len)
-            d_child = self._run(params, program, c, child_prefix, acc, pooled)
+                                      part.prefix_len, part=c)
+            live.hold("prefix", c, child_prefix)
+            d_child = self._run(params, program, order, c, child_prefix, acc, pooled)
+            live.drop("prefix", c)
             del child_prefix
+            live.hold("d_prefix", c, d_child)
             d_above, d_own = self._call("extend_back", self._extend_back, prefix, out, index,
-                                        state, part.prefix_len, d_child)
-            d_out = self._accumulate(d_out, d_own)
-            if prefix is not None:
-                d_prefix_below = (d_above if d_prefix_below is None
-                                  else self._accumulate(d_prefix_below, d_above))
+                                        state, part.prefix_len, d_child, part=c)
+            live.drop("d_prefix", c)
+            del d_child
+            sums = (d_own, d_above) if sums is None else self._accumulate(sums, (d_own, d_above))
+            live.hold("accumulators", k, sums)
+        d_out, d_below = sums
         if vjp is not None:
-            d_params, d_prefix = self._call("backward", self._backward, vjp,
-                                            (jnp.ones_like(loss), d_out))
+            acc.total, d_prefix = self._call("backward", self._backward, vjp, loss, metrics,
+                                             d_out, d_below, acc.total, part=k)
         else:
-            loss, metrics, d_params, d_prefix = self._call(
-                "forward_backward", self._forward_backward, params, inputs, prefix, d_out)
-        del vjp, out, d_out
-        acc.add(loss, metrics, d_params)
-        if prefix is None or d_prefix_below is None:
-            return d_prefix
-        return self._accumulate(d_prefix, d_prefix_below)
+            acc.total, d_prefix = self._call("forward_backward", self._forward_backward, params,
+                                             inputs, prefix, d_out, d_below, acc.total, part=k)
+        for kind in ("residuals", "outputs", "accumulators"):
+            live.drop(kind, k)
+        del vjp, out, d_out, d_below, sums
+        return d_prefix
+
+    def _keeps_residuals(self, program: RfreeProgram, k: int) -> bool:
+        """Whether part k (which has children) keeps its forward's residuals for its backward."""
+        if self.prefix_backward == "auto":
+            return not any(program.parts[c].children for c in program.parts[k].children)
+        return self.prefix_backward == "residuals"
 
     def logprobs(self, params: Any, program: RfreeProgram) -> list[np.ndarray]:
         """log p(token | its path) for every tree token of every tree (tree-token order; 0 where
@@ -306,7 +374,8 @@ class RedundancyFreeStep:
                            for tree, row, off in zip(batch.layout.trees, batch.layout.rows,
                                                      batch.layout.offsets)]
                 yield members, logp, load
-        stack: list[tuple[int, Any]] = [(r, None) for r in reversed(_roots(program))]
+        stack: list[tuple[int, Any]] = [
+            (r, self._empty_prefix(params, program.parts[r])) for r in reversed(_roots(program))]
         while stack:
             k, prefix = stack.pop()
             part = program.parts[k]
@@ -320,19 +389,11 @@ class RedundancyFreeStep:
 
 
 class _Accumulator:
-    """Running sums of loss, metrics and gradients (updated in place on the device)."""
+    """The running (loss, metrics, grads) of a step; the parts' backward calls add to it on the
+    device (donated, so in place)."""
 
-    def __init__(self, step: RedundancyFreeStep):
-        self.step = step
-        self.loss = self.metrics = self.grads = None
-
-    def add(self, loss, metrics, grads) -> None:
-        if self.grads is None:
-            self.loss, self.metrics, self.grads = loss, metrics, grads
-            return
-        self.loss = self.loss + loss
-        self.metrics = _add(self.metrics, metrics)
-        self.grads = self.step._accumulate(self.grads, grads)
+    def __init__(self, total: tuple):
+        self.total = total
 
 
 def _split_aux(result):

@@ -14,7 +14,9 @@ of the row. In these coordinates the tree mask is still j <= i < end[j], so:
   and other trees from slot 0 (zeros); `gdn_export_slots` [1, E] lists the buffer slots of the
   states at the tokens this part's children hang below.
 
-Parts without a prefix (the top of a tree) are plain rows (no prefix arrays, one initial slot).
+Parts without a prefix (the top of a tree) get an empty prefix of P padding slots all the same
+(P: the shortest prefix region of the program's other parts), read as zeros and masked like any
+padding, so every part row has one layout and the parts compile for one family of shapes.
 Every coefficient is the full tree's (W_t, P_t, N_t with the batch normalizer): each tree token is
 computed once, so it carries its whole weight.
 
@@ -53,8 +55,8 @@ class Member:
 class PartBatch:
     """One row holding one part (and possibly whole small trees after it).
 
-    `inputs`: the step inputs ([1, S] own arrays, GDN tables, `prefix_end` / `prefix_pred` [1, P]
-    and `gdn_export_slots` [1, E] where they apply). `parent` / `children`: indices into
+    `inputs`: the step inputs ([1, S] own arrays, `prefix_end` / `prefix_pred` [1, P], and with
+    GDN layers the chunk tables and `gdn_export_slots` [1, E]). `parent` / `children`: indices into
     `RfreeProgram.parts`. `gather_index` [1, P]: each prefix slot's position in the parent's
     combined coordinates (-1: padding); `gather_state` [1]: which of the parent's exported GDN
     states the part starts from. Both None for a part without a prefix.
@@ -69,7 +71,8 @@ class PartBatch:
 
     @property
     def prefix_len(self) -> int:
-        return 0 if "prefix_end" not in self.inputs else self.inputs["prefix_end"].shape[1]
+        """P, the prefix region's slots (all padding for a part without a prefix)."""
+        return self.inputs["prefix_end"].shape[1]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -153,7 +156,10 @@ def build_program(
                 children=tuple(c + base for c in part.children))))
     tails, leftover = _fill_tails([len(p.own) for _, p in planned], small, trees, seq_len)
     shape = _RowShape(seq_len, prefix_buckets, gdn_chunk_size, gdn_chunks, gdn_exports)
-    rows = [_part_row(planned, k, tails[k], trees, fields, shape) for k in range(len(planned))]
+    lengths = [prefix_bucket(len(p.prefix), prefix_buckets) for _, p in planned if p.attach >= 0]
+    root_len = min(lengths) if lengths else prefix_bucket(1, prefix_buckets)
+    rows = [_part_row(planned, k, tails[k], trees, fields, shape, root_len)
+            for k in range(len(planned))]
     parts = tuple(_link(rows, planned))
     whole = None
     if leftover:
@@ -202,11 +208,13 @@ class _Row:
     export_tokens: np.ndarray  # tree tokens whose GDN state is exported, in export order
 
 
-def _part_row(planned, k: int, tail: list[int], trees, fields, shape: _RowShape) -> _Row:
+def _part_row(planned, k: int, tail: list[int], trees, fields, shape: _RowShape,
+              root_len: int) -> _Row:
+    """Row of part k; a part without a prefix gets `root_len` padding slots."""
     tree_index, part = planned[k]
     prefix = part.prefix
     n_prefix = len(prefix)
-    p = prefix_bucket(n_prefix, shape.prefix_buckets)
+    p = prefix_bucket(n_prefix, shape.prefix_buckets) if n_prefix else root_len
     members = [Member(tree_index, part.own, 0)]
     offset = len(part.own)
     for i in tail:
@@ -214,14 +222,12 @@ def _part_row(planned, k: int, tail: list[int], trees, fields, shape: _RowShape)
         offset += trees[i].n_tree_tokens
     export_tokens = np.unique([planned[c][1].attach for c in part.children]).astype(np.int32)
     arrays, nodes = _row_arrays(members, trees, fields, shape.seq_len, p, part.attach)
-    if n_prefix:
-        j = np.arange(p, dtype=np.int32)
-        chain = j >= p - n_prefix
-        arrays["prefix_end"] = np.where(chain, p + len(part.own), j + 1)[None].astype(np.int32)
-        arrays["prefix_pred"] = np.where(chain & (j > p - n_prefix), j - 1, -1)[None].astype(
-            np.int32)
+    j = np.arange(p, dtype=np.int32)
+    chain = j >= p - n_prefix
+    arrays["prefix_end"] = np.where(chain, p + len(part.own), j + 1)[None].astype(np.int32)
+    arrays["prefix_pred"] = np.where(chain & (j > p - n_prefix), j - 1, -1)[None].astype(np.int32)
     if shape.gdn_chunk_size is not None:
-        arrays.update(_gdn_tables(nodes, shape, n_initial=2 if n_prefix else 1,
+        arrays.update(_gdn_tables(nodes, shape, n_initial=2,
                                   export_tokens=export_tokens))
     return _Row(arrays, tuple(members), prefix, p, export_tokens)
 
