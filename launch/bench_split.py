@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.cost import FlopModel, Work, batch_work
-from jtree.synthetic import por_tree
 from kernels import tree_attention
-from launch.bench import SHAPES, make_step, prepare, workloads
+from launch.bench import SHAPES, fixed_cost_inputs, make_step, prepare, workloads
 
 
 def attention_grad_fn(end: np.ndarray, heads: int, kv_heads: int, head_dim: int) -> Callable:
@@ -68,8 +67,7 @@ def split(name: str, repeats: int) -> dict[str, float]:
                                                       cfg.num_key_value_heads, cfg.head_dim)
         compiled = step.lower(state, p.inputs).compile()
         runs[f"{mode} step"] = step_run(compiled, p.inputs)
-    tiny = prepare([por_tree(np.random.default_rng(0), 64, 1, 0.0, vocab_size=cfg.vocab_size)],
-                   "tree", 64)
+    tiny = fixed_cost_inputs(cfg)
     runs["fixed"] = step_run(step.lower(state, tiny.inputs).compile(), tiny.inputs)
     times: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(repeats + 1):  # the first round warms up

@@ -37,6 +37,8 @@ def test_measure_counts_both_modes_on_the_same_trees_and_writes_outputs(tiny_sha
     assert row["auto_mode"] == ("tree" if row["auto_predicted_gain"] >= bench.AUTO_MIN_GAIN
                                 else "baseline")
     assert row["repeats"] == 1 and row["tree_device_s"] > 0 and row["base_device_s"] > 0
+    assert len(row["fixed_times_s"]) == 1 and row["fixed_share_tree"] == pytest.approx(
+        row["fixed_s"] / row["tree_device_s"])
     assert 0 < row["tree_host_fraction"] < 1 and row["tree_peak_mib"] > 0
     assert row["tree_computed_per_nonempty"] == 1.0  # the xla schedule does no extra blocks
     bench.write(tmp_path, "test machine", rows, 1.0)
