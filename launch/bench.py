@@ -28,15 +28,15 @@ row, an upper bound of that cost. The FLOP ideal leaves it out, and at high POR 
 small: with fixed cost F and token work T in the baseline step, a 10x ideal can at best realize
 (T + F) / (T / 10 + F). Real steps hold 10^5+ tokens, where F vanishes; a bench step must be
 small enough for this 2-core CPU. The proj synthetic workloads hold `PROJ_FLAT_TOKENS` = 12288
-flat tokens (24 paths of 512; the tree step at POR 0.9 holds ~1230 tokens, a baseline step
-~10 s here), twice the first version's 6144, where the fixed cost was 12-35% of the 614-token
+flat tokens (24 paths of 512; the tree step at POR 0.9 holds 1229 tokens, a baseline step
+10-15 s here), twice the first version's 6144, where the fixed cost was 12-35% of the 614-token
 tree step at POR 0.9 (efficiency 0.87 there vs 0.99 at 4x the tokens). 4x would keep the
-proj workloads alone above 15 minutes here; 2x keeps `make bench` well under its 30-minute
-limit. The count is the same at every POR (the issue's rule), so the baseline step is the same
+proj workloads alone above 15 minutes here; with 2x, `make bench` took 1423 s at load 6-8
+(limit 30 minutes). The count is the same at every POR (the issue's rule), so the baseline step is the same
 size across POR and only the tree step shrinks. The attn workloads' steps are 32768 flat tokens
 already.
 
-    PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), ~20-25 min here
+    PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), ~24 min here
     PYTHONPATH=. python -m launch.bench --only proj     # workloads whose name contains "proj"
 
 Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.png.
