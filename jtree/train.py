@@ -67,10 +67,31 @@ class OptimConfig:
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
+        clip_by_global_norm(cfg.clip_norm),
         optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                     weight_decay=cfg.weight_decay),
     )
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """Scale the updates to global norm at most `max_norm`, by one scalar factor.
+
+    Same rule and (empty) state as `optax.clip_by_global_norm`, which divides every element by the
+    norm: XLA keeps that per-element division as its own pass writing a clipped copy of the
+    gradients (a fused divide is not duplicated into the two moment updates that read it). A
+    multiply by a precomputed scalar fuses into the AdamW moment updates instead: one pass over
+    the gradients fewer and no gradient-sized temporary, a per-step cost that does not shrink with
+    the tokens (~15% of the update on the bench's 4.5M-parameter model). Unclipped steps are
+    bit-identical; clipped ones differ by rounding (t * (max / norm) vs t / norm * max).
+    """
+
+    def update_fn(updates: Any, state: Any, params: Any = None):
+        del params
+        norm = optax.tree.norm(updates)
+        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda t: t * scale.astype(t.dtype), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:

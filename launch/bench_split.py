@@ -9,22 +9,32 @@ tokens). Comparing each part's baseline/tree time ratio with its FLOP ratio show
 in one mode (a timing breakdown, not a trace; same process, alternating runs, medians).
 
     PYTHONPATH=. python -m launch.bench_split "proj/synthetic POR 0.3"
+    PYTHONPATH=. python -m launch.bench_split "proj/synthetic POR 0.9" --ops   # + XLA op kinds
+
+`--ops` also traces each step with the JAX profiler and sums the XLA:CPU thunks' time by op kind
+(fusion names without their numbers: `ynn_fusion` = matmuls and reductions, `multiply_add_fusion`
+= mostly the AdamW moment and parameter updates, `copy_bitcast_fusion` = layout copies), per step:
+what a step spends its time on, e.g. the fixed step's optimizer share.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import re
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jtree.cost import FlopModel, Work, batch_work
-from jtree.synthetic import por_tree
 from kernels import tree_attention
-from launch.bench import SHAPES, make_step, prepare, workloads
+from launch.bench import SHAPES, fixed_cost_inputs, make_step, prepare, workloads
 
 
 def attention_grad_fn(end: np.ndarray, heads: int, kv_heads: int, head_dim: int) -> Callable:
@@ -44,7 +54,32 @@ def attention_grad_fn(end: np.ndarray, heads: int, kv_heads: int, head_dim: int)
     return lambda: compiled(*args)
 
 
-def split(name: str, repeats: int) -> dict[str, float]:
+def op_profile(run: Callable[[], Any], repeats: int) -> dict[str, tuple[float, float]]:
+    """Seconds and thunk count per step of each XLA op kind over `repeats` traced calls of `run`
+    (already warm). Sums the events of XLA's CPU worker threads; `while` thunks are left out
+    (their bodies' ops are counted), so the total is op time, not wall time."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(repeats):
+                jax.block_until_ready(run())
+        files = sorted(Path(d).rglob("*.xplane.pb"))
+        data = jax.profiler.ProfileData.from_file(str(files[-1]))
+    seconds: collections.Counter[str] = collections.Counter()
+    counts: collections.Counter[str] = collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_XLA"):
+                continue
+            for event in line.events:
+                kind = re.sub(r"\.\d+$", "", event.name)
+                if kind == "while" or kind.startswith("end: ") or "::" in kind:
+                    continue  # loops (bodies counted), thread-pool and executor markers
+                seconds[kind] += event.duration_ns * 1e-9 / repeats
+                counts[kind] += 1 / repeats
+    return {k: (v, counts[k]) for k, v in seconds.most_common()}
+
+
+def split(name: str, repeats: int, ops: bool = False) -> dict[str, Any]:
     """Median seconds of the attention part and the whole step, per mode, alternating."""
     workload = next((w for w in workloads() if w.name == name), None)
     if workload is None:
@@ -68,8 +103,7 @@ def split(name: str, repeats: int) -> dict[str, float]:
                                                       cfg.num_key_value_heads, cfg.head_dim)
         compiled = step.lower(state, p.inputs).compile()
         runs[f"{mode} step"] = step_run(compiled, p.inputs)
-    tiny = prepare([por_tree(np.random.default_rng(0), 64, 1, 0.0, vocab_size=cfg.vocab_size)],
-                   "tree", 64)
+    tiny = fixed_cost_inputs(cfg)
     runs["fixed"] = step_run(step.lower(state, tiny.inputs).compile(), tiny.inputs)
     times: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(repeats + 1):  # the first round warms up
@@ -80,7 +114,10 @@ def split(name: str, repeats: int) -> dict[str, float]:
                 times[key].append(time.perf_counter() - t0)
     med = {k: float(np.median(v)) for k, v in times.items()}
     fm = FlopModel.for_config(cfg)
-    out = {"fixed_s": med["fixed"]}
+    out: dict[str, Any] = {"fixed_s": med["fixed"]}
+    if ops:
+        out["ops"] = {k: op_profile(runs[k], repeats) for k in ("tree step", "baseline step",
+                                                                  "fixed")}
     for mode in ("tree", "baseline"):
         attn = med[f"{mode} attention"] * cfg.num_hidden_layers
         out[f"{mode}_attention_s"], out[f"{mode}_step_s"] = attn, med[f"{mode} step"]
@@ -106,6 +143,10 @@ def report(name: str, s: dict[str, float]) -> str:
     f = s["fixed_s"]
     lines.append(f"| fixed (step on one 64-token row) | {f:.2f} | {f:.2f} | | | {f / t:.0%} |")
     lines.append(f"step minus fixed: base/tree {(b - f) / (t - f):.2f} vs FLOP ratio {total:.2f}")
+    for step, kinds in s.get("ops", {}).items():
+        total_op = sum(v for v, _ in kinds.values())
+        lines.append(f"{step}: XLA op time {total_op * 1e3:.1f} ms per step, by kind: " + ", ".join(
+            f"{k} {v * 1e3:.1f} ms (x{n:.0f})" for k, (v, n) in list(kinds.items())[:8]))
     return "\n".join(lines)
 
 
@@ -113,9 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workloads", nargs="+", help="bench workload names")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ops", action="store_true", help="also XLA op time by kind (profiler)")
     args = parser.parse_args(argv)
     for name in args.workloads:
-        print(report(name, split(name, args.repeats)), flush=True)
+        print(report(name, split(name, args.repeats, args.ops)), flush=True)
     return 0
 
 

@@ -37,6 +37,8 @@ def test_measure_counts_both_modes_on_the_same_trees_and_writes_outputs(tiny_sha
     assert row["auto_mode"] == ("tree" if row["auto_predicted_gain"] >= bench.AUTO_MIN_GAIN
                                 else "baseline")
     assert row["repeats"] == 1 and row["tree_device_s"] > 0 and row["base_device_s"] > 0
+    assert len(row["fixed_times_s"]) == 1 and row["fixed_share_tree"] == pytest.approx(
+        row["fixed_s"] / row["tree_device_s"])
     assert 0 < row["tree_host_fraction"] < 1 and row["tree_peak_mib"] > 0
     assert row["tree_computed_per_nonempty"] == 1.0  # the xla schedule does no extra blocks
     bench.write(tmp_path, "test machine", rows, 1.0)
@@ -45,3 +47,18 @@ def test_measure_counts_both_modes_on_the_same_trees_and_writes_outputs(tiny_sha
     table = (tmp_path / "bench.md").read_text()
     assert table.count("\n| tiny/synthetic") == 1
     assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_op_profile_sums_xla_thunks_by_kind():
+    import jax
+    import jax.numpy as jnp
+
+    from launch.bench_split import op_profile
+
+    x = jnp.ones((256, 256))
+    f = jax.jit(lambda a: jnp.tanh(a @ a) + 1.0)
+    jax.block_until_ready(f(x))
+    kinds = op_profile(lambda: f(x), repeats=2)
+    assert kinds and all(s > 0 and n > 0 for s, n in kinds.values())
+    assert not any(k == "while" or "::" in k for k in kinds)
+    assert all(not k[-1].isdigit() or "." not in k for k in kinds)  # numbered fusions merged

@@ -1,12 +1,13 @@
 import jax
 import numpy as np
+import optax
 import pytest
 
 from jtree.linearize import linearize
 from jtree.loss import batch_normalizer
 from jtree.train import (
-    Objective, OptimConfig, TrainState, make_grad_fn, make_optimizer, make_train_step,
-    needs_old_logprobs, stack_microbatches,
+    Objective, OptimConfig, TrainState, clip_by_global_norm, make_grad_fn, make_optimizer,
+    make_train_step, needs_old_logprobs, stack_microbatches,
 )
 from jtree.tree import TrajectoryTree
 from tests.models_util import rel_l2, tiny_model
@@ -45,6 +46,26 @@ def test_train_step_reduces_loss():
         losses.append(float(metrics["loss"]))
     assert int(state.step) == 8 and np.isfinite(float(metrics["grad_norm"]))
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_clip_by_global_norm_matches_optax():
+    """The scalar-factor clip gives optax's clipped updates (to rounding) and the same state;
+    below the threshold it returns the updates unchanged, bit for bit."""
+    rng = np.random.default_rng(0)
+    grads = {"a": rng.normal(size=(7, 5)).astype(np.float32),
+             "b": [rng.normal(size=(3,)).astype(np.float32)]}
+    norm = float(optax.tree.norm(grads))
+    for max_norm in (0.25 * norm, 4.0 * norm):
+        ours = clip_by_global_norm(max_norm)
+        ref = optax.clip_by_global_norm(max_norm)
+        assert ours.init(grads) == ref.init(grads)
+        got, _ = jax.jit(ours.update)(grads, ours.init(grads))
+        want, _ = jax.jit(ref.update)(grads, ref.init(grads))
+        for g, w, x in zip(*(jax.tree_util.tree_leaves(t) for t in (got, want, grads))):
+            if max_norm > norm:
+                np.testing.assert_array_equal(g, x)
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)
+        assert float(optax.tree.norm(got)) == pytest.approx(min(norm, max_norm), rel=1e-6)
 
 
 def test_old_logprob_policy():
