@@ -215,15 +215,22 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *, data_axis: str
         inputs = normalize_coefficients(inputs, data_axis)
         if data_axis is not None:
             params = vary_over(params, data_axis)
+        # Every micro-batch goes through the scan from a zero total (0 + x is exact, so the sum
+        # is the same as starting from the first one). A scan of one step is removed by XLA, and
+        # with the first micro-batch peeled off, two micro-batches used to compile as one flat
+        # program holding both micro-batches' activations at once.
         first = jax.tree_util.tree_map(lambda x: x[0], inputs)
-        acc = micro(params, first)
-        if jax.tree_util.tree_leaves(inputs)[0].shape[0] > 1:
+        loss_shape, metrics_shape, _ = jax.eval_shape(micro, params, first)
+        scalars = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                         (loss_shape, metrics_shape))
+        if data_axis is not None:
+            scalars = vary_over(scalars, data_axis)
+        zero = (*scalars, jax.tree_util.tree_map(jnp.zeros_like, params))
 
-            def body(acc, mb):
-                return jax.tree_util.tree_map(jnp.add, acc, micro(params, mb)), None
+        def body(acc, mb):
+            return jax.tree_util.tree_map(jnp.add, acc, micro(params, mb)), None
 
-            rest = jax.tree_util.tree_map(lambda x: x[1:], inputs)
-            acc, _ = jax.lax.scan(body, acc, rest)
+        acc, _ = jax.lax.scan(body, zero, inputs)
         if data_axis is not None:
             acc = jax.lax.psum(acc, data_axis)
         loss, metrics, grads = acc
