@@ -221,11 +221,9 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *, data_axis: str
         # program holding both micro-batches' activations at once.
         first = jax.tree_util.tree_map(lambda x: x[0], inputs)
         loss_shape, metrics_shape, _ = jax.eval_shape(micro, params, first)
-        scalars = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                         (loss_shape, metrics_shape))
-        if data_axis is not None:
-            scalars = vary_over(scalars, data_axis)
-        zero = (*scalars, jax.tree_util.tree_map(jnp.zeros_like, params))
+        zero = zero_sums(loss_shape, metrics_shape, params)
+        if data_axis is not None:  # the gradients' zeros already vary like the parameters
+            zero = (*vary_over(zero[:2], data_axis), zero[2])
 
         def body(acc, mb):
             return jax.tree_util.tree_map(jnp.add, acc, micro(params, mb)), None
@@ -237,6 +235,16 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *, data_axis: str
         return loss, finish_metrics(metrics), grads
 
     return grad_fn
+
+
+def zero_sums(loss: Any, metrics: Any, params: Any) -> tuple[jax.Array, Any, Any]:
+    """Zero (loss, metrics, grads) to add micro-batch or part results to: `loss` and `metrics` as
+    arrays or `jax.ShapeDtypeStruct`s, the gradients shaped like `params`."""
+    def zeros(x: Any) -> jax.Array:
+        return jnp.zeros(x.shape, x.dtype)
+
+    return (zeros(loss), jax.tree_util.tree_map(zeros, metrics),
+            jax.tree_util.tree_map(jnp.zeros_like, params))
 
 
 def make_sharded_grad_fn(graphdef: nnx.GraphDef, objective: Objective, mesh: jax.sharding.Mesh,

@@ -48,7 +48,9 @@ from jtree.models.prefix import AttentionCache, GdnCache, LayerCache
 from jtree.rfree.layout import Member, PartBatch, RfreeProgram
 from jtree.rfree.schedule import LiveBuffers, child_order
 from jtree.logprobs import logprobs_from_hidden
-from jtree.train import Objective, finish_metrics, loss_from_hidden, make_grad_fn
+from jtree.train import (
+    Objective, finish_metrics, loss_from_hidden, make_grad_fn, zero_sums,
+)
 
 PrefixBackward = Literal["residuals", "recompute", "auto"]
 
@@ -240,10 +242,7 @@ class RedundancyFreeStep:
             loss, metrics, _, _ = jax.eval_shape(self._leaf_grad, params,
                                                  dict(part.inputs, **pooled),
                                                  self._empty_prefix(params, part))
-            shapes = (loss, metrics)
-            self._zeros = jax.jit(lambda p: jax.tree_util.tree_map(
-                lambda x: jnp.zeros(x.shape, x.dtype), shapes) + (
-                jax.tree_util.tree_map(jnp.zeros_like, p),))
+            self._zeros = jax.jit(lambda p: zero_sums(loss, metrics, p))
         return self._call("zeros", self._zeros, params)
 
     def _call(self, name: str, fn: Callable, *args, part: int = -1):
