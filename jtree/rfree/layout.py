@@ -21,7 +21,7 @@ projections, MLP and loss of a token.
 
 Parts without a prefix (the top of a tree) get an empty prefix of P padding slots all the same
 (P: the shortest prefix region of the program's other parts), read as zeros and masked like any
-padding, so every part row has one layout and the parts compile for one family of shapes.
+padding, so they share the other parts' prefix shapes (fewer shapes to compile).
 Every coefficient is the full tree's (W_t, P_t, N_t with the batch normalizer): each tree token is
 computed once, so it carries its whole weight.
 
