@@ -36,6 +36,12 @@ proj workloads alone above 15 minutes here; with 2x, `make bench` took 1423 s at
 size across POR and only the tree step shrinks. The attn workloads' steps are 32768 flat tokens
 already.
 
+Host memory. XLA:CPU mallocs a step's temporaries (hundreds of MiB) and frees them after it;
+glibc maps them fresh every step, so each step page-faults and zeroes all of them again (~0.3 s
+per 560 MiB here, a cost of memory, not FLOPs; device allocators cache). The bench therefore
+calls `jtree.host_allocator.keep_freed_memory` first (`--host-malloc default` to measure without
+it) and records each mode's minor page faults per step.
+
     PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), ~24 min here
     PYTHONPATH=. python -m launch.bench --only proj     # workloads whose name contains "proj"
 
