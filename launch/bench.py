@@ -42,7 +42,7 @@ per 560 MiB here, a cost of memory, not FLOPs; device allocators cache). The ben
 calls `jtree.host_allocator.keep_freed_memory` first (`--host-malloc default` to measure without
 it) and records each mode's minor page faults per step.
 
-    PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), ~24 min here
+    PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), 11-24 min here
     PYTHONPATH=. python -m launch.bench --only proj     # workloads whose name contains "proj"
 
 Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.png.
