@@ -36,7 +36,13 @@ proj workloads alone above 15 minutes here; with 2x, `make bench` took 1423 s at
 size across POR and only the tree step shrinks. The attn workloads' steps are 32768 flat tokens
 already.
 
-    PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), ~24 min here
+Host memory. XLA:CPU mallocs a step's temporaries (hundreds of MiB) and frees them after it;
+glibc maps them fresh every step, so each step page-faults and zeroes all of them again (~0.3 s
+per 560 MiB here, a cost of memory, not FLOPs; device allocators cache). The bench therefore
+calls `jtree.host_allocator.keep_freed_memory` first (`--host-malloc default` to measure without
+it) and records each mode's minor page faults per step.
+
+    PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), 11-24 min here
     PYTHONPATH=. python -m launch.bench --only proj     # workloads whose name contains "proj"
 
 Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.png.
@@ -48,6 +54,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import resource
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -62,6 +69,7 @@ from jtree.baseline import flatten_paths
 from jtree.chat import ByteTokenizer, conversation_tree
 from jtree.cost import FlopModel, Work, batch_work, choose_mode, ideal_speedup
 from jtree.data import training_units
+from jtree.host_allocator import keep_freed_memory
 from jtree.loss import batch_normalizer
 from jtree.models import Qwen3, Qwen3Config
 from jtree.packing import MicroBatches, build_microbatches, least_padding_plan
@@ -201,6 +209,12 @@ def fixed_cost_inputs(cfg: Qwen3Config) -> Prepared:
     return prepare([tree], "tree", 64)
 
 
+def minor_faults() -> int:
+    """Minor page faults of this process so far: a step that maps fresh memory for its
+    temporaries pays one per 4 KiB page (see `jtree.host_allocator`)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def peak_bytes(compiled: Any) -> int:
     """Arguments + outputs + temporaries of a compiled step (XLA buffer assignment)."""
     m = compiled.memory_analysis()
@@ -240,15 +254,17 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
         jax.block_until_ready(metrics)
     times: dict[str, list[float]] = {"tree": [], "baseline": [], "fixed": []}
     cpu: dict[str, list[float]] = {"tree": [], "baseline": [], "fixed": []}
+    faults: dict[str, list[int]] = {"tree": [], "baseline": [], "fixed": []}
     t_start = time.perf_counter()
     while len(times["tree"]) < max_reps and (
             len(times["tree"]) < min_reps or time.perf_counter() - t_start < budget_s):
         for mode in ("tree", "baseline", "fixed"):
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, f0 = time.perf_counter(), time.process_time(), minor_faults()
             state, metrics = compiled[mode](state, prep[mode].inputs)
             jax.block_until_ready(metrics)
             times[mode].append(time.perf_counter() - t0)
             cpu[mode].append(time.process_time() - c0)
+            faults[mode].append(minor_faults() - f0)
     host = {mode: host_seconds(workload, mode, 3) for mode in ("tree", "baseline")}
     device = {mode: float(np.median(times[mode])) for mode in times}
     # Each ratio compares a tree run with the baseline run right after it (same load on a shared
@@ -286,6 +302,7 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
             f"{key}_scored": w.scored, f"{key}_pairs": w.pairs,
             f"{key}_peak_mib": memory[mode] / 2**20, f"{key}_compile_s": compile_s[mode],
             f"{key}_times_s": times[mode], f"{key}_cpu_s": cpu[mode],
+            f"{key}_minor_faults": int(np.median(faults[mode])),
             **{f"{key}_{k}": v for k, v in blocks.items()},
         })
     return row, state
@@ -394,10 +411,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="seconds for the whole run: later workloads get fewer repeats "
                              "(never below --min-reps) when earlier ones ran long")
     parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--host-malloc", choices=("keep", "default"), default="keep",
+                        help="keep: glibc keeps freed memory (jtree.host_allocator), so steps do "
+                             "not page-fault their temporaries again every run; default: as is")
     args = parser.parse_args(argv)
+    kept = args.host_malloc == "keep" and keep_freed_memory()  # before the first computation
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    info = machine()
+    info = f"{machine()}, host malloc {'keeps freed memory' if kept else 'default'}"
     print(f"machine: {info}", flush=True)
     steps: dict[str, tuple[Callable, TrainState]] = {}
     rows = []

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.cost import FlopModel, Work, batch_work
+from jtree.host_allocator import keep_freed_memory
 from kernels import tree_attention
 from launch.bench import SHAPES, fixed_cost_inputs, make_step, prepare, workloads
 
@@ -156,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ops", action="store_true", help="also XLA op time by kind (profiler)")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as launch.bench does: no per-step page faults of the temporaries
     for name in args.workloads:
         print(report(name, split(name, args.repeats, args.ops)), flush=True)
     return 0

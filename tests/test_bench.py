@@ -40,6 +40,7 @@ def test_measure_counts_both_modes_on_the_same_trees_and_writes_outputs(tiny_sha
     assert len(row["fixed_times_s"]) == 1 and row["fixed_share_tree"] == pytest.approx(
         row["fixed_s"] / row["tree_device_s"])
     assert 0 < row["tree_host_fraction"] < 1 and row["tree_peak_mib"] > 0
+    assert row["tree_minor_faults"] >= 0 and row["base_minor_faults"] >= 0
     assert row["tree_computed_per_nonempty"] == 1.0  # the xla schedule does no extra blocks
     bench.write(tmp_path, "test machine", rows, 1.0)
     saved = json.loads((tmp_path / "bench.json").read_text())
