@@ -31,6 +31,9 @@ branch's queries still see every shared key (DESIGN.md section 8). The model's M
 width by default (`--mlp-ratio`), the usual LLM proportion, so attention is ~10% of its FLOPs as
 in a real model at these lengths; both bounds are printed.
 
+Like `launch.bench`, it first makes glibc keep freed host memory (`jtree.host_allocator`; every
+method's calls otherwise page-fault their temporaries again on each run).
+
 Writes bench_out/rfree.json and bench_out/rfree.png (or --out PREFIX).
 """
 
@@ -47,6 +50,7 @@ from flax import nnx
 
 from jtree.baseline import flatten_paths
 from jtree.cost import FlopModel, ideal_speedup, tree_work
+from jtree.host_allocator import keep_freed_memory
 from jtree.loss import batch_normalizer
 from jtree.models import Qwen3, Qwen3Config
 from jtree.packing import build_microbatches
@@ -207,7 +211,10 @@ def main() -> None:
     ap.add_argument("--mlp-ratio", type=int, default=4, help="intermediate size / hidden size")
     ap.add_argument("--attention", default="xla")
     ap.add_argument("--out", default="bench_out/rfree")
+    ap.add_argument("--host-malloc", choices=("keep", "default"), default="keep",
+                    help="as in launch.bench: keep freed host memory (jtree.host_allocator)")
     args = ap.parse_args()
+    kept = args.host_malloc == "keep" and keep_freed_memory()  # before the first computation
     cfg = Qwen3Config(vocab_size=512, hidden_size=args.hidden, intermediate_size=args.mlp_ratio * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=args.hidden // 4,
@@ -240,6 +247,7 @@ def main() -> None:
     report = {"capacity": args.capacity, "model": dict(hidden=args.hidden, layers=args.layers,
                                                        mlp_ratio=args.mlp_ratio,
                                                        attention=args.attention),
+              "host_malloc_keeps_freed_memory": kept,
               "backend": jax.default_backend(), "cases": cases}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
