@@ -244,8 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         builder = RfreeStepBuilder(trees, RfreePlan(cfg.objective.normalization, d.seq_len,
                                                     rfree_capacity(cfg), d.trees_per_step,
                                                     gdn_chunk_size(cfg)))
-        layout = (f"parts of <= {rfree_capacity(cfg)} tokens in rows of {d.seq_len}, one device "
-                  f"call per part")
+        layout = (f"parts of <= {rfree_capacity(cfg)} tokens in rows fitted to them (at most "
+                  f"{d.seq_len}), one device call per part")
     else:
         builder = (AutoStepBuilder(builders, FlopModel.for_config(mcfg), cfg.run.auto_min_gain)
                    if cfg.run.mode == "auto" else builders[cfg.run.mode])

@@ -5,8 +5,9 @@ a few tokens (far below the longest shared prefix), with both prefix-backward mo
 
 Trees: `branching_trees` (two trees needing several parts, one small tree that fits whole and is
 packed into a part row's spare room or a whole micro-batch) with per-path old log-probs that agree
-on shared tokens, so PPO is one function of the tree. Rows are 16 tokens at every capacity and the
-prefix has one bucket, so each model compiles a handful of shapes.
+on shared tokens, so PPO is one function of the tree. Rows are at most 16 tokens and the prefix has
+one bucket, so each model compiles a handful of shapes; part rows fit their content (the default)
+in the dense and GDN tests, and all have 16 tokens in the MoE test.
 """
 
 import jax
@@ -18,7 +19,7 @@ from hypothesis import given, settings
 from jtree.linearize import linearize
 from jtree.models import Qwen3Next, Qwen3NextConfig
 from jtree.rfree.execute import RedundancyFreeStep
-from jtree.rfree.layout import build_program, prefix_bucket
+from jtree.rfree.layout import build_program, prefix_bucket, row_length
 from jtree.rfree.plan import plan_parts
 from jtree.rfree.schedule import LiveBuffers, child_order, part_slots
 from jtree.train import Objective, make_grad_fn, stack_microbatches
@@ -75,6 +76,8 @@ def test_plan_rejects_bad_capacity_and_prefix_buckets():
         build_program([tree], 4, seq_len=ROW, prefix_buckets=[2])
     with pytest.raises(ValueError, match="seq_len"):
         build_program([tree], 8, seq_len=4)
+    with pytest.raises(ValueError, match="row_lengths"):
+        build_program([tree], 4, seq_len=ROW, row_lengths=[8, 32])
     assert [prefix_bucket(n) for n in (0, 1, 8, 9, 33, 100)] == [0, 8, 8, 12, 48, 128]
 
 
@@ -99,8 +102,9 @@ def test_program_computes_each_token_once_and_packs_small_trees():
     assert build_program(trees, 16, seq_len=ROW).whole is None
     assert build_program(trees, 3).whole_trees == (2,)
     # Parts at the top of a tree get an all-padding prefix as long as the shortest other one, so
-    # with one prefix bucket every part row has the same shapes (one compile per jitted piece).
-    program = build_program(trees, 3, seq_len=ROW, prefix_buckets=PREFIX)
+    # with one prefix bucket and one row length every part row has the same shapes (one compile
+    # per jitted piece).
+    program = build_program(trees, 3, seq_len=ROW, prefix_buckets=PREFIX, row_lengths=[ROW])
     assert {tuple(v.shape for v in p.inputs.values()) for p in program.parts} == {
         tuple(v.shape for v in program.parts[0].inputs.values())}
     program = build_program(trees, 3, seq_len=ROW)
@@ -112,6 +116,23 @@ def test_program_computes_each_token_once_and_packs_small_trees():
             np.testing.assert_array_equal(p.inputs["prefix_end"][0], j + 1)  # padding only
             np.testing.assert_array_equal(p.inputs["prefix_pred"][0], -1)
     assert len(set(lengths)) < len(lengths)
+
+
+def test_part_rows_fit_their_content():
+    """A part row is the smallest allowed length holding its tokens (and the small trees packed
+    after them); `row_lengths=[seq_len]` gives every part row the full length."""
+    trees = branching_trees(seed=7)
+    assert [row_length(n, 64) for n in (1, 8, 9, 33, 100)] == [8, 8, 12, 48, 64]
+    assert [row_length(n, 64, [16, 32]) for n in (1, 20, 40)] == [16, 32, 64]
+    for capacity in (16, 5, 2):
+        fitted = build_program(trees, capacity, seq_len=64)
+        for p in fitted.parts:
+            content = sum(len(m.tokens) for m in p.members)
+            assert p.inputs["tokens"].shape[1] == row_length(content, 64)
+            assert p.inputs["valid"][0, :content].all() and not p.inputs["valid"][0, content:].any()
+        fixed = build_program(trees, capacity, seq_len=64, row_lengths=[64])
+        assert {p.inputs["tokens"].shape[1] for p in fixed.parts} == {64}
+        assert fitted.n_computed == fixed.n_computed
 
 
 def check_schedule(program, live: LiveBuffers, mode: str) -> None:
@@ -186,14 +207,16 @@ def _reference(graphdef, params, trees, objective, chunk):
     return loss, grads, per_tree
 
 
-def _check(graphdef, params, objective, capacities, modes, chunk=None):
+def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengths=None):
     trees = branching_trees(seed=7)
     loss_ref, grads_ref, logp_ref = _reference(graphdef, params, trees, objective, chunk)
     leaves_ref = jax.tree_util.tree_leaves(grads_ref)
-    # One step per mode for all capacities: rows and prefixes keep their shapes (compiled once).
+    # One step per mode for all capacities: prefixes (and rows with `row_lengths=[ROW]`) keep
+    # their shapes, compiled once.
     steps = {mode: RedundancyFreeStep(graphdef, objective, prefix_backward=mode) for mode in modes}
     for capacity in capacities:
         program = build_program(trees, capacity, seq_len=ROW, prefix_buckets=PREFIX,
+                                row_lengths=row_lengths,
                                 normalization=objective.normalization, gdn_chunk_size=chunk,
                                 gdn_chunks=ROW if chunk else None,
                                 gdn_exports=4 if chunk else None)
@@ -223,7 +246,7 @@ def test_dense_equals_unpartitioned_tree():
 
 def test_moe_equals_unpartitioned_tree_with_pooled_router_loss():
     graphdef, params = tiny("moe")
-    _check(graphdef, params, PPO, capacities=(5,), modes=("residuals",))
+    _check(graphdef, params, PPO, capacities=(5,), modes=("residuals",), row_lengths=[ROW])
 
 
 def gdn_only_model():

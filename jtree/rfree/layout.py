@@ -14,9 +14,14 @@ of the row. In these coordinates the tree mask is still j <= i < end[j], so:
   and other trees from slot 0 (zeros); `gdn_export_slots` [1, E] lists the buffer slots of the
   states at the tokens this part's children hang below.
 
+A part row is as long as its content needs, rounded up to the same kind of steps as the prefix
+(`row_length`; at most `seq_len`): a part is often much shorter than the capacity (the top of a
+tree above its branch points, the last piece of a long node), and every slot of its row costs the
+projections, MLP and loss of a token.
+
 Parts without a prefix (the top of a tree) get an empty prefix of P padding slots all the same
 (P: the shortest prefix region of the program's other parts), read as zeros and masked like any
-padding, so every part row has one layout and the parts compile for one family of shapes.
+padding, so they share the other parts' prefix shapes (fewer shapes to compile).
 Every coefficient is the full tree's (W_t, P_t, N_t with the batch normalizer): each tree token is
 computed once, so it carries its whole weight.
 
@@ -114,12 +119,23 @@ def prefix_bucket(n: int, buckets: Sequence[int] | None = None) -> int:
     return max(8, -(-n // step) * step)
 
 
+def row_length(n: int, seq_len: int, buckets: Sequence[int] | None = None) -> int:
+    """Row length S >= n of a part row holding n tokens: the smallest of `buckets` (or of
+    `prefix_bucket`'s default steps) that holds them, never more than `seq_len`."""
+    if buckets:
+        if max(buckets) > seq_len:
+            raise ValueError(f"row_lengths: {max(buckets)} exceeds seq_len={seq_len}")
+        return min([b for b in buckets if b >= n] + [seq_len])
+    return min(prefix_bucket(n), seq_len)
+
+
 def build_program(
     trees: Sequence[TrajectoryTree],
     capacity: int,
     *,
     seq_len: int | None = None,
     prefix_buckets: Sequence[int] | None = None,
+    row_lengths: Sequence[int] | None = None,
     normalization: Normalization = "seq_mean_token_mean",
     normalizer: float | None = None,
     rows_per_microbatch: int = 1,
@@ -128,9 +144,11 @@ def build_program(
     gdn_exports: int | None = None,
 ) -> RfreeProgram:
     """Plan and lay out `trees` for redundancy-free training: parts of at most `capacity` tokens
-    in rows of `seq_len` (default `capacity`) tokens.
+    in rows of at most `seq_len` (default `capacity`) tokens.
 
-    `prefix_buckets` lists the allowed prefix lengths (default: `prefix_bucket`'s steps);
+    `prefix_buckets` lists the allowed prefix lengths (default: `prefix_bucket`'s steps),
+    `row_lengths` the allowed lengths of part rows (default: `row_length`'s steps; `[seq_len]`
+    gives every part row the same length, fewer shapes to compile for more padding);
     `normalizer` defaults to the batch normalizer of `trees`; `gdn_chunk_size` adds the Gated
     DeltaNet chunk tables (hybrid models), `gdn_chunks` fixes their chunk count per row and
     `gdn_exports` the number of exported states per row (default: a power of two per part; fixed
@@ -158,8 +176,11 @@ def build_program(
     shape = _RowShape(seq_len, prefix_buckets, gdn_chunk_size, gdn_chunks, gdn_exports)
     lengths = [prefix_bucket(len(p.prefix), prefix_buckets) for _, p in planned if p.attach >= 0]
     root_len = min(lengths) if lengths else prefix_bucket(1, prefix_buckets)
-    rows = [_part_row(planned, k, tails[k], trees, fields, shape, root_len)
-            for k in range(len(planned))]
+    rows = []
+    for k, (_, part) in enumerate(planned):
+        content = len(part.own) + sum(trees[i].n_tree_tokens for i in tails[k])
+        row_shape = dataclasses.replace(shape, seq_len=row_length(content, seq_len, row_lengths))
+        rows.append(_part_row(planned, k, tails[k], trees, fields, row_shape, root_len))
     parts = tuple(_link(rows, planned))
     whole = None
     if leftover:

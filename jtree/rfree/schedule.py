@@ -51,24 +51,30 @@ class LiveBuffers:
 
     `events` records every device call as (name, part, held (kind, part) keys, live bytes); bytes
     count each held array once (by identity), so they are real buffer sizes, not estimates.
-    `peak_bytes` is the largest of them.
+    `peak_bytes` is the largest of them. Array sizes are read once, when a tree is held: the
+    accounting runs at every device call and must stay cheap next to it.
     """
 
     def __init__(self) -> None:
         self.held: dict[tuple[str, int], Any] = {}
+        self._sizes: dict[tuple[str, int], dict[int, int]] = {}  # key -> {id(array): bytes}
         self.events: list[tuple[str, int, frozenset[tuple[str, int]], int]] = []
         self.peak_bytes = 0
 
     def hold(self, kind: str, part: int, tree: Any) -> None:
         self.held[(kind, part)] = tree
+        self._sizes[(kind, part)] = {id(x): x.nbytes for x in jax.tree_util.tree_leaves(tree)
+                                     if isinstance(x, jax.Array)}
 
     def drop(self, kind: str, part: int) -> None:
         self.held.pop((kind, part), None)
+        self._sizes.pop((kind, part), None)
 
     def live_bytes(self) -> int:
-        arrays = {id(x): x for tree in self.held.values()
-                  for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)}
-        return sum(x.nbytes for x in arrays.values())
+        arrays: dict[int, int] = {}
+        for sizes in self._sizes.values():
+            arrays.update(sizes)
+        return sum(arrays.values())
 
     def call(self, name: str, part: int) -> None:
         now = self.live_bytes()
