@@ -400,6 +400,18 @@ def write(out: Path, info: str, rows: Sequence[dict[str, Any]], wall: float) -> 
     plot(rows, out / "bench.png")
 
 
+def add_host_malloc_flag(parser: argparse.ArgumentParser) -> None:
+    """`--host-malloc keep|default`, shared by the bench scripts (`apply_host_malloc`)."""
+    parser.add_argument("--host-malloc", choices=("keep", "default"), default="keep",
+                        help="keep: glibc keeps freed memory (jtree.host_allocator), so steps do "
+                             "not page-fault their temporaries again every run; default: as is")
+
+
+def apply_host_malloc(args: argparse.Namespace) -> bool:
+    """Apply `--host-malloc` (before the first computation); whether freed memory is kept."""
+    return args.host_malloc == "keep" and keep_freed_memory()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="run workloads whose name contains this")
@@ -411,11 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="seconds for the whole run: later workloads get fewer repeats "
                              "(never below --min-reps) when earlier ones ran long")
     parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--host-malloc", choices=("keep", "default"), default="keep",
-                        help="keep: glibc keeps freed memory (jtree.host_allocator), so steps do "
-                             "not page-fault their temporaries again every run; default: as is")
+    add_host_malloc_flag(parser)
     args = parser.parse_args(argv)
-    kept = args.host_malloc == "keep" and keep_freed_memory()  # before the first computation
+    kept = apply_host_malloc(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = f"{machine()}, host malloc {'keeps freed memory' if kept else 'default'}"

@@ -50,7 +50,6 @@ from flax import nnx
 
 from jtree.baseline import flatten_paths
 from jtree.cost import FlopModel, ideal_speedup, tree_work
-from jtree.host_allocator import keep_freed_memory
 from jtree.loss import batch_normalizer
 from jtree.models import Qwen3, Qwen3Config
 from jtree.packing import build_microbatches
@@ -60,6 +59,7 @@ from jtree.rfree.layout import build_program
 from jtree.synthetic import AgentShape, agent_rollout_group
 from jtree.train import Objective, make_grad_fn
 from jtree.tree import TrajectoryTree
+from launch.bench import add_host_malloc_flag, apply_host_malloc
 
 OBJECTIVE = Objective(kind="sft", normalization="seq_mean_token_mean")
 RFREE_MODES = {"rfree": "residuals", "rfree_recompute": "recompute", "rfree_auto": "auto"}
@@ -211,11 +211,11 @@ def main() -> None:
     ap.add_argument("--mlp-ratio", type=int, default=4, help="intermediate size / hidden size")
     ap.add_argument("--attention", default="xla")
     ap.add_argument("--out", default="bench_out/rfree")
-    ap.add_argument("--host-malloc", choices=("keep", "default"), default="keep",
-                    help="as in launch.bench: keep freed host memory (jtree.host_allocator)")
+    add_host_malloc_flag(ap)
     args = ap.parse_args()
-    kept = args.host_malloc == "keep" and keep_freed_memory()  # before the first computation
-    cfg = Qwen3Config(vocab_size=512, hidden_size=args.hidden, intermediate_size=args.mlp_ratio * args.hidden,
+    kept = apply_host_malloc(args)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=args.hidden,
+                      intermediate_size=args.mlp_ratio * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=args.hidden // 4,
                       tie_word_embeddings=False, attention_impl=args.attention)
@@ -225,7 +225,8 @@ def main() -> None:
     names = ["baseline", "duplicating", *RFREE_MODES]
     print(f"{'ratio':>5} {'N_tree':>7} {'N_flat':>7} {'N_comp dup':>10} {'parts':>5} "
           f"{'shapes':>6} | ms " + "/".join(names) + " | peak MiB (same order) | rfree held MiB "
-          "r/rc/auto | speedup vs baseline " + "/".join(names[1:]) + " | bound")
+          "r/rc/auto | speedup vs baseline " + "/".join(names[1:]) + " | token bound | FLOP ideal "
+          "| speedup / token bound r/rc/auto")
     for i, ratio in enumerate(float(r) for r in args.ratios.split(",")):
         tree = pick_tree(ratio, args.capacity, seed=i)
         c = bench_tree(tree, args.capacity, graphdef, params, args.repeats, flops)

@@ -33,9 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.cost import FlopModel, Work, batch_work
-from jtree.host_allocator import keep_freed_memory
 from kernels import tree_attention
-from launch.bench import SHAPES, fixed_cost_inputs, make_step, prepare, workloads
+from launch.bench import (
+    SHAPES, add_host_malloc_flag, apply_host_malloc, fixed_cost_inputs, make_step, prepare,
+    workloads,
+)
 
 
 def attention_grad_fn(end: np.ndarray, heads: int, kv_heads: int, head_dim: int) -> Callable:
@@ -156,8 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("workloads", nargs="+", help="bench workload names")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ops", action="store_true", help="also XLA op time by kind (profiler)")
+    add_host_malloc_flag(parser)
     args = parser.parse_args(argv)
-    keep_freed_memory()  # as launch.bench does: no per-step page faults of the temporaries
+    apply_host_malloc(args)  # before the first computation, as in launch.bench
     for name in args.workloads:
         print(report(name, split(name, args.repeats, args.ops)), flush=True)
     return 0
