@@ -9,6 +9,7 @@ exercises the trie merge.
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import reject
 from hypothesis import strategies as st
 
 from jtree.tree import TrajectoryTree
@@ -86,3 +87,15 @@ def forests(draw, n_trees: tuple[int, int] = (1, 3), **kw) -> list[TrajectoryTre
         kwargs = random_forest(rng, **kw)
         trees.append(sequences_tree(kwargs) if rng.random() < 0.5 else explicit_tree(kwargs))
     return trees
+
+
+def fitting_layout(layout, trees, seq_len: int, **kw):
+    """`layout(trees, seq_len, **kw)` (`linearize`, `linearize_baseline`), rejecting the example
+    when the drawn trees do not fit the test's fixed rows: a tree longer than a row or more rows
+    than `n_rows` (a property of the draw, not of the code under test)."""
+    try:
+        return layout(trees, seq_len, **kw)
+    except ValueError as e:
+        if str(e).startswith("n_rows=") or f"more than seq_len={seq_len}" in str(e):
+            reject()
+        raise

@@ -11,7 +11,7 @@ from jtree.baseline import linearize_baseline, unlinearize_baseline
 from jtree.linearize import linearize, unlinearize
 from jtree.train import Objective
 from tests.models_util import loss_and_grad_fn, logprob_fn, rel_l2, tiny_model
-from tests.strategies import forests
+from tests.strategies import fitting_layout, forests
 
 S, TREE_ROWS, BASE_ROWS = 128, 2, 24
 GRAPHDEF, PARAMS = tiny_model(seed=2, attention_impl="xla")
@@ -22,8 +22,8 @@ FORESTS = forests(n_trees=(2, 5), max_nodes=8, max_seg=9)
 @settings(max_examples=6, deadline=None)
 @given(trees=FORESTS)
 def test_tree_equals_baseline_with_xla_attention(trees):
-    tree = linearize(trees, S, n_rows=TREE_ROWS)
-    base = linearize_baseline(trees, S, n_rows=BASE_ROWS)
+    tree = fitting_layout(linearize, trees, S, n_rows=TREE_ROWS)
+    base = fitting_layout(linearize_baseline, trees, S, n_rows=BASE_ROWS)
     fn = logprob_fn(GRAPHDEF)
     lp_tree_arr = np.asarray(fn(PARAMS, tree.arrays()))
     lp_tree = unlinearize(tree, lp_tree_arr)
