@@ -110,7 +110,10 @@ class RunConfig:
     its reason are logged per step), or `redundancy_free`: trees larger than `capacity` tokens
     (default `data.seq_len`) split into parts that reuse their ancestors' cached prefixes
     (`jtree.rfree`; single device only), `prefix_backward` choosing how a part with children gets
-    its backward (`residuals`, `recompute` or `auto`). `kill_after_checkpoint`: fault injection for
+    its backward (`residuals`, `recompute` or `auto`). `host_malloc`: `keep` makes glibc keep freed
+    host memory so CPU steps stop page-faulting their temporaries every step
+    (`jtree.host_allocator`; the process keeps its peak host memory), `default` leaves malloc
+    alone, `auto` keeps it on the CPU backend only. `kill_after_checkpoint`: fault injection for
     resume tests, the process SIGKILLs itself once the checkpoint of that step is committed.
     """
 
@@ -120,6 +123,7 @@ class RunConfig:
     auto_min_gain: float = 1.05
     capacity: int | None = None
     prefix_backward: Literal["residuals", "recompute", "auto"] = "auto"
+    host_malloc: Literal["auto", "keep", "default"] = "auto"
     log_every: int = 1
     compare_baseline: bool = True
     timing_repeats: int = 5
