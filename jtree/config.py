@@ -20,6 +20,7 @@ import yaml
 from jtree.chunk_tables import DEFAULT_CHUNK_SIZE
 from jtree.models.config import Qwen3Config
 from jtree.models.registry import ARCHITECTURES
+from jtree.rfree.layout import ROW_STEPS_PER_OCTAVE
 from jtree.sharding import MeshConfig
 from jtree.train import Objective, OptimConfig
 
@@ -110,8 +111,10 @@ class RunConfig:
     its reason are logged per step), or `redundancy_free`: trees larger than `capacity` tokens
     (default `data.seq_len`) split into parts that reuse their ancestors' cached prefixes
     (`jtree.rfree`; single device only), `prefix_backward` choosing how a part with children gets
-    its backward (`residuals`, `recompute` or `auto`). `kill_after_checkpoint`: fault injection for
-    resume tests, the process SIGKILLs itself once the checkpoint of that step is committed.
+    its backward (`residuals`, `recompute` or `auto`) and `row_steps_per_octave` how finely part
+    rows are fitted to their tokens (`jtree.rfree.layout.row_length`: more steps, less padding,
+    more shapes to compile). `kill_after_checkpoint`: fault injection for resume tests, the
+    process SIGKILLs itself once the checkpoint of that step is committed.
     """
 
     steps: int = 20
@@ -120,6 +123,7 @@ class RunConfig:
     auto_min_gain: float = 1.05
     capacity: int | None = None
     prefix_backward: Literal["residuals", "recompute", "auto"] = "auto"
+    row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE
     log_every: int = 1
     compare_baseline: bool = True
     timing_repeats: int = 5

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from jtree.linearize import linearize
 from jtree.models import Qwen3Next, Qwen3NextConfig
 from jtree.rfree.execute import RedundancyFreeStep
-from jtree.rfree.layout import build_program, prefix_bucket, row_length
+from jtree.rfree.layout import build_program, octave_step_length, prefix_bucket, row_length
 from jtree.rfree.plan import plan_parts
 from jtree.rfree.schedule import LiveBuffers, child_order, part_slots
 from jtree.train import Objective, make_grad_fn, stack_microbatches
@@ -79,6 +79,8 @@ def test_plan_rejects_bad_capacity_and_prefix_buckets():
     with pytest.raises(ValueError, match="row_lengths"):
         build_program([tree], 4, seq_len=ROW, row_lengths=[8, 32])
     assert [prefix_bucket(n) for n in (0, 1, 8, 9, 33, 100)] == [0, 8, 8, 12, 48, 128]
+    assert [octave_step_length(n, 8) for n in (1, 9, 33, 100, 200, 257)] == [8, 16, 40, 104, 208,
+                                                                            288]
 
 
 def longest_shared_prefix(trees) -> int:
@@ -122,7 +124,9 @@ def test_part_rows_fit_their_content():
     """A part row is the smallest allowed length holding its tokens (and the small trees packed
     after them); `row_lengths=[seq_len]` gives every part row the full length."""
     trees = branching_trees(seed=7)
-    assert [row_length(n, 64) for n in (1, 8, 9, 33, 100)] == [8, 8, 12, 48, 64]
+    assert [row_length(n, 64, steps_per_octave=2) for n in (1, 8, 9, 33, 100)] == [8, 8, 16, 48, 64]
+    assert [row_length(n, 256) for n in (1, 9, 100, 129, 199, 239, 300)] == [8, 16, 104, 144, 208,
+                                                                            240, 256]
     assert [row_length(n, 64, [16, 32]) for n in (1, 20, 40)] == [16, 32, 64]
     for capacity in (16, 5, 2):
         fitted = build_program(trees, capacity, seq_len=64)
@@ -133,6 +137,31 @@ def test_part_rows_fit_their_content():
         fixed = build_program(trees, capacity, seq_len=64, row_lengths=[64])
         assert {p.inputs["tokens"].shape[1] for p in fixed.parts} == {64}
         assert fitted.n_computed == fixed.n_computed
+        finer = build_program(trees, capacity, seq_len=64, row_steps_per_octave=16)
+        for p in finer.parts:
+            content = sum(len(m.tokens) for m in p.members)
+            assert p.inputs["tokens"].shape[1] == row_length(content, 64, steps_per_octave=16)
+    for bad in (0, 3, 2.0, True):
+        with pytest.raises(ValueError, match="row_steps_per_octave"):
+            build_program(trees, 5, seq_len=64, row_steps_per_octave=bad)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("min_step", [2, 8])
+def test_octave_step_lengths_bound_padding_and_count(steps, min_step):
+    """Lengths on the grid of `steps` per octave (steps of at least `min_step` tokens): the
+    smallest grid length holding n, padding below max(n / steps, min_step), at most `steps`
+    lengths per octave."""
+    n = np.arange(1, 4097)
+    lengths = np.array([octave_step_length(int(k), steps, min_step) for k in n])
+    assert np.all(lengths >= n) and np.all(np.diff(lengths) >= 0)
+    assert np.all(lengths[n <= 8] == 8) and np.all(lengths % min_step == 0)
+    big = n > 8
+    assert np.all(lengths[big] - n[big] < np.maximum(min_step, n[big] / steps))
+    grid = np.unique(lengths)
+    assert np.all(lengths[grid - 1] == grid)  # a grid length holds itself: smallest fit
+    assert len(grid) <= steps * 9 + 1  # 8, then the octaves (8, 16], ..., (2048, 4096]
+    assert {256, 512, 4096} <= set(grid)  # powers of two are on every grid
 
 
 def check_schedule(program, live: LiveBuffers, mode: str) -> None:
