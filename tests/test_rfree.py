@@ -67,6 +67,24 @@ def test_plan_computes_every_token_once_and_parts_hang_below_one_token(trees):
         check_plan(trees[0], capacity)
 
 
+def test_plan_keeps_the_root_segment_whole_when_no_more_parts_result():
+    """Capacity 10: the subtree of node 2 closes a full part (its children's 8 tokens + 2 of its
+    3) and leaves 1 token open, with that part below it; at the root (4 tokens, open children of
+    3, 1 and 3) walking up the root segment would close 10 tokens and leave a 1-token top part,
+    both parts with children. Kept whole, the root part holds its segment, the 1-token remainder
+    and one 3-token child; the other 3 tokens are a leaf part: 3 parts (ceil(21 / 10)), only the
+    top one with children."""
+    tree = TrajectoryTree.from_nodes(
+        parents=[-1, 0, 0, 0, 2, 2],
+        segments=[[1] * 4, [2] * 3, [3] * 3, [4] * 3, [5] * 4, [6] * 4])
+    check_plan(tree, 10)
+    parts = plan_parts(tree, 10)
+    assert len(parts) == 3
+    assert [len(p.own) for p in parts if p.children] == [8]
+    assert parts[0].attach == -1 and len(parts[0].own) == 8
+    assert sorted(len(p.own) for p in parts[1:]) == [3, 10]
+
+
 def test_plan_rejects_bad_capacity_and_prefix_buckets():
     tree = branching_trees(seed=7)[0]
     for bad in (0, -3, 2.5, True):
