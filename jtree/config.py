@@ -113,8 +113,11 @@ class RunConfig:
     (`jtree.rfree`; single device only), `prefix_backward` choosing how a part with children gets
     its backward (`residuals`, `recompute` or `auto`) and `row_steps_per_octave` how finely part
     rows are fitted to their tokens (`jtree.rfree.layout.row_length`: more steps, less padding,
-    more shapes to compile). `kill_after_checkpoint`: fault injection for resume tests, the
-    process SIGKILLs itself once the checkpoint of that step is committed.
+    more shapes to compile). `host_malloc`: `keep` makes glibc keep freed
+    host memory so CPU steps stop page-faulting their temporaries every step
+    (`jtree.host_allocator`; the process keeps its peak host memory), `default` leaves malloc
+    alone, `auto` keeps it on the CPU backend only. `kill_after_checkpoint`: fault injection for
+    resume tests, the process SIGKILLs itself once the checkpoint of that step is committed.
     """
 
     steps: int = 20
@@ -124,6 +127,7 @@ class RunConfig:
     capacity: int | None = None
     prefix_backward: Literal["residuals", "recompute", "auto"] = "auto"
     row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE
+    host_malloc: Literal["auto", "keep", "default"] = "auto"
     log_every: int = 1
     compare_baseline: bool = True
     timing_repeats: int = 5

@@ -41,3 +41,15 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in (
         (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER_TRIM)))
+
+
+def configure_host_malloc(setting: str, backend: str) -> bool:
+    """The `run.host_malloc` policy: `keep` applies `keep_freed_memory`, `default` leaves malloc
+    as it is, `auto` keeps freed memory when the computations run on the CPU `backend` (where the
+    step's temporaries are host memory; accelerator runtimes cache their own). Returns whether
+    freed memory is kept. Call it before the first computation."""
+    if setting not in ("auto", "keep", "default"):
+        raise ValueError(f"run.host_malloc: {setting!r} is not one of auto, keep, default")
+    if setting == "keep" or (setting == "auto" and backend == "cpu"):
+        return keep_freed_memory()
+    return False

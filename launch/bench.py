@@ -69,7 +69,7 @@ from jtree.baseline import flatten_paths
 from jtree.chat import ByteTokenizer, conversation_tree
 from jtree.cost import FlopModel, Work, batch_work, choose_mode, ideal_speedup
 from jtree.data import training_units
-from jtree.host_allocator import keep_freed_memory
+from jtree.host_allocator import configure_host_malloc
 from jtree.loss import batch_normalizer
 from jtree.models import Qwen3, Qwen3Config
 from jtree.packing import MicroBatches, build_microbatches, least_padding_plan
@@ -409,7 +409,7 @@ def add_host_malloc_flag(parser: argparse.ArgumentParser) -> None:
 
 def apply_host_malloc(args: argparse.Namespace) -> bool:
     """Apply `--host-malloc` (before the first computation); whether freed memory is kept."""
-    return args.host_malloc == "keep" and keep_freed_memory()
+    return configure_host_malloc(args.host_malloc, jax.default_backend())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

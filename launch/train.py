@@ -38,6 +38,7 @@ from jtree.data import (
     make_pipeline, rows_for_run, step_indices,
 )
 from jtree.distributed import initialize_from_env
+from jtree.host_allocator import configure_host_malloc
 from jtree.linearize import linearize, unlinearize
 from jtree.metrics import MetricsLog
 from jtree.models import create_model
@@ -218,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.resume and cfg.checkpoint.dir is None:
         raise ValueError("--resume: checkpoint.dir is not set")
     d, mcfg = cfg.data, cfg.model.config
+    if configure_host_malloc(cfg.run.host_malloc, jax.default_backend()):
+        say("host malloc: keeps freed memory (run.host_malloc; CPU steps reuse their temporaries)")
 
     trees, report = load_trees(d.path, d.format, vocab_size=mcfg.vocab_size,
                                on_bad_record=d.on_bad_record, tokenizer=d.tokenizer)

@@ -56,3 +56,15 @@ def test_kept_memory_stops_per_step_page_faults():
     # Once the heap holds a step's temporaries (a few runs: worker threads' allocations interleave
     # differently at first), a run reuses them instead of faulting them in again.
     assert min(keep["faults"][2:]) < pages // 20, (keep, default)
+
+
+def test_host_malloc_policy_leaves_malloc_alone_off_cpu_and_rejects_unknown_settings():
+    """`run.host_malloc`: `auto` keeps freed memory only on the CPU backend (an accelerator's
+    runtime caches its own buffers), `default` never; anything else is a config error. (The
+    branches that apply mallopt run in fresh processes above and in `launch.train`.)"""
+    from jtree.host_allocator import configure_host_malloc
+    assert configure_host_malloc("auto", "tpu") is False
+    assert configure_host_malloc("auto", "gpu") is False
+    assert configure_host_malloc("default", "cpu") is False
+    with pytest.raises(ValueError, match="run.host_malloc"):
+        configure_host_malloc("always", "cpu")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jtree.linearize import linearize
-from jtree.logprobs import logprobs_from_hidden, scored_logprobs
+from jtree.logprobs import _chunked, logprobs_from_hidden, scored_logprobs
 from jtree.tree import TrajectoryTree
 from tests.models_util import logprob_fn, tiny_model
 
@@ -127,3 +127,17 @@ def test_score_index_lists_exactly_the_tokens_with_a_loss_coefficient():
         linearize([tree], 8, score_len=2)
     wide = linearize([tree], 8, score_len=12)
     assert wide.score_index.shape == (1, 12) and (wide.score_index >= 0).sum() == 4
+
+
+@pytest.mark.parametrize("n,chunk", [(1408, 1024), (832, 1024), (2049, 1024), (7, 4), (100, 7),
+                                     (5, 64), (1, 1), (4097, 1024)])
+def test_chunks_are_balanced_and_bounded(n, chunk):
+    """The fewest chunks of at most `chunk` rows, all of one size, at most 8 padded rows each
+    (1408 rows in chunks of 1024 used to compute 2048), rows kept in order."""
+    x = jnp.arange(n, dtype=jnp.float32)[:, None] + 1
+    out = _chunked(x, chunk)
+    n_chunks, size = out.shape[:2]
+    assert size <= chunk and n_chunks == -(-n // min(chunk, n))
+    assert n_chunks * size - n <= 8 * n_chunks
+    np.testing.assert_array_equal(out.reshape(-1, 1)[:n], x)
+    assert not np.asarray(out.reshape(-1)[n:]).any()
