@@ -20,6 +20,7 @@ import yaml
 from jtree.chunk_tables import DEFAULT_CHUNK_SIZE
 from jtree.models.config import Qwen3Config
 from jtree.models.registry import ARCHITECTURES
+from jtree.rfree.layout import ROW_STEPS_PER_OCTAVE
 from jtree.sharding import MeshConfig
 from jtree.train import Objective, OptimConfig
 
@@ -110,7 +111,9 @@ class RunConfig:
     its reason are logged per step), or `redundancy_free`: trees larger than `capacity` tokens
     (default `data.seq_len`) split into parts that reuse their ancestors' cached prefixes
     (`jtree.rfree`; single device only), `prefix_backward` choosing how a part with children gets
-    its backward (`residuals`, `recompute` or `auto`). `host_malloc`: `keep` makes glibc keep freed
+    its backward (`residuals`, `recompute` or `auto`) and `row_steps_per_octave` how finely part
+    rows are fitted to their tokens (`jtree.rfree.layout.row_length`: more steps, less padding,
+    more shapes to compile). `host_malloc`: `keep` makes glibc keep freed
     host memory so CPU steps stop page-faulting their temporaries every step
     (`jtree.host_allocator`; the process keeps its peak host memory), `default` leaves malloc
     alone, `auto` keeps it on the CPU backend only. `kill_after_checkpoint`: fault injection for
@@ -123,6 +126,7 @@ class RunConfig:
     auto_min_gain: float = 1.05
     capacity: int | None = None
     prefix_backward: Literal["residuals", "recompute", "auto"] = "auto"
+    row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE
     host_malloc: Literal["auto", "keep", "default"] = "auto"
     log_every: int = 1
     compare_baseline: bool = True

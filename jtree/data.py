@@ -40,7 +40,7 @@ from jtree.loss import Normalization, batch_normalizer
 from jtree.packing import plan_rows as plan_packed_rows
 from jtree.partition import Method as PartitionMethod
 from jtree.partition import partition
-from jtree.rfree.layout import build_program
+from jtree.rfree.layout import ROW_STEPS_PER_OCTAVE, build_program
 from jtree.tree import TrajectoryTree
 from jtree.tree_jsonl import (
     check_group_line, group_key, iter_lines, parse_line, tree_from_group, tree_from_record,
@@ -320,6 +320,7 @@ class RfreePlan:
     capacity: int
     trees_per_step: int
     gdn_chunk_size: int | None = None
+    row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE
 
 
 class RfreeStepBuilder:
@@ -335,7 +336,8 @@ class RfreeStepBuilder:
         plan = self.plan
         program = build_program(trees, plan.capacity, seq_len=plan.seq_len,
                                 normalization=plan.normalization,
-                                gdn_chunk_size=plan.gdn_chunk_size)
+                                gdn_chunk_size=plan.gdn_chunk_size,
+                                row_steps_per_octave=plan.row_steps_per_octave)
         info = dict(step_info(trees, trees), n_computed_tokens=np.int64(program.n_computed))
         return {"program": program, "info": info}
 

@@ -55,7 +55,7 @@ from jtree.models import Qwen3, Qwen3Config
 from jtree.packing import build_microbatches
 from jtree.partition import partition
 from jtree.rfree.execute import RedundancyFreeStep
-from jtree.rfree.layout import build_program
+from jtree.rfree.layout import ROW_STEPS_PER_OCTAVE, build_program
 from jtree.synthetic import AgentShape, agent_rollout_group
 from jtree.train import Objective, make_grad_fn
 from jtree.tree import TrajectoryTree
@@ -110,7 +110,7 @@ class PeakProbe:
 
 
 def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: int,
-               flops: FlopModel) -> dict:
+               flops: FlopModel, row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE) -> dict:
     norm = batch_normalizer([tree], OBJECTIVE.normalization)
     grad_fn = jax.jit(make_grad_fn(graphdef, OBJECTIVE))
     base = build_microbatches(flatten_paths([tree]), capacity, rows_per_microbatch=1,
@@ -119,7 +119,7 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
     dup = build_microbatches(dup_parts, capacity, rows_per_microbatch=1,
                              normalization=OBJECTIVE.normalization, normalizer=norm).inputs()
     program = build_program([tree], capacity, normalization=OBJECTIVE.normalization,
-                            normalizer=norm)
+                            normalizer=norm, row_steps_per_octave=row_steps_per_octave)
     steps = {name: RedundancyFreeStep(graphdef, OBJECTIVE, prefix_backward=mode)
              for name, mode in RFREE_MODES.items()}
     runs = {
@@ -210,6 +210,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--mlp-ratio", type=int, default=4, help="intermediate size / hidden size")
     ap.add_argument("--attention", default="xla")
+    ap.add_argument("--row-steps-per-octave", type=int, default=ROW_STEPS_PER_OCTAVE,
+                    help="how finely rfree part rows fit their tokens (jtree.rfree.layout)")
     ap.add_argument("--out", default="bench_out/rfree")
     add_host_malloc_flag(ap)
     args = ap.parse_args()
@@ -229,7 +231,8 @@ def main() -> None:
           "| speedup / token bound r/rc/auto")
     for i, ratio in enumerate(float(r) for r in args.ratios.split(",")):
         tree = pick_tree(ratio, args.capacity, seed=i)
-        c = bench_tree(tree, args.capacity, graphdef, params, args.repeats, flops)
+        c = bench_tree(tree, args.capacity, graphdef, params, args.repeats, flops,
+                       args.row_steps_per_octave)
         cases.append(c)
         mib = {k: v / 2**20 for k, v in c["peak_bytes"].items()}
         held = {k: v / 2**20 for k, v in c["held_bytes"].items()}
@@ -245,9 +248,9 @@ def main() -> None:
         losses = list(c["loss"].values())
         if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
             raise AssertionError(f"losses disagree: {c['loss']}")
-    report = {"capacity": args.capacity, "model": dict(hidden=args.hidden, layers=args.layers,
-                                                       mlp_ratio=args.mlp_ratio,
-                                                       attention=args.attention),
+    report = {"capacity": args.capacity, "row_steps_per_octave": args.row_steps_per_octave,
+              "model": dict(hidden=args.hidden, layers=args.layers, mlp_ratio=args.mlp_ratio,
+                            attention=args.attention),
               "host_malloc_keeps_freed_memory": kept,
               "backend": jax.default_backend(), "cases": cases}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

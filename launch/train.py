@@ -43,6 +43,7 @@ from jtree.linearize import linearize, unlinearize
 from jtree.metrics import MetricsLog
 from jtree.models import create_model
 from jtree.rfree.execute import RedundancyFreeStep
+from jtree.rfree.layout import check_steps_per_octave
 from jtree.sharding import (
     DATA, MODEL, architecture_rules, batch_spec, make_mesh, named, param_path, param_specs,
 )
@@ -177,6 +178,7 @@ def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any)
                          f"{mesh.devices.size} (mesh.data={mesh.shape[DATA]} x mesh.model="
                          f"{mesh.shape[MODEL]}); set mesh.data=1 mesh.model=1 or another run.mode")
     rfree_capacity(cfg)
+    check_steps_per_octave(cfg.run.row_steps_per_octave, "run.row_steps_per_octave")
     grads_of = RedundancyFreeStep(graphdef, cfg.objective,
                                   prefix_backward=cfg.run.prefix_backward)
     update = jax.jit(apply_gradients(optimizer), donate_argnums=0)
@@ -246,7 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.run.mode == "redundancy_free":
         builder = RfreeStepBuilder(trees, RfreePlan(cfg.objective.normalization, d.seq_len,
                                                     rfree_capacity(cfg), d.trees_per_step,
-                                                    gdn_chunk_size(cfg)))
+                                                    gdn_chunk_size(cfg),
+                                                    cfg.run.row_steps_per_octave))
         layout = (f"parts of <= {rfree_capacity(cfg)} tokens in rows fitted to them (at most "
                   f"{d.seq_len}), one device call per part")
     else:

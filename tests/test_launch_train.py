@@ -75,7 +75,8 @@ def test_redundancy_free_mode_trains(tmp_path, capsys, modes):
     common = ["--config", "configs/tiny.yaml",
               *tiny_overrides(data, **{"run.steps": steps, "data.trees_per_step": 2,
                                        "data.micro_batches": 1, "model.attention_impl": "xla",
-                                       "run.capacity": 40, "run.prefix_backward": "residuals"})]
+                                       "run.capacity": 40, "run.prefix_backward": "residuals",
+                                       "run.row_steps_per_octave": 4})]
     losses = {}
     for mode in modes:
         assert main(common + [f"run.mode={mode}"]) == 0
@@ -89,7 +90,7 @@ def test_redundancy_free_mode_trains(tmp_path, capsys, modes):
         assert losses["redundancy_free"] == pytest.approx(losses["tree"], abs=2e-4)
 
 
-def test_redundancy_free_mode_refuses_a_multi_device_mesh_and_bad_capacity():
+def test_redundancy_free_mode_refuses_a_multi_device_mesh_and_bad_settings():
     from jax.sharding import Mesh
     from launch.train import make_rfree_step
     from jtree.config import load_config
@@ -101,4 +102,8 @@ def test_redundancy_free_mode_refuses_a_multi_device_mesh_and_bad_capacity():
     cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free", "run.capacity=4096"])
     one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     with pytest.raises(ValueError, match="run.capacity=4096"):
+        make_rfree_step(cfg, one, None, None)
+    cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free",
+                                            "run.row_steps_per_octave=3"])
+    with pytest.raises(ValueError, match="run.row_steps_per_octave"):
         make_rfree_step(cfg, one, None, None)

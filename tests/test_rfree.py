@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from jtree.linearize import linearize
 from jtree.models import Qwen3Next, Qwen3NextConfig
 from jtree.rfree.execute import RedundancyFreeStep
-from jtree.rfree.layout import build_program, prefix_bucket, row_length
+from jtree.rfree.layout import build_program, octave_step_length, prefix_bucket, row_length
 from jtree.rfree.plan import plan_parts
 from jtree.rfree.schedule import LiveBuffers, child_order, part_slots
 from jtree.train import Objective, make_grad_fn, stack_microbatches
@@ -67,6 +67,24 @@ def test_plan_computes_every_token_once_and_parts_hang_below_one_token(trees):
         check_plan(trees[0], capacity)
 
 
+def test_plan_keeps_the_root_segment_whole_when_no_more_parts_result():
+    """Capacity 10: the subtree of node 2 closes a full part (its children's 8 tokens + 2 of its
+    3) and leaves 1 token open, with that part below it; at the root (4 tokens, open children of
+    3, 1 and 3) walking up the root segment would close 10 tokens and leave a 1-token top part,
+    both parts with children. Kept whole, the root part holds its segment, the 1-token remainder
+    and one 3-token child; the other 3 tokens are a leaf part: 3 parts (ceil(21 / 10)), only the
+    top one with children."""
+    tree = TrajectoryTree.from_nodes(
+        parents=[-1, 0, 0, 0, 2, 2],
+        segments=[[1] * 4, [2] * 3, [3] * 3, [4] * 3, [5] * 4, [6] * 4])
+    check_plan(tree, 10)
+    parts = plan_parts(tree, 10)
+    assert len(parts) == 3
+    assert [len(p.own) for p in parts if p.children] == [8]
+    assert parts[0].attach == -1 and len(parts[0].own) == 8
+    assert sorted(len(p.own) for p in parts[1:]) == [3, 10]
+
+
 def test_plan_rejects_bad_capacity_and_prefix_buckets():
     tree = branching_trees(seed=7)[0]
     for bad in (0, -3, 2.5, True):
@@ -79,6 +97,8 @@ def test_plan_rejects_bad_capacity_and_prefix_buckets():
     with pytest.raises(ValueError, match="row_lengths"):
         build_program([tree], 4, seq_len=ROW, row_lengths=[8, 32])
     assert [prefix_bucket(n) for n in (0, 1, 8, 9, 33, 100)] == [0, 8, 8, 12, 48, 128]
+    assert [octave_step_length(n, 8) for n in (1, 9, 33, 100, 200, 257)] == [8, 16, 40, 104, 208,
+                                                                            288]
 
 
 def longest_shared_prefix(trees) -> int:
@@ -122,7 +142,9 @@ def test_part_rows_fit_their_content():
     """A part row is the smallest allowed length holding its tokens (and the small trees packed
     after them); `row_lengths=[seq_len]` gives every part row the full length."""
     trees = branching_trees(seed=7)
-    assert [row_length(n, 64) for n in (1, 8, 9, 33, 100)] == [8, 8, 12, 48, 64]
+    assert [row_length(n, 64, steps_per_octave=2) for n in (1, 8, 9, 33, 100)] == [8, 8, 16, 48, 64]
+    assert [row_length(n, 256) for n in (1, 9, 100, 129, 199, 239, 300)] == [8, 16, 104, 144, 208,
+                                                                            240, 256]
     assert [row_length(n, 64, [16, 32]) for n in (1, 20, 40)] == [16, 32, 64]
     for capacity in (16, 5, 2):
         fitted = build_program(trees, capacity, seq_len=64)
@@ -133,6 +155,31 @@ def test_part_rows_fit_their_content():
         fixed = build_program(trees, capacity, seq_len=64, row_lengths=[64])
         assert {p.inputs["tokens"].shape[1] for p in fixed.parts} == {64}
         assert fitted.n_computed == fixed.n_computed
+        finer = build_program(trees, capacity, seq_len=64, row_steps_per_octave=16)
+        for p in finer.parts:
+            content = sum(len(m.tokens) for m in p.members)
+            assert p.inputs["tokens"].shape[1] == row_length(content, 64, steps_per_octave=16)
+    for bad in (0, 3, 2.0, True):
+        with pytest.raises(ValueError, match="row_steps_per_octave"):
+            build_program(trees, 5, seq_len=64, row_steps_per_octave=bad)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("min_step", [2, 8])
+def test_octave_step_lengths_bound_padding_and_count(steps, min_step):
+    """Lengths on the grid of `steps` per octave (steps of at least `min_step` tokens): the
+    smallest grid length holding n, padding below max(n / steps, min_step), at most `steps`
+    lengths per octave."""
+    n = np.arange(1, 4097)
+    lengths = np.array([octave_step_length(int(k), steps, min_step) for k in n])
+    assert np.all(lengths >= n) and np.all(np.diff(lengths) >= 0)
+    assert np.all(lengths[n <= 8] == 8) and np.all(lengths % min_step == 0)
+    big = n > 8
+    assert np.all(lengths[big] - n[big] < np.maximum(min_step, n[big] / steps))
+    grid = np.unique(lengths)
+    assert np.all(lengths[grid - 1] == grid)  # a grid length holds itself: smallest fit
+    assert len(grid) <= steps * 9 + 1  # 8, then the octaves (8, 16], ..., (2048, 4096]
+    assert {256, 512, 4096} <= set(grid)  # powers of two are on every grid
 
 
 def check_schedule(program, live: LiveBuffers, mode: str) -> None:

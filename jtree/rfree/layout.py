@@ -44,6 +44,8 @@ from jtree.packing import MicroBatches, build_microbatches
 from jtree.rfree.plan import RfreePart, plan_parts
 from jtree.tree import TrajectoryTree
 
+ROW_STEPS_PER_OCTAVE = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class Member:
@@ -107,7 +109,8 @@ class RfreeProgram:
 
 def prefix_bucket(n: int, buckets: Sequence[int] | None = None) -> int:
     """Prefix length P >= n: the smallest of `buckets`, or by default from quarter steps between
-    powers of two (at least 8), so parts compile for a bounded number of shapes."""
+    powers of two (two steps per octave, at least 8; `octave_step_length`), so parts compile for a
+    bounded number of shapes."""
     if n == 0:
         return 0
     if buckets:
@@ -115,18 +118,36 @@ def prefix_bucket(n: int, buckets: Sequence[int] | None = None) -> int:
         if not fitting:
             raise ValueError(f"prefix_buckets: none holds a prefix of {n} tokens")
         return min(fitting)
-    step = max(2, (1 << (max(n, 8) - 1).bit_length()) // 4)
+    return octave_step_length(n, 2, min_step=2)
+
+
+def octave_step_length(n: int, steps_per_octave: int, min_step: int = 8) -> int:
+    """The smallest length >= n (at least 8) on a grid of `steps_per_octave` equal steps between
+    consecutive powers of two (2: 96, 128, 192, 256, ...; 8: 144, 160, ..., 256, 288, ...), with
+    steps of at least `min_step` tokens: the padding stays under max(n / steps_per_octave,
+    min_step), and the number of distinct lengths up to L is at most steps_per_octave * log2(L)."""
+    check_steps_per_octave(steps_per_octave, "steps_per_octave")
+    step = max(min_step, (1 << (max(n, 8) - 1).bit_length()) // (2 * steps_per_octave))
     return max(8, -(-n // step) * step)
 
 
-def row_length(n: int, seq_len: int, buckets: Sequence[int] | None = None) -> int:
+def check_steps_per_octave(value: int, name: str) -> None:
+    """ValueError naming `name` unless `value` is a power of two >= 1 (so that the grid's steps
+    divide the powers of two it runs between)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1 \
+            or value & (value - 1):
+        raise ValueError(f"{name}: must be a power of two >= 1, got {value!r}")
+
+
+def row_length(n: int, seq_len: int, buckets: Sequence[int] | None = None,
+               steps_per_octave: int = ROW_STEPS_PER_OCTAVE) -> int:
     """Row length S >= n of a part row holding n tokens: the smallest of `buckets` (or of
-    `prefix_bucket`'s default steps) that holds them, never more than `seq_len`."""
+    `octave_step_length`'s grid) that holds them, never more than `seq_len`."""
     if buckets:
         if max(buckets) > seq_len:
             raise ValueError(f"row_lengths: {max(buckets)} exceeds seq_len={seq_len}")
         return min([b for b in buckets if b >= n] + [seq_len])
-    return min(prefix_bucket(n), seq_len)
+    return min(octave_step_length(n, steps_per_octave), seq_len)
 
 
 def build_program(
@@ -136,6 +157,7 @@ def build_program(
     seq_len: int | None = None,
     prefix_buckets: Sequence[int] | None = None,
     row_lengths: Sequence[int] | None = None,
+    row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE,
     normalization: Normalization = "seq_mean_token_mean",
     normalizer: float | None = None,
     rows_per_microbatch: int = 1,
@@ -147,8 +169,9 @@ def build_program(
     in rows of at most `seq_len` (default `capacity`) tokens.
 
     `prefix_buckets` lists the allowed prefix lengths (default: `prefix_bucket`'s steps),
-    `row_lengths` the allowed lengths of part rows (default: `row_length`'s steps; `[seq_len]`
-    gives every part row the same length, fewer shapes to compile for more padding);
+    `row_lengths` the allowed lengths of part rows (default: `row_steps_per_octave` steps between
+    powers of two, `octave_step_length`; `[seq_len]` gives every part row the same length, fewer
+    shapes to compile for more padding);
     `normalizer` defaults to the batch normalizer of `trees`; `gdn_chunk_size` adds the Gated
     DeltaNet chunk tables (hybrid models), `gdn_chunks` fixes their chunk count per row and
     `gdn_exports` the number of exported states per row (default: a power of two per part; fixed
@@ -157,6 +180,7 @@ def build_program(
     """
     if not trees:
         raise ValueError("trees: need at least one tree")
+    check_steps_per_octave(row_steps_per_octave, "row_steps_per_octave")
     seq_len = capacity if seq_len is None else seq_len
     if seq_len < capacity:
         raise ValueError(f"seq_len={seq_len}: rows must hold a part of capacity={capacity}")
@@ -179,7 +203,8 @@ def build_program(
     rows = []
     for k, (_, part) in enumerate(planned):
         content = len(part.own) + sum(trees[i].n_tree_tokens for i in tails[k])
-        row_shape = dataclasses.replace(shape, seq_len=row_length(content, seq_len, row_lengths))
+        row_shape = dataclasses.replace(shape, seq_len=row_length(content, seq_len, row_lengths,
+                                                                    row_steps_per_octave))
         rows.append(_part_row(planned, k, tails[k], trees, fields, row_shape, root_len))
     parts = tuple(_link(rows, planned))
     whole = None

@@ -17,6 +17,13 @@ parts hanging below the node's last token, keeping the least filled one open; wa
 node's segment, whatever still exceeds the capacity is closed into full parts made of the open
 remainder plus the segment's lowest tokens. What is open at the roots is packed into parts without
 a prefix. Nodes on no path are never trained and are left out.
+
+At the root of a one-root tree nothing is open above, so the walk's only merit is using the root's
+tokens to fill a part: there, if it closes no fewer parts, the root's whole segment stays in the
+top part instead with the children's remainders that fit beside it (those with parts below them
+first), and the others are packed into parts below its last token. The walk would otherwise
+leave, e.g., a 1-token top part above a full part that has children: two parts with children
+(two device calls each, `jtree.rfree.execute`) where one suffices.
 """
 
 from __future__ import annotations
@@ -66,10 +73,12 @@ class RfreePart:
 
 @dataclasses.dataclass
 class _Open:
-    """An open remainder: its token count and token ranges [a, b)."""
+    """An open remainder: its token count, token ranges [a, b), and whether closed parts hang
+    below its tokens (a part made of it has children)."""
 
     size: int
     pieces: list[tuple[int, int]]
+    below: bool = False
 
 
 def plan_parts(tree: TrajectoryTree, capacity: int) -> list[RfreePart]:
@@ -97,17 +106,25 @@ def plan_parts(tree: TrajectoryTree, capacity: int) -> list[RfreePart]:
         start, end = int(off[u]), int(off[u + 1])
         if sum(it.size for it in items) + end - start <= capacity:
             open_[u] = _Open(sum(it.size for it in items) + end - start,
-                             [(start, end)] + [p for it in items for p in it.pieces])
+                             [(start, end)] + [p for it in items for p in it.pieces],
+                             any(it.below for it in items))
             continue
         bins = sorted(_first_fit_decreasing(items, capacity), key=lambda b: b.size)
         keep = bins[0] if bins else _Open(0, [])
+        cuts = _segment_cuts(keep.size, start, end, capacity)
+        if len(roots) == 1 and tree.parents[u] < 0 and end - start <= capacity:
+            kept, rest = _beside_segment(items, end - start, capacity)
+            if len(rest) <= len(bins) - 1 + len(cuts):
+                closed.extend((b.pieces, end - 1) for b in rest)
+                open_[u] = _Open(sum(it.size for it in kept) + end - start,
+                                 [(start, end)] + [p for it in kept for p in it.pieces], True)
+                continue
         closed.extend((b.pieces, end - 1) for b in bins[1:])
-        hi, size, pieces = end, keep.size, keep.pieces
-        while size + hi - start > capacity:
-            lo = hi - (capacity - size)  # > start: the loop condition leaves segment tokens above
+        hi, pieces = end, keep.pieces
+        for lo in cuts:
             closed.append((pieces + ([(lo, hi)] if lo < hi else []), lo - 1))
-            hi, size, pieces = lo, 0, []
-        open_[u] = _Open(size + hi - start, [(start, hi)] + pieces)
+            hi, pieces = lo, []
+        open_[u] = _Open(hi - start + (0 if cuts else keep.size), [(start, hi)] + pieces, True)
     for b in _first_fit_decreasing([open_[r] for r in roots], capacity):
         closed.append((b.pieces, -1))
     return _part_tree(tree, closed)
@@ -121,6 +138,34 @@ def _relevant_nodes(tree: TrajectoryTree) -> np.ndarray:
         if relevant[u] and tree.parents[u] >= 0:
             relevant[tree.parents[u]] = True
     return relevant
+
+
+def _segment_cuts(size: int, start: int, end: int, capacity: int) -> list[int]:
+    """Where the walk up a node's segment [start, end) cuts it, with an open remainder of `size`
+    tokens below: the token lo of each closed part [lo, previous cut) (the first one holding the
+    remainder, closed below token lo - 1), bottom up, while what stays above exceeds capacity."""
+    cuts, hi = [], end
+    while size + hi - start > capacity:
+        hi -= capacity - size  # > start: the loop condition leaves segment tokens above
+        cuts.append(hi)
+        size = 0
+    return cuts
+
+
+def _beside_segment(items: list[_Open], seg: int, capacity: int
+                    ) -> tuple[list[_Open], list[_Open]]:
+    """Children's remainders kept open beside a root node's whole segment of `seg` tokens, and
+    the rest packed into parts (first fit decreasing) to close below its last token. Remainders
+    with parts below them are kept first (closed, they would make parts with children, which take
+    two device calls instead of one), then the largest that fit."""
+    kept, rest, room = [], [], capacity - seg
+    for it in sorted(items, key=lambda it: (not it.below, -it.size)):
+        if it.size <= room:
+            kept.append(it)
+            room -= it.size
+        else:
+            rest.append(it)
+    return kept, _first_fit_decreasing(rest, capacity)
 
 
 def _first_fit_decreasing(items: list[_Open], capacity: int) -> list[_Open]:
