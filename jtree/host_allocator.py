@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
+import os
+import pkgutil
 import platform
+from importlib.metadata import entry_points
 
 # mallopt parameter numbers from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
@@ -43,13 +47,33 @@ def keep_freed_memory() -> bool:
         (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER_TRIM)))
 
 
-def configure_host_malloc(setting: str, backend: str) -> bool:
+def platform_before_start() -> str:
+    """The platform jax will run on, found without starting a backend (`jax.default_backend()`
+    would start the CPU client's threads, after which `keep_freed_memory` comes too late): the
+    first of `JAX_PLATFORMS` when set, else "accelerator" when a PJRT plugin (the `jax_plugins`
+    namespace or entry points) or libtpu is installed, else "cpu"."""
+    import jax  # the config, not a backend
+
+    chosen = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+    if chosen:
+        return chosen.split(",")[0].strip()
+    spec = importlib.util.find_spec("jax_plugins")
+    plugins = spec is not None and any(pkgutil.iter_modules(spec.submodule_search_locations))
+    if plugins or any(entry_points(group="jax_plugins")) or importlib.util.find_spec("libtpu"):
+        return "accelerator"
+    return "cpu"
+
+
+def configure_host_malloc(setting: str, backend: str | None = None) -> bool:
     """The `run.host_malloc` policy: `keep` applies `keep_freed_memory`, `default` leaves malloc
     as it is, `auto` keeps freed memory when the computations run on the CPU `backend` (where the
-    step's temporaries are host memory; accelerator runtimes cache their own). Returns whether
-    freed memory is kept. Call it before the first computation."""
+    step's temporaries are host memory; accelerator runtimes cache their own; None: decided by
+    `platform_before_start`). Returns whether freed memory is kept. Call it before the first
+    computation, and before anything starts a jax backend."""
     if setting not in ("auto", "keep", "default"):
         raise ValueError(f"run.host_malloc: {setting!r} is not one of auto, keep, default")
+    if setting == "auto" and backend is None:
+        backend = platform_before_start()
     if setting == "keep" or (setting == "auto" and backend == "cpu"):
         return keep_freed_memory()
     return False

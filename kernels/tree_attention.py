@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import attention_tpu, attention_xla
+from kernels import attention_cpu, attention_tpu, attention_xla
 from kernels.attention_mgpu import attention_mgpu, handles as mgpu_handles
 from kernels.attention_reference import attention_reference
 
@@ -46,6 +46,9 @@ def _any_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
 _IMPLS: dict[str, _Impl] = {
     "reference": _Impl(attention_reference, None, _any_lengths),
     "xla": _Impl(attention_xla.tree_attention_xla, attention_xla.padded_length,
+                 attention_xla.padded_lengths),
+    # The `xla` kernel's blocks and schedule, run by a multi-threaded C++ custom call (CPU only).
+    "cpu": _Impl(attention_cpu.tree_attention_cpu, attention_xla.padded_length,
                  attention_xla.padded_lengths),
     "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length,
                         attention_tpu.padded_lengths),

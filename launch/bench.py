@@ -83,12 +83,13 @@ SHAPES = {
     # Projections and MLP dominate: hidden 256, MLP 1024, 4 layers, paths of ~512 tokens.
     "proj": Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=1024,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=64, attention_impl="xla"),
+                        head_dim=64, attention_impl="cpu"),
     # Attention dominates: hidden 64, one 64-wide head, rows of 16k, paths of ~2.7k tokens.
     "attn": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
                         num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
-                        head_dim=64, attention_impl="xla"),
+                        head_dim=64, attention_impl="cpu"),
 }
+ATTENTION_IMPLS = ("cpu", "xla")  # --attention: the two block-sparse CPU kernels
 ROW_ALIGN = 64  # row lengths are multiples of the attention block (what the kernel pads to)
 AUTO_MIN_GAIN = 1.05
 
@@ -407,9 +408,22 @@ def add_host_malloc_flag(parser: argparse.ArgumentParser) -> None:
                              "not page-fault their temporaries again every run; default: as is")
 
 
+def add_attention_flag(parser: argparse.ArgumentParser) -> None:
+    """`--attention cpu|xla`, shared by the bench scripts (`shape_config`)."""
+    parser.add_argument("--attention", choices=ATTENTION_IMPLS, default="cpu",
+                        help="cpu: the multi-threaded C++ kernel (kernels.attention_cpu); xla: "
+                             "the plain-XLA block loop, one core (kernels.attention_xla)")
+
+
+def shape_config(shape: str, attention: str) -> Qwen3Config:
+    """The model config of a bench shape with the chosen attention kernel (both modes use it)."""
+    return dataclasses.replace(SHAPES[shape], attention_impl=attention)
+
+
 def apply_host_malloc(args: argparse.Namespace) -> bool:
-    """Apply `--host-malloc` (before the first computation); whether freed memory is kept."""
-    return configure_host_malloc(args.host_malloc, jax.default_backend())
+    """Apply `--host-malloc` (before anything starts a jax backend); whether freed memory is
+    kept."""
+    return configure_host_malloc(args.host_malloc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -424,11 +438,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(never below --min-reps) when earlier ones ran long")
     parser.add_argument("--out", default="bench_out")
     add_host_malloc_flag(parser)
+    add_attention_flag(parser)
     args = parser.parse_args(argv)
     kept = apply_host_malloc(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    info = f"{machine()}, host malloc {'keeps freed memory' if kept else 'default'}"
+    info = (f"{machine()}, host malloc {'keeps freed memory' if kept else 'default'}, "
+            f"attention kernel {args.attention}")
     print(f"machine: {info}", flush=True)
     steps: dict[str, tuple[Callable, TrainState]] = {}
     rows = []
@@ -436,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [w for w in workloads() if args.only in w.name]
     for i, w in enumerate(chosen):
         if w.shape not in steps:
-            steps[w.shape] = make_step(SHAPES[w.shape])
+            steps[w.shape] = make_step(shape_config(w.shape, args.attention))
         step, state = steps[w.shape]
         t0 = time.perf_counter()
         left = args.total_budget - (time.perf_counter() - t_all)

@@ -2,7 +2,7 @@
 
 `launch.bench` reports efficiency = realized / ideal speedup, with the ideal from FLOPs. When it
 falls short, this splits each mode's step time: the attention kernel's forward + backward alone
-(the same `xla` kernel on the same `end` layouts, one micro-batch at a time as the step scans them,
+(the same kernel, `--attention cpu|xla`, on the same `end` layouts, one micro-batch at a time as the step scans them,
 times the model's layer count) and the rest (projections, MLP, norms, loss, optimizer), and the step's fixed cost: the same
 step on one 64-token row (optimizer update, gradient buffers; what does not shrink with the
 tokens). Comparing each part's baseline/tree time ratio with its FLOP ratio shows which part runs below its FLOP rate
@@ -33,23 +33,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.cost import FlopModel, Work, batch_work
+from jtree.models import Qwen3Config
 from kernels import tree_attention
 from launch.bench import (
-    SHAPES, add_host_malloc_flag, apply_host_malloc, fixed_cost_inputs, make_step, prepare,
-    workloads,
+    add_attention_flag, add_host_malloc_flag, apply_host_malloc, fixed_cost_inputs, make_step,
+    prepare, shape_config, workloads,
 )
 
 
-def attention_grad_fn(end: np.ndarray, heads: int, kv_heads: int, head_dim: int) -> Callable:
-    """A compiled fwd+bwd of the `xla` tree attention over micro-batches `end` [M, 1, S] (scanned
-    like the train step scans them), and its inputs."""
+def attention_grad_fn(end: np.ndarray, cfg: Qwen3Config) -> Callable:
+    """A compiled fwd+bwd of the model's tree attention kernel over micro-batches `end`
+    [M, 1, S] (scanned like the train step scans them), and its inputs."""
     m, _, s = end.shape
-    q = jax.random.normal(jax.random.key(0), (m, 1, s, heads, head_dim))
-    k = jax.random.normal(jax.random.key(1), (m, 1, s, kv_heads, head_dim))
+    q = jax.random.normal(jax.random.key(0), (m, 1, s, cfg.num_attention_heads, cfg.head_dim))
+    k = jax.random.normal(jax.random.key(1), (m, 1, s, cfg.num_key_value_heads, cfg.head_dim))
 
     def loss(q, k, v, end):
         def body(total, x):
-            return total + jnp.sum(tree_attention(*x, impl="xla") ** 2), None
+            return total + jnp.sum(tree_attention(*x, impl=cfg.attention_impl) ** 2), None
         return jax.lax.scan(body, 0.0, (q, k, v, end))[0]
 
     args = (q, k, k, jnp.asarray(end))
@@ -82,12 +83,12 @@ def op_profile(run: Callable[[], Any], repeats: int) -> dict[str, tuple[float, f
     return {k: (v, counts[k]) for k, v in seconds.most_common()}
 
 
-def split(name: str, repeats: int, ops: bool = False) -> dict[str, Any]:
+def split(name: str, repeats: int, ops: bool = False, attention: str = "cpu") -> dict[str, Any]:
     """Median seconds of the attention part and the whole step, per mode, alternating."""
     workload = next((w for w in workloads() if w.name == name), None)
     if workload is None:
         raise ValueError(f"workload: no bench workload named {name!r}")
-    cfg = SHAPES[workload.shape]
+    cfg = shape_config(workload.shape, attention)
     trees = workload.make_trees()
     step, state = make_step(cfg)
     runs, work, held = {}, {}, {"state": state}
@@ -102,8 +103,7 @@ def split(name: str, repeats: int, ops: bool = False) -> dict[str, Any]:
         p = prepare(trees, mode, workload.seq_len)
         end = np.stack([b.end for b in p.micro.batches])
         work[mode] = sum((batch_work(b) for b in p.micro.batches), Work(0, 0, 0))
-        runs[f"{mode} attention"] = attention_grad_fn(end, cfg.num_attention_heads,
-                                                      cfg.num_key_value_heads, cfg.head_dim)
+        runs[f"{mode} attention"] = attention_grad_fn(end, cfg)
         compiled = step.lower(state, p.inputs).compile()
         runs[f"{mode} step"] = step_run(compiled, p.inputs)
     tiny = fixed_cost_inputs(cfg)
@@ -159,10 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ops", action="store_true", help="also XLA op time by kind (profiler)")
     add_host_malloc_flag(parser)
+    add_attention_flag(parser)
     args = parser.parse_args(argv)
     apply_host_malloc(args)  # before the first computation, as in launch.bench
     for name in args.workloads:
-        print(report(name, split(name, args.repeats, args.ops)), flush=True)
+        print(report(name, split(name, args.repeats, args.ops, args.attention)), flush=True)
     return 0
 
 

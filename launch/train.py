@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.resume and cfg.checkpoint.dir is None:
         raise ValueError("--resume: checkpoint.dir is not set")
     d, mcfg = cfg.data, cfg.model.config
-    if configure_host_malloc(cfg.run.host_malloc, jax.default_backend()):
+    if configure_host_malloc(cfg.run.host_malloc):  # before anything starts a jax backend
         say("host malloc: keeps freed memory (run.host_malloc; CPU steps reuse their temporaries)")
 
     trees, report = load_trees(d.path, d.format, vocab_size=mcfg.vocab_size,

@@ -68,3 +68,32 @@ def test_host_malloc_policy_leaves_malloc_alone_off_cpu_and_rejects_unknown_sett
     assert configure_host_malloc("default", "cpu") is False
     with pytest.raises(ValueError, match="run.host_malloc"):
         configure_host_malloc("always", "cpu")
+
+
+_STARTS_NO_BACKEND = """
+import json, sys
+from jax._src import xla_bridge
+from jtree.host_allocator import configure_host_malloc, platform_before_start
+from launch.bench import apply_host_malloc
+import argparse
+platform = platform_before_start()
+kept = configure_host_malloc("auto")
+bench_kept = apply_host_malloc(argparse.Namespace(host_malloc="keep"))
+print(json.dumps({"platform": platform, "kept": kept, "bench_kept": bench_kept,
+                  "started": xla_bridge.backends_are_initialized()}))
+"""
+
+
+def test_policy_decides_without_starting_a_backend():
+    """`auto` must not start jax's CPU client to learn the platform: its worker threads would
+    get their own malloc arenas first, and keeping freed memory would come too late (the step
+    page-faulted 100k+ times per run while `configure_host_malloc` called
+    `jax.default_backend()`)."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _STARTS_NO_BACKEND], cwd=root,
+                         capture_output=True, text=True, check=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"))
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["platform"] == "cpu" and got["started"] is False, got
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert got["kept"] is glibc and got["bench_kept"] is glibc, got

@@ -1,0 +1,339 @@
+// Block-sparse tree attention for the CPU backend, as XLA FFI custom calls: forward and backward.
+//
+// Why it exists: XLA:CPU runs a `while` loop on one thread, so the `xla` kernel's block loop keeps
+// one core busy while the other waits (measured: ~62 GFLOP/s per block pair, process CPU time =
+// wall time). Here the (q-block, kv-head) work items are spread over threads, and each block's
+// matmuls are small register-tiled GEMMs over GCC vector types.
+//
+// Layouts (the `xla` kernel's block layout, see kernels/attention_xla.py):
+//   q, out, d_out, dq : [NQ, H, M, D]   M = g * bq rows; row m is query head h*g + m / bq at
+//                                       position m % bq of the q-block
+//   k, v, dk, dv      : [NK, H, bk, D]  global kv-block ids (row r's blocks are r*nk .. r*nk+nk-1)
+//   lse, delta        : [NQ, H, M]
+//   end               : [NK, bk]        subtree end of every key (row coordinates)
+//   q_pos             : [NQ, bq]        key position of every query
+//   kv_index, kv_kind : [NQ, L]         the kv-blocks each q-block visits, and FULL (2) / PARTIAL
+//   count             : [NQ]            how many of them
+// Query i sees key j iff j <= q_pos[i] < end[j]; FULL blocks skip the element test.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kMasked = -1e30f;  // finite, as in the xla kernel: exp(m_old - m_new) stays defined
+constexpr int32_t kFull = 2;
+
+typedef float vf __attribute__((vector_size(64), aligned(4)));  // 16 lanes, unaligned loads
+
+inline vf load(const float* p) { vf x; std::memcpy(&x, p, sizeof(vf)); return x; }
+inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(vf)); }
+
+// C[R][16*NV] += A[R][k] B[k][16*NV] (row-major, leading dimensions lda / ldb / ldc).
+template <int NV, int R>
+inline void gemm_tile(const float* A, long lda, const float* B, long ldb, float* C, long ldc,
+                      int k) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = load(C + r * ldc + 16 * v);
+  for (int kk = 0; kk < k; ++kk) {
+    vf b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = load(B + kk * ldb + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const float a = A[r * lda + kk];
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) store(C + r * ldc + 16 * v, acc[r][v]);
+}
+
+template <int NV>
+void gemm_vec(const float* A, long lda, const float* B, long ldb, float* C, long ldc, int m,
+              int k) {
+  constexpr int R = NV <= 4 ? 4 : 2;  // R * NV accumulators + NV operands fit in 32 registers
+  int i = 0;
+  for (; i + R <= m; i += R) gemm_tile<NV, R>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, k);
+  for (; i < m; ++i) gemm_tile<NV, 1>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, k);
+}
+
+// C[m][n] += A[m][k] B[k][n].
+void gemm(const float* A, long lda, const float* B, long ldb, float* C, long ldc, int m, int n,
+          int k) {
+  if (n % 16 == 0 && n <= 128) {
+    switch (n / 16) {
+      case 1: return gemm_vec<1>(A, lda, B, ldb, C, ldc, m, k);
+      case 2: return gemm_vec<2>(A, lda, B, ldb, C, ldc, m, k);
+      case 3: return gemm_vec<3>(A, lda, B, ldb, C, ldc, m, k);
+      case 4: return gemm_vec<4>(A, lda, B, ldb, C, ldc, m, k);
+      case 5: return gemm_vec<5>(A, lda, B, ldb, C, ldc, m, k);
+      case 6: return gemm_vec<6>(A, lda, B, ldb, C, ldc, m, k);
+      case 7: return gemm_vec<7>(A, lda, B, ldb, C, ldc, m, k);
+      case 8: return gemm_vec<8>(A, lda, B, ldb, C, ldc, m, k);
+    }
+  }
+  for (int i = 0; i < m; ++i)
+    for (int kk = 0; kk < k; ++kk) {
+      const float a = A[i * lda + kk];
+      for (int j = 0; j < n; ++j) C[i * ldc + j] += a * B[kk * ldb + j];
+    }
+}
+
+// dst[c][r] = src[r][c] for a rows x cols matrix.
+void transpose(const float* src, int rows, int cols, float* dst) {
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+}
+
+struct Shape {
+  int64_t nq, h, m, d, nk, bk, bq, max_kv, nk_row;
+};
+
+// Runs fn(item, thread) over items 0..n-1 (heaviest first by `cost`) on up to `threads` threads.
+template <typename Fn>
+void parallel_items(int64_t n, const std::vector<int64_t>& cost, int threads, Fn fn) {
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  auto work = [&](int t) {
+    for (int64_t i = next++; i < n; i = next++) fn(order[i], t);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  work(0);
+  for (auto& th : pool) th.join();
+}
+
+// The visible-score mask of one (q-block, kv-block) pair applied to scores S[M][bk] in place:
+// masked entries become kMasked.
+void apply_mask(float* S, const Shape& s, const int32_t* qpos, const int32_t* end_k, int64_t kid) {
+  const int64_t kbase = (kid % s.nk_row) * s.bk;
+  for (int64_t i = 0; i < s.m; ++i) {
+    const int32_t qp = qpos[i % s.bq];
+    float* row = S + i * s.bk;
+    for (int64_t j = 0; j < s.bk; ++j) {
+      const bool visible = kbase + j <= qp && qp < end_k[j];
+      row[j] = visible ? row[j] : kMasked;
+    }
+  }
+}
+
+int thread_count(int64_t requested, int64_t items) {
+  int64_t t = requested > 0 ? requested : std::max(1u, std::thread::hardware_concurrency());
+  return static_cast<int>(std::max<int64_t>(1, std::min(t, items)));
+}
+
+Shape shape_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+               ffi::Buffer<ffi::S32>& q_pos, ffi::Buffer<ffi::S32>& kv_index, int64_t nk_row) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  return Shape{qd[0], qd[1], qd[2], qd[3], kd[0], kd[2], q_pos.dimensions()[1],
+               kv_index.dimensions()[1], nk_row};
+}
+
+ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                   ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::S32> q_pos,
+                   ffi::Buffer<ffi::S32> kv_index, ffi::Buffer<ffi::S32> kv_kind,
+                   ffi::Buffer<ffi::S32> count, float scale, int64_t nk_row, int64_t threads,
+                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  const Shape s = shape_of(q, k, q_pos, kv_index, nk_row);
+  const float* Q = q.typed_data();
+  const float* K = k.typed_data();
+  const float* V = v.typed_data();
+  const int32_t* E = end.typed_data();
+  const int32_t* QP = q_pos.typed_data();
+  const int32_t* KI = kv_index.typed_data();
+  const int32_t* KK = kv_kind.typed_data();
+  const int32_t* C = count.typed_data();
+  float* O = out->typed_data();
+  float* L = lse->typed_data();
+  const int64_t items = s.nq * s.h;
+  std::vector<int64_t> cost(items);
+  for (int64_t i = 0; i < items; ++i) cost[i] = C[i / s.h];
+  const int nt = thread_count(threads, items);
+  std::vector<std::vector<float>> scratch(nt);
+  parallel_items(items, cost, nt, [&](int64_t item, int t) {
+    const int64_t qb = item / s.h, h = item % s.h;
+    auto& buf = scratch[t];
+    buf.assign(s.d * s.bk + s.m * s.bk + s.m * s.d + 2 * s.m, 0.f);
+    float* kt = buf.data();
+    float* sc = kt + s.d * s.bk;
+    float* acc = sc + s.m * s.bk;
+    float* mx = acc + s.m * s.d;
+    float* sum = mx + s.m;
+    std::fill(mx, mx + s.m, kMasked);
+    const float* qblk = Q + (qb * s.h + h) * s.m * s.d;
+    for (int32_t n = 0; n < C[qb]; ++n) {
+      const int64_t kid = KI[qb * s.max_kv + n];
+      const float* kblk = K + (kid * s.h + h) * s.bk * s.d;
+      const float* vblk = V + (kid * s.h + h) * s.bk * s.d;
+      transpose(kblk, s.bk, s.d, kt);
+      std::fill(sc, sc + s.m * s.bk, 0.f);
+      gemm(qblk, s.d, kt, s.bk, sc, s.bk, s.m, s.bk, s.d);
+      for (int64_t i = 0; i < s.m * s.bk; ++i) sc[i] *= scale;
+      if (KK[qb * s.max_kv + n] != kFull) apply_mask(sc, s, QP + qb * s.bq, E + kid * s.bk, kid);
+      for (int64_t i = 0; i < s.m; ++i) {
+        float* row = sc + i * s.bk;
+        float m_new = mx[i];
+        for (int64_t j = 0; j < s.bk; ++j) m_new = std::max(m_new, row[j]);
+        float total = 0.f;
+        for (int64_t j = 0; j < s.bk; ++j) {
+          const float p = row[j] > 0.5f * kMasked ? std::exp(row[j] - m_new) : 0.f;
+          row[j] = p;
+          total += p;
+        }
+        const float alpha = std::exp(mx[i] - m_new);
+        if (alpha != 1.f)
+          for (int64_t c = 0; c < s.d; ++c) acc[i * s.d + c] *= alpha;
+        sum[i] = alpha * sum[i] + total;
+        mx[i] = m_new;
+      }
+      gemm(sc, s.bk, vblk, s.d, acc, s.d, s.m, s.d, s.bk);
+    }
+    float* oblk = O + (qb * s.h + h) * s.m * s.d;
+    float* lblk = L + (qb * s.h + h) * s.m;
+    for (int64_t i = 0; i < s.m; ++i) {
+      const float l = sum[i] > 0.f ? sum[i] : 1.f;
+      for (int64_t c = 0; c < s.d; ++c) oblk[i * s.d + c] = acc[i * s.d + c] / l;
+      lblk[i] = mx[i] + std::log(l);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                    ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::S32> q_pos,
+                    ffi::Buffer<ffi::S32> kv_index, ffi::Buffer<ffi::S32> kv_kind,
+                    ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> d_out,
+                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta, float scale,
+                    int64_t nk_row, int64_t threads, ffi::ResultBuffer<ffi::F32> dq,
+                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
+  const Shape s = shape_of(q, k, q_pos, kv_index, nk_row);
+  const float* Q = q.typed_data();
+  const float* K = k.typed_data();
+  const float* V = v.typed_data();
+  const int32_t* E = end.typed_data();
+  const int32_t* QP = q_pos.typed_data();
+  const int32_t* KI = kv_index.typed_data();
+  const int32_t* KK = kv_kind.typed_data();
+  const int32_t* C = count.typed_data();
+  const float* DO = d_out.typed_data();
+  const float* LS = lse.typed_data();
+  const float* DL = delta.typed_data();
+  const int64_t items = s.nq * s.h;
+  std::vector<int64_t> cost(items);
+  for (int64_t i = 0; i < items; ++i) cost[i] = C[i / s.h];
+  const int nt = thread_count(threads, items);
+  const int64_t kv_size = s.nk * s.h * s.bk * s.d;
+  // dk / dv: thread 0 writes the outputs, the others their own accumulators, summed at the end.
+  std::vector<std::vector<float>> dk_part(nt - 1), dv_part(nt - 1);
+  float* DK = dk->typed_data();
+  float* DV = dv->typed_data();
+  std::fill(DK, DK + kv_size, 0.f);
+  std::fill(DV, DV + kv_size, 0.f);
+  std::vector<std::vector<float>> scratch(nt);
+  parallel_items(items, cost, nt, [&](int64_t item, int t) {
+    const int64_t qb = item / s.h, h = item % s.h;
+    if (t > 0 && dk_part[t - 1].empty()) {
+      dk_part[t - 1].assign(kv_size, 0.f);
+      dv_part[t - 1].assign(kv_size, 0.f);
+    }
+    float* dk_acc = t == 0 ? DK : dk_part[t - 1].data();
+    float* dv_acc = t == 0 ? DV : dv_part[t - 1].data();
+    auto& buf = scratch[t];
+    buf.assign(2 * s.d * s.bk + 4 * s.m * s.bk + s.m * s.d, 0.f);
+    float* kt = buf.data();
+    float* vt = kt + s.d * s.bk;
+    float* p = vt + s.d * s.bk;
+    float* ds = p + s.m * s.bk;
+    float* pt = ds + s.m * s.bk;
+    float* dst = pt + s.m * s.bk;
+    float* dq_acc = dst + s.m * s.bk;
+    const int64_t off = (qb * s.h + h);
+    const float* qblk = Q + off * s.m * s.d;
+    const float* doblk = DO + off * s.m * s.d;
+    const float* lblk = LS + off * s.m;
+    const float* dlblk = DL + off * s.m;
+    for (int32_t n = 0; n < C[qb]; ++n) {
+      const int64_t kid = KI[qb * s.max_kv + n];
+      const int64_t koff = (kid * s.h + h) * s.bk * s.d;
+      transpose(K + koff, s.bk, s.d, kt);
+      transpose(V + koff, s.bk, s.d, vt);
+      std::fill(p, p + 2 * s.m * s.bk, 0.f);  // p and ds (ds holds dP first)
+      gemm(qblk, s.d, kt, s.bk, p, s.bk, s.m, s.bk, s.d);
+      for (int64_t i = 0; i < s.m * s.bk; ++i) p[i] *= scale;
+      if (KK[qb * s.max_kv + n] != kFull) apply_mask(p, s, QP + qb * s.bq, E + kid * s.bk, kid);
+      gemm(doblk, s.d, vt, s.bk, ds, s.bk, s.m, s.bk, s.d);
+      for (int64_t i = 0; i < s.m; ++i) {
+        float* prow = p + i * s.bk;
+        float* drow = ds + i * s.bk;
+        for (int64_t j = 0; j < s.bk; ++j) {
+          const float pr = prow[j] > 0.5f * kMasked ? std::exp(prow[j] - lblk[i]) : 0.f;
+          prow[j] = pr;
+          drow[j] = pr * (drow[j] - dlblk[i]) * scale;
+        }
+      }
+      gemm(ds, s.bk, K + koff, s.d, dq_acc, s.d, s.m, s.d, s.bk);
+      transpose(ds, s.m, s.bk, dst);
+      transpose(p, s.m, s.bk, pt);
+      gemm(dst, s.m, qblk, s.d, dk_acc + koff, s.d, s.bk, s.d, s.m);
+      gemm(pt, s.m, doblk, s.d, dv_acc + koff, s.d, s.bk, s.d, s.m);
+    }
+    std::memcpy(dq->typed_data() + off * s.m * s.d, dq_acc, sizeof(float) * s.m * s.d);
+  });
+  for (auto& part : dk_part)
+    if (!part.empty())
+      for (int64_t i = 0; i < kv_size; ++i) DK[i] += part[i];
+  for (auto& part : dv_part)
+    if (!part.empty())
+      for (int64_t i = 0; i < kv_size; ++i) DV[i] += part[i];
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtreeTreeAttentionForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // end
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_index
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_kind
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // count
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("nk_row")
+                                  .Attr<int64_t>("threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtreeTreeAttentionBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // end
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_index
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_kind
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // count
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // d_out
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // delta
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("nk_row")
+                                  .Attr<int64_t>("threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dq
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dk
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // dv
