@@ -1,4 +1,4 @@
-"""Benchmark of the block-sparse `xla` tree attention on CPU (not a test).
+"""Benchmark of the block-sparse tree attention kernels on CPU, `xla` and `cpu` (not a test).
 
 For agent-rollout trees of POR 0.3 / 0.6 / 0.9 packed into one row of S tokens (S up to 16k), it
 measures, side by side in one process (alternating runs, medians):
@@ -156,6 +156,7 @@ def bench_case(por: float, s: int, heads: Heads, repeats: int, reference_max_s: 
     q, k, v, cot = _inputs(s, heads)
     timing = time_side_by_side(
         {"xla": (_step("xla", ()), (q, k, v, jnp.asarray(end), cot)),
+         "cpu": (_step("cpu", ()), (q, k, v, jnp.asarray(end), cot)),
          "causal_same_blocks": (_step("xla", ()),
                                 (q, k, v, jnp.asarray(causal_end(s, causal_len)), cot))},
         repeats)
@@ -197,6 +198,7 @@ def block_sweep(s: int, heads: Heads, repeats: int) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     head = (f"{'POR':>5} {'S':>6} {'trees':>5} {'nonempty':>8} {'comp/ne':>7} {'xla ms':>9} "
+            f"{'cpu ms':>9} {'xla/cpu':>7} "
             f"{'ref ms':>9} {'ref/xla':>7} {'causal ms':>9} {'xla/causal':>10} "
             f"{'xla MiB':>8} {'ref MiB':>8}")
     print(head)
@@ -205,7 +207,8 @@ def print_table(rows: list[dict]) -> None:
         ref = f"{ref_ms:9.1f} {ref_ms / r['xla_ms']:7.1f}" if ref_ms else f"{'-':>9} {'-':>7}"
         ref_mem = f"{r['reference_temp_mb']:8.1f}" if ref_ms else f"{'-':>8}"
         print(f"{r['por']:5.2f} {r['S']:6d} {r['trees']:5d} {r['nonempty_fraction']:8.3f} "
-              f"{r['computed_over_nonempty']:7.2f} {r['xla_ms']:9.1f} {ref} "
+              f"{r['computed_over_nonempty']:7.2f} {r['xla_ms']:9.1f} {r['cpu_ms']:9.1f} "
+              f"{r['xla_ms'] / r['cpu_ms']:7.2f} {ref} "
               f"{r['causal_same_blocks_ms']:9.1f} {r['xla_ms'] / r['causal_same_blocks_ms']:10.2f} "
               f"{r['xla_temp_mb']:8.1f} {ref_mem}")
 
@@ -221,6 +224,8 @@ def plot(rows: list[dict], sweep: list[dict], path: Path) -> None:
         rs = sorted((r for r in rows if r["por_target"] == por), key=lambda r: r["S"])
         s = [r["S"] for r in rs]
         line, = axes[0].plot(s, [r["xla_ms"] for r in rs], "o-", label=f"xla, POR {por}")
+        axes[0].plot(s, [r["cpu_ms"] for r in rs], "^-.", color=line.get_color(),
+                     label=f"cpu, POR {por}")
         axes[0].plot(s, [r["causal_same_blocks_ms"] for r in rs], "x:", color=line.get_color(),
                      label=f"causal, same blocks, POR {por}")
         ref = [(r["S"], r["reference_ms"]) for r in rs if "reference_ms" in r]

@@ -52,9 +52,12 @@ S, ROWS, GDN_CHUNK = 64, 8, 4
 
 
 def tiny(kind: str) -> tuple[str, Any]:
-    """(architecture, config) of the tiny `dense`, `moe` or `next` model."""
-    if kind == "dense":
-        return "qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    """(architecture, config) of the tiny `dense`, `moe` or `next` model; `dense_cpu` is `dense`
+    with the C++ `cpu` attention kernel (an XLA custom call inside shard_map)."""
+    if kind in ("dense", "dense_cpu"):
+        impl = {"dense": "reference", "dense_cpu": "cpu"}[kind]
+        return "qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                    attention_impl=impl)
     if kind == "moe":
         return "qwen3_moe", tiny_moe_config()
     return "qwen3_next", tiny_next_config()

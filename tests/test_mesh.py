@@ -3,7 +3,8 @@
 The meshes run in a subprocess (`tests/mesh_worker.py`) because the device count is fixed when jax
 creates its CPU backend. A case is `model:mode:objective:DxM`, model `dense` (Qwen3), `moe`
 (Qwen3-MoE: expert parallel, router loss pooled over the data shards) or `next` (Qwen3-Next: Gated
-DeltaNet heads split, gated attention, shared expert). Float32, DESIGN.md tolerances: loss,
+DeltaNet heads split, gated attention, shared expert); `dense_cpu` is Qwen3 with the C++ `cpu`
+attention kernel. Float32, DESIGN.md tolerances: loss,
 gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
 2 kv heads on a 4-way model axis exercise replicated KV heads; every case exercises the
 vocab-parallel embedding and loss.
@@ -45,7 +46,8 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
     # across meshes. Next's full matrix runs in the slow test below.
     cases = [f"{model}:{mode}:sft:{mesh}" for model in ("dense", "moe")
              for mode in ("tree", "baseline") for mesh in MESHES]
-    cases += ["moe:tree:ppo:2x4", "dense:baseline:ppo:4x2", "next:tree:sft:2x4"]
+    cases += ["moe:tree:ppo:2x4", "dense:baseline:ppo:4x2", "next:tree:sft:2x4",
+              "dense_cpu:tree:sft:4x2"]
     step_results = run_cases(cases + [f"restore:{tmp_path}/ckpt"])
     for result in step_results[:-1]:
         check(result)
