@@ -38,10 +38,18 @@ typedef float vf __attribute__((vector_size(64), aligned(4)));  // 16 lanes, una
 inline vf load(const float* p) { vf x; std::memcpy(&x, p, sizeof(vf)); return x; }
 inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(vf)); }
 
-// C[R][16*NV] += A[R][k] B[k][16*NV] (row-major, leading dimensions lda / ldb / ldc).
+// A matrix read element by element: A(r, c) = data[r * row_stride + c * col_stride], so a
+// transposed operand (dS^T, P^T in the backward) needs no copy.
+struct StridedA {
+  const float* data;
+  long row_stride, col_stride;
+  float at(long r, long c) const { return data[r * row_stride + c * col_stride]; }
+  StridedA rows_from(long r) const { return {data + r * row_stride, row_stride, col_stride}; }
+};
+
+// C[R][16*NV] += A[R][k] B[k][16*NV] (B and C row-major with leading dimensions ldb / ldc).
 template <int NV, int R>
-inline void gemm_tile(const float* A, long lda, const float* B, long ldb, float* C, long ldc,
-                      int k) {
+inline void gemm_tile(StridedA A, const float* B, long ldb, float* C, long ldc, int k) {
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = load(C + r * ldc + 16 * v);
@@ -49,7 +57,7 @@ inline void gemm_tile(const float* A, long lda, const float* B, long ldb, float*
     vf b[NV];
     for (int v = 0; v < NV; ++v) b[v] = load(B + kk * ldb + 16 * v);
     for (int r = 0; r < R; ++r) {
-      const float a = A[r * lda + kk];
+      const float a = A.at(r, kk);
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
@@ -58,35 +66,47 @@ inline void gemm_tile(const float* A, long lda, const float* B, long ldb, float*
 }
 
 template <int NV>
-void gemm_vec(const float* A, long lda, const float* B, long ldb, float* C, long ldc, int m,
-              int k) {
+void gemm_vec(StridedA A, const float* B, long ldb, float* C, long ldc, int m, int k) {
   constexpr int R = NV <= 4 ? 4 : 2;  // R * NV accumulators + NV operands fit in 32 registers
   int i = 0;
-  for (; i + R <= m; i += R) gemm_tile<NV, R>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, k);
-  for (; i < m; ++i) gemm_tile<NV, 1>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, k);
+  for (; i + R <= m; i += R) gemm_tile<NV, R>(A.rows_from(i), B, ldb, C + i * ldc, ldc, k);
+  for (; i < m; ++i) gemm_tile<NV, 1>(A.rows_from(i), B, ldb, C + i * ldc, ldc, k);
 }
 
 // C[m][n] += A[m][k] B[k][n].
-void gemm(const float* A, long lda, const float* B, long ldb, float* C, long ldc, int m, int n,
-          int k) {
+void gemm(StridedA A, const float* B, long ldb, float* C, long ldc, int m, int n, int k) {
   if (n % 16 == 0 && n <= 128) {
     switch (n / 16) {
-      case 1: return gemm_vec<1>(A, lda, B, ldb, C, ldc, m, k);
-      case 2: return gemm_vec<2>(A, lda, B, ldb, C, ldc, m, k);
-      case 3: return gemm_vec<3>(A, lda, B, ldb, C, ldc, m, k);
-      case 4: return gemm_vec<4>(A, lda, B, ldb, C, ldc, m, k);
-      case 5: return gemm_vec<5>(A, lda, B, ldb, C, ldc, m, k);
-      case 6: return gemm_vec<6>(A, lda, B, ldb, C, ldc, m, k);
-      case 7: return gemm_vec<7>(A, lda, B, ldb, C, ldc, m, k);
-      case 8: return gemm_vec<8>(A, lda, B, ldb, C, ldc, m, k);
+      case 1: return gemm_vec<1>(A, B, ldb, C, ldc, m, k);
+      case 2: return gemm_vec<2>(A, B, ldb, C, ldc, m, k);
+      case 3: return gemm_vec<3>(A, B, ldb, C, ldc, m, k);
+      case 4: return gemm_vec<4>(A, B, ldb, C, ldc, m, k);
+      case 5: return gemm_vec<5>(A, B, ldb, C, ldc, m, k);
+      case 6: return gemm_vec<6>(A, B, ldb, C, ldc, m, k);
+      case 7: return gemm_vec<7>(A, B, ldb, C, ldc, m, k);
+      case 8: return gemm_vec<8>(A, B, ldb, C, ldc, m, k);
     }
   }
   for (int i = 0; i < m; ++i)
     for (int kk = 0; kk < k; ++kk) {
-      const float a = A[i * lda + kk];
+      const float a = A.at(i, kk);
       for (int j = 0; j < n; ++j) C[i * ldc + j] += a * B[kk * ldb + j];
     }
 }
+
+// x = exp(x), a loop of nothing else so that GCC calls the vector exp (glibc libmvec); fused into a
+// loop with a compare or a select it fell back to scalar expf, 6-8x slower (measured).
+__attribute__((noinline)) void exp_in_place(float* x, long n) {
+  for (long i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// Exponent floor before exp: far below any kept probability, and above the range where the
+// vector exp takes its slow special-case path (results that underflow).
+constexpr float kExpFloor = -80.f;
+
+// A row-major matrix with `ld` floats per row, as a gemm operand; `transposed` reads it as A^T.
+StridedA rows(const float* data, long ld) { return {data, ld, 1}; }
+StridedA transposed(const float* data, long ld) { return {data, 1, ld}; }
 
 // dst[c][r] = src[r][c] for a rows x cols matrix.
 void transpose(const float* src, int rows, int cols, float* dst) {
@@ -165,40 +185,53 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   parallel_items(items, cost, nt, [&](int64_t item, int t) {
     const int64_t qb = item / s.h, h = item % s.h;
     auto& buf = scratch[t];
-    buf.assign(s.d * s.bk + s.m * s.bk + s.m * s.d + 2 * s.m, 0.f);
-    float* kt = buf.data();
+    buf.assign(s.d * s.bk + 2 * s.m * s.bk + 2 * s.m * s.d + 3 * s.m, 0.f);
+    float* qs = buf.data();  // the q-block times `scale`: scores come out of the matmul scaled
+    float* kt = qs + s.m * s.d;
     float* sc = kt + s.d * s.bk;
-    float* acc = sc + s.m * s.bk;
+    float* visible = sc + s.m * s.bk;
+    float* acc = visible + s.m * s.bk;
     float* mx = acc + s.m * s.d;
     float* sum = mx + s.m;
+    float* alpha = sum + s.m;
     std::fill(mx, mx + s.m, kMasked);
     const float* qblk = Q + (qb * s.h + h) * s.m * s.d;
+    for (int64_t i = 0; i < s.m * s.d; ++i) qs[i] = qblk[i] * scale;
     for (int32_t n = 0; n < C[qb]; ++n) {
       const int64_t kid = KI[qb * s.max_kv + n];
       const float* kblk = K + (kid * s.h + h) * s.bk * s.d;
       const float* vblk = V + (kid * s.h + h) * s.bk * s.d;
       transpose(kblk, s.bk, s.d, kt);
       std::fill(sc, sc + s.m * s.bk, 0.f);
-      gemm(qblk, s.d, kt, s.bk, sc, s.bk, s.m, s.bk, s.d);
-      for (int64_t i = 0; i < s.m * s.bk; ++i) sc[i] *= scale;
-      if (KK[qb * s.max_kv + n] != kFull) apply_mask(sc, s, QP + qb * s.bq, E + kid * s.bk, kid);
+      gemm(rows(qs, s.d), kt, s.bk, sc, s.bk, s.m, s.bk, s.d);
+      const bool full = KK[qb * s.max_kv + n] == kFull;
+      if (!full) apply_mask(sc, s, QP + qb * s.bq, E + kid * s.bk, kid);
+      // Online softmax of the block, in passes the compiler vectorizes: new row maxima, shifted
+      // scores, exp over the whole block, then the mask (scores at kMasked) and row sums.
       for (int64_t i = 0; i < s.m; ++i) {
         float* row = sc + i * s.bk;
         float m_new = mx[i];
         for (int64_t j = 0; j < s.bk; ++j) m_new = std::max(m_new, row[j]);
-        float total = 0.f;
-        for (int64_t j = 0; j < s.bk; ++j) {
-          const float p = row[j] > 0.5f * kMasked ? std::exp(row[j] - m_new) : 0.f;
-          row[j] = p;
-          total += p;
-        }
-        const float alpha = std::exp(mx[i] - m_new);
-        if (alpha != 1.f)
-          for (int64_t c = 0; c < s.d; ++c) acc[i * s.d + c] *= alpha;
-        sum[i] = alpha * sum[i] + total;
+        alpha[i] = mx[i] - m_new;
         mx[i] = m_new;
+        if (!full)
+          for (int64_t j = 0; j < s.bk; ++j) visible[i * s.bk + j] = row[j] > 0.5f * kMasked;
+        for (int64_t j = 0; j < s.bk; ++j) row[j] = std::max(row[j] - m_new, kExpFloor);
       }
-      gemm(sc, s.bk, vblk, s.d, acc, s.d, s.m, s.d, s.bk);
+      exp_in_place(sc, s.m * s.bk);
+      exp_in_place(alpha, s.m);
+      for (int64_t i = 0; i < s.m; ++i) {
+        float* row = sc + i * s.bk;
+        const float* vis = visible + i * s.bk;
+        float total = 0.f;
+        if (!full)
+          for (int64_t j = 0; j < s.bk; ++j) row[j] *= vis[j];
+        for (int64_t j = 0; j < s.bk; ++j) total += row[j];
+        if (alpha[i] != 1.f)
+          for (int64_t c = 0; c < s.d; ++c) acc[i * s.d + c] *= alpha[i];
+        sum[i] = alpha[i] * sum[i] + total;
+      }
+      gemm(rows(sc, s.bk), vblk, s.d, acc, s.d, s.m, s.d, s.bk);
     }
     float* oblk = O + (qb * s.h + h) * s.m * s.d;
     float* lblk = L + (qb * s.h + h) * s.m;
@@ -251,43 +284,48 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
     float* dk_acc = t == 0 ? DK : dk_part[t - 1].data();
     float* dv_acc = t == 0 ? DV : dv_part[t - 1].data();
     auto& buf = scratch[t];
-    buf.assign(2 * s.d * s.bk + 4 * s.m * s.bk + s.m * s.d, 0.f);
-    float* kt = buf.data();
+    buf.assign(2 * s.d * s.bk + 3 * s.m * s.bk + 2 * s.m * s.d, 0.f);
+    float* qs = buf.data();  // the q-block times `scale`, for the scores
+    float* kt = qs + s.m * s.d;
     float* vt = kt + s.d * s.bk;
     float* p = vt + s.d * s.bk;
     float* ds = p + s.m * s.bk;
-    float* pt = ds + s.m * s.bk;
-    float* dst = pt + s.m * s.bk;
-    float* dq_acc = dst + s.m * s.bk;
+    float* visible = ds + s.m * s.bk;
+    float* dq_acc = visible + s.m * s.bk;
     const int64_t off = (qb * s.h + h);
     const float* qblk = Q + off * s.m * s.d;
     const float* doblk = DO + off * s.m * s.d;
     const float* lblk = LS + off * s.m;
     const float* dlblk = DL + off * s.m;
+    for (int64_t i = 0; i < s.m * s.d; ++i) qs[i] = qblk[i] * scale;
     for (int32_t n = 0; n < C[qb]; ++n) {
       const int64_t kid = KI[qb * s.max_kv + n];
       const int64_t koff = (kid * s.h + h) * s.bk * s.d;
       transpose(K + koff, s.bk, s.d, kt);
       transpose(V + koff, s.bk, s.d, vt);
       std::fill(p, p + 2 * s.m * s.bk, 0.f);  // p and ds (ds holds dP first)
-      gemm(qblk, s.d, kt, s.bk, p, s.bk, s.m, s.bk, s.d);
-      for (int64_t i = 0; i < s.m * s.bk; ++i) p[i] *= scale;
-      if (KK[qb * s.max_kv + n] != kFull) apply_mask(p, s, QP + qb * s.bq, E + kid * s.bk, kid);
-      gemm(doblk, s.d, vt, s.bk, ds, s.bk, s.m, s.bk, s.d);
+      gemm(rows(qs, s.d), kt, s.bk, p, s.bk, s.m, s.bk, s.d);
+      const bool full = KK[qb * s.max_kv + n] == kFull;
+      if (!full) apply_mask(p, s, QP + qb * s.bq, E + kid * s.bk, kid);
+      gemm(rows(doblk, s.d), vt, s.bk, ds, s.bk, s.m, s.bk, s.d);
+      for (int64_t i = 0; i < s.m; ++i) {  // p = exp(score - lse) where visible, in passes
+        float* prow = p + i * s.bk;
+        if (!full)
+          for (int64_t j = 0; j < s.bk; ++j) visible[i * s.bk + j] = prow[j] > 0.5f * kMasked;
+        for (int64_t j = 0; j < s.bk; ++j) prow[j] = std::max(prow[j] - lblk[i], kExpFloor);
+      }
+      exp_in_place(p, s.m * s.bk);
       for (int64_t i = 0; i < s.m; ++i) {
         float* prow = p + i * s.bk;
         float* drow = ds + i * s.bk;
-        for (int64_t j = 0; j < s.bk; ++j) {
-          const float pr = prow[j] > 0.5f * kMasked ? std::exp(prow[j] - lblk[i]) : 0.f;
-          prow[j] = pr;
-          drow[j] = pr * (drow[j] - dlblk[i]) * scale;
-        }
+        const float* vis = visible + i * s.bk;
+        if (!full)
+          for (int64_t j = 0; j < s.bk; ++j) prow[j] *= vis[j];
+        for (int64_t j = 0; j < s.bk; ++j) drow[j] = prow[j] * (drow[j] - dlblk[i]) * scale;
       }
-      gemm(ds, s.bk, K + koff, s.d, dq_acc, s.d, s.m, s.d, s.bk);
-      transpose(ds, s.m, s.bk, dst);
-      transpose(p, s.m, s.bk, pt);
-      gemm(dst, s.m, qblk, s.d, dk_acc + koff, s.d, s.bk, s.d, s.m);
-      gemm(pt, s.m, doblk, s.d, dv_acc + koff, s.d, s.bk, s.d, s.m);
+      gemm(rows(ds, s.bk), K + koff, s.d, dq_acc, s.d, s.m, s.d, s.bk);
+      gemm(transposed(ds, s.bk), qblk, s.d, dk_acc + koff, s.d, s.bk, s.d, s.m);
+      gemm(transposed(p, s.bk), doblk, s.d, dv_acc + koff, s.d, s.bk, s.d, s.m);
     }
     std::memcpy(dq->typed_data() + off * s.m * s.d, dq_acc, sizeof(float) * s.m * s.d);
   });
