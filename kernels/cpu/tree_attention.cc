@@ -340,16 +340,25 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
 
 }  // namespace
 
+namespace {
+
+// The operands both passes read: q, k, v, end, q_pos, kv_index, kv_kind, count.
+auto BindBlocks() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtreeTreeAttentionForward, Forward,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // end
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_index
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_kind
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // count
+                              BindBlocks()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("nk_row")
                                   .Attr<int64_t>("threads")
@@ -357,15 +366,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtreeTreeAttentionForward, Forward,
                                   .Ret<ffi::Buffer<ffi::F32>>());  // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtreeTreeAttentionBackward, Backward,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // end
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_index
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_kind
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // count
+                              BindBlocks()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // d_out
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lse
                                   .Arg<ffi::Buffer<ffi::F32>>()  // delta
