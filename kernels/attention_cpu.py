@@ -33,7 +33,7 @@ from kernels.block_tables import block_tables
 from kernels.vma import varying_like
 
 _SOURCE = Path(__file__).with_name("cpu") / "tree_attention.cc"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-pthread")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++20", "-shared", "-fPIC", "-pthread")
 _FORWARD, _BACKWARD = "jtree_tree_attention_fwd", "jtree_tree_attention_bwd"
 
 

@@ -42,8 +42,13 @@ per 560 MiB here, a cost of memory, not FLOPs; device allocators cache). The ben
 calls `jtree.host_allocator.keep_freed_memory` first (`--host-malloc default` to measure without
 it) and records each mode's minor page faults per step.
 
-    PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), 11-24 min here
+    PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), ~9 min idle here
     PYTHONPATH=. python -m launch.bench --only proj     # workloads whose name contains "proj"
+    PYTHONPATH=. python -m launch.bench --attention xla # both modes on the plain-XLA kernel
+
+Attention kernel: `cpu` by default (`kernels.attention_cpu`, the block schedule over all cores);
+XLA:CPU runs the `xla` kernel's block loop on one thread, which cost the tree step, with its larger
+attention share, more than the baseline (README, "How the last 5% was closed").
 
 Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.png.
 """
@@ -171,7 +176,7 @@ def prepare(trees: Sequence[TrajectoryTree], mode: str, seq_len: int) -> Prepare
 
 
 def block_stats(ends: Sequence[np.ndarray], work: Work) -> dict[str, float]:
-    """Attention blocks of the `xla` kernel's default size: non-empty and full block counts, the
+    """Attention blocks of the block-sparse kernels' default size (`xla` and `cpu` share it): non-empty and full block counts, the
     blocks its schedule computes per non-empty block, and the visible pairs per computed pair."""
     nonempty = full = computed = computed_pairs = 0
     for end in ends:

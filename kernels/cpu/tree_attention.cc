@@ -154,11 +154,26 @@ int thread_count(int64_t requested, int64_t items) {
   return static_cast<int>(std::max<int64_t>(1, std::min(t, items)));
 }
 
-Shape shape_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
-               ffi::Buffer<ffi::S32>& q_pos, ffi::Buffer<ffi::S32>& kv_index, int64_t nk_row) {
+// What both passes read: the shape, the operands' data, and the work items' costs (list lengths).
+struct Operands {
+  Shape s;
+  const float *Q, *K, *V;
+  const int32_t *E, *QP, *KI, *KK, *C;
+  std::vector<int64_t> cost;  // per (q-block, kv-head) item
+};
+
+Operands operands_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
+                     ffi::Buffer<ffi::S32>& end, ffi::Buffer<ffi::S32>& q_pos,
+                     ffi::Buffer<ffi::S32>& kv_index, ffi::Buffer<ffi::S32>& kv_kind,
+                     ffi::Buffer<ffi::S32>& count, int64_t nk_row) {
   auto qd = q.dimensions(), kd = k.dimensions();
-  return Shape{qd[0], qd[1], qd[2], qd[3], kd[0], kd[2], q_pos.dimensions()[1],
-               kv_index.dimensions()[1], nk_row};
+  const Shape s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[2], q_pos.dimensions()[1],
+                kv_index.dimensions()[1], nk_row};
+  const int32_t* C = count.typed_data();
+  std::vector<int64_t> cost(s.nq * s.h);
+  for (int64_t i = 0; i < s.nq * s.h; ++i) cost[i] = C[i / s.h];
+  return {s, q.typed_data(), k.typed_data(), v.typed_data(), end.typed_data(),
+          q_pos.typed_data(), kv_index.typed_data(), kv_kind.typed_data(), C, std::move(cost)};
 }
 
 ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
@@ -166,20 +181,11 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
                    ffi::Buffer<ffi::S32> kv_index, ffi::Buffer<ffi::S32> kv_kind,
                    ffi::Buffer<ffi::S32> count, float scale, int64_t nk_row, int64_t threads,
                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
-  const Shape s = shape_of(q, k, q_pos, kv_index, nk_row);
-  const float* Q = q.typed_data();
-  const float* K = k.typed_data();
-  const float* V = v.typed_data();
-  const int32_t* E = end.typed_data();
-  const int32_t* QP = q_pos.typed_data();
-  const int32_t* KI = kv_index.typed_data();
-  const int32_t* KK = kv_kind.typed_data();
-  const int32_t* C = count.typed_data();
+  const auto [s, Q, K, V, E, QP, KI, KK, C, cost] =
+      operands_of(q, k, v, end, q_pos, kv_index, kv_kind, count, nk_row);
   float* O = out->typed_data();
   float* L = lse->typed_data();
   const int64_t items = s.nq * s.h;
-  std::vector<int64_t> cost(items);
-  for (int64_t i = 0; i < items; ++i) cost[i] = C[i / s.h];
   const int nt = thread_count(threads, items);
   std::vector<std::vector<float>> scratch(nt);
   parallel_items(items, cost, nt, [&](int64_t item, int t) {
@@ -251,21 +257,12 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
                     ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta, float scale,
                     int64_t nk_row, int64_t threads, ffi::ResultBuffer<ffi::F32> dq,
                     ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
-  const Shape s = shape_of(q, k, q_pos, kv_index, nk_row);
-  const float* Q = q.typed_data();
-  const float* K = k.typed_data();
-  const float* V = v.typed_data();
-  const int32_t* E = end.typed_data();
-  const int32_t* QP = q_pos.typed_data();
-  const int32_t* KI = kv_index.typed_data();
-  const int32_t* KK = kv_kind.typed_data();
-  const int32_t* C = count.typed_data();
+  const auto [s, Q, K, V, E, QP, KI, KK, C, cost] =
+      operands_of(q, k, v, end, q_pos, kv_index, kv_kind, count, nk_row);
   const float* DO = d_out.typed_data();
   const float* LS = lse.typed_data();
   const float* DL = delta.typed_data();
   const int64_t items = s.nq * s.h;
-  std::vector<int64_t> cost(items);
-  for (int64_t i = 0; i < items; ++i) cost[i] = C[i / s.h];
   const int nt = thread_count(threads, items);
   const int64_t kv_size = s.nk * s.h * s.bk * s.d;
   // dk / dv: thread 0 writes the outputs, the others their own accumulators, summed at the end.
