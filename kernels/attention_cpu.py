@@ -8,8 +8,8 @@ the (q-block, kv-head) items over threads instead. FULL blocks skip the element 
 
 The library is compiled on first use with the system C++ compiler (`CXX`, default `g++`) against
 the FFI headers shipped with jaxlib, for this machine (`-march=native`), and cached under
-`$JTREE_KERNEL_CACHE` (default `~/.cache/jtree/kernels`) by a hash of the source, flags, compiler
-and CPU. Float32 compute (other dtypes are cast in and out); no soft-cap.
+`$JTREE_KERNEL_CACHE` (default `~/.cache/jtree/kernels`) by a hash of the source, flags, compiler,
+jax version and CPU. Float32 compute (other dtypes are cast in and out); no soft-cap.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _compile() -> Path:
         raise RuntimeError(f"attention impl 'cpu': needs a C++ compiler ({cxx!r}: {e}); "
                            "set CXX or use attention impl 'xla'") from None
     key = hashlib.sha256("\0".join((_SOURCE.read_text(), " ".join(_FLAGS), version, include,
-                                    _cpu_model())).encode()).hexdigest()[:16]
+                                    jax.__version__, _cpu_model())).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("JTREE_KERNEL_CACHE",
                                 Path.home() / ".cache" / "jtree" / "kernels"))
     lib = cache / f"tree_attention-{key}.so"

@@ -83,6 +83,21 @@ def rel_l2(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
 
 
+def assert_grads_close(got, want, tol: float = 1e-5, floor: float = 1e-6) -> None:
+    """Every leaf within `tol` relative L2 of `want`'s leaf, or within `floor` of the whole
+    gradient's norm. Float32 rounding of the sums leaves ~2e-7 of the whole norm in every leaf
+    (measured on tiny random forests: 1.5-2.4e-7 for tree vs baseline, and the same for the
+    dense reference vs baseline), which exceeds 1e-5 of a leaf whose gradient nearly cancels (a
+    k-norm weight when each query sees one to three keys)."""
+    leaves = jax.tree_util.tree_leaves(want)
+    total = float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in leaves)))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), leaves):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        err = float(np.linalg.norm(a - b))
+        assert err <= max(tol * float(np.linalg.norm(b)), floor * total), (
+            jax.tree_util.keystr(path), err, float(np.linalg.norm(b)), total)
+
+
 def off_policy_ppo_inputs(params, graphdef, tree: TreeBatch, base: TreeBatch, seed: int):
     """Tree and baseline inputs with the same old/ref log-probs per path token, both off the
     current policy (so the PPO clip really acts), set on the tree and copied to every path."""
@@ -110,5 +125,4 @@ def assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective: O
         # large fraction of a near-zero loss; measure relative to the loss scale sum(|W|+|P|+|N|).
         scale = sum(float(np.abs(tree_in[k]).sum()) for k in ("weight", "adv_pos", "adv_neg"))
         assert abs(float(loss_t) - float(loss_b)) <= 1e-6 * max(abs(float(loss_b)), scale)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_t), jax.tree_util.tree_leaves(g_b)):
-        assert rel_l2(a, b) <= 1e-5, jax.tree_util.keystr(path)
+    assert_grads_close(g_t, g_b)
