@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.attention_xla import (
-    _blocks, _kv_from_blocks, _kv_to_blocks, _q_from_blocks, _q_to_blocks, default_blocks)
+    _blocks, _kv_from_blocks, _kv_to_blocks, _q_from_blocks, _q_to_blocks, default_blocks,
+    flat_kv_lists)
 from kernels.block_tables import block_tables
 from kernels.vma import varying_like
 
@@ -143,14 +144,8 @@ def tree_attention_cpu(
         q_pos = (np.broadcast_to(np.arange(sq, dtype=np.int32), (rows, sq))
                  if isinstance(end, np.ndarray) else
                  jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (rows, sq)))
-    tables = block_tables(end, block_q, block_kv, q_pos=q_pos)
-    xp = np if isinstance(tables.kv_blocks, np.ndarray) else jnp
-    nq, nk = sq // block_q, skv // block_kv
-    base = (xp.arange(rows, dtype=xp.int32) * nk)[:, None, None]
-    sched = _Schedule(*(jnp.asarray(x, jnp.int32) for x in (
-        (tables.kv_blocks + base).reshape(rows * nq, -1),
-        tables.kv_kind.astype(xp.int32).reshape(rows * nq, -1),
-        tables.kv_count.reshape(rows * nq))))
+    lists = flat_kv_lists(block_tables(end, block_q, block_kv, q_pos=q_pos), skv // block_kv)
+    sched = _Schedule(*(jnp.asarray(x, jnp.int32) for x in lists))
     cfg = _Config(float(scale), block_q, block_kv, threads or default_threads())
     out = _attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                      jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32), sched, cfg)

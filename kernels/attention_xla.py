@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.block_tables import block_tables, round_up_to_blocks
+from kernels.block_tables import BlockTables, block_tables, round_up_to_blocks
 from kernels.vma import varying_like
 
 DEFAULT_BLOCK = 64
@@ -145,14 +145,22 @@ def schedule_work(end: np.ndarray, *, block_q: int | None = None, block_kv: int 
     return computed, int(sched.count.sum())
 
 
+def flat_kv_lists(tables: BlockTables, nk: int) -> tuple:
+    """The per-q-block kv-block lists of every row as one list over all rows' q-blocks:
+    ([rows * nq, L] global kv-block ids, row r's blocks being r * nk .. r * nk + nk - 1; their
+    [rows * nq, L] kinds; [rows * nq] counts), numpy for host tables."""
+    xp = np if isinstance(tables.kv_blocks, np.ndarray) else jnp
+    rows, nq, max_kv = tables.kv_blocks.shape
+    row_base = (xp.arange(rows, dtype=xp.int32) * nk)[:, None, None]
+    return ((tables.kv_blocks + row_base).reshape(rows * nq, max_kv),
+            tables.kv_kind.reshape(rows * nq, max_kv), tables.kv_count.reshape(rows * nq))
+
+
 def _schedule(end, cfg: _Config, q_pos=None) -> _Schedule:
     tables = block_tables(end, cfg.block_q, cfg.block_kv, q_pos=q_pos)
     xp = np if isinstance(end, np.ndarray) else jnp
     rows, nq, max_kv = tables.kv_blocks.shape
-    nk = end.shape[1] // cfg.block_kv
-    row_base = (xp.arange(rows, dtype=xp.int32) * nk)[:, None, None]
-    kv_index = (tables.kv_blocks + row_base).reshape(rows * nq, max_kv)
-    count = tables.kv_count.reshape(rows * nq)
+    kv_index, _, count = flat_kv_lists(tables, end.shape[1] // cfg.block_kv)
     order = (np.argsort(-count, kind="stable") if xp is np else
              jnp.argsort(-count, stable=True)).astype(xp.int32)
     n_groups = -(-(rows * nq) // cfg.group)

@@ -191,7 +191,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   parallel_items(items, cost, nt, [&](int64_t item, int t) {
     const int64_t qb = item / s.h, h = item % s.h;
     auto& buf = scratch[t];
-    buf.assign(s.d * s.bk + 2 * s.m * s.bk + 2 * s.m * s.d + 3 * s.m, 0.f);
+    buf.resize(s.d * s.bk + 2 * s.m * s.bk + 2 * s.m * s.d + 3 * s.m);  // once per thread
     float* qs = buf.data();  // the q-block times `scale`: scores come out of the matmul scaled
     float* kt = qs + s.m * s.d;
     float* sc = kt + s.d * s.bk;
@@ -201,6 +201,8 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
     float* sum = mx + s.m;
     float* alpha = sum + s.m;
     std::fill(mx, mx + s.m, kMasked);
+    std::fill(acc, acc + s.m * s.d, 0.f);
+    std::fill(sum, sum + s.m, 0.f);
     const float* qblk = Q + (qb * s.h + h) * s.m * s.d;
     for (int64_t i = 0; i < s.m * s.d; ++i) qs[i] = qblk[i] * scale;
     for (int32_t n = 0; n < C[qb]; ++n) {
@@ -281,7 +283,7 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
     float* dk_acc = t == 0 ? DK : dk_part[t - 1].data();
     float* dv_acc = t == 0 ? DV : dv_part[t - 1].data();
     auto& buf = scratch[t];
-    buf.assign(2 * s.d * s.bk + 3 * s.m * s.bk + 2 * s.m * s.d, 0.f);
+    buf.resize(2 * s.d * s.bk + 3 * s.m * s.bk + 2 * s.m * s.d);  // once per thread
     float* qs = buf.data();  // the q-block times `scale`, for the scores
     float* kt = qs + s.m * s.d;
     float* vt = kt + s.d * s.bk;
@@ -295,6 +297,7 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
     const float* lblk = LS + off * s.m;
     const float* dlblk = DL + off * s.m;
     for (int64_t i = 0; i < s.m * s.d; ++i) qs[i] = qblk[i] * scale;
+    std::fill(dq_acc, dq_acc + s.m * s.d, 0.f);
     for (int32_t n = 0; n < C[qb]; ++n) {
       const int64_t kid = KI[qb * s.max_kv + n];
       const int64_t koff = (kid * s.h + h) * s.bk * s.d;
