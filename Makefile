@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml | $(PY)
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m launch.train --config configs/tiny.yaml
+	$(PY) -m jtree.launch.train --config configs/tiny.yaml
 
 # Two workers, one per core; a test file stays on one worker so its compiled functions are shared.
 test: $(STAMP)
@@ -27,7 +27,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
 
 bench: $(STAMP)
-	$(PY) -m launch.bench
+	$(PY) -m jtree.launch.bench
 
 clean:
 	rm -rf $(VENV) runs bench_out

@@ -1,4 +1,4 @@
-"""Data-parallel balancing: give every rank about the same work (DESIGN.md section 5).
+"""Data-parallel balancing: give every rank about the same work (docs/design.md section 5).
 
 Work model: the cost of a tree (or part) is its tree tokens plus `attention_weight` times its
 attention pairs (each token attends to the tokens of its own path up to itself, so a tree has

@@ -22,7 +22,7 @@ from jtree.models.config import Qwen3Config
 from jtree.models.registry import ARCHITECTURES
 from jtree.rfree.layout import ROW_STEPS_PER_OCTAVE
 from jtree.sharding import MeshConfig
-from jtree.train import Objective, OptimConfig
+from jtree.train_step import Objective, OptimConfig
 
 
 _YAML11_EXPONENT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")

@@ -1,4 +1,4 @@
-"""Work model of a training step: what tree mode saves, in FLOPs (DESIGN.md section 8).
+"""Work model of a training step: what tree mode saves, in FLOPs (docs/design.md section 8).
 
 A step's work has three parts that scale differently:
 - per computed token: the projections and MLP of every layer (q, k, v, o, gate, up, down; the
@@ -146,7 +146,7 @@ def tree_work(trees: Sequence[TrajectoryTree]) -> tuple[Work, Work]:
 
 
 def ideal_speedup(model: FlopModel, tree: Work, base: Work) -> float:
-    """FLOPs_baseline / FLOPs_tree (DESIGN.md section 8)."""
+    """FLOPs_baseline / FLOPs_tree (docs/design.md section 8)."""
     return model.flops(base) / model.flops(tree)
 
 

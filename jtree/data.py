@@ -11,7 +11,7 @@ packs paths. Every host computes the same global step (so all hosts agree on sha
 statistics without talking to each other), balances the step's units over the global data shards
 x micro-batches (`jtree.balance`) and linearizes only the shards its devices hold. Loss
 coefficients stay raw (normalizer 1) and `row_norm` carries each row's share of the normalizer;
-the train step divides by the global sum (`jtree.train.normalize_coefficients`), so no host needs
+the train step divides by the global sum (`jtree.train_step.normalize_coefficients`), so no host needs
 another host's trees. The iterator state is grain's and is saved with every checkpoint.
 
 Models with linear-attention layers also get the gated-delta-rule chunk tables

@@ -1,7 +1,7 @@
 """DFS layout of trees into static-shape batches, and the way back.
 
 `linearize` packs whole trees into rows of S tokens (first-fit decreasing; several trees per row)
-and emits the arrays the jitted step consumes (DESIGN.md section 3). Every array is [rows, S]:
+and emits the arrays the jitted step consumes (docs/design.md section 3). Every array is [rows, S]:
 
 - `tokens`  int32  token ids (0 on padding)
 - `pos`     int32  index of the token in its standalone path (RoPE position)
@@ -16,7 +16,7 @@ and emits the arrays the jitted step consumes (DESIGN.md section 3). Every array
                    in the per-path baseline, used to weight per-token statistics such as the MoE
                    router load-balancing loss so that they equal the baseline's
 
-Chunk tables for the gated delta rule (`jtree.chunk_tables`, `kernels.tree_gated_delta_rule`),
+Chunk tables for the gated delta rule (`jtree.chunk_tables`, `jtree.kernels.tree_gated_delta_rule`),
 only when `gdn_chunk_size` is given (models with linear-attention layers need them):
 `gdn_chunk_tokens` [rows, NC, C], `gdn_chunk_src` [rows, NC], `gdn_token_slot` [rows, S] (int32).
 

@@ -3,7 +3,7 @@
 The per-path objective sum_p sum_t c[p,t] * l_t regroups over unique tree tokens as
 sum_t W_t * l_t with W_t = sum over paths through t of c[p,t]. For the clipped PPO/GRPO surrogate the
 coefficient is split by the sign of the advantage into P_t (A >= 0) and N_t (A < 0), which keeps the
-clipping exact even when paths sharing a token disagree on the advantage (DESIGN.md section 2).
+clipping exact even when paths sharing a token disagree on the advantage (docs/design.md section 2).
 
 All normalizers are computed on the host over the whole training batch so that micro-batches,
 devices and partitions of a tree add up to exactly the full-batch loss.

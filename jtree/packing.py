@@ -4,7 +4,7 @@
 from a small set of buckets, so a step compiles for a bounded number of shapes, and reports the
 padding it costs. `build_microbatches` turns trees (typically the parts of `jtree.partition`) into M
 equally shaped `TreeBatch`es of R rows, all with the normalizer of the whole step, which is what
-`jtree.train.make_grad_fn` scans over: the summed micro-batch gradients equal the full-batch
+`jtree.train_step.make_grad_fn` scans over: the summed micro-batch gradients equal the full-batch
 gradient.
 
 The rows of a micro-batch are whole rows of the global first-fit-decreasing plan, taken in order.

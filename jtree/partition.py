@@ -9,7 +9,7 @@ weight of the paths that part owns. Linearize parts with the normalizer of the w
 (`jtree.batch_normalizer(all_trees, ...)`; the parts of a tree give the same value) and the part
 losses and gradients add up exactly to the full tree's.
 
-Methods (DESIGN.md section 5; seed 000 section 3.3 and Appendix A; seed 001 section 3.2):
+Methods (docs/design.md section 5; seed 000 section 3.3 and Appendix A; seed 001 section 3.2):
 - `heuristic`: greedy bottom-up packing in DFS post-order. At each branching node the parts coming
   up from its children are packed first-fit decreasing into as few parts as fit (deepest, longest
   first; merging two parts at node u saves the tokens root..u, so merging as deep as possible is
@@ -82,7 +82,7 @@ class TreePart(TrajectoryTree):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PartitionResult:
-    """The parts of one tree and how much they compute (DESIGN.md section 8 metrics)."""
+    """The parts of one tree and how much they compute (docs/design.md section 8 metrics)."""
 
     method: str
     capacity: int

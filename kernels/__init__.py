@@ -1,5 +1,5 @@
 """Attention and recurrence kernels for tree-shaped batches. Imports nothing from `jtree`."""
 
-from kernels.tree_attention import available_impls, tree_attention
+from jtree.kernels.tree_attention import available_impls, tree_attention
 
 __all__ = ["available_impls", "tree_attention"]

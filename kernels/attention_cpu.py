@@ -1,6 +1,6 @@
 """Block-sparse tree attention for the CPU backend: a multi-threaded C++ kernel (XLA FFI).
 
-Same mask, blocks, schedule and layouts as the `xla` kernel (`kernels.attention_xla`), but the
+Same mask, blocks, schedule and layouts as the `xla` kernel (`jtree.kernels.attention_xla`), but the
 per-block work runs in `kernels/cpu/tree_attention.cc` over all cores. XLA:CPU executes a `while`
 loop on one thread, so the `xla` kernel's block loop leaves the other cores idle unless XLA finds
 independent work to overlap (it does in the backward, never in the forward); this kernel splits
@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.attention_xla import (
+from jtree.kernels.attention_xla import (
     _blocks, _kv_from_blocks, _kv_to_blocks, _q_from_blocks, _q_to_blocks, default_blocks,
     flat_kv_lists)
-from kernels.block_tables import block_tables
-from kernels.vma import varying_like
+from jtree.kernels.block_tables import block_tables
+from jtree.kernels.vma import varying_like
 
 _SOURCE = Path(__file__).with_name("cpu") / "tree_attention.cc"
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++20", "-shared", "-fPIC", "-pthread")
@@ -125,7 +125,7 @@ def tree_attention_cpu(
     threads: int | None = None,
 ) -> jax.Array:
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D]; the contract of
-    `kernels.attention_xla.tree_attention_xla` (S a multiple of the blocks, optional `q_pos`).
+    `jtree.kernels.attention_xla.tree_attention_xla` (S a multiple of the blocks, optional `q_pos`).
     `threads` defaults to the CPUs this process may use."""
     if softcap is not None:
         raise ValueError("attention impl 'cpu': softcap is not supported (use 'xla')")

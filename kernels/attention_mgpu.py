@@ -2,7 +2,7 @@
 
 FlashAttention-3 structure (warp-specialized CTAs: one TMA producer warpgroup, two wgmma consumer
 warpgroups, a multi-stage TMA ring with ready/free barriers) driven by the compacted block lists of
-`kernels.block_tables`: EMPTY blocks are never fetched nor computed, FULL blocks skip the element
+`jtree.kernels.block_tables`: EMPTY blocks are never fetched nor computed, FULL blocks skip the element
 mask, PARTIAL blocks apply j <= i < end[j] in-kernel. Forward saves only O and the log-sum-exp;
 the backward is a dQ kernel over the kv lists and a dK/dV kernel over the transposed q lists.
 See `mgpu_forward.py`, `mgpu_backward.py` and `mgpu_pipeline.py` for the kernels themselves.
@@ -21,8 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kernels.block_tables import block_tables
-from kernels.mgpu_backward import (
+from jtree.kernels.block_tables import block_tables
+from jtree.kernels.mgpu_backward import (
     DKV_BLOCK_KV,
     DKV_BLOCK_Q,
     DQ_BLOCK_KV,
@@ -31,8 +31,8 @@ from kernels.mgpu_backward import (
     dq_buffers,
     dq_call,
 )
-from kernels.mgpu_forward import forward_buffers, forward_call
-from kernels.mgpu_pipeline import CONSUMERS, LIST_CHUNK, SMEM_LIMIT, WG_ROWS, smem_bytes
+from jtree.kernels.mgpu_forward import forward_buffers, forward_call
+from jtree.kernels.mgpu_pipeline import CONSUMERS, LIST_CHUNK, SMEM_LIMIT, WG_ROWS, smem_bytes
 
 SEQ_MULTIPLE = CONSUMERS * WG_ROWS  # every kernel's block sizes divide this
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -1,7 +1,7 @@
 """Pallas TPU tree attention: block-sparse flash attention driven by the block tables of `end`.
 
 Splash-attention structure, written for the tree mask:
-- the compacted block lists of `kernels.block_tables` are scalar-prefetched into SMEM; grid step n
+- the compacted block lists of `jtree.kernels.block_tables` are scalar-prefetched into SMEM; grid step n
   of q-block i works on the n-th listed kv-block, and the BlockSpec index maps read the list, so
   only listed blocks are ever copied into VMEM. List padding repeats the last real block (same
   block index, so the pipeline issues no new DMA) and has kind EMPTY, so its compute is skipped;
@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.block_tables import FULL, PARTIAL, block_tables, round_up_to_blocks
+from jtree.kernels.block_tables import FULL, PARTIAL, block_tables, round_up_to_blocks
 
 DEFAULT_BLOCK = 128
 LANES = 128
@@ -84,7 +84,7 @@ def tree_attention_tpu(
     Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query).
 
     `max_kv_blocks` / `max_q_blocks` shrink the grid's block-list axis from S / block to a budget
-    computed on the host (`kernels.block_tables.required_blocks`); each skipped grid step still
+    computed on the host (`jtree.kernels.block_tables.required_blocks`); each skipped grid step still
     costs a little, so a tight budget helps. A budget that is too small raises for a host `end`;
     under jit it cannot raise, so the output is set to NaN instead of silently dropping blocks.
     `interpret` runs the kernels in the Pallas TPU interpreter (True or pltpu.InterpretParams).

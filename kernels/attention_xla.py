@@ -2,7 +2,7 @@
 
 The sequence is cut into q-blocks of `block_q` and kv-blocks of `block_kv` tokens. Each q-block
 keeps flash-style running statistics (max, sum, weighted values) while it walks its own list of
-non-empty kv-blocks (`kernels.block_tables`), gathering one kv-block per step; a loop whose trip
+non-empty kv-blocks (`jtree.kernels.block_tables`), gathering one kv-block per step; a loop whose trip
 count is read from the data, so there is no static block budget and no [q-blocks, max-blocks, ...]
 gather. With `group` > 1, q-blocks are sorted by list length and processed `group` at a time (one
 bigger matmul per step; a group runs as many steps as its longest list, so work grows a little
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.block_tables import BlockTables, block_tables, round_up_to_blocks
-from kernels.vma import varying_like
+from jtree.kernels.block_tables import BlockTables, block_tables, round_up_to_blocks
+from jtree.kernels.vma import varying_like
 
 DEFAULT_BLOCK = 64
 DEFAULT_GROUP = 1  # fastest on CPU (launch/bench_attention.py sweep); larger suits wide devices

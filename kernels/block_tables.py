@@ -4,7 +4,7 @@ For a q-block [qa, qb] and a kv-block [ka, kb], the block is
 - empty   when no key j of the block with j <= qb has end[j] > qa (no query of the block sees it),
 - full    when kb <= qa and min(end[ka..kb]) > qb (every query sees every key),
 - partial otherwise (the kernel applies the element test j <= i < end[j]).
-This is DESIGN.md section 2's rule, made exact for kv-blocks that reach past the q-block's last
+This is docs/design.md section 2's rule, made exact for kv-blocks that reach past the q-block's last
 query (only possible when the two block sizes differ): there the maximum of `end` is taken over the
 keys j <= qb only.
 

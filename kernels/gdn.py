@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.vma import varying_like
+from jtree.kernels.vma import varying_like
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -25,9 +25,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.block_tables import PARTIAL
-from kernels.mgpu_forward import q_block_cta
-from kernels.mgpu_pipeline import (
+from jtree.kernels.block_tables import PARTIAL
+from jtree.kernels.mgpu_forward import q_block_cta
+from jtree.kernels.mgpu_pipeline import (
     CONSUMERS,
     PRODUCER,
     WG_ROWS,

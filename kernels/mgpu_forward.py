@@ -18,8 +18,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.block_tables import PARTIAL
-from kernels.mgpu_pipeline import (
+from jtree.kernels.block_tables import PARTIAL
+from jtree.kernels.mgpu_pipeline import (
     CONSUMERS,
     NEG,
     PRODUCER,

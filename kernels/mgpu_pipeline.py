@@ -4,7 +4,7 @@ in-kernel element mask from `end`.
 
 Every kernel is warp-specialized in the FlashAttention-3 way: warpgroups 0 and 1 compute (wgmma +
 softmax), warpgroup 2 only issues TMA copies. The producer walks the CTA's compacted block list
-(`kernels.block_tables`): block n goes to pipeline slot n % stages, one TMA per streamed operand,
+(`jtree.kernels.block_tables`): block n goes to pipeline slot n % stages, one TMA per streamed operand,
 each completing its own `ready` barrier; before reusing a slot it waits on that slot's `free`
 barrier, which both consumers arrive on once they are done with it. Blocks that are not in the list
 (EMPTY) are never fetched; the `end` tile needed for the element mask is fetched only for PARTIAL
@@ -27,7 +27,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.block_tables import PARTIAL
+from jtree.kernels.block_tables import PARTIAL
 
 WG_ROWS = 64  # rows of one wgmma tile per warpgroup (the M dimension of wgmma)
 CONSUMERS = 2  # compute warpgroups per CTA

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import attention_cpu, attention_tpu, attention_xla
-from kernels.attention_mgpu import attention_mgpu, handles as mgpu_handles
-from kernels.attention_reference import attention_reference
+from jtree.kernels import attention_cpu, attention_tpu, attention_xla
+from jtree.kernels.attention_mgpu import attention_mgpu, handles as mgpu_handles
+from jtree.kernels.attention_reference import attention_reference
 
 
 class _Impl(NamedTuple):

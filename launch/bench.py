@@ -3,7 +3,7 @@
 For every workload, the tree step and the baseline step (`jtree.baseline`: every path its own
 packed sequence, through the same linearization, model, attention kernel family and loss code)
 run on the same trees, with the same model config, in one process: both compiled and run once, then
-alternating runs, medians. Measured the way DESIGN.md section 8 (and the seeds) define it:
+alternating runs, medians. Measured the way docs/design.md section 8 (and the seeds) define it:
 
 - POR, token bound N_flat / N_computed, ideal speedup FLOPs_baseline / FLOPs_tree (`jtree.cost`:
   per computed token, per visible (query, key) pair, per scored token), realized speedup (median
@@ -42,11 +42,11 @@ per 560 MiB here, a cost of memory, not FLOPs; device allocators cache). The ben
 calls `jtree.host_allocator.keep_freed_memory` first (`--host-malloc default` to measure without
 it) and records each mode's minor page faults per step.
 
-    PYTHONPATH=. python -m launch.bench                 # everything (`make bench`), ~9 min idle here
-    PYTHONPATH=. python -m launch.bench --only proj     # workloads whose name contains "proj"
-    PYTHONPATH=. python -m launch.bench --attention xla # both modes on the plain-XLA kernel
+    PYTHONPATH=. python -m jtree.launch.bench                 # everything (`make bench`), ~9 min idle here
+    PYTHONPATH=. python -m jtree.launch.bench --only proj     # workloads whose name contains "proj"
+    PYTHONPATH=. python -m jtree.launch.bench --attention xla # both modes on the plain-XLA kernel
 
-Attention kernel: `cpu` by default (`kernels.attention_cpu`, the block schedule over all cores);
+Attention kernel: `cpu` by default (`jtree.kernels.attention_cpu`, the block schedule over all cores);
 XLA:CPU runs the `xla` kernel's block loop on one thread, which cost the tree step, with its larger
 attention share, more than the baseline (README, "How the last 5% was closed").
 
@@ -79,10 +79,10 @@ from jtree.loss import batch_normalizer
 from jtree.models import Qwen3, Qwen3Config
 from jtree.packing import MicroBatches, build_microbatches, least_padding_plan
 from jtree.synthetic import AgentShape, agent_rollout_group, chat_record, por_forest, por_tree
-from jtree.train import Objective, OptimConfig, TrainState, make_optimizer, make_train_step
+from jtree.train_step import Objective, OptimConfig, TrainState, make_optimizer, make_train_step
 from jtree.tree import TrajectoryTree
-from kernels.attention_xla import default_blocks, schedule_work
-from kernels.block_tables import EMPTY, FULL, classify_blocks, round_up_to_blocks
+from jtree.kernels.attention_xla import default_blocks, schedule_work
+from jtree.kernels.block_tables import EMPTY, FULL, classify_blocks, round_up_to_blocks
 
 SHAPES = {
     # Projections and MLP dominate: hidden 256, MLP 1024, 4 layers, paths of ~512 tokens.
@@ -416,8 +416,8 @@ def add_host_malloc_flag(parser: argparse.ArgumentParser) -> None:
 def add_attention_flag(parser: argparse.ArgumentParser) -> None:
     """`--attention cpu|xla`, shared by the bench scripts (`shape_config`)."""
     parser.add_argument("--attention", choices=ATTENTION_IMPLS, default="cpu",
-                        help="cpu: the multi-threaded C++ kernel (kernels.attention_cpu); xla: "
-                             "the plain-XLA block loop, one core (kernels.attention_xla)")
+                        help="cpu: the multi-threaded C++ kernel (jtree.kernels.attention_cpu); xla: "
+                             "the plain-XLA block loop, one core (jtree.kernels.attention_xla)")
 
 
 def shape_config(shape: str, attention: str) -> Qwen3Config:

@@ -12,8 +12,8 @@ measures, side by side in one process (alternating runs, medians):
 
 Writes bench_out/bench_attention.json and bench_out/bench_attention.png.
 
-    PYTHONPATH=. python -m launch.bench_attention              # full run (~25 min on 2 cores)
-    PYTHONPATH=. python -m launch.bench_attention --quick      # S <= 2048
+    PYTHONPATH=. python -m jtree.launch.bench_attention              # full run (~25 min on 2 cores)
+    PYTHONPATH=. python -m jtree.launch.bench_attention --quick      # S <= 2048
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import numpy as np
 from jtree.linearize import linearize
 from jtree.synthetic import AgentShape, agent_rollout_group
 from jtree.tree import TrajectoryTree
-from kernels import tree_attention
-from kernels.attention_xla import default_blocks, schedule_work
-from kernels.block_tables import nonempty_fraction
+from jtree.kernels import tree_attention
+from jtree.kernels.attention_xla import default_blocks, schedule_work
+from jtree.kernels.block_tables import nonempty_fraction
 
 
 # ----------------------------------------------------------------------------- data

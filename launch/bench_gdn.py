@@ -1,6 +1,6 @@
 """Benchmark: one Gated DeltaNet layer, forward + backward, on trees vs on every path separately.
 
-`PYTHONPATH=. python -m launch.bench_gdn [--out bench_out/gdn] [--paths 16] [--path-len 512]`
+`PYTHONPATH=. python -m jtree.launch.bench_gdn [--out bench_out/gdn] [--paths 16] [--path-len 512]`
 
 For each target POR, builds a tree of `--paths` rollouts of `--path-len` tokens that share
 prefixes on two levels (a common prompt, then pairs of rollouts sharing a turn), sized so that

@@ -1,4 +1,4 @@
-"""Benchmark capacity partitioning, balancing and packing: `python -m launch.bench_partition`.
+"""Benchmark capacity partitioning, balancing and packing: `python -m jtree.launch.bench_partition`.
 
 1. Quality: heuristic and dp_single N_computed against the dp_multi optimum on random trees small
    enough for the exact program (random-attachment trees and small agent-rollout trees), at random

@@ -1,4 +1,4 @@
-"""Benchmark redundancy-free partitioning: `python -m launch.bench_rfree`.
+"""Benchmark redundancy-free partitioning: `python -m jtree.launch.bench_rfree`.
 
 On agent-rollout trees 2-8x larger than the capacity C (rows of at most C tokens, one row per
 device call or micro-batch), one SFT training step (loss and gradients) of a small dense Qwen3
@@ -26,12 +26,12 @@ CPU backend has no device memory statistics):
 Also reports the first step's time (compiles included) and checks that the losses agree.
 
 Bounds. The issue's target is the token bound N_flat / N_tree; the FLOP ideal (`jtree.cost`, as
-`launch.bench` reports it) is lower when attention matters, because sharing saves tokens but a
-branch's queries still see every shared key (DESIGN.md section 8). The model's MLP is 4x its
+`jtree.launch.bench` reports it) is lower when attention matters, because sharing saves tokens but a
+branch's queries still see every shared key (docs/design.md section 8). The model's MLP is 4x its
 width by default (`--mlp-ratio`), the usual LLM proportion, so attention is ~10% of its FLOPs as
 in a real model at these lengths; both bounds are printed.
 
-Like `launch.bench`, it first makes glibc keep freed host memory (`jtree.host_allocator`; every
+Like `jtree.launch.bench`, it first makes glibc keep freed host memory (`jtree.host_allocator`; every
 method's calls otherwise page-fault their temporaries again on each run).
 
 Writes bench_out/rfree.json and bench_out/rfree.png (or --out PREFIX).
@@ -57,9 +57,9 @@ from jtree.partition import partition
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.rfree.layout import ROW_STEPS_PER_OCTAVE, build_program
 from jtree.synthetic import AgentShape, agent_rollout_group
-from jtree.train import Objective, make_grad_fn
+from jtree.train_step import Objective, make_grad_fn
 from jtree.tree import TrajectoryTree
-from launch.bench import add_host_malloc_flag, apply_host_malloc
+from jtree.launch.bench import add_host_malloc_flag, apply_host_malloc
 
 OBJECTIVE = Objective(kind="sft", normalization="seq_mean_token_mean")
 RFREE_MODES = {"rfree": "residuals", "rfree_recompute": "recompute", "rfree_auto": "auto"}

@@ -1,6 +1,6 @@
 """Where a bench workload's step time goes: attention vs everything else, tree vs baseline.
 
-`launch.bench` reports efficiency = realized / ideal speedup, with the ideal from FLOPs. When it
+`jtree.launch.bench` reports efficiency = realized / ideal speedup, with the ideal from FLOPs. When it
 falls short, this splits each mode's step time: the attention kernel's forward + backward alone
 (the same kernel, `--attention cpu|xla`, on the same `end` layouts, one micro-batch at a time as the step scans them,
 times the model's layer count) and the rest (projections, MLP, norms, loss, optimizer), and the step's fixed cost: the same
@@ -8,8 +8,8 @@ step on one 64-token row (optimizer update, gradient buffers; what does not shri
 tokens). Comparing each part's baseline/tree time ratio with its FLOP ratio shows which part runs below its FLOP rate
 in one mode (a timing breakdown, not a trace; same process, alternating runs, medians).
 
-    PYTHONPATH=. python -m launch.bench_split "proj/synthetic POR 0.3"
-    PYTHONPATH=. python -m launch.bench_split "proj/synthetic POR 0.9" --ops   # + XLA op kinds
+    PYTHONPATH=. python -m jtree.launch.bench_split "proj/synthetic POR 0.3"
+    PYTHONPATH=. python -m jtree.launch.bench_split "proj/synthetic POR 0.9" --ops   # + XLA op kinds
 
 `--ops` also traces each step with the JAX profiler and sums the XLA:CPU thunks' time by op kind
 (fusion names without their numbers: `ynn_fusion` = matmuls and reductions, `multiply_add_fusion`
@@ -34,8 +34,8 @@ import numpy as np
 
 from jtree.cost import FlopModel, Work, batch_work
 from jtree.models import Qwen3Config
-from kernels import tree_attention
-from launch.bench import (
+from jtree.kernels import tree_attention
+from jtree.launch.bench import (
     add_attention_flag, add_host_malloc_flag, apply_host_malloc, fixed_cost_inputs, make_step,
     prepare, shape_config, workloads,
 )
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_host_malloc_flag(parser)
     add_attention_flag(parser)
     args = parser.parse_args(argv)
-    apply_host_malloc(args)  # before the first computation, as in launch.bench
+    apply_host_malloc(args)  # before the first computation, as in jtree.launch.bench
     for name in args.workloads:
         print(report(name, split(name, args.repeats, args.ops, args.attention)), flush=True)
     return 0

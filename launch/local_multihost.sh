@@ -14,7 +14,7 @@ pids=()
 for ((i = 0; i < N; i++)); do
   JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=$DEVICES" \
   JTREE_COORDINATOR="localhost:$PORT" JTREE_NUM_PROCESSES="$N" JTREE_PROCESS_ID="$i" \
-    "$PY" -m launch.train "$@" > >(sed -u "s/^/[$i] /") 2>&1 &
+    "$PY" -m jtree.launch.train "$@" > >(sed -u "s/^/[$i] /") 2>&1 &
   pids+=($!)
 done
 status=0

@@ -1,6 +1,6 @@
 """Lower a config's sharded train step for TPU or CUDA on this CPU machine (no accelerator):
 
-    python -m launch.lower_step --config configs/qwen3_0.6b.yaml --platform tpu --devices 8
+    python -m jtree.launch.lower_step --config configs/qwen3_0.6b.yaml --platform tpu --devices 8
 
 Builds the real step (shard_map over the config's mesh on `--devices` forced host devices, optax
 update, donation) from abstract shapes only, exports it with `jax.export` for the target platform
@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jtree.config import load_config
     from jtree.linearize import FLOAT_FIELDS, INT_FIELDS
     from jtree.sharding import DATA, MODEL, batch_spec
-    from launch.train import Trainer, gdn_chunk_size
+    from jtree.launch.train import Trainer, gdn_chunk_size
 
     if jax.device_count() != args.devices:
         raise SystemExit("jax was initialized before XLA_FLAGS could be set; run as a module")

@@ -1,4 +1,4 @@
-"""Regenerate the bundled sample data: `python -m launch.make_sample_data`.
+"""Regenerate the bundled sample data: `python -m jtree.launch.make_sample_data`.
 
 Writes data/sample_groups.jsonl: agent-rollout groups from `jtree.synthetic` (fixed seed), one
 sequence per line with its group id, loss mask and GRPO-style advantage.

@@ -1,8 +1,8 @@
 """Run the Mosaic GPU tree-attention kernels forward + backward in the Mosaic GPU interpreter (CPU).
 
-    python -m launch.mgpu_interpret    # random trees: errors vs the f32 reference, bf16 and f16;
+    python -m jtree.launch.mgpu_interpret    # random trees: errors vs the f32 reference, bf16 and f16;
                                        # writes bench_out/mgpu_interpret.json
-    python -m launch.mgpu_interpret IN.npz OUT.npz   # one run on given inputs (used by the tests)
+    python -m jtree.launch.mgpu_interpret IN.npz OUT.npz   # one run on given inputs (used by the tests)
 
 IN holds q, k, v, d_out (float32 holding values of `dtype`), end, and scalars dtype, softcap (nan
 for none) and block_kv; OUT holds out, dq, dk, dv as float32 and `races` (race detection result).
@@ -35,8 +35,8 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no
 
 from jtree.linearize import linearize  # noqa: E402
 from jtree.tree import TrajectoryTree  # noqa: E402
-from kernels.attention_mgpu import attention_mgpu  # noqa: E402
-from kernels.attention_reference import attention_reference  # noqa: E402
+from jtree.kernels.attention_mgpu import attention_mgpu  # noqa: E402
+from jtree.kernels.attention_reference import attention_reference  # noqa: E402
 
 OUTPUTS = ("out", "dq", "dk", "dv")
 

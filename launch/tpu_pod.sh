@@ -11,4 +11,4 @@
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${REPO:?set REPO (checkout on every worker)}"
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all --command \
-  "cd $REPO && JTREE_DISTRIBUTED=auto python -m launch.train $*"
+  "cd $REPO && JTREE_DISTRIBUTED=auto python -m jtree.launch.train $*"

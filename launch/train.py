@@ -1,4 +1,4 @@
-"""Train on trees from JSONL: `python -m launch.train --config configs/tiny.yaml [--resume] [k=v]`.
+"""Train on trees from JSONL: `python -m jtree.launch.train --config configs/tiny.yaml [--resume] [k=v]`.
 
 One process or many (`jtree.distributed`: `launch/local_multihost.sh`, TPU pod and SLURM recipes
 in launch/). The step runs over the ('data', 'model') mesh of the config: data parallel over rows,
@@ -47,7 +47,7 @@ from jtree.rfree.layout import check_steps_per_octave
 from jtree.sharding import (
     DATA, MODEL, architecture_rules, batch_spec, make_mesh, named, param_path, param_specs,
 )
-from jtree.train import (
+from jtree.train_step import (
     TrainState, apply_gradients, make_optimizer, make_schedule, make_sharded_grad_fn,
     make_sharded_logprob_fn, make_train_step, old_logprobs_stale, state_shardings,
     tensor_parallel_graphdef,

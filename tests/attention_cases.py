@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.linearize import linearize
-from kernels import tree_attention
+from jtree.kernels import tree_attention
 from tests.strategies import explicit_tree, random_forest
 
 

@@ -39,7 +39,7 @@ from jtree.models import create_model  # noqa: E402
 from jtree.sharding import (  # noqa: E402
     MeshConfig, architecture_rules, make_mesh, named, param_specs, qwen3_rules,
 )
-from jtree.train import (  # noqa: E402
+from jtree.train_step import (  # noqa: E402
     Objective, OptimConfig, TrainState, make_optimizer, make_sharded_grad_fn,
     make_train_step, state_shardings, tensor_parallel_graphdef,
 )

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jtree.linearize import TreeBatch, unlinearize
 from jtree.models import Qwen3, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
-from jtree.train import Objective, make_logprob_fn, objective_loss
+from jtree.train_step import Objective, make_logprob_fn, objective_loss
 
 
 def tiny_config(**overrides) -> Qwen3Config:

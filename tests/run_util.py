@@ -40,13 +40,13 @@ def tiny_overrides(data: Path, **extra: object) -> list[str]:
 
 
 def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `python -m launch.train ARGS` from the worktree, output to `log`.out/.err (files,
+    """Start `python -m jtree.launch.train ARGS` from the worktree, output to `log`.out/.err (files,
     not pipes: a killed run's data workers must not keep the test waiting for end-of-file).
     The test session's XLA_FLAGS are not passed on; `env` may set its own."""
     full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     full_env.update(PYTHONPATH=str(WORKTREE), **(env or {}))
     with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "launch.train", *args], cwd=WORKTREE,
+        return subprocess.Popen([sys.executable, "-m", "jtree.launch.train", *args], cwd=WORKTREE,
                                 env=full_env, stdout=out, stderr=err)
 
 

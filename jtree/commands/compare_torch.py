@@ -5,7 +5,7 @@ and prints per block type (full / linear attention, MoE / dense MLP) and overall
 difference| on every path position, max |log-prob difference| between the tree and each path run
 alone, and the relative gradient difference per tensor between the tree loss in jtree and the
 per-path loss in PyTorch (with the router load-balancing loss when the checkpoint turns it on).
-Exits 1 when a number is above its tolerance (DESIGN.md section 9).
+Exits 1 when a number is above its tolerance (docs/design.md section 9).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from jtree.loss import NORMALIZATIONS
 from jtree.tree_jsonl import read_sequence_groups, read_trees
 
-# DESIGN.md section 9 (see jtree.hf.compare.Tolerances).
+# docs/design.md section 9 (see jtree.hf.compare.Tolerances).
 DEFAULT_TOL = 1e-4
 
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.config import load_config
 from jtree.models import create_model
-from jtree.train import TrainState, make_optimizer
+from jtree.train_step import TrainState, make_optimizer
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -6,6 +6,6 @@ torch and transformers are never imported here (only by `jtree.hf.torch_referenc
 """
 
 from jtree.hf.architectures import ARCHITECTURES
-from jtree.hf.checkpoint import load, read_hf_config, save, to_hf_tensors
+from jtree.hf.load_save import load, read_hf_config, save, to_hf_tensors
 
 __all__ = ["ARCHITECTURES", "load", "read_hf_config", "save", "to_hf_tensors"]

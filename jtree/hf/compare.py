@@ -29,11 +29,11 @@ from flax import nnx
 from jtree.hf import torch_reference
 from jtree.hf.architectures import architecture_of_config
 from jtree.chunk_tables import DEFAULT_CHUNK_SIZE
-from jtree.hf.checkpoint import to_hf_tensors
+from jtree.hf.load_save import to_hf_tensors
 from jtree.linearize import TreeBatch, linearize, unlinearize
 from jtree.logprobs import logprobs_from_hidden
 from jtree.loss import Normalization, batch_normalizer, path_coefficients
-from jtree.train import Objective, objective_loss
+from jtree.train_step import Objective, objective_loss
 from jtree.tree import TrajectoryTree
 
 LAYER_PART = re.compile(r"model\.layers\.(\d+)\.(\w+)")
@@ -45,7 +45,7 @@ NON_LAYER_GROUP = "embeddings+head"
 
 @dataclasses.dataclass(frozen=True)
 class Tolerances:
-    """DESIGN.md section 9: logits vs Hugging Face within 1e-4 (float32); log-probs and relative
+    """docs/design.md section 9: logits vs Hugging Face within 1e-4 (float32); log-probs and relative
     per-tensor gradients are held to the same 1e-4 against PyTorch (`jtree compare-torch`'s
     defaults)."""
 

@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jtree.models.layers import REMAT_POLICIES
-from kernels import available_impls
+from jtree.kernels import available_impls
 
 REMAT_POLICY_NAMES = ("none", *REMAT_POLICIES)
 
@@ -19,10 +19,10 @@ class Qwen3Config:
     """Architecture of a Qwen3 dense model plus how to run it.
 
     Architecture fields carry the Hugging Face names so that `config.json` maps one to one.
-    `attention_impl` selects the `kernels.tree_attention` implementation; `dtype` is the compute
+    `attention_impl` selects the `jtree.kernels.tree_attention` implementation; `dtype` is the compute
     dtype and `param_dtype` the storage dtype of the weights. `remat` is the activation
     rematerialization policy of each decoder layer (`jtree.models.layers.REMAT_POLICIES`).
-    `tensor_parallel_axis` is set by `jtree.train.tensor_parallel_graphdef` for the copy of the
+    `tensor_parallel_axis` is set by `jtree.train_step.tensor_parallel_graphdef` for the copy of the
     model that runs inside `shard_map` (weights are then this device's shard and partial sums are
     reduced over that mesh axis); leave it unset everywhere else.
     """

@@ -32,8 +32,8 @@ from flax import nnx
 from jtree.models.layers import linear, row_parallel
 from jtree.models.moe_config import Qwen3NextConfig
 from jtree.models.prefix import GdnCache, PrefixLayout
-from kernels.gdn import tree_gated_delta_rule
-from kernels.tree_conv import path_context, tree_causal_conv1d
+from jtree.kernels.gdn import tree_gated_delta_rule
+from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
 
 
 class GdnRouting(NamedTuple):

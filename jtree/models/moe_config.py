@@ -17,7 +17,7 @@ class Qwen3MoeConfig(Qwen3Config):
 
     The router load-balancing loss is added to the objective (times `router_aux_loss_coef`) only
     when `output_router_logits` is true, as in HF's `*ForCausalLM.forward`.
-    `data_parallel_axis` is set by `jtree.train.tensor_parallel_graphdef` next to
+    `data_parallel_axis` is set by `jtree.train_step.tensor_parallel_graphdef` next to
     `tensor_parallel_axis`: the mesh axis the batch rows are split over inside `shard_map`, over
     which that loss pools its batch statistics (leave it unset everywhere else).
     """

@@ -26,7 +26,7 @@ from jtree.models.layers import (
 )
 from jtree.models.output import ModelOutput
 from jtree.models.prefix import AttentionCache, PrefixLayout, prefix_layout
-from kernels import tree_attention
+from jtree.kernels import tree_attention
 
 
 class Qwen3Attention(nnx.Module):

@@ -1,1 +1,1 @@
-"""Redundancy-free training of trees larger than memory (DESIGN.md section 5)."""
+"""Redundancy-free training of trees larger than memory (docs/design.md section 5)."""

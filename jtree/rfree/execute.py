@@ -27,7 +27,7 @@ at every device call, `RedundancyFreeStep.live`).
 Parts without children always run forward and backward in one jitted call.
 
 Trees that fit in a row (`RfreeProgram.whole`) run as ordinary micro-batches through
-`jtree.train.make_grad_fn`. Gradients are summed in place as parts finish.
+`jtree.train_step.make_grad_fn`. Gradients are summed in place as parts finish.
 
 A MoE router load-balancing loss is pooled over the whole program (as one forward over the
 unpartitioned trees would compute it): a forward-only pass collects the routing counts first, and
@@ -48,7 +48,7 @@ from jtree.models.prefix import AttentionCache, GdnCache, LayerCache
 from jtree.rfree.layout import Member, PartBatch, RfreeProgram
 from jtree.rfree.schedule import LiveBuffers, child_order
 from jtree.logprobs import logprobs_from_hidden
-from jtree.train import (
+from jtree.train_step import (
     Objective, finish_metrics, loss_from_hidden, make_grad_fn, zero_sums,
 )
 

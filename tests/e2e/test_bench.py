@@ -1,0 +1,65 @@
+"""The benchmark's measurement path on a tiny model: both modes prepared from the same trees, the
+work counted, the automatic choice made, and the table / JSON / PNG written. No timing is
+asserted (timings are benchmarks, not tests)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jtree.synthetic import por_forest
+from jtree.launch import bench
+from tests.models_util import tiny_config
+
+
+@pytest.fixture
+def tiny_shape(monkeypatch):
+    monkeypatch.setitem(bench.SHAPES, "tiny", tiny_config(attention_impl="xla", head_dim=16,
+                                                              num_hidden_layers=1))
+    return "tiny"
+
+
+def _workload(shape: str, por: float) -> bench.Workload:
+    def make():
+        return por_forest(np.random.default_rng(3), 768, por, path_len=96, max_tree_tokens=256,
+                          vocab_size=64, trained_fraction=0.5)
+    return bench.Workload(f"{shape}/synthetic POR {por:.1f}", shape, 256, make)
+
+
+def test_measure_counts_both_modes_on_the_same_trees_and_writes_outputs(tiny_shape, tmp_path):
+    step, state = bench.make_step(bench.SHAPES[tiny_shape])
+    row, state = bench.measure(_workload(tiny_shape, 0.7), step, state, min_reps=1, max_reps=1,
+                               budget_s=0.0)
+    rows = [row]
+    # The tree computes ~30% of the flat tokens; attention makes the FLOP ideal a bit lower.
+    assert row["token_bound"] == pytest.approx(1 / (1 - row["por"]), rel=0.05)
+    assert 1.0 < row["ideal_speedup"] <= row["token_bound"]
+    assert row["auto_mode"] == ("tree" if row["auto_predicted_gain"] >= bench.AUTO_MIN_GAIN
+                                else "baseline")
+    assert row["repeats"] == 1 and row["tree_device_s"] > 0 and row["base_device_s"] > 0
+    assert len(row["fixed_times_s"]) == 1 and row["fixed_share_tree"] == pytest.approx(
+        row["fixed_s"] / row["tree_device_s"])
+    assert 0 < row["tree_host_fraction"] < 1 and row["tree_peak_mib"] > 0
+    assert row["tree_minor_faults"] >= 0 and row["base_minor_faults"] >= 0
+    assert row["tree_computed_per_nonempty"] == 1.0  # the xla schedule does no extra blocks
+    bench.write(tmp_path, "test machine", rows, 1.0)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["workload"] for r in saved["rows"]] == [r["workload"] for r in rows]
+    table = (tmp_path / "bench.md").read_text()
+    assert table.count("\n| tiny/synthetic") == 1
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_op_profile_sums_xla_thunks_by_kind():
+    import jax
+    import jax.numpy as jnp
+
+    from jtree.launch.bench_split import op_profile
+
+    x = jnp.ones((256, 256))
+    f = jax.jit(lambda a: jnp.tanh(a @ a) + 1.0)
+    jax.block_until_ready(f(x))
+    kinds = op_profile(lambda: f(x), repeats=2)
+    assert kinds and all(s > 0 and n > 0 for s, n in kinds.values())
+    assert not any(k == "while" or "::" in k for k in kinds)
+    assert all(not k[-1].isdigit() or "." not in k for k in kinds)  # numbered fusions merged

@@ -1,0 +1,109 @@
+import re
+
+import jax
+import numpy as np
+
+import pytest
+
+from jtree.launch.train import main
+from tests.run_util import tiny_overrides, write_groups
+
+
+def test_demo_job_runs_end_to_end(capsys):
+    """The `make demo` job on a shrunken model: per-step lines, equivalence and speedup."""
+    rc = main(["--config", "configs/tiny.yaml", "run.steps=2", "data.trees_per_step=2",
+               "data.micro_batches=2", "model.num_hidden_layers=1", "model.hidden_size=32",
+               "model.intermediate_size=64", "run.timing_repeats=1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert len(re.findall(r"^step +\d+ +loss +[\d.]+ .*tokens/s .*POR", out, re.M)) == 2
+    diff = float(re.search(r"equivalence: .* = ([\d.e+-]+)", out).group(1))
+    assert diff <= 1e-5
+    assert re.search(r"speedup [\d.]+x", out)
+
+
+def test_auto_mode_logs_each_steps_choice_and_trains_like_tree_mode(capsys):
+    """`run.mode=auto` on the sample trees (POR ~0.6): every step says which mode it chose and
+    why, and the losses are those of a tree-mode run (both modes are exact)."""
+    common = ["--config", "configs/tiny.yaml", "run.steps=2", "data.trees_per_step=2",
+              "model.num_hidden_layers=1", "model.hidden_size=32", "model.intermediate_size=64",
+              "run.compare_baseline=false"]
+    losses = {}
+    for mode in ("auto", "tree"):
+        assert main(common + [f"run.mode={mode}"]) == 0
+        out = capsys.readouterr().out
+        losses[mode] = [float(x) for x in re.findall(r"^step +\d+ +loss +([\d.]+)", out, re.M)]
+        if mode == "auto":
+            reasons = re.findall(r"auto mode: (tree|baseline) \(predicted gain ([\d.]+)x", out)
+            assert len(reasons) == 2 and all(m == "tree" for m, _ in reasons), out
+    assert losses["auto"] == losses["tree"]
+
+
+@pytest.mark.parametrize("compare", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["train", "with_baseline_check"])
+def test_qwen3_next_job_runs_with_chunk_tables(tmp_path, capsys, compare):
+    """The launcher on a one-layer Qwen3-Next (Gated DeltaNet + MoE with shared expert, router
+    loss on): the pipeline adds GDN chunk tables and the step trains; the slow variant also checks
+    that the tree log-probs equal the per-path baseline's (three more compiles)."""
+    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
+    rc = main(["--config", "configs/tiny.yaml", *tiny_overrides(data, **{
+        "model.architecture": "qwen3_next", "model.layer_types": "[linear_attention]",
+        "model.num_experts": 4, "model.moe_intermediate_size": 16,
+        "model.shared_expert_intermediate_size": 16, "model.output_router_logits": "true",
+        "model.router_aux_loss_coef": 0.1, "data.gdn_chunk_size": 8, "run.steps": 1,
+        "data.micro_batches": 1, "run.compare_baseline": str(compare).lower(),
+        "run.timing_repeats": 1, "model.tie_word_embeddings": "false"})])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "model: qwen3_next" in out
+    assert len(re.findall(r"^step +0 +loss +[\d.]+ ", out, re.M)) == 1
+    if compare:
+        diff = float(re.search(r"equivalence: .* = ([\d.e+-]+)", out).group(1))
+        assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("modes", [("redundancy_free",),
+                                   pytest.param(("redundancy_free", "tree"),
+                                                marks=pytest.mark.slow)],
+                         ids=["rfree", "rfree_vs_tree"])
+def test_redundancy_free_mode_trains(tmp_path, capsys, modes):
+    """`run.mode=redundancy_free` with a capacity below the trees' sizes (so they are split into
+    parts over cached prefixes) trains with N_computed == N_tree (ERR == POR); the slow variant
+    also checks the losses equal tree mode's (both exact; two more steps to compile)."""
+    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
+    steps = len(modes)
+    common = ["--config", "configs/tiny.yaml",
+              *tiny_overrides(data, **{"run.steps": steps, "data.trees_per_step": 2,
+                                       "data.micro_batches": 1, "model.attention_impl": "xla",
+                                       "run.capacity": 40, "run.prefix_backward": "residuals",
+                                       "run.row_steps_per_octave": 4})]
+    losses = {}
+    for mode in modes:
+        assert main(common + [f"run.mode={mode}"]) == 0
+        out = capsys.readouterr().out
+        losses[mode] = [float(x) for x in re.findall(r"^step +\d+ +loss +([\d.]+)", out, re.M)]
+        if mode == "redundancy_free":
+            por_err = re.findall(r"POR ([\d.]+)  ERR ([\d.]+)", out)
+            assert len(por_err) == steps and all(p == e for p, e in por_err), out
+            assert float(por_err[0][0]) > 0.3  # the trees share prefixes (so parts reuse them)
+    if "tree" in losses:
+        assert losses["redundancy_free"] == pytest.approx(losses["tree"], abs=2e-4)
+
+
+def test_redundancy_free_mode_refuses_a_multi_device_mesh_and_bad_settings():
+    from jax.sharding import Mesh
+    from jtree.launch.train import make_rfree_step
+    from jtree.config import load_config
+
+    cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free"])
+    devices = np.array([jax.devices()[0]] * 2).reshape(2, 1)
+    with pytest.raises(ValueError, match="run.mode=redundancy_free.*mesh.data=2"):
+        make_rfree_step(cfg, Mesh(devices, ("data", "model")), None, None)
+    cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free", "run.capacity=4096"])
+    one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match="run.capacity=4096"):
+        make_rfree_step(cfg, one, None, None)
+    cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free",
+                                            "run.row_steps_per_octave=3"])
+    with pytest.raises(ValueError, match="run.row_steps_per_octave"):
+        make_rfree_step(cfg, one, None, None)

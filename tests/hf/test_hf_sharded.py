@@ -1,0 +1,180 @@
+"""Loading onto a device mesh (8 host CPU devices), and jtree.hf working without torch, for Qwen3
+and Qwen3-Next (whose table covers Qwen3-MoE's experts too).
+
+XLA_FLAGS must be set before jax creates its CPU client, which in a full pytest run has already
+happened, so the check runs in a fresh interpreter.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = r'''
+import sys, tempfile
+import jax, numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jtree.hf
+from jtree.linearize import linearize
+from jtree.models import Qwen3
+from jtree.tree import TrajectoryTree
+from tests.models_util import tiny_config
+
+assert jax.device_count() == 8, jax.devices()
+# The train step's rule (jtree/sharding.py), written out independently: tiny_config has 2 kv heads,
+# fewer than the 4-way model axis, so k/v are replicated (each device keeps the head it reads).
+def expected_spec(name):
+    leaf = name.split(".")
+    if name == "model.embed_tokens.embedding":
+        return P("model", None)
+    if name == "lm_head.kernel":
+        return P(None, "model")
+    if leaf[-2] in ("k_proj", "v_proj"):
+        return P()
+    if leaf[-2] in ("q_proj", "gate_proj", "up_proj"):
+        return P(None, "model") if leaf[-1] == "kernel" else P("model")
+    if leaf[-2] in ("o_proj", "down_proj") and leaf[-1] == "kernel":
+        return P("model", None)
+    return P()
+
+def params(model):
+    return {".".join(map(str, p)): v.get_value()
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+cfg = tiny_config(tie_word_embeddings=False, attention_bias=True)
+with tempfile.TemporaryDirectory() as d:
+    jtree.hf.save(Qwen3(cfg, rngs=nnx.Rngs(0)), cfg, d)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    _, plain = jtree.hf.load(d, attention_impl="reference")
+    _, sharded = jtree.hf.load(d, attention_impl="reference", mesh=mesh)
+    n_split = 0
+    for name, value in params(sharded).items():
+        want = NamedSharding(mesh, expected_spec(name))
+        assert value.sharding.is_equivalent_to(want, value.ndim), (name, value.sharding)
+        n_split += any(a is not None for a in expected_spec(name))
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(params(plain)[name]))
+    assert n_split == 2 * 5 + 2 + 2 * 1, n_split  # per layer: 5 kernels, q bias; embed + head
+
+    # The sharded model computes what the unsharded one does.
+    batch = linearize([TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 5]])], 16).arrays()
+    def hidden(model):
+        g, p = nnx.split(model)
+        return np.asarray(jax.jit(lambda p, x: nnx.merge(g, p)(x).hidden)(p, batch))
+    np.testing.assert_allclose(hidden(sharded), hidden(plain), atol=1e-5, rtol=0)
+
+    # Any sharding per parameter.
+    replicated = NamedSharding(mesh, P())
+    _, rep = jtree.hf.load(d, shardings=lambda name, shape: replicated)
+    assert all(v.sharding.is_fully_replicated for v in params(rep).values())
+
+    # Errors name the parameter or the axis.
+    try:
+        jtree.hf.load(d, mesh=Mesh(np.array(jax.devices()).reshape(8), ("data",)))
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert "lm_head/kernel" in str(e) and "no axis 'model'" in str(e), e
+with tempfile.TemporaryDirectory() as d:
+    odd = tiny_config(vocab_size=90, tie_word_embeddings=True)
+    jtree.hf.save(Qwen3(odd, rngs=nnx.Rngs(0)), odd, d)
+    try:
+        jtree.hf.load(d, mesh=mesh)
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert "must divide vocab_size (90)" in str(e), e
+
+# Load and save never needed torch or transformers.
+assert "torch" not in sys.modules and "transformers" not in sys.modules
+print("OK")
+'''
+
+
+# Qwen3-Next (MoE experts, Gated DeltaNet, gated attention, shared expert, a dense MLP layer): the
+# train step's rules (jtree/sharding.py), written out independently. 2 kv heads on the 4-way model
+# axis are replicated, as in the dense case; the 4 GDN key heads split one per device (the rules
+# refuse a split that would cut a key head's group of columns).
+SCRIPT_NEXT = r'''
+import sys, tempfile
+import jax, numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jtree.hf
+from jtree.linearize import linearize
+from jtree.models import Qwen3Next, Qwen3NextConfig
+from jtree.tree import TrajectoryTree
+
+def expected_spec(name):
+    leaf = name.split(".")
+    if leaf[-2] == "experts":
+        return P("model", None, None)  # whole experts per device
+    if leaf[-2] in ("in_proj_qkvz", "in_proj_ba"):
+        return P(None, "model")
+    if leaf[-1] in ("dt_bias", "A_log"):
+        return P("model")
+    if leaf[-2] == "out_proj":
+        return P("model", None)
+    if name == "model.embed_tokens.embedding":
+        return P("model", None)
+    if name == "lm_head.kernel":
+        return P(None, "model")
+    if leaf[-2] in ("k_proj", "v_proj"):
+        return P()
+    if leaf[-2] in ("q_proj", "gate_proj", "up_proj"):
+        return P(None, "model")
+    if leaf[-2] in ("o_proj", "down_proj"):
+        return P("model", None)
+    return P()  # norms, conv1d, router, shared-expert gate
+
+cfg = Qwen3NextConfig(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,),
+                      layer_types=("linear_attention", "full_attention", "linear_attention"),
+                      linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=4,
+                      linear_num_value_heads=8, shared_expert_intermediate_size=24,
+                      tie_word_embeddings=False, attention_impl="reference")
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+def params(model):
+    return {".".join(map(str, p)): v.get_value()
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+with tempfile.TemporaryDirectory() as d:
+    jtree.hf.save(Qwen3Next(cfg, rngs=nnx.Rngs(0)), cfg, d)
+    _, plain = jtree.hf.load(d, attention_impl="reference")
+    _, sharded = jtree.hf.load(d, attention_impl="reference", mesh=mesh)
+splits = {}
+for name, value in params(sharded).items():
+    want = NamedSharding(mesh, expected_spec(name))
+    assert value.sharding.is_equivalent_to(want, value.ndim), (name, value.sharding)
+    splits[name.split(".")[-2]] = any(a is not None for a in expected_spec(name))
+    np.testing.assert_array_equal(np.asarray(value), np.asarray(params(plain)[name]))
+assert splits["experts"] and splits["in_proj_qkvz"] and splits["q_proj"], splits
+
+# The sharded model computes what the unsharded one does.
+trees = [TrajectoryTree.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 9], [1, 7]])]
+batch = linearize(trees, 16, gdn_chunk_size=4).arrays()
+def hidden(model):
+    g, p = nnx.split(model)
+    return np.asarray(jax.jit(lambda p, x: nnx.merge(g, p)(x).hidden)(p, batch))
+np.testing.assert_allclose(hidden(sharded), hidden(plain), atol=1e-5, rtol=0)
+assert "torch" not in sys.modules and "transformers" not in sys.modules
+print("OK")
+'''
+
+
+def _run_on_8_devices(script: str) -> None:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_load_places_parameters_on_a_mesh_without_torch():
+    _run_on_8_devices(SCRIPT)
+
+
+def test_load_places_qwen3_next_experts_and_gdn_on_a_mesh():
+    _run_on_8_devices(SCRIPT_NEXT)

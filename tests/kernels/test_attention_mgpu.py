@@ -1,0 +1,203 @@
+"""Mosaic GPU (Hopper) tree-attention kernels, checked without a GPU.
+
+- Numerics: the three kernels (forward, dQ, dK/dV) run end to end in the Mosaic GPU interpreter
+  with race detection on (in a child process with a hard timeout, see launch/mgpu_interpret.py),
+  and are compared with the dense reference. Inputs are bfloat16 (what wgmma multiplies); the
+  reference runs in float32 on the same bf16 values. Tolerance: max abs error <= BF16_TOL x the
+  largest reference magnitude (bf16 keeps 8 significant bits; the kernels round P, dS and the
+  outputs to bf16 once each).
+- Lowering: `jax.export` for `cuda` runs the real Pallas -> Mosaic GPU lowering (SMEM limits, TMA
+  rules, unsupported primitives) at a realistic size.
+- Errors for what the kernels cannot honour.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jtree.linearize import linearize
+from jtree.tree import TrajectoryTree
+from jtree.kernels import tree_attention
+from jtree.kernels.attention_mgpu import SEQ_MULTIPLE, attention_mgpu
+from jtree.kernels.attention_reference import attention_reference
+from jtree.kernels.block_tables import EMPTY, FULL, PARTIAL, classify_blocks
+from tests.strategies import random_forest
+
+BF16_TOL = 1e-2
+INTERPRETER_TIMEOUT_S = 900
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _inputs(end, q_heads, kv_heads, head_dim, seed=0):
+    rng = np.random.default_rng(seed)
+    rows, seq = end.shape
+    q, k, v = (jnp.asarray(rng.normal(size=(rows, seq, h, head_dim)), jnp.bfloat16)
+               for h in (q_heads, kv_heads, kv_heads))
+    d_out = jnp.asarray(rng.normal(size=(rows, seq, q_heads, head_dim)), jnp.float32)
+    return q, k, v, d_out
+
+
+def _value_and_grads(attention, q, k, v, end, d_out):
+    out, pull = jax.vjp(lambda q, k, v: attention(q, k, v, end).astype(jnp.float32), q, k, v)
+    return (out, *(g.astype(jnp.float32) for g in pull(d_out)))
+
+
+def _kernel(tmp_path, q, k, v, end, d_out, *, softcap=None, block_kv=64):
+    """[out, dq, dk, dv] of the Mosaic GPU kernels run in the interpreter (float32 numpy)."""
+    source, target = tmp_path / "in.npz", tmp_path / "out.npz"
+    np.savez(source, q=np.asarray(q, np.float32), k=np.asarray(k, np.float32),
+             v=np.asarray(v, np.float32), d_out=np.asarray(d_out), end=np.asarray(end),
+             dtype=str(q.dtype), softcap=np.nan if softcap is None else softcap,
+             block_kv=block_kv)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", str(source), str(target)],
+                         cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=INTERPRETER_TIMEOUT_S)
+    assert run.returncode == 0, f"interpreter run failed:\n{run.stderr[-5000:]}"
+    with np.load(target) as result:
+        assert not result["races"], "the Mosaic GPU interpreter detected a data race"
+        return [result[n] for n in ("out", "dq", "dk", "dv")]
+
+
+def _reference(q, k, v, end, d_out, *, softcap=None):
+    """[out, dq, dk, dv] of the dense reference in float32 on the same (bf16) values."""
+    attend = lambda q, k, v, e: attention_reference(q, k, v, e, scale=q.shape[-1] ** -0.5,
+                                                    softcap=softcap)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return [np.asarray(x) for x in _value_and_grads(attend, *f32, end, d_out)]
+
+
+def _assert_close(got, want, names=("out", "dq", "dk", "dv")):
+    for name, g, w in zip(names, got, want):
+        err, size = np.abs(g - w).max(), np.abs(w).max()
+        assert err <= BF16_TOL * size, f"{name}: max abs error {err:.3g} > {BF16_TOL} x {size:.3g}"
+
+
+def test_gqa_head_pairs_forward_backward_in_interpreter(tmp_path):
+    """GQA group 2: each CTA holds the same 64 positions of two q heads (head packing); the dK/dV
+    kernel sums both heads of the group. Two branching trees in one row, then padding."""
+    rng = np.random.default_rng(1)
+    trees = [
+        TrajectoryTree.from_nodes(  # 3 levels, siblings, a path ending at an internal node
+            parents=[-1, 0, 0, 1, 1, 2], segments=[rng.integers(0, 50, n).tolist()
+                                                    for n in (20, 9, 14, 6, 11, 7)],
+            path_nodes=[3, 4, 5, 1]),
+        TrajectoryTree.from_sequences([[7] * 5 + [1] * 20, [7] * 5 + [2] * 9, [7] * 5]),
+    ]
+    end = jnp.asarray(linearize(trees, SEQ_MULTIPLE).end)
+    q, k, v, d_out = _inputs(end, q_heads=2, kv_heads=1, head_dim=64)
+    _assert_close(_kernel(tmp_path, q, k, v, end, d_out), _reference(q, k, v, end, d_out))
+
+
+def test_empty_blocks_are_never_read_and_full_blocks_unmasked(tmp_path):
+    """A shared 64-token prefix, a 64-token branch A, and a 128-token branch B with children.
+
+    For B's queries the prefix is a FULL block and A an EMPTY one. A's q, k, v are NaN: wgmma
+    turns any fetched NaN into NaN outputs (0 * NaN), so B's outputs and gradients are finite and
+    exact only if every kernel skips A's blocks for B (forward and dQ: kv-block 1 of q-block 1;
+    dK/dV: B's kv-block never lists A's q-blocks). Soft-cap on, one q head per CTA.
+    """
+    segments = [[3] * 64, [4] * 64, [5] * 32, [6] * 40, [7] * 56]
+    tree = TrajectoryTree.from_nodes(parents=[-1, 0, 0, 2, 2], segments=segments)
+    end = jnp.asarray(linearize([tree], 256).end)
+    want_end = np.concatenate([np.full(64, 256), np.full(64, 128), np.full(32, 256),
+                               np.full(40, 200), np.full(56, 256)])
+    np.testing.assert_array_equal(np.asarray(end)[0], want_end)
+    # Forward and dQ lists (q-blocks of 128, kv-blocks of 64): B's q-block sees the prefix
+    # fully and A not at. dK/dV lists (kv-blocks of 128, q-blocks of 64): B's keys are not seen
+    # by the prefix's nor A's queries.
+    np.testing.assert_array_equal(classify_blocks(np.asarray(end), 128, 64)[0, 1],
+                                  [FULL, EMPTY, PARTIAL, PARTIAL])
+    np.testing.assert_array_equal(classify_blocks(np.asarray(end), 64, 128)[0, :, 1],
+                                  [EMPTY, EMPTY, PARTIAL, PARTIAL])
+    branch_a, branch_b = slice(64, 128), slice(128, 256)
+
+    q, k, v, d_out = _inputs(end, q_heads=1, kv_heads=1, head_dim=64, seed=2)
+    poison = lambda x: x.at[:, branch_a].set(jnp.nan)
+    got = _kernel(tmp_path, poison(q), poison(k), poison(v), end, d_out, softcap=20.0)
+    want = _reference(q, k, v, end, d_out, softcap=20.0)  # B's results ignore A's values
+    for g in got:
+        assert np.isfinite(g[:, branch_b]).all()
+    _assert_close([g[:, branch_b] for g in got], [w[:, branch_b] for w in want])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim, seq, softcap", [
+    (4, 1, 128, 300, None),  # head pairs, 2 pairs per kv head in dK/dV; S padded to 384
+    (3, 1, 64, 320, 30.0),  # odd group: one head per CTA, dK/dV loops over 3 heads
+])
+def test_random_forests_in_interpreter(tmp_path, q_heads, kv_heads, head_dim, seq, softcap):
+    """Random multi-level trees (long shared prompt, siblings, paths ending at internal nodes,
+    duplicates), several per row, two or more rows, padding tails; every block kind occurs."""
+    rng = np.random.default_rng(seq)
+    trees = []
+    for _ in range(5):
+        forest = random_forest(rng, max_nodes=12, max_seg=24, roots=1, with_rl=False)
+        segments = [rng.integers(0, 64, 100).tolist()] + forest["segments"][1:]  # the prompt
+        trees.append(TrajectoryTree.from_nodes(forest["parents"], segments,
+                                               path_nodes=forest["path_nodes"]))
+    end = jnp.asarray(linearize(trees, seq).end)
+    assert end.shape[0] >= 2 and (np.diff(np.asarray(end), axis=1) < 0).any()  # rows, branches
+    pad_end = np.arange(seq + 1, seq + 1 + -seq % SEQ_MULTIPLE)  # as attention_mgpu pads
+    padded = np.concatenate(
+        [np.asarray(end), np.broadcast_to(pad_end, (end.shape[0], pad_end.size))], axis=1)
+    assert set(np.unique(classify_blocks(padded, 64, 64))) == {EMPTY, PARTIAL, FULL}
+    q, k, v, d_out = _inputs(end, q_heads, kv_heads, head_dim, seed=3)
+    _assert_close(_kernel(tmp_path, q, k, v, end, d_out, softcap=softcap),
+                  _reference(q, k, v, end, d_out, softcap=softcap))
+
+
+def _export(fn, *shapes):
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+    return re.findall(r"custom_call @(\w+)", exported.mlir_module())
+
+
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim, softcap", [
+    (8, 2, 128, None),  # head pairs per CTA
+    (4, 4, 128, 30.0),  # one head per CTA
+    (2, 1, 64, None),
+])
+def test_lowers_for_cuda_forward_and_backward_at_8k(q_heads, kv_heads, head_dim, softcap):
+    """The real Pallas -> Mosaic GPU lowering, through the public dispatch: one kernel forward,
+    three for forward + backward (forward, dQ, dK/dV)."""
+    rows, seq = 1, 8192
+    shapes = [((rows, seq, q_heads, head_dim), jnp.bfloat16),
+              ((rows, seq, kv_heads, head_dim), jnp.bfloat16),
+              ((rows, seq, kv_heads, head_dim), jnp.bfloat16),
+              ((rows, seq), jnp.int32)]
+    attend = lambda q, k, v, e: tree_attention(q, k, v, e, impl="pallas_mosaic_gpu",
+                                               softcap=softcap)
+    assert _export(attend, *shapes) == ["mosaic_gpu_v2"]
+    loss = lambda q, k, v, e: jnp.sum(attend(q, k, v, e).astype(jnp.float32) ** 2)
+    assert _export(jax.grad(loss, argnums=(0, 1, 2)), *shapes) == ["mosaic_gpu_v2"] * 3
+
+
+def test_head_dim_256_lowers_forward_and_backward_raises_on_smem():
+    shapes = [((1, 2048, 2, 256), jnp.bfloat16), ((1, 2048, 1, 256), jnp.bfloat16),
+              ((1, 2048, 1, 256), jnp.bfloat16), ((1, 2048), jnp.int32)]
+    attend = lambda q, k, v, e: attention_mgpu(q, k, v, e, scale=0.0625)
+    assert _export(attend, *shapes) == ["mosaic_gpu_v2"]
+    loss = lambda q, k, v, e: jnp.sum(attend(q, k, v, e).astype(jnp.float32))
+    with pytest.raises(ValueError, match="dq kernel needs .* KiB of shared memory"):
+        _export(jax.grad(loss, argnums=(0, 1, 2)), *shapes)
+
+
+@pytest.mark.parametrize("dtype, head_dim, kw, match", [
+    (jnp.float32, 64, {}, "must all be bfloat16 or float16 \\(wgmma operands\\)"),
+    (jnp.bfloat16, 96, {}, "head_dim=96 must be a multiple of 64"),
+    (jnp.bfloat16, 64, dict(block_kv=192), "block_kv=192: must be 64 or 128"),
+    (jnp.bfloat16, 128, dict(stages=4), "forward kernel needs .* KiB of shared memory"),
+])
+def test_rejects_what_the_kernel_cannot_honour(dtype, head_dim, kw, match):
+    x = jnp.zeros((1, 128, 2, head_dim), dtype)
+    end = jnp.arange(1, 129, dtype=jnp.int32)[None]
+    with pytest.raises(ValueError, match=match):
+        attention_mgpu(x, x, x, end, scale=1.0, **kw)

@@ -1,0 +1,217 @@
+"""Gated delta rule kernels: chunked == recurrent (== Hugging Face), state carry, tree routing,
+path conv1d, and the O(chunks x state) residual memory of the tree scan."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from jtree.linearize import linearize
+from jtree.tree import TrajectoryTree
+from jtree.kernels.gdn import gated_delta_rule_chunked, gated_delta_rule_recurrent, tree_gated_delta_rule
+from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
+from tests.models_util import rel_l2
+from tests.strategies import forests
+
+HK, HV, DK, DV = 2, 4, 8, 6
+recurrent = jax.jit(gated_delta_rule_recurrent)
+chunked = jax.jit(gated_delta_rule_chunked, static_argnames="chunk_size")
+
+
+def _inputs(rng, lead, hk=HK, hv=HV, dk=DK, dv=DV):
+    f32 = np.float32
+    return (rng.normal(size=lead + (hk, dk)).astype(f32), rng.normal(size=lead + (hk, dk)).astype(f32),
+            rng.normal(size=lead + (hv, dv)).astype(f32),
+            -rng.uniform(0.0, 1.5, size=lead + (hv,)).astype(f32),
+            rng.uniform(size=lead + (hv,)).astype(f32))
+
+
+def _state(rng, b, hv=HV, dk=DK, dv=DV):
+    return rng.normal(size=(b, hv, dk, dv)).astype(np.float32)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16, 64])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_equals_recurrent(chunk, with_state):
+    rng = np.random.default_rng(chunk)
+    args = _inputs(rng, (2, 37))
+    s0 = _state(rng, 2) if with_state else None
+    o_r, f_r = recurrent(*args, s0)
+    o_c, f_c = chunked(*args, s0, chunk_size=chunk)
+    assert float(jnp.max(jnp.abs(o_r - o_c))) <= 1e-5
+    assert float(jnp.max(jnp.abs(f_r - f_c))) <= 1e-5
+
+
+def test_recurrent_matches_hugging_face():
+    torch = pytest.importorskip("torch")
+    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    rng = np.random.default_rng(0)
+    args = _inputs(rng, (2, 19))
+    s0 = _state(rng, 2)
+    o, f = recurrent(*args, s0)
+    o_hf, f_hf = hf.torch_recurrent_gated_delta_rule(
+        *(torch.tensor(a) for a in args), initial_state=torch.tensor(s0), output_final_state=True,
+        use_qk_l2norm_in_kernel=True)
+    np.testing.assert_allclose(o, o_hf.numpy(), atol=1e-5)
+    np.testing.assert_allclose(f, f_hf.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [1, 13, 32])
+def test_carrying_the_state_across_a_split_equals_one_pass(split):
+    rng = np.random.default_rng(split)
+    args = _inputs(rng, (2, 40))
+    s0 = _state(rng, 2)
+    o_full, f_full = chunked(*args, s0, chunk_size=8)
+    o_a, f_a = chunked(*(a[:, :split] for a in args), s0, chunk_size=8)
+    o_b, f_b = chunked(*(a[:, split:] for a in args), f_a, chunk_size=8)
+    np.testing.assert_allclose(np.concatenate([o_a, o_b], axis=1), o_full, atol=1e-5)
+    np.testing.assert_allclose(f_b, f_full, atol=1e-5)
+
+
+def test_gradients_match_between_forms():
+    rng = np.random.default_rng(3)
+    args = _inputs(rng, (2, 21))
+    s0 = _state(rng, 2)
+    r_out = rng.normal(size=(2, 21, HV, DV)).astype(np.float32)
+    r_state = rng.normal(size=s0.shape).astype(np.float32)
+
+    def loss(fn, *a):
+        o, f = fn(*a)
+        return jnp.sum(o * r_out) + jnp.sum(f * r_state)
+
+    by_chunks = functools.partial(gated_delta_rule_chunked, chunk_size=8)
+    g_r = jax.jit(jax.grad(lambda *a: loss(gated_delta_rule_recurrent, *a), argnums=range(6)))(
+        *args, s0)
+    g_c = jax.jit(jax.grad(lambda *a: loss(by_chunks, *a), argnums=range(6)))(*args, s0)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), g_c, g_r):
+        assert rel_l2(a, b) <= 1e-5, name
+        assert float(jnp.linalg.norm(b)) > 0, name
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def _path_index(batch, max_len):
+    """[P, max_len] row-local token index of every path (-1 pad) and its row."""
+    rows, idx = [], []
+    for t, r, off in zip(batch.layout.trees, batch.layout.rows, batch.layout.offsets):
+        for p in range(t.n_paths):
+            chain = t.path_token_index(p) + off
+            idx.append(np.pad(chain, (0, max_len - len(chain)), constant_values=-1))
+            rows.append(r)
+    return np.asarray(rows), np.stack(idx)
+
+
+def _gather_paths(x, rows, idx):
+    """Per-path inputs [P, T, ...]; padding slots are zero (k = beta = g = 0: state unchanged)."""
+    picked = x[rows[:, None], jnp.maximum(idx, 0)]
+    return jnp.where((idx >= 0).reshape(idx.shape + (1,) * (x.ndim - 2)), picked, 0)
+
+
+TREE_S, TREE_ROWS, MAX_PATHS = 64, 4, 48
+
+
+@functools.lru_cache(maxsize=None)
+def _tree_and_path_grads():
+    """Jitted (loss, outputs, grads) of the tree kernel and of the per-path recurrent reference,
+    for fixed shapes so hypothesis examples reuse one compilation per chunk size."""
+
+    def tree_loss(q, k, v, g, beta, s0, tables, weight, target):
+        o, _ = tree_gated_delta_rule(q, k, v, g, beta, chunk_tokens=tables[0],
+                                     chunk_src=tables[1], token_slot=tables[2], initial_state=s0)
+        return jnp.sum(weight[..., None, None] * o * target), o
+
+    def path_loss(q, k, v, g, beta, s0, rows, idx, coeff, target):
+        per_path = [_gather_paths(x, rows, idx) for x in (q, k, v, g, beta)]
+        o, _ = gated_delta_rule_recurrent(*per_path, s0[rows])
+        return jnp.sum(coeff[..., None, None] * o * _gather_paths(target, rows, idx)), o
+
+    def grads(fn):
+        return jax.jit(jax.value_and_grad(fn, argnums=range(6), has_aux=True))
+
+    return grads(tree_loss), grads(path_loss)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+@settings(max_examples=8, deadline=None)
+@given(trees=forests(n_trees=(1, 4), max_nodes=10, max_seg=6))
+def test_tree_outputs_and_gradients_equal_per_path(trees, chunk):
+    """Every path's outputs equal the recurrent reference on that path alone (starting from its
+    row's initial state), and gradients of a weighted tree loss equal the per-path loss's, for
+    chunk boundaries inside nodes, single-token nodes and several trees per row."""
+    batch = linearize(trees, TREE_S, gdn_chunk_size=chunk, n_rows=TREE_ROWS,
+                      gdn_chunks=TREE_S)
+    rng = np.random.default_rng(chunk)
+    r, s = batch.shape
+    args = _inputs(rng, (r, s)) + (_state(rng, r),)
+    tables = (batch.gdn_chunk_tokens, batch.gdn_chunk_src, batch.gdn_token_slot)
+    rows, idx = _path_index(batch, TREE_S)
+    n_paths = len(rows)
+    assert n_paths <= MAX_PATHS
+    rows = np.pad(rows, (0, MAX_PATHS - n_paths))
+    idx = np.pad(idx, ((0, MAX_PATHS - n_paths), (0, 0)), constant_values=-1)
+    coeff = rng.uniform(0.5, 2.0, size=idx.shape).astype(np.float32) * (idx >= 0)
+    target = rng.normal(size=(r, s, HV, DV)).astype(np.float32)
+    # W_t = sum over paths through t of the path's coefficient at t.
+    weight = np.zeros((r, s), np.float32)
+    real = idx >= 0
+    np.add.at(weight, (np.broadcast_to(rows[:, None], idx.shape)[real], idx[real]), coeff[real])
+
+    tree_fn, path_fn = _tree_and_path_grads()
+    (l_t, o_t), g_t = tree_fn(*args, tables, weight, target)
+    (l_p, o_p), g_p = path_fn(*args, rows, idx, coeff, target)
+    np.testing.assert_allclose(np.asarray(o_t)[rows[:, None], idx][real], np.asarray(o_p)[real],
+                               atol=1e-5)
+    assert float(l_t) == pytest.approx(float(l_p), rel=1e-5, abs=1e-5)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), g_t, g_p):
+        assert rel_l2(a, b) <= 1e-5, name
+
+
+@settings(max_examples=15, deadline=None)
+@given(trees=forests(n_trees=(1, 4), max_nodes=10, max_seg=3))
+def test_path_conv_reads_the_pred_chain(trees):
+    """The conv on the tree equals a plain causal conv (zero left padding) on every path."""
+    batch = linearize(trees, 48)
+    rng = np.random.default_rng(0)
+    kernel = 4
+    x = rng.normal(size=batch.shape + (5,)).astype(np.float32)
+    w = rng.normal(size=(5, kernel)).astype(np.float32)
+    out = np.asarray(tree_causal_conv1d(x, w, path_context(batch.pred, kernel - 1)))
+    for t, r, off in zip(batch.layout.trees, batch.layout.rows, batch.layout.offsets):
+        for p in range(t.n_paths):
+            idx = t.path_token_index(p) + off
+            xp = np.concatenate([np.zeros((kernel - 1, 5), np.float32), x[r, idx]])
+            want = sum(xp[m : m + len(idx)] * w[:, m] for m in range(kernel))
+            np.testing.assert_allclose(out[r, idx], want, atol=1e-5)
+
+
+def _residual_bytes(n_chunks: int) -> tuple[int, int]:
+    """Bytes the backward pass keeps (the leaves of jax.vjp's closure) and the largest leaf."""
+    tree = TrajectoryTree.from_nodes([-1, 0, 0, 1], [[1] * 9, [2] * 5, [3] * 3, [4] * 4])
+    batch = linearize([tree], 24, gdn_chunk_size=4, gdn_chunks=n_chunks)
+    args = _inputs(np.random.default_rng(0), batch.shape)
+
+    @jax.jit
+    def f(*a):
+        return tree_gated_delta_rule(*a, chunk_tokens=batch.gdn_chunk_tokens,
+                                     chunk_src=batch.gdn_chunk_src, token_slot=batch.gdn_token_slot)[0]
+
+    _, vjp_fn = jax.vjp(f, *args)
+    sizes = [x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(vjp_fn)]
+    return sum(sizes), max(sizes)
+
+
+def test_backward_residuals_grow_with_chunks_not_chunks_times_buffer():
+    """The scan's buffer holds NC + 1 states; keeping it per step would cost NC * (NC + 1) states.
+    The residuals must instead be affine in NC, with at most a few states per chunk."""
+    state_bytes = HV * DK * DV * 4
+    (r8, _), (r16, _), (r32, m32) = (_residual_bytes(n) for n in (8, 16, 32))
+    assert r32 - r16 == 2 * (r16 - r8)  # exactly affine in the number of chunks
+    per_chunk = (r16 - r8) / 8
+    chunk_tokens = 4
+    # One entering state per chunk plus O(C) per-token terms (C x C intra-chunk matrices).
+    assert per_chunk <= 2 * state_bytes + 16 * HV * chunk_tokens * (chunk_tokens + DK + DV) * 4
+    assert m32 < 32 * 33 * state_bytes / 8

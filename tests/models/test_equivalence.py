@@ -1,0 +1,67 @@
+"""Tree mode == per-path baseline, through the real model: log-probs, losses and gradients.
+
+Random forests that branch (several levels, siblings, internal path ends, duplicates, several
+trees per row, single-token nodes, several roots), float32, docs/design.md section 9 tolerances.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from jtree.baseline import linearize_baseline, unlinearize_baseline
+from jtree.linearize import linearize, unlinearize
+from jtree.loss import NORMALIZATIONS
+from jtree.train_step import Objective
+from tests.models_util import (
+    assert_loss_and_grads_match,
+    logprob_fn,
+    off_policy_ppo_inputs,
+    tiny_model,
+)
+from tests.strategies import forests
+
+S, TREE_ROWS, BASE_ROWS = 64, 3, 40
+GRAPHDEF, PARAMS = tiny_model(seed=1)
+FORESTS = forests(n_trees=(1, 3), max_nodes=8, max_seg=5)
+
+
+def _batches(trees, normalization):
+    tree = linearize(trees, S, normalization=normalization, n_rows=TREE_ROWS)
+    base = linearize_baseline(trees, S, normalization=normalization, n_rows=BASE_ROWS)
+    return tree, base
+
+
+@settings(max_examples=15, deadline=None)
+@given(trees=FORESTS)
+def test_logprobs_equal_baseline(trees):
+    tree, base = _batches(trees, "seq_mean_token_mean")
+    fn = logprob_fn(GRAPHDEF)
+    lp_tree = unlinearize(tree, np.asarray(fn(PARAMS, tree.arrays())))
+    lp_base = unlinearize_baseline(base, np.asarray(fn(PARAMS, base.arrays())), trees)
+    for a_paths, b_paths in zip(lp_tree, lp_base):
+        for a, b in zip(a_paths, b_paths):
+            assert a[0] == 0.0 and b[0] == 0.0
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+            assert np.all(a[1:] < 0)
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@settings(max_examples=6, deadline=None)
+@given(trees=FORESTS)
+def test_sft_loss_and_grads_equal_baseline(trees, normalization):
+    tree, base = _batches(trees, normalization)
+    assert_loss_and_grads_match(GRAPHDEF, PARAMS, tree.arrays(), base.arrays(),
+                                Objective(kind="sft"))
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@settings(max_examples=6, deadline=None)
+@given(trees=FORESTS)
+def test_ppo_loss_and_grads_equal_baseline(trees, normalization):
+    """Clipped surrogate + KL + entropy, with advantages that differ between paths sharing tokens
+    and old/ref log-probs off the current policy so clipping really happens."""
+    tree, base = _batches(trees, normalization)
+    tree_in, base_in = off_policy_ppo_inputs(PARAMS, GRAPHDEF, tree, base, seed=len(trees))
+    objective = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05,
+                          entropy_coef=0.01)
+    assert_loss_and_grads_match(GRAPHDEF, PARAMS, tree_in, base_in, objective)

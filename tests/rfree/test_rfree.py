@@ -1,0 +1,321 @@
+"""Redundancy-free partitioning (jtree.rfree): plans compute every tree token once, and running the
+parts depth-first over cached prefixes gives the unpartitioned tree's log-probs, loss and gradients
+(docs/design.md section 9 tolerances) for dense, MoE and hybrid (GDN) tiny models, at capacities down to
+a few tokens (far below the longest shared prefix), with both prefix-backward modes.
+
+Trees: `branching_trees` (two trees needing several parts, one small tree that fits whole and is
+packed into a part row's spare room or a whole micro-batch) with per-path old log-probs that agree
+on shared tokens, so PPO is one function of the tree. Rows are at most 16 tokens and the prefix has
+one bucket, so each model compiles a handful of shapes; part rows fit their content (the default)
+in the dense and GDN tests, and all have 16 tokens in the MoE test.
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+
+from jtree.linearize import linearize
+from jtree.models import Qwen3Next, Qwen3NextConfig
+from jtree.rfree.execute import RedundancyFreeStep
+from jtree.rfree.layout import build_program, octave_step_length, prefix_bucket, row_length
+from jtree.rfree.plan import plan_parts
+from jtree.rfree.schedule import LiveBuffers, child_order, part_slots
+from jtree.train_step import Objective, make_grad_fn, stack_microbatches
+from jtree.tree import TrajectoryTree
+from tests.models_util import logprob_fn, rel_l2, tiny_model
+from tests.strategies import forests
+from tests.models.test_hybrid_equivalence import COMMON, tiny
+from tests.train.test_partition_grad import branching_trees
+
+ROW, PREFIX, CHUNK = 16, [16], 3
+
+
+def on_path_tokens(tree: TrajectoryTree) -> np.ndarray:
+    """Tree tokens on at least one path (the ones training computes)."""
+    return np.unique(np.concatenate([tree.path_token_index(p) for p in range(tree.n_paths)]))
+
+
+def check_plan(tree: TrajectoryTree, capacity: int) -> None:
+    parts = plan_parts(tree, capacity)
+    owned = np.concatenate([p.own for p in parts])
+    assert np.array_equal(np.sort(owned), on_path_tokens(tree))  # each token exactly once
+    owner = np.full(tree.n_tree_tokens, -1)
+    for k, p in enumerate(parts):
+        assert 1 <= len(p.own) <= capacity
+        owner[p.own] = k
+    pred = tree.token_arrays["pred"]
+    for k, p in enumerate(parts):
+        if p.attach < 0:
+            assert p.parent == -1
+            assert np.all((pred[p.own] < 0) | (owner[np.maximum(pred[p.own], 0)] == k))
+        else:
+            assert p.parent < k and owner[p.attach] == p.parent and k in parts[p.parent].children
+            # own tokens hang below the attach token: the prefix is each own token's path head
+            outside = pred[p.own][owner[pred[p.own]] != k]
+            assert np.all(outside == p.attach)
+            chain = p.prefix
+            assert chain[-1] == p.attach and len(chain) == tree.token_arrays["pos"][p.attach] + 1
+            assert np.all(np.diff(chain) > 0) and np.all(pred[chain[1:]] == chain[:-1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(n_trees=(1, 1), max_nodes=14, max_seg=6))
+def test_plan_computes_every_token_once_and_parts_hang_below_one_token(trees):
+    for capacity in (1, 2, 3, 7, 40):
+        check_plan(trees[0], capacity)
+
+
+def test_plan_keeps_the_root_segment_whole_when_no_more_parts_result():
+    """Capacity 10: the subtree of node 2 closes a full part (its children's 8 tokens + 2 of its
+    3) and leaves 1 token open, with that part below it; at the root (4 tokens, open children of
+    3, 1 and 3) walking up the root segment would close 10 tokens and leave a 1-token top part,
+    both parts with children. Kept whole, the root part holds its segment, the 1-token remainder
+    and one 3-token child; the other 3 tokens are a leaf part: 3 parts (ceil(21 / 10)), only the
+    top one with children."""
+    tree = TrajectoryTree.from_nodes(
+        parents=[-1, 0, 0, 0, 2, 2],
+        segments=[[1] * 4, [2] * 3, [3] * 3, [4] * 3, [5] * 4, [6] * 4])
+    check_plan(tree, 10)
+    parts = plan_parts(tree, 10)
+    assert len(parts) == 3
+    assert [len(p.own) for p in parts if p.children] == [8]
+    assert parts[0].attach == -1 and len(parts[0].own) == 8
+    assert sorted(len(p.own) for p in parts[1:]) == [3, 10]
+
+
+def test_plan_rejects_bad_capacity_and_prefix_buckets():
+    tree = branching_trees(seed=7)[0]
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="capacity"):
+            plan_parts(tree, bad)
+    with pytest.raises(ValueError, match="prefix_buckets"):
+        build_program([tree], 4, seq_len=ROW, prefix_buckets=[2])
+    with pytest.raises(ValueError, match="seq_len"):
+        build_program([tree], 8, seq_len=4)
+    with pytest.raises(ValueError, match="row_lengths"):
+        build_program([tree], 4, seq_len=ROW, row_lengths=[8, 32])
+    assert [prefix_bucket(n) for n in (0, 1, 8, 9, 33, 100)] == [0, 8, 8, 12, 48, 128]
+    assert [octave_step_length(n, 8) for n in (1, 9, 33, 100, 200, 257)] == [8, 16, 40, 104, 208,
+                                                                            288]
+
+
+def longest_shared_prefix(trees) -> int:
+    """Length of the longest prefix that several paths share."""
+    best = 0
+    for t in trees:
+        shared = np.bincount(t.flat_token_index, minlength=t.n_tree_tokens) > 1
+        best = max([best] + (t.token_arrays["pos"][shared] + 1).tolist())
+    return best
+
+
+def test_program_computes_each_token_once_and_packs_small_trees():
+    trees = branching_trees(seed=7)
+    assert longest_shared_prefix(trees) == 8  # capacities 5, 3 and 2 below cut shared prefixes
+    for capacity in (16, 5, 3, 2):
+        program = build_program(trees, capacity, seq_len=ROW)
+        assert program.n_computed == sum(len(on_path_tokens(t)) for t in trees)
+        assert len(program.parts) >= 2
+    # Capacity 16: the small tree rides in a part row's spare room; a 3-token-capacity row of 3
+    # tokens has no room, so it goes to an ordinary micro-batch.
+    assert build_program(trees, 16, seq_len=ROW).whole is None
+    assert build_program(trees, 3).whole_trees == (2,)
+    # Parts at the top of a tree get an all-padding prefix as long as the shortest other one, so
+    # with one prefix bucket and one row length every part row has the same shapes (one compile
+    # per jitted piece).
+    program = build_program(trees, 3, seq_len=ROW, prefix_buckets=PREFIX, row_lengths=[ROW])
+    assert {tuple(v.shape for v in p.inputs.values()) for p in program.parts} == {
+        tuple(v.shape for v in program.parts[0].inputs.values())}
+    program = build_program(trees, 3, seq_len=ROW)
+    lengths = [p.prefix_len for p in program.parts]
+    for p in program.parts:
+        if p.parent < 0:
+            assert p.prefix_len == min(q.prefix_len for q in program.parts if q.parent >= 0)
+            j = np.arange(p.prefix_len)
+            np.testing.assert_array_equal(p.inputs["prefix_end"][0], j + 1)  # padding only
+            np.testing.assert_array_equal(p.inputs["prefix_pred"][0], -1)
+    assert len(set(lengths)) < len(lengths)
+
+
+def test_part_rows_fit_their_content():
+    """A part row is the smallest allowed length holding its tokens (and the small trees packed
+    after them); `row_lengths=[seq_len]` gives every part row the full length."""
+    trees = branching_trees(seed=7)
+    assert [row_length(n, 64, steps_per_octave=2) for n in (1, 8, 9, 33, 100)] == [8, 8, 16, 48, 64]
+    assert [row_length(n, 256) for n in (1, 9, 100, 129, 199, 239, 300)] == [8, 16, 104, 144, 208,
+                                                                            240, 256]
+    assert [row_length(n, 64, [16, 32]) for n in (1, 20, 40)] == [16, 32, 64]
+    for capacity in (16, 5, 2):
+        fitted = build_program(trees, capacity, seq_len=64)
+        for p in fitted.parts:
+            content = sum(len(m.tokens) for m in p.members)
+            assert p.inputs["tokens"].shape[1] == row_length(content, 64)
+            assert p.inputs["valid"][0, :content].all() and not p.inputs["valid"][0, content:].any()
+        fixed = build_program(trees, capacity, seq_len=64, row_lengths=[64])
+        assert {p.inputs["tokens"].shape[1] for p in fixed.parts} == {64}
+        assert fitted.n_computed == fixed.n_computed
+        finer = build_program(trees, capacity, seq_len=64, row_steps_per_octave=16)
+        for p in finer.parts:
+            content = sum(len(m.tokens) for m in p.members)
+            assert p.inputs["tokens"].shape[1] == row_length(content, 64, steps_per_octave=16)
+    for bad in (0, 3, 2.0, True):
+        with pytest.raises(ValueError, match="row_steps_per_octave"):
+            build_program(trees, 5, seq_len=64, row_steps_per_octave=bad)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("min_step", [2, 8])
+def test_octave_step_lengths_bound_padding_and_count(steps, min_step):
+    """Lengths on the grid of `steps` per octave (steps of at least `min_step` tokens): the
+    smallest grid length holding n, padding below max(n / steps, min_step), at most `steps`
+    lengths per octave."""
+    n = np.arange(1, 4097)
+    lengths = np.array([octave_step_length(int(k), steps, min_step) for k in n])
+    assert np.all(lengths >= n) and np.all(np.diff(lengths) >= 0)
+    assert np.all(lengths[n <= 8] == 8) and np.all(lengths % min_step == 0)
+    big = n > 8
+    assert np.all(lengths[big] - n[big] < np.maximum(min_step, n[big] / steps))
+    grid = np.unique(lengths)
+    assert np.all(lengths[grid - 1] == grid)  # a grid length holds itself: smallest fit
+    assert len(grid) <= steps * 9 + 1  # 8, then the octaves (8, 16], ..., (2048, 4096]
+    assert {256, 512, 4096} <= set(grid)  # powers of two are on every grid
+
+
+def check_schedule(program, live: LiveBuffers, mode: str) -> None:
+    """The executor ran parts in post-order, children in `child_order` (largest need first), and
+    at every device call only the parts on the chain above the running part held buffers (in
+    modes other than `residuals`, at most one part its residuals)."""
+    parts = program.parts
+    order = child_order(program)
+    for k, kids in enumerate(order):
+        assert sorted(kids) == sorted(parts[k].children)
+        needs = [subtree_need(program, order, c) for c in kids]
+        assert needs == sorted(needs, reverse=True)
+    calls = [(name, k) for name, k, _, _ in live.events if k >= 0]
+    ends = {"leaf", "backward", "forward_backward"}
+    backward = {k: i for i, (name, k) in enumerate(calls) if name in ends}
+    assert sorted(backward) == list(range(len(parts)))  # every part's backward, once
+    assert sum(name in ends for name, _ in calls) == len(parts)
+    for k, part in enumerate(parts):
+        span = [i for i, (_, j) in enumerate(calls) if j == k]
+        first = {c: min(i for i, (_, j) in enumerate(calls) if j == c) for c in part.children}
+        for c in part.children:  # the child's whole subtree runs between k's calls
+            assert span[0] < first[c] and backward[c] < backward[k]
+        assert sorted(first, key=first.get) == list(order[k])
+        for a, b in zip(order[k], order[k][1:]):  # subtree a finishes before b starts
+            assert backward[a] < first[b]
+    for name, k, held, nbytes in live.events:
+        if k < 0:
+            continue
+        chain = {k}
+        while parts[k].parent >= 0:
+            k = parts[k].parent
+            chain.add(k)
+        assert {j for _, j in held} <= chain, (name, held, chain)
+        assert 0 < nbytes <= live.peak_bytes
+        if mode != "residuals":
+            assert sum(kind == "residuals" for kind, _ in held) <= 1, (name, held)
+    if mode == "auto":  # residuals kept exactly by the parts whose children are all leaves
+        kept = {j for _, _, held, _ in live.events for kind, j in held if kind == "residuals"}
+        assert kept == {k for k, p in enumerate(parts)
+                        if p.children and not any(parts[c].children for c in p.children)}
+
+
+def subtree_need(program, order, k: int) -> int:
+    """need(k) of `jtree.rfree.schedule` for the given child order, recomputed recursively."""
+    kids = order[k]
+    slots = part_slots(program, k)
+    return slots + max([subtree_need(program, order, c) + (slots if i else 0)
+                        for i, c in enumerate(kids)], default=0)
+
+
+def test_child_order_minimizes_need_over_every_order():
+    import itertools
+
+    trees = branching_trees(seed=7)
+    for capacity in (5, 3, 2):
+        program = build_program(trees, capacity)  # default buckets: parts differ in size
+        order = child_order(program)
+        for k, part in enumerate(program.parts):
+            best = min(subtree_need(program, [o if j != k else perm for j, o in enumerate(order)],
+                                    k)
+                       for perm in itertools.islice(itertools.permutations(part.children), 720))
+            assert subtree_need(program, order, k) == best
+
+
+def _reference(graphdef, params, trees, objective, chunk):
+    full = linearize(trees, 64, normalization=objective.normalization, gdn_chunk_size=chunk,
+                     gdn_chunks=64 if chunk else None)
+    loss, _, grads = jax.jit(make_grad_fn(graphdef, objective))(params, stack_microbatches([full]))
+    logp = np.asarray(logprob_fn(graphdef)(params, full.arrays()))
+    per_tree = [logp[r, o : o + t.n_tree_tokens]
+                for t, r, o in zip(full.layout.trees, full.layout.rows, full.layout.offsets)]
+    return loss, grads, per_tree
+
+
+def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengths=None):
+    trees = branching_trees(seed=7)
+    loss_ref, grads_ref, logp_ref = _reference(graphdef, params, trees, objective, chunk)
+    leaves_ref = jax.tree_util.tree_leaves(grads_ref)
+    # One step per mode for all capacities: prefixes (and rows with `row_lengths=[ROW]`) keep
+    # their shapes, compiled once.
+    steps = {mode: RedundancyFreeStep(graphdef, objective, prefix_backward=mode) for mode in modes}
+    for capacity in capacities:
+        program = build_program(trees, capacity, seq_len=ROW, prefix_buckets=PREFIX,
+                                row_lengths=row_lengths,
+                                normalization=objective.normalization, gdn_chunk_size=chunk,
+                                gdn_chunks=ROW if chunk else None,
+                                gdn_exports=4 if chunk else None)
+        for mode, step in steps.items():
+            loss, _, grads = step(params, program)
+            assert float(loss) == pytest.approx(float(loss_ref), rel=1e-5, abs=1e-7), (capacity,
+                                                                                      mode)
+            leaves = jax.tree_util.tree_leaves(grads)
+            assert len(leaves) == len(leaves_ref)
+            for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), leaves_ref):
+                assert rel_l2(a, b) <= 1e-5, (capacity, mode, jax.tree_util.keystr(path))
+            check_schedule(program, step.live, mode)
+        for got, want, tree in zip(step.logprobs(params, program), logp_ref, trees):
+            on = on_path_tokens(tree)
+            np.testing.assert_allclose(got[on], want[on], rtol=0, atol=1e-5)
+
+
+PPO = Objective(kind="ppo", normalization="token_mean", clip_low=0.1, clip_high=0.1,
+                kl_coef=0.05)
+SFT = Objective(kind="sft", normalization="seq_mean_token_mean")
+
+
+def test_dense_equals_unpartitioned_tree():
+    graphdef, params = tiny_model(seed=3)
+    _check(graphdef, params, SFT, capacities=(16, 5, 2), modes=("residuals", "auto"))
+
+
+def test_moe_equals_unpartitioned_tree_with_pooled_router_loss():
+    graphdef, params = tiny("moe")
+    _check(graphdef, params, PPO, capacities=(5,), modes=("residuals",), row_lengths=[ROW])
+
+
+def gdn_only_model():
+    """A one-layer Gated DeltaNet model with a dense MLP: the GDN prefix path (conv context,
+    states at attach tokens) at a fraction of the hybrid MoE model's compile time."""
+    cfg = Qwen3NextConfig(**{**COMMON, "mlp_only_layers": (0,)}, num_hidden_layers=1,
+                          linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=2,
+                          linear_num_value_heads=4, layer_types=("linear_attention",))
+    return nnx.split(Qwen3Next(cfg, rngs=nnx.Rngs(0)))
+
+
+def test_gdn_equals_unpartitioned_tree():
+    graphdef, params = gdn_only_model()
+    _check(graphdef, params, SFT, capacities=(5,), modes=("recompute",), chunk=CHUNK)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense", "moe", "hybrid", "gdn"])
+@pytest.mark.parametrize("objective", [SFT, PPO], ids=["sft", "ppo"])
+def test_equals_unpartitioned_tree_slow(kind, objective):
+    graphdef, params = {"dense": lambda: tiny_model(seed=3), "gdn": gdn_only_model}.get(
+        kind, lambda: tiny(kind))()
+    _check(graphdef, params, objective, capacities=(16, 5, 3, 2),
+           modes=("residuals", "recompute", "auto"),
+           chunk=CHUNK if kind in ("hybrid", "gdn") else None)

@@ -1,0 +1,54 @@
+"""Two processes joined by jax.distributed (localhost, one CPU device each, mesh data=2) train
+the same losses as one process, and write one checkpoint together."""
+
+import socket
+
+import pytest
+
+from jtree.launch.train import main
+from tests.run_util import finish, launch, read_metrics, tiny_overrides, write_groups
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(tmp_path):
+    data = write_groups(tmp_path / "groups.jsonl")
+    common = tiny_overrides(data, **{"run.steps": 3})
+    single = tmp_path / "single.jsonl"
+    assert main(["--config", "configs/tiny.yaml", *common, f"run.metrics_jsonl={single}"]) == 0
+
+    multi = tmp_path / "multi.jsonl"
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        env = {"JTREE_COORDINATOR": f"localhost:{port}", "JTREE_NUM_PROCESSES": "2",
+               "JTREE_PROCESS_ID": str(pid)}
+        log = tmp_path / f"proc{pid}"
+        procs.append((launch(["--config", "configs/tiny.yaml", *common,
+                              f"run.metrics_jsonl={multi}", "mesh.data=2",
+                              f"checkpoint.dir={tmp_path}/ckpt"], log, env), log))
+    results = [finish(p, log) for p, log in procs]
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+    assert "mesh data=2 x model=1 over 2 process(es)" in results[0][1]
+    a, b = read_metrics(single), read_metrics(multi)
+    assert [r["step"] for r in b] == [0, 1, 2]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["n_tree_tokens"] == x["n_tree_tokens"]
+    assert (tmp_path / "ckpt" / "3").is_dir()
+
+
+def test_distributed_environment_is_validated():
+    from jtree.distributed import initialize_from_env
+
+    assert initialize_from_env({}) is False  # nothing set: one process
+    with pytest.raises(ValueError, match=r"JTREE_NUM_PROCESSES, JTREE_PROCESS_ID not set"):
+        initialize_from_env({"JTREE_COORDINATOR": "localhost:1234"})
+    with pytest.raises(ValueError, match=r"JTREE_PROCESS_ID=2 is not in \[0, 2\)"):
+        initialize_from_env({"JTREE_COORDINATOR": "localhost:1234", "JTREE_NUM_PROCESSES": "2",
+                             "JTREE_PROCESS_ID": "2"})
