@@ -93,6 +93,7 @@ class StepBuilders:
             self._build(mode, cfg.data.rows_per_micro_batch)
 
     def __getitem__(self, mode: str) -> StepBuilder:
+        """The builder of `mode`, built now if the run does not train on it."""
         if mode not in self._built:
             self._build(mode, None)
         return self._built[mode]

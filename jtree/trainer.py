@@ -19,6 +19,7 @@ import dataclasses
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -53,7 +54,9 @@ from jtree.tree import TrajectoryTree
 
 @dataclasses.dataclass
 class Trainer:
-    """Everything a run needs once the config is read: mesh, model graphs, jitted functions."""
+    """What the config alone determines: mesh, model graphs, parameter shardings, optimizer and
+    the jitted step, log-prob and init functions. No data: `jtree.launch.lower_step` lowers the
+    step a run trains with from it."""
 
     cfg: TrainConfig
     mesh: Mesh
@@ -68,6 +71,8 @@ class Trainer:
 
     @classmethod
     def build(cls, cfg: TrainConfig) -> Trainer:
+        """Compiles nothing: the model is built abstractly (shapes only) and the functions are
+        jitted wrappers that compile on their first call."""
         mesh = make_mesh(cfg.mesh)
         arch, mcfg = cfg.model.architecture, cfg.model.config
         abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, seed=cfg.run.seed))
@@ -130,7 +135,8 @@ class Trainer:
                 "mode": c.run.mode, "data_path": c.data.path}
 
 
-def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any):
+def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any
+                    ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """The `run.mode=redundancy_free` step: `jtree.rfree` gradients part by part, then the
     optimizer update. Single device: the parts run as separate calls, not over a mesh."""
     if mesh.devices.size != 1:
@@ -180,6 +186,8 @@ class TrainingRun:
 
     @classmethod
     def build(cls, cfg: TrainConfig) -> TrainingRun:
+        """Load the trees, build the step functions, the step builders of the trained modes and
+        the pipeline that feeds this process's data shards, and open `checkpoint.dir`."""
         trees, report = load_training_trees(cfg)
         trainer = Trainer.build(cfg)
         shards = host_data_shards(trainer.mesh)
@@ -286,6 +294,7 @@ class TrainingRun:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def close(self) -> None:
+        """Release the checkpointer (its background writes are done by the end of `loop`)."""
         if self.checkpointer is not None:
             self.checkpointer.close()
 
