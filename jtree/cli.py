@@ -9,9 +9,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from jtree.commands import compare_torch, export_hf, stats
+from jtree.commands import compare_torch, export_hf, stats, train
 
-COMMANDS = (stats, compare_torch, export_hf)
+COMMANDS = (train, stats, compare_torch, export_hf)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

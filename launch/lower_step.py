@@ -34,8 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jtree.chunk_tables import default_chunk_count
     from jtree.config import load_config
     from jtree.linearize import FLOAT_FIELDS, INT_FIELDS
+    from jtree.run_data import gdn_chunk_size
     from jtree.sharding import DATA, MODEL, batch_spec
-    from jtree.launch.train import Trainer, gdn_chunk_size
+    from jtree.trainer import Trainer
 
     if jax.device_count() != args.devices:
         raise SystemExit("jax was initialized before XLA_FLAGS could be set; run as a module")

@@ -1,6 +1,12 @@
 import json
+import re
+import subprocess
+import sys
+
+import pytest
 
 from jtree.cli import main
+from tests.run_util import WORKTREE, read_metrics, tiny_overrides, write_groups
 
 
 def test_stats_prints_and_writes_json(tmp_path, capsys):
@@ -18,3 +24,35 @@ def test_bad_file_is_a_clear_error(tmp_path, capsys):
     bad.write_text('{"group": 0, "tokens": [1, -1]}\n')
     assert main(["stats", str(bad)]) == 2
     assert "bad.jsonl:1: tokens[1] = -1 is negative" in capsys.readouterr().err
+
+
+def test_train_runs_a_tiny_config(tmp_path, capsys):
+    """`jtree train` reaches the trainer with the launcher's arguments: config, overrides."""
+    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
+    metrics = tmp_path / "metrics.jsonl"
+    assert main(["train", "--config", "configs/tiny.yaml", *tiny_overrides(data, **{
+        "run.steps": 2, "data.trees_per_step": 2, "data.micro_batches": 1,
+        "run.metrics_jsonl": metrics})]) == 0
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^step +\d+ +loss +[\d.]+ ", out, re.M)) == 2
+    assert "summary: steps 0-1" in out
+    assert [r["step"] for r in read_metrics(metrics)] == [0, 1]
+
+
+def test_train_resume_without_a_checkpoint_dir_is_a_clear_error(tmp_path, capsys):
+    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
+    assert main(["train", "--config", "configs/tiny.yaml", "--resume",
+                 *tiny_overrides(data)]) == 2
+    assert "jtree train: error: --resume: checkpoint.dir is not set" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["-m", "jtree.cli", "train"], ["-m", "jtree.launch.train"],
+                                     ["-m", "launch.train"]],
+                         ids=["jtree_train", "jtree.launch.train", "launch.train"])
+def test_train_help_prints_a_usage_line(command):
+    """Both entry points (and the launcher run from the repository root) take the same arguments."""
+    done = subprocess.run([sys.executable, *command, "--help"], cwd=WORKTREE, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert re.match(r"usage: .*\[--config CONFIG\] \[--resume\]", done.stdout)
+    assert "overrides" in done.stdout

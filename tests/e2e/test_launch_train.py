@@ -92,7 +92,7 @@ def test_redundancy_free_mode_trains(tmp_path, capsys, modes):
 
 def test_redundancy_free_mode_refuses_a_multi_device_mesh_and_bad_settings():
     from jax.sharding import Mesh
-    from jtree.launch.train import make_rfree_step
+    from jtree.trainer import make_rfree_step
     from jtree.config import load_config
 
     cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free"])

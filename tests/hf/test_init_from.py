@@ -9,7 +9,7 @@ from flax import nnx
 import jtree.hf
 from jtree.config import load_config
 from jtree.models import Qwen3
-from jtree.launch.train import Trainer
+from jtree.trainer import Trainer
 from tests.models_util import tiny_config
 from tests.run_util import tiny_overrides
 

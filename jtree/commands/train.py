@@ -1,0 +1,42 @@
+"""`jtree train --config CFG [--resume] [key.path=value ...]`: train on trees from JSONL.
+
+One process or many (`jtree.distributed`: `launch/local_multihost.sh`, TPU pod and SLURM recipes
+in launch/). The step runs over the ('data', 'model') mesh of the config: data parallel over rows,
+tensor parallel inside shard_map. Prints one line per step (loss, baseline-equivalent and tree
+tokens/s, POR, ERR, grad norm, host/device time; with `run.mode=auto` the mode each step
+chose and why), writes metrics as JSONL (and TensorBoard),
+checkpoints with Orbax (`--resume` continues from the latest one, data order included), and ends
+with a summary. With `run.compare_baseline` it checks tree-vs-baseline log-prob equivalence with
+the trained parameters and times the tree step against the per-path baseline step on the same
+trees (alternating, medians). `python -m jtree.launch.train` takes the same arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of a training run, shared by `jtree train` and `jtree.launch.train`."""
+    parser.add_argument("--config", default=None, help="YAML config file")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in checkpoint.dir")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train on trees from JSONL (a YAML config + overrides)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so other commands start without building models and train steps.
+    from jtree.config import load_config
+    from jtree.distributed import initialize_from_env
+    from jtree.trainer import train
+
+    initialize_from_env()  # before anything touches a device
+    train(load_config(args.config, args.overrides), resume=args.resume)
+    return 0

@@ -1,0 +1,130 @@
+"""What a training run trains on: the trees of `data.path`, the step builders of each layout
+mode, the builder that feeds the run's pipeline for `run.mode`, and the placement of each step's
+host-local arrays on the mesh (every process feeds the data shards its devices hold)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jtree.config import TrainConfig
+from jtree.cost import FlopModel
+from jtree.data import (
+    AutoStepBuilder, BatchPlan, LoadReport, RfreePlan, RfreeStepBuilder, StepBuilder, all_units,
+    load_trees, rows_for_run,
+)
+from jtree.run_report import say
+from jtree.sharding import DATA, batch_spec
+from jtree.tree import TrajectoryTree
+
+
+def host_data_shards(mesh: Mesh) -> tuple[int, ...]:
+    """The data-axis indices whose devices live on this process (contiguous)."""
+    pid = jax.process_index()
+    shards = tuple(i for i in range(mesh.shape[DATA])
+                   if any(d.process_index == pid for d in mesh.devices[i]))
+    if not shards or shards != tuple(range(shards[0], shards[-1] + 1)):
+        raise ValueError(f"process {pid}: its devices hold data shards {shards}; expected a "
+                         "non-empty contiguous range (check the mesh/device order)")
+    return shards
+
+
+def to_global(mesh: Mesh, local: dict[str, np.ndarray], n_local_shards: int) -> dict[str, jax.Array]:
+    """Host-local [M, rows_local, ...] arrays -> global arrays split over `data`."""
+    out = {}
+    for key, value in local.items():
+        shape = (value.shape[0], value.shape[1] // n_local_shards * mesh.shape[DATA],
+                 *value.shape[2:])
+        sharding = NamedSharding(mesh, batch_spec(value.ndim))
+        out[key] = jax.make_array_from_process_local_data(sharding, value, shape)
+    return out
+
+
+def rfree_capacity(cfg: TrainConfig) -> int:
+    """`run.capacity` (default `data.seq_len`), checked against the rows it must fit."""
+    capacity = cfg.data.seq_len if cfg.run.capacity is None else cfg.run.capacity
+    if not 1 <= capacity <= cfg.data.seq_len:
+        raise ValueError(f"run.capacity={capacity}: must be in [1, data.seq_len={cfg.data.seq_len}]")
+    return capacity
+
+
+def gdn_chunk_size(cfg: TrainConfig) -> int | None:
+    """The GDN chunk size of the batches: `data.gdn_chunk_size` when the model has
+    linear-attention layers, else None (no chunk tables)."""
+    return cfg.data.gdn_chunk_size if cfg.model.config.needs_gdn_tables else None
+
+
+def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadReport]:
+    """The trees of `data.path` (bad records handled as `data.on_bad_record` says), announced
+    with their sharing."""
+    d = cfg.data
+    trees, report = load_trees(d.path, d.format, vocab_size=cfg.model.config.vocab_size,
+                               on_bad_record=d.on_bad_record, tokenizer=d.tokenizer)
+    total = sum((t.stats() for t in trees[1:]), trees[0].stats())
+    say(f"data: {len(trees)} trees from {d.path} ({d.format}): {total.n_flat_tokens} flat tokens, "
+        f"{total.n_tree_tokens} tree tokens, POR {total.por:.3f}"
+        + (f"; skipped {report.n_bad} bad record(s), first: {report.first_errors[0]}"
+           if report.n_bad else ""))
+    return trees, report
+
+
+def trained_modes(cfg: TrainConfig) -> tuple[str, ...]:
+    """The layout modes whose steps the run trains on: `auto` chooses between tree and baseline
+    per step; `redundancy_free` trains on programs, not on laid-out rows."""
+    return {"auto": ("tree", "baseline"), "redundancy_free": ()}.get(cfg.run.mode,
+                                                                    (cfg.run.mode,))
+
+
+class StepBuilders:
+    """The `StepBuilder` of each layout mode over the run's trees, each built once, so the run's
+    pipeline and the baseline comparison lay out the same steps at the same shapes. The trained
+    modes get `data.rows_per_micro_batch` rows (default: the fewest that hold every step of the
+    run); a mode built later on demand gets the fewest that hold every step of the run."""
+
+    def __init__(self, cfg: TrainConfig, trees: Sequence[TrajectoryTree], n_data: int,
+                 shards: tuple[int, ...]):
+        self._cfg, self._trees, self._n_data, self._shards = cfg, trees, n_data, shards
+        self._built: dict[str, StepBuilder] = {}
+        self.rows: dict[str, int] = {}
+        for mode in trained_modes(cfg):
+            self._build(mode, cfg.data.rows_per_micro_batch)
+
+    def __getitem__(self, mode: str) -> StepBuilder:
+        """The builder of `mode`, built now if the run does not train on it."""
+        if mode not in self._built:
+            self._build(mode, None)
+        return self._built[mode]
+
+    def _build(self, mode: str, rows: int | None) -> None:
+        cfg, d = self._cfg, self._cfg.data
+        units = all_units(self._trees, mode, d.seq_len, d.partition_method)
+        self.rows[mode] = rows or rows_for_run(units, d.seq_len, d.trees_per_step,
+                                               self._n_data * d.micro_batches, d.shuffle_seed,
+                                               cfg.run.steps)
+        plan = BatchPlan(mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
+                         d.micro_batches, self._n_data, self._shards, self.rows[mode],
+                         gdn_chunk_size(cfg), d.gdn_chunks)
+        self._built[mode] = StepBuilder(self._trees, units, plan)
+
+
+def run_step_builder(cfg: TrainConfig, trees: Sequence[TrajectoryTree], builders: StepBuilders
+                     ) -> tuple[StepBuilder | AutoStepBuilder | RfreeStepBuilder, str]:
+    """What feeds the run's pipeline for `run.mode`, and a description of its layout."""
+    d = cfg.data
+    if cfg.run.mode == "redundancy_free":
+        capacity = rfree_capacity(cfg)
+        plan = RfreePlan(cfg.objective.normalization, d.seq_len, capacity, d.trees_per_step,
+                         gdn_chunk_size(cfg), cfg.run.row_steps_per_octave)
+        return RfreeStepBuilder(trees, plan), (
+            f"parts of <= {capacity} tokens in rows fitted to them (at most {d.seq_len}), one "
+            "device call per part")
+    modes = trained_modes(cfg)
+    builder = (AutoStepBuilder({m: builders[m] for m in modes}, FlopModel.for_config(
+        cfg.model.config), cfg.run.auto_min_gain) if cfg.run.mode == "auto"
+        else builders[cfg.run.mode])
+    rows = "/".join(f"{builders.rows[m]}" for m in modes)
+    return builder, (f"{d.micro_batches} micro-batch(es) x {rows} rows ({'/'.join(modes)}) x "
+                     f"{d.seq_len} per data shard")
