@@ -45,12 +45,14 @@ it) and records each mode's minor page faults per step.
     PYTHONPATH=. python -m jtree.launch.bench                 # everything (`make bench`), ~9 min idle here
     PYTHONPATH=. python -m jtree.launch.bench --only proj     # workloads whose name contains "proj"
     PYTHONPATH=. python -m jtree.launch.bench --attention xla # both modes on the plain-XLA kernel
+    PYTHONPATH=. python -m jtree.launch.bench --quick         # two tiny workloads (a smoke run)
 
 Attention kernel: `cpu` by default (`jtree.kernels.attention_cpu`, the block schedule over all cores);
 XLA:CPU runs the `xla` kernel's block loop on one thread, which cost the tree step, with its larger
 attention share, more than the baseline (README, "How the last 5% was closed").
 
-Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.png.
+Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.png
+(`jtree.launch.harness`; `--out` picks the folder).
 """
 
 from __future__ import annotations

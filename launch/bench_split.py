@@ -15,6 +15,9 @@ in one mode (a timing breakdown, not a trace; same process, alternating runs, me
 (fusion names without their numbers: `ynn_fusion` = matmuls and reductions, `multiply_add_fusion`
 = mostly the AdamW moment and parameter updates, `copy_bitcast_fusion` = layout copies), per step:
 what a step spends its time on, e.g. the fixed step's optimizer share.
+
+Writes bench_out/bench_split.json and .md (`jtree.launch.harness`; `--out` picks the folder).
+`--quick` runs on the bench's tiny quick workloads (a smoke run).
 """
 
 from __future__ import annotations
