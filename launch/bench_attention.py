@@ -232,8 +232,11 @@ def plot(rows: list[dict], sweep: list[dict]) -> Any:
     for block in sorted({r["block"] for r in sweep}):
         rs = [r for r in sweep if r["block"] == block]
         axes[2].plot([r["group"] for r in rs], [r["ms"] for r in rs], "o-", label=f"block {block}")
+    if not sweep:  # --sweep-s 0
+        axes[2].set_axis_off()
+        return fig
     axes[2].set(xscale="log", xlabel="group", ylabel="fwd+bwd ms",
-                title=f"xla blocks/groups, POR 0.6, S={sweep[0]['S']}" if sweep else "")
+                title=f"xla blocks/groups, POR 0.6, S={sweep[0]['S']}")
     axes[2].legend(fontsize=7)
     axes[2].minorticks_off()
     axes[2].set(xticks=[1, 2, 4, 8], xticklabels=["1", "2", "4", "8"])
