@@ -45,21 +45,19 @@ it) and records each mode's minor page faults per step.
     PYTHONPATH=. python -m jtree.launch.bench                 # everything (`make bench`), ~9 min idle here
     PYTHONPATH=. python -m jtree.launch.bench --only proj     # workloads whose name contains "proj"
     PYTHONPATH=. python -m jtree.launch.bench --attention xla # both modes on the plain-XLA kernel
+    PYTHONPATH=. python -m jtree.launch.bench --quick         # two tiny workloads (a smoke run)
 
 Attention kernel: `cpu` by default (`jtree.kernels.attention_cpu`, the block schedule over all cores);
 XLA:CPU runs the `xla` kernel's block loop on one thread, which cost the tree step, with its larger
 attention share, more than the baseline (README, "How the last 5% was closed").
 
-Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.png.
+Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.png
+(`jtree.launch.harness`; `--out` picks the folder).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import platform
-import resource
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -74,7 +72,6 @@ from jtree.baseline import flatten_paths
 from jtree.chat import ByteTokenizer, conversation_tree
 from jtree.cost import FlopModel, Work, batch_work, choose_mode, ideal_speedup
 from jtree.data import training_units
-from jtree.host_allocator import configure_host_malloc
 from jtree.loss import batch_normalizer
 from jtree.models import Qwen3, Qwen3Config
 from jtree.packing import MicroBatches, build_microbatches, least_padding_plan
@@ -83,6 +80,10 @@ from jtree.train_step import Objective, OptimConfig, TrainState, make_optimizer,
 from jtree.tree import TrajectoryTree
 from jtree.kernels.attention_xla import default_blocks, schedule_work
 from jtree.kernels.block_tables import EMPTY, FULL, classify_blocks, round_up_to_blocks
+from jtree.launch.harness import (
+    Column, CompiledMemory, Output, add_attention_flag, add_host_malloc_flag, alternate,
+    apply_host_malloc, bench_parser, figure, machine, markdown_table,
+)
 
 SHAPES = {
     # Projections and MLP dominate: hidden 256, MLP 1024, 4 layers, paths of ~512 tokens.
@@ -93,8 +94,11 @@ SHAPES = {
     "attn": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
                         num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
                         head_dim=64, attention_impl="cpu"),
+    # --quick: a one-layer model small enough that a workload runs in seconds (a smoke run).
+    "tiny": Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        attention_impl="cpu"),
 }
-ATTENTION_IMPLS = ("cpu", "xla")  # --attention: the two block-sparse CPU kernels
 ROW_ALIGN = 64  # row lengths are multiples of the attention block (what the kernel pads to)
 AUTO_MIN_GAIN = 1.05
 
@@ -141,7 +145,10 @@ def _chat(shape: str, seq_len: int, n_records: int) -> Workload:
 PROJ_FLAT_TOKENS = 12288  # see the module docstring: why a step of this size
 
 
-def workloads() -> list[Workload]:
+def workloads(quick: bool = False) -> list[Workload]:
+    """The bench's workloads; `quick`: two tiny synthetic ones (768 flat tokens each)."""
+    if quick:
+        return [_synthetic("tiny", 256, 768, 96, p) for p in (0.3, 0.7)]
     out = [_synthetic("proj", 4096, PROJ_FLAT_TOKENS, 512, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
     out += [_synthetic("attn", 16384, 32768, 2730, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
     out.append(_agent("proj", 4096, 1, AgentShape(vocab_size=2048, system_len=500, task_len=80,
@@ -215,19 +222,6 @@ def fixed_cost_inputs(cfg: Qwen3Config) -> Prepared:
     return prepare([tree], "tree", 64)
 
 
-def minor_faults() -> int:
-    """Minor page faults of this process so far: a step that maps fresh memory for its
-    temporaries pays one per 4 KiB page (see `jtree.host_allocator`)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def peak_bytes(compiled: Any) -> int:
-    """Arguments + outputs + temporaries of a compiled step (XLA buffer assignment)."""
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
-
-
 # ----------------------------------------------------------------------------- measurement
 
 
@@ -250,34 +244,23 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
                          baseline_tokens=plans["baseline"].n_rows * plans["baseline"].row_len,
                          min_gain=AUTO_MIN_GAIN)
     prep["fixed"] = fixed_cost_inputs(cfg)
-    memory, compile_s, compiled = {}, {}, {}
+    memory, compile_s, runs = {}, {}, {}
+    loop = StepLoop(state)
     for mode in ("tree", "baseline", "fixed"):
         t0 = time.perf_counter()
-        compiled[mode] = step.lower(state, prep[mode].inputs).compile()
+        compiled = step.lower(state, prep[mode].inputs).compile()
         compile_s[mode] = time.perf_counter() - t0
-        memory[mode] = peak_bytes(compiled[mode])
-        state, metrics = compiled[mode](state, prep[mode].inputs)  # warm-up run
-        jax.block_until_ready(metrics)
-    times: dict[str, list[float]] = {"tree": [], "baseline": [], "fixed": []}
-    cpu: dict[str, list[float]] = {"tree": [], "baseline": [], "fixed": []}
-    faults: dict[str, list[int]] = {"tree": [], "baseline": [], "fixed": []}
-    t_start = time.perf_counter()
-    while len(times["tree"]) < max_reps and (
-            len(times["tree"]) < min_reps or time.perf_counter() - t_start < budget_s):
-        for mode in ("tree", "baseline", "fixed"):
-            t0, c0, f0 = time.perf_counter(), time.process_time(), minor_faults()
-            state, metrics = compiled[mode](state, prep[mode].inputs)
-            jax.block_until_ready(metrics)
-            times[mode].append(time.perf_counter() - t0)
-            cpu[mode].append(time.process_time() - c0)
-            faults[mode].append(minor_faults() - f0)
+        memory[mode] = CompiledMemory.of(compiled).peak_bytes
+        runs[mode] = loop.run(compiled, prep[mode].inputs)
+    timings = alternate(runs, min_reps, max_rounds=max_reps, budget_s=budget_s)
+    times = timings.wall
     host = {mode: host_seconds(workload, mode, 3) for mode in ("tree", "baseline")}
-    device = {mode: float(np.median(times[mode])) for mode in times}
+    device = {mode: timings.median(mode) for mode in times}
     # Each ratio compares a tree run with the baseline run right after it (same load on a shared
     # machine); their median is the realized speedup (the ratio of the medians is kept too).
-    pair_ratios = np.asarray(times["baseline"]) / np.asarray(times["tree"])
-    realized = float(np.median(pair_ratios))
-    realized_cpu = float(np.median(np.asarray(cpu["baseline"]) / np.asarray(cpu["tree"])))
+    pair_ratios = timings.ratios("baseline", "tree")
+    realized = timings.ratio("baseline", "tree")
+    realized_cpu = timings.ratio("baseline", "tree", cpu=True)
     ideal = ideal_speedup(fm, tree_w, base_w)
     fixed = device["fixed"]
     row = {
@@ -291,7 +274,7 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
         "realized_speedup_cpu_time": realized_cpu, "efficiency_cpu_time": realized_cpu / ideal,
         "fixed_s": fixed, "fixed_times_s": times["fixed"],
         "fixed_share_tree": fixed / device["tree"],
-        "repeats": len(times["tree"]),
+        "repeats": timings.rounds,
         "flop_shares_tree": fm.shares(tree_w), "flop_shares_baseline": fm.shares(base_w),
         "auto_mode": choice.mode, "auto_predicted_gain": choice.predicted_gain,
         "auto_reason": choice.reason,
@@ -307,11 +290,26 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
             f"{key}_padding": p.padding_fraction,
             f"{key}_scored": w.scored, f"{key}_pairs": w.pairs,
             f"{key}_peak_mib": memory[mode] / 2**20, f"{key}_compile_s": compile_s[mode],
-            f"{key}_times_s": times[mode], f"{key}_cpu_s": cpu[mode],
-            f"{key}_minor_faults": int(np.median(faults[mode])),
+            f"{key}_times_s": times[mode], f"{key}_cpu_s": timings.cpu[mode],
+            f"{key}_minor_faults": int(np.median(timings.faults[mode])),
             **{f"{key}_{k}": v for k, v in blocks.items()},
         })
-    return row, state
+    return row, loop.state
+
+
+class StepLoop:
+    """Runs compiled train steps that donate their state, carrying the updated state from one
+    call to the next (whatever step ran last)."""
+
+    def __init__(self, state: TrainState):
+        self.state = state
+
+    def run(self, compiled: Callable, inputs: dict[str, jax.Array]) -> Callable[[], Any]:
+        """A call of `compiled` on `inputs` and the current state; returns the step's metrics."""
+        def call() -> Any:
+            self.state, metrics = compiled(self.state, inputs)
+            return metrics
+        return call
 
 
 def make_step(cfg: Qwen3Config) -> tuple[Callable, TrainState]:
@@ -326,39 +324,33 @@ def make_step(cfg: Qwen3Config) -> tuple[Callable, TrainState]:
 # ----------------------------------------------------------------------------- reporting
 
 COLUMNS = (
-    ("workload", "{}"), ("por", "{:.2f}"), ("ideal_speedup", "{:.2f}"), ("token_bound", "{:.2f}"),
-    ("realized_speedup", "{:.2f}"), ("ratio_spread", "{0[0]:.2f}-{0[1]:.2f}"),
-    ("efficiency", "{:.2f}"), ("efficiency_cpu_time", "{:.2f}"),
-    ("tree_device_s", "{:.2f}"), ("base_device_s", "{:.2f}"), ("fixed_s", "{:.3f}"),
-    ("fixed_share_tree", "{:.1%}"),
-    ("tree_host_fraction", "{:.1%}"), ("base_host_fraction", "{:.1%}"),
-    ("tree_padding", "{:.1%}"), ("base_padding", "{:.1%}"),
-    ("tree_peak_mib", "{:.0f}"), ("base_peak_mib", "{:.0f}"), ("auto_mode", "{}"),
+    Column("workload", "workload"), Column("POR", "por", "{:.2f}"),
+    Column("ideal", "ideal_speedup", "{:.2f}"), Column("token bound", "token_bound", "{:.2f}"),
+    Column("realized", "realized_speedup", "{:.2f}"),
+    Column("run-pair range", "ratio_spread", "{0[0]:.2f}-{0[1]:.2f}"),
+    Column("efficiency", "efficiency", "{:.2f}"),
+    Column("efficiency (CPU time)", "efficiency_cpu_time", "{:.2f}"),
+    Column("tree s", "tree_device_s", "{:.2f}"), Column("baseline s", "base_device_s", "{:.2f}"),
+    Column("fixed s", "fixed_s", "{:.3f}"), Column("fixed / tree", "fixed_share_tree", "{:.1%}"),
+    Column("tree host", "tree_host_fraction", "{:.1%}"),
+    Column("base host", "base_host_fraction", "{:.1%}"),
+    Column("tree pad", "tree_padding", "{:.1%}"), Column("base pad", "base_padding", "{:.1%}"),
+    Column("tree MiB", "tree_peak_mib", "{:.0f}"), Column("base MiB", "base_peak_mib", "{:.0f}"),
+    Column("auto", "auto_mode"),
 )
-HEADERS = ("workload", "POR", "ideal", "token bound", "realized", "run-pair range",
-           "efficiency", "efficiency (CPU time)", "tree s",
-           "baseline s", "fixed s", "fixed / tree", "tree host", "base host", "tree pad", "base pad", "tree MiB",
-           "base MiB", "auto")
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + " --- |" * len(HEADERS)]
-    for r in rows:
-        lines.append("| " + " | ".join(fmt.format(r[k]) for k, fmt in COLUMNS) + " |")
-    return "\n".join(lines)
+    return markdown_table(rows, COLUMNS)
 
 
-def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+def plot(rows: Sequence[dict[str, Any]]) -> Any:
+    """Realized speedups (and the FLOP ideal of the synthetic workloads) against POR."""
+    fig, ax = figure(1, (7.5, 5))
     por = np.linspace(0, 0.92, 200)
     ax.plot(por, 1 / (1 - por), color="0.6", ls="--", label="token bound 1/(1-POR)")
-    markers = {"proj": ("tab:blue", "o"), "attn": ("tab:red", "s")}
-    for shape, (color, marker) in markers.items():
+    styles = zip(("tab:blue", "tab:red", "tab:green"), ("o", "s", "^"))
+    for shape, (color, marker) in zip(SHAPES, styles):
         sel = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["por"])
         if not sel:
             continue
@@ -380,44 +372,15 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     ax.set_yticklabels(["1", "2", "3", "5", "10"])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def machine() -> str:
-    import os
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), "
-            f"load average at start {os.getloadavg()[0]:.1f}")
-
-
-def write(out: Path, info: str, rows: Sequence[dict[str, Any]], wall: float) -> None:
-    (out / "bench.md").write_text(f"machine: {info}; wall {wall:.0f} s\n\n{table(rows)}\n")
-    (out / "bench.json").write_text(json.dumps({"machine": info, "wall_s": wall, "rows": rows,
-                                                "shapes": {k: dataclasses.asdict(v) for k, v in
-                                                           SHAPES.items()}}, indent=1))
-    plot(rows, out / "bench.png")
-
-
-def add_host_malloc_flag(parser: argparse.ArgumentParser) -> None:
-    """`--host-malloc keep|default`, shared by the bench scripts (`apply_host_malloc`)."""
-    parser.add_argument("--host-malloc", choices=("keep", "default"), default="keep",
-                        help="keep: glibc keeps freed memory (jtree.host_allocator), so steps do "
-                             "not page-fault their temporaries again every run; default: as is")
-
-
-def add_attention_flag(parser: argparse.ArgumentParser) -> None:
-    """`--attention cpu|xla`, shared by the bench scripts (`shape_config`)."""
-    parser.add_argument("--attention", choices=ATTENTION_IMPLS, default="cpu",
-                        help="cpu: the multi-threaded C++ kernel (jtree.kernels.attention_cpu); xla: "
-                             "the plain-XLA block loop, one core (jtree.kernels.attention_xla)")
+def write(out: Path, info: str, rows: Sequence[dict[str, Any]], wall: float) -> list[Path]:
+    """out/bench.json (rows, machine, model shapes), out/bench.md (the table), out/bench.png."""
+    return Output(out, "bench").write(
+        {"machine": info, "wall_s": wall, "rows": rows,
+         "shapes": {k: dataclasses.asdict(v) for k, v in SHAPES.items()}},
+        table=f"machine: {info}; wall {wall:.0f} s\n\n{table(rows)}", fig=plot(rows), dpi=110)
 
 
 def shape_config(shape: str, attention: str) -> Qwen3Config:
@@ -425,14 +388,9 @@ def shape_config(shape: str, attention: str) -> Qwen3Config:
     return dataclasses.replace(SHAPES[shape], attention_impl=attention)
 
 
-def apply_host_malloc(args: argparse.Namespace) -> bool:
-    """Apply `--host-malloc` (before anything starts a jax backend); whether freed memory is
-    kept."""
-    return configure_host_malloc(args.host_malloc)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, repeats=None,
+                          quick="two tiny workloads, one timed round each (a smoke run)")
     parser.add_argument("--only", default="", help="run workloads whose name contains this")
     parser.add_argument("--min-reps", type=int, default=4)
     parser.add_argument("--max-reps", type=int, default=7)
@@ -441,20 +399,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--total-budget", type=float, default=1200.0,
                         help="seconds for the whole run: later workloads get fewer repeats "
                              "(never below --min-reps) when earlier ones ran long")
-    parser.add_argument("--out", default="bench_out")
     add_host_malloc_flag(parser)
     add_attention_flag(parser)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.min_reps, args.max_reps, args.budget = 1, 1, 0.0
     kept = apply_host_malloc(args)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     info = (f"{machine()}, host malloc {'keeps freed memory' if kept else 'default'}, "
             f"attention kernel {args.attention}")
     print(f"machine: {info}", flush=True)
     steps: dict[str, tuple[Callable, TrainState]] = {}
     rows = []
     t_all = time.perf_counter()
-    chosen = [w for w in workloads() if args.only in w.name]
+    chosen = [w for w in workloads(args.quick) if args.only in w.name]
     for i, w in enumerate(chosen):
         if w.shape not in steps:
             steps[w.shape] = make_step(shape_config(w.shape, args.attention))
@@ -472,9 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{row['efficiency']:.2f}; tree {row['tree_device_s']:.2f} s, baseline "
               f"{row['base_device_s']:.2f} s; auto: {row['auto_reason']} "
               f"[{time.perf_counter() - t0:.0f} s]", flush=True)
-        write(out, info, rows, time.perf_counter() - t_all)  # after every workload
+        written = write(out, info, rows, time.perf_counter() - t_all)  # after every workload
     print(table(rows))
-    print(f"wrote {out}/bench.json, bench.md, bench.png ({time.perf_counter() - t_all:.0f} s)")
+    print(f"wrote {', '.join(map(str, written))} ({time.perf_counter() - t_all:.0f} s)")
     return 0
 
 

@@ -10,7 +10,7 @@ measures, side by side in one process (alternating runs, medians):
   (timed in its own loop with half the repeats: its temporaries would slow whatever runs next);
 - a sweep of block size and group size at one setting (the basis of the `xla` defaults).
 
-Writes bench_out/bench_attention.json and bench_out/bench_attention.png.
+Writes bench_out/bench_attention.json, .md and .png (`jtree.launch.harness`; `--out` picks the folder).
 
     PYTHONPATH=. python -m jtree.launch.bench_attention              # full run (~25 min on 2 cores)
     PYTHONPATH=. python -m jtree.launch.bench_attention --quick      # S <= 2048
@@ -18,13 +18,10 @@ Writes bench_out/bench_attention.json and bench_out/bench_attention.png.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import math
-import time
-from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +33,9 @@ from jtree.tree import TrajectoryTree
 from jtree.kernels import tree_attention
 from jtree.kernels.attention_xla import default_blocks, schedule_work
 from jtree.kernels.block_tables import nonempty_fraction
+from jtree.launch.harness import (
+    Column, CompiledMemory, Output, alternate, bench_parser, figure, markdown_table, run_info,
+)
 
 
 # ----------------------------------------------------------------------------- data
@@ -131,20 +131,11 @@ def _inputs(s: int, heads: Heads, seed: int = 0):
 def time_side_by_side(runs: dict, repeats: int) -> dict[str, dict[str, float]]:
     """runs: name -> (fn, args). Compiles each, then alternates timed calls; medians in ms and
     peak temporary bytes from the compiled executable's memory analysis."""
-    out = {}
-    for name, (fn, args) in runs.items():
-        compiled = fn.lower(*args).compile()
-        mem = compiled.memory_analysis()
-        jax.block_until_ready(compiled(*args))
-        out[name] = {"compiled": compiled, "times": [],
-                     "temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0) or 0)}
-    for _ in range(repeats):
-        for name, (_, args) in runs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(out[name]["compiled"](*args))
-            out[name]["times"].append(time.perf_counter() - t0)
-    return {name: {"ms": 1e3 * float(np.median(r["times"])), "temp_bytes": r["temp_bytes"]}
-            for name, r in out.items()}
+    compiled = {name: fn.lower(*args).compile() for name, (fn, args) in runs.items()}
+    timings = alternate({name: functools.partial(compiled[name], *args)
+                         for name, (_, args) in runs.items()}, repeats)
+    return {name: {"ms": 1e3 * timings.median(name),
+                   "temp_bytes": CompiledMemory.of(compiled[name]).temp_bytes} for name in runs}
 
 
 def bench_case(por: float, s: int, heads: Heads, repeats: int, reference_max_s: int) -> dict:
@@ -196,30 +187,29 @@ def block_sweep(s: int, heads: Heads, repeats: int) -> list[dict]:
 # ----------------------------------------------------------------------------- report
 
 
-def print_table(rows: list[dict]) -> None:
-    head = (f"{'POR':>5} {'S':>6} {'trees':>5} {'nonempty':>8} {'comp/ne':>7} {'xla ms':>9} "
-            f"{'cpu ms':>9} {'xla/cpu':>7} "
-            f"{'ref ms':>9} {'ref/xla':>7} {'causal ms':>9} {'xla/causal':>10} "
-            f"{'xla MiB':>8} {'ref MiB':>8}")
-    print(head)
-    for r in rows:
-        ref_ms = r.get("reference_ms")
-        ref = f"{ref_ms:9.1f} {ref_ms / r['xla_ms']:7.1f}" if ref_ms else f"{'-':>9} {'-':>7}"
-        ref_mem = f"{r['reference_temp_mb']:8.1f}" if ref_ms else f"{'-':>8}"
-        print(f"{r['por']:5.2f} {r['S']:6d} {r['trees']:5d} {r['nonempty_fraction']:8.3f} "
-              f"{r['computed_over_nonempty']:7.2f} {r['xla_ms']:9.1f} {r['cpu_ms']:9.1f} "
-              f"{r['xla_ms'] / r['cpu_ms']:7.2f} {ref} "
-              f"{r['causal_same_blocks_ms']:9.1f} {r['xla_ms'] / r['causal_same_blocks_ms']:10.2f} "
-              f"{r['xla_temp_mb']:8.1f} {ref_mem}")
+def _ratio(header: str, num: str, den: str) -> Column:
+    return Column(header, "", cell=lambda r: (
+        f"{r[num + '_ms'] / r[den + '_ms']:.2f}" if num + "_ms" in r else "-"))
 
 
-def plot(rows: list[dict], sweep: list[dict], path: Path) -> None:
-    import matplotlib
+CASE_COLUMNS = (
+    Column("POR", "por", "{:.2f}"), Column("S", "S"), Column("trees", "trees"),
+    Column("nonempty", "nonempty_fraction", "{:.3f}"),
+    Column("comp/ne", "computed_over_nonempty", "{:.2f}"),
+    Column("xla ms", "xla_ms", "{:.1f}"), Column("cpu ms", "cpu_ms", "{:.1f}"),
+    _ratio("xla/cpu", "xla", "cpu"), Column("ref ms", "reference_ms", "{:.1f}"), _ratio("ref/xla", "reference", "xla"),
+    Column("causal ms", "causal_same_blocks_ms", "{:.1f}"), _ratio("xla/causal", "xla", "causal_same_blocks"),
+    Column("xla MiB", "xla_temp_mb", "{:.1f}"), Column("ref MiB", "reference_temp_mb", "{:.1f}"),
+)
+SWEEP_COLUMNS = (
+    Column("block", "block"), Column("group", "group"), Column("ms", "ms", "{:.1f}"),
+    Column("MiB", "temp_mb", "{:.1f}"), Column("nonempty", "nonempty_fraction", "{:.3f}"),
+    Column("comp/ne", "computed_over_nonempty", "{:.2f}"),
+)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+def plot(rows: list[dict], sweep: list[dict]) -> Any:
+    fig, axes = figure(3, (15, 4.2))
     for por in sorted({r["por_target"] for r in rows}):
         rs = sorted((r for r in rows if r["por_target"] == por), key=lambda r: r["S"])
         s = [r["S"] for r in rs]
@@ -242,32 +232,31 @@ def plot(rows: list[dict], sweep: list[dict], path: Path) -> None:
     for block in sorted({r["block"] for r in sweep}):
         rs = [r for r in sweep if r["block"] == block]
         axes[2].plot([r["group"] for r in rs], [r["ms"] for r in rs], "o-", label=f"block {block}")
+    if not sweep:  # --sweep-s 0
+        axes[2].set_axis_off()
+        return fig
     axes[2].set(xscale="log", xlabel="group", ylabel="fwd+bwd ms",
-                title=f"xla blocks/groups, POR 0.6, S={sweep[0]['S']}" if sweep else "")
+                title=f"xla blocks/groups, POR 0.6, S={sweep[0]['S']}")
     axes[2].legend(fontsize=7)
     axes[2].minorticks_off()
     axes[2].set(xticks=[1, 2, 4, 8], xticklabels=["1", "2", "4", "8"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    return fig
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, repeats=7, quick="S <= 2048, 3 repeats")
     parser.add_argument("--por", type=float, nargs="+", default=[0.3, 0.6, 0.9])
     parser.add_argument("--seq-lens", type=int, nargs="+",
                         default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--heads", type=int, nargs=3, default=[8, 2, 64],
                         metavar=("Q_HEADS", "KV_HEADS", "HEAD_DIM"))
-    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--reference-max-s", type=int, default=4096)
-    parser.add_argument("--sweep-s", type=int, default=4096)
-    parser.add_argument("--quick", action="store_true", help="S <= 2048, 3 repeats")
-    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--sweep-s", type=int, default=4096,
+                        help="S of the block/group sweep (0: no sweep)")
     args = parser.parse_args(argv)
     if args.quick:
         args.seq_lens = [s for s in args.seq_lens if s <= 2048]
-        args.repeats, args.sweep_s = 3, 2048
+        args.repeats, args.sweep_s = 3, min(args.sweep_s, 2048)
     heads = Heads(*args.heads)
     print(f"backend {jax.default_backend()}, heads q={heads.q} kv={heads.kv} dim={heads.dim}, "
           f"float32, fwd+bwd, medians of {args.repeats} alternating runs")
@@ -276,21 +265,17 @@ def main(argv=None) -> int:
         for por in args.por:
             rows.append(bench_case(por, s, heads, args.repeats, args.reference_max_s))
             print(f"  done POR {por} S {s}", flush=True)
-    print_table(rows)
-    sweep = block_sweep(args.sweep_s, heads, args.repeats)
-    print(f"\nxla block/group sweep (POR 0.6, S={args.sweep_s}):")
-    print(f"{'block':>5} {'group':>5} {'ms':>9} {'MiB':>7} {'nonempty':>8} {'comp/ne':>7}")
-    for r in sweep:
-        print(f"{r['block']:5d} {r['group']:5d} {r['ms']:9.1f} {r['temp_mb']:7.1f} "
-              f"{r['nonempty_fraction']:8.3f} {r['computed_over_nonempty']:7.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"backend": jax.default_backend(), "heads": dataclasses.asdict(heads),
-            "repeats": args.repeats, "jax": jax.__version__}
-    (out / "bench_attention.json").write_text(json.dumps(
-        {"meta": meta, "cases": rows, "block_sweep": sweep}, indent=1))
-    plot(rows, sweep, out / "bench_attention.png")
-    print(f"wrote {out / 'bench_attention.json'} and {out / 'bench_attention.png'}")
+    cases = markdown_table(rows, CASE_COLUMNS)
+    print(cases)
+    sweep = block_sweep(args.sweep_s, heads, args.repeats) if args.sweep_s else []
+    sweep_table = (f"xla block/group sweep (POR 0.6, S={args.sweep_s}):\n\n"
+                   + markdown_table(sweep, SWEEP_COLUMNS)) if sweep else ""
+    print("\n" + sweep_table)
+    written = Output.from_args(args, "bench_attention").write(
+        {**run_info(args), "heads": dataclasses.asdict(heads), "cases": rows,
+         "block_sweep": sweep},
+        table=cases + "\n\n" + sweep_table, fig=plot(rows, sweep), dpi=80)
+    print(f"wrote {', '.join(map(str, written))}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Benchmark: one Gated DeltaNet layer, forward + backward, on trees vs on every path separately.
 
-`PYTHONPATH=. python -m jtree.launch.bench_gdn [--out bench_out/gdn] [--paths 16] [--path-len 512]`
+`PYTHONPATH=. python -m jtree.launch.bench_gdn [--out bench_out] [--paths 16] [--path-len 512] [--quick]`
 
 For each target POR, builds a tree of `--paths` rollouts of `--path-len` tokens that share
 prefixes on two levels (a common prompt, then pairs of rollouts sharing a turn), sized so that
@@ -9,15 +9,14 @@ chunk routing; the baseline runs the same layer on the paths packed one per row 
 sequence). Both differentiate a weighted sum of the outputs with respect to the layer's
 parameters and inputs. Reports median step time (alternating runs in one process), XLA's
 compiled temp memory of the step, and the bytes the backward pass keeps (jax.vjp residuals), which
-grow with the number of chunks, not chunks x nodes. Writes results.json and gdn.png.
+grow with the number of chunks, not chunks x nodes. Writes bench_out/bench_gdn.json, .md and .png
+(`jtree.launch.harness`; `--out` picks the folder).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
-from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +28,9 @@ from jtree.linearize import TreeBatch, linearize
 from jtree.models import Qwen3NextConfig
 from jtree.models.gated_deltanet import GatedDeltaNet, gdn_routing
 from jtree.tree import TrajectoryTree
+from jtree.launch.harness import (
+    Column, CompiledMemory, Output, alternate, bench_parser, figure, markdown_table, run_info,
+)
 
 
 def por_tree(rng: np.random.Generator, n_paths: int, path_len: int, por: float) -> TrajectoryTree:
@@ -56,7 +58,7 @@ def make_step(graphdef, batch: TreeBatch, embed: jax.Array, kernel: int):
     def loss(params, emb):
         layer = nnx.merge(graphdef, params)
         x = emb[inputs["tokens"]]
-        out = layer(x, gdn_routing(inputs, kernel))
+        out, _ = layer(x, gdn_routing(inputs, kernel))  # (output, cache for a continuation)
         return jnp.sum(weight[..., None] * out * x)
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -68,15 +70,24 @@ def make_step(graphdef, batch: TreeBatch, embed: jax.Array, kernel: int):
     return step, residual_bytes
 
 
+COLUMNS = (
+    Column("POR", "por", "{:.2f}"), Column("tree ms", "tree_ms"), Column("paths ms", "paths_ms"),
+    Column("speedup", "speedup", "{}x"), Column("bound", "token_bound", "{}x"),
+    Column("tree temp MiB", "tree_temp_mib"), Column("paths temp MiB", "paths_temp_mib"),
+    Column("tree resid MiB", "tree_residual_mib"),
+    Column("paths resid MiB", "paths_residual_mib"), Column("tree chunks", "tree_chunks"),
+)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench_out/gdn")
+    ap = bench_parser(__doc__, repeats=5, quick="4 paths of 64 tokens, POR 0.5, 1 repeat")
     ap.add_argument("--paths", type=int, default=16)
     ap.add_argument("--path-len", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--por", type=float, nargs="+", default=[0.3, 0.6, 0.9])
     args = ap.parse_args(argv)
+    if args.quick:
+        args.paths, args.path_len, args.por, args.repeats = 4, 64, [0.5], 1
 
     cfg = Qwen3NextConfig(hidden_size=256, linear_num_key_heads=2, linear_num_value_heads=4,
                           linear_key_head_dim=64, linear_value_head_dim=64)
@@ -94,53 +105,35 @@ def main(argv=None) -> int:
         }
         row = {"por": round(tree.stats().por, 4), "tree_tokens": n_tree,
                "flat_tokens": int(tree.stats().n_flat_tokens), "nodes": tree.n_nodes}
-        steps = {}
+        runs = {}
         for name, batch in batches.items():
             step, residual_bytes = make_step(graphdef, batch, embed, cfg.linear_conv_kernel_dim)
             compiled = step.lower(params, embed).compile()
-            mem = compiled.memory_analysis()
-            jax.block_until_ready(step(params, embed))
-            steps[name] = step
+            runs[name] = lambda compiled=compiled: compiled(params, embed)
             row[f"{name}_shape"] = list(batch.shape)
             row[f"{name}_chunks"] = int(batch.gdn_chunk_src.shape[1] * batch.shape[0])
-            row[f"{name}_temp_mib"] = round(mem.temp_size_in_bytes / 2**20, 2)
+            row[f"{name}_temp_mib"] = round(CompiledMemory.of(compiled).temp_bytes / 2**20, 2)
             row[f"{name}_residual_mib"] = round(residual_bytes(params) / 2**20, 2)
-        times = {name: [] for name in steps}
-        for _ in range(args.repeats):
-            for name, step in steps.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(step(params, embed))
-                times[name].append(time.perf_counter() - t0)
-        for name in steps:
-            row[f"{name}_ms"] = round(float(np.median(times[name])) * 1e3, 2)
-        row["speedup"] = round(row["paths_ms"] / row["tree_ms"], 2)
+        timings = alternate(runs, args.repeats)
+        for name in runs:
+            row[f"{name}_ms"] = round(timings.median(name) * 1e3, 2)
+        row["speedup"] = round(timings.ratio("paths", "tree"), 2)
         row["token_bound"] = round(row["flat_tokens"] / row["tree_tokens"], 2)
         row["temp_ratio"] = round(row["paths_temp_mib"] / max(row["tree_temp_mib"], 1e-9), 2)
         results.append(row)
         print(json.dumps(row))
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    header = ("POR", "tree ms", "paths ms", "speedup", "bound", "tree temp MiB", "paths temp MiB",
-              "tree resid MiB", "paths resid MiB", "tree chunks")
-    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for r in results:
-        print(f"| {r['por']:.2f} | {r['tree_ms']} | {r['paths_ms']} | {r['speedup']}x | "
-              f"{r['token_bound']}x | {r['tree_temp_mib']} | {r['paths_temp_mib']} | "
-              f"{r['tree_residual_mib']} | {r['paths_residual_mib']} | {r['tree_chunks']} |")
-    _plot(results, out / "gdn.png")
+    table = markdown_table(results, COLUMNS)
+    print(table)
+    written = Output.from_args(args, "bench_gdn").write(
+        {**run_info(args), "results": results}, table=table, fig=plot(results))
+    print(f"wrote {', '.join(map(str, written))}")
     return 0
 
 
-def _plot(results, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: list[dict]) -> Any:
     por = [r["por"] for r in results]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, (a, b) = figure(2, (9, 3.5))
     a.plot(por, [r["speedup"] for r in results], "o-", label="realized speedup")
     a.plot(por, [r["token_bound"] for r in results], "k--", label="token bound 1/(1-POR)")
     a.set_xlabel("POR")
@@ -152,8 +145,7 @@ def _plot(results, path: Path) -> None:
     b.set_ylabel("XLA temp memory (MiB)")
     b.legend()
     fig.suptitle("Gated DeltaNet layer, forward + backward")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    return fig
 
 
 if __name__ == "__main__":

@@ -9,15 +9,14 @@
 4. Balancing and packing: largest rank load over the lower bound on random workloads, the optimal
    DFS-contiguous split of a large tree over 8 ranks, and the padding of packed parts.
 
-Writes bench_out/partition.json and bench_out/partition.png (or --out PREFIX).
+Writes bench_out/bench_partition.json, .md and .png (`jtree.launch.harness`; `--out` picks the
+folder). `--quick`: small trees, a smoke run.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +26,18 @@ from jtree.partition import partition, plan_groups
 from jtree.partition_dp import TooLargeForExactDP
 from jtree.synthetic import AgentShape, agent_rollout_group
 from jtree.tree import TrajectoryTree
+from jtree.launch.harness import (
+    Column, Output, alternate, bench_parser, figure, markdown_table, run_info,
+)
+
+SCALING_COLUMNS = (
+    Column("tree tokens", "tree_tokens"), Column("nodes", "nodes"), Column("paths", "paths"),
+    Column("plan s", "heuristic_plan", "{:.3f}"),
+    Column("plan + parts s", "heuristic_partition", "{:.3f}"),
+    Column("dp_single plan s", "dp_single_plan", "{:.3f}"),
+    Column("heuristic ERR", "heuristic_err", "{:.3f}"), Column("POR", "por", "{:.3f}"),
+    Column("dp_single ERR", "dp_single_err", "{:.3f}"),
+)
 
 
 def random_attachment_tree(rng: np.random.Generator, n_leaves: int) -> TrajectoryTree:
@@ -122,24 +133,18 @@ def scaling(rng: np.random.Generator, sizes: list[int], capacity: int, repeats: 
     rows = []
     for n in sizes:
         tree = agent_like_tree(rng, n)
-        timings = {"heuristic_plan": [], "heuristic_partition": [], "dp_single_plan": []}
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            plan_groups(tree, capacity, "heuristic")
-            t1 = time.perf_counter()
-            result = partition(tree, capacity, "heuristic")
-            t2 = time.perf_counter()
-            plan_groups(tree, capacity, "dp_single")
-            t3 = time.perf_counter()
-            timings["heuristic_plan"].append(t1 - t0)
-            timings["heuristic_partition"].append(t2 - t1)
-            timings["dp_single_plan"].append(t3 - t2)
+        timings = alternate({
+            "heuristic_plan": lambda: plan_groups(tree, capacity, "heuristic"),
+            "heuristic_partition": lambda: partition(tree, capacity, "heuristic"),
+            "dp_single_plan": lambda: plan_groups(tree, capacity, "dp_single"),
+        }, repeats, warmup=0)
+        result = partition(tree, capacity, "heuristic")
         single = partition(tree, capacity, "dp_single")
         row = {"tree_tokens": tree.n_tree_tokens, "flat_tokens": result.n_flat_tokens,
                "nodes": tree.n_nodes, "paths": tree.n_paths, "por": result.por,
                "heuristic_parts": result.n_parts, "heuristic_err": result.err,
                "dp_single_parts": single.n_parts, "dp_single_err": single.err,
-               **{k: float(np.median(v)) for k, v in timings.items()}}
+               **{k: timings.median(k) for k in timings.wall}}
         rows.append(row)
         print(f"  {row['tree_tokens']:>9d} tokens {row['nodes']:>6d} nodes {row['paths']:>5d} paths: "
               f"plan {row['heuristic_plan']:.3f}s, with parts {row['heuristic_partition']:.3f}s, "
@@ -163,17 +168,20 @@ def err_vs_capacity(rng: np.random.Generator, n_tokens: int) -> dict:
     return {"tree_tokens": tree.n_tree_tokens, "por": tree.stats().por, "rows": rows}
 
 
-def balancing_and_packing(rng: np.random.Generator) -> dict:
+def balancing_and_packing(rng: np.random.Generator, n_tokens: int) -> dict:
+    """Rank imbalance on random costs; the contiguous split of an `n_tokens` tree over 8 ranks;
+    the padding of the parts of 8 trees of `n_tokens` / 5 packed into rows of 32768."""
     imbalance = []
     for trial in range(60):
         n = int(rng.integers(2, 17))
         k = n * int(rng.integers(6, 13))
         costs = (rng.lognormal(0, 1, k), rng.uniform(1, 100, k), rng.pareto(2, k) + 1)[trial % 3]
         imbalance.append(assign_to_ranks(costs, n).imbalance)
-    tree = agent_like_tree(rng, 300_000)
+    tree = agent_like_tree(rng, n_tokens)
     split = split_contiguous(tree, 8)
     computed = sum(p.n_tree_tokens for p in split.parts if p is not None)
-    parts = [p for _ in range(8) for p in partition(agent_like_tree(rng, 60_000), 32_768).parts]
+    parts = [p for _ in range(8)
+             for p in partition(agent_like_tree(rng, n_tokens // 5), 32_768).parts]
     plan = plan_rows([p.n_tree_tokens for p in parts], 32_768,
                      len_buckets=[8_192, 16_384, 24_576, 32_768])
     return {
@@ -188,13 +196,8 @@ def balancing_and_packing(rng: np.random.Generator) -> dict:
     }
 
 
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+def plot(report: dict) -> Any:
+    fig, axes = figure(3, (16, 4.6))
     ax = axes[0]
     for name, q in report["quality"].items():
         for m, style in (("heuristic", "-"), ("dp_single", "--")):
@@ -228,23 +231,22 @@ def plot(report: dict, path: str) -> None:
     ax.set_ylabel("ERR")
     ax.set_title(f"ERR vs capacity, {e['tree_tokens']}-token tree")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
+    return fig
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="bench_out/partition")
+def main(argv=None) -> int:
+    parser = bench_parser(__doc__, repeats=3, quick="5 gap trees, trees of 10k-30k tokens, "
+                          "one repeat (a smoke run)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gap-trees", type=int, default=150)
     parser.add_argument("--sizes", default="10000,30000,100000,300000,1000000,3000000")
     parser.add_argument("--capacity", type=int, default=32_768)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--large-tokens", type=int, default=300_000,
+                        help="tokens of the tree of ERR vs capacity and of the contiguous split")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.gap_trees, args.sizes, args.repeats, args.large_tokens = 5, "10000,30000", 1, 30_000
     rng = np.random.default_rng(args.seed)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     report: dict = {}
     print("quality (N_computed / dp_multi optimum - 1):", flush=True)
     report["quality"] = quality(rng, args.gap_trees)
@@ -258,8 +260,8 @@ def main() -> None:
     report["scaling"] = scaling(rng, [int(float(s)) for s in args.sizes.split(",")],
                                 args.capacity, args.repeats)
     print(f"  log-log slope: {report['scaling']['loglog_slope']}")
-    report["err_vs_capacity"] = err_vs_capacity(rng, 300_000)
-    report["balancing_packing"] = bp = balancing_and_packing(rng)
+    report["err_vs_capacity"] = err_vs_capacity(rng, args.large_tokens)
+    report["balancing_packing"] = bp = balancing_and_packing(rng, args.large_tokens)
     cs = bp["contiguous_split_8"]
     print(f"balancing: rank max/lower bound - 1: mean {bp['rank_imbalance_mean']:.3%} max "
           f"{bp['rank_imbalance_max']:.3%}; contiguous split of a {cs['tree_tokens']}-token tree "
@@ -268,11 +270,14 @@ def main() -> None:
     pk = bp["packing"]
     print(f"packing: {pk['parts']} parts into {pk['rows']} rows of {pk['row_len']}: padding "
           f"{pk['padding_fraction']:.2%}")
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    plot(report, args.out + ".png")
-    print(f"wrote {args.out}.json and {args.out}.png")
+    table = (f"scaling, capacity {args.capacity}:\n\n"
+             + markdown_table(report["scaling"]["rows"], SCALING_COLUMNS))
+    print(table)
+    written = Output.from_args(args, "bench_partition").write(
+        {**run_info(args), **report}, table=table, fig=plot(report), dpi=72)
+    print(f"wrote {', '.join(map(str, written))}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -34,15 +34,12 @@ in a real model at these lengths; both bounds are printed.
 Like `jtree.launch.bench`, it first makes glibc keep freed host memory (`jtree.host_allocator`; every
 method's calls otherwise page-fault their temporaries again on each run).
 
-Writes bench_out/rfree.json and bench_out/rfree.png (or --out PREFIX).
+Writes bench_out/bench_rfree.json, .md and .png (`jtree.launch.harness`; `--out` picks the folder).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -59,7 +56,10 @@ from jtree.rfree.layout import ROW_STEPS_PER_OCTAVE, build_program
 from jtree.synthetic import AgentShape, agent_rollout_group
 from jtree.train_step import Objective, make_grad_fn
 from jtree.tree import TrajectoryTree
-from jtree.launch.bench import add_host_malloc_flag, apply_host_malloc
+from jtree.launch.harness import (
+    Column, CompiledMemory, Output, add_attention_flag, add_host_malloc_flag, alternate,
+    apply_host_malloc, bench_parser, figure, markdown_table, run_info,
+)
 
 OBJECTIVE = Objective(kind="sft", normalization="seq_mean_token_mean")
 RFREE_MODES = {"rfree": "residuals", "rfree_recompute": "recompute", "rfree_auto": "auto"}
@@ -87,8 +87,7 @@ def live_bytes() -> int:
 
 
 def temp_bytes(fn, args) -> int:
-    mem = fn.lower(*args).compile().memory_analysis()
-    return int(getattr(mem, "temp_size_in_bytes", 0) or 0)
+    return CompiledMemory.of(fn.lower(*args).compile()).temp_bytes
 
 
 class PeakProbe:
@@ -127,17 +126,8 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
         "duplicating": lambda: grad_fn(params, dup),
         **{name: (lambda step=step: step(params, program)) for name, step in steps.items()},
     }
-    losses, first_s = {}, {}
-    for name, run in runs.items():
-        t0 = time.perf_counter()
-        losses[name] = float(jax.block_until_ready(run())[0])
-        first_s[name] = time.perf_counter() - t0
-    times = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(run())
-            times[name].append(time.perf_counter() - t0)
+    timings = alternate(runs, repeats)  # the warm-up round compiles: the first step's time
+    losses = {name: float(result[0]) for name, result in timings.first_result.items()}
     memory, held = {}, {}
     for name, inputs in (("baseline", base), ("duplicating", dup)):
         memory[name] = live_bytes() + temp_bytes(grad_fn, (params, inputs))
@@ -150,7 +140,7 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
     part_shapes = {tuple(v.shape for v in p.inputs.values()) for p in program.parts}
     stats = tree.stats()
     tree_w, base_w = tree_work([tree])
-    ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+    ms = timings.medians_ms()
     return {
         "n_tree": stats.n_tree_tokens, "n_flat": stats.n_flat_tokens,
         "ratio": stats.n_tree_tokens / capacity, "paths": stats.n_paths,
@@ -162,14 +152,12 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
                   **{name: len(program.parts) for name in RFREE_MODES}},
         "part_shapes": len(part_shapes), "prefix_lengths": sorted(
             {p.prefix_len for p in program.parts}),
-        "ms": ms, "first_step_s": first_s, "peak_bytes": memory, "held_bytes": held,
+        "ms": ms, "first_step_s": timings.first_s, "peak_bytes": memory, "held_bytes": held,
         "loss": losses,
         # Each run is paired with the baseline run of the same round (alternating runs see the
         # same load on a shared machine): the median of those ratios.
-        "speedup_vs_baseline": {k: float(np.median(np.asarray(times["baseline"])
-                                                   / np.asarray(times[k])))
-                                for k in ms if k != "baseline"},
-        "times_s": times,
+        "speedup_vs_baseline": {k: timings.ratio("baseline", k) for k in ms if k != "baseline"},
+        "times_s": timings.wall,
         "token_bound": stats.n_flat_tokens / stats.n_tree_tokens,
         "flop_ideal": ideal_speedup(flops, tree_w, base_w),
         "row_slots": {"baseline": int(base["tokens"].size), "duplicating": int(dup["tokens"].size),
@@ -177,15 +165,37 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
     }
 
 
-def plot(report: dict, path: str) -> None:
-    import matplotlib
+NAMES = ("baseline", "duplicating", *RFREE_MODES)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _per_method(header: str, cell: Any, names: tuple[str, ...] = NAMES) -> Column:
+    """One column of `a/b/c` values, one per method in `names`."""
+    return Column(f"{header} {'/'.join(names)}", "",
+                  cell=lambda c: "/".join(cell(c, n) for n in names))
+
+
+COLUMNS = (
+    Column("ratio", "ratio", "{:.1f}"), Column("N_tree", "n_tree"), Column("N_flat", "n_flat"),
+    Column("N_comp dup", "", cell=lambda c: str(c["n_computed"]["duplicating"])),
+    Column("parts", "", cell=lambda c: str(c["calls"]["rfree"])),
+    Column("shapes", "part_shapes"),
+    _per_method("ms", lambda c, n: f"{c['ms'][n]:.0f}"),
+    _per_method("peak MiB", lambda c, n: f"{c['peak_bytes'][n] / 2**20:.1f}"),
+    _per_method("rfree held MiB", lambda c, n: f"{c['held_bytes'][n] / 2**20:.1f}",
+                tuple(RFREE_MODES)),
+    _per_method("speedup vs baseline", lambda c, n: f"{c['speedup_vs_baseline'][n]:.2f}",
+                NAMES[1:]),
+    Column("token bound", "token_bound", "{:.2f}"), Column("FLOP ideal", "flop_ideal", "{:.2f}"),
+    _per_method("speedup / token bound",
+                lambda c, n: f"{c['speedup_vs_baseline'][n] / c['token_bound']:.2f}",
+                tuple(RFREE_MODES)),
+)
+
+
+def plot(report: dict) -> Any:
     cases = report["cases"]
     x = [c["ratio"] for c in cases]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = figure(2, (10, 4))
     for name, style in (("baseline", "k--"), ("duplicating", "C1o-"), ("rfree", "C0s-"),
                         ("rfree_recompute", "C2^-"), ("rfree_auto", "C3v-")):
         axes[0].plot(x, [c["ms"][name] for c in cases], style, label=name)
@@ -197,24 +207,24 @@ def plot(report: dict, path: str) -> None:
     for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    return fig
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> int:
+    ap = bench_parser(__doc__, repeats=5, quick="one tree of 2x the capacity, a one-layer model "
+                      "of width 32, one timed round")
     ap.add_argument("--capacity", type=int, default=256)
     ap.add_argument("--ratios", default="2,4,6,8")
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--mlp-ratio", type=int, default=4, help="intermediate size / hidden size")
-    ap.add_argument("--attention", default="xla")
+    add_attention_flag(ap, default="xla")
     ap.add_argument("--row-steps-per-octave", type=int, default=ROW_STEPS_PER_OCTAVE,
                     help="how finely rfree part rows fit their tokens (jtree.rfree.layout)")
-    ap.add_argument("--out", default="bench_out/rfree")
     add_host_malloc_flag(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.ratios, args.hidden, args.layers, args.repeats = "2", 32, 1, 1
     kept = apply_host_malloc(args)
     cfg = Qwen3Config(vocab_size=512, hidden_size=args.hidden,
                       intermediate_size=args.mlp_ratio * args.hidden,
@@ -224,41 +234,25 @@ def main() -> None:
     graphdef, params = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(0)))
     flops = FlopModel.for_config(cfg)
     cases = []
-    names = ["baseline", "duplicating", *RFREE_MODES]
-    print(f"{'ratio':>5} {'N_tree':>7} {'N_flat':>7} {'N_comp dup':>10} {'parts':>5} "
-          f"{'shapes':>6} | ms " + "/".join(names) + " | peak MiB (same order) | rfree held MiB "
-          "r/rc/auto | speedup vs baseline " + "/".join(names[1:]) + " | token bound | FLOP ideal "
-          "| speedup / token bound r/rc/auto")
     for i, ratio in enumerate(float(r) for r in args.ratios.split(",")):
         tree = pick_tree(ratio, args.capacity, seed=i)
         c = bench_tree(tree, args.capacity, graphdef, params, args.repeats, flops,
                        args.row_steps_per_octave)
         cases.append(c)
-        mib = {k: v / 2**20 for k, v in c["peak_bytes"].items()}
-        held = {k: v / 2**20 for k, v in c["held_bytes"].items()}
-        print(f"{c['ratio']:5.1f} {c['n_tree']:7d} {c['n_flat']:7d} "
-              f"{c['n_computed']['duplicating']:10d} {c['calls']['rfree']:5d} "
-              f"{c['part_shapes']:6d} | " + "/".join(f"{c['ms'][n]:.0f}" for n in names)
-              + " | " + "/".join(f"{mib[n]:.1f}" for n in names) + " | "
-              + "/".join(f"{held[n]:.1f}" for n in RFREE_MODES) + " | "
-              + "/".join(f"{c['speedup_vs_baseline'][n]:.2f}" for n in names[1:])
-              + f" | {c['token_bound']:.2f} | {c['flop_ideal']:.2f} | "
-              + "/".join(f"{c['speedup_vs_baseline'][n] / c['token_bound']:.2f}"
-                         for n in RFREE_MODES))
+        print(markdown_table([c], COLUMNS).splitlines()[-1], flush=True)
         losses = list(c["loss"].values())
         if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
             raise AssertionError(f"losses disagree: {c['loss']}")
-    report = {"capacity": args.capacity, "row_steps_per_octave": args.row_steps_per_octave,
-              "model": dict(hidden=args.hidden, layers=args.layers, mlp_ratio=args.mlp_ratio,
-                            attention=args.attention),
-              "host_malloc_keeps_freed_memory": kept,
-              "backend": jax.default_backend(), "cases": cases}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    plot(report, args.out + ".png")
-    print(f"wrote {args.out}.json and {args.out}.png")
+    table = markdown_table(cases, COLUMNS)
+    print(table)
+    report = {**run_info(args), "capacity": args.capacity,
+              "row_steps_per_octave": args.row_steps_per_octave,
+              "host_malloc_keeps_freed_memory": kept, "cases": cases}
+    written = Output.from_args(args, "bench_rfree").write(report, table=table, fig=plot(report),
+                                                          dpi=80)
+    print(f"wrote {', '.join(map(str, written))}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -15,15 +15,16 @@ in one mode (a timing breakdown, not a trace; same process, alternating runs, me
 (fusion names without their numbers: `ynn_fusion` = matmuls and reductions, `multiply_add_fusion`
 = mostly the AdamW moment and parameter updates, `copy_bitcast_fusion` = layout copies), per step:
 what a step spends its time on, e.g. the fixed step's optimizer share.
+
+Writes bench_out/bench_split.json and .md (`jtree.launch.harness`; `--out` picks the folder).
+`--quick` runs on the bench's tiny quick workloads (a smoke run).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import re
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,10 @@ import numpy as np
 from jtree.cost import FlopModel, Work, batch_work
 from jtree.models import Qwen3Config
 from jtree.kernels import tree_attention
-from jtree.launch.bench import (
-    add_attention_flag, add_host_malloc_flag, apply_host_malloc, fixed_cost_inputs, make_step,
-    prepare, shape_config, workloads,
+from jtree.launch.bench import StepLoop, fixed_cost_inputs, make_step, prepare, shape_config, workloads
+from jtree.launch.harness import (
+    Output, add_attention_flag, add_host_malloc_flag, alternate, apply_host_malloc, bench_parser,
+    run_info,
 )
 
 
@@ -83,39 +85,30 @@ def op_profile(run: Callable[[], Any], repeats: int) -> dict[str, tuple[float, f
     return {k: (v, counts[k]) for k, v in seconds.most_common()}
 
 
-def split(name: str, repeats: int, ops: bool = False, attention: str = "cpu") -> dict[str, Any]:
-    """Median seconds of the attention part and the whole step, per mode, alternating."""
-    workload = next((w for w in workloads() if w.name == name), None)
+def split(name: str, repeats: int, ops: bool = False, attention: str = "cpu",
+          quick: bool = False) -> dict[str, Any]:
+    """Median seconds of the attention part and the whole step, per mode, alternating.
+    `quick`: `name` is one of the bench's quick workloads."""
+    workload = next((w for w in workloads(quick) if w.name == name), None)
     if workload is None:
-        raise ValueError(f"workload: no bench workload named {name!r}")
+        raise ValueError(f"workload: no bench workload named {name!r}; the bench's workloads: "
+                         + ", ".join(repr(w.name) for w in workloads(quick)))
     cfg = shape_config(workload.shape, attention)
     trees = workload.make_trees()
     step, state = make_step(cfg)
-    runs, work, held = {}, {}, {"state": state}
-
-    def step_run(compiled: Callable, inputs: dict) -> Callable:
-        def run():  # the step donates its state: carry the updated one
-            held["state"], metrics = compiled(held["state"], inputs)
-            return metrics
-        return run
-
+    runs, work = {}, {}
+    loop = StepLoop(state)
     for mode in ("tree", "baseline"):
         p = prepare(trees, mode, workload.seq_len)
         end = np.stack([b.end for b in p.micro.batches])
         work[mode] = sum((batch_work(b) for b in p.micro.batches), Work(0, 0, 0))
         runs[f"{mode} attention"] = attention_grad_fn(end, cfg)
         compiled = step.lower(state, p.inputs).compile()
-        runs[f"{mode} step"] = step_run(compiled, p.inputs)
+        runs[f"{mode} step"] = loop.run(compiled, p.inputs)
     tiny = fixed_cost_inputs(cfg)
-    runs["fixed"] = step_run(step.lower(state, tiny.inputs).compile(), tiny.inputs)
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for i in range(repeats + 1):  # the first round warms up
-        for key, run in runs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(run())
-            if i:
-                times[key].append(time.perf_counter() - t0)
-    med = {k: float(np.median(v)) for k, v in times.items()}
+    runs["fixed"] = loop.run(step.lower(state, tiny.inputs).compile(), tiny.inputs)
+    timings = alternate(runs, repeats)
+    med = {k: timings.median(k) for k in runs}
     fm = FlopModel.for_config(cfg)
     out: dict[str, Any] = {"fixed_s": med["fixed"]}
     if ops:
@@ -154,16 +147,26 @@ def report(name: str, s: dict[str, float]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("workloads", nargs="+", help="bench workload names")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = bench_parser(__doc__, repeats=3, quick="the bench's quick workloads (tiny model); "
+                          "with no workload named, the first of them")
+    parser.add_argument("workloads", nargs="*", help="bench workload names (jtree.launch.bench)")
     parser.add_argument("--ops", action="store_true", help="also XLA op time by kind (profiler)")
     add_host_malloc_flag(parser)
     add_attention_flag(parser)
     args = parser.parse_args(argv)
+    if not args.workloads:
+        if not args.quick:
+            parser.error("name at least one workload (or --quick)")
+        args.workloads = [workloads(quick=True)[0].name]
     apply_host_malloc(args)  # before the first computation, as in jtree.launch.bench
+    splits, reports = {}, []
     for name in args.workloads:
-        print(report(name, split(name, args.repeats, args.ops, args.attention)), flush=True)
+        splits[name] = split(name, args.repeats, args.ops, args.attention, args.quick)
+        reports.append(report(name, splits[name]))
+        print(reports[-1], flush=True)
+    written = Output.from_args(args, "bench_split").write(
+        {**run_info(args), "splits": splits}, table="\n\n".join(reports))
+    print(f"wrote {', '.join(map(str, written))}")
     return 0
 
 

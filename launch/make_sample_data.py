@@ -7,6 +7,7 @@ sequence per line with its group id, loss mask and GRPO-style advantage.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -14,12 +15,12 @@ from jtree.synthetic import AgentShape, agent_rollout_group
 from jtree.tree_jsonl import write_sequence_groups
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="data/sample_groups.jsonl")
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     shape = AgentShape(system_len=200, rollouts=8, turns=3, assistant_len=28, tool_len=24,
                        think_len=16, task_len=24)
@@ -29,7 +30,8 @@ def main() -> None:
     tree = sum(t.n_tree_tokens for t in trees)
     print(f"wrote {args.out}: {len(trees)} groups, {flat} flat tokens, {tree} tree tokens, "
           f"POR {1 - tree / flat:.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

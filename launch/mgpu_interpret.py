@@ -1,7 +1,7 @@
 """Run the Mosaic GPU tree-attention kernels forward + backward in the Mosaic GPU interpreter (CPU).
 
     python -m jtree.launch.mgpu_interpret    # random trees: errors vs the f32 reference, bf16 and f16;
-                                       # writes bench_out/mgpu_interpret.json
+                                       # writes bench_out/mgpu_interpret.json and .md (--out)
     python -m jtree.launch.mgpu_interpret IN.npz OUT.npz   # one run on given inputs (used by the tests)
 
 IN holds q, k, v, d_out (float32 holding values of `dtype`), end, and scalars dtype, softcap (nan
@@ -20,10 +20,9 @@ The interpreter is a private jax API (`jax._src.pallas.mosaic_gpu.interpret`), u
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
-import sys
-from pathlib import Path
+from collections.abc import Sequence
 
 os.environ.setdefault("PJRT_NPROC", "16")
 
@@ -37,8 +36,13 @@ from jtree.linearize import linearize  # noqa: E402
 from jtree.tree import TrajectoryTree  # noqa: E402
 from jtree.kernels.attention_mgpu import attention_mgpu  # noqa: E402
 from jtree.kernels.attention_reference import attention_reference  # noqa: E402
+from jtree.launch.harness import (  # noqa: E402
+    Column, DEFAULT_OUT, Output, markdown_table, run_info,
+)
 
 OUTPUTS = ("out", "dq", "dk", "dv")
+COLUMNS = (Column("dtype", "dtype"), *(Column(n, n, "{:.2e}") for n in OUTPUTS),
+           Column("races", "races"))
 
 
 def value_and_grads(attend, q, k, v, end, d_out):
@@ -89,22 +93,29 @@ def _check_random_trees() -> list[dict]:
     return rows
 
 
-def main(argv: list[str]) -> None:
-    if argv:
-        source, target = argv
-        with np.load(source) as data:
-            np.savez(target, **run(dict(data)))
-        return
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("inputs", nargs="?", help="IN.npz: run the kernels once on these inputs")
+    parser.add_argument("outputs", nargs="?", help="OUT.npz: where that run's results go")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"folder of mgpu_interpret.json and .md (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    if args.inputs is not None:
+        if args.outputs is None:
+            parser.error("give IN.npz and OUT.npz, or neither")
+        with np.load(args.inputs) as data:
+            np.savez(args.outputs, **run(dict(data)))
+        return 0
     rows = _check_random_trees()
-    print("max abs error / max |reference|, Mosaic GPU interpreter vs f32 dense reference")
-    print(f"{'dtype':9} " + " ".join(f"{n:>9}" for n in OUTPUTS) + "  races")
-    for row in rows:
-        print(f"{row['dtype']:9} " + " ".join(f"{row[n]:9.2e}" for n in OUTPUTS)
-              + f"  {row['races']}")
-    out_dir = Path("bench_out")
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / "mgpu_interpret.json").write_text(json.dumps(rows, indent=1))
+    table = ("max abs error / max |reference|, Mosaic GPU interpreter vs f32 dense reference\n\n"
+             + markdown_table(rows, COLUMNS))
+    print(table)
+    written = Output.from_args(args, "mgpu_interpret").write({**run_info(args), "rows": rows},
+                                                             table=table)
+    print(f"wrote {', '.join(map(str, written))}")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""Every entry point under `launch/` and every `jtree` subcommand prints a usage line for `--help`,
+and every bench (and the sample-data script) runs at its smallest sizes and writes its outputs
+(`OUT/NAME.json|md|png`, `jtree.launch.harness`). Numbers are not checked: timings are benchmarks,
+not tests.
+
+Run elsewhere at their smallest sizes: `launch/train.py` (tests/e2e/test_launch_train.py),
+`launch/lower_step.py` (tests/e2e/test_lower.py), `jtree stats` (tests/e2e/test_cli.py),
+`jtree compare-torch` (tests/hf/test_hf_torch.py), `jtree export-hf` (tests/hf/test_export_hf.py),
+`mgpu_interpret IN OUT` (tests/kernels/test_attention_mgpu.py).
+
+Benches run in this process with `--host-malloc default` (keeping freed memory would change
+malloc for every later test of the worker).
+"""
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jtree.cli import main as jtree_main
+
+LAUNCH = ("bench", "bench_attention", "bench_gdn", "bench_partition", "bench_rfree", "bench_split",
+          "make_sample_data", "lower_step", "train")
+SUBCOMMANDS = ("stats", "compare-torch", "export-hf")
+
+
+@pytest.mark.parametrize("module", LAUNCH)
+def test_launch_entry_point_prints_usage(module, capsys):
+    main = importlib.import_module(f"jtree.launch.{module}").main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: ")
+
+
+def test_mgpu_interpret_prints_usage():
+    """Its own process, as it is always run (it sizes jax's CPU thread pool at import)."""
+    proc = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", "--help"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: ")
+
+
+def test_mgpu_interpret_refuses_one_file():
+    proc = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", "in.npz"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "give IN.npz and OUT.npz, or neither" in proc.stderr
+
+
+@pytest.mark.parametrize("command", [None, *SUBCOMMANDS])
+def test_jtree_subcommand_prints_usage(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        jtree_main([command, "--help"] if command else ["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: jtree" + (f" {command}" if command else ""))
+
+
+def _run(module: str, args: list[str], tmp_path) -> dict:
+    """Run a bench's main on `args` with `--out tmp_path`; its JSON results."""
+    main = importlib.import_module(f"jtree.launch.{module}").main
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    assert (tmp_path / f"{module}.md").read_text().count("\n|") >= 2  # header + a row
+    return json.loads((tmp_path / f"{module}.json").read_text())
+
+
+def _png(tmp_path, module: str) -> None:
+    assert (tmp_path / f"{module}.png").stat().st_size > 1000
+
+
+def test_bench_quick(tmp_path):
+    data = _run("bench", ["--quick", "--only", "POR 0.7", "--host-malloc", "default"], tmp_path)
+    assert [r["workload"] for r in data["rows"]] == ["tiny/synthetic POR 0.7"]
+    assert data["rows"][0]["repeats"] == 1
+    _png(tmp_path, "bench")
+
+
+def test_bench_split_quick(tmp_path):
+    data = _run("bench_split", ["--quick", "--repeats", "1", "--host-malloc", "default"],
+                tmp_path)
+    (split,) = data["splits"].values()
+    assert split["tree_step_s"] > 0 and split["baseline_step_s"] > 0
+
+
+def test_bench_split_names_the_workloads_when_one_is_unknown():
+    from jtree.launch.bench_split import split
+
+    with pytest.raises(ValueError, match="no bench workload named 'nope'.*tiny/synthetic POR 0.3"):
+        split("nope", 1, quick=True)
+
+
+def test_bench_attention_smallest(tmp_path):
+    data = _run("bench_attention", ["--quick", "--seq-lens", "256", "--por", "0.6", "--repeats",
+                                    "1", "--sweep-s", "0", "--reference-max-s", "256"], tmp_path)
+    (case,) = data["cases"]
+    assert case["S"] == 256 and {"xla_ms", "cpu_ms", "reference_ms"} <= case.keys()
+    _png(tmp_path, "bench_attention")
+
+
+def test_bench_gdn_quick(tmp_path):
+    """The GDN layer returns (output, cache); the bench differentiates the output."""
+    data = _run("bench_gdn", ["--quick"], tmp_path)
+    (row,) = data["results"]
+    assert row["tree_tokens"] < row["flat_tokens"] and row["tree_ms"] > 0
+    _png(tmp_path, "bench_gdn")
+
+
+def test_bench_partition_quick(tmp_path):
+    data = _run("bench_partition", ["--quick"], tmp_path)
+    assert len(data["scaling"]["rows"]) == 2 and data["quality"]
+    _png(tmp_path, "bench_partition")
+
+
+@pytest.mark.slow
+def test_bench_rfree_quick(tmp_path):
+    data = _run("bench_rfree", ["--quick", "--host-malloc", "default"], tmp_path)
+    (case,) = data["cases"]
+    assert case["n_computed"]["rfree"] == case["n_tree"]
+    _png(tmp_path, "bench_rfree")
+
+
+@pytest.mark.slow
+def test_mgpu_interpret_random_trees(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "mgpu_interpret.json").read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["bfloat16", "float16"]
+
+
+def test_make_sample_data_smallest(tmp_path):
+    from jtree.launch.make_sample_data import main
+    from jtree.tree_jsonl import read_sequence_groups
+
+    out = tmp_path / "groups.jsonl"
+    assert main(["--groups", "1", "--out", str(out)]) == 0
+    assert len(read_sequence_groups(out)) == 1
