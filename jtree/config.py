@@ -88,12 +88,15 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints (`jtree.checkpoint`): saved every `every` steps and at the end into
-    `dir` (None: no checkpoints), the last `keep` kept; `async_save` writes in the background."""
+    `dir` (None: no checkpoints), the last `keep` kept; `async_save` writes in the background.
+    `on_corrupt`: what `--resume` does when the latest checkpoint is uncommitted, incomplete or
+    unreadable: `fallback` (log it and resume from the newest intact one) or `raise`."""
 
     dir: str | None = None
     every: int = 100
     keep: int = 3
     async_save: bool = True
+    on_corrupt: Literal["fallback", "raise"] = "fallback"
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.keep < 1:

@@ -267,15 +267,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.checkpoint.dir is not None:
         ckpt = Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
                             async_save=cfg.checkpoint.async_save)
-        latest = ckpt.latest_step() if args.resume else None
-        if latest is not None:
-            where = f"checkpoint {ckpt.directory}/{latest}"
-            check_resumable(ckpt.read_meta(latest), trainer.run_meta(), where)
-            abstract = abstract_like(jax.eval_shape(trainer.init_fn), trainer.shardings)
-            state, data_state, _ = ckpt.restore(latest, abstract)
-            iterator.set_state(data_state)
+        restored = ckpt.restore_latest(
+            abstract_like(jax.eval_shape(trainer.init_fn), trainer.shardings),
+            on_corrupt=cfg.checkpoint.on_corrupt, log=say,
+            check_meta=lambda meta, where: check_resumable(meta, trainer.run_meta(), where),
+        ) if args.resume else None
+        if restored is not None:
+            state = restored.state
+            iterator.set_state(restored.data_state)
             start = int(state.step)
-            say(f"resumed from {where} (step {start})")
+            say(f"resumed from {ckpt.where(restored.step)} (step {start})")
         elif args.resume:
             say(f"--resume: no checkpoint in {ckpt.directory}, starting from scratch")
     if state is None:
