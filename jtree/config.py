@@ -256,7 +256,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
     """Read a YAML config (or start from defaults when `path` is None) and apply overrides."""
     data: dict[str, Any] = {}
     if path is not None:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     try:
         return from_dict(TrainConfig, apply_overrides(data, overrides))

@@ -222,8 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if configure_host_malloc(cfg.run.host_malloc):  # before anything starts a jax backend
         say("host malloc: keeps freed memory (run.host_malloc; CPU steps reuse their temporaries)")
 
+    max_path_len = None if cfg.run.mode == "redundancy_free" else d.seq_len  # rfree splits paths
     trees, report = load_trees(d.path, d.format, vocab_size=mcfg.vocab_size,
-                               on_bad_record=d.on_bad_record, tokenizer=d.tokenizer)
+                               on_bad_record=d.on_bad_record, tokenizer=d.tokenizer,
+                               max_path_len=max_path_len)
     total = sum((t.stats() for t in trees[1:]), trees[0].stats())
     say(f"data: {len(trees)} trees from {d.path} ({d.format}): {total.n_flat_tokens} flat tokens, "
         f"{total.n_tree_tokens} tree tokens, POR {total.por:.3f}"
