@@ -130,3 +130,10 @@ def test_old_logprobs_at_zero_within_rounding_or_at_the_unscored_first_token_are
     assert t.old_logprobs[0].tolist() == pytest.approx([9.0, 0.0, 5e-4])
     with pytest.raises(ValueError, match=r"sequence 0: old_logprobs\[1\] = nan is not finite"):
         TrajectoryTree.from_sequences([[1, 2, 3]], old_logprobs=[[0.0, float("nan"), -1.0]])
+
+
+def test_a_lone_surrogate_in_a_chat_message_names_the_message_field(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"messages": [{"role": "assistant", "content": "a\\ud800b"}]}\n')
+    with pytest.raises(ValueError, match=rf"^{path}:1: messages\[0\]\.content: not valid Unicode"):
+        load_trees(path, "chat", vocab_size=None)
