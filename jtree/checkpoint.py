@@ -103,8 +103,7 @@ class Checkpointer:
         try:
             saved = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
         except Exception as e:  # noqa: BLE001 - any failure to read it is damage
-            raise CorruptCheckpoint(f"{where}: state metadata unreadable ({_first_line(e)})") \
-                from None
+            raise CorruptCheckpoint(f"{where}: state metadata unreadable ({_reason(e)})") from None
         _check_shapes(saved.tree, abstract_state, where)
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(
@@ -112,8 +111,7 @@ class Checkpointer:
                 data=ocp.args.JsonRestore(),
             ))
         except Exception as e:  # noqa: BLE001 - shapes match, so a failed read is damage
-            raise CorruptCheckpoint(f"{where}: unreadable ({type(e).__name__}: "
-                                    f"{_first_line(e)})") from None
+            raise CorruptCheckpoint(f"{where}: unreadable ({_reason(e)})") from None
         return Restored(step, out["state"], out["data"], meta)
 
     def restore_latest(self, abstract_state: Any, *, on_corrupt: OnCorrupt = "fallback",
@@ -164,8 +162,7 @@ class Checkpointer:
             return self._manager.restore(step, args=ocp.args.Composite(
                 meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 - a missing or garbled file is damage
-            raise CorruptCheckpoint(f"{self.where(step)}: meta unreadable ({_first_line(e)})") \
-                from None
+            raise CorruptCheckpoint(f"{self.where(step)}: meta unreadable ({_reason(e)})") from None
 
     def wait(self) -> None:
         """Block until every started save is committed."""
@@ -175,10 +172,13 @@ class Checkpointer:
         self._manager.close()
 
 
-def _first_line(e: BaseException) -> str:
-    """The first line of an error (TensorStore errors run to a hundred lines)."""
+def _reason(e: BaseException) -> str:
+    """The first line of the error's root cause (Orbax wraps TensorStore's one-line status, such
+    as a truncated chunk, in a message that runs to a hundred lines)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def _key_name(key: Any) -> str:

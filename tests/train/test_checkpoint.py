@@ -13,6 +13,10 @@ import pytest
 
 from jtree.checkpoint import Checkpointer, CorruptCheckpoint
 
+# A read of a damaged checkpoint fails inside Orbax's event loop, which leaves the aborted reads'
+# coroutines to be collected later (reported as unraisable exceptions, harmless).
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 
 def _state(step: int) -> dict:
     return {"w": jnp.arange(512.0) * step, "b": jnp.full((3,), float(step)),
@@ -44,7 +48,7 @@ def _damage(step_dir: Path, how: str) -> str:
     """Damage one step directory; returns what the log line must say."""
     if how == "chunk":
         _largest_chunk(step_dir).unlink()
-        return "unreadable"
+        return "unreadable (ValueError: FAILED_PRECONDITION"
     if how == "state_metadata":
         (step_dir / "state" / "_METADATA").unlink()
         return "state/_METADATA is missing"
@@ -74,7 +78,7 @@ def test_damaged_latest_falls_back_to_the_newest_intact_checkpoint(tmp_path, how
                     jax.tree_util.tree_leaves(expected.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert len(lines) == 1 and f"{tmp_path / 'ck'}/3:" in lines[0] and reason in lines[0], lines
-    assert "\n" not in lines[0] and len(lines[0]) < 400
+    assert "\n" not in lines[0] and len(lines[0]) < 600
     # set aside, so the resumed run saves step 3 again
     assert (tmp_path / "ck" / "3.corrupt").is_dir() and ckpt.latest_step() == 2
     ckpt.save(3, _state(30), {"next": 3}, {"seed": 0})
@@ -107,7 +111,8 @@ def test_no_intact_checkpoint_stops_the_resume(tmp_path):
 def test_a_checkpoint_of_another_model_is_not_damage(tmp_path):
     ckpt = _saved(tmp_path / "ck")
     other = dict(_state(0), w=jnp.zeros(256))
-    with pytest.raises(ValueError, match=r"/3: does not match the model .*w has shape \(512,\)") as e:
+    mismatch = r"/3: does not match the model .*w has shape \(512,\)"
+    with pytest.raises(ValueError, match=mismatch) as e:
         ckpt.restore_latest(_abstract(other), log=pytest.fail)
     assert not isinstance(e.value, CorruptCheckpoint)
 
