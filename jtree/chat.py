@@ -99,6 +99,9 @@ def _validate(record: Mapping[str, Any], where: str) -> list[Mapping[str, Any]]:
         for field in ("content", "reasoning_content"):
             if field in m and not isinstance(m[field], str):
                 raise ValueError(f"{at}.{field}: expected a string")
+            if field in m and not _is_unicode(m[field]):
+                raise ValueError(f"{at}.{field}: not valid Unicode (a lone surrogate escape such "
+                                 "as \\ud800, which no tokenizer can encode)")
         if "content" not in m:
             raise ValueError(f"{at}.content: missing")
         if "reasoning_content" in m and m["role"] != "assistant":
@@ -106,6 +109,15 @@ def _validate(record: Mapping[str, Any], where: str) -> list[Mapping[str, Any]]:
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: messages: no assistant message to train on")
     return messages
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether `text` encodes as UTF-8: JSON may escape lone surrogates that it cannot."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _render(message: Mapping[str, Any], with_reasoning: bool) -> tuple[str, str]:

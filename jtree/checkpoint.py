@@ -7,17 +7,50 @@ writes into a temporary directory and renames it when complete, so a killed run 
 half-written checkpoint that looks valid; `async_save` lets training continue while arrays are
 written; only the last `keep` checkpoints are kept.
 
+A step directory can still be damaged after it was written (a lost file, a disk or copy error),
+and Orbax lists it as a step all the same. So a checkpoint is verified before it is used: committed
+(Orbax's commit marker in the step directory and in every item), its metadata files present, its
+saved arrays of the shapes being trained, and readable. `restore_latest` falls back to the newest
+intact checkpoint and sets the damaged newer ones aside (`<step>.corrupt`), so the resumed run can
+write those steps again; a checkpoint of another model or run is not damage and stops the run.
+
 Restoring takes the abstract train state with the shardings of the *current* mesh, so a run
 saved on one mesh shape resumes on another.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+OnCorrupt = Literal["fallback", "raise"]
+
+# What Orbax writes in a committed step directory (besides the arrays): the commit marker in the
+# step directory and in every item, the step metadata, and each item's metadata files.
+COMMIT_MARKER = "commit_success.txt"
+STEP_METADATA = "_CHECKPOINT_METADATA"
+ITEM_FILES = {"state": ("_METADATA", "manifest.ocdbt"), "data": ("metadata",),
+              "meta": ("metadata",)}
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint that is uncommitted, incomplete or unreadable (not one of another run)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A restored checkpoint: its step, train state, data-iterator state and run metadata."""
+
+    step: int
+    state: Any
+    data_state: dict[str, Any]
+    meta: dict[str, Any]
 
 
 class Checkpointer:
@@ -40,24 +73,96 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-        """(state, data_state, meta) of checkpoint `step`, laid out like `abstract_state` (a tree of
-        jax.ShapeDtypeStruct with shardings). A checkpoint of another model fails with a
-        ValueError naming the directory."""
+    def where(self, step: int) -> str:
+        return f"checkpoint {self.directory}/{step}"
+
+    def verify(self, step: int) -> None:
+        """Raise CorruptCheckpoint unless `step` is committed and its metadata files are there
+        (Orbax lists a step directory whatever is missing inside it)."""
+        root = self.directory / str(step)
+        for item in ("", *ITEM_FILES):
+            if not (root / item / COMMIT_MARKER).is_file():
+                raise CorruptCheckpoint(f"{self.where(step)}: not committed (no "
+                                        f"{(Path(item) / COMMIT_MARKER).as_posix()})")
+        for name in (STEP_METADATA, *(f"{item}/{f}" for item, files in ITEM_FILES.items()
+                                      for f in files)):
+            if not (root / name).is_file():
+                raise CorruptCheckpoint(f"{self.where(step)}: {name} is missing")
+
+    def restore(self, step: int, abstract_state: Any,
+                check_meta: Callable[[dict[str, Any], str], None] | None = None) -> Restored:
+        """Checkpoint `step`, laid out like `abstract_state` (a tree of jax.ShapeDtypeStruct with
+        shardings). `check_meta(meta, where)` may reject the run metadata (ValueError) before any
+        array is read. Raises CorruptCheckpoint for a damaged checkpoint, ValueError for one whose
+        arrays do not match `abstract_state` (another model or optimizer)."""
+        self.verify(step)
+        where = self.where(step)
         meta = self.read_meta(step)
+        if check_meta is not None:
+            check_meta(meta, where)
+        try:
+            saved = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+        except Exception as e:  # noqa: BLE001 - any failure to read it is damage
+            raise CorruptCheckpoint(f"{where}: state metadata unreadable ({_reason(e)})") from None
+        _check_shapes(saved.tree, abstract_state, where)
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state),
                 data=ocp.args.JsonRestore(),
             ))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"checkpoint {self.directory}/{step}: does not match the model or "
-                             f"optimizer being trained ({type(e).__name__}: {e})") from None
-        return out["state"], out["data"], meta
+        except Exception as e:  # noqa: BLE001 - shapes match, so a failed read is damage
+            raise CorruptCheckpoint(f"{where}: unreadable ({_reason(e)})") from None
+        return Restored(step, out["state"], out["data"], meta)
+
+    def restore_latest(self, abstract_state: Any, *, on_corrupt: OnCorrupt = "fallback",
+                       check_meta: Callable[[dict[str, Any], str], None] | None = None,
+                       log: Callable[[str], None] = print) -> Restored | None:
+        """The newest intact checkpoint (None: there is none to resume). A damaged one is
+        logged in one line and, with `on_corrupt="fallback"`, the next older one is tried (and
+        the damaged ones are set aside once one restores); with `"raise"` it stops the run, as
+        does a directory with no intact checkpoint."""
+        if on_corrupt not in ("fallback", "raise"):
+            raise ValueError(f"on_corrupt: {on_corrupt!r} is not 'fallback' or 'raise'")
+        corrupt: list[int] = []
+        for step in sorted(self._manager.all_steps(read=True), reverse=True):
+            try:
+                restored = self.restore(step, abstract_state, check_meta)
+            except CorruptCheckpoint as e:
+                if on_corrupt == "raise":
+                    raise CorruptCheckpoint(f"{e} (checkpoint.on_corrupt=fallback resumes from "
+                                            "the newest intact checkpoint)") from None
+                log(f"{e}; trying the next older checkpoint")
+                corrupt.append(step)
+                continue
+            self._set_aside(corrupt)
+            return restored
+        if corrupt:
+            raise CorruptCheckpoint(f"checkpoint {self.directory}: no intact checkpoint (damaged "
+                                    f"steps {sorted(corrupt)})")
+        return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename damaged step directories to `<step>.corrupt[N]` (kept for inspection, no
+        longer a step), so the resumed run can save those steps again."""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                target, n = self.directory / f"{step}.corrupt", 1
+                while target.exists():
+                    n += 1
+                    target = self.directory / f"{step}.corrupt{n}"
+                (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jtree.checkpoint.set_aside")
+        self._manager.reload()
 
     def read_meta(self, step: int) -> dict[str, Any]:
-        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            "meta"]
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - a missing or garbled file is damage
+            raise CorruptCheckpoint(f"{self.where(step)}: meta unreadable ({_reason(e)})") from None
 
     def wait(self) -> None:
         """Block until every started save is committed."""
@@ -65,6 +170,43 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of the error's root cause (Orbax wraps TensorStore's one-line status, such
+    as a truncated chunk, in a message that runs to a hundred lines)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """`a/b/0` -> shape of every leaf, whatever container types spell the path (Orbax's saved
+    metadata has dicts where the train state has dataclasses and tuples)."""
+    return {"/".join(_key_name(k) for k in path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_shapes(saved: Any, abstract_state: Any, where: str) -> None:
+    """A checkpoint of another model or optimizer is a config error, not damage."""
+    have, want = _shapes(saved), _shapes(abstract_state)
+    if have == want:
+        return
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or extra:
+        detail = (f"missing {missing[0]}" if missing else f"unexpected {extra[0]}")
+    else:
+        key = next(k for k in want if have[k] != want[k])
+        detail = f"{key} has shape {have[key]}, the model wants {want[key]}"
+    raise ValueError(f"{where}: does not match the model or optimizer being trained ({detail})")
 
 
 def abstract_like(tree: Any, shardings: Any) -> Any:

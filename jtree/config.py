@@ -88,12 +88,15 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints (`jtree.checkpoint`): saved every `every` steps and at the end into
-    `dir` (None: no checkpoints), the last `keep` kept; `async_save` writes in the background."""
+    `dir` (None: no checkpoints), the last `keep` kept; `async_save` writes in the background.
+    `on_corrupt`: what `--resume` does when the latest checkpoint is uncommitted, incomplete or
+    unreadable: `fallback` (log it and resume from the newest intact one) or `raise`."""
 
     dir: str | None = None
     every: int = 100
     keep: int = 3
     async_save: bool = True
+    on_corrupt: Literal["fallback", "raise"] = "fallback"
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.keep < 1:
@@ -253,7 +256,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
     """Read a YAML config (or start from defaults when `path` is None) and apply overrides."""
     data: dict[str, Any] = {}
     if path is not None:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     try:
         return from_dict(TrainConfig, apply_overrides(data, overrides))

@@ -1,8 +1,10 @@
 """The input pipeline: JSONL -> trees -> per-step, per-host linearized arrays (grain).
 
-Loading (`load_trees`) reads sequence groups, explicit trees or chat conversations, validating
-every record; a bad record either stops the run with its `file:line` or, with
-`on_bad_record="skip"`, is skipped and counted.
+Loading (`load_trees`) reads sequence groups, explicit trees or chat conversations (UTF-8),
+validating every record; a bad record either stops the run with its `file:line` or, with
+`on_bad_record="skip"`, is skipped and counted. A record with a path longer than a row is bad in
+the modes that train whole paths in rows (`max_path_len`), not in `redundancy_free`, which splits
+long paths.
 
 Batching (`make_pipeline`) is a grain `MapDataset`: tree indices shuffled by seed (reshuffled
 every epoch), grouped `trees_per_step` at a time, then mapped by `StepBuilder` to this host's
@@ -23,6 +25,7 @@ step needs, which every host computes alike; or a fixed `gdn_chunks` for the who
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -76,10 +79,27 @@ class _BadRecords:
             self.errors.append(str(error))
 
 
+def check_path_lengths(tree: TrajectoryTree, wheres: Sequence[str], record_id: Any,
+                       max_path_len: int | None) -> TrajectoryTree:
+    """`tree`, or a ValueError naming the record when its longest path does not fit a row of
+    `max_path_len` tokens (None: no limit), with the two ways out. `wheres`: the `file:line` of
+    each path (one entry: of the whole tree)."""
+    longest = int(np.argmax(tree.path_lengths))
+    n = int(tree.path_lengths[longest])
+    if max_path_len is not None and n > max_path_len:
+        where = wheres[longest] if len(wheres) > 1 else wheres[0]
+        named = "" if record_id is None else f" (id {json.dumps(record_id)})"
+        raise ValueError(f"{where}{named}: path {longest} has {n} tokens, more than a row holds "
+                         f"(data.seq_len={max_path_len}); raise data.seq_len, or train with "
+                         "run.mode=redundancy_free, which splits long paths")
+    return tree
+
+
 def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
                on_bad_record: str = "raise", tokenizer: str = "bytes",
-               ) -> tuple[list[TrajectoryTree], LoadReport]:
-    """Every tree of a JSONL file, validated; see the module docstring for bad records."""
+               max_path_len: int | None = None) -> tuple[list[TrajectoryTree], LoadReport]:
+    """Every tree of a JSONL file, validated; see the module docstring for bad records.
+    `max_path_len`: the longest path a row holds in the run's mode (None: no limit)."""
     bad = _BadRecords(on_bad_record)
     trees: list[TrajectoryTree] = []
     n_lines = 0
@@ -97,8 +117,10 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
             groups.setdefault(group_key(rec), []).append((where, rec))
         for members in groups.values():
             try:
-                trees.append(tree_from_group(members, vocab_size=vocab_size))
-            except ValueError as e:  # lines that disagree with each other: the whole group
+                tree = tree_from_group(members, vocab_size=vocab_size)  # path p: line p
+                trees.append(check_path_lengths(tree, [w for w, _ in members],
+                                                members[0][1]["group"], max_path_len))
+            except ValueError as e:  # the group as a whole is bad: count all its lines
                 bad(e, lines=len(members))
     elif fmt in ("trees", "chat"):
         tok = load_tokenizer(tokenizer) if fmt == "chat" else None
@@ -109,8 +131,9 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
             n_lines += 1
             try:
                 rec = parse_line(where, line)
-                trees.append(tree_from_record(where, rec, vocab_size=vocab_size) if tok is None
-                             else conversation_tree(rec, tok, where=where, vocab_size=vocab_size))
+                tree = (tree_from_record(where, rec, vocab_size=vocab_size) if tok is None
+                        else conversation_tree(rec, tok, where=where, vocab_size=vocab_size))
+                trees.append(check_path_lengths(tree, [where], rec.get("id"), max_path_len))
             except ValueError as e:
                 bad(e)
     else:

@@ -207,18 +207,19 @@ class TrainingRun:
         ckpt = self.checkpointer
         if resume and ckpt is None:
             raise ValueError("--resume: checkpoint.dir is not set")
-        latest = ckpt.latest_step() if resume else None
-        if latest is None:
+        restored = ckpt.restore_latest(
+            abstract_like(jax.eval_shape(self.trainer.init_fn), self.trainer.shardings),
+            on_corrupt=self.cfg.checkpoint.on_corrupt, log=say,
+            check_meta=lambda meta, where: check_resumable(meta, self.trainer.run_meta(), where),
+        ) if resume else None
+        if restored is None:
             if resume:
                 say(f"--resume: no checkpoint in {ckpt.directory}, starting from scratch")
             return self.trainer.initial_state(), 0
-        where = f"checkpoint {ckpt.directory}/{latest}"
-        check_resumable(ckpt.read_meta(latest), self.trainer.run_meta(), where)
-        abstract = abstract_like(jax.eval_shape(self.trainer.init_fn), self.trainer.shardings)
-        state, data_state, _ = ckpt.restore(latest, abstract)
-        self.iterator.set_state(data_state)
+        state = restored.state
+        self.iterator.set_state(restored.data_state)
         start = int(state.step)
-        say(f"resumed from {where} (step {start})")
+        say(f"resumed from {ckpt.where(restored.step)} (step {start})")
         return state, start
 
     def describe(self, state: TrainState) -> str:

@@ -69,8 +69,27 @@ class _TrieNode:
         self.ends = ends
 
 
+# How far above 0 an old log-probability may be: rollout engines compute them in reduced
+# precision, which can round a near-certain token's log-probability slightly above 0; anything
+# larger is not a log-probability (and would silently distort the PPO ratio).
+LOGPROB_TOLERANCE = 1e-3
+
+
+def _numbers(values: ArrayLike, what: str, dtype: Any = None) -> np.ndarray:
+    """`values` as an array; a string, object or ragged list names the field it came from."""
+    try:
+        return np.asarray(values, dtype=dtype)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: expected numbers, got {_preview(values)}") from None
+
+
+def _preview(values: Any) -> str:
+    text = repr(values)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _as_token_array(seq: ArrayLike, what: str, vocab_size: int | None) -> np.ndarray:
-    arr = np.asarray(seq)
+    arr = _numbers(seq, f"{what}: tokens")
     if arr.ndim != 1:
         raise ValueError(f"{what}: tokens must be a 1-D sequence, got shape {arr.shape}")
     if arr.size == 0:
@@ -91,7 +110,7 @@ def _as_token_array(seq: ArrayLike, what: str, vocab_size: int | None) -> np.nda
 
 
 def _per_token(values: ArrayLike, length: int, what: str, *, allow_scalar: bool) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.float64)
+    arr = _numbers(values, what, np.float64)
     if arr.ndim == 0 and allow_scalar:
         arr = np.full(length, float(arr))
     if arr.ndim != 1 or arr.shape[0] != length:
@@ -154,10 +173,19 @@ def _validate_path_data(
             _per_token(o, n, f"{label} {i}: old_logprobs", allow_scalar=False)
             for i, (o, n) in enumerate(zip(old_logprobs, lengths))
         )
+        for i, o in enumerate(old):  # position 0 predicts nothing: its value is never used
+            above = np.flatnonzero(o[1:] > LOGPROB_TOLERANCE)
+            if above.size:
+                j = int(above[0]) + 1
+                raise ValueError(f"{label} {i}: old_logprobs[{j}] = {o[j]:g} is above 0 (a "
+                                 f"log-probability is <= 0)")
     if weights is None:
         w = np.ones(k, np.float32)
     else:
-        w = np.asarray(weights, dtype=np.float64)
+        if isinstance(weights, (list, tuple)):  # name the path whose weight is not a number
+            weights = [_numbers(x, f"{label} {i}: weight", np.float64)
+                       for i, x in enumerate(weights)]
+        w = _numbers(weights, "weights", np.float64)
         if w.shape != (k,):
             raise ValueError(f"weights: expected {k} values (one per {label}), got shape {w.shape}")
         bad = np.flatnonzero(~np.isfinite(w) | (w < 0))

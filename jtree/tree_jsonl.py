@@ -23,18 +23,24 @@ from jtree.tree import TrajectoryTree
 _PATH_FIELDS = {"loss_mask": "loss_masks", "advantage": "advantages", "old_logprobs": "old_logprobs"}
 
 
-def iter_lines(path: str | Path) -> Iterator[tuple[str, str]]:
-    """(`file:line`, text) for every non-blank line."""
-    with open(path) as f:
+def iter_lines(path: str | Path) -> Iterator[tuple[str, bytes]]:
+    """(`file:line`, raw bytes) for every non-blank line. Lines are decoded by `parse_line`, so a
+    byte that is not UTF-8 is a bad record at its line, not the end of the file."""
+    with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 yield f"{path}:{n}", line
 
 
-def parse_line(where: str, line: str) -> dict[str, Any]:
-    """One JSON object; errors name `where`."""
+def parse_line(where: str, line: bytes) -> dict[str, Any]:
+    """One UTF-8 JSON object; errors name `where`."""
     try:
-        rec = json.loads(line)
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at column "
+                         f"{e.start + 1})") from None
+    try:
+        rec = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
     if not isinstance(rec, dict):
@@ -113,7 +119,7 @@ def _locate(message: str, label: str, wheres: Sequence[str]) -> str:
 
 def write_sequence_groups(path: str | Path, trees: Sequence[TrajectoryTree]) -> None:
     """Write every path of every tree as one line; tree k becomes group k."""
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         for k, t in enumerate(trees):
             for p in range(t.n_paths):
                 rec: dict[str, Any] = {"group": k, "tokens": t.path_tokens(p).tolist()}
@@ -168,7 +174,7 @@ def read_trees(path: str | Path, *, vocab_size: int | None = None) -> list[Traje
 
 def write_trees(path: str | Path, trees: Sequence[TrajectoryTree]) -> None:
     """Write one explicit tree per line (nodes in DFS pre-order)."""
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         for t in trees:
             rec = {
                 "parents": t.parents.tolist(),

@@ -50,7 +50,7 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
         raise ValueError(f"--checkpoint: no checkpoint in {ckpt.directory}")
     shapes = jax.eval_shape(init)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    state, _, _ = ckpt.restore(step, abstract_like(shapes, jax.tree.map(lambda _: device, shapes)))
+    state = ckpt.restore(step, abstract_like(shapes, jax.tree.map(lambda _: device, shapes))).state
     ckpt.close()
     graphdef = nnx.split(nnx.eval_shape(lambda: create_model(arch, mcfg)))[0]
     return nnx.merge(graphdef, state.params), mcfg

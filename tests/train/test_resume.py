@@ -5,6 +5,7 @@ feeding the resumed run). The dense run checks the mechanics over 3 + 3 steps; a
 (1 + 1 steps, slow) checks them for an expert-parallel model (mesh model=2) with the router loss
 on."""
 
+import shutil
 import signal
 
 import jax
@@ -84,3 +85,33 @@ def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(tmp_path):
     assert "model: qwen3_moe" in out and "mesh data=1 x model=2" in out
     history = _kill_resume_and_compare(tmp_path, common, straight, 1, env, workers=0)
     assert all(r["aux_loss"] > 0 for r in history)  # the router loss is part of the objective
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
+    """A lost array chunk in the latest checkpoint: `--resume` logs it and continues from the
+    newest intact one, with the same losses as resuming from that checkpoint directly."""
+    from tests.train.test_checkpoint import _damage
+
+    data = write_groups(tmp_path / "groups.jsonl")
+    first = tmp_path / "first"
+    common = tiny_overrides(data, **{"checkpoint.every": 1, "checkpoint.async_save": "false"})
+    assert main(["--config", "configs/tiny.yaml", *common, "run.steps=3",
+                 f"checkpoint.dir={first}"]) == 0
+    losses = {}
+    for name in ("damaged", "direct"):
+        directory = tmp_path / name
+        shutil.copytree(first, directory)
+        if name == "damaged":
+            _damage(directory / "3", "chunk")
+        else:
+            shutil.rmtree(directory / "3")
+        capsys.readouterr()
+        assert main(["--resume", "--config", "configs/tiny.yaml", *common, "run.steps=4",
+                     f"checkpoint.dir={directory}",
+                     f"run.metrics_jsonl={directory}/metrics.jsonl"]) == 0
+        out = capsys.readouterr().out
+        assert f"resumed from checkpoint {directory}/2 (step 2)" in out
+        assert (f"checkpoint {directory}/3: unreadable" in out) == (name == "damaged"), out
+        losses[name] = [(r["step"], r["loss"]) for r in read_metrics(directory / "metrics.jsonl")]
+    assert [s for s, _ in losses["direct"]] == [2, 3]
+    assert losses["damaged"] == losses["direct"]
