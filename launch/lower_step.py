@@ -83,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     custom_calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state.params))
     print(f"lowered {args.config} for {args.platform}: {n_params:,} parameters, mesh "
-          f"data={mesh.shape[DATA]} x model={mesh.shape[MODEL]}, inputs {shape}; StableHLO "
+          f"data={mesh.shape[DATA]} x model={mesh.shape[MODEL]}, inputs {shape}, attention "
+          f"{impl}; StableHLO "
           f"{len(text.splitlines()):,} lines; collectives "
           + ", ".join(f"{k} {v}" for k, v in ops.items() if v)
           + f"; custom calls {', '.join(custom_calls) or 'none'}")
