@@ -95,11 +95,39 @@ def check_path_lengths(tree: TrajectoryTree, wheres: Sequence[str], record_id: A
     return tree
 
 
+# The fields that make a record one of each format: what tells a file in another format apart.
+FORMAT_FIELDS = {"groups": ("group", "tokens"), "trees": ("parents", "segments"),
+                 "chat": ("messages",)}
+
+
+def record_format(rec: dict[str, Any]) -> str | None:
+    """The format whose required fields `rec` has (None: no format's, or several)."""
+    found = [f for f, fields in FORMAT_FIELDS.items() if all(k in rec for k in fields)]
+    return found[0] if len(found) == 1 else None
+
+
+def _check_format(path: str | Path, fmt: str, format_key: str) -> None:
+    """Refuse a file whose first record is of another format in one line naming the option, rather
+    than a missing-field error on every record (a file is read in the format it is told)."""
+    for where, line in iter_lines(path):
+        try:
+            found = record_format(parse_line(where, line))
+        except ValueError:  # an unreadable first record is reported as a bad record
+            return
+        if found is not None and found != fmt:
+            raise ValueError(f"{where}: a {found!r} record ({', '.join(FORMAT_FIELDS[found])}), "
+                             f"but the file is read as {fmt!r}: set {format_key}={found}")
+        return
+
+
 def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
                on_bad_record: str = "raise", tokenizer: str = "bytes",
-               max_path_len: int | None = None) -> tuple[list[TrajectoryTree], LoadReport]:
+               max_path_len: int | None = None, format_key: str = "data.format",
+               ) -> tuple[list[TrajectoryTree], LoadReport]:
     """Every tree of a JSONL file, validated; see the module docstring for bad records.
-    `max_path_len`: the longest path a row holds in the run's mode (None: no limit)."""
+    `max_path_len`: the longest path a row holds in the run's mode (None: no limit). A file of
+    another format is refused naming `format_key` (the option that sets `fmt`)."""
+    _check_format(path, fmt, format_key)
     bad = _BadRecords(on_bad_record)
     trees: list[TrajectoryTree] = []
     n_lines = 0

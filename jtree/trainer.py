@@ -33,6 +33,7 @@ from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.config import TrainConfig
 from jtree.data import LoadReport, make_pipeline
 from jtree.host_allocator import configure_host_malloc
+from jtree.kernels.tree_attention import resolve_impl
 from jtree.metrics import MetricsLog
 from jtree.models import create_model
 from jtree.rfree.execute import RedundancyFreeStep
@@ -223,13 +224,16 @@ class TrainingRun:
         return state, start
 
     def describe(self, state: TrainState) -> str:
-        """The line that says what runs where: model, mode, objective, mesh, batch layout."""
+        """The line that says what runs where: model, mode, objective, mesh, attention kernel (what
+        `auto` resolved to), batch layout."""
         cfg, mesh, mcfg = self.cfg, self.trainer.mesh, self.cfg.model.config
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+        attention = resolve_impl(mcfg.attention_impl, dtype=mcfg.dtype, head_dim=mcfg.head_dim)
         return (f"model: {cfg.model.architecture} {mcfg.num_hidden_layers} layers, hidden "
                 f"{mcfg.hidden_size}, {n_params:,} parameters; mode {cfg.run.mode}, objective "
                 f"{cfg.objective.kind}; mesh data={mesh.shape[DATA]} x model={mesh.shape[MODEL]} "
-                f"over {jax.process_count()} process(es), backend {jax.default_backend()}; "
+                f"over {jax.process_count()} process(es), backend {jax.default_backend()}, "
+                f"attention {attention}; "
                 f"{self.layout}")
 
     def loop(self, state: TrainState, start: int) -> tuple[TrainState, list[dict[str, Any]]]:

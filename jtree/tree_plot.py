@@ -3,6 +3,10 @@
 The overlap curve is seed 000's Figure 5 view: for each position along a trajectory, how many
 sequences are active there in the per-branch baseline (paths at least that long) and how many
 distinct tokens tree mode computes there. The areas under the two curves are N_flat and N_tree.
+
+In the shape view a node that continues its parent's row (a chain of nodes: the messages of a
+conversation) would merge with it into one bar, so every node start is marked (`node_boundaries`)
+and consecutive nodes alternate in shade.
 """
 
 from __future__ import annotations
@@ -43,6 +47,23 @@ def node_layout(tree: TrajectoryTree) -> tuple[np.ndarray, np.ndarray]:
     return start, y
 
 
+def node_boundaries(tree: TrajectoryTree) -> np.ndarray:
+    """[nodes with a parent, 2]: (position, y) where each non-root node starts, in node order (the
+    ticks that separate a node from its parent, e.g. one chat message from the one before)."""
+    start, y = node_layout(tree)
+    child = np.flatnonzero(tree.parents >= 0)
+    return np.stack([start[child], y[child]], 1)
+
+
+def node_depths(tree: TrajectoryTree) -> np.ndarray:
+    """Nodes from a root to each node, minus one (parents come before their children)."""
+    depth = np.zeros(tree.n_nodes, np.int64)
+    for u, p in enumerate(tree.parents):
+        if p >= 0:
+            depth[u] = depth[p] + 1
+    return depth
+
+
 def plot_tree_overview(
     tree: TrajectoryTree,
     out: str,
@@ -67,8 +88,9 @@ def plot_tree_overview(
     links = np.stack([np.stack([stop[p], y[p]], 1), np.stack([start[has_parent], y[has_parent]], 1)], 1)
     ax_tree.add_collection(LineCollection(links, colors="0.6", linewidths=0.7))
     bars = np.stack([np.stack([start, y], 1), np.stack([stop, y], 1)], 1)
-    if copies is None:
-        ax_tree.add_collection(LineCollection(bars, colors="tab:blue", linewidths=4))
+    if copies is None:  # alternating shades keep consecutive nodes of a chain apart
+        shades = np.where(node_depths(tree) % 2 == 0, "tab:blue", "lightsteelblue")
+        ax_tree.add_collection(LineCollection(bars, colors=shades, linewidths=4))
     else:
         copies = np.asarray(copies)
         cmap = plt.get_cmap("viridis", int(copies.max()))
@@ -78,6 +100,10 @@ def plot_tree_overview(
         ax_tree.add_collection(coll)
         fig.colorbar(coll, ax=ax_tree, label="parts computing the node",
                      ticks=range(1, int(copies.max()) + 1))
+    ticks = node_boundaries(tree)
+    ax_tree.add_collection(LineCollection(
+        np.stack([ticks + [0, -0.3], ticks + [0, 0.3]], 1), colors="black", linewidths=0.8,
+        label="node starts"))
     ends = tree.path_nodes
     ax_tree.scatter(stop[ends], y[ends], s=14, marker="x", color="tab:red", zorder=3,
                     label="path ends")

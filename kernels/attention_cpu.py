@@ -76,6 +76,16 @@ def _compile() -> Path:
     return lib
 
 
+def build_error() -> str | None:
+    """Why the kernel cannot run on this machine (no compiler, a failed build), or None when its
+    library is built (now or before): what `auto` asks before choosing this kernel on CPU."""
+    try:
+        _compile()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 @functools.cache
 def _register() -> None:
     """Compile (or find) the library and register its two handlers with XLA, once per process."""

@@ -19,6 +19,8 @@ for prefix calls where the backend's kernel has none (`pallas_mosaic_gpu` today)
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -57,7 +59,10 @@ _IMPLS: dict[str, _Impl] = {
 
 # What `auto` runs on each backend. On a GPU the Mosaic kernel needs bf16/f16 operands and head_dim
 # 64 or 128; other inputs run the block-sparse `xla` path (the same masked attention, not causal).
-_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_mosaic_gpu", "cpu": "xla"}
+# On CPU the C++ kernel runs when it builds here (`_auto_on_cpu`) and the call has no soft-cap.
+_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_mosaic_gpu", "cpu": "cpu"}
+
+log = logging.getLogger(__name__)
 
 
 def available_impls() -> tuple[str, ...]:
@@ -65,17 +70,34 @@ def available_impls() -> tuple[str, ...]:
 
 
 def resolve_impl(impl: str, backend: str | None = None, *, dtype: Any = None,
-                 head_dim: int | None = None) -> str:
-    """Map `auto` to the implementation for `backend` (default: jax's default backend) and, when
-    given, the operand dtype and head_dim."""
+                 head_dim: int | None = None, softcap: float | None = None) -> str:
+    """Map `auto` to the implementation for `backend` (default: jax's default backend; lowering
+    for another platform must name it) and, when given, the operand dtype, head_dim and
+    soft-cap."""
     if impl == "auto":
         choice = _AUTO.get(backend or jax.default_backend(), "xla")
         if choice == "pallas_mosaic_gpu" and dtype is not None and not mgpu_handles(dtype, head_dim):
             return "xla"
+        if choice == "cpu":
+            return "xla" if softcap is not None else _auto_on_cpu()
         return choice
     if impl not in _IMPLS:
         raise ValueError(f"attention impl {impl!r} is not one of {available_impls()}")
     return impl
+
+
+@functools.cache
+def _auto_on_cpu() -> str:
+    """`cpu` when the C++ kernel builds on this machine, else `xla`; decided (and logged) once per
+    process, since the answer only changes when a compiler is installed."""
+    error = attention_cpu.build_error()
+    if error is None:
+        log.info("tree attention: 'auto' runs the 'cpu' kernel on the CPU backend (the "
+                 "multi-threaded C++ kernel built; 'xla' runs its block loop on one core)")
+        return "cpu"
+    log.warning("tree attention: 'auto' runs 'xla' on the CPU backend, the slower kernel, "
+                "because the C++ 'cpu' kernel cannot be built: %s", error.splitlines()[0])
+    return "xla"
 
 
 def tree_attention(
@@ -120,7 +142,7 @@ def tree_attention(
                             **options)
     if isinstance(end, np.ndarray):
         _check_end(end)
-    chosen = _IMPLS[resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3])]
+    chosen = _IMPLS[resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)]
     s = q.shape[1]
     target = s if chosen.padded_length is None else chosen.padded_length(s, **options)
     if target == s:
@@ -150,7 +172,7 @@ def _with_prefix(q, k, v, end, prefix_k, prefix_v, prefix_end, *, impl: str, sca
                                      jnp.asarray(end, jnp.int32)], axis=1))
     if isinstance(end_all, np.ndarray):
         _check_end(end_all, first_query=p)
-    name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3])
+    name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)
     if impl == "auto" and _IMPLS[name].padded_lengths is None:
         name = "xla"  # same masked attention; the backend's kernel has no prefix support yet
     chosen = _IMPLS[name]

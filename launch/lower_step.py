@@ -6,6 +6,9 @@ Builds the real step (shard_map over the config's mesh on `--devices` forced hos
 update, donation) from abstract shapes only, exports it with `jax.export` for the target platform
 and prints the size of the lowered module and its collectives. This checks that the step traces,
 shards and lowers for the target; it does not compile it for the chip or run it.
+
+`model.attention_impl=auto` lowers as `xla` (`export_attention_impl`); a named implementation
+lowers as named.
 """
 
 from __future__ import annotations
@@ -15,6 +18,15 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+
+
+def export_attention_impl(impl: str) -> str:
+    """The attention implementation the exported step uses for `impl`. `auto` would resolve for
+    this CPU host, where it picks the C++ `cpu` kernel: a CPU-only custom call no TPU or GPU can
+    run. The targets' own Pallas kernels (`pallas_tpu`, `pallas_mosaic_gpu`) do not trace inside
+    the sharded step yet (`shard_map(check_vma=True)` rejects their untyped outputs), so `auto`
+    lowers as `xla`, the block-sparse kernel every platform runs."""
+    return "xla" if impl == "auto" else impl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if jax.device_count() != args.devices:
         raise SystemExit("jax was initialized before XLA_FLAGS could be set; run as a module")
     cfg = load_config(args.config, args.overrides)
+    impl = export_attention_impl(cfg.model.config.attention_impl)
+    cfg = load_config(args.config, [*args.overrides, f"model.attention_impl={impl}"])
     trainer = Trainer.build(cfg)
     mesh, d = trainer.mesh, cfg.data
     state = jax.eval_shape(trainer.init_fn)
@@ -66,11 +80,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = exported.mlir_module()
     ops = {op: len(re.findall(rf"\b{op}\b", text)) for op in
            ("all_reduce", "all_gather", "reduce_scatter", "collective_permute", "all_to_all")}
+    custom_calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state.params))
     print(f"lowered {args.config} for {args.platform}: {n_params:,} parameters, mesh "
-          f"data={mesh.shape[DATA]} x model={mesh.shape[MODEL]}, inputs {shape}; StableHLO "
+          f"data={mesh.shape[DATA]} x model={mesh.shape[MODEL]}, inputs {shape}, attention "
+          f"{impl}; StableHLO "
           f"{len(text.splitlines()):,} lines; collectives "
-          + ", ".join(f"{k} {v}" for k, v in ops.items() if v))
+          + ", ".join(f"{k} {v}" for k, v in ops.items() if v)
+          + f"; custom calls {', '.join(custom_calls) or 'none'}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """`jtree compare-torch --hf-dir DIR --data FILE`: jtree on trees vs transformers on paths.
 
-Loads the checkpoint in jtree and in transformers (CPU, float32), builds trees from a JSONL file,
+Loads the checkpoint in jtree and in transformers (CPU, float32), builds trees from a JSONL file
+(`jtree.commands.data_file`: `--format chat` with `--tokenizer` for conversations),
 and prints per block type (full / linear attention, MoE / dense MLP) and overall: max |logit
 difference| on every path position, max |log-prob difference| between the tree and each path run
 alone, and the relative gradient difference per tensor between the tree loss in jtree and the
@@ -15,8 +16,8 @@ import json
 
 from typing import Any
 
+from jtree.commands.data_file import add_data_arguments, read_data
 from jtree.loss import NORMALIZATIONS
-from jtree.tree_jsonl import read_sequence_groups, read_trees
 
 # docs/design.md section 9 (see jtree.hf.compare.Tolerances).
 DEFAULT_TOL = 1e-4
@@ -26,8 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare-torch",
                        help="numerics of a HF checkpoint: jtree on trees vs PyTorch on paths")
     p.add_argument("--hf-dir", required=True, help="Hugging Face checkpoint directory")
-    p.add_argument("--data", required=True, help="JSONL file of sequence groups or trees")
-    p.add_argument("--format", choices=("groups", "trees"), default="groups")
+    p.add_argument("--data", required=True, help="JSONL file of sequence groups, trees or chats")
+    add_data_arguments(p)
     p.add_argument("--max-trees", type=int, default=None, help="use only the first N trees")
     p.add_argument("--normalization", choices=NORMALIZATIONS, default="seq_mean_token_mean")
     p.add_argument("--attention-impl", default="auto", help="jtree tree_attention implementation")
@@ -48,8 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from jtree.hf.torch_reference import load_torch_model
 
     config, model = jtree.hf.load(args.hf_dir, "float32", attention_impl=args.attention_impl)
-    read = read_sequence_groups if args.format == "groups" else read_trees
-    trees = read(args.data, vocab_size=config.vocab_size)
+    trees = read_data(args.data, args, vocab_size=config.vocab_size)
     if args.max_trees is not None:
         if args.max_trees < 1:
             raise ValueError(f"--max-trees: must be >= 1, got {args.max_trees}")

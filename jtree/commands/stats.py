@@ -6,7 +6,8 @@ refused on trees too large for it). Method `redundancy_free` plans the parts of 
 prefix duplicated: N_computed == N_tree, ERR == POR, at any capacity, paths longer than it
 included). `--plot OUT.png` draws one tree (node size by tokens; with a
 capacity, colour by how many heuristic parts compute each node) and its overlap curve; `--json`
-writes every number.
+writes every number. Files are read as training reads them (`jtree.data.load_trees`): `--format
+chat` tokenizes conversations with `--tokenizer`, one tree per conversation, one node per message.
 """
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ import json
 
 import numpy as np
 
+from jtree.commands.data_file import add_data_arguments, read_data
 from jtree.partition import METHODS, partition
 from jtree.partition_dp import DEFAULT_MAX_WORK, TooLargeForExactDP
 from jtree.rfree.plan import plan_parts
 from jtree.tree import TrajectoryTree
-from jtree.tree_jsonl import read_sequence_groups, read_trees
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("stats", help="sharing statistics of a JSONL file of trees or groups")
+    p = sub.add_parser("stats", help="sharing statistics of a JSONL file of groups, trees or chats")
     p.add_argument("file")
-    p.add_argument("--format", choices=("groups", "trees"), default="groups")
+    add_data_arguments(p)
     p.add_argument("--json", dest="json_out", default=None, help="write the numbers here")
     p.add_argument("--capacity", type=int, default=None,
                    help="partition every tree into parts of at most this many tree tokens")
@@ -45,12 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 STATS_METHODS = METHODS + ("redundancy_free",)
 
 
-def load(path: str, fmt: str) -> list[TrajectoryTree]:
-    return (read_sequence_groups if fmt == "groups" else read_trees)(path)
-
-
 def run(args: argparse.Namespace) -> int:
-    trees = load(args.file, args.format)
+    trees = read_data(args.file, args)
     rows = [t.stats() for t in trees]
     total = sum(rows[1:], rows[0])
     header = f"{'tree':>6} {'paths':>6} {'nodes':>6} {'tree_tok':>9} {'flat_tok':>9} {'POR':>6} {'compr':>6}"

@@ -39,6 +39,15 @@ def test_train_runs_a_tiny_config(tmp_path, capsys):
     assert [r["step"] for r in read_metrics(metrics)] == [0, 1]
 
 
+def test_train_says_which_attention_kernel_auto_runs(tmp_path, capsys):
+    """On CPU with a compiler `auto` runs the C++ kernel, and the run's model line says so."""
+    data = write_groups(tmp_path / "groups.jsonl", n_groups=2)
+    assert main(["train", "--config", "configs/tiny.yaml", *tiny_overrides(data, **{
+        "run.steps": 1, "data.trees_per_step": 2, "data.micro_batches": 1,
+        "model.attention_impl": "auto"})]) == 0
+    assert "backend cpu, attention cpu;" in capsys.readouterr().out
+
+
 def test_train_resume_without_a_checkpoint_dir_is_a_clear_error(tmp_path, capsys):
     data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
     assert main(["train", "--config", "configs/tiny.yaml", "--resume",

@@ -22,6 +22,8 @@ def test_tiny_step_lowers_for_accelerators(platform):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"for {platform}:" in proc.stdout and "mesh data=2 x model=2" in proc.stdout
     assert "all_reduce" in proc.stdout  # tensor- and data-parallel collectives are in the module
+    # `auto` resolves for the target, not for this CPU host: never the C++ kernel's custom call
+    assert "attention xla;" in proc.stdout and "jtree_tree_attention" not in proc.stdout
 
 
 @pytest.mark.parametrize("config, overrides", [

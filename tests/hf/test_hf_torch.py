@@ -30,10 +30,10 @@ VOCAB = 96
 TOL = 1e-4
 
 
-def make_hf_checkpoint(path, *, tie, bias, seed=0, **save_kwargs):
+def make_hf_checkpoint(path, *, tie, bias, seed=0, vocab_size=VOCAB, **save_kwargs):
     """A tiny random transformers Qwen3 with O(1) logits and non-trivial norm weights."""
     cfg = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tie,
         attention_bias=bias, rope_theta=10000.0, rms_norm_eps=1e-6,
     )

@@ -1,4 +1,7 @@
-"""`tree_attention` dispatch: what `auto` picks, validation of a host `end`, padding of S."""
+"""`tree_attention` dispatch: what `auto` picks (on CPU: the C++ kernel when it builds, else
+`xla`, logged), validation of a host `end`, padding of S."""
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -6,12 +9,22 @@ import numpy as np
 import pytest
 
 from jtree.kernels import tree_attention
-from jtree.kernels.tree_attention import resolve_impl
-from tests.attention_cases import qkv
+from jtree.kernels.tree_attention import _auto_on_cpu, resolve_impl
+from jtree.launch.lower_step import export_attention_impl
+from tests.attention_cases import qkv, tree_end
+
+LOGGER = "jtree.kernels.tree_attention"
+
+
+@pytest.fixture
+def fresh_auto_choice():
+    """`auto` on CPU decides once per process: forget the decision before and after a test."""
+    _auto_on_cpu.cache_clear()
+    yield
+    _auto_on_cpu.cache_clear()
 
 
 @pytest.mark.parametrize("backend, dtype, head_dim, impl", [
-    ("cpu", jnp.bfloat16, 128, "xla"),
     ("tpu", jnp.float32, 128, "pallas_tpu"),
     ("gpu", jnp.bfloat16, 128, "pallas_mosaic_gpu"),
     ("gpu", jnp.float16, 64, "pallas_mosaic_gpu"),
@@ -20,6 +33,66 @@ from tests.attention_cases import qkv
 ])
 def test_auto_picks_per_backend(backend, dtype, head_dim, impl):
     assert resolve_impl("auto", backend, dtype=dtype, head_dim=head_dim) == impl
+
+
+def test_auto_on_cpu_runs_the_cpp_kernel_when_it_builds(fresh_auto_choice, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        assert resolve_impl("auto", "cpu", dtype=dtype, head_dim=128) == "cpu"
+    assert resolve_impl("auto") == "cpu"  # this machine's backend is CPU
+    said = [r for r in caplog.records if r.name == LOGGER]
+    assert len(said) == 1 and "'auto' runs the 'cpu' kernel" in said[0].getMessage()  # once
+    # the same call, the same numbers: `auto` is the C++ kernel
+    end = tree_end(seed=5, s=96, rows=2)
+    q, k, v = qkv(2, end.shape[0], 96, 4, 2, 32)
+    np.testing.assert_array_equal(tree_attention(q, k, v, end),
+                                  tree_attention(q, k, v, end, impl="cpu"))
+
+
+def test_auto_on_cpu_with_a_softcap_runs_xla(fresh_auto_choice):
+    """The C++ kernel has no soft-cap: `auto` must not pick a kernel that refuses the call."""
+    assert resolve_impl("auto", "cpu", softcap=30.0) == "xla"
+    end = tree_end(seed=6, s=64, rows=2)
+    q, k, v = qkv(3, end.shape[0], 64, 2, 1, 16)
+    np.testing.assert_allclose(tree_attention(q, k, v, end, softcap=5.0),
+                               tree_attention(q, k, v, end, impl="reference", softcap=5.0),
+                               atol=1e-6)
+
+
+FAKE_CXX = """#!/bin/sh
+if [ "$1" = --version ]; then echo "fakec++ 1.0"; exit 0; fi
+echo "fakec++: error: cannot compile today" >&2
+exit 1
+"""
+
+
+@pytest.mark.parametrize("compiler", ["missing", "failing"])
+def test_auto_on_cpu_falls_back_to_xla_with_a_log_line(compiler, fresh_auto_choice, tmp_path,
+                                                       monkeypatch, caplog):
+    """No compiler (CXX names nothing) or a build that fails: `auto` runs `xla` and says why."""
+    cxx = tmp_path / "c++"
+    if compiler == "failing":
+        cxx.write_text(FAKE_CXX)
+        cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("JTREE_KERNEL_CACHE", str(tmp_path / "cache"))
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    assert resolve_impl("auto", "cpu", dtype=jnp.float32, head_dim=64) == "xla"
+    assert resolve_impl("auto", "cpu") == "xla"
+    said = [r for r in caplog.records if r.name == LOGGER]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    why = {"missing": "needs a C++ compiler", "failing": "failed"}[compiler]
+    assert "'auto' runs 'xla'" in said[0].getMessage() and why in said[0].getMessage()
+    assert str(cxx) in said[0].getMessage() or compiler == "failing"
+
+
+def test_lowering_resolves_auto_for_the_target_not_this_host(fresh_auto_choice):
+    """On this CPU host `auto` is the C++ kernel, a CPU-only custom call: the TPU/GPU export uses
+    `xla` (tests/e2e/test_lower.py checks the exported module), named impls stay as named."""
+    assert resolve_impl("auto", "cpu") == "cpu"
+    assert export_attention_impl("auto") == "xla"
+    assert export_attention_impl("pallas_tpu") == "pallas_tpu"
+    assert resolve_impl("auto", "tpu", dtype=jnp.bfloat16, head_dim=128) == "pallas_tpu"
 
 
 @pytest.mark.parametrize("end, match", [

@@ -1,0 +1,27 @@
+"""The data file of a command (`jtree stats`, `jtree compare-torch`): its `--format` and
+`--tokenizer` options, and reading it exactly as training does (`jtree.data.load_trees`), so a
+file that trains is a file these commands read, chat conversations included."""
+
+from __future__ import annotations
+
+import argparse
+
+from jtree.data import FORMAT_FIELDS, load_trees
+from jtree.tree import TrajectoryTree
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--format` and `--tokenizer` (read by `read_data`)."""
+    parser.add_argument("--format", choices=tuple(FORMAT_FIELDS), default="groups",
+                        help="groups | trees | chat (conversations, tokenized with --tokenizer)")
+    parser.add_argument("--tokenizer", default="bytes",
+                        help="for --format chat: `bytes` (the built-in byte tokenizer) or a local "
+                             "tokenizer.json or its directory")
+
+
+def read_data(path: str, args: argparse.Namespace, vocab_size: int | None = None
+              ) -> list[TrajectoryTree]:
+    """The trees of the file at `path` in `args.format`; the first bad record stops the command
+    (naming its file:line), a file of another format names the `--format` to use."""
+    return load_trees(path, args.format, vocab_size=vocab_size, tokenizer=args.tokenizer,
+                      format_key="--format")[0]
