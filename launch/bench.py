@@ -76,7 +76,7 @@ from jtree.cost import FlopModel, Work, batch_work, choose_mode, ideal_speedup
 from jtree.data import training_units
 from jtree.host_allocator import configure_host_malloc
 from jtree.loss import batch_normalizer
-from jtree.models import Qwen3, Qwen3Config
+from jtree.models import CausalLM, Qwen3Config, RuntimeConfig
 from jtree.packing import MicroBatches, build_microbatches, least_padding_plan
 from jtree.synthetic import AgentShape, agent_rollout_group, chat_record, por_forest, por_tree
 from jtree.train_step import Objective, OptimConfig, TrainState, make_optimizer, make_train_step
@@ -88,11 +88,11 @@ SHAPES = {
     # Projections and MLP dominate: hidden 256, MLP 1024, 4 layers, paths of ~512 tokens.
     "proj": Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=1024,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=64, attention_impl="cpu"),
+                        head_dim=64),
     # Attention dominates: hidden 64, one 64-wide head, rows of 16k, paths of ~2.7k tokens.
     "attn": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
                         num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
-                        head_dim=64, attention_impl="cpu"),
+                        head_dim=64),
 }
 ATTENTION_IMPLS = ("cpu", "xla")  # --attention: the two block-sparse CPU kernels
 ROW_ALIGN = 64  # row lengths are multiples of the attention block (what the kernel pads to)
@@ -314,8 +314,9 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
     return row, state
 
 
-def make_step(cfg: Qwen3Config) -> tuple[Callable, TrainState]:
-    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+def make_step(cfg: Qwen3Config, attention: str) -> tuple[Callable, TrainState]:
+    """The jitted train step of `cfg`'s model with the `attention` kernel (both modes use it)."""
+    model = CausalLM(cfg, RuntimeConfig(attention_impl=attention), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(OptimConfig(learning_rate=1e-4))
     state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
@@ -414,15 +415,10 @@ def add_host_malloc_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def add_attention_flag(parser: argparse.ArgumentParser) -> None:
-    """`--attention cpu|xla`, shared by the bench scripts (`shape_config`)."""
+    """`--attention cpu|xla`, shared by the bench scripts (`make_step`)."""
     parser.add_argument("--attention", choices=ATTENTION_IMPLS, default="cpu",
                         help="cpu: the multi-threaded C++ kernel (jtree.kernels.attention_cpu); xla: "
                              "the plain-XLA block loop, one core (jtree.kernels.attention_xla)")
-
-
-def shape_config(shape: str, attention: str) -> Qwen3Config:
-    """The model config of a bench shape with the chosen attention kernel (both modes use it)."""
-    return dataclasses.replace(SHAPES[shape], attention_impl=attention)
 
 
 def apply_host_malloc(args: argparse.Namespace) -> bool:
@@ -457,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [w for w in workloads() if args.only in w.name]
     for i, w in enumerate(chosen):
         if w.shape not in steps:
-            steps[w.shape] = make_step(shape_config(w.shape, args.attention))
+            steps[w.shape] = make_step(SHAPES[w.shape], args.attention)
         step, state = steps[w.shape]
         t0 = time.perf_counter()
         left = args.total_budget - (time.perf_counter() - t_all)

@@ -37,20 +37,21 @@ from jtree.models import Qwen3Config
 from jtree.kernels import tree_attention
 from jtree.launch.bench import (
     add_attention_flag, add_host_malloc_flag, apply_host_malloc, fixed_cost_inputs, make_step,
-    prepare, shape_config, workloads,
+    SHAPES, prepare, workloads,
 )
 
 
-def attention_grad_fn(end: np.ndarray, cfg: Qwen3Config) -> Callable:
+def attention_grad_fn(end: np.ndarray, cfg: Qwen3Config, attention: str) -> Callable:
     """A compiled fwd+bwd of the model's tree attention kernel over micro-batches `end`
-    [M, 1, S] (scanned like the train step scans them), and its inputs."""
+    [M, 1, S] (scanned like the train step scans them) with the `attention` kernel, and its
+    inputs."""
     m, _, s = end.shape
     q = jax.random.normal(jax.random.key(0), (m, 1, s, cfg.num_attention_heads, cfg.head_dim))
     k = jax.random.normal(jax.random.key(1), (m, 1, s, cfg.num_key_value_heads, cfg.head_dim))
 
     def loss(q, k, v, end):
         def body(total, x):
-            return total + jnp.sum(tree_attention(*x, impl=cfg.attention_impl) ** 2), None
+            return total + jnp.sum(tree_attention(*x, impl=attention) ** 2), None
         return jax.lax.scan(body, 0.0, (q, k, v, end))[0]
 
     args = (q, k, k, jnp.asarray(end))
@@ -88,9 +89,9 @@ def split(name: str, repeats: int, ops: bool = False, attention: str = "cpu") ->
     workload = next((w for w in workloads() if w.name == name), None)
     if workload is None:
         raise ValueError(f"workload: no bench workload named {name!r}")
-    cfg = shape_config(workload.shape, attention)
+    cfg = SHAPES[workload.shape]
     trees = workload.make_trees()
-    step, state = make_step(cfg)
+    step, state = make_step(cfg, attention)
     runs, work, held = {}, {}, {"state": state}
 
     def step_run(compiled: Callable, inputs: dict) -> Callable:
@@ -103,7 +104,7 @@ def split(name: str, repeats: int, ops: bool = False, attention: str = "cpu") ->
         p = prepare(trees, mode, workload.seq_len)
         end = np.stack([b.end for b in p.micro.batches])
         work[mode] = sum((batch_work(b) for b in p.micro.batches), Work(0, 0, 0))
-        runs[f"{mode} attention"] = attention_grad_fn(end, cfg)
+        runs[f"{mode} attention"] = attention_grad_fn(end, cfg, attention)
         compiled = step.lower(state, p.inputs).compile()
         runs[f"{mode} step"] = step_run(compiled, p.inputs)
     tiny = fixed_cost_inputs(cfg)

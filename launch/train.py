@@ -45,7 +45,7 @@ from jtree.models import create_model
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.rfree.layout import check_steps_per_octave
 from jtree.sharding import (
-    DATA, MODEL, architecture_rules, batch_spec, make_mesh, named, param_path, param_specs,
+    DATA, MODEL, batch_spec, make_mesh, named, param_path, param_rules, param_specs,
 )
 from jtree.train_step import (
     TrainState, apply_gradients, make_optimizer, make_schedule, make_sharded_grad_fn,
@@ -102,10 +102,11 @@ class Trainer:
     def build(cls, cfg: TrainConfig) -> Trainer:
         mesh = make_mesh(cfg.mesh)
         arch, mcfg = cfg.model.architecture, cfg.model.config
-        abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, seed=cfg.run.seed))
+        abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime,
+                                                       seed=cfg.run.seed))
         _, abstract_params = nnx.split(abstract)
         try:
-            rules = architecture_rules(arch, mcfg, mesh.shape[MODEL])
+            rules = param_rules(mcfg, mesh.shape[MODEL])
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh.model={mesh.shape[MODEL]}: {e}") from None
         specs = param_specs(abstract_params, rules, mesh)
@@ -120,7 +121,7 @@ class Trainer:
                                                      cfg.objective.logprob_chunk))
 
         def init() -> TrainState:
-            params = nnx.split(create_model(arch, mcfg, seed=cfg.run.seed))[1]
+            params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed))[1]
             return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
         init_fn = jax.jit(init, out_shardings=shardings)
@@ -141,12 +142,11 @@ class Trainer:
         mcfg = self.cfg.model.config
         by_name = {param_path(p).replace("/", "."): s for p, s in
                    jax.tree_util.tree_flatten_with_path(self.shardings.params)[0]}
-        loaded, model = load(path, mcfg.param_dtype, compute_dtype=mcfg.dtype,
-                             attention_impl=mcfg.attention_impl,
-                             shardings=lambda name, shape: by_name[name])
+        loaded, model = load(path, self.cfg.runtime, shardings=lambda name, shape: by_name[name])
         for field in dataclasses.fields(mcfg):
             ours, theirs = getattr(mcfg, field.name), getattr(loaded, field.name)
-            if field.name not in RUNTIME_FIELDS and ours != theirs:
+            # initializer_range only shapes a random init, which a loaded model does not have.
+            if field.name != "initializer_range" and ours != theirs:
                 raise ValueError(f"model.{field.name}: the config has {ours!r}, "
                                  f"{path}/config.json has {theirs!r}")
         params = nnx.split(model)[1]
@@ -189,15 +189,10 @@ def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any)
     return step
 
 
-# Model-config fields that say how to run, not what the checkpoint holds.
-RUNTIME_FIELDS = ("attention_impl", "dtype", "param_dtype", "remat", "tensor_parallel_axis",
-                  "data_parallel_axis", "initializer_range")
-
-
 def gdn_chunk_size(cfg: TrainConfig) -> int | None:
     """The GDN chunk size of the batches: `data.gdn_chunk_size` when the model has
     linear-attention layers, else None (no chunk tables)."""
-    return cfg.data.gdn_chunk_size if cfg.model.config.needs_gdn_tables else None
+    return cfg.data.gdn_chunk_size if cfg.model.config.decoder().needs_gdn_tables else None
 
 
 def check_resumable(meta: dict[str, Any], expected: dict[str, Any], where: str) -> None:
