@@ -246,9 +246,9 @@ def save(
     ids are carried over, so the result is a complete model for transformers.
     """
     arch = architectures.architecture_of_config(config).hf
-    if model.config != config:
-        raise ValueError(f"save: the model is a {type(model.config).__name__} model other than "
-                         f"`config` describes")
+    if type(model.config) is not type(config):
+        raise ValueError(f"save: model is a {type(model.config).__name__} model, config is a "
+                         f"{type(config).__name__}")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"save: dtype = {dtype!r} is not one of {tuple(DTYPES)}")
     _, flat_expected = _abstract_params(config, model.runtime)
