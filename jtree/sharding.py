@@ -170,10 +170,10 @@ def param_rules(cfg: Any, model: int) -> Rules:
     `model`: vocab-parallel embedding and head, replicated norms, and the rules of every layer
     kind `cfg.decoder()` uses (a size only has to divide where some layer has that kind); raises
     when a split is impossible."""
-    rules = _embedding_rules(cfg, model)
+    rules = []
     for kind in sorted(cfg.decoder().kinds(), key=list(LAYER_KIND_RULES).index):
         rules += LAYER_KIND_RULES[kind](cfg, model)
-    return rules
+    return rules + _embedding_rules(cfg, model)
 
 
 def param_path(path: tuple[Any, ...]) -> str:
