@@ -4,7 +4,6 @@ logits on a plain sequence within 1e-4 and the router aux loss, which catches ma
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jtree.linearize import linearize
 from jtree.models import Qwen3MoeConfig, Qwen3NextConfig

@@ -19,7 +19,8 @@ from tests.strategies import fitting_layout, forests
 
 S, TREE_ROWS, BASE_ROWS = 128, 2, 24
 GRAPHDEF, PARAMS = tiny_model(seed=2, runtime=tiny_runtime(attention_impl="xla"))
-GRAPHDEFS = {"xla": GRAPHDEF, "cpu": tiny_model(seed=2, runtime=tiny_runtime(attention_impl="cpu"))[0]}
+GRAPHDEFS = {"xla": GRAPHDEF,
+             "cpu": tiny_model(seed=2, runtime=tiny_runtime(attention_impl="cpu"))[0]}
 REF_GRAPHDEF, _ = tiny_model(seed=2)
 FORESTS = forests(n_trees=(2, 5), max_nodes=8, max_seg=9)
 
