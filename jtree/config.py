@@ -2,7 +2,9 @@
 
 Unknown keys and wrong types fail with the dotted key path, so a typo in a config never silently
 falls back to a default. The `model` section names its `architecture` (a key of
-`jtree.models.registry.ARCHITECTURES`) and is validated against that architecture's config class.
+`jtree.models.architectures.ARCHITECTURES`) and is validated against that architecture's config
+class, which holds only Hugging Face config fields; how to run the model (attention kernel,
+dtypes, rematerialization) is the `runtime` section (`jtree.models.runtime.RuntimeConfig`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any, Literal
 import yaml
 
 from jtree.chunk_tables import DEFAULT_CHUNK_SIZE
-from jtree.models.config import Qwen3Config
-from jtree.models.registry import ARCHITECTURES
+from jtree.models.architectures import architecture
+from jtree.models.architectures.qwen3 import Qwen3Config
+from jtree.models.runtime import RuntimeConfig
 from jtree.rfree.layout import ROW_STEPS_PER_OCTAVE
 from jtree.sharding import MeshConfig
 from jtree.train_step import Objective, OptimConfig
@@ -141,11 +144,15 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """A run config: one section per dataclass. `model` is what the checkpoint holds, `runtime`
+    how it is run (attention kernel, dtypes, remat; never part of a checkpoint's config.json)."""
+
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     objective: Objective = dataclasses.field(default_factory=Objective)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
@@ -157,10 +164,12 @@ def _model_spec(value: Any, path: str) -> ModelSpec:
         raise ValueError(f"{path}: expected a mapping, got {type(value).__name__}")
     fields = dict(value)
     arch = fields.pop("architecture", ModelSpec.architecture)
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}.architecture: {arch!r} is not one of {sorted(ARCHITECTURES)}")
+    try:
+        config_class = architecture(arch).config_class
+    except ValueError as e:
+        raise ValueError(f"{path}.{e}") from None
     init_from = _check_value(fields.pop("init_from", None), str | None, f"{path}.init_from")
-    return ModelSpec(arch, from_dict(ARCHITECTURES[arch][0], fields, path), init_from)
+    return ModelSpec(arch, from_dict(config_class, fields, path), init_from)
 
 
 def _check_value(value: Any, hint: Any, path: str) -> Any:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from jtree.linearize import TreeBatch
+from jtree.models.decoder import LayerKind
 from jtree.tree import TrajectoryTree
 
 PROJECTION_PASSES = 3.0
@@ -49,32 +50,16 @@ class FlopModel:
 
     @classmethod
     def for_config(cls, cfg: Any) -> FlopModel:
-        """From a Qwen3-family config. Dense Qwen3: q/k/v/o and a SwiGLU MLP per layer. Qwen3-MoE:
-        the router and the `num_experts_per_tok` experts a token visits (dense MLP on
-        `mlp_only_layers` and off the `decoder_sparse_step`). Qwen3-Next: its `layer_types`
-        (Gated DeltaNet layers count their projections and the per-token state update, and no
-        attention pairs; full-attention layers have a gated query of twice the width) and the
-        shared expert."""
-        d, hd = cfg.hidden_size, cfg.head_dim
-        q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-        types = getattr(cfg, "layer_types", None) or ("full_attention",) * cfg.num_hidden_layers
-        gated = getattr(cfg, "layer_types", None) is not None  # Qwen3-Next gates its attention
+        """From an architecture config (`jtree.models.architectures`): the layer kinds its
+        `decoder()` chooses, each counted by `_layer_macs`, and the output projection."""
         per_token = per_pair = 0.0
-        for i, kind in enumerate(types):
-            if kind == "full_attention":
-                per_token += d * q * (2 if gated else 1) + 2 * d * kv + q * d
-                per_pair += 4.0 * q
-            else:
-                hk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-                hv = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-                state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * \
-                    cfg.linear_value_head_dim
-                per_token += (d * (2 * hk + 2 * hv + 2 * cfg.linear_num_value_heads) + hv * d
-                              + 4 * state)
-            per_token += _mlp_flops(cfg, i)
+        for kind in cfg.decoder().layers:
+            token, pair = _layer_macs(cfg, kind)
+            per_token += token
+            per_pair += pair
         return cls(per_token=PROJECTION_PASSES * 2.0 * per_token,
                    per_pair=ATTENTION_PASSES * per_pair,
-                   per_scored=LOSS_PASSES * 2.0 * d * cfg.vocab_size)
+                   per_scored=LOSS_PASSES * 2.0 * cfg.hidden_size * cfg.vocab_size)
 
     def flops(self, work: Work) -> float:
         return (self.per_token * work.tokens + self.per_pair * work.pairs
@@ -88,17 +73,32 @@ class FlopModel:
                 "loss": self.per_scored * work.scored / total}
 
 
-def _mlp_flops(cfg: Any, layer: int) -> float:
-    """Multiply-adds per token of layer `layer`'s feed-forward block."""
+def _layer_macs(cfg: Any, kind: LayerKind) -> tuple[float, float]:
+    """Multiply-adds of one decoder layer per computed token and per visible attention pair.
+
+    Attention: q/k/v/o (the gated form's q_proj is twice as wide) and 4 x query width per pair.
+    Gated DeltaNet: its projections and the per-token state update, no pairs. Dense SwiGLU:
+    gate/up/down. MoE: the router and the `num_experts_per_tok` experts a token visits, plus the
+    shared expert and its gate.
+    """
     d = cfg.hidden_size
-    experts = getattr(cfg, "num_experts", 0)
-    sparse = experts > 0 and layer not in getattr(cfg, "mlp_only_layers", ()) and \
-        (layer + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0
-    if not sparse:
-        return 3.0 * d * cfg.intermediate_size
-    shared = getattr(cfg, "shared_expert_intermediate_size", 0)
-    return (d * experts + cfg.num_experts_per_tok * 3.0 * d * cfg.moe_intermediate_size
-            + (3.0 * d * shared + d if shared else 0.0))
+    if kind.mixer == "gated_deltanet":
+        hk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        hv = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+        token = d * (2 * hk + 2 * hv + 2 * cfg.linear_num_value_heads) + hv * d + 4 * state
+        pair = 0.0
+    else:
+        q = cfg.num_attention_heads * cfg.head_dim
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        token = d * q * (2 if kind.mixer == "gated_attention" else 1) + 2 * d * kv + q * d
+        pair = 4.0 * q
+    if kind.ffn == "mlp":
+        return token + 3.0 * d * cfg.intermediate_size, pair
+    token += d * cfg.num_experts + cfg.num_experts_per_tok * 3.0 * d * cfg.moe_intermediate_size
+    if kind.ffn == "moe_shared":
+        token += 3.0 * d * cfg.shared_expert_intermediate_size + d
+    return token, pair
 
 
 @dataclasses.dataclass(frozen=True)

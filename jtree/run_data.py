@@ -54,7 +54,7 @@ def rfree_capacity(cfg: TrainConfig) -> int:
 def gdn_chunk_size(cfg: TrainConfig) -> int | None:
     """The GDN chunk size of the batches: `data.gdn_chunk_size` when the model has
     linear-attention layers, else None (no chunk tables)."""
-    return cfg.data.gdn_chunk_size if cfg.model.config.needs_gdn_tables else None
+    return cfg.data.gdn_chunk_size if cfg.model.config.decoder().needs_gdn_tables else None
 
 
 def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadReport]:

@@ -3,11 +3,13 @@
 Data parallelism splits the rows of every batch array over `data`; tensor parallelism splits over
 `model`: Megatron-style attention heads, MLP columns, Gated DeltaNet heads and the vocabulary, and
 whole MoE experts (expert parallel). The model side of it is a small hook in the models
-(`tensor_parallel_axis`; `row_parallel`, `vocab_parallel_embed`, `local_kv_heads` in
-`jtree.models.layers`, the expert split in `jtree.models.moe`). Parameter layouts come from
-per-architecture rule lists (`SHARDING_RULES`): ordered (regex over the '/'-joined parameter path,
-PartitionSpec) pairs, first match wins, and a parameter that no rule matches is an error rather
-than a silent replica. The same lists place Hugging Face checkpoints on a mesh
+(`RuntimeConfig.tensor_parallel_axis`; `row_parallel`, `vocab_parallel_embed`, `local_kv_heads` in
+`jtree.models.layers`, the expert split in `jtree.models.moe`). Parameter layouts come from rule
+lists (`param_rules`): ordered (regex over the '/'-joined parameter path, PartitionSpec) pairs,
+first match wins, and a parameter that no rule matches is an error rather than a silent replica.
+A model's list is the rules of the layer kinds its architecture config chooses
+(`config.decoder()`, `jtree.models.decoder.LayerKind`), since every kind of layer splits the same
+way in every architecture that uses it. The same lists place Hugging Face checkpoints on a mesh
 (`jtree.hf.placement`), so training and loading cannot disagree.
 """
 
@@ -23,7 +25,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jtree.models.moe import is_moe_layer
 
 DATA, MODEL = "data", "model"
 Rules = list[tuple[str, P]]
@@ -120,18 +121,20 @@ def _dense_mlp_rules(cfg: Any, model: int) -> Rules:
 
 def _moe_rules(cfg: Any, model: int) -> Rules:
     """Expert parallel: each device holds num_experts / model whole experts (HF layout, split on
-    the expert axis) and the router is replicated (`jtree.models.moe`). Qwen3-Next's shared expert
-    is a Megatron SwiGLU; its scalar gate is replicated."""
+    the expert axis) and the router is replicated (`jtree.models.moe`)."""
     _divides("num_experts", cfg.num_experts, model)
-    rules = [
+    return [
         (r"mlp/gate/weight$", P()),
         (r"mlp/experts/(gate_up_proj|down_proj)$", P(MODEL, None, None)),
-        (r"mlp/shared_expert_gate/kernel$", P()),
     ]
-    if getattr(cfg, "shared_expert_intermediate_size", 0):
-        _divides("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size, model)
-        rules += _swiglu_rules("mlp/shared_expert")
-    return rules
+
+
+def _shared_expert_moe_rules(cfg: Any, model: int) -> Rules:
+    """Qwen3-Next's MoE block: expert parallel, and its shared expert a Megatron SwiGLU whose
+    scalar gate is replicated."""
+    _divides("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size, model)
+    return (_moe_rules(cfg, model) + [(r"mlp/shared_expert_gate/kernel$", P())]
+            + _swiglu_rules("mlp/shared_expert"))
 
 
 def _gated_deltanet_rules(cfg: Any, model: int) -> Rules:
@@ -149,46 +152,28 @@ def _gated_deltanet_rules(cfg: Any, model: int) -> Rules:
     ]
 
 
-def _has_dense_mlp(cfg: Any) -> bool:
-    return any(not is_moe_layer(i, cfg.num_experts, cfg.decoder_sparse_step, cfg.mlp_only_layers)
-               for i in range(cfg.num_hidden_layers))
-
-
-def qwen3_rules(cfg: Any, model: int) -> Rules:
-    """Dense Qwen3: column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel
-    embedding and LM head."""
-    return _attention_rules(cfg, model) + _embedding_rules(cfg, model) + _dense_mlp_rules(cfg, model)
-
-
-def qwen3_moe_rules(cfg: Any, model: int) -> Rules:
-    """Qwen3-MoE: dense Qwen3's attention and embeddings, expert-parallel MoE blocks, Megatron
-    dense MLPs where HF's layer rule puts them."""
-    rules = _attention_rules(cfg, model) + _embedding_rules(cfg, model) + _moe_rules(cfg, model)
-    return rules + (_dense_mlp_rules(cfg, model) if _has_dense_mlp(cfg) else [])
-
-
-def qwen3_next_rules(cfg: Any, model: int) -> Rules:
-    """Qwen3-Next: Qwen3-MoE's rules plus Gated DeltaNet heads split over `model`."""
-    rules = qwen3_moe_rules(cfg, model)
-    if "linear_attention" in cfg.layer_types:
-        rules += _gated_deltanet_rules(cfg, model)
-    return rules
-
-
-SHARDING_RULES: dict[str, Callable[[Any, int], Rules]] = {
-    "qwen3": qwen3_rules,
-    "qwen3_moe": qwen3_moe_rules,
-    "qwen3_next": qwen3_next_rules,
+# The rules of each layer kind (`jtree.models.decoder.MIXERS`, `FEED_FORWARDS`); the gated
+# attention's q_proj columns are [query, gate] per head, so the query-head split keeps each
+# head's gate with it.
+LAYER_KIND_RULES: dict[str, Callable[[Any, int], Rules]] = {
+    "attention": _attention_rules,
+    "gated_attention": _attention_rules,
+    "gated_deltanet": _gated_deltanet_rules,
+    "mlp": _dense_mlp_rules,
+    "moe": _moe_rules,
+    "moe_shared": _shared_expert_moe_rules,
 }
 
 
-def architecture_rules(architecture: str, cfg: Any, model: int) -> Rules:
-    """The rule list of `architecture` (a key of `jtree.models.registry.ARCHITECTURES`) for a
-    tensor-parallel degree of `model`; raises when a split is impossible."""
-    if architecture not in SHARDING_RULES:
-        raise ValueError(f"architecture {architecture!r} has no sharding rules "
-                         f"(known: {sorted(SHARDING_RULES)})")
-    return SHARDING_RULES[architecture](cfg, model)
+def param_rules(cfg: Any, model: int) -> Rules:
+    """The rule list of the model of architecture config `cfg` for a tensor-parallel degree of
+    `model`: vocab-parallel embedding and head, replicated norms, and the rules of every layer
+    kind `cfg.decoder()` uses (a size only has to divide where some layer has that kind); raises
+    when a split is impossible."""
+    rules = []
+    for kind in sorted(cfg.decoder().kinds(), key=list(LAYER_KIND_RULES).index):
+        rules += LAYER_KIND_RULES[kind](cfg, model)
+    return rules + _embedding_rules(cfg, model)
 
 
 def param_path(path: tuple[Any, ...]) -> str:

@@ -29,6 +29,7 @@ from jtree.baseline import linearize_baseline
 from jtree.linearize import TreeBatch, linearize
 from jtree.logprobs import logprobs_from_hidden, scored_logprobs, token_logprobs
 from jtree.loss import Normalization, ppo_loss, sft_loss
+from jtree.models.decoder import CausalLM
 from jtree.packing import same_score_len
 from jtree.sharding import DATA, MODEL, batch_spec, vary_over
 from jtree.tree import TrajectoryTree
@@ -264,21 +265,14 @@ def make_sharded_grad_fn(graphdef: nnx.GraphDef, objective: Objective, mesh: jax
     return grad_fn
 
 
-def tensor_parallel_graphdef(model: nnx.Module) -> nnx.GraphDef:
+def tensor_parallel_graphdef(model: CausalLM) -> nnx.GraphDef:
     """The graph of `model` with its tensor-parallel hook on (`tensor_parallel_axis='model'`), to
-    merge with per-device parameter shards inside shard_map; models whose loss has batch-level
-    statistics (the MoE router loss) also learn the data axis (`data_parallel_axis='data'`) to
-    pool them over. Built abstractly: no weights."""
-    cfg = model.config
-    fields = {f.name for f in dataclasses.fields(cfg)}
-    if "tensor_parallel_axis" not in fields:
-        raise ValueError(f"{type(model).__name__}: this architecture has no tensor-parallel hook "
-                         "(config field tensor_parallel_axis)")
-    axes = {"tensor_parallel_axis": MODEL}
-    if "data_parallel_axis" in fields:
-        axes["data_parallel_axis"] = DATA
-    tp_cfg = dataclasses.replace(cfg, **axes)
-    abstract = nnx.eval_shape(lambda: type(model)(tp_cfg, rngs=nnx.Rngs(0)))
+    merge with per-device parameter shards inside shard_map; batch-level statistics of the loss
+    (the MoE router loss) are pooled over the data axis (`data_parallel_axis='data'`). Built
+    abstractly: no weights."""
+    runtime = dataclasses.replace(model.runtime, tensor_parallel_axis=MODEL,
+                                  data_parallel_axis=DATA)
+    abstract = nnx.eval_shape(lambda: CausalLM(model.config, runtime, rngs=nnx.Rngs(0)))
     return nnx.split(abstract)[0]
 
 

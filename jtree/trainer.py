@@ -44,7 +44,7 @@ from jtree.run_data import (
 )
 from jtree.run_report import progress_line, say, step_record, summary
 from jtree.sharding import (
-    DATA, MODEL, architecture_rules, make_mesh, named, param_path, param_specs,
+    DATA, MODEL, make_mesh, named, param_path, param_rules, param_specs,
 )
 from jtree.train_step import (
     TrainState, apply_gradients, make_optimizer, make_schedule, make_sharded_grad_fn,
@@ -76,10 +76,11 @@ class Trainer:
         jitted wrappers that compile on their first call."""
         mesh = make_mesh(cfg.mesh)
         arch, mcfg = cfg.model.architecture, cfg.model.config
-        abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, seed=cfg.run.seed))
+        abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime,
+                                                       seed=cfg.run.seed))
         _, abstract_params = nnx.split(abstract)
         try:
-            rules = architecture_rules(arch, mcfg, mesh.shape[MODEL])
+            rules = param_rules(mcfg, mesh.shape[MODEL])
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh.model={mesh.shape[MODEL]}: {e}") from None
         specs = param_specs(abstract_params, rules, mesh)
@@ -94,7 +95,7 @@ class Trainer:
                                                      cfg.objective.logprob_chunk))
 
         def init() -> TrainState:
-            params = nnx.split(create_model(arch, mcfg, seed=cfg.run.seed))[1]
+            params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed))[1]
             return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
         init_fn = jax.jit(init, out_shardings=shardings)
@@ -115,12 +116,11 @@ class Trainer:
         mcfg = self.cfg.model.config
         by_name = {param_path(p).replace("/", "."): s for p, s in
                    jax.tree_util.tree_flatten_with_path(self.shardings.params)[0]}
-        loaded, model = load(path, mcfg.param_dtype, compute_dtype=mcfg.dtype,
-                             attention_impl=mcfg.attention_impl,
-                             shardings=lambda name, shape: by_name[name])
+        loaded, model = load(path, self.cfg.runtime, shardings=lambda name, shape: by_name[name])
         for field in dataclasses.fields(mcfg):
             ours, theirs = getattr(mcfg, field.name), getattr(loaded, field.name)
-            if field.name not in RUNTIME_FIELDS and ours != theirs:
+            # initializer_range only shapes a random init, which a loaded model does not have.
+            if field.name != "initializer_range" and ours != theirs:
                 raise ValueError(f"model.{field.name}: the config has {ours!r}, "
                                  f"{path}/config.json has {theirs!r}")
         params = nnx.split(model)[1]
@@ -154,11 +154,6 @@ def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any
         return update(state, *grads_of(state.params, program))
 
     return step
-
-
-# Model-config fields that say how to run, not what the checkpoint holds.
-RUNTIME_FIELDS = ("attention_impl", "dtype", "param_dtype", "remat", "tensor_parallel_axis",
-                  "data_parallel_axis", "initializer_range")
 
 
 def check_resumable(meta: dict[str, Any], expected: dict[str, Any], where: str) -> None:
@@ -228,7 +223,8 @@ class TrainingRun:
         `auto` resolved to), batch layout."""
         cfg, mesh, mcfg = self.cfg, self.trainer.mesh, self.cfg.model.config
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-        attention = resolve_impl(mcfg.attention_impl, dtype=mcfg.dtype, head_dim=mcfg.head_dim)
+        rt = cfg.runtime
+        attention = resolve_impl(rt.attention_impl, dtype=rt.dtype, head_dim=mcfg.head_dim)
         return (f"model: {cfg.model.architecture} {mcfg.num_hidden_layers} layers, hidden "
                 f"{mcfg.hidden_size}, {n_params:,} parameters; mode {cfg.run.mode}, objective "
                 f"{cfg.objective.kind}; mesh data={mesh.shape[DATA]} x model={mesh.shape[MODEL]} "

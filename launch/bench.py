@@ -73,7 +73,7 @@ from jtree.chat import ByteTokenizer, conversation_tree
 from jtree.cost import FlopModel, Work, batch_work, choose_mode, ideal_speedup
 from jtree.data import training_units
 from jtree.loss import batch_normalizer
-from jtree.models import Qwen3, Qwen3Config
+from jtree.models import CausalLM, Qwen3Config, RuntimeConfig
 from jtree.packing import MicroBatches, build_microbatches, least_padding_plan
 from jtree.synthetic import AgentShape, agent_rollout_group, chat_record, por_forest, por_tree
 from jtree.train_step import Objective, OptimConfig, TrainState, make_optimizer, make_train_step
@@ -89,15 +89,14 @@ SHAPES = {
     # Projections and MLP dominate: hidden 256, MLP 1024, 4 layers, paths of ~512 tokens.
     "proj": Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=1024,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=64, attention_impl="cpu"),
+                        head_dim=64),
     # Attention dominates: hidden 64, one 64-wide head, rows of 16k, paths of ~2.7k tokens.
     "attn": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
                         num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
-                        head_dim=64, attention_impl="cpu"),
+                        head_dim=64),
     # --quick: a one-layer model small enough that a workload runs in seconds (a smoke run).
     "tiny": Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        attention_impl="cpu"),
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
 ROW_ALIGN = 64  # row lengths are multiples of the attention block (what the kernel pads to)
 AUTO_MIN_GAIN = 1.05
@@ -312,8 +311,9 @@ class StepLoop:
         return call
 
 
-def make_step(cfg: Qwen3Config) -> tuple[Callable, TrainState]:
-    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+def make_step(cfg: Qwen3Config, attention: str) -> tuple[Callable, TrainState]:
+    """The jitted train step of `cfg`'s model with the `attention` kernel (both modes use it)."""
+    model = CausalLM(cfg, RuntimeConfig(attention_impl=attention), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(OptimConfig(learning_rate=1e-4))
     state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
@@ -383,11 +383,6 @@ def write(out: Path, info: str, rows: Sequence[dict[str, Any]], wall: float) -> 
         table=f"machine: {info}; wall {wall:.0f} s\n\n{table(rows)}", fig=plot(rows), dpi=110)
 
 
-def shape_config(shape: str, attention: str) -> Qwen3Config:
-    """The model config of a bench shape with the chosen attention kernel (both modes use it)."""
-    return dataclasses.replace(SHAPES[shape], attention_impl=attention)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = bench_parser(__doc__, repeats=None,
                           quick="two tiny workloads, one timed round each (a smoke run)")
@@ -415,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [w for w in workloads(args.quick) if args.only in w.name]
     for i, w in enumerate(chosen):
         if w.shape not in steps:
-            steps[w.shape] = make_step(shape_config(w.shape, args.attention))
+            steps[w.shape] = make_step(SHAPES[w.shape], args.attention)
         step, state = steps[w.shape]
         t0 = time.perf_counter()
         left = args.total_budget - (time.perf_counter() - t_all)

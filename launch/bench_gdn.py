@@ -25,7 +25,7 @@ from flax import nnx
 
 from jtree.baseline import linearize_baseline
 from jtree.linearize import TreeBatch, linearize
-from jtree.models import Qwen3NextConfig
+from jtree.models import Qwen3NextConfig, RuntimeConfig
 from jtree.models.gated_deltanet import GatedDeltaNet, gdn_routing
 from jtree.tree import TrajectoryTree
 from jtree.launch.harness import (
@@ -58,7 +58,9 @@ def make_step(graphdef, batch: TreeBatch, embed: jax.Array, kernel: int):
     def loss(params, emb):
         layer = nnx.merge(graphdef, params)
         x = emb[inputs["tokens"]]
-        out, _ = layer(x, gdn_routing(inputs, kernel))  # (output, cache for a continuation)
+        routing = gdn_routing(inputs["pred"], inputs["gdn_chunk_tokens"], inputs["gdn_chunk_src"],
+                              inputs["gdn_token_slot"], inputs.get("gdn_export_slots"), kernel)
+        out, _ = layer(x, routing)  # (output, cache for a continuation)
         return jnp.sum(weight[..., None] * out * x)
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
 
     cfg = Qwen3NextConfig(hidden_size=256, linear_num_key_heads=2, linear_num_value_heads=4,
                           linear_key_head_dim=64, linear_value_head_dim=64)
-    graphdef, params = nnx.split(GatedDeltaNet(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(GatedDeltaNet(cfg, RuntimeConfig(), rngs=nnx.Rngs(0)))
     embed = jax.random.normal(jax.random.key(0), (1000, cfg.hidden_size)) * 0.5
     rng = np.random.default_rng(0)
     results = []

@@ -48,7 +48,7 @@ from flax import nnx
 from jtree.baseline import flatten_paths
 from jtree.cost import FlopModel, ideal_speedup, tree_work
 from jtree.loss import batch_normalizer
-from jtree.models import Qwen3, Qwen3Config
+from jtree.models import CausalLM, Qwen3Config, RuntimeConfig
 from jtree.packing import build_microbatches
 from jtree.partition import partition
 from jtree.rfree.execute import RedundancyFreeStep
@@ -230,8 +230,9 @@ def main(argv=None) -> int:
                       intermediate_size=args.mlp_ratio * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=args.hidden // 4,
-                      tie_word_embeddings=False, attention_impl=args.attention)
-    graphdef, params = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(0)))
+                      tie_word_embeddings=False)
+    graphdef, params = nnx.split(CausalLM(cfg, RuntimeConfig(attention_impl=args.attention),
+                                          rngs=nnx.Rngs(0)))
     flops = FlopModel.for_config(cfg)
     cases = []
     for i, ratio in enumerate(float(r) for r in args.ratios.split(",")):

@@ -36,23 +36,24 @@ import numpy as np
 from jtree.cost import FlopModel, Work, batch_work
 from jtree.models import Qwen3Config
 from jtree.kernels import tree_attention
-from jtree.launch.bench import StepLoop, fixed_cost_inputs, make_step, prepare, shape_config, workloads
+from jtree.launch.bench import SHAPES, StepLoop, fixed_cost_inputs, make_step, prepare, workloads
 from jtree.launch.harness import (
     Output, add_attention_flag, add_host_malloc_flag, alternate, apply_host_malloc, bench_parser,
     run_info,
 )
 
 
-def attention_grad_fn(end: np.ndarray, cfg: Qwen3Config) -> Callable:
+def attention_grad_fn(end: np.ndarray, cfg: Qwen3Config, attention: str) -> Callable:
     """A compiled fwd+bwd of the model's tree attention kernel over micro-batches `end`
-    [M, 1, S] (scanned like the train step scans them), and its inputs."""
+    [M, 1, S] (scanned like the train step scans them) with the `attention` kernel, and its
+    inputs."""
     m, _, s = end.shape
     q = jax.random.normal(jax.random.key(0), (m, 1, s, cfg.num_attention_heads, cfg.head_dim))
     k = jax.random.normal(jax.random.key(1), (m, 1, s, cfg.num_key_value_heads, cfg.head_dim))
 
     def loss(q, k, v, end):
         def body(total, x):
-            return total + jnp.sum(tree_attention(*x, impl=cfg.attention_impl) ** 2), None
+            return total + jnp.sum(tree_attention(*x, impl=attention) ** 2), None
         return jax.lax.scan(body, 0.0, (q, k, v, end))[0]
 
     args = (q, k, k, jnp.asarray(end))
@@ -93,16 +94,16 @@ def split(name: str, repeats: int, ops: bool = False, attention: str = "cpu",
     if workload is None:
         raise ValueError(f"workload: no bench workload named {name!r}; the bench's workloads: "
                          + ", ".join(repr(w.name) for w in workloads(quick)))
-    cfg = shape_config(workload.shape, attention)
+    cfg = SHAPES[workload.shape]
     trees = workload.make_trees()
-    step, state = make_step(cfg)
+    step, state = make_step(cfg, attention)
     runs, work = {}, {}
     loop = StepLoop(state)
     for mode in ("tree", "baseline"):
         p = prepare(trees, mode, workload.seq_len)
         end = np.stack([b.end for b in p.micro.batches])
         work[mode] = sum((batch_work(b) for b in p.micro.batches), Work(0, 0, 0))
-        runs[f"{mode} attention"] = attention_grad_fn(end, cfg)
+        runs[f"{mode} attention"] = attention_grad_fn(end, cfg, attention)
         compiled = step.lower(state, p.inputs).compile()
         runs[f"{mode} step"] = loop.run(compiled, p.inputs)
     tiny = fixed_cost_inputs(cfg)

@@ -7,7 +7,7 @@ update, donation) from abstract shapes only, exports it with `jax.export` for th
 and prints the size of the lowered module and its collectives. This checks that the step traces,
 shards and lowers for the target; it does not compile it for the chip or run it.
 
-`model.attention_impl=auto` lowers as `xla` (`export_attention_impl`); a named implementation
+`runtime.attention_impl=auto` lowers as `xla` (`export_attention_impl`); a named implementation
 lowers as named.
 """
 
@@ -53,8 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if jax.device_count() != args.devices:
         raise SystemExit("jax was initialized before XLA_FLAGS could be set; run as a module")
     cfg = load_config(args.config, args.overrides)
-    impl = export_attention_impl(cfg.model.config.attention_impl)
-    cfg = load_config(args.config, [*args.overrides, f"model.attention_impl={impl}"])
+    impl = export_attention_impl(cfg.runtime.attention_impl)
+    cfg = load_config(args.config, [*args.overrides, f"runtime.attention_impl={impl}"])
     trainer = Trainer.build(cfg)
     mesh, d = trainer.mesh, cfg.data
     state = jax.eval_shape(trainer.init_fn)

@@ -35,32 +35,32 @@ from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
 from jtree.data import step_gdn_chunks  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
-from jtree.models import create_model  # noqa: E402
+from jtree.models import RuntimeConfig, create_model  # noqa: E402
 from jtree.sharding import (  # noqa: E402
-    MeshConfig, architecture_rules, make_mesh, named, param_specs, qwen3_rules,
+    MeshConfig, make_mesh, named, param_rules, param_specs,
 )
 from jtree.train_step import (  # noqa: E402
     Objective, OptimConfig, TrainState, make_optimizer, make_sharded_grad_fn,
     make_train_step, state_shardings, tensor_parallel_graphdef,
 )
 from tests.models_util import (  # noqa: E402
-    perturbed, rel_l2, tiny_config, tiny_moe_config, tiny_next_config,
+    perturbed, rel_l2, tiny_config, tiny_moe_config, tiny_next_config, tiny_runtime,
 )
 from tests.strategies import explicit_tree, random_forest, sequences_tree  # noqa: E402
 
 S, ROWS, GDN_CHUNK = 64, 8, 4
 
 
-def tiny(kind: str) -> tuple[str, Any]:
-    """(architecture, config) of the tiny `dense`, `moe` or `next` model; `dense_cpu` is `dense`
-    with the C++ `cpu` attention kernel (an XLA custom call inside shard_map)."""
+def tiny(kind: str) -> tuple[str, Any, RuntimeConfig]:
+    """(architecture, config, runtime) of the tiny `dense`, `moe` or `next` model; `dense_cpu` is
+    `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map)."""
     if kind in ("dense", "dense_cpu"):
         impl = {"dense": "reference", "dense_cpu": "cpu"}[kind]
-        return "qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                                    attention_impl=impl)
+        return ("qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64),
+                tiny_runtime(attention_impl=impl))
     if kind == "moe":
-        return "qwen3_moe", tiny_moe_config()
-    return "qwen3_next", tiny_next_config()
+        return "qwen3_moe", tiny_moe_config(), tiny_runtime()
+    return "qwen3_next", tiny_next_config(), tiny_runtime()
 
 
 def step_inputs(mode: str, objective: Objective, gdn: bool) -> dict[str, np.ndarray]:
@@ -89,7 +89,7 @@ def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
     """Save a sharded TrainState from a (4, 2) mesh, restore it onto (2, 4) and (8, 1)."""
     def sharded_state(data: int, model_size: int):
         mesh = make_mesh(MeshConfig(data=data, model=model_size))
-        specs = param_specs(params, qwen3_rules(cfg, model_size), mesh)
+        specs = param_specs(params, param_rules(cfg, model_size), mesh)
         shardings = state_shardings(opt, params, named(mesh, specs), mesh)
         return shardings
 
@@ -114,14 +114,14 @@ def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
 
 def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]:
     """The single-device step every mesh of this (model, mode, objective) is compared with."""
-    arch, cfg = tiny(model_kind)
-    model = create_model(arch, cfg, seed=3)
+    arch, cfg, runtime = tiny(model_kind)
+    model = create_model(arch, cfg, runtime, seed=3)
     graphdef, params = nnx.split(model)
     if model_kind != "dense":
         params = perturbed(params)
     objective = Objective(kind=kind, normalization="token_mean" if kind == "sft"
                           else "seq_mean_token_mean")
-    inputs = step_inputs(mode, objective, cfg.needs_gdn_tables)
+    inputs = step_inputs(mode, objective, cfg.decoder().needs_gdn_tables)
     if kind == "ppo":
         rng = np.random.default_rng(1)
         inputs["old_logprobs"] = (-rng.uniform(0.5, 5.0, inputs["tokens"].shape)
@@ -137,7 +137,7 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
     data, model_size = (int(x) for x in case.split(":")[3].split("x"))
     params, objective = ref["params"], ref["objective"]
     mesh = make_mesh(MeshConfig(data=data, model=model_size))
-    specs = param_specs(params, architecture_rules(ref["arch"], ref["cfg"], model_size), mesh)
+    specs = param_specs(params, param_rules(ref["cfg"], model_size), mesh)
     sharded_params = jax.device_put(params, named(mesh, specs))
     tp_graphdef = tensor_parallel_graphdef(ref["model"])
     grad_fn = make_sharded_grad_fn(tp_graphdef, objective, mesh, specs)
@@ -171,8 +171,8 @@ def main(cases: list[str]) -> None:
     references: dict[tuple[str, str, str], dict[str, Any]] = {}
     for case in cases:
         if case.startswith("restore:"):
-            _, cfg = tiny("dense")
-            params = nnx.split(create_model("qwen3", cfg, seed=3))[1]
+            _, cfg, runtime = tiny("dense")
+            params = nnx.split(create_model("qwen3", cfg, runtime, seed=3))[1]
             print(json.dumps(dict(restore_on_other_meshes(cfg, params, opt, case[8:]),
                                   case=case)), flush=True)
             continue

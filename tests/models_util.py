@@ -10,14 +10,26 @@ import pytest
 from flax import nnx
 
 from jtree.linearize import TreeBatch, unlinearize
-from jtree.models import Qwen3, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+from jtree.models import (
+    CausalLM, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, RuntimeConfig,
+)
 from jtree.train_step import Objective, make_logprob_fn, objective_loss
+
+
+def tiny_runtime(**overrides) -> RuntimeConfig:
+    """How the tests run models: the reference attention unless they say otherwise."""
+    return RuntimeConfig(**dict(dict(attention_impl="reference"), **overrides))
+
+
+def tiny_lm(config, seed: int = 0, **runtime) -> CausalLM:
+    """A randomly initialized model of `config`, run by `tiny_runtime(**runtime)`."""
+    return CausalLM(config, tiny_runtime(**runtime), rngs=nnx.Rngs(seed))
 
 
 def tiny_config(**overrides) -> Qwen3Config:
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                tie_word_embeddings=False, attention_impl="reference", rope_theta=10_000.0)
+                tie_word_embeddings=False, rope_theta=10_000.0)
     base.update(overrides)
     return Qwen3Config(**base)
 
@@ -29,7 +41,7 @@ TINY_MOE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
                 num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,),
                 router_aux_loss_coef=0.5, output_router_logits=True, tie_word_embeddings=False,
-                attention_impl="reference", rope_theta=10_000.0)
+                rope_theta=10_000.0)
 TINY_NEXT = dict(TINY_MOE, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
                  linear_value_head_dim=6, shared_expert_intermediate_size=24,
                  layer_types=("linear_attention", "full_attention"))
@@ -50,9 +62,11 @@ def perturbed(params, scale: float = 0.1, seed: int = 1):
                                   params)
 
 
-def tiny_model(seed: int = 0, **overrides):
-    """(graphdef, params) of a randomly initialized tiny Qwen3."""
-    return nnx.split(Qwen3(tiny_config(**overrides), rngs=nnx.Rngs(seed)))
+def tiny_model(seed: int = 0, runtime: RuntimeConfig | None = None, **overrides):
+    """(graphdef, params) of a randomly initialized tiny Qwen3 (run by `tiny_runtime()` unless
+    `runtime` is given)."""
+    return nnx.split(CausalLM(tiny_config(**overrides), runtime or tiny_runtime(),
+                              rngs=nnx.Rngs(seed)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,7 +32,7 @@ def tiny_overrides(data: Path, **extra: object) -> list[str]:
         "data.micro_batches": 2, "model.vocab_size": VOCAB, "model.hidden_size": 32,
         "model.intermediate_size": 64, "model.num_hidden_layers": 1,
         "model.num_attention_heads": 4, "model.num_key_value_heads": 2, "model.head_dim": 8,
-        "model.attention_impl": "reference", "optim.learning_rate": 1e-2,
+        "runtime.attention_impl": "reference", "optim.learning_rate": 1e-2,
         "optim.warmup_steps": 1, "run.compare_baseline": False, "run.log_every": 1,
     }
     base.update(extra)

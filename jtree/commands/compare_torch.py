@@ -47,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
     import jtree.hf
     from jtree.hf.compare import Tolerances, compare
     from jtree.hf.torch_reference import load_torch_model
+    from jtree.models import RuntimeConfig
 
-    config, model = jtree.hf.load(args.hf_dir, "float32", attention_impl=args.attention_impl)
+    config, model = jtree.hf.load(args.hf_dir, RuntimeConfig(attention_impl=args.attention_impl))
     trees = read_data(args.data, args, vocab_size=config.vocab_size)
     if args.max_trees is not None:
         if args.max_trees < 1:

@@ -41,7 +41,7 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
     optimizer = make_optimizer(cfg.optim)
 
     def init() -> TrainState:
-        params = nnx.split(create_model(arch, mcfg))[1]
+        params = nnx.split(create_model(arch, mcfg, cfg.runtime))[1]
         return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
     ckpt = Checkpointer(checkpoint, async_save=False)
@@ -52,7 +52,7 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     state = ckpt.restore(step, abstract_like(shapes, jax.tree.map(lambda _: device, shapes))).state
     ckpt.close()
-    graphdef = nnx.split(nnx.eval_shape(lambda: create_model(arch, mcfg)))[0]
+    graphdef = nnx.split(nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime)))[0]
     return nnx.merge(graphdef, state.params), mcfg
 
 

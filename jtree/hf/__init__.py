@@ -1,11 +1,11 @@
 """Hugging Face checkpoints in and out: `load(path) -> (config, model)`, `save(model, config,
-path)`, driven by the per-architecture tables in `jtree.hf.architectures`.
+path)`, driven by the Hugging Face mapping of each architecture record
+(`jtree.models.architectures`).
 
 torch and transformers are never imported here (only by `jtree.hf.torch_reference`, used by
 `jtree compare-torch` and the tests).
 """
 
-from jtree.hf.architectures import ARCHITECTURES
 from jtree.hf.load_save import load, read_hf_config, save, to_hf_tensors
 
-__all__ = ["ARCHITECTURES", "load", "read_hf_config", "save", "to_hf_tensors"]
+__all__ = ["load", "read_hf_config", "save", "to_hf_tensors"]

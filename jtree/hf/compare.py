@@ -27,7 +27,6 @@ import numpy as np
 from flax import nnx
 
 from jtree.hf import torch_reference
-from jtree.hf.architectures import architecture_of_config
 from jtree.chunk_tables import DEFAULT_CHUNK_SIZE
 from jtree.hf.load_save import to_hf_tensors
 from jtree.linearize import TreeBatch, linearize, unlinearize
@@ -41,6 +40,10 @@ LAYER_PART = re.compile(r"model\.layers\.(\d+)\.(\w+)")
 BLOCK = re.compile(r"model\.layers\.\d+\.(self_attn|linear_attn|mlp)")
 FFN_PARTS = ("mlp", "post_attention_layernorm")
 NON_LAYER_GROUP = "embeddings+head"
+# Report groups of the layer kinds (`jtree.models.decoder.LayerKind`), in HF's words.
+MIXER_GROUP = {"attention": "full_attention", "gated_attention": "full_attention",
+               "gated_deltanet": "linear_attention"}
+FFN_GROUP = {"mlp": "mlp", "moe": "moe", "moe_shared": "moe"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +167,11 @@ def compare(
 
     `gdn_chunk_size` is the chunk length of the gated delta rule on trees (linear-attention
     layers only)."""
-    arch = architecture_of_config(config)
-    layer_types, ffn_types = list(arch.layer_types(config)), list(arch.ffn_types(config))
+    spec = config.decoder()
+    layer_types = [MIXER_GROUP[kind.mixer] for kind in spec.layers]
+    ffn_types = [FFN_GROUP[kind.ffn] for kind in spec.layers]
     seq_len = -(-max(t.n_tree_tokens for t in trees) // 16) * 16
-    chunks = gdn_chunk_size if "linear_attention" in layer_types else None
+    chunks = gdn_chunk_size if spec.needs_gdn_tables else None
     batch = linearize(trees, seq_len, normalization=normalization, gdn_chunk_size=chunks)
     hidden, block_out, logp_tree, tree_aux, tree_loss, grads = _jtree_side(model, batch,
                                                                           normalization)
@@ -199,7 +203,7 @@ def compare(
             n_paths += 1
             n_tokens += len(at)
     path_aux = 0.0
-    if getattr(config, "output_router_logits", False):
+    if "moe" in ffn_types and config.output_router_logits:
         path_aux = torch_reference.backprop_router_aux_loss(
             torch_model, [t.path_tokens(p) for t in trees for p in range(t.n_paths)])
         path_loss += path_aux

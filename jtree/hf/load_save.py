@@ -1,6 +1,7 @@
 """Load and save Hugging Face checkpoint directories (config.json + safetensors) as jtree models.
 
-Everything goes through the architecture table (`jtree.hf.architectures`): names, layouts (one
+Everything goes through the architecture records' Hugging Face mappings
+(`jtree.models.architectures`, `jtree.hf.spec.HfMapping`): names, layouts (one
 jtree parameter may be several HF tensors, e.g. one per expert), tied and ignored tensors, and
 placement. Loading validates the whole checkpoint against the model before converting any weight:
 unknown architectures, unsupported config fields, missing, extra or misshapen tensors fail with
@@ -18,11 +19,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jtree.hf.architectures import architecture_of_config, architecture_of_hf_config, model_class
 from jtree.hf.placement import ShardingFn, mesh_shardings, place
 from jtree.hf.safetensors_io import INDEX_FILE, CheckpointTensors, write_checkpoint
-from jtree.hf.spec import Architecture, Storage, dotted
-from jtree.models.config import DTYPES
+from jtree.hf.spec import HfMapping, Storage, dotted
+from jtree.models import architectures  # a module: the records import jtree.hf.spec
+from jtree.models.decoder import CausalLM
+from jtree.models.runtime import DTYPES, RuntimeConfig
 
 CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
@@ -58,15 +60,14 @@ class Param(NamedTuple):
     storages: list[Storage]
 
 
-def _abstract_params(arch: Architecture, config: Any) -> tuple[nnx.GraphDef, list]:
+def _abstract_params(config: Any, runtime: RuntimeConfig) -> tuple[nnx.GraphDef, list]:
     """Graph definition and flat abstract parameters of `config`'s model, with no weights made."""
-    cls = model_class(arch)
-    abstract = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: CausalLM(config, runtime, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)  # fails if the model has other state
     return graphdef, list(nnx.to_flat_state(params))
 
 
-def _param_table(arch: Architecture, config: Any, flat: list) -> list[Param]:
+def _param_table(arch: HfMapping, config: Any, flat: list) -> list[Param]:
     """Every parameter of the model, in parameter order, with its storages."""
     out, owner = [], {}
     for path, var in flat:
@@ -100,7 +101,7 @@ def _closest_storage(param: Param, available: set[str]) -> Storage:
     return max(param.storages, key=lambda s: sum(n in available for n in s.hf_names))
 
 
-def _validate(ckpt: CheckpointTensors, arch: Architecture, config: Any,
+def _validate(ckpt: CheckpointTensors, arch: HfMapping, config: Any,
               params: list[Param]) -> list[Storage]:
     """The storage of every parameter in this checkpoint, after checking names, shapes, dtypes
     and tied tensors."""
@@ -141,19 +142,16 @@ def _validate(ckpt: CheckpointTensors, arch: Architecture, config: Any,
 
 def load(
     path: str | Path,
-    dtype: str = "float32",
+    runtime: RuntimeConfig = RuntimeConfig(),
     *,
-    compute_dtype: str | None = None,
-    attention_impl: str = "auto",
     mesh: Mesh | None = None,
     shardings: ShardingFn | None = None,
-) -> tuple[Any, nnx.Module]:
-    """Read a Hugging Face checkpoint directory into `(config, model)`.
-
-    The model class is the architecture's (`Qwen3`, `Qwen3Moe`, `Qwen3Next`). `dtype` is the
-    parameter (storage) dtype every weight is cast to, `compute_dtype` the activation dtype
-    (default: `dtype`), e.g. `dtype="float32", compute_dtype="bfloat16"` for fp32 master weights
-    with bf16 compute. Experts load from one tensor per expert (Hub) or the fused transformers 5
+) -> tuple[Any, CausalLM]:
+    """Read a Hugging Face checkpoint directory into `(config, model)`: the architecture config
+    of the record config.json names, and the model run as `runtime` says
+    (`runtime.param_dtype` is the storage dtype every weight is cast to, `runtime.dtype` the
+    activation dtype, e.g. float32 and bfloat16 for fp32 master weights with bf16 compute).
+    Experts load from one tensor per expert (Hub) or the fused transformers 5
     tensors, detected per parameter from the tensor names. With `mesh`, parameters are placed by
     the train step's sharding rules (tensor parallel over the axis "model", `jtree.sharding`), so
     a loaded model is where training expects it; `shardings` instead gives any
@@ -161,18 +159,13 @@ def load(
     """
     if mesh is not None and shardings is not None:
         raise ValueError("load: pass mesh or shardings, not both")
-    for field, value in (("dtype", dtype), ("compute_dtype", compute_dtype or dtype)):
-        if value not in DTYPES:
-            raise ValueError(f"load: {field} = {value!r} is not one of {tuple(DTYPES)}")
     directory = Path(path)
     hf_config = read_hf_config(directory)
-    arch = architecture_of_hf_config(hf_config)
-    runtime = {"attention_impl": attention_impl, "dtype": compute_dtype or dtype,
-               "param_dtype": dtype}
-    config = arch.config_from_hf(hf_config, runtime)
-    graphdef, flat = _abstract_params(arch, config)
+    arch = architectures.architecture_of_hf_config(hf_config).hf
+    config = arch.config_from_hf(hf_config)
+    graphdef, flat = _abstract_params(config, runtime)
     params = _param_table(arch, config, flat)
-    sharding_fn = mesh_shardings(arch, config, mesh) if mesh is not None else shardings
+    sharding_fn = mesh_shardings(config, mesh) if mesh is not None else shardings
     leaves = []
     with CheckpointTensors(directory) as ckpt:
         storages = _validate(ckpt, arch, config, params)
@@ -193,7 +186,7 @@ def to_hf_tensors(params: nnx.State | nnx.Module, config: Any, dtype: str | None
     with `names` (e.g. a transformers model's `named_parameters()`), in the layout whose tensor
     names are all in `names` (experts fused, as transformers 5 holds them in memory).
     """
-    arch = architecture_of_config(config)
+    arch = architectures.architecture_of_config(config).hf
     if isinstance(params, nnx.Module):
         params = nnx.state(params, nnx.Param)
     out = {}
@@ -236,7 +229,7 @@ def _prepare_directory(directory: Path, overwrite: bool) -> None:
 
 
 def save(
-    model: nnx.Module,
+    model: CausalLM,
     config: Any,
     path: str | Path,
     *,
@@ -252,13 +245,13 @@ def save(
     names the directory the model was loaded from: its tokenizer and generation files and token
     ids are carried over, so the result is a complete model for transformers.
     """
-    arch = architecture_of_config(config)
-    if not isinstance(model, model_class(arch)):
-        raise ValueError(f"save: model is a {type(model).__name__}, config describes "
-                         f"{model_class(arch).__name__}")
+    arch = architectures.architecture_of_config(config).hf
+    if type(model.config) is not type(config):
+        raise ValueError(f"save: model is a {type(model.config).__name__} model, config is a "
+                         f"{type(config).__name__}")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"save: dtype = {dtype!r} is not one of {tuple(DTYPES)}")
-    _, flat_expected = _abstract_params(arch, config)
+    _, flat_expected = _abstract_params(config, model.runtime)
     expected = _param_table(arch, config, flat_expected)
     params = {dotted(p): var for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     extra = sorted(set(params) - {t.name for t in expected})

@@ -10,18 +10,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jtree.hf.spec import Architecture
-from jtree.sharding import MODEL, architecture_rules, partition_spec
+from jtree.sharding import MODEL, param_rules, partition_spec
 
 ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
 
-def mesh_shardings(arch: Architecture, config: Any, mesh: Mesh) -> ShardingFn:
-    """NamedShardings from the train step's rules for `arch.model_key` (`jtree.sharding`, the
+def mesh_shardings(config: Any, mesh: Mesh) -> ShardingFn:
+    """NamedShardings from the train step's rules for `config`'s model (`jtree.sharding`, the
     one source of truth: tensor parallel over the mesh axis "model", every other mesh axis holds
     replicas), so a loaded model lands exactly where training expects it. An impossible split or
     a missing axis raises, naming the parameter."""
-    rules = architecture_rules(arch.model_key, config, mesh.shape.get(MODEL, 1))
+    rules = param_rules(config, mesh.shape.get(MODEL, 1))
 
     def sharding(name: str, shape: tuple[int, ...]) -> jax.sharding.Sharding:
         return NamedSharding(mesh, partition_spec(name.replace(".", "/"), shape, rules, mesh.shape))

@@ -1,12 +1,12 @@
 """How a Hugging Face architecture maps onto a jtree model, as data.
 
-Each supported architecture is one `Architecture` entry: how its `config.json` becomes a jtree
-config (and back), which HF tensor every jtree parameter is stored as and in which layout
-(transposed, permuted, ...) and which HF tensors are tied to others. Placement on a device mesh is
-not here: it follows the train step's rules for `model_key` (`jtree.sharding`, via
-`jtree.hf.placement`). Loader, saver and the PyTorch comparison only read these tables, so adding an
-architecture (or a per-architecture permutation such as a grouped projection) is a new entry, not
-a new code path.
+Each architecture record (`jtree.models.architectures`) holds one `HfMapping`: how its
+`config.json` becomes the jtree architecture config (and back), which HF tensor every jtree
+parameter is stored as and in which layout (transposed, permuted, ...) and which HF tensors are
+tied to others. Placement on a device mesh is not here: it follows the train step's rules
+(`jtree.sharding`, via `jtree.hf.placement`). Loader, saver and the PyTorch comparison only read
+these tables, so adding an architecture (or a per-architecture permutation such as a grouped
+projection) is a new record, not a new code path.
 """
 
 from __future__ import annotations
@@ -114,33 +114,26 @@ Rule = TensorRule | PerExpertRule
 
 
 @dataclasses.dataclass(frozen=True)
-class Architecture:
-    """One HF architecture (the `architectures[0]` of config.json) and its jtree counterpart.
+class HfMapping:
+    """One HF architecture (the `architectures[0]` of config.json) against its jtree record.
 
-    - `model_key`: key of `jtree.models.registry.ARCHITECTURES` (config and model classes).
-    - `config_from_hf(hf_config, runtime)`: the jtree config; refuses fields it cannot honour.
-      `runtime` holds jtree-only fields (attention_impl, dtypes) that config.json does not carry.
+    - `config_from_hf(hf_config)`: the jtree architecture config; refuses fields it cannot
+      honour. How to run the model (`jtree.models.runtime`) is never part of config.json.
     - `config_to_hf(config)`: the config.json dict (without `architectures`/`torch_dtype`).
     - `tensors`: parameter name and layout table (`TensorRule`: one HF tensor per parameter;
       `PerExpertRule`: one per expert and part).
     - `tied(config)`: HF tensors that the HF model ties to another one (alias -> source), which a
       checkpoint may omit or contain as an exact copy.
-    - `layer_types(config)`: the token mixer of each decoder layer `model.layers.N`
-      ("full_attention", "linear_attention") and `ffn_types(config)` its feed-forward ("mlp",
-      "moe"), for reports.
     - `ignored`: HF tensors a checkpoint may hold that the causal LM does not use (Qwen3-Next's
       multi-token-prediction head `mtp.*`, which transformers skips too); they are not read.
     """
 
     hf_name: str
     model_type: str
-    model_key: str
-    config_from_hf: Callable[[Mapping[str, Any], Mapping[str, Any]], Any]
+    config_from_hf: Callable[[Mapping[str, Any]], Any]
     config_to_hf: Callable[[Any], dict[str, Any]]
     tensors: tuple[Rule, ...]
     tied: Callable[[Any], Mapping[str, str]]
-    layer_types: Callable[[Any], Sequence[str]]
-    ffn_types: Callable[[Any], Sequence[str]]
     ignored: tuple[str, ...] = ()
 
     def storages(self, path: str, shape: tuple[int, ...], config: Any) -> list[Storage]:

@@ -1,12 +1,13 @@
-"""The Qwen3 model family on tree batches."""
+"""The decoder stack on tree batches, its architectures and how to run it."""
 
-from jtree.models.config import Qwen3Config
-from jtree.models.moe_config import Qwen3MoeConfig, Qwen3NextConfig
+from jtree.models.architectures import ARCHITECTURES, Architecture, architecture, create_model
+from jtree.models.architectures.qwen3 import Qwen3Config
+from jtree.models.architectures.qwen3_moe import Qwen3MoeConfig
+from jtree.models.architectures.qwen3_next import Qwen3NextConfig
+from jtree.models.decoder import CausalLM, DecoderSpec, LayerKind
 from jtree.models.output import ModelOutput
-from jtree.models.qwen3 import Qwen3
-from jtree.models.qwen3_moe import Qwen3Moe
-from jtree.models.qwen3_next import Qwen3Next
-from jtree.models.registry import ARCHITECTURES, create_model
+from jtree.models.runtime import RuntimeConfig
 
-__all__ = ["ARCHITECTURES", "ModelOutput", "Qwen3", "Qwen3Config", "Qwen3Moe", "Qwen3MoeConfig",
-           "Qwen3Next", "Qwen3NextConfig", "create_model"]
+__all__ = ["ARCHITECTURES", "Architecture", "CausalLM", "DecoderSpec", "LayerKind",
+           "ModelOutput", "Qwen3Config", "Qwen3MoeConfig", "Qwen3NextConfig", "RuntimeConfig",
+           "architecture", "create_model"]

@@ -11,7 +11,7 @@ conv reads its left context from the prefix's cached pre-conv activations and th
 start from the prefix's state (initial slot 1 of the chunk tables; slot 0 stays zeros for other
 trees of the row).
 
-Tensor parallelism (`tensor_parallel_axis`) splits key heads, each with its value heads: the
+Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits key heads, each with its value heads: the
 grouped in_proj_qkvz / in_proj_ba are column-parallel (a contiguous column block is whole key-head
 groups), dt_bias and A_log are split per value head, the recurrence and the gated norm are per head
 and need nothing, out_proj is row-parallel (one all-reduce forward, one backward). The conv weight
@@ -22,16 +22,15 @@ device convolves its own heads' channels (`local_conv_channels`); its gradient i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jtree.models.layers import linear, row_parallel
-from jtree.models.moe_config import Qwen3NextConfig
+from jtree.models.layers import linear, rms_normalized, row_parallel
 from jtree.models.prefix import GdnCache, PrefixLayout
+from jtree.models.runtime import RuntimeConfig
 from jtree.kernels.gdn import tree_gated_delta_rule
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
 
@@ -46,25 +45,21 @@ class GdnRouting(NamedTuple):
     export_slots: jax.Array | None  # [R, E] buffer slots whose states later parts start from
 
 
-def gdn_routing(inputs: Mapping[str, jax.Array], conv_kernel: int,
+def gdn_routing(pred: jax.Array, chunk_tokens: jax.Array, chunk_src: jax.Array,
+                token_slot: jax.Array, export_slots: jax.Array | None, conv_kernel: int,
                 layout: PrefixLayout | None = None) -> GdnRouting:
-    """Conv context and chunk tables. Without a prefix the conv context indexes the row's own
-    tokens; with one it indexes [K - 1 cached activations before the part | own tokens]."""
-    missing = [f for f in ("pred", "gdn_chunk_tokens", "gdn_chunk_src", "gdn_token_slot")
-               if f not in inputs]
-    if missing:
-        raise ValueError(f"inputs: {missing} missing; linear-attention layers need the pred chain "
-                         "and the chunk tables of jtree.linearize")
+    """Conv context and chunk tables (`jtree.linearize`'s pred chain and GDN tables). Without a
+    prefix the conv context indexes the row's own tokens; with one it indexes [K - 1 cached
+    activations before the part | own tokens]."""
     width = conv_kernel - 1
     if layout is None:
-        context = path_context(inputs["pred"], width)
+        context = path_context(pred, width)
     else:
         p = layout.pred.shape[1]
-        combined = path_context(jnp.concatenate([layout.pred, inputs["pred"]], axis=1), width)
+        combined = path_context(jnp.concatenate([layout.pred, pred], axis=1), width)
         context = combined[:, p:]
         context = jnp.where(context >= 0, context - p + width, -1)
-    return GdnRouting(context, inputs["gdn_chunk_tokens"], inputs["gdn_chunk_src"],
-                      inputs["gdn_token_slot"], inputs.get("gdn_export_slots"))
+    return GdnRouting(context, chunk_tokens, chunk_src, token_slot, export_slots)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -76,9 +71,7 @@ class GatedRMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
         dtype = x.dtype
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        out = self.weight[...] * x32.astype(dtype)
+        out = self.weight[...] * rms_normalized(x, self.eps).astype(dtype)
         return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
 
 
@@ -116,28 +109,28 @@ def local_conv_channels(key_dim: int, value_dim: int, local_key_dim: int, local_
 class GatedDeltaNet(nnx.Module):
     """The linear-attention layer of Qwen3-Next, exact on tree batches."""
 
-    def __init__(self, cfg: Qwen3NextConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Any, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        kw = dict(bias=False, init_std=cfg.initializer_range, dtype=cfg.compute_dtype,
-                  param_dtype=cfg.weight_dtype, rngs=rngs)
+        pdt = runtime.weight_dtype
+        kw = dict(bias=False, init_std=cfg.initializer_range, dtype=runtime.compute_dtype,
+                  param_dtype=pdt, rngs=rngs)
         self.in_proj_qkvz = linear(cfg.hidden_size, 2 * nk * dk + 2 * nv * dv, **kw)
         self.in_proj_ba = linear(cfg.hidden_size, 2 * nv, **kw)
         self.conv1d = DepthwiseConv1d(2 * nk * dk + nv * dv, cfg.linear_conv_kernel_dim,
-                                      init_std=cfg.initializer_range, param_dtype=cfg.weight_dtype,
-                                      rngs=rngs)
-        self.dt_bias = nnx.Param(jnp.ones((nv,), cfg.weight_dtype))
+                                      init_std=cfg.initializer_range, param_dtype=pdt, rngs=rngs)
+        self.dt_bias = nnx.Param(jnp.ones((nv,), pdt))
         a = jax.random.uniform(rngs.params(), (nv,), jnp.float32, 0.01, 16.0)
-        self.A_log = nnx.Param(jnp.log(a).astype(cfg.weight_dtype))
-        self.norm = GatedRMSNorm(dv, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
+        self.A_log = nnx.Param(jnp.log(a).astype(pdt))
+        self.norm = GatedRMSNorm(dv, eps=cfg.rms_norm_eps, param_dtype=pdt)
         self.out_proj = linear(nv * dv, cfg.hidden_size, **kw)
-        self.cfg = cfg
+        self.cfg, self.runtime = cfg, runtime
 
     def __call__(self, x: jax.Array, routing: GdnRouting, prefix: GdnCache | None = None
                  ) -> tuple[jax.Array, GdnCache]:
         """Output, and the pre-conv activations of these tokens with the states after the
         routing's export slots (what later parts of a partitioned tree start from)."""
-        cfg, tp = self.cfg, self.cfg.tensor_parallel_axis
+        cfg, tp = self.cfg, self.runtime.tensor_parallel_axis
         r, s, _ = x.shape
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         per = cfg.linear_num_value_heads // cfg.linear_num_key_heads

@@ -1,4 +1,4 @@
-"""Building blocks shared by the Qwen3 family, with Hugging Face numerics."""
+"""Building blocks of the decoder stack, with Hugging Face numerics."""
 
 from __future__ import annotations
 
@@ -7,6 +7,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jtree.models.runtime import REMAT_POLICIES
+
+
+def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis, in float32 (every norm of the family normalizes so)."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 class RMSNorm(nnx.Module):
@@ -17,10 +25,23 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dtype = x.dtype
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(dtype) * x32.astype(dtype)
+        return self.weight[...].astype(x.dtype) * rms_normalized(x, self.eps).astype(x.dtype)
+
+
+class OffsetRMSNorm(nnx.Module):
+    """x / rms(x) * (1 + weight) in float32, cast back after the scale (HF `Qwen3NextRMSNorm`;
+    zero-initialized weight)."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = 1.0 + self.weight[...].astype(jnp.float32)
+        return (rms_normalized(x, self.eps) * scale).astype(x.dtype)
+
+
+NORMS = {"rms": RMSNorm, "offset_rms": OffsetRMSNorm}
 
 
 def linear(
@@ -132,13 +153,6 @@ def local_kv_heads(kv: jax.Array, q_heads_local: int, q_heads: int, kv_heads: in
 
 
 # ---------------------------------------------------------------------- rematerialization
-
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
 
 def call_layer(layer: nnx.Module, *args: Any, remat: str) -> Any:
     """`layer(*args)`, recomputing its activations in the backward pass under policy `remat`

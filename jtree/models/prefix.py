@@ -48,10 +48,3 @@ class PrefixLayout(NamedTuple):
     end: jax.Array
     pred: jax.Array
 
-
-def prefix_layout(inputs) -> PrefixLayout:
-    missing = [f for f in ("prefix_end", "prefix_pred") if f not in inputs]
-    if missing:
-        raise ValueError(f"inputs: {missing} missing; a call with a prefix needs the prefix layout "
-                         "of jtree.rfree")
-    return PrefixLayout(inputs["prefix_end"], inputs["prefix_pred"])

@@ -275,8 +275,9 @@ class RedundancyFreeStep:
         if self.conv_width is None:
             shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                             params)
-            cfg = nnx.merge(self.graphdef, shapes).config
-            self.conv_width = getattr(cfg, "linear_conv_kernel_dim", 1) - 1
+            model = nnx.merge(self.graphdef, shapes)
+            self.conv_width = (model.config.linear_conv_kernel_dim - 1
+                               if model.spec.needs_gdn_tables else 0)
 
     def _uses_router_load(self, params: Any, program: RfreeProgram) -> bool:
         """Whether the model has a router load-balancing loss (traced abstractly, once)."""

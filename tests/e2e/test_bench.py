@@ -14,8 +14,7 @@ from tests.models_util import tiny_config
 
 @pytest.fixture
 def tiny_shape(monkeypatch):
-    monkeypatch.setitem(bench.SHAPES, "tiny", tiny_config(attention_impl="xla", head_dim=16,
-                                                              num_hidden_layers=1))
+    monkeypatch.setitem(bench.SHAPES, "tiny", tiny_config(head_dim=16, num_hidden_layers=1))
     return "tiny"
 
 
@@ -27,7 +26,7 @@ def _workload(shape: str, por: float) -> bench.Workload:
 
 
 def test_measure_counts_both_modes_on_the_same_trees_and_writes_outputs(tiny_shape, tmp_path):
-    step, state = bench.make_step(bench.SHAPES[tiny_shape])
+    step, state = bench.make_step(bench.SHAPES[tiny_shape], "xla")
     row, state = bench.measure(_workload(tiny_shape, 0.7), step, state, min_reps=1, max_reps=1,
                                budget_s=0.0)
     rows = [row]

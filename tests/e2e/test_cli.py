@@ -44,7 +44,7 @@ def test_train_says_which_attention_kernel_auto_runs(tmp_path, capsys):
     data = write_groups(tmp_path / "groups.jsonl", n_groups=2)
     assert main(["train", "--config", "configs/tiny.yaml", *tiny_overrides(data, **{
         "run.steps": 1, "data.trees_per_step": 2, "data.micro_batches": 1,
-        "model.attention_impl": "auto"})]) == 0
+        "runtime.attention_impl": "auto"})]) == 0
     assert "backend cpu, attention cpu;" in capsys.readouterr().out
 
 

@@ -74,7 +74,7 @@ def test_redundancy_free_mode_trains(tmp_path, capsys, modes):
     steps = len(modes)
     common = ["--config", "configs/tiny.yaml",
               *tiny_overrides(data, **{"run.steps": steps, "data.trees_per_step": 2,
-                                       "data.micro_batches": 1, "model.attention_impl": "xla",
+                                       "data.micro_batches": 1, "runtime.attention_impl": "xla",
                                        "run.capacity": 40, "run.prefix_backward": "residuals",
                                        "run.row_steps_per_octave": 4})]
     losses = {}

@@ -36,6 +36,6 @@ def test_redundancy_free_mode_keeps_the_long_record(tmp_path, capsys):
     assert main(["--config", "configs/tiny.yaml",
                  *tiny_overrides(data, **{"run.steps": 0, "data.trees_per_step": 2,
                                           "data.micro_batches": 1, "run.mode": "redundancy_free",
-                                          "model.attention_impl": "xla"})]) == 0
+                                          "runtime.attention_impl": "xla"})]) == 0
     out = capsys.readouterr().out
     assert "data: 5 trees" in out and "bad record(s)" not in out

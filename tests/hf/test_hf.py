@@ -12,15 +12,15 @@ from safetensors.numpy import load_file, save_file
 
 import jtree.hf
 from jtree.hf.safetensors_io import INDEX_FILE, SINGLE_FILE
-from jtree.models import Qwen3
-from tests.models_util import tiny_config
+from jtree.models import RuntimeConfig
+from tests.models_util import tiny_config, tiny_lm, tiny_runtime
 
 
-def random_model(seed=0, **overrides):
+def random_model(seed=0, runtime=None, **overrides):
     """A tiny Qwen3 whose every parameter (norms and biases included) is random, so a swapped or
     mis-transposed tensor cannot go unnoticed."""
     cfg = tiny_config(**overrides)
-    graphdef, params = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(seed)), nnx.Param)
+    graphdef, params = nnx.split(tiny_lm(cfg, seed, **(runtime or {})), nnx.Param)
     rng = np.random.default_rng(seed)
     flat = [(p, v.replace(jnp.asarray(np.asarray(v.get_value(), np.float32)
                                       + rng.normal(0, 0.2, v.shape), v.dtype)))
@@ -71,7 +71,7 @@ def copy_checkpoint(src, dst, *, edit_tensors=None, edit_config=None):
 def test_load_of_save_is_identical(tmp_path, overrides):
     cfg, model = random_model(seed=1, **overrides)
     jtree.hf.save(model, cfg, tmp_path)
-    loaded_cfg, loaded = jtree.hf.load(tmp_path, attention_impl="reference")
+    loaded_cfg, loaded = jtree.hf.load(tmp_path, tiny_runtime())
     assert loaded_cfg == cfg
     assert_same_params(loaded, model)
     names = set(load_file(str(tmp_path / SINGLE_FILE)))
@@ -84,18 +84,19 @@ def test_load_of_save_is_identical(tmp_path, overrides):
 
 
 def test_bfloat16_round_trip_is_identical(tmp_path):
-    cfg, model = random_model(seed=2, param_dtype="bfloat16", dtype="bfloat16")
+    cfg, model = random_model(seed=2, runtime=dict(param_dtype="bfloat16", dtype="bfloat16"))
     jtree.hf.save(model, cfg, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    loaded_cfg, loaded = jtree.hf.load(tmp_path, "bfloat16", attention_impl="reference")
+    loaded_cfg, loaded = jtree.hf.load(tmp_path,
+                                       tiny_runtime(dtype="bfloat16", param_dtype="bfloat16"))
     assert loaded_cfg == cfg
     assert_same_params(loaded, model)
 
 
 def test_dtype_casting_on_load_and_save(saved, tmp_path):
     path, cfg, model = saved
-    bf_cfg, bf = jtree.hf.load(path, "bfloat16", compute_dtype="float32")
-    assert (bf_cfg.param_dtype, bf_cfg.dtype) == ("bfloat16", "float32")
+    bf_cfg, bf = jtree.hf.load(path, RuntimeConfig(param_dtype="bfloat16", dtype="float32"))
+    assert (bf.runtime.param_dtype, bf.runtime.dtype) == ("bfloat16", "float32")
     for k, v in param_arrays(bf).items():
         assert v.dtype == jnp.bfloat16, k
         np.testing.assert_array_equal(v, param_arrays(model)[k].astype(jnp.bfloat16))
@@ -111,7 +112,7 @@ def test_sharded_save_writes_an_index_and_loads(saved, tmp_path):
     files = sorted(set(index["weight_map"].values()))
     assert len(files) >= 3 and not (tmp_path / SINGLE_FILE).exists()
     assert all((tmp_path / f).exists() for f in files)
-    _, loaded = jtree.hf.load(tmp_path, attention_impl="reference")
+    _, loaded = jtree.hf.load(tmp_path, tiny_runtime())
     assert_same_params(loaded, model)
 
 
@@ -176,7 +177,7 @@ def test_tied_checkpoint_may_store_an_exact_copy_of_the_head(tmp_path):
         t["lm_head.weight"] = t["model.embed_tokens.weight"].copy()
 
     copy_checkpoint(tmp_path / "a", tmp_path / "b", edit_tensors=add_head)
-    _, loaded = jtree.hf.load(tmp_path / "b", attention_impl="reference")
+    _, loaded = jtree.hf.load(tmp_path / "b", tiny_runtime())
     assert_same_params(loaded, model)
 
     def add_other_head(t):
@@ -246,3 +247,16 @@ def test_save_checks_model_against_config(saved, tmp_path):
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj.kernel' has shape "
                                          r"\(64, 32\), config implies \(48, 32\)"):
         jtree.hf.save(model, dataclasses.replace(cfg, intermediate_size=48), tmp_path)
+
+
+def test_config_json_carries_no_runtime_field(tmp_path):
+    """How a model runs is not part of the checkpoint: a runtime key in config.json is refused as
+    any unknown field, and save writes none."""
+    cfg, model = random_model(seed=4)
+    jtree.hf.save(model, cfg, tmp_path / "a")
+    written = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert not {"attention_impl", "remat", "param_dtype"} & set(written)
+    bad = copy_checkpoint(tmp_path / "a", tmp_path / "b",
+                          edit_config=lambda c: c.update(attention_impl="reference"))
+    with pytest.raises(ValueError, match="field 'attention_impl' is not supported"):
+        jtree.hf.load(bad)

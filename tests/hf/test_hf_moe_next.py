@@ -4,12 +4,12 @@ logits on a plain sequence within 1e-4 and the router aux loss, which catches ma
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jtree.linearize import linearize
-from jtree.models import Qwen3Moe, Qwen3MoeConfig, Qwen3Next, Qwen3NextConfig
+from jtree.models import Qwen3MoeConfig, Qwen3NextConfig
 from jtree.tree import TrajectoryTree
 from tests.hf_compare import copy_hf_weights
+from tests.models_util import tiny_lm
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -40,10 +40,10 @@ def _hf_model(kind: str):
 
 
 def _jtree_model(kind: str):
-    kw = dict(COMMON, mlp_only_layers=(1,), rope_theta=THETA, attention_impl="reference")
+    kw = dict(COMMON, mlp_only_layers=(1,), rope_theta=THETA)
     if kind == "moe":
-        return Qwen3Moe(Qwen3MoeConfig(**kw), rngs=nnx.Rngs(0))
-    return Qwen3Next(Qwen3NextConfig(**kw, **GDN, partial_rotary_factor=PARTIAL), rngs=nnx.Rngs(0))
+        return tiny_lm(Qwen3MoeConfig(**kw), 0)
+    return tiny_lm(Qwen3NextConfig(**kw, **GDN, partial_rotary_factor=PARTIAL), 0)
 
 
 @pytest.mark.parametrize("kind", ["moe", "next"])

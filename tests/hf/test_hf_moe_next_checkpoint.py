@@ -23,11 +23,12 @@ transformers = pytest.importorskip("transformers")
 import jtree.hf  # noqa: E402
 from jtree.cli import main  # noqa: E402
 from jtree.hf.safetensors_io import INDEX_FILE, SINGLE_FILE  # noqa: E402
-from jtree.models import Qwen3Moe, Qwen3Next  # noqa: E402
+from jtree.models import CausalLM, Qwen3MoeConfig, Qwen3NextConfig, RuntimeConfig  # noqa: E402
 from jtree.tree import TrajectoryTree  # noqa: E402
 from jtree.tree_jsonl import write_sequence_groups  # noqa: E402
 from tests.hf.test_hf import assert_same_params, copy_checkpoint, param_arrays  # noqa: E402
 from tests.hf.test_hf_torch import VOCAB, branching_trees  # noqa: E402
+from tests.models_util import tiny_runtime  # noqa: E402
 
 TOL = 1e-4
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
@@ -48,7 +49,7 @@ CONFIGS = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "partial_rotary_factor": 0.5}),
 }
-MODEL_CLASS = {"moe": Qwen3Moe, "next": Qwen3Next}
+CONFIG_CLASS = {"moe": Qwen3MoeConfig, "next": Qwen3NextConfig}
 EXPERT = "model.layers.2.mlp.experts"
 
 
@@ -90,7 +91,7 @@ def checkpoint(kind, tmp_path_factory):
     """(directory, transformers model, jtree config, jtree model) of one architecture."""
     path = tmp_path_factory.mktemp(f"hf_{kind}")
     ref = make_hf_checkpoint(kind, path)
-    config, model = jtree.hf.load(path, attention_impl="reference")
+    config, model = jtree.hf.load(path, tiny_runtime())
     return path, ref, config, model
 
 
@@ -111,7 +112,7 @@ def report(checkpoint, tmp_path_factory):
 
 def test_load_gives_the_architecture_model_and_config(kind, checkpoint):
     _, ref, config, model = checkpoint
-    assert type(model) is MODEL_CLASS[kind]
+    assert type(model) is CausalLM and type(model.config) is CONFIG_CLASS[kind]
     hf = ref.config
     assert (config.num_experts, config.num_experts_per_tok) == (4, 2)
     assert config.mlp_only_layers == (1,) and config.output_router_logits
@@ -177,7 +178,7 @@ def test_load_of_save_is_identical(checkpoint, tmp_path):
     _, _, config, model = checkpoint
     jtree.hf.save(model, config, tmp_path, max_shard_size=30_000)  # several shards + index
     assert len(set(json.loads((tmp_path / INDEX_FILE).read_text())["weight_map"].values())) >= 2
-    loaded_config, loaded = jtree.hf.load(tmp_path, attention_impl="reference")
+    loaded_config, loaded = jtree.hf.load(tmp_path, tiny_runtime())
     assert loaded_config == config
     assert_same_params(loaded, model)
 
@@ -185,7 +186,7 @@ def test_load_of_save_is_identical(checkpoint, tmp_path):
 def test_transformers_sharded_checkpoint_loads(kind, checkpoint, tmp_path):
     make_hf_checkpoint(kind, tmp_path, max_shard_size="30KB")
     assert len(list(tmp_path.glob("*.safetensors"))) >= 2 and (tmp_path / INDEX_FILE).exists()
-    _, sharded = jtree.hf.load(tmp_path, attention_impl="reference")
+    _, sharded = jtree.hf.load(tmp_path, tiny_runtime())
     assert_same_params(sharded, checkpoint[3])
 
 
@@ -198,7 +199,7 @@ def test_fused_expert_layout_loads_the_same_model(checkpoint, tmp_path):
     if ref.config.tie_word_embeddings:
         state.pop("lm_head.weight")
     copy_checkpoint(path, tmp_path, edit_tensors=lambda t: (t.clear(), t.update(state)))
-    _, fused = jtree.hf.load(tmp_path, attention_impl="reference")
+    _, fused = jtree.hf.load(tmp_path, tiny_runtime())
     assert_same_params(fused, model)
     # The expert rows really are (gate; up) of each expert, in order.
     hub = load_file(str(path / SINGLE_FILE))
@@ -249,14 +250,14 @@ def test_next_tensors_and_the_mtp_head(tmp_path_factory):
     multi-token-prediction head `mtp.*`, which the causal LM skips (as transformers does)."""
     path = tmp_path_factory.mktemp("next_only")
     make_hf_checkpoint("next", path)
-    _, model = jtree.hf.load(path, attention_impl="reference")
+    _, model = jtree.hf.load(path, tiny_runtime())
 
     def add_mtp(t):
         t["mtp.fc.weight"] = np.ones((32, 64), np.float32)
         t["mtp.layers.0.input_layernorm.weight"] = np.ones(32, np.float32)
 
     _, with_mtp = jtree.hf.load(copy_checkpoint(path, path.parent / "mtp", edit_tensors=add_mtp),
-                                attention_impl="reference")
+                                tiny_runtime())
     assert_same_params(with_mtp, model)
     name = "model.layers.0.linear_attn.A_log"
     bad = copy_checkpoint(path, path.parent / "no_alog", edit_tensors=lambda t: t.pop(name))
@@ -287,7 +288,7 @@ def _hub_style(c):
 def test_hub_style_config_is_read(checkpoint, tmp_path):
     path, _, config, model = checkpoint
     hub = copy_checkpoint(path, tmp_path, edit_config=_hub_style)
-    hub_config, loaded = jtree.hf.load(hub, attention_impl="reference")
+    hub_config, loaded = jtree.hf.load(hub, tiny_runtime())
     assert_same_params(loaded, model)
     assert (hub_config.rope_theta, hub_config.num_experts) == (config.rope_theta, 4)
     if config.__class__.__name__ == "Qwen3NextConfig":
@@ -337,7 +338,7 @@ def test_save_of_a_jtree_made_model_loads_in_transformers(kind, checkpoint, tmp_
     """A model initialized in jtree (not loaded) saves as a transformers checkpoint with the same
     parameters, in bfloat16."""
     config = checkpoint[2]
-    model = MODEL_CLASS[kind](config, rngs=nnx.Rngs(3))
+    model = CausalLM(config, RuntimeConfig(), rngs=nnx.Rngs(3))
     jtree.hf.save(model, config, tmp_path / "out", dtype="bfloat16")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert back.dtype == torch.bfloat16

@@ -19,9 +19,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jtree.hf
 from jtree.linearize import linearize
-from jtree.models import Qwen3
 from jtree.tree import TrajectoryTree
-from tests.models_util import tiny_config
+from tests.models_util import tiny_config, tiny_lm, tiny_runtime
 
 assert jax.device_count() == 8, jax.devices()
 # The train step's rule (jtree/sharding.py), written out independently: tiny_config has 2 kv heads,
@@ -46,10 +45,10 @@ def params(model):
 
 cfg = tiny_config(tie_word_embeddings=False, attention_bias=True)
 with tempfile.TemporaryDirectory() as d:
-    jtree.hf.save(Qwen3(cfg, rngs=nnx.Rngs(0)), cfg, d)
+    jtree.hf.save(tiny_lm(cfg, 0), cfg, d)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-    _, plain = jtree.hf.load(d, attention_impl="reference")
-    _, sharded = jtree.hf.load(d, attention_impl="reference", mesh=mesh)
+    _, plain = jtree.hf.load(d, tiny_runtime())
+    _, sharded = jtree.hf.load(d, tiny_runtime(), mesh=mesh)
     n_split = 0
     for name, value in params(sharded).items():
         want = NamedSharding(mesh, expected_spec(name))
@@ -78,7 +77,7 @@ with tempfile.TemporaryDirectory() as d:
         assert "lm_head/kernel" in str(e) and "no axis 'model'" in str(e), e
 with tempfile.TemporaryDirectory() as d:
     odd = tiny_config(vocab_size=90, tie_word_embeddings=True)
-    jtree.hf.save(Qwen3(odd, rngs=nnx.Rngs(0)), odd, d)
+    jtree.hf.save(tiny_lm(odd, 0), odd, d)
     try:
         jtree.hf.load(d, mesh=mesh)
         raise AssertionError("no error")
@@ -102,8 +101,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jtree.hf
 from jtree.linearize import linearize
-from jtree.models import Qwen3Next, Qwen3NextConfig
+from jtree.models import Qwen3NextConfig
 from jtree.tree import TrajectoryTree
+from tests.models_util import tiny_lm, tiny_runtime
 
 def expected_spec(name):
     leaf = name.split(".")
@@ -133,7 +133,7 @@ cfg = Qwen3NextConfig(vocab_size=96, hidden_size=32, intermediate_size=40, num_h
                       layer_types=("linear_attention", "full_attention", "linear_attention"),
                       linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=4,
                       linear_num_value_heads=8, shared_expert_intermediate_size=24,
-                      tie_word_embeddings=False, attention_impl="reference")
+                      tie_word_embeddings=False)
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 
 def params(model):
@@ -141,9 +141,9 @@ def params(model):
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 with tempfile.TemporaryDirectory() as d:
-    jtree.hf.save(Qwen3Next(cfg, rngs=nnx.Rngs(0)), cfg, d)
-    _, plain = jtree.hf.load(d, attention_impl="reference")
-    _, sharded = jtree.hf.load(d, attention_impl="reference", mesh=mesh)
+    jtree.hf.save(tiny_lm(cfg, 0), cfg, d)
+    _, plain = jtree.hf.load(d, tiny_runtime())
+    _, sharded = jtree.hf.load(d, tiny_runtime(), mesh=mesh)
 splits = {}
 for name, value in params(sharded).items():
     want = NamedSharding(mesh, expected_spec(name))

@@ -22,7 +22,8 @@ from jtree.loss import batch_normalizer, path_coefficients  # noqa: E402
 from jtree.train_step import Objective, objective_loss  # noqa: E402
 from jtree.tree import TrajectoryTree  # noqa: E402
 from jtree.tree_jsonl import write_sequence_groups  # noqa: E402
-from tests.models_util import rel_l2  # noqa: E402
+from jtree.models import RuntimeConfig  # noqa: E402
+from tests.models_util import rel_l2, tiny_runtime  # noqa: E402
 from tests.strategies import random_forest  # noqa: E402
 from tests.hf.test_hf import random_model  # noqa: E402
 
@@ -55,7 +56,7 @@ def checkpoint(request, tmp_path_factory):
     path = make_hf_checkpoint(tmp_path_factory.mktemp("hf"), **request.param)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager").eval()
-    config, model = jtree.hf.load(path, attention_impl="reference")
+    config, model = jtree.hf.load(path, tiny_runtime())
     return path, ref, config, model
 
 
@@ -184,8 +185,9 @@ def test_transformers_sharded_and_bfloat16_checkpoints_load(tmp_path):
 
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "single").to(torch.bfloat16)
     ref.save_pretrained(tmp_path / "bf16")
-    cfg, bf = jtree.hf.load(tmp_path / "bf16", "bfloat16")
-    assert cfg.param_dtype == "bfloat16"
+    _, bf = jtree.hf.load(tmp_path / "bf16",
+                          RuntimeConfig(dtype="bfloat16", param_dtype="bfloat16"))
+    assert bf.runtime.param_dtype == "bfloat16"
     expected = ref.model.layers[2].self_attn.o_proj.weight.detach().float().numpy().T
     got = np.asarray(bf.model.layers[2].self_attn.o_proj.kernel[...]).astype(np.float32)
     np.testing.assert_array_equal(got, expected)

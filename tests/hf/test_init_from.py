@@ -8,15 +8,14 @@ from flax import nnx
 
 import jtree.hf
 from jtree.config import load_config
-from jtree.models import Qwen3
 from jtree.trainer import Trainer
-from tests.models_util import tiny_config
+from tests.models_util import tiny_config, tiny_lm
 from tests.run_util import tiny_overrides
 
 
 def test_training_state_starts_from_a_hugging_face_checkpoint(tmp_path):
     cfg = tiny_config()
-    model = Qwen3(cfg, rngs=nnx.Rngs(11))
+    model = tiny_lm(cfg, 11)
     jtree.hf.save(model, cfg, tmp_path / "hf")
     overrides = tiny_overrides(tmp_path / "unused.jsonl", **{
         "model.init_from": str(tmp_path / "hf"), "model.tie_word_embeddings": False,

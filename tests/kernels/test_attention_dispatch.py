@@ -118,7 +118,7 @@ def test_padding_tokens_are_invisible():
 
 
 def test_model_config_rejects_unknown_impl():
-    from jtree.models import Qwen3Config
+    from jtree.models import RuntimeConfig
 
     with pytest.raises(ValueError, match="attention_impl: 'flash' is not one of"):
-        Qwen3Config(attention_impl="flash")
+        RuntimeConfig(attention_impl="flash")

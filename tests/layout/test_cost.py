@@ -117,7 +117,7 @@ def test_chat_records_become_trees_with_one_path_per_assistant_turn():
 
 
 def test_flop_model_counts_moe_experts_and_linear_attention_layers():
-    from jtree.models.moe_config import Qwen3MoeConfig, Qwen3NextConfig
+    from jtree.models import Qwen3MoeConfig, Qwen3NextConfig
 
     dense = FlopModel.for_config(Qwen3Config(hidden_size=16, intermediate_size=32,
                                              num_hidden_layers=2, head_dim=8))

@@ -12,13 +12,16 @@ from hypothesis import given, settings
 from jtree.baseline import linearize_baseline, unlinearize_baseline
 from jtree.linearize import linearize, unlinearize
 from jtree.train_step import Objective
-from tests.models_util import assert_grads_close, loss_and_grad_fn, logprob_fn, tiny_model
+from tests.models_util import (
+    assert_grads_close, logprob_fn, loss_and_grad_fn, tiny_model, tiny_runtime,
+)
 from tests.strategies import fitting_layout, forests
 
 S, TREE_ROWS, BASE_ROWS = 128, 2, 24
-GRAPHDEF, PARAMS = tiny_model(seed=2, attention_impl="xla")
-GRAPHDEFS = {"xla": GRAPHDEF, "cpu": tiny_model(seed=2, attention_impl="cpu")[0]}
-REF_GRAPHDEF, _ = tiny_model(seed=2, attention_impl="reference")
+GRAPHDEF, PARAMS = tiny_model(seed=2, runtime=tiny_runtime(attention_impl="xla"))
+GRAPHDEFS = {"xla": GRAPHDEF,
+             "cpu": tiny_model(seed=2, runtime=tiny_runtime(attention_impl="cpu"))[0]}
+REF_GRAPHDEF, _ = tiny_model(seed=2)
 FORESTS = forests(n_trees=(2, 5), max_nodes=8, max_seg=9)
 
 

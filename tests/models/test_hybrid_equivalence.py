@@ -20,9 +20,11 @@ from hypothesis import given, settings
 
 from jtree.baseline import linearize_baseline, unlinearize_baseline
 from jtree.linearize import linearize, unlinearize
-from jtree.models import Qwen3Moe, Qwen3MoeConfig, Qwen3Next, Qwen3NextConfig
+from jtree.models import Qwen3MoeConfig, Qwen3NextConfig
 from jtree.train_step import Objective
-from tests.models_util import assert_loss_and_grads_match, logprob_fn, off_policy_ppo_inputs
+from tests.models_util import (
+    assert_loss_and_grads_match, logprob_fn, off_policy_ppo_inputs, tiny_lm,
+)
 from tests.strategies import forests
 
 S, TREE_ROWS, BASE_ROWS, CHUNK = 64, 3, 40, 3
@@ -30,7 +32,7 @@ FORESTS = forests(n_trees=(1, 3), max_nodes=8, max_seg=5)
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
               moe_intermediate_size=16, mlp_only_layers=(1,), router_aux_loss_coef=0.5,
-              output_router_logits=True, tie_word_embeddings=False, attention_impl="reference",
+              output_router_logits=True, tie_word_embeddings=False,
               rope_theta=10_000.0)
 
 
@@ -38,14 +40,14 @@ COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention
 def tiny(kind: str):
     """(graphdef, params) with every parameter perturbed so no term is negligible."""
     if kind == "moe":
-        model = Qwen3Moe(Qwen3MoeConfig(**COMMON, num_hidden_layers=2), rngs=nnx.Rngs(0))
+        model = tiny_lm(Qwen3MoeConfig(**COMMON, num_hidden_layers=2), 0)
     else:
         # Layer 0: GDN + MoE with shared expert; layer 1: gated attention + dense MLP.
         cfg = Qwen3NextConfig(
             **COMMON, num_hidden_layers=2, linear_key_head_dim=8, linear_value_head_dim=6,
             linear_num_key_heads=2, linear_num_value_heads=4, shared_expert_intermediate_size=24,
             layer_types=("linear_attention", "full_attention"))
-        model = Qwen3Next(cfg, rngs=nnx.Rngs(0))
+        model = tiny_lm(cfg, 0)
     graphdef, params = nnx.split(model)
     keys = iter(jax.random.split(jax.random.key(1), len(jax.tree_util.tree_leaves(params))))
     params = jax.tree_util.tree_map(lambda x: x + 0.2 * jax.random.normal(next(keys), x.shape), params)

@@ -7,8 +7,9 @@ import pytest
 from flax import nnx
 
 from jtree.linearize import linearize
-from jtree.models import ARCHITECTURES, Qwen3Moe, Qwen3MoeConfig, Qwen3Next, Qwen3NextConfig
+from jtree.models import ARCHITECTURES, Qwen3MoeConfig, Qwen3NextConfig
 from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
+from tests.models_util import tiny_lm
 from jtree.tree import TrajectoryTree
 
 
@@ -90,7 +91,7 @@ def test_pooled_aux_loss_shares_add_up_to_the_whole_batch():
 
 def test_model_aux_loss_needs_path_count_and_config_flag():
     cfg = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
-               num_attention_heads=2, num_key_value_heads=1, head_dim=8, attention_impl="reference")
+               num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     batch = linearize([TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4, 5]])], 8,
                       gdn_chunk_size=4).arrays()
 
@@ -98,14 +99,13 @@ def test_model_aux_loss_needs_path_count_and_config_flag():
         graphdef, params = nnx.split(model)
         return float(jax.jit(lambda p, x: nnx.merge(graphdef, p)(x).aux_loss)(params, inputs))
 
-    off = Qwen3Moe(Qwen3MoeConfig(**cfg), rngs=nnx.Rngs(0))
+    off = tiny_lm(Qwen3MoeConfig(**cfg), 0)
     assert aux_loss(off, batch) == 0.0  # HF adds it only with output_router_logits
-    on = Qwen3Moe(Qwen3MoeConfig(**cfg, output_router_logits=True), rngs=nnx.Rngs(0))
+    on = tiny_lm(Qwen3MoeConfig(**cfg, output_router_logits=True), 0)
     assert aux_loss(on, batch) > 0.0
     with pytest.raises(ValueError, match="path_count"):
         aux_loss(on, {k: v for k, v in batch.items() if k != "path_count"})
-    nxt = nnx.eval_shape(lambda: Qwen3Next(Qwen3NextConfig(**cfg, layer_types=("linear_attention",)),
-                                           rngs=nnx.Rngs(0)))
+    nxt = nnx.eval_shape(lambda: tiny_lm(Qwen3NextConfig(**cfg, layer_types=("linear_attention",))))
     with pytest.raises(ValueError, match="gdn_chunk_tokens"):
         nnx.eval_shape(lambda m: m({k: v for k, v in batch.items() if k != "gdn_chunk_tokens"}),
                        nxt)
@@ -116,12 +116,11 @@ def test_parameter_names_follow_hugging_face():
         return {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model))}
 
     moe_cfg = Qwen3MoeConfig(num_hidden_layers=2, mlp_only_layers=(1,))
-    moe = names(nnx.eval_shape(lambda: Qwen3Moe(moe_cfg, rngs=nnx.Rngs(0))))
+    moe = names(nnx.eval_shape(lambda: tiny_lm(moe_cfg, 0)))
     assert {"model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
             "model.layers.0.mlp.experts.down_proj", "model.layers.1.mlp.gate_proj.kernel",
             "model.layers.0.self_attn.q_norm.weight"} <= moe
-    nxt = names(nnx.eval_shape(lambda: Qwen3Next(Qwen3NextConfig(num_hidden_layers=4),
-                                                 rngs=nnx.Rngs(0))))
+    nxt = names(nnx.eval_shape(lambda: tiny_lm(Qwen3NextConfig(num_hidden_layers=4))))
     for n in ("linear_attn.in_proj_qkvz.kernel", "linear_attn.in_proj_ba.kernel",
               "linear_attn.conv1d.weight", "linear_attn.dt_bias", "linear_attn.A_log",
               "linear_attn.norm.weight", "linear_attn.out_proj.kernel",

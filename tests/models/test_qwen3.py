@@ -4,13 +4,12 @@ import numpy as np
 from flax import nnx
 
 from jtree.linearize import linearize
-from jtree.models import Qwen3
 from jtree.tree import TrajectoryTree
-from tests.models_util import logprob_fn, tiny_config
+from tests.models_util import logprob_fn, tiny_config, tiny_lm
 
 
 def test_parameter_names_follow_hugging_face():
-    model = Qwen3(tiny_config(), rngs=nnx.Rngs(0))
+    model = tiny_lm(tiny_config(), 0)
     names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model))}
     assert "model.embed_tokens.embedding" in names
     assert "model.layers.1.self_attn.q_norm.weight" in names
@@ -19,7 +18,7 @@ def test_parameter_names_follow_hugging_face():
 
 
 def test_tied_embeddings_share_the_output_matrix():
-    model = Qwen3(tiny_config(tie_word_embeddings=True), rngs=nnx.Rngs(0))
+    model = tiny_lm(tiny_config(tie_word_embeddings=True), 0)
     assert model.lm_head is None
     np.testing.assert_array_equal(model.output_embedding(), model.model.embed_tokens.embedding[...].T)
 
@@ -28,7 +27,7 @@ def test_bf16_compute_runs_close_to_fp32():
     batch = linearize([TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 5, 6, 7]])], 16)
     out = {}
     for dtype in ("float32", "bfloat16"):
-        graphdef, params = nnx.split(Qwen3(tiny_config(dtype=dtype), rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(tiny_lm(tiny_config(), 0, dtype=dtype))
         out[dtype] = np.asarray(logprob_fn(graphdef)(params, batch.arrays()))
     assert out["bfloat16"].dtype == np.float32
     np.testing.assert_allclose(out["bfloat16"], out["float32"], atol=0.1)
@@ -36,7 +35,7 @@ def test_bf16_compute_runs_close_to_fp32():
 
 def test_rope_uses_batch_positions():
     """Same tokens at shifted row offsets but equal `pos` give identical hidden states."""
-    model = Qwen3(tiny_config(), rngs=nnx.Rngs(0))
+    model = tiny_lm(tiny_config(), 0)
     tokens = jnp.asarray([[3, 4, 5, 0, 0], [0, 0, 3, 4, 5]], jnp.int32)
     pos = jnp.asarray([[0, 1, 2, 0, 0], [0, 0, 0, 1, 2]], jnp.int32)
     end = jnp.asarray([[3, 3, 3, 4, 5], [1, 2, 5, 5, 5]], jnp.int32)

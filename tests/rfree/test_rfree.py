@@ -17,14 +17,14 @@ from flax import nnx
 from hypothesis import given, settings
 
 from jtree.linearize import linearize
-from jtree.models import Qwen3Next, Qwen3NextConfig
+from jtree.models import Qwen3NextConfig
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.rfree.layout import build_program, octave_step_length, prefix_bucket, row_length
 from jtree.rfree.plan import plan_parts
 from jtree.rfree.schedule import LiveBuffers, child_order, part_slots
 from jtree.train_step import Objective, make_grad_fn, stack_microbatches
 from jtree.tree import TrajectoryTree
-from tests.models_util import logprob_fn, rel_l2, tiny_model
+from tests.models_util import logprob_fn, rel_l2, tiny_lm, tiny_model
 from tests.strategies import forests
 from tests.models.test_hybrid_equivalence import COMMON, tiny
 from tests.train.test_partition_grad import branching_trees
@@ -302,7 +302,7 @@ def gdn_only_model():
     cfg = Qwen3NextConfig(**{**COMMON, "mlp_only_layers": (0,)}, num_hidden_layers=1,
                           linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=2,
                           linear_num_value_heads=4, layer_types=("linear_attention",))
-    return nnx.split(Qwen3Next(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(tiny_lm(cfg, 0))
 
 
 def test_gdn_equals_unpartitioned_tree():

@@ -4,20 +4,19 @@ import pytest
 import yaml
 
 from jtree.config import TrainConfig, apply_overrides, load_config
-from jtree.models import Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
-from jtree.models.registry import ARCHITECTURES
-from jtree.sharding import architecture_rules
+from jtree.models import ARCHITECTURES, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+from jtree.sharding import param_rules
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
 
 
 def test_tiny_config_loads_with_overrides():
     cfg = load_config("configs/tiny.yaml", ["run.steps=3", "objective.kind=ppo",
-                                            "model.dtype=bfloat16", "mesh.model=2"])
+                                            "runtime.dtype=bfloat16", "mesh.model=2"])
     assert isinstance(cfg, TrainConfig)
     assert cfg.run.steps == 3 and cfg.objective.kind == "ppo"
     assert cfg.model.architecture == "qwen3" and isinstance(cfg.model.config, Qwen3Config)
-    assert cfg.model.config.dtype == "bfloat16" and cfg.mesh.model == 2
+    assert cfg.runtime.dtype == "bfloat16" and cfg.mesh.model == 2
     assert cfg.data.seq_len == 1280
 
 
@@ -29,16 +28,16 @@ def test_every_shipped_config_validates_and_shards(path):
     arch = yaml.safe_load(path.read_text())["model"]["architecture"]
     cfg = load_config(path)
     assert cfg.model.architecture == arch
-    assert isinstance(cfg.model.config, ARCHITECTURES[arch][0])
-    assert architecture_rules(arch, cfg.model.config, cfg.mesh.model)
+    assert isinstance(cfg.model.config, ARCHITECTURES[arch].config_class)
+    assert param_rules(cfg.model.config, cfg.mesh.model)
 
 
 def test_moe_and_next_sections_validate_with_their_key_paths():
     cfg = load_config("configs/qwen3_30b_a3b.yaml", ["model.num_experts=64", "data.gdn_chunks=48"])
     assert isinstance(cfg.model.config, Qwen3MoeConfig) and cfg.model.config.num_experts == 64
-    assert cfg.data.gdn_chunks == 48 and not cfg.model.config.needs_gdn_tables
+    assert cfg.data.gdn_chunks == 48 and not cfg.model.config.decoder().needs_gdn_tables
     nxt = load_config("configs/qwen3_next_80b_a3b.yaml", ["model.num_hidden_layers=8"])
-    assert isinstance(nxt.model.config, Qwen3NextConfig) and nxt.model.config.needs_gdn_tables
+    assert isinstance(nxt.model.config, Qwen3NextConfig) and nxt.model.config.decoder().needs_gdn_tables
     assert nxt.model.config.layer_types.count("full_attention") == 2
     for overrides, match in [
         (["model.num_expert=4"], r"model\.num_expert: unknown config key"),
@@ -64,7 +63,7 @@ def test_moe_and_next_sections_validate_with_their_key_paths():
         (["objective.kind=dpo"], r"objective\.kind: 'dpo' is not one of"),
         (["optim.learning_rate=true"], r"optim\.learning_rate: expected a number"),
         (["model.num_key_value_heads=3"], r"model: num_key_value_heads \(3\) must divide"),
-        (["model.remat=some"], r"model: remat: 'some' is not one of"),
+        (["runtime.remat=some"], r"runtime: remat: 'some' is not one of"),
         (["data.format=csv"], r"data\.format: 'csv' is not one of"),
         (["data.on_bad_record=ignore"], r"data\.on_bad_record: 'ignore' is not one of"),
         (["data.micro_batches=0"], r"data: micro_batches: 0 must be >= 1"),
@@ -89,3 +88,12 @@ def test_exponent_without_a_dot_is_a_number():
 
 def test_overrides_create_nested_sections():
     assert apply_overrides({}, ["a.b.c=[1, 2]"]) == {"a": {"b": {"c": [1, 2]}}}
+
+
+def test_runtime_section_is_its_own_and_not_a_model_field():
+    cfg = load_config("configs/tiny.yaml", ["runtime.remat=full", "runtime.attention_impl=xla"])
+    assert (cfg.runtime.remat, cfg.runtime.attention_impl) == ("full", "xla")
+    with pytest.raises(ValueError, match=r"runtime\.dtypes: unknown config key"):
+        load_config("configs/tiny.yaml", ["runtime.dtypes=bfloat16"])
+    with pytest.raises(ValueError, match=r"model\.remat: unknown config key"):
+        load_config("configs/tiny.yaml", ["model.remat=full"])

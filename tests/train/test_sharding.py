@@ -6,14 +6,13 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jtree.linearize import linearize
-from jtree.models import Qwen3, create_model
+from jtree.models import architecture, create_model
 from jtree.sharding import (
-    MeshConfig, architecture_rules, make_mesh, param_path, param_specs, qwen3_moe_rules,
-    qwen3_next_rules, qwen3_rules,
+    MeshConfig, make_mesh, param_path, param_rules, param_specs,
 )
 from jtree.train_step import Objective, make_grad_fn, stack_microbatches
 from tests.models_util import (
-    rel_l2, tiny_config, tiny_model, tiny_moe_config, tiny_next_config,
+    rel_l2, tiny_config, tiny_lm, tiny_model, tiny_moe_config, tiny_next_config, tiny_runtime,
 )
 from tests.strategies import explicit_tree, random_forest
 
@@ -25,7 +24,7 @@ def _abstract_mesh(data, model):
 def test_dense_rules_split_heads_mlp_and_vocab():
     cfg = tiny_config()
     _, params = tiny_model()
-    specs = param_specs(params, qwen3_rules(cfg, 2), _abstract_mesh(4, 2))
+    specs = param_specs(params, param_rules(cfg, 2), _abstract_mesh(4, 2))
     flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(
         specs, is_leaf=lambda x: isinstance(x, P))}
     by_suffix = lambda s: {v for k, v in flat.items() if s in k}  # noqa: E731
@@ -36,7 +35,7 @@ def test_dense_rules_split_heads_mlp_and_vocab():
     assert by_suffix("'embedding'") == {P("model", None)}
     assert by_suffix("'lm_head']['kernel'") == {P(None, "model")}
     assert by_suffix("norm']['weight'") == {P()}
-    four = param_specs(params, qwen3_rules(cfg, 4), _abstract_mesh(2, 4))
+    four = param_specs(params, param_rules(cfg, 4), _abstract_mesh(2, 4))
     kv = [v for k, v in jax.tree_util.tree_leaves_with_path(four, is_leaf=lambda x: isinstance(
         x, P)) if "k_proj" in jax.tree_util.keystr(k)]
     assert set(kv) == {P()}  # fewer kv heads than devices: replicated
@@ -44,9 +43,9 @@ def test_dense_rules_split_heads_mlp_and_vocab():
 
 def test_rules_reject_shapes_the_mesh_cannot_split():
     with pytest.raises(ValueError, match=r"mesh.model=3 must divide num_attention_heads \(4\)"):
-        qwen3_rules(tiny_config(), 3)
+        param_rules(tiny_config(), 3)
     with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) must divide one another"):
-        qwen3_rules(tiny_config(num_attention_heads=6, num_key_value_heads=3,
+        param_rules(tiny_config(num_attention_heads=6, num_key_value_heads=3,
                                 intermediate_size=60, vocab_size=60), 2)
     _, params = tiny_model()
     with pytest.raises(ValueError, match=r"^model/embed_tokens/embedding: no sharding rule"):
@@ -65,7 +64,7 @@ def test_remat_policies_leave_gradients_unchanged():
     inputs = stack_microbatches([linearize(trees, 64)])
     grads = {}
     for remat in ("none", "full", "dots"):
-        graphdef, params = nnx.split(Qwen3(tiny_config(remat=remat), rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(tiny_lm(tiny_config(), 0, remat=remat))
         grads[remat] = jax.jit(make_grad_fn(graphdef, Objective()))(params, inputs)[2]
     for remat in ("full", "dots"):
         for a, b in zip(jax.tree_util.tree_leaves(grads[remat]),
@@ -74,8 +73,8 @@ def test_remat_policies_leave_gradients_unchanged():
 
 
 def _specs_by_path(arch, cfg, model_size):
-    params = nnx.split(nnx.eval_shape(lambda: create_model(arch, cfg)))[1]
-    specs = param_specs(params, architecture_rules(arch, cfg, model_size),
+    params = nnx.split(nnx.eval_shape(lambda: create_model(arch, cfg, tiny_runtime())))[1]
+    specs = param_specs(params, param_rules(cfg, model_size),
                         _abstract_mesh(8 // model_size, model_size))
     return {param_path(k): v for k, v in jax.tree_util.tree_leaves_with_path(
         specs, is_leaf=lambda x: isinstance(x, P))}
@@ -104,18 +103,18 @@ def test_moe_and_next_rules_split_experts_and_gdn_heads():
 
 def test_moe_and_next_rules_reject_splits_that_cut_experts_or_heads():
     with pytest.raises(ValueError, match=r"mesh.model=4 must divide num_experts \(6\)"):
-        qwen3_moe_rules(tiny_moe_config(num_experts=6), 4)
+        param_rules(tiny_moe_config(num_experts=6), 4)
     with pytest.raises(ValueError, match=r"must divide linear_num_key_heads \(2\)"):
-        qwen3_next_rules(tiny_next_config(linear_num_key_heads=2, linear_num_value_heads=4), 4)
+        param_rules(tiny_next_config(linear_num_key_heads=2, linear_num_value_heads=4), 4)
     with pytest.raises(ValueError, match=r"must divide shared_expert_intermediate_size \(30\)"):
-        qwen3_next_rules(tiny_next_config(shared_expert_intermediate_size=30), 4)
+        param_rules(tiny_next_config(shared_expert_intermediate_size=30), 4)
     # intermediate_size only matters where a layer has a dense MLP.
     all_moe = tiny_moe_config(mlp_only_layers=(), intermediate_size=30)
-    assert qwen3_moe_rules(all_moe, 4)
+    assert param_rules(all_moe, 4)
     with pytest.raises(ValueError, match=r"must divide intermediate_size \(30\)"):
-        qwen3_moe_rules(tiny_moe_config(intermediate_size=30), 4)
-    with pytest.raises(ValueError, match=r"'mamba' has no sharding rules"):
-        architecture_rules("mamba", tiny_config(), 1)
+        param_rules(tiny_moe_config(intermediate_size=30), 4)
+    with pytest.raises(ValueError, match=r"'mamba' is not one of"):
+        architecture("mamba")
 
 
 @pytest.mark.slow  # two Qwen3-Next compiles; the dense remat test above is the default one
@@ -127,9 +126,9 @@ def test_remat_leaves_next_gradients_unchanged():
     inputs = stack_microbatches([linearize(trees, 64, gdn_chunk_size=4)])
     grads = {}
     for remat in ("none", "full"):
-        cfg = tiny_next_config(remat=remat, num_hidden_layers=1, mlp_only_layers=(),
+        cfg = tiny_next_config(num_hidden_layers=1, mlp_only_layers=(),
                                layer_types=("linear_attention",))
-        graphdef, params = nnx.split(create_model("qwen3_next", cfg))
+        graphdef, params = nnx.split(create_model("qwen3_next", cfg, tiny_runtime(remat=remat)))
         grads[remat] = jax.jit(make_grad_fn(graphdef, Objective()))(params, inputs)[2]
     for a, b in zip(jax.tree_util.tree_leaves(grads["full"]),
                     jax.tree_util.tree_leaves(grads["none"])):

@@ -10,7 +10,7 @@ from jtree.train_step import (
     make_train_step, needs_old_logprobs, stack_microbatches,
 )
 from jtree.tree import TrajectoryTree
-from tests.models_util import rel_l2, tiny_model
+from tests.models_util import rel_l2, tiny_model, tiny_runtime
 from tests.strategies import explicit_tree, random_forest
 
 
@@ -88,7 +88,7 @@ def test_bf16_compute_keeps_fp32_master_weights():
     opt = make_optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=0, decay_steps=10))
     losses = {}
     for dtype in ("float32", "bfloat16"):
-        graphdef, params = tiny_model(seed=0, dtype=dtype)
+        graphdef, params = tiny_model(seed=0, runtime=tiny_runtime(dtype=dtype))
         state = TrainState(params, opt.init(params), np.int32(0))
         state, metrics = jax.jit(make_train_step(graphdef, opt, Objective()))(state, inputs)
         losses[dtype] = float(metrics["loss"])

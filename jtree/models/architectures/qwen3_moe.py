@@ -1,4 +1,6 @@
-"""`Qwen3MoeForCausalLM` <-> `jtree.models.Qwen3Moe`: config fields and tensor names.
+"""Qwen3-MoE (HF `Qwen3MoeForCausalLM`): Qwen3 with sparse MoE feed-forward layers (a dense
+SwiGLU on `mlp_only_layers` and off `decoder_sparse_step`, HF's rule); config, layer choice and
+Hugging Face mapping.
 
 Experts. jtree holds each MoE layer's experts stacked, in transformers 5's fused module layout
 (`mlp.experts.gate_up_proj` [E, 2 * moe_intermediate, hidden], gate rows first, and
@@ -12,16 +14,56 @@ tools read.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jtree.hf import qwen3
 from jtree.hf.config_map import read_config, renamed, rope_theta
-from jtree.hf.spec import NNX_TO_TORCH, Architecture, PerExpertRule
+from jtree.hf.spec import NNX_TO_TORCH, HfMapping, PerExpertRule
+from jtree.models.architectures import qwen3
+from jtree.models.decoder import DecoderSpec, LayerKind
 from jtree.models.moe import is_moe_layer
-from jtree.models.moe_config import Qwen3MoeConfig
 
-_HF_NAME = "Qwen3MoeForCausalLM"
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeConfig(qwen3.Qwen3Config):
+    """Qwen3 with sparse MoE feed-forward layers.
+
+    The router load-balancing loss is added to the objective (times `router_aux_loss_coef`) only
+    when `output_router_logits` is true, as in HF's `*ForCausalLM.forward`.
+    """
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if not 1 <= self.num_experts_per_tok <= max(self.num_experts, 1):
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                             f"[1, num_experts={self.num_experts}]")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    def sparse_layers(self) -> list[bool]:
+        """Which decoder layers get a MoE block instead of a dense MLP (HF's rule)."""
+        return [is_moe_layer(i, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
+                for i in range(self.num_hidden_layers)]
+
+    def decoder(self) -> DecoderSpec:
+        return DecoderSpec(tuple(LayerKind("attention", "moe" if sparse else "mlp")
+                                 for sparse in self.sparse_layers()), "rms", self.head_dim)
+
+
+# ---------------------------------------------------------------------- Hugging Face mapping
+
+HF_NAME = "Qwen3MoeForCausalLM"
 
 # MoE keys -> default when absent (transformers 5.23's Qwen3MoeConfig defaults).
 MOE_FIELDS: dict[str, Any] = {
@@ -45,10 +87,6 @@ EXPERT_TENSORS = (
     PerExpertRule(r"(.*)\.experts\.down_proj", (r"\1.experts.{e}.down_proj.weight",)),
 )
 
-def ffn_types(cfg: Qwen3MoeConfig) -> list[str]:
-    return ["moe" if is_moe_layer(i, cfg.num_experts, cfg.decoder_sparse_step, cfg.mlp_only_layers)
-            else "mlp" for i in range(cfg.num_hidden_layers)]
-
 
 def moe_values_to_hf(cfg: Qwen3MoeConfig) -> dict[str, Any]:
     out = {key: getattr(cfg, key) for key in MOE_FIELDS}
@@ -56,13 +94,13 @@ def moe_values_to_hf(cfg: Qwen3MoeConfig) -> dict[str, Any]:
     return out
 
 
-def config_from_hf(hf: Mapping[str, Any], runtime: Mapping[str, Any]) -> Qwen3MoeConfig:
+def config_from_hf(hf: Mapping[str, Any]) -> Qwen3MoeConfig:
     hf = renamed(hf, _ALIASES)
-    values = read_config(hf, _HF_NAME, fields=_FIELDS, checks=qwen3.CHECKS, inert=qwen3.INERT)
+    values = read_config(hf, HF_NAME, fields=_FIELDS, checks=qwen3.CHECKS, inert=qwen3.INERT)
     if values["head_dim"] is None:
         values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
     values["rope_theta"] = rope_theta(hf, qwen3.DEFAULT_ROPE_THETA)
-    return Qwen3MoeConfig(**values, **runtime)
+    return Qwen3MoeConfig(**values)
 
 
 def config_to_hf(cfg: Qwen3MoeConfig) -> dict[str, Any]:
@@ -71,14 +109,11 @@ def config_to_hf(cfg: Qwen3MoeConfig) -> dict[str, Any]:
     return {**qwen3.config_to_hf(cfg), "model_type": "qwen3_moe", **moe_values_to_hf(cfg)}
 
 
-QWEN3_MOE = Architecture(
-    hf_name=_HF_NAME,
+HF = HfMapping(
+    hf_name=HF_NAME,
     model_type="qwen3_moe",
-    model_key="qwen3_moe",
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     tensors=EXPERT_TENSORS + NNX_TO_TORCH,
     tied=qwen3.tied_head,
-    layer_types=lambda cfg: ["full_attention"] * cfg.num_hidden_layers,
-    ffn_types=ffn_types,
 )

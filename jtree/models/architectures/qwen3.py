@@ -1,15 +1,54 @@
-"""`Qwen3ForCausalLM` <-> `jtree.models.Qwen3`: config fields and tensor names."""
+"""Qwen3 (HF `Qwen3ForCausalLM`): the config, its layer choice (attention + dense SwiGLU in every
+layer, RMSNorm) and its Hugging Face config.json mapping and tensor names (every parameter is
+stored under its own name, `jtree.hf.spec.NNX_TO_TORCH`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from jtree.hf.config_map import REQUIRED, ROPE_KEYS, equals, read_config, rope_theta
-from jtree.hf.spec import NNX_TO_TORCH, Architecture
-from jtree.models.config import Qwen3Config
+from jtree.hf.spec import NNX_TO_TORCH, HfMapping
+from jtree.models.decoder import DecoderSpec, LayerKind
 
-_HF_NAME = "Qwen3ForCausalLM"
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Architecture of a Qwen3 dense model. Field names are Hugging Face's, so that `config.json`
+    maps one to one; how to run the model is `jtree.models.runtime.RuntimeConfig`."""
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    max_position_embeddings: int = 40960
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+
+    def decoder(self) -> DecoderSpec:
+        return DecoderSpec((LayerKind("attention", "mlp"),) * self.num_hidden_layers, "rms",
+                           self.head_dim)
+
+
+# ---------------------------------------------------------------------- Hugging Face mapping
+
+HF_NAME = "Qwen3ForCausalLM"
 
 # HF key -> default when absent (transformers' Qwen3Config defaults).
 FIELDS: dict[str, Any] = {
@@ -47,12 +86,12 @@ CHECKS = {
 INERT = frozenset({"sliding_window", "max_window_layers"}) | ROPE_KEYS
 
 
-def config_from_hf(hf: Mapping[str, Any], runtime: Mapping[str, Any]) -> Qwen3Config:
-    values = read_config(hf, _HF_NAME, fields=FIELDS, checks=CHECKS, inert=INERT)
+def config_from_hf(hf: Mapping[str, Any]) -> Qwen3Config:
+    values = read_config(hf, HF_NAME, fields=FIELDS, checks=CHECKS, inert=INERT)
     if values["num_key_value_heads"] is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
     values["rope_theta"] = rope_theta(hf, DEFAULT_ROPE_THETA)
-    return Qwen3Config(**values, **runtime)
+    return Qwen3Config(**values)
 
 
 def config_to_hf(cfg: Qwen3Config) -> dict[str, Any]:
@@ -76,14 +115,11 @@ def tied_head(cfg: Qwen3Config) -> dict[str, str]:
     return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
 
 
-QWEN3 = Architecture(
-    hf_name=_HF_NAME,
+HF = HfMapping(
+    hf_name=HF_NAME,
     model_type="qwen3",
-    model_key="qwen3",
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     tensors=NNX_TO_TORCH,
     tied=tied_head,
-    layer_types=lambda cfg: ["full_attention"] * cfg.num_hidden_layers,
-    ffn_types=lambda cfg: ["mlp"] * cfg.num_hidden_layers,
 )

@@ -1,0 +1,149 @@
+"""Qwen3-Next (HF `Qwen3NextForCausalLM`): Gated DeltaNet layers interleaved with gated full
+attention (partial RoPE), MoE with a gated shared expert, RMSNorms that scale by (1 + weight);
+config, layer choice and Hugging Face mapping.
+
+Tensors. Everything is stored as transformers' modules name it; experts as in Qwen3-MoE (one tensor
+per expert on the Hub, fused in transformers 5 memory, see `jtree.models.architectures.qwen3_moe`).
+The Gated DeltaNet projections `linear_attn.in_proj_qkvz` and `in_proj_ba` are kept by jtree in
+HF's own layout, grouped per key head ([q, k, v-group, z-group] and [b-group, a-group] per key
+head, see `jtree.models.gated_deltanet`), so they map without a permutation, and a contiguous split
+of their output features is a split by key heads. Hub checkpoints also carry the multi-token-
+prediction head (`mtp.*`), which the causal LM does not use: it is skipped, as transformers skips
+it.
+
+Config. Field names and defaults follow HF's `Qwen3NextConfig`, except that RoPE's `rope_theta` and
+`partial_rotary_factor` are flat fields instead of HF's `rope_parameters` dict. transformers 5
+nests them in `rope_parameters`; transformers 4 and the Hub configs have them at the top level
+(both are read; `save` writes the top level form, read by both). `layer_types` wins over
+`full_attention_interval`, as in transformers. Sliding-window keys are accepted and ignored:
+transformers' Qwen3-Next has no sliding window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from jtree.hf.config_map import equals, read_config, rope_settings
+from jtree.hf.spec import NNX_TO_TORCH, HfMapping, TensorRule
+from jtree.models.architectures import qwen3, qwen3_moe
+from jtree.models.decoder import DecoderSpec, LayerKind
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+_MIXERS = {"linear_attention": "gated_deltanet", "full_attention": "gated_attention"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3NextConfig(qwen3_moe.Qwen3MoeConfig):
+    """Qwen3-Next. `layer_types` defaults to every `full_attention_interval`-th layer being full
+    attention, the rest linear attention (HF's default)."""
+
+    norm_topk_prob: bool = True
+    head_dim: int = 32
+    partial_rotary_factor: float = 0.25
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    shared_expert_intermediate_size: int = 64
+    full_attention_interval: int = 4
+    layer_types: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_types is None:
+            types = tuple("full_attention" if (i + 1) % self.full_attention_interval == 0
+                          else "linear_attention" for i in range(self.num_hidden_layers))
+        else:
+            types = tuple(self.layer_types)
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers="
+                             f"{self.num_hidden_layers}")
+        for i, t in enumerate(types):
+            if t not in LAYER_TYPES:
+                raise ValueError(f"layer_types[{i}]: {t!r} is not one of {LAYER_TYPES}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_key_heads ({self.linear_num_key_heads}) must divide "
+                             f"linear_num_value_heads ({self.linear_num_value_heads})")
+        if self.linear_conv_kernel_dim < 1:
+            raise ValueError(f"linear_conv_kernel_dim must be >= 1, got {self.linear_conv_kernel_dim}")
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(f"partial_rotary_factor ({self.partial_rotary_factor}) x head_dim "
+                             f"({self.head_dim}) must give an even rotary dimension >= 2")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def decoder(self) -> DecoderSpec:
+        return DecoderSpec(tuple(LayerKind(_MIXERS[t], "moe_shared" if sparse else "mlp")
+                                 for t, sparse in zip(self.layer_types, self.sparse_layers())),
+                           "offset_rms", self.rotary_dim)
+
+
+# ---------------------------------------------------------------------- Hugging Face mapping
+
+HF_NAME = "Qwen3NextForCausalLM"
+
+# HF key -> default when absent (transformers 5.23's Qwen3NextConfig defaults).
+_FIELDS: dict[str, Any] = {
+    **qwen3.FIELDS,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    **qwen3_moe.MOE_FIELDS,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "shared_expert_intermediate_size": 512,
+    "full_attention_interval": 4,
+    "layer_types": None,  # None: from full_attention_interval
+}
+_CHECKS = {"hidden_act": equals("silu"), "attention_dropout": equals(0.0)}
+_INERT = qwen3.INERT | {"use_sliding_window"}
+_DEFAULT_PARTIAL_ROTARY = 0.25
+
+# Bare parameters (no `.weight`) of the Gated DeltaNet, stored as they are.
+_GDN_TENSORS = (TensorRule(r".*\.linear_attn\.(A_log|dt_bias)", r"\g<0>"),)
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> Qwen3NextConfig:
+    values = read_config(hf, HF_NAME, fields=_FIELDS, checks=_CHECKS, inert=_INERT)
+    values["rope_theta"], values["partial_rotary_factor"] = rope_settings(
+        hf, qwen3.DEFAULT_ROPE_THETA, _DEFAULT_PARTIAL_ROTARY)
+    return Qwen3NextConfig(**values)
+
+
+def config_to_hf(cfg: Qwen3NextConfig) -> dict[str, Any]:
+    out = {key: getattr(cfg, key) for key in _FIELDS}
+    out.update(
+        qwen3_moe.moe_values_to_hf(cfg),
+        model_type="qwen3_next",
+        layer_types=list(cfg.layer_types),
+        rope_theta=cfg.rope_theta,
+        partial_rotary_factor=cfg.partial_rotary_factor,
+        rope_scaling=None,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        use_cache=True,
+    )
+    return out
+
+
+HF = HfMapping(
+    hf_name=HF_NAME,
+    model_type="qwen3_next",
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    tensors=qwen3_moe.EXPERT_TENSORS + _GDN_TENSORS + NNX_TO_TORCH,
+    tied=qwen3.tied_head,
+    ignored=(r"mtp\..*",),
+)

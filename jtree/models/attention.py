@@ -1,0 +1,74 @@
+"""Self-attention under the tree mask, plain (HF `Qwen3Attention`) or gated (HF
+`Qwen3NextAttention`), and `attend`, the one call of `jtree.kernels.tree_attention`.
+
+GQA with per-head q/k RMSNorm before RoPE (RoPE on the first `rotary_dim` features of each head,
+the width of the cos/sin tables). The gated form's q_proj also emits a per-head output gate
+([query, gate] per head) and the output is multiplied by sigmoid(gate) before o_proj.
+
+Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits query heads: q_proj is
+column-parallel (a column split keeps each head's gate with it, so the gate multiplies only local
+heads), o_proj row-parallel; kv heads are split like the query heads or, when there are fewer of
+them than devices, replicated (`local_kv_heads`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jtree.kernels import tree_attention
+from jtree.models.layers import NORMS, apply_rope, linear, local_kv_heads, row_parallel
+from jtree.models.prefix import AttentionCache, PrefixLayout
+from jtree.models.runtime import RuntimeConfig
+
+
+class Attention(nnx.Module):
+    """GQA self-attention of one decoder layer; `gated` adds Qwen3-Next's output gate, `norm`
+    names the q/k norm (`jtree.models.layers.NORMS`)."""
+
+    def __init__(self, cfg: Any, runtime: RuntimeConfig, *, gated: bool, norm: str,
+                 rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        kw = dict(bias=cfg.attention_bias, init_std=cfg.initializer_range,
+                  dtype=runtime.compute_dtype, param_dtype=runtime.weight_dtype, rngs=rngs)
+        self.q_proj = linear(d, cfg.num_attention_heads * hd * (2 if gated else 1), **kw)
+        self.k_proj = linear(d, cfg.num_key_value_heads * hd, **kw)
+        self.v_proj = linear(d, cfg.num_key_value_heads * hd, **kw)
+        self.o_proj = linear(cfg.num_attention_heads * hd, d, **kw)
+        self.q_norm = NORMS[norm](hd, eps=cfg.rms_norm_eps, param_dtype=runtime.weight_dtype)
+        self.k_norm = NORMS[norm](hd, eps=cfg.rms_norm_eps, param_dtype=runtime.weight_dtype)
+        self.cfg, self.runtime, self.gated = cfg, runtime, gated
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array,
+                 prefix: AttentionCache | None = None, layout: PrefixLayout | None = None
+                 ) -> tuple[jax.Array, AttentionCache]:
+        """Output and this call's keys/values; `prefix` adds cached keys before the own ones."""
+        rows, s, _ = x.shape
+        cfg, tp = self.cfg, self.runtime.tensor_parallel_axis
+        # Head counts come from the weights: under tensor parallelism they are this device's.
+        q = self.q_proj(x).reshape(rows, s, -1, cfg.head_dim * (2 if self.gated else 1))
+        if self.gated:
+            q, gate = jnp.split(q, 2, axis=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).reshape(rows, s, -1, cfg.head_dim))
+        v = self.v_proj(x).reshape(rows, s, -1, cfg.head_dim)
+        heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(q, k, v, end, prefix, layout, self.runtime.attention_impl)
+        out = out.reshape(rows, s, -1)
+        if self.gated:
+            out = out * jax.nn.sigmoid(gate.reshape(rows, s, -1))
+        return row_parallel(self.o_proj, out, tp), AttentionCache(k, v)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array,
+           prefix: AttentionCache | None, layout: PrefixLayout | None, impl: str) -> jax.Array:
+    """`tree_attention`, over the cached prefix keys too when there is a prefix."""
+    if prefix is None:
+        return tree_attention(q, k, v, end, impl=impl)
+    return tree_attention(q, k, v, end, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v,
+                          prefix_end=layout.end)

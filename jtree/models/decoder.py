@@ -1,0 +1,230 @@
+"""The decoder stack every architecture is built from: embedding, decoder layers, final norm and
+an (optionally tied) head, on tree batches. Returns final hidden states, not logits.
+
+Each layer's kind comes from the architecture config (`config.decoder()`, a `DecoderSpec`): its
+token mixer is attention (Qwen3), gated attention (Qwen3-Next) or a Gated DeltaNet, its
+feed-forward a dense SwiGLU, a sparse MoE block, or a MoE block with a gated shared expert. Module
+and parameter names mirror Hugging Face's `*ForCausalLM` (`model.layers.N.self_attn.q_proj`,
+`...linear_attn.in_proj_qkvz`, `...mlp.experts.gate_up_proj`; NNX `kernel` is HF `weight`
+transposed), so checkpoints map by name.
+
+`CausalLM.__call__` is the only place that reads the batch (`tokens`, `pos`, `end`, GDN tables,
+prefix layout, router-loss inputs; see `jtree.linearize` and `jtree.rfree`): it builds the
+per-forward `LayerInputs` every layer reads. Logits are never formed for the whole batch here:
+`jtree.token_logprobs` combines the hidden states with `output_embedding()` only where a token is
+scored.
+
+Under tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) attention splits query heads,
+Gated DeltaNet key heads, dense MLPs their columns, MoE blocks whole experts and the embedding and
+head the vocabulary (each module's docstring; the parameter layouts are `jtree.sharding`'s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jtree.models.attention import Attention
+from jtree.models.gated_deltanet import GatedDeltaNet, GdnRouting, gdn_routing
+from jtree.models.layers import (
+    NORMS, SwiGLU, call_layer, linear, rope_cos_sin, vocab_parallel_embed,
+)
+from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
+from jtree.models.output import ModelOutput
+from jtree.models.prefix import LayerCache, PrefixLayout
+from jtree.models.runtime import RuntimeConfig
+
+Mixer = Literal["attention", "gated_attention", "gated_deltanet"]
+FeedForward = Literal["mlp", "moe", "moe_shared"]
+MIXERS: tuple[Mixer, ...] = ("attention", "gated_attention", "gated_deltanet")
+FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared")
+
+
+class LayerKind(NamedTuple):
+    """What one decoder layer is made of: its token mixer and its feed-forward."""
+
+    mixer: Mixer
+    ffn: FeedForward
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    """The layer choice of an architecture config: one `LayerKind` per decoder layer, the norm
+    of every layer, head and final output (`jtree.models.layers.NORMS`: Qwen3's RMSNorm or
+    Qwen3-Next's (1 + weight) form) and how many features of each head RoPE rotates."""
+
+    layers: tuple[LayerKind, ...]
+    norm: Literal["rms", "offset_rms"]
+    rotary_dim: int
+
+    def __post_init__(self) -> None:
+        for i, kind in enumerate(self.layers):
+            if kind.mixer not in MIXERS or kind.ffn not in FEED_FORWARDS:
+                raise ValueError(f"layer {i}: {kind} is not a (mixer in {MIXERS}, feed-forward "
+                                 f"in {FEED_FORWARDS}) pair")
+
+    @property
+    def needs_gdn_tables(self) -> bool:
+        """Whether batches need the gated-delta-rule chunk tables (`linearize(gdn_chunk_size=)`):
+        only Gated DeltaNet layers read them."""
+        return any(kind.mixer == "gated_deltanet" for kind in self.layers)
+
+    def kinds(self) -> set[str]:
+        """Every mixer and feed-forward kind some layer uses."""
+        return {kind.mixer for kind in self.layers} | {kind.ffn for kind in self.layers}
+
+
+class LayerInputs(NamedTuple):
+    """What every decoder layer reads besides its hidden states, built once per forward: RoPE
+    tables, the tree mask (`end`, and the prefix layout of a part of a tree), and the Gated
+    DeltaNet routing (None without linear-attention layers)."""
+
+    cos: jax.Array
+    sin: jax.Array
+    end: jax.Array
+    layout: PrefixLayout | None
+    routing: GdnRouting | None
+
+
+def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, *,
+                 rngs: nnx.Rngs) -> SwiGLU | SparseMoeBlock:
+    """The feed-forward block of kind `ffn`."""
+    kw = dict(init_std=cfg.initializer_range, dtype=runtime.compute_dtype,
+              param_dtype=runtime.weight_dtype, rngs=rngs, tp_axis=runtime.tensor_parallel_axis)
+    if ffn == "mlp":
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
+    return SparseMoeBlock(
+        cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        moe_intermediate=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+        shared_intermediate=cfg.shared_expert_intermediate_size if ffn == "moe_shared" else None,
+        **kw)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual layer: x + mixer(norm(x)), then + ffn(norm(x)). The mixer is
+    `self_attn` (attention, gated or not) or `linear_attn` (Gated DeltaNet), as HF names them."""
+
+    def __init__(self, cfg: Any, runtime: RuntimeConfig, kind: LayerKind, norm: str, *,
+                 rngs: nnx.Rngs):
+        if kind.mixer == "gated_deltanet":
+            self.linear_attn = GatedDeltaNet(cfg, runtime, rngs=rngs)
+        else:
+            self.self_attn = Attention(cfg, runtime, gated=kind.mixer == "gated_attention",
+                                       norm=norm, rngs=rngs)
+        self.mlp = feed_forward(cfg, runtime, kind.ffn, rngs=rngs)
+        norm_cls = NORMS[norm]
+        self.input_layernorm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps,
+                                        param_dtype=runtime.weight_dtype)
+        self.post_attention_layernorm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps,
+                                                 param_dtype=runtime.weight_dtype)
+        self.kind = kind
+
+    def __call__(self, x: jax.Array, inputs: LayerInputs, prefix: LayerCache | None = None
+                 ) -> tuple[jax.Array, RouterStats | None, LayerCache]:
+        """Output, router statistics (MoE layers) and what later parts read (`ModelOutput`)."""
+        h = self.input_layernorm(x)
+        if self.kind.mixer == "gated_deltanet":
+            h, cache = self.linear_attn(h, inputs.routing, prefix)
+        else:
+            h, cache = self.self_attn(h, inputs.cos, inputs.sin, inputs.end, prefix,
+                                      inputs.layout)
+        x = x + h
+        h = self.post_attention_layernorm(x)
+        if self.kind.ffn == "mlp":
+            return x + self.mlp(h), None, cache
+        y, stats = self.mlp(h)
+        return x + y, stats, cache
+
+
+class Decoder(nnx.Module):
+    """Embedding, decoder layers and final norm (HF `*Model`, the `model.` of parameter names)."""
+
+    def __init__(self, cfg: Any, runtime: RuntimeConfig, spec: DecoderSpec, *, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=runtime.compute_dtype,
+            param_dtype=runtime.weight_dtype,
+            embedding_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, runtime, kind, spec.norm, rngs=rngs)
+                                for kind in spec.layers])
+        self.norm = NORMS[spec.norm](cfg.hidden_size, eps=cfg.rms_norm_eps,
+                                     param_dtype=runtime.weight_dtype)
+        self.runtime = runtime
+
+    def __call__(self, tokens: jax.Array, inputs: LayerInputs,
+                 prefix: Sequence[LayerCache] | None = None
+                 ) -> tuple[jax.Array, list[RouterStats], tuple[LayerCache, ...]]:
+        """Final hidden states, the MoE layers' router statistics and every layer's exports."""
+        x = vocab_parallel_embed(self.embed_tokens, tokens, self.runtime.tensor_parallel_axis)
+        all_stats, exports = [], []
+        for i, layer in enumerate(self.layers):
+            x, stats, cache = call_layer(layer, x, inputs, None if prefix is None else prefix[i],
+                                         remat=self.runtime.remat)
+            exports.append(cache)
+            if stats is not None:
+                all_stats.append(stats)
+        return self.norm(x), all_stats, tuple(exports)
+
+
+def _required(inputs: Mapping[str, jax.Array], fields: Sequence[str],
+              why: str) -> list[jax.Array]:
+    missing = [f for f in fields if f not in inputs]
+    if missing:
+        raise ValueError(f"inputs: {missing} missing; {why}")
+    return [inputs[f] for f in fields]
+
+
+class CausalLM(nnx.Module):
+    """A causal LM of any architecture (HF `*ForCausalLM`): `config` is the architecture's
+    config (`jtree.models.architectures`), `runtime` how to run it."""
+
+    def __init__(self, config: Any, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
+        self.config, self.runtime, self.spec = config, runtime, config.decoder()
+        self.model = Decoder(config, runtime, self.spec, rngs=rngs)
+        self.lm_head = None if config.tie_word_embeddings else linear(
+            config.hidden_size, config.vocab_size, bias=False,
+            init_std=config.initializer_range, dtype=runtime.compute_dtype,
+            param_dtype=runtime.weight_dtype, rngs=rngs)
+
+    def __call__(self, inputs: Mapping[str, jax.Array],
+                 prefix: Sequence[LayerCache] | None = None) -> ModelOutput:
+        """`prefix`: per-layer caches of the tokens above a part (`jtree.models.prefix`)."""
+        cfg, spec = self.config, self.spec
+        layout = None
+        if prefix is not None:
+            layout = PrefixLayout(*_required(inputs, ("prefix_end", "prefix_pred"),
+                                             "a call with a prefix needs the prefix layout of "
+                                             "jtree.rfree"))
+        routing = None
+        if spec.needs_gdn_tables:
+            tables = _required(inputs, ("pred", "gdn_chunk_tokens", "gdn_chunk_src",
+                                        "gdn_token_slot"),
+                               "linear-attention layers need the pred chain and the chunk "
+                               "tables of jtree.linearize")
+            routing = gdn_routing(*tables, inputs.get("gdn_export_slots"),
+                                  cfg.linear_conv_kernel_dim, layout)
+        cos, sin = rope_cos_sin(inputs["pos"], spec.rotary_dim, cfg.rope_theta)
+        hidden, stats, exports = self.model(
+            inputs["tokens"], LayerInputs(cos, sin, inputs["end"], layout, routing), prefix)
+        if not stats or not cfg.output_router_logits:
+            return ModelOutput(hidden, jnp.zeros((), jnp.float32), exports)
+        (path_count,) = _required(inputs, ("path_count",), "the router load-balancing loss "
+                                  "weighs tokens by their path multiplicity (jtree.linearize)")
+        pooled = ((inputs["router_counts"], inputs["router_total"]) if "router_counts" in inputs
+                  else None)
+        aux = cfg.router_aux_loss_coef * load_balancing_loss(
+            stats, path_count, cfg.num_experts, self.runtime.data_parallel_axis, pooled)
+        return ModelOutput(hidden, aux, exports, router_load(stats, path_count, cfg.num_experts))
+
+    def output_embedding(self) -> jax.Array:
+        """[hidden, vocab] matrix mapping final hidden states to logits (this device's vocabulary
+        columns under tensor parallelism)."""
+        if self.lm_head is None:
+            w = self.model.embed_tokens.embedding[...].T
+        else:
+            w = self.lm_head.kernel[...]
+        return w.astype(self.runtime.compute_dtype)

@@ -1,0 +1,63 @@
+"""How a model runs, as opposed to what it is: kernels, dtypes, rematerialization, mesh axes.
+
+An architecture config (`jtree.models.architectures`) holds only what a Hugging Face config.json
+holds; everything here can change between runs of the same checkpoint without changing the
+math beyond rounding, and is never written to or read from config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jtree.kernels import available_impls
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+REMAT_POLICY_NAMES = ("none", *REMAT_POLICIES)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """`attention_impl` selects the `jtree.kernels.tree_attention` implementation; `dtype` is the
+    compute dtype and `param_dtype` the storage dtype of the weights. `remat` is the activation
+    rematerialization policy of each decoder layer (`REMAT_POLICIES`, or "none").
+
+    `tensor_parallel_axis` and `data_parallel_axis` are set by
+    `jtree.train_step.tensor_parallel_graphdef` for the copy of the model that runs inside
+    `shard_map`: weights are then this device's shard and partial sums are reduced over the
+    tensor-parallel axis, and batch statistics (the MoE router loss) are pooled over the data
+    axis. Leave them unset everywhere else.
+    """
+
+    attention_impl: str = "auto"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+    tensor_parallel_axis: str | None = None
+    data_parallel_axis: str | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("dtype", "param_dtype"):
+            if getattr(self, field) not in DTYPES:
+                raise ValueError(f"{field}: {getattr(self, field)!r} is not one of {tuple(DTYPES)}")
+        if self.remat not in REMAT_POLICY_NAMES:
+            raise ValueError(f"remat: {self.remat!r} is not one of {REMAT_POLICY_NAMES}")
+        if self.attention_impl not in available_impls():
+            raise ValueError(f"attention_impl: {self.attention_impl!r} is not one of "
+                             f"{available_impls()}")
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        return DTYPES[self.param_dtype]
