@@ -50,12 +50,12 @@ def por_tree(rng: np.random.Generator, n_paths: int, path_len: int, por: float) 
 
 
 def make_step(graphdef, batch: TreeBatch, embed: jax.Array, kernel: int):
-    inputs = {k: jnp.asarray(v) for k, v in batch.arrays().items()}
-    weight = jnp.asarray(batch.valid, jnp.float32) * jnp.asarray(batch.path_count, jnp.float32)
+    inputs = jax.tree_util.tree_map(jnp.asarray, batch.inputs)
+    weight = jnp.asarray(inputs.valid, jnp.float32) * jnp.asarray(inputs.path_count, jnp.float32)
 
     def loss(params, emb):
         layer = nnx.merge(graphdef, params)
-        x = emb[inputs["tokens"]]
+        x = emb[inputs.tokens]
         out = layer(x, gdn_routing(inputs, kernel))
         return jnp.sum(weight[..., None] * out * x)
 
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
             jax.block_until_ready(step(params, embed))
             steps[name] = step
             row[f"{name}_shape"] = list(batch.shape)
-            row[f"{name}_chunks"] = int(batch.gdn_chunk_src.shape[1] * batch.shape[0])
+            row[f"{name}_chunks"] = int(batch.inputs.gdn.chunk_src.shape[1] * batch.shape[0])
             row[f"{name}_temp_mib"] = round(mem.temp_size_in_bytes / 2**20, 2)
             row[f"{name}_residual_mib"] = round(residual_bytes(params) / 2**20, 2)
         times = {name: [] for name in steps}

@@ -34,7 +34,7 @@ import numpy as np
 
 from jtree.cost import FlopModel, Work, batch_work
 from jtree.models import Qwen3Config
-from jtree.kernels import tree_attention
+from jtree.kernels import TreeMask, tree_attention
 from jtree.launch.bench import (
     add_attention_flag, add_host_malloc_flag, apply_host_malloc, fixed_cost_inputs, make_step,
     prepare, shape_config, workloads,
@@ -50,7 +50,9 @@ def attention_grad_fn(end: np.ndarray, cfg: Qwen3Config) -> Callable:
 
     def loss(q, k, v, end):
         def body(total, x):
-            return total + jnp.sum(tree_attention(*x, impl=cfg.attention_impl) ** 2), None
+            q, k, v, end = x
+            out = tree_attention(q, k, v, TreeMask(end), impl=cfg.attention_impl)
+            return total + jnp.sum(out ** 2), None
         return jax.lax.scan(body, 0.0, (q, k, v, end))[0]
 
     args = (q, k, k, jnp.asarray(end))
@@ -101,7 +103,7 @@ def split(name: str, repeats: int, ops: bool = False, attention: str = "cpu") ->
 
     for mode in ("tree", "baseline"):
         p = prepare(trees, mode, workload.seq_len)
-        end = np.stack([b.end for b in p.micro.batches])
+        end = np.stack([b.inputs.mask.end for b in p.micro.batches])
         work[mode] = sum((batch_work(b) for b in p.micro.batches), Work(0, 0, 0))
         runs[f"{mode} attention"] = attention_grad_fn(end, cfg)
         compiled = step.lower(state, p.inputs).compile()

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jtree.baseline import linearize_baseline, unlinearize_baseline
+from jtree.batch import DeviceBatch, stack
 from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.config import TrainConfig, load_config
 from jtree.cost import FlopModel
@@ -45,7 +46,7 @@ from jtree.models import create_model
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.rfree.layout import check_steps_per_octave
 from jtree.sharding import (
-    DATA, MODEL, architecture_rules, batch_spec, make_mesh, named, param_path, param_specs,
+    DATA, MODEL, architecture_rules, batch_specs, make_mesh, named, param_path, param_specs,
 )
 from jtree.train_step import (
     TrainState, apply_gradients, make_optimizer, make_schedule, make_sharded_grad_fn,
@@ -72,15 +73,14 @@ def host_data_shards(mesh: Mesh) -> tuple[int, ...]:
     return shards
 
 
-def to_global(mesh: Mesh, local: dict[str, np.ndarray], n_local_shards: int) -> dict[str, jax.Array]:
+def to_global(mesh: Mesh, local: DeviceBatch, n_local_shards: int) -> DeviceBatch:
     """Host-local [M, rows_local, ...] arrays -> global arrays split over `data`."""
-    out = {}
-    for key, value in local.items():
+    def one(value: np.ndarray, spec: jax.sharding.PartitionSpec) -> jax.Array:
         shape = (value.shape[0], value.shape[1] // n_local_shards * mesh.shape[DATA],
                  *value.shape[2:])
-        sharding = NamedSharding(mesh, batch_spec(value.ndim))
-        out[key] = jax.make_array_from_process_local_data(sharding, value, shape)
-    return out
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), value, shape)
+
+    return jax.tree_util.tree_map(one, local, batch_specs(local))
 
 
 @dataclasses.dataclass
@@ -308,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             inputs = to_global(mesh, element["inputs"], len(shards))
             if stale:
-                inputs["old_logprobs"] = trainer.logprob_fn(state.params, inputs)
+                inputs = inputs.with_coefficients(
+                    old_logprobs=trainer.logprob_fn(state.params, inputs))
             t1 = time.perf_counter()
             state, metrics = trainer.step_fn(state, inputs)
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
@@ -394,8 +395,8 @@ def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], tra
     chosen = [t for t in chosen if t.n_tree_tokens <= d.seq_len]  # the check packs whole trees
 
     def logprobs(batch) -> np.ndarray:
-        arrays = {k: v[None] for k, v in batch.arrays().items()}
-        return np.asarray(trainer.logprob_fn(state.params, to_global(mesh, arrays, n_data)))[0]
+        inputs = stack([batch.inputs])
+        return np.asarray(trainer.logprob_fn(state.params, to_global(mesh, inputs, n_data)))[0]
 
     def padded_rows(n: int) -> int:
         return -(-n // n_data) * n_data
@@ -435,7 +436,7 @@ def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], tra
             times[mode].append(time.perf_counter() - t0)
     t_tree, t_base = np.median(times["tree"]), np.median(times["baseline"])
     stats = sum((t.stats() for t in chosen[1:]), chosen[0].stats())
-    shape = {m: "x".join(str(s) for s in inputs[m]["tokens"].shape) for m in inputs}
+    shape = {m: "x".join(str(s) for s in inputs[m].shape) for m in inputs}
     say(f"speed: tree step {t_tree * 1e3:.1f} ms (micro-batches x rows x S = {shape['tree']}), "
         f"baseline step {t_base * 1e3:.1f} ms ({shape['baseline']}); speedup "
         f"{t_base / t_tree:.2f}x (token bound 1/(1-POR) = {1 / (1 - stats.por):.2f}x, "

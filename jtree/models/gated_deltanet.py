@@ -22,7 +22,6 @@ device convolves its own heads' channels (`local_conv_channels`); its gradient i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -31,7 +30,8 @@ from flax import nnx
 
 from jtree.models.layers import linear, row_parallel
 from jtree.models.moe_config import Qwen3NextConfig
-from jtree.models.prefix import GdnCache, PrefixLayout
+from jtree.batch import DeviceBatch
+from jtree.models.prefix import GdnCache
 from jtree.kernels.gdn import tree_gated_delta_rule
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
 
@@ -46,25 +46,24 @@ class GdnRouting(NamedTuple):
     export_slots: jax.Array | None  # [R, E] buffer slots whose states later parts start from
 
 
-def gdn_routing(inputs: Mapping[str, jax.Array], conv_kernel: int,
-                layout: PrefixLayout | None = None) -> GdnRouting:
+def gdn_routing(inputs: DeviceBatch, conv_kernel: int,
+                prefix_pred: jax.Array | None = None) -> GdnRouting:
     """Conv context and chunk tables. Without a prefix the conv context indexes the row's own
-    tokens; with one it indexes [K - 1 cached activations before the part | own tokens]."""
-    missing = [f for f in ("pred", "gdn_chunk_tokens", "gdn_chunk_src", "gdn_token_slot")
-               if f not in inputs]
-    if missing:
-        raise ValueError(f"inputs: {missing} missing; linear-attention layers need the pred chain "
-                         "and the chunk tables of jtree.linearize")
+    tokens; with one (its chain `prefix_pred` [R, P]) it indexes [K - 1 cached activations
+    before the part | own tokens]."""
+    if inputs.gdn is None:
+        raise ValueError("inputs: 'gdn' missing; linear-attention layers need the chunk tables of "
+                         "jtree.linearize (gdn_chunk_size)")
     width = conv_kernel - 1
-    if layout is None:
-        context = path_context(inputs["pred"], width)
+    if prefix_pred is None:
+        context = path_context(inputs.pred, width)
     else:
-        p = layout.pred.shape[1]
-        combined = path_context(jnp.concatenate([layout.pred, inputs["pred"]], axis=1), width)
+        p = prefix_pred.shape[1]
+        combined = path_context(jnp.concatenate([prefix_pred, inputs.pred], axis=1), width)
         context = combined[:, p:]
         context = jnp.where(context >= 0, context - p + width, -1)
-    return GdnRouting(context, inputs["gdn_chunk_tokens"], inputs["gdn_chunk_src"],
-                      inputs["gdn_token_slot"], inputs.get("gdn_export_slots"))
+    gdn = inputs.gdn
+    return GdnRouting(context, gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot, gdn.export_slots)
 
 
 class GatedRMSNorm(nnx.Module):

@@ -6,8 +6,6 @@ q_proj`, ...; NNX `kernel` is HF `weight` transposed), so checkpoints map by nam
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,8 +23,9 @@ from jtree.models.layers import (
     vocab_parallel_embed,
 )
 from jtree.models.output import ModelOutput
-from jtree.models.prefix import AttentionCache, PrefixLayout, prefix_layout
-from jtree.kernels import tree_attention
+from jtree.batch import DeviceBatch
+from jtree.models.prefix import AttentionCache, prefix_inputs
+from jtree.kernels import TreeMask, tree_attention
 
 
 class Qwen3Attention(nnx.Module):
@@ -44,9 +43,8 @@ class Qwen3Attention(nnx.Module):
         self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array,
-                 prefix: AttentionCache | None = None, layout: PrefixLayout | None = None
-                 ) -> tuple[jax.Array, AttentionCache]:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: TreeMask,
+                 prefix: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache]:
         """Output and this call's keys/values; `prefix` adds cached keys before the own ones."""
         rows, s, _ = x.shape
         cfg, tp = self.cfg, self.cfg.tensor_parallel_axis
@@ -57,17 +55,16 @@ class Qwen3Attention(nnx.Module):
         heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
         k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, end, prefix, layout, cfg.attention_impl)
+        out = attend(q, k, v, mask, prefix, cfg.attention_impl)
         return row_parallel(self.o_proj, out.reshape(rows, s, -1), tp), AttentionCache(k, v)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array,
-           prefix: AttentionCache | None, layout: PrefixLayout | None, impl: str) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: TreeMask,
+           prefix: AttentionCache | None, impl: str) -> jax.Array:
     """`tree_attention`, over the cached prefix keys too when there is a prefix."""
     if prefix is None:
-        return tree_attention(q, k, v, end, impl=impl)
-    return tree_attention(q, k, v, end, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v,
-                          prefix_end=layout.end)
+        return tree_attention(q, k, v, mask, impl=impl)
+    return tree_attention(q, k, v, mask, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v)
 
 
 class Qwen3DecoderLayer(nnx.Module):
@@ -81,10 +78,9 @@ class Qwen3DecoderLayer(nnx.Module):
                           dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs,
                           tp_axis=cfg.tensor_parallel_axis)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array,
-                 prefix: AttentionCache | None = None, layout: PrefixLayout | None = None
-                 ) -> tuple[jax.Array, AttentionCache]:
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, end, prefix, layout)
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: TreeMask,
+                 prefix: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache]:
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, prefix)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
@@ -102,16 +98,16 @@ class Qwen3Model(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
         self.cfg = cfg
 
-    def __call__(self, tokens: jax.Array, pos: jax.Array, end: jax.Array,
-                 prefix: tuple[AttentionCache, ...] | None = None,
-                 layout: PrefixLayout | None = None) -> tuple[jax.Array, tuple[AttentionCache, ...]]:
+    def __call__(self, tokens: jax.Array, pos: jax.Array, mask: TreeMask,
+                 prefix: tuple[AttentionCache, ...] | None = None
+                 ) -> tuple[jax.Array, tuple[AttentionCache, ...]]:
         """Final hidden states and every layer's keys/values of these tokens."""
         x = vocab_parallel_embed(self.embed_tokens, tokens, self.cfg.tensor_parallel_axis)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
         exports = []
         for i, layer in enumerate(self.layers):
-            x, kv = call_layer(layer, x, cos, sin, end, None if prefix is None else prefix[i],
-                               layout, remat=self.cfg.remat)
+            x, kv = call_layer(layer, x, cos, sin, mask, None if prefix is None else prefix[i],
+                               remat=self.cfg.remat)
             exports.append(kv)
         return self.norm(x), tuple(exports)
 
@@ -119,7 +115,7 @@ class Qwen3Model(nnx.Module):
 class Qwen3(nnx.Module):
     """Qwen3 causal LM (HF `Qwen3ForCausalLM`). Returns final hidden states, not logits.
 
-    Called on the batch inputs (`tokens`, `pos`, `end`, ...; see `jtree.linearize`). Logits are
+    Called on the batch inputs (a `jtree.batch.DeviceBatch`). Logits are
     never formed for the whole batch here: `jtree.token_logprobs` combines the hidden states with
     `output_embedding()` only where a token is scored.
     """
@@ -132,11 +128,11 @@ class Qwen3(nnx.Module):
             dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs,
         )
 
-    def __call__(self, inputs: Mapping[str, jax.Array],
+    def __call__(self, inputs: DeviceBatch,
                  prefix: tuple[AttentionCache, ...] | None = None) -> ModelOutput:
         """`prefix`: per-layer keys/values of the tokens above a part (`jtree.models.prefix`)."""
-        layout = None if prefix is None else prefix_layout(inputs)
-        hidden, exports = self.model(inputs["tokens"], inputs["pos"], inputs["end"], prefix, layout)
+        mask, _ = prefix_inputs(inputs, prefix)
+        hidden, exports = self.model(inputs.tokens, inputs.pos, mask, prefix)
         return ModelOutput(hidden, jnp.zeros((), jnp.float32), exports)
 
     def output_embedding(self) -> jax.Array:

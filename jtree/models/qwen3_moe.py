@@ -10,8 +10,6 @@ attention and embeddings are split like dense Qwen3's and the MoE blocks are exp
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -33,7 +31,9 @@ from jtree.models.moe import (
 )
 from jtree.models.moe_config import Qwen3MoeConfig
 from jtree.models.output import ModelOutput
-from jtree.models.prefix import AttentionCache, PrefixLayout, prefix_layout
+from jtree.batch import DeviceBatch
+from jtree.kernels import TreeMask
+from jtree.models.prefix import AttentionCache, prefix_inputs
 from jtree.models.qwen3 import Qwen3, Qwen3Attention
 
 
@@ -65,22 +65,17 @@ def apply_feed_forward(mlp: nnx.Module, x: jax.Array) -> tuple[jax.Array, Router
 
 
 def router_aux_loss(cfg: Qwen3MoeConfig, stats: list[RouterStats],
-                    inputs: Mapping[str, jax.Array]
+                    inputs: DeviceBatch
                     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """router_aux_loss_coef * load-balancing loss when `output_router_logits` (as HF), else 0;
-    and this forward's `router_load` (None without the aux loss). With `router_counts` [E] and
-    `router_total` [] in `inputs` (the load of the larger forward this batch is a piece of), the
-    loss is this piece's share of that forward's (`load_balancing_loss`)."""
+    and this forward's `router_load` (None without the aux loss). With `inputs.router_load`
+    (counts [E], total []: the load of the larger forward this batch is a piece of), the loss is
+    this piece's share of that forward's (`load_balancing_loss`)."""
     if not cfg.output_router_logits or not stats:
         return jnp.zeros((), jnp.float32), None
-    if "path_count" not in inputs:
-        raise ValueError("inputs: 'path_count' (tokens' path multiplicity, from jtree.linearize) is "
-                         "required for the router load-balancing loss")
-    pooled = ((inputs["router_counts"], inputs["router_total"]) if "router_counts" in inputs
-              else None)
     aux = cfg.router_aux_loss_coef * load_balancing_loss(
-        stats, inputs["path_count"], cfg.num_experts, cfg.data_parallel_axis, pooled)
-    return aux, router_load(stats, inputs["path_count"], cfg.num_experts)
+        stats, inputs.path_count, cfg.num_experts, cfg.data_parallel_axis, inputs.router_load)
+    return aux, router_load(stats, inputs.path_count, cfg.num_experts)
 
 
 class Qwen3MoeDecoderLayer(nnx.Module):
@@ -92,10 +87,9 @@ class Qwen3MoeDecoderLayer(nnx.Module):
                                                 param_dtype=cfg.weight_dtype)
         self.mlp = feed_forward(cfg, layer, None, rngs=rngs)
 
-    def __call__(self, x, cos, sin, end, prefix: AttentionCache | None = None,
-                 layout: PrefixLayout | None = None
+    def __call__(self, x, cos, sin, mask: TreeMask, prefix: AttentionCache | None = None
                  ) -> tuple[jax.Array, RouterStats | None, AttentionCache]:
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, end, prefix, layout)
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, prefix)
         x = x + h
         y, stats = apply_feed_forward(self.mlp, self.post_attention_layernorm(x))
         return x + y, stats, kv
@@ -111,15 +105,15 @@ class Qwen3MoeModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
         self.cfg = cfg
 
-    def __call__(self, tokens, pos, end, prefix: tuple[AttentionCache, ...] | None = None,
-                 layout: PrefixLayout | None = None
+    def __call__(self, tokens, pos, mask: TreeMask,
+                 prefix: tuple[AttentionCache, ...] | None = None
                  ) -> tuple[jax.Array, list[RouterStats], tuple[AttentionCache, ...]]:
         x = vocab_parallel_embed(self.embed_tokens, tokens, self.cfg.tensor_parallel_axis)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
         all_stats, exports = [], []
         for i, layer in enumerate(self.layers):
-            x, stats, kv = call_layer(layer, x, cos, sin, end,
-                                      None if prefix is None else prefix[i], layout,
+            x, stats, kv = call_layer(layer, x, cos, sin, mask,
+                                      None if prefix is None else prefix[i],
                                       remat=self.cfg.remat)
             exports.append(kv)
             if stats is not None:
@@ -138,10 +132,9 @@ class Qwen3Moe(Qwen3):
             cfg.hidden_size, cfg.vocab_size, bias=False, init_std=cfg.initializer_range,
             dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs)
 
-    def __call__(self, inputs: Mapping[str, jax.Array],
+    def __call__(self, inputs: DeviceBatch,
                  prefix: tuple[AttentionCache, ...] | None = None) -> ModelOutput:
-        layout = None if prefix is None else prefix_layout(inputs)
-        hidden, stats, exports = self.model(inputs["tokens"], inputs["pos"], inputs["end"], prefix,
-                                            layout)
+        mask, _ = prefix_inputs(inputs, prefix)
+        hidden, stats, exports = self.model(inputs.tokens, inputs.pos, mask, prefix)
         aux, load = router_aux_loss(self.config, stats, inputs)
         return ModelOutput(hidden, aux, exports, load)

@@ -15,7 +15,6 @@ the gate multiplies only local heads), Gated DeltaNet splits key heads with thei
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,9 @@ from jtree.models.layers import (
 from jtree.models.moe import RouterStats
 from jtree.models.moe_config import Qwen3NextConfig
 from jtree.models.output import ModelOutput
-from jtree.models.prefix import AttentionCache, LayerCache, PrefixLayout, prefix_layout
+from jtree.batch import DeviceBatch
+from jtree.kernels import TreeMask
+from jtree.models.prefix import AttentionCache, LayerCache, prefix_inputs
 from jtree.models.qwen3 import Qwen3, attend
 from jtree.models.qwen3_moe import (
     apply_feed_forward,
@@ -66,9 +67,8 @@ class Qwen3NextAttention(nnx.Module):
         self.k_norm = OffsetRMSNorm(hd, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array,
-                 prefix: AttentionCache | None = None, layout: PrefixLayout | None = None
-                 ) -> tuple[jax.Array, AttentionCache]:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: TreeMask,
+                 prefix: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache]:
         rows, s, _ = x.shape
         cfg, tp = self.cfg, self.cfg.tensor_parallel_axis
         # Head counts come from the weights: under tensor parallelism they are this device's.
@@ -79,7 +79,7 @@ class Qwen3NextAttention(nnx.Module):
         heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
         k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, end, prefix, layout, cfg.attention_impl).reshape(rows, s, -1)
+        out = attend(q, k, v, mask, prefix, cfg.attention_impl).reshape(rows, s, -1)
         out = row_parallel(self.o_proj, out * jax.nn.sigmoid(gate.reshape(rows, s, -1)), tp)
         return out, AttentionCache(k, v)
 
@@ -97,13 +97,13 @@ class Qwen3NextDecoderLayer(nnx.Module):
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                                       param_dtype=cfg.weight_dtype)
 
-    def __call__(self, x, cos, sin, end, routing: GdnRouting | None,
-                 prefix: LayerCache | None = None, layout: PrefixLayout | None = None):
+    def __call__(self, x, cos, sin, mask: TreeMask, routing: GdnRouting | None,
+                 prefix: LayerCache | None = None):
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h, cache = self.linear_attn(h, routing, prefix)
         else:
-            h, cache = self.self_attn(h, cos, sin, end, prefix, layout)
+            h, cache = self.self_attn(h, cos, sin, mask, prefix)
         x = x + h
         y, stats = apply_feed_forward(self.mlp, self.post_attention_layernorm(x))
         return x + y, stats, cache
@@ -119,20 +119,19 @@ class Qwen3NextModel(nnx.Module):
         self.norm = OffsetRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.weight_dtype)
         self.cfg = cfg
 
-    def __call__(self, inputs: Mapping[str, jax.Array],
+    def __call__(self, inputs: DeviceBatch,
                  prefix: tuple[LayerCache, ...] | None = None
                  ) -> tuple[jax.Array, list[RouterStats], tuple[LayerCache, ...]]:
         cfg = self.cfg
-        layout = None if prefix is None else prefix_layout(inputs)
-        x = vocab_parallel_embed(self.embed_tokens, inputs["tokens"], cfg.tensor_parallel_axis)
-        cos, sin = rope_cos_sin(inputs["pos"], cfg.rotary_dim, cfg.rope_theta)
-        routing = (gdn_routing(inputs, cfg.linear_conv_kernel_dim, layout)
+        mask, prefix_pred = prefix_inputs(inputs, prefix)
+        x = vocab_parallel_embed(self.embed_tokens, inputs.tokens, cfg.tensor_parallel_axis)
+        cos, sin = rope_cos_sin(inputs.pos, cfg.rotary_dim, cfg.rope_theta)
+        routing = (gdn_routing(inputs, cfg.linear_conv_kernel_dim, prefix_pred)
                    if "linear_attention" in cfg.layer_types else None)
         all_stats, exports = [], []
         for i, layer in enumerate(self.layers):
-            x, stats, cache = call_layer(layer, x, cos, sin, inputs["end"], routing,
-                                         None if prefix is None else prefix[i], layout,
-                                         remat=cfg.remat)
+            x, stats, cache = call_layer(layer, x, cos, sin, mask, routing,
+                                         None if prefix is None else prefix[i], remat=cfg.remat)
             exports.append(cache)
             if stats is not None:
                 all_stats.append(stats)
@@ -149,7 +148,7 @@ class Qwen3Next(Qwen3):
             cfg.hidden_size, cfg.vocab_size, bias=False, init_std=cfg.initializer_range,
             dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs)
 
-    def __call__(self, inputs: Mapping[str, jax.Array],
+    def __call__(self, inputs: DeviceBatch,
                  prefix: tuple[LayerCache, ...] | None = None) -> ModelOutput:
         """`prefix`: per-layer caches of the tokens above a part (`jtree.models.prefix`)."""
         hidden, stats, exports = self.model(inputs, prefix)

@@ -66,7 +66,7 @@ def torch_logits(ref, tokens):
 
 def jtree_path_logits(model, batch):
     """Logits at every token of every path of a linearized batch: [tree][path] -> [L, V]."""
-    hidden = np.asarray(model(batch.arrays()).hidden)
+    hidden = np.asarray(model(batch.inputs).hidden)
     w = np.asarray(model.output_embedding())
     out = []
     for tree, row, off in zip(batch.layout.trees, batch.layout.rows, batch.layout.offsets):
@@ -124,7 +124,7 @@ def test_tree_loss_gradient_equals_pytorch_per_path_gradient(checkpoint, normali
     graphdef, params = nnx.split(model, nnx.Param)
 
     def loss_fn(p):
-        return objective_loss(nnx.merge(graphdef, p), batch.arrays(),
+        return objective_loss(nnx.merge(graphdef, p), batch.inputs,
                               Objective(kind="sft", normalization=normalization))[0]
 
     tree_loss, grads = jax.value_and_grad(loss_fn)(params)

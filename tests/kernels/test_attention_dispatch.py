@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.kernels import tree_attention
+from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.tree_attention import resolve_impl
 from tests.attention_cases import qkv
 
@@ -30,16 +30,16 @@ def test_auto_picks_per_backend(backend, dtype, head_dim, impl):
 def test_rejects_bad_host_end(end, match):
     q, k, v = qkv(0, 1, 3, 2, 1, 8)
     with pytest.raises(ValueError, match=match):
-        tree_attention(q, k, v, np.asarray(end), impl="xla")
+        tree_attention(q, k, v, TreeMask(np.asarray(end)), impl="xla")
 
 
 def test_padding_tokens_are_invisible():
     """Padding S up to the block: a 3-token input with blocks of 8 equals the reference."""
     q, k, v = qkv(1, 1, 3, 2, 2, 8)
     end = np.array([[3, 2, 3]], np.int32)  # root 0, children 1 and 2
-    got = jax.jit(lambda q, k, v: tree_attention(q, k, v, end, impl="xla", block_q=8,
+    got = jax.jit(lambda q, k, v: tree_attention(q, k, v, TreeMask(end), impl="xla", block_q=8,
                                                  block_kv=8))(q, k, v)
-    want = tree_attention(q, k, v, jnp.asarray(end), impl="reference")
+    want = tree_attention(q, k, v, TreeMask(jnp.asarray(end)), impl="reference")
     assert got.shape == q.shape
     np.testing.assert_allclose(got, want, atol=1e-6)
 

@@ -24,7 +24,7 @@ import pytest
 
 from jtree.linearize import linearize
 from jtree.tree import TrajectoryTree
-from jtree.kernels import tree_attention
+from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.attention_mgpu import SEQ_MULTIPLE, attention_mgpu
 from jtree.kernels.attention_reference import attention_reference
 from jtree.kernels.block_tables import EMPTY, FULL, PARTIAL, classify_blocks
@@ -173,7 +173,7 @@ def test_lowers_for_cuda_forward_and_backward_at_8k(q_heads, kv_heads, head_dim,
               ((rows, seq, kv_heads, head_dim), jnp.bfloat16),
               ((rows, seq, kv_heads, head_dim), jnp.bfloat16),
               ((rows, seq), jnp.int32)]
-    attend = lambda q, k, v, e: tree_attention(q, k, v, e, impl="pallas_mosaic_gpu",
+    attend = lambda q, k, v, e: tree_attention(q, k, v, TreeMask(e), impl="pallas_mosaic_gpu",
                                                softcap=softcap)
     assert _export(attend, *shapes) == ["mosaic_gpu_v2"]
     loss = lambda q, k, v, e: jnp.sum(attend(q, k, v, e).astype(jnp.float32) ** 2)
