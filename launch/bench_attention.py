@@ -81,7 +81,7 @@ def packed_row(por: float, s: int, seed: int) -> tuple[np.ndarray, list[Trajecto
             used += tree.n_tree_tokens
         if used > 0.9 * s:
             break
-    return linearize(trees, s, n_rows=1).end, trees
+    return linearize(trees, s, n_rows=1).inputs.mask.end, trees
 
 
 def causal_end(s: int, length: int) -> np.ndarray:

@@ -24,7 +24,7 @@ def tree_end(seed: int, s: int, *, rows: int = 3, padding_rows: int = 1, max_tre
         tree = explicit_tree(random_forest(rng, max_nodes=max_nodes, max_seg=max_seg))
         if tree.n_tree_tokens <= s and linearize(trees + [tree], s).shape[0] <= rows - padding_rows:
             trees.append(tree)
-    return linearize(trees, s, n_rows=rows).end
+    return linearize(trees, s, n_rows=rows).inputs.mask.end
 
 
 def qkv(seed: int, rows: int, s: int, hq: int, hkv: int, d: int, dtype=jnp.float32):
