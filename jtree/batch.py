@@ -193,6 +193,17 @@ def padding(rows: int, seq_len: int, *, score_len: int | None, gdn_chunk_size: i
     )
 
 
+def token_arrays(batch: DeviceBatch) -> dict[str, Any]:
+    """The per-token [..., S] arrays of the batch by name (`end` for `mask.end`, the coefficients
+    by their own names; the optional reference log-probs left out): the arrays themselves, so a
+    builder that starts from `padding` fills the batch by writing into them."""
+    c = batch.coefficients
+    return {"tokens": batch.tokens, "pos": batch.pos, "end": batch.mask.end, "pred": batch.pred,
+            "node": batch.node, "valid": batch.valid, "path_count": batch.path_count,
+            "weight": c.weight, "adv_pos": c.adv_pos, "adv_neg": c.adv_neg,
+            "old_logprobs": c.old_logprobs}
+
+
 def _combine(batches: Sequence[DeviceBatch], how: Callable[[list[Any]], Any], what: str
              ) -> DeviceBatch:
     if not batches:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jtree.batch import DeviceBatch, LossCoefficients, padding
+from jtree.batch import DeviceBatch, LossCoefficients, padding, token_arrays
 from jtree.chunk_tables import (
     chunk_tables,
     chunks_needed,
@@ -162,11 +162,7 @@ def linearize(
     cat = {k: np.concatenate([a[k] for a in per_tree]) for k in per_tree[0]}
 
     pad = padding(n_rows, row_len, score_len=None)
-    c = pad.coefficients
-    row = {name: a.reshape(-1) for name, a in {  # flat views of the [rows, S] arrays
-        "tokens": pad.tokens, "pos": pad.pos, "end": pad.mask.end, "pred": pad.pred,
-        "node": pad.node, "path_count": pad.path_count, "valid": pad.valid, "weight": c.weight,
-        "adv_pos": c.adv_pos, "adv_neg": c.adv_neg, "old_logprobs": c.old_logprobs}.items()}
+    row = {name: a.reshape(-1) for name, a in token_arrays(pad).items()}  # flat views
     for name in ("tokens", "pos", "path_count", "weight", "adv_pos", "adv_neg", "old_logprobs"):
         row[name][dest] = cat[name]
     row["end"][dest] = cat["end"] + tok_shift

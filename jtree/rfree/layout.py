@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jtree.chunk_tables import default_chunk_count, node_chunk_tables
-from jtree.batch import DeviceBatch, GdnTables, padding
+from jtree.batch import DeviceBatch, GdnTables, padding, token_arrays
 from jtree.linearize import tree_token_fields
 from jtree.loss import Normalization, batch_normalizer
 from jtree.packing import MicroBatches, build_microbatches
@@ -284,12 +284,7 @@ def _row_arrays(members: list[Member], trees, fields, capacity: int, p: int, att
     """[1, S] step inputs of a row (with an all-padding prefix layout of P slots), and its node
     pieces for the GDN tables."""
     inputs = padding(1, capacity, score_len=None, prefix_len=p)
-    c = inputs.coefficients
-    out = {name: a[0] for name, a in {  # views of the row
-        "tokens": inputs.tokens, "pos": inputs.pos, "end": inputs.mask.end, "pred": inputs.pred,
-        "node": inputs.node, "path_count": inputs.path_count, "valid": inputs.valid,
-        "weight": c.weight, "adv_pos": c.adv_pos, "adv_neg": c.adv_neg,
-        "old_logprobs": c.old_logprobs}.items()}
+    out = {name: a[0] for name, a in token_arrays(inputs).items()}  # views of the row
     node_parts: list[dict[str, np.ndarray]] = []
     node_base = 0
     for m in members:
