@@ -1,8 +1,8 @@
 """jtree: exact training of LLMs on tree-shaped token data in JAX.
 
 The public API: build trees (`TrajectoryTree`), lay them out (`linearize`, `unlinearize`,
-`linearize_baseline`; the device arrays of a layout are a `DeviceBatch`), split trees larger than memory (`partition`), score them (`token_logprobs`)
-and train on them (`sft_loss`, `ppo_loss`).
+`linearize_baseline`; a layout's device arrays are a `DeviceBatch`), split trees larger than
+memory (`partition`), score them (`token_logprobs`) and train on them (`sft_loss`, `ppo_loss`).
 """
 
 from jtree.baseline import linearize_baseline, unlinearize_baseline

@@ -231,7 +231,8 @@ class StepBuilder:
             parts = [self._linearize(bins[s * plan.micro_batches + m], score_len, gdn_chunks)
                      for s in plan.shards]
             micro.append(concatenate_rows(parts))
-        return {"inputs": stack(micro), "info": step_info([self.trees[int(i)] for i in indices], units)}
+        info = step_info([self.trees[int(i)] for i in indices], units)
+        return {"inputs": stack(micro), "info": info}
 
     def _score_len(self, units: list[TrajectoryTree], scored: list[int],
                    bins: list[list[int]]) -> int:

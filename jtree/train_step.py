@@ -3,8 +3,9 @@
 The step is a pure function of (TrainState, inputs) so it can be jitted on one device, or run over
 a ('data', 'model') mesh (`make_sharded_grad_fn`: data parallel over rows and Megatron tensor
 parallel inside `shard_map`, optax update outside it under the same `jit`). `inputs` is a
-`jtree.batch.DeviceBatch` of [micro_batches, rows, S] arrays; the micro-batches are scanned and their gradients summed, which
-equals the full-batch gradient because every loss coefficient is normalized over the global batch.
+`jtree.batch.DeviceBatch` of [micro_batches, rows, S] arrays; the micro-batches are scanned and
+their gradients summed, which equals the full-batch gradient because every loss coefficient is
+normalized over the global batch.
 
 Normalization: either the coefficients arrive normalized (host-side `normalizer`, as `linearize`
 does by default), or they arrive raw (`normalizer=1`) together with `row_norm` [micro_batches,

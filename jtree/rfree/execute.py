@@ -296,9 +296,9 @@ class RedundancyFreeStep:
 
     def _router_load(self, params: Any, program: RfreeProgram
                      ) -> tuple[jax.Array, jax.Array]:
-        """The router load (counts [E], total []) of the whole program (a forward-only pass first): the
-        load-balancing loss is a product of two batch sums, so each part's share needs the
-        routing counts of every part (`jtree.models.moe.load_balancing_loss`)."""
+        """The router load (counts [E], total []) of the whole program (a forward-only pass
+        first): the load-balancing loss is a product of two batch sums, so each part's share needs
+        the routing counts of every part (`jtree.models.moe.load_balancing_loss`)."""
         counts = total = 0.0
         for _, _, load in self._forward_pass(params, program):
             counts, total = counts + load[0], total + load[1]

@@ -65,10 +65,11 @@ class PartBatch:
     """One row holding one part (and possibly whole small trees after it).
 
     `inputs`: the step inputs ([1, S] own arrays, the prefix layout `mask.prefix_end` /
-    `prefix_pred` [1, P], and with GDN layers the chunk tables with `export_slots` [1, E]). `parent` / `children`: indices into
-    `RfreeProgram.parts`. `gather_index` [1, P]: each prefix slot's position in the parent's
-    combined coordinates (-1: padding); `gather_state` [1]: which of the parent's exported GDN
-    states the part starts from. Both None for a part without a prefix.
+    `prefix_pred` [1, P], and with GDN layers the chunk tables with `export_slots` [1, E]).
+    `parent` / `children`: indices into `RfreeProgram.parts`. `gather_index` [1, P]: each prefix
+    slot's position in the parent's combined coordinates (-1: padding); `gather_state` [1]: which
+    of the parent's exported GDN states the part starts from. Both None for a part without a
+    prefix.
     """
 
     inputs: DeviceBatch

@@ -147,7 +147,8 @@ def test_tree_outputs_and_gradients_equal_per_path(trees, chunk):
     rng = np.random.default_rng(chunk)
     r, s = batch.shape
     args = _inputs(rng, (r, s)) + (_state(rng, r),)
-    tables = (batch.inputs.gdn.chunk_tokens, batch.inputs.gdn.chunk_src, batch.inputs.gdn.token_slot)
+    gdn = batch.inputs.gdn
+    tables = (gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot)
     rows, idx = _path_index(batch, TREE_S)
     n_paths = len(rows)
     assert n_paths <= MAX_PATHS
@@ -196,8 +197,9 @@ def _residual_bytes(n_chunks: int) -> tuple[int, int]:
 
     @jax.jit
     def f(*a):
-        return tree_gated_delta_rule(*a, chunk_tokens=batch.inputs.gdn.chunk_tokens,
-                                     chunk_src=batch.inputs.gdn.chunk_src, token_slot=batch.inputs.gdn.token_slot)[0]
+        gdn = batch.inputs.gdn
+        return tree_gated_delta_rule(*a, chunk_tokens=gdn.chunk_tokens, chunk_src=gdn.chunk_src,
+                                     token_slot=gdn.token_slot)[0]
 
     _, vjp_fn = jax.vjp(f, *args)
     sizes = [x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(vjp_fn)]

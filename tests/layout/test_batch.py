@@ -66,8 +66,9 @@ def test_stack_and_concatenate_rows():
     np.testing.assert_array_equal(step.mask.end[0], a.mask.end)
     rows = concatenate_rows([a, b])
     assert rows.shape == (2, 8) and rows.coefficients.weight.shape == (2, 8)
+    fields = r"\['gdn.chunk_src', 'gdn.chunk_tokens', 'gdn.token_slot'\]"
     with pytest.raises(ValueError, match=r"stack: batch 1 differs from batch 0 in fields "
-                                         r"\['gdn.chunk_src', 'gdn.chunk_tokens', 'gdn.token_slot'\]"):
+                       + fields):
         stack([a, _batch(score_len=8, gdn_chunk_size=4)])
 
 

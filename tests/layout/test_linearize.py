@@ -26,7 +26,8 @@ def _dense_mask_from_paths(batch):
 @given(forests(n_trees=(1, 5)))
 def test_layout_matches_path_semantics(trees):
     batch = linearize(trees, 48)
-    np.testing.assert_array_equal(np.asarray(tree_mask(batch.inputs.mask.end)), _dense_mask_from_paths(batch))
+    np.testing.assert_array_equal(np.asarray(tree_mask(batch.inputs.mask.end)),
+                                  _dense_mask_from_paths(batch))
     # Token / position / pred of every path, read back through unlinearize.
     toks = unlinearize(batch, batch.inputs.tokens)
     pos = unlinearize(batch, batch.inputs.pos)
@@ -41,7 +42,8 @@ def test_layout_matches_path_semantics(trees):
             assert flat_pred[r, idx].tolist() == [-1] + idx[:-1].tolist()
     assert batch.inputs.valid.sum() == sum(t.n_tree_tokens for t in trees)
     pad = ~batch.inputs.valid
-    assert np.all(batch.inputs.pred[pad] == -1) and np.all(batch.inputs.coefficients.weight[pad] == 0)
+    assert np.all(batch.inputs.pred[pad] == -1)
+    assert np.all(batch.inputs.coefficients.weight[pad] == 0)
     assert np.all(batch.inputs.node[pad] == -1)
 
 
