@@ -120,6 +120,7 @@ def assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective: O
     else:
         # The surrogate of mixed-sign advantages cancels, so a 1-ulp log-prob difference can be a
         # large fraction of a near-zero loss; measure relative to the loss scale sum(|W|+|P|+|N|).
-        scale = sum(float(np.abs(tree_in[k]).sum()) for k in ("weight", "adv_pos", "adv_neg"))
+        c = tree_in.coefficients
+        scale = sum(float(np.abs(x).sum()) for x in (c.weight, c.adv_pos, c.adv_neg))
         assert abs(float(loss_t) - float(loss_b)) <= 1e-6 * max(abs(float(loss_b)), scale)
     assert_grads_close(g_t, g_b)
