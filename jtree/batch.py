@@ -19,11 +19,12 @@ back to paths. Fields, dtypes and padding values (what an all-padding row holds:
   arrive raw (`jtree.train_step.normalize_coefficients`); None when they arrive normalized
 - `prefix_pred` [rows, P] int32 (-1): the prefix chain of a redundancy-free part (`jtree.rfree`)
 - `router_load`: (counts [E], total []) of the larger forward this batch is a piece of, for the
-  MoE load-balancing loss of a redundancy-free part (`jtree.models.moe`); no row axis
+  MoE load-balancing loss of a redundancy-free part (`jtree.models.moe`); no row axis (only the
+  micro-batch axis of a step)
 
 Construction checks dtypes and shapes whenever every leaf is an array (host arrays, traced
 values, `jax.ShapeDtypeStruct`s) and names the offending field; pytrees of other leaves (partition
-specs) are not checked.
+specs) are not checked. Equality is identity (arrays have no single truth value).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from jtree.kernels import TreeMask
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LossCoefficients:
     """Per-token loss inputs (`jtree.loss`): W, P, N and the old / reference policy log-probs."""
 
@@ -51,7 +52,7 @@ class LossCoefficients:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class GdnTables:
     """Chunk tables of the gated delta rule (`jtree.chunk_tables`): `chunk_tokens` [rows, NC, C]
     (-1), `chunk_src` [rows, NC] (0), `token_slot` [rows, S] (-1); `export_slots` [rows, E] lists
@@ -64,7 +65,7 @@ class GdnTables:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DeviceBatch:
     """The step's device inputs (see the module docstring)."""
 

@@ -20,7 +20,7 @@ import numpy as np
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class TreeMask:
     """`end` [..., S] int32 of the own keys; `prefix_end` [..., P] int32 of cached prefix keys
     (None: no prefix). Host (numpy) arrays stay numpy, so kernels can build their block tables on
