@@ -105,7 +105,7 @@ def test_tree_logprobs_equal_transformers_per_path(checkpoint):
     trees = branching_trees()
     batch = linearize(trees, 128)
     assert batch.shape[0] == 1  # several trees share the row
-    ours = unlinearize(batch, np.asarray(token_logprobs(model, batch)))
+    ours = unlinearize(batch, np.asarray(token_logprobs(model, batch.inputs)))
     for tree, tree_logp in zip(trees, ours):
         for p in range(tree.n_paths):
             tokens = tree.path_tokens(p)
