@@ -1,11 +1,12 @@
 """jtree: exact training of LLMs on tree-shaped token data in JAX.
 
 The public API: build trees (`TrajectoryTree`), lay them out (`linearize`, `unlinearize`,
-`linearize_baseline`), split trees larger than memory (`partition`), score them (`token_logprobs`)
-and train on them (`sft_loss`, `ppo_loss`).
+`linearize_baseline`; a layout's device arrays are a `DeviceBatch`), split trees larger than
+memory (`partition`), score them (`token_logprobs`) and train on them (`sft_loss`, `ppo_loss`).
 """
 
 from jtree.baseline import linearize_baseline, unlinearize_baseline
+from jtree.batch import DeviceBatch
 from jtree.linearize import TreeBatch, linearize, unlinearize
 from jtree.logprobs import token_logprobs
 from jtree.loss import batch_normalizer, ppo_loss, sft_loss, token_coefficients
@@ -14,6 +15,7 @@ from jtree.tree import TrajectoryTree, TreeStats
 from jtree.tree_jsonl import read_sequence_groups, read_trees, write_sequence_groups, write_trees
 
 __all__ = [
+    "DeviceBatch",
     "PartitionResult",
     "TrajectoryTree",
     "TreeBatch",

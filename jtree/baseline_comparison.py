@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jtree.baseline import linearize_baseline, unlinearize_baseline
+from jtree.batch import stack
 from jtree.config import TrainConfig
 from jtree.data import step_indices
 from jtree.linearize import linearize, unlinearize
@@ -46,7 +47,7 @@ def check_equivalence(cfg: TrainConfig, trainer: Trainer, state: TrainState,
     n_data = mesh.shape[DATA]
 
     def logprobs(batch) -> np.ndarray:
-        arrays = {k: v[None] for k, v in batch.arrays().items()}
+        arrays = stack([batch.inputs])
         return np.asarray(trainer.logprob_fn(state.params, to_global(mesh, arrays, n_data)))[0]
 
     def padded_rows(n: int) -> int:
@@ -85,7 +86,7 @@ def time_tree_vs_baseline(cfg: TrainConfig, trainer: Trainer, builders: StepBuil
             times[mode].append(time.perf_counter() - t0)
     t_tree, t_base = np.median(times["tree"]), np.median(times["baseline"])
     stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
-    shape = {m: "x".join(str(s) for s in inputs[m]["tokens"].shape) for m in inputs}
+    shape = {m: "x".join(str(s) for s in inputs[m].shape) for m in inputs}
     say(f"speed: tree step {t_tree * 1e3:.1f} ms (micro-batches x rows x S = {shape['tree']}), "
         f"baseline step {t_base * 1e3:.1f} ms ({shape['baseline']}); speedup "
         f"{t_base / t_tree:.2f}x (token bound 1/(1-POR) = {1 / (1 - stats.por):.2f}x, "

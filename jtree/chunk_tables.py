@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jtree.batch import GdnTables
 from jtree.tree import TrajectoryTree
 
 DEFAULT_CHUNK_SIZE = 64
@@ -61,8 +62,8 @@ def chunk_tables(
     row_len: int,
     chunk_size: int,
     n_chunks: int,
-) -> dict[str, np.ndarray]:
-    """`gdn_chunk_tokens` [rows, NC, C], `gdn_chunk_src` [rows, NC], `gdn_token_slot` [rows, S].
+) -> GdnTables:
+    """The tables `chunk_tokens` [rows, NC, C], `chunk_src` [rows, NC], `token_slot` [rows, S].
 
     chunk_tokens: row-local token index of each chunk slot, -1 for empty slots and unused chunks.
     chunk_src: buffer slot of the entering state (0: initial state; c + 1: after chunk c).
@@ -96,7 +97,7 @@ def node_chunk_tables(
     (global node index, -1 for a root) and, for roots, the initial slot (< `n_initial`) its first
     chunk enters from. Chunk c stores its final state in buffer slot `n_initial` + c.
 
-    Returns {"tables": the three `gdn_*` arrays, "last_slot": the buffer slot holding each node's
+    Returns {"tables": the `GdnTables`, "last_slot": the buffer slot holding each node's
     final state (its last chunk's)}: what a later part that continues below a node starts from.
     """
     n_ch = -(-lengths // chunk_size)
@@ -138,5 +139,5 @@ def node_chunk_tables(
     t_tok = c_start[t_chunk] + t_j
     tokens[c_row[t_chunk], c_idx[t_chunk], t_j] = t_tok
     slot[c_row[t_chunk], t_tok] = c_idx[t_chunk] * chunk_size + t_j
-    return {"tables": {"gdn_chunk_tokens": tokens, "gdn_chunk_src": src, "gdn_token_slot": slot},
+    return {"tables": GdnTables(tokens, src, slot),
             "last_slot": last_chunk + n_initial}

@@ -117,10 +117,11 @@ class Work:
 def batch_work(batch: TreeBatch) -> Work:
     """The work a linearized batch (tree or baseline) really needs, padding excluded: a token at
     path position p sees p + 1 keys (its ancestors and itself), whatever the layout."""
-    valid = batch.valid
+    inputs = batch.inputs
+    valid = inputs.valid
     return Work(tokens=int(valid.sum()),
-                pairs=int((batch.pos[valid].astype(np.int64) + 1).sum()),
-                scored=int(np.count_nonzero(batch.score_index >= 0)))
+                pairs=int((inputs.pos[valid].astype(np.int64) + 1).sum()),
+                scored=int(np.count_nonzero(inputs.score_index >= 0)))
 
 
 def tree_work(trees: Sequence[TrajectoryTree]) -> tuple[Work, Work]:

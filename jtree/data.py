@@ -35,10 +35,11 @@ import numpy as np
 
 from jtree.balance import assign_to_ranks
 from jtree.baseline import flatten_paths
+from jtree.batch import DeviceBatch, concatenate_rows, padding, stack
 from jtree.chat import conversation_tree, load_tokenizer
 from jtree.chunk_tables import chunks_needed, default_chunk_count
 from jtree.cost import FlopModel, choose_mode, tree_work
-from jtree.linearize import FLOAT_FIELDS, INT_FIELDS, aligned_score_len, linearize, pack_rows
+from jtree.linearize import aligned_score_len, linearize, pack_rows
 from jtree.loss import Normalization, batch_normalizer
 from jtree.packing import plan_rows as plan_packed_rows
 from jtree.partition import Method as PartitionMethod
@@ -234,23 +235,6 @@ def step_gdn_chunks(bins: Sequence[Sequence[TrajectoryTree]], seq_len: int,
     return default_chunk_count(seq_len, chunk_size, needed)
 
 
-def _empty_arrays(rows: int, seq_len: int, score_len: int, gdn_chunk_size: int | None,
-                  gdn_chunks: int | None) -> dict[str, np.ndarray]:
-    """An all-padding micro-batch (a bin that got no tree): attends to itself, weight 0, in no
-    GDN chunk."""
-    idx = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len))
-    out = {f: np.zeros((rows, seq_len), np.int32) for f in INT_FIELDS}
-    out.update(end=idx + 1, pred=np.full((rows, seq_len), -1, np.int32),
-               node=np.full((rows, seq_len), -1, np.int32), valid=np.zeros((rows, seq_len), bool))
-    out.update({f: np.zeros((rows, seq_len), np.float32) for f in FLOAT_FIELDS})
-    out["score_index"] = np.full((rows, score_len), -1, np.int32)
-    if gdn_chunk_size is not None:
-        out.update(gdn_chunk_tokens=np.full((rows, gdn_chunks, gdn_chunk_size), -1, np.int32),
-                   gdn_chunk_src=np.zeros((rows, gdn_chunks), np.int32),
-                   gdn_token_slot=np.full((rows, seq_len), -1, np.int32))
-    return out
-
-
 def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree]
               ) -> dict[str, np.ndarray]:
     """Global statistics of a step (every host computes them from the same trees)."""
@@ -274,7 +258,7 @@ def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree]
 class StepBuilder:
     """Grain transform: the tree indices of one global step -> this host's step inputs.
 
-    Output: `{"inputs": {field: [micro_batches, rows * len(shards), seq_len]} + row_norm,
+    Output: `{"inputs": DeviceBatch [micro_batches, rows * len(shards), seq_len] with `row_norm`,
     "info": step_info(...)}`. `units[i]` are the training units of `trees[i]` (`all_units`).
     """
 
@@ -297,9 +281,9 @@ class StepBuilder:
         for m in range(plan.micro_batches):
             parts = [self._linearize(bins[s * plan.micro_batches + m], score_len, gdn_chunks)
                      for s in plan.shards]
-            micro.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
-        inputs = {k: np.stack([mb[k] for mb in micro]) for k in micro[0]}
-        return {"inputs": inputs, "info": step_info([self.trees[int(i)] for i in indices], units)}
+            micro.append(concatenate_rows(parts))
+        info = step_info([self.trees[int(i)] for i in indices], units)
+        return {"inputs": stack(micro), "info": info}
 
     def _score_len(self, units: list[TrajectoryTree], scored: list[int],
                    bins: list[list[int]]) -> int:
@@ -312,20 +296,19 @@ class StepBuilder:
         return aligned_score_len(need, self.plan.seq_len)
 
     def _linearize(self, units: list[TrajectoryTree], score_len: int, gdn_chunks: int | None
-                   ) -> dict[str, np.ndarray]:
+                   ) -> DeviceBatch:
         plan = self.plan
-        if not units:
-            out = _empty_arrays(plan.rows, plan.seq_len, score_len, plan.gdn_chunk_size,
-                                gdn_chunks)
-            out["row_norm"] = np.zeros(plan.rows, np.float32)
-            return out
+        if not units:  # a bin that got no tree
+            empty = padding(plan.rows, plan.seq_len, score_len=score_len,
+                            gdn_chunk_size=plan.gdn_chunk_size, gdn_chunks=gdn_chunks)
+            return dataclasses.replace(empty, row_norm=np.zeros(plan.rows, np.float32))
         batch = linearize(units, plan.seq_len, normalization=plan.normalization, normalizer=1.0,
                           n_rows=plan.rows, score_len=score_len,
                           gdn_chunk_size=plan.gdn_chunk_size, gdn_chunks=gdn_chunks)
         row_norm = np.zeros(plan.rows, np.float64)
         for t, r in zip(batch.layout.trees, batch.layout.rows):
             row_norm[r] += batch_normalizer([t], plan.normalization)
-        return dict(batch.arrays(), row_norm=row_norm.astype(np.float32))
+        return dataclasses.replace(batch.inputs, row_norm=row_norm.astype(np.float32))
 
 
 class AutoStepBuilder:

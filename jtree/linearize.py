@@ -1,30 +1,16 @@
 """DFS layout of trees into static-shape batches, and the way back.
 
 `linearize` packs whole trees into rows of S tokens (first-fit decreasing; several trees per row)
-and emits the arrays the jitted step consumes (docs/design.md section 3). Every array is [rows, S]:
+and emits the `jtree.batch.DeviceBatch` the jitted step consumes (docs/design.md section 3; the
+fields, dtypes and padding values are defined there). Chunk tables for the gated delta rule
+(`jtree.chunk_tables`) come only when `gdn_chunk_size` is given (models with linear-attention
+layers need them).
 
-- `tokens`  int32  token ids (0 on padding)
-- `pos`     int32  index of the token in its standalone path (RoPE position)
-- `end`     int32  one past the last token of the token's node subtree; query i may attend key j
-                   iff j <= i < end[j]. Padding has end[j] = j + 1 (attends only to itself).
-- `pred`    int32  row-local index of the token whose logits score this token, -1 for none
-- `node`    int32  row-local node index (distinct per node within a row), -1 on padding
-- `valid`   bool   True on real tokens
-- `weight`, `adv_pos`, `adv_neg`  float32  loss coefficients W, P, N (`jtree.loss`)
-- `old_logprobs`  float32  per-token old-policy log-probs where given (0 elsewhere)
-- `path_count`  int32  number of paths through the token (0 on padding): the token's multiplicity
-                   in the per-path baseline, used to weight per-token statistics such as the MoE
-                   router load-balancing loss so that they equal the baseline's
-
-Chunk tables for the gated delta rule (`jtree.chunk_tables`, `jtree.kernels.tree_gated_delta_rule`),
-only when `gdn_chunk_size` is given (models with linear-attention layers need them):
-`gdn_chunk_tokens` [rows, NC, C], `gdn_chunk_src` [rows, NC], `gdn_token_slot` [rows, S] (int32).
-
-plus `score_index` [rows, K] int32: the row-local positions of the tokens the loss reads (a
-non-zero W, P or N), in order, padded with -1. The loss scores only these (`jtree.logprobs.
-scored_logprobs`): prompt, tool and padding positions never reach the vocabulary projection. K is
-`score_len` when given (equal shapes across micro-batches and hosts), else the largest row's count
-rounded up to a multiple of `SCORE_ALIGN`.
+`score_index` [rows, K] lists the row-local positions of the tokens the loss reads (a non-zero W,
+P or N), in order, padded with -1. The loss scores only these (`jtree.logprobs.scored_logprobs`):
+prompt, tool and padding positions never reach the vocabulary projection. K is `score_len` when
+given (equal shapes across micro-batches and hosts), else the largest row's count rounded up to a
+multiple of `SCORE_ALIGN`.
 
 Trees larger than S must be partitioned first. The number of distinct shapes is bounded by
 `len_buckets` (row lengths) and `n_rows` so the step compiles a bounded number of times.
@@ -37,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jtree.batch import DeviceBatch, LossCoefficients, padding, token_arrays
 from jtree.chunk_tables import (
     chunk_tables,
     chunks_needed,
@@ -46,9 +33,6 @@ from jtree.chunk_tables import (
 from jtree.loss import Normalization, batch_normalizer, token_coefficients
 from jtree.tree import TrajectoryTree, TreeStats
 
-INT_FIELDS = ("tokens", "pos", "end", "pred", "node", "path_count")
-FLOAT_FIELDS = ("weight", "adv_pos", "adv_neg", "old_logprobs")
-GDN_FIELDS = ("gdn_chunk_tokens", "gdn_chunk_src", "gdn_token_slot")
 SCORE_ALIGN = 64
 
 
@@ -63,23 +47,10 @@ class BatchLayout:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TreeBatch:
-    """A linearized batch: [rows, S] numpy arrays plus the host-side layout to map results back."""
+    """A linearized batch: the device inputs [rows, S] plus the host-side layout to map results
+    back and the loss normalization they were built with."""
 
-    tokens: np.ndarray
-    pos: np.ndarray
-    end: np.ndarray
-    pred: np.ndarray
-    node: np.ndarray
-    valid: np.ndarray
-    weight: np.ndarray
-    adv_pos: np.ndarray
-    adv_neg: np.ndarray
-    old_logprobs: np.ndarray
-    path_count: np.ndarray
-    gdn_chunk_tokens: np.ndarray | None
-    gdn_chunk_src: np.ndarray | None
-    gdn_token_slot: np.ndarray | None
-    score_index: np.ndarray
+    inputs: DeviceBatch
     layout: BatchLayout
     normalization: str
     normalizer: float
@@ -88,13 +59,7 @@ class TreeBatch:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.tokens.shape
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The device inputs of the step: [rows, S] arrays, `score_index` [rows, K], plus the
-        [rows, NC, ...] chunk tables when the batch has them."""
-        fields = INT_FIELDS + ("valid",) + FLOAT_FIELDS + GDN_FIELDS + ("score_index",)
-        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+        return self.inputs.shape
 
     def stats(self) -> TreeStats:
         total = TreeStats(0, 0, 0, 0, 0, 0)
@@ -104,7 +69,7 @@ class TreeBatch:
 
     @property
     def padding_fraction(self) -> float:
-        return 1.0 - float(self.valid.mean())
+        return 1.0 - float(self.inputs.valid.mean())
 
 
 def pack_rows(sizes: Sequence[int], capacity: int) -> list[list[int]]:
@@ -196,39 +161,23 @@ def linearize(
     tok_shift = np.repeat(tree_off, size_arr)
     cat = {k: np.concatenate([a[k] for a in per_tree]) for k in per_tree[0]}
 
-    total = n_rows * row_len
-    flat_index = np.arange(total, dtype=np.int32) % row_len
-    out: dict[str, np.ndarray] = {
-        "tokens": np.zeros(total, np.int32),
-        "pos": np.zeros(total, np.int32),
-        "end": flat_index + 1,
-        "pred": np.full(total, -1, np.int32),
-        "node": np.full(total, -1, np.int32),
-        "path_count": np.zeros(total, np.int32),
-        "valid": np.zeros(total, bool),
-    }
-    for f in FLOAT_FIELDS:
-        out[f] = np.zeros(total, np.float32)
-    out["tokens"][dest] = cat["tokens"]
-    out["pos"][dest] = cat["pos"]
-    out["end"][dest] = cat["end"] + tok_shift
-    out["pred"][dest] = np.where(cat["pred"] >= 0, cat["pred"] + tok_shift, -1)
-    out["node"][dest] = cat["node"] + np.repeat(tree_node_off, size_arr)
-    out["path_count"][dest] = cat["path_count"]
-    out["valid"][dest] = True
-    for f in FLOAT_FIELDS:
-        out[f][dest] = cat[f]
-    shaped = {k: v.reshape(n_rows, row_len) for k, v in out.items()}
-    shaped.update(dict.fromkeys(GDN_FIELDS))
+    pad = padding(n_rows, row_len, score_len=None)
+    row = {name: a.reshape(-1) for name, a in token_arrays(pad).items()}  # flat views
+    for name in ("tokens", "pos", "path_count", "weight", "adv_pos", "adv_neg", "old_logprobs"):
+        row[name][dest] = cat[name]
+    row["end"][dest] = cat["end"] + tok_shift
+    row["pred"][dest] = np.where(cat["pred"] >= 0, cat["pred"] + tok_shift, -1)
+    row["node"][dest] = cat["node"] + np.repeat(tree_node_off, size_arr)
+    row["valid"][dest] = True
+    gdn = None
     if gdn_chunk_size is not None:
         if gdn_chunks is None:
             needed = chunks_needed(trees, tree_row, n_rows, gdn_chunk_size)
             gdn_chunks = default_chunk_count(row_len, gdn_chunk_size, int(needed.max()))
-        shaped.update(chunk_tables(trees, tree_row, tree_off, n_rows, row_len, gdn_chunk_size,
-                                   gdn_chunks))
+        gdn = chunk_tables(trees, tree_row, tree_off, n_rows, row_len, gdn_chunk_size, gdn_chunks)
     return TreeBatch(
-        **shaped,
-        score_index=score_positions(shaped, score_len),
+        inputs=dataclasses.replace(pad, gdn=gdn,
+                                   score_index=score_positions(pad.coefficients, score_len)),
         layout=BatchLayout(tuple(trees), tree_row, tree_off),
         normalization=normalization,
         normalizer=float(normalizer),
@@ -237,9 +186,10 @@ def linearize(
     )
 
 
-def score_positions(arrays: dict[str, np.ndarray], score_len: int | None = None) -> np.ndarray:
+def score_positions(coefficients: LossCoefficients, score_len: int | None = None) -> np.ndarray:
     """[rows, K] row-local positions of the tokens with a non-zero loss coefficient, -1 padded."""
-    scored = (arrays["weight"] != 0) | (arrays["adv_pos"] != 0) | (arrays["adv_neg"] != 0)
+    c = coefficients
+    scored = (c.weight != 0) | (c.adv_pos != 0) | (c.adv_neg != 0)
     rows, s = scored.shape
     counts = scored.sum(axis=1)
     need = int(counts.max(initial=0))

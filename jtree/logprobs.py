@@ -18,13 +18,12 @@ logit is taken on the device that owns the token and summed over the axis.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jtree.linearize import TreeBatch
+from jtree.batch import DeviceBatch
 
 DEFAULT_CHUNK = 1024
 
@@ -166,20 +165,19 @@ def _target_columns(w_out: jax.Array, tokens: jax.Array, vocab_axis: str | None)
 
 def token_logprobs(
     model: Any,
-    batch: TreeBatch | Mapping[str, jax.Array],
+    inputs: DeviceBatch,
     *,
     chunk: int = DEFAULT_CHUNK,
     with_entropy: bool = False,
     vocab_axis: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """For every token of `batch`, log p(token | its path context): a [rows, S] float32 array.
+    """For every token of `inputs`, log p(token | its path context): a [rows, S] float32 array.
 
     Positions with no scoring row (a sequence's first token, padding) hold 0. With
     `with_entropy=True` also returns the entropy of each token's predictive distribution.
     """
-    inputs = batch.arrays() if isinstance(batch, TreeBatch) else batch
     logp, entropy = logprobs_from_hidden(
-        model(inputs).hidden, model.output_embedding(), inputs["tokens"], inputs["pred"], chunk=chunk,
+        model(inputs).hidden, model.output_embedding(), inputs.tokens, inputs.pred, chunk=chunk,
         with_entropy=with_entropy, vocab_axis=vocab_axis,
     )
     return (logp, entropy) if with_entropy else logp

@@ -11,13 +11,14 @@ devices and partitions of a tree add up to exactly the full-batch loss.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jtree.batch import LossCoefficients
 from jtree.tree import TrajectoryTree
 
 Normalization = Literal["seq_mean_token_mean", "seq_mean_token_sum", "token_mean"]
@@ -94,19 +95,17 @@ def token_coefficients(
 # ---------------------------------------------------------------------- device-side losses
 
 
-def sft_loss(logprobs: jax.Array, inputs: Mapping[str, jax.Array]) -> jax.Array:
+def sft_loss(logprobs: jax.Array, coefficients: LossCoefficients) -> jax.Array:
     """Weighted negative log-likelihood: sum_t W_t * (-log p_t)."""
-    return -jnp.sum(inputs["weight"] * logprobs)
+    return -jnp.sum(coefficients.weight * logprobs)
 
 
 def ppo_loss(
     logprobs: jax.Array,
-    inputs: Mapping[str, jax.Array],
+    coefficients: LossCoefficients,
     *,
-    old_logprobs: jax.Array,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
-    ref_logprobs: jax.Array | None = None,
     kl_coef: float = 0.0,
     entropy: jax.Array | None = None,
     entropy_coef: float = 0.0,
@@ -114,10 +113,12 @@ def ppo_loss(
     """Clipped PPO/GRPO surrogate on a tree, exactly equal to the per-path sum.
 
     -[P_t * min(r_t, clip(r_t)) + N_t * max(r_t, clip(r_t))] summed over tokens, with
-    r_t = exp(logp_t - old_t). Optional KL-to-reference (k3 estimator) and entropy bonus use W_t.
+    r_t = exp(logp_t - old_t). Optional KL-to-reference (k3 estimator, when the coefficients carry
+    `ref_logprobs`) and entropy bonus use W_t.
     `clip_low`/`clip_high` allow asymmetric (DAPO-style) clipping.
     """
-    pos, neg, weight = inputs["adv_pos"], inputs["adv_neg"], inputs["weight"]
+    pos, neg, weight = coefficients.adv_pos, coefficients.adv_neg, coefficients.weight
+    old_logprobs, ref_logprobs = coefficients.old_logprobs, coefficients.ref_logprobs
     active = (pos != 0) | (neg != 0)
     log_ratio = jnp.where(active, logprobs - old_logprobs, 0.0)
     ratio = jnp.exp(log_ratio)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jtree.batch import DeviceBatch, stack
 from jtree.chunk_tables import default_chunk_count
 from jtree.linearize import TreeBatch, linearize, pack_rows, pad_score_index
 from jtree.loss import Normalization, batch_normalizer
@@ -118,10 +119,9 @@ class MicroBatches:
     batches: tuple[TreeBatch, ...]
     plan: RowPlan
 
-    def inputs(self) -> dict[str, np.ndarray]:
+    def inputs(self) -> DeviceBatch:
         """Step inputs: every array stacked to [M, rows, S]."""
-        arrays = [b.arrays() for b in self.batches]
-        return {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
+        return stack([b.inputs for b in self.batches])
 
 
 def build_microbatches(
@@ -161,6 +161,7 @@ def build_microbatches(
 
 def same_score_len(batches: Sequence[TreeBatch]) -> list[TreeBatch]:
     """The batches with `score_index` widened to the widest one (one step shape)."""
-    width = max(b.score_index.shape[1] for b in batches)
-    return [dataclasses.replace(b, score_index=pad_score_index(b.score_index, width))
+    width = max(b.inputs.score_index.shape[1] for b in batches)
+    return [dataclasses.replace(b, inputs=dataclasses.replace(
+                b.inputs, score_index=pad_score_index(b.inputs.score_index, width)))
             for b in batches]

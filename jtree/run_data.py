@@ -17,7 +17,8 @@ from jtree.data import (
     load_trees, rows_for_run,
 )
 from jtree.run_report import say
-from jtree.sharding import DATA, batch_spec
+from jtree.batch import DeviceBatch
+from jtree.sharding import DATA, batch_specs
 from jtree.tree import TrajectoryTree
 
 
@@ -32,15 +33,14 @@ def host_data_shards(mesh: Mesh) -> tuple[int, ...]:
     return shards
 
 
-def to_global(mesh: Mesh, local: dict[str, np.ndarray], n_local_shards: int) -> dict[str, jax.Array]:
+def to_global(mesh: Mesh, local: DeviceBatch, n_local_shards: int) -> DeviceBatch:
     """Host-local [M, rows_local, ...] arrays -> global arrays split over `data`."""
-    out = {}
-    for key, value in local.items():
+    def one(value: np.ndarray, spec: jax.sharding.PartitionSpec) -> jax.Array:
         shape = (value.shape[0], value.shape[1] // n_local_shards * mesh.shape[DATA],
                  *value.shape[2:])
-        sharding = NamedSharding(mesh, batch_spec(value.ndim))
-        out[key] = jax.make_array_from_process_local_data(sharding, value, shape)
-    return out
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), value, shape)
+
+    return jax.tree_util.tree_map(one, local, batch_specs(local))
 
 
 def rfree_capacity(cfg: TrainConfig) -> int:

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jtree.batch import DeviceBatch
 
 DATA, MODEL = "data", "model"
 Rules = list[tuple[str, P]]
@@ -221,6 +222,12 @@ def named(mesh: Mesh, specs: Any) -> Any:
 def batch_spec(ndim: int) -> P:
     """Step inputs are [micro_batches, rows, ...]: rows are split over `data`."""
     return P(None, DATA, *([None] * (ndim - 2)))
+
+
+def batch_specs(inputs: DeviceBatch) -> DeviceBatch:
+    """The PartitionSpec of every field of step inputs [micro_batches, rows, ...] (the same
+    pytree as `inputs`, for shard_map's in_specs or the batch's shardings)."""
+    return jax.tree_util.tree_map(lambda x: batch_spec(x.ndim), inputs)
 
 
 def vary_over(tree: Any, axis: str) -> Any:

@@ -2,9 +2,10 @@
 
 The step is a pure function of (TrainState, inputs) so it can be jitted on one device, or run over
 a ('data', 'model') mesh (`make_sharded_grad_fn`: data parallel over rows and Megatron tensor
-parallel inside `shard_map`, optax update outside it under the same `jit`). `inputs` is a dict of
-[micro_batches, rows, S] arrays; the micro-batches are scanned and their gradients summed, which
-equals the full-batch gradient because every loss coefficient is normalized over the global batch.
+parallel inside `shard_map`, optax update outside it under the same `jit`). `inputs` is a
+`jtree.batch.DeviceBatch` of [micro_batches, rows, S] arrays; the micro-batches are scanned and
+their gradients summed, which equals the full-batch gradient because every loss coefficient is
+normalized over the global batch.
 
 Normalization: either the coefficients arrive normalized (host-side `normalizer`, as `linearize`
 does by default), or they arrive raw (`normalizer=1`) together with `row_norm` [micro_batches,
@@ -16,26 +17,23 @@ knowing the global batch (`jtree.data`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 from jtree.baseline import linearize_baseline
+from jtree.batch import DeviceBatch, LossCoefficients, stack
 from jtree.linearize import TreeBatch, linearize
 from jtree.logprobs import logprobs_from_hidden, scored_logprobs, token_logprobs
 from jtree.loss import Normalization, ppo_loss, sft_loss
 from jtree.models.decoder import CausalLM
 from jtree.packing import same_score_len
-from jtree.sharding import DATA, MODEL, batch_spec, vary_over
+from jtree.sharding import DATA, MODEL, batch_spec, batch_specs, vary_over
 from jtree.tree import TrajectoryTree
-
-Inputs = Mapping[str, jax.Array]
-
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
@@ -117,7 +115,7 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation)
     return graphdef, TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
 
-def objective_loss(model: Any, inputs: Inputs, objective: Objective, *,
+def objective_loss(model: Any, inputs: DeviceBatch, objective: Objective, *,
                    vocab_axis: str | None = None):
     """The objective on one micro-batch, plus the model's auxiliary loss: (loss, metrics).
 
@@ -125,51 +123,48 @@ def objective_loss(model: Any, inputs: Inputs, objective: Objective, *,
     carried as its numerator `clipped_adv` and denominator `abs_adv` (see `finish_metrics`).
     """
     out = model(inputs)
-    return loss_from_hidden(model.output_embedding(), out.hidden, inputs["pred"], out.aux_loss,
+    return loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred, out.aux_loss,
                             inputs, objective, vocab_axis=vocab_axis)
 
 
 def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_loss: jax.Array,
-                     inputs: Inputs, objective: Objective, *, vocab_axis: str | None = None):
+                     inputs: DeviceBatch, objective: Objective, *,
+                     vocab_axis: str | None = None):
     """`objective_loss` from final hidden states: token i is scored by row `pred[i]` of `hidden`
     (a part of a partitioned tree puts the hidden state of the token above it first)."""
     want_entropy = objective.kind == "ppo" and objective.entropy_coef != 0
-    if "score_index" in inputs:  # score only the tokens with a loss coefficient
+    coefficients = inputs.coefficients
+    if inputs.score_index is not None:  # score only the tokens with a loss coefficient
         logp, entropy = scored_logprobs(
-            hidden, w_out, inputs["tokens"], pred,
-            inputs["score_index"], chunk=objective.logprob_chunk, with_entropy=want_entropy,
+            hidden, w_out, inputs.tokens, pred,
+            inputs.score_index, chunk=objective.logprob_chunk, with_entropy=want_entropy,
             vocab_axis=vocab_axis,
         )
-        inputs = gather_scored(inputs)
+        coefficients = gather_scored(coefficients, inputs.score_index)
     else:
         logp, entropy = logprobs_from_hidden(
-            hidden, w_out, inputs["tokens"], pred,
+            hidden, w_out, inputs.tokens, pred,
             chunk=objective.logprob_chunk, with_entropy=want_entropy, vocab_axis=vocab_axis,
         )
     if objective.kind == "sft":
-        loss = sft_loss(logp, inputs)
+        loss = sft_loss(logp, coefficients)
         metrics = {"nll": loss}
     else:
         loss, metrics = ppo_loss(
-            logp, inputs, old_logprobs=inputs["old_logprobs"], clip_low=objective.clip_low,
-            clip_high=objective.clip_high, ref_logprobs=inputs.get("ref_logprobs"),
+            logp, coefficients, clip_low=objective.clip_low, clip_high=objective.clip_high,
             kl_coef=objective.kl_coef, entropy=entropy, entropy_coef=objective.entropy_coef,
         )
-        abs_adv = jnp.sum(jnp.abs(inputs["adv_pos"]) + jnp.abs(inputs["adv_neg"]))
+        abs_adv = jnp.sum(jnp.abs(coefficients.adv_pos) + jnp.abs(coefficients.adv_neg))
         metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv)
     return loss + aux_loss, dict(metrics, aux_loss=aux_loss)
 
 
-SCORED_FIELDS = ("weight", "adv_pos", "adv_neg", "old_logprobs", "ref_logprobs")
-
-
-def gather_scored(inputs: Inputs) -> dict[str, jax.Array]:
-    """The per-token loss inputs at `score_index` [rows, K] (0 on empty slots), so the losses of
+def gather_scored(coefficients: LossCoefficients, index: jax.Array) -> LossCoefficients:
+    """The loss coefficients at `score_index` [rows, K] (0 on empty slots), so the losses of
     `jtree.loss` run on the scored tokens only."""
-    index = inputs["score_index"]
     at = jnp.where(index >= 0, index, 0)
-    return {key: jnp.where(index >= 0, jnp.take_along_axis(inputs[key], at, axis=1), 0.0)
-            for key in SCORED_FIELDS if key in inputs}
+    return jax.tree_util.tree_map(
+        lambda x: jnp.where(index >= 0, jnp.take_along_axis(x, at, axis=1), 0.0), coefficients)
 
 
 def finish_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -181,19 +176,18 @@ def finish_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return dict(metrics, clip_frac=clipped / jnp.maximum(total, 1e-30))
 
 
-def normalize_coefficients(inputs: Inputs, data_axis: str | None = None) -> Inputs:
+def normalize_coefficients(inputs: DeviceBatch, data_axis: str | None = None) -> DeviceBatch:
     """Divide raw loss coefficients by the batch normalizer when the batch carries `row_norm`
     (the normalizer's per-row shares; summed over data shards inside shard_map)."""
-    if "row_norm" not in inputs:
+    if inputs.row_norm is None:
         return inputs
-    inputs = dict(inputs)
-    total = jnp.sum(inputs.pop("row_norm"))
+    total = jnp.sum(inputs.row_norm)
     if data_axis is not None:
         total = jax.lax.psum(total, data_axis)
     scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-    for key in ("weight", "adv_pos", "adv_neg"):
-        inputs[key] = inputs[key] * scale
-    return inputs
+    c = inputs.coefficients
+    return dataclasses.replace(inputs, row_norm=None).with_coefficients(
+        weight=c.weight * scale, adv_pos=c.adv_pos * scale, adv_neg=c.adv_neg * scale)
 
 
 def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *, data_axis: str | None = None,
@@ -205,14 +199,14 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *, data_axis: str
     names the tensor-parallel axis when the output embedding is vocab-parallel.
     """
 
-    def micro(params: Any, inputs: Inputs):
+    def micro(params: Any, inputs: DeviceBatch):
         def loss_fn(p: Any):
             return objective_loss(nnx.merge(graphdef, p), inputs, objective, vocab_axis=vocab_axis)
 
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return loss, metrics, grads
 
-    def grad_fn(params: Any, inputs: Inputs):
+    def grad_fn(params: Any, inputs: DeviceBatch):
         inputs = normalize_coefficients(inputs, data_axis)
         if data_axis is not None:
             params = vary_over(params, data_axis)
@@ -257,8 +251,8 @@ def make_sharded_grad_fn(graphdef: nnx.GraphDef, objective: Objective, mesh: jax
     local = make_grad_fn(graphdef, objective, data_axis=DATA, vocab_axis=MODEL)
     P = jax.sharding.PartitionSpec
 
-    def grad_fn(params: Any, inputs: Inputs):
-        in_specs = (specs, {k: batch_spec(v.ndim) for k, v in inputs.items()})
+    def grad_fn(params: Any, inputs: DeviceBatch):
+        in_specs = (specs, batch_specs(inputs))
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), specs))(
             params, inputs)
 
@@ -279,13 +273,13 @@ def tensor_parallel_graphdef(model: CausalLM) -> nnx.GraphDef:
 def make_train_step(
     graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, objective: Objective, *,
     grad_fn: Callable | None = None,
-) -> Callable[[TrainState, Inputs], tuple[TrainState, dict[str, jax.Array]]]:
+) -> Callable[[TrainState, DeviceBatch], tuple[TrainState, dict[str, jax.Array]]]:
     """The (unjitted) train step; callers jit it. `grad_fn` defaults to the single-device
     `make_grad_fn`; pass `make_sharded_grad_fn(...)` to run over a mesh."""
     grad_fn = grad_fn or make_grad_fn(graphdef, objective)
     apply = apply_gradients(optimizer)
 
-    def step(state: TrainState, inputs: Inputs):
+    def step(state: TrainState, inputs: DeviceBatch):
         return apply(state, *grad_fn(state.params, inputs))
 
     return step
@@ -306,29 +300,30 @@ def apply_gradients(optimizer: optax.GradientTransformation) -> Callable[
     return apply
 
 
-def make_logprob_fn(graphdef: nnx.GraphDef, chunk: int = 1024) -> Callable[[Any, Inputs], jax.Array]:
+def make_logprob_fn(graphdef: nnx.GraphDef, chunk: int = 1024
+                    ) -> Callable[[Any, DeviceBatch], jax.Array]:
     """(params, inputs [rows, S]) -> token log-probs [rows, S]; no gradient, for old/ref policies."""
 
-    def fn(params: Any, inputs: Inputs) -> jax.Array:
+    def fn(params: Any, inputs: DeviceBatch) -> jax.Array:
         return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), inputs, chunk=chunk))
 
     return fn
 
 
 def make_sharded_logprob_fn(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, specs: Any,
-                            chunk: int = 1024) -> Callable[[Any, Inputs], jax.Array]:
+                            chunk: int = 1024) -> Callable[[Any, DeviceBatch], jax.Array]:
     """(params, inputs [M, rows, S]) -> token log-probs [M, rows, S] over the mesh, no gradient
     (old/reference policies, equivalence checks). `graphdef` is the tensor-parallel model."""
 
-    def local(params: Any, inputs: Inputs) -> jax.Array:
+    def local(params: Any, inputs: DeviceBatch) -> jax.Array:
         model = nnx.merge(graphdef, params)
         return jax.lax.map(lambda x: token_logprobs(model, x, chunk=chunk, vocab_axis=MODEL),
                            inputs)
 
-    def fn(params: Any, inputs: Inputs) -> jax.Array:
-        in_specs = (specs, {k: batch_spec(v.ndim) for k, v in inputs.items()})
+    def fn(params: Any, inputs: DeviceBatch) -> jax.Array:
+        in_specs = (specs, batch_specs(inputs))
         out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=batch_spec(3))(
-            params, dict(inputs))
+            params, inputs)
         return jax.lax.stop_gradient(out)
 
     return fn
@@ -370,13 +365,12 @@ def build_batch(
               len_buckets=len_buckets, gdn_chunk_size=gdn_chunk_size, gdn_chunks=gdn_chunks)
 
 
-def stack_microbatches(batches: Sequence[TreeBatch]) -> dict[str, np.ndarray]:
-    """Stack equally shaped batches into [M, rows, S] step inputs."""
+def stack_microbatches(batches: Sequence[TreeBatch]) -> DeviceBatch:
+    """Stack equally shaped batches into [M, rows, S] step inputs (one `score_index` width)."""
     shapes = {b.shape for b in batches}
     if len(shapes) != 1:
         raise ValueError(f"micro-batches must share one shape, got {sorted(shapes)}")
-    arrays = [b.arrays() for b in same_score_len(batches)]
-    return {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
+    return stack([b.inputs for b in same_score_len(batches)])
 
 
 def needs_old_logprobs(batch: TreeBatch, objective: Objective) -> bool:

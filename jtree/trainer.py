@@ -275,7 +275,8 @@ class TrainingRun:
         else:
             inputs = to_global(trainer.mesh, element["inputs"], len(self.shards))
             if stale:
-                inputs["old_logprobs"] = trainer.logprob_fn(state.params, inputs)
+                inputs = inputs.with_coefficients(
+                    old_logprobs=trainer.logprob_fn(state.params, inputs))
             t1 = time.perf_counter()
             state, metrics = trainer.step_fn(state, inputs)
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step

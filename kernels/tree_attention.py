@@ -1,7 +1,7 @@
 """Public entry point for attention under the tree mask, with implementation dispatch.
 
-Every implementation reads the same one-int-per-token mask (`end`, see `jtree.linearize`) and
-computes softmax(q k^T * scale) v over the keys j with j <= i < end[j]. An implementation that
+Every implementation reads the same one-int-per-token mask (`TreeMask`, `jtree.kernels.tree_mask`)
+and computes softmax(q k^T * scale) v over the keys j with j <= i < end[j]. An implementation that
 cannot honour the mask for given inputs raises; nothing falls back to plain causal attention.
 
 Block-sparse implementations need S to be a multiple of their block sizes. The dispatch pads S with
@@ -10,7 +10,7 @@ and drops them from the output, so padding never changes the result.
 
 Prefix (redundancy-free partitioning): a part of a tree can attend to keys computed by earlier
 parts. `prefix_k`, `prefix_v` [rows, P, Hkv, D] are laid out before the part's own keys and
-`prefix_end` [rows, P] gives their subtree ends; `end` and `prefix_end` are in the part's combined
+the mask's `prefix_end` [rows, P] gives their subtree ends; `end` and `prefix_end` are in combined
 coordinates (prefix key j at position j, own token i at position P + i), so the one rule
 j <= i < end[j] still decides visibility while queries exist only for the own tokens. An
 implementation without rectangular support raises ("prefix not supported"); `auto` picks `xla`
@@ -26,11 +26,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jtree.kernels import attention_cpu, attention_tpu, attention_xla
 from jtree.kernels.attention_mgpu import attention_mgpu, handles as mgpu_handles
 from jtree.kernels.attention_reference import attention_reference
+from jtree.kernels.tree_mask import TreeMask
 
 
 class _Impl(NamedTuple):
@@ -104,74 +104,70 @@ def tree_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    end: jax.Array,
+    mask: TreeMask,
     *,
     impl: str = "auto",
     scale: float | None = None,
     softcap: float | None = None,
     prefix_k: jax.Array | None = None,
     prefix_v: jax.Array | None = None,
-    prefix_end: jax.Array | None = None,
     **options: Any,
 ) -> jax.Array:
-    """Attention of q [rows, S, Hq, D] over k, v [rows, S, Hkv, D] under the tree mask `end`.
+    """Attention of q [rows, S, Hq, D] over k, v [rows, S, Hkv, D] under the tree mask `mask`.
 
     GQA: Hkv must divide Hq; query head h reads kv head h // (Hq // Hkv). `scale` defaults to
     D**-0.5; `softcap` applies cap * tanh(score / cap) before the softmax. `options` go to the
     implementation (e.g. `block_q`, `block_kv` for `xla` and `pallas_tpu`, `interpret` for
-    `pallas_tpu`). `end` [rows, S] int32 must satisfy j < end[j] <= S (checked when it is a
+    `pallas_tpu`). `mask.end` [rows, S] int32 must satisfy j < end[j] <= S (checked when it is a
     host array).
 
-    With a prefix (all three of `prefix_k`, `prefix_v` [rows, P, Hkv, D] and `prefix_end`
-    [rows, P]; see the module docstring), `end` and `prefix_end` are combined coordinates:
-    P + i < end[i] <= P + S and j < prefix_end[j] <= P + S.
+    With a prefix (`prefix_k`, `prefix_v` [rows, P, Hkv, D] and `mask.prefix_end` [rows, P]; see
+    the module docstring), the mask is in combined coordinates: P + i < end[i] <= P + S and
+    j < prefix_end[j] <= P + S.
     """
+    if not isinstance(mask, TreeMask):
+        raise TypeError(f"mask: expected a jtree.kernels.TreeMask, got {type(mask).__name__}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [rows, S, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"GQA: kv heads ({k.shape[2]}) must divide q heads ({q.shape[2]})")
-    if end.shape != q.shape[:2]:
-        raise ValueError(f"end: shape {end.shape} does not match q's [rows, S] {q.shape[:2]}")
+    if mask.end.shape != q.shape[:2]:
+        raise ValueError(f"end: shape {mask.end.shape} does not match q's [rows, S] {q.shape[:2]}")
     if scale is None:
         scale = q.shape[3] ** -0.5
-    prefix = (prefix_k, prefix_v, prefix_end)
-    if any(x is not None for x in prefix):
-        return _with_prefix(q, k, v, end, *prefix, impl=impl, scale=scale, softcap=softcap,
-                            **options)
-    if isinstance(end, np.ndarray):
-        _check_end(end)
+    if mask.prefix_end is not None or prefix_k is not None or prefix_v is not None:
+        return _with_prefix(q, k, v, mask, prefix_k, prefix_v, impl=impl, scale=scale,
+                            softcap=softcap, **options)
+    mask.check()
     chosen = _IMPLS[resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)]
     s = q.shape[1]
     target = s if chosen.padded_length is None else chosen.padded_length(s, **options)
+    end, _ = mask.padded(target, target)
     if target == s:
         return chosen.run(q, k, v, end, scale=scale, softcap=softcap, **options)
-    q, k, v, end = _pad_sequence(q, k, v, end, target)
-    out = chosen.run(q, k, v, end, scale=scale, softcap=softcap, **options)
+    width = ((0, 0), (0, target - s), (0, 0), (0, 0))
+    out = chosen.run(jnp.pad(q, width), jnp.pad(k, width), jnp.pad(v, width), end, scale=scale,
+                     softcap=softcap, **options)
     return out[:, :s]
 
 
-def _with_prefix(q, k, v, end, prefix_k, prefix_v, prefix_end, *, impl: str, scale: float,
+def _with_prefix(q, k, v, mask: TreeMask, prefix_k, prefix_v, *, impl: str, scale: float,
                  softcap: float | None, **options: Any) -> jax.Array:
     """Own queries over [prefix keys | own keys] (see the module docstring)."""
-    if prefix_k is None or prefix_v is None or prefix_end is None:
-        raise ValueError("prefix: give all of prefix_k, prefix_v and prefix_end, or none")
+    if prefix_k is None or prefix_v is None or mask.prefix_end is None:
+        raise ValueError("prefix: give all of prefix_k, prefix_v and mask.prefix_end, or none")
     rows, s = q.shape[:2]
     p = prefix_k.shape[1]
     if (prefix_k.shape != prefix_v.shape or prefix_k.shape[0] != rows
             or prefix_k.shape[2:] != k.shape[2:]):
         raise ValueError(f"prefix_k, prefix_v must be [rows, P, Hkv, D] = [{rows}, P, "
                          f"{k.shape[2]}, {k.shape[3]}]; got {prefix_k.shape}, {prefix_v.shape}")
-    if prefix_end.shape != (rows, p):
-        raise ValueError(f"prefix_end: shape {prefix_end.shape} does not match prefix_k's "
+    if mask.prefix_end.shape != (rows, p):
+        raise ValueError(f"prefix_end: shape {mask.prefix_end.shape} does not match prefix_k's "
                          f"[rows, P] {(rows, p)}")
-    end_all = (np.concatenate([prefix_end, end], axis=1)
-               if isinstance(end, np.ndarray) and isinstance(prefix_end, np.ndarray)
-               else jnp.concatenate([jnp.asarray(prefix_end, jnp.int32),
-                                     jnp.asarray(end, jnp.int32)], axis=1))
-    if isinstance(end_all, np.ndarray):
-        _check_end(end_all, first_query=p)
+    mask.check()
     name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)
     if impl == "auto" and _IMPLS[name].padded_lengths is None:
         name = "xla"  # same masked attention; the backend's kernel has no prefix support yet
@@ -179,52 +175,11 @@ def _with_prefix(q, k, v, end, prefix_k, prefix_v, prefix_end, *, impl: str, sca
     if chosen.padded_lengths is None:
         raise ValueError(f"attention impl {name!r}: prefix not supported (it cannot attend to "
                          "cached keys of earlier parts; use 'xla' or 'reference')")
-    k_all = jnp.concatenate([prefix_k, k], axis=1)
-    v_all = jnp.concatenate([prefix_v, v], axis=1)
     sq, skv = chosen.padded_lengths(s, p + s, **options)
-    q_pos = np.arange(p, p + s, dtype=np.int32)
-    if skv > p + s:
-        width = ((0, 0), (0, skv - p - s), (0, 0), (0, 0))
-        k_all, v_all = jnp.pad(k_all, width), jnp.pad(v_all, width)
-        pad_end = np.arange(p + s, skv, dtype=np.int32) + 1
-        end_all = _concat_rows(end_all, pad_end)
-    if sq > s:
-        q = jnp.pad(q, ((0, 0), (0, sq - s), (0, 0), (0, 0)))
-        q_pos = np.concatenate([q_pos, np.full(sq - s, skv - 1, np.int32)])
-    q_pos = np.broadcast_to(q_pos, (rows, sq))
-    if not isinstance(end_all, np.ndarray):
-        q_pos = jnp.asarray(q_pos)
-    out = chosen.run(q, k_all, v_all, end_all, scale=scale, softcap=softcap, q_pos=q_pos,
-                     **options)
+    end, q_pos = mask.padded(sq, skv)
+    kv_width = ((0, 0), (0, skv - p - s), (0, 0), (0, 0))
+    k_all = jnp.pad(jnp.concatenate([prefix_k, k], axis=1), kv_width)
+    v_all = jnp.pad(jnp.concatenate([prefix_v, v], axis=1), kv_width)
+    q = jnp.pad(q, ((0, 0), (0, sq - s), (0, 0), (0, 0)))
+    out = chosen.run(q, k_all, v_all, end, scale=scale, softcap=softcap, q_pos=q_pos, **options)
     return out[:, :s]
-
-
-def _concat_rows(end, tail: np.ndarray):
-    """`end` [rows, n] with `tail` appended to every row (numpy stays numpy)."""
-    rows = end.shape[0]
-    if isinstance(end, np.ndarray):
-        return np.concatenate([end, np.broadcast_to(tail, (rows, len(tail)))], axis=1)
-    return jnp.concatenate([end, jnp.broadcast_to(jnp.asarray(tail), (rows, len(tail)))], axis=1)
-
-
-def _check_end(end: np.ndarray, first_query: int = 0) -> None:
-    """Every key sees itself and no key's subtree reaches past the row (end[j] in (j, S]); in a
-    prefix layout the keys before `first_query` have no query, so they only need end[j] > j."""
-    if not np.issubdtype(end.dtype, np.integer):
-        raise ValueError(f"end: dtype {end.dtype} is not an integer type")
-    j = np.arange(end.shape[1])
-    bad = (end <= j) | (end > end.shape[1])
-    if bad.any():
-        r, i = map(int, np.argwhere(bad)[0])
-        where = f"token {i}" if i >= first_query else f"prefix key {i}"
-        raise ValueError(f"end: row {r}, {where} has end={int(end[r, i])}; need "
-                         f"{i} < end <= S={end.shape[1]} (every token sees itself)")
-
-
-def _pad_sequence(q, k, v, end, target: int):
-    """Pad the sequence axis to `target`; padding tokens attend only to themselves."""
-    s = q.shape[1]
-    width = ((0, 0), (0, target - s), (0, 0), (0, 0))
-    pad_end = jnp.broadcast_to(jnp.arange(s, target, dtype=jnp.int32) + 1, (end.shape[0], target - s))
-    end = jnp.concatenate([jnp.asarray(end, jnp.int32), pad_end], axis=1)
-    return jnp.pad(q, width), jnp.pad(k, width), jnp.pad(v, width), end

@@ -280,7 +280,7 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
     }
     for mode, key in (("tree", "tree"), ("baseline", "base")):
         p, w = plans[mode], work[mode]
-        blocks = block_stats([b.end for b in prep[mode].micro.batches], w)
+        blocks = block_stats([b.inputs.mask.end for b in prep[mode].micro.batches], w)
         row.update({
             f"{key}_device_s": device[mode], f"{key}_host_s": host[mode],
             f"{key}_host_fraction": host[mode] / (host[mode] + device[mode]),

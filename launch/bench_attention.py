@@ -30,7 +30,7 @@ import numpy as np
 from jtree.linearize import linearize
 from jtree.synthetic import AgentShape, agent_rollout_group
 from jtree.tree import TrajectoryTree
-from jtree.kernels import tree_attention
+from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.attention_xla import default_blocks, schedule_work
 from jtree.kernels.block_tables import nonempty_fraction
 from jtree.launch.harness import (
@@ -81,7 +81,7 @@ def packed_row(por: float, s: int, seed: int) -> tuple[np.ndarray, list[Trajecto
             used += tree.n_tree_tokens
         if used > 0.9 * s:
             break
-    return linearize(trees, s, n_rows=1).end, trees
+    return linearize(trees, s, n_rows=1).inputs.mask.end, trees
 
 
 def causal_end(s: int, length: int) -> np.ndarray:
@@ -112,7 +112,7 @@ def _step(impl: str, options: tuple):
     """Jitted forward+backward (vjp with a given output cotangent) of one implementation."""
 
     def f(q, k, v, end, cot):
-        out, vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, end, impl=impl,
+        out, vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, TreeMask(end), impl=impl,
                                                           **dict(options)), q, k, v)
         return vjp(cot)
 

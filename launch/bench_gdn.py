@@ -52,14 +52,15 @@ def por_tree(rng: np.random.Generator, n_paths: int, path_len: int, por: float) 
 
 
 def make_step(graphdef, batch: TreeBatch, embed: jax.Array, kernel: int):
-    inputs = {k: jnp.asarray(v) for k, v in batch.arrays().items()}
-    weight = jnp.asarray(batch.valid, jnp.float32) * jnp.asarray(batch.path_count, jnp.float32)
+    inputs = jax.tree_util.tree_map(jnp.asarray, batch.inputs)
+    weight = jnp.asarray(inputs.valid, jnp.float32) * jnp.asarray(inputs.path_count, jnp.float32)
 
     def loss(params, emb):
         layer = nnx.merge(graphdef, params)
-        x = emb[inputs["tokens"]]
-        routing = gdn_routing(inputs["pred"], inputs["gdn_chunk_tokens"], inputs["gdn_chunk_src"],
-                              inputs["gdn_token_slot"], inputs.get("gdn_export_slots"), kernel)
+        x = emb[inputs.tokens]
+        gdn = inputs.gdn
+        routing = gdn_routing(inputs.pred, gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot,
+                              gdn.export_slots, kernel)
         out, _ = layer(x, routing)  # (output, cache for a continuation)
         return jnp.sum(weight[..., None] * out * x)
 
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
             compiled = step.lower(params, embed).compile()
             runs[name] = lambda compiled=compiled: compiled(params, embed)
             row[f"{name}_shape"] = list(batch.shape)
-            row[f"{name}_chunks"] = int(batch.gdn_chunk_src.shape[1] * batch.shape[0])
+            row[f"{name}_chunks"] = int(batch.inputs.gdn.chunk_src.shape[1] * batch.shape[0])
             row[f"{name}_temp_mib"] = round(CompiledMemory.of(compiled).temp_bytes / 2**20, 2)
             row[f"{name}_residual_mib"] = round(residual_bytes(params) / 2**20, 2)
         timings = alternate(runs, args.repeats)

@@ -137,7 +137,8 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
         jax.block_until_ready(step(params, program))
         memory[name] = probe.peak
         held[name] = step.live.peak_bytes
-    part_shapes = {tuple(v.shape for v in p.inputs.values()) for p in program.parts}
+    part_shapes = {tuple(v.shape for v in jax.tree_util.tree_leaves(p.inputs))
+                   for p in program.parts}
     stats = tree.stats()
     tree_w, base_w = tree_work([tree])
     ms = timings.medians_ms()
@@ -161,7 +162,7 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
         "token_bound": stats.n_flat_tokens / stats.n_tree_tokens,
         "flop_ideal": ideal_speedup(flops, tree_w, base_w),
         "row_slots": {"baseline": int(base["tokens"].size), "duplicating": int(dup["tokens"].size),
-                      "rfree": int(sum(p.inputs["tokens"].size for p in program.parts))},
+                      "rfree": int(sum(p.inputs.tokens.size for p in program.parts))},
     }
 
 

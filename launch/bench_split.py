@@ -35,7 +35,7 @@ import numpy as np
 
 from jtree.cost import FlopModel, Work, batch_work
 from jtree.models import Qwen3Config
-from jtree.kernels import tree_attention
+from jtree.kernels import TreeMask, tree_attention
 from jtree.launch.bench import SHAPES, StepLoop, fixed_cost_inputs, make_step, prepare, workloads
 from jtree.launch.harness import (
     Output, add_attention_flag, add_host_malloc_flag, alternate, apply_host_malloc, bench_parser,
@@ -53,7 +53,9 @@ def attention_grad_fn(end: np.ndarray, cfg: Qwen3Config, attention: str) -> Call
 
     def loss(q, k, v, end):
         def body(total, x):
-            return total + jnp.sum(tree_attention(*x, impl=attention) ** 2), None
+            q, k, v, end = x
+            out = tree_attention(q, k, v, TreeMask(end), impl=attention)
+            return total + jnp.sum(out ** 2), None
         return jax.lax.scan(body, 0.0, (q, k, v, end))[0]
 
     args = (q, k, k, jnp.asarray(end))
@@ -101,7 +103,7 @@ def split(name: str, repeats: int, ops: bool = False, attention: str = "cpu",
     loop = StepLoop(state)
     for mode in ("tree", "baseline"):
         p = prepare(trees, mode, workload.seq_len)
-        end = np.stack([b.end for b in p.micro.batches])
+        end = np.stack([b.inputs.mask.end for b in p.micro.batches])
         work[mode] = sum((batch_work(b) for b in p.micro.batches), Work(0, 0, 0))
         runs[f"{mode} attention"] = attention_grad_fn(end, cfg, attention)
         compiled = step.lower(state, p.inputs).compile()

@@ -14,6 +14,7 @@ lowers as named.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -45,9 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from jtree.chunk_tables import default_chunk_count
     from jtree.config import load_config
-    from jtree.linearize import FLOAT_FIELDS, INT_FIELDS
+    from jtree.batch import padding
     from jtree.run_data import gdn_chunk_size
-    from jtree.sharding import DATA, MODEL, batch_spec
+    from jtree.sharding import DATA, MODEL, batch_specs
     from jtree.trainer import Trainer
 
     if jax.device_count() != args.devices:
@@ -61,21 +62,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     state = jax.tree_util.tree_map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, trainer.shardings)
     shape = (d.micro_batches, args.rows * mesh.shape[DATA], d.seq_len)
-    dtypes = {**{f: np.int32 for f in INT_FIELDS}, "valid": np.bool_,
-              **{f: np.float32 for f in FLOAT_FIELDS}}
-    inputs = {k: jax.ShapeDtypeStruct(shape, t, sharding=NamedSharding(mesh, batch_spec(3)))
-              for k, t in dtypes.items()}
-    inputs["score_index"] = jax.ShapeDtypeStruct(shape, np.int32,  # widest: every token scored
-                                                 sharding=NamedSharding(mesh, batch_spec(3)))
-    inputs["row_norm"] = jax.ShapeDtypeStruct(shape[:2], np.float32,
-                                              sharding=NamedSharding(mesh, batch_spec(2)))
     chunk = gdn_chunk_size(cfg)
-    if chunk is not None:  # GDN chunk tables at the capacity of a full row of long nodes
-        n_chunks = d.gdn_chunks or default_chunk_count(d.seq_len, chunk, 0)
-        for key, extra in (("gdn_chunk_tokens", (n_chunks, chunk)), ("gdn_chunk_src", (n_chunks,)),
-                           ("gdn_token_slot", (d.seq_len,))):
-            inputs[key] = jax.ShapeDtypeStruct(
-                shape[:2] + extra, np.int32, sharding=NamedSharding(mesh, batch_spec(2 + len(extra))))
+    # GDN chunk tables at the capacity of a full row of long nodes; the widest `score_index`
+    # (every token scored); coefficients arriving raw with `row_norm`.
+    n_chunks = None if chunk is None else d.gdn_chunks or default_chunk_count(d.seq_len, chunk, 0)
+    row = padding(shape[1], d.seq_len, score_len=d.seq_len, gdn_chunk_size=chunk,
+                  gdn_chunks=n_chunks)
+    row = dataclasses.replace(row, row_norm=np.zeros(shape[1], np.float32))
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((d.micro_batches, *x.shape), x.dtype), row)
+    inputs = jax.tree_util.tree_map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+        abstract, batch_specs(abstract))
     exported = jax.export.export(trainer.step_fn, platforms=[args.platform])(state, inputs)
     text = exported.mlir_module()
     ops = {op: len(re.findall(rf"\b{op}\b", text)) for op in

@@ -75,7 +75,7 @@ def _check_random_trees() -> list[dict]:
         prompt = rng.integers(0, 50, 60).tolist()
         trees.append(TrajectoryTree.from_sequences(
             [prompt + rng.integers(0, 50, n).tolist() for n in lens]))
-    end = linearize(trees, 256).end
+    end = linearize(trees, 256).inputs.mask.end
     rows = []
     for dtype in ("bfloat16", "float16"):
         shape = lambda h: (*end.shape, h, 64)

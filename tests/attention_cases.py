@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.linearize import linearize
-from jtree.kernels import tree_attention
+from jtree.kernels import TreeMask, tree_attention
 from tests.strategies import explicit_tree, random_forest
 
 
@@ -24,7 +24,7 @@ def tree_end(seed: int, s: int, *, rows: int = 3, padding_rows: int = 1, max_tre
         tree = explicit_tree(random_forest(rng, max_nodes=max_nodes, max_seg=max_seg))
         if tree.n_tree_tokens <= s and linearize(trees + [tree], s).shape[0] <= rows - padding_rows:
             trees.append(tree)
-    return linearize(trees, s, n_rows=rows).end
+    return linearize(trees, s, n_rows=rows).inputs.mask.end
 
 
 def qkv(seed: int, rows: int, s: int, hq: int, hkv: int, d: int, dtype=jnp.float32):
@@ -39,7 +39,8 @@ def _value_and_vjp(impl: str, softcap: float | None, options: tuple):
     call with the same shapes reuses one compilation."""
 
     def run(q, k, v, end, cot):
-        out, vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, end, impl=impl, softcap=softcap,
+        out, vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, TreeMask(end), impl=impl,
+                                                          softcap=softcap,
                                                           **dict(options)), q, k, v)
         return (out, *vjp(cot))
 

@@ -15,6 +15,7 @@ single-device reference once per model, mode and objective rather than once per 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jtree.baseline import flatten_paths, linearize_baseline  # noqa: E402
+from jtree.batch import DeviceBatch, stack  # noqa: E402
 from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
 from jtree.data import step_gdn_chunks  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
@@ -63,7 +65,7 @@ def tiny(kind: str) -> tuple[str, Any, RuntimeConfig]:
     return "qwen3_next", tiny_next_config(), tiny_runtime()
 
 
-def step_inputs(mode: str, objective: Objective, gdn: bool) -> dict[str, np.ndarray]:
+def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
     """Two micro-batches of branching trees, raw coefficients plus per-row normalizer shares
     (the form `jtree.data` produces), GDN chunk tables sized as the pipeline sizes them."""
     rng = np.random.default_rng(7)
@@ -78,11 +80,10 @@ def step_inputs(mode: str, objective: Objective, gdn: bool) -> dict[str, np.ndar
     out = []
     for part in parts:
         b = fn(part, S, normalization=objective.normalization, normalizer=1.0, n_rows=ROWS, **kw)
-        arrays = dict(b.arrays())
-        arrays["row_norm"] = np.zeros(ROWS, np.float32)
-        arrays["row_norm"][0] = batch_normalizer(part, objective.normalization)
-        out.append(arrays)
-    return {k: np.stack([o[k] for o in out]) for k in out[0]}
+        row_norm = np.zeros(ROWS, np.float32)
+        row_norm[0] = batch_normalizer(part, objective.normalization)
+        out.append(dataclasses.replace(b.inputs, row_norm=row_norm))
+    return stack(out)
 
 
 def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
@@ -124,8 +125,8 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
     inputs = step_inputs(mode, objective, cfg.decoder().needs_gdn_tables)
     if kind == "ppo":
         rng = np.random.default_rng(1)
-        inputs["old_logprobs"] = (-rng.uniform(0.5, 5.0, inputs["tokens"].shape)
-                                  ).astype(np.float32)
+        inputs = inputs.with_coefficients(
+            old_logprobs=(-rng.uniform(0.5, 5.0, inputs.shape)).astype(np.float32))
     state = TrainState(params, opt.init(params), np.int32(0))
     ref_state, ref_metrics = jax.jit(make_train_step(graphdef, opt, objective))(state, inputs)
     return dict(arch=arch, cfg=cfg, model=model, params=params, objective=objective,

@@ -82,14 +82,12 @@ def loss_and_grad_fn(graphdef, objective: Objective):
     return jax.jit(jax.value_and_grad(f))
 
 
-def scatter_paths(batch: TreeBatch, per_path: list[np.ndarray], field: str) -> dict:
-    """Inputs of a baseline batch with `field` set from one array per path (chains in order)."""
-    out = dict(batch.arrays())
+def scatter_paths(batch: TreeBatch, per_path: list[np.ndarray]) -> np.ndarray:
+    """A [rows, S] array of a baseline batch set from one array per path (chains in order)."""
     arr = np.zeros(batch.shape, np.float32)
     for vals, r, off in zip(per_path, batch.layout.rows, batch.layout.offsets):
         arr[r, off : off + len(vals)] = vals
-    out[field] = arr
-    return out
+    return arr
 
 
 def rel_l2(a, b) -> float:
@@ -116,14 +114,13 @@ def off_policy_ppo_inputs(params, graphdef, tree: TreeBatch, base: TreeBatch, se
     """Tree and baseline inputs with the same old/ref log-probs per path token, both off the
     current policy (so the PPO clip really acts), set on the tree and copied to every path."""
     rng = np.random.default_rng(seed)
-    cur = np.asarray(logprob_fn(graphdef)(params, tree.arrays()))
-    tree_in = dict(tree.arrays())
-    tree_in["old_logprobs"] = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
-    tree_in["ref_logprobs"] = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
-    base_in = scatter_paths(
-        base, [p for t in unlinearize(tree, tree_in["old_logprobs"]) for p in t], "old_logprobs")
-    base_in["ref_logprobs"] = scatter_paths(
-        base, [p for t in unlinearize(tree, tree_in["ref_logprobs"]) for p in t], "x")["x"]
+    cur = np.asarray(logprob_fn(graphdef)(params, tree.inputs))
+    old = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
+    ref = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
+    tree_in = tree.inputs.with_coefficients(old_logprobs=old, ref_logprobs=ref)
+    base_in = base.inputs.with_coefficients(**{
+        name: scatter_paths(base, [p for t in unlinearize(tree, x) for p in t])
+        for name, x in (("old_logprobs", old), ("ref_logprobs", ref))})
     return tree_in, base_in
 
 
@@ -137,6 +134,7 @@ def assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective: O
     else:
         # The surrogate of mixed-sign advantages cancels, so a 1-ulp log-prob difference can be a
         # large fraction of a near-zero loss; measure relative to the loss scale sum(|W|+|P|+|N|).
-        scale = sum(float(np.abs(tree_in[k]).sum()) for k in ("weight", "adv_pos", "adv_neg"))
+        c = tree_in.coefficients
+        scale = sum(float(np.abs(x).sum()) for x in (c.weight, c.adv_pos, c.adv_neg))
         assert abs(float(loss_t) - float(loss_b)) <= 1e-6 * max(abs(float(loss_b)), scale)
     assert_grads_close(g_t, g_b)

@@ -100,7 +100,7 @@ def _jtree_side(model: nnx.Module, batch: TreeBatch, normalization: Normalizatio
     from one compiled forward and backward."""
     graphdef, params = nnx.split(model, nnx.Param)
     (loss, (hidden, blocks, logp, aux)), grads = _loss_and_grad(graphdef, normalization)(
-        params, batch.arrays())
+        params, batch.inputs)
     return (np.asarray(hidden), {k: np.asarray(v) for k, v in blocks.items()}, np.asarray(logp),
             float(aux), float(loss), grads)
 
@@ -140,7 +140,7 @@ def _loss_and_grad(graphdef: nnx.GraphDef, normalization: Normalization):
         model = _Recording(nnx.merge(graphdef, params))
         value, metrics = objective_loss(model, inputs, objective)
         logp, _ = logprobs_from_hidden(model.out.hidden, model.output_embedding(),
-                                       inputs["tokens"], inputs["pred"])
+                                       inputs.tokens, inputs.pred)
         return value, (model.out.hidden, model.blocks, logp, metrics["aux_loss"])
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))

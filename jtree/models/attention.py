@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jtree.kernels import tree_attention
+from jtree.kernels import TreeMask, tree_attention
 from jtree.models.layers import NORMS, apply_rope, linear, local_kv_heads, row_parallel
-from jtree.models.prefix import AttentionCache, PrefixLayout
+from jtree.models.prefix import AttentionCache
 from jtree.models.runtime import RuntimeConfig
 
 
@@ -42,9 +42,8 @@ class Attention(nnx.Module):
         self.k_norm = NORMS[norm](hd, eps=cfg.rms_norm_eps, param_dtype=runtime.weight_dtype)
         self.cfg, self.runtime, self.gated = cfg, runtime, gated
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, end: jax.Array,
-                 prefix: AttentionCache | None = None, layout: PrefixLayout | None = None
-                 ) -> tuple[jax.Array, AttentionCache]:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: TreeMask,
+                 prefix: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache]:
         """Output and this call's keys/values; `prefix` adds cached keys before the own ones."""
         rows, s, _ = x.shape
         cfg, tp = self.cfg, self.runtime.tensor_parallel_axis
@@ -58,17 +57,17 @@ class Attention(nnx.Module):
         heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
         k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, end, prefix, layout, self.runtime.attention_impl)
+        out = attend(q, k, v, mask, prefix, self.runtime.attention_impl)
         out = out.reshape(rows, s, -1)
         if self.gated:
             out = out * jax.nn.sigmoid(gate.reshape(rows, s, -1))
         return row_parallel(self.o_proj, out, tp), AttentionCache(k, v)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, end: jax.Array,
-           prefix: AttentionCache | None, layout: PrefixLayout | None, impl: str) -> jax.Array:
-    """`tree_attention`, over the cached prefix keys too when there is a prefix."""
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: TreeMask,
+           prefix: AttentionCache | None, impl: str) -> jax.Array:
+    """`tree_attention`, over the cached prefix keys too when there is a prefix (whose key ends
+    the mask carries)."""
     if prefix is None:
-        return tree_attention(q, k, v, end, impl=impl)
-    return tree_attention(q, k, v, end, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v,
-                          prefix_end=layout.end)
+        return tree_attention(q, k, v, mask, impl=impl)
+    return tree_attention(q, k, v, mask, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v)

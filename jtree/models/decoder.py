@@ -8,8 +8,8 @@ and parameter names mirror Hugging Face's `*ForCausalLM` (`model.layers.N.self_a
 `...linear_attn.in_proj_qkvz`, `...mlp.experts.gate_up_proj`; NNX `kernel` is HF `weight`
 transposed), so checkpoints map by name.
 
-`CausalLM.__call__` is the only place that reads the batch (`tokens`, `pos`, `end`, GDN tables,
-prefix layout, router-loss inputs; see `jtree.linearize` and `jtree.rfree`): it builds the
+`CausalLM.__call__` is the only place that reads the batch (a `jtree.batch.DeviceBatch`: tokens,
+positions, the `TreeMask`, GDN tables, prefix layout, router-loss inputs): it builds the
 per-forward `LayerInputs` every layer reads. Logits are never formed for the whole batch here:
 `jtree.token_logprobs` combines the hidden states with `output_embedding()` only where a token is
 scored.
@@ -22,7 +22,7 @@ head the vocabulary (each module's docstring; the parameter layouts are `jtree.s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -36,7 +36,9 @@ from jtree.models.layers import (
 )
 from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
 from jtree.models.output import ModelOutput
-from jtree.models.prefix import LayerCache, PrefixLayout
+from jtree.batch import DeviceBatch
+from jtree.kernels import TreeMask
+from jtree.models.prefix import LayerCache, prefix_inputs
 from jtree.models.runtime import RuntimeConfig
 
 Mixer = Literal["attention", "gated_attention", "gated_deltanet"]
@@ -81,13 +83,12 @@ class DecoderSpec:
 
 class LayerInputs(NamedTuple):
     """What every decoder layer reads besides its hidden states, built once per forward: RoPE
-    tables, the tree mask (`end`, and the prefix layout of a part of a tree), and the Gated
-    DeltaNet routing (None without linear-attention layers)."""
+    tables, the tree mask (with the prefix key ends of a part of a tree), and the Gated DeltaNet
+    routing (None without linear-attention layers)."""
 
     cos: jax.Array
     sin: jax.Array
-    end: jax.Array
-    layout: PrefixLayout | None
+    mask: TreeMask
     routing: GdnRouting | None
 
 
@@ -131,8 +132,7 @@ class DecoderLayer(nnx.Module):
         if self.kind.mixer == "gated_deltanet":
             h, cache = self.linear_attn(h, inputs.routing, prefix)
         else:
-            h, cache = self.self_attn(h, inputs.cos, inputs.sin, inputs.end, prefix,
-                                      inputs.layout)
+            h, cache = self.self_attn(h, inputs.cos, inputs.sin, inputs.mask, prefix)
         x = x + h
         h = self.post_attention_layernorm(x)
         if self.kind.ffn == "mlp":
@@ -170,14 +170,6 @@ class Decoder(nnx.Module):
         return self.norm(x), all_stats, tuple(exports)
 
 
-def _required(inputs: Mapping[str, jax.Array], fields: Sequence[str],
-              why: str) -> list[jax.Array]:
-    missing = [f for f in fields if f not in inputs]
-    if missing:
-        raise ValueError(f"inputs: {missing} missing; {why}")
-    return [inputs[f] for f in fields]
-
-
 class CausalLM(nnx.Module):
     """A causal LM of any architecture (HF `*ForCausalLM`): `config` is the architecture's
     config (`jtree.models.architectures`), `runtime` how to run it."""
@@ -190,35 +182,29 @@ class CausalLM(nnx.Module):
             init_std=config.initializer_range, dtype=runtime.compute_dtype,
             param_dtype=runtime.weight_dtype, rngs=rngs)
 
-    def __call__(self, inputs: Mapping[str, jax.Array],
+    def __call__(self, inputs: DeviceBatch,
                  prefix: Sequence[LayerCache] | None = None) -> ModelOutput:
         """`prefix`: per-layer caches of the tokens above a part (`jtree.models.prefix`)."""
         cfg, spec = self.config, self.spec
-        layout = None
-        if prefix is not None:
-            layout = PrefixLayout(*_required(inputs, ("prefix_end", "prefix_pred"),
-                                             "a call with a prefix needs the prefix layout of "
-                                             "jtree.rfree"))
+        mask, prefix_pred = prefix_inputs(inputs, prefix)
         routing = None
         if spec.needs_gdn_tables:
-            tables = _required(inputs, ("pred", "gdn_chunk_tokens", "gdn_chunk_src",
-                                        "gdn_token_slot"),
-                               "linear-attention layers need the pred chain and the chunk "
-                               "tables of jtree.linearize")
-            routing = gdn_routing(*tables, inputs.get("gdn_export_slots"),
-                                  cfg.linear_conv_kernel_dim, layout)
-        cos, sin = rope_cos_sin(inputs["pos"], spec.rotary_dim, cfg.rope_theta)
-        hidden, stats, exports = self.model(
-            inputs["tokens"], LayerInputs(cos, sin, inputs["end"], layout, routing), prefix)
+            gdn = inputs.gdn
+            if gdn is None:
+                raise ValueError("inputs: 'gdn' missing; linear-attention layers need the chunk "
+                                 "tables of jtree.linearize (gdn_chunk_size)")
+            routing = gdn_routing(inputs.pred, gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot,
+                                  gdn.export_slots, cfg.linear_conv_kernel_dim, prefix_pred)
+        cos, sin = rope_cos_sin(inputs.pos, spec.rotary_dim, cfg.rope_theta)
+        hidden, stats, exports = self.model(inputs.tokens, LayerInputs(cos, sin, mask, routing),
+                                            prefix)
         if not stats or not cfg.output_router_logits:
             return ModelOutput(hidden, jnp.zeros((), jnp.float32), exports)
-        (path_count,) = _required(inputs, ("path_count",), "the router load-balancing loss "
-                                  "weighs tokens by their path multiplicity (jtree.linearize)")
-        pooled = ((inputs["router_counts"], inputs["router_total"]) if "router_counts" in inputs
-                  else None)
         aux = cfg.router_aux_loss_coef * load_balancing_loss(
-            stats, path_count, cfg.num_experts, self.runtime.data_parallel_axis, pooled)
-        return ModelOutput(hidden, aux, exports, router_load(stats, path_count, cfg.num_experts))
+            stats, inputs.path_count, cfg.num_experts, self.runtime.data_parallel_axis,
+            inputs.router_load)
+        return ModelOutput(hidden, aux, exports,
+                           router_load(stats, inputs.path_count, cfg.num_experts))
 
     def output_embedding(self) -> jax.Array:
         """[hidden, vocab] matrix mapping final hidden states to logits (this device's vocabulary

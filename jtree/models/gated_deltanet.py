@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtree.models.layers import linear, rms_normalized, row_parallel
-from jtree.models.prefix import GdnCache, PrefixLayout
+from jtree.models.prefix import GdnCache
 from jtree.models.runtime import RuntimeConfig
 from jtree.kernels.gdn import tree_gated_delta_rule
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
@@ -47,16 +47,16 @@ class GdnRouting(NamedTuple):
 
 def gdn_routing(pred: jax.Array, chunk_tokens: jax.Array, chunk_src: jax.Array,
                 token_slot: jax.Array, export_slots: jax.Array | None, conv_kernel: int,
-                layout: PrefixLayout | None = None) -> GdnRouting:
+                prefix_pred: jax.Array | None = None) -> GdnRouting:
     """Conv context and chunk tables (`jtree.linearize`'s pred chain and GDN tables). Without a
-    prefix the conv context indexes the row's own tokens; with one it indexes [K - 1 cached
-    activations before the part | own tokens]."""
+    prefix the conv context indexes the row's own tokens; with one (its chain `prefix_pred`
+    [R, P]) it indexes [K - 1 cached activations before the part | own tokens]."""
     width = conv_kernel - 1
-    if layout is None:
+    if prefix_pred is None:
         context = path_context(pred, width)
     else:
-        p = layout.pred.shape[1]
-        combined = path_context(jnp.concatenate([layout.pred, pred], axis=1), width)
+        p = prefix_pred.shape[1]
+        combined = path_context(jnp.concatenate([prefix_pred, pred], axis=1), width)
         context = combined[:, p:]
         context = jnp.where(context >= 0, context - p + width, -1)
     return GdnRouting(context, chunk_tokens, chunk_src, token_slot, export_slots)

@@ -16,9 +16,9 @@ T = sum of path_count: f_e and P_e, hence aux and its gradient, equal the baseli
 a ratio of batch sums, so like HF it is defined per forward pass (one micro-batch). Under data
 parallelism (`data_axis`) the sums are pooled over the data shards of the micro-batch, so the loss
 is the single-device one, and each shard returns 1/shards of it (the step sums the shards). A
-batch can instead be given the routing counts of a larger forward it is a piece of
-(`router_counts`, `router_total` inputs; the parts of a tree split redundancy-free), which makes
-the pieces' losses add up to that forward's.
+batch can instead be given the routing counts of a larger forward it is a piece of (the batch's
+`router_load`: counts and total; the parts of a tree split redundancy-free), which makes the
+pieces' losses add up to that forward's.
 
 Tensor parallelism (`tp_axis`, inside `shard_map`): expert parallel. Each device holds
 num_experts / tp whole experts (the expert axis of both expert tensors is split, HF layout kept)

@@ -10,11 +10,11 @@ the next parts' prefixes are gathered:
 - Gated DeltaNet layers: `GdnCache` — the pre-conv activations (the conv's left context) and the
   recurrent state: for a prefix, the state after its last token (what the part's subtrees start
   from) and the activations of its last K - 1 tokens; as exports, every own token's activations
-  and the states after the tokens listed in `inputs["gdn_export_slots"]`.
+  and the states after the tokens listed in the batch's `gdn.export_slots`.
 
-The layout of the prefix comes with the batch (`jtree.rfree.layout`): `prefix_end` [R, P] and
-`prefix_pred` [R, P] in the part's combined coordinates (prefix token j at j, own token i at
-P + i), and `end`, `pred` of the own tokens in the same coordinates.
+The layout of the prefix comes with the batch (`jtree.rfree.layout`): `mask.prefix_end` [R, P]
+and `prefix_pred` [R, P] in the part's combined coordinates (prefix token j at j, own token i at
+P + i), and `mask.end`, `pred` of the own tokens in the same coordinates.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from __future__ import annotations
 from typing import NamedTuple, Union
 
 import jax
+
+from jtree.batch import DeviceBatch
+from jtree.kernels import TreeMask
 
 
 class AttentionCache(NamedTuple):
@@ -42,9 +45,16 @@ class GdnCache(NamedTuple):
 LayerCache = Union[AttentionCache, GdnCache]
 
 
-class PrefixLayout(NamedTuple):
-    """Where the prefix keys sit, from the batch: combined-coordinate `end` and `pred` [R, P]."""
-
-    end: jax.Array
-    pred: jax.Array
-
+def prefix_inputs(inputs: DeviceBatch, prefix: tuple[LayerCache, ...] | None
+                  ) -> tuple[TreeMask, jax.Array | None]:
+    """The mask and prefix chain (`prefix_pred` [R, P]) a forward reads. A call with `prefix`
+    needs the batch's prefix layout; a call without one reads the own tokens' mask only (the
+    prefix layout of a batch describes the caches that come with it)."""
+    if prefix is None:
+        return TreeMask(inputs.mask.end), None
+    missing = [f for f, x in (("mask.prefix_end", inputs.mask.prefix_end),
+                              ("prefix_pred", inputs.prefix_pred)) if x is None]
+    if missing:
+        raise ValueError(f"inputs: {missing} missing; a call with a prefix needs the prefix layout "
+                         "of jtree.rfree")
+    return inputs.mask, inputs.prefix_pred

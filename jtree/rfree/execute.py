@@ -36,6 +36,7 @@ every part and micro-batch then adds its exact share (`jtree.models.moe.load_bal
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -117,9 +118,9 @@ class RedundancyFreeStep:
         model = nnx.merge(self.graphdef, params)
         out = model(inputs, prefix.layers)
         # Row 0 of the scoring rows: the attach token's hidden state.
-        p = inputs["prefix_end"].shape[1]
+        p = inputs.mask.prefix_len
         hidden = jnp.concatenate([prefix.hidden[:, None].astype(out.hidden.dtype), out.hidden], 1)
-        pred = jnp.where(inputs["pred"] >= 0, inputs["pred"] - p + 1, -1)
+        pred = jnp.where(inputs.pred >= 0, inputs.pred - p + 1, -1)
         return model, out, hidden, pred
 
     def _part_forward(self, params, inputs, prefix):
@@ -131,7 +132,7 @@ class RedundancyFreeStep:
     def _part_logprobs(self, params, inputs, prefix):
         """Forward only: log-probs [1, S], what children read, and the router load (or None)."""
         model, out, hidden, pred = self._part_hidden(params, inputs, prefix)
-        logp, _ = logprobs_from_hidden(hidden, model.output_embedding(), inputs["tokens"], pred,
+        logp, _ = logprobs_from_hidden(hidden, model.output_embedding(), inputs.tokens, pred,
                                        chunk=self.objective.logprob_chunk)
         return (jax.lax.stop_gradient(logp), PartOutput(out.exports, out.hidden),
                 jax.lax.stop_gradient(out.router_load))
@@ -139,8 +140,8 @@ class RedundancyFreeStep:
     def _whole_batch_logprobs(self, params, inputs):
         model = nnx.merge(self.graphdef, params)
         out = model(inputs)
-        logp, _ = logprobs_from_hidden(out.hidden, model.output_embedding(), inputs["tokens"],
-                                       inputs["pred"], chunk=self.objective.logprob_chunk)
+        logp, _ = logprobs_from_hidden(out.hidden, model.output_embedding(), inputs.tokens,
+                                       inputs.pred, chunk=self.objective.logprob_chunk)
         return jax.lax.stop_gradient(logp), jax.lax.stop_gradient(out.router_load)
 
     def _forward_saving_residuals(self, params, inputs, prefix):
@@ -219,11 +220,13 @@ class RedundancyFreeStep:
         self._read_config(params)
         self.live = LiveBuffers()
         pooled = self._router_load(params, program) if self._uses_router_load(params, program) \
-            else {}
+            else None
         if program.whole is not None:
             inputs = program.whole.inputs()
-            m = jax.tree_util.tree_leaves(inputs)[0].shape[0]
-            inputs.update({k: jnp.broadcast_to(v, (m,) + v.shape) for k, v in pooled.items()})
+            if pooled is not None:  # one copy per micro-batch, for the scan over them
+                m = inputs.shape[0]
+                inputs = dataclasses.replace(inputs, router_load=tuple(
+                    jnp.broadcast_to(v, (m,) + jnp.shape(v)) for v in pooled))
             acc = _Accumulator(self._call("whole", self._whole, params, inputs))
         else:
             acc = _Accumulator(self._zero_total(params, program.parts[0], pooled))
@@ -235,12 +238,14 @@ class RedundancyFreeStep:
         loss, metrics, grads = acc.total
         return loss, finish_metrics(metrics), grads
 
-    def _zero_total(self, params: Any, part: PartBatch, pooled: dict[str, jax.Array]):
+    def _zero_total(self, params: Any, part: PartBatch,
+                    pooled: tuple[jax.Array, jax.Array] | None):
         """Zero (loss, metrics, grads) to add the parts' results to (one call per step; the
         metrics' structure is traced abstractly once)."""
         if self._zeros is None:
             loss, metrics, _, _ = jax.eval_shape(self._leaf_grad, params,
-                                                 dict(part.inputs, **pooled),
+                                                 dataclasses.replace(part.inputs,
+                                                                     router_load=pooled),
                                                  self._empty_prefix(params, part))
             self._zeros = jax.jit(lambda p: zero_sums(loss, metrics, p))
         return self._call("zeros", self._zeros, params)
@@ -253,10 +258,11 @@ class RedundancyFreeStep:
     def _empty_prefix(self, params: Any, part: PartBatch) -> PartPrefix:
         """Zeros in the shapes of `part`'s prefix, for a part at the top of a tree (its prefix
         slots are all padding: masked in attention, no query reads their conv context or state)."""
-        key = (part.prefix_len,) + tuple(sorted((k, v.shape) for k, v in part.inputs.items()))
+        key = (jax.tree_util.tree_structure(part.inputs),
+               tuple(x.shape for x in jax.tree_util.tree_leaves(part.inputs)))
         if key not in self._empty:
             out = jax.eval_shape(lambda p, x: nnx.merge(self.graphdef, p)(x), params, part.inputs)
-            rows, p = part.inputs["tokens"].shape[0], part.prefix_len
+            rows, p = part.inputs.shape[0], part.prefix_len
             layers = []
             for e in out.exports:
                 if isinstance(e, AttentionCache):
@@ -282,27 +288,30 @@ class RedundancyFreeStep:
     def _uses_router_load(self, params: Any, program: RfreeProgram) -> bool:
         """Whether the model has a router load-balancing loss (traced abstractly, once)."""
         if self._pools_router is None:
-            first = program.parts[0].inputs if program.parts else program.whole.batches[0].arrays()
+            first = (program.parts[0].inputs if program.parts
+                     else program.whole.batches[0].inputs)
             shape = jax.eval_shape(lambda p, x: nnx.merge(self.graphdef, p)(x).router_load,
                                    params, first)
             self._pools_router = shape is not None
         return self._pools_router
 
-    def _router_load(self, params: Any, program: RfreeProgram) -> dict[str, jax.Array]:
-        """`router_counts`, `router_total` of the whole program (a forward-only pass first): the
-        load-balancing loss is a product of two batch sums, so each part's share needs the
-        routing counts of every part (`jtree.models.moe.load_balancing_loss`)."""
+    def _router_load(self, params: Any, program: RfreeProgram
+                     ) -> tuple[jax.Array, jax.Array]:
+        """The router load (counts [E], total []) of the whole program (a forward-only pass
+        first): the load-balancing loss is a product of two batch sums, so each part's share needs
+        the routing counts of every part (`jtree.models.moe.load_balancing_loss`)."""
         counts = total = 0.0
         for _, _, load in self._forward_pass(params, program):
             counts, total = counts + load[0], total + load[1]
-        return {"router_counts": counts, "router_total": total}
+        return counts, total
 
     def _run(self, params, program: RfreeProgram, order: list[tuple[int, ...]], k: int,
-             prefix: PartPrefix, acc: _Accumulator, pooled: dict[str, jax.Array]) -> PartPrefix:
+             prefix: PartPrefix, acc: _Accumulator,
+             pooled: tuple[jax.Array, jax.Array] | None) -> PartPrefix:
         """Forward and backward of part k and everything below it (post-order); returns
         d(prefix). The caller holds `prefix` (as ("prefix", k) in `self.live`)."""
         part, live = program.parts[k], self.live
-        inputs = dict(part.inputs, **pooled)
+        inputs = dataclasses.replace(part.inputs, router_load=pooled)
         if not part.children:
             acc.total, d_prefix = self._call("leaf", self._leaf, params, inputs, prefix,
                                              acc.total, part=k)
@@ -369,7 +378,7 @@ class RedundancyFreeStep:
             index_of = {id(program.trees[i]): i for i in program.whole_trees}
             for batch in program.whole.batches:
                 logp, load = self._call("whole_forward", self._whole_logprobs, params,
-                                        batch.arrays())
+                                        batch.inputs)
                 members = [Member(index_of[id(tree)], np.arange(tree.n_tree_tokens), off, row)
                            for tree, row, off in zip(batch.layout.trees, batch.layout.rows,
                                                      batch.layout.offsets)]

@@ -6,12 +6,13 @@ root first) fills positions [P - n, P) of a prefix region of P slots (P from a f
 own tokens come first in the row, in DFS order; trees small enough to fit whole may fill the rest
 of the row. In these coordinates the tree mask is still j <= i < end[j], so:
 
-- `end`, `pred` of the own tokens are combined coordinates; a subtree top's `pred` is P - 1, the
-  attach token (scored with the hidden state the parent part computed there);
-- `prefix_end` [1, P]: a prefix token sees the whole part (end = P + part size); padding j + 1;
+- `mask.end`, `pred` of the own tokens are combined coordinates; a subtree top's `pred` is P - 1,
+  the attach token (scored with the hidden state the parent part computed there);
+- `mask.prefix_end` [1, P]: a prefix token sees the whole part (end = P + part size); padding
+  j + 1;
 - `prefix_pred` [1, P]: the previous chain token (the conv's left context), -1 at the root;
 - GDN chunk tables start the part's subtrees from initial slot 1 (the state at the attach token)
-  and other trees from slot 0 (zeros); `gdn_export_slots` [1, E] lists the buffer slots of the
+  and other trees from slot 0 (zeros); `gdn.export_slots` [1, E] lists the buffer slots of the
   states at the tokens this part's children hang below.
 
 A part row is as long as its content needs, rounded up to the same kind of steps as the prefix
@@ -38,7 +39,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from jtree.chunk_tables import default_chunk_count, node_chunk_tables
-from jtree.linearize import FLOAT_FIELDS, INT_FIELDS, tree_token_fields
+from jtree.batch import DeviceBatch, GdnTables, padding, token_arrays
+from jtree.linearize import tree_token_fields
 from jtree.loss import Normalization, batch_normalizer
 from jtree.packing import MicroBatches, build_microbatches
 from jtree.rfree.plan import RfreePart, plan_parts
@@ -62,14 +64,15 @@ class Member:
 class PartBatch:
     """One row holding one part (and possibly whole small trees after it).
 
-    `inputs`: the step inputs ([1, S] own arrays, `prefix_end` / `prefix_pred` [1, P], and with
-    GDN layers the chunk tables and `gdn_export_slots` [1, E]). `parent` / `children`: indices into
-    `RfreeProgram.parts`. `gather_index` [1, P]: each prefix slot's position in the parent's
-    combined coordinates (-1: padding); `gather_state` [1]: which of the parent's exported GDN
-    states the part starts from. Both None for a part without a prefix.
+    `inputs`: the step inputs ([1, S] own arrays, the prefix layout `mask.prefix_end` /
+    `prefix_pred` [1, P], and with GDN layers the chunk tables with `export_slots` [1, E]).
+    `parent` / `children`: indices into `RfreeProgram.parts`. `gather_index` [1, P]: each prefix
+    slot's position in the parent's combined coordinates (-1: padding); `gather_state` [1]: which
+    of the parent's exported GDN states the part starts from. Both None for a part without a
+    prefix.
     """
 
-    inputs: dict[str, np.ndarray]
+    inputs: DeviceBatch
     parent: int
     children: tuple[int, ...]
     gather_index: np.ndarray | None
@@ -79,7 +82,7 @@ class PartBatch:
     @property
     def prefix_len(self) -> int:
         """P, the prefix region's slots (all padding for a part without a prefix)."""
-        return self.inputs["prefix_end"].shape[1]
+        return self.inputs.mask.prefix_len
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -247,7 +250,7 @@ class _RowShape:
 class _Row:
     """A part row before its prefix gather is known (it needs the parent's layout)."""
 
-    inputs: dict[str, np.ndarray]
+    inputs: DeviceBatch
     members: tuple[Member, ...]
     prefix: np.ndarray  # tree tokens of the prefix, root first
     prefix_len: int
@@ -267,25 +270,22 @@ def _part_row(planned, k: int, tail: list[int], trees, fields, shape: _RowShape,
         members.append(Member(i, np.arange(trees[i].n_tree_tokens, dtype=np.int32), offset))
         offset += trees[i].n_tree_tokens
     export_tokens = np.unique([planned[c][1].attach for c in part.children]).astype(np.int32)
-    arrays, nodes = _row_arrays(members, trees, fields, shape.seq_len, p, part.attach)
+    inputs, nodes = _row_arrays(members, trees, fields, shape.seq_len, p, part.attach)
     j = np.arange(p, dtype=np.int32)
     chain = j >= p - n_prefix
-    arrays["prefix_end"] = np.where(chain, p + len(part.own), j + 1)[None].astype(np.int32)
-    arrays["prefix_pred"] = np.where(chain & (j > p - n_prefix), j - 1, -1)[None].astype(np.int32)
+    inputs.mask.prefix_end[0] = np.where(chain, p + len(part.own), j + 1)
+    inputs.prefix_pred[0] = np.where(chain & (j > p - n_prefix), j - 1, -1)
     if shape.gdn_chunk_size is not None:
-        arrays.update(_gdn_tables(nodes, shape, n_initial=2,
-                                  export_tokens=export_tokens))
-    return _Row(arrays, tuple(members), prefix, p, export_tokens)
+        inputs = dataclasses.replace(inputs, gdn=_gdn_tables(nodes, shape, n_initial=2,
+                                                             export_tokens=export_tokens))
+    return _Row(inputs, tuple(members), prefix, p, export_tokens)
 
 
 def _row_arrays(members: list[Member], trees, fields, capacity: int, p: int, attach: int):
-    """[1, S] step arrays of a row, and its node pieces for the GDN tables."""
-    out = {f: np.zeros(capacity, np.int32) for f in INT_FIELDS}
-    out.update({f: np.zeros(capacity, np.float32) for f in FLOAT_FIELDS})
-    out["end"] = np.arange(capacity, dtype=np.int32) + p + 1
-    out["pred"][:] = -1
-    out["node"][:] = -1
-    out["valid"] = np.zeros(capacity, bool)
+    """[1, S] step inputs of a row (with an all-padding prefix layout of P slots), and its node
+    pieces for the GDN tables."""
+    inputs = padding(1, capacity, score_len=None, prefix_len=p)
+    out = {name: a[0] for name, a in token_arrays(inputs).items()}  # views of the row
     node_parts: list[dict[str, np.ndarray]] = []
     node_base = 0
     for m in members:
@@ -293,7 +293,7 @@ def _row_arrays(members: list[Member], trees, fields, capacity: int, p: int, att
         tok = m.tokens
         n = len(tok)
         dest = slice(m.offset, m.offset + n)
-        for name in ("tokens", "pos", "path_count") + FLOAT_FIELDS:
+        for name in ("tokens", "pos", "path_count", "weight", "adv_pos", "adv_neg", "old_logprobs"):
             out[name][dest] = f[name][tok]
         out["valid"][dest] = True
         local_end = np.searchsorted(tok, f["end"][tok])
@@ -324,11 +324,11 @@ def _row_arrays(members: list[Member], trees, fields, capacity: int, p: int, att
         })
         node_base += len(starts)
     nodes = {k: np.concatenate([d[k] for d in node_parts]) for k in node_parts[0]}
-    return {k: v[None] for k, v in out.items()}, nodes
+    return inputs, nodes
 
 
 def _gdn_tables(nodes: dict[str, np.ndarray], shape: _RowShape, n_initial: int,
-                export_tokens: np.ndarray) -> dict[str, np.ndarray]:
+                export_tokens: np.ndarray) -> GdnTables:
     lengths = nodes["length"].astype(np.int64)
     chunk_size = shape.gdn_chunk_size
     n_chunks = shape.gdn_chunks or default_chunk_count(
@@ -346,7 +346,7 @@ def _gdn_tables(nodes: dict[str, np.ndarray], shape: _RowShape, n_initial: int,
         raise ValueError(f"gdn_exports={width}: a part has {len(slots)} child parts starting "
                          "below different tokens")
     slots = (slots + [slots[0] if slots else 0] * width)[:width]
-    return dict(built["tables"], gdn_export_slots=np.asarray(slots, np.int32)[None])
+    return dataclasses.replace(built["tables"], export_slots=np.asarray(slots, np.int32)[None])
 
 
 def _link(rows: list[_Row], planned) -> list[PartBatch]:

@@ -29,7 +29,7 @@ from jtree.rfree.layout import RfreeProgram
 def part_slots(program: RfreeProgram, k: int) -> int:
     """Token slots of part k's row and prefix region (what its buffers scale with)."""
     part = program.parts[k]
-    return int(part.inputs["tokens"].shape[1]) + part.prefix_len
+    return int(part.inputs.shape[1]) + part.prefix_len
 
 
 def child_order(program: RfreeProgram) -> list[tuple[int, ...]]:

@@ -1,6 +1,7 @@
 """Qwen3-MoE and Qwen3-Next against Hugging Face transformers with the same weights (float32):
 logits on a plain sequence within 1e-4 and the router aux loss, which catches math mismatches."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -54,7 +55,7 @@ def test_logits_and_aux_loss_match_hugging_face(kind):
     seq = np.random.default_rng(0).integers(0, 64, size=23)
     # Chunks of 8: the recurrence crosses chunk boundaries inside the sequence.
     batch = linearize([TrajectoryTree.from_sequences([seq])], 32, gdn_chunk_size=8)
-    out = ours({k: jnp.asarray(v) for k, v in batch.arrays().items()})
+    out = ours(jax.tree_util.tree_map(jnp.asarray, batch.inputs))
     logits = np.asarray(out.hidden[0, : len(seq)] @ ours.output_embedding())
     with torch.no_grad():
         ref = hf(torch.tensor(seq[None]), output_router_logits=True)

@@ -58,7 +58,7 @@ with tempfile.TemporaryDirectory() as d:
     assert n_split == 2 * 5 + 2 + 2 * 1, n_split  # per layer: 5 kernels, q bias; embed + head
 
     # The sharded model computes what the unsharded one does.
-    batch = linearize([TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 5]])], 16).arrays()
+    batch = linearize([TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 5]])], 16).inputs
     def hidden(model):
         g, p = nnx.split(model)
         return np.asarray(jax.jit(lambda p, x: nnx.merge(g, p)(x).hidden)(p, batch))
@@ -154,7 +154,7 @@ assert splits["experts"] and splits["in_proj_qkvz"] and splits["q_proj"], splits
 
 # The sharded model computes what the unsharded one does.
 trees = [TrajectoryTree.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 9], [1, 7]])]
-batch = linearize(trees, 16, gdn_chunk_size=4).arrays()
+batch = linearize(trees, 16, gdn_chunk_size=4).inputs
 def hidden(model):
     g, p = nnx.split(model)
     return np.asarray(jax.jit(lambda p, x: nnx.merge(g, p)(x).hidden)(p, batch))

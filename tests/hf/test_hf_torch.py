@@ -67,7 +67,7 @@ def torch_logits(ref, tokens):
 
 def jtree_path_logits(model, batch):
     """Logits at every token of every path of a linearized batch: [tree][path] -> [L, V]."""
-    hidden = np.asarray(model(batch.arrays()).hidden)
+    hidden = np.asarray(model(batch.inputs).hidden)
     w = np.asarray(model.output_embedding())
     out = []
     for tree, row, off in zip(batch.layout.trees, batch.layout.rows, batch.layout.offsets):
@@ -106,7 +106,7 @@ def test_tree_logprobs_equal_transformers_per_path(checkpoint):
     trees = branching_trees()
     batch = linearize(trees, 128)
     assert batch.shape[0] == 1  # several trees share the row
-    ours = unlinearize(batch, np.asarray(token_logprobs(model, batch)))
+    ours = unlinearize(batch, np.asarray(token_logprobs(model, batch.inputs)))
     for tree, tree_logp in zip(trees, ours):
         for p in range(tree.n_paths):
             tokens = tree.path_tokens(p)
@@ -125,7 +125,7 @@ def test_tree_loss_gradient_equals_pytorch_per_path_gradient(checkpoint, normali
     graphdef, params = nnx.split(model, nnx.Param)
 
     def loss_fn(p):
-        return objective_loss(nnx.merge(graphdef, p), batch.arrays(),
+        return objective_loss(nnx.merge(graphdef, p), batch.inputs,
                               Objective(kind="sft", normalization=normalization))[0]
 
     tree_loss, grads = jax.value_and_grad(loss_fn)(params)

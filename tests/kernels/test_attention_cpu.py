@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.kernels import tree_attention
+from jtree.kernels import TreeMask, tree_attention
 from tests.attention_cases import max_errors, qkv, tree_end
 
 F32_TOL = 2e-5
@@ -38,8 +38,8 @@ def test_host_end_and_bfloat16_inputs():
                                     block_kv=32)
     assert out_err <= F32_TOL and max(grad_errs) <= F32_TOL, (out_err, grad_errs)
     qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    out = tree_attention(qb, kb, vb, jnp.asarray(end), impl="cpu")
-    want = tree_attention(qb, kb, vb, jnp.asarray(end), impl="xla")
+    out = tree_attention(qb, kb, vb, TreeMask(jnp.asarray(end)), impl="cpu")
+    want = tree_attention(qb, kb, vb, TreeMask(jnp.asarray(end)), impl="xla")
     assert out.dtype == jnp.bfloat16
     assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32)))) <= 3e-2
 
@@ -50,12 +50,13 @@ def test_prefix_matches_xla():
     end = tree_end(seed=9, s=192, rows=2, max_seg=16)
     p = 64  # the first 64 positions act as the prefix of the rest
     q, k, v = qkv(2, 2, 192, 4, 2, 64)
-    args = dict(prefix_k=k[:, :p], prefix_v=v[:, :p], prefix_end=jnp.asarray(end[:, :p]))
+    args = dict(prefix_k=k[:, :p], prefix_v=v[:, :p])
+    mask = TreeMask(jnp.asarray(end[:, p:]), jnp.asarray(end[:, :p]))
     cot = jnp.asarray(rng.normal(size=q[:, p:].shape), jnp.float32)
 
     def run(impl):
         def f(q, k, v):
-            return tree_attention(q, k, v, jnp.asarray(end[:, p:]), impl=impl, **args)
+            return tree_attention(q, k, v, mask, impl=impl, **args)
         out, vjp = jax.vjp(f, q[:, p:], k[:, p:], v[:, p:])
         return (out, *vjp(cot))
 
@@ -67,4 +68,4 @@ def test_rejects_softcap():
     q, k, v = qkv(0, 1, 64, 2, 1, 16)
     end = np.arange(1, 65, dtype=np.int32)[None]
     with pytest.raises(ValueError, match="softcap"):
-        tree_attention(q, k, v, end, impl="cpu", softcap=30.0)
+        tree_attention(q, k, v, TreeMask(end), impl="cpu", softcap=30.0)

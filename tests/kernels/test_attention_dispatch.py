@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.kernels import tree_attention
+from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.tree_attention import _auto_on_cpu, resolve_impl
 from jtree.launch.lower_step import export_attention_impl
 from tests.attention_cases import qkv, tree_end
@@ -45,8 +45,8 @@ def test_auto_on_cpu_runs_the_cpp_kernel_when_it_builds(fresh_auto_choice, caplo
     # the same call, the same numbers: `auto` is the C++ kernel
     end = tree_end(seed=5, s=96, rows=2)
     q, k, v = qkv(2, end.shape[0], 96, 4, 2, 32)
-    np.testing.assert_array_equal(tree_attention(q, k, v, end),
-                                  tree_attention(q, k, v, end, impl="cpu"))
+    np.testing.assert_array_equal(tree_attention(q, k, v, TreeMask(end)),
+                                  tree_attention(q, k, v, TreeMask(end), impl="cpu"))
 
 
 def test_auto_on_cpu_with_a_softcap_runs_xla(fresh_auto_choice):
@@ -54,8 +54,8 @@ def test_auto_on_cpu_with_a_softcap_runs_xla(fresh_auto_choice):
     assert resolve_impl("auto", "cpu", softcap=30.0) == "xla"
     end = tree_end(seed=6, s=64, rows=2)
     q, k, v = qkv(3, end.shape[0], 64, 2, 1, 16)
-    np.testing.assert_allclose(tree_attention(q, k, v, end, softcap=5.0),
-                               tree_attention(q, k, v, end, impl="reference", softcap=5.0),
+    np.testing.assert_allclose(tree_attention(q, k, v, TreeMask(end), softcap=5.0),
+                               tree_attention(q, k, v, TreeMask(end), impl="reference", softcap=5.0),
                                atol=1e-6)
 
 
@@ -103,16 +103,16 @@ def test_lowering_resolves_auto_for_the_target_not_this_host(fresh_auto_choice):
 def test_rejects_bad_host_end(end, match):
     q, k, v = qkv(0, 1, 3, 2, 1, 8)
     with pytest.raises(ValueError, match=match):
-        tree_attention(q, k, v, np.asarray(end), impl="xla")
+        tree_attention(q, k, v, TreeMask(np.asarray(end)), impl="xla")
 
 
 def test_padding_tokens_are_invisible():
     """Padding S up to the block: a 3-token input with blocks of 8 equals the reference."""
     q, k, v = qkv(1, 1, 3, 2, 2, 8)
     end = np.array([[3, 2, 3]], np.int32)  # root 0, children 1 and 2
-    got = jax.jit(lambda q, k, v: tree_attention(q, k, v, end, impl="xla", block_q=8,
+    got = jax.jit(lambda q, k, v: tree_attention(q, k, v, TreeMask(end), impl="xla", block_q=8,
                                                  block_kv=8))(q, k, v)
-    want = tree_attention(q, k, v, jnp.asarray(end), impl="reference")
+    want = tree_attention(q, k, v, TreeMask(jnp.asarray(end)), impl="reference")
     assert got.shape == q.shape
     np.testing.assert_allclose(got, want, atol=1e-6)
 

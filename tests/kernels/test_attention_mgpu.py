@@ -24,7 +24,7 @@ import pytest
 
 from jtree.linearize import linearize
 from jtree.tree import TrajectoryTree
-from jtree.kernels import tree_attention
+from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.attention_mgpu import SEQ_MULTIPLE, attention_mgpu
 from jtree.kernels.attention_reference import attention_reference
 from jtree.kernels.block_tables import EMPTY, FULL, PARTIAL, classify_blocks
@@ -91,7 +91,7 @@ def test_gqa_head_pairs_forward_backward_in_interpreter(tmp_path):
             path_nodes=[3, 4, 5, 1]),
         TrajectoryTree.from_sequences([[7] * 5 + [1] * 20, [7] * 5 + [2] * 9, [7] * 5]),
     ]
-    end = jnp.asarray(linearize(trees, SEQ_MULTIPLE).end)
+    end = jnp.asarray(linearize(trees, SEQ_MULTIPLE).inputs.mask.end)
     q, k, v, d_out = _inputs(end, q_heads=2, kv_heads=1, head_dim=64)
     _assert_close(_kernel(tmp_path, q, k, v, end, d_out), _reference(q, k, v, end, d_out))
 
@@ -106,7 +106,7 @@ def test_empty_blocks_are_never_read_and_full_blocks_unmasked(tmp_path):
     """
     segments = [[3] * 64, [4] * 64, [5] * 32, [6] * 40, [7] * 56]
     tree = TrajectoryTree.from_nodes(parents=[-1, 0, 0, 2, 2], segments=segments)
-    end = jnp.asarray(linearize([tree], 256).end)
+    end = jnp.asarray(linearize([tree], 256).inputs.mask.end)
     want_end = np.concatenate([np.full(64, 256), np.full(64, 128), np.full(32, 256),
                                np.full(40, 200), np.full(56, 256)])
     np.testing.assert_array_equal(np.asarray(end)[0], want_end)
@@ -143,7 +143,7 @@ def test_random_forests_in_interpreter(tmp_path, q_heads, kv_heads, head_dim, se
         segments = [rng.integers(0, 64, 100).tolist()] + forest["segments"][1:]  # the prompt
         trees.append(TrajectoryTree.from_nodes(forest["parents"], segments,
                                                path_nodes=forest["path_nodes"]))
-    end = jnp.asarray(linearize(trees, seq).end)
+    end = jnp.asarray(linearize(trees, seq).inputs.mask.end)
     assert end.shape[0] >= 2 and (np.diff(np.asarray(end), axis=1) < 0).any()  # rows, branches
     pad_end = np.arange(seq + 1, seq + 1 + -seq % SEQ_MULTIPLE)  # as attention_mgpu pads
     padded = np.concatenate(
@@ -173,7 +173,7 @@ def test_lowers_for_cuda_forward_and_backward_at_8k(q_heads, kv_heads, head_dim,
               ((rows, seq, kv_heads, head_dim), jnp.bfloat16),
               ((rows, seq, kv_heads, head_dim), jnp.bfloat16),
               ((rows, seq), jnp.int32)]
-    attend = lambda q, k, v, e: tree_attention(q, k, v, e, impl="pallas_mosaic_gpu",
+    attend = lambda q, k, v, e: tree_attention(q, k, v, TreeMask(e), impl="pallas_mosaic_gpu",
                                                softcap=softcap)
     assert _export(attend, *shapes) == ["mosaic_gpu_v2"]
     loss = lambda q, k, v, e: jnp.sum(attend(q, k, v, e).astype(jnp.float32) ** 2)

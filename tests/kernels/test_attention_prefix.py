@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.kernels import tree_attention
+from jtree.kernels import TreeMask, tree_attention
 from tests.attention_cases import qkv, tree_end
 
 F32_TOL = 2e-5
@@ -28,9 +28,8 @@ def _prefix_run(impl: str, p: int, softcap: float | None, options: tuple):
 
     def run(q, k, v, end, cot):
         def f(q_own, k_own, v_own, pk, pv):
-            return tree_attention(q_own, k_own, v_own, end[:, p:], impl=impl, softcap=softcap,
-                                  prefix_k=pk, prefix_v=pv, prefix_end=end[:, :p],
-                                  **dict(options))
+            return tree_attention(q_own, k_own, v_own, TreeMask(end[:, p:], end[:, :p]), impl=impl,
+                                  softcap=softcap, prefix_k=pk, prefix_v=pv, **dict(options))
 
         out, vjp = jax.vjp(f, q[:, p:], k[:, p:], v[:, p:], k[:, :p], v[:, :p])
         dq, dk, dv, dpk, dpv = vjp(cot[:, p:])
@@ -43,7 +42,7 @@ def _prefix_run(impl: str, p: int, softcap: float | None, options: tuple):
 def _square_run(p: int, softcap: float | None):
     def run(q, k, v, end, cot):
         cot = cot.at[:, :p].set(0.0)  # only the own queries' outputs count
-        out, vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, end, impl="reference",
+        out, vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, TreeMask(end), impl="reference",
                                                           softcap=softcap), q, k, v)
         dq, dk, dv = vjp(cot)
         return out[:, p:], dq[:, p:], dk, dv
@@ -77,10 +76,9 @@ def test_host_end_and_reference():
     q, k, v = qkv(2, end.shape[0], 100, 2, 1, 16)
     p = 50
     for impl, options in (("xla", {"block_q": 16}), ("reference", {})):
-        out = tree_attention(q[:, p:], k[:, p:], v[:, p:], end[:, p:], impl=impl,
-                             prefix_k=k[:, :p], prefix_v=v[:, :p], prefix_end=end[:, :p],
-                             **options)
-        want = tree_attention(q, k, v, end, impl="reference")[:, p:]
+        out = tree_attention(q[:, p:], k[:, p:], v[:, p:], TreeMask(end[:, p:], end[:, :p]),
+                             impl=impl, prefix_k=k[:, :p], prefix_v=v[:, :p], **options)
+        want = tree_attention(q, k, v, TreeMask(end), impl="reference")[:, p:]
         np.testing.assert_allclose(out, want, atol=F32_TOL)
 
 
@@ -98,8 +96,8 @@ def test_exports_for_tpu_with_prefix():
     rows, p, s, hq, hkv, d = 1, 3000, 4096, 8, 2, 128
 
     def loss(q, k, v, pk, pv, end, pend):
-        out = tree_attention(q, k, v, end, impl="pallas_tpu", prefix_k=pk, prefix_v=pv,
-                             prefix_end=pend)
+        out = tree_attention(q, k, v, TreeMask(end, pend), impl="pallas_tpu", prefix_k=pk,
+                             prefix_v=pv)
         return out.astype(jnp.float32).sum()
 
     bf = jnp.bfloat16
@@ -121,22 +119,22 @@ def test_impl_without_prefix_support_raises(monkeypatch):
     monkeypatch.setattr(dispatch, "_IMPLS", impls)
     q, k, v = qkv(0, 1, 24, 2, 1, 8)
     end = np.full((1, 24), 24, np.int32)
-    tree_attention(q, k, v, end, impl="no_prefix")  # fine without a prefix
+    tree_attention(q, k, v, TreeMask(end), impl="no_prefix")  # fine without a prefix
     with pytest.raises(ValueError, match="'no_prefix': prefix not supported"):
-        tree_attention(q[:, 8:], k[:, 8:], v[:, 8:], end[:, 8:], impl="no_prefix",
-                       prefix_k=k[:, :8], prefix_v=v[:, :8], prefix_end=end[:, :8])
+        tree_attention(q[:, 8:], k[:, 8:], v[:, 8:], TreeMask(end[:, 8:], end[:, :8]),
+                       impl="no_prefix", prefix_k=k[:, :8], prefix_v=v[:, :8])
 
 
 def test_bad_prefix_inputs():
     q, k, v = qkv(0, 1, 24, 2, 1, 8)
     end = np.full((1, 24), 24, np.int32)
-    with pytest.raises(ValueError, match="give all of prefix_k, prefix_v and prefix_end"):
-        tree_attention(q[:, 8:], k[:, 8:], v[:, 8:], end[:, 8:], prefix_k=k[:, :8])
+    with pytest.raises(ValueError, match="give all of prefix_k, prefix_v and mask.prefix_end"):
+        tree_attention(q[:, 8:], k[:, 8:], v[:, 8:], TreeMask(end[:, 8:]), prefix_k=k[:, :8])
     with pytest.raises(ValueError, match="prefix_end: shape"):
-        tree_attention(q[:, 8:], k[:, 8:], v[:, 8:], end[:, 8:], prefix_k=k[:, :8],
-                       prefix_v=v[:, :8], prefix_end=end[:, :7])
+        tree_attention(q[:, 8:], k[:, 8:], v[:, 8:], TreeMask(end[:, 8:], end[:, :7]),
+                       prefix_k=k[:, :8], prefix_v=v[:, :8])
     bad = end.copy()
     bad[0, 3] = 2
     with pytest.raises(ValueError, match="row 0, prefix key 3 has end=2"):
-        tree_attention(q[:, 8:], k[:, 8:], v[:, 8:], bad[:, 8:], prefix_k=k[:, :8],
-                       prefix_v=v[:, :8], prefix_end=bad[:, :8])
+        tree_attention(q[:, 8:], k[:, 8:], v[:, 8:], TreeMask(bad[:, 8:], bad[:, :8]),
+                       prefix_k=k[:, :8], prefix_v=v[:, :8])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from jtree.kernels import tree_attention
+from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.block_tables import required_blocks
 from tests.attention_cases import max_errors, qkv, tree_end
 
@@ -61,12 +61,13 @@ def test_no_races_in_tpu_interpreter(monkeypatch):
     end = np.array([[256] * 100 + [160] * 60 + [256] * 96], np.int32)
     q, k, v = qkv(3, 1, 256, 2, 1, 64)
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
-    out, vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, end, impl="pallas_tpu",
+    out, vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, TreeMask(end), impl="pallas_tpu",
                                                       interpret=params), q, k, v)
     grads = vjp(jnp.ones_like(out))
     jax.block_until_ready(grads)
     assert len(launches) == 3 and not any(r.races_found for r in launches)
-    ref, ref_vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, end, impl="reference"), q, k, v)
+    ref, ref_vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, TreeMask(end), impl="reference"),
+                           q, k, v)
     for a, b in zip((out, *grads), (ref, *ref_vjp(jnp.ones_like(ref)))):
         np.testing.assert_allclose(a, b, atol=F32_TOL)
 
@@ -76,9 +77,11 @@ def test_budget_too_small():
     need_kv, _ = required_blocks(end, 128, 128)
     q, k, v = qkv(0, 1, 512, 2, 1, 64)
     with pytest.raises(ValueError, match="block budget too small"):
-        tree_attention(q, k, v, end, impl="pallas_tpu", max_kv_blocks=need_kv - 1, interpret=True)
+        tree_attention(q, k, v, TreeMask(end), impl="pallas_tpu", max_kv_blocks=need_kv - 1,
+                       interpret=True)
     # Under jit the tables are traced and cannot raise: the output is NaN, never silently wrong.
-    out = jax.jit(lambda q, k, v, e: tree_attention(q, k, v, e, impl="pallas_tpu", interpret=True,
+    out = jax.jit(lambda q, k, v, e: tree_attention(q, k, v, TreeMask(e), impl="pallas_tpu",
+                                                    interpret=True,
                                                     max_kv_blocks=need_kv - 1))(q, k, v, end)
     assert bool(jnp.isnan(out).all())
 
@@ -93,7 +96,7 @@ def test_rejects_what_it_cannot_run(kw, match):
     end = np.arange(1, 257, dtype=np.int32)[None]
     options = {"block_q": kw["block_q"]} if "block_q" in kw else {}
     with pytest.raises(ValueError, match=match):
-        tree_attention(q, k, v, end, impl="pallas_tpu", **options)
+        tree_attention(q, k, v, TreeMask(end), impl="pallas_tpu", **options)
 
 
 @pytest.mark.parametrize("d, dtype, hq, hkv", [(128, jnp.bfloat16, 8, 2), (64, jnp.float32, 4, 4)])
@@ -102,7 +105,7 @@ def test_exports_for_tpu(d, dtype, hq, hkv):
     rows, s = 2, 8192
 
     def loss(q, k, v, end):
-        out = tree_attention(q, k, v, end, impl="pallas_tpu", softcap=30.0)
+        out = tree_attention(q, k, v, TreeMask(end), impl="pallas_tpu", softcap=30.0)
         return out.astype(jnp.float32).sum()
 
     shapes = [jax.ShapeDtypeStruct((rows, s, hq, d), dtype),

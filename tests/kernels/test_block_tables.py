@@ -27,12 +27,12 @@ def test_classes_match_dense_mask(trees, blocks):
     bq, bk = blocks
     # One row more than the trees can need: includes padding rows and padding tails.
     batch = linearize(trees, 64, n_rows=len(trees) + 1)
-    want = _dense_classes(batch.end, bq, bk)
-    np.testing.assert_array_equal(classify_blocks(batch.end, bq, bk), want)
+    want = _dense_classes(batch.inputs.mask.end, bq, bk)
+    np.testing.assert_array_equal(classify_blocks(batch.inputs.mask.end, bq, bk), want)
     np.testing.assert_array_equal(np.asarray(jax.jit(classify_blocks, static_argnums=(1, 2))(
-        jnp.asarray(batch.end), bq, bk)), want)
-    tables = block_tables(batch.end, bq, bk)
-    jt = jax.jit(block_tables, static_argnums=(1, 2))(jnp.asarray(batch.end), bq, bk)
+        jnp.asarray(batch.inputs.mask.end), bq, bk)), want)
+    tables = block_tables(batch.inputs.mask.end, bq, bk)
+    jt = jax.jit(block_tables, static_argnums=(1, 2))(jnp.asarray(batch.inputs.mask.end), bq, bk)
     for t in (tables, jt):
         for r in range(want.shape[0]):
             for i in range(want.shape[1]):

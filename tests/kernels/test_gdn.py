@@ -147,7 +147,8 @@ def test_tree_outputs_and_gradients_equal_per_path(trees, chunk):
     rng = np.random.default_rng(chunk)
     r, s = batch.shape
     args = _inputs(rng, (r, s)) + (_state(rng, r),)
-    tables = (batch.gdn_chunk_tokens, batch.gdn_chunk_src, batch.gdn_token_slot)
+    gdn = batch.inputs.gdn
+    tables = (gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot)
     rows, idx = _path_index(batch, TREE_S)
     n_paths = len(rows)
     assert n_paths <= MAX_PATHS
@@ -179,7 +180,7 @@ def test_path_conv_reads_the_pred_chain(trees):
     kernel = 4
     x = rng.normal(size=batch.shape + (5,)).astype(np.float32)
     w = rng.normal(size=(5, kernel)).astype(np.float32)
-    out = np.asarray(tree_causal_conv1d(x, w, path_context(batch.pred, kernel - 1)))
+    out = np.asarray(tree_causal_conv1d(x, w, path_context(batch.inputs.pred, kernel - 1)))
     for t, r, off in zip(batch.layout.trees, batch.layout.rows, batch.layout.offsets):
         for p in range(t.n_paths):
             idx = t.path_token_index(p) + off
@@ -196,8 +197,9 @@ def _residual_bytes(n_chunks: int) -> tuple[int, int]:
 
     @jax.jit
     def f(*a):
-        return tree_gated_delta_rule(*a, chunk_tokens=batch.gdn_chunk_tokens,
-                                     chunk_src=batch.gdn_chunk_src, token_slot=batch.gdn_token_slot)[0]
+        gdn = batch.inputs.gdn
+        return tree_gated_delta_rule(*a, chunk_tokens=gdn.chunk_tokens, chunk_src=gdn.chunk_src,
+                                     token_slot=gdn.token_slot)[0]
 
     _, vjp_fn = jax.vjp(f, *args)
     sizes = [x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(vjp_fn)]

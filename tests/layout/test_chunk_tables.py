@@ -12,7 +12,8 @@ from tests.strategies import forests
 
 def _replay_paths(batch):
     """Simulate the chunk scan with 'states' that are the token lists read so far."""
-    tokens, src, slot = batch.gdn_chunk_tokens, batch.gdn_chunk_src, batch.gdn_token_slot
+    gdn = batch.inputs.gdn
+    tokens, src, slot = gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot
     rows, nc, c = tokens.shape
     seen = {}
     for r in range(rows):
@@ -38,24 +39,24 @@ def _replay_paths(batch):
 def test_routing_gives_every_token_its_path(trees, chunk):
     batch = linearize(trees, 64, gdn_chunk_size=chunk)
     seen = _replay_paths(batch)
-    assert len(seen) == int(batch.valid.sum())
-    assert np.all(batch.gdn_token_slot[~batch.valid] == -1)
+    assert len(seen) == int(batch.inputs.valid.sum())
+    assert np.all(batch.inputs.gdn.token_slot[~batch.inputs.valid] == -1)
     for t, r, off in zip(batch.layout.trees, batch.layout.rows, batch.layout.offsets):
         for p in range(t.n_paths):
             idx = (t.path_token_index(p) + off).tolist()
             assert seen[(int(r), idx[-1])] == idx
-            counts = batch.path_count[r, idx]
+            counts = batch.inputs.path_count[r, idx]
             assert np.all(counts >= 1)
     # path_count: how often each tree token appears in the flat per-path data.
     total_flat = sum(int(t.path_lengths.sum()) for t in trees)
-    assert int(batch.path_count.sum()) == total_flat
+    assert int(batch.inputs.path_count.sum()) == total_flat
 
 
 def test_chunk_capacity_is_bucketed_and_checked():
     tree = TrajectoryTree.from_nodes([-1, 0, 0, 1], [[1] * 5, [2] * 3, [3], [4] * 4])
     batch = linearize([tree], 16, gdn_chunk_size=2)
     # Node chunks: 3 + 2 + 1 + 2 = 8 -> capacity 8 (= ceil(16 / 2), in steps of 8 // 4 = 2).
-    assert batch.gdn_chunk_tokens.shape == (1, 8, 2)
+    assert batch.inputs.gdn.chunk_tokens.shape == (1, 8, 2)
     assert default_chunk_count(16, 2, 9) == 10
     assert default_chunk_count(4096, 64, 70) == 80
     with pytest.raises(ValueError, match="gdn_chunks=4: row 0 needs 8 chunks"):
@@ -65,4 +66,4 @@ def test_chunk_capacity_is_bucketed_and_checked():
     with pytest.raises(ValueError, match="gdn_chunks: given without"):
         linearize([tree], 16, gdn_chunks=8)
     plain = linearize([tree], 16)  # dense models need no chunk tables
-    assert plain.gdn_chunk_tokens is None and "gdn_chunk_src" not in plain.arrays()
+    assert plain.inputs.gdn is None

@@ -54,7 +54,7 @@ def _brute_pairs(batch):
     """Visible (query, key) pairs counted from the dense mask j <= i < end[j] on real tokens."""
     total = 0
     for r in range(batch.shape[0]):
-        end, valid = batch.end[r], batch.valid[r]
+        end, valid = batch.inputs.mask.end[r], batch.inputs.valid[r]
         i = np.arange(len(end))
         visible = (i[None, :] <= i[:, None]) & (i[:, None] < end[None, :])
         total += int(visible[valid][:, valid].sum())
@@ -69,8 +69,8 @@ def test_work_counts_match_the_layouts_and_a_brute_force_mask_count():
     bb = linearize_baseline(trees, 128)
     assert batch_work(tb) == tree_w and batch_work(bb) == base_w
     assert tree_w.pairs == _brute_pairs(tb) and base_w.pairs == _brute_pairs(bb)
-    assert tree_w.scored == int((tb.weight != 0).sum())
-    assert base_w.scored == int((bb.weight != 0).sum())
+    assert tree_w.scored == int((tb.inputs.coefficients.weight != 0).sum())
+    assert base_w.scored == int((bb.inputs.coefficients.weight != 0).sum())
     assert base_w.tokens == sum(t.stats().n_flat_tokens for t in trees)
 
 

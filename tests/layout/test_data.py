@@ -14,7 +14,7 @@ from jtree.loss import batch_normalizer
 from jtree.train_step import Objective, build_batch, make_grad_fn, stack_microbatches
 from jtree.synthetic import por_forest
 from tests.models_util import tiny_config, tiny_model
-from tests.run_util import VOCAB, write_groups
+from tests.run_util import VOCAB
 from tests.strategies import explicit_tree, random_forest
 
 
@@ -70,15 +70,15 @@ def test_hosts_build_disjoint_shards_of_the_same_global_step():
     whole = _builder(trees, _plan(shards=(0, 1)))(index[1])
     first = _builder(trees, _plan(shards=(0,)))(index[1])
     second = _builder(trees, _plan(shards=(1,)))(index[1])
-    for key, value in whole["inputs"].items():
+    for value, a, b in zip(*(jax.tree_util.tree_leaves(x["inputs"])
+                             for x in (whole, first, second))):
         assert value.shape[:2] == (2, 8)
-        np.testing.assert_array_equal(
-            value, np.concatenate([first["inputs"][key], second["inputs"][key]], axis=1))
+        np.testing.assert_array_equal(value, np.concatenate([a, b], axis=1))
     chosen = [trees[int(i)] for i in index[1]]
-    assert whole["inputs"]["row_norm"].sum() == pytest.approx(
+    assert whole["inputs"].row_norm.sum() == pytest.approx(
         batch_normalizer(chosen, "token_mean"), rel=1e-6)
     assert int(whole["info"]["n_tree_tokens"]) == sum(t.n_tree_tokens for t in chosen)
-    assert int(whole["inputs"]["valid"].sum()) == sum(t.n_tree_tokens for t in chosen)
+    assert int(whole["inputs"].valid.sum()) == sum(t.n_tree_tokens for t in chosen)
 
 
 @pytest.mark.parametrize("mode, seq_len", [("baseline", 64), ("tree", None)])
@@ -122,11 +122,11 @@ def test_shuffle_is_seeded_covers_each_epoch_and_iterator_state_resumes():
     for _ in range(3):
         next(it)
     state = it.get_state()
-    expected = [next(it)["inputs"]["tokens"] for _ in range(2)]
+    expected = [next(it)["inputs"].tokens for _ in range(2)]
     again = iter(make_pipeline(StepBuilder(trees, units, plan), seed=5))
     again.set_state(json.loads(json.dumps(state)))
     for want in expected:
-        np.testing.assert_array_equal(next(again)["inputs"]["tokens"], want)
+        np.testing.assert_array_equal(next(again)["inputs"].tokens, want)
 
 
 def test_auto_mode_picks_by_predicted_gain_and_both_modes_give_the_same_loss():
@@ -178,18 +178,19 @@ def test_gdn_chunk_tables_share_one_bucketed_capacity_per_step(mode):
                                        gdn_chunk_size=3)
             parts.append(_builder(trees, plan)(index[k])["inputs"])
         whole, first, second = parts
-        for key in ("gdn_chunk_tokens", "gdn_chunk_src", "gdn_token_slot"):
+        for key in ("chunk_tokens", "chunk_src", "token_slot"):
             np.testing.assert_array_equal(
-                whole[key], np.concatenate([first[key], second[key]], axis=1))
-        tables = whole["gdn_chunk_tokens"]  # [micro, rows, NC, C]
+                getattr(whole.gdn, key),
+                np.concatenate([getattr(first.gdn, key), getattr(second.gdn, key)], axis=1))
+        tables = whole.gdn.chunk_tokens  # [micro, rows, NC, C]
         used = _chunks_used(tables)
         assert tables.shape[2] == default_chunk_count(64, 3, used) >= used
         per_bin = lambda x: x.reshape((2, 2, 8) + x.shape[2:])  # noqa: E731  [micro, shard, ...]
-        empty = ~per_bin(whole["valid"]).any(axis=(2, 3))
+        empty = ~per_bin(whole.valid).any(axis=(2, 3))
         if mode == "tree":
             assert empty.any()  # 3 trees for 4 bins: a bin with no tree
         assert np.all(per_bin(tables)[empty] == -1)
-        assert np.all(whole["gdn_token_slot"][~whole["valid"]] == -1)
+        assert np.all(whole.gdn.token_slot[~whole.valid] == -1)
     plan = dataclasses.replace(_plan(mode, per_step=3, rows=8), gdn_chunk_size=3, gdn_chunks=2)
     with pytest.raises(ValueError, match=r"gdn_chunks=2: row \d+ needs \d+ chunks"):
         _builder(trees, plan)(index[0])

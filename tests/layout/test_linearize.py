@@ -26,23 +26,25 @@ def _dense_mask_from_paths(batch):
 @given(forests(n_trees=(1, 5)))
 def test_layout_matches_path_semantics(trees):
     batch = linearize(trees, 48)
-    np.testing.assert_array_equal(np.asarray(tree_mask(batch.end)), _dense_mask_from_paths(batch))
+    np.testing.assert_array_equal(np.asarray(tree_mask(batch.inputs.mask.end)),
+                                  _dense_mask_from_paths(batch))
     # Token / position / pred of every path, read back through unlinearize.
-    toks = unlinearize(batch, batch.tokens)
-    pos = unlinearize(batch, batch.pos)
+    toks = unlinearize(batch, batch.inputs.tokens)
+    pos = unlinearize(batch, batch.inputs.pos)
     for t, tk, ps in zip(trees, toks, pos):
         for p in range(t.n_paths):
             assert tk[p].tolist() == t.path_tokens(p).tolist()
             assert ps[p].tolist() == list(range(t.path_lengths[p]))
-    flat_pred = batch.pred
+    flat_pred = batch.inputs.pred
     for t, r, off in zip(trees, batch.layout.rows, batch.layout.offsets):
         for p in range(t.n_paths):
             idx = t.path_token_index(p) + off
             assert flat_pred[r, idx].tolist() == [-1] + idx[:-1].tolist()
-    assert batch.valid.sum() == sum(t.n_tree_tokens for t in trees)
-    pad = ~batch.valid
-    assert np.all(batch.pred[pad] == -1) and np.all(batch.weight[pad] == 0)
-    assert np.all(batch.node[pad] == -1)
+    assert batch.inputs.valid.sum() == sum(t.n_tree_tokens for t in trees)
+    pad = ~batch.inputs.valid
+    assert np.all(batch.inputs.pred[pad] == -1)
+    assert np.all(batch.inputs.coefficients.weight[pad] == 0)
+    assert np.all(batch.inputs.node[pad] == -1)
 
 
 def test_several_trees_per_row_and_dtypes():
@@ -50,13 +52,15 @@ def test_several_trees_per_row_and_dtypes():
     batch = linearize(trees, 16)
     assert batch.shape == (1, 16)
     assert batch.layout.offsets.tolist() == [0, 4, 8]
-    for f in ("tokens", "pos", "end", "pred", "node"):
-        assert getattr(batch, f).dtype == np.int32
-    for f in ("weight", "adv_pos", "adv_neg", "old_logprobs"):
-        assert getattr(batch, f).dtype == np.float32
-    assert batch.end[0, :12].tolist() == [4, 4, 3, 4, 8, 8, 7, 8, 12, 12, 11, 12]
-    assert batch.node[0, :12].tolist() == [0, 0, 1, 2, 3, 3, 4, 5, 6, 6, 7, 8]
-    assert batch.end[0, 12:].tolist() == [13, 14, 15, 16]
+    x = batch.inputs
+    for a in (x.tokens, x.pos, x.mask.end, x.pred, x.node):
+        assert a.dtype == np.int32
+    c = x.coefficients
+    for a in (c.weight, c.adv_pos, c.adv_neg, c.old_logprobs):
+        assert a.dtype == np.float32
+    assert batch.inputs.mask.end[0, :12].tolist() == [4, 4, 3, 4, 8, 8, 7, 8, 12, 12, 11, 12]
+    assert batch.inputs.node[0, :12].tolist() == [0, 0, 1, 2, 3, 3, 4, 5, 6, 6, 7, 8]
+    assert batch.inputs.mask.end[0, 12:].tolist() == [13, 14, 15, 16]
 
 
 def test_rows_and_buckets():

@@ -45,15 +45,16 @@ def test_microbatches_share_one_shape_and_hold_every_part_once():
     assert sorted(held) == sorted(id(p) for p in parts)
     assert all(b.normalizer == norm for b in mb.batches)
     # The padding the plan reports is the padding the batches have.
-    valid = sum(int(b.valid.sum()) for b in mb.batches)
+    valid = sum(int(b.inputs.valid.sum()) for b in mb.batches)
     assert valid == mb.plan.used_tokens
-    total = sum(b.valid.size for b in mb.batches)
+    total = sum(b.inputs.valid.size for b in mb.batches)
     assert 1 - valid / total == pytest.approx(mb.plan.padding_fraction)
     inputs = mb.inputs()
-    assert inputs["tokens"].shape == (len(mb.batches), 2, mb.plan.row_len)
+    assert inputs.shape == (len(mb.batches), 2, mb.plan.row_len)
     # Weights summed over micro-batches equal the whole trees' weights.
     whole = linearize(trees, sum(t.n_tree_tokens for t in trees), normalization="token_mean")
-    assert inputs["weight"].sum() == pytest.approx(whole.weight.sum(), rel=1e-5)
+    assert inputs.coefficients.weight.sum() == pytest.approx(
+        whole.inputs.coefficients.weight.sum(), rel=1e-5)
 
 
 def test_least_padding_plan_packs_at_the_bucket_that_wastes_least():

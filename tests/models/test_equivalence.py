@@ -36,8 +36,8 @@ def _batches(trees, normalization):
 def test_logprobs_equal_baseline(trees):
     tree, base = _batches(trees, "seq_mean_token_mean")
     fn = logprob_fn(GRAPHDEF)
-    lp_tree = unlinearize(tree, np.asarray(fn(PARAMS, tree.arrays())))
-    lp_base = unlinearize_baseline(base, np.asarray(fn(PARAMS, base.arrays())), trees)
+    lp_tree = unlinearize(tree, np.asarray(fn(PARAMS, tree.inputs)))
+    lp_base = unlinearize_baseline(base, np.asarray(fn(PARAMS, base.inputs)), trees)
     for a_paths, b_paths in zip(lp_tree, lp_base):
         for a, b in zip(a_paths, b_paths):
             assert a[0] == 0.0 and b[0] == 0.0
@@ -50,7 +50,7 @@ def test_logprobs_equal_baseline(trees):
 @given(trees=FORESTS)
 def test_sft_loss_and_grads_equal_baseline(trees, normalization):
     tree, base = _batches(trees, normalization)
-    assert_loss_and_grads_match(GRAPHDEF, PARAMS, tree.arrays(), base.arrays(),
+    assert_loss_and_grads_match(GRAPHDEF, PARAMS, tree.inputs, base.inputs,
                                 Objective(kind="sft"))
 
 

@@ -69,8 +69,8 @@ def test_logprobs_equal_baseline(trees, kind):
     graphdef, params = tiny(kind)
     tree, base = _batches(trees, "seq_mean_token_mean")
     fn = logprob_fn(graphdef)
-    lp_tree = unlinearize(tree, np.asarray(fn(params, tree.arrays())))
-    lp_base = unlinearize_baseline(base, np.asarray(fn(params, base.arrays())), trees)
+    lp_tree = unlinearize(tree, np.asarray(fn(params, tree.inputs)))
+    lp_base = unlinearize_baseline(base, np.asarray(fn(params, base.inputs)), trees)
     for a_paths, b_paths in zip(lp_tree, lp_base):
         for a, b in zip(a_paths, b_paths):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
@@ -82,7 +82,7 @@ def test_logprobs_equal_baseline(trees, kind):
 def test_sft_loss_and_grads_equal_baseline(trees, kind):
     graphdef, params = tiny(kind)
     tree, base = _batches(trees, "seq_mean_token_mean")
-    assert_loss_and_grads_match(graphdef, params, tree.arrays(), base.arrays(),
+    assert_loss_and_grads_match(graphdef, params, tree.inputs, base.inputs,
                                 Objective(kind="sft"))
 
 

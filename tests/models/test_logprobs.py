@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,13 +38,14 @@ def test_child_first_token_scored_from_parent_last_row():
     fn = logprob_fn(graphdef)
     tree = TrajectoryTree.from_sequences([[5, 6, 7, 8], [5, 6, 9]])
     batch = linearize([tree], 8)
-    assert batch.tokens[0, :5].tolist() == [5, 6, 7, 8, 9]
-    assert batch.pred[0, :5].tolist() == [-1, 0, 1, 2, 1]
-    lp = np.asarray(fn(params, batch.arrays()))
+    assert batch.inputs.tokens[0, :5].tolist() == [5, 6, 7, 8, 9]
+    assert batch.inputs.pred[0, :5].tolist() == [-1, 0, 1, 2, 1]
+    lp = np.asarray(fn(params, batch.inputs))
     alone = linearize([TrajectoryTree.from_sequences([[5, 6, 9]])], 8)
-    lp_alone = np.asarray(fn(params, alone.arrays()))
+    lp_alone = np.asarray(fn(params, alone.inputs))
     assert lp[0, 4] == pytest.approx(lp_alone[0, 2], abs=1e-6)
-    wrong = dict(batch.arrays(), pred=np.array([[-1, 0, 1, 2, 3, -1, -1, -1]], np.int32))
+    wrong = dataclasses.replace(batch.inputs,
+                                pred=np.array([[-1, 0, 1, 2, 3, -1, -1, -1]], np.int32))
     lp_wrong = np.asarray(fn(params, wrong))
     assert abs(lp_wrong[0, 4] - lp_alone[0, 2]) > 1e-3
 
@@ -52,10 +55,10 @@ def test_packing_and_padding_do_not_leak():
     fn = logprob_fn(graphdef)
     a = TrajectoryTree.from_sequences([[1, 2, 3, 4], [1, 2, 5]])
     b = TrajectoryTree.from_sequences([[7, 8, 9]])
-    alone = np.asarray(fn(params, linearize([a], 16).arrays()))[0, :5]
+    alone = np.asarray(fn(params, linearize([a], 16).inputs))[0, :5]
     packed_batch = linearize([b, a], 16)
     off = packed_batch.layout.offsets[1]
-    packed = np.asarray(fn(params, packed_batch.arrays()))[0, off : off + 5]
+    packed = np.asarray(fn(params, packed_batch.inputs))[0, off : off + 5]
     np.testing.assert_allclose(packed, alone, atol=1e-6)
 
 
@@ -120,13 +123,13 @@ def test_score_index_lists_exactly_the_tokens_with_a_loss_coefficient():
                                          loss_masks=[[0, 0, 1, 1], [0, 1, 1]])
     batch = linearize([tree, TrajectoryTree.from_sequences([[3, 4]], loss_masks=[[0, 0]])], 8)
     for r in range(batch.shape[0]):
-        listed = batch.score_index[r][batch.score_index[r] >= 0]
-        assert listed.tolist() == np.flatnonzero(batch.weight[r] != 0).tolist()
-    assert batch.score_index.shape[1] == 8  # aligned to 64, capped at S
+        listed = batch.inputs.score_index[r][batch.inputs.score_index[r] >= 0]
+        assert listed.tolist() == np.flatnonzero(batch.inputs.coefficients.weight[r] != 0).tolist()
+    assert batch.inputs.score_index.shape[1] == 8  # aligned to 64, capped at S
     with pytest.raises(ValueError, match="score_len=2: a row has 4 scored tokens"):
         linearize([tree], 8, score_len=2)
     wide = linearize([tree], 8, score_len=12)
-    assert wide.score_index.shape == (1, 12) and (wide.score_index >= 0).sum() == 4
+    assert wide.inputs.score_index.shape == (1, 12) and (wide.inputs.score_index >= 0).sum() == 4
 
 
 @pytest.mark.parametrize("n,chunk", [(1408, 1024), (832, 1024), (2049, 1024), (7, 4), (100, 7),

@@ -1,5 +1,7 @@
 """MoE block, router aux loss weighting, Qwen3-MoE / Qwen3-Next configs and parameter names."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,7 +95,7 @@ def test_model_aux_loss_needs_path_count_and_config_flag():
     cfg = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     batch = linearize([TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4, 5]])], 8,
-                      gdn_chunk_size=4).arrays()
+                      gdn_chunk_size=4).inputs
 
     def aux_loss(model, inputs):  # jitted: eager MoE / GDN layers are slow to dispatch
         graphdef, params = nnx.split(model)
@@ -104,11 +106,10 @@ def test_model_aux_loss_needs_path_count_and_config_flag():
     on = tiny_lm(Qwen3MoeConfig(**cfg, output_router_logits=True), 0)
     assert aux_loss(on, batch) > 0.0
     with pytest.raises(ValueError, match="path_count"):
-        aux_loss(on, {k: v for k, v in batch.items() if k != "path_count"})
+        aux_loss(on, dataclasses.replace(batch, path_count=None))
     nxt = nnx.eval_shape(lambda: tiny_lm(Qwen3NextConfig(**cfg, layer_types=("linear_attention",))))
-    with pytest.raises(ValueError, match="gdn_chunk_tokens"):
-        nnx.eval_shape(lambda m: m({k: v for k, v in batch.items() if k != "gdn_chunk_tokens"}),
-                       nxt)
+    with pytest.raises(ValueError, match="'gdn' missing"):
+        nnx.eval_shape(lambda m: m(dataclasses.replace(batch, gdn=None)), nxt)
 
 
 def test_parameter_names_follow_hugging_face():

@@ -1,8 +1,12 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jtree.batch import padding
+from jtree.kernels import TreeMask
 from jtree.linearize import linearize
 from jtree.tree import TrajectoryTree
 from tests.models_util import logprob_fn, tiny_config, tiny_lm
@@ -28,7 +32,7 @@ def test_bf16_compute_runs_close_to_fp32():
     out = {}
     for dtype in ("float32", "bfloat16"):
         graphdef, params = nnx.split(tiny_lm(tiny_config(), 0, dtype=dtype))
-        out[dtype] = np.asarray(logprob_fn(graphdef)(params, batch.arrays()))
+        out[dtype] = np.asarray(logprob_fn(graphdef)(params, batch.inputs))
     assert out["bfloat16"].dtype == np.float32
     np.testing.assert_allclose(out["bfloat16"], out["float32"], atol=0.1)
 
@@ -39,6 +43,8 @@ def test_rope_uses_batch_positions():
     tokens = jnp.asarray([[3, 4, 5, 0, 0], [0, 0, 3, 4, 5]], jnp.int32)
     pos = jnp.asarray([[0, 1, 2, 0, 0], [0, 0, 0, 1, 2]], jnp.int32)
     end = jnp.asarray([[3, 3, 3, 4, 5], [1, 2, 5, 5, 5]], jnp.int32)
-    h = model({"tokens": tokens, "pos": pos, "end": end}).hidden
+    inputs = dataclasses.replace(padding(2, 5, score_len=None), tokens=tokens, pos=pos,
+                                 mask=TreeMask(end))
+    h = model(inputs).hidden
     np.testing.assert_allclose(h[0, :3], h[1, 2:], atol=1e-5)
     assert jax.tree_util.tree_leaves(h)[0].shape == (2, 5, 32)

@@ -125,16 +125,16 @@ def test_program_computes_each_token_once_and_packs_small_trees():
     # with one prefix bucket and one row length every part row has the same shapes (one compile
     # per jitted piece).
     program = build_program(trees, 3, seq_len=ROW, prefix_buckets=PREFIX, row_lengths=[ROW])
-    assert {tuple(v.shape for v in p.inputs.values()) for p in program.parts} == {
-        tuple(v.shape for v in program.parts[0].inputs.values())}
+    shapes = [tuple(v.shape for v in jax.tree_util.tree_leaves(p.inputs)) for p in program.parts]
+    assert set(shapes) == {shapes[0]}
     program = build_program(trees, 3, seq_len=ROW)
     lengths = [p.prefix_len for p in program.parts]
     for p in program.parts:
         if p.parent < 0:
             assert p.prefix_len == min(q.prefix_len for q in program.parts if q.parent >= 0)
             j = np.arange(p.prefix_len)
-            np.testing.assert_array_equal(p.inputs["prefix_end"][0], j + 1)  # padding only
-            np.testing.assert_array_equal(p.inputs["prefix_pred"][0], -1)
+            np.testing.assert_array_equal(p.inputs.mask.prefix_end[0], j + 1)  # padding only
+            np.testing.assert_array_equal(p.inputs.prefix_pred[0], -1)
     assert len(set(lengths)) < len(lengths)
 
 
@@ -150,15 +150,15 @@ def test_part_rows_fit_their_content():
         fitted = build_program(trees, capacity, seq_len=64)
         for p in fitted.parts:
             content = sum(len(m.tokens) for m in p.members)
-            assert p.inputs["tokens"].shape[1] == row_length(content, 64)
-            assert p.inputs["valid"][0, :content].all() and not p.inputs["valid"][0, content:].any()
+            assert p.inputs.shape[1] == row_length(content, 64)
+            assert p.inputs.valid[0, :content].all() and not p.inputs.valid[0, content:].any()
         fixed = build_program(trees, capacity, seq_len=64, row_lengths=[64])
-        assert {p.inputs["tokens"].shape[1] for p in fixed.parts} == {64}
+        assert {p.inputs.shape[1] for p in fixed.parts} == {64}
         assert fitted.n_computed == fixed.n_computed
         finer = build_program(trees, capacity, seq_len=64, row_steps_per_octave=16)
         for p in finer.parts:
             content = sum(len(m.tokens) for m in p.members)
-            assert p.inputs["tokens"].shape[1] == row_length(content, 64, steps_per_octave=16)
+            assert p.inputs.shape[1] == row_length(content, 64, steps_per_octave=16)
     for bad in (0, 3, 2.0, True):
         with pytest.raises(ValueError, match="row_steps_per_octave"):
             build_program(trees, 5, seq_len=64, row_steps_per_octave=bad)
@@ -248,7 +248,7 @@ def _reference(graphdef, params, trees, objective, chunk):
     full = linearize(trees, 64, normalization=objective.normalization, gdn_chunk_size=chunk,
                      gdn_chunks=64 if chunk else None)
     loss, _, grads = jax.jit(make_grad_fn(graphdef, objective))(params, stack_microbatches([full]))
-    logp = np.asarray(logprob_fn(graphdef)(params, full.arrays()))
+    logp = np.asarray(logprob_fn(graphdef)(params, full.inputs))
     per_tree = [logp[r, o : o + t.n_tree_tokens]
                 for t, r, o in zip(full.layout.trees, full.layout.rows, full.layout.offsets)]
     return loss, grads, per_tree

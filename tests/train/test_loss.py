@@ -1,5 +1,8 @@
 """Loss coefficients and the PPO identity checked against per-path brute force (no model)."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -64,15 +67,16 @@ def test_tree_losses_equal_per_path_losses(trees):
     clipped-PPO losses equal the per-path sums, whatever the advantages of sharing paths."""
     rng = np.random.default_rng(0)
     batch = linearize(trees, 48, normalization="seq_mean_token_mean")
-    logp = np.where(batch.valid, -rng.uniform(0.1, 5.0, batch.shape), 0.0).astype(np.float32)
+    logp = np.where(batch.inputs.valid, -rng.uniform(0.1, 5.0, batch.shape), 0.0).astype(np.float32)
     old = (logp + rng.normal(0, 0.4, batch.shape)).astype(np.float32)  # ratios beyond the clip
     ref = (logp + rng.normal(0, 0.3, batch.shape)).astype(np.float32)
     ent = rng.uniform(0, 3, batch.shape).astype(np.float32)
-    inputs = {k: jnp.asarray(v) for k, v in batch.arrays().items()}
-    tree_sft = float(sft_loss(jnp.asarray(logp), inputs))
-    tree_ppo, _ = ppo_loss(jnp.asarray(logp), inputs, old_logprobs=jnp.asarray(old), clip_low=0.2,
-                           clip_high=0.28, ref_logprobs=jnp.asarray(ref), kl_coef=0.1,
-                           entropy=jnp.asarray(ent), entropy_coef=0.01)
+    coefficients = jax.tree_util.tree_map(jnp.asarray, batch.inputs.coefficients)
+    tree_sft = float(sft_loss(jnp.asarray(logp), coefficients))
+    coefficients = dataclasses.replace(coefficients, old_logprobs=jnp.asarray(old),
+                                       ref_logprobs=jnp.asarray(ref))
+    tree_ppo, _ = ppo_loss(jnp.asarray(logp), coefficients, clip_low=0.2, clip_high=0.28,
+                           kl_coef=0.1, entropy=jnp.asarray(ent), entropy_coef=0.01)
 
     c = _per_path_c(trees, "seq_mean_token_mean")
     want_sft = want_ppo = 0.0

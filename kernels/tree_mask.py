@@ -1,0 +1,91 @@
+"""The tree mask every attention implementation reads (docs/design.md section 3).
+
+One int per key: query i may attend key j iff j <= i < end[j]. A part of a tree that attends to
+keys computed by earlier parts (redundancy-free partitioning) adds `prefix_end` for the P cached
+keys laid out before its own; then `end` and `prefix_end` are in the part's combined coordinates
+(prefix key j at position j, own token i at position P + i) and queries exist only for the own
+tokens, so the same rule decides visibility with query i sitting at key position P + i.
+
+Padding keys attend only to themselves (end[j] = j + 1): no real query sees them (j <= i fails).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class TreeMask:
+    """`end` [..., S] int32 of the own keys; `prefix_end` [..., P] int32 of cached prefix keys
+    (None: no prefix). Host (numpy) arrays stay numpy, so kernels can build their block tables on
+    the host and `check` can validate them."""
+
+    end: Any
+    prefix_end: Any = None
+
+    @property
+    def prefix_len(self) -> int:
+        """P, the cached keys before the own ones (0 without a prefix)."""
+        return 0 if self.prefix_end is None else self.prefix_end.shape[-1]
+
+    @property
+    def is_host(self) -> bool:
+        return isinstance(self.end, np.ndarray) and (
+            self.prefix_end is None or isinstance(self.prefix_end, np.ndarray))
+
+    def key_end(self) -> Any:
+        """`end` of every key, [prefix keys | own keys]: [rows, P + S]."""
+        if self.prefix_end is None:
+            return self.end
+        if self.is_host:
+            return np.concatenate([self.prefix_end, self.end], axis=-1)
+        return jnp.concatenate([jnp.asarray(self.prefix_end, jnp.int32),
+                                jnp.asarray(self.end, jnp.int32)], axis=-1)
+
+    def padded(self, sq: int, skv: int) -> tuple[Any, Any]:
+        """(end [rows, skv], q_pos [rows, sq] or None) for a kernel that runs sq >= S queries over
+        skv >= P + S keys: padding keys see only themselves, padding queries sit on the last key
+        position (their outputs are dropped). `q_pos` (each query's key position) is None for a
+        call without a prefix, whose queries are the keys (sq == skv)."""
+        rows, s = self.end.shape[0], self.end.shape[-1]
+        p = self.prefix_len
+        if sq < s or skv < p + s:
+            raise ValueError(f"padded: ({sq}, {skv}) is shorter than the mask's ({s}, {p + s})")
+        end = self.key_end()
+        if skv > p + s:
+            tail = np.arange(p + s, skv, dtype=np.int32) + 1
+            end = (np.concatenate([end, np.broadcast_to(tail, (rows, len(tail)))], axis=1)
+                   if isinstance(end, np.ndarray) else
+                   jnp.concatenate([jnp.asarray(end, jnp.int32),
+                                    jnp.broadcast_to(jnp.asarray(tail), (rows, len(tail)))], 1))
+        if self.prefix_end is None:
+            if sq != skv:
+                raise ValueError(f"padded: a mask without a prefix is square; got ({sq}, {skv})")
+            return end, None
+        q_pos = np.concatenate([np.arange(p, p + s, dtype=np.int32),
+                                np.full(sq - s, skv - 1, np.int32)])
+        q_pos = np.broadcast_to(q_pos, (rows, sq))
+        return end, (q_pos if isinstance(end, np.ndarray) else jnp.asarray(q_pos))
+
+    def check(self) -> None:
+        """On host arrays: every key sees itself and no key's subtree reaches past the row
+        (end[j] in (j, P + S]); prefix keys have no query, so they only need end[j] > j. Traced
+        masks cannot be checked and pass."""
+        if not self.is_host:
+            return
+        end = self.key_end()
+        if not np.issubdtype(end.dtype, np.integer):
+            raise ValueError(f"end: dtype {end.dtype} is not an integer type")
+        j = np.arange(end.shape[1])
+        bad = (end <= j) | (end > end.shape[1])
+        if bad.any():
+            r, i = map(int, np.argwhere(bad)[0])
+            where = f"token {i}" if i >= self.prefix_len else f"prefix key {i}"
+            raise ValueError(f"end: row {r}, {where} has end={int(end[r, i])}; need "
+                             f"{i} < end <= S={end.shape[1]} (every token sees itself)")
