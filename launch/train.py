@@ -34,16 +34,16 @@ from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.config import TrainConfig, load_config
 from jtree.cost import FlopModel
 from jtree.data import (
-    AutoStepBuilder, BatchPlan, RfreePlan, RfreeStepBuilder, StepBuilder, all_units, load_trees,
-    make_pipeline, rows_for_run, step_indices,
+    AutoStepBuilder, RfreeStepBuilder, RfreeStepConfig, StepBuilder, StepConfig, all_units,
+    load_trees, make_pipeline, rows_for_run, step_indices,
 )
 from jtree.distributed import initialize_from_env
 from jtree.host_allocator import configure_host_malloc
 from jtree.linearize import linearize, unlinearize
 from jtree.metrics import MetricsLog
 from jtree.models import create_model
+from jtree.planner import LayoutConfig, check_steps_per_octave
 from jtree.rfree.execute import RedundancyFreeStep
-from jtree.rfree.layout import check_steps_per_octave
 from jtree.sharding import (
     DATA, MODEL, architecture_rules, batch_spec, make_mesh, named, param_path, param_specs,
 )
@@ -200,6 +200,16 @@ def gdn_chunk_size(cfg: TrainConfig) -> int | None:
     return cfg.data.gdn_chunk_size if cfg.model.config.needs_gdn_tables else None
 
 
+def step_config(cfg: TrainConfig, mode: str, n_shards: int, shards: tuple[int, ...],
+                rows: int) -> StepConfig:
+    """How the steps of `mode` are built on this host (`jtree.data.StepConfig`): the config's
+    data section on `n_shards` data shards, `rows` rows per micro-batch."""
+    d = cfg.data
+    return StepConfig(mode, cfg.objective.normalization, d.trees_per_step, shards, LayoutConfig(
+        d.seq_len, n_shards, d.micro_batches, rows, gdn_chunk_size=gdn_chunk_size(cfg),
+        gdn_chunks=d.gdn_chunks))
+
+
 def check_resumable(meta: dict[str, Any], expected: dict[str, Any], where: str) -> None:
     for key, value in expected.items():
         if key in meta and meta[key] != value:
@@ -241,15 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows_by_mode[mode] = d.rows_per_micro_batch or rows_for_run(
             units, d.seq_len, d.trees_per_step, mesh.shape[DATA] * d.micro_batches,
             d.shuffle_seed, cfg.run.steps)
-        plan = BatchPlan(mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
-                         d.micro_batches, mesh.shape[DATA], shards, rows_by_mode[mode],
-                         gdn_chunk_size(cfg), d.gdn_chunks)
-        builders[mode] = StepBuilder(trees, units, plan)
+        builders[mode] = StepBuilder(trees, units, step_config(
+            cfg, mode, mesh.shape[DATA], shards, rows_by_mode[mode]))
     if cfg.run.mode == "redundancy_free":
-        builder = RfreeStepBuilder(trees, RfreePlan(cfg.objective.normalization, d.seq_len,
-                                                    rfree_capacity(cfg), d.trees_per_step,
-                                                    gdn_chunk_size(cfg),
-                                                    cfg.run.row_steps_per_octave))
+        builder = RfreeStepBuilder(trees, RfreeStepConfig(
+            cfg.objective.normalization, d.seq_len, rfree_capacity(cfg), d.trees_per_step,
+            gdn_chunk_size(cfg), cfg.run.row_steps_per_octave))
         layout = (f"parts of <= {rfree_capacity(cfg)} tokens in rows fitted to them (at most "
                   f"{d.seq_len}), one device call per part")
     else:
@@ -417,11 +424,9 @@ def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], tra
         rows = train_rows[mode] if mode in train_rows else rows_for_run(
             units, d.seq_len, d.trees_per_step, n_data * d.micro_batches, d.shuffle_seed,
             cfg.run.steps)
-        plan = BatchPlan(mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
-                         d.micro_batches, n_data, tuple(range(n_data)), rows, gdn_chunk_size(cfg),
-                         d.gdn_chunks)
-        element = StepBuilder(trees, units, plan)(step_indices(len(trees), d.trees_per_step,
-                                                               d.shuffle_seed)[0])
+        config = step_config(cfg, mode, n_data, tuple(range(n_data)), rows)
+        element = StepBuilder(trees, units, config)(step_indices(len(trees), d.trees_per_step,
+                                                                 d.shuffle_seed)[0])
         inputs[mode] = to_global(mesh, element["inputs"], n_data)
     for mode in ("tree", "baseline"):  # compile both before timing
         state, metrics = trainer.step_fn(state, inputs[mode])
