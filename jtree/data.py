@@ -32,13 +32,16 @@ import numpy as np
 
 from jtree.baseline import flatten_paths
 from jtree.chat import conversation_tree, load_tokenizer
+from jtree.config import DataConfig
 from jtree.cost import FlopModel, choose_mode
 from jtree.linearize import FLOAT_FIELDS, INT_FIELDS, linearize
 from jtree.loss import Normalization, batch_normalizer
 from jtree.packing import unit_counts
 from jtree.partition import Method as PartitionMethod
 from jtree.partition import partition
-from jtree.planner import LayoutConfig, RowPlan, StepPlan, plan_step, rows_to_hold
+from jtree.planner import (
+    LayoutConfig, RowPlan, StepPlan, plan_step, row_length_ladder, rows_to_hold,
+)
 from jtree.rfree.layout import ROW_STEPS_PER_OCTAVE, build_program
 from jtree.tree import TrajectoryTree
 from jtree.tree_jsonl import (
@@ -330,6 +333,26 @@ def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_
     index = step_indices(len(units), trees_per_step, seed)
     return rows_to_hold([[u.n_tree_tokens for i in index[k] for u in units[int(i)]]
                          for k in range(steps)], LayoutConfig(seq_len, micro_batches=n_bins))
+
+
+def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, *,
+                 normalization: Normalization, n_shards: int, shards: Sequence[int], steps: int,
+                 gdn_chunk_size: int | None = None) -> StepBuilder:
+    """The `StepBuilder` a run with data config `data` trains `mode` with, on `n_shards` data
+    shards of which this host feeds `shards`: units from `all_units`, `data.rows_per_micro_batch`
+    rows per micro-batch or else the fewest that hold the run's `steps` steps (`rows_for_run`),
+    row lengths from `data.row_steps_per_octave` (`jtree.planner.row_length_ladder`).
+    `gdn_chunk_size`: chunk tables of that size (models with linear-attention layers)."""
+    units = all_units(trees, mode, data.seq_len, data.partition_method)
+    rows = data.rows_per_micro_batch or rows_for_run(
+        units, data.seq_len, data.trees_per_step, n_shards * data.micro_batches,
+        data.shuffle_seed, steps)
+    row_lengths = (None if data.row_steps_per_octave is None
+                   else row_length_ladder(data.seq_len, data.row_steps_per_octave))
+    layout = LayoutConfig(data.seq_len, n_shards, data.micro_batches, rows, row_lengths,
+                          gdn_chunk_size, data.gdn_chunks if gdn_chunk_size else None)
+    return StepBuilder(trees, units, StepConfig(mode, normalization, data.trees_per_step,
+                                                tuple(shards), layout))
 
 
 def make_pipeline(builder: StepBuilder | AutoStepBuilder | RfreeStepBuilder, *, seed: int,

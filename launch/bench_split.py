@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtree.cost import FlopModel, Work, batch_work
+from jtree.cost import FlopModel
 from jtree.models import Qwen3Config
 from jtree.kernels import tree_attention
 from jtree.launch.bench import (
@@ -43,10 +43,10 @@ from jtree.launch.bench import (
 
 def attention_grad_fn(end: np.ndarray, cfg: Qwen3Config) -> Callable:
     """A compiled fwd+bwd of the model's tree attention kernel over micro-batches `end`
-    [M, 1, S] (scanned like the train step scans them), and its inputs."""
-    m, _, s = end.shape
-    q = jax.random.normal(jax.random.key(0), (m, 1, s, cfg.num_attention_heads, cfg.head_dim))
-    k = jax.random.normal(jax.random.key(1), (m, 1, s, cfg.num_key_value_heads, cfg.head_dim))
+    [M, rows, S] (scanned like the train step scans them), and its inputs."""
+    m, rows, s = end.shape
+    q = jax.random.normal(jax.random.key(0), (m, rows, s, cfg.num_attention_heads, cfg.head_dim))
+    k = jax.random.normal(jax.random.key(1), (m, rows, s, cfg.num_key_value_heads, cfg.head_dim))
 
     def loss(q, k, v, end):
         def body(total, x):
@@ -101,9 +101,8 @@ def split(name: str, repeats: int, ops: bool = False, attention: str = "cpu") ->
 
     for mode in ("tree", "baseline"):
         p = prepare(trees, mode, workload.seq_len)
-        end = np.stack([b.end for b in p.micro.batches])
-        work[mode] = sum((batch_work(b) for b in p.micro.batches), Work(0, 0, 0))
-        runs[f"{mode} attention"] = attention_grad_fn(end, cfg)
+        work[mode] = p.work
+        runs[f"{mode} attention"] = attention_grad_fn(p.end, cfg)
         compiled = step.lower(state, p.inputs).compile()
         runs[f"{mode} step"] = step_run(compiled, p.inputs)
     tiny = fixed_cost_inputs(cfg)

@@ -34,15 +34,15 @@ from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.config import TrainConfig, load_config
 from jtree.cost import FlopModel
 from jtree.data import (
-    AutoStepBuilder, RfreeStepBuilder, RfreeStepConfig, StepBuilder, StepConfig, all_units,
-    load_trees, make_pipeline, rows_for_run, step_indices,
+    AutoStepBuilder, RfreeStepBuilder, RfreeStepConfig, StepBuilder, load_trees, make_pipeline,
+    step_builder, step_indices,
 )
 from jtree.distributed import initialize_from_env
 from jtree.host_allocator import configure_host_malloc
 from jtree.linearize import linearize, unlinearize
 from jtree.metrics import MetricsLog
 from jtree.models import create_model
-from jtree.planner import LayoutConfig, check_steps_per_octave
+from jtree.planner import check_steps_per_octave
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.sharding import (
     DATA, MODEL, architecture_rules, batch_spec, make_mesh, named, param_path, param_specs,
@@ -200,16 +200,6 @@ def gdn_chunk_size(cfg: TrainConfig) -> int | None:
     return cfg.data.gdn_chunk_size if cfg.model.config.needs_gdn_tables else None
 
 
-def step_config(cfg: TrainConfig, mode: str, n_shards: int, shards: tuple[int, ...],
-                rows: int) -> StepConfig:
-    """How the steps of `mode` are built on this host (`jtree.data.StepConfig`): the config's
-    data section on `n_shards` data shards, `rows` rows per micro-batch."""
-    d = cfg.data
-    return StepConfig(mode, cfg.objective.normalization, d.trees_per_step, shards, LayoutConfig(
-        d.seq_len, n_shards, d.micro_batches, rows, gdn_chunk_size=gdn_chunk_size(cfg),
-        gdn_chunks=d.gdn_chunks))
-
-
 def check_resumable(meta: dict[str, Any], expected: dict[str, Any], where: str) -> None:
     for key, value in expected.items():
         if key in meta and meta[key] != value:
@@ -245,14 +235,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     shards = host_data_shards(mesh)
     modes = {"auto": ("tree", "baseline"), "redundancy_free": ()}.get(cfg.run.mode,
                                                                      (cfg.run.mode,))
-    builders, rows_by_mode = {}, {}
-    for mode in modes:
-        units = all_units(trees, mode, d.seq_len, d.partition_method)
-        rows_by_mode[mode] = d.rows_per_micro_batch or rows_for_run(
-            units, d.seq_len, d.trees_per_step, mesh.shape[DATA] * d.micro_batches,
-            d.shuffle_seed, cfg.run.steps)
-        builders[mode] = StepBuilder(trees, units, step_config(
-            cfg, mode, mesh.shape[DATA], shards, rows_by_mode[mode]))
+    builders = {mode: step_builder(trees, d, mode, normalization=cfg.objective.normalization,
+                                   n_shards=mesh.shape[DATA], shards=shards, steps=cfg.run.steps,
+                                   gdn_chunk_size=gdn_chunk_size(cfg))
+                for mode in modes}
     if cfg.run.mode == "redundancy_free":
         builder = RfreeStepBuilder(trees, RfreeStepConfig(
             cfg.objective.normalization, d.seq_len, rfree_capacity(cfg), d.trees_per_step,
@@ -262,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         builder = (AutoStepBuilder(builders, FlopModel.for_config(mcfg), cfg.run.auto_min_gain)
                    if cfg.run.mode == "auto" else builders[cfg.run.mode])
-        rows = "/".join(f"{rows_by_mode[m]}" for m in modes)
+        rows = "/".join(f"{builders[m].config.layout.rows}" for m in modes)
         layout = (f"{d.micro_batches} micro-batch(es) x {rows} rows ({'/'.join(modes)}) x "
                   f"{d.seq_len} per data shard")
     pipeline = make_pipeline(builder, seed=d.shuffle_seed, worker_count=d.worker_count)
@@ -341,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(summary(history, wall, report.n_bad, ckpt))
     if cfg.run.compare_baseline and history:
         if jax.process_count() == 1:
-            compare_with_baseline(cfg, trees, trainer, state, rows_by_mode)
+            compare_with_baseline(cfg, trees, trainer, state, builders)
         else:
             say("compare_baseline: skipped (single-process check)")
     if ckpt is not None:
@@ -390,10 +376,10 @@ def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
 
 
 def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], trainer: Trainer,
-                          state: TrainState, train_rows: dict[str, int]) -> None:
+                          state: TrainState, builders: dict[str, StepBuilder]) -> None:
     """Equivalence of log-probs and the speed of tree vs baseline steps, on step 0's trees. Each
-    mode is timed at the shape that holds every step of the run, as it would train (the trained
-    modes' rows are `train_rows`, so their step is not compiled again)."""
+    mode is timed on the batches it would train with (the trained modes' `builders`, so their
+    step is not compiled again)."""
     d, mesh = cfg.data, trainer.mesh
     n_data = mesh.shape[DATA]
     chosen = [trees[int(i)] for i in step_indices(len(trees), d.trees_per_step,
@@ -420,13 +406,10 @@ def compare_with_baseline(cfg: TrainConfig, trees: Sequence[TrajectoryTree], tra
 
     inputs = {}
     for mode in ("tree", "baseline"):
-        units = all_units(trees, mode, d.seq_len, d.partition_method)
-        rows = train_rows[mode] if mode in train_rows else rows_for_run(
-            units, d.seq_len, d.trees_per_step, n_data * d.micro_batches, d.shuffle_seed,
-            cfg.run.steps)
-        config = step_config(cfg, mode, n_data, tuple(range(n_data)), rows)
-        element = StepBuilder(trees, units, config)(step_indices(len(trees), d.trees_per_step,
-                                                                 d.shuffle_seed)[0])
+        builder = builders.get(mode) or step_builder(
+            trees, d, mode, normalization=cfg.objective.normalization, n_shards=n_data,
+            shards=range(n_data), steps=cfg.run.steps, gdn_chunk_size=gdn_chunk_size(cfg))
+        element = builder(step_indices(len(trees), d.trees_per_step, d.shuffle_seed)[0])
         inputs[mode] = to_global(mesh, element["inputs"], n_data)
     for mode in ("tree", "baseline"):  # compile both before timing
         state, metrics = trainer.step_fn(state, inputs[mode])
