@@ -321,7 +321,7 @@ def plan_step(tokens: Sequence[int], config: LayoutConfig, *, scored: Sequence[i
     tokens = _check_sizes(tokens, config.seq_len)
     lengths = _fitting(config.row_lengths or [config.seq_len], max(tokens), config.seq_len)
     if config.micro_batches is None:  # one packing, its rows dealt out `rows` at a time
-        whole = _least_positions([tokens], lengths, rows=None, rows_multiple=config.rows)[0]
+        whole = least_padding_plan(tokens, config.seq_len, lengths, rows_multiple=config.rows)
         units, placements = [], []
         for k in range(0, whole.n_rows, config.rows):
             members = sorted(i for row in whole.rows[k : k + config.rows] for i in row)
