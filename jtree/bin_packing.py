@@ -1,9 +1,10 @@
 """First-fit-decreasing bin packing, the one packer of the library.
 
 Rows of a step (`jtree.planner`), parts of a capacity partition (`jtree.partition`, at each
-branching node) and redundancy-free parts (`jtree.rfree.plan`) all pack items into bins of a
-capacity this way: items in decreasing size (ties in input order), each into the first bin with
-room. Callers differ only in what an item is and what its bin becomes.
+branching node), redundancy-free parts (`jtree.rfree.plan`) and the MULTIFIT probes of the
+data-parallel balance (`jtree.balance`) all pack items into bins of a capacity this way: items in
+decreasing size (ties in input order), each into the first bin with room. Callers differ only in
+what an item is and what its bin becomes.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ Layout policy (`LayoutConfig`), one step at a time:
    (`jtree.balance.assign_to_ranks`): every data shard and micro-batch gets about the same work.
    (`micro_batches=None` instead packs all units together and deals the rows out, `rows` at a
    time, into as many micro-batches as they fill: the redundancy-free executor's whole trees.)
-2. Each bin is packed into rows first fit decreasing (`first_fit_decreasing`; units that do not
-   share a row cannot see each other, so any packing is exact).
+2. Each bin is packed into rows first fit decreasing (`jtree.bin_packing`; units in one row
+   cannot see each other, so any packing is exact).
 3. The row length is one of `row_lengths` (default: `seq_len` only, one shape per run). With a
    ladder of lengths (`row_length_ladder`: `k` steps per octave, multiples of the 64-token
    attention block) the step packs at every length that holds its largest unit and keeps the one
@@ -109,7 +109,7 @@ class RowPlan:
     row_len: int
     n_rows: int
     used_tokens: int
-    sizes: tuple[int, ...] = ()
+    sizes: tuple[int, ...]
 
     @property
     def padding_tokens(self) -> int:

@@ -249,8 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         builder = (AutoStepBuilder(builders, FlopModel.for_config(mcfg), cfg.run.auto_min_gain)
                    if cfg.run.mode == "auto" else builders[cfg.run.mode])
         rows = "/".join(f"{builders[m].config.layout.rows}" for m in modes)
+        length = (f"{d.seq_len}" if d.row_steps_per_octave is None else
+                  f"<= {d.seq_len} ({d.row_steps_per_octave} lengths per octave)")
         layout = (f"{d.micro_batches} micro-batch(es) x {rows} rows ({'/'.join(modes)}) x "
-                  f"{d.seq_len} per data shard")
+                  f"{length} per data shard")
     pipeline = make_pipeline(builder, seed=d.shuffle_seed, worker_count=d.worker_count)
     iterator = iter(pipeline)
 
