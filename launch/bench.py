@@ -161,7 +161,7 @@ def workloads() -> list[Workload]:
 # ----------------------------------------------------------------------------- one mode's batch
 
 
-ROW_STEPS_PER_OCTAVE = 16  # the trainer's data.row_steps_per_octave the bench runs with
+ROW_STEPS_PER_OCTAVE = 32  # the trainer's data.row_steps_per_octave the bench runs with
 BATCHES = (f"times the trainer's batches (jtree.data.step_builder: 1 data shard x 1 micro-batch, "
            f"rows_for_run rows, data.row_steps_per_octave={ROW_STEPS_PER_OCTAVE})")
 
