@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jtree.bin_packing import first_fit_decreasing
 from jtree.partition import TreePart
 from jtree.tree import TrajectoryTree
 
@@ -95,28 +96,16 @@ def _longest_first(costs: np.ndarray, n_ranks: int) -> list[list[int]]:
 def _multifit(costs: np.ndarray, n_ranks: int, rounds: int = 20) -> list[list[int]] | None:
     """MULTIFIT: binary search the smallest rank capacity at which first fit decreasing needs at
     most `n_ranks` ranks (often better than LPT when there are few items per rank)."""
-    order = np.argsort(-costs, kind="stable")
     lo = max(float(costs.sum()) / n_ranks, float(costs.max(initial=0.0)))
     hi = max(2.0 * float(costs.sum()) / n_ranks, lo)
     found = None
     for _ in range(rounds):
         cap = (lo + hi) / 2
-        loads = np.zeros(n_ranks + 1)
-        members: list[list[int]] = [[] for _ in range(n_ranks + 1)]
-        used = 0
-        for i in order:
-            fits = np.flatnonzero(loads[:used] + costs[i] <= cap)
-            r = int(fits[0]) if fits.size else used
-            if r == used:
-                if used == n_ranks:
-                    break
-                used += 1
-            loads[r] += costs[i]
-            members[r].append(int(i))
+        members = first_fit_decreasing(costs, cap)
+        if len(members) <= n_ranks:
+            hi, found = cap, members + [[] for _ in range(n_ranks - len(members))]
         else:
-            hi, found = cap, members[:n_ranks]
-            continue
-        lo = cap
+            lo = cap
     return found
 
 

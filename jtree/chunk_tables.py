@@ -26,10 +26,16 @@ def concat_ranges(sizes: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - starts
 
 
+def tree_chunks(tree: TrajectoryTree, chunk_size: int) -> int:
+    """Chunks a tree needs in a row: sum over its nodes of ceil(len / chunk_size) (each node
+    starts a chunk of its own)."""
+    return int(np.sum(-(-np.diff(tree.node_offsets) // chunk_size)))
+
+
 def chunks_needed(trees: Sequence[TrajectoryTree], tree_row: np.ndarray, n_rows: int,
                   chunk_size: int) -> np.ndarray:
     """Number of chunks each row needs: sum over its nodes of ceil(len / chunk_size)."""
-    per_tree = np.array([int(np.sum(-(-np.diff(t.node_offsets) // chunk_size))) for t in trees])
+    per_tree = np.array([tree_chunks(t, chunk_size) for t in trees], np.int64)
     return np.bincount(tree_row, weights=per_tree, minlength=n_rows).astype(np.int64)
 
 

@@ -23,6 +23,7 @@ from jtree.chunk_tables import DEFAULT_CHUNK_SIZE
 from jtree.models.architectures import architecture
 from jtree.models.architectures.qwen3 import Qwen3Config
 from jtree.models.runtime import RuntimeConfig
+from jtree.planner import check_steps_per_octave
 from jtree.rfree.layout import ROW_STEPS_PER_OCTAVE
 from jtree.sharding import MeshConfig
 from jtree.train_step import Objective, OptimConfig
@@ -59,7 +60,10 @@ class DataConfig:
     `gdn_chunk_size` tokens and `gdn_chunks` chunks per row (None: the smallest bucket of
     `jtree.chunk_tables.default_chunk_count` that holds the step, so a run compiles for a few
     shapes; fix it to compile once, a step that needs more then fails naming it); other models
-    ignore both.
+    ignore both. `row_steps_per_octave`: None gives every row `seq_len` tokens; a power of two k
+    lets each step take the shortest row length that holds it in its rows from a ladder of k
+    lengths per octave (multiples of 64; `jtree.planner`): less padding on small steps, up to k
+    row shapes per octave to compile.
     """
 
     path: str = "data/sample_groups.jsonl"
@@ -75,8 +79,11 @@ class DataConfig:
     worker_count: int = 0
     gdn_chunk_size: int = DEFAULT_CHUNK_SIZE
     gdn_chunks: int | None = None
+    row_steps_per_octave: int | None = None
 
     def __post_init__(self) -> None:
+        if self.row_steps_per_octave is not None:
+            check_steps_per_octave(self.row_steps_per_octave, "row_steps_per_octave")
         for name in ("seq_len", "trees_per_step", "micro_batches", "gdn_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")

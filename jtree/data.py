@@ -9,17 +9,17 @@ long paths.
 Batching (`make_pipeline`) is a grain `MapDataset`: tree indices shuffled by seed (reshuffled
 every epoch), grouped `trees_per_step` at a time, then mapped by `StepBuilder` to this host's
 arrays. A tree larger than a row is cut into capacity parts (`jtree.partition`); the baseline
-packs paths. Every host computes the same global step (so all hosts agree on shapes and
-statistics without talking to each other), balances the step's units over the global data shards
-x micro-batches (`jtree.balance`) and linearizes only the shards its devices hold. Loss
+packs paths. Every host plans the same global step (`jtree.planner.plan_step`: units balanced
+over the global data shards x micro-batches, packed into rows, the row length, score width and
+GDN chunk capacity), so all hosts agree on shapes and statistics without talking to each other,
+and linearizes only the shards its devices hold, where the plan puts them. Loss
 coefficients stay raw (normalizer 1) and `row_norm` carries each row's share of the normalizer;
 the train step divides by the global sum (`jtree.train_step.normalize_coefficients`), so no host needs
 another host's trees. The iterator state is grain's and is saved with every checkpoint.
 
 Models with linear-attention layers also get the gated-delta-rule chunk tables
-(`BatchPlan.gdn_chunk_size`). All micro-batches and shards of a step share one chunk capacity:
-the bucket (`jtree.chunk_tables.default_chunk_count`) of the most chunks any row of the global
-step needs, which every host computes alike; or a fixed `gdn_chunks` for the whole run.
+(`LayoutConfig.gdn_chunk_size`), with the one chunk capacity the plan gives every micro-batch and
+shard of the step (or `gdn_chunks` fixed for the whole run).
 """
 
 from __future__ import annotations
@@ -33,17 +33,19 @@ from typing import Any, Literal
 import grain
 import numpy as np
 
-from jtree.balance import assign_to_ranks
 from jtree.baseline import flatten_paths
 from jtree.batch import DeviceBatch, concatenate_rows, padding, stack
 from jtree.chat import conversation_tree, load_tokenizer
-from jtree.chunk_tables import chunks_needed, default_chunk_count
-from jtree.cost import FlopModel, choose_mode, tree_work
-from jtree.linearize import aligned_score_len, linearize, pack_rows
+from jtree.config import DataConfig
+from jtree.cost import FlopModel, choose_mode
+from jtree.linearize import linearize
 from jtree.loss import Normalization, batch_normalizer
-from jtree.packing import plan_rows as plan_packed_rows
+from jtree.packing import unit_counts
 from jtree.partition import Method as PartitionMethod
 from jtree.partition import partition
+from jtree.planner import (
+    LayoutConfig, RowPlan, StepPlan, plan_step, row_length_ladder, rows_to_hold,
+)
 from jtree.rfree.layout import ROW_STEPS_PER_OCTAVE, build_program
 from jtree.tree import TrajectoryTree
 from jtree.tree_jsonl import (
@@ -177,22 +179,24 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchPlan:
-    """Static shape of every step: `shards` are the global data-shard indices this host feeds,
-    out of `n_shards`; each gets `micro_batches` micro-batches of `rows` rows of `seq_len`.
-    `gdn_chunk_size`: add GDN chunk tables of that chunk size, with `gdn_chunks` chunks per row
-    (None: per step, see the module docstring)."""
+class StepConfig:
+    """What every step of a run is built with: `mode`, `normalization`, `trees_per_step`, the
+    global data shards this host feeds (`shards`, out of `layout.n_shards`) and the layout policy
+    (`jtree.planner.LayoutConfig`: micro-batches, rows per micro-batch, row lengths, GDN chunk
+    tables)."""
 
     mode: Mode
     normalization: Normalization
-    seq_len: int
     trees_per_step: int
-    micro_batches: int
-    n_shards: int
     shards: tuple[int, ...]
-    rows: int
-    gdn_chunk_size: int | None = None
-    gdn_chunks: int | None = None
+    layout: LayoutConfig
+
+    def __post_init__(self) -> None:
+        if self.layout.micro_batches is None:
+            raise ValueError("layout.micro_batches: a run's steps need a fixed count")
+        if not self.shards or not all(0 <= s < self.layout.n_shards for s in self.shards):
+            raise ValueError(f"shards: {self.shards} must be non-empty indices of the "
+                             f"{self.layout.n_shards} data shards")
 
 
 def training_units(tree: TrajectoryTree, mode: Mode, seq_len: int,
@@ -207,32 +211,6 @@ def training_units(tree: TrajectoryTree, mode: Mode, seq_len: int,
     return list(partition(tree, seq_len, method).parts)
 
 
-def step_bins(units: Sequence[TrajectoryTree], n_bins: int) -> list[list[int]]:
-    """Units of one step balanced over the data shards x micro-batches (`jtree.balance`)."""
-    return [list(r) for r in assign_to_ranks([u.n_tree_tokens for u in units], n_bins).ranks]
-
-
-def rows_needed(units: Sequence[TrajectoryTree], seq_len: int) -> int:
-    """Rows of `seq_len` that first-fit-decreasing packing needs for `units`."""
-    if not units:
-        return 0
-    return plan_packed_rows([u.n_tree_tokens for u in units], seq_len).n_rows
-
-
-def step_gdn_chunks(bins: Sequence[Sequence[TrajectoryTree]], seq_len: int,
-                    chunk_size: int) -> int:
-    """The chunk capacity of every row of a step whose bins (micro-batches of all shards) hold
-    `bins`: the bucket of the most chunks any row needs, rows packed as `linearize` packs them."""
-    needed = 0
-    for units in bins:
-        if not units:
-            continue
-        rows = pack_rows([u.n_tree_tokens for u in units], seq_len)
-        tree_row = np.empty(len(units), np.int64)
-        for r, members in enumerate(rows):
-            tree_row[members] = r
-        needed = max(needed, int(chunks_needed(units, tree_row, len(rows), chunk_size).max()))
-    return default_chunk_count(seq_len, chunk_size, needed)
 
 
 def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree]
@@ -258,56 +236,55 @@ def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree]
 class StepBuilder:
     """Grain transform: the tree indices of one global step -> this host's step inputs.
 
-    Output: `{"inputs": DeviceBatch [micro_batches, rows * len(shards), seq_len] with `row_norm`,
+    Output: `{"inputs": DeviceBatch [micro_batches, rows * len(shards), row_len] with `row_norm`,
     "info": step_info(...)}`. `units[i]` are the training units of `trees[i]` (`all_units`).
+    The step is planned once (`plan`, `jtree.planner.plan_step`) and laid out where the plan
+    says (`build`); every host plans the same global step.
     """
 
     def __init__(self, trees: Sequence[TrajectoryTree], units: Sequence[Sequence[TrajectoryTree]],
-                 plan: BatchPlan):
-        self.trees, self.units, self.plan = list(trees), list(units), plan
-        self.scored = [[tree_work([u])[0].scored for u in us] for us in self.units]
+                 config: StepConfig):
+        self.trees, self.units, self.config = list(trees), list(units), config
+        self.counts = [unit_counts(us, config.layout.gdn_chunk_size) for us in self.units]
+
+    def plan(self, indices: np.ndarray) -> StepPlan:
+        """Where every unit of the step goes, and the step's shape."""
+        ids = [int(i) for i in indices]
+        counts = {k: None if self.counts[ids[0]][k] is None else
+                  [n for i in ids for n in self.counts[i][k]] for k in self.counts[ids[0]]}
+        return plan_step([u.n_tree_tokens for i in ids for u in self.units[i]],
+                         self.config.layout, **counts)
 
     def __call__(self, indices: np.ndarray) -> dict[str, Any]:
-        plan = self.plan
+        return self.build(indices, self.plan(indices))
+
+    def build(self, indices: np.ndarray, plan: StepPlan) -> dict[str, Any]:
+        """This host's step inputs of the step `indices`, laid out where `plan` (this builder's
+        plan of those indices) says."""
         units = [u for i in indices for u in self.units[int(i)]]
-        scored = [n for i in indices for n in self.scored[int(i)]]
-        index_bins = step_bins(units, plan.n_shards * plan.micro_batches)
-        score_len = self._score_len(units, scored, index_bins)
-        bins = [[units[i] for i in b] for b in index_bins]
-        gdn_chunks = plan.gdn_chunks
-        if plan.gdn_chunk_size is not None and gdn_chunks is None:
-            gdn_chunks = step_gdn_chunks(bins, plan.seq_len, plan.gdn_chunk_size)
         micro = []
         for m in range(plan.micro_batches):
-            parts = [self._linearize(bins[s * plan.micro_batches + m], score_len, gdn_chunks)
-                     for s in plan.shards]
+            parts = [self._linearize([units[i] for i in plan.units[plan.bin(s, m)]],
+                                     plan.placements[plan.bin(s, m)], plan)
+                     for s in self.config.shards]
             micro.append(concatenate_rows(parts))
         info = step_info([self.trees[int(i)] for i in indices], units)
         return {"inputs": stack(micro), "info": info}
 
-    def _score_len(self, units: list[TrajectoryTree], scored: list[int],
-                   bins: list[list[int]]) -> int:
-        """The `score_index` width of this step, the same on every host: the most scored tokens
-        of any row of any (global) bin, packed as `linearize` packs them."""
-        need = 0
-        for b in bins:
-            for row in pack_rows([units[i].n_tree_tokens for i in b], self.plan.seq_len):
-                need = max(need, sum(scored[b[j]] for j in row))
-        return aligned_score_len(need, self.plan.seq_len)
-
-    def _linearize(self, units: list[TrajectoryTree], score_len: int, gdn_chunks: int | None
+    def _linearize(self, units: list[TrajectoryTree], placement: RowPlan, plan: StepPlan
                    ) -> DeviceBatch:
-        plan = self.plan
+        config = self.config
+        chunk_size = config.layout.gdn_chunk_size
         if not units:  # a bin that got no tree
-            empty = padding(plan.rows, plan.seq_len, score_len=score_len,
-                            gdn_chunk_size=plan.gdn_chunk_size, gdn_chunks=gdn_chunks)
+            empty = padding(plan.rows, plan.row_len, score_len=plan.score_len,
+                            gdn_chunk_size=chunk_size, gdn_chunks=plan.gdn_chunks)
             return dataclasses.replace(empty, row_norm=np.zeros(plan.rows, np.float32))
-        batch = linearize(units, plan.seq_len, normalization=plan.normalization, normalizer=1.0,
-                          n_rows=plan.rows, score_len=score_len,
-                          gdn_chunk_size=plan.gdn_chunk_size, gdn_chunks=gdn_chunks)
+        batch = linearize(units, plan.row_len, normalization=config.normalization,
+                          normalizer=1.0, plan=placement, score_len=plan.score_len,
+                          gdn_chunk_size=chunk_size, gdn_chunks=plan.gdn_chunks)
         row_norm = np.zeros(plan.rows, np.float64)
         for t, r in zip(batch.layout.trees, batch.layout.rows):
-            row_norm[r] += batch_normalizer([t], plan.normalization)
+            row_norm[r] += batch_normalizer([t], config.normalization)
         return dataclasses.replace(batch.inputs, row_norm=row_norm.astype(np.float32))
 
 
@@ -326,19 +303,15 @@ class AutoStepBuilder:
             raise ValueError(f"builders: need 'tree' and 'baseline', got {sorted(builders)}")
         self.builders, self.flop_model, self.min_gain = builders, flop_model, min_gain
         self.trees = builders["tree"].trees
-        self.plan = builders["tree"].plan
-
-    def padded_tokens(self, mode: str) -> int:
-        """Positions one step of `mode` computes over all data shards (its static shape)."""
-        p = self.builders[mode].plan
-        return p.n_shards * p.micro_batches * p.rows * p.seq_len
+        self.config = builders["tree"].config
 
     def __call__(self, indices: np.ndarray) -> dict[str, Any]:
+        plans = {mode: b.plan(indices) for mode, b in self.builders.items()}
+        padded = {mode: p.n_rows * p.row_len for mode, p in plans.items()}  # all data shards
         choice = choose_mode(self.flop_model, [self.trees[int(i)] for i in indices],
-                             tree_tokens=self.padded_tokens("tree"),
-                             baseline_tokens=self.padded_tokens("baseline"),
+                             tree_tokens=padded["tree"], baseline_tokens=padded["baseline"],
                              min_gain=self.min_gain)
-        element = self.builders[choice.mode](indices)
+        element = self.builders[choice.mode].build(indices, plans[choice.mode])
         element["info"] = dict(element["info"], mode=choice.mode,
                                predicted_gain=np.float64(choice.predicted_gain),
                                mode_reason=choice.reason)
@@ -346,7 +319,7 @@ class AutoStepBuilder:
 
 
 @dataclasses.dataclass(frozen=True)
-class RfreePlan:
+class RfreeStepConfig:
     """What every redundancy-free step is built with (`RfreeStepBuilder`)."""
 
     normalization: Normalization
@@ -362,16 +335,16 @@ class RfreeStepBuilder:
     `jtree.rfree` program (`{"program": RfreeProgram, "info": step_info(...)}`), run part by part
     on one device by `jtree.rfree.execute.RedundancyFreeStep`."""
 
-    def __init__(self, trees: Sequence[TrajectoryTree], plan: RfreePlan):
-        self.trees, self.plan = list(trees), plan
+    def __init__(self, trees: Sequence[TrajectoryTree], config: RfreeStepConfig):
+        self.trees, self.config = list(trees), config
 
     def __call__(self, indices: np.ndarray) -> dict[str, Any]:
         trees = [self.trees[int(i)] for i in indices]
-        plan = self.plan
-        program = build_program(trees, plan.capacity, seq_len=plan.seq_len,
-                                normalization=plan.normalization,
-                                gdn_chunk_size=plan.gdn_chunk_size,
-                                row_steps_per_octave=plan.row_steps_per_octave)
+        config = self.config
+        program = build_program(trees, config.capacity, seq_len=config.seq_len,
+                                normalization=config.normalization,
+                                gdn_chunk_size=config.gdn_chunk_size,
+                                row_steps_per_octave=config.row_steps_per_octave)
         info = dict(step_info(trees, trees), n_computed_tokens=np.int64(program.n_computed))
         return {"program": program, "info": info}
 
@@ -390,20 +363,38 @@ def all_units(trees: Sequence[TrajectoryTree], mode: Mode, seq_len: int,
 
 def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_per_step: int,
                  n_bins: int, seed: int, steps: int) -> int:
-    """The fewest rows per micro-batch that hold every one of the first `steps` steps."""
+    """The fewest rows per micro-batch that hold every one of the first `steps` steps, each
+    balanced over `n_bins` data shards x micro-batches and packed at `seq_len`
+    (`jtree.planner.rows_to_hold`)."""
     index = step_indices(len(units), trees_per_step, seed)
-    most = 1
-    for k in range(steps):
-        step_units = [u for i in index[k] for u in units[int(i)]]
-        for b in step_bins(step_units, n_bins):
-            most = max(most, rows_needed([step_units[i] for i in b], seq_len))
-    return most
+    return rows_to_hold([[u.n_tree_tokens for i in index[k] for u in units[int(i)]]
+                         for k in range(steps)], LayoutConfig(seq_len, micro_batches=n_bins))
+
+
+def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, *,
+                 normalization: Normalization, n_shards: int, shards: Sequence[int], steps: int,
+                 gdn_chunk_size: int | None = None) -> StepBuilder:
+    """The `StepBuilder` a run with data config `data` trains `mode` with, on `n_shards` data
+    shards of which this host feeds `shards`: units from `all_units`, `data.rows_per_micro_batch`
+    rows per micro-batch or else the fewest that hold the run's `steps` steps (`rows_for_run`),
+    row lengths from `data.row_steps_per_octave` (`jtree.planner.row_length_ladder`).
+    `gdn_chunk_size`: chunk tables of that size (models with linear-attention layers)."""
+    units = all_units(trees, mode, data.seq_len, data.partition_method)
+    rows = data.rows_per_micro_batch or rows_for_run(
+        units, data.seq_len, data.trees_per_step, n_shards * data.micro_batches,
+        data.shuffle_seed, steps)
+    row_lengths = (None if data.row_steps_per_octave is None
+                   else row_length_ladder(data.seq_len, data.row_steps_per_octave))
+    layout = LayoutConfig(data.seq_len, n_shards, data.micro_batches, rows, row_lengths,
+                          gdn_chunk_size, data.gdn_chunks if gdn_chunk_size else None)
+    return StepBuilder(trees, units, StepConfig(mode, normalization, data.trees_per_step,
+                                                tuple(shards), layout))
 
 
 def make_pipeline(builder: StepBuilder | AutoStepBuilder | RfreeStepBuilder, *, seed: int,
                   worker_count: int = 0) -> grain.IterDataset:
     """Step inputs for this host, in step order (iterate it, checkpoint its iterator state)."""
-    ds = step_indices(len(builder.trees), builder.plan.trees_per_step, seed).map(builder)
+    ds = step_indices(len(builder.trees), builder.config.trees_per_step, seed).map(builder)
     it_ds = ds.to_iter_dataset()
     if worker_count > 0:
         from absl import flags  # grain's workers read absl flags, which a script never parses

@@ -1,19 +1,20 @@
 """DFS layout of trees into static-shape batches, and the way back.
 
-`linearize` packs whole trees into rows of S tokens (first-fit decreasing; several trees per row)
-and emits the `jtree.batch.DeviceBatch` the jitted step consumes (docs/design.md section 3; the
-fields, dtypes and padding values are defined there). Chunk tables for the gated delta rule
-(`jtree.chunk_tables`) come only when `gdn_chunk_size` is given (models with linear-attention
-layers need them).
+`linearize` lays whole trees out in rows of S tokens where a plan puts them (`jtree.planner`:
+first-fit decreasing, several trees per row) and emits the `jtree.batch.DeviceBatch` the jitted
+step consumes (docs/design.md section 3; the fields, dtypes and padding values are defined there).
+Chunk tables for the gated delta rule (`jtree.chunk_tables`) come only when `gdn_chunk_size` is
+given (models with linear-attention layers need them).
 
 `score_index` [rows, K] lists the row-local positions of the tokens the loss reads (a non-zero W,
 P or N), in order, padded with -1. The loss scores only these (`jtree.logprobs.scored_logprobs`):
 prompt, tool and padding positions never reach the vocabulary projection. K is `score_len` when
-given (equal shapes across micro-batches and hosts), else the largest row's count rounded up to a
-multiple of `SCORE_ALIGN`.
+given (the step plan's, equal across micro-batches and hosts), else the largest row's count
+rounded up by `jtree.planner.score_width`.
 
-Trees larger than S must be partitioned first. The number of distinct shapes is bounded by
-`len_buckets` (row lengths) and `n_rows` so the step compiles a bounded number of times.
+Trees larger than S must be partitioned first. Shapes (row length, rows, score width, GDN chunk
+capacity) are the planner's decisions, from small sets, so the step compiles a bounded number of
+times.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from jtree.chunk_tables import (
     default_chunk_count,
 )
 from jtree.loss import Normalization, batch_normalizer, token_coefficients
+from jtree.planner import RowPlan, plan_rows, score_width
 from jtree.tree import TrajectoryTree, TreeStats
 
-SCORE_ALIGN = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,26 +73,6 @@ class TreeBatch:
         return 1.0 - float(self.inputs.valid.mean())
 
 
-def pack_rows(sizes: Sequence[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing bin packing of item sizes into rows of `capacity` tokens (items in
-    decreasing size, ties in input order; each goes to the first row with room)."""
-    sizes = np.asarray(sizes, dtype=np.int64)
-    order = np.argsort(-sizes, kind="stable")
-    free = np.empty(len(sizes), np.int64)  # room left in each open row (at most one per item)
-    rows: list[list[int]] = []
-    for i in order:
-        size = sizes[i]
-        fits = np.flatnonzero(free[: len(rows)] >= size)
-        if fits.size:
-            r = int(fits[0])
-            rows[r].append(int(i))
-            free[r] -= size
-        else:
-            free[len(rows)] = capacity - size
-            rows.append([int(i)])
-    return rows
-
-
 def linearize(
     trees: Sequence[TrajectoryTree],
     seq_len: int,
@@ -100,16 +81,19 @@ def linearize(
     normalizer: float | None = None,
     n_rows: int | None = None,
     len_buckets: Sequence[int] | None = None,
+    plan: RowPlan | None = None,
     gdn_chunk_size: int | None = None,
     gdn_chunks: int | None = None,
     score_len: int | None = None,
 ) -> TreeBatch:
-    """Lay `trees` out in DFS order into rows of at most `seq_len` tokens.
+    """Lay `trees` out in DFS order into rows of at most `seq_len` tokens, where `plan` places
+    them (`jtree.planner`: tree k in row `plan.rows`, from the offset `plan.positions()` gives).
 
+    Without a `plan`, the planner's `plan_rows` makes one (first fit decreasing; `n_rows` fixes the
+    number of rows, padding with empty rows; `len_buckets` lists allowed row lengths, the smallest
+    that holds the packed rows is taken, default: always `seq_len`).
     `normalizer` overrides the batch normalizer of `normalization` (pass the value computed over the
-    global batch when this call is one micro-batch or one device's share). `n_rows` fixes the number
-    of rows (padding with empty rows). `len_buckets` lists allowed row lengths: the row length is
-    the smallest bucket that holds the packed rows (default: always `seq_len`).
+    global batch when this call is one micro-batch or one device's share).
     `gdn_chunk_size` (e.g. `jtree.chunk_tables.DEFAULT_CHUNK_SIZE`) adds the gated-delta-rule
     chunk tables with chunks of that many tokens; `gdn_chunks` is their chunk capacity NC per row
     (default: `jtree.chunk_tables.default_chunk_count`, at least ceil(S / C); fix it to give
@@ -129,29 +113,21 @@ def linearize(
                 f"tree {i}: has {n} tree tokens, more than seq_len={seq_len}; partition it into "
                 "parts of at most seq_len tokens first (capacity partitioning, jtree.partition)"
             )
-    rows = pack_rows(sizes, seq_len)
-    row_len = seq_len
-    if len_buckets:
-        fill = max(sum(sizes[i] for i in r) for r in rows)
-        fitting = sorted(b for b in len_buckets if b >= fill)
-        if not fitting:
-            raise ValueError(f"len_buckets: no bucket holds a row of {fill} tokens")
-        row_len = fitting[0]
-    if n_rows is None:
-        n_rows = len(rows)
-    elif n_rows < len(rows):
-        raise ValueError(f"n_rows={n_rows}: the trees need {len(rows)} rows of {row_len} tokens")
+    if plan is None:
+        plan = plan_rows(sizes, seq_len, len_buckets=len_buckets, n_rows=n_rows)
+    elif plan.sizes != tuple(sizes) or plan.row_len > seq_len:
+        raise ValueError(f"plan: places units of {list(plan.sizes)} tokens in rows of "
+                         f"{plan.row_len}; the trees have {sizes}, seq_len={seq_len}")
+    row_len, n_rows = plan.row_len, plan.n_rows
 
     if normalizer is None:
         normalizer = batch_normalizer(trees, normalization)
-    tree_row = np.zeros(len(trees), np.int64)
-    tree_off = np.zeros(len(trees), np.int64)
+    tree_row, tree_off = plan.positions()
     tree_node_off = np.zeros(len(trees), np.int64)
-    for r, members in enumerate(rows):
-        tok, nodes = 0, 0
+    for members in plan.rows:
+        nodes = 0
         for i in members:
-            tree_row[i], tree_off[i], tree_node_off[i] = r, tok, nodes
-            tok += sizes[i]
+            tree_node_off[i] = nodes
             nodes += trees[i].n_nodes
 
     per_tree, has_old, disagreement = tree_token_fields(trees, normalization, normalizer)
@@ -194,7 +170,7 @@ def score_positions(coefficients: LossCoefficients, score_len: int | None = None
     counts = scored.sum(axis=1)
     need = int(counts.max(initial=0))
     if score_len is None:
-        score_len = aligned_score_len(need, s)
+        score_len = score_width(need, s)
     elif need > score_len:
         raise ValueError(f"score_len={score_len}: a row has {need} scored tokens")
     order = np.argsort(~scored, axis=1, kind="stable")[:, :score_len]
@@ -202,12 +178,6 @@ def score_positions(coefficients: LossCoefficients, score_len: int | None = None
         order = np.pad(order, ((0, 0), (0, score_len - order.shape[1])))
     slot = np.arange(score_len)
     return np.where(slot[None] < counts[:, None], order, -1).astype(np.int32)
-
-
-def aligned_score_len(need: int, seq_len: int) -> int:
-    """The `score_index` width for rows of at most `need` scored tokens: `need` rounded up to a
-    multiple of `SCORE_ALIGN` (a bounded set of shapes), at most `seq_len`."""
-    return min(seq_len, max(SCORE_ALIGN, -(-need // SCORE_ALIGN) * SCORE_ALIGN))
 
 
 def pad_score_index(index: np.ndarray, score_len: int) -> np.ndarray:

@@ -29,6 +29,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
+from jtree.bin_packing import first_fit_decreasing
 from jtree.partition_dp import DEFAULT_MAX_WORK, dp_multi, dp_single
 from jtree.path_skeleton import PathSkeleton, path_skeleton
 from jtree.tree import TrajectoryTree
@@ -201,27 +202,17 @@ def heuristic(sk: PathSkeleton, capacity: int) -> list[list[int]]:
 def _first_fit_decreasing(
     items: list[tuple[int, int]], shared: int, capacity: int, merged: list[list[int]], n: int
 ) -> list[tuple[int, int]]:
-    """Pack parts that share `shared` prefix tokens into as few parts of <= capacity as FFD finds."""
-    items = sorted(items, key=lambda it: -it[0])
-    room: list[int] = []
-    members: list[list[int]] = []
-    for size, pid in items:
-        extra = size - shared
-        for b, r in enumerate(room):
-            if extra <= r:
-                room[b] -= extra
-                members[b].append(pid)
-                break
-        else:
-            room.append(capacity - shared - extra)
-            members.append([pid])
+    """Pack parts that share `shared` prefix tokens into as few parts of <= capacity as FFD finds
+    (a part adds its tokens below the shared prefix to the part it joins)."""
     out = []
-    for r, ids in zip(room, members):
+    for members in first_fit_decreasing([size - shared for size, _ in items], capacity - shared):
+        ids = [items[i][1] for i in members]
+        size = shared + sum(items[i][0] - shared for i in members)
         if len(ids) == 1:
-            out.append((capacity - r, ids[0]))
+            out.append((size, ids[0]))
         else:
             merged.append(ids)
-            out.append((capacity - r, n + len(merged) - 1))
+            out.append((size, n + len(merged) - 1))
     return out
 
 

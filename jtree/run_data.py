@@ -4,6 +4,7 @@ host-local arrays on the mesh (every process feeds the data shards its devices h
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -13,8 +14,8 @@ from jax.sharding import Mesh, NamedSharding
 from jtree.config import TrainConfig
 from jtree.cost import FlopModel
 from jtree.data import (
-    AutoStepBuilder, BatchPlan, LoadReport, RfreePlan, RfreeStepBuilder, StepBuilder, all_units,
-    load_trees, rows_for_run,
+    AutoStepBuilder, LoadReport, RfreeStepBuilder, RfreeStepConfig, StepBuilder, load_trees,
+    step_builder,
 )
 from jtree.run_report import say
 from jtree.batch import DeviceBatch
@@ -101,15 +102,13 @@ class StepBuilders:
         return self._built[mode]
 
     def _build(self, mode: str, rows: int | None) -> None:
-        cfg, d = self._cfg, self._cfg.data
-        units = all_units(self._trees, mode, d.seq_len, d.partition_method)
-        self.rows[mode] = rows or rows_for_run(units, d.seq_len, d.trees_per_step,
-                                               self._n_data * d.micro_batches, d.shuffle_seed,
-                                               cfg.run.steps)
-        plan = BatchPlan(mode, cfg.objective.normalization, d.seq_len, d.trees_per_step,
-                         d.micro_batches, self._n_data, self._shards, self.rows[mode],
-                         gdn_chunk_size(cfg), d.gdn_chunks)
-        self._built[mode] = StepBuilder(self._trees, units, plan)
+        cfg = self._cfg
+        data = dataclasses.replace(cfg.data, rows_per_micro_batch=rows)
+        builder = step_builder(self._trees, data, mode, normalization=cfg.objective.normalization,
+                               n_shards=self._n_data, shards=self._shards, steps=cfg.run.steps,
+                               gdn_chunk_size=gdn_chunk_size(cfg))
+        self._built[mode] = builder
+        self.rows[mode] = builder.config.layout.rows
 
 
 def run_step_builder(cfg: TrainConfig, trees: Sequence[TrajectoryTree], builders: StepBuilders
@@ -118,9 +117,9 @@ def run_step_builder(cfg: TrainConfig, trees: Sequence[TrajectoryTree], builders
     d = cfg.data
     if cfg.run.mode == "redundancy_free":
         capacity = rfree_capacity(cfg)
-        plan = RfreePlan(cfg.objective.normalization, d.seq_len, capacity, d.trees_per_step,
-                         gdn_chunk_size(cfg), cfg.run.row_steps_per_octave)
-        return RfreeStepBuilder(trees, plan), (
+        config = RfreeStepConfig(cfg.objective.normalization, d.seq_len, capacity,
+                                 d.trees_per_step, gdn_chunk_size(cfg), cfg.run.row_steps_per_octave)
+        return RfreeStepBuilder(trees, config), (
             f"parts of <= {capacity} tokens in rows fitted to them (at most {d.seq_len}), one "
             "device call per part")
     modes = trained_modes(cfg)
@@ -128,5 +127,7 @@ def run_step_builder(cfg: TrainConfig, trees: Sequence[TrajectoryTree], builders
         cfg.model.config), cfg.run.auto_min_gain) if cfg.run.mode == "auto"
         else builders[cfg.run.mode])
     rows = "/".join(f"{builders.rows[m]}" for m in modes)
+    length = (f"{d.seq_len}" if d.row_steps_per_octave is None else
+              f"<= {d.seq_len} ({d.row_steps_per_octave} lengths per octave)")
     return builder, (f"{d.micro_batches} micro-batch(es) x {rows} rows ({'/'.join(modes)}) x "
-                     f"{d.seq_len} per data shard")
+                     f"{length} per data shard")

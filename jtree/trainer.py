@@ -37,7 +37,7 @@ from jtree.kernels.tree_attention import resolve_impl
 from jtree.metrics import MetricsLog
 from jtree.models import create_model
 from jtree.rfree.execute import RedundancyFreeStep
-from jtree.rfree.layout import check_steps_per_octave
+from jtree.planner import check_steps_per_octave
 from jtree.run_data import (
     StepBuilders, host_data_shards, load_training_trees, rfree_capacity, run_step_builder,
     to_global,

@@ -16,6 +16,12 @@ alternating runs, medians. Measured the way docs/design.md section 8 (and the se
   (arguments + outputs + temporaries of the jitted step; not a process RSS);
 - the automatic mode choice (`jtree.cost.choose_mode`) for the batch, and its predicted gain.
 
+Batches: exactly the trainer's. `prepare` builds both modes' step through `jtree.data.step_builder`
+(what `launch/train.py` trains with) for a run whose one step holds the workload's trees: one data
+shard, one micro-batch, the fewest rows of S that hold the step (`rows_for_run`), and row lengths
+from `data.row_steps_per_octave` = `ROW_STEPS_PER_OCTAVE` (each step packs at the shortest length
+of the ladder that fits those rows; `jtree.planner`), so its speedups are the trainer's.
+
 Workloads: synthetic trees with POR 0 / 0.3 / 0.5 / 0.7 / 0.9 at a constant flat-token count and
 path length (`jtree.synthetic.por_forest`) on a projection-dominated model (S = 4096) and an
 attention-heavy one (S = 16384); agent-rollout trees (`jtree.synthetic.agent_rollout_group`: long
@@ -68,13 +74,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jtree.baseline import flatten_paths
 from jtree.chat import ByteTokenizer, conversation_tree
-from jtree.cost import FlopModel, Work, batch_work, choose_mode, ideal_speedup
-from jtree.data import training_units
-from jtree.loss import batch_normalizer
+from jtree.config import DataConfig
+from jtree.cost import FlopModel, Work, choose_mode, ideal_speedup, tree_work
+from jtree.data import step_builder, step_indices
 from jtree.models import CausalLM, Qwen3Config, RuntimeConfig
-from jtree.packing import MicroBatches, build_microbatches, least_padding_plan
+from jtree.planner import StepPlan
 from jtree.synthetic import AgentShape, agent_rollout_group, chat_record, por_forest, por_tree
 from jtree.train_step import Objective, OptimConfig, TrainState, make_optimizer, make_train_step
 from jtree.tree import TrajectoryTree
@@ -98,7 +103,6 @@ SHAPES = {
     "tiny": Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
-ROW_ALIGN = 64  # row lengths are multiples of the attention block (what the kernel pads to)
 AUTO_MIN_GAIN = 1.05
 
 
@@ -163,22 +167,35 @@ def workloads(quick: bool = False) -> list[Workload]:
 # ----------------------------------------------------------------------------- one mode's batch
 
 
+ROW_STEPS_PER_OCTAVE = 32  # the trainer's data.row_steps_per_octave the bench runs with
+BATCHES = (f"times the trainer's batches (jtree.data.step_builder: 1 data shard x 1 micro-batch, "
+           f"rows_for_run rows, data.row_steps_per_octave={ROW_STEPS_PER_OCTAVE})")
+
+
 @dataclasses.dataclass
 class Prepared:
     inputs: dict[str, jax.Array]
-    micro: MicroBatches
+    plan: StepPlan
+    end: np.ndarray  # [micro_batches, rows, S] attention ends (the block statistics read them)
+    work: Work  # what the step's units need, padding excluded
 
 
-def prepare(trees: Sequence[TrajectoryTree], mode: str, seq_len: int) -> Prepared:
-    """What the host does before a step: units (parts of trees larger than a row, or paths),
-    least-padding rows, linearized micro-batches of one row each, on the device."""
-    units = ([u for t in trees for u in training_units(t, "tree", seq_len)] if mode == "tree"
-             else flatten_paths(trees))
-    buckets = range(ROW_ALIGN, seq_len + 1, ROW_ALIGN)
-    plan = least_padding_plan([u.n_tree_tokens for u in units], seq_len, buckets)
-    micro = build_microbatches(units, plan.row_len, rows_per_microbatch=1,
-                               normalizer=batch_normalizer(trees, "seq_mean_token_mean"))
-    return Prepared(jax.device_put(micro.inputs()), micro)
+def prepare(trees: Sequence[TrajectoryTree], mode: str, seq_len: int,
+            row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE) -> Prepared:
+    """What the trainer's host does before a step, through the trainer's own builder
+    (`jtree.data.step_builder`, as `jtree.run_data` calls it): a run whose one step holds all
+    `trees` on one data shard, one micro-batch, rows from `rows_for_run`, row lengths from
+    `row_steps_per_octave` steps per octave; units (parts of trees larger than a row, or paths),
+    the step's plan, linearized arrays on the device."""
+    data = DataConfig(seq_len=seq_len, trees_per_step=len(trees),
+                      row_steps_per_octave=row_steps_per_octave)
+    builder = step_builder(trees, data, mode, normalization=Objective().normalization,
+                           n_shards=1, shards=(0,), steps=1)
+    indices = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)[0]
+    plan = builder.plan(indices)
+    inputs = builder.build(indices, plan)["inputs"]
+    units = [u for i in indices for u in builder.units[int(i)]]
+    return Prepared(jax.device_put(inputs), plan, inputs.mask.end, tree_work(units)[0])
 
 
 def block_stats(ends: Sequence[np.ndarray], work: Work) -> dict[str, float]:
@@ -235,10 +252,9 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
     stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
     prep = {mode: prepare(trees, mode, workload.seq_len) for mode in ("tree", "baseline")}
     fm = FlopModel.for_config(cfg)
-    work = {m: sum((batch_work(b) for b in p.micro.batches), Work(0, 0, 0))
-            for m, p in prep.items()}
+    work = {m: p.work for m, p in prep.items()}
     tree_w, base_w = work["tree"], work["baseline"]
-    plans = {m: p.micro.plan for m, p in prep.items()}
+    plans = {m: p.plan for m, p in prep.items()}
     choice = choose_mode(fm, trees, tree_tokens=plans["tree"].n_rows * plans["tree"].row_len,
                          baseline_tokens=plans["baseline"].n_rows * plans["baseline"].row_len,
                          min_gain=AUTO_MIN_GAIN)
@@ -280,7 +296,7 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
     }
     for mode, key in (("tree", "tree"), ("baseline", "base")):
         p, w = plans[mode], work[mode]
-        blocks = block_stats([b.inputs.mask.end for b in prep[mode].micro.batches], w)
+        blocks = block_stats(list(prep[mode].end), w)
         row.update({
             f"{key}_device_s": device[mode], f"{key}_host_s": host[mode],
             f"{key}_host_fraction": host[mode] / (host[mode] + device[mode]),
@@ -402,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kept = apply_host_malloc(args)
     out = Path(args.out)
     info = (f"{machine()}, host malloc {'keeps freed memory' if kept else 'default'}, "
-            f"attention kernel {args.attention}")
+            f"attention kernel {args.attention}; {BATCHES}")
     print(f"machine: {info}", flush=True)
     steps: dict[str, tuple[Callable, TrainState]] = {}
     rows = []

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from jtree.balance import assign_to_ranks, split_contiguous
-from jtree.packing import plan_rows
+from jtree.planner import plan_rows
 from jtree.partition import partition, plan_groups
 from jtree.partition_dp import TooLargeForExactDP
 from jtree.synthetic import AgentShape, agent_rollout_group

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtree.cost import FlopModel, Work, batch_work
+from jtree.cost import FlopModel
 from jtree.models import Qwen3Config
 from jtree.kernels import TreeMask, tree_attention
 from jtree.launch.bench import SHAPES, StepLoop, fixed_cost_inputs, make_step, prepare, workloads
@@ -45,11 +45,11 @@ from jtree.launch.harness import (
 
 def attention_grad_fn(end: np.ndarray, cfg: Qwen3Config, attention: str) -> Callable:
     """A compiled fwd+bwd of the model's tree attention kernel over micro-batches `end`
-    [M, 1, S] (scanned like the train step scans them) with the `attention` kernel, and its
+    [M, rows, S] (scanned like the train step scans them) with the `attention` kernel, and its
     inputs."""
-    m, _, s = end.shape
-    q = jax.random.normal(jax.random.key(0), (m, 1, s, cfg.num_attention_heads, cfg.head_dim))
-    k = jax.random.normal(jax.random.key(1), (m, 1, s, cfg.num_key_value_heads, cfg.head_dim))
+    m, rows, s = end.shape
+    q = jax.random.normal(jax.random.key(0), (m, rows, s, cfg.num_attention_heads, cfg.head_dim))
+    k = jax.random.normal(jax.random.key(1), (m, rows, s, cfg.num_key_value_heads, cfg.head_dim))
 
     def loss(q, k, v, end):
         def body(total, x):
@@ -103,9 +103,8 @@ def split(name: str, repeats: int, ops: bool = False, attention: str = "cpu",
     loop = StepLoop(state)
     for mode in ("tree", "baseline"):
         p = prepare(trees, mode, workload.seq_len)
-        end = np.stack([b.inputs.mask.end for b in p.micro.batches])
-        work[mode] = sum((batch_work(b) for b in p.micro.batches), Work(0, 0, 0))
-        runs[f"{mode} attention"] = attention_grad_fn(end, cfg, attention)
+        work[mode] = p.work
+        runs[f"{mode} attention"] = attention_grad_fn(p.end, cfg, attention)
         compiled = step.lower(state, p.inputs).compile()
         runs[f"{mode} step"] = loop.run(compiled, p.inputs)
     tiny = fixed_cost_inputs(cfg)

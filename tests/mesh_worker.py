@@ -34,10 +34,11 @@ from flax import nnx  # noqa: E402
 from jtree.baseline import flatten_paths, linearize_baseline  # noqa: E402
 from jtree.batch import DeviceBatch, stack  # noqa: E402
 from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
-from jtree.data import step_gdn_chunks  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
 from jtree.models import RuntimeConfig, create_model  # noqa: E402
+from jtree.packing import unit_counts  # noqa: E402
+from jtree.planner import LayoutConfig, plan_step  # noqa: E402
 from jtree.sharding import (  # noqa: E402
     MeshConfig, make_mesh, named, param_rules, param_specs,
 )
@@ -75,8 +76,11 @@ def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
     parts = (trees[:5], trees[5:])
     kw = {}
     if gdn:
+        layout = LayoutConfig(S, micro_batches=None, rows=ROWS, gdn_chunk_size=GDN_CHUNK)
         units = [p if mode == "tree" else flatten_paths(p) for p in parts]
-        kw = dict(gdn_chunk_size=GDN_CHUNK, gdn_chunks=step_gdn_chunks(units, S, GDN_CHUNK))
+        plans = [plan_step([u.n_tree_tokens for u in us], layout, **unit_counts(us, GDN_CHUNK))
+                 for us in units]  # each micro-batch's rows as linearize packs them
+        kw = dict(gdn_chunk_size=GDN_CHUNK, gdn_chunks=max(p.gdn_chunks for p in plans))
     out = []
     for part in parts:
         b = fn(part, S, normalization=objective.normalization, normalizer=1.0, n_rows=ROWS, **kw)

@@ -43,6 +43,7 @@ from jtree.batch import DeviceBatch, GdnTables, padding, token_arrays
 from jtree.linearize import tree_token_fields
 from jtree.loss import Normalization, batch_normalizer
 from jtree.packing import MicroBatches, build_microbatches
+from jtree.planner import check_steps_per_octave, octave_step_length
 from jtree.rfree.plan import RfreePart, plan_parts
 from jtree.tree import TrajectoryTree
 
@@ -122,24 +123,6 @@ def prefix_bucket(n: int, buckets: Sequence[int] | None = None) -> int:
             raise ValueError(f"prefix_buckets: none holds a prefix of {n} tokens")
         return min(fitting)
     return octave_step_length(n, 2, min_step=2)
-
-
-def octave_step_length(n: int, steps_per_octave: int, min_step: int = 8) -> int:
-    """The smallest length >= n (at least 8) on a grid of `steps_per_octave` equal steps between
-    consecutive powers of two (2: 96, 128, 192, 256, ...; 8: 144, 160, ..., 256, 288, ...), with
-    steps of at least `min_step` tokens: the padding stays under max(n / steps_per_octave,
-    min_step), and the number of distinct lengths up to L is at most steps_per_octave * log2(L)."""
-    check_steps_per_octave(steps_per_octave, "steps_per_octave")
-    step = max(min_step, (1 << (max(n, 8) - 1).bit_length()) // (2 * steps_per_octave))
-    return max(8, -(-n // step) * step)
-
-
-def check_steps_per_octave(value: int, name: str) -> None:
-    """ValueError naming `name` unless `value` is a power of two >= 1 (so that the grid's steps
-    divide the powers of two it runs between)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1 \
-            or value & (value - 1):
-        raise ValueError(f"{name}: must be a power of two >= 1, got {value!r}")
 
 
 def row_length(n: int, seq_len: int, buckets: Sequence[int] | None = None,

@@ -32,6 +32,7 @@ import dataclasses
 
 import numpy as np
 
+from jtree.bin_packing import first_fit_decreasing
 from jtree.tree import TrajectoryTree
 
 
@@ -169,16 +170,9 @@ def _beside_segment(items: list[_Open], seg: int, capacity: int
 
 
 def _first_fit_decreasing(items: list[_Open], capacity: int) -> list[_Open]:
-    bins: list[_Open] = []
-    for it in sorted(items, key=lambda it: -it.size):
-        for b in bins:
-            if b.size + it.size <= capacity:
-                b.size += it.size
-                b.pieces.extend(it.pieces)
-                break
-        else:
-            bins.append(_Open(it.size, list(it.pieces)))
-    return bins
+    """Open remainders packed into parts of at most `capacity` tokens (`first_fit_decreasing`)."""
+    return [_Open(sum(items[i].size for i in members), [p for i in members for p in items[i].pieces])
+            for members in first_fit_decreasing([it.size for it in items], capacity)]
 
 
 def _part_tree(tree: TrajectoryTree, closed: list[tuple[list[tuple[int, int]], int]]

@@ -1,4 +1,3 @@
-import dataclasses
 import json
 
 import jax
@@ -8,9 +7,11 @@ import pytest
 from jtree.chunk_tables import default_chunk_count
 from jtree.cost import FlopModel
 from jtree.data import (
-    AutoStepBuilder, BatchPlan, StepBuilder, all_units, load_trees, make_pipeline, rows_for_run, step_indices,
+    AutoStepBuilder, StepBuilder, StepConfig, all_units, load_trees, make_pipeline, rows_for_run,
+    step_indices,
 )
 from jtree.loss import batch_normalizer
+from jtree.planner import LayoutConfig
 from jtree.train_step import Objective, build_batch, make_grad_fn, stack_microbatches
 from jtree.synthetic import por_forest
 from tests.models_util import tiny_config, tiny_model
@@ -23,12 +24,14 @@ def _forest(n, seed=0):
     return [explicit_tree(random_forest(rng, max_nodes=8)) for _ in range(n)]
 
 
-def _plan(mode="tree", shards=(0, 1), n_shards=2, rows=4, micro=2, per_step=6, seq_len=64):
-    return BatchPlan(mode, "token_mean", seq_len, per_step, micro, n_shards, shards, rows)
+def _plan(mode="tree", shards=(0, 1), n_shards=2, rows=4, micro=2, per_step=6, seq_len=64,
+          **layout):
+    return StepConfig(mode, "token_mean", per_step, shards,
+                      LayoutConfig(seq_len, n_shards, micro, rows, **layout))
 
 
 def _builder(trees, plan):
-    return StepBuilder(trees, all_units(trees, plan.mode, plan.seq_len), plan)
+    return StepBuilder(trees, all_units(trees, plan.mode, plan.layout.seq_len), plan)
 
 
 def test_bad_group_lines_fail_with_file_and_line_or_are_skipped_and_counted(tmp_path):
@@ -174,8 +177,7 @@ def test_gdn_chunk_tables_share_one_bucketed_capacity_per_step(mode):
     for k in range(4):
         parts = []
         for shards in ((0, 1), (0,), (1,)):
-            plan = dataclasses.replace(_plan(mode, shards=shards, per_step=3, rows=8),
-                                       gdn_chunk_size=3)
+            plan = _plan(mode, shards=shards, per_step=3, rows=8, gdn_chunk_size=3)
             parts.append(_builder(trees, plan)(index[k])["inputs"])
         whole, first, second = parts
         for key in ("chunk_tokens", "chunk_src", "token_slot"):
@@ -191,6 +193,6 @@ def test_gdn_chunk_tables_share_one_bucketed_capacity_per_step(mode):
             assert empty.any()  # 3 trees for 4 bins: a bin with no tree
         assert np.all(per_bin(tables)[empty] == -1)
         assert np.all(whole.gdn.token_slot[~whole.valid] == -1)
-    plan = dataclasses.replace(_plan(mode, per_step=3, rows=8), gdn_chunk_size=3, gdn_chunks=2)
+    plan = _plan(mode, per_step=3, rows=8, gdn_chunk_size=3, gdn_chunks=2)
     with pytest.raises(ValueError, match=r"gdn_chunks=2: row \d+ needs \d+ chunks"):
         _builder(trees, plan)(index[0])

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jtree.linearize import linearize, pack_rows, unlinearize
+from jtree.bin_packing import first_fit_decreasing
+from jtree.linearize import linearize, unlinearize
 from jtree.tree import TrajectoryTree
 from jtree.kernels.attention_reference import tree_mask
 from tests.strategies import forests
@@ -81,9 +82,9 @@ def test_tree_larger_than_row_is_rejected_with_its_size():
         linearize(trees, 16)
 
 
-def test_pack_rows_first_fit_decreasing():
+def test_first_fit_decreasing():
     sizes = [5, 9, 3, 7, 1]
-    rows = pack_rows(sizes, 10)
+    rows = first_fit_decreasing(sizes, 10)
     # FFD: 9 opens row 0, 7 row 1, 5 row 2, 3 joins the 7, 1 joins the 9.
     assert rows == [[1, 4], [3, 2], [0]]
 

@@ -3,7 +3,8 @@ import pytest
 
 from jtree.linearize import linearize
 from jtree.loss import batch_normalizer
-from jtree.packing import build_microbatches, least_padding_plan, plan_rows
+from jtree.packing import build_microbatches
+from jtree.planner import least_padding_plan, plan_rows
 from jtree.partition import partition
 from tests.strategies import explicit_tree, random_forest
 
@@ -37,7 +38,7 @@ def test_microbatches_share_one_shape_and_hold_every_part_once():
     parts = [p for t in trees for p in partition(t, cap).parts]
     norm = batch_normalizer(trees, "token_mean")
     mb = build_microbatches(parts, cap, rows_per_microbatch=2, normalization="token_mean",
-                            normalizer=norm, len_buckets=[cap // 2, cap])
+                            normalizer=norm, row_lengths=[cap // 2, cap])
     shapes = {b.shape for b in mb.batches}
     assert len(shapes) == 1 and shapes.pop() == (2, mb.plan.row_len)
     assert len(mb.batches) == mb.plan.n_rows // 2

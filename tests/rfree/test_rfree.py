@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from jtree.linearize import linearize
 from jtree.models import Qwen3NextConfig
 from jtree.rfree.execute import RedundancyFreeStep
-from jtree.rfree.layout import build_program, octave_step_length, prefix_bucket, row_length
+from jtree.planner import octave_step_length
+from jtree.rfree.layout import build_program, prefix_bucket, row_length
 from jtree.rfree.plan import plan_parts
 from jtree.rfree.schedule import LiveBuffers, child_order, part_slots
 from jtree.train_step import Objective, make_grad_fn, stack_microbatches
