@@ -95,7 +95,8 @@ def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
             f"{np.median([r['tokens_per_s'] for r in steady]):.0f}, device "
             f"{np.median([r['device_s'] for r in steady]) * 1e3:.1f} ms/step, host "
             f"{np.median([r['host_s'] for r in steady]) * 1e3:.1f} ms/step (over "
-            f"{len(steady)} step(s) without a compile); compiles: "
+            + (f"{len(steady)} step(s) without a compile" if len(compiled) < len(history)
+               else "every step; each compiled") + "); compiles: "
             f"{sum(r['compiles'] for r in history)} in {len(compiled)} step(s), "
             f"{sum(r['compile_s'] for r in history):.1f} s; bad records skipped {n_bad}"
             + (f"; checkpoints in {checkpoint_dir}" if checkpoint_dir is not None else ""))

@@ -23,10 +23,13 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -197,12 +200,35 @@ def check_resumable(meta: dict[str, Any], config: dict[str, Any], where: str) ->
     for key in changed:
         why = resume_refusal(key)
         say(f"--resume: {key} changed from {saved.get(key)!r} to {config.get(key)!r}"
-            + (f": refused, {why}" if why else ""))
+            + (f": refused, {why}" if why else ": allowed"))
         if why:
             refused.append(f"{key} ({saved.get(key)!r} -> {config.get(key)!r}): {why}")
     if refused:
         raise ValueError(f"{where}: {'; '.join(refused)}; set it back to resume this "
                          "checkpoint, or train into a new checkpoint.dir")
+
+
+def check_stored_params(state_dir: Path, abstract_params: Any, where: str) -> None:
+    """Refuse a checkpoint whose parameters (read from its metadata, no array loaded) differ in
+    name or shape from the model being trained, naming the first parameter that differs. Before
+    restoring, because a restore that fails part-way leaves Orbax's reads running against a
+    closed event loop, printing dozens of tracebacks that bury the error."""
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        stored = handler.metadata(epath.Path(state_dir))["params"]
+    finally:
+        handler.close()
+    shapes = {param_path(p): tuple(x.shape) for p, x in
+              jax.tree_util.tree_flatten_with_path(stored)[0]}
+    for path, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+        name, shape = param_path(path), tuple(x.shape)
+        stored_shape = shapes.pop(name, None)
+        if stored_shape != shape:
+            raise ValueError(f"{where}: parameter {name} is {stored_shape or 'missing'} in the "
+                             f"checkpoint but {shape} in the model being trained")
+    if shapes:
+        raise ValueError(f"{where}: holds parameter {next(iter(shapes))}, which the model being "
+                         "trained does not have")
 
 
 @dataclasses.dataclass
@@ -255,6 +281,7 @@ class TrainingRun:
         where = f"checkpoint {ckpt.directory}/{latest}"
         check_resumable(ckpt.read_meta(latest), self.trainer.run_meta()["config"], where)
         abstract = abstract_like(jax.eval_shape(self.trainer.init_fn), self.trainer.shardings)
+        check_stored_params(ckpt.directory / str(latest) / "state", abstract.params, where)
         state, data_state, _ = ckpt.restore(latest, abstract)
         self.iterator.set_state(data_state)
         start = int(state.step)
