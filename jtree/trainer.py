@@ -253,7 +253,10 @@ class TrainingRun:
         """Load the trees, build the step functions, the step builders of the trained modes and
         the pipeline that feeds this process's data shards, and open `checkpoint.dir`."""
         with progress(f"loading {cfg.data.path}"):
-            trees, report = load_training_trees(cfg)
+            try:
+                trees, report = load_training_trees(cfg)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"data.path: no such file: {e.filename}") from None
         trainer = Trainer.build(cfg)
         shards = host_data_shards(trainer.mesh)
         with progress("laying out the steps (partitioning trees, sizing rows)"):

@@ -5,6 +5,8 @@ feeding the resumed run). The dense run checks the mechanics over 3 + 3 steps; a
 (1 + 1 steps, slow) checks them for an expert-parallel model (mesh model=2) with the router loss
 on."""
 
+import json
+import re
 import signal
 
 import jax
@@ -84,3 +86,50 @@ def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(tmp_path):
     assert "model: qwen3_moe" in out and "mesh data=1 x model=2" in out
     history = _kill_resume_and_compare(tmp_path, common, straight, 1, env, workers=0)
     assert all(r["aux_loss"] > 0 for r in history)  # the router loss is part of the objective
+
+
+def test_resume_says_what_changed_and_refuses_model_and_data_order_changes(tmp_path, capsys):
+    """A resumed run lists the config keys that differ from the checkpoint's; a change of the
+    model or of the data order is refused naming the key (in one line, no traceback, even when
+    only the stored parameter shapes disagree), the rest is allowed, and overrides may follow
+    `--resume`."""
+    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
+    ckpt = tmp_path / "ckpt"
+    common = ["--config", "configs/tiny.yaml", *tiny_overrides(data, **{
+        "run.steps": 2, "data.trees_per_step": 2, "data.micro_batches": 1,
+        "checkpoint.dir": ckpt, "checkpoint.every": 2})]
+    assert main(common) == 0
+    capsys.readouterr()
+
+    for key, value in (("data.seq_len", 256), ("run.seed", 1)):
+        assert main([*common, "--resume", f"{key}={value}"]) == 2
+        out, err = capsys.readouterr()
+        assert f"--resume: {key} changed from " in out and "refused" in out
+        assert err.startswith("python -m jtree.launch.train: error: ValueError: checkpoint ")
+        assert f"{key} (" in err and "Traceback" not in err
+
+    log = tmp_path / "hidden"
+    code, out, err = finish(launch([*common, "--resume", "model.hidden_size=64"], log), log)
+    assert code == 2
+    assert "--resume: model.hidden_size changed from 32 to 64: refused" in out
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "model.hidden_size (32 -> 64): it changes the model" in err
+
+    # The stored config agrees, the stored parameters do not: refused before Orbax restores.
+    meta = ckpt / "2" / "meta" / "metadata"
+    saved = json.loads(meta.read_text())
+    saved["config"]["model.hidden_size"] = 64
+    meta.write_text(json.dumps(saved))
+    log = tmp_path / "shapes"
+    code, out, err = finish(launch([*common, "--resume", "model.hidden_size=64"], log), log)
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err, err[-3000:]
+    assert "parameter model/embed_tokens/embedding is (64, 32) in the checkpoint but (64, 64)" in err
+    saved["config"]["model.hidden_size"] = 32
+    meta.write_text(json.dumps(saved))
+
+    assert main([*common, "--resume", "run.steps=3", "optim.learning_rate=0.005"]) == 0
+    out = capsys.readouterr().out
+    assert "--resume: optim.learning_rate changed from 0.01 to 0.005: allowed" in out
+    assert "--resume: run.steps changed from 2 to 3: allowed" in out
+    assert "resumed from checkpoint" in out and re.search(r"^step +2 +loss", out, re.M)
