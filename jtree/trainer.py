@@ -331,16 +331,17 @@ class TrainingRun:
         step's compiles). Host time is reading the step and placing it; device time waits for
         the step's metrics, less the time the step spent compiling (`compile_watch`, entered by
         `train`). A step at a shape not seen before says so before it compiles and how long the
-        compile took after; a compile at a known shape is logged as a recompile."""
+        compile took after; a compile at known shapes is logged too (a redundancy-free part
+        compiles per structure as well as per shape)."""
         cfg, trainer = self.cfg, self.trainer
         t0 = time.perf_counter()
         element = next(self.iterator)
         info = element["info"]
-        key, shape = step_shape(element)
-        new_shape = key not in self.compiled_shapes
-        if new_shape:
-            say(f"compiling the step {shape} ...")
-            self.compiled_shapes.add(key)
+        new = {k: d for k, d in step_shapes(element).items() if k not in self.compiled_shapes}
+        shape = "; ".join(new.values())
+        if new:
+            say(f"compiling the step for shape {shape} ...")
+            self.compiled_shapes.update(new)
         before = self.compile_watch.total
         stale = old_logprobs_stale(bool(info["has_old_logprobs"]),
                                    float(info["old_logprob_disagreement"]), cfg.objective)
@@ -361,9 +362,9 @@ class TrainingRun:
         device_s = time.perf_counter() - t1
         compiles = self.compile_watch.total - before
         if compiles.n:
-            say(f"compiling the step {shape}: done in {compiles.seconds:.1f} s "
-                f"({compiles.n} program(s))" if new_shape else
-                f"recompiled the step {shape} (seen before): {compiles.n} program(s) in "
+            say(f"compiling the step for shape {shape}: done in {compiles.seconds:.1f} s "
+                f"({compiles.n} program(s))" if new else
+                f"compiled the step again at shapes seen before: {compiles.n} program(s) in "
                 f"{compiles.seconds:.1f} s")
         return state, metrics, info, t1 - t0, device_s - compiles.seconds, compiles
 
@@ -387,21 +388,29 @@ class TrainingRun:
             self.checkpointer.close()
 
 
-def step_shape(element: dict[str, Any]) -> tuple[tuple, str]:
-    """(what the step compiles for, a description of it) of a pipeline element: the shapes of
-    its input arrays (the step's jit compiles once per distinct set), described by the
-    micro-batches x rows x row length of `tokens` and every input of another shape. A
-    redundancy-free program compiles one function per part shape as it meets them, so its key
-    is the mode alone."""
-    if "program" in element:
-        return ("redundancy_free",), "for the redundancy-free parts (a program per part shape)"
-    inputs = element["inputs"]
+def step_shapes(element: dict[str, Any]) -> dict[tuple, str]:
+    """What a pipeline element's step compiles for, each with its description: the shapes of its
+    input arrays (a jit compiles once per distinct set), described by the micro-batches x rows x
+    row length of `tokens` and every input of another shape. A redundancy-free program runs one
+    call per part and one for the trees that fit a row whole, each compiling per input shapes."""
+    if "program" not in element:
+        return {_shape_key(element["inputs"]): _describe(element["inputs"])}
+    program = element["program"]
+    calls = [part.inputs for part in program.parts]
+    if program.whole is not None:
+        calls.append(program.whole.inputs())
+    return {_shape_key(inputs): _describe(inputs) for inputs in calls}
+
+
+def _shape_key(inputs: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items()))
+
+
+def _describe(inputs: dict[str, Any]) -> str:
     tokens = inputs["tokens"].shape
-    key = tuple(sorted((k, v.shape) for k, v in inputs.items()))
     other = [f"{k} {'x'.join(map(str, v.shape))}" for k, v in inputs.items()
              if v.shape[:len(tokens)] != tokens]
-    return key, "for shape " + ", ".join(
-        ["micro-batches x rows x S = " + "x".join(map(str, tokens)), *other])
+    return ", ".join(["tokens " + "x".join(map(str, tokens)), *other])
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> None:
@@ -428,7 +437,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> None:
                     say(f"compare_baseline: {done.n} compile(s) in {done.seconds:.1f} s")
                 else:
                     say("compare_baseline: skipped (single-process check)")
-            # The jit's own cache: one entry per step program this run compiled.
-            say(f"step programs compiled: {run.trainer.step_fn._cache_size()}")
+            if cfg.run.mode != "redundancy_free":  # its parts run their own functions
+                # The jit's own cache: one entry per step program this run compiled.
+                say(f"step programs compiled: {run.trainer.step_fn._cache_size()}")
     finally:
         run.close()
