@@ -18,6 +18,7 @@ from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.config import load_config
 from jtree.models import create_model
 from jtree.train_step import TrainState, make_optimizer
+from jtree.trainer import check_stored_params
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,13 +46,18 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
         return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
     ckpt = Checkpointer(checkpoint, async_save=False)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise ValueError(f"--checkpoint: no checkpoint in {ckpt.directory}")
-    shapes = jax.eval_shape(init)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    state, _, _ = ckpt.restore(step, abstract_like(shapes, jax.tree.map(lambda _: device, shapes)))
-    ckpt.close()
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise ValueError(f"--checkpoint: no checkpoint in {ckpt.directory}")
+        shapes = jax.eval_shape(init)
+        check_stored_params(ckpt.directory / str(step) / "state", shapes.params,
+                            f"checkpoint {ckpt.directory}/{step}")
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        state, _, _ = ckpt.restore(step, abstract_like(shapes,
+                                                       jax.tree.map(lambda _: device, shapes)))
+    finally:
+        ckpt.close()
     graphdef = nnx.split(nnx.eval_shape(lambda: create_model(arch, mcfg)))[0]
     return nnx.merge(graphdef, state.params), mcfg
 
