@@ -128,6 +128,14 @@ def test_resume_says_what_changed_and_refuses_model_and_data_order_changes(tmp_p
     saved["config"]["model.hidden_size"] = 32
     meta.write_text(json.dumps(saved))
 
+    from jtree.cli import main as jtree  # export-hf checks the stored shapes the same way
+
+    assert jtree(["export-hf", "--config", "configs/tiny.yaml", "--checkpoint", str(ckpt),
+                  "--out", str(tmp_path / "hf"), *common[2:], "model.hidden_size=64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jtree export-hf: error: ValueError: checkpoint ") and "Traceback" not in err
+    assert "parameter model/embed_tokens/embedding is (64, 32) in the checkpoint" in err
+
     assert main([*common, "--resume", "run.steps=3", "optim.learning_rate=0.005"]) == 0
     out = capsys.readouterr().out
     assert "--resume: optim.learning_rate changed from 0.01 to 0.005: allowed" in out
