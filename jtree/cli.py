@@ -52,14 +52,16 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None
 
 def run_reporting_errors(prog: str, func: Callable[[argparse.Namespace], int | None],
                          args: argparse.Namespace) -> int:
-    """`func(args)`'s exit code; a user error (see the module docstring) printed as one line,
-    exit code 2, unless `args.debug` or JTREE_DEBUG asks for its traceback."""
+    """`func(args)`'s exit code; a user error (see the module docstring) printed as one line
+    (a message of several lines joined), exit code 2, unless `args.debug` or JTREE_DEBUG asks
+    for its traceback."""
     try:
         return int(func(args) or 0)
     except USER_ERRORS as e:
         if args.debug or os.environ.get(DEBUG_ENV, "0") not in ("", "0"):
             raise
-        print(f"{prog}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(e).splitlines())  # YAML's span lines
+        print(f"{prog}: error: {type(e).__name__}: {message}", file=sys.stderr)
         return 2
 
 

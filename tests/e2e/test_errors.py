@@ -46,6 +46,16 @@ def test_debug_shows_the_traceback(tmp_path):
         assert "Traceback" in done.stderr and "bad.jsonl:1" in done.stderr
 
 
+def test_a_config_that_is_not_yaml_is_one_line_naming_the_file(tmp_path, capsys):
+    from jtree.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hidden_size: [1\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert line.startswith("jtree train: error: ParserError: ") and f'"{bad}", line 2' in line
+
+
 def test_every_command_reports_a_missing_file_in_one_line(tmp_path, capsys):
     from jtree.cli import main
 
