@@ -10,6 +10,7 @@ dtypes, rematerialization) is the `runtime` section (`jtree.models.runtime.Runti
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import types
 import typing
@@ -278,3 +279,19 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
         return from_dict(TrainConfig, apply_overrides(data, overrides))
     except ValueError as e:
         raise ValueError(f"{path or 'config'}: {e}") from None
+
+
+def config_values(cfg: TrainConfig) -> dict[str, Any]:
+    """Every setting of `cfg` under the dotted key an override names it by (`model.hidden_size`,
+    `data.seq_len`), its value as JSON reads it back (tuples as lists), so a config saved with a
+    checkpoint compares equal to the config that wrote it."""
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(cfg):
+        section = getattr(cfg, field.name)
+        values = dataclasses.asdict(section)
+        if isinstance(section, ModelSpec):  # the architecture's fields sit directly under model.
+            values = {"architecture": section.architecture, "init_from": section.init_from,
+                      **values["config"]}
+        for key, value in values.items():
+            out[f"{field.name}.{key}"] = json.loads(json.dumps(value))
+    return out

@@ -7,7 +7,10 @@ tensor parallel inside shard_map). It needs no data, so `jtree.launch.lower_step
 step a run trains with. `TrainingRun` adds what the trees determine: the step builders of each
 layout mode (`StepBuilders`), the data pipeline and the checkpointer; it restores a checkpoint
 (data order included), trains with one record per step (`jtree.run_report`), saves checkpoints
-(with the `run.kill_after_checkpoint` fault injection the resume tests use) and, with
+(with the `run.kill_after_checkpoint` fault injection the resume tests use), says which config
+keys differ from the checkpoint's on resume (refusing those that change the model or the data
+order), logs every compile of the step (`jtree.compiles`; compile time is kept out of tokens/s)
+and, with
 `run.compare_baseline`, checks tree-vs-baseline log-prob equivalence with the trained parameters
 and times the tree step against the per-path baseline step through the run's own builders and
 step function. `train` runs one config from start to summary.
@@ -30,7 +33,8 @@ from jax.sharding import PartitionSpec as P
 
 from jtree.baseline_comparison import compare_with_baseline
 from jtree.checkpoint import Checkpointer, abstract_like
-from jtree.config import TrainConfig
+from jtree.compiles import Compiles, CompileWatch
+from jtree.config import TrainConfig, config_values
 from jtree.data import LoadReport, make_pipeline
 from jtree.host_allocator import configure_host_malloc
 from jtree.kernels.tree_attention import resolve_impl
@@ -42,7 +46,7 @@ from jtree.run_data import (
     StepBuilders, host_data_shards, load_training_trees, rfree_capacity, run_step_builder,
     to_global,
 )
-from jtree.run_report import progress_line, say, step_record, summary
+from jtree.run_report import progress, progress_line, say, step_record, summary
 from jtree.sharding import (
     DATA, MODEL, make_mesh, named, param_path, param_rules, param_specs,
 )
@@ -129,11 +133,10 @@ class Trainer:
                           jax.device_put(jnp.zeros((), jnp.int32), self.shardings.step))
 
     def run_meta(self) -> dict[str, Any]:
-        """What a checkpoint must agree with to be resumed by this config."""
-        c = self.cfg
-        return {"architecture": c.model.architecture, "seed": c.run.seed,
-                "shuffle_seed": c.data.shuffle_seed, "trees_per_step": c.data.trees_per_step,
-                "mode": c.run.mode, "data_path": c.data.path}
+        """What a checkpoint keeps of the run that wrote it: its whole config (dotted keys), so
+        a resume says what changed and refuses what would not continue the same run
+        (`check_resumable`)."""
+        return {"config": config_values(self.cfg)}
 
 
 def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any
@@ -156,13 +159,46 @@ def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any
     return step
 
 
-def check_resumable(meta: dict[str, Any], expected: dict[str, Any], where: str) -> None:
-    """Refuse a checkpoint written by a run that `expected` (this config's `run_meta`) would not
-    continue: another model, seed, data or data order."""
-    for key, value in expected.items():
-        if key in meta and meta[key] != value:
-            raise ValueError(f"{where}: written with {key}={meta[key]!r}, but the config has "
-                             f"{value!r}; resuming would not continue the same run")
+# Config keys a resumed run may change although they are part of a fixed section (`model.`,
+# `data.`): where the weights first came from, how many workers read data. How the model runs
+# (`runtime.*`) is not a fixed section.
+RESUME_MAY_CHANGE = ("model.init_from", "data.worker_count")
+
+
+def resume_refusal(key: str) -> str | None:
+    """Why a resumed run must keep `key` as the checkpoint has it, or None when it may change:
+    the model (its shapes and initialization) and the data order (which trees each step trains
+    on, and how they are laid out) are what makes a resumed run continue the one that was
+    stopped. Optimizer, objective, run length, logging, mesh and checkpoint settings may
+    change."""
+    if key in RESUME_MAY_CHANGE:
+        return None
+    if key.startswith("model."):
+        return "it changes the model"
+    if key.startswith("data.") or key in ("run.mode", "run.seed"):
+        return "it changes the data order or the initialization"
+    return None
+
+
+def check_resumable(meta: dict[str, Any], config: dict[str, Any], where: str) -> None:
+    """Say which keys of `config` (this run's `config_values`) differ from those of the
+    checkpoint's run meta, each with its old and new value, and refuse the checkpoint when one
+    of them may not change (`resume_refusal`), naming the key."""
+    if "config" not in meta:
+        raise ValueError(f"{where}: its run meta holds no config ({sorted(meta)}), so this run "
+                         "cannot check it continues the same run")
+    saved = meta["config"]
+    changed = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
+    refused = []
+    for key in changed:
+        why = resume_refusal(key)
+        say(f"--resume: {key} changed from {saved.get(key)!r} to {config.get(key)!r}"
+            + (f": refused, {why}" if why else ": allowed"))
+        if why:
+            refused.append(f"{key} ({saved.get(key)!r} -> {config.get(key)!r}): {why}")
+    if refused:
+        raise ValueError(f"{where}: {'; '.join(refused)}; set it back to resume this "
+                         "checkpoint, or train into a new checkpoint.dir")
 
 
 @dataclasses.dataclass
@@ -179,16 +215,23 @@ class TrainingRun:
     iterator: Any  # grain iterator: get_state / set_state carry the data order into checkpoints
     layout: str
     checkpointer: Checkpointer | None
+    compile_watch: CompileWatch = dataclasses.field(default_factory=CompileWatch)
+    compiled_shapes: set[tuple] = dataclasses.field(default_factory=set)
 
     @classmethod
     def build(cls, cfg: TrainConfig) -> TrainingRun:
         """Load the trees, build the step functions, the step builders of the trained modes and
         the pipeline that feeds this process's data shards, and open `checkpoint.dir`."""
-        trees, report = load_training_trees(cfg)
+        with progress(f"loading {cfg.data.path}"):
+            try:
+                trees, report = load_training_trees(cfg)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"data.path: no such file: {e.filename}") from None
         trainer = Trainer.build(cfg)
         shards = host_data_shards(trainer.mesh)
-        builders = StepBuilders(cfg, trees, trainer.mesh.shape[DATA], shards)
-        builder, layout = run_step_builder(cfg, trees, builders)
+        with progress("laying out the steps (partitioning trees, sizing rows)"):
+            builders = StepBuilders(cfg, trees, trainer.mesh.shape[DATA], shards)
+            builder, layout = run_step_builder(cfg, trees, builders)
         iterator = iter(make_pipeline(builder, seed=cfg.data.shuffle_seed,
                                       worker_count=cfg.data.worker_count))
         ckpt = None
@@ -206,7 +249,8 @@ class TrainingRun:
         restored = ckpt.restore_latest(
             abstract_like(jax.eval_shape(self.trainer.init_fn), self.trainer.shardings),
             on_corrupt=self.cfg.checkpoint.on_corrupt, log=say,
-            check_meta=lambda meta, where: check_resumable(meta, self.trainer.run_meta(), where),
+            check_meta=lambda meta, where: check_resumable(meta, self.trainer.run_meta()["config"],
+                                                           where),
         ) if resume else None
         if restored is None:
             if resume:
@@ -241,12 +285,13 @@ class TrainingRun:
         schedule = make_schedule(cfg.optim)
         history = []
         for step in range(start, cfg.run.steps):
-            state, metrics, info, host_s, device_s = self.train_step(state, step)
-            record = step_record(step, metrics, info, host_s, device_s, float(schedule(step)))
+            state, metrics, info, host_s, device_s, compiles = self.train_step(state, step)
+            record = step_record(step, metrics, info, host_s, device_s, compiles,
+                                 float(schedule(step)))
             history.append(record)
             metrics_log.write(record)
             if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
-                say(progress_line(record) + ("  (includes compile)" if step == start else ""))
+                say(progress_line(record))
                 if "mode_reason" in info:
                     say(f"           auto mode: {info['mode']} ({info['mode_reason']})")
             self.checkpoint(step + 1, state)
@@ -255,14 +300,24 @@ class TrainingRun:
         metrics_log.close()
         return state, history
 
-    def train_step(self, state: TrainState, step: int
-                   ) -> tuple[TrainState, dict[str, float], dict[str, Any], float, float]:
-        """Train the pipeline's next step: (state, metrics, step info, host s, device s). Host
-        time is reading the step and placing it; device time waits for the step's metrics."""
+    def train_step(self, state: TrainState, step: int) -> tuple[
+            TrainState, dict[str, float], dict[str, Any], float, float, Compiles]:
+        """Train the pipeline's next step: (state, metrics, step info, host s, device s, the
+        step's compiles). Host time is reading the step and placing it; device time waits for
+        the step's metrics, less the time the step spent compiling (`compile_watch`, entered by
+        `train`). A step at a shape not seen before says so before it compiles and how long the
+        compile took after; a compile at known shapes is logged too (a redundancy-free part
+        compiles per structure as well as per shape)."""
         cfg, trainer = self.cfg, self.trainer
         t0 = time.perf_counter()
         element = next(self.iterator)
         info = element["info"]
+        new = {k: d for k, d in step_shapes(element).items() if k not in self.compiled_shapes}
+        shape = "; ".join(new.values())
+        if new:
+            say(f"compiling the step for shape {shape} ...")
+            self.compiled_shapes.update(new)
+        before = self.compile_watch.total
         stale = old_logprobs_stale(bool(info["has_old_logprobs"]),
                                    float(info["old_logprob_disagreement"]), cfg.objective)
         if "program" in element:  # run.mode=redundancy_free
@@ -280,7 +335,14 @@ class TrainingRun:
             t1 = time.perf_counter()
             state, metrics = trainer.step_fn(state, inputs)
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
-        return state, metrics, info, t1 - t0, time.perf_counter() - t1
+        device_s = time.perf_counter() - t1
+        compiles = self.compile_watch.total - before
+        if compiles.n:
+            say(f"compiling the step for shape {shape}: done in {compiles.seconds:.1f} s "
+                f"({compiles.n} program(s))" if new else
+                f"compiled the step again at shapes seen before: {compiles.n} program(s) in "
+                f"{compiles.seconds:.1f} s")
+        return state, metrics, info, t1 - t0, device_s - compiles.seconds, compiles
 
     def checkpoint(self, done: int, state: TrainState) -> None:
         """Save after `done` steps when due (every `checkpoint.every` and at the end); with
@@ -296,9 +358,35 @@ class TrainingRun:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def close(self) -> None:
-        """Release the checkpointer (its background writes are done by the end of `loop`)."""
+        """Release the checkpointer: waits for its background writes and stops its threads, so
+        a run that stops on an error exits without Orbax's teardown noise after the error."""
         if self.checkpointer is not None:
             self.checkpointer.close()
+
+
+def step_shapes(element: dict[str, Any]) -> dict[tuple, str]:
+    """What a pipeline element's step compiles for, each with its description: the shapes of its
+    input arrays (a jit compiles once per distinct set), described by the micro-batches x rows x
+    row length of `tokens` and every input of another shape. A redundancy-free program runs one
+    call per part and one for the trees that fit a row whole, each compiling per input shapes."""
+    if "program" not in element:
+        return {_shape_key(element["inputs"]): _describe(element["inputs"])}
+    program = element["program"]
+    calls = [part.inputs for part in program.parts]
+    if program.whole is not None:
+        calls.append(program.whole.inputs())
+    return {_shape_key(inputs): _describe(inputs) for inputs in calls}
+
+
+def _shape_key(inputs: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items()))
+
+
+def _describe(inputs: dict[str, Any]) -> str:
+    tokens = inputs["tokens"].shape
+    other = [f"{k} {'x'.join(map(str, v.shape))}" for k, v in inputs.items()
+             if v.shape[:len(tokens)] != tokens]
+    return ", ".join(["tokens " + "x".join(map(str, tokens)), *other])
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> None:
@@ -308,15 +396,25 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> None:
     if configure_host_malloc(cfg.run.host_malloc):  # before anything starts a jax backend
         say("host malloc: keeps freed memory (run.host_malloc; CPU steps reuse their temporaries)")
     run = TrainingRun.build(cfg)
-    state, start = run.restore(resume)
-    say(run.describe(state))
-    t_run = time.perf_counter()
-    state, history = run.loop(state, start)
-    checkpoint_dir = run.checkpointer.directory if run.checkpointer is not None else None
-    say(summary(history, time.perf_counter() - t_run, run.load_report.n_bad, checkpoint_dir))
-    if cfg.run.compare_baseline and history:
-        if jax.process_count() == 1:
-            compare_with_baseline(cfg, run.trainer, run.builders, run.trees, state)
-        else:
-            say("compare_baseline: skipped (single-process check)")
-    run.close()
+    try:
+        with run.compile_watch:
+            state, start = run.restore(resume)
+            say(run.describe(state))
+            t_run = time.perf_counter()
+            state, history = run.loop(state, start)
+            checkpoint_dir = run.checkpointer.directory if run.checkpointer is not None else None
+            say(summary(history, time.perf_counter() - t_run, run.load_report.n_bad,
+                        checkpoint_dir))
+            if cfg.run.compare_baseline and history:
+                if jax.process_count() == 1:
+                    before = run.compile_watch.total
+                    compare_with_baseline(cfg, run.trainer, run.builders, run.trees, state)
+                    done = run.compile_watch.total - before
+                    say(f"compare_baseline: {done.n} compile(s) in {done.seconds:.1f} s")
+                else:
+                    say("compare_baseline: skipped (single-process check)")
+            if cfg.run.mode != "redundancy_free":  # its parts run their own functions
+                # The jit's own cache: one entry per step program this run compiled.
+                say(f"step programs compiled: {run.trainer.step_fn._cache_size()}")
+    finally:
+        run.close()

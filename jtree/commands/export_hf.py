@@ -45,13 +45,16 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
         return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
     ckpt = Checkpointer(checkpoint, async_save=False)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise ValueError(f"--checkpoint: no checkpoint in {ckpt.directory}")
-    shapes = jax.eval_shape(init)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    state = ckpt.restore(step, abstract_like(shapes, jax.tree.map(lambda _: device, shapes))).state
-    ckpt.close()
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise ValueError(f"--checkpoint: no checkpoint in {ckpt.directory}")
+        shapes = jax.eval_shape(init)
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        state = ckpt.restore(step, abstract_like(shapes,
+                                                 jax.tree.map(lambda _: device, shapes))).state
+    finally:
+        ckpt.close()
     graphdef = nnx.split(nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime)))[0]
     return nnx.merge(graphdef, state.params), mcfg
 

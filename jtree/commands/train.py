@@ -5,10 +5,12 @@ in launch/). The step runs over the ('data', 'model') mesh of the config: data p
 tensor parallel inside shard_map. Prints one line per step (loss, baseline-equivalent and tree
 tokens/s, POR, ERR, grad norm, host/device time; with `run.mode=auto` the mode each step
 chose and why), writes metrics as JSONL (and TensorBoard),
-checkpoints with Orbax (`--resume` continues from the latest one, data order included), and ends
-with a summary. With `run.compare_baseline` it checks tree-vs-baseline log-prob equivalence with
+checkpoints with Orbax (`--resume` continues from the latest one, data order included, after
+listing the config keys that changed and refusing those that change the model or the data order),
+announces and times every compile of the step (kept out of tokens/s), and ends with a summary. With `run.compare_baseline` it checks tree-vs-baseline log-prob equivalence with
 the trained parameters and times the tree step against the per-path baseline step on the same
-trees (alternating, medians). `python -m jtree.launch.train` takes the same arguments.
+trees (alternating, medians). `python -m jtree.launch.train` takes the same arguments. Errors:
+`jtree.cli`.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ feeding the resumed run). The dense run checks the mechanics over 3 + 3 steps; a
 (1 + 1 steps, slow) checks them for an expert-parallel model (mesh model=2) with the router loss
 on."""
 
+import json
+import re
 import shutil
 import signal
 
@@ -115,3 +117,58 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
         losses[name] = [(r["step"], r["loss"]) for r in read_metrics(directory / "metrics.jsonl")]
     assert [s for s, _ in losses["direct"]] == [2, 3]
     assert losses["damaged"] == losses["direct"]
+
+
+def test_resume_says_what_changed_and_refuses_model_and_data_order_changes(tmp_path, capsys):
+    """A resumed run lists the config keys that differ from the checkpoint's; a change of the
+    model or of the data order is refused naming the key (in one line, no traceback, even when
+    only the stored parameter shapes disagree), the rest is allowed, and overrides may follow
+    `--resume`."""
+    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
+    ckpt = tmp_path / "ckpt"
+    common = ["--config", "configs/tiny.yaml", *tiny_overrides(data, **{
+        "run.steps": 2, "data.trees_per_step": 2, "data.micro_batches": 1,
+        "checkpoint.dir": ckpt, "checkpoint.every": 2})]
+    assert main(common) == 0
+    capsys.readouterr()
+
+    for key, value in (("data.seq_len", 256), ("run.seed", 1)):
+        assert main([*common, "--resume", f"{key}={value}"]) == 2
+        out, err = capsys.readouterr()
+        assert f"--resume: {key} changed from " in out and "refused" in out
+        assert err.startswith("python -m jtree.launch.train: error: ValueError: checkpoint ")
+        assert f"{key} (" in err and "Traceback" not in err
+
+    log = tmp_path / "hidden"
+    code, out, err = finish(launch([*common, "--resume", "model.hidden_size=64"], log), log)
+    assert code == 2
+    assert "--resume: model.hidden_size changed from 32 to 64: refused" in out
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "model.hidden_size (32 -> 64): it changes the model" in err
+
+    # The stored config agrees, the stored parameters do not: refused before Orbax restores.
+    meta = ckpt / "2" / "meta" / "metadata"
+    saved = json.loads(meta.read_text())
+    saved["config"]["model.hidden_size"] = 64
+    meta.write_text(json.dumps(saved))
+    log = tmp_path / "shapes"
+    code, out, err = finish(launch([*common, "--resume", "model.hidden_size=64"], log), log)
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err, err[-3000:]
+    assert "embed_tokens/embedding has shape (64, 32), the model wants (64, 64)" in err
+    saved["config"]["model.hidden_size"] = 32
+    meta.write_text(json.dumps(saved))
+
+    from jtree.cli import main as jtree  # export-hf checks the stored shapes the same way
+
+    assert jtree(["export-hf", "--config", "configs/tiny.yaml", "--checkpoint", str(ckpt),
+                  "--out", str(tmp_path / "hf"), *common[2:], "model.hidden_size=64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jtree export-hf: error: ValueError: checkpoint ") and "Traceback" not in err
+    assert "embed_tokens/embedding has shape (64, 32), the model wants (64, 64)" in err
+
+    assert main([*common, "--resume", "run.steps=3", "optim.learning_rate=0.005"]) == 0
+    out = capsys.readouterr().out
+    assert "--resume: optim.learning_rate changed from 0.01 to 0.005: allowed" in out
+    assert "--resume: run.steps changed from 2 to 3: allowed" in out
+    assert "resumed from checkpoint" in out and re.search(r"^step +2 +loss", out, re.M)
