@@ -3,6 +3,7 @@ trainer and the benchmark build their batches through the same function."""
 
 import itertools
 
+import jax
 import numpy as np
 import pytest
 
@@ -54,14 +55,16 @@ def test_linearize_lays_units_out_exactly_where_the_plan_says(k):
         np.testing.assert_array_equal(batch.layout.rows, rows)
         np.testing.assert_array_equal(batch.layout.offsets, offsets)
         assert batch.shape == (plan.rows, plan.row_len)
-        scored = ((batch.weight != 0) | (batch.adv_pos != 0) | (batch.adv_neg != 0)).sum(axis=1)
-        assert batch.score_index.shape[1] == plan.score_len >= scored.max()
+        inputs, c = batch.inputs, batch.inputs.coefficients
+        scored = ((c.weight != 0) | (c.adv_pos != 0) | (c.adv_neg != 0)).sum(axis=1)
+        assert inputs.score_index.shape[1] == plan.score_len >= scored.max()
         if layout.gdn_chunk_size is not None:
-            used = (batch.gdn_chunk_tokens >= 0).any(axis=-1).sum(axis=-1)
-            assert batch.gdn_chunk_tokens.shape[1] == plan.gdn_chunks >= used.max()
+            used = (inputs.gdn.chunk_tokens >= 0).any(axis=-1).sum(axis=-1)
+            assert inputs.gdn.chunk_tokens.shape[1] == plan.gdn_chunks >= used.max()
         for r, row in enumerate(placement.rows):  # units fill their row from position 0
-            assert sum(units[members[i]].n_tree_tokens for i in row) == int(batch.valid[r].sum())
-            assert batch.valid[r, : int(batch.valid[r].sum())].all()
+            valid = inputs.valid[r]
+            assert sum(units[members[i]].n_tree_tokens for i in row) == int(valid.sum())
+            assert valid[: int(valid.sum())].all()
 
 
 def test_a_plan_that_does_not_match_the_trees_is_rejected():
@@ -135,13 +138,13 @@ def test_step_builder_inputs_are_its_plan():
     indices = step_indices(len(trees), 10, seed=0)[0]
     plan = builder.plan(indices)
     inputs = builder(indices)["inputs"]
-    assert inputs["tokens"].shape == (2, 2 * plan.rows, plan.row_len)
-    assert inputs["score_index"].shape[-1] == plan.score_len
-    assert inputs["gdn_chunk_tokens"].shape[2] == plan.gdn_chunks
+    assert inputs.tokens.shape == (2, 2 * plan.rows, plan.row_len)
+    assert inputs.score_index.shape[-1] == plan.score_len
+    assert inputs.gdn.chunk_tokens.shape[2] == plan.gdn_chunks
     units = [u for i in indices for u in builder.units[int(i)]]
     for s, m in itertools.product(range(2), range(2)):
         b = plan.bin(s, m)
-        tokens = inputs["tokens"][m, s * plan.rows : (s + 1) * plan.rows]
+        tokens = inputs.tokens[m, s * plan.rows : (s + 1) * plan.rows]
         rows, offsets = plan.placements[b].positions()
         for i, r, o in zip(plan.units[b], rows, offsets):
             u = units[i]
@@ -172,7 +175,9 @@ def test_bench_and_trainer_build_batches_with_the_same_function():
         builder = step_builder(trees, data, mode, normalization="seq_mean_token_mean",
                                n_shards=1, shards=(0,), steps=1)
         want = builder(step_indices(len(trees), len(trees), 0)[0])["inputs"]
-        assert set(prepared.inputs) == set(want)
-        for key, value in want.items():
-            np.testing.assert_array_equal(np.asarray(prepared.inputs[key]), value)
+        got, expected = (jax.tree_util.tree_flatten_with_path(x)[0]
+                         for x in (prepared.inputs, want))
+        assert [path for path, _ in got] == [path for path, _ in expected]
+        for (_, value), (_, wanted) in zip(got, expected):
+            np.testing.assert_array_equal(np.asarray(value), wanted)
         assert prepared.plan.row_len in row_length_ladder(512, bench.ROW_STEPS_PER_OCTAVE)
