@@ -243,9 +243,11 @@ class StepBuilder:
     """
 
     def __init__(self, trees: Sequence[TrajectoryTree], units: Sequence[Sequence[TrajectoryTree]],
-                 config: StepConfig):
+                 config: StepConfig, counts: Sequence[dict[str, Any]] | None = None):
+        """`counts`: the units' `unit_counts` per tree, when already computed (the same units)."""
         self.trees, self.units, self.config = list(trees), list(units), config
-        self.counts = [unit_counts(us, config.layout.gdn_chunk_size) for us in self.units]
+        self.counts = (list(counts) if counts is not None else
+                       [unit_counts(us, config.layout.gdn_chunk_size) for us in self.units])
 
     def plan(self, indices: np.ndarray) -> StepPlan:
         """Where every unit of the step goes, and the step's shape."""
@@ -377,7 +379,9 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
     """The `StepBuilder` a run with data config `data` trains `mode` with, on `n_shards` data
     shards of which this host feeds `shards`: units from `all_units`, `data.rows_per_micro_batch`
     rows per micro-batch or else the fewest that hold the run's `steps` steps (`rows_for_run`),
-    row lengths from `data.row_steps_per_octave` (`jtree.planner.row_length_ladder`).
+    row lengths from `data.row_steps_per_octave` (`jtree.planner.row_length_ladder`), and the
+    score width and GDN chunk capacity (unless `data.gdn_chunks` fixes it) at the most any of
+    those steps needs: the run compiles one step program per row length.
     `gdn_chunk_size`: chunk tables of that size (models with linear-attention layers)."""
     units = all_units(trees, mode, data.seq_len, data.partition_method)
     rows = data.rows_per_micro_batch or rows_for_run(
@@ -387,8 +391,16 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
                    else row_length_ladder(data.seq_len, data.row_steps_per_octave))
     layout = LayoutConfig(data.seq_len, n_shards, data.micro_batches, rows, row_lengths,
                           gdn_chunk_size, data.gdn_chunks if gdn_chunk_size else None)
-    return StepBuilder(trees, units, StepConfig(mode, normalization, data.trees_per_step,
-                                                tuple(shards), layout))
+    config = StepConfig(mode, normalization, data.trees_per_step, tuple(shards), layout)
+    builder = StepBuilder(trees, units, config)
+    index = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)
+    plans = [builder.plan(index[k]) for k in range(steps)]
+    if not plans:
+        return builder
+    fixed = dataclasses.replace(
+        layout, score_len=max(p.score_len for p in plans),
+        gdn_chunks=None if gdn_chunk_size is None else max(p.gdn_chunks for p in plans))
+    return StepBuilder(trees, units, dataclasses.replace(config, layout=fixed), builder.counts)
 
 
 def make_pipeline(builder: StepBuilder | AutoStepBuilder | RfreeStepBuilder, *, seed: int,

@@ -27,17 +27,17 @@ Layout policy (`LayoutConfig`), one step at a time:
    A small step of a run with long rows (high POR: the tree holds a tenth of the baseline's
    tokens) thus gets short rows instead of one mostly padded row of `seq_len`.
 4. The `score_index` width is the most scored tokens of any row, rounded up on a ladder of four
-   steps per octave (at least 64, at most the row length; `score_width`): at most a quarter of the
-   scored slots are padding, and a run compiles for a handful of widths instead of one per
-   multiple of 64 (the width otherwise changes with nearly every batch of chat data).
+   steps per octave (at least 64, at most the row length; `score_width`), or `score_len` fixed
+   for the run: the trainer fixes it at the widest any of its steps needs, since the width
+   otherwise changes with nearly every batch of chat data, and every width is a compile.
 5. The GDN chunk capacity is the bucket (`jtree.chunk_tables.default_chunk_count`) of the most
-   chunks any row needs, or `gdn_chunks` fixed for the run.
+   chunks any row needs, or `gdn_chunks` fixed for the run (the trainer: the most any step needs).
 
 Every host plans the whole global step from the same units, so all hosts agree on every shape
 without talking to each other, and each lays out only the shards it feeds. The shape of a step is
-therefore (micro_batches, rows x shards, row length, score width, chunk capacity), each from a
-small set: a run compiles for at most |row_lengths| x |score widths| x |chunk buckets| programs,
-in practice a few.
+therefore (micro_batches, rows x shards, row length, score width, chunk capacity). The trainer fixes
+everything but the row length for the whole run, so it compiles one step program per mode and row
+length: one per mode with the default `row_lengths`, at most |row_lengths| with a ladder.
 """
 
 from __future__ import annotations
@@ -248,8 +248,10 @@ class LayoutConfig:
     """The layout policy of a run (module docstring): rows of at most `seq_len` tokens,
     `n_shards` data shards x `micro_batches` micro-batches of `rows` rows each (None: as the step
     needs; `micro_batches=None`: as many micro-batches of `rows` rows as the packed rows fill),
-    row lengths from `row_lengths` (None: `seq_len` only), GDN chunk tables of `gdn_chunk_size`
-    with `gdn_chunks` chunks per row (None: per step)."""
+    row lengths from `row_lengths` (None: `seq_len` only), `score_len` scored slots per row (None:
+    per step, `score_width`), GDN chunk tables of `gdn_chunk_size` with `gdn_chunks` chunks per
+    row (None: per step). A run fixes rows, score width and chunk capacity at the most any of its
+    steps needs (`jtree.data.step_builder`), so it compiles one step program per row length."""
 
     seq_len: int
     n_shards: int = 1
@@ -258,10 +260,11 @@ class LayoutConfig:
     row_lengths: tuple[int, ...] | None = None
     gdn_chunk_size: int | None = None
     gdn_chunks: int | None = None
+    score_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "n_shards", "micro_batches", "rows", "gdn_chunk_size",
-                     "gdn_chunks"):
+                     "gdn_chunks", "score_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
@@ -352,9 +355,16 @@ def plan_step(tokens: Sequence[int], config: LayoutConfig, *, scored: Sequence[i
             most = max((sum(int(chunks[u[i]]) for i in row) for u, p in zip(units, placements)
                         for row in p.rows), default=0)
             gdn_chunks = default_chunk_count(row_len, config.gdn_chunk_size, most)
+    if config.score_len is None:
+        score_len = score_width(need, row_len)
+    elif need > config.score_len:
+        raise ValueError(f"score_len={config.score_len}: a row of this step has {need} scored "
+                         "tokens (the run's score width must hold every step)")
+    else:
+        score_len = min(config.score_len, row_len)
     return StepPlan(tuple(tuple(u) for u in units), tuple(placements), config.n_shards,
-                    len(units) // config.n_shards, row_len, placements[0].n_rows,
-                    score_width(need, row_len), gdn_chunks)
+                    len(units) // config.n_shards, row_len, placements[0].n_rows, score_len,
+                    gdn_chunks)
 
 
 def rows_to_hold(steps: Sequence[Sequence[int]], config: LayoutConfig) -> int:

@@ -46,9 +46,6 @@ def _assert_compiles_reported(out: str) -> int:
     return programs
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 22 item 1: the planner's score width varies per "
-                   "step (3 tree shapes in 16 demo steps) until the bounded shape set lands")
 def test_demo_compiles_at_most_one_step_program_per_mode(capsys):
     """The whole `make demo` run (16 steps and the baseline comparison, shrunken model) compiles
     its step at most twice: once for tree rows, once for the baseline's."""

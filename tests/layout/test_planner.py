@@ -1,6 +1,7 @@
 """The batch planner: its placement is what the batches get, its shapes hold every row, and the
 trainer and the benchmark build their batches through the same function."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from jtree.bin_packing import first_fit_decreasing
+from jtree.chat import ByteTokenizer, conversation_tree
 from jtree.chunk_tables import tree_chunks
 from jtree.config import DataConfig
 from jtree.cost import tree_work
@@ -17,7 +19,7 @@ from jtree.packing import unit_counts
 from jtree.planner import (
     LayoutConfig, plan_step, row_length_ladder, rows_to_hold, score_width,
 )
-from jtree.synthetic import por_forest
+from jtree.synthetic import chat_record, por_forest
 from tests.strategies import explicit_tree, random_forest
 
 
@@ -162,10 +164,12 @@ def test_unit_counts_are_what_the_planner_reads():
 
 def test_bench_and_trainer_build_batches_with_the_same_function():
     """`make bench` times the trainer's batches: `prepare` goes through `jtree.data.step_builder`,
-    the function `launch/train.py` builds its steps with, and gets exactly its inputs."""
-    from jtree.launch import bench, train
+    the function the trainer builds its steps with (`jtree.run_data`), and gets exactly its
+    inputs."""
+    from jtree import run_data
+    from jtree.launch import bench
 
-    assert bench.step_builder is step_builder and train.step_builder is step_builder
+    assert bench.step_builder is step_builder and run_data.step_builder is step_builder
     trees = por_forest(np.random.default_rng(1), 2000, 0.5, path_len=100, max_tree_tokens=512,
                        vocab_size=64)
     for mode in ("tree", "baseline"):
@@ -181,3 +185,34 @@ def test_bench_and_trainer_build_batches_with_the_same_function():
         for (_, value), (_, wanted) in zip(got, expected):
             np.testing.assert_array_equal(np.asarray(value), wanted)
         assert prepared.plan.row_len in row_length_ladder(512, bench.ROW_STEPS_PER_OCTAVE)
+
+
+@pytest.mark.parametrize("mode", ["tree", "baseline"])
+def test_a_run_on_chat_data_has_one_step_shape(mode):
+    """Chat conversations of different lengths and numbers of assistant turns give steps that
+    differ in scored tokens per row and in tree tokens; the trainer's builder fixes rows, score
+    width and GDN capacity for the whole run, so every step has one shape (one compile) while a
+    plan made step by step would need several score widths."""
+    rng = np.random.default_rng(3)
+    tok = ByteTokenizer()
+    trees = [conversation_tree(chat_record(rng, system_words=int(rng.integers(5, 40)),
+                                           turns=int(rng.integers(1, 5)), user_words=8,
+                                           assistant_words=int(rng.integers(5, 30)),
+                                           tool_words=10, reasoning_words=10), tok)
+             for _ in range(24)]
+    data = DataConfig(seq_len=2048, trees_per_step=3, micro_batches=2, gdn_chunk_size=16)
+    builder = step_builder(trees, data, mode, normalization="token_mean", n_shards=2,
+                           shards=(0, 1), steps=8, gdn_chunk_size=16)
+    index = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)
+    per_step = dataclasses.replace(builder.config.layout, score_len=None, gdn_chunks=None)
+    widths, shapes = set(), set()
+    for k in range(8):
+        inputs = builder(index[k])["inputs"]
+        shapes.add(tuple((jax.tree_util.keystr(path), leaf.shape) for path, leaf in
+                         jax.tree_util.tree_flatten_with_path(inputs)[0]))
+        ids = [int(i) for i in index[k]]
+        units = [u for i in ids for u in builder.units[i]]
+        widths.add(plan_step([u.n_tree_tokens for u in units], per_step,
+                             **unit_counts(units, 16)).score_len)
+    assert len(shapes) == 1
+    assert len(widths) > 1  # the data does vary: planned step by step it would compile more
