@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jtree.baseline_comparison import compare_with_baseline
+from jtree.batch import DeviceBatch
 from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.compiles import Compiles, CompileWatch
 from jtree.config import TrainConfig, config_values
@@ -378,14 +379,20 @@ def step_shapes(element: dict[str, Any]) -> dict[tuple, str]:
     return {_shape_key(inputs): _describe(inputs) for inputs in calls}
 
 
-def _shape_key(inputs: dict[str, Any]) -> tuple:
-    return tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items()))
+def _leaf_shapes(inputs: DeviceBatch) -> list[tuple[str, tuple[int, ...]]]:
+    """(field path, shape) of every array of a step's inputs."""
+    return [(jax.tree_util.keystr(path).lstrip("."), tuple(leaf.shape))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(inputs)[0]]
 
 
-def _describe(inputs: dict[str, Any]) -> str:
-    tokens = inputs["tokens"].shape
-    other = [f"{k} {'x'.join(map(str, v.shape))}" for k, v in inputs.items()
-             if v.shape[:len(tokens)] != tokens]
+def _shape_key(inputs: DeviceBatch) -> tuple:
+    return tuple(_leaf_shapes(inputs))
+
+
+def _describe(inputs: DeviceBatch) -> str:
+    tokens = tuple(inputs.tokens.shape)
+    other = [f"{k} {'x'.join(map(str, shape))}" for k, shape in _leaf_shapes(inputs)
+             if shape[:len(tokens)] != tokens]
     return ", ".join(["tokens " + "x".join(map(str, tokens)), *other])
 
 
