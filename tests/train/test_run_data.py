@@ -25,7 +25,7 @@ def test_builders_are_made_once_and_only_trained_modes_take_the_configured_rows(
     assert builders.rows["baseline"] == rows_for_run(units, d.seq_len, d.trees_per_step,
                                                      d.micro_batches, d.shuffle_seed, 2)
     first = step_indices(len(trees), d.trees_per_step, d.shuffle_seed)[0]
-    shapes = {m: builders[m](first)["inputs"]["tokens"].shape for m in ("tree", "baseline")}
+    shapes = {m: builders[m](first)["inputs"].tokens.shape for m in ("tree", "baseline")}
     assert shapes["tree"] == (d.micro_batches, 3, d.seq_len)
     assert shapes["baseline"] == (d.micro_batches, builders.rows["baseline"], d.seq_len)
 
