@@ -124,7 +124,8 @@ class Checkpointer:
         if on_corrupt not in ("fallback", "raise"):
             raise ValueError(f"on_corrupt: {on_corrupt!r} is not 'fallback' or 'raise'")
         corrupt: list[int] = []
-        for step in sorted(self._manager.all_steps(read=True), reverse=True):
+        self._manager.reload()  # the steps on disk now, not those cached at open
+        for step in sorted(self._manager.all_steps(), reverse=True):
             try:
                 restored = self.restore(step, abstract_state, check_meta)
             except CorruptCheckpoint as e:

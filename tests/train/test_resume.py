@@ -155,7 +155,7 @@ def test_resume_says_what_changed_and_refuses_model_and_data_order_changes(tmp_p
     code, out, err = finish(launch([*common, "--resume", "model.hidden_size=64"], log), log)
     assert code == 2
     assert err.count("\n") == 1 and "Traceback" not in err, err[-3000:]
-    assert "embed_tokens/embedding has shape (64, 32), the model wants (64, 64)" in err
+    assert "embed_tokens/embedding/value has shape (64, 32), the model wants (64, 64)" in err
     saved["config"]["model.hidden_size"] = 32
     meta.write_text(json.dumps(saved))
 
@@ -165,7 +165,7 @@ def test_resume_says_what_changed_and_refuses_model_and_data_order_changes(tmp_p
                   "--out", str(tmp_path / "hf"), *common[2:], "model.hidden_size=64"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jtree export-hf: error: ValueError: checkpoint ") and "Traceback" not in err
-    assert "embed_tokens/embedding has shape (64, 32), the model wants (64, 64)" in err
+    assert "embed_tokens/embedding/value has shape (64, 32), the model wants (64, 64)" in err
 
     assert main([*common, "--resume", "run.steps=3", "optim.learning_rate=0.005"]) == 0
     out = capsys.readouterr().out
