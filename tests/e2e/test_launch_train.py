@@ -1,3 +1,4 @@
+import json
 import re
 
 import jax
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from jtree.launch.train import main
+from jtree.synthetic import chat_record
 from tests.run_util import tiny_overrides, write_groups
 
 
@@ -52,6 +54,27 @@ def test_demo_compiles_at_most_one_step_program_per_mode(capsys):
     assert main(["--config", "configs/tiny.yaml", *DEMO_SMALL_MODEL,
                  "run.timing_repeats=1"]) == 0
     assert _assert_compiles_reported(capsys.readouterr().out) <= 2
+
+
+def test_a_run_on_chat_data_compiles_its_step_once(tmp_path, capsys):
+    """Chat conversations of different lengths and numbers of assistant turns: the steps differ
+    in tree tokens and in scored tokens per row, yet the run compiles one step program (rows,
+    score width and row length are fixed for the run by the planner), counted from jax's
+    compile events."""
+    rng = np.random.default_rng(5)
+    data = tmp_path / "chat.jsonl"
+    with open(data, "w", encoding="utf-8") as f:
+        for _ in range(12):
+            rec = chat_record(rng, system_words=int(rng.integers(3, 20)),
+                              turns=int(rng.integers(1, 4)), user_words=5,
+                              assistant_words=int(rng.integers(3, 20)), tool_words=5,
+                              reasoning_words=5)
+            f.write(json.dumps(rec) + "\n")
+    assert main(["--config", "configs/tiny.yaml", *tiny_overrides(data, **{
+        "data.format": "chat", "data.tokenizer": "bytes", "model.vocab_size": 260,
+        "data.seq_len": 1024, "data.trees_per_step": 3, "run.steps": 4})]) == 0
+    out = capsys.readouterr().out
+    assert _assert_compiles_reported(out) == 1
 
 
 def test_auto_mode_logs_each_steps_choice_and_trains_like_tree_mode(capsys):
