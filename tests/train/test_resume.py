@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jtree.launch.train import main
+from tests.checkpoint_damage import damage
 from tests.run_util import finish, launch, read_metrics, tiny_overrides, write_groups
 
 N = 3
@@ -90,8 +91,6 @@ def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(tmp_path):
 def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
     """A lost array chunk in the latest checkpoint: `--resume` logs it and continues from the
     newest intact one, with the same losses as resuming from that checkpoint directly."""
-    from tests.train.test_checkpoint import _damage
-
     data = write_groups(tmp_path / "groups.jsonl")
     first = tmp_path / "first"
     common = tiny_overrides(data, **{"checkpoint.every": 1, "checkpoint.async_save": "false"})
@@ -102,7 +101,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
         directory = tmp_path / name
         shutil.copytree(first, directory)
         if name == "damaged":
-            _damage(directory / "3", "chunk")
+            damage(directory / "3", "chunk")
         else:
             shutil.rmtree(directory / "3")
         capsys.readouterr()
