@@ -35,7 +35,7 @@ def _batches(trees, normalization):
 
 
 @pytest.mark.parametrize("kind", ["moe", "next"])
-@settings(max_examples=3, deadline=None, derandomize=True)
+@settings(max_examples=3, derandomize=True)
 @given(trees=FORESTS)
 def test_logprobs_equal_baseline(trees, kind):
     graphdef, params = perturbed_moe_model(kind)
@@ -49,7 +49,7 @@ def test_logprobs_equal_baseline(trees, kind):
 
 
 @pytest.mark.parametrize("kind", ["moe", "next"])
-@settings(max_examples=2, deadline=None, derandomize=True)
+@settings(max_examples=2, derandomize=True)
 @given(trees=FORESTS)
 def test_sft_loss_and_grads_equal_baseline(trees, kind):
     graphdef, params = perturbed_moe_model(kind)
@@ -59,7 +59,7 @@ def test_sft_loss_and_grads_equal_baseline(trees, kind):
 
 
 @pytest.mark.parametrize("kind", ["moe", "next"])
-@settings(max_examples=2, deadline=None, derandomize=True)
+@settings(max_examples=2, derandomize=True)
 @given(trees=FORESTS)
 def test_ppo_loss_and_grads_equal_baseline(trees, kind):
     """Clipped surrogate + KL + entropy + aux loss (coefficient 0.5, so it matters), advantages

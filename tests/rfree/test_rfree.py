@@ -60,7 +60,7 @@ def check_plan(tree: TrajectoryTree, capacity: int) -> None:
             assert np.all(np.diff(chain) > 0) and np.all(pred[chain[1:]] == chain[:-1])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(forests(n_trees=(1, 1), max_nodes=14, max_seg=6))
 def test_plan_computes_every_token_once_and_parts_hang_below_one_token(trees):
     for capacity in (1, 2, 3, 7, 40):

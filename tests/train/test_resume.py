@@ -15,7 +15,7 @@ import pytest
 
 from jtree.launch.train import main
 from tests.checkpoint_damage import damage
-from tests.run_util import finish, launch, read_metrics, tiny_overrides, write_groups
+from tests.run_util import finish, launch, read_metrics, tiny_overrides
 
 N = 3
 MOE_OVERRIDES = {
@@ -63,9 +63,8 @@ def _kill_resume_and_compare(tmp_path, common, straight, n, env=None, workers=1)
     return a
 
 
-def test_killed_run_resumes_exactly(tmp_path):
-    data = write_groups(tmp_path / "groups.jsonl")
-    common = tiny_overrides(data, **{"run.steps": 2 * N, "checkpoint.every": N})
+def test_killed_run_resumes_exactly(groups_file, tmp_path):
+    common = tiny_overrides(groups_file, **{"run.steps": 2 * N, "checkpoint.every": N})
     straight = tmp_path / "straight"
     assert main(["--config", "configs/tiny.yaml", *common, f"checkpoint.dir={straight}",
                  f"run.metrics_jsonl={straight}/metrics.jsonl"]) == 0
@@ -73,9 +72,8 @@ def test_killed_run_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow  # the mechanics are the dense test's; this adds an expert-parallel state
-def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(tmp_path):
-    data = write_groups(tmp_path / "groups.jsonl")
-    common = tiny_overrides(data, **{"run.steps": 2, "checkpoint.every": 1, **MOE_OVERRIDES})
+def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(groups_file, tmp_path):
+    common = tiny_overrides(groups_file, **{"run.steps": 2, "checkpoint.every": 1, **MOE_OVERRIDES})
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     straight = tmp_path / "straight"
     log = tmp_path / "straight_log"
@@ -88,12 +86,12 @@ def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(tmp_path):
     assert all(r["aux_loss"] > 0 for r in history)  # the router loss is part of the objective
 
 
-def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
+def test_resume_falls_back_past_a_damaged_checkpoint(groups_file, tmp_path, capsys):
     """A lost array chunk in the latest checkpoint: `--resume` logs it and continues from the
     newest intact one, with the same losses as resuming from that checkpoint directly."""
-    data = write_groups(tmp_path / "groups.jsonl")
     first = tmp_path / "first"
-    common = tiny_overrides(data, **{"checkpoint.every": 1, "checkpoint.async_save": "false"})
+    common = tiny_overrides(groups_file, **{"checkpoint.every": 1,
+                                            "checkpoint.async_save": "false"})
     assert main(["--config", "configs/tiny.yaml", *common, "run.steps=3",
                  f"checkpoint.dir={first}"]) == 0
     losses = {}
