@@ -26,5 +26,5 @@ def test_whole_trees_go_where_the_planner_puts_them():
         np.testing.assert_array_equal(batch.layout.rows, rows)
         np.testing.assert_array_equal(batch.layout.offsets, offsets)
         assert batch.shape == (plan.rows, plan.row_len)
-        assert batch.score_index.shape[1] == plan.score_len
-        assert batch.gdn_chunk_tokens.shape[1] == plan.gdn_chunks
+        assert batch.inputs.score_index.shape[1] == plan.score_len
+        assert batch.inputs.gdn.chunk_tokens.shape[1] == plan.gdn_chunks
