@@ -64,6 +64,13 @@ def explicit_tree(kwargs: dict) -> TrajectoryTree:
     return TrajectoryTree.from_nodes(**kwargs)
 
 
+def seeded_forests(n: int, seed: int = 0, **kw) -> list[TrajectoryTree]:
+    """`n` explicit random forests (`random_forest(**kw)`) drawn from one seed: a fixed batch of
+    trees for tests that are not property tests."""
+    rng = np.random.default_rng(seed)
+    return [explicit_tree(random_forest(rng, **kw)) for _ in range(n)]
+
+
 def sequences_tree(kwargs: dict) -> TrajectoryTree:
     """The same paths, given as plain sequences (merged by the trie builder)."""
     t = TrajectoryTree.from_nodes(**kwargs)

@@ -3,6 +3,7 @@ trainer and the benchmark build their batches through the same function."""
 
 import itertools
 
+import jax
 import numpy as np
 import pytest
 
@@ -17,12 +18,7 @@ from jtree.planner import (
     LayoutConfig, plan_step, row_length_ladder, rows_to_hold, score_width,
 )
 from jtree.synthetic import por_forest
-from tests.strategies import explicit_tree, random_forest
-
-
-def _forest(n, seed=0, **kw):
-    rng = np.random.default_rng(seed)
-    return [explicit_tree(random_forest(rng, **kw)) for _ in range(n)]
+from tests.strategies import seeded_forests
 
 
 def _layouts(seq_len):
@@ -37,7 +33,7 @@ def _layouts(seq_len):
 def test_linearize_lays_units_out_exactly_where_the_plan_says(k):
     """For every bin of every layout: linearize's rows and offsets are the plan's, its shape is
     the plan's, its score width and chunk capacity are the plan's and hold every row."""
-    units = _forest(14, seed=k, max_nodes=12, max_seg=6)
+    units = seeded_forests(14, seed=k, max_nodes=12, max_seg=6)
     layout = _layouts(64)[k]
     plan = plan_step([u.n_tree_tokens for u in units], layout,
                      **unit_counts(units, layout.gdn_chunk_size))
@@ -54,18 +50,20 @@ def test_linearize_lays_units_out_exactly_where_the_plan_says(k):
         np.testing.assert_array_equal(batch.layout.rows, rows)
         np.testing.assert_array_equal(batch.layout.offsets, offsets)
         assert batch.shape == (plan.rows, plan.row_len)
-        scored = ((batch.weight != 0) | (batch.adv_pos != 0) | (batch.adv_neg != 0)).sum(axis=1)
-        assert batch.score_index.shape[1] == plan.score_len >= scored.max()
+        inputs, c = batch.inputs, batch.inputs.coefficients
+        scored = ((c.weight != 0) | (c.adv_pos != 0) | (c.adv_neg != 0)).sum(axis=1)
+        assert inputs.score_index.shape[1] == plan.score_len >= scored.max()
         if layout.gdn_chunk_size is not None:
-            used = (batch.gdn_chunk_tokens >= 0).any(axis=-1).sum(axis=-1)
-            assert batch.gdn_chunk_tokens.shape[1] == plan.gdn_chunks >= used.max()
+            used = (inputs.gdn.chunk_tokens >= 0).any(axis=-1).sum(axis=-1)
+            assert inputs.gdn.chunk_tokens.shape[1] == plan.gdn_chunks >= used.max()
         for r, row in enumerate(placement.rows):  # units fill their row from position 0
-            assert sum(units[members[i]].n_tree_tokens for i in row) == int(batch.valid[r].sum())
-            assert batch.valid[r, : int(batch.valid[r].sum())].all()
+            valid = inputs.valid[r]
+            assert sum(units[members[i]].n_tree_tokens for i in row) == int(valid.sum())
+            assert valid[: int(valid.sum())].all()
 
 
 def test_a_plan_that_does_not_match_the_trees_is_rejected():
-    units = _forest(3, seed=1)
+    units = seeded_forests(3, seed=1)
     plan = plan_step([u.n_tree_tokens for u in units], LayoutConfig(64)).placements[0]
     with pytest.raises(ValueError, match="plan: places units of"):
         linearize(units[:2], 64, plan=plan)
@@ -127,7 +125,7 @@ def test_rows_to_hold_is_the_most_any_step_needs_at_seq_len():
 def test_step_builder_inputs_are_its_plan():
     """The trainer's builder: each micro-batch of each shard holds the units of its bin, at the
     plan's rows and offsets, in the plan's shape."""
-    trees = _forest(10, seed=5, max_nodes=10)
+    trees = seeded_forests(10, seed=5, max_nodes=10)
     layout = LayoutConfig(64, 2, 2, rows=5, row_lengths=row_length_ladder(64, 4),
                           gdn_chunk_size=4)
     config = StepConfig("tree", "token_mean", 10, (0, 1), layout)
@@ -135,13 +133,13 @@ def test_step_builder_inputs_are_its_plan():
     indices = step_indices(len(trees), 10, seed=0)[0]
     plan = builder.plan(indices)
     inputs = builder(indices)["inputs"]
-    assert inputs["tokens"].shape == (2, 2 * plan.rows, plan.row_len)
-    assert inputs["score_index"].shape[-1] == plan.score_len
-    assert inputs["gdn_chunk_tokens"].shape[2] == plan.gdn_chunks
+    assert inputs.tokens.shape == (2, 2 * plan.rows, plan.row_len)
+    assert inputs.score_index.shape[-1] == plan.score_len
+    assert inputs.gdn.chunk_tokens.shape[2] == plan.gdn_chunks
     units = [u for i in indices for u in builder.units[int(i)]]
     for s, m in itertools.product(range(2), range(2)):
         b = plan.bin(s, m)
-        tokens = inputs["tokens"][m, s * plan.rows : (s + 1) * plan.rows]
+        tokens = inputs.tokens[m, s * plan.rows : (s + 1) * plan.rows]
         rows, offsets = plan.placements[b].positions()
         for i, r, o in zip(plan.units[b], rows, offsets):
             u = units[i]
@@ -150,7 +148,7 @@ def test_step_builder_inputs_are_its_plan():
 
 
 def test_unit_counts_are_what_the_planner_reads():
-    trees = _forest(4, seed=2)
+    trees = seeded_forests(4, seed=2)
     counts = unit_counts(trees, 3)
     assert counts["scored"] == [tree_work([t])[0].scored for t in trees]
     assert counts["chunks"] == [tree_chunks(t, 3) for t in trees]
@@ -172,7 +170,9 @@ def test_bench_and_trainer_build_batches_with_the_same_function():
         builder = step_builder(trees, data, mode, normalization="seq_mean_token_mean",
                                n_shards=1, shards=(0,), steps=1)
         want = builder(step_indices(len(trees), len(trees), 0)[0])["inputs"]
-        assert set(prepared.inputs) == set(want)
-        for key, value in want.items():
-            np.testing.assert_array_equal(np.asarray(prepared.inputs[key]), value)
+        got, expected = (jax.tree_util.tree_flatten_with_path(x)[0]
+                         for x in (prepared.inputs, want))
+        assert [path for path, _ in got] == [path for path, _ in expected]
+        for (_, value), (_, wanted) in zip(got, expected):
+            np.testing.assert_array_equal(np.asarray(value), wanted)
         assert prepared.plan.row_len in row_length_ladder(512, bench.ROW_STEPS_PER_OCTAVE)
