@@ -1,6 +1,6 @@
 """Run one train step on several meshes of 8 forced host devices and compare with one device.
 
-Run in a subprocess (`tests/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
+Run in a subprocess (`tests/train/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
 backend, which the rest of the test session has long done. A case is `model:mode:objective:DxM`
 (model `dense`, `moe` or `next`). Prints one JSON line per case with the largest relative
 differences to the single-device step: loss, gradient norm, per-parameter gradients (Adam's first
@@ -54,7 +54,7 @@ from tests.strategies import explicit_tree, random_forest, sequences_tree  # noq
 S, ROWS, GDN_CHUNK = 64, 8, 4
 
 
-def tiny(kind: str) -> tuple[str, Any, RuntimeConfig]:
+def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     """(architecture, config, runtime) of the tiny `dense`, `moe` or `next` model; `dense_cpu` is
     `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map)."""
     if kind in ("dense", "dense_cpu"):
@@ -119,7 +119,7 @@ def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
 
 def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]:
     """The single-device step every mesh of this (model, mode, objective) is compared with."""
-    arch, cfg, runtime = tiny(model_kind)
+    arch, cfg, runtime = case_model(model_kind)
     model = create_model(arch, cfg, runtime, seed=3)
     graphdef, params = nnx.split(model)
     if model_kind != "dense":
@@ -176,7 +176,7 @@ def main(cases: list[str]) -> None:
     references: dict[tuple[str, str, str], dict[str, Any]] = {}
     for case in cases:
         if case.startswith("restore:"):
-            _, cfg, runtime = tiny("dense")
+            _, cfg, runtime = case_model("dense")
             params = nnx.split(create_model("qwen3", cfg, runtime, seed=3))[1]
             print(json.dumps(dict(restore_on_other_meshes(cfg, params, opt, case[8:]),
                                   case=case)), flush=True)

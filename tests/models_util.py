@@ -55,6 +55,23 @@ def tiny_next_config(**overrides) -> Qwen3NextConfig:
     return Qwen3NextConfig(**dict(TINY_NEXT, **overrides))
 
 
+def four_expert_config(kind: str, **overrides) -> Qwen3MoeConfig | Qwen3NextConfig:
+    """The equivalence tests' smaller sparse models: `TINY_MOE` ("moe") or `TINY_NEXT` ("next",
+    with 2 GDN key heads of 2 value heads each) cut to 4 experts."""
+    if kind == "moe":
+        return tiny_moe_config(num_experts=4, **overrides)
+    return tiny_next_config(num_experts=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                            **overrides)
+
+
+@functools.lru_cache(maxsize=None)
+def perturbed_moe_model(kind: str):
+    """(graphdef, params) of `four_expert_config(kind)` with every parameter perturbed by 0.2, so
+    no term (router, shared expert, GDN decay) is negligible in a gradient comparison."""
+    graphdef, params = nnx.split(tiny_lm(four_expert_config(kind), 0))
+    return graphdef, perturbed(params, scale=0.2)
+
+
 def perturbed(params, scale: float = 0.1, seed: int = 1):
     """Noise on every weight, so that zero-initialized norms and near-uniform routers matter."""
     keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree_util.tree_leaves(params))))

@@ -1,4 +1,5 @@
-"""Small training runs for end-to-end tests: a tiny dataset, a tiny config, subprocess launch."""
+"""Small training runs for end-to-end tests: a tiny dataset, a tiny config, subprocess launch, and
+the repository root (`WORKTREE`) that subprocesses run from and import the worktree from."""
 
 from __future__ import annotations
 

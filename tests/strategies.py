@@ -1,4 +1,5 @@
-"""Random branching trees for property tests (hypothesis strategies and plain generators).
+"""Random branching trees for property tests (hypothesis strategies and plain generators), and
+the fixed tree sets several test files share (`one_row_forests`, `multi_part_trees`).
 
 Trees are generated as explicit random forests (several levels, many siblings, single-token nodes),
 then paths are chosen to end at leaves *and* internal nodes, with duplicates. `sequences_tree`
@@ -63,6 +64,13 @@ def explicit_tree(kwargs: dict) -> TrajectoryTree:
     return TrajectoryTree.from_nodes(**kwargs)
 
 
+def seeded_forests(n: int, seed: int = 0, **kw) -> list[TrajectoryTree]:
+    """`n` explicit random forests (`random_forest(**kw)`) drawn from one seed: a fixed batch of
+    trees for tests that are not property tests."""
+    rng = np.random.default_rng(seed)
+    return [explicit_tree(random_forest(rng, **kw)) for _ in range(n)]
+
+
 def sequences_tree(kwargs: dict) -> TrajectoryTree:
     """The same paths, given as plain sequences (merged by the trie builder)."""
     t = TrajectoryTree.from_nodes(**kwargs)
@@ -99,3 +107,43 @@ def fitting_layout(layout, trees, seq_len: int, **kw):
         if str(e).startswith("n_rows=") or f"more than seq_len={seq_len}" in str(e):
             reject()
         raise
+
+
+def one_row_forests(vocab: int) -> list[TrajectoryTree]:
+    """Two random forests (several levels, siblings, paths ending at internal nodes, duplicate
+    paths) and a hand-made tree, small enough to pack into one row of 128 tokens."""
+    trees = [TrajectoryTree.from_nodes(**random_forest(np.random.default_rng(s), max_nodes=9,
+                                                        vocab=vocab, with_rl=False))
+             for s in (11, 5)]
+    trees.append(TrajectoryTree.from_sequences(
+        [[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3], [1, 2, 3, 9], [1, 7, 8, 8, 8, 2]]))
+    nodes = sum(t.n_nodes for t in trees)
+    assert max(int(t.node_levels.max()) for t in trees) >= 3 and nodes >= 10
+    assert any(len(set(t.path_nodes.tolist())) < t.n_paths for t in trees)  # duplicates
+    return trees
+
+
+def consistent_tree(rng: np.random.Generator, **kw) -> TrajectoryTree:
+    """A random branching tree whose per-path old log-probs agree on shared tokens (as they do
+    when the rollout engine's values are exact), so the PPO loss is one function of the tree."""
+    t = TrajectoryTree.from_nodes(**random_forest(rng, **kw))
+    per_token = -rng.uniform(3.6, 4.6, size=t.n_tree_tokens)
+    olds = [per_token[t.path_token_index(p)] for p in range(t.n_paths)]
+    return TrajectoryTree.from_nodes(
+        t.parents.tolist(), list(t.segments), path_nodes=t.path_nodes.tolist(),
+        loss_masks=list(t.loss_masks), advantages=list(t.advantages), old_logprobs=olds,
+        weights=t.weights,
+    )
+
+
+def multi_part_trees(seed: int) -> list[TrajectoryTree]:
+    """Two trees that need several parts at capacity 16 (partitioning, redundancy-free), and a
+    small one that fits whole; old log-probs consistent on shared tokens."""
+    rng = np.random.default_rng(seed)
+    big = []
+    while len(big) < 2:
+        t = consistent_tree(rng, max_nodes=12, max_seg=4, roots=1, extra_paths=3)
+        if t.n_tree_tokens > 24 and t.path_lengths.max() <= 16 and t.n_paths >= 4:
+            big.append(t)
+    small = consistent_tree(rng, max_nodes=3, max_seg=3, roots=1)
+    return big + [small]

@@ -95,9 +95,9 @@ def test_think_turn_boundaries_include_its_branch():
 def test_compare_torch_reads_chat_files(tmp_path, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from tests.hf.test_hf_torch import TOL, make_hf_checkpoint
+    from tests.torch_util import TOL, write_qwen3_checkpoint
 
-    hf_dir = make_hf_checkpoint(tmp_path / "hf", tie=True, bias=False, seed=2,
+    hf_dir = write_qwen3_checkpoint(tmp_path / "hf", tie=True, bias=False, seed=2,
                                 vocab_size=ByteTokenizer().vocab_size)
     data = write_chats(tmp_path / "chat.jsonl", n=2)
     out = tmp_path / "r.json"

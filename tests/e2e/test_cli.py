@@ -9,9 +9,9 @@ from jtree.cli import main
 from tests.run_util import WORKTREE, read_metrics, tiny_overrides, write_groups
 
 
-def test_stats_prints_and_writes_json(tmp_path, capsys):
+def test_stats_prints_and_writes_json(sample_groups, tmp_path, capsys):
     out = tmp_path / "s.json"
-    assert main(["stats", "data/sample_groups.jsonl", "--json", str(out)]) == 0
+    assert main(["stats", str(sample_groups), "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "total" in text and "POR" in text
     data = json.loads(out.read_text())
@@ -26,11 +26,10 @@ def test_bad_file_is_a_clear_error(tmp_path, capsys):
     assert "bad.jsonl:1: tokens[1] = -1 is negative" in capsys.readouterr().err
 
 
-def test_train_runs_a_tiny_config(tmp_path, capsys):
+def test_train_runs_a_tiny_config(few_groups_file, tmp_path, capsys):
     """`jtree train` reaches the trainer with the launcher's arguments: config, overrides."""
-    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
     metrics = tmp_path / "metrics.jsonl"
-    assert main(["train", "--config", "configs/tiny.yaml", *tiny_overrides(data, **{
+    assert main(["train", "--config", "configs/tiny.yaml", *tiny_overrides(few_groups_file, **{
         "run.steps": 2, "data.trees_per_step": 2, "data.micro_batches": 1,
         "run.metrics_jsonl": metrics})]) == 0
     out = capsys.readouterr().out
@@ -51,10 +50,9 @@ def test_train_says_which_attention_kernel_auto_runs(tmp_path, capsys):
     assert "backend cpu, attention cpu;" in capsys.readouterr().out
 
 
-def test_train_resume_without_a_checkpoint_dir_is_a_clear_error(tmp_path, capsys):
-    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
+def test_train_resume_without_a_checkpoint_dir_is_a_clear_error(few_groups_file, tmp_path, capsys):
     assert main(["train", "--config", "configs/tiny.yaml", "--resume",
-                 *tiny_overrides(data)]) == 2
+                 *tiny_overrides(few_groups_file)]) == 2
     assert ("jtree train: error: ValueError: --resume: checkpoint.dir is not set"
             in capsys.readouterr().err)
 

@@ -8,7 +8,7 @@ import pytest
 
 from jtree.launch.train import main
 from jtree.synthetic import chat_record
-from tests.run_util import tiny_overrides, write_groups
+from tests.run_util import tiny_overrides
 
 
 def test_demo_job_runs_end_to_end(capsys):
@@ -96,12 +96,11 @@ def test_auto_mode_logs_each_steps_choice_and_trains_like_tree_mode(capsys):
 
 @pytest.mark.parametrize("compare", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["train", "with_baseline_check"])
-def test_qwen3_next_job_runs_with_chunk_tables(tmp_path, capsys, compare):
+def test_qwen3_next_job_runs_with_chunk_tables(few_groups_file, tmp_path, capsys, compare):
     """The launcher on a one-layer Qwen3-Next (Gated DeltaNet + MoE with shared expert, router
     loss on): the pipeline adds GDN chunk tables and the step trains; the slow variant also checks
     that the tree log-probs equal the per-path baseline's (three more compiles)."""
-    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
-    rc = main(["--config", "configs/tiny.yaml", *tiny_overrides(data, **{
+    rc = main(["--config", "configs/tiny.yaml", *tiny_overrides(few_groups_file, **{
         "model.architecture": "qwen3_next", "model.layer_types": "[linear_attention]",
         "model.num_experts": 4, "model.moe_intermediate_size": 16,
         "model.shared_expert_intermediate_size": 16, "model.output_router_logits": "true",
@@ -121,14 +120,13 @@ def test_qwen3_next_job_runs_with_chunk_tables(tmp_path, capsys, compare):
                                    pytest.param(("redundancy_free", "tree"),
                                                 marks=pytest.mark.slow)],
                          ids=["rfree", "rfree_vs_tree"])
-def test_redundancy_free_mode_trains(tmp_path, capsys, modes):
+def test_redundancy_free_mode_trains(few_groups_file, tmp_path, capsys, modes):
     """`run.mode=redundancy_free` with a capacity below the trees' sizes (so they are split into
     parts over cached prefixes) trains with N_computed == N_tree (ERR == POR); the slow variant
     also checks the losses equal tree mode's (both exact; two more steps to compile)."""
-    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
     steps = len(modes)
     common = ["--config", "configs/tiny.yaml",
-              *tiny_overrides(data, **{"run.steps": steps, "data.trees_per_step": 2,
+              *tiny_overrides(few_groups_file, **{"run.steps": steps, "data.trees_per_step": 2,
                                        "data.micro_batches": 1, "runtime.attention_impl": "xla",
                                        "run.capacity": 40, "run.prefix_backward": "residuals",
                                        "run.row_steps_per_octave": 4})]

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-WORKTREE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.run_util import WORKTREE
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_tiny_step_lowers_for_accelerators(platform):
-    env = dict(os.environ, PYTHONPATH=WORKTREE)
+    env = dict(os.environ, PYTHONPATH=str(WORKTREE))
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "jtree.launch.lower_step", "--config", "configs/tiny.yaml", "--platform",
@@ -34,7 +34,7 @@ def test_moe_and_next_configs_lower_for_tpu_at_full_width(config, overrides):
     """The shipped MoE / Qwen3-Next configs at their real widths, sequence lengths and mesh.model=8
     (experts, GDN heads, vocabulary split 8 ways), cut to 1-2 layers (for Next: one Gated DeltaNet
     and one gated-attention layer) so that tracing stays quick."""
-    env = dict(os.environ, PYTHONPATH=WORKTREE)
+    env = dict(os.environ, PYTHONPATH=str(WORKTREE))
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "jtree.launch.lower_step", "--config", f"configs/{config}.yaml",

@@ -11,13 +11,13 @@ from jtree.cli import main as cli
 from jtree.commands.export_hf import trained_model
 from jtree.models import create_model
 from jtree.launch.train import main
-from tests.run_util import tiny_overrides, write_groups
+from tests.run_util import tiny_overrides
 
 
 @pytest.mark.slow
-def test_checkpoint_exports_to_a_hugging_face_directory(tmp_path):
-    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
-    overrides = tiny_overrides(data, **{"run.steps": 2, "model.tie_word_embeddings": False})
+def test_checkpoint_exports_to_a_hugging_face_directory(few_groups_file, tmp_path):
+    overrides = tiny_overrides(few_groups_file,
+                               **{"run.steps": 2, "model.tie_word_embeddings": False})
     assert main(["--config", "configs/tiny.yaml", *overrides,
                  f"checkpoint.dir={tmp_path}/ckpt"]) == 0
     assert cli(["export-hf", "--config", "configs/tiny.yaml", "--checkpoint",

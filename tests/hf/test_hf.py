@@ -7,38 +7,13 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 import jtree.hf
 from jtree.hf.safetensors_io import INDEX_FILE, SINGLE_FILE
 from jtree.models import RuntimeConfig
-from tests.models_util import tiny_config, tiny_lm, tiny_runtime
-
-
-def random_model(seed=0, runtime=None, **overrides):
-    """A tiny Qwen3 whose every parameter (norms and biases included) is random, so a swapped or
-    mis-transposed tensor cannot go unnoticed."""
-    cfg = tiny_config(**overrides)
-    graphdef, params = nnx.split(tiny_lm(cfg, seed, **(runtime or {})), nnx.Param)
-    rng = np.random.default_rng(seed)
-    flat = [(p, v.replace(jnp.asarray(np.asarray(v.get_value(), np.float32)
-                                      + rng.normal(0, 0.2, v.shape), v.dtype)))
-            for p, v in nnx.to_flat_state(params)]
-    return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def param_arrays(model):
-    return {".".join(map(str, p)): np.asarray(v.get_value())
-            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-
-
-def assert_same_params(a, b):
-    pa, pb = param_arrays(a), param_arrays(b)
-    assert pa.keys() == pb.keys()
-    for k in pa:
-        assert pa[k].dtype == pb[k].dtype, k
-        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+from tests.hf_util import assert_same_params, copy_checkpoint, param_arrays, random_model
+from tests.models_util import tiny_runtime
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +23,6 @@ def saved(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt")
     jtree.hf.save(model, cfg, path, overwrite=True)
     return path, cfg, model
-
-
-def copy_checkpoint(src, dst, *, edit_tensors=None, edit_config=None):
-    """A copy of a single-file checkpoint with its tensors and/or config.json edited."""
-    dst.mkdir(exist_ok=True)
-    tensors = load_file(str(src / SINGLE_FILE))
-    if edit_tensors:
-        edit_tensors(tensors)
-    save_file(tensors, str(dst / SINGLE_FILE), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    if edit_config:
-        edit_config(config)
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 @pytest.mark.parametrize("overrides", [

@@ -9,7 +9,7 @@ import pytest
 from jtree.linearize import linearize
 from jtree.models import Qwen3MoeConfig, Qwen3NextConfig
 from jtree.tree import TrajectoryTree
-from tests.hf_compare import copy_hf_weights
+from tests.hf_util import copy_hf_weights
 from tests.models_util import tiny_lm
 
 torch = pytest.importorskip("torch")

@@ -4,7 +4,7 @@ One checkpoint per architecture, written by transformers itself (experts one ten
 on the Hub), is shared by every test of the module. `jtree compare-torch` runs once per
 architecture on branching trees plus single sequences, with the router load-balancing loss on:
 its report holds the logits, log-prob and per-tensor gradient differences the acceptance asks for,
-and its PyTorch side is transformers run path by path (see tests/test_hf_torch.py for the same
+and its PyTorch side is transformers run path by path (see tests/hf/test_hf_torch.py for the same
 reference checked against hand-written transformers calls).
 """
 
@@ -26,11 +26,11 @@ from jtree.hf.safetensors_io import INDEX_FILE, SINGLE_FILE  # noqa: E402
 from jtree.models import CausalLM, Qwen3MoeConfig, Qwen3NextConfig, RuntimeConfig  # noqa: E402
 from jtree.tree import TrajectoryTree  # noqa: E402
 from jtree.tree_jsonl import write_sequence_groups  # noqa: E402
-from tests.hf.test_hf import assert_same_params, copy_checkpoint, param_arrays  # noqa: E402
-from tests.hf.test_hf_torch import VOCAB, branching_trees  # noqa: E402
+from tests.hf_util import assert_same_params, copy_checkpoint, param_arrays  # noqa: E402
 from tests.models_util import tiny_runtime  # noqa: E402
+from tests.strategies import one_row_forests  # noqa: E402
+from tests.torch_util import TOL, VOCAB, torch_logits  # noqa: E402
 
-TOL = 1e-4
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
               num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1],
@@ -53,9 +53,10 @@ CONFIG_CLASS = {"moe": Qwen3MoeConfig, "next": Qwen3NextConfig}
 EXPERT = "model.layers.2.mlp.experts"
 
 
-def make_hf_checkpoint(kind, path, **save_kwargs):
-    """transformers' model with every parameter random (zero-initialized norms and the offset
-    RMSNorm weights too), so a swapped, transposed or misnamed tensor cannot hide."""
+def write_moe_checkpoint(kind, path, **save_kwargs):
+    """Save transformers' MoE (`kind` "moe") or Qwen3-Next ("next") model of `CONFIGS` with every
+    parameter random (zero-initialized norms and the offset RMSNorm weights too), so a swapped,
+    transposed or misnamed tensor cannot hide; returns the model (eval mode)."""
     model = getattr(transformers, {"moe": "Qwen3MoeForCausalLM",
                                    "next": "Qwen3NextForCausalLM"}[kind])(CONFIGS[kind]())
     torch.manual_seed(0)
@@ -67,18 +68,12 @@ def make_hf_checkpoint(kind, path, **save_kwargs):
     return model.eval()
 
 
-def torch_logits(model, tokens):
-    with torch.no_grad():
-        ids = torch.as_tensor(np.asarray(tokens, np.int64))[None]
-        return model(input_ids=ids).logits[0].numpy()
-
-
 def compare_trees():
     """Branching trees (several levels, siblings, paths ending inside, duplicates) and two single
     sequences long enough to cross several GDN chunks."""
     rng = np.random.default_rng(1)
     singles = [TrajectoryTree.from_sequences([rng.integers(0, VOCAB, n)]) for n in (23, 9)]
-    return branching_trees() + singles
+    return one_row_forests(VOCAB) + singles
 
 
 @pytest.fixture(scope="module", params=["moe", "next"])
@@ -90,7 +85,7 @@ def kind(request):
 def checkpoint(kind, tmp_path_factory):
     """(directory, transformers model, jtree config, jtree model) of one architecture."""
     path = tmp_path_factory.mktemp(f"hf_{kind}")
-    ref = make_hf_checkpoint(kind, path)
+    ref = write_moe_checkpoint(kind, path)
     config, model = jtree.hf.load(path, tiny_runtime())
     return path, ref, config, model
 
@@ -184,7 +179,7 @@ def test_load_of_save_is_identical(checkpoint, tmp_path):
 
 
 def test_transformers_sharded_checkpoint_loads(kind, checkpoint, tmp_path):
-    make_hf_checkpoint(kind, tmp_path, max_shard_size="30KB")
+    write_moe_checkpoint(kind, tmp_path, max_shard_size="30KB")
     assert len(list(tmp_path.glob("*.safetensors"))) >= 2 and (tmp_path / INDEX_FILE).exists()
     _, sharded = jtree.hf.load(tmp_path, tiny_runtime())
     assert_same_params(sharded, checkpoint[3])
@@ -249,7 +244,7 @@ def test_next_tensors_and_the_mtp_head(tmp_path_factory):
     """Gated DeltaNet tensors are checked like any other; Hub Qwen3-Next checkpoints carry the
     multi-token-prediction head `mtp.*`, which the causal LM skips (as transformers does)."""
     path = tmp_path_factory.mktemp("next_only")
-    make_hf_checkpoint("next", path)
+    write_moe_checkpoint("next", path)
     _, model = jtree.hf.load(path, tiny_runtime())
 
     def add_mtp(t):

@@ -8,11 +8,13 @@ happened, so the check runs in a fresh interpreter.
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.run_util import WORKTREE
 
-SCRIPT = r'''
+# The train step's rules (jtree/sharding.py), written out independently, for Qwen3 and Qwen3-Next
+# (MoE experts, Gated DeltaNet, gated attention, shared expert). The tiny models have 2 kv heads,
+# fewer than the 4-way model axis, so k/v are replicated (each device keeps the head it reads).
+MESH_CHECKS = r'''
 import sys, tempfile
 import jax, numpy as np
 from flax import nnx
@@ -23,10 +25,17 @@ from jtree.tree import TrajectoryTree
 from tests.models_util import tiny_config, tiny_lm, tiny_runtime
 
 assert jax.device_count() == 8, jax.devices()
-# The train step's rule (jtree/sharding.py), written out independently: tiny_config has 2 kv heads,
-# fewer than the 4-way model axis, so k/v are replicated (each device keeps the head it reads).
+
 def expected_spec(name):
     leaf = name.split(".")
+    if leaf[-2] == "experts":
+        return P("model", None, None)  # whole experts per device
+    if leaf[-2] in ("in_proj_qkvz", "in_proj_ba"):
+        return P(None, "model")
+    if leaf[-1] in ("dt_bias", "A_log"):
+        return P("model")
+    if leaf[-2] == "out_proj":
+        return P("model", None)
     if name == "model.embed_tokens.embedding":
         return P("model", None)
     if name == "lm_head.kernel":
@@ -37,12 +46,14 @@ def expected_spec(name):
         return P(None, "model") if leaf[-1] == "kernel" else P("model")
     if leaf[-2] in ("o_proj", "down_proj") and leaf[-1] == "kernel":
         return P("model", None)
-    return P()
+    return P()  # norms, conv1d, router, shared-expert gate
 
 def params(model):
     return {".".join(map(str, p)): v.get_value()
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+'''
 
+SCRIPT = MESH_CHECKS + r'''
 cfg = tiny_config(tie_word_embeddings=False, attention_bias=True)
 with tempfile.TemporaryDirectory() as d:
     jtree.hf.save(tiny_lm(cfg, 0), cfg, d)
@@ -90,42 +101,10 @@ print("OK")
 '''
 
 
-# Qwen3-Next (MoE experts, Gated DeltaNet, gated attention, shared expert, a dense MLP layer): the
-# train step's rules (jtree/sharding.py), written out independently. 2 kv heads on the 4-way model
-# axis are replicated, as in the dense case; the 4 GDN key heads split one per device (the rules
-# refuse a split that would cut a key head's group of columns).
-SCRIPT_NEXT = r'''
-import sys, tempfile
-import jax, numpy as np
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import jtree.hf
-from jtree.linearize import linearize
+# Qwen3-Next with a dense MLP layer: the 4 GDN key heads split one per device (the rules refuse
+# a split that would cut a key head's group of columns).
+SCRIPT_NEXT = MESH_CHECKS + r'''
 from jtree.models import Qwen3NextConfig
-from jtree.tree import TrajectoryTree
-from tests.models_util import tiny_lm, tiny_runtime
-
-def expected_spec(name):
-    leaf = name.split(".")
-    if leaf[-2] == "experts":
-        return P("model", None, None)  # whole experts per device
-    if leaf[-2] in ("in_proj_qkvz", "in_proj_ba"):
-        return P(None, "model")
-    if leaf[-1] in ("dt_bias", "A_log"):
-        return P("model")
-    if leaf[-2] == "out_proj":
-        return P("model", None)
-    if name == "model.embed_tokens.embedding":
-        return P("model", None)
-    if name == "lm_head.kernel":
-        return P(None, "model")
-    if leaf[-2] in ("k_proj", "v_proj"):
-        return P()
-    if leaf[-2] in ("q_proj", "gate_proj", "up_proj"):
-        return P(None, "model")
-    if leaf[-2] in ("o_proj", "down_proj"):
-        return P("model", None)
-    return P()  # norms, conv1d, router, shared-expert gate
 
 cfg = Qwen3NextConfig(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
@@ -135,10 +114,6 @@ cfg = Qwen3NextConfig(vocab_size=96, hidden_size=32, intermediate_size=40, num_h
                       linear_num_value_heads=8, shared_expert_intermediate_size=24,
                       tie_word_embeddings=False)
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-
-def params(model):
-    return {".".join(map(str, p)): v.get_value()
-            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 with tempfile.TemporaryDirectory() as d:
     jtree.hf.save(tiny_lm(cfg, 0), cfg, d)
@@ -166,8 +141,8 @@ print("OK")
 
 def _run_on_8_devices(script: str) -> None:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(WORKTREE))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=WORKTREE, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 

@@ -24,45 +24,18 @@ from jtree.tree import TrajectoryTree  # noqa: E402
 from jtree.tree_jsonl import write_sequence_groups  # noqa: E402
 from jtree.models import RuntimeConfig  # noqa: E402
 from tests.models_util import rel_l2, tiny_runtime  # noqa: E402
-from tests.strategies import random_forest  # noqa: E402
-from tests.hf.test_hf import random_model  # noqa: E402
-
-VOCAB = 96
-TOL = 1e-4
-
-
-def make_hf_checkpoint(path, *, tie, bias, seed=0, vocab_size=VOCAB, **save_kwargs):
-    """A tiny random transformers Qwen3 with O(1) logits and non-trivial norm weights."""
-    cfg = transformers.Qwen3Config(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tie,
-        attention_bias=bias, rope_theta=10000.0, rms_norm_eps=1e-6,
-    )
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.15)
-    model.save_pretrained(path, **save_kwargs)
-    return path
-
+from tests.hf_util import random_model  # noqa: E402
+from tests.strategies import one_row_forests  # noqa: E402
+from tests.torch_util import TOL, VOCAB, torch_logits, write_qwen3_checkpoint  # noqa: E402
 
 @pytest.fixture(scope="module", params=[dict(tie=False, bias=False), dict(tie=True, bias=True)],
                 ids=["untied", "tied+bias"])
 def checkpoint(request, tmp_path_factory):
-    path = make_hf_checkpoint(tmp_path_factory.mktemp("hf"), **request.param)
+    path = write_qwen3_checkpoint(tmp_path_factory.mktemp("hf"), **request.param)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager").eval()
     config, model = jtree.hf.load(path, tiny_runtime())
     return path, ref, config, model
-
-
-def torch_logits(ref, tokens):
-    with torch.no_grad():
-        return ref(input_ids=torch.as_tensor(np.asarray(tokens, np.int64))[None]).logits[0].numpy()
 
 
 def jtree_path_logits(model, batch):
@@ -73,20 +46,6 @@ def jtree_path_logits(model, batch):
     for tree, row, off in zip(batch.layout.trees, batch.layout.rows, batch.layout.offsets):
         out.append([hidden[row, off + tree.path_token_index(p)] @ w for p in range(tree.n_paths)])
     return out
-
-
-def branching_trees():
-    """Two random forests (several levels, siblings, paths ending at internal nodes, duplicate
-    paths) and a hand-made tree, all packed into one row."""
-    trees = [TrajectoryTree.from_nodes(**random_forest(np.random.default_rng(s), max_nodes=9,
-                                                        vocab=VOCAB, with_rl=False))
-             for s in (11, 5)]
-    trees.append(TrajectoryTree.from_sequences(
-        [[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3], [1, 2, 3, 9], [1, 7, 8, 8, 8, 2]]))
-    nodes = sum(t.n_nodes for t in trees)
-    assert max(int(t.node_levels.max()) for t in trees) >= 3 and nodes >= 10
-    assert any(len(set(t.path_nodes.tolist())) < t.n_paths for t in trees)  # duplicates
-    return trees
 
 
 def test_logits_on_single_sequences_match_transformers(checkpoint):
@@ -103,7 +62,7 @@ def test_logits_on_single_sequences_match_transformers(checkpoint):
 
 def test_tree_logprobs_equal_transformers_per_path(checkpoint):
     _, ref, _, model = checkpoint
-    trees = branching_trees()
+    trees = one_row_forests(VOCAB)
     batch = linearize(trees, 128)
     assert batch.shape[0] == 1  # several trees share the row
     ours = unlinearize(batch, np.asarray(token_logprobs(model, batch.inputs)))
@@ -120,7 +79,7 @@ def test_tree_logprobs_equal_transformers_per_path(checkpoint):
 @pytest.mark.parametrize("normalization", ["seq_mean_token_mean", "token_mean"])
 def test_tree_loss_gradient_equals_pytorch_per_path_gradient(checkpoint, normalization):
     _, ref, config, model = checkpoint
-    trees = branching_trees()
+    trees = one_row_forests(VOCAB)
     batch = linearize(trees, 128, normalization=normalization)
     graphdef, params = nnx.split(model, nnx.Param)
 
@@ -174,8 +133,9 @@ def test_bfloat16_save_loads_in_transformers_as_bfloat16(tmp_path):
 
 
 def test_transformers_sharded_and_bfloat16_checkpoints_load(tmp_path):
-    make_hf_checkpoint(tmp_path / "single", tie=True, bias=False, seed=3)
-    make_hf_checkpoint(tmp_path / "sharded", tie=True, bias=False, seed=3, max_shard_size="20KB")
+    write_qwen3_checkpoint(tmp_path / "single", tie=True, bias=False, seed=3)
+    write_qwen3_checkpoint(tmp_path / "sharded", tie=True, bias=False, seed=3,
+                           max_shard_size="20KB")
     assert len(list((tmp_path / "sharded").glob("*.safetensors"))) >= 3
     _, single = jtree.hf.load(tmp_path / "single")
     _, sharded = jtree.hf.load(tmp_path / "sharded")
@@ -195,11 +155,11 @@ def test_transformers_sharded_and_bfloat16_checkpoints_load(tmp_path):
 
 @pytest.fixture(scope="module")
 def cli_checkpoint(tmp_path_factory):
-    return make_hf_checkpoint(tmp_path_factory.mktemp("hf_cli"), tie=True, bias=True, seed=1)
+    return write_qwen3_checkpoint(tmp_path_factory.mktemp("hf_cli"), tie=True, bias=True, seed=1)
 
 
 def _data_file(path):
-    write_sequence_groups(path, branching_trees())
+    write_sequence_groups(path, one_row_forests(VOCAB))
     return path
 
 
@@ -212,7 +172,8 @@ def test_compare_torch_passes_on_a_checkpoint_and_reports(cli_checkpoint, tmp_pa
     text = capsys.readouterr().out
     assert code == 0, text
     report = json.loads(out.read_text())
-    assert report["failures"] == [] and report["paths"] == sum(t.n_paths for t in branching_trees())
+    assert report["failures"] == []
+    assert report["paths"] == sum(t.n_paths for t in one_row_forests(VOCAB))
     assert 0 < report["max_abs_logits"] <= TOL and report["max_abs_logprobs"] <= TOL
     assert report["max_rel_grad"] <= TOL
     assert report["tree_loss"] == pytest.approx(report["path_loss"], rel=1e-5)

@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +27,11 @@ from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.attention_mgpu import SEQ_MULTIPLE, attention_mgpu
 from jtree.kernels.attention_reference import attention_reference
 from jtree.kernels.block_tables import EMPTY, FULL, PARTIAL, classify_blocks
+from tests.run_util import WORKTREE
 from tests.strategies import random_forest
 
 BF16_TOL = 1e-2
 INTERPRETER_TIMEOUT_S = 900
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _inputs(end, q_heads, kv_heads, head_dim, seed=0):
@@ -56,9 +55,9 @@ def _kernel(tmp_path, q, k, v, end, d_out, *, softcap=None, block_kv=64):
              v=np.asarray(v, np.float32), d_out=np.asarray(d_out), end=np.asarray(end),
              dtype=str(q.dtype), softcap=np.nan if softcap is None else softcap,
              block_kv=block_kv)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(WORKTREE))
     run = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", str(source), str(target)],
-                         cwd=REPO, env=env, capture_output=True, text=True,
+                         cwd=WORKTREE, env=env, capture_output=True, text=True,
                          timeout=INTERPRETER_TIMEOUT_S)
     assert run.returncode == 0, f"interpreter run failed:\n{run.stderr[-5000:]}"
     with np.load(target) as result:

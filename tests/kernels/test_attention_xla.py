@@ -29,7 +29,7 @@ def test_matches_reference(hq, hkv, d, s, blocks, softcap, group):
     assert out_err <= F32_TOL and max(grad_errs) <= F32_TOL, (out_err, grad_errs)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=12)
 @given(seed=st.integers(0, 2**31 - 1))
 def test_random_forests_traced_end(seed):
     """Many forests through one compiled function (`end` traced, as inside the model)."""

@@ -20,7 +20,7 @@ def _dense_classes(end, bq, bk):
     return np.where(all_, FULL, np.where(any_, PARTIAL, EMPTY))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30)
 @given(trees=forests(n_trees=(1, 6), max_nodes=7, max_seg=9),  # a tree fits a row: 7 * 9 <= 64
        blocks=st.sampled_from([(4, 4), (8, 4), (4, 8), (16, 8), (2, 16)]))
 def test_classes_match_dense_mask(trees, blocks):

@@ -136,7 +136,7 @@ def _tree_and_path_grads():
 
 
 @pytest.mark.parametrize("chunk", [1, 3])
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=8)
 @given(trees=forests(n_trees=(1, 4), max_nodes=10, max_seg=6))
 def test_tree_outputs_and_gradients_equal_per_path(trees, chunk):
     """Every path's outputs equal the recurrent reference on that path alone (starting from its
@@ -171,7 +171,7 @@ def test_tree_outputs_and_gradients_equal_per_path(trees, chunk):
         assert rel_l2(a, b) <= 1e-5, name
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15)
 @given(trees=forests(n_trees=(1, 4), max_nodes=10, max_seg=3))
 def test_path_conv_reads_the_pred_chain(trees):
     """The conv on the tree equals a plain causal conv (zero left padding) on every path."""

@@ -34,7 +34,7 @@ def _replay_paths(batch):
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 64])
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15)
 @given(trees=forests(n_trees=(1, 5), max_nodes=9, max_seg=7))  # a tree fits a row: 9 * 7 <= 64
 def test_routing_gives_every_token_its_path(trees, chunk):
     batch = linearize(trees, 64, gdn_chunk_size=chunk)

@@ -16,12 +16,7 @@ from jtree.train_step import Objective, build_batch, make_grad_fn, stack_microba
 from jtree.synthetic import por_forest
 from tests.models_util import tiny_config, tiny_model
 from tests.run_util import VOCAB
-from tests.strategies import explicit_tree, random_forest
-
-
-def _forest(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [explicit_tree(random_forest(rng, max_nodes=8)) for _ in range(n)]
+from tests.strategies import seeded_forests
 
 
 def _plan(mode="tree", shards=(0, 1), n_shards=2, rows=4, micro=2, per_step=6, seq_len=64,
@@ -68,7 +63,7 @@ def test_bad_tree_lines_fail_with_file_and_line_or_are_skipped(tmp_path):
 
 
 def test_hosts_build_disjoint_shards_of_the_same_global_step():
-    trees = _forest(12)
+    trees = seeded_forests(12, max_nodes=8)
     index = step_indices(len(trees), 6, seed=3)
     whole = _builder(trees, _plan(shards=(0, 1)))(index[1])
     first = _builder(trees, _plan(shards=(0,)))(index[1])
@@ -89,7 +84,7 @@ def test_raw_coefficients_with_row_norm_give_the_normalized_loss(mode, seq_len):
     """The pipeline's raw coefficients + per-row normalizer shares == host-normalized batch of
     whole trees; in tree mode with seq_len = the longest path, so that some trees fit whole and
     others are cut into parts."""
-    trees = _forest(6, seed=1)
+    trees = seeded_forests(6, seed=1, max_nodes=8)
     graphdef, params = tiny_model(seed=4)
     objective = Objective(kind="sft", normalization="token_mean")
     if seq_len is None:
@@ -118,7 +113,7 @@ def test_shuffle_is_seeded_covers_each_epoch_and_iterator_state_resumes():
     assert np.concatenate([a[0], a[1]]).tolist() != np.concatenate([a[2], a[3]]).tolist()
     assert np.concatenate([a[0], a[1]]).tolist() != np.concatenate([b[0], b[1]]).tolist()
 
-    trees = _forest(8, seed=2)
+    trees = seeded_forests(8, seed=2, max_nodes=8)
     units = all_units(trees, "tree", 64)
     plan = _plan(shards=(0,), n_shards=1, rows=rows_for_run(units, 64, 3, 2, 5, 10), per_step=3)
     it = iter(make_pipeline(StepBuilder(trees, units, plan), seed=5))
@@ -172,7 +167,7 @@ def test_gdn_chunk_tables_share_one_bucketed_capacity_per_step(mode):
     """Every micro-batch and shard of a step gets the same chunk capacity: the bucket of the
     fullest row of the whole step (computed alike by every host); bins left empty get tables of
     that capacity holding nothing."""
-    trees = _forest(12, seed=3)
+    trees = seeded_forests(12, seed=3, max_nodes=8)
     index = step_indices(len(trees), 3, seed=0)
     for k in range(4):
         parts = []

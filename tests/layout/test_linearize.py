@@ -23,7 +23,7 @@ def _dense_mask_from_paths(batch):
     return mask
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30)
 @given(forests(n_trees=(1, 5)))
 def test_layout_matches_path_semantics(trees):
     batch = linearize(trees, 48)

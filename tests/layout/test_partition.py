@@ -39,7 +39,7 @@ def _chain(tree, node):
         node = int(tree.parents[node])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(trees_and_capacities(), st.sampled_from(NORMALIZATIONS))
 def test_partition_properties(case, normalization):
     tree, capacity = case
@@ -93,7 +93,7 @@ def random_parent_tree(rng: np.random.Generator, n_leaves: int) -> TrajectoryTre
     return TrajectoryTree.from_nodes(parents, segs)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(trees_and_capacities(max_nodes=8), st.integers(0, 2**32 - 1))
 def test_dp_multi_is_the_brute_force_optimum(case, seed):
     rng = np.random.default_rng(seed)

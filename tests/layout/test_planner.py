@@ -20,12 +20,7 @@ from jtree.planner import (
     LayoutConfig, plan_step, row_length_ladder, rows_to_hold, score_width,
 )
 from jtree.synthetic import chat_record, por_forest
-from tests.strategies import explicit_tree, random_forest
-
-
-def _forest(n, seed=0, **kw):
-    rng = np.random.default_rng(seed)
-    return [explicit_tree(random_forest(rng, **kw)) for _ in range(n)]
+from tests.strategies import seeded_forests
 
 
 def _layouts(seq_len):
@@ -40,7 +35,7 @@ def _layouts(seq_len):
 def test_linearize_lays_units_out_exactly_where_the_plan_says(k):
     """For every bin of every layout: linearize's rows and offsets are the plan's, its shape is
     the plan's, its score width and chunk capacity are the plan's and hold every row."""
-    units = _forest(14, seed=k, max_nodes=12, max_seg=6)
+    units = seeded_forests(14, seed=k, max_nodes=12, max_seg=6)
     layout = _layouts(64)[k]
     plan = plan_step([u.n_tree_tokens for u in units], layout,
                      **unit_counts(units, layout.gdn_chunk_size))
@@ -70,7 +65,7 @@ def test_linearize_lays_units_out_exactly_where_the_plan_says(k):
 
 
 def test_a_plan_that_does_not_match_the_trees_is_rejected():
-    units = _forest(3, seed=1)
+    units = seeded_forests(3, seed=1)
     plan = plan_step([u.n_tree_tokens for u in units], LayoutConfig(64)).placements[0]
     with pytest.raises(ValueError, match="plan: places units of"):
         linearize(units[:2], 64, plan=plan)
@@ -132,7 +127,7 @@ def test_rows_to_hold_is_the_most_any_step_needs_at_seq_len():
 def test_step_builder_inputs_are_its_plan():
     """The trainer's builder: each micro-batch of each shard holds the units of its bin, at the
     plan's rows and offsets, in the plan's shape."""
-    trees = _forest(10, seed=5, max_nodes=10)
+    trees = seeded_forests(10, seed=5, max_nodes=10)
     layout = LayoutConfig(64, 2, 2, rows=5, row_lengths=row_length_ladder(64, 4),
                           gdn_chunk_size=4)
     config = StepConfig("tree", "token_mean", 10, (0, 1), layout)
@@ -155,7 +150,7 @@ def test_step_builder_inputs_are_its_plan():
 
 
 def test_unit_counts_are_what_the_planner_reads():
-    trees = _forest(4, seed=2)
+    trees = seeded_forests(4, seed=2)
     counts = unit_counts(trees, 3)
     assert counts["scored"] == [tree_work([t])[0].scored for t in trees]
     assert counts["chunks"] == [tree_chunks(t, 3) for t in trees]

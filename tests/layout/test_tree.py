@@ -57,7 +57,7 @@ def test_figure4_por():
     assert s.por == pytest.approx(1 - 83 / 164) and round(s.por, 3) == 0.494
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(forests(n_trees=(1, 1)))
 def test_paths_roundtrip_and_layout_invariants(trees):
     t = trees[0]

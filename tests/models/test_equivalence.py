@@ -31,7 +31,7 @@ def _batches(trees, normalization):
     return tree, base
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15)
 @given(trees=FORESTS)
 def test_logprobs_equal_baseline(trees):
     tree, base = _batches(trees, "seq_mean_token_mean")
@@ -46,7 +46,7 @@ def test_logprobs_equal_baseline(trees):
 
 
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=6)
 @given(trees=FORESTS)
 def test_sft_loss_and_grads_equal_baseline(trees, normalization):
     tree, base = _batches(trees, normalization)
@@ -55,7 +55,7 @@ def test_sft_loss_and_grads_equal_baseline(trees, normalization):
 
 
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=6)
 @given(trees=FORESTS)
 def test_ppo_loss_and_grads_equal_baseline(trees, normalization):
     """Clipped surrogate + KL + entropy, with advantages that differ between paths sharing tokens

@@ -3,7 +3,7 @@ parts depth-first over cached prefixes gives the unpartitioned tree's log-probs,
 (docs/design.md section 9 tolerances) for dense, MoE and hybrid (GDN) tiny models, at capacities down to
 a few tokens (far below the longest shared prefix), with both prefix-backward modes.
 
-Trees: `branching_trees` (two trees needing several parts, one small tree that fits whole and is
+Trees: `multi_part_trees` (two trees needing several parts, one small tree that fits whole and is
 packed into a part row's spare room or a whole micro-batch) with per-path old log-probs that agree
 on shared tokens, so PPO is one function of the tree. Rows are at most 16 tokens and the prefix has
 one bucket, so each model compiles a handful of shapes; part rows fit their content (the default)
@@ -17,7 +17,6 @@ from flax import nnx
 from hypothesis import given, settings
 
 from jtree.linearize import linearize
-from jtree.models import Qwen3NextConfig
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.planner import octave_step_length
 from jtree.rfree.layout import build_program, prefix_bucket, row_length
@@ -25,10 +24,10 @@ from jtree.rfree.plan import plan_parts
 from jtree.rfree.schedule import LiveBuffers, child_order, part_slots
 from jtree.train_step import Objective, make_grad_fn, stack_microbatches
 from jtree.tree import TrajectoryTree
-from tests.models_util import logprob_fn, rel_l2, tiny_lm, tiny_model
-from tests.strategies import forests
-from tests.models.test_hybrid_equivalence import COMMON, tiny
-from tests.train.test_partition_grad import branching_trees
+from tests.models_util import (
+    four_expert_config, logprob_fn, perturbed_moe_model, rel_l2, tiny_lm, tiny_model,
+)
+from tests.strategies import forests, multi_part_trees
 
 ROW, PREFIX, CHUNK = 16, [16], 3
 
@@ -61,7 +60,7 @@ def check_plan(tree: TrajectoryTree, capacity: int) -> None:
             assert np.all(np.diff(chain) > 0) and np.all(pred[chain[1:]] == chain[:-1])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(forests(n_trees=(1, 1), max_nodes=14, max_seg=6))
 def test_plan_computes_every_token_once_and_parts_hang_below_one_token(trees):
     for capacity in (1, 2, 3, 7, 40):
@@ -87,7 +86,7 @@ def test_plan_keeps_the_root_segment_whole_when_no_more_parts_result():
 
 
 def test_plan_rejects_bad_capacity_and_prefix_buckets():
-    tree = branching_trees(seed=7)[0]
+    tree = multi_part_trees(seed=7)[0]
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="capacity"):
             plan_parts(tree, bad)
@@ -112,7 +111,7 @@ def longest_shared_prefix(trees) -> int:
 
 
 def test_program_computes_each_token_once_and_packs_small_trees():
-    trees = branching_trees(seed=7)
+    trees = multi_part_trees(seed=7)
     assert longest_shared_prefix(trees) == 8  # capacities 5, 3 and 2 below cut shared prefixes
     for capacity in (16, 5, 3, 2):
         program = build_program(trees, capacity, seq_len=ROW)
@@ -142,7 +141,7 @@ def test_program_computes_each_token_once_and_packs_small_trees():
 def test_part_rows_fit_their_content():
     """A part row is the smallest allowed length holding its tokens (and the small trees packed
     after them); `row_lengths=[seq_len]` gives every part row the full length."""
-    trees = branching_trees(seed=7)
+    trees = multi_part_trees(seed=7)
     assert [row_length(n, 64, steps_per_octave=2) for n in (1, 8, 9, 33, 100)] == [8, 8, 16, 48, 64]
     assert [row_length(n, 256) for n in (1, 9, 100, 129, 199, 239, 300)] == [8, 16, 104, 144, 208,
                                                                             240, 256]
@@ -234,7 +233,7 @@ def subtree_need(program, order, k: int) -> int:
 def test_child_order_minimizes_need_over_every_order():
     import itertools
 
-    trees = branching_trees(seed=7)
+    trees = multi_part_trees(seed=7)
     for capacity in (5, 3, 2):
         program = build_program(trees, capacity)  # default buckets: parts differ in size
         order = child_order(program)
@@ -256,7 +255,7 @@ def _reference(graphdef, params, trees, objective, chunk):
 
 
 def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengths=None):
-    trees = branching_trees(seed=7)
+    trees = multi_part_trees(seed=7)
     loss_ref, grads_ref, logp_ref = _reference(graphdef, params, trees, objective, chunk)
     leaves_ref = jax.tree_util.tree_leaves(grads_ref)
     # One step per mode for all capacities: prefixes (and rows with `row_lengths=[ROW]`) keep
@@ -293,16 +292,15 @@ def test_dense_equals_unpartitioned_tree():
 
 
 def test_moe_equals_unpartitioned_tree_with_pooled_router_loss():
-    graphdef, params = tiny("moe")
+    graphdef, params = perturbed_moe_model("moe")
     _check(graphdef, params, PPO, capacities=(5,), modes=("residuals",), row_lengths=[ROW])
 
 
 def gdn_only_model():
     """A one-layer Gated DeltaNet model with a dense MLP: the GDN prefix path (conv context,
     states at attach tokens) at a fraction of the hybrid MoE model's compile time."""
-    cfg = Qwen3NextConfig(**{**COMMON, "mlp_only_layers": (0,)}, num_hidden_layers=1,
-                          linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=2,
-                          linear_num_value_heads=4, layer_types=("linear_attention",))
+    cfg = four_expert_config("next", mlp_only_layers=(0,), num_hidden_layers=1,
+                             layer_types=("linear_attention",))
     return nnx.split(tiny_lm(cfg, 0))
 
 
@@ -316,7 +314,7 @@ def test_gdn_equals_unpartitioned_tree():
 @pytest.mark.parametrize("objective", [SFT, PPO], ids=["sft", "ppo"])
 def test_equals_unpartitioned_tree_slow(kind, objective):
     graphdef, params = {"dense": lambda: tiny_model(seed=3), "gdn": gdn_only_model}.get(
-        kind, lambda: tiny(kind))()
+        kind, lambda: perturbed_moe_model(kind))()
     _check(graphdef, params, objective, capacities=(16, 5, 3, 2),
            modes=("residuals", "recompute", "auto"),
            chunk=CHUNK if kind in ("hybrid", "gdn") else None)

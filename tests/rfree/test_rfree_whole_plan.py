@@ -5,11 +5,11 @@ import numpy as np
 from jtree.packing import unit_counts
 from jtree.planner import LayoutConfig, StepPlan, plan_step
 from jtree.rfree.layout import build_program
-from tests.train.test_partition_grad import branching_trees
+from tests.strategies import multi_part_trees
 
 
 def test_whole_trees_go_where_the_planner_puts_them():
-    trees = branching_trees(seed=7)
+    trees = multi_part_trees(seed=7)
     program = build_program(trees, 3, rows_per_microbatch=2, gdn_chunk_size=3)
     assert program.whole is not None and program.whole_trees == (2,)
     whole = [trees[i] for i in program.whole_trees]

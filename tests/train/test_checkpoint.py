@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jtree.checkpoint import Checkpointer, CorruptCheckpoint
+from tests.checkpoint_damage import damage
 
 # A read of a damaged checkpoint fails inside Orbax's event loop, which leaves the aborted reads'
 # coroutines to be collected later (reported as unraisable exceptions, harmless).
@@ -37,36 +38,12 @@ def _saved(directory: Path, steps=(1, 2, 3)) -> Checkpointer:
     return ckpt
 
 
-def _largest_chunk(step_dir: Path) -> Path:
-    """The OCDBT data file that holds the arrays (the others hold the B-tree)."""
-    chunks = [p for p in (step_dir / "state").rglob("d/*") if p.is_file()]
-    assert chunks, sorted(p.relative_to(step_dir) for p in step_dir.rglob("*"))
-    return max(chunks, key=lambda p: p.stat().st_size)
-
-
-def _damage(step_dir: Path, how: str) -> str:
-    """Damage one step directory; returns what the log line must say."""
-    if how == "chunk":
-        _largest_chunk(step_dir).unlink()
-        return "unreadable (ValueError: FAILED_PRECONDITION"
-    if how == "state_metadata":
-        (step_dir / "state" / "_METADATA").unlink()
-        return "state/_METADATA is missing"
-    if how == "meta_metadata":
-        (step_dir / "meta" / "metadata").unlink()
-        return "meta/metadata is missing"
-    assert how == "commit"
-    for marker in step_dir.rglob("commit_success.txt"):
-        marker.unlink()
-    return "not committed"
-
-
 @pytest.mark.parametrize("how", ["chunk", "state_metadata", "meta_metadata", "commit"])
 def test_damaged_latest_falls_back_to_the_newest_intact_checkpoint(tmp_path, how):
     ckpt = _saved(tmp_path / "ck")
     expected = ckpt.restore(2, _abstract(_state(0)))
     ckpt.close()
-    reason = _damage(tmp_path / "ck" / "3", how)
+    reason = damage(tmp_path / "ck" / "3", how)
 
     ckpt = Checkpointer(tmp_path / "ck", keep=5, async_save=False)
     assert ckpt.latest_step() == 3  # Orbax alone would resume from the damaged step
@@ -90,7 +67,7 @@ def test_damaged_latest_falls_back_to_the_newest_intact_checkpoint(tmp_path, how
 
 def test_on_corrupt_raise_names_the_step_and_restores_nothing(tmp_path):
     _saved(tmp_path / "ck").close()
-    _damage(tmp_path / "ck" / "3", "commit")
+    damage(tmp_path / "ck" / "3", "commit")
     ckpt = Checkpointer(tmp_path / "ck", keep=5, async_save=False)
     with pytest.raises(CorruptCheckpoint, match=r"/3: not committed.*on_corrupt=fallback"):
         ckpt.restore_latest(_abstract(_state(0)), on_corrupt="raise")
@@ -99,8 +76,8 @@ def test_on_corrupt_raise_names_the_step_and_restores_nothing(tmp_path):
 
 def test_no_intact_checkpoint_stops_the_resume(tmp_path):
     _saved(tmp_path / "ck", steps=(1, 2)).close()
-    _damage(tmp_path / "ck" / "1", "chunk")
-    _damage(tmp_path / "ck" / "2", "meta_metadata")
+    damage(tmp_path / "ck" / "1", "chunk")
+    damage(tmp_path / "ck" / "2", "meta_metadata")
     ckpt = Checkpointer(tmp_path / "ck", keep=5, async_save=False)
     lines: list[str] = []
     with pytest.raises(CorruptCheckpoint, match=r"no intact checkpoint \(damaged steps \[1, 2\]\)"):
@@ -108,7 +85,7 @@ def test_no_intact_checkpoint_stops_the_resume(tmp_path):
     assert len(lines) == 2
 
 
-def test_a_checkpoint_of_another_model_is_not_damage(tmp_path):
+def test_a_checkpoint_of_another_model_is_notdamage(tmp_path):
     ckpt = _saved(tmp_path / "ck")
     other = dict(_state(0), w=jnp.zeros(256))
     mismatch = r"/3: does not match the model .*w has shape \(512,\)"

@@ -8,9 +8,10 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from tests.run_util import WORKTREE
 
 _PROGRAM = """
 import json, resource, sys
@@ -37,9 +38,8 @@ print(json.dumps({"applied": applied, "temp_pages": temp // 4096, "faults": faul
 
 
 def _run(mode: str) -> dict:
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", _PROGRAM, mode], cwd=root, capture_output=True,
-                         env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"),
+    out = subprocess.run([sys.executable, "-c", _PROGRAM, mode], cwd=WORKTREE, capture_output=True,
+                         env=dict(os.environ, PYTHONPATH=str(WORKTREE), JAX_PLATFORMS="cpu"),
                          text=True, check=True, timeout=300)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -89,10 +89,9 @@ def test_policy_decides_without_starting_a_backend():
     get their own malloc arenas first, and keeping freed memory would come too late (the step
     page-faulted 100k+ times per run while `configure_host_malloc` called
     `jax.default_backend()`)."""
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", _STARTS_NO_BACKEND], cwd=root,
+    out = subprocess.run([sys.executable, "-c", _STARTS_NO_BACKEND], cwd=WORKTREE,
                          capture_output=True, text=True, check=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"))
+                         env=dict(os.environ, PYTHONPATH=str(WORKTREE), JAX_PLATFORMS="cpu"))
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["platform"] == "cpu" and got["started"] is False, got
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"

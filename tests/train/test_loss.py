@@ -36,7 +36,7 @@ def _per_path_c(trees, normalization):
 
 
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25)
 @given(trees=forests(n_trees=(1, 3)))
 def test_coefficients_match_per_path_sums(trees, normalization):
     c = _per_path_c(trees, normalization)
@@ -60,7 +60,7 @@ def test_coefficients_match_per_path_sums(trees, normalization):
         np.testing.assert_allclose(got["adv_neg"], want_n, rtol=1e-6, atol=1e-9)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25)
 @given(trees=forests(n_trees=(1, 3)))
 def test_tree_losses_equal_per_path_losses(trees):
     """With log-probs that depend only on the tree token (as a model's do), the tree SFT and

@@ -17,12 +17,13 @@ import sys
 
 import pytest
 
+from tests.run_util import WORKTREE
+
 MESHES = ("8x1", "4x2", "2x4")
-WORKTREE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_cases(cases: list[str]) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=WORKTREE)
+    env = dict(os.environ, PYTHONPATH=str(WORKTREE))
     proc = subprocess.run([sys.executable, "-m", "tests.mesh_worker", *cases], cwd=WORKTREE,
                           env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -6,7 +6,7 @@ import socket
 import pytest
 
 from jtree.launch.train import main
-from tests.run_util import finish, launch, read_metrics, tiny_overrides, write_groups
+from tests.run_util import finish, launch, read_metrics, tiny_overrides
 
 
 def _free_port() -> int:
@@ -15,9 +15,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one(tmp_path):
-    data = write_groups(tmp_path / "groups.jsonl")
-    common = tiny_overrides(data, **{"run.steps": 3})
+def test_two_processes_match_one(groups_file, tmp_path):
+    common = tiny_overrides(groups_file, **{"run.steps": 3})
     single = tmp_path / "single.jsonl"
     assert main(["--config", "configs/tiny.yaml", *common, f"run.metrics_jsonl={single}"]) == 0
 

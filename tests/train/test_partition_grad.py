@@ -1,7 +1,6 @@
 """Gradient accumulation over the parts of partitioned trees equals the unpartitioned gradient."""
 
 import jax
-import numpy as np
 import pytest
 
 from jtree.linearize import linearize
@@ -9,34 +8,8 @@ from jtree.loss import batch_normalizer
 from jtree.packing import build_microbatches
 from jtree.partition import partition
 from jtree.train_step import Objective, make_grad_fn, stack_microbatches
-from jtree.tree import TrajectoryTree
 from tests.models_util import rel_l2, tiny_model
-from tests.strategies import random_forest
-
-
-def consistent_tree(rng: np.random.Generator, **kw) -> TrajectoryTree:
-    """A random branching tree whose per-path old log-probs agree on shared tokens (as they do
-    when the rollout engine's values are exact), so the PPO loss is one function of the tree."""
-    t = TrajectoryTree.from_nodes(**random_forest(rng, **kw))
-    per_token = -rng.uniform(3.6, 4.6, size=t.n_tree_tokens)
-    olds = [per_token[t.path_token_index(p)] for p in range(t.n_paths)]
-    return TrajectoryTree.from_nodes(
-        t.parents.tolist(), list(t.segments), path_nodes=t.path_nodes.tolist(),
-        loss_masks=list(t.loss_masks), advantages=list(t.advantages), old_logprobs=olds,
-        weights=t.weights,
-    )
-
-
-def branching_trees(seed: int) -> list[TrajectoryTree]:
-    """Two trees that need several parts at capacity 16, and a small one that fits whole."""
-    rng = np.random.default_rng(seed)
-    big = []
-    while len(big) < 2:
-        t = consistent_tree(rng, max_nodes=12, max_seg=4, roots=1, extra_paths=3)
-        if t.n_tree_tokens > 24 and t.path_lengths.max() <= 16 and t.n_paths >= 4:
-            big.append(t)
-    small = consistent_tree(rng, max_nodes=3, max_seg=3, roots=1)
-    return big + [small]
+from tests.strategies import multi_part_trees
 
 
 @pytest.mark.parametrize("kind,normalization,method", [
@@ -45,7 +18,7 @@ def branching_trees(seed: int) -> list[TrajectoryTree]:
 ])
 def test_part_accumulation_equals_full_tree_gradient(kind, normalization, method):
     graphdef, params = tiny_model(seed=3)
-    trees = branching_trees(seed=7)
+    trees = multi_part_trees(seed=7)
     capacity = 16
     parts = [p for t in trees for p in partition(t, capacity, method).parts]
     assert len(parts) >= 5 and sum(p.n_tree_tokens for p in parts) > sum(

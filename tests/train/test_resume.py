@@ -16,7 +16,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jtree.launch.train import main
-from tests.run_util import finish, launch, read_metrics, tiny_overrides, write_groups
+from tests.checkpoint_damage import damage
+from tests.run_util import finish, launch, read_metrics, tiny_overrides
 
 N = 3
 MOE_OVERRIDES = {
@@ -64,9 +65,8 @@ def _kill_resume_and_compare(tmp_path, common, straight, n, env=None, workers=1)
     return a
 
 
-def test_killed_run_resumes_exactly(tmp_path):
-    data = write_groups(tmp_path / "groups.jsonl")
-    common = tiny_overrides(data, **{"run.steps": 2 * N, "checkpoint.every": N})
+def test_killed_run_resumes_exactly(groups_file, tmp_path):
+    common = tiny_overrides(groups_file, **{"run.steps": 2 * N, "checkpoint.every": N})
     straight = tmp_path / "straight"
     assert main(["--config", "configs/tiny.yaml", *common, f"checkpoint.dir={straight}",
                  f"run.metrics_jsonl={straight}/metrics.jsonl"]) == 0
@@ -74,9 +74,8 @@ def test_killed_run_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow  # the mechanics are the dense test's; this adds an expert-parallel state
-def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(tmp_path):
-    data = write_groups(tmp_path / "groups.jsonl")
-    common = tiny_overrides(data, **{"run.steps": 2, "checkpoint.every": 1, **MOE_OVERRIDES})
+def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(groups_file, tmp_path):
+    common = tiny_overrides(groups_file, **{"run.steps": 2, "checkpoint.every": 1, **MOE_OVERRIDES})
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     straight = tmp_path / "straight"
     log = tmp_path / "straight_log"
@@ -89,14 +88,12 @@ def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(tmp_path):
     assert all(r["aux_loss"] > 0 for r in history)  # the router loss is part of the objective
 
 
-def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
+def test_resume_falls_back_past_a_damaged_checkpoint(groups_file, tmp_path, capsys):
     """A lost array chunk in the latest checkpoint: `--resume` logs it and continues from the
     newest intact one, with the same losses as resuming from that checkpoint directly."""
-    from tests.train.test_checkpoint import _damage
-
-    data = write_groups(tmp_path / "groups.jsonl")
     first = tmp_path / "first"
-    common = tiny_overrides(data, **{"checkpoint.every": 1, "checkpoint.async_save": "false"})
+    common = tiny_overrides(groups_file, **{"checkpoint.every": 1,
+                                            "checkpoint.async_save": "false"})
     assert main(["--config", "configs/tiny.yaml", *common, "run.steps=3",
                  f"checkpoint.dir={first}"]) == 0
     losses = {}
@@ -104,7 +101,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
         directory = tmp_path / name
         shutil.copytree(first, directory)
         if name == "damaged":
-            _damage(directory / "3", "chunk")
+            damage(directory / "3", "chunk")
         else:
             shutil.rmtree(directory / "3")
         capsys.readouterr()
@@ -119,14 +116,14 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
     assert losses["damaged"] == losses["direct"]
 
 
-def test_resume_says_what_changed_and_refuses_model_and_data_order_changes(tmp_path, capsys):
+def test_resume_says_what_changed_and_refuses_model_and_data_order_changes(few_groups_file,
+                                                                         tmp_path, capsys):
     """A resumed run lists the config keys that differ from the checkpoint's; a change of the
     model or of the data order is refused naming the key (in one line, no traceback, even when
     only the stored parameter shapes disagree), the rest is allowed, and overrides may follow
     `--resume`."""
-    data = write_groups(tmp_path / "groups.jsonl", n_groups=4)
     ckpt = tmp_path / "ckpt"
-    common = ["--config", "configs/tiny.yaml", *tiny_overrides(data, **{
+    common = ["--config", "configs/tiny.yaml", *tiny_overrides(few_groups_file, **{
         "run.steps": 2, "data.trees_per_step": 2, "data.micro_batches": 1,
         "checkpoint.dir": ckpt, "checkpoint.every": 2})]
     assert main(common) == 0

@@ -1,0 +1,94 @@
+"""Hugging Face checkpoints on the jtree side (no torch needed): random tiny models to save, their
+parameters by name, edited copies of a saved checkpoint, and weights copied in by HF name.
+
+jtree mirrors HF names; NNX `Linear.kernel` is HF `weight` transposed and `Embed.embedding` is HF
+`embed_tokens.weight`. Every other parameter has HF's name and layout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jtree.hf.safetensors_io import SINGLE_FILE
+from jtree.models import CausalLM, Qwen3Config
+from tests.models_util import tiny_config, tiny_lm
+
+
+def random_model(seed: int = 0, runtime: dict | None = None,
+                 **overrides) -> tuple[Qwen3Config, CausalLM]:
+    """A tiny Qwen3 whose every parameter (norms and biases included) is random, so a swapped or
+    mis-transposed tensor cannot go unnoticed."""
+    cfg = tiny_config(**overrides)
+    graphdef, params = nnx.split(tiny_lm(cfg, seed, **(runtime or {})), nnx.Param)
+    rng = np.random.default_rng(seed)
+    flat = [(p, v.replace(jnp.asarray(np.asarray(v.get_value(), np.float32)
+                                      + rng.normal(0, 0.2, v.shape), v.dtype)))
+            for p, v in nnx.to_flat_state(params)]
+    return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def param_arrays(model: nnx.Module) -> dict[str, np.ndarray]:
+    """Every parameter of `model` by its dotted NNX path."""
+    return {".".join(map(str, p)): np.asarray(v.get_value())
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def assert_same_params(a: nnx.Module, b: nnx.Module) -> None:
+    """The same parameter names, dtypes and values, bit for bit."""
+    pa, pb = param_arrays(a), param_arrays(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert pa[k].dtype == pb[k].dtype, k
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+
+
+def copy_checkpoint(src: Path, dst: Path, *, edit_tensors: Callable[[dict], object] | None = None,
+                    edit_config: Callable[[dict], object] | None = None) -> Path:
+    """A copy of a single-file checkpoint with its tensors and/or config.json edited (how the
+    tests make the damaged or unusual checkpoints that loading must refuse or accept)."""
+    dst.mkdir(exist_ok=True)
+    tensors = load_file(str(src / SINGLE_FILE))
+    if edit_tensors:
+        edit_tensors(tensors)
+    save_file(tensors, str(dst / SINGLE_FILE), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    if edit_config:
+        edit_config(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+    """(HF parameter name, whether the array is transposed) of an NNX parameter path."""
+    name = ".".join(map(str, path))
+    if name.endswith(".kernel"):
+        return name[: -len(".kernel")] + ".weight", True
+    if name.endswith(".embedding"):
+        return name[: -len(".embedding")] + ".weight", False
+    return name, False
+
+
+def copy_hf_weights(model: nnx.Module, hf_state: dict[str, np.ndarray]) -> None:
+    """Overwrite every parameter of `model` with the same-named HF tensor (all must exist)."""
+    state = nnx.state(model, nnx.Param)
+    flat = nnx.to_flat_state(state)
+    used = set()
+    for path, var in flat:
+        name, transpose = hf_name(path)
+        value = np.asarray(hf_state[name], np.float32)
+        value = value.T if transpose else value
+        if value.shape != var[...].shape:
+            raise ValueError(f"{name}: HF shape {value.shape} != jtree shape {var[...].shape}")
+        var.value = value
+        used.add(name)
+    unused = set(hf_state) - used
+    if unused:
+        raise ValueError(f"HF parameters without a jtree counterpart: {sorted(unused)}")
+    nnx.update(model, nnx.from_flat_state(flat))
