@@ -17,7 +17,7 @@ alternating runs, medians. Measured the way docs/design.md section 8 (and the se
 - the automatic mode choice (`jtree.cost.choose_mode`) for the batch, and its predicted gain.
 
 Batches: exactly the trainer's. `prepare` builds both modes' step through `jtree.data.step_builder`
-(what `launch/train.py` trains with) for a run whose one step holds the workload's trees: one data
+(what the trainer, `jtree.run_data`, trains with) for a run whose one step holds the workload's trees: one data
 shard, one micro-batch, the fewest rows of S that hold the step (`rows_for_run`), and row lengths
 from `data.row_steps_per_octave` = `ROW_STEPS_PER_OCTAVE` (each step packs at the shortest length
 of the ladder that fits those rows; `jtree.planner`), so its speedups are the trainer's.
