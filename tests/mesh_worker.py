@@ -56,14 +56,16 @@ S, ROWS, GDN_CHUNK = 64, 8, 4
 
 def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     """(architecture, config, runtime) of the tiny `dense`, `moe` or `next` model; `dense_cpu` is
-    `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map)."""
+    `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map), `moe_a2a`
+    and `next_a2a` run their experts with token dispatch (`expert_dispatch="all_to_all"`)."""
+    dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
     if kind in ("dense", "dense_cpu"):
         impl = {"dense": "reference", "dense_cpu": "cpu"}[kind]
         return ("qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64),
                 tiny_runtime(attention_impl=impl))
-    if kind == "moe":
-        return "qwen3_moe", tiny_moe_config(), tiny_runtime()
-    return "qwen3_next", tiny_next_config(), tiny_runtime()
+    if kind in ("moe", "moe_a2a"):
+        return "qwen3_moe", tiny_moe_config(), tiny_runtime(expert_dispatch=dispatch)
+    return "qwen3_next", tiny_next_config(), tiny_runtime(expert_dispatch=dispatch)
 
 
 def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:

@@ -103,7 +103,7 @@ def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, *,
         cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
         moe_intermediate=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
         shared_intermediate=cfg.shared_expert_intermediate_size if ffn == "moe_shared" else None,
-        **kw)
+        expert_dispatch=runtime.expert_dispatch, **kw)
 
 
 class DecoderLayer(nnx.Module):

@@ -30,6 +30,20 @@ outputs are summed with one `psum`. Qwen3-Next's shared expert is a Megatron Swi
 output joins the same sum. Cost per MoE layer: one all-reduce of [tokens, hidden] forward and one
 backward (the same as a Megatron MLP), plus a tiny all-reduce of the router's gradient; expert
 compute per device is 1/tp of the total when routing is balanced.
+
+Token dispatch (`expert_dispatch="all_to_all"`, `RuntimeConfig.expert_dispatch`): the same expert
+split, but each device of the group takes 1/tp of the tokens (padded to a multiple of tp), routes
+them, and sends every (token, expert) assignment to the device owning the expert with one
+`all_to_all`; that device runs its experts on what it received (sorted by expert, `ragged_dot`),
+a second `all_to_all` returns the results, the sender combines them with its router weights, and
+an all-gather gives every device the whole output again. The shared expert stays Megatron-split:
+its partial outputs are reduce-scattered onto the same token split before that all-gather (one
+reduce-scatter plus one all-gather: the cost of the psum it replaces). The router statistics are
+all-gathered, so the load-balancing loss sees every token as before. The exchange is dropless with
+a static capacity, since XLA:CPU has no `ragged_all_to_all` (jax 0.10): each device reserves, for
+every destination, room for all of its assignments that could go there (tokens x min(top_k,
+experts per device)), so no routing, however uneven, drops a token, and the buffers are as large
+as the worst case.
 """
 
 from __future__ import annotations
@@ -107,14 +121,43 @@ class Experts(nnx.Module):
         return jnp.zeros_like(x).at[token].add(y)
 
 
+def dispatch_to_experts(experts: Experts, x: jax.Array, top_e: jax.Array, top_w: jax.Array,
+                        axis: str) -> jax.Array:
+    """sum_k top_w[:, k] * expert_{top_e[:, k]}(x) for this device's tokens x [T, hidden], the
+    experts split over `axis` (module docstring, token dispatch): each assignment goes to its
+    expert's device in slot (destination, rank among this device's assignments to it) of a
+    [devices, capacity, hidden] buffer, every slot comes back in place, and the results are
+    combined here. Unused slots carry expert id `local` (no expert), so they compute nothing."""
+    t, k = top_e.shape
+    devices = jax.lax.axis_size(axis)
+    local = experts.gate_up_proj.shape[0]
+    capacity = t * min(k, local)  # a token has at most min(k, local) experts on one device
+    flat_e = top_e.reshape(-1)
+    dest = flat_e // local
+    sent_before = jnp.cumsum(jax.nn.one_hot(dest, devices, dtype=jnp.int32), axis=0)
+    slot = jnp.take_along_axis(sent_before, dest[:, None], axis=1)[:, 0] - 1
+    send = jnp.zeros((devices, capacity, x.shape[-1]), x.dtype).at[dest, slot].set(
+        x[jnp.arange(t * k) // k])
+    send_e = jnp.full((devices, capacity), local, flat_e.dtype).at[dest, slot].set(flat_e % local)
+
+    def exchange(a: jax.Array) -> jax.Array:
+        return jax.lax.all_to_all(a, axis, 0, 0, tiled=True)
+
+    recv, recv_e = exchange(send).reshape(-1, x.shape[-1]), exchange(send_e).reshape(-1, 1)
+    y = experts(recv, recv_e, jnp.ones(recv_e.shape, x.dtype))
+    back = exchange(y.reshape(send.shape))[dest, slot].reshape(t, k, -1)
+    return jnp.einsum("tk,tkh->th", top_w, back)
+
+
 class SparseMoeBlock(nnx.Module):
     """Router + experts, plus (Qwen3-Next) a shared SwiGLU expert scaled by sigmoid(shared gate).
-    `tp_axis`: expert parallel over that mesh axis (module docstring)."""
+    `tp_axis`: expert parallel over that mesh axis, the experts run as `expert_dispatch` says
+    ("psum" or "all_to_all", module docstring)."""
 
     def __init__(self, hidden: int, *, num_experts: int, top_k: int, moe_intermediate: int,
                  norm_topk_prob: bool, shared_intermediate: int | None, init_std: float,
                  dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
-                 tp_axis: str | None = None):
+                 tp_axis: str | None = None, expert_dispatch: str = "psum"):
         kw = dict(init_std=init_std, param_dtype=param_dtype, rngs=rngs)
         self.gate = TopKRouter(hidden, num_experts, top_k, norm_topk_prob, **kw)
         self.experts = Experts(hidden, moe_intermediate, num_experts, **kw)
@@ -125,18 +168,43 @@ class SparseMoeBlock(nnx.Module):
                                         **kw)
             self.shared_expert_gate = linear(hidden, 1, bias=False, dtype=dtype, **kw)
         self.tp_axis = tp_axis
+        self.expert_dispatch = expert_dispatch
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, RouterStats]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        if self.tp_axis is not None and self.expert_dispatch == "all_to_all":
+            out, stats = self._dispatched(flat, self.tp_axis)
+            return out.reshape(shape), stats
         top_w, top_e, stats = self.gate(flat)
         out = self.experts(flat, top_e, top_w, self.tp_axis)
         if self.shared_expert is not None:
-            shared = self.shared_expert.unreduced(flat)
-            out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + self._shared_gate(flat) * self.shared_expert.unreduced(flat)
         if self.tp_axis is not None:
             out = jax.lax.psum(out, self.tp_axis)
         return out.reshape(shape), stats
+
+    def _shared_gate(self, x: jax.Array) -> jax.Array:
+        return jax.nn.sigmoid(self.shared_expert_gate(x))
+
+    def _dispatched(self, flat: jax.Array, axis: str) -> tuple[jax.Array, RouterStats]:
+        """Token dispatch over `axis` (module docstring): `flat` [N, hidden] is the same on every
+        device of the group; returns the whole output and the router statistics of all N
+        tokens, the same on every device."""
+        n = flat.shape[0]
+        per = -(-n // jax.lax.axis_size(axis))
+        padded = jnp.pad(flat, ((0, per * jax.lax.axis_size(axis) - n), (0, 0)))
+        mine = jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(axis) * per, per)
+        top_w, top_e, stats = self.gate(mine)
+        out = dispatch_to_experts(self.experts, mine, top_e, top_w, axis)
+        if self.shared_expert is not None:
+            shared = jax.lax.psum_scatter(self.shared_expert.unreduced(padded), axis, tiled=True)
+            out = out + self._shared_gate(mine) * shared
+
+        def gather(a: jax.Array) -> jax.Array:
+            return jax.lax.all_gather(a, axis, tiled=True, to="invarying")[:n]
+
+        return gather(out), RouterStats(*map(gather, stats))
 
 
 def router_load(stats: list[RouterStats], token_weight: jax.Array,

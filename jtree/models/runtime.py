@@ -23,6 +23,8 @@ REMAT_POLICIES = {
 }
 REMAT_POLICY_NAMES = ("none", *REMAT_POLICIES)
 
+EXPERT_DISPATCHES = ("psum", "all_to_all")
+
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
@@ -35,6 +37,12 @@ class RuntimeConfig:
     `shard_map`: weights are then this device's shard and partial sums are reduced over the
     tensor-parallel axis, and batch statistics (the MoE router loss) are pooled over the data
     axis. Leave them unset everywhere else.
+
+    `expert_dispatch` chooses how a MoE block runs its experts under tensor parallelism
+    (`jtree.models.moe`): "psum" routes every token on every device of the model group and sums
+    the partial outputs; "all_to_all" splits the tokens over the group and exchanges the
+    (token, expert) assignments with the devices owning the experts. Same math either way; it
+    changes nothing on one device.
     """
 
     attention_impl: str = "auto"
@@ -43,6 +51,7 @@ class RuntimeConfig:
     remat: str = "none"
     tensor_parallel_axis: str | None = None
     data_parallel_axis: str | None = None
+    expert_dispatch: str = "psum"
 
     def __post_init__(self) -> None:
         for field in ("dtype", "param_dtype"):
@@ -50,6 +59,9 @@ class RuntimeConfig:
                 raise ValueError(f"{field}: {getattr(self, field)!r} is not one of {tuple(DTYPES)}")
         if self.remat not in REMAT_POLICY_NAMES:
             raise ValueError(f"remat: {self.remat!r} is not one of {REMAT_POLICY_NAMES}")
+        if self.expert_dispatch not in EXPERT_DISPATCHES:
+            raise ValueError(f"expert_dispatch: {self.expert_dispatch!r} is not one of "
+                             f"{EXPERT_DISPATCHES}")
         if self.attention_impl not in available_impls():
             raise ValueError(f"attention_impl: {self.attention_impl!r} is not one of "
                              f"{available_impls()}")

@@ -1,0 +1,119 @@
+"""Compare the token-dispatch MoE block on meshes of 8 forced host devices with one device.
+
+Run in a subprocess (`tests/models/test_moe_dispatch.py`); importing `tests.mesh_worker` first sets
+its XLA flags (8 host devices), and train-step cases are that module's. A layer case is
+`layer:KIND:ROUTING:SHARDS`: KIND `moe` (Qwen3-MoE block) or `shared` (Qwen3-Next's, with the
+Megatron-split shared expert), ROUTING `random` or `uneven` (the router biased so that almost
+every assignment goes to the first expert shard), on a ('data', 'model') mesh of 8 / SHARDS x
+SHARDS devices with the block's experts split over `model` and run with
+`expert_dispatch="all_to_all"`. The loss is a fixed projection of the output plus the router
+load-balancing loss (token-weighted, pooled over the data shards); 7 tokens per row, so 14 tokens
+per data shard, which 4 expert shards split with padding. Prints one JSON line per case: the
+largest relative differences of the output, router probabilities, loss, and every gradient
+(parameters and input) to the single-device block, the routed experts' equality and the share of
+assignments that went to the first shard.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests import mesh_worker  # noqa: F401  (sets XLA_FLAGS before jax starts its backend)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jtree.models.decoder import feed_forward  # noqa: E402
+from jtree.models.moe import load_balancing_loss  # noqa: E402
+from jtree.sharding import (  # noqa: E402
+    DATA, LAYER_KIND_RULES, MODEL, MeshConfig, make_mesh, param_specs,
+)
+from tests.models_util import perturbed, rel_l2, tiny_moe_config, tiny_next_config, tiny_runtime  # noqa: E402,E501
+
+ROWS_PER_SHARD, S = 2, 7
+
+
+class Layer(nnx.Module):
+    """Holds the block as `mlp`, the name the sharding rules match in a decoder layer."""
+
+    def __init__(self, cfg, runtime, ffn: str):
+        self.mlp = feed_forward(cfg, runtime, ffn, rngs=nnx.Rngs(0))
+
+
+def layer_case(case: str) -> dict:
+    _, kind, routing, shards = case.split(":")
+    shards = int(shards)
+    ffn = {"moe": "moe", "shared": "moe_shared"}[kind]
+    cfg = (tiny_moe_config if kind == "moe" else tiny_next_config)()
+    experts, hidden = cfg.num_experts, cfg.hidden_size
+    graphdef, params = nnx.split(Layer(cfg, tiny_runtime(), ffn))
+    params = perturbed(params, scale=0.5)
+    data = 8 // shards
+    keys = jax.random.split(jax.random.key(5), 3)
+    shape = (data * ROWS_PER_SHARD, S, hidden)
+    x = jax.random.normal(keys[0], shape)
+    if routing == "uneven":  # the first shard's experts win for almost every token
+        x = x.at[..., 0].add(4.0)
+        params["mlp"]["gate"]["weight"].value = (
+            params["mlp"]["gate"]["weight"][...].at[:experts // shards, 0].add(4.0))
+    ct = jax.random.normal(keys[1], shape)
+    weight = jax.random.randint(keys[2], shape[:2], 0, 3).astype(jnp.float32)
+
+    def loss_fn(graph, data_axis):
+        def loss(p, x, ct, weight):
+            out, stats = nnx.merge(graph, p).mlp(x)
+            total = jnp.sum(out * ct) + load_balancing_loss([stats], weight, experts, data_axis)
+            return total if data_axis is None else jax.lax.psum(total, data_axis)
+        return loss
+
+    def forward(graph):
+        def fwd(p, x):
+            out, stats = nnx.merge(graph, p).mlp(x)
+            return out, stats.probs, stats.top_experts
+        return fwd
+
+    args = (params, x, ct, weight)
+    want_fwd = jax.jit(forward(graphdef))(params, x)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(loss_fn(graphdef, None), (0, 1)))(*args)
+
+    mesh = make_mesh(MeshConfig(data=data, model=shards))
+    specs = param_specs(params, LAYER_KIND_RULES[ffn](cfg, shards), mesh)
+    runtime = tiny_runtime(tensor_parallel_axis=MODEL, data_parallel_axis=DATA,
+                           expert_dispatch="all_to_all")
+    tp_graph = nnx.split(nnx.eval_shape(lambda: Layer(cfg, runtime, ffn)))[0]
+    rows = P(DATA)
+    sharded_fwd = jax.shard_map(forward(tp_graph), mesh=mesh, in_specs=(specs, rows),
+                                out_specs=(rows, rows, rows))
+    sharded_loss = jax.shard_map(loss_fn(tp_graph, DATA), mesh=mesh,
+                                 in_specs=(specs, rows, rows, rows), out_specs=P())
+    got_fwd = jax.jit(sharded_fwd)(params, x)
+    got_loss, got_grads = jax.jit(jax.value_and_grad(sharded_loss, (0, 1)))(*args)
+
+    top = np.asarray(want_fwd[2])
+    leaves = jax.tree_util.tree_leaves
+    return {
+        "case": case,
+        "out_rel_l2": rel_l2(got_fwd[0], want_fwd[0]),
+        "probs_rel_l2": rel_l2(got_fwd[1], want_fwd[1]),
+        "same_experts": bool(np.array_equal(np.asarray(got_fwd[2]), top)),
+        "loss_rel": abs(float(got_loss) - float(want_loss)) / abs(float(want_loss)),
+        "grads_rel_l2": max(rel_l2(a, b) for a, b in zip(leaves(got_grads), leaves(want_grads))),
+        "first_shard_share": float(np.mean(top < experts // shards)),
+        "sharded_leaves": int(sum(not s.is_fully_replicated for s in leaves(jax.tree.map(
+            lambda a: a.sharding, got_grads[0])))),
+    }
+
+
+def main(cases: list[str]) -> None:
+    layers = [c for c in cases if c.startswith("layer:")]
+    for case in layers:
+        print(json.dumps(layer_case(case)), flush=True)
+    mesh_worker.main([c for c in cases if c not in layers])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
