@@ -64,21 +64,20 @@ def layer_case(case: str) -> dict:
     weight = jax.random.randint(keys[2], shape[:2], 0, 3).astype(jnp.float32)
 
     def loss_fn(graph, data_axis):
+        """Loss and, as aux, the block's output and routing."""
         def loss(p, x, ct, weight):
             out, stats = nnx.merge(graph, p).mlp(x)
             total = jnp.sum(out * ct) + load_balancing_loss([stats], weight, experts, data_axis)
-            return total if data_axis is None else jax.lax.psum(total, data_axis)
+            if data_axis is not None:
+                total = jax.lax.psum(total, data_axis)
+            return total, (out, stats.probs, stats.top_experts)
         return loss
 
-    def forward(graph):
-        def fwd(p, x):
-            out, stats = nnx.merge(graph, p).mlp(x)
-            return out, stats.probs, stats.top_experts
-        return fwd
+    def value_and_grad(loss):
+        return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
 
     args = (params, x, ct, weight)
-    want_fwd = jax.jit(forward(graphdef))(params, x)
-    want_loss, want_grads = jax.jit(jax.value_and_grad(loss_fn(graphdef, None), (0, 1)))(*args)
+    (want_loss, want_fwd), want_grads = value_and_grad(loss_fn(graphdef, None))(*args)
 
     mesh = make_mesh(MeshConfig(data=data, model=shards))
     specs = param_specs(params, LAYER_KIND_RULES[ffn](cfg, shards), mesh)
@@ -86,12 +85,10 @@ def layer_case(case: str) -> dict:
                            expert_dispatch="all_to_all")
     tp_graph = nnx.split(nnx.eval_shape(lambda: Layer(cfg, runtime, ffn)))[0]
     rows = P(DATA)
-    sharded_fwd = jax.shard_map(forward(tp_graph), mesh=mesh, in_specs=(specs, rows),
-                                out_specs=(rows, rows, rows))
     sharded_loss = jax.shard_map(loss_fn(tp_graph, DATA), mesh=mesh,
-                                 in_specs=(specs, rows, rows, rows), out_specs=P())
-    got_fwd = jax.jit(sharded_fwd)(params, x)
-    got_loss, got_grads = jax.jit(jax.value_and_grad(sharded_loss, (0, 1)))(*args)
+                                 in_specs=(specs, rows, rows, rows),
+                                 out_specs=(P(), (rows, rows, rows)))
+    (got_loss, got_fwd), got_grads = value_and_grad(sharded_loss)(*args)
 
     top = np.asarray(want_fwd[2])
     leaves = jax.tree_util.tree_leaves

@@ -23,13 +23,14 @@ pieces' losses add up to that forward's.
 Tensor parallelism (`tp_axis`, inside `shard_map`): expert parallel. Each device holds
 num_experts / tp whole experts (the expert axis of both expert tensors is split, HF layout kept)
 and the replicated router; the tokens are already on every device of the tensor-parallel group
-(the attention output is all-reduced), so there is no all-to-all: every device routes all tokens
-identically, runs only the (token, expert) assignments of its own experts (dropless, its
-assignments sorted first, the rest outside every `ragged_dot` group and masked) and the partial
-outputs are summed with one `psum`. Qwen3-Next's shared expert is a Megatron SwiGLU whose partial
-output joins the same sum. Cost per MoE layer: one all-reduce of [tokens, hidden] forward and one
-backward (the same as a Megatron MLP), plus a tiny all-reduce of the router's gradient; expert
-compute per device is 1/tp of the total when routing is balanced.
+(the attention output is all-reduced), so by default (`expert_dispatch="psum"`) there is no
+all-to-all: every device routes all tokens identically, runs only the (token, expert)
+assignments of its own experts (dropless, its assignments sorted first, the rest outside every
+`ragged_dot` group and masked) and the partial outputs are summed with one `psum`. Qwen3-Next's
+shared expert is a Megatron SwiGLU whose partial output joins the same sum. Cost per MoE layer:
+one all-reduce of [tokens, hidden] forward and one backward (the same as a Megatron MLP), plus a
+tiny all-reduce of the router's gradient; expert compute per device is 1/tp of the total when
+routing is balanced.
 
 Token dispatch (`expert_dispatch="all_to_all"`, `RuntimeConfig.expert_dispatch`): the same expert
 split, but each device of the group takes 1/tp of the tokens (padded to a multiple of tp), routes
@@ -39,11 +40,17 @@ a second `all_to_all` returns the results, the sender combines them with its rou
 an all-gather gives every device the whole output again. The shared expert stays Megatron-split:
 its partial outputs are reduce-scattered onto the same token split before that all-gather (one
 reduce-scatter plus one all-gather: the cost of the psum it replaces). The router statistics are
-all-gathered, so the load-balancing loss sees every token as before. The exchange is dropless with
-a static capacity, since XLA:CPU has no `ragged_all_to_all` (jax 0.10): each device reserves, for
-every destination, room for all of its assignments that could go there (tokens x min(top_k,
-experts per device)), so no routing, however uneven, drops a token, and the buffers are as large
-as the worst case.
+all-gathered, so the load-balancing loss sees every token as before.
+
+The exchange is dropless with a static capacity, since XLA:CPU has no `ragged_all_to_all` (jax
+0.10): each device reserves, for every destination, room for all of its assignments that could go
+there (its tokens x min(top_k, experts per device)), so no routing, however uneven, drops a token,
+and the buffers are as large as the worst case. Cost per MoE layer: each all-to-all moves tokens x
+min(top_k, experts per device) x hidden per device, about min(top_k, experts per device) / 2 times
+the psum's all-reduce; the experts' `ragged_dot` has at most the psum path's rows (tokens x
+min(top_k, experts per device) against tokens x top_k); the router runs on 1/tp of the tokens.
+Dispatch gets cheaper than the psum only with an exchange that moves just the assignments
+actually routed (`ragged_all_to_all` on GPU/TPU), which the CPU backend can neither run nor test.
 """
 
 from __future__ import annotations
