@@ -198,9 +198,9 @@ class SparseMoeBlock(nnx.Module):
         """Token dispatch over `axis` (module docstring): `flat` [N, hidden] is the same on every
         device of the group; returns the whole output and the router statistics of all N
         tokens, the same on every device."""
-        n = flat.shape[0]
-        per = -(-n // jax.lax.axis_size(axis))
-        padded = jnp.pad(flat, ((0, per * jax.lax.axis_size(axis) - n), (0, 0)))
+        n, devices = flat.shape[0], jax.lax.axis_size(axis)
+        per = -(-n // devices)
+        padded = jnp.pad(flat, ((0, per * devices - n), (0, 0)))
         mine = jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(axis) * per, per)
         top_w, top_e, stats = self.gate(mine)
         out = dispatch_to_experts(self.experts, mine, top_e, top_w, axis)
