@@ -51,7 +51,7 @@ MAX_HEAD_DIM = 256
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+_NN = (((1,), (0,)), ((), ()))  # a @ b
 
 
 class _Config(NamedTuple):
@@ -180,6 +180,12 @@ def _scores(a: jax.Array, b: jax.Array, cfg: _Config) -> tuple[jax.Array, jax.Ar
     return _cap(s, cfg)
 
 
+def _visible(kpos: jax.Array, qpos: jax.Array, key_end: jax.Array) -> jax.Array:
+    """The element mask of a PARTIAL block, j <= q_pos[i] < end[j], from key positions, query
+    positions and key ends broadcast against the score tile."""
+    return (kpos <= qpos) & (qpos < key_end)
+
+
 def _by_kind(kind: jax.Array, step, *operands):
     """step(masked, *operands): the masked form for PARTIAL blocks, the unmasked one otherwise
     (only FULL and PARTIAL blocks are listed before the count)."""
@@ -201,8 +207,8 @@ def _fwd_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
         kv = pl.ds(blocks_ref[n] * bk, bk)
         s, _ = _scores(q, k_ref[kv, :], cfg)
         if masked:
-            kpos = kv.start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            mask = (kpos <= qpos[:, None]) & (qpos[:, None] < end_ref[kv][None, :])
+            mask = _visible(kv.start + lax.broadcasted_iota(jnp.int32, s.shape, 1),
+                            qpos[:, None], end_ref[kv][None, :])
             s = jnp.where(mask, s, _MASKED)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         p = jnp.exp(s - m_next[:, None])
@@ -210,8 +216,8 @@ def _fwd_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
             p = jnp.where(mask, p, 0.0)
         alpha = jnp.exp(m_prev - m_next)
         v = v_ref[kv, :]
-        acc = acc * alpha[:, None] + lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                                     preferred_element_type=jnp.float32)
+        pv = lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + pv
         return acc, m_next, alpha * l_prev + jnp.sum(p, axis=1)
 
     bq, d = q.shape
@@ -263,14 +269,14 @@ def _dq_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref, 
         s, t = _scores(q, k, cfg)
         p = jnp.exp(s - lse[:, None])
         if masked:
-            kpos = kv.start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            mask = (kpos <= qpos[:, None]) & (qpos[:, None] < end_ref[kv][None, :])
+            mask = _visible(kv.start + lax.broadcasted_iota(jnp.int32, s.shape, 1),
+                            qpos[:, None], end_ref[kv][None, :])
             p = jnp.where(mask, p, 0.0)
         dp = lax.dot_general(do, v_ref[kv, :], _NT, preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None])
         if t is not None:
             ds = ds * (1.0 - t * t)
-        return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+        return dq + lax.dot_general(ds.astype(k.dtype), k, _NN,
                                     preferred_element_type=jnp.float32)
 
     dq = lax.fori_loop(0, count_ref[pl.program_id(0)],
@@ -323,15 +329,15 @@ def _dkv_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
             s, t = _scores(k, q, cfg)
             p = jnp.exp(s - lse_ref[g, qs][None, :])
             if masked:
-                mask = (kpos <= qpos[None, :]) & (qpos[None, :] < key_end[:, None])
+                mask = _visible(kpos, qpos[None, :], key_end[:, None])
                 p = jnp.where(mask, p, 0.0)
-            dv = dv + lax.dot_general(p.astype(do.dtype), do, (((1,), (0,)), ((), ())),
+            dv = dv + lax.dot_general(p.astype(do.dtype), do, _NN,
                                       preferred_element_type=jnp.float32)
             dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
             ds = p * (dp - delta_ref[g, qs][None, :])
             if t is not None:
                 ds = ds * (1.0 - t * t)
-            dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((1,), (0,)), ((), ())),
+            dk = dk + lax.dot_general(ds.astype(q.dtype), q, _NN,
                                       preferred_element_type=jnp.float32)
             return dk, dv
 
