@@ -158,6 +158,15 @@ class _Lists(NamedTuple):
     q_count: jax.Array
 
 
+def _list_specs(table: jax.Array) -> list[pl.BlockSpec]:
+    """BlockSpecs of one set of lists (`table` [rows, blocks, width] and its kinds, and the counts
+    [rows, blocks]) in a grid (block, row, head): the block's list and kinds, and the row's counts,
+    which the kernel reads at its block index."""
+    _, blocks, width = table.shape
+    entries = pl.BlockSpec((None, None, width), lambda b, r, h: (r, b, 0))
+    return [entries, entries, pl.BlockSpec((None, blocks), lambda b, r, h: (r, 0))]
+
+
 def _call(kernel, name: str, *, grid, cfg: _Config, in_specs, out_specs, out_shape):
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -235,13 +244,10 @@ def _forward(q, k, v, end, q_pos, lists: _Lists, cfg: _Config):
     rows, sq, hq, d = q.shape
     skv, group = k.shape[1], hq // k.shape[2]
     bq, nq = cfg.block_q, sq // cfg.block_q
-    width = lists.kv_blocks.shape[2]
     return _call(
         functools.partial(_fwd_kernel, cfg=cfg), "tree_attention_triton_fwd",
         grid=(nq, rows, hq), cfg=cfg,
-        in_specs=[pl.BlockSpec((None, None, width), lambda i, r, h: (r, i, 0)),
-                  pl.BlockSpec((None, None, width), lambda i, r, h: (r, i, 0)),
-                  pl.BlockSpec((None, nq), lambda i, r, h: (r, 0)),
+        in_specs=[*_list_specs(lists.kv_blocks),
                   pl.BlockSpec((None, bq), lambda i, r, h: (r, i)),
                   pl.BlockSpec((None, bq, None, d), lambda i, r, h: (r, i, h, 0)),
                   pl.BlockSpec((None, skv, None, d), lambda i, r, h: (r, 0, h // group, 0)),
@@ -289,16 +295,13 @@ def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, cfg: _Co
     rows, sq, hq, d = q.shape
     skv, group = k.shape[1], hq // k.shape[2]
     bq, nq = cfg.block_q, sq // cfg.block_q
-    width = lists.kv_blocks.shape[2]
     q_block = pl.BlockSpec((None, bq, None, d), lambda i, r, h: (r, i, h, 0))
     kv_all = pl.BlockSpec((None, skv, None, d), lambda i, r, h: (r, 0, h // group, 0))
     row = pl.BlockSpec((None, None, bq), lambda i, r, h: (r, h, i))
     return _call(
         functools.partial(_dq_kernel, cfg=cfg), "tree_attention_triton_dq",
         grid=(nq, rows, hq), cfg=cfg,
-        in_specs=[pl.BlockSpec((None, None, width), lambda i, r, h: (r, i, 0)),
-                  pl.BlockSpec((None, None, width), lambda i, r, h: (r, i, 0)),
-                  pl.BlockSpec((None, nq), lambda i, r, h: (r, 0)),
+        in_specs=[*_list_specs(lists.kv_blocks),
                   pl.BlockSpec((None, bq), lambda i, r, h: (r, i)),
                   q_block, kv_all, kv_all,
                   pl.BlockSpec((None, skv), lambda i, r, h: (r, 0)),
@@ -355,16 +358,13 @@ def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, cfg: _C
     skv, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
     bk, nk = cfg.block_kv, skv // cfg.block_kv
-    width = lists.q_blocks.shape[2]
     q_all = pl.BlockSpec((None, sq, group, d), lambda j, r, h: (r, 0, h, 0))
     kv_block = pl.BlockSpec((None, bk, None, d), lambda j, r, h: (r, j, h, 0))
     rows_all = pl.BlockSpec((None, group, sq), lambda j, r, h: (r, h, 0))
     return _call(
         functools.partial(_dkv_kernel, cfg=cfg, group=group), "tree_attention_triton_dkv",
         grid=(nk, rows, hkv), cfg=cfg,
-        in_specs=[pl.BlockSpec((None, None, width), lambda j, r, h: (r, j, 0)),
-                  pl.BlockSpec((None, None, width), lambda j, r, h: (r, j, 0)),
-                  pl.BlockSpec((None, nk), lambda j, r, h: (r, 0)),
+        in_specs=[*_list_specs(lists.q_blocks),
                   pl.BlockSpec((None, sq), lambda j, r, h: (r, 0)),
                   q_all, kv_block, kv_block,
                   pl.BlockSpec((None, bk), lambda j, r, h: (r, j)),
