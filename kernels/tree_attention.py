@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jtree.kernels import attention_cpu, attention_tpu, attention_xla
+from jtree.kernels import attention_cpu, attention_tpu, attention_triton, attention_xla
 from jtree.kernels.attention_mgpu import attention_mgpu, handles as mgpu_handles
 from jtree.kernels.attention_reference import attention_reference
 from jtree.kernels.tree_mask import TreeMask
@@ -55,6 +55,8 @@ _IMPLS: dict[str, _Impl] = {
     "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length,
                         attention_tpu.padded_lengths),
     "pallas_mosaic_gpu": _Impl(attention_mgpu, None),  # pads S itself; no prefix support yet
+    "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
+                           attention_triton.padded_lengths),
 }
 
 # What `auto` runs on each backend. On a GPU the Mosaic kernel needs bf16/f16 operands and head_dim
