@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jtree.kernels import available_impls
+from jtree.kernels.gdn import GDN_SCANS
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -28,7 +29,9 @@ REMAT_POLICY_NAMES = ("none", *REMAT_POLICIES)
 class RuntimeConfig:
     """`attention_impl` selects the `jtree.kernels.tree_attention` implementation; `dtype` is the
     compute dtype and `param_dtype` the storage dtype of the weights. `remat` is the activation
-    rematerialization policy of each decoder layer (`REMAT_POLICIES`, or "none").
+    rematerialization policy of each decoder layer (`REMAT_POLICIES`, or "none"). `gdn_scan` is how
+    the Gated DeltaNet layers route states over the tree's chunks (`jtree.kernels.gdn.pick_scan`:
+    "sequential", "parallel", or "auto" to pick by the documented rule).
 
     `tensor_parallel_axis` and `data_parallel_axis` are set by
     `jtree.train_step.tensor_parallel_graphdef` for the copy of the model that runs inside
@@ -41,6 +44,7 @@ class RuntimeConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    gdn_scan: str = "auto"
     tensor_parallel_axis: str | None = None
     data_parallel_axis: str | None = None
 
@@ -50,6 +54,8 @@ class RuntimeConfig:
                 raise ValueError(f"{field}: {getattr(self, field)!r} is not one of {tuple(DTYPES)}")
         if self.remat not in REMAT_POLICY_NAMES:
             raise ValueError(f"remat: {self.remat!r} is not one of {REMAT_POLICY_NAMES}")
+        if self.gdn_scan not in GDN_SCANS:
+            raise ValueError(f"gdn_scan: {self.gdn_scan!r} is not one of {GDN_SCANS}")
         if self.attention_impl not in available_impls():
             raise ValueError(f"attention_impl: {self.attention_impl!r} is not one of "
                              f"{available_impls()}")
