@@ -18,6 +18,11 @@ the backward pass sums their gradients into it. The backward pass (a custom VJP:
 keeps one entering state per chunk, O(chunks x state), never a copy of the buffer per step, and
 spends O(state) per chunk on routing.
 
+The parallel tree scan (docs/design.md section 2, "GDN chunks as affine maps") computes the same
+buffer without walking the chunks in order: every chunk's affine map S_out = M S_in + N, composed
+along the parent pointers by pointer jumping (`jtree.kernels.gdn_tree_scan`), then every chunk's
+outputs at once. `pick_scan` says which scan runs where.
+
 The buffer may start with several initial states (slots 0 .. NI - 1, then chunk c writes slot
 NI + c): a part of a tree that continues below tokens computed by an earlier part starts those
 subtrees from the state the earlier part reached there, next to other trees of the same row that
@@ -355,14 +360,23 @@ def gated_delta_rule_chunked(
 GDN_SCANS = ("auto", "sequential", "parallel")
 
 
-def pick_scan(scan: str, n_chunks: int) -> str:
-    """The scan `tree_gated_delta_rule` runs for `scan` (one of `GDN_SCANS`) on rows of
-    `n_chunks` chunks. "auto": TODO."""
+def pick_scan(scan: str, platform: str) -> str:
+    """The scan `tree_gated_delta_rule` runs for `scan` (one of `GDN_SCANS`) on `platform`
+    (`jax.default_backend()` when traced).
+
+    "auto" picks "parallel" on accelerators and "sequential" on CPU. The sequential scan is one
+    dependent step per chunk (a few [C, dk] x [dk, dv] products): on a GPU or TPU each step is a
+    launch too small to fill the device, which the parallel scan replaces by ceil(log2(depth))
+    rounds of batched [dk, dk] compositions over all chunks. On CPU the two measured within noise
+    of each other (docs/benchmarks.md, dk = 64, C = 64: the compositions' extra ~2 x log2(depth)
+    dk^3 flops per chunk cost about what the steps' serialization does), so the reference stays.
+    The accelerator side of the rule is reasoned, not measured (no accelerator here).
+    """
     if scan not in GDN_SCANS:
         raise ValueError(f"scan: {scan!r} is not one of {GDN_SCANS}")
     if scan != "auto":
         return scan
-    return "parallel"
+    return "sequential" if platform == "cpu" else "parallel"
 
 
 def tree_gated_delta_rule(
@@ -377,7 +391,7 @@ def tree_gated_delta_rule(
     token_slot: jax.Array,
     initial_state: jax.Array | None = None,
     initial_states: jax.Array | None = None,
-    scan: str = "sequential",
+    scan: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule on rows of DFS-ordered trees, each token seeing only its path.
 
@@ -400,7 +414,7 @@ def tree_gated_delta_rule(
     """
     _check_shapes(q, k, v, g, beta, initial_state)
     route = {"sequential": _route_chunks, "parallel": _route_chunks_parallel}[
-        pick_scan(scan, chunk_src.shape[1])]
+        pick_scan(scan, jax.default_backend())]
     if initial_state is not None and initial_states is not None:
         raise ValueError("give initial_state or initial_states, not both")
     want = (v.shape[0], None, v.shape[2], q.shape[3], v.shape[3])

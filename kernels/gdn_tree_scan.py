@@ -1,5 +1,5 @@
-"""Affine state maps combined along a tree's parent pointers by pointer jumping (docs/design.md,
-"GDN chunks compose as affine maps").
+"""Affine state maps combined along a tree's parent pointers by pointer jumping (docs/design.md
+section 2, "GDN chunks as affine maps").
 
 A chunk c of the gated delta rule changes the state entering it, S_in, into S_out = M_c S_in + N_c
 (M_c [H, dk, dk], N_c [H, dk, dv]). Chunks are numbered per row and read their entering state from

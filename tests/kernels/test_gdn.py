@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from jtree.linearize import linearize
 from jtree.tree import TrajectoryTree
 from jtree.kernels.gdn import (
-    GDN_SCANS, gated_delta_rule_chunked, gated_delta_rule_recurrent, pick_scan,
+    gated_delta_rule_chunked, gated_delta_rule_recurrent, pick_scan,
     tree_gated_delta_rule,
 )
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
@@ -264,10 +264,14 @@ def test_parallel_scan_equals_sequential_with_initial_slots(shape):
         assert float(jnp.linalg.norm(b)) > 0, name
 
 
-def test_bad_scan_is_named():
+def test_scan_rule():
+    """"auto" keeps the reference on CPU and runs the parallel scan on accelerators; an explicit
+    scan is kept; a bad name is named."""
+    assert [pick_scan("auto", p) for p in ("cpu", "gpu", "tpu")] == ["sequential", "parallel",
+                                                                     "parallel"]
+    assert {pick_scan(s, "cpu") for s in SCANS} == set(SCANS)
     with pytest.raises(ValueError, match="scan: 'tree'"):
-        pick_scan("tree", 8)
-    assert {pick_scan(s, n) for s in GDN_SCANS for n in (1, 64, 4096)} <= set(SCANS)
+        pick_scan("tree", "cpu")
 
 
 def _residual_bytes(n_chunks: int, scan: str) -> tuple[int, int]:
