@@ -190,6 +190,10 @@ def _chunks_first(terms: _ChunkTerms) -> _ChunkTerms:
 
 
 def _scan_forward(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array):
+    """`initial_states` [B, NI, H, dk, dv] float32. Scan over chunks in order; chunk c enters with
+    buffer[src[:, c]] and stores its final state in buffer[NI + c]. Returns (o [B, NC, H, C, dv],
+    buffer [B, NI + NC, H, dk, dv]).
+    """
     b, nc = src.shape
     n_init = initial_states.shape[1]
     buffer = jnp.zeros((b, n_init + nc) + initial_states.shape[2:], jnp.float32)
@@ -206,28 +210,26 @@ def _scan_forward(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array)
     return jnp.moveaxis(o, 0, 1), buffer
 
 
-@jax.custom_vjp
-def _route_chunks(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array):
-    """`initial_states` [B, NI, H, dk, dv] float32. Scan over chunks in order; chunk c enters with
-    buffer[src[:, c]] and stores its final state in buffer[NI + c]. Returns (o [B, NC, H, C, dv],
-    buffer [B, NI + NC, H, dk, dv]).
+def _buffer_route(forward, backward):
+    """A route (chunk terms, src, initial states) -> (o, buffer) as a custom VJP whose residuals
+    are the terms, src and the buffer of chunk-final states: slot NI + c is written only by chunk
+    c, so the buffer holds every chunk's entering state, O(chunks x state)."""
+    route = jax.custom_vjp(forward)
 
-    Custom VJP: slot NI + c is written only by chunk c, so the final buffer holds every chunk's
-    entering state and is the only state residual, O(chunks x state). The backward scan runs in
-    reverse carrying the buffer's cotangent and adds each chunk's entering-state cotangent into
-    its source slot in place, O(state) per chunk. (Plain autodiff adds a buffer-sized scatter per
-    step, O(chunks^2 x state) time, and XLA copies the carry when a slice of it is emitted per
-    step, which is why nothing read from the buffer is a scan output here.)
-    """
-    return _scan_forward(terms, src, initial_states)
+    def fwd(terms, src, initial_states):
+        o, buffer = forward(terms, src, initial_states)
+        return (o, buffer), (terms, src, buffer)
 
-
-def _route_fwd(terms, src, initial_states):
-    o, buffer = _scan_forward(terms, src, initial_states)
-    return (o, buffer), (terms, src, buffer)
+    route.defvjp(fwd, backward)
+    return route
 
 
 def _route_bwd(res, cts):
+    """The sequential scan's backward: a reverse scan carrying the buffer's cotangent, adding each
+    chunk's entering-state cotangent into its source slot in place, O(state) per chunk. (Plain
+    autodiff adds a buffer-sized scatter per step, O(chunks^2 x state) time, and XLA copies the
+    carry when a slice of it is emitted per step, which is why nothing read from the buffer is a
+    scan output here.)"""
     terms, src, buffer = res
     d_o, d_buffer = cts
     b, nc = src.shape
@@ -251,7 +253,7 @@ def _route_bwd(res, cts):
     return d_terms, d_src, d_buf[:, :n_init]
 
 
-_route_chunks.defvjp(_route_fwd, _route_bwd)
+_route_chunks = _buffer_route(_scan_forward, _route_bwd)
 
 
 def _chunk_maps(t: _ChunkTerms) -> tuple[jax.Array, jax.Array]:
@@ -269,6 +271,10 @@ def _over_chunks(x: jax.Array) -> jax.Array:
 
 
 def _parallel_forward(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array):
+    """`_scan_forward` (same arguments and results) by the parallel tree scan: every chunk's
+    affine map, composed along the parent pointers in ceil(log2(depth)) rounds
+    (`compose_along_parents`), gives every chunk's final state from the initial states; then all
+    chunks' outputs at once from their entering states."""
     b, nc = src.shape
     m, n = _chunk_maps(terms)
     m, n, root = compose_along_parents(m, n, src, initial_states.shape[1])
@@ -279,28 +285,10 @@ def _parallel_forward(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Ar
     return o.reshape((b, nc) + o.shape[1:]), buffer
 
 
-@jax.custom_vjp
-def _route_chunks_parallel(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array):
-    """`_route_chunks` (same arguments and results) by the parallel tree scan: every chunk's
-    affine map, composed along the parent pointers in ceil(log2(depth)) rounds
-    (`compose_along_parents`), gives every chunk's final state from the initial states; then all
-    chunks' outputs at once from their entering states.
-
-    Custom VJP with the same residuals as `_route_chunks` (the buffer of chunk-final states,
-    O(chunks x state)): the cotangents of the entering states flow from descendants to ancestors
-    by the transposed doubling (`accumulate_from_descendants`), then every chunk's terms get
-    their cotangent at once. Differentiating the rounds instead would keep every round's
-    composed maps.
-    """
-    return _parallel_forward(terms, src, initial_states)
-
-
-def _parallel_fwd(terms, src, initial_states):
-    o, buffer = _parallel_forward(terms, src, initial_states)
-    return (o, buffer), (terms, src, buffer)
-
-
 def _parallel_bwd(res, cts):
+    """The cotangents of the entering states flow from descendants to ancestors by the transposed
+    doubling (`accumulate_from_descendants`), then every chunk's terms get their cotangent at
+    once. (Differentiating the rounds instead would keep every round's composed maps.)"""
     terms, src, buffer = res
     d_o, d_buffer = cts
     n_init = buffer.shape[1] - src.shape[1]
@@ -322,7 +310,7 @@ def _parallel_bwd(res, cts):
     return d_terms, np.zeros(src.shape, jax.dtypes.float0), d_slots[:, :n_init]
 
 
-_route_chunks_parallel.defvjp(_parallel_fwd, _parallel_bwd)
+_route_chunks_parallel = _buffer_route(_parallel_forward, _parallel_bwd)
 
 
 def gated_delta_rule_chunked(
