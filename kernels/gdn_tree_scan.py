@@ -23,8 +23,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jtree.kernels.vma import varying_like
-
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -59,7 +57,7 @@ def compose_along_parents(m: jax.Array, n: jax.Array, src: jax.Array, n_initial:
         m = jnp.where(keep, _matmul("...ij,...jk->...ik", m, m_up), m)
         return m, n, jnp.where(linked, ptr_up, ptr)
 
-    carry = varying_like((m, n, src), m, n, src)
+    carry = (m, n, src)
     return jax.lax.while_loop(not_done, round_, carry)
 
 
@@ -67,7 +65,7 @@ def sum_into_slots(x: jax.Array, src: jax.Array, n_slots: int) -> jax.Array:
     """[B, n_slots, ...]: slot s gets the sum of x[c] over the chunks c with src[c] = s (the
     cotangent a buffer slot receives from the chunks that enter from it)."""
     b = src.shape[0]
-    out = varying_like(jnp.zeros((b, n_slots) + x.shape[2:], x.dtype), x, src)
+    out = jnp.zeros((b, n_slots) + x.shape[2:], x.dtype)
     return out.at[jnp.arange(b)[:, None], src].add(x)
 
 
@@ -98,5 +96,5 @@ def accumulate_from_descendants(m: jax.Array, a: jax.Array, src: jax.Array, n_in
         p = _matmul("...ij,...jk->...ik", p, gather_slots(p, up))
         return x, p, gather_slots(up, up), linked & gather_slots(linked, up)
 
-    carry = varying_like((a, p, up, linked), a, p, src)
+    carry = (a, p, up, linked)
     return jax.lax.while_loop(not_done, round_, carry)[0]

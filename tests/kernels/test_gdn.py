@@ -264,6 +264,35 @@ def test_parallel_scan_equals_sequential_with_initial_slots(shape):
         assert float(jnp.linalg.norm(b)) > 0, name
 
 
+def test_parallel_scan_inside_shard_map():
+    """Under `shard_map(check_vma=True)` (rows over a data axis, as in the sharded step) the
+    rounds' loop carries and predicate vary over the axis like the rows; values and gradients
+    equal the unsharded call. One device: the typing is what is checked."""
+    trees = [TrajectoryTree.from_nodes([-1, 0, 0, 1], [[1] * 9, [2] * 5, [3] * 3, [4] * 4])]
+    batch = linearize(trees, 24, gdn_chunk_size=4, gdn_chunks=8)
+    gdn = batch.inputs.gdn
+    tables = tuple(jnp.asarray(t) for t in (gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot))
+    args = _inputs(np.random.default_rng(0), batch.shape)
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec("data")
+
+    def loss(q, k, v, g, beta, ct, cs, ts):
+        o, buffer = tree_gated_delta_rule(q, k, v, g, beta, chunk_tokens=ct, chunk_src=cs,
+                                          token_slot=ts, scan="parallel")
+        return jnp.sum(o * o) + jnp.sum(buffer)
+
+    def sharded(*a):
+        local = lambda *x: jax.lax.psum(loss(*x), "data")  # noqa: E731
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 8, out_specs=jax.sharding.PartitionSpec(),
+                             check_vma=True)(*a, *tables)
+
+    got = jax.jit(jax.value_and_grad(sharded, argnums=range(5)))(*args)
+    want = jax.jit(jax.value_and_grad(lambda *a: loss(*a, *tables), argnums=range(5)))(*args)
+    assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-6)
+    for a, b in zip(got[1], want[1]):
+        assert rel_l2(a, b) <= 1e-6
+
+
 def test_scan_rule():
     """"auto" keeps the reference on CPU and runs the parallel scan on accelerators; an explicit
     scan is kept; a bad name is named."""
