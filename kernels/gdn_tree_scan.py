@@ -15,7 +15,9 @@ ancestors; it is the same doubling with sums over children instead of a chain
 (`accumulate_from_descendants`). Both functions take plain arrays, not the chunk terms of
 `jtree.kernels.gdn`, so that a context-parallel version can run them on maps exchanged between
 devices. The number of rounds is data-dependent (a `lax.while_loop` that stops when every pointer
-has reached an initial slot), so a flat tree costs as many rounds as its longest node has chunks.
+has reached an initial slot): a row of flat, one-chunk trees takes none, whatever its chunk count.
+A while loop has no reverse-mode derivative, which is why `jtree.kernels.gdn` gives the parallel
+route a custom VJP built on `accumulate_from_descendants`.
 """
 
 from __future__ import annotations
