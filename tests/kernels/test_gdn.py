@@ -230,6 +230,20 @@ def test_path_conv_reads_the_pred_chain(trees):
             np.testing.assert_allclose(out[r, idx], want, atol=1e-5)
 
 
+@functools.lru_cache(maxsize=None)
+def _scan_grads(scan):
+    """Jitted ((loss, (o, buffer)), grads) of a loss on the outputs and the state buffer, tables
+    as arguments (one compilation per scan for all trees of the fixed shapes)."""
+
+    def loss(q, k, v, g, beta, s0, tables, out_weight, state_weight):
+        o, buffer = tree_gated_delta_rule(q, k, v, g, beta, initial_states=s0,
+                                          chunk_tokens=tables[0], chunk_src=tables[1],
+                                          token_slot=tables[2], scan=scan)
+        return jnp.sum(o * out_weight) + jnp.sum(jnp.tanh(buffer) * state_weight), (o, buffer)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=range(6), has_aux=True))
+
+
 @pytest.mark.parametrize("shape", ["random", "flat", "deep_chain"])
 def test_parallel_scan_equals_sequential_with_initial_slots(shape):
     """Both scans give the same outputs, chunk-final states and gradients when the loss reads the
@@ -242,26 +256,21 @@ def test_parallel_scan_equals_sequential_with_initial_slots(shape):
     batch = linearize(trees, TREE_S, gdn_chunk_size=3, n_rows=TREE_ROWS, gdn_chunks=TREE_S)
     gdn = batch.inputs.gdn
     r, s = batch.shape
-    # Roots of odd rows' trees start from initial slot 1 instead of 0.
+    # Root chunks at odd chunk indices start from initial slot 1 instead of 0.
     src = np.asarray(gdn.chunk_src)
-    src = np.where(src > 0, src + 1, src + (np.arange(r)[:, None] % 2))
+    src = np.where(src > 0, src + 1, np.arange(src.shape[1]) % 2).astype(np.int32)
     args = _inputs(rng, (r, s)) + (rng.normal(size=(r, 2, HV, DK, DV)).astype(np.float32),)
     out_weight = rng.normal(size=(r, s, HV, DV)).astype(np.float32)
     state_weight = rng.normal(size=(r, 2 + src.shape[1], HV, DK, DV)).astype(np.float32)
-
-    def loss(scan, *a):
-        o, buffer = tree_gated_delta_rule(*a[:5], initial_states=a[5], chunk_tokens=gdn.chunk_tokens,
-                                          chunk_src=src, token_slot=gdn.token_slot, scan=scan)
-        return jnp.sum(o * out_weight) + jnp.sum(jnp.tanh(buffer) * state_weight), (o, buffer)
-
-    results = [jax.jit(jax.value_and_grad(functools.partial(loss, scan), argnums=range(6),
-                                          has_aux=True))(*args) for scan in SCANS]
+    tables = (gdn.chunk_tokens, src, gdn.token_slot)
+    results = [_scan_grads(scan)(*args, tables, out_weight, state_weight) for scan in SCANS]
     ((_, (o_s, buf_s)), g_s), ((_, (o_p, buf_p)), g_p) = results
     assert float(jnp.max(jnp.abs(o_s - o_p))) <= 1e-5
     assert float(jnp.max(jnp.abs(buf_s - buf_p))) <= 1e-5
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_states"), g_p, g_s):
         assert rel_l2(a, b) <= 1e-5, name
         assert float(jnp.linalg.norm(b)) > 0, name
+    assert float(jnp.linalg.norm(g_s[5][:, 1])) > 0  # the second initial slot is read
 
 
 def test_parallel_scan_inside_shard_map():
