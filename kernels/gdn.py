@@ -18,6 +18,11 @@ the backward pass sums their gradients into it. The backward pass (a custom VJP:
 keeps one entering state per chunk, O(chunks x state), never a copy of the buffer per step, and
 spends O(state) per chunk on routing.
 
+The parallel tree scan (docs/design.md section 2, "GDN chunks as affine maps") computes the same
+buffer without walking the chunks in order: every chunk's affine map S_out = M S_in + N, composed
+along the parent pointers by pointer jumping (`jtree.kernels.gdn_tree_scan`), then every chunk's
+outputs at once. `pick_scan` says which scan runs where.
+
 The buffer may start with several initial states (slots 0 .. NI - 1, then chunk c writes slot
 NI + c): a part of a tree that continues below tokens computed by an earlier part starts those
 subtrees from the state the earlier part reached there, next to other trees of the same row that
@@ -32,6 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jtree.kernels.gdn_tree_scan import (
+    accumulate_from_descendants, compose_along_parents, gather_slots, sum_into_slots,
+)
 from jtree.kernels.vma import varying_like
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -182,6 +190,10 @@ def _chunks_first(terms: _ChunkTerms) -> _ChunkTerms:
 
 
 def _scan_forward(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array):
+    """`initial_states` [B, NI, H, dk, dv] float32. Scan over chunks in order; chunk c enters with
+    buffer[src[:, c]] and stores its final state in buffer[NI + c]. Returns (o [B, NC, H, C, dv],
+    buffer [B, NI + NC, H, dk, dv]).
+    """
     b, nc = src.shape
     n_init = initial_states.shape[1]
     buffer = jnp.zeros((b, n_init + nc) + initial_states.shape[2:], jnp.float32)
@@ -198,28 +210,26 @@ def _scan_forward(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array)
     return jnp.moveaxis(o, 0, 1), buffer
 
 
-@jax.custom_vjp
-def _route_chunks(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array):
-    """`initial_states` [B, NI, H, dk, dv] float32. Scan over chunks in order; chunk c enters with
-    buffer[src[:, c]] and stores its final state in buffer[NI + c]. Returns (o [B, NC, H, C, dv],
-    buffer [B, NI + NC, H, dk, dv]).
+def _buffer_route(forward, backward):
+    """A route (chunk terms, src, initial states) -> (o, buffer) as a custom VJP whose residuals
+    are the terms, src and the buffer of chunk-final states: slot NI + c is written only by chunk
+    c, so the buffer holds every chunk's entering state, O(chunks x state)."""
+    route = jax.custom_vjp(forward)
 
-    Custom VJP: slot NI + c is written only by chunk c, so the final buffer holds every chunk's
-    entering state and is the only state residual, O(chunks x state). The backward scan runs in
-    reverse carrying the buffer's cotangent and adds each chunk's entering-state cotangent into
-    its source slot in place, O(state) per chunk. (Plain autodiff adds a buffer-sized scatter per
-    step, O(chunks^2 x state) time, and XLA copies the carry when a slice of it is emitted per
-    step, which is why nothing read from the buffer is a scan output here.)
-    """
-    return _scan_forward(terms, src, initial_states)
+    def fwd(terms, src, initial_states):
+        o, buffer = forward(terms, src, initial_states)
+        return (o, buffer), (terms, src, buffer)
 
-
-def _route_fwd(terms, src, initial_states):
-    o, buffer = _scan_forward(terms, src, initial_states)
-    return (o, buffer), (terms, src, buffer)
+    route.defvjp(fwd, backward)
+    return route
 
 
 def _route_bwd(res, cts):
+    """The sequential scan's backward: a reverse scan carrying the buffer's cotangent, adding each
+    chunk's entering-state cotangent into its source slot in place, O(state) per chunk. (Plain
+    autodiff adds a buffer-sized scatter per step, O(chunks^2 x state) time, and XLA copies the
+    carry when a slice of it is emitted per step, which is why nothing read from the buffer is a
+    scan output here.)"""
     terms, src, buffer = res
     d_o, d_buffer = cts
     b, nc = src.shape
@@ -243,7 +253,64 @@ def _route_bwd(res, cts):
     return d_terms, d_src, d_buf[:, :n_init]
 
 
-_route_chunks.defvjp(_route_fwd, _route_bwd)
+_route_chunks = _buffer_route(_scan_forward, _route_bwd)
+
+
+def _chunk_maps(t: _ChunkTerms) -> tuple[jax.Array, jax.Array]:
+    """Every chunk's affine map S_out = M S_in + N (M [.., dk, dk], N [.., dk, dv]), read off
+    `_chunk_step`: S_out = decay S_in + K_dec^T (U - W S_in), so M = decay I - K_dec^T W (the WY
+    form, never a product of per-token matrices) and N = K_dec^T U."""
+    eye = jnp.eye(t.w.shape[-1], dtype=jnp.float32)
+    m = t.chunk_decay[..., None, None] * eye - _einsum("...ck,...cj->...kj", t.k_decayed, t.w)
+    return m, _einsum("...ck,...cv->...kv", t.k_decayed, t.u)
+
+
+def _over_chunks(x: jax.Array) -> jax.Array:
+    """[B, NC, ...] -> [B * NC, ...]: every chunk a batch entry of `_chunk_step`."""
+    return x.reshape((-1,) + x.shape[2:])
+
+
+def _parallel_forward(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array):
+    """`_scan_forward` (same arguments and results) by the parallel tree scan: every chunk's
+    affine map, composed along the parent pointers in ceil(log2(depth)) rounds
+    (`compose_along_parents`), gives every chunk's final state from the initial states; then all
+    chunks' outputs at once from their entering states."""
+    b, nc = src.shape
+    m, n = _chunk_maps(terms)
+    m, n, root = compose_along_parents(m, n, src, initial_states.shape[1])
+    s_out = _einsum("bchij,bchjv->bchiv", m, gather_slots(initial_states, root)) + n
+    buffer = jnp.concatenate([initial_states, s_out], axis=1)
+    flat = jax.tree_util.tree_map(_over_chunks, terms)
+    o, _, _ = _chunk_step(flat, _over_chunks(gather_slots(buffer, src)))
+    return o.reshape((b, nc) + o.shape[1:]), buffer
+
+
+def _parallel_bwd(res, cts):
+    """The cotangents of the entering states flow from descendants to ancestors by the transposed
+    doubling (`accumulate_from_descendants`), then every chunk's terms get their cotangent at
+    once. (Differentiating the rounds instead would keep every round's composed maps.)"""
+    terms, src, buffer = res
+    d_o, d_buffer = cts
+    n_init = buffer.shape[1] - src.shape[1]
+    d_buffer = varying_like(d_buffer.astype(jnp.float32), terms, src, buffer, d_o)
+    flat = jax.tree_util.tree_map(_over_chunks, terms)
+    entering = _over_chunks(gather_slots(buffer, src))
+    d_o_flat = _over_chunks(d_o)
+    # The entering states' cotangents from the chunks' own outputs and final-state slots, then
+    # their sums over every descendant's.
+    _, vjp_out = jax.vjp(lambda s: _chunk_step(flat, s)[0], entering)
+    m, _ = _chunk_maps(terms)
+    direct = vjp_out(d_o_flat)[0].reshape(m.shape[:3] + entering.shape[-2:])
+    direct = direct + _einsum("...ij,...iv->...jv", m, d_buffer[:, n_init:])
+    d_entering = accumulate_from_descendants(m, direct, src, n_init)
+    d_slots = d_buffer + sum_into_slots(d_entering, src, buffer.shape[1])
+    _, vjp = jax.vjp(_chunk_step, flat, entering)
+    d_flat, _ = vjp((d_o_flat, _over_chunks(d_slots[:, n_init:]), jnp.zeros_like(flat.u)))
+    d_terms = jax.tree_util.tree_map(lambda d, t: d.reshape(t.shape), d_flat, terms)
+    return d_terms, np.zeros(src.shape, jax.dtypes.float0), d_slots[:, :n_init]
+
+
+_route_chunks_parallel = _buffer_route(_parallel_forward, _parallel_bwd)
 
 
 def gated_delta_rule_chunked(
@@ -278,6 +345,28 @@ def gated_delta_rule_chunked(
     return o.astype(v.dtype), buffer[:, nc]
 
 
+GDN_SCANS = ("auto", "sequential", "parallel")
+
+
+def pick_scan(scan: str, platform: str) -> str:
+    """The scan `tree_gated_delta_rule` runs for `scan` (one of `GDN_SCANS`) on `platform`
+    (`jax.default_backend()` when traced).
+
+    "auto" picks "parallel" on accelerators and "sequential" on CPU. The sequential scan is one
+    dependent step per chunk (a few [C, dk] x [dk, dv] products): on a GPU or TPU each step is a
+    launch too small to fill the device, which the parallel scan replaces by ceil(log2(depth))
+    rounds of batched [dk, dk] compositions over all chunks. On CPU the two measured within noise
+    of each other (docs/benchmarks.md, dk = 64, C = 64: the compositions' extra ~2 x log2(depth)
+    dk^3 flops per chunk cost about what the steps' serialization does), so the reference stays.
+    The accelerator side of the rule is reasoned, not measured (no accelerator here).
+    """
+    if scan not in GDN_SCANS:
+        raise ValueError(f"scan: {scan!r} is not one of {GDN_SCANS}")
+    if scan != "auto":
+        return scan
+    return "sequential" if platform == "cpu" else "parallel"
+
+
 def tree_gated_delta_rule(
     q: jax.Array,
     k: jax.Array,
@@ -290,6 +379,7 @@ def tree_gated_delta_rule(
     token_slot: jax.Array,
     initial_state: jax.Array | None = None,
     initial_states: jax.Array | None = None,
+    scan: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule on rows of DFS-ordered trees, each token seeing only its path.
 
@@ -303,10 +393,16 @@ def tree_gated_delta_rule(
     `initial_states` [R, NI, Hv, dk, dv] (instead of `initial_state`) gives NI initial slots:
     `chunk_src` values 0 .. NI - 1 pick one of them and NI + c' the state after chunk c'.
 
+    `scan` routes the states over the chunks: "sequential" (one chunk after another, the
+    reference), "parallel" (the parallel tree scan: affine chunk maps composed along the parent
+    pointers) or "auto" (`pick_scan`). Both give the same results up to rounding.
+
     Returns (o [R, S, Hv, dv] in v's dtype, buffer [R, NI + NC, Hv, dk, dv] of the initial and
     chunk-final states).
     """
     _check_shapes(q, k, v, g, beta, initial_state)
+    route = {"sequential": _route_chunks, "parallel": _route_chunks_parallel}[
+        pick_scan(scan, jax.default_backend())]
     if initial_state is not None and initial_states is not None:
         raise ValueError("give initial_state or initial_states, not both")
     want = (v.shape[0], None, v.shape[2], q.shape[3], v.shape[3])
@@ -342,7 +438,7 @@ def tree_gated_delta_rule(
         states = _zero_state(v, q.shape[-1])[:, None]
     # Inside shard_map a zero initial state must vary like the chunks it meets, so that its
     # cotangent (the custom VJP's) has the type of the argument.
-    o, buffer = _route_chunks(terms, chunk_src, varying_like(states, terms, chunk_src))
+    o, buffer = route(terms, chunk_src, varying_like(states, terms, chunk_src))
     o = jnp.swapaxes(o, 2, 3).reshape(r, nc * c, hv, dv)
     has_slot = (token_slot >= 0)[..., None, None]
     o = jnp.take_along_axis(o, jnp.where(token_slot >= 0, token_slot, 0)[..., None, None], axis=1)

@@ -1,15 +1,19 @@
-"""Benchmark: one Gated DeltaNet layer, forward + backward, on trees vs on every path separately.
+"""Benchmark: one Gated DeltaNet layer, forward + backward, on trees vs on every path separately,
+with the sequential and the parallel tree scan.
 
-`PYTHONPATH=. python -m jtree.launch.bench_gdn [--out bench_out] [--paths 16] [--path-len 512] [--quick]`
+`python -m jtree.launch.bench_gdn [--out bench_out] [--paths 16] [--path-len 512] [--quick]`
 
 For each target POR, builds a tree of `--paths` rollouts of `--path-len` tokens that share
 prefixes on two levels (a common prompt, then pairs of rollouts sharing a turn), sized so that
-POR = 1 - tree tokens / flat tokens hits the target. The tree mode runs the layer on the DFS layout with
-chunk routing; the baseline runs the same layer on the paths packed one per row (each a plain
-sequence). Both differentiate a weighted sum of the outputs with respect to the layer's
-parameters and inputs. Reports median step time (alternating runs in one process), XLA's
-compiled temp memory of the step, and the bytes the backward pass keeps (jax.vjp residuals), which
-grow with the number of chunks, not chunks x nodes. Writes bench_out/bench_gdn.json, .md and .png
+POR = 1 - tree tokens / flat tokens hits the target (POR 0: no sharing, one root per rollout). The
+tree mode runs the layer on the DFS layout with chunk routing; the baseline runs the same layer on
+the paths packed one per row (each a plain sequence). Each layout runs with both scans
+(`RuntimeConfig.gdn_scan` "sequential" and "parallel"), so four variants, alternating in one
+process. Both differentiate a weighted sum of the outputs with respect to the layer's parameters
+and inputs. Reports median step times, the tree's speedups (per-round ratios: the parallel tree
+scan against each per-path variant and against the sequential tree scan), XLA's compiled temp
+memory of the step, and the bytes the backward pass keeps (jax.vjp residuals), which grow with the
+number of chunks, not chunks x nodes. Writes bench_out/bench_gdn.json, .md and .png
 (`jtree.launch.harness`; `--out` picks the folder).
 """
 
@@ -35,19 +39,34 @@ from jtree.launch.harness import (
 
 def por_tree(rng: np.random.Generator, n_paths: int, path_len: int, por: float) -> TrajectoryTree:
     """`n_paths` sequences of `path_len` tokens: a prompt of P tokens shared by all, then a turn of
-    Q = (L - P) / 2 tokens shared by pairs, then a private tail. Then flat - tree tokens =
-    (n - 1) P + (n / 2) Q, and P is chosen so that 1 - tree / flat = por."""
+    Q tokens shared by pairs, then a private tail. Then flat - tree tokens = (n - 1) P + (n / 2) Q.
+    For por >= 0.25, Q = (L - P) / 2 and P is chosen so that 1 - tree / flat = por; below, P = 0
+    and Q = 2 L por (POR 0: n unrelated sequences, one root each)."""
     n, big_l = n_paths, path_len
-    p = int(round((por - 0.25) * n * big_l / (0.75 * n - 1)))
-    if not 0 <= p < big_l:
-        raise ValueError(f"por={por}: needs a prompt of {p} tokens; use 0.25 <= por < (n-1)/n")
-    q = (big_l - p) // 2
+    if por < 0.25:
+        p, q = 0, int(round(2 * big_l * por))
+    else:
+        p = int(round((por - 0.25) * n * big_l / (0.75 * n - 1)))
+        q = (big_l - p) // 2
+    if not 0 <= p < big_l or por < 0:
+        raise ValueError(f"por={por}: needs a prompt of {p} tokens; use 0 <= por < (n-1)/n")
     prompt = rng.integers(1, 1000, size=p)
+    # Without a prompt, what follows it starts with a distinct token per branch, so that the
+    # branches share nothing by chance.
+    firsts = iter(rng.permutation(np.arange(1, 1000)))
+
+    def fresh(size: int) -> np.ndarray:
+        x = rng.integers(1, 1000, size=size)
+        if p == 0 and size:
+            x[0] = next(firsts)
+        return x
+
     seqs = []
     for _ in range(n // 2):
-        turn = rng.integers(1, 1000, size=q)
+        turn = fresh(q)
         for _ in range(2):
-            seqs.append(np.concatenate([prompt, turn, rng.integers(1, 1000, size=big_l - p - q)]))
+            tail = fresh(big_l - p - q) if q == 0 else rng.integers(1, 1000, size=big_l - p - q)
+            seqs.append(np.concatenate([prompt, turn, tail]))
     return TrajectoryTree.from_sequences(seqs)
 
 
@@ -73,13 +92,26 @@ def make_step(graphdef, batch: TreeBatch, embed: jax.Array, kernel: int):
     return step, residual_bytes
 
 
+SCANS = ("sequential", "parallel")
 COLUMNS = (
-    Column("POR", "por", "{:.2f}"), Column("tree ms", "tree_ms"), Column("paths ms", "paths_ms"),
-    Column("speedup", "speedup", "{}x"), Column("bound", "token_bound", "{}x"),
-    Column("tree temp MiB", "tree_temp_mib"), Column("paths temp MiB", "paths_temp_mib"),
-    Column("tree resid MiB", "tree_residual_mib"),
-    Column("paths resid MiB", "paths_residual_mib"), Column("tree chunks", "tree_chunks"),
+    Column("POR", "por", "{:.2f}"), Column("tree seq ms", "tree_sequential_ms"),
+    Column("tree par ms", "tree_parallel_ms"), Column("paths seq ms", "paths_sequential_ms"),
+    Column("paths par ms", "paths_parallel_ms"),
+    Column("tree par vs best paths", "speedup", "{}x"),
+    Column("tree par vs tree seq", "scan_speedup", "{}x"), Column("bound", "token_bound", "{}x"),
+    Column("tree / paths temp MiB", "temp_mib"), Column("tree / paths resid MiB", "residual_mib"),
+    Column("tree chunks", "tree_chunks"), Column("max depth (chunks)", "tree_depth"),
 )
+
+
+def chain_depth(chunk_src: np.ndarray, n_initial: int = 1) -> int:
+    """The longest chain of chunks (the parallel scan's rounds are ceil(log2) of it)."""
+    depth = np.zeros(chunk_src.shape, np.int64)
+    for c in range(chunk_src.shape[1]):  # a chunk's source precedes it
+        src = chunk_src[:, c]
+        up = np.maximum(src - n_initial, 0)
+        depth[:, c] = 1 + np.where(src >= n_initial, depth[np.arange(len(src)), up], 0)
+    return int(depth.max())
 
 
 def main(argv=None) -> int:
@@ -87,14 +119,17 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", type=int, default=16)
     ap.add_argument("--path-len", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--por", type=float, nargs="+", default=[0.3, 0.6, 0.9])
+    ap.add_argument("--por", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.6, 0.9])
     args = ap.parse_args(argv)
     if args.quick:
         args.paths, args.path_len, args.por, args.repeats = 4, 64, [0.5], 1
 
     cfg = Qwen3NextConfig(hidden_size=256, linear_num_key_heads=2, linear_num_value_heads=4,
                           linear_key_head_dim=64, linear_value_head_dim=64)
-    graphdef, params = nnx.split(GatedDeltaNet(cfg, RuntimeConfig(), rngs=nnx.Rngs(0)))
+    graphdefs = {}
+    for scan in SCANS:
+        graphdefs[scan], params = nnx.split(
+            GatedDeltaNet(cfg, RuntimeConfig(gdn_scan=scan), rngs=nnx.Rngs(0)))
     embed = jax.random.normal(jax.random.key(0), (1000, cfg.hidden_size)) * 0.5
     rng = np.random.default_rng(0)
     results = []
@@ -108,21 +143,33 @@ def main(argv=None) -> int:
         }
         row = {"por": round(tree.stats().por, 4), "tree_tokens": n_tree,
                "flat_tokens": int(tree.stats().n_flat_tokens), "nodes": tree.n_nodes}
-        runs = {}
-        for name, batch in batches.items():
-            step, residual_bytes = make_step(graphdef, batch, embed, cfg.linear_conv_kernel_dim)
-            compiled = step.lower(params, embed).compile()
-            runs[name] = lambda compiled=compiled: compiled(params, embed)
-            row[f"{name}_shape"] = list(batch.shape)
-            row[f"{name}_chunks"] = int(batch.inputs.gdn.chunk_src.shape[1] * batch.shape[0])
-            row[f"{name}_temp_mib"] = round(CompiledMemory.of(compiled).temp_bytes / 2**20, 2)
-            row[f"{name}_residual_mib"] = round(residual_bytes(params) / 2**20, 2)
+        runs, temp, resid = {}, {}, {}
+        for layout, batch in batches.items():
+            row[f"{layout}_shape"] = list(batch.shape)
+            row[f"{layout}_chunks"] = int(batch.inputs.gdn.chunk_src.shape[1] * batch.shape[0])
+            row[f"{layout}_depth"] = chain_depth(np.asarray(batch.inputs.gdn.chunk_src))
+            for scan in SCANS:
+                name = f"{layout}_{scan}"
+                step, residual_bytes = make_step(graphdefs[scan], batch, embed,
+                                                 cfg.linear_conv_kernel_dim)
+                compiled = step.lower(params, embed).compile()
+                runs[name] = lambda compiled=compiled: compiled(params, embed)
+                temp[name] = round(CompiledMemory.of(compiled).temp_bytes / 2**20, 2)
+                resid[name] = round(residual_bytes(params) / 2**20, 2)
         timings = alternate(runs, args.repeats)
         for name in runs:
             row[f"{name}_ms"] = round(timings.median(name) * 1e3, 2)
-        row["speedup"] = round(timings.ratio("paths", "tree"), 2)
+        best_paths = min(("paths_sequential", "paths_parallel"), key=timings.median)
+        row["best_paths"] = best_paths
+        row["speedup"] = round(timings.ratio(best_paths, "tree_parallel"), 2)
+        row["speedup_vs"] = {name: round(timings.ratio(name, "tree_parallel"), 2)
+                             for name in runs if name != "tree_parallel"}
+        row["scan_speedup"] = row["speedup_vs"]["tree_sequential"]
+        row["sequential_tree_speedup"] = round(timings.ratio(best_paths, "tree_sequential"), 2)
         row["token_bound"] = round(row["flat_tokens"] / row["tree_tokens"], 2)
-        row["temp_ratio"] = round(row["paths_temp_mib"] / max(row["tree_temp_mib"], 1e-9), 2)
+        row["temp_mib_by_variant"], row["residual_mib_by_variant"] = temp, resid
+        row["temp_mib"] = f"{temp['tree_parallel']} / {temp[best_paths]}"
+        row["residual_mib"] = f"{resid['tree_parallel']} / {resid[best_paths]}"
         results.append(row)
         print(json.dumps(row))
 
@@ -137,13 +184,17 @@ def main(argv=None) -> int:
 def plot(results: list[dict]) -> Any:
     por = [r["por"] for r in results]
     fig, (a, b) = figure(2, (9, 3.5))
-    a.plot(por, [r["speedup"] for r in results], "o-", label="realized speedup")
+    a.plot(por, [r["speedup"] for r in results], "o-", label="tree, parallel scan")
+    a.plot(por, [r["sequential_tree_speedup"] for r in results], "s-", label="tree, sequential scan")
     a.plot(por, [r["token_bound"] for r in results], "k--", label="token bound 1/(1-POR)")
+    a.axhline(1.0, color="grey", lw=0.5)
     a.set_xlabel("POR")
-    a.set_ylabel("paths time / tree time")
+    a.set_ylabel("best per-path time / tree time")
     a.legend()
-    b.plot(por, [r["tree_temp_mib"] for r in results], "o-", label="tree")
-    b.plot(por, [r["paths_temp_mib"] for r in results], "s-", label="per path")
+    for name, marker in (("tree_parallel", "o-"), ("tree_sequential", "s-"),
+                         ("paths_sequential", "^--"), ("paths_parallel", "v--")):
+        b.plot(por, [r["temp_mib_by_variant"][name] for r in results], marker,
+               label=name.replace("_", ", "))
     b.set_xlabel("POR")
     b.set_ylabel("XLA temp memory (MiB)")
     b.legend()

@@ -65,10 +65,11 @@ def four_expert_config(kind: str, **overrides) -> Qwen3MoeConfig | Qwen3NextConf
 
 
 @functools.lru_cache(maxsize=None)
-def perturbed_moe_model(kind: str):
+def perturbed_moe_model(kind: str, **runtime):
     """(graphdef, params) of `four_expert_config(kind)` with every parameter perturbed by 0.2, so
-    no term (router, shared expert, GDN decay) is negligible in a gradient comparison."""
-    graphdef, params = nnx.split(tiny_lm(four_expert_config(kind), 0))
+    no term (router, shared expert, GDN decay) is negligible in a gradient comparison; run by
+    `tiny_runtime(**runtime)`."""
+    graphdef, params = nnx.split(tiny_lm(four_expert_config(kind), 0, **runtime))
     return graphdef, perturbed(params, scale=0.2)
 
 

@@ -158,7 +158,7 @@ class GatedDeltaNet(nnx.Module):
         o, buffer = tree_gated_delta_rule(
             q.reshape(r, s, nk, dk), k.reshape(r, s, nk, dk), v.reshape(r, s, nv, dv), g, beta,
             chunk_tokens=routing.chunk_tokens, chunk_src=routing.chunk_src,
-            token_slot=routing.token_slot, initial_states=initial)
+            token_slot=routing.token_slot, initial_states=initial, scan=self.runtime.gdn_scan)
         o = self.norm(o, z.reshape(r, s, nv, dv))
         slots = (jnp.zeros((r, 0), jnp.int32) if routing.export_slots is None
                  else routing.export_slots)

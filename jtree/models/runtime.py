@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jtree.kernels import available_impls
+from jtree.kernels.gdn import GDN_SCANS
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -30,7 +31,9 @@ EXPERT_DISPATCHES = ("psum", "all_to_all")
 class RuntimeConfig:
     """`attention_impl` selects the `jtree.kernels.tree_attention` implementation; `dtype` is the
     compute dtype and `param_dtype` the storage dtype of the weights. `remat` is the activation
-    rematerialization policy of each decoder layer (`REMAT_POLICIES`, or "none").
+    rematerialization policy of each decoder layer (`REMAT_POLICIES`, or "none"). `gdn_scan` is how
+    the Gated DeltaNet layers route states over the tree's chunks (`jtree.kernels.gdn.pick_scan`:
+    "sequential", "parallel", or "auto" to pick by the documented rule).
 
     `tensor_parallel_axis` and `data_parallel_axis` are set by
     `jtree.train_step.tensor_parallel_graphdef` for the copy of the model that runs inside
@@ -49,6 +52,7 @@ class RuntimeConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    gdn_scan: str = "auto"
     tensor_parallel_axis: str | None = None
     data_parallel_axis: str | None = None
     expert_dispatch: str = "psum"
@@ -62,6 +66,8 @@ class RuntimeConfig:
         if self.expert_dispatch not in EXPERT_DISPATCHES:
             raise ValueError(f"expert_dispatch: {self.expert_dispatch!r} is not one of "
                              f"{EXPERT_DISPATCHES}")
+        if self.gdn_scan not in GDN_SCANS:
+            raise ValueError(f"gdn_scan: {self.gdn_scan!r} is not one of {GDN_SCANS}")
         if self.attention_impl not in available_impls():
             raise ValueError(f"attention_impl: {self.attention_impl!r} is not one of "
                              f"{available_impls()}")

@@ -1,5 +1,6 @@
-"""Gated delta rule kernels: chunked == recurrent (== Hugging Face), state carry, tree routing,
-path conv1d, and the O(chunks x state) residual memory of the tree scan."""
+"""Gated delta rule kernels: chunked == recurrent (== Hugging Face), state carry, tree routing by
+the sequential and the parallel tree scan (== per-path recurrence, == each other), path conv1d,
+and the O(chunks x state) residual memory of both scans."""
 
 import functools
 
@@ -11,7 +12,10 @@ from hypothesis import given, settings
 
 from jtree.linearize import linearize
 from jtree.tree import TrajectoryTree
-from jtree.kernels.gdn import gated_delta_rule_chunked, gated_delta_rule_recurrent, tree_gated_delta_rule
+from jtree.kernels.gdn import (
+    gated_delta_rule_chunked, gated_delta_rule_recurrent, pick_scan,
+    tree_gated_delta_rule,
+)
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
 from tests.models_util import rel_l2
 from tests.strategies import forests
@@ -112,16 +116,19 @@ def _gather_paths(x, rows, idx):
 
 
 TREE_S, TREE_ROWS, MAX_PATHS = 64, 4, 48
+SCANS = ("sequential", "parallel")
 
 
 @functools.lru_cache(maxsize=None)
-def _tree_and_path_grads():
-    """Jitted (loss, outputs, grads) of the tree kernel and of the per-path recurrent reference,
-    for fixed shapes so hypothesis examples reuse one compilation per chunk size."""
+def _tree_and_path_grads(scan):
+    """Jitted (loss, outputs, grads) of the tree kernel (with `scan`) and of the per-path
+    recurrent reference, for fixed shapes so hypothesis examples reuse one compilation per chunk
+    size."""
 
     def tree_loss(q, k, v, g, beta, s0, tables, weight, target):
         o, _ = tree_gated_delta_rule(q, k, v, g, beta, chunk_tokens=tables[0],
-                                     chunk_src=tables[1], token_slot=tables[2], initial_state=s0)
+                                     chunk_src=tables[1], token_slot=tables[2], initial_state=s0,
+                                     scan=scan)
         return jnp.sum(weight[..., None, None] * o * target), o
 
     def path_loss(q, k, v, g, beta, s0, rows, idx, coeff, target):
@@ -135,13 +142,47 @@ def _tree_and_path_grads():
     return grads(tree_loss), grads(path_loss)
 
 
+@pytest.mark.parametrize("scan", SCANS)
 @pytest.mark.parametrize("chunk", [1, 3])
 @settings(max_examples=8)
 @given(trees=forests(n_trees=(1, 4), max_nodes=10, max_seg=6))
-def test_tree_outputs_and_gradients_equal_per_path(trees, chunk):
+def test_tree_outputs_and_gradients_equal_per_path(trees, chunk, scan):
     """Every path's outputs equal the recurrent reference on that path alone (starting from its
     row's initial state), and gradients of a weighted tree loss equal the per-path loss's, for
     chunk boundaries inside nodes, single-token nodes and several trees per row."""
+    _assert_tree_equals_paths(trees, chunk, scan)
+
+
+def _flat_forest() -> list[TrajectoryTree]:
+    """Depth 1: single-node trees of at most one chunk (3 tokens), every chunk a root."""
+    return [TrajectoryTree.from_nodes([-1], [[t] * (1 + t % 3)]) for t in range(1, 21)]
+
+
+def _deep_chain() -> list[TrajectoryTree]:
+    """A chain of 12 nodes (chunk boundaries inside nodes: 17 chunks of 3 deep) with a leaf
+    under every other chain node, and a small branching tree in the same row."""
+    parents, segments = [], []
+    for i in range(12):
+        node = len(parents)
+        parents.append(node - 2 if i % 2 == 0 and i else node - 1)  # after the previous leaf
+        segments.append([i + 1] * (5 if i == 0 else 1 + i % 4))
+        if i % 2:
+            parents.append(node)
+            segments.append([50 + i])
+    chain = TrajectoryTree.from_nodes(parents, segments)
+    return [chain, TrajectoryTree.from_nodes([-1, 0, 0], [[7, 7], [8], [9, 9, 9]])]
+
+
+@pytest.mark.parametrize("scan", SCANS)
+@pytest.mark.parametrize("shape", ["flat", "deep_chain"])
+def test_flat_and_deep_trees_equal_per_path(shape, scan):
+    """The extremes of the parallel scan's pointer jumping: no chunk has a parent (no round) and
+    a chain of 17 chunks (five rounds)."""
+    trees = _flat_forest() if shape == "flat" else _deep_chain()
+    _assert_tree_equals_paths(trees, 3, scan)
+
+
+def _assert_tree_equals_paths(trees, chunk, scan):
     batch = linearize(trees, TREE_S, gdn_chunk_size=chunk, n_rows=TREE_ROWS,
                       gdn_chunks=TREE_S)
     rng = np.random.default_rng(chunk)
@@ -161,7 +202,7 @@ def test_tree_outputs_and_gradients_equal_per_path(trees, chunk):
     real = idx >= 0
     np.add.at(weight, (np.broadcast_to(rows[:, None], idx.shape)[real], idx[real]), coeff[real])
 
-    tree_fn, path_fn = _tree_and_path_grads()
+    tree_fn, path_fn = _tree_and_path_grads(scan)
     (l_t, o_t), g_t = tree_fn(*args, tables, weight, target)
     (l_p, o_p), g_p = path_fn(*args, rows, idx, coeff, target)
     np.testing.assert_allclose(np.asarray(o_t)[rows[:, None], idx][real], np.asarray(o_p)[real],
@@ -189,7 +230,89 @@ def test_path_conv_reads_the_pred_chain(trees):
             np.testing.assert_allclose(out[r, idx], want, atol=1e-5)
 
 
-def _residual_bytes(n_chunks: int) -> tuple[int, int]:
+@functools.lru_cache(maxsize=None)
+def _scan_grads(scan):
+    """Jitted ((loss, (o, buffer)), grads) of a loss on the outputs and the state buffer, tables
+    as arguments (one compilation per scan for all trees of the fixed shapes)."""
+
+    def loss(q, k, v, g, beta, s0, tables, out_weight, state_weight):
+        o, buffer = tree_gated_delta_rule(q, k, v, g, beta, initial_states=s0,
+                                          chunk_tokens=tables[0], chunk_src=tables[1],
+                                          token_slot=tables[2], scan=scan)
+        return jnp.sum(o * out_weight) + jnp.sum(jnp.tanh(buffer) * state_weight), (o, buffer)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=range(6), has_aux=True))
+
+
+@pytest.mark.parametrize("shape", ["random", "flat", "deep_chain"])
+def test_parallel_scan_equals_sequential_with_initial_slots(shape):
+    """Both scans give the same outputs, chunk-final states and gradients when the loss reads the
+    state buffer too and the roots start from two initial slots (as a tree part below an earlier
+    part's prefix does)."""
+    rng = np.random.default_rng(7)
+    trees = {"random": lambda: [TrajectoryTree.from_nodes(
+                 [-1, 0, 1, 1, 0, -1, 5], [[1] * 4, [2] * 7, [3], [4] * 5, [5] * 2, [6] * 3, [7] * 8])],
+             "flat": _flat_forest, "deep_chain": _deep_chain}[shape]()
+    batch = linearize(trees, TREE_S, gdn_chunk_size=3, n_rows=TREE_ROWS, gdn_chunks=TREE_S)
+    gdn = batch.inputs.gdn
+    r, s = batch.shape
+    # Root chunks at odd chunk indices start from initial slot 1 instead of 0.
+    src = np.asarray(gdn.chunk_src)
+    src = np.where(src > 0, src + 1, np.arange(src.shape[1]) % 2).astype(np.int32)
+    args = _inputs(rng, (r, s)) + (rng.normal(size=(r, 2, HV, DK, DV)).astype(np.float32),)
+    out_weight = rng.normal(size=(r, s, HV, DV)).astype(np.float32)
+    state_weight = rng.normal(size=(r, 2 + src.shape[1], HV, DK, DV)).astype(np.float32)
+    tables = (gdn.chunk_tokens, src, gdn.token_slot)
+    results = [_scan_grads(scan)(*args, tables, out_weight, state_weight) for scan in SCANS]
+    ((_, (o_s, buf_s)), g_s), ((_, (o_p, buf_p)), g_p) = results
+    assert float(jnp.max(jnp.abs(o_s - o_p))) <= 1e-5
+    assert float(jnp.max(jnp.abs(buf_s - buf_p))) <= 1e-5
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_states"), g_p, g_s):
+        assert rel_l2(a, b) <= 1e-5, name
+        assert float(jnp.linalg.norm(b)) > 0, name
+    assert float(jnp.linalg.norm(g_s[5][:, 1])) > 0  # the second initial slot is read
+
+
+def test_parallel_scan_inside_shard_map():
+    """Under `shard_map(check_vma=True)` (rows over a data axis, as in the sharded step) the
+    rounds' loop carries and predicate vary over the axis like the rows; values and gradients
+    equal the unsharded call. One device: the typing is what is checked."""
+    trees = [TrajectoryTree.from_nodes([-1, 0, 0, 1], [[1] * 9, [2] * 5, [3] * 3, [4] * 4])]
+    batch = linearize(trees, 24, gdn_chunk_size=4, gdn_chunks=8)
+    gdn = batch.inputs.gdn
+    tables = tuple(jnp.asarray(t) for t in (gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot))
+    args = _inputs(np.random.default_rng(0), batch.shape)
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec("data")
+
+    def loss(q, k, v, g, beta, ct, cs, ts):
+        o, buffer = tree_gated_delta_rule(q, k, v, g, beta, chunk_tokens=ct, chunk_src=cs,
+                                          token_slot=ts, scan="parallel")
+        return jnp.sum(o * o) + jnp.sum(buffer)
+
+    def sharded(*a):
+        local = lambda *x: jax.lax.psum(loss(*x), "data")  # noqa: E731
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 8, out_specs=jax.sharding.PartitionSpec(),
+                             check_vma=True)(*a, *tables)
+
+    got = jax.jit(jax.value_and_grad(sharded, argnums=range(5)))(*args)
+    want = jax.jit(jax.value_and_grad(lambda *a: loss(*a, *tables), argnums=range(5)))(*args)
+    assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-6)
+    for a, b in zip(got[1], want[1]):
+        assert rel_l2(a, b) <= 1e-6
+
+
+def test_scan_rule():
+    """"auto" keeps the reference on CPU and runs the parallel scan on accelerators; an explicit
+    scan is kept; a bad name is named."""
+    assert [pick_scan("auto", p) for p in ("cpu", "gpu", "tpu")] == ["sequential", "parallel",
+                                                                     "parallel"]
+    assert {pick_scan(s, "cpu") for s in SCANS} == set(SCANS)
+    with pytest.raises(ValueError, match="scan: 'tree'"):
+        pick_scan("tree", "cpu")
+
+
+def _residual_bytes(n_chunks: int, scan: str) -> tuple[int, int]:
     """Bytes the backward pass keeps (the leaves of jax.vjp's closure) and the largest leaf."""
     tree = TrajectoryTree.from_nodes([-1, 0, 0, 1], [[1] * 9, [2] * 5, [3] * 3, [4] * 4])
     batch = linearize([tree], 24, gdn_chunk_size=4, gdn_chunks=n_chunks)
@@ -199,18 +322,20 @@ def _residual_bytes(n_chunks: int) -> tuple[int, int]:
     def f(*a):
         gdn = batch.inputs.gdn
         return tree_gated_delta_rule(*a, chunk_tokens=gdn.chunk_tokens, chunk_src=gdn.chunk_src,
-                                     token_slot=gdn.token_slot)[0]
+                                     token_slot=gdn.token_slot, scan=scan)[0]
 
     _, vjp_fn = jax.vjp(f, *args)
     sizes = [x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(vjp_fn)]
     return sum(sizes), max(sizes)
 
 
-def test_backward_residuals_grow_with_chunks_not_chunks_times_buffer():
-    """The scan's buffer holds NC + 1 states; keeping it per step would cost NC * (NC + 1) states.
-    The residuals must instead be affine in NC, with at most a few states per chunk."""
+@pytest.mark.parametrize("scan", SCANS)
+def test_backward_residuals_grow_with_chunks_not_chunks_times_buffer(scan):
+    """The scan's buffer holds NC + 1 states; keeping it per step (sequential) or the composed
+    maps of every round (parallel) would cost NC * (NC + 1) or NC * rounds states. The residuals
+    must instead be affine in NC, with at most a few states per chunk."""
     state_bytes = HV * DK * DV * 4
-    (r8, _), (r16, _), (r32, m32) = (_residual_bytes(n) for n in (8, 16, 32))
+    (r8, _), (r16, _), (r32, m32) = (_residual_bytes(n, scan) for n in (8, 16, 32))
     assert r32 - r16 == 2 * (r16 - r8)  # exactly affine in the number of chunks
     per_chunk = (r16 - r8) / 8
     chunk_tokens = 4

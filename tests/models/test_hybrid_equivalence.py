@@ -48,11 +48,13 @@ def test_logprobs_equal_baseline(trees, kind):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["moe", "next"])
+@pytest.mark.parametrize("kind, gdn_scan", [("moe", "auto"), ("next", "sequential"),
+                                            ("next", "parallel")])
 @settings(max_examples=2, derandomize=True)
 @given(trees=FORESTS)
-def test_sft_loss_and_grads_equal_baseline(trees, kind):
-    graphdef, params = perturbed_moe_model(kind)
+def test_sft_loss_and_grads_equal_baseline(trees, kind, gdn_scan):
+    """With either GDN scan (`RuntimeConfig.gdn_scan`) on both sides."""
+    graphdef, params = perturbed_moe_model(kind, gdn_scan=gdn_scan)
     tree, base = _batches(trees, "seq_mean_token_mean")
     assert_loss_and_grads_match(graphdef, params, tree.inputs, base.inputs,
                                 Objective(kind="sft"))

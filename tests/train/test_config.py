@@ -64,6 +64,7 @@ def test_moe_and_next_sections_validate_with_their_key_paths():
         (["optim.learning_rate=true"], r"optim\.learning_rate: expected a number"),
         (["model.num_key_value_heads=3"], r"model: num_key_value_heads \(3\) must divide"),
         (["runtime.remat=some"], r"runtime: remat: 'some' is not one of"),
+        (["runtime.gdn_scan=tree"], r"runtime: gdn_scan: 'tree' is not one of"),
         (["data.format=csv"], r"data\.format: 'csv' is not one of"),
         (["data.on_bad_record=ignore"], r"data\.on_bad_record: 'ignore' is not one of"),
         (["data.micro_batches=0"], r"data: micro_batches: 0 must be >= 1"),
