@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jtree.advantages import Estimator
 from jtree.baseline import linearize_baseline
 from jtree.batch import DeviceBatch, LossCoefficients, stack
 from jtree.linearize import TreeBatch, linearize
 from jtree.logprobs import logprobs_from_hidden, scored_logprobs, token_logprobs
-from jtree.advantages import Estimator
 from jtree.loss import COEFFICIENT_FIELDS, Normalization, gspo_loss, ppo_loss, sft_loss
 from jtree.models.decoder import CausalLM
 from jtree.packing import same_score_len
@@ -144,32 +144,18 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
     (a part of a partitioned tree puts the hidden state of the token above it first)."""
     want_entropy = objective.kind != "sft" and objective.entropy_coef != 0
     coefficients = inputs.coefficients
-    if objective.kind == "gspo":  # path sums run over the whole layout: scored values at [.., S]
-        if inputs.score_index is not None:
-            logp, entropy = scored_logprobs(
-                hidden, w_out, inputs.tokens, pred, inputs.score_index,
-                chunk=objective.logprob_chunk, with_entropy=want_entropy, vocab_axis=vocab_axis)
-            logp, entropy = (None if x is None else scatter_scored(x, inputs.score_index,
-                                                                   inputs.tokens.shape[-1])
-                             for x in (logp, entropy))
-        else:
-            logp, entropy = logprobs_from_hidden(
-                hidden, w_out, inputs.tokens, pred,
-                chunk=objective.logprob_chunk, with_entropy=want_entropy, vocab_axis=vocab_axis)
-        loss, metrics = gspo_loss(
-            logp, coefficients, inputs.mask.end, clip_low=objective.clip_low,
-            clip_high=objective.clip_high, kl_coef=objective.kl_coef, entropy=entropy,
-            entropy_coef=objective.entropy_coef)
-        abs_adv = jnp.sum(jnp.abs(coefficients.seq_pos) + jnp.abs(coefficients.seq_neg))
-        metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv)
-        return loss + aux_loss, dict(metrics, aux_loss=aux_loss)
     if inputs.score_index is not None:  # score only the tokens with a loss coefficient
         logp, entropy = scored_logprobs(
             hidden, w_out, inputs.tokens, pred,
             inputs.score_index, chunk=objective.logprob_chunk, with_entropy=want_entropy,
             vocab_axis=vocab_axis,
         )
-        coefficients = gather_scored(coefficients, inputs.score_index)
+        if objective.kind == "gspo":  # path sums run over the layout: the scored values at [.., S]
+            logp, entropy = (None if x is None else
+                             scatter_scored(x, inputs.score_index, inputs.tokens.shape[-1])
+                             for x in (logp, entropy))
+        else:
+            coefficients = gather_scored(coefficients, inputs.score_index)
     else:
         logp, entropy = logprobs_from_hidden(
             hidden, w_out, inputs.tokens, pred,
@@ -179,11 +165,15 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
         loss = sft_loss(logp, coefficients)
         metrics = {"nll": loss}
     else:
-        loss, metrics = ppo_loss(
-            logp, coefficients, clip_low=objective.clip_low, clip_high=objective.clip_high,
-            kl_coef=objective.kl_coef, entropy=entropy, entropy_coef=objective.entropy_coef,
-        )
-        abs_adv = jnp.sum(jnp.abs(coefficients.adv_pos) + jnp.abs(coefficients.adv_neg))
+        rl = dict(clip_low=objective.clip_low, clip_high=objective.clip_high,
+                  kl_coef=objective.kl_coef, entropy=entropy, entropy_coef=objective.entropy_coef)
+        if objective.kind == "gspo":
+            loss, metrics = gspo_loss(logp, coefficients, inputs.mask.end, **rl)
+            pos, neg = coefficients.seq_pos, coefficients.seq_neg
+        else:
+            loss, metrics = ppo_loss(logp, coefficients, **rl)
+            pos, neg = coefficients.adv_pos, coefficients.adv_neg
+        abs_adv = jnp.sum(jnp.abs(pos) + jnp.abs(neg))
         metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv)
     return loss + aux_loss, dict(metrics, aux_loss=aux_loss)
 
