@@ -8,9 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from jtree.advantages import group_advantages, with_advantages
+from jtree.advantages import group_advantages, tree_token_advantages, with_advantages
+from jtree.config import load_config
 from jtree.data import load_trees
 from jtree.linearize import linearize
+from jtree.run_data import load_training_trees
 from jtree.train_step import Objective
 from jtree.tree import TrajectoryTree
 from tests.models_util import assert_loss_and_grads_match, off_policy_ppo_inputs, tiny_model
@@ -132,3 +134,18 @@ def test_training_on_rewards_equals_per_path_training(estimator):
     base = linearize(singles, 64, n_rows=4)
     tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=3)
     assert_loss_and_grads_match(graphdef, params, tree_in, base_in, Objective(kind="ppo"))
+
+
+def test_a_run_config_computes_the_advantages_it_names():
+    """`configs/tiny_rl.yaml` (objective.advantage: tree) gives the trained trees the `tree`
+    estimator's advantages of the records' rewards; `sft` reads none."""
+    cfg = load_config("configs/tiny_rl.yaml")
+    trees, _ = load_training_trees(cfg)
+    plain, _ = load_trees(cfg.data.path, "groups", vocab_size=None)
+    assert len(trees) == len(plain) and plain[0].rewards is not None
+    for got, t in zip(trees[:3], plain):
+        want = tree_token_advantages(t, t.rewards)
+        for p in range(t.n_paths):
+            np.testing.assert_allclose(got.advantages[p], want[t.path_token_index(p)], atol=1e-7)
+    sft = load_config("configs/tiny_rl.yaml", ["objective.kind=sft"]).objective
+    assert sft.advantage_estimator is None
