@@ -108,23 +108,23 @@ def check_shared_masks(tree: TrajectoryTree) -> None:
 
     A sequence-level objective (GSPO) averages each path's log-ratios over the path's trained
     tokens with one path sum over the tree; that needs one "trained" bit per tree token."""
-    masks = _effective_masks(tree)
-    idx = tree.flat_token_index
-    flat = np.concatenate(masks)
+    flat = np.concatenate(_effective_masks(tree))
     live = np.repeat(tree.weights > 0, tree.path_lengths)
-    seen = np.full(tree.n_tree_tokens, -1.0)
-    first_path = np.full(tree.n_tree_tokens, -1)
-    owner = np.repeat(np.arange(tree.n_paths), tree.path_lengths)
-    for i in np.flatnonzero(live):
-        t = idx[i]
-        if seen[t] < 0:
-            seen[t], first_path[t] = flat[i], owner[i]
-        elif seen[t] != flat[i]:
-            pos = int(i - np.r_[0, np.cumsum(tree.path_lengths)][owner[i]])
-            raise ValueError(
-                f"path {owner[i]}: loss_mask[{pos}] = {int(flat[i])} differs from path "
-                f"{first_path[t]}'s on the token they share (objective.kind=gspo needs one loss "
-                "mask per tree token)")
+    idx = tree.flat_token_index[live]
+    lo = np.full(tree.n_tree_tokens, np.inf)
+    hi = np.full(tree.n_tree_tokens, -np.inf)
+    np.minimum.at(lo, idx, flat[live])
+    np.maximum.at(hi, idx, flat[live])
+    mixed = np.flatnonzero(lo < hi)
+    if mixed.size:
+        sharing = np.flatnonzero(live & (tree.flat_token_index == mixed[0]))
+        first, other = sharing[0], sharing[flat[sharing] != flat[sharing[0]]][0]
+        starts = np.r_[0, np.cumsum(tree.path_lengths)]
+        path_of = np.searchsorted(starts, [first, other], side="right") - 1
+        raise ValueError(
+            f"path {path_of[1]}: loss_mask[{other - starts[path_of[1]]}] = {int(flat[other])} "
+            f"differs from path {path_of[0]}'s on the token they share (objective.kind=gspo "
+            "needs one loss mask per tree token)")
 
 
 # ---------------------------------------------------------------------- device-side losses

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from jtree.baseline import linearize_baseline
+from jtree.data import load_trees
 from jtree.linearize import linearize
 from jtree.loss import NORMALIZATIONS, check_shared_masks, gspo_loss
+from jtree.rfree.execute import RedundancyFreeStep
 from jtree.train_step import Objective
 from jtree.tree import TrajectoryTree
 from tests.models_util import assert_loss_and_grads_match, off_policy_ppo_inputs, tiny_model
@@ -109,3 +111,16 @@ def test_paths_disagreeing_on_a_shared_mask_are_refused():
                                          loss_masks=[[0, 1, 1], [0, 0, 1]])
     with pytest.raises(ValueError, match=r"path 1: loss_mask\[1\] = 0 differs from path 0's"):
         check_shared_masks(tree)
+
+
+def test_gspo_refuses_records_with_mixed_masks_and_redundancy_free_mode(tmp_path):
+    lines = ['{"group": 0, "tokens": [1, 2, 3], "loss_mask": [0, 1, 1], "advantage": 1}',
+             '{"group": 0, "tokens": [1, 2, 4], "loss_mask": [0, 0, 1], "advantage": -1}']
+    path = tmp_path / "g.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"g\.jsonl:2: loss_mask\[1\] = 0 differs from path 0"):
+        load_trees(str(path), "groups", vocab_size=None, advantage="given", shared_masks=True)
+    graphdef, _ = tiny_model()
+    with pytest.raises(ValueError, match="objective.kind=gspo: not available with run.mode="
+                                         "redundancy_free"):
+        RedundancyFreeStep(graphdef, Objective(kind="gspo"))
