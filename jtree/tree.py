@@ -139,6 +139,8 @@ class _PathData:
 def _path_reward(value: ArrayLike, what: str) -> float:
     """A path's reward: a number, or a non-empty list of per-turn rewards, which add up (the
     undiscounted return of the path; docs/rl.md)."""
+    if np.asarray(value).dtype == bool:  # JSON true/false is not a reward
+        raise ValueError(f"{what}: expected numbers, got {_preview(value)}")
     arr = _numbers(value, what, np.float64)
     if arr.ndim > 1 or arr.size == 0:
         raise ValueError(f"{what}: expected a number or a non-empty list of per-turn numbers, got "
