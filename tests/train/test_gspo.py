@@ -69,6 +69,7 @@ def test_gspo_loss_equals_float64_per_path_reference(seed, normalization):
     rng = np.random.default_rng(seed)
     trees = [gspo_tree(rng, max_nodes=9, extra_paths=4) for _ in range(4)]
     assert max(int(t.node_levels.max()) for t in trees) >= 3
+    assert any(set(t.parents.tolist()) & set(t.path_nodes.tolist()) for t in trees)  # internal ends
     batch = linearize(trees, 96, normalization=normalization)
     inputs = batch.inputs
     logp = (inputs.coefficients.old_logprobs
