@@ -4,9 +4,9 @@ A `TrajectoryTree` is a forest of nodes, each holding a non-empty token segment,
 depth-first pre-order (a parent always precedes its children and a node's subtree is a contiguous
 range of nodes, hence of tokens). A *path* is one training sequence: the tokens from a root down to
 the node where that sequence ends. Paths may end at internal nodes and several paths may end at the
-same node (duplicates). Per-path data (loss mask, advantage, reward, old log-probs, weight) stays per
-path; `jtree.loss` folds it into per-tree-token coefficients and `jtree.advantages` turns rewards
-into advantages.
+same node (duplicates). Per-path data (loss mask, advantage, reward, old log-probs, weight) stays
+per path; `jtree.loss` folds it into per-tree-token coefficients and `jtree.advantages` turns
+rewards into advantages.
 
 Trees are immutable after construction, so derived arrays are computed once and cached.
 """
