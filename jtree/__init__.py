@@ -2,15 +2,18 @@
 
 The public API: build trees (`TrajectoryTree`), lay them out (`linearize`, `unlinearize`,
 `linearize_baseline`; a layout's device arrays are a `DeviceBatch`), split trees larger than
-memory (`partition`), score them (`token_logprobs`) and train on them (`sft_loss`, `ppo_loss`).
+memory (`partition`), score them (`token_logprobs`), turn rewards into advantages
+(`with_advantages`) and train on them (`sft_loss`, `ppo_loss`, `gspo_loss`, on `path_sum`).
 """
 
+from jtree.advantages import with_advantages
 from jtree.baseline import linearize_baseline, unlinearize_baseline
 from jtree.batch import DeviceBatch
 from jtree.linearize import TreeBatch, linearize, unlinearize
 from jtree.logprobs import token_logprobs
-from jtree.loss import batch_normalizer, ppo_loss, sft_loss, token_coefficients
+from jtree.loss import batch_normalizer, gspo_loss, ppo_loss, sft_loss, token_coefficients
 from jtree.partition import PartitionResult, TreePart, partition
+from jtree.path_sum import path_sum
 from jtree.tree import TrajectoryTree, TreeStats
 from jtree.tree_jsonl import read_sequence_groups, read_trees, write_sequence_groups, write_trees
 
@@ -22,9 +25,11 @@ __all__ = [
     "TreePart",
     "TreeStats",
     "batch_normalizer",
+    "gspo_loss",
     "linearize",
     "linearize_baseline",
     "partition",
+    "path_sum",
     "ppo_loss",
     "read_sequence_groups",
     "read_trees",
@@ -33,6 +38,7 @@ __all__ = [
     "token_logprobs",
     "unlinearize",
     "unlinearize_baseline",
+    "with_advantages",
     "write_sequence_groups",
     "write_trees",
 ]

@@ -12,7 +12,8 @@ back to paths. Fields, dtypes and padding values (what an all-padding row holds:
 - `node` int32 (-1): row-local node index
 - `valid` bool (False): real tokens
 - `path_count` int32 (0): paths through the token (its multiplicity in the per-path baseline)
-- `coefficients`: the loss coefficients W, P, N, old (and optional reference) log-probs, float32 (0)
+- `coefficients`: the loss coefficients W, P, N, the sequence-level P/N at the paths' last tokens,
+  old (and optional reference) log-probs, float32 (0)
 - `score_index` [rows, K] int32 (-1): the row-local positions the loss reads (None: every token)
 - `gdn`: gated-delta-rule chunk tables (`GdnTables`), None for models without linear attention
 - `row_norm` [rows] float32 (0): each row's share of the batch normalizer when the coefficients
@@ -42,11 +43,15 @@ from jtree.kernels import TreeMask
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
 class LossCoefficients:
-    """Per-token loss inputs (`jtree.loss`): W, P, N and the old / reference policy log-probs."""
+    """Per-token loss inputs (`jtree.loss`): W, P, N, the sequence-level `seq_pos` / `seq_neg`
+    (each path's summed c*A, at the path's last token: GSPO's P/N) and the old / reference
+    policy log-probs."""
 
     weight: Any
     adv_pos: Any
     adv_neg: Any
+    seq_pos: Any
+    seq_neg: Any
     old_logprobs: Any
     ref_logprobs: Any = None
 
@@ -108,7 +113,8 @@ _SCHEMA: dict[str, tuple[Any, str]] = {
     "mask.prefix_end": (np.int32, "P"), "pred": (np.int32, "S"), "node": (np.int32, "S"),
     "valid": (np.bool_, "S"), "path_count": (np.int32, "S"),
     "coefficients.weight": (np.float32, "S"), "coefficients.adv_pos": (np.float32, "S"),
-    "coefficients.adv_neg": (np.float32, "S"), "coefficients.old_logprobs": (np.float32, "S"),
+    "coefficients.adv_neg": (np.float32, "S"), "coefficients.seq_pos": (np.float32, "S"),
+    "coefficients.seq_neg": (np.float32, "S"), "coefficients.old_logprobs": (np.float32, "S"),
     "coefficients.ref_logprobs": (np.float32, "S"), "score_index": (np.int32, "K"),
     "gdn.chunk_tokens": (np.int32, "NC"), "gdn.chunk_src": (np.int32, "N"),
     "gdn.token_slot": (np.int32, "S"), "gdn.export_slots": (np.int32, "E"),
@@ -118,7 +124,8 @@ _SCHEMA: dict[str, tuple[Any, str]] = {
 
 _REQUIRED = ("tokens", "pos", "mask", "mask.end", "pred", "node", "valid", "path_count",
              "coefficients", "coefficients.weight", "coefficients.adv_pos",
-             "coefficients.adv_neg", "coefficients.old_logprobs")
+             "coefficients.adv_neg", "coefficients.seq_pos", "coefficients.seq_neg",
+             "coefficients.old_logprobs")
 
 
 def _field(batch: DeviceBatch, name: str) -> Any:
@@ -183,7 +190,7 @@ def padding(rows: int, seq_len: int, *, score_len: int | None, gdn_chunk_size: i
             raise ValueError("gdn_chunks: needed with gdn_chunk_size")
         gdn = GdnTables(np.full((rows, gdn_chunks, gdn_chunk_size), -1, np.int32),
                         np.zeros((rows, gdn_chunks), np.int32), np.full(shape, -1, np.int32))
-    zeros = [np.zeros(shape, np.float32) for _ in range(4)]
+    zeros = [np.zeros(shape, np.float32) for _ in range(6)]
     return DeviceBatch(
         tokens=np.zeros(shape, np.int32), pos=np.zeros(shape, np.int32),
         mask=TreeMask(end, prefix_end), pred=np.full(shape, -1, np.int32),
@@ -202,7 +209,7 @@ def token_arrays(batch: DeviceBatch) -> dict[str, Any]:
     return {"tokens": batch.tokens, "pos": batch.pos, "end": batch.mask.end, "pred": batch.pred,
             "node": batch.node, "valid": batch.valid, "path_count": batch.path_count,
             "weight": c.weight, "adv_pos": c.adv_pos, "adv_neg": c.adv_neg,
-            "old_logprobs": c.old_logprobs}
+            "seq_pos": c.seq_pos, "seq_neg": c.seq_neg, "old_logprobs": c.old_logprobs}
 
 
 def _combine(batches: Sequence[DeviceBatch], how: Callable[[list[Any]], Any], what: str

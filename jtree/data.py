@@ -33,6 +33,7 @@ from typing import Any, Literal
 import grain
 import numpy as np
 
+from jtree.advantages import Estimator
 from jtree.baseline import flatten_paths
 from jtree.batch import DeviceBatch, concatenate_rows, padding, stack
 from jtree.chat import conversation_tree, load_tokenizer
@@ -126,10 +127,14 @@ def _check_format(path: str | Path, fmt: str, format_key: str) -> None:
 def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
                on_bad_record: str = "raise", tokenizer: str = "bytes",
                max_path_len: int | None = None, format_key: str = "data.format",
+               advantage: Estimator | None = None, shared_masks: bool = False,
                ) -> tuple[list[TrajectoryTree], LoadReport]:
     """Every tree of a JSONL file, validated; see the module docstring for bad records.
     `max_path_len`: the longest path a row holds in the run's mode (None: no limit). A file of
-    another format is refused naming `format_key` (the option that sets `fmt`)."""
+    another format is refused naming `format_key` (the option that sets `fmt`). `advantage`: the
+    estimator that gives every tree its advantages (`jtree.advantages`; None: the objective needs
+    none); a record without the rewards or advantages it needs is a bad record, and so is one
+    whose paths disagree on the loss mask of a shared token when `shared_masks` (GSPO)."""
     _check_format(path, fmt, format_key)
     bad = _BadRecords(on_bad_record)
     trees: list[TrajectoryTree] = []
@@ -148,7 +153,8 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
             groups.setdefault(group_key(rec), []).append((where, rec))
         for members in groups.values():
             try:
-                tree = tree_from_group(members, vocab_size=vocab_size)  # path p: line p
+                tree = tree_from_group(members, vocab_size=vocab_size,  # path p: line p
+                                       advantage=advantage, shared_masks=shared_masks)
                 trees.append(check_path_lengths(tree, [w for w, _ in members],
                                                 members[0][1]["group"], max_path_len))
             except ValueError as e:  # the group as a whole is bad: count all its lines
@@ -162,8 +168,14 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
             n_lines += 1
             try:
                 rec = parse_line(where, line)
-                tree = (tree_from_record(where, rec, vocab_size=vocab_size) if tok is None
-                        else conversation_tree(rec, tok, where=where, vocab_size=vocab_size))
+                if tok is None:
+                    tree = tree_from_record(where, rec, vocab_size=vocab_size, advantage=advantage,
+                                            shared_masks=shared_masks)
+                else:
+                    tree = conversation_tree(rec, tok, where=where, vocab_size=vocab_size)
+                    if advantage is not None:  # chat records carry neither rewards nor advantages
+                        raise ValueError(f"{where}: chat records carry no reward or advantage, "
+                                         f"which objective.advantage={advantage} needs")
                 trees.append(check_path_lengths(tree, [where], rec.get("id"), max_path_len))
             except ValueError as e:
                 bad(e)

@@ -31,7 +31,7 @@ from jtree.chunk_tables import (
     concat_ranges,
     default_chunk_count,
 )
-from jtree.loss import Normalization, batch_normalizer, token_coefficients
+from jtree.loss import COEFFICIENT_FIELDS, Normalization, batch_normalizer, token_coefficients
 from jtree.planner import RowPlan, plan_rows, score_width
 from jtree.tree import TrajectoryTree, TreeStats
 
@@ -139,7 +139,7 @@ def linearize(
 
     pad = padding(n_rows, row_len, score_len=None)
     row = {name: a.reshape(-1) for name, a in token_arrays(pad).items()}  # flat views
-    for name in ("tokens", "pos", "path_count", "weight", "adv_pos", "adv_neg", "old_logprobs"):
+    for name in ("tokens", "pos", "path_count", *COEFFICIENT_FIELDS, "old_logprobs"):
         row[name][dest] = cat[name]
     row["end"][dest] = cat["end"] + tok_shift
     row["pred"][dest] = np.where(cat["pred"] >= 0, cat["pred"] + tok_shift, -1)

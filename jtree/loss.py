@@ -4,6 +4,8 @@ The per-path objective sum_p sum_t c[p,t] * l_t regroups over unique tree tokens
 sum_t W_t * l_t with W_t = sum over paths through t of c[p,t]. For the clipped PPO/GRPO surrogate the
 coefficient is split by the sign of the advantage into P_t (A >= 0) and N_t (A < 0), which keeps the
 clipping exact even when paths sharing a token disagree on the advantage (docs/design.md section 2).
+GSPO's sequence-level objective reads one coefficient per path instead, at the path's last token
+(`seq_pos` / `seq_neg`), and the path's mean log-ratio from a path sum (`jtree.path_sum`).
 
 All normalizers are computed on the host over the whole training batch so that micro-batches,
 devices and partitions of a tree add up to exactly the full-batch loss.
@@ -19,10 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.batch import LossCoefficients
+from jtree.path_sum import path_sum
 from jtree.tree import TrajectoryTree
 
 Normalization = Literal["seq_mean_token_mean", "seq_mean_token_sum", "token_mean"]
 NORMALIZATIONS: tuple[str, ...] = get_args(Normalization)
+
+# The per-token coefficient arrays `token_coefficients` returns (fields of `LossCoefficients`).
+COEFFICIENT_FIELDS = ("weight", "adv_pos", "adv_neg", "seq_pos", "seq_neg")
 
 
 def _effective_masks(tree: TrajectoryTree) -> list[np.ndarray]:
@@ -74,25 +80,73 @@ def path_coefficients(
 def token_coefficients(
     tree: TrajectoryTree, normalization: Normalization, normalizer: float
 ) -> dict[str, np.ndarray]:
-    """Per-tree-token coefficients: `weight` (W), `adv_pos` (P) and `adv_neg` (N)."""
+    """Per-tree-token coefficients (`COEFFICIENT_FIELDS`): `weight` (W), `adv_pos` (P),
+    `adv_neg` (N), and the sequence-level `seq_pos` / `seq_neg`: at the last token of each path
+    p, s_p = sum_t c[p,t] A[p,t] (c_p A_p for one advantage per path, c_p = sum_t c[p,t]), added
+    to `seq_pos` when s_p >= 0, else to `seq_neg` (paths ending at one token share its sum)."""
     coeffs = np.concatenate(path_coefficients(tree, normalization, normalizer)).astype(np.float64)
     idx = tree.flat_token_index
     n = tree.n_tree_tokens
     weight = np.bincount(idx, weights=coeffs, minlength=n)
     if tree.advantages is None:
         zeros = np.zeros(n, np.float32)
-        return {"weight": weight.astype(np.float32), "adv_pos": zeros, "adv_neg": zeros}
+        return {"weight": weight.astype(np.float32),
+                **{name: zeros for name in COEFFICIENT_FIELDS[1:]}}
     ca = coeffs * np.concatenate(tree.advantages)
     pos = np.bincount(idx, weights=np.where(ca >= 0, ca, 0.0), minlength=n)
     neg = np.bincount(idx, weights=np.where(ca < 0, ca, 0.0), minlength=n)
-    return {
-        "weight": weight.astype(np.float32),
-        "adv_pos": pos.astype(np.float32),
-        "adv_neg": neg.astype(np.float32),
-    }
+    per_path = np.add.reduceat(ca, np.r_[0, np.cumsum(tree.path_lengths)[:-1]])
+    last = tree.node_offsets[tree.path_nodes + 1] - 1
+    seq_pos = np.bincount(last, weights=np.where(per_path >= 0, per_path, 0.0), minlength=n)
+    seq_neg = np.bincount(last, weights=np.where(per_path < 0, per_path, 0.0), minlength=n)
+    return {name: a.astype(np.float32) for name, a in
+            zip(COEFFICIENT_FIELDS, (weight, pos, neg, seq_pos, seq_neg))}
+
+
+def check_shared_masks(tree: TrajectoryTree) -> None:
+    """Raise unless the paths (of positive weight) that share a token agree on its loss mask.
+
+    A sequence-level objective (GSPO) averages each path's log-ratios over the path's trained
+    tokens with one path sum over the tree; that needs one "trained" bit per tree token."""
+    flat = np.concatenate(_effective_masks(tree))
+    live = np.repeat(tree.weights > 0, tree.path_lengths)
+    idx = tree.flat_token_index[live]
+    lo = np.full(tree.n_tree_tokens, np.inf)
+    hi = np.full(tree.n_tree_tokens, -np.inf)
+    np.minimum.at(lo, idx, flat[live])
+    np.maximum.at(hi, idx, flat[live])
+    mixed = np.flatnonzero(lo < hi)
+    if mixed.size:
+        sharing = np.flatnonzero(live & (tree.flat_token_index == mixed[0]))
+        first, other = sharing[0], sharing[flat[sharing] != flat[sharing[0]]][0]
+        starts = np.r_[0, np.cumsum(tree.path_lengths)]
+        path_of = np.searchsorted(starts, [first, other], side="right") - 1
+        raise ValueError(
+            f"path {path_of[1]}: loss_mask[{other - starts[path_of[1]]}] = {int(flat[other])} "
+            f"differs from path {path_of[0]}'s on the token they share (objective.kind=gspo "
+            "needs one loss mask per tree token)")
 
 
 # ---------------------------------------------------------------------- device-side losses
+
+
+def _regularizers(loss: jax.Array, metrics: dict[str, jax.Array], logprobs: jax.Array,
+                  coefficients: LossCoefficients, kl_coef: float, entropy: jax.Array | None,
+                  entropy_coef: float) -> jax.Array:
+    """`loss` plus the KL-to-reference (k3 estimator, when the coefficients carry
+    `ref_logprobs`) and minus the entropy bonus, both weighted by W_t; records them in
+    `metrics`."""
+    weight, ref_logprobs = coefficients.weight, coefficients.ref_logprobs
+    if ref_logprobs is not None and kl_coef:
+        d = jnp.where(weight != 0, ref_logprobs - logprobs, 0.0)
+        kl = jnp.sum(weight * (jnp.exp(d) - d - 1.0))
+        metrics["kl_ref"] = kl
+        loss = loss + kl_coef * kl
+    if entropy is not None and entropy_coef:
+        ent = jnp.sum(weight * entropy)
+        metrics["entropy"] = ent
+        loss = loss - entropy_coef * ent
+    return loss
 
 
 def sft_loss(logprobs: jax.Array, coefficients: LossCoefficients) -> jax.Array:
@@ -118,7 +172,7 @@ def ppo_loss(
     `clip_low`/`clip_high` allow asymmetric (DAPO-style) clipping.
     """
     pos, neg, weight = coefficients.adv_pos, coefficients.adv_neg, coefficients.weight
-    old_logprobs, ref_logprobs = coefficients.old_logprobs, coefficients.ref_logprobs
+    old_logprobs = coefficients.old_logprobs
     active = (pos != 0) | (neg != 0)
     log_ratio = jnp.where(active, logprobs - old_logprobs, 0.0)
     ratio = jnp.exp(log_ratio)
@@ -131,13 +185,47 @@ def ppo_loss(
         "clip_frac": jnp.sum(abs_adv * (ratio != clipped)) / jnp.maximum(jnp.sum(abs_adv), 1e-30),
         "approx_kl_old": jnp.sum(weight * (ratio - 1.0 - log_ratio)),
     }
-    if ref_logprobs is not None and kl_coef:
-        d = jnp.where(weight != 0, ref_logprobs - logprobs, 0.0)
-        kl = jnp.sum(weight * (jnp.exp(d) - d - 1.0))
-        metrics["kl_ref"] = kl
-        loss = loss + kl_coef * kl
-    if entropy is not None and entropy_coef:
-        ent = jnp.sum(weight * entropy)
-        metrics["entropy"] = ent
-        loss = loss - entropy_coef * ent
-    return loss, metrics
+    return _regularizers(loss, metrics, logprobs, coefficients, kl_coef, entropy,
+                         entropy_coef), metrics
+
+
+def gspo_loss(
+    logprobs: jax.Array,
+    coefficients: LossCoefficients,
+    end: jax.Array,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    kl_coef: float = 0.0,
+    entropy: jax.Array | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """GSPO's clipped sequence-level surrogate on a tree, equal to the per-path sum.
+
+    Arrays are [..., S] over every token of the layout (`end` its subtree ends). A path p ending
+    at token e has the sequence ratio s_e = exp(sum_{t in p} m_t (logp_t - old_t) / sum_{t in p}
+    m_t), both sums path sums (`jtree.path_sum`; m_t = [W_t > 0], the trained tokens); the loss is
+    -sum_e [seq_pos_e min(s_e, clip(s_e)) + seq_neg_e max(s_e, clip(s_e))], which is GSPO's
+    -sum_p c_p min(s_p A_p, clip(s_p) A_p) since every path ending at e has the same ratio. Its
+    gradient reaches every token of the path through the path sum's transpose (GSPO's
+    token-level form: each token's log-prob gradient times s_p A_p / n_p, where unclipped).
+    KL and entropy terms use W_t as in `ppo_loss`.
+    """
+    c = coefficients
+    trained = (c.weight > 0).astype(logprobs.dtype)
+    log_ratio = trained * (logprobs - c.old_logprobs)
+    ends = (c.seq_pos != 0) | (c.seq_neg != 0)
+    n_trained = path_sum(trained, end)
+    mean_log_ratio = jnp.where(ends, path_sum(log_ratio, end) / jnp.maximum(n_trained, 1.0), 0.0)
+    ratio = jnp.exp(mean_log_ratio)
+    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    surrogate = c.seq_pos * jnp.minimum(ratio, clipped) + c.seq_neg * jnp.maximum(ratio, clipped)
+    loss = -jnp.sum(surrogate)
+    abs_adv = jnp.abs(c.seq_pos) + jnp.abs(c.seq_neg)
+    token_ratio = jnp.exp(log_ratio)
+    metrics = {
+        "policy_loss": loss,
+        "clip_frac": jnp.sum(abs_adv * (ratio != clipped)) / jnp.maximum(jnp.sum(abs_adv), 1e-30),
+        "approx_kl_old": jnp.sum(c.weight * (token_ratio - 1.0 - log_ratio)),
+    }
+    return _regularizers(loss, metrics, logprobs, c, kl_coef, entropy, entropy_coef), metrics

@@ -65,7 +65,9 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
     max_path_len = None if cfg.run.mode == "redundancy_free" else d.seq_len  # rfree splits paths
     trees, report = load_trees(d.path, d.format, vocab_size=cfg.model.config.vocab_size,
                                on_bad_record=d.on_bad_record, tokenizer=d.tokenizer,
-                               max_path_len=max_path_len)
+                               max_path_len=max_path_len,
+                               advantage=cfg.objective.advantage_estimator,
+                               shared_masks=cfg.objective.kind == "gspo")
     total = sum((t.stats() for t in trees[1:]), trees[0].stats())
     say(f"data: {len(trees)} trees from {d.path} ({d.format}): {total.n_flat_tokens} flat tokens, "
         f"{total.n_tree_tokens} tree tokens, POR {total.por:.3f}"

@@ -7,7 +7,7 @@ at turn boundaries, so rollouts share prefixes of varying length. Think-mode tur
 is dropped from later context become their own branch that ends at the turn (a path ending at an
 internal node of the tree when a later rollout continues without the reasoning). Only assistant
 tokens are trained (loss mask 1); prompt and tool tokens are context (mask 0). Each rollout gets a
-group-normalized advantage, as in GRPO.
+random reward and its group-normalized advantage, as in GRPO (`jtree.advantages`, `grpo`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def agent_rollout_group(rng: np.random.Generator, shape: AgentShape = AgentShape
     rewards = rng.normal(size=len(seqs))
     adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
     return TrajectoryTree.from_sequences(
-        seqs, loss_masks=masks, advantages=list(adv), vocab_size=v
+        seqs, loss_masks=masks, advantages=list(adv), rewards=list(rewards), vocab_size=v
     )
 
 

@@ -25,11 +25,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jtree.advantages import Estimator
 from jtree.baseline import linearize_baseline
 from jtree.batch import DeviceBatch, LossCoefficients, stack
 from jtree.linearize import TreeBatch, linearize
 from jtree.logprobs import logprobs_from_hidden, scored_logprobs, token_logprobs
-from jtree.loss import Normalization, ppo_loss, sft_loss
+from jtree.loss import COEFFICIENT_FIELDS, Normalization, gspo_loss, ppo_loss, sft_loss
 from jtree.models.decoder import CausalLM
 from jtree.packing import same_score_len
 from jtree.sharding import DATA, MODEL, batch_spec, batch_specs, vary_over
@@ -37,9 +38,13 @@ from jtree.tree import TrajectoryTree
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """What the step minimizes. `sft`: weighted NLL. `ppo`: clipped surrogate (+ KL, entropy)."""
+    """What the step minimizes. `sft`: weighted NLL. `ppo`: clipped token-level surrogate (+ KL,
+    entropy). `gspo`: GSPO's clipped sequence-level surrogate (`jtree.loss.gspo_loss`; its paper
+    clips at 3e-4 / 4e-4). `advantage`: where the RL objectives' advantages come from
+    (`jtree.advantages`: the records' own, or computed from their rewards). See docs/rl.md."""
 
-    kind: Literal["sft", "ppo"] = "sft"
+    kind: Literal["sft", "ppo", "gspo"] = "sft"
+    advantage: Estimator = "given"
     normalization: Normalization = "seq_mean_token_mean"
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -47,6 +52,11 @@ class Objective:
     entropy_coef: float = 0.0
     logprob_chunk: int = 1024
     old_logprob_tolerance: float = 1e-3
+
+    @property
+    def advantage_estimator(self) -> Estimator | None:
+        """The estimator every tree's advantages come from; None when the objective needs none."""
+        return None if self.kind == "sft" else self.advantage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +142,7 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
                      vocab_axis: str | None = None):
     """`objective_loss` from final hidden states: token i is scored by row `pred[i]` of `hidden`
     (a part of a partitioned tree puts the hidden state of the token above it first)."""
-    want_entropy = objective.kind == "ppo" and objective.entropy_coef != 0
+    want_entropy = objective.kind != "sft" and objective.entropy_coef != 0
     coefficients = inputs.coefficients
     if inputs.score_index is not None:  # score only the tokens with a loss coefficient
         logp, entropy = scored_logprobs(
@@ -140,7 +150,12 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
             inputs.score_index, chunk=objective.logprob_chunk, with_entropy=want_entropy,
             vocab_axis=vocab_axis,
         )
-        coefficients = gather_scored(coefficients, inputs.score_index)
+        if objective.kind == "gspo":  # path sums run over the layout: the scored values at [.., S]
+            logp, entropy = (None if x is None else
+                             scatter_scored(x, inputs.score_index, inputs.tokens.shape[-1])
+                             for x in (logp, entropy))
+        else:
+            coefficients = gather_scored(coefficients, inputs.score_index)
     else:
         logp, entropy = logprobs_from_hidden(
             hidden, w_out, inputs.tokens, pred,
@@ -150,11 +165,15 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
         loss = sft_loss(logp, coefficients)
         metrics = {"nll": loss}
     else:
-        loss, metrics = ppo_loss(
-            logp, coefficients, clip_low=objective.clip_low, clip_high=objective.clip_high,
-            kl_coef=objective.kl_coef, entropy=entropy, entropy_coef=objective.entropy_coef,
-        )
-        abs_adv = jnp.sum(jnp.abs(coefficients.adv_pos) + jnp.abs(coefficients.adv_neg))
+        rl = dict(clip_low=objective.clip_low, clip_high=objective.clip_high,
+                  kl_coef=objective.kl_coef, entropy=entropy, entropy_coef=objective.entropy_coef)
+        if objective.kind == "gspo":
+            loss, metrics = gspo_loss(logp, coefficients, inputs.mask.end, **rl)
+            pos, neg = coefficients.seq_pos, coefficients.seq_neg
+        else:
+            loss, metrics = ppo_loss(logp, coefficients, **rl)
+            pos, neg = coefficients.adv_pos, coefficients.adv_neg
+        abs_adv = jnp.sum(jnp.abs(pos) + jnp.abs(neg))
         metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv)
     return loss + aux_loss, dict(metrics, aux_loss=aux_loss)
 
@@ -165,6 +184,14 @@ def gather_scored(coefficients: LossCoefficients, index: jax.Array) -> LossCoeff
     at = jnp.where(index >= 0, index, 0)
     return jax.tree_util.tree_map(
         lambda x: jnp.where(index >= 0, jnp.take_along_axis(x, at, axis=1), 0.0), coefficients)
+
+
+def scatter_scored(values: jax.Array, index: jax.Array, seq_len: int) -> jax.Array:
+    """[rows, K] values at `score_index` -> [rows, seq_len], 0 where nothing is scored (the
+    inverse of `gather_scored` on the scored positions)."""
+    at = jnp.where(index >= 0, index, seq_len)  # empty slots go past the end and are dropped
+    return jax.vmap(lambda v, i: jnp.zeros(seq_len, v.dtype).at[i].set(v, mode="drop"))(
+        values, at)
 
 
 def finish_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -187,7 +214,7 @@ def normalize_coefficients(inputs: DeviceBatch, data_axis: str | None = None) ->
     scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
     c = inputs.coefficients
     return dataclasses.replace(inputs, row_norm=None).with_coefficients(
-        weight=c.weight * scale, adv_pos=c.adv_pos * scale, adv_neg=c.adv_neg * scale)
+        **{name: getattr(c, name) * scale for name in COEFFICIENT_FIELDS})
 
 
 def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *, data_axis: str | None = None,
@@ -385,6 +412,6 @@ def needs_old_logprobs(batch: TreeBatch, objective: Objective) -> bool:
 
 def old_logprobs_stale(has_old: bool, disagreement: float, objective: Objective) -> bool:
     """`needs_old_logprobs` from a batch's flags (missing, or disagreeing beyond tolerance)."""
-    if objective.kind != "ppo":
+    if objective.kind == "sft":
         return False
     return not has_old or disagreement > objective.old_logprob_tolerance

@@ -4,8 +4,9 @@ A `TrajectoryTree` is a forest of nodes, each holding a non-empty token segment,
 depth-first pre-order (a parent always precedes its children and a node's subtree is a contiguous
 range of nodes, hence of tokens). A *path* is one training sequence: the tokens from a root down to
 the node where that sequence ends. Paths may end at internal nodes and several paths may end at the
-same node (duplicates). Per-path data (loss mask, advantage, old log-probs, weight) stays per path;
-`jtree.loss` folds it into per-tree-token coefficients.
+same node (duplicates). Per-path data (loss mask, advantage, reward, old log-probs, weight) stays
+per path; `jtree.loss` folds it into per-tree-token coefficients and `jtree.advantages` turns
+rewards into advantages.
 
 Trees are immutable after construction, so derived arrays are computed once and cached.
 """
@@ -132,6 +133,23 @@ class _PathData:
     advantages: tuple[np.ndarray, ...] | None
     old_logprobs: tuple[np.ndarray, ...] | None
     weights: np.ndarray
+    rewards: np.ndarray | None = None
+
+
+def _path_reward(value: ArrayLike, what: str) -> float:
+    """A path's reward: a number, or a non-empty list of per-turn rewards, which add up (the
+    undiscounted return of the path; docs/rl.md)."""
+    if np.asarray(value).dtype == bool:  # JSON true/false is not a reward
+        raise ValueError(f"{what}: expected numbers, got {_preview(value)}")
+    arr = _numbers(value, what, np.float64)
+    if arr.ndim > 1 or arr.size == 0:
+        raise ValueError(f"{what}: expected a number or a non-empty list of per-turn numbers, got "
+                         f"{_preview(value)}")
+    if not np.all(np.isfinite(arr)):
+        bad = int(np.flatnonzero(~np.isfinite(np.atleast_1d(arr)))[0])
+        at = "" if arr.ndim == 0 else f"[{bad}]"
+        raise ValueError(f"{what}{at} = {np.atleast_1d(arr)[bad]} is not finite")
+    return float(arr.sum())
 
 
 def _validate_path_data(
@@ -141,6 +159,7 @@ def _validate_path_data(
     old_logprobs: Sequence[ArrayLike] | None,
     weights: ArrayLike | None,
     label: str,
+    rewards: Sequence[ArrayLike] | None = None,
 ) -> _PathData:
     k = len(lengths)
 
@@ -151,6 +170,7 @@ def _validate_path_data(
     check_count(loss_masks, "loss_masks")
     check_count(advantages, "advantages")
     check_count(old_logprobs, "old_logprobs")
+    check_count(rewards, "rewards")
     if loss_masks is None:
         masks = tuple(np.ones(n, np.float32) for n in lengths)
     else:
@@ -192,7 +212,10 @@ def _validate_path_data(
         if bad.size:
             raise ValueError(f"{label} {int(bad[0])}: weight = {w[bad[0]]} must be finite and >= 0")
         w = w.astype(np.float32)
-    return _PathData(masks, adv, old, w)
+    rew = None
+    if rewards is not None:
+        rew = np.array([_path_reward(r, f"{label} {i}: reward") for i, r in enumerate(rewards)])
+    return _PathData(masks, adv, old, w, rew)
 
 
 class TrajectoryTree:
@@ -232,19 +255,22 @@ class TrajectoryTree:
         advantages: Sequence[ArrayLike] | None = None,
         old_logprobs: Sequence[ArrayLike] | None = None,
         weights: ArrayLike | None = None,
+        rewards: Sequence[ArrayLike] | None = None,
         vocab_size: int | None = None,
     ) -> TrajectoryTree:
         """Merge token sequences into a compressed trie, one node per maximal shared segment.
 
         `advantages` holds a scalar or a per-token array per sequence; `loss_masks` and
-        `old_logprobs` hold per-token arrays. Sequences with different first tokens become separate
+        `old_logprobs` hold per-token arrays; `rewards` a number or a list of per-turn numbers
+        per sequence (summed). Sequences with different first tokens become separate
         roots. The first token of each sequence is never scored (it has no context).
         """
         if len(sequences) == 0:
             raise ValueError("sequences: need at least one sequence")
         arrays = [_as_token_array(s, f"sequence {i}", vocab_size) for i, s in enumerate(sequences)]
         data = _validate_path_data(
-            [len(a) for a in arrays], loss_masks, advantages, old_logprobs, weights, "sequence"
+            [len(a) for a in arrays], loss_masks, advantages, old_logprobs, weights, "sequence",
+            rewards,
         )
         roots: dict[int, _TrieNode] = {}
         for p, seq in enumerate(arrays):
@@ -290,6 +316,7 @@ class TrajectoryTree:
         advantages: Sequence[ArrayLike] | None = None,
         old_logprobs: Sequence[ArrayLike] | None = None,
         weights: ArrayLike | None = None,
+        rewards: Sequence[ArrayLike] | None = None,
         vocab_size: int | None = None,
     ) -> TrajectoryTree:
         """Build an explicit tree: `parents[i]` is node i's parent (-1 for a root).
@@ -352,6 +379,7 @@ class TrajectoryTree:
             old_logprobs,
             weights,
             "path",
+            rewards,
         )
         return cls(new_parents, [segs[i] for i in order], new_ends.astype(np.int32), data)
 
@@ -384,6 +412,19 @@ class TrajectoryTree:
     @property
     def old_logprobs(self) -> tuple[np.ndarray, ...] | None:
         return self._data.old_logprobs
+
+    @property
+    def rewards(self) -> np.ndarray | None:
+        """One float64 reward per path (per-turn rewards already summed), or None."""
+        return self._data.rewards
+
+    def with_advantages(self, advantages: Sequence[ArrayLike]) -> TrajectoryTree:
+        """This tree with its per-path advantages replaced (a scalar or per-token array per
+        path, validated like the constructors'), e.g. the ones `jtree.advantages` computes."""
+        adv = _validate_path_data(self.path_lengths.tolist(), None, advantages, None, None,
+                                  "path").advantages
+        return TrajectoryTree(self.parents, self.segments, self.path_nodes,
+                              dataclasses.replace(self._data, advantages=adv))
 
     @functools.cached_property
     def path_lengths(self) -> np.ndarray:
@@ -487,7 +528,7 @@ class TrajectoryTree:
 
         d = self._data
         data = _PathData((d.loss_masks[p],), pick(d.advantages), pick(d.old_logprobs),
-                         d.weights[p : p + 1])
+                         d.weights[p : p + 1], None if d.rewards is None else d.rewards[p : p + 1])
         return TrajectoryTree(np.array([-1], np.int32), [self.path_tokens(p)],
                               np.zeros(1, np.int32), data)
 

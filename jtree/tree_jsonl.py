@@ -1,12 +1,17 @@
 """JSON Lines files of trees and of sequence groups.
 
 Sequence groups: one sequence per line, `{"group": g, "tokens": [...], "loss_mask": [...],
-"advantage": a | [...], "old_logprobs": [...], "weight": w}` (all but `group` and `tokens`
-optional); all lines of one group merge into one tree, groups in order of first appearance.
+"advantage": a | [...], "reward": r | [r_1, ..., r_T], "old_logprobs": [...], "weight": w}` (all but
+`group` and `tokens` optional); all lines of one group merge into one tree, groups in order of
+first appearance.
 
 Trees: one tree per line, `{"parents": [...], "segments": [[...], ...], "paths": [{"node": n,
-"loss_mask": [...], "advantage": ..., "old_logprobs": [...], "weight": w}, ...]}` (`paths` optional:
-one path per leaf). Errors name the file, line and field.
+"loss_mask": [...], "advantage": ..., "reward": ..., "old_logprobs": [...], "weight": w}, ...]}`
+(`paths` optional: one path per leaf). Errors name the file, line and field.
+
+`reward` is a path's scalar reward, or a list of per-turn rewards of a multi-turn path, which add
+up to the path's reward. With an `advantage` estimator other than `given` (`jtree.advantages`),
+the advantages are computed from the rewards of the tree's paths when the tree is read.
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from jtree.advantages import Estimator, with_advantages
+from jtree.loss import check_shared_masks
 from jtree.tree import TrajectoryTree
 
-_PATH_FIELDS = {"loss_mask": "loss_masks", "advantage": "advantages", "old_logprobs": "old_logprobs"}
+_PATH_FIELDS = {"loss_mask": "loss_masks", "advantage": "advantages", "reward": "rewards",
+                "old_logprobs": "old_logprobs"}
 
 
 def iter_lines(path: str | Path) -> Iterator[tuple[str, bytes]]:
@@ -83,15 +91,30 @@ def group_key(rec: dict[str, Any]) -> str:
 
 
 def tree_from_group(members: Sequence[tuple[str, dict[str, Any]]], *,
-                    vocab_size: int | None = None) -> TrajectoryTree:
-    """Merge the lines of one group (`(where, record)` pairs) into a tree."""
+                    vocab_size: int | None = None, advantage: Estimator | None = None,
+                    shared_masks: bool = False) -> TrajectoryTree:
+    """Merge the lines of one group (`(where, record)` pairs) into a tree; with an `advantage`
+    estimator, the tree's advantages come from it (None: advantages are not needed), and with
+    `shared_masks` paths must agree on the loss mask of the tokens they share (GSPO)."""
     wheres = [w for w, _ in members]
     recs = [r for _, r in members]
     try:
-        return TrajectoryTree.from_sequences(
+        tree = TrajectoryTree.from_sequences(
             [r["tokens"] for r in recs], vocab_size=vocab_size, **_path_kwargs(recs, wheres))
     except ValueError as e:
         raise ValueError(_locate(str(e), "sequence", wheres)) from None
+    try:
+        return for_objective(tree, advantage, shared_masks)
+    except ValueError as e:
+        raise ValueError(_locate(str(e), "path", wheres)) from None
+
+
+def for_objective(tree: TrajectoryTree, advantage: Estimator | None,
+                  shared_masks: bool) -> TrajectoryTree:
+    """`tree` with what the objective needs checked and computed (see `tree_from_group`)."""
+    if shared_masks:
+        check_shared_masks(tree)
+    return tree if advantage is None else with_advantages(tree, advantage)
 
 
 def read_sequence_groups(path: str | Path, *, vocab_size: int | None = None) -> list[TrajectoryTree]:
@@ -132,15 +155,19 @@ def _path_record(t: TrajectoryTree, p: int) -> dict[str, Any]:
     if t.advantages is not None:
         a = t.advantages[p]
         rec["advantage"] = float(a[0]) if np.all(a == a[0]) else a.tolist()
+    if t.rewards is not None:
+        rec["reward"] = float(t.rewards[p])
     if t.old_logprobs is not None:
         rec["old_logprobs"] = t.old_logprobs[p].tolist()
     rec["weight"] = float(t.weights[p])
     return rec
 
 
-def tree_from_record(where: str, rec: dict[str, Any], *,
-                     vocab_size: int | None = None) -> TrajectoryTree:
-    """One explicit tree from its JSON record; errors name `where`."""
+def tree_from_record(where: str, rec: dict[str, Any], *, vocab_size: int | None = None,
+                     advantage: Estimator | None = None,
+                     shared_masks: bool = False) -> TrajectoryTree:
+    """One explicit tree from its JSON record (advantages as in `tree_from_group`); errors name
+    `where`."""
     for field in ("parents", "segments"):
         if field not in rec:
             raise ValueError(f"{where}: missing field {field!r}")
@@ -158,8 +185,9 @@ def tree_from_record(where: str, rec: dict[str, Any], *,
         kwargs["path_nodes"] = [p["node"] for p in paths]
         kwargs.update(_path_kwargs(paths, [f"{where}: path {i}" for i in range(len(paths))]))
     try:
-        return TrajectoryTree.from_nodes(rec["parents"], rec["segments"], vocab_size=vocab_size,
+        tree = TrajectoryTree.from_nodes(rec["parents"], rec["segments"], vocab_size=vocab_size,
                                          **kwargs)
+        return for_objective(tree, advantage, shared_masks)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 

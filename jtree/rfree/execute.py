@@ -90,6 +90,9 @@ class RedundancyFreeStep:
         if prefix_backward not in ("residuals", "recompute", "auto"):
             raise ValueError(f"prefix_backward: {prefix_backward!r} is not 'residuals', "
                              "'recompute' or 'auto'")
+        if objective.kind == "gspo":  # a part's path sums would miss the prefix it reuses
+            raise ValueError("objective.kind=gspo: not available with run.mode=redundancy_free "
+                             "(use run.mode=tree)")
         self.graphdef, self.objective = graphdef, objective
         self.prefix_backward = prefix_backward
         self.conv_width: int | None = None  # K - 1 of the GDN conv, read from the model config

@@ -41,7 +41,7 @@ import numpy as np
 from jtree.chunk_tables import default_chunk_count, node_chunk_tables
 from jtree.batch import DeviceBatch, GdnTables, padding, token_arrays
 from jtree.linearize import tree_token_fields
-from jtree.loss import Normalization, batch_normalizer
+from jtree.loss import COEFFICIENT_FIELDS, Normalization, batch_normalizer
 from jtree.packing import MicroBatches, build_microbatches
 from jtree.planner import check_steps_per_octave, octave_step_length
 from jtree.rfree.plan import RfreePart, plan_parts
@@ -276,7 +276,7 @@ def _row_arrays(members: list[Member], trees, fields, capacity: int, p: int, att
         tok = m.tokens
         n = len(tok)
         dest = slice(m.offset, m.offset + n)
-        for name in ("tokens", "pos", "path_count", "weight", "adv_pos", "adv_neg", "old_logprobs"):
+        for name in ("tokens", "pos", "path_count", *COEFFICIENT_FIELDS, "old_logprobs"):
             out[name][dest] = f[name][tok]
         out["valid"][dest] = True
         local_end = np.searchsorted(tok, f["end"][tok])

@@ -44,7 +44,7 @@ def test_groups_merge_in_order_of_first_appearance(tmp_path):
         (['{"group": 1, "tokens": [1, 2], "loss_mask": [1]}'], r"g\.jsonl:1: loss_mask: expected 2"),
         (['{"group": 1, "tokens": [1, 2], "advantage": NaN}'], r"g\.jsonl:1: advantage\[0\] = nan"),
         (['{"group": 1}'], r"g\.jsonl:1: missing field 'tokens'"),
-        (['{"group": 1, "tokens": [1], "reward": 2}'], r"g\.jsonl:1: unknown field 'reward'"),
+        (['{"group": 1, "tokens": [1], "score": 2}'], r"g\.jsonl:1: unknown field 'score'"),
         (['{"group": 1, "tokens": [1, 2]', ], r"g\.jsonl:1: invalid JSON"),
         (['{"group": 1, "tokens": [1, 2], "advantage": 1}', '{"group": 1, "tokens": [1, 3]}'],
          r"g\.jsonl:2: advantage is missing"),
