@@ -31,10 +31,12 @@ class RuntimeConfig:
     rematerialization policy of each decoder layer (`REMAT_POLICIES`, or "none").
 
     `tensor_parallel_axis` and `data_parallel_axis` are set by
-    `jtree.train_step.tensor_parallel_graphdef` for the copy of the model that runs inside
+    `jtree.train_step.sharded_graphdef` for the copy of the model that runs inside
     `shard_map`: weights are then this device's shard and partial sums are reduced over the
-    tensor-parallel axis, and batch statistics (the MoE router loss) are pooled over the data
-    axis. Leave them unset everywhere else.
+    tensor-parallel axis, and batch statistics (the MoE router loss) are pooled over the
+    data-parallel axes (every axis the rows are split over: `data` and `fsdp`). Leave them unset
+    everywhere else. (Which weights FSDP gathers is per parameter: Variable metadata, see
+    `jtree.models.layers.fsdp_gathered`.)
     """
 
     attention_impl: str = "auto"
@@ -42,7 +44,7 @@ class RuntimeConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     tensor_parallel_axis: str | None = None
-    data_parallel_axis: str | None = None
+    data_parallel_axis: str | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for field in ("dtype", "param_dtype"):
