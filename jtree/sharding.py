@@ -3,11 +3,12 @@
 Data parallelism splits the rows of every batch array over `data` and `fsdp` together (`ROWS`);
 fully sharded data parallelism (FSDP, ZeRO-3) also splits every parameter, its gradient and its
 optimizer state over `fsdp` (`fsdp_spec`), and the step gathers each decoder layer's weights
-right before the layer runs (`jtree.models.layers.call_layer`, docs/fsdp.md); tensor parallelism
-splits over `model`: Megatron-style attention heads, MLP columns, Gated DeltaNet heads and the vocabulary, and
-whole MoE experts (expert parallel). The model side of it is a small hook in the models
-(`RuntimeConfig.tensor_parallel_axis`; `row_parallel`, `vocab_parallel_embed`, `local_kv_heads` in
-`jtree.models.layers`, the expert split in `jtree.models.moe`). Parameter layouts come from rule
+right before the layer runs (`jtree.models.layers.call_layer`; docs/training.md, "Fully sharded
+data parallel"); tensor parallelism splits over `model`: Megatron-style attention heads, MLP
+columns, Gated DeltaNet heads and the vocabulary, and whole MoE experts (expert parallel). The
+model side of it is a small hook in the models (`RuntimeConfig.tensor_parallel_axis`;
+`row_parallel`, `vocab_parallel_embed`, `local_kv_heads` in `jtree.models.layers`, the expert
+split in `jtree.models.moe`). Parameter layouts come from rule
 lists (`param_rules`): ordered (regex over the '/'-joined parameter path, PartitionSpec) pairs,
 first match wins, and a parameter that no rule matches is an error rather than a silent replica.
 A model's list is the rules of the layer kinds its architecture config chooses

@@ -157,9 +157,9 @@ def local_kv_heads(kv: jax.Array, q_heads_local: int, q_heads: int, kv_heads: in
 
 
 # ---------------------------------------------------------------------- FSDP hooks
-# Fully sharded data parallelism inside `shard_map` (jtree.sharding decides the splits,
-# docs/fsdp.md): a parameter sharded over the FSDP axis carries the Variable metadata
-# `FSDP_GATHER` = (mesh axis, dimension counted from the end), set by
+# Fully sharded data parallelism inside `shard_map` (jtree.sharding decides the splits;
+# docs/training.md, "Fully sharded data parallel"): a parameter sharded over the FSDP axis
+# carries the Variable metadata `FSDP_GATHER` = (mesh axis, dimension counted from the end), set by
 # `jtree.train_step.sharded_graphdef`. Counting from the end keeps the dimension right when
 # layers are stacked along leading axes. Without the metadata (one device, or a parameter
 # replicated over the axis) nothing is gathered.
