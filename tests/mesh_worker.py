@@ -152,6 +152,7 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
                               ref["inputs"])
     ref_state, ref_metrics = ref["state"], ref["metrics"]
     leaves = jax.tree_util.tree_leaves
+    held = leaves((new_state.params, new_state.opt_state))
     return {
         "case": case,
         "loss_rel": abs(float(metrics["loss"]) - float(ref_metrics["loss"]))
@@ -170,6 +171,12 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
         "model_sharded": sum("model" in a.sharding.spec for a in leaves(new_state.params)),
         "fsdp_sharded": sum("fsdp" in a.sharding.spec for a in leaves(new_state.params)),
         "leaves": len(leaves(new_state.params)),
+        # Bytes of parameters and optimizer state after the step: in all, on the first device,
+        # and of the arrays every device holds whole.
+        "state_bytes": sum(a.nbytes for a in held),
+        "device0_bytes": sum(a.addressable_shards[0].data.nbytes for a in held),
+        "replicated_bytes": sum(a.nbytes for a in held if a.sharding.is_fully_replicated),
+        "replicated_max_ndim": max(a.ndim for a in held if a.sharding.is_fully_replicated),
     }
 
 

@@ -45,6 +45,9 @@ def check(result: dict) -> None:
         assert result["model_sharded"] > 0, result  # tensor parallel really split weights
     if fsdp > 1:  # FSDP split every parameter but the 1-D ones (norms)
         assert result["fsdp_sharded"] >= result["leaves"] // 2, result
+    if fsdp * model == 8:  # no replicas: a device holds 1/8 of the state plus 1-D tensors
+        assert result["replicated_max_ndim"] <= 1, result
+        assert result["device0_bytes"] <= result["state_bytes"] / 8 + result["replicated_bytes"]
 
 
 def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
