@@ -241,8 +241,7 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *,
         if data_axes:
             loss, metrics = jax.lax.psum((loss, metrics), data_axes)
             grads = jax.tree_util.tree_map(
-                lambda g, axes: jax.lax.psum(g, axes) if axes else g, grads, sum_axes,
-                is_leaf=lambda x: isinstance(x, tuple))
+                lambda g, axes: jax.lax.psum(g, axes) if axes else g, grads, sum_axes)
         return loss, finish_metrics(metrics), grads
 
     return grad_fn
