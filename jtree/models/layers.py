@@ -8,7 +8,6 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from jtree.models.runtime import REMAT_POLICIES
 
@@ -159,13 +158,12 @@ def local_kv_heads(kv: jax.Array, q_heads_local: int, q_heads: int, kv_heads: in
 # ---------------------------------------------------------------------- FSDP hooks
 # Fully sharded data parallelism inside `shard_map` (jtree.sharding decides the splits;
 # docs/training.md, "Fully sharded data parallel"): a parameter sharded over the FSDP axis
-# carries the Variable metadata `FSDP_GATHER` = (mesh axis, dimension counted from the end), set by
-# `jtree.train_step.sharded_graphdef`. Counting from the end keeps the dimension right when
+# carries the Variable metadata `FSDP_GATHER` = (mesh axis, dimension counted from the end),
+# set by `jtree.train_step.sharded_graphdef`. Counting from the end keeps the dimension right when
 # layers are stacked along leading axes. Without the metadata (one device, or a parameter
 # replicated over the axis) nothing is gathered.
 
 FSDP_GATHER = "fsdp_gather"
-GATHERED = "fsdp_gathered"  # checkpoint name of a gathered weight: never saved for the backward
 
 
 def fsdp_sharded(module: nnx.Module) -> bool:
@@ -178,8 +176,7 @@ def fsdp_gathered(module: M, skip: Any = nnx.Nothing) -> M:
     """A copy of `module` whose FSDP-sharded parameters are all-gathered over their axis (each
     device then holds its tensor-parallel shard of the whole weight), except those at paths
     `skip` (an nnx filter) matches. The transpose of the gather is a reduce-scatter, so the
-    gradients arrive sharded like the parameters. The gathered values are named `GATHERED`
-    so a rematerialization policy can refuse to keep them (`call_layer`)."""
+    gradients arrive sharded like the parameters."""
     if not fsdp_sharded(module):
         return module
     copy = nnx.clone(module)
@@ -191,8 +188,7 @@ def fsdp_gathered(module: M, skip: Any = nnx.Nothing) -> M:
             continue
         axis, dim = gather
         value = var.get_value()
-        full = jax.lax.all_gather(value, axis, axis=value.ndim + dim, tiled=True)
-        var.set_value(checkpoint_name(full, GATHERED))
+        var.set_value(jax.lax.all_gather(value, axis, axis=value.ndim + dim, tiled=True))
         var.set_metadata(FSDP_GATHER, None)
     return copy
 
@@ -218,11 +214,12 @@ def call_layer(layer: nnx.Module, *args: Any, remat: str) -> Any:
 
 
 def unless_gathered(policy: Callable[..., bool]) -> Callable[..., bool]:
-    """`policy`, except that values named `GATHERED` (whole FSDP weights) are never saved."""
+    """`policy`, except that the output of an all-gather (the whole weights FSDP gathers; no
+    layer gathers anything else) is never saved: the backward gathers again from the shard,
+    which is saved as the layer's input. (Naming the gathered value would not do: under a
+    policy that saves everything, the all-gather's own output would be kept in its place.)"""
 
     def decide(prim: Any, *args: Any, **params: Any) -> bool:
-        if params.get("name") == GATHERED:
-            return False
-        return policy(prim, *args, **params)
+        return prim.name != "all_gather" and policy(prim, *args, **params)
 
     return decide
