@@ -49,9 +49,9 @@ class MeshConfig:
     def __post_init__(self) -> None:
         for axis in ("fsdp", "model"):
             if getattr(self, axis) < 1:
-                raise ValueError(f"mesh.{axis}: {getattr(self, axis)} must be >= 1")
+                raise ValueError(f"{axis}: {getattr(self, axis)} must be >= 1")
         if self.data == 0 or self.data < -1:
-            raise ValueError(f"mesh.data: {self.data} must be >= 1 or -1 (all remaining devices)")
+            raise ValueError(f"data: {self.data} must be >= 1 or -1 (all remaining devices)")
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -65,7 +65,7 @@ def test_mesh_shape_must_match_devices():
         make_mesh(MeshConfig(fsdp=3), devices)
     with pytest.raises(ValueError, match=r"^mesh.model=3 does not divide the 8 devices"):
         make_mesh(MeshConfig(model=3), devices)
-    with pytest.raises(ValueError, match=r"^mesh.fsdp: 0 must be >= 1"):
+    with pytest.raises(ValueError, match=r"^fsdp: 0 must be >= 1"):
         MeshConfig(fsdp=0)
 
 
