@@ -20,7 +20,7 @@ from jtree.data import step_indices
 from jtree.linearize import linearize, unlinearize
 from jtree.run_data import StepBuilders, gdn_chunk_size, to_global
 from jtree.run_report import say
-from jtree.sharding import DATA
+from jtree.sharding import row_shards
 from jtree.train_step import TrainState
 from jtree.tree import TrajectoryTree
 
@@ -44,7 +44,7 @@ def check_equivalence(cfg: TrainConfig, trainer: Trainer, state: TrainState,
     """Print max |tree log-prob - baseline log-prob| over every path token of `trees`, each
     laid out whole in one row."""
     mesh, seq_len = trainer.mesh, cfg.data.seq_len
-    n_data = mesh.shape[DATA]
+    n_data = row_shards(mesh)
 
     def logprobs(batch) -> np.ndarray:
         arrays = stack([batch.inputs])
@@ -71,7 +71,7 @@ def time_tree_vs_baseline(cfg: TrainConfig, trainer: Trainer, builders: StepBuil
     """Time the train step on the step of `indices` laid out as trees and as paths by the run's
     builders (each mode at the shape that holds every step of the run), alternating, and print
     the medians and the speedup against the token bound of `trees`."""
-    repeats, n_data = cfg.run.timing_repeats, trainer.mesh.shape[DATA]
+    repeats, n_data = cfg.run.timing_repeats, row_shards(trainer.mesh)
     inputs = {mode: to_global(trainer.mesh, builders[mode](indices)["inputs"], n_data)
               for mode in ("tree", "baseline")}
     for mode in inputs:  # compile both before timing

@@ -19,15 +19,17 @@ from jtree.data import (
 )
 from jtree.run_report import say
 from jtree.batch import DeviceBatch
-from jtree.sharding import DATA, batch_specs
+from jtree.sharding import MODEL, batch_specs, row_shards
 from jtree.tree import TrajectoryTree
 
 
 def host_data_shards(mesh: Mesh) -> tuple[int, ...]:
-    """The data-axis indices whose devices live on this process (contiguous)."""
+    """The row shards (data x fsdp, `jtree.sharding.row_shards`) whose devices live on this
+    process (contiguous)."""
     pid = jax.process_index()
-    shards = tuple(i for i in range(mesh.shape[DATA])
-                   if any(d.process_index == pid for d in mesh.devices[i]))
+    groups = mesh.devices.reshape(row_shards(mesh), mesh.shape[MODEL])
+    shards = tuple(i for i in range(len(groups))
+                   if any(d.process_index == pid for d in groups[i]))
     if not shards or shards != tuple(range(shards[0], shards[-1] + 1)):
         raise ValueError(f"process {pid}: its devices hold data shards {shards}; expected a "
                          "non-empty contiguous range (check the mesh/device order)")
@@ -35,9 +37,9 @@ def host_data_shards(mesh: Mesh) -> tuple[int, ...]:
 
 
 def to_global(mesh: Mesh, local: DeviceBatch, n_local_shards: int) -> DeviceBatch:
-    """Host-local [M, rows_local, ...] arrays -> global arrays split over `data`."""
+    """Host-local [M, rows_local, ...] arrays -> global arrays split over `data` and `fsdp`."""
     def one(value: np.ndarray, spec: jax.sharding.PartitionSpec) -> jax.Array:
-        shape = (value.shape[0], value.shape[1] // n_local_shards * mesh.shape[DATA],
+        shape = (value.shape[0], value.shape[1] // n_local_shards * row_shards(mesh),
                  *value.shape[2:])
         return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), value, shape)
 

@@ -1,10 +1,14 @@
-"""The device mesh ('data', 'model') and how parameters and batches are laid out on it.
+"""The device mesh ('data', 'fsdp', 'model') and how parameters and batches are laid out on it.
 
-Data parallelism splits the rows of every batch array over `data`; tensor parallelism splits over
-`model`: Megatron-style attention heads, MLP columns, Gated DeltaNet heads and the vocabulary, and
-whole MoE experts (expert parallel). The model side of it is a small hook in the models
-(`RuntimeConfig.tensor_parallel_axis`; `row_parallel`, `vocab_parallel_embed`, `local_kv_heads` in
-`jtree.models.layers`, the expert split in `jtree.models.moe`). Parameter layouts come from rule
+Data parallelism splits the rows of every batch array over `data` and `fsdp` together (`ROWS`);
+fully sharded data parallelism (FSDP, ZeRO-3) also splits every parameter, its gradient and its
+optimizer state over `fsdp` (`fsdp_spec`), and the step gathers each decoder layer's weights
+right before the layer runs (`jtree.models.layers.call_layer`; docs/training.md, "Fully sharded
+data parallel"); tensor parallelism splits over `model`: Megatron-style attention heads, MLP
+columns, Gated DeltaNet heads and the vocabulary, and whole MoE experts (expert parallel). The
+model side of it is a small hook in the models (`RuntimeConfig.tensor_parallel_axis`;
+`row_parallel`, `vocab_parallel_embed`, `local_kv_heads` in `jtree.models.layers`, the expert
+split in `jtree.models.moe`). Parameter layouts come from rule
 lists (`param_rules`): ordered (regex over the '/'-joined parameter path, PartitionSpec) pairs,
 first match wins, and a parameter that no rule matches is an error rather than a silent replica.
 A model's list is the rules of the layer kinds its architecture config chooses
@@ -27,39 +31,59 @@ from jax.sharding import PartitionSpec as P
 
 from jtree.batch import DeviceBatch
 
-DATA, MODEL = "data", "model"
+DATA, FSDP, MODEL = "data", "fsdp", "model"
+AXES = (DATA, FSDP, MODEL)
+ROWS = (DATA, FSDP)  # the mesh axes the rows of a batch are split over
 Rules = list[tuple[str, P]]
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Mesh shape: `data` x `model` devices; -1 for `data` means all devices left over."""
+    """Mesh shape: `data` x `fsdp` x `model` devices; -1 for `data` means all devices left over.
+    `fsdp` > 1 shards parameters and optimizer state over that many data-parallel devices."""
 
     data: int = -1
+    fsdp: int = 1
     model: int = 1
 
     def __post_init__(self) -> None:
-        if self.model < 1:
-            raise ValueError(f"model: {self.model} must be >= 1")
+        for axis in ("fsdp", "model"):
+            if getattr(self, axis) < 1:
+                raise ValueError(f"{axis}: {getattr(self, axis)} must be >= 1")
         if self.data == 0 or self.data < -1:
             raise ValueError(f"data: {self.data} must be >= 1 or -1 (all remaining devices)")
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ('data', 'model') mesh over `devices` (default: every device of every process).
+    """A ('data', 'fsdp', 'model') mesh over `devices` (default: every device of every process).
 
-    The model axis varies fastest, so with several hosts a tensor-parallel group stays within a
-    host and the data axis spans hosts.
+    The model axis varies fastest, then fsdp, so with several hosts a tensor-parallel group (and,
+    host size permitting, an FSDP group, whose gathers run per layer) stays within a host and the
+    data axis spans hosts. A size that does not divide the devices is an error naming its axis.
     """
     devices = list(jax.devices() if devices is None else devices)
-    data = cfg.data if cfg.data > 0 else len(devices) // cfg.model
-    if data < 1 or data * cfg.model != len(devices):
-        raise ValueError(
-            f"mesh: data={cfg.data} x model={cfg.model} does not match the {len(devices)} devices "
-            f"available ({jax.process_count()} process(es))"
-        )
-    grid = np.asarray(devices, dtype=object).reshape(data, cfg.model)
-    return Mesh(grid, (DATA, MODEL), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    n = len(devices)
+    where = f"the {n} devices available ({jax.process_count()} process(es))"
+    if n % cfg.model:
+        raise ValueError(f"mesh.model={cfg.model} does not divide {where}")
+    if n % (cfg.model * cfg.fsdp):
+        raise ValueError(f"mesh.fsdp={cfg.fsdp} (x mesh.model={cfg.model}) does not divide {where}")
+    data = cfg.data if cfg.data > 0 else n // (cfg.fsdp * cfg.model)
+    if data * cfg.fsdp * cfg.model != n:
+        raise ValueError(f"mesh.data={cfg.data}: data={cfg.data} x fsdp={cfg.fsdp} x model="
+                         f"{cfg.model} does not match {where}")
+    grid = np.asarray(devices, dtype=object).reshape(data, cfg.fsdp, cfg.model)
+    return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    """'data=2 x fsdp=4 x model=1', for logs and errors."""
+    return " x ".join(f"{axis}={mesh.shape[axis]}" for axis in AXES)
+
+
+def row_shards(mesh: Mesh) -> int:
+    """How many pieces the rows of a batch are split into (`ROWS`: data x fsdp)."""
+    return mesh.shape[DATA] * mesh.shape[FSDP]
 
 
 # ---------------------------------------------------------------------- parameter rules
@@ -188,9 +212,11 @@ def param_path(path: tuple[Any, ...]) -> str:
 
 
 def partition_spec(name: str, shape: Sequence[int], rules: Rules,
-                   mesh_shape: Mapping[str, int]) -> P:
+                   mesh_shape: Mapping[str, int], leading: int = 0) -> P:
     """The PartitionSpec of the parameter at '/'-joined path `name`: the first rule whose pattern
-    is found in it, checked against the shape and the mesh. No match is an error."""
+    is found in it, checked against the shape and the mesh, plus the `fsdp` axis where the mesh
+    has one of size > 1 (`fsdp_spec`; `leading` stacked axes first, which no rule or FSDP
+    splits). No match is an error."""
     spec = next((s for pattern, s in rules if re.search(pattern, name)), None)
     if spec is None:
         raise ValueError(f"{name}: no sharding rule matches this parameter")
@@ -204,7 +230,29 @@ def partition_spec(name: str, shape: Sequence[int], rules: Rules,
         if dim % mesh_shape[axis]:
             raise ValueError(f"{name}: dimension {dim} is not divisible by mesh.{axis}="
                              f"{mesh_shape[axis]}")
-    return spec
+    return fsdp_spec(spec, shape, mesh_shape.get(FSDP, 1), leading=leading, name=name)
+
+
+def fsdp_spec(spec: P, shape: Sequence[int], fsdp_size: int, *, leading: int = 0,
+              name: str = "parameter") -> P:
+    """`spec` (a tensor-parallel rule's) with the `fsdp` axis added on one more dimension.
+
+    The dimension is the first one at or after `leading` (a stacked layer axis is never split)
+    that `spec` leaves whole and that `fsdp_size` divides: for a column-parallel kernel [in, out]
+    that is `in`, for a row-parallel one `out`, for an expert tensor its first feature dimension.
+    Tensors of at most one dimension (norm weights, biases, per-head `A_log` / `dt_bias`) stay
+    replicated over `fsdp`: they are a vanishing share of the bytes, and gathering each would
+    add a collective per layer for nothing. A larger tensor with no such dimension is an error
+    naming the parameter, not a silent replica. `fsdp_size` 1 returns `spec` unchanged.
+    """
+    if fsdp_size == 1 or len(shape) - leading <= 1:
+        return spec
+    axes = tuple(spec) + (None,) * (len(shape) - len(spec))
+    for dim in range(leading, len(shape)):
+        if axes[dim] is None and shape[dim] % fsdp_size == 0:
+            return P(*axes[:dim], FSDP, *axes[dim + 1:])
+    raise ValueError(f"{name}: no dimension of shape {tuple(shape)} that spec {spec} leaves "
+                     f"whole is divisible by mesh.fsdp={fsdp_size}")
 
 
 def param_specs(params: Any, rules: Rules, mesh: Mesh) -> Any:
@@ -220,8 +268,8 @@ def named(mesh: Mesh, specs: Any) -> Any:
 
 
 def batch_spec(ndim: int) -> P:
-    """Step inputs are [micro_batches, rows, ...]: rows are split over `data`."""
-    return P(None, DATA, *([None] * (ndim - 2)))
+    """Step inputs are [micro_batches, rows, ...]: rows are split over `data` and `fsdp`."""
+    return P(None, ROWS, *([None] * (ndim - 2)))
 
 
 def batch_specs(inputs: DeviceBatch) -> DeviceBatch:
@@ -230,8 +278,20 @@ def batch_specs(inputs: DeviceBatch) -> DeviceBatch:
     return jax.tree_util.tree_map(lambda x: batch_spec(x.ndim), inputs)
 
 
-def vary_over(tree: Any, axis: str) -> Any:
-    """Mark values as varying over `axis` inside shard_map, so that gradients with respect to
-    them stay per-device (summed explicitly once, after accumulating micro-batches) instead of
-    being all-reduced on every micro-batch."""
-    return jax.tree_util.tree_map(lambda x: jax.lax.pcast(x, axis, to="varying"), tree)
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The mesh axes a value inside shard_map varies over (its manual axis type: a parameter
+    sharded over `fsdp` or `model` varies over them, a replicated one over none)."""
+    return jax.typeof(x).mat.varying
+
+
+def vary_over(tree: Any, axes: str | Sequence[str]) -> Any:
+    """Mark values as varying over `axes` inside shard_map (those they do not vary over yet), so
+    that gradients with respect to them stay per-device (summed explicitly once, after
+    accumulating micro-batches) instead of being all-reduced on every micro-batch."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+
+    def one(x: jax.Array) -> jax.Array:
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree_util.tree_map(one, tree)

@@ -1,8 +1,9 @@
 """Training step: objectives, optimizer, gradient accumulation over micro-batches, mesh sharding.
 
 The step is a pure function of (TrainState, inputs) so it can be jitted on one device, or run over
-a ('data', 'model') mesh (`make_sharded_grad_fn`: data parallel over rows and Megatron tensor
-parallel inside `shard_map`, optax update outside it under the same `jit`). `inputs` is a
+a ('data', 'fsdp', 'model') mesh (`make_sharded_grad_fn`: data parallel over rows, parameters and
+optimizer state fully sharded over `fsdp` and gathered per layer, Megatron tensor parallel inside
+`shard_map`, optax update outside it under the same `jit`). `inputs` is a
 `jtree.batch.DeviceBatch` of [micro_batches, rows, S] arrays; the micro-batches are scanned and
 their gradients summed, which equals the full-batch gradient because every loss coefficient is
 normalized over the global batch.
@@ -33,7 +34,10 @@ from jtree.logprobs import logprobs_from_hidden, scored_logprobs, token_logprobs
 from jtree.loss import COEFFICIENT_FIELDS, Normalization, gspo_loss, ppo_loss, sft_loss
 from jtree.models.decoder import CausalLM
 from jtree.packing import same_score_len
-from jtree.sharding import DATA, MODEL, batch_spec, batch_specs, vary_over
+from jtree.models.layers import FSDP_GATHER, fsdp_gathered
+from jtree.sharding import (
+    FSDP, MODEL, ROWS, batch_spec, batch_specs, param_path, varying_axes, vary_over,
+)
 from jtree.tree import TrajectoryTree
 
 @dataclasses.dataclass(frozen=True)
@@ -203,40 +207,50 @@ def finish_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return dict(metrics, clip_frac=clipped / jnp.maximum(total, 1e-30))
 
 
-def normalize_coefficients(inputs: DeviceBatch, data_axis: str | None = None) -> DeviceBatch:
+def normalize_coefficients(inputs: DeviceBatch, data_axes: Sequence[str] = ()) -> DeviceBatch:
     """Divide raw loss coefficients by the batch normalizer when the batch carries `row_norm`
-    (the normalizer's per-row shares; summed over data shards inside shard_map)."""
+    (the normalizer's per-row shares; summed over the row shards `data_axes` inside
+    shard_map)."""
     if inputs.row_norm is None:
         return inputs
     total = jnp.sum(inputs.row_norm)
-    if data_axis is not None:
-        total = jax.lax.psum(total, data_axis)
+    if data_axes:
+        total = jax.lax.psum(total, tuple(data_axes))
     scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
     c = inputs.coefficients
     return dataclasses.replace(inputs, row_norm=None).with_coefficients(
         **{name: getattr(c, name) * scale for name in COEFFICIENT_FIELDS})
 
 
-def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *, data_axis: str | None = None,
-                 vocab_axis: str | None = None) -> Callable:
+def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *,
+                 data_axes: Sequence[str] = (), vocab_axis: str | None = None) -> Callable:
     """(params, inputs [M, rows, S]) -> (loss, metrics, grads), summed over the M micro-batches.
 
-    Inside shard_map, `data_axis` names the mesh axis the rows are split over: gradients are
-    accumulated per device over all micro-batches and all-reduced once at the end. `vocab_axis`
-    names the tensor-parallel axis when the output embedding is vocab-parallel.
+    Inside shard_map, `data_axes` names the mesh axes the rows are split over: gradients are
+    accumulated per device over all micro-batches and summed over those axes once at the end,
+    each over the axes its parameter is not sharded over (a parameter sharded over `fsdp` has
+    its gradient reduce-scattered over `fsdp` by the transpose of its gather, per micro-batch,
+    since its accumulator is sharded too). `vocab_axis` names the tensor-parallel axis when the
+    output embedding is vocab-parallel.
     """
+    data_axes = tuple(data_axes)
 
     def micro(params: Any, inputs: DeviceBatch):
         def loss_fn(p: Any):
-            return objective_loss(nnx.merge(graphdef, p), inputs, objective, vocab_axis=vocab_axis)
+            return objective_loss(merged_model(graphdef, p), inputs, objective,
+                                  vocab_axis=vocab_axis)
 
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return loss, metrics, grads
 
     def grad_fn(params: Any, inputs: DeviceBatch):
-        inputs = normalize_coefficients(inputs, data_axis)
-        if data_axis is not None:
-            params = vary_over(params, data_axis)
+        inputs = normalize_coefficients(inputs, data_axes)
+        # The row axes each gradient still has to be summed over: those its parameter is
+        # replicated over (not `fsdp` where it is sharded over `fsdp`).
+        sum_axes = jax.tree_util.tree_map(
+            lambda x: tuple(a for a in data_axes if a not in varying_axes(x)), params)
+        if data_axes:
+            params = vary_over(params, data_axes)
         # Every micro-batch goes through the scan from a zero total (0 + x is exact, so the sum
         # is the same as starting from the first one). A scan of one step is removed by XLA, and
         # with the first micro-batch peeled off, two micro-batches used to compile as one flat
@@ -244,19 +258,33 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *, data_axis: str
         first = jax.tree_util.tree_map(lambda x: x[0], inputs)
         loss_shape, metrics_shape, _ = jax.eval_shape(micro, params, first)
         zero = zero_sums(loss_shape, metrics_shape, params)
-        if data_axis is not None:  # the gradients' zeros already vary like the parameters
-            zero = (*vary_over(zero[:2], data_axis), zero[2])
+        if data_axes:  # the gradients' zeros already vary like the parameters
+            zero = (*vary_over(zero[:2], data_axes), zero[2])
 
         def body(acc, mb):
             return jax.tree_util.tree_map(jnp.add, acc, micro(params, mb)), None
 
-        acc, _ = jax.lax.scan(body, zero, inputs)
-        if data_axis is not None:
-            acc = jax.lax.psum(acc, data_axis)
-        loss, metrics, grads = acc
+        (loss, metrics, grads), _ = jax.lax.scan(body, zero, inputs)
+        if data_axes:
+            loss, metrics = jax.lax.psum((loss, metrics), data_axes)
+            grads = jax.tree_util.tree_map(
+                lambda g, axes: jax.lax.psum(g, axes) if axes else g, grads, sum_axes)
         return loss, finish_metrics(metrics), grads
 
     return grad_fn
+
+
+def merged_model(graphdef: nnx.GraphDef, params: Any) -> CausalLM:
+    """The model on (this device's shard of) `params`, its parameters outside the decoder layers
+    (embedding, head, final norm) gathered over FSDP for the whole forward and backward: the
+    embedding is read at both ends of the forward when tied, and each is one
+    [vocab / tensor-parallel, hidden] table. Each decoder layer gathers its own weights where it
+    runs (`jtree.models.layers.call_layer`). Without FSDP this is `nnx.merge`.
+
+    The parameters are merged as plain arrays, so every Variable takes its metadata from
+    `graphdef` (`sharded_graphdef` marks what FSDP gathers) rather than from `params`."""
+    model = nnx.merge(graphdef, nnx.to_pure_dict(params))
+    return fsdp_gathered(model, skip=nnx.PathContains("layers"))
 
 
 def zero_sums(loss: Any, metrics: Any, params: Any) -> tuple[jax.Array, Any, Any]:
@@ -271,11 +299,11 @@ def zero_sums(loss: Any, metrics: Any, params: Any) -> tuple[jax.Array, Any, Any
 
 def make_sharded_grad_fn(graphdef: nnx.GraphDef, objective: Objective, mesh: jax.sharding.Mesh,
                          specs: Any) -> Callable:
-    """`make_grad_fn` over a ('data', 'model') mesh: rows split over `data`, parameters laid out
-    by `specs` (`jtree.sharding.param_specs`), `graphdef` the tensor-parallel model
-    (`tensor_parallel_graphdef`). Returns global loss, metrics and gradients (sharded like the
-    parameters)."""
-    local = make_grad_fn(graphdef, objective, data_axis=DATA, vocab_axis=MODEL)
+    """`make_grad_fn` over a ('data', 'fsdp', 'model') mesh: rows split over `data` and `fsdp`,
+    parameters laid out by `specs` (`jtree.sharding.param_specs`), `graphdef` the model for
+    shard_map (`sharded_graphdef` of the same specs). Returns global loss, metrics and gradients
+    (sharded like the parameters)."""
+    local = make_grad_fn(graphdef, objective, data_axes=ROWS, vocab_axis=MODEL)
     P = jax.sharding.PartitionSpec
 
     def grad_fn(params: Any, inputs: DeviceBatch):
@@ -286,14 +314,24 @@ def make_sharded_grad_fn(graphdef: nnx.GraphDef, objective: Objective, mesh: jax
     return grad_fn
 
 
-def tensor_parallel_graphdef(model: CausalLM) -> nnx.GraphDef:
-    """The graph of `model` with its tensor-parallel hook on (`tensor_parallel_axis='model'`), to
-    merge with per-device parameter shards inside shard_map; batch-level statistics of the loss
-    (the MoE router loss) are pooled over the data axis (`data_parallel_axis='data'`). Built
-    abstractly: no weights."""
+def sharded_graphdef(model: CausalLM, specs: Any) -> nnx.GraphDef:
+    """The graph of `model` to merge with per-device parameter shards laid out by `specs`
+    inside shard_map: its tensor-parallel hook on (`tensor_parallel_axis='model'`), batch-level
+    statistics of the loss (the MoE router loss) pooled over the row axes
+    (`data_parallel_axis=('data', 'fsdp')`), and every parameter that `specs` shards over `fsdp`
+    marked with the dimension to gather (`jtree.models.layers.FSDP_GATHER`, counted from the end).
+    Built abstractly: no weights."""
     runtime = dataclasses.replace(model.runtime, tensor_parallel_axis=MODEL,
-                                  data_parallel_axis=DATA)
+                                  data_parallel_axis=ROWS)
     abstract = nnx.eval_shape(lambda: CausalLM(model.config, runtime, rngs=nnx.Rngs(0)))
+    by_name = {param_path(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
+    for path, var in nnx.iter_graph(abstract):
+        if not isinstance(var, nnx.Param):
+            continue
+        spec = tuple(by_name["/".join(str(p) for p in path)])
+        if FSDP in spec:
+            var.set_metadata(FSDP_GATHER, (FSDP, spec.index(FSDP) - var.ndim))
     return nnx.split(abstract)[0]
 
 
@@ -340,10 +378,10 @@ def make_logprob_fn(graphdef: nnx.GraphDef, chunk: int = 1024
 def make_sharded_logprob_fn(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, specs: Any,
                             chunk: int = 1024) -> Callable[[Any, DeviceBatch], jax.Array]:
     """(params, inputs [M, rows, S]) -> token log-probs [M, rows, S] over the mesh, no gradient
-    (old/reference policies, equivalence checks). `graphdef` is the tensor-parallel model."""
+    (old/reference policies, equivalence checks). `graphdef` is `sharded_graphdef`'s."""
 
     def local(params: Any, inputs: DeviceBatch) -> jax.Array:
-        model = nnx.merge(graphdef, params)
+        model = merged_model(graphdef, params)
         return jax.lax.map(lambda x: token_logprobs(model, x, chunk=chunk, vocab_axis=MODEL),
                            inputs)
 

@@ -1,9 +1,9 @@
 """The trainer: a run of a `TrainConfig` on trees from JSONL, whichever entry point starts it
 (`jtree train`, `python -m jtree.launch.train`).
 
-`Trainer` holds what the config alone determines: the ('data', 'model') mesh, the model graph and
+`Trainer` holds what the config alone determines: the ('data', 'fsdp', 'model') mesh, the model graph and
 its parameter shardings, the optimizer and the jitted step functions (data parallel over rows,
-tensor parallel inside shard_map). It needs no data, so `jtree.launch.lower_step` lowers the very
+parameters and optimizer state sharded over `fsdp`, tensor parallel inside shard_map). It needs no data, so `jtree.launch.lower_step` lowers the very
 step a run trains with. `TrainingRun` adds what the trees determine: the step builders of each
 layout mode (`StepBuilders`), the data pipeline and the checkpointer; it restores a checkpoint
 (data order included), trains with one record per step (`jtree.run_report`), saves checkpoints
@@ -49,12 +49,12 @@ from jtree.run_data import (
 )
 from jtree.run_report import progress, progress_line, say, step_record, summary
 from jtree.sharding import (
-    DATA, MODEL, make_mesh, named, param_path, param_rules, param_specs,
+    MODEL, describe_mesh, make_mesh, named, param_path, param_rules, param_specs, row_shards,
 )
 from jtree.train_step import (
     TrainState, apply_gradients, make_optimizer, make_schedule, make_sharded_grad_fn,
-    make_sharded_logprob_fn, make_train_step, old_logprobs_stale, state_shardings,
-    tensor_parallel_graphdef,
+    make_sharded_logprob_fn, make_train_step, old_logprobs_stale, sharded_graphdef,
+    state_shardings,
 )
 from jtree.tree import TrajectoryTree
 
@@ -88,8 +88,11 @@ class Trainer:
             rules = param_rules(mcfg, mesh.shape[MODEL])
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh.model={mesh.shape[MODEL]}: {e}") from None
-        specs = param_specs(abstract_params, rules, mesh)
-        graphdef = tensor_parallel_graphdef(abstract)
+        try:
+            specs = param_specs(abstract_params, rules, mesh)
+        except ValueError as e:
+            raise ValueError(f"model ({arch}) on mesh {describe_mesh(mesh)}: {e}") from None
+        graphdef = sharded_graphdef(abstract, specs)
         optimizer = make_optimizer(cfg.optim)
         shardings = state_shardings(optimizer, abstract_params, named(mesh, specs), mesh)
         grad_fn = make_sharded_grad_fn(graphdef, cfg.objective, mesh, specs)
@@ -146,8 +149,8 @@ def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any
     optimizer update. Single device: the parts run as separate calls, not over a mesh."""
     if mesh.devices.size != 1:
         raise ValueError(f"run.mode=redundancy_free: runs on one device, but the mesh has "
-                         f"{mesh.devices.size} (mesh.data={mesh.shape[DATA]} x mesh.model="
-                         f"{mesh.shape[MODEL]}); set mesh.data=1 mesh.model=1 or another run.mode")
+                         f"{mesh.devices.size} ({describe_mesh(mesh)}); set mesh.data=1 "
+                         "mesh.fsdp=1 mesh.model=1 or another run.mode")
     rfree_capacity(cfg)
     check_steps_per_octave(cfg.run.row_steps_per_octave, "run.row_steps_per_octave")
     grads_of = RedundancyFreeStep(graphdef, cfg.objective,
@@ -231,7 +234,7 @@ class TrainingRun:
         trainer = Trainer.build(cfg)
         shards = host_data_shards(trainer.mesh)
         with progress("laying out the steps (partitioning trees, sizing rows)"):
-            builders = StepBuilders(cfg, trees, trainer.mesh.shape[DATA], shards)
+            builders = StepBuilders(cfg, trees, row_shards(trainer.mesh), shards)
             builder, layout = run_step_builder(cfg, trees, builders)
         iterator = iter(make_pipeline(builder, seed=cfg.data.shuffle_seed,
                                       worker_count=cfg.data.worker_count))
@@ -272,7 +275,7 @@ class TrainingRun:
         attention = resolve_impl(rt.attention_impl, dtype=rt.dtype, head_dim=mcfg.head_dim)
         return (f"model: {cfg.model.architecture} {mcfg.num_hidden_layers} layers, hidden "
                 f"{mcfg.hidden_size}, {n_params:,} parameters; mode {cfg.run.mode}, objective "
-                f"{cfg.objective.kind}; mesh data={mesh.shape[DATA]} x model={mesh.shape[MODEL]} "
+                f"{cfg.objective.kind}; mesh {describe_mesh(mesh)} "
                 f"over {jax.process_count()} process(es), backend {jax.default_backend()}, "
                 f"attention {attention}; "
                 f"{self.layout}")

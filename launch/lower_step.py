@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jtree.config import load_config
     from jtree.batch import padding
     from jtree.run_data import gdn_chunk_size
-    from jtree.sharding import DATA, MODEL, batch_specs
+    from jtree.sharding import batch_specs, describe_mesh, row_shards
     from jtree.trainer import Trainer
 
     if jax.device_count() != args.devices:
@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     state = jax.eval_shape(trainer.init_fn)
     state = jax.tree_util.tree_map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, trainer.shardings)
-    shape = (d.micro_batches, args.rows * mesh.shape[DATA], d.seq_len)
+    shape = (d.micro_batches, args.rows * row_shards(mesh), d.seq_len)
     chunk = gdn_chunk_size(cfg)
     # GDN chunk tables at the capacity of a full row of long nodes; the widest `score_index`
     # (every token scored); coefficients arriving raw with `row_norm`.
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     custom_calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state.params))
     print(f"lowered {args.config} for {args.platform}: {n_params:,} parameters, mesh "
-          f"data={mesh.shape[DATA]} x model={mesh.shape[MODEL]}, inputs {shape}, attention "
+          f"{describe_mesh(mesh)}, inputs {shape}, attention "
           f"{impl}; StableHLO "
           f"{len(text.splitlines()):,} lines; collectives "
           + ", ".join(f"{k} {v}" for k, v in ops.items() if v)

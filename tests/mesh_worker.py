@@ -1,11 +1,11 @@
 """Run one train step on several meshes of 8 forced host devices and compare with one device.
 
 Run in a subprocess (`tests/train/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
-backend, which the rest of the test session has long done. A case is `model:mode:objective:DxM`
-(model `dense`, `moe` or `next`). Prints one JSON line per case with the largest relative
+backend, which the rest of the test session has long done. A case is `model:mode:objective:DxFxM`
+(model `dense`, `moe` or `next`; mesh data x fsdp x model). Prints one JSON line per case with the largest relative
 differences to the single-device step: loss, gradient norm, per-parameter gradients (Adam's first
 moment after one step, i.e. the clipped gradient scaled by 1 - b1), updated parameters and their
-updates.
+updates, and how many parameters the mesh shards over `model` and over `fsdp`.
 
 Compiles dominate the cost (two per case, ~10 s each at XLA's default backend optimization), so the
 worker compiles with `--xla_backend_optimization_level=0` (both sides of every comparison use the
@@ -44,7 +44,7 @@ from jtree.sharding import (  # noqa: E402
 )
 from jtree.train_step import (  # noqa: E402
     Objective, OptimConfig, TrainState, make_optimizer, make_sharded_grad_fn,
-    make_train_step, state_shardings, tensor_parallel_graphdef,
+    make_train_step, sharded_graphdef, state_shardings,
 )
 from tests.models_util import (  # noqa: E402
     perturbed, rel_l2, tiny_config, tiny_moe_config, tiny_next_config, tiny_runtime,
@@ -93,20 +93,21 @@ def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
 
 
 def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
-    """Save a sharded TrainState from a (4, 2) mesh, restore it onto (2, 4) and (8, 1)."""
-    def sharded_state(data: int, model_size: int):
-        mesh = make_mesh(MeshConfig(data=data, model=model_size))
+    """Save a sharded TrainState from a (data, fsdp, model) = (2, 2, 2) mesh, restore it onto
+    (2, 1, 4), (8, 1, 1) and (1, 8, 1): tensor parallel and FSDP layouts both change."""
+    def sharded_state(data: int, fsdp: int, model_size: int):
+        mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, model=model_size))
         specs = param_specs(params, param_rules(cfg, model_size), mesh)
         shardings = state_shardings(opt, params, named(mesh, specs), mesh)
         return shardings
 
-    saved_sh = sharded_state(4, 2)
+    saved_sh = sharded_state(2, 2, 2)
     state = jax.device_put(TrainState(params, opt.init(params), np.int32(5)), saved_sh)
     ckpt = Checkpointer(directory, keep=1)
     ckpt.save(5, state, {"next_index": 5}, {"seed": 0})
     ckpt.wait()
     result = {"case": "restore", "equal": True, "resharded": True}
-    for shape in ((2, 4), (8, 1)):
+    for shape in ((2, 1, 4), (8, 1, 1), (1, 8, 1)):
         target = sharded_state(*shape)
         out = ckpt.restore(5, abstract_like(state, target))
         restored = out.state
@@ -141,18 +142,19 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
 
 def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
     """One sharded step on the case's mesh, with its largest relative differences to `ref`."""
-    data, model_size = (int(x) for x in case.split(":")[3].split("x"))
+    data, fsdp, model_size = (int(x) for x in case.split(":")[3].split("x"))
     params, objective = ref["params"], ref["objective"]
-    mesh = make_mesh(MeshConfig(data=data, model=model_size))
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, model=model_size))
     specs = param_specs(params, param_rules(ref["cfg"], model_size), mesh)
     sharded_params = jax.device_put(params, named(mesh, specs))
-    tp_graphdef = tensor_parallel_graphdef(ref["model"])
-    grad_fn = make_sharded_grad_fn(tp_graphdef, objective, mesh, specs)
-    step = jax.jit(make_train_step(tp_graphdef, opt, objective, grad_fn=grad_fn))
+    graphdef = sharded_graphdef(ref["model"], specs)
+    grad_fn = make_sharded_grad_fn(graphdef, objective, mesh, specs)
+    step = jax.jit(make_train_step(graphdef, opt, objective, grad_fn=grad_fn))
     new_state, metrics = step(TrainState(sharded_params, opt.init(sharded_params), np.int32(0)),
                               ref["inputs"])
     ref_state, ref_metrics = ref["state"], ref["metrics"]
     leaves = jax.tree_util.tree_leaves
+    held = leaves((new_state.params, new_state.opt_state))
     return {
         "case": case,
         "loss_rel": abs(float(metrics["loss"]) - float(ref_metrics["loss"]))
@@ -168,8 +170,15 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
             rel_l2(np.asarray(a) - np.asarray(p0), np.asarray(b) - np.asarray(p0))
             for a, b, p0 in zip(leaves(new_state.params), leaves(ref_state.params),
                                 leaves(params))),
-        "sharded_leaves": sum(not s.is_fully_replicated for s in
-                              leaves(jax.tree.map(lambda a: a.sharding, new_state.params))),
+        "model_sharded": sum("model" in a.sharding.spec for a in leaves(new_state.params)),
+        "fsdp_sharded": sum("fsdp" in a.sharding.spec for a in leaves(new_state.params)),
+        "leaves": len(leaves(new_state.params)),
+        # Bytes of parameters and optimizer state after the step: in all, on the first device,
+        # and of the arrays every device holds whole.
+        "state_bytes": sum(a.nbytes for a in held),
+        "device0_bytes": sum(a.addressable_shards[0].data.nbytes for a in held),
+        "replicated_bytes": sum(a.nbytes for a in held if a.sharding.is_fully_replicated),
+        "replicated_max_ndim": max(a.ndim for a in held if a.sharding.is_fully_replicated),
     }
 
 

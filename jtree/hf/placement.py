@@ -17,8 +17,8 @@ ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
 def mesh_shardings(config: Any, mesh: Mesh) -> ShardingFn:
     """NamedShardings from the train step's rules for `config`'s model (`jtree.sharding`, the
-    one source of truth: tensor parallel over the mesh axis "model", every other mesh axis holds
-    replicas), so a loaded model lands exactly where training expects it. An impossible split or
+    one source of truth: tensor parallel over the mesh axis "model", fully sharded over "fsdp",
+    every other mesh axis holds replicas), so a loaded model lands exactly where training expects it. An impossible split or
     a missing axis raises, naming the parameter."""
     rules = param_rules(config, mesh.shape.get(MODEL, 1))
 

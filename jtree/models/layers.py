@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jtree.models.runtime import REMAT_POLICIES
+
+M = TypeVar("M", bound=nnx.Module)
 
 
 def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
@@ -152,12 +155,71 @@ def local_kv_heads(kv: jax.Array, q_heads_local: int, q_heads: int, kv_heads: in
     return jax.lax.dynamic_slice_in_dim(kv, first, 1, axis=2)
 
 
+# ---------------------------------------------------------------------- FSDP hooks
+# Fully sharded data parallelism inside `shard_map` (jtree.sharding decides the splits;
+# docs/training.md, "Fully sharded data parallel"): a parameter sharded over the FSDP axis
+# carries the Variable metadata `FSDP_GATHER` = (mesh axis, dimension counted from the end),
+# set by `jtree.train_step.sharded_graphdef`. Counting from the end keeps the dimension right when
+# layers are stacked along leading axes. Without the metadata (one device, or a parameter
+# replicated over the axis) nothing is gathered.
+
+FSDP_GATHER = "fsdp_gather"
+
+
+def fsdp_sharded(module: nnx.Module) -> bool:
+    """Whether some parameter of `module` is sharded over an FSDP axis."""
+    return any(isinstance(v, nnx.Variable) and v.get_metadata(FSDP_GATHER, None) is not None
+               for _, v in nnx.iter_graph(module))
+
+
+def fsdp_gathered(module: M, skip: Any = nnx.Nothing) -> M:
+    """A copy of `module` whose FSDP-sharded parameters are all-gathered over their axis (each
+    device then holds its tensor-parallel shard of the whole weight), except those at paths
+    `skip` (an nnx filter) matches. The transpose of the gather is a reduce-scatter, so the
+    gradients arrive sharded like the parameters."""
+    if not fsdp_sharded(module):
+        return module
+    copy = nnx.clone(module)
+    skipped = nnx.filterlib.to_predicate(skip)
+    for path, var in nnx.iter_graph(copy):
+        gather = (var.get_metadata(FSDP_GATHER, None) if isinstance(var, nnx.Variable)
+                  else None)
+        if gather is None or skipped(path, var):
+            continue
+        axis, dim = gather
+        value = var.get_value()
+        var.set_value(jax.lax.all_gather(value, axis, axis=value.ndim + dim, tiled=True))
+        var.set_metadata(FSDP_GATHER, None)
+    return copy
+
+
 # ---------------------------------------------------------------------- rematerialization
 
 def call_layer(layer: nnx.Module, *args: Any, remat: str) -> Any:
     """`layer(*args)`, recomputing its activations in the backward pass under policy `remat`
     ("none" keeps them; "full" saves nothing; "dots" saves matmul outputs). Arguments and results
-    may be pytrees of arrays (MoE layers also return router statistics)."""
+    may be pytrees of arrays (MoE layers also return router statistics).
+
+    Under FSDP the layer's sharded weights are gathered first, inside the rematerialized
+    function, and never saved for the backward whatever the policy: the backward gathers them
+    again, so only the running layer's whole weights are live (ZeRO-3), at the price of a
+    second all-gather per layer; with remat "none" everything else is kept as without FSDP."""
+    if fsdp_sharded(layer):
+        policy = REMAT_POLICIES.get(remat, jax.checkpoint_policies.everything_saveable)
+        return nnx.remat(lambda m, *a: fsdp_gathered(m)(*a),
+                         policy=unless_gathered(policy))(layer, *args)
     if remat == "none":
         return layer(*args)
     return nnx.remat(lambda m, *a: m(*a), policy=REMAT_POLICIES[remat])(layer, *args)
+
+
+def unless_gathered(policy: Callable[..., bool]) -> Callable[..., bool]:
+    """`policy`, except that the output of an all-gather (the whole weights FSDP gathers; no
+    layer gathers anything else) is never saved: the backward gathers again from the shard,
+    which is saved as the layer's input. (Naming the gathered value would not do: under a
+    policy that saves everything, the all-gather's own output would be kept in its place.)"""
+
+    def decide(prim: Any, *args: Any, **params: Any) -> bool:
+        return prim.name != "all_gather" and policy(prim, *args, **params)
+
+    return decide

@@ -36,10 +36,12 @@ class RuntimeConfig:
     "sequential", "parallel", or "auto" to pick by the documented rule).
 
     `tensor_parallel_axis` and `data_parallel_axis` are set by
-    `jtree.train_step.tensor_parallel_graphdef` for the copy of the model that runs inside
+    `jtree.train_step.sharded_graphdef` for the copy of the model that runs inside
     `shard_map`: weights are then this device's shard and partial sums are reduced over the
-    tensor-parallel axis, and batch statistics (the MoE router loss) are pooled over the data
-    axis. Leave them unset everywhere else.
+    tensor-parallel axis, and batch statistics (the MoE router loss) are pooled over the
+    data-parallel axes (every axis the rows are split over: `data` and `fsdp`). Leave them unset
+    everywhere else. (Which weights FSDP gathers is per parameter: Variable metadata, see
+    `jtree.models.layers.fsdp_gathered`.)
 
     `expert_dispatch` chooses how a MoE block runs its experts under tensor parallelism
     (`jtree.models.moe`): "psum" routes every token on every device of the model group and sums
@@ -54,7 +56,7 @@ class RuntimeConfig:
     remat: str = "none"
     gdn_scan: str = "auto"
     tensor_parallel_axis: str | None = None
-    data_parallel_axis: str | None = None
+    data_parallel_axis: str | tuple[str, ...] | None = None
     expert_dispatch: str = "psum"
 
     def __post_init__(self) -> None:

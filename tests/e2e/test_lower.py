@@ -20,7 +20,7 @@ def test_tiny_step_lowers_for_accelerators(platform):
          "model.num_hidden_layers=1"],
         cwd=WORKTREE, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"for {platform}:" in proc.stdout and "mesh data=2 x model=2" in proc.stdout
+    assert f"for {platform}:" in proc.stdout and "mesh data=2 x fsdp=1 x model=2" in proc.stdout
     assert "all_reduce" in proc.stdout  # tensor- and data-parallel collectives are in the module
     # `auto` resolves for the target, not for this CPU host: never the C++ kernel's custom call
     assert "attention xla;" in proc.stdout and "jtree_tree_attention" not in proc.stdout
@@ -41,5 +41,6 @@ def test_moe_and_next_configs_lower_for_tpu_at_full_width(config, overrides):
          "--platform", "tpu", "--devices", "8", *overrides],
         cwd=WORKTREE, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "for tpu:" in proc.stdout and "mesh data=1 x model=8" in proc.stdout, proc.stdout
+    assert "for tpu:" in proc.stdout, proc.stdout
+    assert "mesh data=1 x fsdp=1 x model=8" in proc.stdout, proc.stdout
     assert "all_reduce" in proc.stdout

@@ -80,6 +80,13 @@ with tempfile.TemporaryDirectory() as d:
     _, rep = jtree.hf.load(d, shardings=lambda name, shape: replicated)
     assert all(v.sharding.is_fully_replicated for v in params(rep).values())
 
+    # An FSDP mesh: the same rules, every parameter of 2+ dimensions also split over `fsdp`.
+    fsdp_mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "model"))
+    _, fsdp = jtree.hf.load(d, tiny_runtime(), mesh=fsdp_mesh)
+    for name, value in params(fsdp).items():
+        assert (value.ndim >= 2) == ("fsdp" in value.sharding.spec), (name, value.sharding)
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(params(plain)[name]))
+
     # Errors name the parameter or the axis.
     try:
         jtree.hf.load(d, mesh=Mesh(np.array(jax.devices()).reshape(8), ("data",)))

@@ -69,6 +69,7 @@ def test_moe_and_next_sections_validate_with_their_key_paths():
         (["data.on_bad_record=ignore"], r"data\.on_bad_record: 'ignore' is not one of"),
         (["data.micro_batches=0"], r"data: micro_batches: 0 must be >= 1"),
         (["mesh.model=0"], r"mesh: model: 0 must be >= 1"),
+        (["mesh.fsdp=0"], r"mesh: fsdp: 0 must be >= 1"),
         (["mesh.pipeline=2"], r"mesh\.pipeline: unknown config key"),
         (["checkpoint.every=0"], r"checkpoint: every \(0\) and keep"),
         (["checkpoint.dir=[1]"], r"checkpoint\.dir: "),

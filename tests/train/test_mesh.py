@@ -1,13 +1,15 @@
-"""One train step over ('data', 'model') meshes of 8 host devices equals the single-device step.
+"""One train step over ('data', 'fsdp', 'model') meshes of 8 host devices equals the single-device
+step.
 
 The meshes run in a subprocess (`tests/mesh_worker.py`) because the device count is fixed when jax
-creates its CPU backend. A case is `model:mode:objective:DxM`, model `dense` (Qwen3), `moe`
-(Qwen3-MoE: expert parallel, router loss pooled over the data shards) or `next` (Qwen3-Next: Gated
-DeltaNet heads split, gated attention, shared expert); `dense_cpu` is Qwen3 with the C++ `cpu`
-attention kernel. Float32, docs/design.md tolerances: loss,
+creates its CPU backend. A case is `model:mode:objective:DxFxM` (data x fsdp x model), model
+`dense` (Qwen3), `moe` (Qwen3-MoE: expert parallel, router loss pooled over the data shards) or
+`next` (Qwen3-Next: Gated DeltaNet heads split, gated attention, shared expert); `dense_cpu` is
+Qwen3 with the C++ `cpu` attention kernel. Float32, docs/design.md tolerances: loss,
 gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
 2 kv heads on a 4-way model axis exercise replicated KV heads; every case exercises the
-vocab-parallel embedding and loss.
+vocab-parallel embedding and loss. FSDP meshes mix the axes: (1, 8, 1), (2, 4, 1), (1, 4, 2) and
+(2, 2, 2), every parameter of two or more dimensions sharded over `fsdp` and gathered per layer.
 """
 
 import json
@@ -19,7 +21,8 @@ import pytest
 
 from tests.run_util import WORKTREE
 
-MESHES = ("8x1", "4x2", "2x4")
+MESHES = ("8x1x1", "4x1x2", "2x1x4")
+FSDP_MESHES = ("1x8x1", "2x4x1", "1x4x2", "2x2x2")
 
 
 def run_cases(cases: list[str]) -> list[dict]:
@@ -37,28 +40,44 @@ def check(result: dict) -> None:
     assert result["grad_norm_rel"] <= 1e-5, result
     assert result["grads_rel_l2"] <= 1e-5, result
     assert result["params_rel_l2"] <= 1e-5, result
-    if not result["case"].endswith("x1"):
-        assert result["sharded_leaves"] > 0, result  # tensor parallel really split weights
+    _, fsdp, model = (int(x) for x in result["case"].split(":")[3].split("x"))
+    if model > 1:
+        assert result["model_sharded"] > 0, result  # tensor parallel really split weights
+    if fsdp > 1:  # FSDP split every parameter but the 1-D ones (norms)
+        assert result["fsdp_sharded"] >= result["leaves"] // 2, result
+    if fsdp * model == 8:  # no replicas: a device holds 1/8 of the state plus 1-D tensors
+        assert result["replicated_max_ndim"] <= 1, result
+        assert result["device0_bytes"] <= result["state_bytes"] / 8 + result["replicated_bytes"]
 
 
 def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
     # The full dense/MoE x tree/baseline x (8,1)/(4,2)/(2,4) matrix with the SFT objective, plus
-    # PPO on both models, Qwen3-Next on one tensor-parallel mesh and a checkpoint resharded
-    # across meshes. Next's full matrix runs in the slow test below.
+    # PPO on both models, Qwen3-Next on one tensor-parallel mesh, FSDP alone and FSDP mixed with
+    # data and tensor parallelism, and a checkpoint resharded across tensor-parallel and FSDP
+    # meshes. Next's full matrix and the FSDP sweep run in the slow tests below.
     cases = [f"{model}:{mode}:sft:{mesh}" for model in ("dense", "moe")
              for mode in ("tree", "baseline") for mesh in MESHES]
-    cases += ["moe:tree:ppo:2x4", "dense:baseline:ppo:4x2", "next:tree:sft:2x4",
-              "dense_cpu:tree:sft:4x2"]
+    cases += ["moe:tree:ppo:2x1x4", "dense:baseline:ppo:4x1x2", "next:tree:sft:2x1x4",
+              "dense_cpu:tree:sft:4x1x2", "dense:tree:sft:1x8x1", "moe:tree:ppo:2x2x2"]
     step_results = run_cases(cases + [f"restore:{tmp_path}/ckpt"])
     for result in step_results[:-1]:
         check(result)
     restore = step_results[-1]
-    assert restore["equal"] and restore["resharded"], restore  # (4, 2) -> (2, 4) and (8, 1)
+    assert restore["equal"] and restore["resharded"], restore  # (2,2,2) -> TP, DP, FSDP meshes
 
 
 @pytest.mark.slow
 def test_next_on_every_mesh_and_ppo_on_every_model():
     cases = [f"next:{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in MESHES]
-    cases += [f"{model}:tree:ppo:4x2" for model in ("dense", "moe", "next")]
-    for result in run_cases(cases + ["dense:baseline:ppo:2x4"]):
+    cases += [f"{model}:tree:ppo:4x1x2" for model in ("dense", "moe", "next")]
+    for result in run_cases(cases + ["dense:baseline:ppo:2x1x4"]):
+        check(result)
+
+
+@pytest.mark.slow
+def test_fsdp_meshes_for_every_model_mode_and_objective():
+    cases = [f"{model}:{mode}:{objective}:{mesh}" for model in ("dense", "moe", "next")
+             for mode in ("tree", "baseline") for objective in ("sft", "ppo")
+             for mesh in FSDP_MESHES]
+    for result in run_cases(cases):
         check(result)

@@ -83,7 +83,7 @@ def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(groups_file, 
                                     f"checkpoint.dir={straight}",
                                     f"run.metrics_jsonl={straight}/metrics.jsonl"], log, env), log)
     assert code == 0, err[-3000:]
-    assert "model: qwen3_moe" in out and "mesh data=1 x model=2" in out
+    assert "model: qwen3_moe" in out and "mesh data=1 x fsdp=1 x model=2" in out
     history = _kill_resume_and_compare(tmp_path, common, straight, 1, env, workers=0)
     assert all(r["aux_loss"] > 0 for r in history)  # the router loss is part of the objective
 

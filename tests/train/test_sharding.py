@@ -1,4 +1,5 @@
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -8,17 +9,20 @@ from jax.sharding import PartitionSpec as P
 from jtree.linearize import linearize
 from jtree.models import architecture, create_model
 from jtree.sharding import (
-    MeshConfig, make_mesh, param_path, param_rules, param_specs,
+    AXES, MeshConfig, fsdp_spec, make_mesh, named, param_path, param_rules, param_specs,
 )
-from jtree.train_step import Objective, make_grad_fn, stack_microbatches
+from jtree.train_step import (
+    Objective, OptimConfig, TrainState, make_grad_fn, make_optimizer, stack_microbatches,
+    state_shardings,
+)
 from tests.models_util import (
     rel_l2, tiny_config, tiny_lm, tiny_model, tiny_moe_config, tiny_next_config, tiny_runtime,
 )
 from tests.strategies import explicit_tree, random_forest
 
 
-def _abstract_mesh(data, model):
-    return AbstractMesh((data, model), ("data", "model"))
+def _abstract_mesh(data, model, fsdp=1):
+    return AbstractMesh((data, fsdp, model), AXES)
 
 
 def test_dense_rules_split_heads_mlp_and_vocab():
@@ -53,9 +57,71 @@ def test_rules_reject_shapes_the_mesh_cannot_split():
 
 
 def test_mesh_shape_must_match_devices():
-    assert make_mesh(MeshConfig()).shape == {"data": jax.device_count(), "model": 1}
-    with pytest.raises(ValueError, match=r"mesh: data=3 x model=1 does not match"):
+    assert make_mesh(MeshConfig()).shape == {"data": jax.device_count(), "fsdp": 1, "model": 1}
+    with pytest.raises(ValueError, match=r"mesh.data=3: data=3 x fsdp=1 x model=1 does not match"):
         make_mesh(MeshConfig(data=3))
+    devices = [jax.devices()[0]] * 8  # a mesh's shape is checked before its devices are used
+    with pytest.raises(ValueError, match=r"^mesh.fsdp=3 \(x mesh.model=1\) does not divide the 8"):
+        make_mesh(MeshConfig(fsdp=3), devices)
+    with pytest.raises(ValueError, match=r"^mesh.model=3 does not divide the 8 devices"):
+        make_mesh(MeshConfig(model=3), devices)
+    with pytest.raises(ValueError, match=r"^fsdp: 0 must be >= 1"):
+        MeshConfig(fsdp=0)
+
+
+def test_fsdp_adds_its_axis_to_one_dimension_the_rule_leaves_whole():
+    assert fsdp_spec(P(None, "model"), (32, 64), 8) == P("fsdp", "model")
+    assert fsdp_spec(P("model", None), (64, 32), 8) == P("model", "fsdp")
+    assert fsdp_spec(P("model", None, None), (8, 48, 32), 4) == P("model", "fsdp", None)
+    assert fsdp_spec(P(), (6, 32), 4) == P(None, "fsdp")  # 6 is not divisible: the next one
+    assert fsdp_spec(P(), (32,), 8) == P()  # 1-D: replicated
+    assert fsdp_spec(P(None, "model"), (32, 64), 1) == P(None, "model")  # no FSDP
+    # A stacked layer axis (leading) is never split, and a stacked norm stays replicated.
+    assert (fsdp_spec(P(None, None, "model"), (8, 32, 64), 8, leading=1)
+            == P(None, "fsdp", "model"))
+    assert fsdp_spec(P(), (8, 32), 8, leading=1) == P()
+    with pytest.raises(ValueError, match=r"^model/w: no dimension of shape \(6, 12\) that spec "
+                                         r"P\(None, 'model'\) leaves whole is "
+                                         r"divisible by mesh.fsdp=4"):
+        fsdp_spec(P(None, "model"), (6, 12), 4, name="model/w")
+
+
+def test_fsdp_mesh_rejects_a_parameter_it_cannot_split():
+    # vocab 60 x hidden 36: neither divisible by mesh.fsdp=8; the error names the parameter.
+    cfg = tiny_config(vocab_size=60, hidden_size=36)
+    params = nnx.split(nnx.eval_shape(lambda: create_model("qwen3", cfg, tiny_runtime())))[1]
+    with pytest.raises(ValueError, match=r"^lm_head/kernel: no dimension of shape "
+                                         r"\(36, 60\).*mesh.fsdp=8"):
+        param_specs(params, param_rules(cfg, 1), _abstract_mesh(1, 1, fsdp=8))
+    with pytest.raises(ValueError, match=r"lm_head/kernel: dimension 60 is not divisible by "
+                                         r"mesh.model=8"):
+        param_specs(params, [(r"lm_head", P(None, "model")), (".", P())], _abstract_mesh(1, 8))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen3_next"])
+def test_fsdp_shards_parameters_and_optimizer_state(arch):
+    """On a (1, 8, 1) mesh each device holds at most 1/8 of the parameters and AdamW moments
+    plus the tensors FSDP leaves replicated (1-D: norms, biases, scalars), read from the
+    shardings the trainer gives the TrainState."""
+    cfg = {"qwen3": tiny_config, "qwen3_moe": tiny_moe_config,
+           "qwen3_next": tiny_next_config}[arch]()
+    params = nnx.split(nnx.eval_shape(lambda: create_model(arch, cfg, tiny_runtime())))[1]
+    mesh = _abstract_mesh(1, 1, fsdp=8)
+    opt = make_optimizer(OptimConfig())
+    shardings = state_shardings(opt, params, named(mesh, param_specs(
+        params, param_rules(cfg, 1), mesh)), mesh)
+    state = jax.eval_shape(lambda p: TrainState(p, opt.init(p), jnp.zeros((), jnp.int32)), params)
+    leaves = list(zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(shardings)))
+    total = per_device = replicated = 0
+    for x, sharding in leaves:
+        nbytes = x.size * x.dtype.itemsize
+        total += nbytes
+        per_device += int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
+        if sharding.is_fully_replicated:
+            assert x.ndim <= 1, (x.shape, sharding)  # only small tensors stay whole
+            replicated += nbytes
+    assert per_device <= total / 8 + replicated
+    assert replicated < total / 20  # and they are small
 
 
 def test_remat_policies_leave_gradients_unchanged():
