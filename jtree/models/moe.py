@@ -226,7 +226,7 @@ def router_load(stats: list[RouterStats], token_weight: jax.Array,
 
 
 def load_balancing_loss(stats: list[RouterStats], token_weight: jax.Array, num_experts: int,
-                        data_axis: str | None = None,
+                        data_axis: str | tuple[str, ...] | None = None,
                         pooled: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """HF's Switch-style aux loss pooled over layers, each token weighted by `token_weight` [N]
     (the path multiplicity on tree batches; 0 on padding). See the module docstring; with
