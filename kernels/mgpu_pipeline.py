@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jtree.kernels.block_tables import PARTIAL
+from jtree.kernels.vma import varying_like
 
 WG_ROWS = 64  # rows of one wgmma tile per warpgroup (the M dimension of wgmma)
 CONSUMERS = 2  # compute warpgroups per CTA
@@ -203,16 +204,25 @@ def store_tiles(pairs: Sequence[tuple[Any, Any]]) -> None:
 
 def launch(kernel: Callable[..., None], out_type: Any, scratch: Sequence[Any],
            grid: tuple[int, int, int], grid_names: tuple[str, str, str], interpret: Any) -> Any:
-    """A warp-specialized plgpu.kernel: CONSUMERS compute warpgroups plus one TMA warpgroup."""
-    return plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        scratch_types=list(scratch),
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
-    )
+    """A warp-specialized plgpu.kernel: CONSUMERS compute warpgroups plus one TMA warpgroup.
+
+    `plgpu.kernel` types its outputs as invariant across mesh axes whatever its inputs are; inside
+    `shard_map` they are cast to vary like the inputs (`jtree.kernels.vma`), which the custom_vjp
+    needs of its cotangents."""
+
+    def call(*args: jax.Array) -> Any:
+        outs = plgpu.kernel(
+            kernel,
+            out_type=out_type,
+            scratch_types=list(scratch),
+            grid=grid,
+            grid_names=grid_names,
+            num_threads=CONSUMERS + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(
+                approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            interpret=interpret,
+        )(*args)
+        return varying_like(outs, *args)
+
+    return call

@@ -200,3 +200,22 @@ def test_rejects_what_the_kernel_cannot_honour(dtype, head_dim, kw, match):
     end = jnp.arange(1, 129, dtype=jnp.int32)[None]
     with pytest.raises(ValueError, match=match):
         attention_mgpu(x, x, x, end, scale=1.0, **kw)
+
+
+def test_traces_forward_and_backward_inside_shard_map():
+    """Inside `shard_map(check_vma=True)` (the sharded train step), the kernels' outputs must vary
+    over the mesh axes their inputs vary over, or the custom_vjp rejects the cotangents."""
+    mesh = jax.make_mesh((1, 1), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = jnp.zeros((2, 128, 2, 64), jnp.bfloat16)
+    end = jnp.full((2, 128), 128, jnp.int32)
+
+    def loss(q, k, v, end):
+        out = tree_attention(q, k, v, TreeMask(end), impl="pallas_mosaic_gpu")
+        return jax.lax.psum(jnp.sum(out.astype(jnp.float32)), "data")
+
+    spec = jax.sharding.PartitionSpec("data")
+    step = jax.shard_map(jax.value_and_grad(loss, argnums=(0, 1, 2)), mesh=mesh,
+                         in_specs=(spec,) * 4, out_specs=(jax.sharding.PartitionSpec(), (spec,) * 3))
+    out_avals = jax.jit(step).trace(x, x, x, end).jaxpr.out_avals
+    assert [a.shape for a in out_avals] == [(), x.shape, x.shape, x.shape]
