@@ -137,14 +137,15 @@ def matmul(a: Any, b: Any, shape: tuple[int, int]) -> jax.Array:
 
 
 def tree_mask_tile(
-    q_start: jax.Array, k_start: jax.Array, end: jax.Array, shape: tuple[int, int], key_axis: int
+    q_pos: jax.Array, k_start: jax.Array, end: jax.Array, shape: tuple[int, int], key_axis: int
 ) -> jax.Array:
-    """Element mask of a score tile: query i sees key j iff j <= i < end[j].
+    """Element mask of a score tile: query i sees key j iff j <= q_pos[i] < end[j].
 
-    `end` holds end[j] of the tile's keys (1-D, along `key_axis`); queries run along the other axis.
+    `q_pos` holds the key positions of the tile's queries and `end` end[j] of its keys (1-D each;
+    keys along `key_axis`, queries along the other axis); the keys are k_start, k_start + 1, ...
     """
     query_axis = 1 - key_axis
-    qi = q_start + lax.broadcasted_iota(jnp.int32, shape, query_axis)
+    qi = lax.broadcast_in_dim(q_pos, shape, [query_axis])
     kj = k_start + lax.broadcasted_iota(jnp.int32, shape, key_axis)
     ends = lax.broadcast_in_dim(end, shape, [key_axis])
     return (kj <= qi) & (qi < ends)
