@@ -10,7 +10,7 @@
 - Prefix calls (a part attending to cached prefix keys): the own queries' outputs and dq, and dk,
   dv of every key, against the square reference of the whole layout.
 - Lowering: `jax.export` for `cuda` runs the real Pallas -> Mosaic GPU lowering (SMEM limits, TMA
-  rules, unsupported primitives) at a realistic size.
+  rules, unsupported primitives) at a realistic size, with and without a prefix.
 - Errors for what the kernels cannot honour.
 """
 
@@ -196,6 +196,19 @@ def test_lowers_for_cuda_forward_and_backward_at_8k(q_heads, kv_heads, head_dim,
     assert _export(attend, *shapes) == ["mosaic_gpu_v2"]
     loss = lambda q, k, v, e: jnp.sum(attend(q, k, v, e).astype(jnp.float32) ** 2)
     assert _export(jax.grad(loss, argnums=(0, 1, 2)), *shapes) == ["mosaic_gpu_v2"] * 3
+
+
+def test_prefix_call_lowers_for_cuda_forward_and_backward():
+    """A part of 8000 own tokens over 1000 cached prefix keys (Sq 8064, Skv 9088 once padded)."""
+    p, s = 1000, 8000
+    shapes = [((1, s, 8, 128), jnp.bfloat16), ((1, s, 2, 128), jnp.bfloat16),
+              ((1, s, 2, 128), jnp.bfloat16), ((1, p, 2, 128), jnp.bfloat16),
+              ((1, p, 2, 128), jnp.bfloat16), ((1, s), jnp.int32), ((1, p), jnp.int32)]
+    attend = lambda q, k, v, pk, pv, e, pe: tree_attention(
+        q, k, v, TreeMask(e, pe), impl="pallas_mosaic_gpu", prefix_k=pk, prefix_v=pv)
+    assert _export(attend, *shapes) == ["mosaic_gpu_v2"]
+    loss = lambda *a: jnp.sum(attend(*a).astype(jnp.float32) ** 2)
+    assert _export(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *shapes) == ["mosaic_gpu_v2"] * 3
 
 
 def test_head_dim_256_lowers_forward_and_backward_raises_on_smem():
