@@ -94,7 +94,9 @@ def _branching_trees_end():
     return jnp.asarray(linearize(trees, SEQ_MULTIPLE).inputs.mask.end)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+# float16 is slow-marked to keep the default suite's interpreter time down; the slow
+# `mgpu_interpret` run (tests/e2e/test_entry_points.py) covers it too, with and without a prefix.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
 def test_gqa_head_pairs_forward_backward_in_interpreter(tmp_path, dtype):
     """GQA group 2: each CTA holds the same 64 positions of two q heads (head packing); the dK/dV
     kernel sums both heads of the group. Production defaults: block_kv 128, both wgmma dtypes."""
