@@ -7,9 +7,13 @@ mask, PARTIAL blocks apply j <= i < end[j] in-kernel. Forward saves only O and t
 the backward is a dQ kernel over the kv lists and a dK/dV kernel over the transposed q lists.
 See `mgpu_forward.py`, `mgpu_backward.py` and `mgpu_pipeline.py` for the kernels themselves.
 
+Rectangular layouts (a part attending to cached prefix keys): queries at key positions `q_pos`,
+read by the element mask and by the block tables, as in `attention_tpu`.
+
 Inputs must be bf16 or f16 (what wgmma multiplies), head_dim a multiple of 64 (the 128-byte
-swizzled SMEM tile) and small enough for the SMEM budget; anything else raises ValueError.
-S is padded to a multiple of 128 with keys nobody sees (exact), and sliced back.
+swizzled SMEM tile) and small enough for the SMEM budget; anything else raises ValueError. The
+query and key lengths must be multiples of 128 (`padded_length(s)`: `tree_attention` pads them
+with tokens nobody sees).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jtree.kernels.block_tables import block_tables
+from jtree.kernels.block_tables import block_tables, round_up_to_blocks
 from jtree.kernels.mgpu_backward import (
     DKV_BLOCK_KV,
     DKV_BLOCK_Q,
@@ -61,15 +65,23 @@ def attention_mgpu(
     block_kv: int | None = None,
     stages: int = 2,
     interpret: Any = None,
+    q_pos: jax.Array | None = None,
 ) -> jax.Array:
-    """Tree attention of q [rows, S, Hq, D] over k, v [rows, S, Hkv, D] on Hopper.
+    """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] on Hopper (see
+    `tree_attention`; Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query).
 
     `block_kv` is the forward kv tile (default 128 for head_dim <= 128, else 64); `stages` the
     depth of the TMA ring. `interpret` is passed to `plgpu.kernel` (an `InterpretGPUParams` runs
     the kernels in the Mosaic GPU interpreter on CPU).
     """
-    head_dim = q.shape[-1]
+    rows, sq, _, head_dim = q.shape
+    skv = k.shape[1]
     _check_operands(q, k, v)
+    if q_pos is None and sq != skv:
+        raise ValueError(f"pallas_mosaic_gpu: {sq} queries over {skv} keys need q_pos")
+    if sq % SEQ_MULTIPLE or skv % SEQ_MULTIPLE:
+        raise ValueError(f"pallas_mosaic_gpu: Sq={sq} and Skv={skv} must be multiples of "
+                         f"{SEQ_MULTIPLE} (tree_attention pads them; call it instead)")
     if block_kv is None:
         block_kv = 128 if head_dim <= 128 else 64
     if block_kv % 64 or SEQ_MULTIPLE % block_kv:
@@ -77,20 +89,23 @@ def attention_mgpu(
                          f"swizzled tile dividing {SEQ_MULTIPLE})")
     if stages < 1:
         raise ValueError(f"stages={stages}: need at least one pipeline stage")
-    seq = q.shape[1]
-    padded = seq + (-seq % SEQ_MULTIPLE)
-    _check_smem("forward", forward_buffers(padded, head_dim, block_kv, stages, q.dtype))
+    _check_smem("forward", forward_buffers(skv, head_dim, block_kv, stages, q.dtype))
     group = q.shape[2] // k.shape[2]
     static = _Static(float(scale), None if softcap is None else float(softcap), block_kv, stages,
                      2 if group % 2 == 0 else 1, interpret)
-    pad = padded - seq
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-        # Padding keys see only their own query: no real query (i < seq <= j) ever sees them.
-        pad_end = jnp.broadcast_to(jnp.arange(seq + 1, seq + pad + 1, dtype=end.dtype),
-                                   (end.shape[0], pad))
-        end = jnp.concatenate([end, pad_end], axis=1)
-    return _attention(q, k, v, end.astype(jnp.int32), static)[:, :seq]
+    if q_pos is None:
+        q_pos = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (rows, sq))
+    return _attention(q, k, v, jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32), static)
+
+
+def padded_length(s: int, **_options) -> int:
+    """The length `tree_attention` pads S to: a multiple of every kernel's blocks."""
+    return round_up_to_blocks(s, SEQ_MULTIPLE, SEQ_MULTIPLE)
+
+
+def padded_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
+    """(Sq', Skv') `tree_attention` pads a call with a prefix to."""
+    return padded_length(sq), padded_length(skv)
 
 
 def handles(dtype: Any, head_dim: int) -> bool:
@@ -137,46 +152,46 @@ def _transposed(x: jax.Array) -> jax.Array:
     return jnp.transpose(x, (0, 2, 3, 1))
 
 
-def _forward(q, k, v, end, st: _Static):
+def _forward(q, k, v, end, q_pos, st: _Static):
     block_q = SEQ_MULTIPLE // st.heads_per_cta
-    tables = block_tables(end, block_q, st.block_kv)
+    tables = block_tables(end, block_q, st.block_kv, q_pos=q_pos)
     return forward_call(
-        q, _transposed(k), v, end, _list_table(tables.kv_blocks, tables.kv_kind), tables.kv_count,
-        block_kv=st.block_kv, stages=st.stages, heads_per_cta=st.heads_per_cta,
+        q, _transposed(k), v, end, q_pos, _list_table(tables.kv_blocks, tables.kv_kind),
+        tables.kv_count, block_kv=st.block_kv, stages=st.stages, heads_per_cta=st.heads_per_cta,
         scale=st.scale, softcap=st.softcap, interpret=st.interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, end, st: _Static):
-    return _forward(q, k, v, end, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, end, q_pos, st: _Static):
+    return _forward(q, k, v, end, q_pos, st)[0]
 
 
-def _attention_fwd(q, k, v, end, st: _Static):
-    out, lse = _forward(q, k, v, end, st)
-    return out, (q, k, v, end, out, lse)
+def _attention_fwd(q, k, v, end, q_pos, st: _Static):
+    out, lse = _forward(q, k, v, end, q_pos, st)
+    return out, (q, k, v, end, q_pos, out, lse)
 
 
 def _attention_bwd(st: _Static, residuals, d_out):
-    q, k, v, end, out, lse = residuals
-    _, seq, _, head_dim = q.shape
-    _check_smem("dq", dq_buffers(seq, head_dim, st.stages, q.dtype))
-    _check_smem("dkv", dkv_buffers(seq, head_dim, st.stages, q.dtype))
+    q, k, v, end, q_pos, out, lse = residuals
+    sq, skv, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    _check_smem("dq", dq_buffers(skv, head_dim, st.stages, q.dtype))
+    _check_smem("dkv", dkv_buffers(sq, head_dim, st.stages, q.dtype))
     d_out = d_out.astype(q.dtype)
     # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: the softmax Jacobian's row term, O(S) memory.
     delta = jnp.einsum("rshd,rshd->rhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
     block_q = SEQ_MULTIPLE // st.heads_per_cta
-    kv_lists = block_tables(end, block_q, DQ_BLOCK_KV)
+    kv_lists = block_tables(end, block_q, DQ_BLOCK_KV, q_pos=q_pos)
     d_q = dq_call(
-        q, d_out, lse, delta, _transposed(k), _transposed(v), k, end,
+        q, d_out, lse, delta, _transposed(k), _transposed(v), k, end, q_pos,
         _list_table(kv_lists.kv_blocks, kv_lists.kv_kind), kv_lists.kv_count,
         stages=st.stages, heads_per_cta=st.heads_per_cta, scale=st.scale, softcap=st.softcap,
         interpret=st.interpret)
-    q_lists = block_tables(end, DKV_BLOCK_Q, DKV_BLOCK_KV)
+    q_lists = block_tables(end, DKV_BLOCK_Q, DKV_BLOCK_KV, q_pos=q_pos)
     d_k, d_v = dkv_call(
-        _transposed(q), _transposed(d_out), q, d_out, lse, delta, k, v, end,
+        _transposed(q), _transposed(d_out), q, d_out, lse, delta, k, v, end, q_pos,
         _list_table(q_lists.q_blocks, q_lists.q_kind), q_lists.q_count,
         stages=st.stages, scale=st.scale, softcap=st.softcap, interpret=st.interpret)
-    return d_q, d_k, d_v, None
+    return d_q, d_k, d_v, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

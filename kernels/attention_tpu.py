@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jtree.kernels.block_tables import FULL, PARTIAL, block_tables, round_up_to_blocks
+from jtree.kernels.vma import varying_struct
 
 DEFAULT_BLOCK = 128
 LANES = 128
@@ -312,8 +313,8 @@ def _forward(q, k, v, end, q_pos, kv_table, cfg: _Config):
         grid=(rows, hq, s // bq, kv_table.shape[2]), cfg=cfg,
         in_specs=[specs.q, specs.kv, specs.kv, specs.end, specs.qpos],
         out_specs=[specs.q, specs.row],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((rows, hq, 1, s), jnp.float32)],
+        out_shape=[varying_struct(q.shape, q.dtype, kv_table, q, k, v, end, q_pos),
+                   varying_struct((rows, hq, 1, s), jnp.float32, kv_table, q, k, v, end, q_pos)],
         scratch=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
                  pltpu.VMEM((bq, d), jnp.float32)],
     )(kv_table, q, k, v, end, q_pos)
@@ -364,7 +365,8 @@ def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, kv_table, cfg: _Config)
         in_specs=[specs.q, specs.kv, specs.kv, specs.end, specs.qpos, specs.q, specs.row,
                   specs.row],
         out_specs=specs.q,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=varying_struct(q.shape, q.dtype, kv_table, q, k, v, end, q_pos, d_out, lse,
+                                 delta),
         scratch=[pltpu.VMEM((cfg.block_q, d), jnp.float32)],
     )(kv_table, q, k, v, end, q_pos, d_out, lse, delta)
 
@@ -421,7 +423,8 @@ def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, q_table, cfg: _Config)
         in_specs=[specs.q, specs.kv, specs.kv, specs.end, specs.qpos, specs.q, specs.row,
                   specs.row],
         out_specs=[specs.kv, specs.kv],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[varying_struct(x.shape, x.dtype, q_table, q, k, v, end, q_pos, d_out, lse, delta)
+                   for x in (k, v)],
         scratch=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)],
         accumulating=2,  # the query heads of the group and the q-block list
     )(q_table, q, k, v, end, q_pos, d_out, lse, delta)

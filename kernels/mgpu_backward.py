@@ -12,7 +12,10 @@ Both kernels recompute P = exp2(t - lse) from the saved base-2 log-sum-exp (no S
 - dK/dV: CTA per (row, kv head, 128-key block; 64 keys per consumer); the work list is every q
   head of the GQA group times the kv-block's q list, so dK and dV are summed over the group in
   registers and written once per kv head. In the transposed frame: S^T = K Q^T,
-  dV += P^T dO, dP^T = V dO^T, dK += dS^T Q; streams Q^T, dO^T, Q, dO, lse, delta.
+  dV += P^T dO, dP^T = V dO^T, dK += dS^T Q; streams Q^T, dO^T, Q, dO, lse, delta (and the
+  queries' key positions q_pos on PARTIAL blocks).
+Rectangular layouts (queries at key positions q_pos, see `mgpu_forward`) run unchanged: the dQ
+kernel loads its queries' positions with its Q tile.
 """
 
 from __future__ import annotations
@@ -52,15 +55,16 @@ DKV_BLOCK_Q = 64  # q tile of the dK/dV kernel (four streamed operands per block
 DKV_BLOCK_KV = CONSUMERS * WG_ROWS  # keys per dK/dV CTA
 
 
-def dq_buffers(seq: int, head_dim: int, stages: int, dtype: Any) -> dict[str, Any]:
+def dq_buffers(kv_len: int, head_dim: int, stages: int, dtype: Any) -> dict[str, Any]:
     """SMEM buffers of the dQ kernel."""
     per_wg = (CONSUMERS, WG_ROWS, head_dim)
     return dict(
-        table=list_buffer(seq // DQ_BLOCK_KV),
+        table=list_buffer(kv_len // DQ_BLOCK_KV),
         q=tiled_smem(per_wg, dtype),  # reused for the dQ output
         do=tiled_smem(per_wg, dtype),
         lse=plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
         delta=plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
+        qpos=plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.int32),
         kt=tiled_smem((stages, head_dim, DQ_BLOCK_KV), dtype),
         vt=tiled_smem((stages, head_dim, DQ_BLOCK_KV), dtype),
         k=tiled_smem((stages, DQ_BLOCK_KV, head_dim), dtype),
@@ -69,11 +73,11 @@ def dq_buffers(seq: int, head_dim: int, stages: int, dtype: Any) -> dict[str, An
     )
 
 
-def dkv_buffers(seq: int, head_dim: int, stages: int, dtype: Any) -> dict[str, Any]:
+def dkv_buffers(q_len: int, head_dim: int, stages: int, dtype: Any) -> dict[str, Any]:
     """SMEM buffers of the dK/dV kernel."""
     per_wg = (CONSUMERS, WG_ROWS, head_dim)
     return dict(
-        table=list_buffer(seq // DKV_BLOCK_Q),
+        table=list_buffer(q_len // DKV_BLOCK_Q),
         k=tiled_smem(per_wg, dtype),  # reused for the dK output
         v=tiled_smem(per_wg, dtype),  # reused for the dV output
         end=plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.int32),
@@ -83,6 +87,7 @@ def dkv_buffers(seq: int, head_dim: int, stages: int, dtype: Any) -> dict[str, A
         do=tiled_smem((stages, DKV_BLOCK_Q, head_dim), dtype),
         lse=plgpu.SMEM((stages, DKV_BLOCK_Q), jnp.float32),
         delta=plgpu.SMEM((stages, DKV_BLOCK_Q), jnp.float32),
+        qpos=plgpu.SMEM((stages, DKV_BLOCK_Q), jnp.int32),
         pt=tiled_smem((CONSUMERS, WG_ROWS, DKV_BLOCK_Q), dtype),  # P^T, then dS^T
     )
 
@@ -97,16 +102,16 @@ def _ring_barriers(names: tuple[str, ...], stages: int, resident: int) -> dict[s
     return bars
 
 
-def dq_call(q, do, lse, delta, k_t, v_t, k, end, table, count, *, stages: int,
+def dq_call(q, do, lse, delta, k_t, v_t, k, end, q_pos, table, count, *, stages: int,
             heads_per_cta: int, scale: float, softcap: float | None, interpret: Any) -> jax.Array:
-    """dQ [rows, S, Hq, D]. `k_t`, `v_t` are [rows, Hkv, D, S]; `lse`, `delta` [rows, Hq, S];
+    """dQ [rows, Sq, Hq, D]. `k_t`, `v_t` are [rows, Hkv, D, Skv]; `lse`, `delta` [rows, Hq, Sq];
     `table`, `count` the kv-block lists at kv-block size DQ_BLOCK_KV, as in `forward_call`."""
-    rows, seq, q_heads, head_dim = q.shape
+    rows, _, q_heads, head_dim = q.shape
     group = q_heads // k.shape[2]
     shape = (WG_ROWS, DQ_BLOCK_KV)
 
-    def kernel(q_ref, do_ref, lse_ref, delta_ref, kt_ref, vt_ref, k_ref, end_ref, table_ref,
-               count_ref, dq_ref, buf, bar):
+    def kernel(q_ref, do_ref, lse_ref, delta_ref, kt_ref, vt_ref, k_ref, end_ref, qpos_ref,
+               table_ref, count_ref, dq_ref, buf, bar):
         cta = q_block_cta(table_ref, count_ref, buf["table"], bar["table"], heads_per_cta, group)
         r, wg, kv_head, n_blocks, entry, head, q_start = cta
 
@@ -128,8 +133,10 @@ def dq_call(q, do, lse, delta, k_t, v_t, k, end, table, count, *, stages: int,
             fetch_tiles([(q_ref.at[r, queries, head], q_tile),
                          (do_ref.at[r, queries, head], do_tile),
                          (lse_ref.at[r, head, queries], buf["lse"].at[wg]),
-                         (delta_ref.at[r, head, queries], buf["delta"].at[wg])],
-                        bar["resident"], wg * 4)
+                         (delta_ref.at[r, head, queries], buf["delta"].at[wg]),
+                         (qpos_ref.at[r, queries], buf["qpos"].at[wg])],
+                        bar["resident"], wg * 5)
+            q_pos = buf["qpos"][wg]
             lse = lax.broadcast_in_dim(buf["lse"][wg], shape, [0])
             delta = lax.broadcast_in_dim(buf["delta"][wg], shape, [0])
 
@@ -140,7 +147,7 @@ def dq_call(q, do, lse, delta, k_t, v_t, k, end, table, count, *, stages: int,
 
                 def masked(t):
                     plgpu.barrier_wait(bar["end"].at[slot])
-                    mask = tree_mask_tile(q_start, kv_block * DQ_BLOCK_KV, buf["end"][slot],
+                    mask = tree_mask_tile(q_pos, kv_block * DQ_BLOCK_KV, buf["end"][slot],
                                           shape, key_axis=1)
                     return jnp.where(mask, t, -jnp.inf)
 
@@ -158,26 +165,26 @@ def dq_call(q, do, lse, delta, k_t, v_t, k, end, table, count, *, stages: int,
             q_tile[...] = dq.astype(q_tile.dtype)
             store_tiles([(q_tile, dq_ref.at[r, queries, head])])
 
-    buffers = dq_buffers(seq, head_dim, stages, q.dtype)
-    barriers = _ring_barriers(("kt", "vt", "k", "end"), stages, resident=4)
+    buffers = dq_buffers(k.shape[1], head_dim, stages, q.dtype)
+    barriers = _ring_barriers(("kt", "vt", "k", "end"), stages, resident=5)
     return launch(kernel, jax.ShapeDtypeStruct(q.shape, q.dtype), [buffers, barriers],
                   (table.shape[1], q_heads // heads_per_cta, rows), ("q", "h", "r"),
-                  interpret)(q, do, lse, delta, k_t, v_t, k, end, table, count)
+                  interpret)(q, do, lse, delta, k_t, v_t, k, end, q_pos, table, count)
 
 
-def dkv_call(q_t, do_t, q, do, lse, delta, k, v, end, table, count, *, stages: int,
+def dkv_call(q_t, do_t, q, do, lse, delta, k, v, end, q_pos, table, count, *, stages: int,
              scale: float, softcap: float | None,
              interpret: Any) -> tuple[jax.Array, jax.Array]:
-    """dK, dV [rows, S, Hkv, D]. `q_t`, `do_t` are [rows, Hq, D, S]; `table` holds each 128-key
+    """dK, dV [rows, Skv, Hkv, D]. `q_t`, `do_t` are [rows, Hq, D, Sq]; `table` holds each 128-key
     block's (q-block, kind) list at q-block size DKV_BLOCK_Q (layout: `mgpu_pipeline.list_entry`)
     and `count` [rows, nk] its length."""
-    rows, seq, q_heads, head_dim = q.shape
+    rows, q_len, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads
     shape = (WG_ROWS, DKV_BLOCK_Q)
 
     def kernel(qt_ref, dot_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, end_ref,
-               table_ref, count_ref, dk_ref, dv_ref, buf, bar):
+               qpos_ref, table_ref, count_ref, dk_ref, dv_ref, buf, bar):
         kb, kv_head, r = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("r")
         wg = lax.axis_index("wg")
         n_blocks = count_ref[r, kb]
@@ -197,6 +204,8 @@ def dkv_call(q_t, do_t, q, do, lse, delta, k, v, end, table, count, *, stages: i
                 Stream(lambda h, b: do_ref.at[r, qs(b), h], buf["do"], bar["do"]),
                 Stream(lambda h, b: lse_ref.at[r, h, qs(b)], buf["lse"], bar["lse"]),
                 Stream(lambda h, b: delta_ref.at[r, h, qs(b)], buf["delta"], bar["delta"]),
+                Stream(lambda h, b: qpos_ref.at[r, qs(b)], buf["qpos"], bar["qpos"],
+                       partial_only=True),
             ], bar["free"], stages)
 
         @pl.when(wg < CONSUMERS)
@@ -212,14 +221,15 @@ def dkv_call(q_t, do_t, q, do, lse, delta, k, v, end, table, count, *, stages: i
             ends = buf["end"][wg]
 
             def block(slot, coords, kind, carry):
-                _, q_block = coords
                 dk, dv = carry
                 plgpu.barrier_wait(bar["qt"].at[slot])
                 t = logits_base2(matmul(k_tile, buf["qt"].at[slot], shape), scale, softcap)
-                mask = lambda t: jnp.where(
-                    tree_mask_tile(q_block * DKV_BLOCK_Q, k_start, ends, shape, key_axis=0),
-                    t, -jnp.inf)
-                t_visible = lax.cond(kind == PARTIAL, mask, lambda t: t, t)
+                def masked(t):
+                    plgpu.barrier_wait(bar["qpos"].at[slot])
+                    mask = tree_mask_tile(buf["qpos"][slot], k_start, ends, shape, key_axis=0)
+                    return jnp.where(mask, t, -jnp.inf)
+
+                t_visible = lax.cond(kind == PARTIAL, masked, lambda t: t, t)
                 plgpu.barrier_wait(bar["lse"].at[slot])
                 pt = jnp.exp2(t_visible - lax.broadcast_in_dim(buf["lse"][slot], shape, [1]))
                 pt_tile[...] = pt.astype(pt_tile.dtype)
@@ -244,9 +254,9 @@ def dkv_call(q_t, do_t, q, do, lse, delta, k, v, end, table, count, *, stages: i
             store_tiles([(k_tile, dk_ref.at[r, keys, kv_head]),
                          (v_tile, dv_ref.at[r, keys, kv_head])])
 
-    buffers = dkv_buffers(seq, head_dim, stages, q.dtype)
-    barriers = _ring_barriers(("qt", "dot", "q", "do", "lse", "delta"), stages, resident=3)
+    buffers = dkv_buffers(q_len, head_dim, stages, q.dtype)
+    barriers = _ring_barriers(("qt", "dot", "q", "do", "lse", "delta", "qpos"), stages, resident=3)
     out = jax.ShapeDtypeStruct(k.shape, k.dtype)
     return launch(kernel, (out, out), [buffers, barriers],
                   (table.shape[1], kv_heads, rows), ("k", "h", "r"),
-                  interpret)(q_t, do_t, q, do, lse, delta, k, v, end, table, count)
+                  interpret)(q_t, do_t, q, do, lse, delta, k, v, end, q_pos, table, count)

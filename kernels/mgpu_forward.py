@@ -6,6 +6,10 @@ even group: finer q-blocks for the same K/V reuse). Both consumer warpgroups see
 list, so one K/V stream feeds both. Per block: S = Q K^T (wgmma, K^T tile from a transposed copy of
 k), element mask from `end` on PARTIAL blocks only, online softmax in base 2, P staged through SMEM,
 O += P V (wgmma). Outputs O and the base-2 log-sum-exp (the only residual the backward needs).
+
+Queries may be a subset of the key positions (a part attending to cached prefix keys): query i sits
+at key position q_pos[i], which the element mask reads (each consumer loads its 64 queries'
+positions with its Q tile), so the same kernel runs rectangular [Sq, Skv] layouts.
 """
 
 from __future__ import annotations
@@ -41,12 +45,13 @@ from jtree.kernels.mgpu_pipeline import (
 )
 
 
-def forward_buffers(seq: int, head_dim: int, block_kv: int, stages: int,
+def forward_buffers(kv_len: int, head_dim: int, block_kv: int, stages: int,
                     dtype: Any) -> dict[str, Any]:
     """SMEM buffers of the forward kernel (also what the SMEM budget check adds up)."""
     return dict(
-        table=list_buffer(seq // block_kv),
+        table=list_buffer(kv_len // block_kv),
         q=tiled_smem((CONSUMERS, WG_ROWS, head_dim), dtype),  # Q tiles, reused for O
+        qpos=plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.int32),  # their key positions
         kt=tiled_smem((stages, head_dim, block_kv), dtype),  # K^T ring
         v=tiled_smem((stages, block_kv, head_dim), dtype),  # V ring
         end=plgpu.SMEM((stages, block_kv), jnp.int32),  # end ring (PARTIAL blocks only)
@@ -64,7 +69,7 @@ class QBlockCta(NamedTuple):
     n_blocks: jax.Array
     entry: Entry
     head: jax.Array  # q head of consumer `wg`'s 64 query rows
-    q_start: jax.Array  # their first position
+    q_start: jax.Array  # their first row in q (q_pos gives their key positions)
 
 
 def q_block_cta(table_ref: Any, count_ref: Any, table_smem: Any, table_ready: Any,
@@ -91,6 +96,7 @@ def forward_call(
     k_t: jax.Array,
     v: jax.Array,
     end: jax.Array,
+    q_pos: jax.Array,
     table: jax.Array,
     count: jax.Array,
     *,
@@ -101,9 +107,10 @@ def forward_call(
     softcap: float | None,
     interpret: Any,
 ) -> tuple[jax.Array, jax.Array]:
-    """O [rows, S, Hq, D] and base-2 LSE [rows, Hq, S] under the tree mask.
+    """O [rows, Sq, Hq, D] and base-2 LSE [rows, Hq, Sq] of q over k, v [rows, Skv, Hkv, D] under
+    the tree mask, query i at key position q_pos[i] ([rows, Sq]).
 
-    `k_t` is k transposed to [rows, Hkv, D, S]; `table` holds each q-block's (kv-block, kind) list
+    `k_t` is k transposed to [rows, Hkv, D, Skv]; `table` holds each q-block's (kv-block, kind) list
     (layout: `mgpu_pipeline.list_entry`) and `count` [rows, nq] its length.
     """
     rows, seq, q_heads, head_dim = q.shape
@@ -111,7 +118,8 @@ def forward_call(
     num_q_blocks = table.shape[1]
     shape = (WG_ROWS, block_kv)
 
-    def kernel(q_ref, kt_ref, v_ref, end_ref, table_ref, count_ref, o_ref, lse_ref, buf, bar):
+    def kernel(q_ref, kt_ref, v_ref, end_ref, qpos_ref, table_ref, count_ref, o_ref, lse_ref, buf,
+               bar):
         cta = q_block_cta(table_ref, count_ref, buf["table"], bar["table"], heads_per_cta, group)
         r, wg, kv_head, n_blocks, entry, head, q_start = cta
 
@@ -133,7 +141,9 @@ def forward_call(
             plgpu.set_max_registers(232, action="increase")
             queries = pl.ds(q_start, WG_ROWS)
             q_tile, p_tile = buf["q"].at[wg], buf["p"].at[wg]
-            fetch_tiles([(q_ref.at[r, queries, head], q_tile)], bar["q"], wg)
+            fetch_tiles([(q_ref.at[r, queries, head], q_tile),
+                         (qpos_ref.at[r, queries], buf["qpos"].at[wg])], bar["q"], wg * 2)
+            q_pos = buf["qpos"][wg]
             # FA3 ping-pong: warpgroup 1 starts one rendezvous behind warpgroup 0, so each
             # one's wgmmas run while the other one does its softmax.
             pl.when(wg == 1)(rendezvous)
@@ -148,7 +158,7 @@ def forward_call(
                 def masked(t):
                     plgpu.barrier_wait(bar["end"].at[slot])
                     ends = buf["end"][slot]
-                    mask = tree_mask_tile(q_start, kv_block * block_kv, ends, shape, key_axis=1)
+                    mask = tree_mask_tile(q_pos, kv_block * block_kv, ends, shape, key_axis=1)
                     return jnp.where(mask, t, -jnp.inf)
 
                 t = lax.cond(kind == PARTIAL, masked, lambda t: t, t)
@@ -173,10 +183,10 @@ def forward_call(
             store_tiles([(q_tile, o_ref.at[r, queries, head]),
                          (buf["lse"].at[wg], lse_ref.at[r, head, queries])])
 
-    buffers = forward_buffers(seq, head_dim, block_kv, stages, q.dtype)
+    buffers = forward_buffers(v.shape[1], head_dim, block_kv, stages, q.dtype)
     barriers = dict(
         table=plgpu.Barrier(num_barriers=1),
-        q=plgpu.Barrier(num_barriers=CONSUMERS),
+        q=plgpu.Barrier(num_barriers=CONSUMERS * 2),
         kt=plgpu.Barrier(num_barriers=stages),
         v=plgpu.Barrier(num_barriers=stages),
         end=plgpu.Barrier(num_barriers=stages),
@@ -187,4 +197,4 @@ def forward_call(
                 jax.ShapeDtypeStruct((rows, q_heads, seq), jnp.float32))
     return launch(kernel, out_type, [buffers, barriers],
                   (num_q_blocks, q_heads // heads_per_cta, rows), ("q", "h", "r"),
-                  interpret)(q, k_t, v, end, table, count)
+                  interpret)(q, k_t, v, end, q_pos, table, count)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jtree.kernels.block_tables import PARTIAL
+from jtree.kernels.vma import varying_like
 
 WG_ROWS = 64  # rows of one wgmma tile per warpgroup (the M dimension of wgmma)
 CONSUMERS = 2  # compute warpgroups per CTA
@@ -136,14 +137,15 @@ def matmul(a: Any, b: Any, shape: tuple[int, int]) -> jax.Array:
 
 
 def tree_mask_tile(
-    q_start: jax.Array, k_start: jax.Array, end: jax.Array, shape: tuple[int, int], key_axis: int
+    q_pos: jax.Array, k_start: jax.Array, end: jax.Array, shape: tuple[int, int], key_axis: int
 ) -> jax.Array:
-    """Element mask of a score tile: query i sees key j iff j <= i < end[j].
+    """Element mask of a score tile: query i sees key j iff j <= q_pos[i] < end[j].
 
-    `end` holds end[j] of the tile's keys (1-D, along `key_axis`); queries run along the other axis.
+    `q_pos` holds the key positions of the tile's queries and `end` end[j] of its keys (1-D each;
+    keys along `key_axis`, queries along the other axis); the keys are k_start, k_start + 1, ...
     """
     query_axis = 1 - key_axis
-    qi = q_start + lax.broadcasted_iota(jnp.int32, shape, query_axis)
+    qi = lax.broadcast_in_dim(q_pos, shape, [query_axis])
     kj = k_start + lax.broadcasted_iota(jnp.int32, shape, key_axis)
     ends = lax.broadcast_in_dim(end, shape, [key_axis])
     return (kj <= qi) & (qi < ends)
@@ -203,16 +205,25 @@ def store_tiles(pairs: Sequence[tuple[Any, Any]]) -> None:
 
 def launch(kernel: Callable[..., None], out_type: Any, scratch: Sequence[Any],
            grid: tuple[int, int, int], grid_names: tuple[str, str, str], interpret: Any) -> Any:
-    """A warp-specialized plgpu.kernel: CONSUMERS compute warpgroups plus one TMA warpgroup."""
-    return plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        scratch_types=list(scratch),
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
-    )
+    """A warp-specialized plgpu.kernel: CONSUMERS compute warpgroups plus one TMA warpgroup.
+
+    `plgpu.kernel` types its outputs as invariant across mesh axes whatever its inputs are; inside
+    `shard_map` they are cast to vary like the inputs (`jtree.kernels.vma`), which the custom_vjp
+    needs of its cotangents."""
+
+    def call(*args: jax.Array) -> Any:
+        outs = plgpu.kernel(
+            kernel,
+            out_type=out_type,
+            scratch_types=list(scratch),
+            grid=grid,
+            grid_names=grid_names,
+            num_threads=CONSUMERS + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(
+                approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            interpret=interpret,
+        )(*args)
+        return varying_like(outs, *args)
+
+    return call

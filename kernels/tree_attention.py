@@ -13,22 +13,26 @@ parts. `prefix_k`, `prefix_v` [rows, P, Hkv, D] are laid out before the part's o
 the mask's `prefix_end` [rows, P] gives their subtree ends; `end` and `prefix_end` are in combined
 coordinates (prefix key j at position j, own token i at position P + i), so the one rule
 j <= i < end[j] still decides visibility while queries exist only for the own tokens. An
-implementation without rectangular support raises ("prefix not supported"); `auto` picks `xla`
-for prefix calls where the backend's kernel has none (`pallas_mosaic_gpu` today).
+implementation without rectangular support raises ("prefix not supported"); every one `auto` picks
+has it.
+
+What `auto` runs (the table in docs/kernels.md): `pallas_tpu` on TPU; on a GPU the rule of
+`gpu_impl` (Hopper's Mosaic kernel where wgmma takes the operands, else the Pallas Triton kernel);
+on CPU the C++ `cpu` kernel when it builds and the call has no soft-cap, else `xla`.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jtree.kernels import attention_cpu, attention_tpu, attention_triton, attention_xla
-from jtree.kernels.attention_mgpu import attention_mgpu, handles as mgpu_handles
+from jtree.kernels import attention_cpu, attention_mgpu, attention_tpu, attention_triton, attention_xla
 from jtree.kernels.attention_reference import attention_reference
 from jtree.kernels.tree_mask import TreeMask
 
@@ -54,15 +58,16 @@ _IMPLS: dict[str, _Impl] = {
                  attention_xla.padded_lengths),
     "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length,
                         attention_tpu.padded_lengths),
-    "pallas_mosaic_gpu": _Impl(attention_mgpu, None),  # pads S itself; no prefix support yet
+    "pallas_mosaic_gpu": _Impl(attention_mgpu.attention_mgpu, attention_mgpu.padded_length,
+                               attention_mgpu.padded_lengths),
     "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
                            attention_triton.padded_lengths),
 }
 
-# What `auto` runs on each backend. On a GPU the Mosaic kernel needs bf16/f16 operands and head_dim
-# 64 or 128; other inputs run the block-sparse `xla` path (the same masked attention, not causal).
-# On CPU the C++ kernel runs when it builds here (`_auto_on_cpu`) and the call has no soft-cap.
-_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_mosaic_gpu", "cpu": "cpu"}
+# NVIDIA Hopper (sm_90) device kinds: the GPUs with wgmma, which the Mosaic kernel is built on
+# (Blackwell replaced it with tcgen05). jax reports e.g. "NVIDIA H100 80GB HBM3", "NVIDIA GH200
+# 480GB", "NVIDIA H20".
+_HOPPER = re.compile(r"\b(GH200|H100|H200|H800|H20)\b")
 
 log = logging.getLogger(__name__)
 
@@ -71,21 +76,47 @@ def available_impls() -> tuple[str, ...]:
     return ("auto",) + tuple(_IMPLS)
 
 
+def gpu_impl(device_kind: str, dtype: Any, head_dim: int) -> str:
+    """What `auto` runs on the GPU `device_kind` for operands of `dtype` and `head_dim`.
+
+    Hopper with bf16/f16 operands and a head_dim whose forward and backward fit shared memory (64,
+    128): the Mosaic GPU kernel (wgmma, TMA, warp specialization). Every other case, any GPU or
+    dtype: the Pallas Triton kernel, which raises ValueError naming its limits for operands it
+    cannot run. Never the `xla` fallback: a GPU always gets a GPU kernel or an error. Prefix
+    calls and soft-caps do not change the choice: both kernels take them.
+    """
+    if _HOPPER.search(device_kind) and attention_mgpu.handles(dtype, head_dim):
+        return "pallas_mosaic_gpu"
+    return "pallas_triton"
+
+
 def resolve_impl(impl: str, backend: str | None = None, *, dtype: Any = None,
-                 head_dim: int | None = None, softcap: float | None = None) -> str:
+                 head_dim: int | None = None, softcap: float | None = None,
+                 device_kind: str | None = None) -> str:
     """Map `auto` to the implementation for `backend` (default: jax's default backend; lowering
-    for another platform must name it) and, when given, the operand dtype, head_dim and
-    soft-cap."""
-    if impl == "auto":
-        choice = _AUTO.get(backend or jax.default_backend(), "xla")
-        if choice == "pallas_mosaic_gpu" and dtype is not None and not mgpu_handles(dtype, head_dim):
-            return "xla"
-        if choice == "cpu":
-            return "xla" if softcap is not None else _auto_on_cpu()
-        return choice
-    if impl not in _IMPLS:
+    for another platform must name it), the operand `dtype` and `head_dim`, and the soft-cap.
+
+    On a GPU `dtype` and `head_dim` are required (`gpu_impl`); `device_kind` defaults to the
+    first local device's and must be given when resolving for a GPU from a host without one."""
+    if impl not in available_impls():
         raise ValueError(f"attention impl {impl!r} is not one of {available_impls()}")
-    return impl
+    if impl != "auto":
+        return impl
+    backend = backend or jax.default_backend()
+    if backend == "tpu":
+        return "pallas_tpu"
+    if backend == "cpu":
+        return "xla" if softcap is not None else _auto_on_cpu()
+    if backend != "gpu":
+        return "xla"  # the portable block-sparse kernel: the same masked attention everywhere
+    if dtype is None or head_dim is None:
+        raise ValueError("attention impl 'auto' on a GPU needs the operands' dtype and head_dim")
+    if device_kind is None:
+        if jax.default_backend() != "gpu":
+            raise ValueError("attention impl 'auto' for a GPU from a host without one needs the "
+                             "target's device_kind (e.g. 'NVIDIA H100 80GB HBM3')")
+        device_kind = jax.devices()[0].device_kind
+    return gpu_impl(device_kind, dtype, head_dim)
 
 
 @functools.cache
@@ -171,8 +202,6 @@ def _with_prefix(q, k, v, mask: TreeMask, prefix_k, prefix_v, *, impl: str, scal
                          f"[rows, P] {(rows, p)}")
     mask.check()
     name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)
-    if impl == "auto" and _IMPLS[name].padded_lengths is None:
-        name = "xla"  # same masked attention; the backend's kernel has no prefix support yet
     chosen = _IMPLS[name]
     if chosen.padded_lengths is None:
         raise ValueError(f"attention impl {name!r}: prefix not supported (it cannot attend to "

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 def export_attention_impl(impl: str) -> str:
     """The attention implementation the exported step uses for `impl`. `auto` would resolve for
     this CPU host, where it picks the C++ `cpu` kernel: a CPU-only custom call no TPU or GPU can
-    run. The targets' own Pallas kernels (`pallas_tpu`, `pallas_mosaic_gpu`) do not trace inside
-    the sharded step yet (`shard_map(check_vma=True)` rejects their untyped outputs), so `auto`
-    lowers as `xla`, the block-sparse kernel every platform runs."""
+    run; it lowers as `xla`, the block-sparse kernel every platform runs. The targets' own Pallas
+    kernels lower inside the sharded step when named (`runtime.attention_impl=pallas_tpu`, or
+    `pallas_mosaic_gpu` with a head_dim of 64 or 128 and bf16 compute)."""
     return "xla" if impl == "auto" else impl
 
 

@@ -4,8 +4,12 @@
                                        # writes bench_out/mgpu_interpret.json and .md (--out)
     python -m jtree.launch.mgpu_interpret IN.npz OUT.npz   # one run on given inputs (used by the tests)
 
-IN holds q, k, v, d_out (float32 holding values of `dtype`), end, and scalars dtype, softcap (nan
-for none) and block_kv; OUT holds out, dq, dk, dv as float32 and `races` (race detection result).
+IN holds q, k, v, d_out (float32 holding values of `dtype`), end of the whole layout, and scalars
+dtype, softcap (nan for none), block_kv (0: the kernel's default) and prefix P: the first P tokens
+are cached prefix keys (`prefix_k`, `prefix_v`, `mask.prefix_end`) and only the others are queries
+(0: no prefix, every token a query). OUT holds, as float32, out and dq of the queries, dk and dv of
+every key ([prefix | own]), and `races` (race detection result). The kernels run through
+`tree_attention(impl="pallas_mosaic_gpu")`, which pads the lengths as in training.
 
 Run it as its own process, for three reasons:
 - The interpreter runs each simulated warpgroup as its own XLA CPU computation, and they block on
@@ -21,6 +25,7 @@ The interpreter is a private jax API (`jax._src.pallas.mosaic_gpu.interpret`), u
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Sequence
 
@@ -34,21 +39,33 @@ from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # no
 
 from jtree.linearize import linearize  # noqa: E402
 from jtree.tree import TrajectoryTree  # noqa: E402
-from jtree.kernels.attention_mgpu import attention_mgpu  # noqa: E402
-from jtree.kernels.attention_reference import attention_reference  # noqa: E402
+from jtree.kernels import TreeMask, tree_attention  # noqa: E402
 from jtree.launch.harness import (  # noqa: E402
     Column, DEFAULT_OUT, Output, markdown_table, run_info,
 )
 
 OUTPUTS = ("out", "dq", "dk", "dv")
-COLUMNS = (Column("dtype", "dtype"), *(Column(n, n, "{:.2e}") for n in OUTPUTS),
+COLUMNS = (Column("dtype", "dtype"), Column("prefix", "prefix"),
+           *(Column(n, n, "{:.2e}") for n in OUTPUTS),
            Column("races", "races"))
 
 
-def value_and_grads(attend, q, k, v, end, d_out):
-    """[out, dq, dk, dv] of `attend(q, k, v, end)` with output cotangent `d_out`, as float32."""
-    out, pull = jax.vjp(lambda q, k, v: attend(q, k, v, end).astype(jnp.float32), q, k, v)
-    return [out, *(g.astype(jnp.float32) for g in pull(d_out))]
+def value_and_grads(impl: str, q, k, v, end, d_out, *, prefix: int = 0,
+                    softcap: float | None = None, **options) -> list[jax.Array]:
+    """[out, dq, dk, dv] (float32) of `tree_attention(impl=impl)` on the layout q, k, v, end
+    [rows, P + S, ...] with output cotangent `d_out`: with `prefix` P > 0, keys [:P] are cached
+    prefix keys and only [P:] are queries (out, dq, d_out are theirs; dk, dv cover every key)."""
+    p = prefix
+
+    def attend(q_own, k_own, v_own, prefix_k, prefix_v):
+        mask = TreeMask(end[:, p:], end[:, :p]) if p else TreeMask(end)
+        kv = dict(prefix_k=prefix_k, prefix_v=prefix_v) if p else {}
+        return tree_attention(q_own, k_own, v_own, mask, impl=impl, softcap=softcap, **kv,
+                              **options).astype(jnp.float32)
+
+    out, pull = jax.vjp(attend, q[:, p:], k[:, p:], v[:, p:], k[:, :p], v[:, :p])
+    dq, dk, dv, dpk, dpv = (g.astype(jnp.float32) for g in pull(d_out[:, p:]))
+    return [out, dq, jnp.concatenate([dpk, dk], 1), jnp.concatenate([dpv, dv], 1)]
 
 
 def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -56,19 +73,22 @@ def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     dtype = jnp.dtype(str(inputs["dtype"]))
     q, k, v = (jnp.asarray(inputs[n], dtype) for n in "qkv")
     softcap = None if np.isnan(inputs["softcap"]) else float(inputs["softcap"])
-    interpret = InterpretGPUParams(detect_races=True)
-    attend = lambda q, k, v, e: attention_mgpu(
-        q, k, v, e, scale=q.shape[-1] ** -0.5, softcap=softcap,
-        block_kv=int(inputs["block_kv"]), interpret=interpret)
-    results = jax.jit(value_and_grads, static_argnums=0)(
-        attend, q, k, v, jnp.asarray(inputs["end"], jnp.int32), jnp.asarray(inputs["d_out"]))
+    options = dict(interpret=InterpretGPUParams(detect_races=True))
+    if int(inputs["block_kv"]):
+        options["block_kv"] = int(inputs["block_kv"])
+    run_kernels = jax.jit(functools.partial(value_and_grads, "pallas_mosaic_gpu",
+                                            prefix=int(inputs["prefix"]), softcap=softcap,
+                                            **options))
+    results = run_kernels(q, k, v, jnp.asarray(inputs["end"], jnp.int32),
+                          jnp.asarray(inputs["d_out"]))
     arrays = {n: np.asarray(x) for n, x in zip(OUTPUTS, results)}
     arrays["races"] = np.asarray(interpret_pallas_call.get_races().races_found)
     return arrays
 
 
 def _check_random_trees() -> list[dict]:
-    """Two branching trees with 60-token prompts in one 256-token row, GQA group 2, head_dim 64."""
+    """Two branching trees with 60-token prompts in one 256-token row, GQA group 2, head_dim 64,
+    at the kernel's default blocks; without a prefix, and with the first prompt as a prefix."""
     rng = np.random.default_rng(0)
     trees = []
     for lens in ((30, 40, 12, 0), (20, 30)):  # continuations of a shared prompt; 0: the prompt
@@ -78,18 +98,19 @@ def _check_random_trees() -> list[dict]:
     end = linearize(trees, 256).inputs.mask.end
     rows = []
     for dtype in ("bfloat16", "float16"):
-        shape = lambda h: (*end.shape, h, 64)
-        q, k, v = (np.asarray(jnp.asarray(rng.normal(size=shape(h)), dtype), np.float32)
-                   for h in (2, 1, 1))
-        d_out = rng.normal(size=shape(2)).astype(np.float32)
-        got = run(dict(q=q, k=k, v=v, d_out=d_out, end=end, dtype=np.asarray(dtype),
-                       softcap=np.asarray(np.nan), block_kv=np.asarray(64)))
-        reference = lambda q, k, v, e: attention_reference(q, k, v, e, scale=0.125)
-        want = value_and_grads(reference, q, k, v, jnp.asarray(end), d_out)
-        row = {"dtype": dtype, "races": bool(got["races"])}
-        for name, w in zip(OUTPUTS, want):
-            row[name] = float(np.abs(got[name] - np.asarray(w)).max() / np.abs(w).max())
-        rows.append(row)
+        for prefix in (0, 60):
+            shape = lambda h: (*end.shape, h, 64)
+            q, k, v = (np.asarray(jnp.asarray(rng.normal(size=shape(h)), dtype), np.float32)
+                       for h in (2, 1, 1))
+            d_out = rng.normal(size=shape(2)).astype(np.float32)
+            got = run(dict(q=q, k=k, v=v, d_out=d_out, end=end, dtype=np.asarray(dtype),
+                           softcap=np.asarray(np.nan), block_kv=np.asarray(0),
+                           prefix=np.asarray(prefix)))
+            want = value_and_grads("reference", q, k, v, jnp.asarray(end), d_out, prefix=prefix)
+            row = {"dtype": dtype, "prefix": prefix, "races": bool(got["races"])}
+            for name, w in zip(OUTPUTS, want):
+                row[name] = float(np.abs(got[name] - np.asarray(w)).max() / np.abs(w).max())
+            rows.append(row)
     return rows
 
 

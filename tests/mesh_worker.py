@@ -15,6 +15,7 @@ single-device reference once per model, mode and objective rather than once per 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,6 +31,7 @@ import numpy as np  # noqa: E402
 
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from jtree.baseline import flatten_paths, linearize_baseline  # noqa: E402
 from jtree.batch import DeviceBatch, stack  # noqa: E402
@@ -52,16 +54,23 @@ from tests.models_util import (  # noqa: E402
 from tests.strategies import explicit_tree, random_forest, sequences_tree  # noqa: E402
 
 S, ROWS, GDN_CHUNK = 64, 8, 4
+# Kinds whose sharded step runs another attention kernel than their single-device reference.
+MESH_IMPL = {"dense_tpu": "pallas_tpu"}
 
 
 def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     """(architecture, config, runtime) of the tiny `dense`, `moe` or `next` model; `dense_cpu` is
-    `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map), `moe_a2a`
-    and `next_a2a` run their experts with token dispatch (`expert_dispatch="all_to_all"`)."""
+    `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map);
+    `dense_tpu` is `dense` at head_dim 64 (what the Pallas TPU kernel tiles) with an `xla`
+    reference step, whose sharded step runs the Pallas TPU kernel (`MESH_IMPL`) in the TPU
+    interpreter; `moe_a2a` and `next_a2a` run their experts with token dispatch
+    (`expert_dispatch="all_to_all"`)."""
     dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
-    if kind in ("dense", "dense_cpu"):
-        impl = {"dense": "reference", "dense_cpu": "cpu"}[kind]
-        return ("qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64),
+    if kind in ("dense", "dense_cpu", "dense_tpu"):
+        impl = {"dense": "reference", "dense_cpu": "cpu", "dense_tpu": "xla"}[kind]
+        head_dim = {"dense_tpu": 64}.get(kind, 8)
+        return ("qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                     head_dim=head_dim),
                 tiny_runtime(attention_impl=impl))
     if kind in ("moe", "moe_a2a"):
         return "qwen3_moe", tiny_moe_config(), tiny_runtime(expert_dispatch=dispatch)
@@ -141,17 +150,26 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
 
 
 def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
-    """One sharded step on the case's mesh, with its largest relative differences to `ref`."""
+    """One sharded step on the case's mesh (the first D x F x M devices), with its largest
+    relative differences to `ref`."""
     data, fsdp, model_size = (int(x) for x in case.split(":")[3].split("x"))
-    params, objective = ref["params"], ref["objective"]
-    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, model=model_size))
+    params, objective, model = ref["params"], ref["objective"], ref["model"]
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, model=model_size),
+                     jax.devices()[:data * fsdp * model_size])
     specs = param_specs(params, param_rules(ref["cfg"], model_size), mesh)
     sharded_params = jax.device_put(params, named(mesh, specs))
-    graphdef = sharded_graphdef(ref["model"], specs)
+    impl = MESH_IMPL.get(case.split(":")[0])
+    interpret = contextlib.nullcontext()
+    if impl is not None:
+        model = create_model(ref["arch"], ref["cfg"],
+                             dataclasses.replace(model.runtime, attention_impl=impl), seed=3)
+        interpret = pltpu.force_tpu_interpret_mode()
+    graphdef = sharded_graphdef(model, specs)
     grad_fn = make_sharded_grad_fn(graphdef, objective, mesh, specs)
     step = jax.jit(make_train_step(graphdef, opt, objective, grad_fn=grad_fn))
-    new_state, metrics = step(TrainState(sharded_params, opt.init(sharded_params), np.int32(0)),
-                              ref["inputs"])
+    with interpret:
+        new_state, metrics = step(
+            TrainState(sharded_params, opt.init(sharded_params), np.int32(0)), ref["inputs"])
     ref_state, ref_metrics = ref["state"], ref["metrics"]
     leaves = jax.tree_util.tree_leaves
     held = leaves((new_state.params, new_state.opt_state))

@@ -21,7 +21,7 @@ import pytest
 
 from jtree.cli import main as jtree_main
 
-LAUNCH = ("bench", "bench_attention", "bench_gdn", "bench_partition", "bench_rfree", "bench_split",
+LAUNCH = ("bench", "bench_attention", "bench_attention_gpu", "bench_gdn", "bench_partition", "bench_rfree", "bench_split",
           "make_sample_data", "lower_step", "train")
 SUBCOMMANDS = ("stats", "compare-torch", "export-hf")
 
@@ -99,6 +99,15 @@ def test_bench_attention_smallest(tmp_path):
     _png(tmp_path, "bench_attention")
 
 
+def test_bench_attention_gpu_without_a_gpu(tmp_path):
+    """On CPU the GPU bench reports block efficiency only and says timings need a GPU."""
+    data = _run("bench_attention_gpu", ["--seq-lens", "512", "--por", "0.6"], tmp_path)
+    (case,) = data["cases"]
+    assert not data["timed"] and "tree_fwd_ms" not in case
+    assert 0 < case["tree_block_efficiency"] <= 1 and 0 < case["causal_block_efficiency"] <= 1
+    assert "timings need a GPU" in (tmp_path / "bench_attention_gpu.md").read_text()
+
+
 def test_bench_gdn_quick(tmp_path):
     """The GDN layer returns (output, cache); the bench differentiates the output."""
     data = _run("bench_gdn", ["--quick"], tmp_path)
@@ -127,7 +136,8 @@ def test_mgpu_interpret_random_trees(tmp_path):
                            str(tmp_path)], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "mgpu_interpret.json").read_text())["rows"]
-    assert [r["dtype"] for r in rows] == ["bfloat16", "float16"]
+    assert [(r["dtype"], r["prefix"]) for r in rows] == [
+        ("bfloat16", 0), ("bfloat16", 60), ("float16", 0), ("float16", 60)]
 
 
 def test_make_sample_data_smallest(tmp_path):

@@ -1,5 +1,5 @@
-"""`tree_attention` dispatch: what `auto` picks (on CPU: the C++ kernel when it builds, else
-`xla`, logged), validation of a host `end`, padding of S."""
+"""`tree_attention` dispatch: what `auto` picks (on a GPU by device kind and operands; on CPU the
+C++ kernel when it builds, else `xla`, logged), validation of a host `end`, padding of S."""
 
 import logging
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jtree.kernels import TreeMask, tree_attention
-from jtree.kernels.tree_attention import _auto_on_cpu, resolve_impl
+from jtree.kernels.tree_attention import _auto_on_cpu, gpu_impl, resolve_impl
 from jtree.launch.lower_step import export_attention_impl
 from tests.attention_cases import qkv, tree_end
 
@@ -24,15 +24,37 @@ def fresh_auto_choice():
     _auto_on_cpu.cache_clear()
 
 
-@pytest.mark.parametrize("backend, dtype, head_dim, impl", [
-    ("tpu", jnp.float32, 128, "pallas_tpu"),
-    ("gpu", jnp.bfloat16, 128, "pallas_mosaic_gpu"),
-    ("gpu", jnp.float16, 64, "pallas_mosaic_gpu"),
-    ("gpu", jnp.float32, 128, "xla"),  # wgmma has no fp32 operands
-    ("gpu", jnp.bfloat16, 256, "xla"),  # the Mosaic backward does not fit shared memory
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("device_kind, dtype, head_dim, impl", [
+    (H100, jnp.bfloat16, 128, "pallas_mosaic_gpu"),
+    (H100, jnp.float16, 64, "pallas_mosaic_gpu"),
+    ("NVIDIA H200", jnp.bfloat16, 64, "pallas_mosaic_gpu"),
+    ("NVIDIA GH200 480GB", jnp.float16, 128, "pallas_mosaic_gpu"),
+    ("NVIDIA H20", jnp.bfloat16, 128, "pallas_mosaic_gpu"),
+    (H100, jnp.float32, 128, "pallas_triton"),  # wgmma has no fp32 operands
+    (H100, jnp.bfloat16, 256, "pallas_triton"),  # the Mosaic backward does not fit shared memory
+    ("NVIDIA A100-SXM4-80GB", jnp.bfloat16, 128, "pallas_triton"),  # no wgmma before Hopper
+    ("NVIDIA L40S", jnp.float16, 64, "pallas_triton"),
+    ("NVIDIA GeForce RTX 4090", jnp.float32, 256, "pallas_triton"),
+    ("NVIDIA B200", jnp.bfloat16, 128, "pallas_triton"),  # Blackwell: tcgen05, not wgmma
 ])
-def test_auto_picks_per_backend(backend, dtype, head_dim, impl):
-    assert resolve_impl("auto", backend, dtype=dtype, head_dim=head_dim) == impl
+def test_gpu_rule(device_kind, dtype, head_dim, impl):
+    """What `auto` runs on each GPU (the table in docs/kernels.md): never the `xla` fallback."""
+    assert gpu_impl(device_kind, dtype, head_dim) == impl
+
+
+def test_auto_per_backend():
+    """A soft-cap never changes the GPU choice (both GPU kernels take it, and a prefix)."""
+    assert resolve_impl("auto", "tpu", dtype=jnp.float32, head_dim=128) == "pallas_tpu"
+    for softcap in (None, 30.0):
+        assert resolve_impl("auto", "gpu", dtype=jnp.bfloat16, head_dim=128, softcap=softcap,
+                            device_kind=H100) == "pallas_mosaic_gpu"
+    with pytest.raises(ValueError, match="needs the target's device_kind"):
+        resolve_impl("auto", "gpu", dtype=jnp.bfloat16, head_dim=128)  # this host has no GPU
+    with pytest.raises(ValueError, match="needs the operands' dtype and head_dim"):
+        resolve_impl("auto", "gpu", device_kind=H100)
 
 
 def test_auto_on_cpu_runs_the_cpp_kernel_when_it_builds(fresh_auto_choice, caplog):

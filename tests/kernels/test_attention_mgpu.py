@@ -2,12 +2,15 @@
 
 - Numerics: the three kernels (forward, dQ, dK/dV) run end to end in the Mosaic GPU interpreter
   with race detection on (in a child process with a hard timeout, see launch/mgpu_interpret.py),
-  and are compared with the dense reference. Inputs are bfloat16 (what wgmma multiplies); the
-  reference runs in float32 on the same bf16 values. Tolerance: max abs error <= BF16_TOL x the
-  largest reference magnitude (bf16 keeps 8 significant bits; the kernels round P, dS and the
-  outputs to bf16 once each).
+  through `tree_attention` (which pads the lengths), at the kernels' default blocks unless a test
+  says otherwise, and are compared with the dense reference. Inputs are bfloat16 or float16 (what
+  wgmma multiplies); the reference runs in float32 on the same values. Tolerance: max abs error
+  <= BF16_TOL x the largest reference magnitude (bf16 keeps 8 significant bits, f16 11; the
+  kernels round P, dS and the outputs to the input dtype once each).
+- Prefix calls (a part attending to cached prefix keys): the own queries' outputs and dq, and dk,
+  dv of every key, against the square reference of the whole layout.
 - Lowering: `jax.export` for `cuda` runs the real Pallas -> Mosaic GPU lowering (SMEM limits, TMA
-  rules, unsupported primitives) at a realistic size.
+  rules, unsupported primitives) at a realistic size, with and without a prefix.
 - Errors for what the kernels cannot honour.
 """
 
@@ -34,27 +37,23 @@ BF16_TOL = 1e-2
 INTERPRETER_TIMEOUT_S = 900
 
 
-def _inputs(end, q_heads, kv_heads, head_dim, seed=0):
+def _inputs(end, q_heads, kv_heads, head_dim, seed=0, dtype=jnp.bfloat16):
     rng = np.random.default_rng(seed)
     rows, seq = end.shape
-    q, k, v = (jnp.asarray(rng.normal(size=(rows, seq, h, head_dim)), jnp.bfloat16)
+    q, k, v = (jnp.asarray(rng.normal(size=(rows, seq, h, head_dim)), dtype)
                for h in (q_heads, kv_heads, kv_heads))
     d_out = jnp.asarray(rng.normal(size=(rows, seq, q_heads, head_dim)), jnp.float32)
     return q, k, v, d_out
 
 
-def _value_and_grads(attention, q, k, v, end, d_out):
-    out, pull = jax.vjp(lambda q, k, v: attention(q, k, v, end).astype(jnp.float32), q, k, v)
-    return (out, *(g.astype(jnp.float32) for g in pull(d_out)))
-
-
-def _kernel(tmp_path, q, k, v, end, d_out, *, softcap=None, block_kv=64):
-    """[out, dq, dk, dv] of the Mosaic GPU kernels run in the interpreter (float32 numpy)."""
+def _kernel(tmp_path, q, k, v, end, d_out, *, softcap=None, block_kv=0, prefix=0):
+    """[out, dq, dk, dv] of the Mosaic GPU kernels run in the interpreter (float32 numpy);
+    `block_kv` 0 is the kernel's default, `prefix` P > 0 makes tokens [:P] cached prefix keys."""
     source, target = tmp_path / "in.npz", tmp_path / "out.npz"
     np.savez(source, q=np.asarray(q, np.float32), k=np.asarray(k, np.float32),
              v=np.asarray(v, np.float32), d_out=np.asarray(d_out), end=np.asarray(end),
              dtype=str(q.dtype), softcap=np.nan if softcap is None else softcap,
-             block_kv=block_kv)
+             block_kv=block_kv, prefix=prefix)
     env = dict(os.environ, PYTHONPATH=str(WORKTREE))
     run = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", str(source), str(target)],
                          cwd=WORKTREE, env=env, capture_output=True, text=True,
@@ -65,12 +64,15 @@ def _kernel(tmp_path, q, k, v, end, d_out, *, softcap=None, block_kv=64):
         return [result[n] for n in ("out", "dq", "dk", "dv")]
 
 
-def _reference(q, k, v, end, d_out, *, softcap=None):
-    """[out, dq, dk, dv] of the dense reference in float32 on the same (bf16) values."""
-    attend = lambda q, k, v, e: attention_reference(q, k, v, e, scale=q.shape[-1] ** -0.5,
-                                                    softcap=softcap)
+def _reference(q, k, v, end, d_out, *, softcap=None, prefix=0):
+    """[out, dq, dk, dv] of the dense reference in float32 on the same (bf16/f16) values, on the
+    square layout: with a prefix P, only queries [P:] count (their outputs, dq and cotangents)."""
+    attend = lambda q, k, v: attention_reference(q, k, v, end, scale=q.shape[-1] ** -0.5,
+                                                 softcap=softcap)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    return [np.asarray(x) for x in _value_and_grads(attend, *f32, end, d_out)]
+    out, pull = jax.vjp(attend, *f32)
+    dq, dk, dv = pull(d_out.at[:, :prefix].set(0.0))
+    return [np.asarray(x) for x in (out[:, prefix:], dq[:, prefix:], dk, dv)]
 
 
 def _assert_close(got, want, names=("out", "dq", "dk", "dv")):
@@ -79,9 +81,8 @@ def _assert_close(got, want, names=("out", "dq", "dk", "dv")):
         assert err <= BF16_TOL * size, f"{name}: max abs error {err:.3g} > {BF16_TOL} x {size:.3g}"
 
 
-def test_gqa_head_pairs_forward_backward_in_interpreter(tmp_path):
-    """GQA group 2: each CTA holds the same 64 positions of two q heads (head packing); the dK/dV
-    kernel sums both heads of the group. Two branching trees in one row, then padding."""
+def _branching_trees_end():
+    """Two branching trees in one 128-token row, then padding."""
     rng = np.random.default_rng(1)
     trees = [
         TrajectoryTree.from_nodes(  # 3 levels, siblings, a path ending at an internal node
@@ -90,9 +91,28 @@ def test_gqa_head_pairs_forward_backward_in_interpreter(tmp_path):
             path_nodes=[3, 4, 5, 1]),
         TrajectoryTree.from_sequences([[7] * 5 + [1] * 20, [7] * 5 + [2] * 9, [7] * 5]),
     ]
-    end = jnp.asarray(linearize(trees, SEQ_MULTIPLE).inputs.mask.end)
-    q, k, v, d_out = _inputs(end, q_heads=2, kv_heads=1, head_dim=64)
+    return jnp.asarray(linearize(trees, SEQ_MULTIPLE).inputs.mask.end)
+
+
+# float16 is slow-marked to keep the default suite's interpreter time down; the slow
+# `mgpu_interpret` run (tests/e2e/test_entry_points.py) covers it too, with and without a prefix.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
+def test_gqa_head_pairs_forward_backward_in_interpreter(tmp_path, dtype):
+    """GQA group 2: each CTA holds the same 64 positions of two q heads (head packing); the dK/dV
+    kernel sums both heads of the group. Production defaults: block_kv 128, both wgmma dtypes."""
+    end = _branching_trees_end()
+    q, k, v, d_out = _inputs(end, q_heads=2, kv_heads=1, head_dim=64, dtype=dtype)
     _assert_close(_kernel(tmp_path, q, k, v, end, d_out), _reference(q, k, v, end, d_out))
+
+
+def test_prefix_calls_forward_backward_in_interpreter(tmp_path):
+    """A redundancy-free part: the first 70 tokens are cached prefix keys (the first tree's prompt
+    and part of its branches), the rest queries; Sq and Skv are padded separately (58 -> 128
+    queries, 128 keys), so the q-blocks sit at key positions P + i (`q_pos`). Soft-cap on."""
+    end = _branching_trees_end()
+    q, k, v, d_out = _inputs(end, q_heads=2, kv_heads=1, head_dim=64, seed=4)
+    _assert_close(_kernel(tmp_path, q, k, v, end, d_out, softcap=20.0, prefix=70),
+                  _reference(q, k, v, end, d_out, softcap=20.0, prefix=70))
 
 
 def test_empty_blocks_are_never_read_and_full_blocks_unmasked(tmp_path):
@@ -120,7 +140,8 @@ def test_empty_blocks_are_never_read_and_full_blocks_unmasked(tmp_path):
 
     q, k, v, d_out = _inputs(end, q_heads=1, kv_heads=1, head_dim=64, seed=2)
     poison = lambda x: x.at[:, branch_a].set(jnp.nan)
-    got = _kernel(tmp_path, poison(q), poison(k), poison(v), end, d_out, softcap=20.0)
+    got = _kernel(tmp_path, poison(q), poison(k), poison(v), end, d_out, softcap=20.0,
+                  block_kv=64)
     want = _reference(q, k, v, end, d_out, softcap=20.0)  # B's results ignore A's values
     for g in got:
         assert np.isfinite(g[:, branch_b]).all()
@@ -179,6 +200,19 @@ def test_lowers_for_cuda_forward_and_backward_at_8k(q_heads, kv_heads, head_dim,
     assert _export(jax.grad(loss, argnums=(0, 1, 2)), *shapes) == ["mosaic_gpu_v2"] * 3
 
 
+def test_prefix_call_lowers_for_cuda_forward_and_backward():
+    """A part of 8000 own tokens over 1000 cached prefix keys (Sq 8064, Skv 9088 once padded)."""
+    p, s = 1000, 8000
+    shapes = [((1, s, 8, 128), jnp.bfloat16), ((1, s, 2, 128), jnp.bfloat16),
+              ((1, s, 2, 128), jnp.bfloat16), ((1, p, 2, 128), jnp.bfloat16),
+              ((1, p, 2, 128), jnp.bfloat16), ((1, s), jnp.int32), ((1, p), jnp.int32)]
+    attend = lambda q, k, v, pk, pv, e, pe: tree_attention(
+        q, k, v, TreeMask(e, pe), impl="pallas_mosaic_gpu", prefix_k=pk, prefix_v=pv)
+    assert _export(attend, *shapes) == ["mosaic_gpu_v2"]
+    loss = lambda *a: jnp.sum(attend(*a).astype(jnp.float32) ** 2)
+    assert _export(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *shapes) == ["mosaic_gpu_v2"] * 3
+
+
 def test_head_dim_256_lowers_forward_and_backward_raises_on_smem():
     shapes = [((1, 2048, 2, 256), jnp.bfloat16), ((1, 2048, 1, 256), jnp.bfloat16),
               ((1, 2048, 1, 256), jnp.bfloat16), ((1, 2048), jnp.int32)]
@@ -200,3 +234,22 @@ def test_rejects_what_the_kernel_cannot_honour(dtype, head_dim, kw, match):
     end = jnp.arange(1, 129, dtype=jnp.int32)[None]
     with pytest.raises(ValueError, match=match):
         attention_mgpu(x, x, x, end, scale=1.0, **kw)
+
+
+def test_traces_forward_and_backward_inside_shard_map():
+    """Inside `shard_map(check_vma=True)` (the sharded train step), the kernels' outputs must vary
+    over the mesh axes their inputs vary over, or the custom_vjp rejects the cotangents."""
+    mesh = jax.make_mesh((1, 1), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = jnp.zeros((2, 128, 2, 64), jnp.bfloat16)
+    end = jnp.full((2, 128), 128, jnp.int32)
+
+    def loss(q, k, v, end):
+        out = tree_attention(q, k, v, TreeMask(end), impl="pallas_mosaic_gpu")
+        return jax.lax.psum(jnp.sum(out.astype(jnp.float32)), "data")
+
+    spec = jax.sharding.PartitionSpec("data")
+    step = jax.shard_map(jax.value_and_grad(loss, argnums=(0, 1, 2)), mesh=mesh,
+                         in_specs=(spec,) * 4, out_specs=(jax.sharding.PartitionSpec(), (spec,) * 3))
+    out_avals = jax.jit(step).trace(x, x, x, end).jaxpr.out_avals
+    assert [a.shape for a in out_avals] == [(), x.shape, x.shape, x.shape]

@@ -3,7 +3,10 @@
 - numerics in the Pallas interpreter (`interpret=True`) against the dense reference: forward and
   q/k/v gradients on random forests, GQA 1/2/4, head_dim 64 and 128, S padded to the block,
   differing block sizes, soft-cap, a tight block budget; float32 tolerance 2e-5;
-- one small case in the TPU interpreter with race detection (simulated DMAs, two cores);
+- one small case in the TPU interpreter with race detection (simulated DMAs, two cores) at the
+  default blocks, in float32 and in bfloat16 (the production dtype; tolerance BF16_TOL x the
+  largest reference magnitude: P and the outputs are rounded to bf16 once each, against the
+  float32 reference on the same bf16 values);
 - lowering for TPU with `jax.export` at a realistic size. That runs the JAX-side Pallas lowering
   (block shapes, index maps, scalar prefetch, the kernel body into Mosaic MLIR), not the Mosaic
   compiler, so VMEM limits and Mosaic layout support are not checked by it.
@@ -22,6 +25,7 @@ from jtree.kernels.block_tables import required_blocks
 from tests.attention_cases import max_errors, qkv, tree_end
 
 F32_TOL = 2e-5
+BF16_TOL = 1e-2
 
 
 @pytest.mark.timeout(300)
@@ -43,7 +47,8 @@ def test_interpret_matches_reference(hq, hkv, d, s, blocks, softcap, budget):
 
 
 @pytest.mark.timeout(300)
-def test_no_races_in_tpu_interpreter(monkeypatch):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_no_races_in_tpu_interpreter(monkeypatch, dtype):
     """Forward, dq and dkv kernels under the TPU interpreter's race detector with two cores (the
     parallel grid axes split between them). The detector's state is private jax API: a fresh
     object per kernel launch, recorded here so all three launches are checked."""
@@ -59,7 +64,7 @@ def test_no_races_in_tpu_interpreter(monkeypatch):
     monkeypatch.setattr(tpu_interpreter, "RaceDetectionState", Recording)
     # One row: a root of 100 tokens with children of 60 and 96 tokens (FULL, PARTIAL, EMPTY blocks).
     end = np.array([[256] * 100 + [160] * 60 + [256] * 96], np.int32)
-    q, k, v = qkv(3, 1, 256, 2, 1, 64)
+    q, k, v = (x.astype(dtype) for x in qkv(3, 1, 256, 2, 1, 64))
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
     out, vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, TreeMask(end), impl="pallas_tpu",
                                                       interpret=params), q, k, v)
@@ -67,9 +72,14 @@ def test_no_races_in_tpu_interpreter(monkeypatch):
     jax.block_until_ready(grads)
     assert len(launches) == 3 and not any(r.races_found for r in launches)
     ref, ref_vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, TreeMask(end), impl="reference"),
-                           q, k, v)
+                           *(x.astype(jnp.float32) for x in (q, k, v)))
     for a, b in zip((out, *grads), (ref, *ref_vjp(jnp.ones_like(ref)))):
-        np.testing.assert_allclose(a, b, atol=F32_TOL)
+        assert a.dtype == dtype
+        if dtype == jnp.float32:
+            np.testing.assert_allclose(a, b, atol=F32_TOL)
+        else:
+            err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
+            assert err <= BF16_TOL * float(jnp.max(jnp.abs(b))), err
 
 
 def test_budget_too_small():
