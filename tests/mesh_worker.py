@@ -2,7 +2,7 @@
 
 Run in a subprocess (`tests/train/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
 backend, which the rest of the test session has long done. A case is `model:mode:objective:DxM`
-(model `dense`, `moe` or `next`). Prints one JSON line per case with the largest relative
+(model `dense`, `moe` or `next`; `dense_lora`: `dense` training LoRA adapters). Prints one JSON line per case with the largest relative
 differences to the single-device step: loss, gradient norm, per-parameter gradients (Adam's first
 moment after one step, i.e. the clipped gradient scaled by 1 - b1), updated parameters and their
 updates.
@@ -37,6 +37,7 @@ from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
 from jtree.models import RuntimeConfig, create_model  # noqa: E402
+from jtree.models.lora import LoraConfig, attach, trainable  # noqa: E402
 from jtree.packing import unit_counts  # noqa: E402
 from jtree.planner import LayoutConfig, plan_step  # noqa: E402
 from jtree.sharding import (  # noqa: E402
@@ -57,8 +58,8 @@ S, ROWS, GDN_CHUNK = 64, 8, 4
 def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     """(architecture, config, runtime) of the tiny `dense`, `moe` or `next` model; `dense_cpu` is
     `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map)."""
-    if kind in ("dense", "dense_cpu"):
-        impl = {"dense": "reference", "dense_cpu": "cpu"}[kind]
+    if kind in ("dense", "dense_cpu", "dense_lora"):
+        impl = "cpu" if kind == "dense_cpu" else "reference"
         return ("qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64),
                 tiny_runtime(attention_impl=impl))
     if kind == "moe":
@@ -122,8 +123,11 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
     arch, cfg, runtime = case_model(model_kind)
     model = create_model(arch, cfg, runtime, seed=3)
     graphdef, params = nnx.split(model)
+    if model_kind == "dense_lora":  # column- and row-parallel kernels and the vocab-split head
+        lora = LoraConfig(rank=2, alpha=4.0, targets=("self_attn/(q|k|o)_proj", "mlp", "lm_head"))
+        params = attach(params, lora, jax.random.key(0))
     if model_kind != "dense":
-        params = perturbed(params)
+        params = perturbed(params)  # with LoRA, B != 0: A's gradients too are non-zero
     objective = Objective(kind=kind, normalization="token_mean" if kind == "sft"
                           else "seq_mean_token_mean")
     inputs = step_inputs(mode, objective, cfg.decoder().needs_gdn_tables)
@@ -131,7 +135,7 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
         rng = np.random.default_rng(1)
         inputs = inputs.with_coefficients(
             old_logprobs=(-rng.uniform(0.5, 5.0, inputs.shape)).astype(np.float32))
-    state = TrainState(params, opt.init(params), np.int32(0))
+    state = TrainState(params, opt.init(trainable(params)), np.int32(0))
     ref_state, ref_metrics = jax.jit(make_train_step(graphdef, opt, objective))(state, inputs)
     return dict(arch=arch, cfg=cfg, model=model, params=params, objective=objective,
                 inputs=inputs, state=ref_state, metrics=ref_metrics)
@@ -147,8 +151,9 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
     tp_graphdef = tensor_parallel_graphdef(ref["model"])
     grad_fn = make_sharded_grad_fn(tp_graphdef, objective, mesh, specs)
     step = jax.jit(make_train_step(tp_graphdef, opt, objective, grad_fn=grad_fn))
-    new_state, metrics = step(TrainState(sharded_params, opt.init(sharded_params), np.int32(0)),
-                              ref["inputs"])
+    new_state, metrics = step(
+        TrainState(sharded_params, opt.init(trainable(sharded_params)), np.int32(0)),
+        ref["inputs"])
     ref_state, ref_metrics = ref["state"], ref["metrics"]
     leaves = jax.tree_util.tree_leaves
     return {

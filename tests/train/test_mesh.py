@@ -4,7 +4,7 @@ The meshes run in a subprocess (`tests/mesh_worker.py`) because the device count
 creates its CPU backend. A case is `model:mode:objective:DxM`, model `dense` (Qwen3), `moe`
 (Qwen3-MoE: expert parallel, router loss pooled over the data shards) or `next` (Qwen3-Next: Gated
 DeltaNet heads split, gated attention, shared expert); `dense_cpu` is Qwen3 with the C++ `cpu`
-attention kernel. Float32, docs/design.md tolerances: loss,
+attention kernel, `dense_lora` Qwen3 training LoRA adapters (split like their kernels). Float32, docs/design.md tolerances: loss,
 gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
 2 kv heads on a 4-way model axis exercise replicated KV heads; every case exercises the
 vocab-parallel embedding and loss.
@@ -48,7 +48,7 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
     cases = [f"{model}:{mode}:sft:{mesh}" for model in ("dense", "moe")
              for mode in ("tree", "baseline") for mesh in MESHES]
     cases += ["moe:tree:ppo:2x4", "dense:baseline:ppo:4x2", "next:tree:sft:2x4",
-              "dense_cpu:tree:sft:4x2"]
+              "dense_cpu:tree:sft:4x2", "dense_lora:tree:ppo:2x4"]
     step_results = run_cases(cases + [f"restore:{tmp_path}/ckpt"])
     for result in step_results[:-1]:
         check(result)
@@ -57,8 +57,9 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
 
 
 @pytest.mark.slow
-def test_next_on_every_mesh_and_ppo_on_every_model():
+def test_next_and_lora_on_every_mesh_and_ppo_on_every_model():
     cases = [f"next:{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in MESHES]
     cases += [f"{model}:tree:ppo:4x2" for model in ("dense", "moe", "next")]
+    cases += [f"dense_lora:{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in MESHES]
     for result in run_cases(cases + ["dense:baseline:ppo:2x4"]):
         check(result)
