@@ -12,6 +12,7 @@ import pytest
 from jtree.baseline import linearize_baseline
 from jtree.batch import stack
 from jtree.config import load_config
+from jtree.launch.train import main
 from jtree.linearize import linearize
 from jtree.models.lora import LoraConfig, attach, model_params, trainable_grads, trainable
 from jtree.trainer import Trainer
@@ -20,6 +21,7 @@ from jtree.train_step import (
     stack_microbatches,
 )
 from tests.models_util import assert_grads_close, off_policy_ppo_inputs, tiny_model
+from tests.run_util import read_metrics, tiny_overrides
 from tests.strategies import seeded_forests
 
 TARGETS = ("self_attn/(q|o)_proj", "mlp/down_proj", "lm_head")
@@ -110,3 +112,25 @@ def test_a_target_matching_no_kernel_fails_naming_its_key():
     # Norm weights and embeddings are not linear kernels.
     with pytest.raises(ValueError, match=r"targets\[0\]: 'input_layernorm' matches no linear"):
         attach(tiny_model()[1], LoraConfig(targets=("input_layernorm",)), jax.random.key(0))
+
+
+@pytest.mark.slow
+def test_lora_runs_train_alike_in_tree_baseline_and_redundancy_free_mode(few_groups_file,
+                                                                         tmp_path):
+    """A LoRA run (bf16 base) trains the same adapters in every layout: its losses after the
+    adapters moved agree between tree, per-path baseline and redundancy-free parts (the trees
+    split over cached prefixes)."""
+    overrides = tiny_overrides(few_groups_file, **{
+        "run.steps": 3, "data.trees_per_step": 2, "data.micro_batches": 1,
+        "optim.warmup_steps": 0, "run.capacity": 40, "run.prefix_backward": "residuals",
+        "model.lora": "{rank: 2, alpha: 4, targets: [proj, lm_head], base_dtype: bfloat16}",
+        "model.tie_word_embeddings": False})
+    losses = {}
+    for mode in ("tree", "baseline", "redundancy_free"):
+        out = tmp_path / f"{mode}.jsonl"
+        assert main(["--config", "configs/tiny.yaml", *overrides, f"run.mode={mode}",
+                     f"run.metrics_jsonl={out}"]) == 0
+        losses[mode] = [r["loss"] for r in read_metrics(out)]
+    assert losses["tree"][-1] < losses["tree"][0]
+    for mode in ("baseline", "redundancy_free"):
+        assert losses[mode] == pytest.approx(losses["tree"], rel=1e-5), mode
