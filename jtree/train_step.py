@@ -201,9 +201,10 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *, data_axis: str
     """(params, inputs [M, rows, S]) -> (loss, metrics, grads), summed over the M micro-batches.
 
     The gradients are those of the trainable parameters (`jtree.models.lora.trainable`: the
-    adapters of a LoRA run, else all). Inside shard_map, `data_axis` names the mesh axis the rows are split over: gradients are
-    accumulated per device over all micro-batches and all-reduced once at the end. `vocab_axis`
-    names the tensor-parallel axis when the output embedding is vocab-parallel.
+    adapters of a LoRA run, else all). Inside shard_map, `data_axis` names the mesh axis the
+    rows are split over: gradients are accumulated per device over all micro-batches and
+    all-reduced once at the end. `vocab_axis` names the tensor-parallel axis when the output
+    embedding is vocab-parallel.
     """
 
     def micro(params: Any, inputs: DeviceBatch):

@@ -378,8 +378,8 @@ class TrainingRun:
     def train_step(self, state: TrainState, step: int) -> tuple[
             TrainState, dict[str, float], dict[str, Any], float, float, Compiles]:
         """Train the pipeline's next step: (state, metrics, step info, host s, device s, the
-        step's compiles). Host time is reading the step and placing it; device time waits for
-        the step's metrics, less the time the step spent compiling (`compile_watch`, entered by
+        step's compiles). Host time is reading the step and placing it; device time runs the
+        old and reference log-prob forwards the step needs and waits for its metrics, less the time the step spent compiling (`compile_watch`, entered by
         `train`). A step at a shape not seen before says so before it compiles and how long the
         compile took after; a compile at known shapes is logged too (a redundancy-free part
         compiles per structure as well as per shape)."""
@@ -404,13 +404,13 @@ class TrainingRun:
             state, metrics = trainer.rfree_step(state, element["program"])
         else:
             inputs = to_global(trainer.mesh, element["inputs"], len(self.shards))
+            t1 = time.perf_counter()
             if stale:
                 inputs = inputs.with_coefficients(
                     old_logprobs=trainer.logprob_fn(state.params, inputs))
             if self.reference is not None:  # the KL term's reference: a forward on this batch
                 inputs = inputs.with_coefficients(
                     ref_logprobs=trainer.ref_logprob_fn(self.reference, inputs))
-            t1 = time.perf_counter()
             state, metrics = trainer.step_fn(state, inputs)
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
         device_s = time.perf_counter() - t1

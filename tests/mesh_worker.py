@@ -2,10 +2,10 @@
 
 Run in a subprocess (`tests/train/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
 backend, which the rest of the test session has long done. A case is `model:mode:objective:DxM`
-(model `dense`, `moe` or `next`; `dense_lora`: `dense` training LoRA adapters). Prints one JSON line per case with the largest relative
-differences to the single-device step: loss, gradient norm, per-parameter gradients (Adam's first
-moment after one step, i.e. the clipped gradient scaled by 1 - b1), updated parameters and their
-updates.
+(model `dense`, `moe` or `next`; `dense_lora`: `dense` training LoRA adapters). Prints one
+JSON line per case with the largest relative differences to the single-device step: loss,
+gradient norm, per-parameter gradients (Adam's first moment after one step, i.e. the clipped
+gradient scaled by 1 - b1), updated parameters and their updates.
 
 Compiles dominate the cost (two per case, ~10 s each at XLA's default backend optimization), so the
 worker compiles with `--xla_backend_optimization_level=0` (both sides of every comparison use the

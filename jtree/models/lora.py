@@ -155,7 +155,9 @@ def trainable(params: Any) -> Any:
 
 def with_trainable(params: Any, values: Any) -> Any:
     """`params` with its trainable part (`trainable`) replaced by `values`."""
-    return dataclasses.replace(params, adapters=values) if isinstance(params, LoraParams) else values
+    if isinstance(params, LoraParams):
+        return dataclasses.replace(params, adapters=values)
+    return values
 
 
 def trainable_grads(params: Any, model_grads: Any) -> Any:

@@ -15,7 +15,7 @@ from jtree.cli import main as cli  # noqa: E402
 from jtree.commands.export_hf import trained_model  # noqa: E402
 from jtree.launch.train import main  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
-from jtree.models.lora import LoraConfig, attach, model_params  # noqa: E402
+from jtree.models.lora import LoraConfig, attach, model_params, with_trainable  # noqa: E402
 from jtree.tree import TrajectoryTree  # noqa: E402
 from tests.models_util import tiny_runtime  # noqa: E402
 from tests.run_util import tiny_overrides  # noqa: E402
@@ -29,9 +29,8 @@ def test_merged_export_gives_jtree_merged_logits_in_transformers(tmp_path):
     lora = attach(params, LoraConfig(rank=4, alpha=8.0, targets=("proj", "lm_head")),
                   jax.random.key(0))
     keys = iter(jax.random.split(jax.random.key(1), 64))
-    lora = type(lora)(lora.base, jax.tree_util.tree_map(  # B = 0 would merge to the base
-        lambda x: 0.1 * jax.random.normal(next(keys), x.shape), lora.adapters),
-        lora.scale, lora.dtypes)
+    lora = with_trainable(lora, jax.tree_util.tree_map(  # B = 0 would merge to the base
+        lambda x: 0.1 * jax.random.normal(next(keys), x.shape), lora.adapters))
     merged = nnx.merge(graphdef, model_params(lora))
     jtree.hf.save(merged, config, tmp_path / "merged")
     ref = transformers.AutoModelForCausalLM.from_pretrained(

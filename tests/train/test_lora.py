@@ -14,7 +14,9 @@ from jtree.batch import stack
 from jtree.config import load_config
 from jtree.launch.train import main
 from jtree.linearize import linearize
-from jtree.models.lora import LoraConfig, attach, model_params, trainable_grads, trainable
+from jtree.models.lora import (
+    LoraConfig, attach, model_params, trainable, trainable_grads, with_trainable,
+)
 from jtree.trainer import Trainer
 from jtree.train_step import (
     Objective, OptimConfig, TrainState, make_grad_fn, make_optimizer, make_train_step,
@@ -37,7 +39,7 @@ def lora_params(seed: int = 0, **cfg):
     adapters = jax.tree_util.tree_map_with_path(
         lambda p, x: 0.1 * jax.random.normal(next(keys), x.shape, x.dtype)
         if p[-1].key == "lora_b" else x, lora.adapters)
-    return graphdef, type(lora)(lora.base, adapters, lora.scale, lora.dtypes)
+    return graphdef, with_trainable(lora, adapters)
 
 
 def test_a_step_changes_only_the_adapters():

@@ -4,10 +4,10 @@ The meshes run in a subprocess (`tests/mesh_worker.py`) because the device count
 creates its CPU backend. A case is `model:mode:objective:DxM`, model `dense` (Qwen3), `moe`
 (Qwen3-MoE: expert parallel, router loss pooled over the data shards) or `next` (Qwen3-Next: Gated
 DeltaNet heads split, gated attention, shared expert); `dense_cpu` is Qwen3 with the C++ `cpu`
-attention kernel, `dense_lora` Qwen3 training LoRA adapters (split like their kernels). Float32, docs/design.md tolerances: loss,
-gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
-2 kv heads on a 4-way model axis exercise replicated KV heads; every case exercises the
-vocab-parallel embedding and loss.
+attention kernel, `dense_lora` Qwen3 training LoRA adapters (split like their kernels). Float32,
+docs/design.md tolerances: loss, gradient norm, every parameter's gradient and the updated
+parameters within 1e-5 relative. The 2 kv heads on a 4-way model axis exercise replicated KV
+heads; every case exercises the vocab-parallel embedding and loss.
 """
 
 import json

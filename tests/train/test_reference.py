@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import jtree.hf
 
@@ -20,7 +21,8 @@ from jtree.models import create_model
 from jtree.trainer import Trainer
 from jtree.train_step import Objective, make_grad_fn
 from tests.models_util import (
-    assert_grads_close, logprob_fn, off_policy_ppo_inputs, perturbed, tiny_model,
+    assert_grads_close, logprob_fn, off_policy_ppo_inputs, perturbed, tiny_config, tiny_lm,
+    tiny_model,
 )
 from tests.run_util import read_metrics, tiny_overrides
 from tests.strategies import seeded_forests
@@ -63,18 +65,25 @@ def test_reference_refused_without_a_kl_term_or_on_redundancy_free_parts(overrid
         Trainer.build(load_config("configs/tiny.yaml", overrides))
 
 
-def test_initial_reference_is_the_starting_model():
-    """`reference: initial` runs the weights a fresh run starts from (with LoRA: the base), laid
-    out like the model's parameters."""
-    cfg = load_config("configs/tiny.yaml", [
-        "objective.kind=ppo", "objective.kl_coef=0.1", "objective.reference=initial",
-        "model.num_hidden_layers=1", "model.lora={rank: 2, targets: [o_proj]}"])
-    trainer = Trainer.build(cfg)
-    reference = trainer.reference_params()
-    start = trainer.init_fn().params
-    assert jax.tree_util.tree_structure(reference) == jax.tree_util.tree_structure(start.base)
-    for a, b in zip(jax.tree_util.tree_leaves(reference), jax.tree_util.tree_leaves(start.base)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+def test_initial_reference_is_the_starting_model(tmp_path):
+    """`reference: initial` runs the weights a fresh run starts from: with `model.init_from` and
+    LoRA, the loaded checkpoint, which is also the LoRA run's frozen base; laid out like the
+    model's parameters."""
+    config = tiny_config()
+    model = tiny_lm(config, 11)
+    jtree.hf.save(model, config, tmp_path / "hf")
+    overrides = tiny_overrides(tmp_path / "unused.jsonl", **{
+        "model.init_from": str(tmp_path / "hf"), "model.tie_word_embeddings": False,
+        "model.rope_theta": config.rope_theta, "model.num_hidden_layers": 2,
+        "objective.kind": "ppo", "objective.kl_coef": 0.1, "objective.reference": "initial",
+        "model.lora": "{rank: 2, targets: [o_proj]}"})
+    trainer = Trainer.build(load_config("configs/tiny.yaml", overrides))
+    loaded = nnx.state(model, nnx.Param)
+    reference, start = trainer.reference_params(), trainer.initial_state().params
+    for tree in (reference, start.base):
+        assert jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(loaded)
+        for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(loaded)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.slow
