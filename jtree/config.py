@@ -23,6 +23,7 @@ import yaml
 from jtree.chunk_tables import DEFAULT_CHUNK_SIZE
 from jtree.models.architectures import architecture
 from jtree.models.architectures.qwen3 import Qwen3Config
+from jtree.models.lora import LoraConfig
 from jtree.models.runtime import RuntimeConfig
 from jtree.planner import check_steps_per_octave
 from jtree.rfree.layout import ROW_STEPS_PER_OCTAVE
@@ -37,11 +38,13 @@ _YAML11_EXPONENT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
 class ModelSpec:
     """Which architecture to build and its config (an instance of the architecture's class).
     `init_from`: a Hugging Face checkpoint directory to start from instead of a random init (its
-    config.json must agree with the architecture fields given here)."""
+    config.json must agree with the architecture fields given here). `lora`: train low-rank
+    adapters on the kernels it targets instead of every parameter (`jtree.models.lora`)."""
 
     architecture: str = "qwen3"
     config: Any = dataclasses.field(default_factory=Qwen3Config)
     init_from: str | None = None
+    lora: LoraConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +180,8 @@ def _model_spec(value: Any, path: str) -> ModelSpec:
     except ValueError as e:
         raise ValueError(f"{path}.{e}") from None
     init_from = _check_value(fields.pop("init_from", None), str | None, f"{path}.init_from")
-    return ModelSpec(arch, from_dict(config_class, fields, path), init_from)
+    lora = _check_value(fields.pop("lora", None), LoraConfig | None, f"{path}.lora")
+    return ModelSpec(arch, from_dict(config_class, fields, path), init_from, lora)
 
 
 def _check_value(value: Any, hint: Any, path: str) -> Any:
@@ -291,7 +295,7 @@ def config_values(cfg: TrainConfig) -> dict[str, Any]:
         values = dataclasses.asdict(section)
         if isinstance(section, ModelSpec):  # the architecture's fields sit directly under model.
             values = {"architecture": section.architecture, "init_from": section.init_from,
-                      **values["config"]}
+                      "lora": values["lora"], **values["config"]}
         for key, value in values.items():
             out[f"{field.name}.{key}"] = json.loads(json.dumps(value))
     return out

@@ -33,6 +33,7 @@ from jtree.linearize import TreeBatch, linearize
 from jtree.logprobs import logprobs_from_hidden, scored_logprobs, token_logprobs
 from jtree.loss import COEFFICIENT_FIELDS, Normalization, gspo_loss, ppo_loss, sft_loss
 from jtree.models.decoder import CausalLM
+from jtree.models.lora import model_params, trainable, with_trainable
 from jtree.packing import same_score_len
 from jtree.models.layers import FSDP_GATHER, fsdp_gathered
 from jtree.sharding import (
@@ -45,7 +46,11 @@ class Objective:
     """What the step minimizes. `sft`: weighted NLL. `ppo`: clipped token-level surrogate (+ KL,
     entropy). `gspo`: GSPO's clipped sequence-level surrogate (`jtree.loss.gspo_loss`; its paper
     clips at 3e-4 / 4e-4). `advantage`: where the RL objectives' advantages come from
-    (`jtree.advantages`: the records' own, or computed from their rewards). See docs/rl.md."""
+    (`jtree.advantages`: the records' own, or computed from their rewards). See docs/rl.md.
+
+    `reference`: where the KL term's reference log-probs come from: None reads them from the
+    data, `initial` runs the run's starting weights and a directory runs that Hugging Face
+    checkpoint, on each step's batch (`jtree.trainer`; docs/training.md)."""
 
     kind: Literal["sft", "ppo", "gspo"] = "sft"
     advantage: Estimator = "given"
@@ -56,6 +61,7 @@ class Objective:
     entropy_coef: float = 0.0
     logprob_chunk: int = 1024
     old_logprob_tolerance: float = 1e-3
+    reference: str | None = None
 
     @property
     def advantage_estimator(self) -> Estimator | None:
@@ -226,21 +232,22 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *,
                  data_axes: Sequence[str] = (), vocab_axis: str | None = None) -> Callable:
     """(params, inputs [M, rows, S]) -> (loss, metrics, grads), summed over the M micro-batches.
 
-    Inside shard_map, `data_axes` names the mesh axes the rows are split over: gradients are
-    accumulated per device over all micro-batches and summed over those axes once at the end,
-    each over the axes its parameter is not sharded over (a parameter sharded over `fsdp` has
-    its gradient reduce-scattered over `fsdp` by the transpose of its gather, per micro-batch,
-    since its accumulator is sharded too). `vocab_axis` names the tensor-parallel axis when the
-    output embedding is vocab-parallel.
+    The gradients are those of the trainable parameters (`jtree.models.lora.trainable`: the
+    adapters of a LoRA run, else all). Inside shard_map, `data_axes` names the mesh axes the rows
+    are split over: gradients are accumulated per device over all micro-batches and summed over
+    those axes once at the end, each over the axes its parameter is not sharded over (a parameter
+    sharded over `fsdp` has its gradient reduce-scattered over `fsdp` by the transpose of its
+    gather, per micro-batch, since its accumulator is sharded too). `vocab_axis` names the
+    tensor-parallel axis when the output embedding is vocab-parallel.
     """
     data_axes = tuple(data_axes)
 
     def micro(params: Any, inputs: DeviceBatch):
-        def loss_fn(p: Any):
-            return objective_loss(merged_model(graphdef, p), inputs, objective,
-                                  vocab_axis=vocab_axis)
+        def loss_fn(t: Any):
+            model = merged_model(graphdef, model_params(with_trainable(params, t)))
+            return objective_loss(model, inputs, objective, vocab_axis=vocab_axis)
 
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable(params))
         return loss, metrics, grads
 
     def grad_fn(params: Any, inputs: DeviceBatch):
@@ -248,7 +255,7 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *,
         # The row axes each gradient still has to be summed over: those its parameter is
         # replicated over (not `fsdp` where it is sharded over `fsdp`).
         sum_axes = jax.tree_util.tree_map(
-            lambda x: tuple(a for a in data_axes if a not in varying_axes(x)), params)
+            lambda x: tuple(a for a in data_axes if a not in varying_axes(x)), trainable(params))
         if data_axes:
             params = vary_over(params, data_axes)
         # Every micro-batch goes through the scan from a zero total (0 + x is exact, so the sum
@@ -257,7 +264,7 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *,
         # program holding both micro-batches' activations at once.
         first = jax.tree_util.tree_map(lambda x: x[0], inputs)
         loss_shape, metrics_shape, _ = jax.eval_shape(micro, params, first)
-        zero = zero_sums(loss_shape, metrics_shape, params)
+        zero = zero_sums(loss_shape, metrics_shape, trainable(params))
         if data_axes:  # the gradients' zeros already vary like the parameters
             zero = (*vary_over(zero[:2], data_axes), zero[2])
 
@@ -308,7 +315,8 @@ def make_sharded_grad_fn(graphdef: nnx.GraphDef, objective: Objective, mesh: jax
 
     def grad_fn(params: Any, inputs: DeviceBatch):
         in_specs = (specs, batch_specs(inputs))
-        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(P(), P(), specs))(
+        out_specs = (P(), P(), trainable(specs))
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
             params, inputs)
 
     return grad_fn
@@ -354,11 +362,13 @@ def apply_gradients(optimizer: optax.GradientTransformation) -> Callable[
         [TrainState, jax.Array, dict[str, jax.Array], Any],
         tuple[TrainState, dict[str, jax.Array]]]:
     """(state, loss, metrics, grads) -> (next state, metrics with loss and grad norm): the update
-    half of a train step, for steps whose gradients come from elsewhere (`jtree.rfree`)."""
+    half of a train step, for steps whose gradients come from elsewhere (`jtree.rfree`). Only
+    the trainable parameters (`jtree.models.lora.trainable`) have gradients and change."""
 
     def apply(state: TrainState, loss: jax.Array, metrics: dict[str, jax.Array], grads: Any):
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        current = trainable(state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, current)
+        params = with_trainable(state.params, optax.apply_updates(current, updates))
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
         return TrainState(params, opt_state, state.step + 1), metrics
 
@@ -370,7 +380,8 @@ def make_logprob_fn(graphdef: nnx.GraphDef, chunk: int = 1024
     """(params, inputs [rows, S]) -> token log-probs [rows, S]; no gradient, for old/ref policies."""
 
     def fn(params: Any, inputs: DeviceBatch) -> jax.Array:
-        return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), inputs, chunk=chunk))
+        model = nnx.merge(graphdef, model_params(params))
+        return jax.lax.stop_gradient(token_logprobs(model, inputs, chunk=chunk))
 
     return fn
 
@@ -381,7 +392,7 @@ def make_sharded_logprob_fn(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, spe
     (old/reference policies, equivalence checks). `graphdef` is `sharded_graphdef`'s."""
 
     def local(params: Any, inputs: DeviceBatch) -> jax.Array:
-        model = merged_model(graphdef, params)
+        model = merged_model(graphdef, model_params(params))
         return jax.lax.map(lambda x: token_logprobs(model, x, chunk=chunk, vocab_axis=MODEL),
                            inputs)
 
@@ -396,10 +407,11 @@ def make_sharded_logprob_fn(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, spe
 
 def state_shardings(optimizer: optax.GradientTransformation, params: Any, param_shardings: Any,
                     mesh: jax.sharding.Mesh) -> TrainState:
-    """Shardings of a TrainState: optimizer moments like their parameters, scalars replicated."""
+    """Shardings of a TrainState: optimizer moments like their (trainable) parameters, scalars
+    replicated."""
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opt_shapes = jax.eval_shape(optimizer.init, params)
-    opt = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_shardings,
+    opt_shapes = jax.eval_shape(optimizer.init, trainable(params))
+    opt = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, trainable(param_shardings),
                                 transform_non_params=lambda _: replicated)
     return TrainState(param_shardings, opt, replicated)
 

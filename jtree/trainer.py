@@ -41,6 +41,7 @@ from jtree.host_allocator import configure_host_malloc
 from jtree.kernels.tree_attention import resolve_impl
 from jtree.metrics import MetricsLog
 from jtree.models import create_model
+from jtree.models.lora import model_params, trainable, trainable_grads, with_lora
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.planner import check_steps_per_octave
 from jtree.run_data import (
@@ -49,7 +50,7 @@ from jtree.run_data import (
 )
 from jtree.run_report import progress, progress_line, say, step_record, summary
 from jtree.sharding import (
-    MODEL, describe_mesh, make_mesh, named, param_path, param_rules, param_specs, row_shards,
+    FSDP, MODEL, describe_mesh, make_mesh, named, param_path, param_rules, param_specs, row_shards,
 )
 from jtree.train_step import (
     TrainState, apply_gradients, make_optimizer, make_schedule, make_sharded_grad_fn,
@@ -62,7 +63,12 @@ from jtree.tree import TrajectoryTree
 class Trainer:
     """What the config alone determines: mesh, model graphs, parameter shardings, optimizer and
     the jitted step, log-prob and init functions. No data: `jtree.launch.lower_step` lowers the
-    step a run trains with from it."""
+    step a run trains with from it.
+
+    `specs` lay out the trained parameters (a `jtree.models.lora.LoraParams` with `model.lora`),
+    `model_specs` the model's own (what a Hugging Face checkpoint loads into and the reference
+    model runs on). `ref_logprob_fn` runs the reference model of `objective.reference` (None
+    when the data carries the reference log-probs)."""
 
     cfg: TrainConfig
     mesh: Mesh
@@ -74,6 +80,8 @@ class Trainer:
     logprob_fn: Any
     init_fn: Any
     rfree_step: Any = None  # (state, RfreeProgram) -> (state, metrics), run.mode=redundancy_free
+    model_specs: Any = None
+    ref_logprob_fn: Any = None
 
     @classmethod
     def build(cls, cfg: TrainConfig) -> Trainer:
@@ -81,37 +89,50 @@ class Trainer:
         jitted wrappers that compile on their first call."""
         mesh = make_mesh(cfg.mesh)
         arch, mcfg = cfg.model.architecture, cfg.model.config
+        check_reference(cfg)
         abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime,
                                                        seed=cfg.run.seed))
-        _, abstract_params = nnx.split(abstract)
+        _, abstract_model_params = nnx.split(abstract)
+        abstract_params = jax.eval_shape(
+            lambda p: with_lora(p, cfg.model.lora, cfg.run.seed), abstract_model_params)
         try:
             rules = param_rules(mcfg, mesh.shape[MODEL])
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh.model={mesh.shape[MODEL]}: {e}") from None
+        if cfg.model.lora is not None and mesh.shape[FSDP] > 1:
+            raise ValueError(f"model.lora: not supported on an FSDP mesh (mesh.fsdp="
+                             f"{mesh.shape[FSDP]}): the adapters merge into whole kernels, not "
+                             f"into FSDP shards")
         try:
             specs = param_specs(abstract_params, rules, mesh)
+            model_specs = param_specs(abstract_model_params, rules, mesh)
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh {describe_mesh(mesh)}: {e}") from None
-        graphdef = sharded_graphdef(abstract, specs)
+        graphdef = sharded_graphdef(abstract, model_specs)
         optimizer = make_optimizer(cfg.optim)
         shardings = state_shardings(optimizer, abstract_params, named(mesh, specs), mesh)
         grad_fn = make_sharded_grad_fn(graphdef, cfg.objective, mesh, specs)
         step = make_train_step(graphdef, optimizer, cfg.objective, grad_fn=grad_fn)
         replicated = NamedSharding(mesh, P())
         step_fn = jax.jit(step, out_shardings=(shardings, replicated), donate_argnums=0)
-        logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, specs,
-                                                     cfg.objective.logprob_chunk))
+        chunk = cfg.objective.logprob_chunk
+        logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, specs, chunk))
+        ref_logprob_fn = None
+        if cfg.objective.reference is not None:
+            ref_logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, model_specs, chunk))
 
         def init() -> TrainState:
             params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed))[1]
-            return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+            params = with_lora(params, cfg.model.lora, cfg.run.seed)
+            return TrainState(params, optimizer.init(trainable(params)),
+                              jnp.zeros((), jnp.int32))
 
         init_fn = jax.jit(init, out_shardings=shardings)
         rfree_step = None
         if cfg.run.mode == "redundancy_free":
             rfree_step = make_rfree_step(cfg, mesh, nnx.split(abstract)[0], optimizer)
         return cls(cfg, mesh, graphdef, specs, shardings, optimizer, step_fn, logprob_fn, init_fn,
-                   rfree_step)
+                   rfree_step, model_specs, ref_logprob_fn)
 
     def initial_state(self) -> TrainState:
         """A fresh TrainState: random init, or the weights of `model.init_from` placed directly
@@ -119,28 +140,64 @@ class Trainer:
         path = self.cfg.model.init_from
         if path is None:
             return self.init_fn()
+        params = self.load_hf(path, "model.init_from")
+        if self.cfg.model.lora is not None:
+            params = jax.jit(lambda p: with_lora(p, self.cfg.model.lora, self.cfg.run.seed),
+                             out_shardings=self.shardings.params)(params)
+        opt_state = jax.jit(lambda p: self.optimizer.init(trainable(p)),
+                            out_shardings=self.shardings.opt_state)(params)
+        return TrainState(params, opt_state,
+                          jax.device_put(jnp.zeros((), jnp.int32), self.shardings.step))
+
+    def load_hf(self, path: str, key: str) -> Any:
+        """The model parameters of Hugging Face checkpoint `path` placed directly onto the mesh
+        (each host reads only what its devices hold); its config.json must agree with
+        `model` (an error names `key`, the config key that gave `path`, and the field)."""
         from jtree.hf import load
 
         mcfg = self.cfg.model.config
         by_name = {param_path(p).replace("/", "."): s for p, s in
-                   jax.tree_util.tree_flatten_with_path(self.shardings.params)[0]}
+                   jax.tree_util.tree_flatten_with_path(named(self.mesh, self.model_specs))[0]}
         loaded, model = load(path, self.cfg.runtime, shardings=lambda name, shape: by_name[name])
         for field in dataclasses.fields(mcfg):
             ours, theirs = getattr(mcfg, field.name), getattr(loaded, field.name)
             # initializer_range only shapes a random init, which a loaded model does not have.
             if field.name != "initializer_range" and ours != theirs:
-                raise ValueError(f"model.{field.name}: the config has {ours!r}, "
+                raise ValueError(f"{key}: model.{field.name}: the config has {ours!r}, "
                                  f"{path}/config.json has {theirs!r}")
-        params = nnx.split(model)[1]
-        opt_state = jax.jit(self.optimizer.init, out_shardings=self.shardings.opt_state)(params)
-        return TrainState(params, opt_state,
-                          jax.device_put(jnp.zeros((), jnp.int32), self.shardings.step))
+        return nnx.split(model)[1]
+
+    def reference_params(self) -> Any:
+        """The reference model's parameters (`objective.reference`), laid out like the model's:
+        `initial` the run's starting weights (as a fresh run starts: `model.init_from` or the
+        seeded init, with LoRA the base), else the Hugging Face checkpoint it names."""
+        ref = self.cfg.objective.reference
+        if ref != "initial":
+            return self.load_hf(ref, "objective.reference")
+        start = self.initial_state().params
+        return jax.jit(model_params, out_shardings=named(self.mesh, self.model_specs))(start)
 
     def run_meta(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run that wrote it: its whole config (dotted keys), so
         a resume says what changed and refuses what would not continue the same run
         (`check_resumable`)."""
         return {"config": config_values(self.cfg)}
+
+
+def check_reference(cfg: TrainConfig) -> None:
+    """`objective.reference` names a model for the KL term: it needs `kind: ppo` with
+    `kl_coef` > 0, and a layout the reference forward runs on (not redundancy-free parts)."""
+    obj = cfg.objective
+    if obj.reference is None:
+        return
+    if obj.kind != "ppo" or obj.kl_coef <= 0:
+        raise ValueError(f"objective.reference: {obj.reference!r} is the KL term's reference "
+                         f"model, but objective.kind={obj.kind} with kl_coef={obj.kl_coef} has "
+                         "no KL term (set kind: ppo and kl_coef > 0, or unset reference)")
+    if cfg.run.mode == "redundancy_free":
+        raise ValueError("objective.reference: run.mode=redundancy_free runs no reference "
+                         "forward on its parts; give ref_logprobs in the data or use another "
+                         "run.mode")
 
 
 def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any
@@ -156,9 +213,20 @@ def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any
     grads_of = RedundancyFreeStep(graphdef, cfg.objective,
                                   prefix_backward=cfg.run.prefix_backward)
     update = jax.jit(apply_gradients(optimizer), donate_argnums=0)
+    if cfg.model.lora is None:
+        def step(state: TrainState, program) -> tuple[TrainState, dict[str, jax.Array]]:
+            return update(state, *grads_of(state.params, program))
 
-    def step(state: TrainState, program) -> tuple[TrainState, dict[str, jax.Array]]:
-        return update(state, *grads_of(state.params, program))
+        return step
+    # LoRA: the parts differentiate the merged model's parameters; the chain rule through the
+    # merge turns those gradients into the adapters'.
+    merge, to_trainable = jax.jit(model_params), jax.jit(trainable_grads)
+
+    def lora_step(state: TrainState, program) -> tuple[TrainState, dict[str, jax.Array]]:
+        loss, metrics, grads = grads_of(merge(state.params), program)
+        return update(state, loss, metrics, to_trainable(state.params, grads))
+
+    return lora_step
 
     return step
 
@@ -221,6 +289,7 @@ class TrainingRun:
     checkpointer: Checkpointer | None
     compile_watch: CompileWatch = dataclasses.field(default_factory=CompileWatch)
     compiled_shapes: set[tuple] = dataclasses.field(default_factory=set)
+    reference: Any = None  # the reference model's parameters (objective.reference), on the mesh
 
     @classmethod
     def build(cls, cfg: TrainConfig) -> TrainingRun:
@@ -246,7 +315,11 @@ class TrainingRun:
 
     def restore(self, resume: bool) -> tuple[TrainState, int]:
         """(state, first step): the latest checkpoint's, data order included, when `resume` and
-        one exists; otherwise a fresh state at step 0."""
+        one exists; otherwise a fresh state at step 0. Loads the reference model of
+        `objective.reference` too (its weights do not depend on the checkpoint)."""
+        if self.cfg.objective.reference is not None:
+            with progress(f"loading the reference model ({self.cfg.objective.reference})"):
+                self.reference = self.trainer.reference_params()
         ckpt = self.checkpointer
         if resume and ckpt is None:
             raise ValueError("--resume: checkpoint.dir is not set")
@@ -271,6 +344,11 @@ class TrainingRun:
         `auto` resolved to), batch layout."""
         cfg, mesh, mcfg = self.cfg, self.trainer.mesh, self.cfg.model.config
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+        if cfg.model.lora is not None:
+            n_lora = sum(x.size for x in jax.tree_util.tree_leaves(trainable(state.params)))
+            n_params = f"{n_params - n_lora:,} frozen + {n_lora:,} LoRA"
+        else:
+            n_params = f"{n_params:,}"
         rt = cfg.runtime
         attention = resolve_impl(rt.attention_impl, dtype=rt.dtype, head_dim=mcfg.head_dim)
         return (f"model: {cfg.model.architecture} {mcfg.num_hidden_layers} layers, hidden "
@@ -307,8 +385,8 @@ class TrainingRun:
     def train_step(self, state: TrainState, step: int) -> tuple[
             TrainState, dict[str, float], dict[str, Any], float, float, Compiles]:
         """Train the pipeline's next step: (state, metrics, step info, host s, device s, the
-        step's compiles). Host time is reading the step and placing it; device time waits for
-        the step's metrics, less the time the step spent compiling (`compile_watch`, entered by
+        step's compiles). Host time is reading the step and placing it; device time runs the
+        old and reference log-prob forwards the step needs and waits for its metrics, less the time the step spent compiling (`compile_watch`, entered by
         `train`). A step at a shape not seen before says so before it compiles and how long the
         compile took after; a compile at known shapes is logged too (a redundancy-free part
         compiles per structure as well as per shape)."""
@@ -333,10 +411,13 @@ class TrainingRun:
             state, metrics = trainer.rfree_step(state, element["program"])
         else:
             inputs = to_global(trainer.mesh, element["inputs"], len(self.shards))
+            t1 = time.perf_counter()
             if stale:
                 inputs = inputs.with_coefficients(
                     old_logprobs=trainer.logprob_fn(state.params, inputs))
-            t1 = time.perf_counter()
+            if self.reference is not None:  # the KL term's reference: a forward on this batch
+                inputs = inputs.with_coefficients(
+                    ref_logprobs=trainer.ref_logprob_fn(self.reference, inputs))
             state, metrics = trainer.step_fn(state, inputs)
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
         device_s = time.perf_counter() - t1

@@ -110,7 +110,6 @@ def tree_attention_triton(
     Pallas interpreter instead of lowering them for a GPU.
     """
     rows, sq, hq, d = q.shape
-    skv = k.shape[1]
     defaults = default_blocks(q.dtype, d)
     block_q, block_kv = block_q or defaults[0], block_kv or defaults[1]
     _check_supported(q, k, v, block_q, block_kv)

@@ -1,11 +1,11 @@
 """Run one train step on several meshes of 8 forced host devices and compare with one device.
 
 Run in a subprocess (`tests/train/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
-backend, which the rest of the test session has long done. A case is `model:mode:objective:DxFxM`
-(model `dense`, `moe` or `next`; mesh data x fsdp x model). Prints one JSON line per case with the largest relative
-differences to the single-device step: loss, gradient norm, per-parameter gradients (Adam's first
-moment after one step, i.e. the clipped gradient scaled by 1 - b1), updated parameters and their
-updates, and how many parameters the mesh shards over `model` and over `fsdp`.
+(model `dense`, `moe` or `next`; `dense_lora`: `dense` training LoRA adapters; mesh data x fsdp x
+model). Prints one JSON line per case with the largest relative differences to the single-device
+step: loss, gradient norm, per-parameter gradients (Adam's first moment after one step, i.e. the
+clipped gradient scaled by 1 - b1), updated parameters and their updates, and how many parameters
+the mesh shards over `model` and over `fsdp`.
 
 Compiles dominate the cost (two per case, ~10 s each at XLA's default backend optimization), so the
 worker compiles with `--xla_backend_optimization_level=0` (both sides of every comparison use the
@@ -39,6 +39,7 @@ from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
 from jtree.models import RuntimeConfig, create_model  # noqa: E402
+from jtree.models.lora import LoraConfig, attach, trainable  # noqa: E402
 from jtree.packing import unit_counts  # noqa: E402
 from jtree.planner import LayoutConfig, plan_step  # noqa: E402
 from jtree.sharding import (  # noqa: E402
@@ -63,11 +64,11 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map);
     `dense_tpu` is `dense` at head_dim 64 (what the Pallas TPU kernel tiles) with an `xla`
     reference step, whose sharded step runs the Pallas TPU kernel (`MESH_IMPL`) in the TPU
-    interpreter; `moe_a2a` and `next_a2a` run their experts with token dispatch
-    (`expert_dispatch="all_to_all"`)."""
+    interpreter; `dense_lora` is `dense` training LoRA adapters; `moe_a2a` and `next_a2a` run
+    their experts with token dispatch (`expert_dispatch="all_to_all"`)."""
     dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
-    if kind in ("dense", "dense_cpu", "dense_tpu"):
-        impl = {"dense": "reference", "dense_cpu": "cpu", "dense_tpu": "xla"}[kind]
+    if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora"):
+        impl = {"dense_cpu": "cpu", "dense_tpu": "xla"}.get(kind, "reference")
         head_dim = {"dense_tpu": 64}.get(kind, 8)
         return ("qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                                      head_dim=head_dim),
@@ -134,8 +135,11 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
     arch, cfg, runtime = case_model(model_kind)
     model = create_model(arch, cfg, runtime, seed=3)
     graphdef, params = nnx.split(model)
+    if model_kind == "dense_lora":  # column- and row-parallel kernels and the vocab-split head
+        lora = LoraConfig(rank=2, alpha=4.0, targets=("self_attn/(q|k|o)_proj", "mlp", "lm_head"))
+        params = attach(params, lora, jax.random.key(0))
     if model_kind != "dense":
-        params = perturbed(params)
+        params = perturbed(params)  # with LoRA, B != 0: A's gradients too are non-zero
     objective = Objective(kind=kind, normalization="token_mean" if kind == "sft"
                           else "seq_mean_token_mean")
     inputs = step_inputs(mode, objective, cfg.decoder().needs_gdn_tables)
@@ -143,7 +147,7 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
         rng = np.random.default_rng(1)
         inputs = inputs.with_coefficients(
             old_logprobs=(-rng.uniform(0.5, 5.0, inputs.shape)).astype(np.float32))
-    state = TrainState(params, opt.init(params), np.int32(0))
+    state = TrainState(params, opt.init(trainable(params)), np.int32(0))
     ref_state, ref_metrics = jax.jit(make_train_step(graphdef, opt, objective))(state, inputs)
     return dict(arch=arch, cfg=cfg, model=model, params=params, objective=objective,
                 inputs=inputs, state=ref_state, metrics=ref_metrics)
@@ -164,12 +168,14 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
         model = create_model(ref["arch"], ref["cfg"],
                              dataclasses.replace(model.runtime, attention_impl=impl), seed=3)
         interpret = pltpu.force_tpu_interpret_mode()
-    graphdef = sharded_graphdef(model, specs)
+    model_specs = param_specs(nnx.split(model)[1], param_rules(ref["cfg"], model_size), mesh)
+    graphdef = sharded_graphdef(model, model_specs)
     grad_fn = make_sharded_grad_fn(graphdef, objective, mesh, specs)
     step = jax.jit(make_train_step(graphdef, opt, objective, grad_fn=grad_fn))
     with interpret:
         new_state, metrics = step(
-            TrainState(sharded_params, opt.init(sharded_params), np.int32(0)), ref["inputs"])
+            TrainState(sharded_params, opt.init(trainable(sharded_params)), np.int32(0)),
+            ref["inputs"])
     ref_state, ref_metrics = ref["state"], ref["metrics"]
     leaves = jax.tree_util.tree_leaves
     held = leaves((new_state.params, new_state.opt_state))

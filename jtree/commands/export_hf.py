@@ -3,7 +3,9 @@ directory.
 
 Restores the parameters of an Orbax training checkpoint (`jtree.checkpoint`, the latest step or
 `--step`) onto this host, rebuilds the model of the run's config (same `key=value` overrides as
-the run) and writes it with `jtree.hf.save`, which transformers' `from_pretrained` loads.
+the run) and writes it with `jtree.hf.save`, which transformers' `from_pretrained` loads. The
+checkpoint of a `model.lora` run holds the frozen base and the adapters: `--merge-lora` writes the
+merged model W + (alpha / r) A B, the very parameters the run trained (`jtree.models.lora`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from flax import nnx
 from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.config import load_config
 from jtree.models import create_model
+from jtree.models.lora import model_params, trainable, with_lora
 from jtree.train_step import TrainState, make_optimizer
 
 
@@ -29,20 +32,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="stored dtype (default: the parameter dtype)")
     p.add_argument("--copy-from", default=None,
                    help="HF directory the run started from (tokenizer files, token ids)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="merge the LoRA adapters of a model.lora run into its base weights")
     p.add_argument("overrides", nargs="*", help="the run's key.path=value overrides")
     p.set_defaults(func=run)
 
 
 def trained_model(config_path: str, overrides: list[str], checkpoint: str,
-                  step: int | None = None) -> tuple[nnx.Module, object]:
-    """(model with the checkpoint's parameters, model config) on the default device."""
+                  step: int | None = None, *, merge_lora: bool = False
+                  ) -> tuple[nnx.Module, object]:
+    """(model with the checkpoint's parameters, model config) on the default device; a
+    `model.lora` run's adapters merged into the base (which `merge_lora` must ask for)."""
     cfg = load_config(config_path, overrides)
-    arch, mcfg = cfg.model.architecture, cfg.model.config
+    arch, mcfg, lora = cfg.model.architecture, cfg.model.config, cfg.model.lora
+    if merge_lora != (lora is not None):
+        raise ValueError("--merge-lora: the run's config has no model.lora" if merge_lora else
+                         "--merge-lora: the checkpoint of a model.lora run holds adapters beside "
+                         "the frozen base; pass --merge-lora to write the merged model")
     optimizer = make_optimizer(cfg.optim)
 
     def init() -> TrainState:
         params = nnx.split(create_model(arch, mcfg, cfg.runtime))[1]
-        return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+        params = with_lora(params, lora, cfg.run.seed)
+        return TrainState(params, optimizer.init(trainable(params)), jnp.zeros((), jnp.int32))
 
     ckpt = Checkpointer(checkpoint, async_save=False)
     try:
@@ -56,13 +68,14 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
     finally:
         ckpt.close()
     graphdef = nnx.split(nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime)))[0]
-    return nnx.merge(graphdef, state.params), mcfg
+    return nnx.merge(graphdef, model_params(state.params)), mcfg
 
 
 def run(args: argparse.Namespace) -> int:
     from jtree.hf import save
 
-    model, mcfg = trained_model(args.config, args.overrides, args.checkpoint, args.step)
+    model, mcfg = trained_model(args.config, args.overrides, args.checkpoint, args.step,
+                                merge_lora=args.merge_lora)
     save(model, mcfg, args.out, dtype=args.dtype, copy_from=args.copy_from)
     print(f"wrote {args.out} from {args.checkpoint}")
     return 0

@@ -5,7 +5,8 @@ The meshes run in a subprocess (`tests/mesh_worker.py`) because the device count
 creates its CPU backend. A case is `model:mode:objective:DxFxM` (data x fsdp x model), model
 `dense` (Qwen3), `moe` (Qwen3-MoE: expert parallel, router loss pooled over the data shards) or
 `next` (Qwen3-Next: Gated DeltaNet heads split, gated attention, shared expert); `dense_cpu` is
-Qwen3 with the C++ `cpu` attention kernel; `dense_tpu` is Qwen3 whose sharded step runs the Pallas
+Qwen3 with the C++ `cpu` attention kernel, `dense_lora` Qwen3 training LoRA adapters (split like
+their kernels); `dense_tpu` is Qwen3 whose sharded step runs the Pallas
 TPU kernel in the TPU interpreter (its outputs and custom_vjp cotangents must carry the inputs'
 varying mesh axes), compared with the `xla` step on one device, on two-device meshes. Float32,
 docs/design.md tolerances: loss,
@@ -62,7 +63,7 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
              for mode in ("tree", "baseline") for mesh in MESHES]
     cases += ["moe:tree:ppo:2x1x4", "dense:baseline:ppo:4x1x2", "next:tree:sft:2x1x4",
               "dense_cpu:tree:sft:4x1x2", "dense:tree:sft:1x8x1", "moe:tree:ppo:2x2x2",
-              "dense_tpu:tree:sft:1x1x2"]
+              "dense_tpu:tree:sft:1x1x2", "dense_lora:tree:ppo:2x1x4"]
     step_results = run_cases(cases + [f"restore:{tmp_path}/ckpt"])
     for result in step_results[:-1]:
         check(result)
@@ -71,10 +72,11 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
 
 
 @pytest.mark.slow
-def test_next_on_every_mesh_and_ppo_on_every_model():
+def test_next_and_lora_on_every_mesh_and_ppo_on_every_model():
     cases = [f"next:{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in MESHES]
     cases += [f"{model}:tree:ppo:4x1x2" for model in ("dense", "moe", "next")]
     cases += ["dense_tpu:tree:sft:2x1x1", "dense_tpu:baseline:sft:1x1x2"]
+    cases += [f"dense_lora:{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in MESHES]
     for result in run_cases(cases + ["dense:baseline:ppo:2x1x4"]):
         check(result)
 

@@ -1,0 +1,170 @@
+"""LoRA: low-rank adapters on the model's linear kernels, trained while the base stays frozen.
+
+A LoRA run's parameters are a `LoraParams`: the frozen base (the model's own parameter state,
+stored in `base_dtype` if asked) and, for every targeted kernel W [..., in, out], adapters
+A [..., in, r] and B [..., r, out]. The model itself is not changed: every forward runs it on
+the merged weights W' = W + (alpha / r) A B (`model_params`), so the model a step trains is by
+construction the model `jtree export-hf --merge-lora` writes, every layout (tree, baseline,
+redundancy-free parts) and the tensor-parallel model need nothing LoRA-specific, and the sharding
+of A and B follows the kernel's (`jtree.sharding`: A split like W's input axis, B like its output
+axis, so A B is split like W). Gradients are taken with respect to the adapters only
+(`trainable`), so the optimizer holds state for the adapters alone. The price of merging over
+adding x A B beside x W: each targeted kernel gets a weight-sized merged copy and a weight-sized
+cotangent per micro-batch (contracted to dA, dB right away); no optimizer state, no gradient
+accumulator and no update for the base.
+
+Targets are regular expressions searched in the '/'-joined parameter path of a kernel
+('model/layers/0/self_attn/q_proj/kernel'), as `jtree.sharding` rules are; a target that matches
+no linear kernel is an error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jtree.sharding import param_path
+
+KERNEL = "kernel"
+ADAPTERS = ("lora_a", "lora_b")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """`model.lora`: adapters of rank `rank` scaled by `alpha / rank` on every linear kernel whose
+    parameter path one of `targets` (regexes) is found in; `base_dtype` stores the frozen base in
+    that dtype (None: the model's parameter dtype)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ()
+    base_dtype: Literal["float32", "bfloat16"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"rank: {self.rank} must be >= 1")
+        if not self.targets:
+            raise ValueError("targets: name at least one parameter path regex "
+                             "(e.g. ['self_attn/(q|v)_proj'])")
+        for i, target in enumerate(self.targets):
+            try:
+                re.compile(target)
+            except re.error as e:
+                raise ValueError(f"targets[{i}]: {target!r} is not a regex ({e})") from None
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclasses.dataclass
+class LoraParams:
+    """The parameters of a LoRA run: the frozen `base` (an nnx.State of the model), the trained
+    `adapters` ({'lora_a', 'lora_b'} under each targeted kernel's path, nested dicts), the
+    adapters' `scale` and the dtypes the model's parameters have (static, one per base leaf in
+    flattening order: a base stored in `base_dtype` is cast back to them when merged)."""
+
+    base: Any
+    adapters: Any
+    scale: float
+    dtypes: tuple[str, ...]
+
+
+jax.tree_util.register_dataclass(LoraParams, data_fields=["base", "adapters"],
+                                 meta_fields=["scale", "dtypes"])
+
+
+def kernel_names(params: Any) -> list[str]:
+    """The '/'-joined paths of the linear kernels of a model's parameters (leaves named `kernel`
+    with an [..., in, out] shape), the parameters LoRA can target."""
+    return [name for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+            if (name := param_path(path)).endswith("/" + KERNEL) and leaf.ndim >= 2]
+
+
+def select_targets(params: Any, cfg: LoraConfig) -> list[str]:
+    """The kernels `cfg.targets` select, in parameter order; a target that selects none is an
+    error naming it (`model.lora.targets[i]`) with the kernels there are."""
+    names = kernel_names(params)
+    chosen = set()
+    for i, target in enumerate(cfg.targets):
+        hits = [n for n in names if re.search(target, n)]
+        if not hits:
+            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            raise ValueError(f"model.lora.targets[{i}]: {target!r} matches no linear kernel "
+                             f"(kernels: {shown})")
+        chosen.update(hits)
+    return [n for n in names if n in chosen]
+
+
+def attach(params: Any, cfg: LoraConfig, key: jax.Array) -> LoraParams:
+    """Adapters for the kernels `cfg` targets, next to `params` as the frozen base: A from He
+    uniform init (as `nnx.LoRA`), B zero, so the merged model starts equal to the base."""
+    targets = select_targets(params, cfg)
+    kernels = {param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    adapters: dict[str, Any] = {}
+    init_a = nnx.initializers.he_uniform()
+    for name, k in zip(targets, jax.random.split(key, len(targets))):
+        w = kernels[name]
+        lead, (din, dout) = w.shape[:-2], w.shape[-2:]
+        node = adapters
+        for part in name.split("/")[:-1]:
+            node = node.setdefault(part, {})
+        node["lora_a"] = init_a(k, (*lead, din, cfg.rank), w.dtype)
+        node["lora_b"] = jnp.zeros((*lead, cfg.rank, dout), w.dtype)
+    dtypes = tuple(jnp.dtype(x.dtype).name for x in jax.tree_util.tree_leaves(params))
+    base = params if cfg.base_dtype is None else jax.tree_util.tree_map(
+        lambda x: x.astype(cfg.base_dtype), params)
+    return LoraParams(base, adapters, cfg.scale, dtypes)
+
+
+def with_lora(params: Any, cfg: LoraConfig | None, seed: int) -> Any:
+    """`params` as a run with `model.lora = cfg` trains them: unchanged without LoRA."""
+    return params if cfg is None else attach(params, cfg, jax.random.key(seed))
+
+
+def model_params(params: Any) -> Any:
+    """The parameters the model runs on: the merged W + scale A B for a `LoraParams` (every base
+    parameter in the model's dtype), `params` itself otherwise."""
+    if not isinstance(params, LoraParams):
+        return params
+    pairs: dict[str, dict[str, jax.Array]] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(params.adapters)[0]:
+        stem, _, which = param_path(path).rpartition("/")
+        pairs.setdefault(stem + "/" + KERNEL, {})[which] = x
+
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params.base)
+    out = []
+    for (path, w), dtype in zip(leaves, params.dtypes, strict=True):
+        w = w.astype(dtype)
+        ab = pairs.get(param_path(path))
+        if ab is not None:
+            w = w + (params.scale * jnp.matmul(ab["lora_a"], ab["lora_b"])).astype(dtype)
+        out.append(w)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def trainable(params: Any) -> Any:
+    """What gradients and the optimizer cover: the adapters of a LoRA run, else every parameter."""
+    return params.adapters if isinstance(params, LoraParams) else params
+
+
+def with_trainable(params: Any, values: Any) -> Any:
+    """`params` with its trainable part (`trainable`) replaced by `values`."""
+    if isinstance(params, LoraParams):
+        return dataclasses.replace(params, adapters=values)
+    return values
+
+
+def trainable_grads(params: Any, model_grads: Any) -> Any:
+    """Gradients with respect to the trainable part from gradients with respect to the model's
+    parameters (`model_params`): the chain rule through the merge, for steps that differentiate
+    the model's parameters themselves (`jtree.rfree`)."""
+    if not isinstance(params, LoraParams):
+        return model_grads
+    _, pullback = jax.vjp(lambda t: model_params(with_trainable(params, t)), trainable(params))
+    return pullback(model_grads)[0]
