@@ -28,7 +28,11 @@ REMAT_POLICY_NAMES = ("none", *REMAT_POLICIES)
 class RuntimeConfig:
     """`attention_impl` selects the `jtree.kernels.tree_attention` implementation; `dtype` is the
     compute dtype and `param_dtype` the storage dtype of the weights. `remat` is the activation
-    rematerialization policy of each decoder layer (`REMAT_POLICIES`, or "none").
+    rematerialization policy of each decoder layer (`REMAT_POLICIES`, or "none"). `scan_layers`
+    stacks the decoder layers and runs each repeated block of them with one `jax.lax.scan`
+    (`jtree.models.layer_stack`), so compile time and program size do not grow with depth; the
+    math is the same, and checkpoints convert between the two layouts when loaded. (Issue 18
+    calls it `model.scan_layers`: it lives here because it does not change the model.)
 
     `tensor_parallel_axis` and `data_parallel_axis` are set by
     `jtree.train_step.tensor_parallel_graphdef` for the copy of the model that runs inside
@@ -41,6 +45,7 @@ class RuntimeConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    scan_layers: bool = False
     tensor_parallel_axis: str | None = None
     data_parallel_axis: str | None = None
 
