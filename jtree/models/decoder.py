@@ -31,7 +31,7 @@ from flax import nnx
 
 from jtree.models.attention import Attention
 from jtree.models.gated_deltanet import GatedDeltaNet, GdnRouting, gdn_routing
-from jtree.models.layer_stack import layer_groups
+from jtree.layer_stack import layer_groups
 from jtree.models.layers import (
     NORMS, SwiGLU, call_layer, linear, rope_cos_sin, vocab_parallel_embed,
 )

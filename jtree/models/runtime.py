@@ -30,7 +30,7 @@ class RuntimeConfig:
     compute dtype and `param_dtype` the storage dtype of the weights. `remat` is the activation
     rematerialization policy of each decoder layer (`REMAT_POLICIES`, or "none"). `scan_layers`
     stacks the decoder layers and runs each repeated block of them with one `jax.lax.scan`
-    (`jtree.models.layer_stack`), so compile time and program size do not grow with depth; the
+    (`jtree.layer_stack`), so compile time and program size do not grow with depth; the
     math is the same, and checkpoints convert between the two layouts when loaded. (Issue 18
     calls it `model.scan_layers`: it lives here because it does not change the model.)
 

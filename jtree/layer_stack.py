@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -165,3 +166,15 @@ def convert_state(state: nnx.State, groups: Sequence[LayerGroup], *, scanned: bo
     else:
         out = unstack_flat(flat, groups, lambda v, r: v.replace(unstack(v.get_value(), r)))
     return nnx.from_flat_state(out)
+
+
+def layer_sharding(sharding: jax.sharding.Sharding, *, scanned: bool) -> jax.sharding.Sharding:
+    """The sharding of a stacked value (`scanned`) from one layer's, or of one layer from the
+    stacked value's: the layer axis is never split. Single-device shardings hold either."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = (None, *sharding.spec) if scanned else tuple(sharding.spec)[1:]
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    raise ValueError(f"{sharding}: only named and single-device shardings convert between "
+                     "stacked and per-layer parameters")
