@@ -178,3 +178,14 @@ def layer_sharding(sharding: jax.sharding.Sharding, *, scanned: bool) -> jax.sha
         return sharding
     raise ValueError(f"{sharding}: only named and single-device shardings convert between "
                      "stacked and per-layer parameters")
+
+
+def convert_tree(tree: Any, groups: Sequence[LayerGroup], *, scanned: bool,
+                 stack: Callable[[list[Any]], Any] = jnp.stack,
+                 unstack: Callable[[Any, int], Any] = lambda x, r: x[r]) -> Any:
+    """`convert_state` on every `nnx.State` inside `tree` (a train state: the parameters and the
+    optimizer's moments); other leaves (step counts) are kept."""
+    return jax.tree.map(
+        lambda x: convert_state(x, groups, scanned=scanned, stack=stack, unstack=unstack)
+        if isinstance(x, nnx.State) else x,
+        tree, is_leaf=lambda x: isinstance(x, nnx.State))

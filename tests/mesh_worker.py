@@ -34,6 +34,7 @@ from flax import nnx  # noqa: E402
 from jtree.baseline import flatten_paths, linearize_baseline  # noqa: E402
 from jtree.batch import DeviceBatch, stack  # noqa: E402
 from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
+from jtree.layer_stack import convert_tree, layer_groups  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
 from jtree.models import RuntimeConfig, create_model  # noqa: E402
@@ -91,7 +92,8 @@ def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
 
 
 def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
-    """Save a sharded TrainState from a (4, 2) mesh, restore it onto (2, 4) and (8, 1)."""
+    """Save a sharded TrainState from a (4, 2) mesh, restore it onto (2, 4) and (8, 1), and
+    scanned (stacked layers) onto (2, 4), whose save restores unscanned onto (8, 1)."""
     def sharded_state(data: int, model_size: int):
         mesh = make_mesh(MeshConfig(data=data, model=model_size))
         specs = param_specs(params, param_rules(cfg, model_size), mesh)
@@ -113,6 +115,23 @@ def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
                             jax.tree_util.tree_leaves(target)):
             result["equal"] &= bool(np.array_equal(np.asarray(a), np.asarray(b)))
             result["resharded"] &= a.sharding == sh
+    # The same checkpoint into the scanned layout (stacked layers) on (2, 4), saved so and
+    # restored unscanned on (8, 1).
+    groups = layer_groups(cfg.decoder().layers)
+    scanned = convert_tree(state, groups, scanned=True)
+    mesh = make_mesh(MeshConfig(data=2, model=4))
+    stacked = scanned.params
+    target = state_shardings(opt, stacked, named(mesh, param_specs(stacked, param_rules(cfg, 4),
+                                                                   mesh)), mesh)
+    for step, want, shardings in ((5, scanned, target), (6, state, sharded_state(8, 1))):
+        restored = ckpt.restore(step, abstract_like(want, shardings), layer_groups=groups).state
+        for a, b, sh in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(want),
+                            jax.tree_util.tree_leaves(shardings)):
+            result["equal"] &= bool(np.array_equal(np.asarray(a), np.asarray(b)))
+            result["resharded"] &= a.sharding == sh
+        if step == 5:
+            ckpt.save(6, restored, {"next_index": 5}, {"seed": 0})
+            ckpt.wait()
     ckpt.close()
     return result
 
