@@ -14,6 +14,10 @@ per-forward `LayerInputs` every layer reads. Logits are never formed for the who
 `jtree.token_logprobs` combines the hidden states with `output_embedding()` only where a token is
 scored.
 
+With `RuntimeConfig.scan_layers` the layers are held stacked (`Decoder.blocks`, one stacked
+`DecoderLayer` per position of each repeated block, `jtree.layer_stack`) and each block runs as
+the body of a `jax.lax.scan`; prefix caches, exports and router statistics stay per layer.
+
 Under tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) attention splits query heads,
 Gated DeltaNet key heads, dense MLPs their columns, MoE blocks whole experts and the embedding and
 head the vocabulary (each module's docstring; the parameter layouts are `jtree.sharding`'s).
