@@ -57,11 +57,12 @@ S, ROWS, GDN_CHUNK = 64, 8, 4
 
 def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     """(architecture, config, runtime) of the tiny `dense`, `moe` or `next` model; `dense_cpu` is
-    `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map)."""
-    if kind in ("dense", "dense_cpu"):
-        impl = {"dense": "reference", "dense_cpu": "cpu"}[kind]
+    `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map),
+    `dense_scan` `dense` with its layers scanned (stacked parameters split per layer)."""
+    if kind in ("dense", "dense_cpu", "dense_scan"):
+        impl = "cpu" if kind == "dense_cpu" else "reference"
         return ("qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64),
-                tiny_runtime(attention_impl=impl))
+                tiny_runtime(attention_impl=impl, scan_layers=kind == "dense_scan"))
     if kind == "moe":
         return "qwen3_moe", tiny_moe_config(), tiny_runtime()
     return "qwen3_next", tiny_next_config(), tiny_runtime()

@@ -61,5 +61,6 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
 def test_next_on_every_mesh_and_ppo_on_every_model():
     cases = [f"next:{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in MESHES]
     cases += [f"{model}:tree:ppo:4x2" for model in ("dense", "moe", "next")]
+    cases += ["dense_scan:tree:sft:2x4"]
     for result in run_cases(cases + ["dense:baseline:ppo:2x4"]):
         check(result)
