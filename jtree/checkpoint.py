@@ -15,7 +15,8 @@ intact checkpoint and sets the damaged newer ones aside (`<step>.corrupt`), so t
 write those steps again; a checkpoint of another model or run is not damage and stops the run.
 
 Restoring takes the abstract train state with the shardings of the *current* mesh, so a run
-saved on one mesh shape resumes on another.
+saved on one mesh shape resumes on another; given the model's layer groups
+(`jtree.layer_stack`), a run saved with its decoder layers scanned resumes unscanned and back.
 """
 
 from __future__ import annotations
