@@ -15,19 +15,22 @@ intact checkpoint and sets the damaged newer ones aside (`<step>.corrupt`), so t
 write those steps again; a checkpoint of another model or run is not damage and stops the run.
 
 Restoring takes the abstract train state with the shardings of the *current* mesh, so a run
-saved on one mesh shape resumes on another.
+saved on one mesh shape resumes on another; given the model's layer groups
+(`jtree.layer_stack`), a run saved with its decoder layers scanned resumes unscanned and back.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+
+from jtree.layer_stack import LayerGroup, convert_tree, layer_sharding
 
 OnCorrupt = Literal["fallback", "raise"]
 
@@ -90,11 +93,17 @@ class Checkpointer:
                 raise CorruptCheckpoint(f"{self.where(step)}: {name} is missing")
 
     def restore(self, step: int, abstract_state: Any,
-                check_meta: Callable[[dict[str, Any], str], None] | None = None) -> Restored:
+                check_meta: Callable[[dict[str, Any], str], None] | None = None,
+                layer_groups: Sequence[LayerGroup] = ()) -> Restored:
         """Checkpoint `step`, laid out like `abstract_state` (a tree of jax.ShapeDtypeStruct with
         shardings). `check_meta(meta, where)` may reject the run metadata (ValueError) before any
         array is read. Raises CorruptCheckpoint for a damaged checkpoint, ValueError for one whose
-        arrays do not match `abstract_state` (another model or optimizer)."""
+        arrays do not match `abstract_state` (another model or optimizer).
+
+        With the model's `layer_groups` (`jtree.layer_stack`), a checkpoint written with the
+        decoder layers scanned restores into an unscanned state and back: it is read in its own
+        layout (sharded like the target) and converted on the devices, so for that restore the
+        state is held twice."""
         self.verify(step)
         where = self.where(step)
         meta = self.read_meta(step)
@@ -104,30 +113,39 @@ class Checkpointer:
             saved = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
         except Exception as e:  # noqa: BLE001 - any failure to read it is damage
             raise CorruptCheckpoint(f"{where}: state metadata unreadable ({_reason(e)})") from None
-        _check_shapes(saved.tree, abstract_state, where)
+        scanned = _saved_layout(saved.tree, abstract_state, layer_groups)
+        target = abstract_state if scanned is None else convert_tree(
+            abstract_state, layer_groups, scanned=scanned, stack=_stacked_struct,
+            unstack=_layer_struct)
+        _check_shapes(saved.tree, target, where)
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
+                state=ocp.args.StandardRestore(target),
                 data=ocp.args.JsonRestore(),
             ))
         except Exception as e:  # noqa: BLE001 - shapes match, so a failed read is damage
             raise CorruptCheckpoint(f"{where}: unreadable ({_reason(e)})") from None
-        return Restored(step, out["state"], out["data"], meta)
+        state = out["state"]
+        if scanned is not None:  # into the layout being trained, where it is trained
+            state = jax.device_put(convert_tree(state, layer_groups, scanned=not scanned),
+                                   jax.tree.map(lambda x: x.sharding, abstract_state))
+        return Restored(step, state, out["data"], meta)
 
     def restore_latest(self, abstract_state: Any, *, on_corrupt: OnCorrupt = "fallback",
                        check_meta: Callable[[dict[str, Any], str], None] | None = None,
+                       layer_groups: Sequence[LayerGroup] = (),
                        log: Callable[[str], None] = print) -> Restored | None:
-        """The newest intact checkpoint (None: there is none to resume). A damaged one is
-        logged in one line and, with `on_corrupt="fallback"`, the next older one is tried (and
-        the damaged ones are set aside once one restores); with `"raise"` it stops the run, as
-        does a directory with no intact checkpoint."""
+        """The newest intact checkpoint (None: there is none to resume; `layer_groups` as in
+        `restore`). A damaged one is logged in one line and, with `on_corrupt="fallback"`, the
+        next older one is tried (and the damaged ones are set aside once one restores); with
+        `"raise"` it stops the run, as does a directory with no intact checkpoint."""
         if on_corrupt not in ("fallback", "raise"):
             raise ValueError(f"on_corrupt: {on_corrupt!r} is not 'fallback' or 'raise'")
         corrupt: list[int] = []
         self._manager.reload()  # the steps on disk now, not those cached at open
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
-                restored = self.restore(step, abstract_state, check_meta)
+                restored = self.restore(step, abstract_state, check_meta, layer_groups)
             except CorruptCheckpoint as e:
                 if on_corrupt == "raise":
                     raise CorruptCheckpoint(f"{e} (checkpoint.on_corrupt=fallback resumes from "
@@ -208,6 +226,32 @@ def _check_shapes(saved: Any, abstract_state: Any, where: str) -> None:
         key = next(k for k in want if have[k] != want[k])
         detail = f"{key} has shape {have[key]}, the model wants {want[key]}"
     raise ValueError(f"{where}: does not match the model or optimizer being trained ({detail})")
+
+
+def _saved_layout(saved: Any, abstract_state: Any,
+                  layer_groups: Sequence[LayerGroup]) -> bool | None:
+    """None when the checkpoint is in the layout of `abstract_state` (or in none the layer
+    groups explain); else whether it was written scanned."""
+    have = _shapes(saved)
+    if not layer_groups or have == _shapes(abstract_state):
+        return None
+    for scanned in (True, False):
+        other = convert_tree(abstract_state, layer_groups, scanned=scanned,
+                             stack=_stacked_struct, unstack=_layer_struct)
+        if _shapes(other) == have:
+            return scanned
+    return None
+
+
+def _stacked_struct(layers: list[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
+    one = layers[0]
+    return jax.ShapeDtypeStruct((len(layers), *one.shape), one.dtype,
+                                sharding=layer_sharding(one.sharding, scanned=True))
+
+
+def _layer_struct(stacked: jax.ShapeDtypeStruct, _: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype,
+                                sharding=layer_sharding(stacked.sharding, scanned=False))
 
 
 def abstract_like(tree: Any, shardings: Any) -> Any:

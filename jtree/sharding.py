@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jtree.batch import DeviceBatch
+from jtree.layer_stack import stacked_axes
 
 DATA, FSDP, MODEL = "data", "fsdp", "model"
 AXES = (DATA, FSDP, MODEL)
@@ -228,14 +229,17 @@ def param_path(path: tuple[Any, ...]) -> str:
 
 
 def partition_spec(name: str, shape: Sequence[int], rules: Rules,
-                   mesh_shape: Mapping[str, int], leading: int = 0) -> P:
+                   mesh_shape: Mapping[str, int]) -> P:
     """The PartitionSpec of the parameter at '/'-joined path `name`: the first rule whose pattern
     is found in it, checked against the shape and the mesh, plus the `fsdp` axis where the mesh
-    has one of size > 1 (`fsdp_spec`; `leading` stacked axes first, which no rule or FSDP
-    splits). No match is an error."""
+    has one of size > 1 (`fsdp_spec`). No match is an error. The rules describe one layer's
+    parameter; a scanned model's stacked layer axes (`jtree.layer_stack.stacked_axes`) come
+    first and are split by neither a rule nor FSDP."""
     spec = next((s for pattern, s in rules if re.search(pattern, name)), None)
     if spec is None:
         raise ValueError(f"{name}: no sharding rule matches this parameter")
+    leading = stacked_axes(name)
+    spec = P(*(None,) * leading, *spec)
     if len(spec) > len(shape):
         raise ValueError(f"{name}: spec {spec} has more axes than shape {tuple(shape)}")
     for dim, axis in zip(shape, spec):

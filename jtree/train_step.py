@@ -291,7 +291,8 @@ def merged_model(graphdef: nnx.GraphDef, params: Any) -> CausalLM:
     The parameters are merged as plain arrays, so every Variable takes its metadata from
     `graphdef` (`sharded_graphdef` marks what FSDP gathers) rather than from `params`."""
     model = nnx.merge(graphdef, nnx.to_pure_dict(params))
-    return fsdp_gathered(model, skip=nnx.PathContains("layers"))
+    layers = nnx.Any(nnx.PathContains("layers"), nnx.PathContains("blocks"))  # scanned: blocks
+    return fsdp_gathered(model, skip=layers)
 
 
 def zero_sums(loss: Any, metrics: Any, params: Any) -> tuple[jax.Array, Any, Any]:

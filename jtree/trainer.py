@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jtree.baseline_comparison import compare_with_baseline
 from jtree.batch import DeviceBatch
 from jtree.checkpoint import Checkpointer, abstract_like
+from jtree.layer_stack import layer_groups
 from jtree.compiles import Compiles, CompileWatch
 from jtree.config import TrainConfig, config_values
 from jtree.data import LoadReport, make_pipeline
@@ -326,6 +327,7 @@ class TrainingRun:
         restored = ckpt.restore_latest(
             abstract_like(jax.eval_shape(self.trainer.init_fn), self.trainer.shardings),
             on_corrupt=self.cfg.checkpoint.on_corrupt, log=say,
+            layer_groups=layer_groups(self.cfg.model.config.decoder().layers),
             check_meta=lambda meta, where: check_resumable(meta, self.trainer.run_meta()["config"],
                                                            where),
         ) if resume else None

@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jtree.baseline import flatten_paths, linearize_baseline  # noqa: E402
 from jtree.batch import DeviceBatch, stack  # noqa: E402
 from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
+from jtree.layer_stack import convert_tree, layer_groups  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
 from jtree.models import RuntimeConfig, create_model  # noqa: E402
@@ -64,15 +65,16 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map);
     `dense_tpu` is `dense` at head_dim 64 (what the Pallas TPU kernel tiles) with an `xla`
     reference step, whose sharded step runs the Pallas TPU kernel (`MESH_IMPL`) in the TPU
-    interpreter; `dense_lora` is `dense` training LoRA adapters; `moe_a2a` and `next_a2a` run
+    interpreter; `dense_lora` is `dense` training LoRA adapters; `dense_scan` is `dense` with
+    its layers scanned (stacked parameters split per layer); `moe_a2a` and `next_a2a` run
     their experts with token dispatch (`expert_dispatch="all_to_all"`)."""
     dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
-    if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora"):
+    if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan"):
         impl = {"dense_cpu": "cpu", "dense_tpu": "xla"}.get(kind, "reference")
         head_dim = {"dense_tpu": 64}.get(kind, 8)
         return ("qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                                      head_dim=head_dim),
-                tiny_runtime(attention_impl=impl))
+                tiny_runtime(attention_impl=impl, scan_layers=kind == "dense_scan"))
     if kind in ("moe", "moe_a2a"):
         return "qwen3_moe", tiny_moe_config(), tiny_runtime(expert_dispatch=dispatch)
     return "qwen3_next", tiny_next_config(), tiny_runtime(expert_dispatch=dispatch)
@@ -104,7 +106,8 @@ def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
 
 def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
     """Save a sharded TrainState from a (data, fsdp, model) = (2, 2, 2) mesh, restore it onto
-    (2, 1, 4), (8, 1, 1) and (1, 8, 1): tensor parallel and FSDP layouts both change."""
+    (2, 1, 4), (8, 1, 1) and (1, 8, 1): tensor parallel and FSDP layouts both change; then
+    scanned (stacked layers) onto (1, 4, 2), whose save restores unscanned onto (8, 1, 1)."""
     def sharded_state(data: int, fsdp: int, model_size: int):
         mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, model=model_size))
         specs = param_specs(params, param_rules(cfg, model_size), mesh)
@@ -126,6 +129,23 @@ def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
                             jax.tree_util.tree_leaves(target)):
             result["equal"] &= bool(np.array_equal(np.asarray(a), np.asarray(b)))
             result["resharded"] &= a.sharding == sh
+    # The same checkpoint into the scanned layout (stacked layers) on (1, 4, 2), saved so and
+    # restored unscanned on (8, 1, 1).
+    groups = layer_groups(cfg.decoder().layers)
+    scanned = convert_tree(state, groups, scanned=True)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, model=2))
+    stacked = scanned.params
+    target = state_shardings(opt, stacked, named(mesh, param_specs(stacked, param_rules(cfg, 2),
+                                                                   mesh)), mesh)
+    for step, want, shardings in ((5, scanned, target), (6, state, sharded_state(8, 1, 1))):
+        restored = ckpt.restore(step, abstract_like(want, shardings), layer_groups=groups).state
+        for a, b, sh in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(want),
+                            jax.tree_util.tree_leaves(shardings)):
+            result["equal"] &= bool(np.array_equal(np.asarray(a), np.asarray(b)))
+            result["resharded"] &= a.sharding == sh
+        if step == 5:
+            ckpt.save(6, restored, {"next_index": 5}, {"seed": 0})
+            ckpt.wait()
     ckpt.close()
     return result
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtree.checkpoint import Checkpointer, abstract_like
+from jtree.layer_stack import layer_groups
 from jtree.config import load_config
 from jtree.models import create_model
 from jtree.models.lora import model_params, trainable, with_lora
@@ -63,8 +64,8 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
             raise ValueError(f"--checkpoint: no checkpoint in {ckpt.directory}")
         shapes = jax.eval_shape(init)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        state = ckpt.restore(step, abstract_like(shapes,
-                                                 jax.tree.map(lambda _: device, shapes))).state
+        state = ckpt.restore(step, abstract_like(shapes, jax.tree.map(lambda _: device, shapes)),
+                             layer_groups=layer_groups(mcfg.decoder().layers)).state
     finally:
         ckpt.close()
     graphdef = nnx.split(nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime)))[0]

@@ -10,11 +10,14 @@ the tensor's or field's name. torch is never imported.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -22,6 +25,7 @@ from jax.sharding import Mesh
 from jtree.hf.placement import ShardingFn, mesh_shardings, place
 from jtree.hf.safetensors_io import INDEX_FILE, CheckpointTensors, write_checkpoint
 from jtree.hf.spec import HfMapping, Storage, dotted
+from jtree.layer_stack import layer_groups, layer_paths, layer_sharding, unstack_flat
 from jtree.models import architectures  # a module: the records import jtree.hf.spec
 from jtree.models.decoder import CausalLM
 from jtree.models.runtime import DTYPES, RuntimeConfig
@@ -163,17 +167,36 @@ def load(
     hf_config = read_hf_config(directory)
     arch = architectures.architecture_of_hf_config(hf_config).hf
     config = arch.config_from_hf(hf_config)
+    _, per_layer = _abstract_params(config, dataclasses.replace(runtime, scan_layers=False))
+    params = _param_table(arch, config, per_layer)
     graphdef, flat = _abstract_params(config, runtime)
-    params = _param_table(arch, config, flat)
+    groups = layer_groups(config.decoder().layers)
     sharding_fn = mesh_shardings(config, mesh) if mesh is not None else shardings
     leaves = []
     with CheckpointTensors(directory) as ckpt:
-        storages = _validate(ckpt, arch, config, params)
-        for (p, var), param, storage in zip(flat, params, storages):
-            tensors = [ckpt.read(n).astype(var.dtype, copy=False) for n in storage.hf_names]
-            value = storage.join(tensors)
-            del tensors
-            leaves.append((p, var.replace(place(value, param.name, sharding_fn))))
+        stored = {param.name: (param, storage) for param, storage
+                  in zip(params, _validate(ckpt, arch, config, params))}
+
+        def read(name: str, dtype: np.dtype, sharding: jax.sharding.Sharding | None) -> jax.Array:
+            param, storage = stored[name]
+            value = storage.join([ckpt.read(n).astype(dtype, copy=False)
+                                  for n in storage.hf_names])
+            return place(value, name, sharding_fn if sharding is None else lambda *_: sharding)
+
+        for p, var in flat:
+            layers = layer_paths(p, groups)
+            if layers is None:
+                leaves.append((p, var.replace(read(dotted(p), var.dtype, None))))
+                continue
+            # A scanned model's stacked parameter: its layers are read and placed one by one
+            # (as the stacked value's shards of them), then stacked on the devices.
+            sharding = None if sharding_fn is None else sharding_fn(dotted(p), tuple(var.shape))
+            one = None if sharding is None else layer_sharding(sharding, scanned=False)
+            values = [read(dotted(lp), var.dtype, one) for lp in layers]
+            stacked = (jnp.stack(values) if sharding is None
+                       else jax.jit(jnp.stack, out_shardings=sharding)(values))
+            leaves.append((p, var.replace(stacked)))
+            del values
     return config, nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
@@ -190,7 +213,7 @@ def to_hf_tensors(params: nnx.State | nnx.Module, config: Any, dtype: str | None
     if isinstance(params, nnx.Module):
         params = nnx.state(params, nnx.Param)
     out = {}
-    for p, var in nnx.to_flat_state(params):
+    for p, var in _per_layer(params, config):
         value = np.asarray(var.get_value())
         param = Param(dotted(p), value.shape, arch.storages(dotted(p), value.shape, config))
         storage = param.storages[0] if names is None else choose_storage(param, names)
@@ -203,6 +226,32 @@ def to_hf_tensors(params: nnx.State | nnx.Module, config: Any, dtype: str | None
     return out
 
 
+class _LayerOf(NamedTuple):
+    """Entry `index` of a scanned model's stacked parameter: one layer's, taken off the device
+    only when it is written."""
+
+    stacked: nnx.Variable
+    index: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stacked.shape[1:])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.stacked.dtype
+
+    def get_value(self) -> jax.Array:
+        return self.stacked.get_value()[self.index]
+
+
+def _per_layer(params: nnx.State, config: Any) -> list[tuple[tuple, Any]]:
+    """Flat (path, variable) pairs of `params` under per-layer (Hugging Face) names: a scanned
+    model's stacked parameters as one `_LayerOf` per layer (`jtree.layer_stack`)."""
+    return unstack_flat(list(nnx.to_flat_state(params)), layer_groups(config.decoder().layers),
+                        _LayerOf)
+
+
 class _HostCopy:
     """The host copy of the parameter being written, kept while its tensors are produced (a
     parameter's tensors are consecutive, so each parameter leaves the device once)."""
@@ -210,7 +259,7 @@ class _HostCopy:
     def __init__(self) -> None:
         self._name, self._value = None, None
 
-    def __call__(self, name: str, var: nnx.Variable) -> np.ndarray:
+    def __call__(self, name: str, var: nnx.Variable | _LayerOf) -> np.ndarray:
         if name != self._name:
             self._name, self._value = None, None  # drop the previous copy first
             self._value, self._name = np.asarray(var.get_value()), name
@@ -251,9 +300,10 @@ def save(
                          f"{type(config).__name__}")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"save: dtype = {dtype!r} is not one of {tuple(DTYPES)}")
-    _, flat_expected = _abstract_params(config, model.runtime)
+    _, flat_expected = _abstract_params(config, dataclasses.replace(model.runtime,
+                                                                    scan_layers=False))
     expected = _param_table(arch, config, flat_expected)
-    params = {dotted(p): var for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    params = {dotted(p): var for p, var in _per_layer(nnx.state(model, nnx.Param), config)}
     extra = sorted(set(params) - {t.name for t in expected})
     if extra:
         raise ValueError(f"save: model parameter {extra[0]!r} is not part of {arch.hf_name} "

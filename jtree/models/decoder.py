@@ -14,6 +14,10 @@ per-forward `LayerInputs` every layer reads. Logits are never formed for the who
 `jtree.token_logprobs` combines the hidden states with `output_embedding()` only where a token is
 scored.
 
+With `RuntimeConfig.scan_layers` the layers are held stacked (`Decoder.blocks`, one stacked
+`DecoderLayer` per position of each repeated block, `jtree.layer_stack`) and each block runs as
+the body of a `jax.lax.scan`; prefix caches, exports and router statistics stay per layer.
+
 Under tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) attention splits query heads,
 Gated DeltaNet key heads, dense MLPs their columns, MoE blocks whole experts and the embedding and
 head the vocabulary (each module's docstring; the parameter layouts are `jtree.sharding`'s).
@@ -31,6 +35,7 @@ from flax import nnx
 
 from jtree.models.attention import Attention
 from jtree.models.gated_deltanet import GatedDeltaNet, GdnRouting, gdn_routing
+from jtree.layer_stack import layer_groups
 from jtree.models.layers import (
     NORMS, SwiGLU, call_layer, linear, rope_cos_sin, vocab_parallel_embed,
 )
@@ -149,8 +154,15 @@ class Decoder(nnx.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=runtime.compute_dtype,
             param_dtype=runtime.weight_dtype,
             embedding_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, runtime, kind, spec.norm, rngs=rngs)
-                                for kind in spec.layers])
+        layers = [DecoderLayer(cfg, runtime, kind, spec.norm, rngs=rngs) for kind in spec.layers]
+        if runtime.scan_layers:
+            self.groups = layer_groups(spec.layers)
+            self.blocks = nnx.List([
+                nnx.List([_stacked([layers[g.layer(r, j)] for r in range(g.repeats)])
+                          for j in range(len(g.block))])
+                for g in self.groups])
+        else:
+            self.layers = nnx.List(layers)
         self.norm = NORMS[spec.norm](cfg.hidden_size, eps=cfg.rms_norm_eps,
                                      param_dtype=runtime.weight_dtype)
         self.runtime = runtime
@@ -160,14 +172,57 @@ class Decoder(nnx.Module):
                  ) -> tuple[jax.Array, list[RouterStats], tuple[LayerCache, ...]]:
         """Final hidden states, the MoE layers' router statistics and every layer's exports."""
         x = vocab_parallel_embed(self.embed_tokens, tokens, self.runtime.tensor_parallel_axis)
-        all_stats, exports = [], []
-        for i, layer in enumerate(self.layers):
-            x, stats, cache = call_layer(layer, x, inputs, None if prefix is None else prefix[i],
-                                         remat=self.runtime.remat)
-            exports.append(cache)
-            if stats is not None:
-                all_stats.append(stats)
-        return self.norm(x), all_stats, tuple(exports)
+        if self.runtime.scan_layers:
+            x, outs = self._scanned(x, inputs, prefix)
+        else:
+            outs = []
+            for i, layer in enumerate(self.layers):
+                x, stats, cache = call_layer(layer, x, inputs,
+                                             None if prefix is None else prefix[i],
+                                             remat=self.runtime.remat)
+                outs.append((stats, cache))
+        all_stats = [stats for stats, _ in outs if stats is not None]
+        return self.norm(x), all_stats, tuple(cache for _, cache in outs)
+
+    def _scanned(self, x: jax.Array, inputs: LayerInputs,
+                 prefix: Sequence[LayerCache] | None
+                 ) -> tuple[jax.Array, list[tuple[RouterStats | None, LayerCache]]]:
+        """The layers group by group, each group's block as the body of one `jax.lax.scan` over
+        its repeats (`call_layer` runs every layer, so remat applies inside the body). Prefix
+        caches go in and exports and router statistics come out per layer, as unscanned."""
+        outs: dict[int, tuple[RouterStats | None, LayerCache]] = {}
+        for group, block in zip(self.groups, self.blocks):
+            graphdef, params = nnx.split(block)
+            repeats, width = group.repeats, len(group.block)
+            caches = None if prefix is None else [
+                jax.tree.map(lambda *c: jnp.stack(c),
+                             *(prefix[group.layer(r, j)] for r in range(repeats)))
+                for j in range(width)]
+
+            def body(x, xs, graphdef=graphdef):
+                block_params, block_caches = xs
+                step = []
+                for j, layer in enumerate(nnx.merge(graphdef, block_params)):
+                    x, stats, cache = call_layer(
+                        layer, x, inputs, None if block_caches is None else block_caches[j],
+                        remat=self.runtime.remat)
+                    step.append((stats, cache))
+                return x, step
+
+            x, stacked = jax.lax.scan(body, x, (params, caches))
+            for r in range(repeats):
+                for j in range(width):
+                    outs[group.layer(r, j)] = jax.tree.map(lambda a: a[r], stacked[j])
+        return x, [outs[i] for i in sorted(outs)]
+
+
+def _stacked(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One layer whose parameters are those of `layers` (all of one kind) stacked on a leading
+    axis: built from the per-layer modules, so a scanned model starts from the very weights of
+    the unscanned one of the same seed."""
+    graphdef, first = nnx.split(layers[0])
+    states = [first, *(nnx.state(layer) for layer in layers[1:])]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
 class CausalLM(nnx.Module):

@@ -33,7 +33,11 @@ class RuntimeConfig:
     compute dtype and `param_dtype` the storage dtype of the weights. `remat` is the activation
     rematerialization policy of each decoder layer (`REMAT_POLICIES`, or "none"). `gdn_scan` is how
     the Gated DeltaNet layers route states over the tree's chunks (`jtree.kernels.gdn.pick_scan`:
-    "sequential", "parallel", or "auto" to pick by the documented rule).
+    "sequential", "parallel", or "auto" to pick by the documented rule). `scan_layers` stacks the
+    decoder layers and runs each repeated block of them with one `jax.lax.scan`
+    (`jtree.layer_stack`), so compile time and program size do not grow with depth; the math is
+    the same, and checkpoints convert between the two layouts when loaded. It lives here, not
+    in the model config, because it does not change the model.
 
     `tensor_parallel_axis` and `data_parallel_axis` are set by
     `jtree.train_step.sharded_graphdef` for the copy of the model that runs inside
@@ -55,6 +59,7 @@ class RuntimeConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     gdn_scan: str = "auto"
+    scan_layers: bool = False
     tensor_parallel_axis: str | None = None
     data_parallel_axis: str | tuple[str, ...] | None = None
     expert_dispatch: str = "psum"

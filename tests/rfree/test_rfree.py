@@ -25,7 +25,8 @@ from jtree.rfree.schedule import LiveBuffers, child_order, part_slots
 from jtree.train_step import Objective, make_grad_fn, stack_microbatches
 from jtree.tree import TrajectoryTree
 from tests.models_util import (
-    four_expert_config, logprob_fn, perturbed_moe_model, rel_l2, tiny_lm, tiny_model,
+    four_expert_config, logprob_fn, perturbed, perturbed_moe_model, rel_l2, tiny_config, tiny_lm,
+    tiny_model,
 )
 from tests.strategies import forests, multi_part_trees
 
@@ -307,6 +308,24 @@ def gdn_only_model():
 def test_gdn_equals_unpartitioned_tree():
     graphdef, params = gdn_only_model()
     _check(graphdef, params, SFT, capacities=(5,), modes=("recompute",), chunk=CHUNK)
+
+
+def scanned_model(kind: str):
+    """Two layers run as one scan (`runtime.scan_layers`): attention + MLP ("dense") or Gated
+    DeltaNet + MLP ("gdn") layers, so per-layer prefix caches go into the scan body stacked and
+    exports come out per layer."""
+    cfg = tiny_config() if kind == "dense" else four_expert_config(
+        "next", mlp_only_layers=(0, 1), num_hidden_layers=2, layer_types=("linear_attention",) * 2)
+    graphdef, params = nnx.split(tiny_lm(cfg, 0, scan_layers=True))
+    return graphdef, perturbed(params, scale=0.2)
+
+
+@pytest.mark.parametrize("kind", ["dense", pytest.param("gdn", marks=pytest.mark.slow)])
+def test_scanned_layers_equal_unpartitioned_tree(kind):
+    graphdef, params = scanned_model(kind)
+    _check(graphdef, params, SFT, capacities=(5,),
+           modes=("residuals",) if kind == "dense" else ("recompute",),
+           chunk=CHUNK if kind == "gdn" else None)
 
 
 @pytest.mark.slow

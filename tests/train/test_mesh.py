@@ -68,7 +68,8 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
     for result in step_results[:-1]:
         check(result)
     restore = step_results[-1]
-    assert restore["equal"] and restore["resharded"], restore  # (2,2,2) -> TP, DP, FSDP meshes
+    # (2,2,2) -> TP, DP, FSDP meshes; scanned onto (1,4,2) and back unscanned onto (8,1,1)
+    assert restore["equal"] and restore["resharded"], restore
 
 
 @pytest.mark.slow
@@ -77,6 +78,7 @@ def test_next_and_lora_on_every_mesh_and_ppo_on_every_model():
     cases += [f"{model}:tree:ppo:4x1x2" for model in ("dense", "moe", "next")]
     cases += ["dense_tpu:tree:sft:2x1x1", "dense_tpu:baseline:sft:1x1x2"]
     cases += [f"dense_lora:{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in MESHES]
+    cases += ["dense_scan:tree:sft:2x1x4", "dense_scan:tree:ppo:2x2x2"]
     for result in run_cases(cases + ["dense:baseline:ppo:2x1x4"]):
         check(result)
 
