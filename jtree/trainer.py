@@ -354,7 +354,7 @@ class TrainingRun:
         rt = cfg.runtime
         attention = resolve_impl(rt.attention_impl, dtype=rt.dtype, head_dim=mcfg.head_dim)
         return (f"model: {cfg.model.architecture} {mcfg.num_hidden_layers} layers, hidden "
-                f"{mcfg.hidden_size}, {n_params:,} parameters; mode {cfg.run.mode}, objective "
+                f"{mcfg.hidden_size}, {n_params} parameters; mode {cfg.run.mode}, objective "
                 f"{cfg.objective.kind}; mesh {describe_mesh(mesh)} "
                 f"over {jax.process_count()} process(es), backend {jax.default_backend()}, "
                 f"attention {attention}; "
