@@ -1,0 +1,162 @@
+"""PPO with a critic on trees: per-path GAE, returns, the clipped value loss and its gradient equal
+an independent float64 per-path reference on random multi-level trees (paths ending at internal
+nodes, paths disagreeing on shared loss masks); a PPO step with the critic in tree mode equals the
+per-path step (docs/rl.md, "PPO with a critic")."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jtree.baseline import linearize_baseline
+from jtree.config import from_dict
+from jtree.critic import CriticConfig, gae, pair_token_sums, pair_values, with_critic_pairs
+from jtree.linearize import linearize
+from jtree.loss import value_loss
+from jtree.models import CausalLM
+from jtree.train_step import Objective
+from jtree.tree import TrajectoryTree
+from tests.models_util import (
+    assert_loss_and_grads_match, loss_and_grad_fn, off_policy_ppo_inputs, perturbed, tiny_config,
+    tiny_runtime,
+)
+from tests.strategies import random_forest
+
+
+def critic_tree(rng: np.random.Generator, **kw) -> TrajectoryTree:
+    """A random multi-level tree with one reward per path (per-path loss masks and weights)."""
+    kwargs = random_forest(rng, with_rl=False, **kw)
+    return TrajectoryTree.from_nodes(**kwargs,
+                                     rewards=rng.normal(size=len(kwargs["path_nodes"])).tolist())
+
+
+def reference(trees, token_values, old_token_values, batch, gamma, lam, clip):
+    """Per path, from the path's own token sequence, in float64: the value of the state before
+    path position i is the value after position i - 1; GAE over the path's trained positions
+    (mask 1, position > 0, weight > 0) with the reward at the last one. Returns the per-path
+    (advantages, returns) in pair order (row by row, trees in order), the value loss, its gradient per row token, and the
+    policy's P/N per row token."""
+    rows, s = batch.shape
+    adv, ret = [], []
+    loss = 0.0
+    grad = np.zeros((rows, s))
+    pos = np.zeros((rows, s))
+    neg = np.zeros((rows, s))
+    w_sum = sum(float(t.weights.sum()) for t in trees)
+    for k in np.argsort(batch.layout.rows, kind="stable"):  # the pairs' order: row by row
+        tree, row, off = trees[k], batch.layout.rows[k], batch.layout.offsets[k]
+        for p in range(tree.n_paths):
+            idx = off + tree.path_token_index(p)
+            m = tree.loss_masks[p].astype(np.float64).copy()
+            m[0] = 0.0
+            at = np.flatnonzero(m * tree.weights[p])
+            if at.size == 0:
+                continue
+            c = tree.weights[p] / w_sum / at.size  # seq_mean_token_mean
+            state = idx[at - 1]  # the token after which each action is chosen
+            v = token_values[row, state].astype(np.float64)
+            vo = old_token_values[row, state].astype(np.float64)
+            a = np.zeros(at.size)
+            nxt_a = 0.0
+            for k in range(at.size - 1, -1, -1):
+                last = k == at.size - 1
+                delta = (tree.rewards[p] if last else 0.0) + (0.0 if last else gamma * vo[k + 1]) \
+                    - vo[k]
+                nxt_a = delta + (0.0 if last else gamma * lam * nxt_a)
+                a[k] = nxt_a
+            r = a + vo
+            adv.append(a)
+            ret.append(r)
+            vc = np.clip(v, vo - clip, vo + clip)
+            plain, clipped = (v - r) ** 2, (vc - r) ** 2
+            loss += 0.5 * c * np.sum(np.maximum(plain, clipped))
+            g = np.where(plain >= clipped, c * (v - r),
+                         c * (vc - r) * ((v > vo - clip) & (v < vo + clip)))
+            np.add.at(grad[row], state, g)
+            np.add.at(pos[row], idx[at], np.where(a >= 0, c * a, 0.0))
+            np.add.at(neg[row], idx[at], np.where(a < 0, c * a, 0.0))
+    return adv, ret, loss, grad, pos, neg
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gae_returns_and_value_loss_equal_the_per_path_reference(seed):
+    rng = np.random.default_rng(seed)
+    trees = [critic_tree(rng, max_nodes=9, extra_paths=4) for _ in range(3)]
+    # some path ends at an internal node (a node with children)
+    assert any(set(t.path_nodes) & set(t.parents[t.parents >= 0]) for t in trees)
+    batch = with_critic_pairs(linearize(trees, 64, n_rows=2))
+    pairs = batch.inputs.critic
+    token_values = rng.normal(size=batch.shape).astype(np.float32)
+    old_values = (token_values + rng.normal(0, 0.3, batch.shape)).astype(np.float32)
+    gamma, lam, clip = 0.9, 0.7, 0.2
+    adv_want, ret_want, loss_want, grad_want, pos_want, neg_want = reference(
+        trees, token_values, old_values, batch, gamma, lam, clip)
+
+    old = pair_values(jnp.asarray(old_values), batch.inputs.pred, pairs)
+    adv, ret = gae(old, pairs, gamma, lam)
+
+    def loss_of(tv):
+        return value_loss(pair_values(tv, batch.inputs.pred, pairs), old, ret, pairs.coef, clip)
+
+    loss, grad = jax.value_and_grad(loss_of)(jnp.asarray(token_values))
+    live = pairs.index >= 0
+    np.testing.assert_allclose(np.asarray(adv)[live], np.concatenate(adv_want), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ret)[live], np.concatenate(ret_want), rtol=1e-5,
+                               atol=1e-5)
+    assert float(loss) == pytest.approx(loss_want, rel=1e-5)
+    assert np.linalg.norm(np.asarray(grad) - grad_want) <= 1e-5 * np.linalg.norm(grad_want)
+    ca = pairs.coef * adv
+    s = batch.shape[1]
+    np.testing.assert_allclose(pair_token_sums(jnp.where(ca >= 0, ca, 0.0), pairs, s), pos_want,
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(pair_token_sums(jnp.where(ca < 0, ca, 0.0), pairs, s), neg_want,
+                               rtol=1e-5, atol=1e-7)
+    # the clip acts on some pairs and not on others, and a shared token has several returns
+    v = np.asarray(pair_values(jnp.asarray(token_values), batch.inputs.pred, pairs))
+    outside = np.abs(v - np.asarray(old))[live] > clip
+    assert outside.any() and (~outside).any()
+    index = pairs.index[live]
+    assert len(np.unique(index)) < len(index)
+
+
+def test_ppo_step_with_critic_equals_per_path_step():
+    """A tiny model with a value head: tree-mode PPO-with-critic loss and every gradient (value
+    head included) equal the per-path baseline's, off-policy old log-probs so the policy clip
+    acts."""
+    rng = np.random.default_rng(3)
+    model = CausalLM(tiny_config(vocab_size=64), tiny_runtime(), rngs=nnx.Rngs(0),
+                     value_head=True)
+    graphdef, params = nnx.split(model)
+    params = perturbed(params)
+    trees = [critic_tree(rng, max_nodes=8, vocab=64) for _ in range(2)]
+    tree = with_critic_pairs(linearize(trees, 64, n_rows=4))
+    base = with_critic_pairs(linearize_baseline(trees, 64, n_rows=4))
+    tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=1)
+    objective = Objective(kind="ppo", clip_low=0.1, clip_high=0.1,
+                          critic=CriticConfig(gamma=0.95, lam=0.9, value_coef=0.5))
+    assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective)
+    _, grads = loss_and_grad_fn(graphdef, objective)(params, tree_in)
+    assert float(jnp.linalg.norm(grads["value_head"]["kernel"][...])) > 0
+
+
+def test_critic_config_is_checked():
+    with pytest.raises(ValueError, match=r"objective.critic.gama: unknown config key"):
+        from_dict(Objective, {"kind": "ppo", "critic": {"gama": 0.9}}, "objective")
+    with pytest.raises(ValueError, match="separate critic model is not"):
+        from_dict(Objective, {"kind": "ppo", "critic": {"model": "separate"}}, "objective")
+    with pytest.raises(ValueError, match="critic: needs kind 'ppo'"):
+        from_dict(Objective, {"kind": "gspo", "critic": {}}, "objective")
+    with pytest.raises(ValueError, match="lam: 1.5 is not in"):
+        from_dict(Objective, {"kind": "ppo", "critic": {"lam": 1.5}}, "objective")
+    cfg = from_dict(Objective, {"kind": "ppo", "critic": {"gamma": 0.99}}, "objective")
+    assert cfg.critic == CriticConfig(gamma=0.99) and cfg.advantage_estimator is None
+
+
+def test_critic_needs_rewards():
+    tree = TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4]])
+    with pytest.raises(ValueError, match="tree 0: no reward"):
+        with_critic_pairs(linearize([tree], 8))
