@@ -27,6 +27,8 @@ import numpy as np
 from jtree.batch import CriticPairs
 from jtree.linearize import TreeBatch
 from jtree.loss import path_coefficients
+from jtree.planner import SCORE_MIN, SCORE_STEPS_PER_OCTAVE, octave_step_length
+from jtree.tree import TrajectoryTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,24 @@ class CriticConfig:
         if self.model != "head":
             raise ValueError(f"model: {self.model!r}: only 'head' (a value head on the policy "
                              "trunk) is built; a separate critic model is not")
+
+
+def pair_count(tree: TrajectoryTree) -> int:
+    """How many (path, trained token) pairs `tree` contributes (paths of positive weight)."""
+    live = tree.weights > 0
+    return int(sum(np.count_nonzero(m[1:]) for m, w in zip(tree.loss_masks, live) if w))
+
+
+def pair_width(need: int) -> int:
+    """The `CriticPairs` width Q for rows of at most `need` pairs: rounded up on the score
+    width's octave ladder, so steps compile at a few widths."""
+    return octave_step_length(max(int(need), 1), SCORE_STEPS_PER_OCTAVE, min_step=SCORE_MIN)
+
+
+def padding_pairs(rows: int, width: int) -> CriticPairs:
+    """All-padding pairs [rows, width] (no token, no coefficient, each its own path end)."""
+    return CriticPairs(np.full((rows, width), -1, np.int32), np.zeros((rows, width), np.float32),
+                       np.zeros((rows, width), np.float32), np.ones((rows, width), bool))
 
 
 def critic_pairs(batch: TreeBatch, width: int | None = None) -> CriticPairs:
@@ -80,16 +100,12 @@ def critic_pairs(batch: TreeBatch, width: int | None = None) -> CriticPairs:
     q = max(counts, default=0) if width is None else width
     if max(counts, default=0) > q:
         raise ValueError(f"width={width}: a row has {max(counts)} critic pairs")
-    index = np.full((rows, q), -1, np.int32)
-    coef = np.zeros((rows, q), np.float32)
-    reward = np.zeros((rows, q), np.float32)
-    last = np.ones((rows, q), bool)
+    out = padding_pairs(rows, q)
     for r, entries in enumerate(per_row):
         if entries:
-            n = counts[r]
-            for dst, parts in zip((index, coef, reward, last), zip(*entries)):
-                dst[r, :n] = np.concatenate(parts)
-    return CriticPairs(index, coef, reward, last)
+            for dst, parts in zip((out.index, out.coef, out.reward, out.last), zip(*entries)):
+                dst[r, :counts[r]] = np.concatenate(parts)
+    return out
 
 
 def with_critic_pairs(batch: TreeBatch, width: int | None = None) -> TreeBatch:

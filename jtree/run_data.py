@@ -108,7 +108,8 @@ class StepBuilders:
         data = dataclasses.replace(cfg.data, rows_per_micro_batch=rows)
         builder = step_builder(self._trees, data, mode, normalization=cfg.objective.normalization,
                                n_shards=self._n_data, shards=self._shards, steps=cfg.run.steps,
-                               gdn_chunk_size=gdn_chunk_size(cfg))
+                               gdn_chunk_size=gdn_chunk_size(cfg),
+                               critic=cfg.objective.critic is not None)
         self._built[mode] = builder
         self.rows[mode] = builder.config.layout.rows
 

@@ -79,10 +79,16 @@ class Trainer:
     def build(cls, cfg: TrainConfig) -> Trainer:
         """Compiles nothing: the model is built abstractly (shapes only) and the functions are
         jitted wrappers that compile on their first call."""
+        critic = cfg.objective.critic is not None
+        if critic and cfg.run.mode == "redundancy_free":
+            raise ValueError("objective.critic: not available with run.mode=redundancy_free")
+        if critic and cfg.model.init_from is not None:
+            raise ValueError("objective.critic: a model loaded from model.init_from has no value "
+                             "head (loading HF weights into a model with one is not built)")
         mesh = make_mesh(cfg.mesh)
         arch, mcfg = cfg.model.architecture, cfg.model.config
         abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime,
-                                                       seed=cfg.run.seed))
+                                                       seed=cfg.run.seed, value_head=critic))
         _, abstract_params = nnx.split(abstract)
         try:
             rules = param_rules(mcfg, mesh.shape[MODEL])
@@ -100,7 +106,8 @@ class Trainer:
                                                      cfg.objective.logprob_chunk))
 
         def init() -> TrainState:
-            params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed))[1]
+            params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed,
+                                            value_head=critic))[1]
             return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
         init_fn = jax.jit(init, out_shardings=shardings)

@@ -81,7 +81,7 @@ def reference(trees, token_values, old_token_values, batch, gamma, lam, clip):
     return adv, ret, loss, grad, pos, neg
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_gae_returns_and_value_loss_equal_the_per_path_reference(seed):
     rng = np.random.default_rng(seed)
     trees = [critic_tree(rng, max_nodes=9, extra_paths=4) for _ in range(3)]
