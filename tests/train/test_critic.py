@@ -5,6 +5,8 @@ per-path step (docs/rl.md, "PPO with a critic")."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,17 +14,20 @@ import pytest
 from flax import nnx
 
 from jtree.baseline import linearize_baseline
-from jtree.config import from_dict
+from jtree.config import from_dict, load_config
 from jtree.critic import CriticConfig, gae, pair_token_sums, pair_values, with_critic_pairs
+from jtree.data import step_builder, step_indices
 from jtree.linearize import linearize
 from jtree.loss import value_loss
-from jtree.models import CausalLM
-from jtree.train_step import Objective
+from jtree.models import CausalLM, create_model
+from jtree.run_data import load_training_trees
+from jtree.train_step import Objective, make_grad_fn, stack_microbatches
 from jtree.tree import TrajectoryTree
 from tests.models_util import (
-    assert_loss_and_grads_match, loss_and_grad_fn, off_policy_ppo_inputs, perturbed, tiny_config,
-    tiny_runtime,
+    assert_grads_close, assert_loss_and_grads_match, loss_and_grad_fn, off_policy_ppo_inputs,
+    perturbed, tiny_config, tiny_runtime,
 )
+from tests.run_util import tiny_overrides, write_groups
 from tests.strategies import random_forest
 
 
@@ -81,7 +86,7 @@ def reference(trees, token_values, old_token_values, batch, gamma, lam, clip):
     return adv, ret, loss, grad, pos, neg
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_gae_returns_and_value_loss_equal_the_per_path_reference(seed):
     rng = np.random.default_rng(seed)
     trees = [critic_tree(rng, max_nodes=9, extra_paths=4) for _ in range(3)]
@@ -160,3 +165,43 @@ def test_critic_needs_rewards():
     tree = TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4]])
     with pytest.raises(ValueError, match="tree 0: no reward"):
         with_critic_pairs(linearize([tree], 8))
+
+
+def test_run_steps_carry_critic_pairs_and_train_like_a_direct_batch(tmp_path):
+    """A run's step (raw coefficients, `row_norm`, pairs at the run's fixed width, trees split
+    over micro-batches) gives the loss and gradients of the same trees linearized directly."""
+    data = write_groups(tmp_path / "g.jsonl", n_groups=6)
+    rng = np.random.default_rng(0)
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    data.write_text("".join(json.dumps(dict(r, reward=float(rng.normal()))) + "\n"
+                            for r in records))
+    cfg = load_config(None, tiny_overrides(data, **{
+        "objective.kind": "ppo", "objective.critic.gamma": 0.9, "objective.critic.lam": 0.8,
+        "run.steps": 1}))
+    trees, _ = load_training_trees(cfg)
+    builder = step_builder(trees, cfg.data, "tree", normalization=cfg.objective.normalization,
+                           n_shards=1, shards=(0,), steps=1, critic=True)
+    indices = step_indices(len(trees), cfg.data.trees_per_step, cfg.data.shuffle_seed)[0]
+    step = builder(indices)["inputs"]
+    assert step.critic.index.shape[-1] == builder.config.critic_len
+    direct = stack_microbatches([with_critic_pairs(
+        linearize([trees[int(i)] for i in indices], 512, normalization=cfg.objective.normalization))])
+    model = create_model("qwen3", cfg.model.config, cfg.runtime, value_head=True)
+    graphdef, params = nnx.split(model)
+    params = perturbed(params)
+    grad_fn = jax.jit(make_grad_fn(graphdef, cfg.objective))
+    loss_s, _, g_s = grad_fn(params, step)
+    loss_d, _, g_d = grad_fn(params, direct)
+    assert float(loss_s) == pytest.approx(float(loss_d), rel=1e-5)
+    assert_grads_close(g_s, g_d)
+
+
+def test_a_run_with_a_critic_needs_rewards(tmp_path):
+    data = write_groups(tmp_path / "g.jsonl", n_groups=2)
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    data.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "reward"}) + "\n"
+                            for r in records))
+    cfg = load_config(None, tiny_overrides(data, **{"objective.kind": "ppo",
+                                                    "objective.critic.gamma": 0.9}))
+    with pytest.raises(ValueError, match="tree 0: no reward"):
+        load_training_trees(cfg)
