@@ -35,13 +35,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def trained_model(config_path: str, overrides: list[str], checkpoint: str,
                   step: int | None = None) -> tuple[nnx.Module, object]:
-    """(model with the checkpoint's parameters, model config) on the default device."""
+    """(model with the checkpoint's parameters, model config) on the default device. A run with
+    a critic has a value head, which the checkpoint holds and the HF export leaves out."""
     cfg = load_config(config_path, overrides)
     arch, mcfg = cfg.model.architecture, cfg.model.config
+    value_head = cfg.objective.critic is not None
     optimizer = make_optimizer(cfg.optim)
 
     def init() -> TrainState:
-        params = nnx.split(create_model(arch, mcfg, cfg.runtime))[1]
+        params = nnx.split(create_model(arch, mcfg, cfg.runtime, value_head=value_head))[1]
         return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
     ckpt = Checkpointer(checkpoint, async_save=False)
@@ -55,7 +57,7 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
                                                  jax.tree.map(lambda _: device, shapes))).state
     finally:
         ckpt.close()
-    graphdef = nnx.split(nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime)))[0]
+    graphdef = nnx.split(nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime, value_head=value_head)))[0]
     return nnx.merge(graphdef, state.params), mcfg
 
 
@@ -63,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from jtree.hf import save
 
     model, mcfg = trained_model(args.config, args.overrides, args.checkpoint, args.step)
+    model.value_head = None  # the policy only: HF's *ForCausalLM has no value head
     save(model, mcfg, args.out, dtype=args.dtype, copy_from=args.copy_from)
     print(f"wrote {args.out} from {args.checkpoint}")
     return 0

@@ -13,10 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jtree.hf
 from jtree.baseline import linearize_baseline
+from jtree.cli import main as cli
+from jtree.commands.export_hf import trained_model
 from jtree.config import from_dict, load_config
 from jtree.critic import CriticConfig, gae, pair_token_sums, pair_values, with_critic_pairs
 from jtree.data import step_builder, step_indices
+from jtree.launch.train import main as train_main
 from jtree.linearize import linearize
 from jtree.loss import value_loss
 from jtree.models import CausalLM, create_model
@@ -205,3 +209,26 @@ def test_a_run_with_a_critic_needs_rewards(tmp_path):
                                                     "objective.critic.gamma": 0.9}))
     with pytest.raises(ValueError, match="tree 0: no reward"):
         load_training_trees(cfg)
+
+
+@pytest.mark.slow
+def test_a_critic_run_checkpoints_its_value_head_and_exports_the_policy(few_groups_file,
+                                                                        tmp_path):
+    """`jtree train` with objective.critic trains the value head, checkpoints it, and
+    `jtree export-hf` writes the policy without it."""
+    overrides = tiny_overrides(few_groups_file, **{
+        "run.steps": 2, "objective.kind": "ppo", "objective.critic.gamma": 0.9,
+        "model.tie_word_embeddings": False})
+    ckpt = tmp_path / "ckpt"
+    assert train_main(["--config", "configs/tiny.yaml", *overrides,
+                       f"checkpoint.dir={ckpt}"]) == 0
+    trained, config = trained_model("configs/tiny.yaml", overrides, str(ckpt))
+    initial = create_model("qwen3", config, value_head=True)
+    assert not np.array_equal(np.asarray(trained.value_head.kernel[...]),
+                              np.asarray(initial.value_head.kernel[...]))
+    assert cli(["export-hf", "--config", "configs/tiny.yaml", "--checkpoint", str(ckpt),
+                "--out", str(tmp_path / "hf"), *overrides]) == 0
+    _, loaded = jtree.hf.load(tmp_path / "hf")
+    assert loaded.value_head is None
+    np.testing.assert_array_equal(np.asarray(loaded.lm_head.kernel[...]),
+                                  np.asarray(trained.lm_head.kernel[...]))
