@@ -200,6 +200,8 @@ def check_resumable(meta: dict[str, Any], config: dict[str, Any], where: str) ->
     refused = []
     for key in changed:
         why = resume_refusal(key)
+        if key == "objective.critic" and (saved.get(key) is None) != (config.get(key) is None):
+            why = "it adds or removes the value head (its settings may change)"
         say(f"--resume: {key} changed from {saved.get(key)!r} to {config.get(key)!r}"
             + (f": refused, {why}" if why else ": allowed"))
         if why:

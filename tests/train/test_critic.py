@@ -26,6 +26,7 @@ from jtree.loss import value_loss
 from jtree.models import CausalLM, create_model
 from jtree.run_data import load_training_trees
 from jtree.train_step import Objective, make_grad_fn, stack_microbatches
+from jtree.trainer import check_resumable
 from jtree.tree import TrajectoryTree
 from tests.models_util import (
     assert_grads_close, assert_loss_and_grads_match, loss_and_grad_fn, off_policy_ppo_inputs,
@@ -232,3 +233,11 @@ def test_a_critic_run_checkpoints_its_value_head_and_exports_the_policy(few_grou
     assert loaded.value_head is None
     np.testing.assert_array_equal(np.asarray(loaded.lm_head.kernel[...]),
                                   np.asarray(trained.lm_head.kernel[...]))
+
+
+def test_resuming_may_change_the_critic_settings_not_whether_there_is_one():
+    saved = {"objective.critic": {"gamma": 0.9}}
+    check_resumable({"config": saved}, {"objective.critic": {"gamma": 0.99}}, "ckpt")
+    for before, after in ((saved, {"objective.critic": None}), ({"objective.critic": None}, saved)):
+        with pytest.raises(ValueError, match="objective.critic .*adds or removes the value head"):
+            check_resumable({"config": before}, after, "ckpt")
