@@ -80,8 +80,6 @@ class Trainer:
         """Compiles nothing: the model is built abstractly (shapes only) and the functions are
         jitted wrappers that compile on their first call."""
         critic = cfg.objective.critic is not None
-        if critic and cfg.run.mode == "redundancy_free":
-            raise ValueError("objective.critic: not available with run.mode=redundancy_free")
         if critic and cfg.model.init_from is not None:
             raise ValueError("objective.critic: a model loaded from model.init_from has no value "
                              "head (loading HF weights into a model with one is not built)")

@@ -24,6 +24,7 @@ from jtree.launch.train import main as train_main
 from jtree.linearize import linearize
 from jtree.loss import value_loss
 from jtree.models import CausalLM, create_model
+from jtree.rfree.execute import RedundancyFreeStep
 from jtree.run_data import load_training_trees
 from jtree.train_step import Objective, make_grad_fn, stack_microbatches
 from jtree.trainer import check_resumable
@@ -241,3 +242,10 @@ def test_resuming_may_change_the_critic_settings_not_whether_there_is_one():
     for before, after in ((saved, {"objective.critic": None}), ({"objective.critic": None}, saved)):
         with pytest.raises(ValueError, match="objective.critic .*adds or removes the value head"):
             check_resumable({"config": before}, after, "ckpt")
+
+
+def test_redundancy_free_mode_refuses_a_critic():
+    graphdef, _ = nnx.split(CausalLM(tiny_config(), tiny_runtime(), rngs=nnx.Rngs(0),
+                                     value_head=True))
+    with pytest.raises(ValueError, match="objective.critic: not available with run.mode=redun"):
+        RedundancyFreeStep(graphdef, Objective(kind="ppo", critic=CriticConfig()))
