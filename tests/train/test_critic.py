@@ -173,6 +173,7 @@ def test_critic_needs_rewards():
         with_critic_pairs(linearize([tree], 8))
 
 
+@pytest.mark.slow
 def test_run_steps_carry_critic_pairs_and_train_like_a_direct_batch(tmp_path):
     """A run's step (raw coefficients, `row_norm`, pairs at the run's fixed width, trees split
     over micro-batches) gives the loss and gradients of the same trees linearized directly."""
