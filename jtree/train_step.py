@@ -44,7 +44,8 @@ class Objective:
     """What the step minimizes. `sft`: weighted NLL. `ppo`: clipped token-level surrogate (+ KL,
     entropy). `gspo`: GSPO's clipped sequence-level surrogate (`jtree.loss.gspo_loss`; its paper
     clips at 3e-4 / 4e-4). `advantage`: where the RL objectives' advantages come from
-    (`jtree.advantages`: the records' own, or computed from their rewards). See docs/rl.md."""
+    (`jtree.advantages`: the records' own, or computed from their rewards); `critic`: PPO with a
+    value head and per-path GAE instead (`jtree.critic`). See docs/rl.md."""
 
     kind: Literal["sft", "ppo", "gspo"] = "sft"
     advantage: Estimator = "given"
