@@ -22,6 +22,8 @@ back to paths. Fields, dtypes and padding values (what an all-padding row holds:
 - `router_load`: (counts [E], total []) of the larger forward this batch is a piece of, for the
   MoE load-balancing loss of a redundancy-free part (`jtree.models.moe`); no row axis (only the
   micro-batch axis of a step)
+- `critic`: the (path, trained token) pairs of PPO with a critic (`CriticPairs`, [rows, Q],
+  `jtree.critic`), None otherwise
 
 Construction checks dtypes and shapes whenever every leaf is an array (host arrays, traced
 values, `jax.ShapeDtypeStruct`s) and names the offending field; pytrees of other leaves (partition
@@ -58,6 +60,22 @@ class LossCoefficients:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
+class CriticPairs:
+    """One entry per (path, trained token) of the rows' paths, path after path, each path's
+    tokens in order, [rows, Q]: `index` int32 the token's row-local position (-1: padding),
+    `coef` float32 its loss coefficient c[p,t], `reward` float32 the path's reward at its last
+    pair (0 elsewhere), `last` bool the path's last pair (GAE stops there; True on padding).
+    Per path because a shared token's GAE advantage and return depend on the path's future
+    (`jtree.critic`)."""
+
+    index: Any
+    coef: Any
+    reward: Any
+    last: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class GdnTables:
     """Chunk tables of the gated delta rule (`jtree.chunk_tables`): `chunk_tokens` [rows, NC, C]
     (-1), `chunk_src` [rows, NC] (0), `token_slot` [rows, S] (-1); `export_slots` [rows, E] lists
@@ -87,6 +105,7 @@ class DeviceBatch:
     row_norm: Any = None
     prefix_pred: Any = None
     router_load: tuple[Any, Any] | None = None
+    critic: CriticPairs | None = None
 
     def __post_init__(self) -> None:
         leaves = jax.tree_util.tree_leaves(self)
@@ -119,6 +138,8 @@ _SCHEMA: dict[str, tuple[Any, str]] = {
     "gdn.chunk_tokens": (np.int32, "NC"), "gdn.chunk_src": (np.int32, "N"),
     "gdn.token_slot": (np.int32, "S"), "gdn.export_slots": (np.int32, "E"),
     "row_norm": (np.float32, ""), "prefix_pred": (np.int32, "P"),
+    "critic.index": (np.int32, "Q"), "critic.coef": (np.float32, "Q"),
+    "critic.reward": (np.float32, "Q"), "critic.last": (np.bool_, "Q"),
 }
 
 

@@ -34,6 +34,7 @@ import grain
 import numpy as np
 
 from jtree.advantages import Estimator
+from jtree.critic import pair_count, pair_width, padding_pairs, with_critic_pairs
 from jtree.baseline import flatten_paths
 from jtree.batch import DeviceBatch, concatenate_rows, padding, stack
 from jtree.chat import conversation_tree, load_tokenizer
@@ -195,13 +196,16 @@ class StepConfig:
     """What every step of a run is built with: `mode`, `normalization`, `trees_per_step`, the
     global data shards this host feeds (`shards`, out of `layout.n_shards`) and the layout policy
     (`jtree.planner.LayoutConfig`: micro-batches, rows per micro-batch, row lengths, GDN chunk
-    tables)."""
+    tables). With `critic` (PPO's critic, `jtree.critic`) every micro-batch carries its
+    (path, trained token) pairs, `critic_len` of them per row (None: the step's own need)."""
 
     mode: Mode
     normalization: Normalization
     trees_per_step: int
     shards: tuple[int, ...]
     layout: LayoutConfig
+    critic: bool = False
+    critic_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.layout.micro_batches is None:
@@ -260,6 +264,8 @@ class StepBuilder:
         self.trees, self.units, self.config = list(trees), list(units), config
         self.counts = (list(counts) if counts is not None else
                        [unit_counts(us, config.layout.gdn_chunk_size) for us in self.units])
+        self.pair_counts = ([[pair_count(u) for u in us] for us in self.units] if config.critic
+                            else None)
 
     def plan(self, indices: np.ndarray) -> StepPlan:
         """Where every unit of the step goes, and the step's shape."""
@@ -276,26 +282,42 @@ class StepBuilder:
         """This host's step inputs of the step `indices`, laid out where `plan` (this builder's
         plan of those indices) says."""
         units = [u for i in indices for u in self.units[int(i)]]
+        critic_len = None
+        if self.config.critic:
+            critic_len = self.config.critic_len or self.critic_len(indices, plan)
         micro = []
         for m in range(plan.micro_batches):
             parts = [self._linearize([units[i] for i in plan.units[plan.bin(s, m)]],
-                                     plan.placements[plan.bin(s, m)], plan)
+                                     plan.placements[plan.bin(s, m)], plan, critic_len)
                      for s in self.config.shards]
             micro.append(concatenate_rows(parts))
         info = step_info([self.trees[int(i)] for i in indices], units)
         return {"inputs": stack(micro), "info": info}
 
-    def _linearize(self, units: list[TrajectoryTree], placement: RowPlan, plan: StepPlan
-                   ) -> DeviceBatch:
+    def critic_len(self, indices: np.ndarray, plan: StepPlan) -> int:
+        """The critic pair width of the step `indices` laid out by `plan`: the most pairs any row
+        of any shard and micro-batch holds, on `jtree.critic.pair_width`'s ladder."""
+        counts = [n for i in indices for n in self.pair_counts[int(i)]]
+        need = max((sum(counts[units[i]] for i in row)
+                    for units, placement in zip(plan.units, plan.placements)
+                    for row in placement.rows), default=0)
+        return pair_width(need)
+
+    def _linearize(self, units: list[TrajectoryTree], placement: RowPlan, plan: StepPlan,
+                   critic_len: int | None) -> DeviceBatch:
         config = self.config
         chunk_size = config.layout.gdn_chunk_size
         if not units:  # a bin that got no tree
             empty = padding(plan.rows, plan.row_len, score_len=plan.score_len,
                             gdn_chunk_size=chunk_size, gdn_chunks=plan.gdn_chunks)
-            return dataclasses.replace(empty, row_norm=np.zeros(plan.rows, np.float32))
+            critic = None if critic_len is None else padding_pairs(plan.rows, critic_len)
+            return dataclasses.replace(empty, row_norm=np.zeros(plan.rows, np.float32),
+                                       critic=critic)
         batch = linearize(units, plan.row_len, normalization=config.normalization,
                           normalizer=1.0, plan=placement, score_len=plan.score_len,
                           gdn_chunk_size=chunk_size, gdn_chunks=plan.gdn_chunks)
+        if critic_len is not None:
+            batch = with_critic_pairs(batch, critic_len)
         row_norm = np.zeros(plan.rows, np.float64)
         for t, r in zip(batch.layout.trees, batch.layout.rows):
             row_norm[r] += batch_normalizer([t], config.normalization)
@@ -387,14 +409,15 @@ def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_
 
 def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, *,
                  normalization: Normalization, n_shards: int, shards: Sequence[int], steps: int,
-                 gdn_chunk_size: int | None = None) -> StepBuilder:
+                 gdn_chunk_size: int | None = None, critic: bool = False) -> StepBuilder:
     """The `StepBuilder` a run with data config `data` trains `mode` with, on `n_shards` data
     shards of which this host feeds `shards`: units from `all_units`, `data.rows_per_micro_batch`
     rows per micro-batch or else the fewest that hold the run's `steps` steps (`rows_for_run`),
     row lengths from `data.row_steps_per_octave` (`jtree.planner.row_length_ladder`), and the
     score width and GDN chunk capacity (unless `data.gdn_chunks` fixes it) at the most any of
     those steps needs: the run compiles one step program per row length.
-    `gdn_chunk_size`: chunk tables of that size (models with linear-attention layers)."""
+    `gdn_chunk_size`: chunk tables of that size (models with linear-attention layers).
+    `critic`: the steps carry critic pairs (`jtree.critic`), as many per row as any step needs."""
     units = all_units(trees, mode, data.seq_len, data.partition_method)
     rows = data.rows_per_micro_batch or rows_for_run(
         units, data.seq_len, data.trees_per_step, n_shards * data.micro_batches,
@@ -403,7 +426,7 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
                    else row_length_ladder(data.seq_len, data.row_steps_per_octave))
     layout = LayoutConfig(data.seq_len, n_shards, data.micro_batches, rows, row_lengths,
                           gdn_chunk_size, data.gdn_chunks if gdn_chunk_size else None)
-    config = StepConfig(mode, normalization, data.trees_per_step, tuple(shards), layout)
+    config = StepConfig(mode, normalization, data.trees_per_step, tuple(shards), layout, critic)
     builder = StepBuilder(trees, units, config)
     index = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)
     plans = [builder.plan(index[k]) for k in range(steps)]
@@ -412,7 +435,10 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
     fixed = dataclasses.replace(
         layout, score_len=max(p.score_len for p in plans),
         gdn_chunks=None if gdn_chunk_size is None else max(p.gdn_chunks for p in plans))
-    return StepBuilder(trees, units, dataclasses.replace(config, layout=fixed), builder.counts)
+    critic_len = max(builder.critic_len(index[k], p) for k, p in enumerate(plans)) \
+        if critic else None
+    return StepBuilder(trees, units, dataclasses.replace(config, layout=fixed,
+                                                         critic_len=critic_len), builder.counts)
 
 
 def make_pipeline(builder: StepBuilder | AutoStepBuilder | RfreeStepBuilder, *, seed: int,

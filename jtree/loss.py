@@ -229,3 +229,16 @@ def gspo_loss(
         "approx_kl_old": jnp.sum(c.weight * (token_ratio - 1.0 - log_ratio)),
     }
     return _regularizers(loss, metrics, logprobs, c, kl_coef, entropy, entropy_coef), metrics
+
+
+def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, coef: jax.Array,
+               clip: float) -> jax.Array:
+    """PPO's clipped value loss over (path, token) pairs (`jtree.batch.CriticPairs`):
+    sum_k c_k 0.5 max((V_k - R_k)^2, (clip(V_k, Vold_k - clip, Vold_k + clip) - R_k)^2).
+
+    Summed per pair, not per tree token: a shared token's return differs per path, and which
+    side of the max wins depends on it, so no per-token coefficient regroups the clipped loss
+    exactly. A pair is a few scalars; the values themselves are computed once per tree token.
+    """
+    clipped = jnp.clip(values, old_values - clip, old_values + clip)
+    return 0.5 * jnp.sum(coef * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2))

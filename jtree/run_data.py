@@ -70,6 +70,11 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
                                max_path_len=max_path_len,
                                advantage=cfg.objective.advantage_estimator,
                                shared_masks=cfg.objective.kind == "gspo")
+    if cfg.objective.critic is not None:
+        missing = next((i for i, t in enumerate(trees) if t.rewards is None), None)
+        if missing is not None:
+            raise ValueError(f"{d.path}: tree {missing}: no reward (objective.critic computes "
+                             "GAE from one reward per path)")
     total = sum((t.stats() for t in trees[1:]), trees[0].stats())
     say(f"data: {len(trees)} trees from {d.path} ({d.format}): {total.n_flat_tokens} flat tokens, "
         f"{total.n_tree_tokens} tree tokens, POR {total.por:.3f}"
@@ -110,7 +115,8 @@ class StepBuilders:
         data = dataclasses.replace(cfg.data, rows_per_micro_batch=rows)
         builder = step_builder(self._trees, data, mode, normalization=cfg.objective.normalization,
                                n_shards=self._n_data, shards=self._shards, steps=cfg.run.steps,
-                               gdn_chunk_size=gdn_chunk_size(cfg))
+                               gdn_chunk_size=gdn_chunk_size(cfg),
+                               critic=cfg.objective.critic is not None)
         self._built[mode] = builder
         self.rows[mode] = builder.config.layout.rows
 

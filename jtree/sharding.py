@@ -100,11 +100,12 @@ def _divides(what: str, count: int, model: int) -> None:
 
 def _embedding_rules(cfg: Any, model: int) -> Rules:
     """Vocab-parallel embedding and LM head, replicated norms (every norm weight is per feature of
-    a whole hidden vector or of one head)."""
+    a whole hidden vector or of one head) and a replicated value head (hidden x 1)."""
     _divides("vocab_size", cfg.vocab_size, model)
     return [
         (r"embed_tokens/embedding$", P(MODEL, None)),
         (r"lm_head/kernel$", P(None, MODEL)),
+        (r"value_head/(kernel|bias)$", P()),  # the critic's hidden -> 1 head (jtree.critic)
         (r"(norm|layernorm)/weight$", P()),
     ]
 

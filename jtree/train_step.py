@@ -29,9 +29,12 @@ from flax import nnx
 from jtree.advantages import Estimator
 from jtree.baseline import linearize_baseline
 from jtree.batch import DeviceBatch, LossCoefficients, stack
+from jtree.critic import CriticConfig, gae, pair_token_sums, pair_values
 from jtree.linearize import TreeBatch, linearize
 from jtree.logprobs import logprobs_from_hidden, scored_logprobs, token_logprobs
-from jtree.loss import COEFFICIENT_FIELDS, Normalization, gspo_loss, ppo_loss, sft_loss
+from jtree.loss import (
+    COEFFICIENT_FIELDS, Normalization, gspo_loss, ppo_loss, sft_loss, value_loss,
+)
 from jtree.models.decoder import CausalLM
 from jtree.models.lora import model_params, trainable, with_trainable
 from jtree.packing import same_score_len
@@ -46,7 +49,8 @@ class Objective:
     """What the step minimizes. `sft`: weighted NLL. `ppo`: clipped token-level surrogate (+ KL,
     entropy). `gspo`: GSPO's clipped sequence-level surrogate (`jtree.loss.gspo_loss`; its paper
     clips at 3e-4 / 4e-4). `advantage`: where the RL objectives' advantages come from
-    (`jtree.advantages`: the records' own, or computed from their rewards). See docs/rl.md.
+    (`jtree.advantages`: the records' own, or computed from their rewards); `critic`: PPO with a
+    value head and per-path GAE instead (`jtree.critic`). See docs/rl.md.
 
     `reference`: where the KL term's reference log-probs come from: None reads them from the
     data, `initial` runs the run's starting weights and a directory runs that Hugging Face
@@ -54,6 +58,7 @@ class Objective:
 
     kind: Literal["sft", "ppo", "gspo"] = "sft"
     advantage: Estimator = "given"
+    critic: CriticConfig | None = None
     normalization: Normalization = "seq_mean_token_mean"
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -63,10 +68,18 @@ class Objective:
     old_logprob_tolerance: float = 1e-3
     reference: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.critic is not None and self.kind != "ppo":
+            raise ValueError(f"critic: needs kind 'ppo', not {self.kind!r}")
+        if self.critic is not None and self.advantage != "given":
+            raise ValueError(f"advantage: {self.advantage!r} with a critic (the critic's GAE "
+                             "gives the advantages; leave objective.advantage unset)")
+
     @property
     def advantage_estimator(self) -> Estimator | None:
-        """The estimator every tree's advantages come from; None when the objective needs none."""
-        return None if self.kind == "sft" else self.advantage
+        """The estimator every tree's advantages come from; None when the objective needs none
+        (SFT) or computes them in the step (a critic's GAE)."""
+        return None if self.kind == "sft" or self.critic is not None else self.advantage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +156,34 @@ def objective_loss(model: Any, inputs: DeviceBatch, objective: Objective, *,
     carried as its numerator `clipped_adv` and denominator `abs_adv` (see `finish_metrics`).
     """
     out = model(inputs)
-    return loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred, out.aux_loss,
-                            inputs, objective, vocab_axis=vocab_axis)
+    if objective.critic is None:
+        return loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred, out.aux_loss,
+                                inputs, objective, vocab_axis=vocab_axis)
+    inputs, v_loss = critic_objective(model.values(out.hidden), inputs, objective.critic)
+    loss, metrics = loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred,
+                                     out.aux_loss, inputs, objective, vocab_axis=vocab_axis)
+    return loss + objective.critic.value_coef * v_loss, dict(metrics, value_loss=v_loss)
+
+
+def critic_objective(token_values: jax.Array, inputs: DeviceBatch, critic: CriticConfig
+                     ) -> tuple[DeviceBatch, jax.Array]:
+    """PPO with a critic on one micro-batch: `inputs` with the policy's P/N from the per-path
+    GAE advantages, and the clipped value loss (`jtree.critic`, docs/rl.md). The old values are
+    the current ones without gradient: the step's parameters are the policy's before the update,
+    as for recomputed old log-probs."""
+    pairs = inputs.critic
+    if pairs is None:
+        raise ValueError("inputs: 'critic' pairs missing; objective.critic needs "
+                         "jtree.critic.with_critic_pairs on the batch")
+    values = pair_values(token_values, inputs.pred, pairs)
+    old = jax.lax.stop_gradient(values)
+    advantages, returns = gae(old, pairs, critic.gamma, critic.lam)
+    ca = pairs.coef * advantages
+    s = inputs.tokens.shape[-1]
+    inputs = inputs.with_coefficients(
+        adv_pos=pair_token_sums(jnp.where(ca >= 0, ca, 0.0), pairs, s),
+        adv_neg=pair_token_sums(jnp.where(ca < 0, ca, 0.0), pairs, s))
+    return inputs, value_loss(values, old, returns, pairs.coef, critic.value_clip)
 
 
 def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_loss: jax.Array,
@@ -224,6 +263,9 @@ def normalize_coefficients(inputs: DeviceBatch, data_axes: Sequence[str] = ()) -
         total = jax.lax.psum(total, tuple(data_axes))
     scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
     c = inputs.coefficients
+    if inputs.critic is not None:
+        inputs = dataclasses.replace(inputs, critic=dataclasses.replace(
+            inputs.critic, coef=inputs.critic.coef * scale))
     return dataclasses.replace(inputs, row_norm=None).with_coefficients(
         **{name: getattr(c, name) * scale for name in COEFFICIENT_FIELDS})
 
@@ -332,7 +374,8 @@ def sharded_graphdef(model: CausalLM, specs: Any) -> nnx.GraphDef:
     Built abstractly: no weights."""
     runtime = dataclasses.replace(model.runtime, tensor_parallel_axis=MODEL,
                                   data_parallel_axis=ROWS)
-    abstract = nnx.eval_shape(lambda: CausalLM(model.config, runtime, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: CausalLM(model.config, runtime, rngs=nnx.Rngs(0),
+                                               value_head=model.value_head is not None))
     by_name = {param_path(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(
         specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
     for path, var in nnx.iter_graph(abstract):

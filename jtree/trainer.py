@@ -88,11 +88,15 @@ class Trainer:
     def build(cls, cfg: TrainConfig) -> Trainer:
         """Compiles nothing: the model is built abstractly (shapes only) and the functions are
         jitted wrappers that compile on their first call."""
+        critic = cfg.objective.critic is not None
+        if critic and cfg.model.init_from is not None:
+            raise ValueError("objective.critic: a model loaded from model.init_from has no value "
+                             "head (loading HF weights into a model with one is not built)")
         mesh = make_mesh(cfg.mesh)
         arch, mcfg = cfg.model.architecture, cfg.model.config
         check_reference(cfg)
         abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime,
-                                                       seed=cfg.run.seed))
+                                                       seed=cfg.run.seed, value_head=critic))
         _, abstract_model_params = nnx.split(abstract)
         abstract_params = jax.eval_shape(
             lambda p: with_lora(p, cfg.model.lora, cfg.run.seed), abstract_model_params)
@@ -123,7 +127,8 @@ class Trainer:
             ref_logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, model_specs, chunk))
 
         def init() -> TrainState:
-            params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed))[1]
+            params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed,
+                                            value_head=critic))[1]
             params = with_lora(params, cfg.model.lora, cfg.run.seed)
             return TrainState(params, optimizer.init(trainable(params)),
                               jnp.zeros((), jnp.int32))
@@ -265,6 +270,8 @@ def check_resumable(meta: dict[str, Any], config: dict[str, Any], where: str) ->
     refused = []
     for key in changed:
         why = resume_refusal(key)
+        if key == "objective.critic" and (saved.get(key) is None) != (config.get(key) is None):
+            why = "it adds or removes the value head (its settings may change)"
         say(f"--resume: {key} changed from {saved.get(key)!r} to {config.get(key)!r}"
             + (f": refused, {why}" if why else ": allowed"))
         if why:

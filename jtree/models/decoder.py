@@ -229,13 +229,19 @@ class CausalLM(nnx.Module):
     """A causal LM of any architecture (HF `*ForCausalLM`): `config` is the architecture's
     config (`jtree.models.architectures`), `runtime` how to run it."""
 
-    def __init__(self, config: Any, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: Any, runtime: RuntimeConfig, *, rngs: nnx.Rngs,
+                 value_head: bool = False):
         self.config, self.runtime, self.spec = config, runtime, config.decoder()
         self.model = Decoder(config, runtime, self.spec, rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings else linear(
             config.hidden_size, config.vocab_size, bias=False,
             init_std=config.initializer_range, dtype=runtime.compute_dtype,
             param_dtype=runtime.weight_dtype, rngs=rngs)
+        # PPO's critic on the policy trunk (`jtree.critic`): final hidden state -> value.
+        self.value_head = linear(
+            config.hidden_size, 1, bias=True, init_std=config.initializer_range,
+            dtype=runtime.compute_dtype, param_dtype=runtime.weight_dtype,
+            rngs=rngs) if value_head else None
 
     def __call__(self, inputs: DeviceBatch,
                  prefix: Sequence[LayerCache] | None = None) -> ModelOutput:
@@ -260,6 +266,14 @@ class CausalLM(nnx.Module):
             inputs.router_load)
         return ModelOutput(hidden, aux, exports,
                            router_load(stats, inputs.path_count, cfg.num_experts))
+
+    def values(self, hidden: jax.Array) -> jax.Array:
+        """[..., S, hidden] final hidden states -> [..., S] float32 values of the value head
+        (the value of the state after each token)."""
+        if self.value_head is None:
+            raise ValueError("model: no value head (build it with value_head=True; "
+                             "objective.critic does)")
+        return self.value_head(hidden)[..., 0].astype(jnp.float32)
 
     def output_embedding(self) -> jax.Array:
         """[hidden, vocab] matrix mapping final hidden states to logits (this device's vocabulary

@@ -93,6 +93,9 @@ class RedundancyFreeStep:
         if objective.kind == "gspo":  # a part's path sums would miss the prefix it reuses
             raise ValueError("objective.kind=gspo: not available with run.mode=redundancy_free "
                              "(use run.mode=tree)")
+        if objective.critic is not None:  # a part's per-path GAE would miss its prefix's pairs
+            raise ValueError("objective.critic: not available with run.mode=redundancy_free "
+                             "(use run.mode=tree)")
         self.graphdef, self.objective = graphdef, objective
         self.prefix_backward = prefix_backward
         self.conv_width: int | None = None  # K - 1 of the GDN conv, read from the model config

@@ -73,11 +73,11 @@ def architecture_of_hf_config(hf_config: Mapping[str, Any]) -> Architecture:
 
 
 def create_model(name: str, config: Any, runtime: RuntimeConfig = RuntimeConfig(), *,
-                 seed: int = 0) -> CausalLM:
+                 seed: int = 0, value_head: bool = False) -> CausalLM:
     """A randomly initialized model of architecture `name` with `config` (an instance of the
-    record's config class), run as `runtime` says."""
+    record's config class), run as `runtime` says; `value_head` adds PPO's critic head."""
     arch = architecture(name)
     if not isinstance(config, arch.config_class):
         raise ValueError(f"architecture {name!r} needs a {arch.config_class.__name__}, "
                          f"got {type(config).__name__}")
-    return CausalLM(config, runtime, rngs=nnx.Rngs(seed))
+    return CausalLM(config, runtime, rngs=nnx.Rngs(seed), value_head=value_head)

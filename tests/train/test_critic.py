@@ -1,0 +1,252 @@
+"""PPO with a critic on trees: per-path GAE, returns, the clipped value loss and its gradient equal
+an independent float64 per-path reference on random multi-level trees (paths ending at internal
+nodes, paths disagreeing on shared loss masks); a PPO step with the critic in tree mode equals the
+per-path step (docs/rl.md, "PPO with a critic")."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jtree.hf
+from jtree.baseline import linearize_baseline
+from jtree.cli import main as cli
+from jtree.commands.export_hf import trained_model
+from jtree.config import from_dict, load_config
+from jtree.critic import CriticConfig, gae, pair_token_sums, pair_values, with_critic_pairs
+from jtree.data import step_builder, step_indices
+from jtree.launch.train import main as train_main
+from jtree.linearize import linearize
+from jtree.loss import value_loss
+from jtree.models import CausalLM, create_model
+from jtree.rfree.execute import RedundancyFreeStep
+from jtree.run_data import load_training_trees
+from jtree.train_step import Objective, make_grad_fn, stack_microbatches
+from jtree.trainer import check_resumable
+from jtree.tree import TrajectoryTree
+from tests.models_util import (
+    assert_grads_close, assert_loss_and_grads_match, loss_and_grad_fn, off_policy_ppo_inputs,
+    perturbed, tiny_config, tiny_runtime,
+)
+from tests.run_util import tiny_overrides, write_groups
+from tests.strategies import random_forest
+
+
+def critic_tree(rng: np.random.Generator, **kw) -> TrajectoryTree:
+    """A random multi-level tree with one reward per path (per-path loss masks and weights)."""
+    kwargs = random_forest(rng, with_rl=False, **kw)
+    return TrajectoryTree.from_nodes(**kwargs,
+                                     rewards=rng.normal(size=len(kwargs["path_nodes"])).tolist())
+
+
+def reference(trees, token_values, old_token_values, batch, gamma, lam, clip):
+    """Per path, from the path's own token sequence, in float64: the value of the state before
+    path position i is the value after position i - 1; GAE over the path's trained positions
+    (mask 1, position > 0, weight > 0) with the reward at the last one. Returns the per-path
+    (advantages, returns) in pair order (row by row, trees in order), the value loss, its gradient per row token, and the
+    policy's P/N per row token."""
+    rows, s = batch.shape
+    adv, ret = [], []
+    loss = 0.0
+    grad = np.zeros((rows, s))
+    pos = np.zeros((rows, s))
+    neg = np.zeros((rows, s))
+    w_sum = sum(float(t.weights.sum()) for t in trees)
+    for k in np.argsort(batch.layout.rows, kind="stable"):  # the pairs' order: row by row
+        tree, row, off = trees[k], batch.layout.rows[k], batch.layout.offsets[k]
+        for p in range(tree.n_paths):
+            idx = off + tree.path_token_index(p)
+            m = tree.loss_masks[p].astype(np.float64).copy()
+            m[0] = 0.0
+            at = np.flatnonzero(m * tree.weights[p])
+            if at.size == 0:
+                continue
+            c = tree.weights[p] / w_sum / at.size  # seq_mean_token_mean
+            state = idx[at - 1]  # the token after which each action is chosen
+            v = token_values[row, state].astype(np.float64)
+            vo = old_token_values[row, state].astype(np.float64)
+            a = np.zeros(at.size)
+            nxt_a = 0.0
+            for k in range(at.size - 1, -1, -1):
+                last = k == at.size - 1
+                delta = (tree.rewards[p] if last else 0.0) + (0.0 if last else gamma * vo[k + 1]) \
+                    - vo[k]
+                nxt_a = delta + (0.0 if last else gamma * lam * nxt_a)
+                a[k] = nxt_a
+            r = a + vo
+            adv.append(a)
+            ret.append(r)
+            vc = np.clip(v, vo - clip, vo + clip)
+            plain, clipped = (v - r) ** 2, (vc - r) ** 2
+            loss += 0.5 * c * np.sum(np.maximum(plain, clipped))
+            g = np.where(plain >= clipped, c * (v - r),
+                         c * (vc - r) * ((v > vo - clip) & (v < vo + clip)))
+            np.add.at(grad[row], state, g)
+            np.add.at(pos[row], idx[at], np.where(a >= 0, c * a, 0.0))
+            np.add.at(neg[row], idx[at], np.where(a < 0, c * a, 0.0))
+    return adv, ret, loss, grad, pos, neg
+
+
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_gae_returns_and_value_loss_equal_the_per_path_reference(seed):
+    rng = np.random.default_rng(seed)
+    trees = [critic_tree(rng, max_nodes=9, extra_paths=4) for _ in range(3)]
+    # some path ends at an internal node (a node with children)
+    assert any(set(t.path_nodes) & set(t.parents[t.parents >= 0]) for t in trees)
+    batch = with_critic_pairs(linearize(trees, 64, n_rows=2))
+    pairs = batch.inputs.critic
+    token_values = rng.normal(size=batch.shape).astype(np.float32)
+    old_values = (token_values + rng.normal(0, 0.3, batch.shape)).astype(np.float32)
+    gamma, lam, clip = 0.9, 0.7, 0.2
+    adv_want, ret_want, loss_want, grad_want, pos_want, neg_want = reference(
+        trees, token_values, old_values, batch, gamma, lam, clip)
+
+    old = pair_values(jnp.asarray(old_values), batch.inputs.pred, pairs)
+    adv, ret = gae(old, pairs, gamma, lam)
+
+    def loss_of(tv):
+        return value_loss(pair_values(tv, batch.inputs.pred, pairs), old, ret, pairs.coef, clip)
+
+    loss, grad = jax.value_and_grad(loss_of)(jnp.asarray(token_values))
+    live = pairs.index >= 0
+    np.testing.assert_allclose(np.asarray(adv)[live], np.concatenate(adv_want), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ret)[live], np.concatenate(ret_want), rtol=1e-5,
+                               atol=1e-5)
+    assert float(loss) == pytest.approx(loss_want, rel=1e-5)
+    assert np.linalg.norm(np.asarray(grad) - grad_want) <= 1e-5 * np.linalg.norm(grad_want)
+    ca = pairs.coef * adv
+    s = batch.shape[1]
+    np.testing.assert_allclose(pair_token_sums(jnp.where(ca >= 0, ca, 0.0), pairs, s), pos_want,
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(pair_token_sums(jnp.where(ca < 0, ca, 0.0), pairs, s), neg_want,
+                               rtol=1e-5, atol=1e-7)
+    # the clip acts on some pairs and not on others, and a shared token has several returns
+    v = np.asarray(pair_values(jnp.asarray(token_values), batch.inputs.pred, pairs))
+    outside = np.abs(v - np.asarray(old))[live] > clip
+    assert outside.any() and (~outside).any()
+    index = pairs.index[live]
+    assert len(np.unique(index)) < len(index)
+
+
+def test_ppo_step_with_critic_equals_per_path_step():
+    """A tiny model with a value head: tree-mode PPO-with-critic loss and every gradient (value
+    head included) equal the per-path baseline's, off-policy old log-probs so the policy clip
+    acts."""
+    rng = np.random.default_rng(3)
+    model = CausalLM(tiny_config(vocab_size=64), tiny_runtime(), rngs=nnx.Rngs(0),
+                     value_head=True)
+    graphdef, params = nnx.split(model)
+    params = perturbed(params)
+    trees = [critic_tree(rng, max_nodes=8, vocab=64) for _ in range(2)]
+    tree = with_critic_pairs(linearize(trees, 64, n_rows=4))
+    base = with_critic_pairs(linearize_baseline(trees, 64, n_rows=4))
+    tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=1)
+    objective = Objective(kind="ppo", clip_low=0.1, clip_high=0.1,
+                          critic=CriticConfig(gamma=0.95, lam=0.9, value_coef=0.5))
+    assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective)
+    _, grads = loss_and_grad_fn(graphdef, objective)(params, tree_in)
+    assert float(jnp.linalg.norm(grads["value_head"]["kernel"][...])) > 0
+
+
+def test_critic_config_is_checked():
+    with pytest.raises(ValueError, match=r"objective.critic.gama: unknown config key"):
+        from_dict(Objective, {"kind": "ppo", "critic": {"gama": 0.9}}, "objective")
+    with pytest.raises(ValueError, match="separate critic model is not"):
+        from_dict(Objective, {"kind": "ppo", "critic": {"model": "separate"}}, "objective")
+    with pytest.raises(ValueError, match="critic: needs kind 'ppo'"):
+        from_dict(Objective, {"kind": "gspo", "critic": {}}, "objective")
+    with pytest.raises(ValueError, match="lam: 1.5 is not in"):
+        from_dict(Objective, {"kind": "ppo", "critic": {"lam": 1.5}}, "objective")
+    cfg = from_dict(Objective, {"kind": "ppo", "critic": {"gamma": 0.99}}, "objective")
+    assert cfg.critic == CriticConfig(gamma=0.99) and cfg.advantage_estimator is None
+
+
+def test_critic_needs_rewards():
+    tree = TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4]])
+    with pytest.raises(ValueError, match="tree 0: no reward"):
+        with_critic_pairs(linearize([tree], 8))
+
+
+@pytest.mark.slow
+def test_run_steps_carry_critic_pairs_and_train_like_a_direct_batch(tmp_path):
+    """A run's step (raw coefficients, `row_norm`, pairs at the run's fixed width, trees split
+    over micro-batches) gives the loss and gradients of the same trees linearized directly."""
+    data = write_groups(tmp_path / "g.jsonl", n_groups=6)
+    rng = np.random.default_rng(0)
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    data.write_text("".join(json.dumps(dict(r, reward=float(rng.normal()))) + "\n"
+                            for r in records))
+    cfg = load_config(None, tiny_overrides(data, **{
+        "objective.kind": "ppo", "objective.critic.gamma": 0.9, "objective.critic.lam": 0.8,
+        "run.steps": 1}))
+    trees, _ = load_training_trees(cfg)
+    builder = step_builder(trees, cfg.data, "tree", normalization=cfg.objective.normalization,
+                           n_shards=1, shards=(0,), steps=1, critic=True)
+    indices = step_indices(len(trees), cfg.data.trees_per_step, cfg.data.shuffle_seed)[0]
+    step = builder(indices)["inputs"]
+    assert step.critic.index.shape[-1] == builder.config.critic_len
+    direct = stack_microbatches([with_critic_pairs(
+        linearize([trees[int(i)] for i in indices], 512, normalization=cfg.objective.normalization))])
+    model = create_model("qwen3", cfg.model.config, cfg.runtime, value_head=True)
+    graphdef, params = nnx.split(model)
+    params = perturbed(params)
+    grad_fn = jax.jit(make_grad_fn(graphdef, cfg.objective))
+    loss_s, _, g_s = grad_fn(params, step)
+    loss_d, _, g_d = grad_fn(params, direct)
+    assert float(loss_s) == pytest.approx(float(loss_d), rel=1e-5)
+    assert_grads_close(g_s, g_d)
+
+
+def test_a_run_with_a_critic_needs_rewards(tmp_path):
+    data = write_groups(tmp_path / "g.jsonl", n_groups=2)
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    data.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "reward"}) + "\n"
+                            for r in records))
+    cfg = load_config(None, tiny_overrides(data, **{"objective.kind": "ppo",
+                                                    "objective.critic.gamma": 0.9}))
+    with pytest.raises(ValueError, match="tree 0: no reward"):
+        load_training_trees(cfg)
+
+
+@pytest.mark.slow
+def test_a_critic_run_checkpoints_its_value_head_and_exports_the_policy(few_groups_file,
+                                                                        tmp_path):
+    """`jtree train` with objective.critic trains the value head, checkpoints it, and
+    `jtree export-hf` writes the policy without it."""
+    overrides = tiny_overrides(few_groups_file, **{
+        "run.steps": 2, "objective.kind": "ppo", "objective.critic.gamma": 0.9,
+        "model.tie_word_embeddings": False})
+    ckpt = tmp_path / "ckpt"
+    assert train_main(["--config", "configs/tiny.yaml", *overrides,
+                       f"checkpoint.dir={ckpt}"]) == 0
+    trained, config = trained_model("configs/tiny.yaml", overrides, str(ckpt))
+    initial = create_model("qwen3", config, value_head=True)
+    assert not np.array_equal(np.asarray(trained.value_head.kernel[...]),
+                              np.asarray(initial.value_head.kernel[...]))
+    assert cli(["export-hf", "--config", "configs/tiny.yaml", "--checkpoint", str(ckpt),
+                "--out", str(tmp_path / "hf"), *overrides]) == 0
+    _, loaded = jtree.hf.load(tmp_path / "hf")
+    assert loaded.value_head is None
+    np.testing.assert_array_equal(np.asarray(loaded.lm_head.kernel[...]),
+                                  np.asarray(trained.lm_head.kernel[...]))
+
+
+def test_resuming_may_change_the_critic_settings_not_whether_there_is_one():
+    saved = {"objective.critic": {"gamma": 0.9}}
+    check_resumable({"config": saved}, {"objective.critic": {"gamma": 0.99}}, "ckpt")
+    for before, after in ((saved, {"objective.critic": None}), ({"objective.critic": None}, saved)):
+        with pytest.raises(ValueError, match="objective.critic .*adds or removes the value head"):
+            check_resumable({"config": before}, after, "ckpt")
+
+
+def test_redundancy_free_mode_refuses_a_critic():
+    graphdef, _ = nnx.split(CausalLM(tiny_config(), tiny_runtime(), rngs=nnx.Rngs(0),
+                                     value_head=True))
+    with pytest.raises(ValueError, match="objective.critic: not available with run.mode=redun"):
+        RedundancyFreeStep(graphdef, Objective(kind="ppo", critic=CriticConfig()))
