@@ -112,7 +112,8 @@ def test_bench_gdn_quick(tmp_path):
     """The GDN layer returns (output, cache); the bench differentiates the output."""
     data = _run("bench_gdn", ["--quick"], tmp_path)
     (row,) = data["results"]
-    assert row["tree_tokens"] < row["flat_tokens"] and row["tree_ms"] > 0
+    assert row["tree_tokens"] < row["flat_tokens"]
+    assert row["tree_sequential_ms"] > 0 and row["tree_parallel_ms"] > 0
     _png(tmp_path, "bench_gdn")
 
 
