@@ -127,20 +127,15 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def compile_step(cfg: TrainConfig, rows: int) -> tuple[Trainer, Any, Any, Any]:
-    """(trainer, state, inputs, memory_analysis) of the step compiled for this host, its MoE
-    grouped matmuls lowered as an accelerator's (`grouped_matmul_lowering`)."""
+def activations_and_temps(cfg: TrainConfig, rows: int) -> Compiled:
+    """Compile the step of `cfg` for this host, its MoE grouped matmuls lowered as an
+    accelerator's (`grouped_matmul_lowering`), and return XLA's temporaries less the gradient
+    accumulator."""
+    start = time.perf_counter()
     trainer = Trainer.build(cfg)
     state, inputs = abstract_step_args(trainer, rows)
     with grouped_matmul_lowering():
         analysis = trainer.step_fn.lower(state, inputs).compile().memory_analysis()
-    return trainer, state, inputs, analysis
-
-
-def activations_and_temps(cfg: TrainConfig, rows: int) -> Compiled:
-    """Compile the step of `cfg` and return XLA's temporaries less the gradient accumulator."""
-    start = time.perf_counter()
-    _, state, _, analysis = compile_step(cfg, rows)
     grads = shard_bytes(trainable(state.params))
     return Compiled(cfg.model.config.num_hidden_layers, analysis.temp_size_in_bytes - grads,
                     time.perf_counter() - start)
@@ -160,6 +155,8 @@ def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
     cfg = load_config(config, overrides)
     layers = cfg.model.config.num_hidden_layers
     block = layer_block(getattr(cfg.model.config, "layer_types", None))
+    if depth_blocks[0] == depth_blocks[1] or min(depth_blocks) < 1:
+        raise ValueError(f"depth_blocks: {depth_blocks} must be two different depths >= 1")
     if max(depth_blocks) * block > layers:
         raise ValueError(f"{config}: model.num_hidden_layers={layers} is below the compiled depth "
                          f"{max(depth_blocks) * block}")
@@ -173,7 +170,7 @@ def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
     return MemoryPlan(
         config=config, mesh=describe_mesh(trainer.mesh), layers=layers, block=block,
         seq_len=cfg.data.seq_len, micro_batches=cfg.data.micro_batches, rows=rows,
-        remat=cfg.runtime.remat, params=shard_bytes(state.params), grads=shard_bytes(trainable(state.params)),
-        opt_state=shard_bytes(state.opt_state),
+        remat=cfg.runtime.remat, params=shard_bytes(state.params),
+        grads=shard_bytes(trainable(state.params)), opt_state=shard_bytes(state.opt_state),
         inputs=shard_bytes(inputs), activations=round(b * layers / block),
         largest_temporary=round(a), compiled=samples)

@@ -1,6 +1,7 @@
 """Per-device memory plan of a config's train step (see `jtree.memory_plan` for the rule):
 
-    python -m jtree.launch.memory_plan --config configs/qwen3_30b_a3b.yaml --devices 64 --device-gib 80
+    python -m jtree.launch.memory_plan --config configs/qwen3_30b_a3b.yaml --devices 64 \
+        --device-gib 80
 
 Parameters, gradients, optimizer state and batch inputs are exact bytes per device from the
 shardings at full depth on `--devices` forced host devices (the target's device count, so the

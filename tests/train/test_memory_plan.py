@@ -6,7 +6,6 @@ compiles with equals jax's own (values and gradients)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jtree.config import load_config
