@@ -14,7 +14,6 @@ lowers as named.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import sys
@@ -42,13 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding
 
-    from jtree.chunk_tables import default_chunk_count
+    from jtree.abstract_step import abstract_step_args
     from jtree.config import load_config
-    from jtree.batch import padding
-    from jtree.run_data import gdn_chunk_size
-    from jtree.sharding import batch_specs, describe_mesh, row_shards
+    from jtree.sharding import describe_mesh
     from jtree.trainer import Trainer
 
     if jax.device_count() != args.devices:
@@ -57,23 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     impl = export_attention_impl(cfg.runtime.attention_impl)
     cfg = load_config(args.config, [*args.overrides, f"runtime.attention_impl={impl}"])
     trainer = Trainer.build(cfg)
-    mesh, d = trainer.mesh, cfg.data
-    state = jax.eval_shape(trainer.init_fn)
-    state = jax.tree_util.tree_map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, trainer.shardings)
-    shape = (d.micro_batches, args.rows * row_shards(mesh), d.seq_len)
-    chunk = gdn_chunk_size(cfg)
-    # GDN chunk tables at the capacity of a full row of long nodes; the widest `score_index`
-    # (every token scored); coefficients arriving raw with `row_norm`.
-    n_chunks = None if chunk is None else d.gdn_chunks or default_chunk_count(d.seq_len, chunk, 0)
-    row = padding(shape[1], d.seq_len, score_len=d.seq_len, gdn_chunk_size=chunk,
-                  gdn_chunks=n_chunks)
-    row = dataclasses.replace(row, row_norm=np.zeros(shape[1], np.float32))
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((d.micro_batches, *x.shape), x.dtype), row)
-    inputs = jax.tree_util.tree_map(
-        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
-        abstract, batch_specs(abstract))
+    mesh = trainer.mesh
+    state, inputs = abstract_step_args(trainer, args.rows)
+    shape = inputs.tokens.shape
     exported = jax.export.export(trainer.step_fn, platforms=[args.platform])(state, inputs)
     text = exported.mlir_module()
     ops = {op: len(re.findall(rf"\b{op}\b", text)) for op in

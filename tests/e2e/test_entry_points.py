@@ -22,7 +22,7 @@ import pytest
 from jtree.cli import main as jtree_main
 
 LAUNCH = ("bench", "bench_attention", "bench_attention_gpu", "bench_gdn", "bench_partition", "bench_rfree", "bench_split",
-          "make_sample_data", "lower_step", "train")
+          "make_sample_data", "lower_step", "memory_plan", "train")
 SUBCOMMANDS = ("stats", "compare-torch", "export-hf")
 
 

@@ -27,8 +27,9 @@ def test_tiny_step_lowers_for_accelerators(platform):
 
 
 @pytest.mark.parametrize("config, overrides", [
-    ("qwen3_30b_a3b", ["model.num_hidden_layers=1"]),
-    ("qwen3_next_80b_a3b", ["model.num_hidden_layers=2", "model.full_attention_interval=2"]),
+    ("qwen3_30b_a3b", ["model.num_hidden_layers=1", "mesh.fsdp=1"]),
+    ("qwen3_next_80b_a3b", ["model.num_hidden_layers=2", "model.full_attention_interval=2",
+                            "mesh.fsdp=1"]),
 ], ids=["qwen3_30b_a3b", "qwen3_next_80b_a3b"])
 def test_moe_and_next_configs_lower_for_tpu_at_full_width(config, overrides):
     """The shipped MoE / Qwen3-Next configs at their real widths, sequence lengths and mesh.model=8
