@@ -19,6 +19,10 @@ config, and it grows with depth), so the plan takes each number from where it is
   A block is the smallest repeating run of layer kinds (1 layer for a dense or MoE model, 3 Gated
   DeltaNet + 1 attention layers for Qwen3-Next), so each compiled depth holds whole blocks.
   `tests/train/test_memory_plan.py` checks the rule against an actual compile at a third depth.
+  The two depths compile with the layers unrolled (`runtime.scan_layers=false`): a scanned model
+  of one block runs it unscanned (a block that does not repeat is not scanned), so the two
+  depths would otherwise be different programs. A scanned run keeps the same per-layer residuals
+  (the scan stacks them), so the plan stands for it too.
 
 The compile runs for this host's backend, so its buffer assignment is XLA:CPU's: fusion and
 scheduling differ on a GPU or TPU, so `T` is an estimate of the accelerator's, not a measurement
@@ -164,7 +168,8 @@ def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
     state, inputs = abstract_step_args(trainer, rows)
     samples = tuple(
         activations_and_temps(
-            load_config(config, [*overrides, f"model.num_hidden_layers={n * block}"]), rows)
+            load_config(config, [*overrides, f"model.num_hidden_layers={n * block}",
+                                 "runtime.scan_layers=false"]), rows)
         for n in depth_blocks)
     a, b = fit_linear(samples, block)
     return MemoryPlan(
