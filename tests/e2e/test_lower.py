@@ -45,3 +45,24 @@ def test_moe_and_next_configs_lower_for_tpu_at_full_width(config, overrides):
     assert "for tpu:" in proc.stdout, proc.stdout
     assert "mesh data=1 x fsdp=1 x model=8" in proc.stdout, proc.stdout
     assert "all_reduce" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("config, params", [
+    ("qwen3_30b_a3b", "30,532,122,624"), ("qwen3_next_80b_a3b", "79,674,391,296"),
+])
+def test_big_configs_lower_at_full_depth_on_their_target_mesh(config, params, platform):
+    """The shipped 30B-A3B (48 layers) and Next-80B-A3B (48 layers) configs as they are: full
+    depth, scanned layers, their 64-device FSDP x tensor-parallel mesh; FSDP's gathers and
+    reduce-scatters are in the module."""
+    env = dict(os.environ, PYTHONPATH=str(WORKTREE))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jtree.launch.lower_step", "--config", f"configs/{config}.yaml",
+         "--platform", platform, "--devices", "64"],
+        cwd=WORKTREE, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"for {platform}: {params} parameters" in proc.stdout, proc.stdout
+    assert "mesh data=1 x fsdp=8 x model=8" in proc.stdout, proc.stdout
+    assert "all_gather" in proc.stdout and "reduce_scatter" in proc.stdout, proc.stdout
