@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jtree.kernels.block_tables import FULL, PARTIAL, block_tables, round_up_to_blocks
+from jtree.kernels.block_tables import FULL, PARTIAL, block_padding, block_tables
 from jtree.kernels.vma import varying_struct
 
 DEFAULT_BLOCK = 128
@@ -53,17 +53,7 @@ class _Config(NamedTuple):
     interpret: Any  # False, True, or pltpu.InterpretParams
 
 
-def padded_length(s: int, *, block_q: int | None = None, block_kv: int | None = None,
-                  **_options) -> int:
-    """The length the dispatch pads S to for these blocks."""
-    return round_up_to_blocks(s, block_q or DEFAULT_BLOCK, block_kv or DEFAULT_BLOCK)
-
-
-def padded_lengths(sq: int, skv: int, *, block_q: int | None = None,
-                   block_kv: int | None = None, **_options) -> tuple[int, int]:
-    """(Sq', Skv') the dispatch pads a rectangular (q_pos) call to."""
-    bq, bk = block_q or DEFAULT_BLOCK, block_kv or DEFAULT_BLOCK
-    return -(-sq // bq) * bq, -(-skv // bk) * bk
+padded_length, padded_lengths = block_padding(DEFAULT_BLOCK)
 
 
 def tree_attention_tpu(

@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jtree.kernels.block_tables import PARTIAL, block_tables, round_up_to_blocks
+from jtree.kernels.block_tables import PARTIAL, block_padding, block_tables
 
 PAD_MULTIPLE = 64  # the dispatch pads S to this by default; every default block divides it
 MIN_BLOCK = 16  # tl.dot needs every matmul dimension >= 16
@@ -74,17 +74,7 @@ def default_blocks(dtype: Any, head_dim: int) -> tuple[int, int]:
     return (32 if head_dim > 128 else 64), (32 if wide else 64)
 
 
-def padded_length(s: int, *, block_q: int | None = None, block_kv: int | None = None,
-                  **_options) -> int:
-    """The length the dispatch pads S to: a multiple of both blocks (of 64 for the defaults)."""
-    return round_up_to_blocks(s, block_q or PAD_MULTIPLE, block_kv or PAD_MULTIPLE)
-
-
-def padded_lengths(sq: int, skv: int, *, block_q: int | None = None,
-                   block_kv: int | None = None, **_options) -> tuple[int, int]:
-    """(Sq', Skv') the dispatch pads a rectangular (q_pos) call to."""
-    bq, bk = block_q or PAD_MULTIPLE, block_kv or PAD_MULTIPLE
-    return -(-sq // bq) * bq, -(-skv // bk) * bk
+padded_length, padded_lengths = block_padding(PAD_MULTIPLE)
 
 
 def tree_attention_triton(

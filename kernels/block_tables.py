@@ -23,6 +23,7 @@ and on jax arrays (under jit) with the same code.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -149,6 +150,22 @@ def round_up_to_blocks(s: int, block_q: int, block_kv: int) -> int:
     """The smallest length >= s that both block sizes divide."""
     m = int(np.lcm(block_q, block_kv))
     return -(-s // m) * m
+
+
+def block_padding(default: int) -> tuple[Callable[..., int], Callable[..., tuple[int, int]]]:
+    """(padded_length, padded_lengths) of a kernel whose block sizes default to `default`: the
+    lengths `tree_attention` pads a square call (S) and a rectangular prefix call (Sq, Skv) to,
+    given the call's `block_q` / `block_kv` options."""
+    def padded_length(s: int, *, block_q: int | None = None, block_kv: int | None = None,
+                      **_options) -> int:
+        return round_up_to_blocks(s, block_q or default, block_kv or default)
+
+    def padded_lengths(sq: int, skv: int, *, block_q: int | None = None,
+                       block_kv: int | None = None, **_options) -> tuple[int, int]:
+        bq, bk = block_q or default, block_kv or default
+        return -(-sq // bq) * bq, -(-skv // bk) * bk
+
+    return padded_length, padded_lengths
 
 
 def required_blocks(end: np.ndarray, block_q: int, block_kv: int,
