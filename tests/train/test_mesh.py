@@ -32,7 +32,7 @@ FSDP_MESHES = ("1x8x1", "2x4x1", "1x4x2", "2x2x2")
 def run_cases(cases: list[str]) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(WORKTREE))
     proc = subprocess.run([sys.executable, "-m", "tests.mesh_worker", *cases], cwd=WORKTREE,
-                          env=env, capture_output=True, text=True, timeout=1200)
+                          env=env, capture_output=True, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["case"] for r in results] == cases
@@ -84,9 +84,12 @@ def test_next_and_lora_on_every_mesh_and_ppo_on_every_model():
 
 
 @pytest.mark.slow
-def test_fsdp_meshes_for_every_model_mode_and_objective():
-    cases = [f"{model}:{mode}:{objective}:{mesh}" for model in ("dense", "moe", "next")
-             for mode in ("tree", "baseline") for objective in ("sft", "ppo")
-             for mesh in FSDP_MESHES]
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("mesh", FSDP_MESHES)
+@pytest.mark.parametrize("model", ("dense", "moe", "next"))
+def test_fsdp_meshes_for_every_model_mode_and_objective(model, mesh):
+    # One subprocess per (model, mesh): tree and baseline, SFT and PPO.
+    cases = [f"{model}:{mode}:{objective}:{mesh}" for mode in ("tree", "baseline")
+             for objective in ("sft", "ppo")]
     for result in run_cases(cases):
         check(result)
