@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 # Two workers, one per core; a test file stays on one worker so its compiled functions are shared.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
