@@ -222,6 +222,12 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
         "state_bytes": sum(a.nbytes for a in held),
         "device0_bytes": sum(a.addressable_shards[0].data.nbytes for a in held),
         "replicated_bytes": sum(a.nbytes for a in held if a.sharding.is_fully_replicated),
+        # Tensors the tensor-parallel rules replicate (MoE router, Next's conv weight) are
+        # split over `fsdp` alone; 1-D per-head tensors (Next's A_log, dt_bias) over `model`.
+        "fsdp_only_bytes": sum(a.nbytes for a in held if "fsdp" in a.sharding.spec
+                               and "model" not in a.sharding.spec),
+        "model_only_bytes": sum(a.nbytes for a in held if "model" in a.sharding.spec
+                                and "fsdp" not in a.sharding.spec),
         "replicated_max_ndim": max(a.ndim for a in held if a.sharding.is_fully_replicated),
     }
 
