@@ -11,6 +11,8 @@ c L tokens whose device k holds [k L, (k + 1) L), possibly with gaps, every inde
   whose final state a chunk of another device enters from (the boundary maps it sends).
 - `conv_halo_positions`: per device, the positions whose conv inputs tokens of other devices read
   as their left context (the k - 1 previous tokens along the pred chain).
+- `context_gdn_tables`: both, as the `GdnTables` (`context_exports`, `conv_halo`) the Gated
+  DeltaNet layers read under `RuntimeConfig.context_axis`.
 
 Both export lists share one layout (`device_exports`), the one the attention halo of
 `jtree.context_parallel` uses: device k's entries fill slots [k E, (k + 1) E), ascending, unused
@@ -20,6 +22,8 @@ lives in the all-gathered list by binary search.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -149,3 +153,14 @@ def context_chunk_tables(node: np.ndarray, pred: np.ndarray, context: int, chunk
         crossing.append(parent_chunk[remote])
     exports = device_exports(crossing, ncl, context, n_exports, "gdn context exports")
     return GdnTables(tokens, src, slot, context_exports=exports)
+
+
+def context_gdn_tables(node: np.ndarray, pred: np.ndarray, context: int, chunk_size: int,
+                       conv_kernel: int, *, n_chunks: int | None = None,
+                       n_exports: int | None = None, n_halo: int | None = None) -> GdnTables:
+    """All the GDN layers of rows split over `context` devices read: `context_chunk_tables`
+    with `conv_halo` (`conv_halo_positions` for a conv of `conv_kernel` taps). Fix the three
+    capacities to give every micro-batch the same shapes."""
+    tables = context_chunk_tables(node, pred, context, chunk_size, n_chunks, n_exports)
+    return dataclasses.replace(
+        tables, conv_halo=conv_halo_positions(pred, context, conv_kernel - 1, n_halo))

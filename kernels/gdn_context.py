@@ -69,19 +69,10 @@ def _slot_of(listing: jax.Array, values: jax.Array) -> jax.Array:
         jnp.int32)
 
 
-def context_gated_delta_rule(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    chunk_tokens: jax.Array,
-    chunk_src: jax.Array,
-    token_slot: jax.Array,
-    context_exports: jax.Array,
-    axis: str,
-) -> jax.Array:
+def context_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                             beta: jax.Array, *, chunk_tokens: jax.Array, chunk_src: jax.Array,
+                             token_slot: jax.Array, context_exports: jax.Array, axis: str
+                             ) -> jax.Array:
     """`jtree.kernels.gdn.tree_gated_delta_rule` (roots starting from zeros) on this device's
     slice of rows split over mesh axis `axis`; call inside `shard_map`.
 

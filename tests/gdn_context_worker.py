@@ -24,15 +24,21 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
-from jtree.context_tables import context_chunk_tables, conv_halo_positions  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jtree.batch import GdnTables  # noqa: E402
+from jtree.context_tables import (  # noqa: E402
+    context_chunk_tables, context_gdn_tables, conv_halo_positions,
+)
 from jtree.kernels.gdn import tree_gated_delta_rule  # noqa: E402
 from jtree.kernels.gdn_context import (  # noqa: E402
     context_conv_index, context_conv_source, context_gated_delta_rule,
 )
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
+from jtree.models.gated_deltanet import GatedDeltaNet, gdn_routing  # noqa: E402
 from jtree.tree import TrajectoryTree  # noqa: E402
-from tests.models_util import rel_l2  # noqa: E402
+from tests.models_util import rel_l2, tiny_next_config, tiny_runtime  # noqa: E402
 from tests.strategies import explicit_tree, random_forest  # noqa: E402
 
 S, CHUNK, KERNEL, AXIS = 64, 4, 4, "context"
@@ -93,8 +99,9 @@ def _spread(n_real: int, context: int, rng: np.random.Generator) -> np.ndarray:
     return np.concatenate([k * length + np.arange(c) for k, c in enumerate(counts)])
 
 
-def _case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
+def _gapped_row(trees: list[TrajectoryTree], context: int, rng: np.random.Generator):
+    """(the linearized row without gaps, its n_real tokens' positions in the gapped row, the
+    gapped row's node and pred)."""
     batch = linearize(trees, S, gdn_chunk_size=CHUNK, gdn_chunks=S, n_rows=1).inputs
     n_real = int(np.asarray(batch.valid)[0].sum())
     assert n_real >= context and not np.asarray(batch.valid)[0, n_real:].any()
@@ -104,6 +111,72 @@ def _case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
     node = np.full((1, S), -1, np.int32)
     pred[0, where] = np.where(pred0 >= 0, where[np.maximum(pred0, 0)], -1)
     node[0, where] = node0
+    return batch, where, node, pred
+
+
+def _layer_case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
+    """The Qwen3-Next GatedDeltaNet layer with `RuntimeConfig.context_axis` inside shard_map
+    against the layer on one device: output and every parameter's gradient."""
+    rng = np.random.default_rng(seed)
+    batch, where, node, pred = _gapped_row(trees, context, rng)
+    n_real = len(where)
+    cfg = tiny_next_config()
+    tables = context_gdn_tables(node, pred, context, CHUNK, cfg.linear_conv_kernel_dim)
+    layer = GatedDeltaNet(cfg, tiny_runtime(), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(layer)
+    graphdef_cp, _ = nnx.split(GatedDeltaNet(cfg, tiny_runtime(context_axis=AXIS),
+                                             rngs=nnx.Rngs(0)))
+    x = rng.normal(size=(1, S, cfg.hidden_size)).astype(np.float32)
+    # A positive loss (sum of weighted squares), so that its relative difference is well defined.
+    target = rng.uniform(0.5, 2.0, size=(1, S, cfg.hidden_size)).astype(np.float32)
+    real = np.zeros(S, bool)
+    real[where] = True
+    target[:, ~real] = 0.0
+    x_ref = np.zeros_like(x)
+    x_ref[:, :n_real] = x[:, where]
+    t_ref = np.zeros_like(target)
+    t_ref[:, :n_real] = target[:, where]
+
+    def ref(params, x):
+        routing = gdn_routing(jnp.asarray(batch.pred), batch.gdn, cfg.linear_conv_kernel_dim)
+        out, _ = nnx.merge(graphdef, params)(x, routing)
+        return jnp.sum(jnp.square(out) * t_ref), out
+
+    mesh = Mesh(np.array(jax.devices()[:context]), (AXIS,))
+    tok = P(None, AXIS)
+
+    def cp(params, x):
+        def local(params, x, tgt, pr, ct, cs, ts, ex, halo):
+            routing = gdn_routing(pr, GdnTables(ct, cs, ts, context_exports=ex, conv_halo=halo),
+                                  cfg.linear_conv_kernel_dim, context_axis=AXIS)
+            out, _ = nnx.merge(graphdef_cp, params)(x, routing)
+            return jax.lax.psum(jnp.sum(jnp.square(out) * tgt), AXIS), out
+        specs = (jax.tree.map(lambda _: P(), params),) + (tok,) * 8
+        run = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(), tok))
+        return run(params, x, target, pred, tables.chunk_tokens, tables.chunk_src,
+                   tables.token_slot, tables.context_exports, tables.conv_halo)
+
+    (l_ref, o_ref), (gp_ref, gx_ref) = jax.value_and_grad(ref, argnums=(0, 1), has_aux=True)(
+        params, x_ref)
+    (l_cp, o_cp), (gp_cp, gx_cp) = jax.jit(jax.value_and_grad(cp, argnums=(0, 1), has_aux=True))(
+        params, x)
+    o_cp, gx_cp = np.asarray(o_cp)[:, where], np.asarray(gx_cp)
+    params_diff = {jax.tree_util.keystr(path, simple=True, separator="."): rel_l2(a, b)
+                   for (path, a), (_, b) in zip(
+        jax.tree_util.tree_leaves_with_path(gp_cp), jax.tree_util.tree_leaves_with_path(gp_ref))}
+    return {
+        "layer_loss": abs(float(l_cp) - float(l_ref)) / max(abs(float(l_ref)), 1e-6),
+        "layer_out": rel_l2(o_cp, np.asarray(o_ref)[:, :n_real]),
+        "layer_grad_x": max(rel_l2(gx_cp[:, where], np.asarray(gx_ref)[:, :n_real]),
+                            float(np.abs(gx_cp[:, ~real]).max(initial=0.0))),
+        **{f"layer_grad_{name}": d for name, d in params_diff.items()},
+    }
+
+
+def _case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    batch, where, node, pred = _gapped_row(trees, context, rng)
+    n_real = len(where)
     tables = context_chunk_tables(node, pred, context, CHUNK)
     halo = conv_halo_positions(pred, context, KERNEL - 1)
 
@@ -197,10 +270,12 @@ def _case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
 
 
 def main(args: list[str]) -> None:
-    """Arguments: CASE:DEVICES ... (e.g. chain:8 random0:2)."""
+    """Arguments: CASE:DEVICES ... (e.g. chain:8 random0:2; layer_CASE:DEVICES runs the
+    GatedDeltaNet layer on CASE's trees)."""
     for arg in args:
         name, devices = arg.split(":")
-        result = _case(CASES[name](), int(devices), seed=int(devices))
+        run = _layer_case if name.startswith("layer_") else _case
+        result = run(CASES[name.removeprefix("layer_")](), int(devices), seed=int(devices))
         print(json.dumps({"case": name, "devices": int(devices), **result}), flush=True)
 
 

@@ -1,6 +1,8 @@
 """Gated DeltaNet and its path conv1d under context parallelism (`jtree.kernels.gdn_context`)
 equal the single-device kernels on the same trees, forward and gradients (float32, <= 1e-5
-relative), on rows spread with gaps over 2, 4 and 8 forced host devices.
+relative), on rows spread with gaps over 2, 4 and 8 forced host devices; and so does the
+Qwen3-Next GatedDeltaNet layer with `RuntimeConfig.context_axis` (output, input and parameter
+gradients).
 
 The meshes run in a subprocess (`tests/gdn_context_worker.py`): the device count is fixed when
 jax starts. The default runs one case (a node whose parent is three devices back, on 4 devices);
@@ -31,7 +33,10 @@ def _run(cases: list[str], timeout: int) -> list[dict]:
 
 
 def _check(result: dict) -> None:
-    diffs = {k: v for k, v in result.items() if k.startswith(("gdn_", "conv_"))}
+    kinds = ("layer_",) if result["case"].startswith("layer_") else ("gdn_", "conv_")
+    diffs = {k: v for k, v in result.items() if k.startswith(kinds)}
+    # Kernels: loss, output, 5 input gradients, conv loss and 2 gradients; the layer: loss,
+    # output, input gradient and its 7 parameters' gradients.
     assert len(diffs) == 10
     bad = {k: v for k, v in diffs.items() if not v <= TOL}
     assert not bad, (result["case"], result["devices"], bad)
@@ -46,7 +51,8 @@ def test_node_two_devices_back_equals_single_device():
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [2, 4, 8])
 def test_every_case_equals_single_device(devices):
-    names = ["chain", "two_back", "flat", "random0", "random1", "random2"]
+    names = ["chain", "two_back", "flat", "random0", "random1", "random2", "layer_two_back",
+             "layer_random0"]
     results = _run([f"{n}:{devices}" for n in names], timeout=1200)
     assert [r["case"] for r in results] == names
     for r in results:
