@@ -15,8 +15,9 @@ Context parallelism (`RuntimeConfig.context_axis`: each device holds a slice of 
 `jtree.kernels.gdn_context`): the conv reads the left context that lives on earlier devices
 through the tables' fixed-capacity halo (`GdnTables.conv_halo`, one all-gather of [c H, channels]
 per layer) and the recurrence exchanges only the composed maps of the chunks other devices start
-from (`GdnTables.context_exports`). Not combined with a prefix or exported states (redundancy-free
-parts).
+from (`GdnTables.context_exports`), by pointer jumping whatever `RuntimeConfig.gdn_scan` says
+(the exchange needs the composed maps). Not combined with a prefix or exported states
+(redundancy-free parts).
 
 Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits key heads, each with its value heads: the
 grouped in_proj_qkvz / in_proj_ba are column-parallel (a contiguous column block is whole key-head
