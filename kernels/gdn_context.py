@@ -54,7 +54,7 @@ def _matmul(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _gathered(x: jax.Array, axis: str) -> jax.Array:
-    """The per-device blocks [R, n, ...] of all devices of `axis`, in device order: [R, c n, ...]."""
+    """The per-device blocks [R, n, ...] of every device of `axis`, in order: [R, c n, ...]."""
     return jax.lax.all_gather(x, axis, axis=1, tiled=True)
 
 
@@ -77,7 +77,7 @@ def context_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
     slice of rows split over mesh axis `axis`; call inside `shard_map`.
 
     q, k [R, L, Hk, dk], v [R, L, Hv, dv], g, beta [R, L, Hv]: the slice's tokens. The device's
-    blocks of `jtree.context_tables.context_chunk_tables`: `chunk_tokens` [R, NCL, C] (global
+    blocks of `jtree.context_tables.context_gdn_tables`: `chunk_tokens` [R, NCL, C] (global
     positions), `chunk_src` [R, NCL] (0 or 1 + a global chunk), `token_slot` [R, L] (global),
     `context_exports` [R, E]. Returns o [R, L, Hv, dv] in v's dtype (0 on padding)."""
     r, length, hv, dv = v.shape

@@ -181,7 +181,8 @@ def _case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
     halo = conv_halo_positions(pred, context, KERNEL - 1)
 
     f32 = np.float32
-    gdn_in = (rng.normal(size=(1, S, HK, DK)).astype(f32), rng.normal(size=(1, S, HK, DK)).astype(f32),
+    gdn_in = (rng.normal(size=(1, S, HK, DK)).astype(f32),
+              rng.normal(size=(1, S, HK, DK)).astype(f32),
               rng.normal(size=(1, S, HV, DV)).astype(f32),
               -rng.uniform(0.0, 1.5, size=(1, S, HV)).astype(f32),
               rng.uniform(size=(1, S, HV)).astype(f32))
