@@ -135,7 +135,7 @@ def _unit_lower_inverse(a: jax.Array) -> jax.Array:
     return inv.reshape(lead + (p, p))[..., :c, :c]
 
 
-class _ChunkTerms(NamedTuple):
+class ChunkTerms(NamedTuple):
     """State-independent quantities of every chunk, [B, NC, H, C, ...] (NC chunks of C tokens)."""
 
     u: jax.Array  # UT-transformed beta * v                 [.., C, dv]
@@ -146,7 +146,7 @@ class _ChunkTerms(NamedTuple):
     chunk_decay: jax.Array  # decay over the whole chunk    [..]
 
 
-def _chunk_terms(q, k, v, g, beta) -> _ChunkTerms:
+def _chunk_terms(q, k, v, g, beta) -> ChunkTerms:
     """q, k [B, NC, C, H, dk] (prepared), v [.., dv], g, beta [B, NC, C, H]; all fp32.
 
     Empty slots (g = beta = k = 0) leave the state unchanged, so chunks may be padded at the end.
@@ -167,7 +167,7 @@ def _chunk_terms(q, k, v, g, beta) -> _ChunkTerms:
     w = _einsum("...ij,...jd->...id", inv, k_beta * jnp.exp(cum)[..., None])
     attn = _einsum("...id,...jd->...ij", q, k) * pair_decay
     last = cum[..., -1:]
-    return _ChunkTerms(
+    return ChunkTerms(
         u=u,
         w=w,
         q_decayed=q * jnp.exp(cum)[..., None],
@@ -177,7 +177,7 @@ def _chunk_terms(q, k, v, g, beta) -> _ChunkTerms:
     )
 
 
-def _chunk_step(t: _ChunkTerms, s: jax.Array):
+def chunk_step(t: ChunkTerms, s: jax.Array):
     """One chunk from entering state s [B, H, dk, dv]: (output [B, H, C, dv], final state, v_new)."""
     v_new = t.u - _einsum("bhck,bhkv->bhcv", t.w, s)
     o = _einsum("bhck,bhkv->bhcv", t.q_decayed, s) + _einsum("bhcd,bhdv->bhcv", t.attn, v_new)
@@ -185,11 +185,11 @@ def _chunk_step(t: _ChunkTerms, s: jax.Array):
     return o, s_out, v_new
 
 
-def _chunks_first(terms: _ChunkTerms) -> _ChunkTerms:
+def _chunks_first(terms: ChunkTerms) -> ChunkTerms:
     return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 1, 0), terms)
 
 
-def _scan_forward(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array):
+def _scan_forward(terms: ChunkTerms, src: jax.Array, initial_states: jax.Array):
     """`initial_states` [B, NI, H, dk, dv] float32. Scan over chunks in order; chunk c enters with
     buffer[src[:, c]] and stores its final state in buffer[NI + c]. Returns (o [B, NC, H, C, dv],
     buffer [B, NI + NC, H, dk, dv]).
@@ -202,7 +202,7 @@ def _scan_forward(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array)
 
     def body(buf, xs):
         t, src_c, c = xs
-        o, s_out, _ = _chunk_step(t, buf[rows, src_c])
+        o, s_out, _ = chunk_step(t, buf[rows, src_c])
         return jax.lax.dynamic_update_index_in_dim(buf, s_out, c + n_init, axis=1), o
 
     xs = (_chunks_first(terms), src.T, jnp.arange(nc, dtype=jnp.int32))
@@ -239,7 +239,7 @@ def _route_bwd(res, cts):
 
     def body(d_buf, xs):
         t, src_c, c, s, d_o_c = xs
-        _, vjp = jax.vjp(_chunk_step, t, s)
+        _, vjp = jax.vjp(chunk_step, t, s)
         d_s_out = jax.lax.dynamic_index_in_dim(d_buf, c + n_init, axis=1, keepdims=False)
         d_t, d_s = vjp((d_o_c, d_s_out, jnp.zeros_like(t.u)))
         return d_buf.at[rows, src_c].add(d_s), d_t
@@ -256,32 +256,32 @@ def _route_bwd(res, cts):
 _route_chunks = _buffer_route(_scan_forward, _route_bwd)
 
 
-def _chunk_maps(t: _ChunkTerms) -> tuple[jax.Array, jax.Array]:
+def chunk_maps(t: ChunkTerms) -> tuple[jax.Array, jax.Array]:
     """Every chunk's affine map S_out = M S_in + N (M [.., dk, dk], N [.., dk, dv]), read off
-    `_chunk_step`: S_out = decay S_in + K_dec^T (U - W S_in), so M = decay I - K_dec^T W (the WY
+    `chunk_step`: S_out = decay S_in + K_dec^T (U - W S_in), so M = decay I - K_dec^T W (the WY
     form, never a product of per-token matrices) and N = K_dec^T U."""
     eye = jnp.eye(t.w.shape[-1], dtype=jnp.float32)
     m = t.chunk_decay[..., None, None] * eye - _einsum("...ck,...cj->...kj", t.k_decayed, t.w)
     return m, _einsum("...ck,...cv->...kv", t.k_decayed, t.u)
 
 
-def _over_chunks(x: jax.Array) -> jax.Array:
-    """[B, NC, ...] -> [B * NC, ...]: every chunk a batch entry of `_chunk_step`."""
+def over_chunks(x: jax.Array) -> jax.Array:
+    """[B, NC, ...] -> [B * NC, ...]: every chunk a batch entry of `chunk_step`."""
     return x.reshape((-1,) + x.shape[2:])
 
 
-def _parallel_forward(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Array):
+def _parallel_forward(terms: ChunkTerms, src: jax.Array, initial_states: jax.Array):
     """`_scan_forward` (same arguments and results) by the parallel tree scan: every chunk's
     affine map, composed along the parent pointers in ceil(log2(depth)) rounds
     (`compose_along_parents`), gives every chunk's final state from the initial states; then all
     chunks' outputs at once from their entering states."""
     b, nc = src.shape
-    m, n = _chunk_maps(terms)
+    m, n = chunk_maps(terms)
     m, n, root = compose_along_parents(m, n, src, initial_states.shape[1])
     s_out = _einsum("bchij,bchjv->bchiv", m, gather_slots(initial_states, root)) + n
     buffer = jnp.concatenate([initial_states, s_out], axis=1)
-    flat = jax.tree_util.tree_map(_over_chunks, terms)
-    o, _, _ = _chunk_step(flat, _over_chunks(gather_slots(buffer, src)))
+    flat = jax.tree_util.tree_map(over_chunks, terms)
+    o, _, _ = chunk_step(flat, over_chunks(gather_slots(buffer, src)))
     return o.reshape((b, nc) + o.shape[1:]), buffer
 
 
@@ -293,24 +293,56 @@ def _parallel_bwd(res, cts):
     d_o, d_buffer = cts
     n_init = buffer.shape[1] - src.shape[1]
     d_buffer = varying_like(d_buffer.astype(jnp.float32), terms, src, buffer, d_o)
-    flat = jax.tree_util.tree_map(_over_chunks, terms)
-    entering = _over_chunks(gather_slots(buffer, src))
-    d_o_flat = _over_chunks(d_o)
+    flat = jax.tree_util.tree_map(over_chunks, terms)
+    entering = over_chunks(gather_slots(buffer, src))
+    d_o_flat = over_chunks(d_o)
     # The entering states' cotangents from the chunks' own outputs and final-state slots, then
     # their sums over every descendant's.
-    _, vjp_out = jax.vjp(lambda s: _chunk_step(flat, s)[0], entering)
-    m, _ = _chunk_maps(terms)
+    _, vjp_out = jax.vjp(lambda s: chunk_step(flat, s)[0], entering)
+    m, _ = chunk_maps(terms)
     direct = vjp_out(d_o_flat)[0].reshape(m.shape[:3] + entering.shape[-2:])
     direct = direct + _einsum("...ij,...iv->...jv", m, d_buffer[:, n_init:])
     d_entering = accumulate_from_descendants(m, direct, src, n_init)
     d_slots = d_buffer + sum_into_slots(d_entering, src, buffer.shape[1])
-    _, vjp = jax.vjp(_chunk_step, flat, entering)
-    d_flat, _ = vjp((d_o_flat, _over_chunks(d_slots[:, n_init:]), jnp.zeros_like(flat.u)))
+    _, vjp = jax.vjp(chunk_step, flat, entering)
+    d_flat, _ = vjp((d_o_flat, over_chunks(d_slots[:, n_init:]), jnp.zeros_like(flat.u)))
     d_terms = jax.tree_util.tree_map(lambda d, t: d.reshape(t.shape), d_flat, terms)
     return d_terms, np.zeros(src.shape, jax.dtypes.float0), d_slots[:, :n_init]
 
 
 _route_chunks_parallel = _buffer_route(_parallel_forward, _parallel_bwd)
+
+
+def tree_chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                     chunk_tokens: jax.Array) -> ChunkTerms:
+    """The state-independent terms of every chunk of a chunk table: q, k [R, S, Hk, dk] (raw,
+    normalised here), v [R, S, Hv, dv], g, beta [R, S, Hv]; `chunk_tokens` [R, NC, C] the token
+    (an index into S) of each chunk slot, -1 for an empty one (its slot is zeros, which leaves the
+    state unchanged). Shared by the single-device routes and the context-parallel one
+    (`jtree.kernels.gdn_context`), which gives its slice's tokens."""
+    r, (nc, c) = v.shape[0], chunk_tokens.shape[1:]
+    q, k = _prepare_qk(q, k, v.shape[2])
+    filled = (chunk_tokens >= 0).reshape(r, nc * c)
+    gather_idx = jnp.where(filled, chunk_tokens.reshape(r, nc * c), 0)
+
+    def to_chunks(x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        idx = gather_idx.reshape(gather_idx.shape + (1,) * (x.ndim - 2))
+        mask = filled.reshape(filled.shape + (1,) * (x.ndim - 2))
+        picked = jnp.where(mask, jnp.take_along_axis(x, idx, axis=1), 0.0)
+        return picked.reshape((r, nc, c) + x.shape[2:])
+
+    return _chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta)))
+
+
+def tokens_from_chunks(o: jax.Array, token_slot: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The chunks' outputs o [R, NC, H, C, dv] back on the tokens: [R, S, H, dv] in `dtype`,
+    token s reading flat slot `token_slot` [R, S] (c * C + j), 0 where it is -1."""
+    r, nc, hv, c, dv = o.shape
+    o = jnp.swapaxes(o, 2, 3).reshape(r, nc * c, hv, dv)
+    has_slot = (token_slot >= 0)[..., None, None]
+    o = jnp.take_along_axis(o, jnp.where(token_slot >= 0, token_slot, 0)[..., None, None], axis=1)
+    return jnp.where(has_slot, o, 0.0).astype(dtype)
 
 
 def gated_delta_rule_chunked(
@@ -416,20 +448,7 @@ def tree_gated_delta_rule(
                          f"{chunk_tokens.shape}, {chunk_src.shape} for {r} rows")
     if token_slot.shape != (r, s):
         raise ValueError(f"token_slot must be [R, S] = {(r, s)}; got {token_slot.shape}")
-    _, nc, c = chunk_tokens.shape
-    q, k = _prepare_qk(q, k, hv)
-
-    filled = (chunk_tokens >= 0).reshape(r, nc * c)
-    gather_idx = jnp.where(filled, chunk_tokens.reshape(r, nc * c), 0)
-
-    def to_chunks(x: jax.Array) -> jax.Array:
-        x = x.astype(jnp.float32)
-        idx = gather_idx.reshape(gather_idx.shape + (1,) * (x.ndim - 2))
-        mask = filled.reshape(filled.shape + (1,) * (x.ndim - 2))
-        picked = jnp.where(mask, jnp.take_along_axis(x, idx, axis=1), 0.0)
-        return picked.reshape((r, nc, c) + x.shape[2:])
-
-    terms = _chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta)))
+    terms = tree_chunk_terms(q, k, v, g, beta, chunk_tokens)
     if initial_states is not None:
         states = initial_states.astype(jnp.float32)
     elif initial_state is not None:
@@ -439,7 +458,4 @@ def tree_gated_delta_rule(
     # Inside shard_map a zero initial state must vary like the chunks it meets, so that its
     # cotangent (the custom VJP's) has the type of the argument.
     o, buffer = route(terms, chunk_src, varying_like(states, terms, chunk_src))
-    o = jnp.swapaxes(o, 2, 3).reshape(r, nc * c, hv, dv)
-    has_slot = (token_slot >= 0)[..., None, None]
-    o = jnp.take_along_axis(o, jnp.where(token_slot >= 0, token_slot, 0)[..., None, None], axis=1)
-    return jnp.where(has_slot, o, 0.0).astype(v.dtype), buffer
+    return tokens_from_chunks(o, token_slot, v.dtype), buffer

@@ -77,9 +77,7 @@ def make_step(graphdef, batch: TreeBatch, embed: jax.Array, kernel: int):
     def loss(params, emb):
         layer = nnx.merge(graphdef, params)
         x = emb[inputs.tokens]
-        gdn = inputs.gdn
-        routing = gdn_routing(inputs.pred, gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot,
-                              gdn.export_slots, kernel)
+        routing = gdn_routing(inputs.pred, inputs.gdn, kernel)
         out, _ = layer(x, routing)  # (output, cache for a continuation)
         return jnp.sum(weight[..., None] * out * x)
 

@@ -254,8 +254,8 @@ class CausalLM(nnx.Module):
             if gdn is None:
                 raise ValueError("inputs: 'gdn' missing; linear-attention layers need the chunk "
                                  "tables of jtree.linearize (gdn_chunk_size)")
-            routing = gdn_routing(inputs.pred, gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot,
-                                  gdn.export_slots, cfg.linear_conv_kernel_dim, prefix_pred)
+            routing = gdn_routing(inputs.pred, gdn, cfg.linear_conv_kernel_dim, prefix_pred,
+                                  self.runtime.context_axis)
         cos, sin = rope_cos_sin(inputs.pos, spec.rotary_dim, cfg.rope_theta)
         hidden, stats, exports = self.model(inputs.tokens, LayerInputs(cos, sin, mask, routing),
                                             prefix)

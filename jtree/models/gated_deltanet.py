@@ -11,6 +11,14 @@ conv reads its left context from the prefix's cached pre-conv activations and th
 start from the prefix's state (initial slot 1 of the chunk tables; slot 0 stays zeros for other
 trees of the row).
 
+Context parallelism (`RuntimeConfig.context_axis`: each device holds a slice of every row,
+`jtree.kernels.gdn_context`): the conv reads the left context that lives on earlier devices
+through the tables' fixed-capacity halo (`GdnTables.conv_halo`, one all-gather of [c H, channels]
+per layer) and the recurrence exchanges only the composed maps of the chunks other devices start
+from (`GdnTables.context_exports`), by pointer jumping whatever `RuntimeConfig.gdn_scan` says
+(the exchange needs the composed maps). Not combined with a prefix or exported states
+(redundancy-free parts).
+
 Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits key heads, each with its value heads: the
 grouped in_proj_qkvz / in_proj_ba are column-parallel (a contiguous column block is whole key-head
 groups), dt_bias and A_log are split per value head, the recurrence and the gated norm are per head
@@ -31,7 +39,11 @@ from flax import nnx
 from jtree.models.layers import linear, rms_normalized, row_parallel
 from jtree.models.prefix import GdnCache
 from jtree.models.runtime import RuntimeConfig
+from jtree.batch import GdnTables
 from jtree.kernels.gdn import tree_gated_delta_rule
+from jtree.kernels.gdn_context import (
+    context_conv_index, context_conv_source, context_gated_delta_rule,
+)
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
 
 
@@ -43,23 +55,37 @@ class GdnRouting(NamedTuple):
     chunk_src: jax.Array  # [R, NC]
     token_slot: jax.Array  # [R, S]
     export_slots: jax.Array | None  # [R, E] buffer slots whose states later parts start from
+    context_exports: jax.Array | None = None  # [R, E'] under context parallelism (GdnTables)
+    conv_halo: jax.Array | None = None  # [R, H] under context parallelism (GdnTables)
 
 
-def gdn_routing(pred: jax.Array, chunk_tokens: jax.Array, chunk_src: jax.Array,
-                token_slot: jax.Array, export_slots: jax.Array | None, conv_kernel: int,
-                prefix_pred: jax.Array | None = None) -> GdnRouting:
+def gdn_routing(pred: jax.Array, tables: GdnTables, conv_kernel: int,
+                prefix_pred: jax.Array | None = None, context_axis: str | None = None
+                ) -> GdnRouting:
     """Conv context and chunk tables (`jtree.linearize`'s pred chain and GDN tables). Without a
     prefix the conv context indexes the row's own tokens; with one (its chain `prefix_pred`
-    [R, P]) it indexes [K - 1 cached activations before the part | own tokens]."""
+    [R, P]) it indexes [K - 1 cached activations before the part | own tokens]; under context
+    parallelism over `context_axis` (this device's slice of `pred` and the tables, built by
+    `jtree.context_tables.context_gdn_tables`) it indexes [the slice | the gathered conv halo]."""
     width = conv_kernel - 1
-    if prefix_pred is None:
+    if context_axis is not None:
+        if tables.context_exports is None or tables.conv_halo is None:
+            raise ValueError("inputs: 'gdn.context_exports' / 'gdn.conv_halo' missing; gated "
+                             "deltanet under context parallelism needs the tables of "
+                             "jtree.context_tables.context_gdn_tables")
+        if prefix_pred is not None or tables.export_slots is not None:
+            raise ValueError("gated deltanet under context parallelism does not run a "
+                             "redundancy-free part (a prefix or exported states)")
+        context = context_conv_index(pred, tables.conv_halo, width, context_axis)
+    elif prefix_pred is None:
         context = path_context(pred, width)
     else:
         p = prefix_pred.shape[1]
         combined = path_context(jnp.concatenate([prefix_pred, pred], axis=1), width)
         context = combined[:, p:]
         context = jnp.where(context >= 0, context - p + width, -1)
-    return GdnRouting(context, chunk_tokens, chunk_src, token_slot, export_slots)
+    return GdnRouting(context, tables.chunk_tokens, tables.chunk_src, tables.token_slot,
+                      tables.export_slots, tables.context_exports, tables.conv_halo)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -144,8 +170,12 @@ class GatedDeltaNet(nnx.Module):
 
         pre_conv = jnp.concatenate([q.reshape(r, s, -1), k.reshape(r, s, -1), v.reshape(r, s, -1)],
                                    -1)
-        source = None if prefix is None else jnp.concatenate(
-            [prefix.conv.astype(pre_conv.dtype), pre_conv], axis=1)
+        cp = self.runtime.context_axis
+        if cp is not None:
+            source = context_conv_source(pre_conv, routing.conv_halo, cp)
+        else:
+            source = None if prefix is None else jnp.concatenate(
+                [prefix.conv.astype(pre_conv.dtype), pre_conv], axis=1)
         channels = local_conv_channels(cfg.linear_num_key_heads * dk,
                                        cfg.linear_num_value_heads * dv, nk * dk, nv * dv, tp)
         mixed = jax.nn.silu(self.conv1d(pre_conv, routing.conv_context, channels, source))
@@ -153,14 +183,20 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        initial = None if prefix is None else jnp.stack(
-            [jnp.zeros_like(prefix.state), prefix.state], axis=1).astype(jnp.float32)
-        o, buffer = tree_gated_delta_rule(
-            q.reshape(r, s, nk, dk), k.reshape(r, s, nk, dk), v.reshape(r, s, nv, dv), g, beta,
-            chunk_tokens=routing.chunk_tokens, chunk_src=routing.chunk_src,
-            token_slot=routing.token_slot, initial_states=initial, scan=self.runtime.gdn_scan)
+        q, k, v = q.reshape(r, s, nk, dk), k.reshape(r, s, nk, dk), v.reshape(r, s, nv, dv)
+        if cp is not None:
+            o = context_gated_delta_rule(
+                q, k, v, g, beta, chunk_tokens=routing.chunk_tokens, chunk_src=routing.chunk_src,
+                token_slot=routing.token_slot, context_exports=routing.context_exports, axis=cp)
+            states = jnp.zeros((r, 0, nv, dk, dv), jnp.float32)  # no exported states (routing)
+        else:
+            initial = None if prefix is None else jnp.stack(
+                [jnp.zeros_like(prefix.state), prefix.state], axis=1).astype(jnp.float32)
+            o, buffer = tree_gated_delta_rule(
+                q, k, v, g, beta, chunk_tokens=routing.chunk_tokens, chunk_src=routing.chunk_src,
+                token_slot=routing.token_slot, initial_states=initial, scan=self.runtime.gdn_scan)
+            slots = (jnp.zeros((r, 0), jnp.int32) if routing.export_slots is None
+                     else routing.export_slots)
+            states = jnp.take_along_axis(buffer, slots[:, :, None, None, None], axis=1)
         o = self.norm(o, z.reshape(r, s, nv, dv))
-        slots = (jnp.zeros((r, 0), jnp.int32) if routing.export_slots is None
-                 else routing.export_slots)
-        states = jnp.take_along_axis(buffer, slots[:, :, None, None, None], axis=1)
         return row_parallel(self.out_proj, o.reshape(r, s, nv * dv), tp), GdnCache(pre_conv, states)

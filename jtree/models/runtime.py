@@ -62,6 +62,7 @@ class RuntimeConfig:
     scan_layers: bool = False
     tensor_parallel_axis: str | None = None
     data_parallel_axis: str | tuple[str, ...] | None = None
+    context_axis: str | None = None
     expert_dispatch: str = "psum"
 
     def __post_init__(self) -> None:
