@@ -263,7 +263,8 @@ class StepBuilder:
         """`counts`: the units' `unit_counts` per tree, when already computed (the same units)."""
         self.trees, self.units, self.config = list(trees), list(units), config
         self.counts = (list(counts) if counts is not None else
-                       [unit_counts(us, config.layout.gdn_chunk_size) for us in self.units])
+                       [unit_counts(us, config.layout.gdn_chunk_size, config.layout.context)
+                        for us in self.units])
         self.pair_counts = ([[pair_count(u) for u in us] for us in self.units] if config.critic
                             else None)
 
