@@ -34,7 +34,9 @@ Layout policy (`LayoutConfig`), one step at a time:
    chunks any row needs, or `gdn_chunks` fixed for the run (the trainer: the most any step needs).
 6. With context parallelism (`context` = c > 1 devices per row, the `context` mesh axis) every
    packed row is split over its c devices by attention work (`jtree.context_split.split_row`,
-   from the units' `end` arrays), each device holding at most max(length) / c tokens; the row
+   from the units' `end` arrays; each device's work within `context_slack` of the least
+   possible largest, the fewest tokens per device among those), each device holding at most
+   max(length) / c tokens; the row
    length is the shortest allowed length of c * L positions, L the largest piece rounded up to
    the attention block, so the row lengths allowed are the multiples of c * `ROW_ALIGN`. Every
    piece boundary that cuts a node may add one GDN chunk per row (counted in the capacity).
@@ -267,7 +269,9 @@ class LayoutConfig:
     row lengths from `row_lengths` (None: `seq_len` only), `score_len` scored slots per row (None:
     per step, `score_width`), GDN chunk tables of `gdn_chunk_size` with `gdn_chunks` chunks per
     row (None: per step). A run fixes rows, score width and chunk capacity at the most any of its
-    steps needs (`jtree.data.step_builder`), so it compiles one step program per row length."""
+    steps needs (`jtree.data.step_builder`), so it compiles one step program per row length.
+    `context` > 1 splits every row over that many devices of the `context` mesh axis, by
+    attention work within `context_slack` of the best balance (module docstring, point 6)."""
 
     seq_len: int
     n_shards: int = 1
@@ -278,9 +282,12 @@ class LayoutConfig:
     gdn_chunks: int | None = None
     score_len: int | None = None
     context: int = 1
+    context_slack: float = 0.05
 
     def __post_init__(self) -> None:
         check_context(self.context)
+        if not self.context_slack >= 0:
+            raise ValueError(f"context_slack: must be >= 0, got {self.context_slack}")
         if self.context > 1 and self.seq_len % (self.context * ROW_ALIGN):
             raise ValueError(f"context={self.context}: seq_len={self.seq_len} is not "
                              f"{self.context} slices of a multiple of {ROW_ALIGN} tokens (the "
@@ -375,7 +382,8 @@ def plan_step(tokens: Sequence[int], config: LayoutConfig, *, scored: Sequence[i
         placements = _least_positions([[tokens[i] for i in u] for u in units], lengths,
                                       rows=config.rows, rows_multiple=1)
     if config.context > 1:
-        placements = _split_rows(units, placements, ends, lengths, config.context)
+        placements = _split_rows(units, placements, ends, lengths, config.context,
+                                 config.context_slack)
     row_len = placements[0].row_len
     scored = tokens if scored is None else [int(s) for s in scored]
     for name, values in (("scored", scored), ("chunks", chunks)):
@@ -406,8 +414,8 @@ def plan_step(tokens: Sequence[int], config: LayoutConfig, *, scored: Sequence[i
 
 
 def _split_rows(units: Sequence[Sequence[int]], placements: Sequence[RowPlan],
-                ends: Sequence[np.ndarray], lengths: Sequence[int], context: int
-                ) -> list[RowPlan]:
+                ends: Sequence[np.ndarray], lengths: Sequence[int], context: int,
+                slack: float) -> list[RowPlan]:
     """`placements` with every listed row split over `context` devices of at most
     max(lengths) / context tokens (module docstring, point 6), all at the one row length that
     holds the largest piece of any row."""
@@ -418,7 +426,7 @@ def _split_rows(units: Sequence[Sequence[int]], placements: Sequence[RowPlan],
         splits.append(tuple(
             split_row(np.concatenate([np.asarray(ends[members[i]], np.int64) + offsets[i]
                                       for i in row]), context, block=ROW_ALIGN,
-                      max_slice=max_slice)
+                      max_slice=max_slice, slack=slack)
             for row in placement.rows))
     need = context * slice_length([s for row in splits for s in row], ROW_ALIGN)
     row_len = min(n for n in lengths if n >= need)
