@@ -6,7 +6,8 @@ devices of the config (configs/long_tree_cp8.yaml: 8) two ways: the balanced spl
 and the even token split (the ordinary row cut into c equal slices). For each device it reports
 the attention work (non-empty (query block, key block) pairs of the block tables at the 64-token
 kernel block, over the query blocks that hold a real token) and the real tokens, max / mean over
-the devices, and the bytes each device receives per step:
+the devices (and the max / mean a kernel that does not skip the gaps' query blocks would get:
+each such block sees the keys its gap interrupts), and the bytes each device receives per step:
 
 - K/V all-gather: every attention layer gathers the other devices' K and V slices, (c - 1) L
   tokens x KV heads x head dim x 2 (K and V) x dtype bytes, and its backward returns as many dK /
@@ -52,6 +53,7 @@ SUMMARY_COLUMNS = (
     Column("tree", "seed"), Column("tokens", "tree_tokens"), Column("split", "split"),
     Column("L", "slice_len"), Column("max/mean blocks", "blocks_ratio", "{:.3f}"),
     Column("max/mean tokens", "tokens_ratio", "{:.3f}"),
+    Column("max/mean if gaps computed", "gaps_ratio", "{:.3f}"),
     Column("K/V gather MB/dev", "kv_gather_mb", "{:.0f}"),
     Column("K/V needed MB/dev (max)", "kv_needed_mb", "{:.0f}"),
     Column("halo H", "halo"), Column("halo MB/dev", "halo_mb", "{:.2f}"),
@@ -99,6 +101,7 @@ def measure_row(end: np.ndarray, valid: np.ndarray, pred: np.ndarray, context: i
         "slice_len": slice_len, "blocks": work.blocks, "tokens": work.tokens,
         "gap_blocks": work.gap_blocks,
         "blocks_ratio": float(work.blocks.max() / work.blocks.mean()),
+        "gaps_ratio": float((work.blocks + work.gap_blocks).max() / work.blocks.mean()),
         "tokens_ratio": float(work.tokens.max() / work.tokens.mean()),
         "kv_gather_mb": (context - 1) * slice_len * kv_token * per_layer / 2**20,
         "kv_needed_mb": float(needed_key_blocks(end, valid, context).max()) * ROW_ALIGN
@@ -176,7 +179,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ax.bar(x - 0.2, [d[f"balanced_{field}"] for d in devices], 0.4, label="balanced")
         ax.bar(x + 0.2, [d[f"even_{field}"] for d in devices], 0.4, label="even tokens")
         ax.set_xlabel("context device")
-        ax.set_title(f"{title} per device (tree 0, {summary[0]['tokens']} tokens)")
+        for split, color in (("balanced", "C0"), ("even", "C1")):
+            ax.axhline(np.mean([d[f"{split}_{field}"] for d in devices]), color=color, lw=0.8,
+                       ls="--")
+        ax.set_title(f"{title} per device (tree 0, {summary[0]['tree_tokens']} tokens; "
+                     "dashed: mean)")
         ax.legend()
     report = {**run_info(args), "context": context, "seq_len": seq_len, "model": model,
               "summary": summary, "devices": devices, "worst_balanced_ratio": worst,
