@@ -134,7 +134,7 @@ def model_sizes(cfg) -> dict[str, int]:
             "bytes": DTYPE_BYTES[cfg.runtime.dtype]}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, repeats=None, quick="one tree of ~1k tokens (a smoke run; fits configs/tiny.yaml)")
     parser.add_argument("--config", default="configs/long_tree_cp8.yaml",
                         help="the run config: model (bytes), data.seq_len, mesh.context")
@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "summary": summary, "devices": devices, "worst_balanced_ratio": worst,
               "worst_even_ratio": worst_even}
     Output.from_args(args, "bench_context").write(report, table=table, fig=fig)
-    return report
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
