@@ -438,5 +438,5 @@ def rows_to_hold(steps: Sequence[Sequence[int]], config: LayoutConfig) -> int:
     """The fewest rows per micro-batch that hold every step (each given by its units' tree
     tokens) packed at `config.seq_len`: the rows a run fixes (`jtree.data.rows_for_run`)."""
     at_seq_len = dataclasses.replace(config, rows=None, row_lengths=None, gdn_chunk_size=None,
-                                     gdn_chunks=None)
+                                     gdn_chunks=None, context=1)  # a split moves no unit
     return max([1] + [plan_step(s, at_seq_len).rows for s in steps if len(s)])

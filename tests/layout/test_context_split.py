@@ -9,7 +9,9 @@ import pytest
 from jtree.context_split import (
     ContextSplit, block_work, check_context, even_split, slice_work, split_row,
 )
+from jtree.config import DataConfig
 from jtree.critic import with_critic_pairs
+from jtree.data import step_builder, step_indices
 from jtree.linearize import linearize, unlinearize
 from jtree.packing import unit_counts
 from jtree.planner import ROW_ALIGN, LayoutConfig, plan_rows, plan_step
@@ -169,3 +171,23 @@ def test_planner_splits_every_row_of_a_step_to_one_shape():
         if members:
             linearize([units[i] for i in members], plan.row_len, plan=placement,
                       score_len=plan.score_len, gdn_chunk_size=8, gdn_chunks=plan.gdn_chunks)
+
+
+def test_step_builder_lays_every_row_out_split_over_context():
+    """The trainer's builder with `context`: rows fixed for the run, every step's rows c slices
+    of one length, each slice's real tokens a prefix of it, GDN tables in gapped positions."""
+    trees = [agent_rollout_group(np.random.default_rng(s), AgentShape(system_len=300, turns=3))
+             for s in range(6)]
+    data = DataConfig(seq_len=4096, trees_per_step=3, micro_batches=2, gdn_chunk_size=16)
+    builder = step_builder(trees, data, "tree", normalization="token_mean", n_shards=1,
+                           shards=(0,), steps=2, gdn_chunk_size=16, context=4)
+    index = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)
+    for k in range(2):
+        inputs = builder(index[k])["inputs"]
+        _, rows, s = inputs.shape
+        assert s % (4 * ROW_ALIGN) == 0 and builder.config.layout.context == 4
+        valid = inputs.valid.reshape(-1, 4, s // 4)
+        first_gap = valid.argmin(-1) + valid.all(-1) * (s // 4)
+        assert (valid.sum(-1) == first_gap).all()  # real tokens fill each slice's start
+        slot = inputs.gdn.token_slot.reshape(-1, 4, s // 4)
+        assert ((slot >= 0) == valid).all()
