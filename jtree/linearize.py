@@ -139,6 +139,9 @@ def linearize(
                          f"{plan.row_len}; the trees have {sizes}, seq_len={seq_len}")
     row_len, n_rows = plan.row_len, plan.n_rows
     splits = plan.splits if plan.context > 1 else None
+    if row_len % plan.context:
+        raise ValueError(f"plan: rows of {row_len} tokens are not context={plan.context} equal "
+                         "slices")
     slice_len = row_len // plan.context
 
     if normalizer is None:
