@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from jtree.batch import DeviceBatch, stack
 from jtree.chunk_tables import tree_chunks

@@ -135,7 +135,8 @@ def model_sizes(cfg) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = bench_parser(__doc__, repeats=None, quick="one tree of ~1k tokens (a smoke run; fits configs/tiny.yaml)")
+    parser = bench_parser(__doc__, repeats=None,
+                          quick="one tree of ~1k tokens (a smoke run; fits configs/tiny.yaml)")
     parser.add_argument("--config", default="configs/long_tree_cp8.yaml",
                         help="the run config: model (bytes), data.seq_len, mesh.context")
     parser.add_argument("--context", type=int, default=None,
