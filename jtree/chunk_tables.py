@@ -75,6 +75,16 @@ def chunk_tables(
     chunk_src: buffer slot of the entering state (0: initial state; c + 1: after chunk c).
     token_slot: c * C + j for the token in slot j of chunk c, -1 on padding.
     """
+    nodes = tree_nodes(trees, tree_row, tree_off)
+    return node_chunk_tables(*nodes, np.zeros(len(nodes[0]), np.int64),
+                             n_rows, row_len, chunk_size, n_chunks, n_initial=1)["tables"]
+
+
+def tree_nodes(trees: Sequence[TrajectoryTree], tree_row: np.ndarray, tree_off: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The node arrays `node_chunk_tables` reads, for trees laid out at rows `tree_row` from
+    `tree_off`: every node's (token count, first row-local token, row, parent), parents as
+    indices into these arrays (-1 for a root)."""
     n_nodes = np.array([t.n_nodes for t in trees], np.int64)
     lengths = np.concatenate([np.diff(t.node_offsets) for t in trees]).astype(np.int64)
     node_row = np.repeat(tree_row, n_nodes)
@@ -82,8 +92,7 @@ def chunk_tables(
     node_base = np.cumsum(n_nodes) - n_nodes
     parent = np.concatenate([np.where(t.parents >= 0, t.parents + b, -1)
                              for t, b in zip(trees, node_base)])
-    return node_chunk_tables(lengths, node_start, node_row, parent, np.zeros(len(lengths), np.int64),
-                             n_rows, row_len, chunk_size, n_chunks, n_initial=1)["tables"]
+    return lengths, node_start, node_row, parent
 
 
 def node_chunk_tables(

@@ -81,11 +81,12 @@ def critic_pairs(batch: TreeBatch, width: int | None = None) -> CriticPairs:
     rows, _ = batch.shape
     per_row: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(rows)]
     layout = batch.layout
-    for k, (tree, row, off) in enumerate(zip(layout.trees, layout.rows, layout.offsets)):
+    for k, (tree, row) in enumerate(zip(layout.trees, layout.rows)):
         if tree.rewards is None:
             raise ValueError(f"tree {k}: no reward (objective.critic computes GAE from one "
                              "reward per path)")
         coefs = path_coefficients(tree, batch.normalization, batch.normalizer)
+        positions = layout.token_positions(k)
         for p, c in enumerate(coefs):
             at = np.flatnonzero(c)
             if at.size == 0:
@@ -95,7 +96,7 @@ def critic_pairs(batch: TreeBatch, width: int | None = None) -> CriticPairs:
             last = np.zeros(at.size, bool)
             last[-1] = True
             per_row[int(row)].append(
-                (off + tree.path_token_index(p)[at], c[at], reward, last))
+                (positions[tree.path_token_index(p)[at]], c[at], reward, last))
     counts = [sum(len(e[0]) for e in entries) for entries in per_row]
     q = max(counts, default=0) if width is None else width
     if max(counts, default=0) > q:

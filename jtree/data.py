@@ -263,7 +263,8 @@ class StepBuilder:
         """`counts`: the units' `unit_counts` per tree, when already computed (the same units)."""
         self.trees, self.units, self.config = list(trees), list(units), config
         self.counts = (list(counts) if counts is not None else
-                       [unit_counts(us, config.layout.gdn_chunk_size) for us in self.units])
+                       [unit_counts(us, config.layout.gdn_chunk_size, config.layout.context)
+                        for us in self.units])
         self.pair_counts = ([[pair_count(u) for u in us] for us in self.units] if config.critic
                             else None)
 
@@ -409,7 +410,8 @@ def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_
 
 def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, *,
                  normalization: Normalization, n_shards: int, shards: Sequence[int], steps: int,
-                 gdn_chunk_size: int | None = None, critic: bool = False) -> StepBuilder:
+                 gdn_chunk_size: int | None = None, critic: bool = False,
+                 context: int = 1) -> StepBuilder:
     """The `StepBuilder` a run with data config `data` trains `mode` with, on `n_shards` data
     shards of which this host feeds `shards`: units from `all_units`, `data.rows_per_micro_batch`
     rows per micro-batch or else the fewest that hold the run's `steps` steps (`rows_for_run`),
@@ -417,7 +419,9 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
     score width and GDN chunk capacity (unless `data.gdn_chunks` fixes it) at the most any of
     those steps needs: the run compiles one step program per row length.
     `gdn_chunk_size`: chunk tables of that size (models with linear-attention layers).
-    `critic`: the steps carry critic pairs (`jtree.critic`), as many per row as any step needs."""
+    `critic`: the steps carry critic pairs (`jtree.critic`), as many per row as any step needs.
+    `context`: devices of the `context` mesh axis each row is split over (`mesh.context`; the
+    planner balances them by attention work, `jtree.context_split`)."""
     units = all_units(trees, mode, data.seq_len, data.partition_method)
     rows = data.rows_per_micro_batch or rows_for_run(
         units, data.seq_len, data.trees_per_step, n_shards * data.micro_batches,
@@ -425,7 +429,8 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
     row_lengths = (None if data.row_steps_per_octave is None
                    else row_length_ladder(data.seq_len, data.row_steps_per_octave))
     layout = LayoutConfig(data.seq_len, n_shards, data.micro_batches, rows, row_lengths,
-                          gdn_chunk_size, data.gdn_chunks if gdn_chunk_size else None)
+                          gdn_chunk_size, data.gdn_chunks if gdn_chunk_size else None,
+                          context=context)
     config = StepConfig(mode, normalization, data.trees_per_step, tuple(shards), layout, critic)
     builder = StepBuilder(trees, units, config)
     index = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)

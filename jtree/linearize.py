@@ -12,6 +12,10 @@ prompt, tool and padding positions never reach the vocabulary projection. K is `
 given (the step plan's, equal across micro-batches and hosts), else the largest row's count
 rounded up by `jtree.planner.score_width`.
 
+With context parallelism the plan splits each row over c devices (`jtree.context_split`): every
+token and every index (`end`, `pred`, the chunk tables, critic pairs, `score_index`) is written at
+its gapped position directly, so a CP row is an ordinary row that holds gaps of padding.
+
 Trees larger than S must be partitioned first. Shapes (row length, rows, score width, GDN chunk
 capacity) are the planner's decisions, from small sets, so the step compiles a bounded number of
 times.
@@ -30,7 +34,10 @@ from jtree.chunk_tables import (
     chunks_needed,
     concat_ranges,
     default_chunk_count,
+    node_chunk_tables,
+    tree_nodes,
 )
+from jtree.context_split import ContextSplit, place_in_rows, split_nodes
 from jtree.loss import COEFFICIENT_FIELDS, Normalization, batch_normalizer, token_coefficients
 from jtree.planner import RowPlan, plan_rows, score_width
 from jtree.tree import TrajectoryTree, TreeStats
@@ -39,11 +46,23 @@ from jtree.tree import TrajectoryTree, TreeStats
 
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
-    """Where each tree of a batch sits: tree k occupies row `rows[k]` from `offsets[k]`."""
+    """Where each tree of a batch sits: tree k occupies row `rows[k]` from `offsets[k]`, or,
+    with a context split (`splits[r]` of row r, slices of `slice_len`), from the packed offset
+    `offsets[k]` moved to its gapped positions (`token_positions`)."""
 
     trees: tuple[TrajectoryTree, ...]
     rows: np.ndarray
     offsets: np.ndarray
+    splits: tuple[ContextSplit, ...] | None = None
+    slice_len: int | None = None
+
+    def token_positions(self, k: int) -> np.ndarray:
+        """Row positions of tree k's tokens, in tree-token (DFS) order."""
+        packed = self.offsets[k] + np.arange(self.trees[k].n_tree_tokens)
+        if self.splits is None:
+            return packed
+        return place_in_rows(self.splits, np.full(packed.shape, self.rows[k]), packed,
+                             self.slice_len)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -119,6 +138,11 @@ def linearize(
         raise ValueError(f"plan: places units of {list(plan.sizes)} tokens in rows of "
                          f"{plan.row_len}; the trees have {sizes}, seq_len={seq_len}")
     row_len, n_rows = plan.row_len, plan.n_rows
+    splits = plan.splits if plan.context > 1 else None
+    if row_len % plan.context:
+        raise ValueError(f"plan: rows of {row_len} tokens are not context={plan.context} equal "
+                         "slices")
+    slice_len = row_len // plan.context
 
     if normalizer is None:
         normalizer = batch_normalizer(trees, normalization)
@@ -133,28 +157,43 @@ def linearize(
     per_tree, has_old, disagreement = tree_token_fields(trees, normalization, normalizer)
 
     size_arr = np.asarray(sizes, np.int64)
-    dest = np.repeat(tree_row * row_len + tree_off, size_arr) + concat_ranges(size_arr)
+    tok_row = np.repeat(tree_row, size_arr)
     tok_shift = np.repeat(tree_off, size_arr)
+
+    def place(packed: np.ndarray) -> np.ndarray:  # packed row positions -> final ones
+        return packed if splits is None else place_in_rows(splits, tok_row, packed, slice_len)
+
+    dest = tok_row * row_len + place(tok_shift + concat_ranges(size_arr))
     cat = {k: np.concatenate([a[k] for a in per_tree]) for k in per_tree[0]}
 
     pad = padding(n_rows, row_len, score_len=None)
     row = {name: a.reshape(-1) for name, a in token_arrays(pad).items()}  # flat views
     for name in ("tokens", "pos", "path_count", *COEFFICIENT_FIELDS, "old_logprobs"):
         row[name][dest] = cat[name]
-    row["end"][dest] = cat["end"] + tok_shift
-    row["pred"][dest] = np.where(cat["pred"] >= 0, cat["pred"] + tok_shift, -1)
+    row["end"][dest] = place(cat["end"] + tok_shift - 1) + 1  # one past the subtree's last
+    row["pred"][dest] = np.where(cat["pred"] >= 0, place(np.maximum(cat["pred"], 0) + tok_shift),
+                                 -1)
     row["node"][dest] = cat["node"] + np.repeat(tree_node_off, size_arr)
     row["valid"][dest] = True
     gdn = None
-    if gdn_chunk_size is not None:
+    if gdn_chunk_size is not None and splits is None:
         if gdn_chunks is None:
             needed = chunks_needed(trees, tree_row, n_rows, gdn_chunk_size)
             gdn_chunks = default_chunk_count(row_len, gdn_chunk_size, int(needed.max()))
         gdn = chunk_tables(trees, tree_row, tree_off, n_rows, row_len, gdn_chunk_size, gdn_chunks)
+    elif gdn_chunk_size is not None:
+        nodes = split_nodes(*tree_nodes(trees, tree_row, tree_off), splits, slice_len)
+        if gdn_chunks is None:
+            needed = np.bincount(nodes[2], weights=-(-nodes[0] // gdn_chunk_size),
+                                 minlength=n_rows)
+            gdn_chunks = default_chunk_count(row_len, gdn_chunk_size, int(needed.max()))
+        gdn = node_chunk_tables(*nodes, np.zeros(len(nodes[0]), np.int64), n_rows, row_len,
+                                gdn_chunk_size, gdn_chunks, n_initial=1)["tables"]
     return TreeBatch(
         inputs=dataclasses.replace(pad, gdn=gdn,
                                    score_index=score_positions(pad.coefficients, score_len)),
-        layout=BatchLayout(tuple(trees), tree_row, tree_off),
+        layout=BatchLayout(tuple(trees), tree_row, tree_off, splits,
+                           None if splits is None else slice_len),
         normalization=normalization,
         normalizer=float(normalizer),
         has_old_logprobs=has_old,
@@ -224,8 +263,8 @@ def unlinearize(batch: TreeBatch, per_token_values: np.ndarray) -> list[list[np.
     if values.shape[:2] != batch.shape:
         raise ValueError(f"per_token_values: shape {values.shape} does not match batch {batch.shape}")
     out = []
-    for tree, row, off in zip(batch.layout.trees, batch.layout.rows, batch.layout.offsets):
-        tree_vals = values[row, off : off + tree.n_tree_tokens]
+    for k, (tree, row) in enumerate(zip(batch.layout.trees, batch.layout.rows)):
+        tree_vals = values[row, batch.layout.token_positions(k)]
         flat = tree_vals[tree.flat_token_index]
         splits = np.cumsum(tree.path_lengths)[:-1]
         out.append(np.split(flat, splits))

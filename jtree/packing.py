@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from jtree.batch import DeviceBatch, stack
 from jtree.chunk_tables import tree_chunks
@@ -64,13 +65,15 @@ def build_microbatches(
     return MicroBatches(batches, plan)
 
 
-def unit_counts(units: Sequence[TrajectoryTree], gdn_chunk_size: int | None
-                ) -> dict[str, list[int] | None]:
+def unit_counts(units: Sequence[TrajectoryTree], gdn_chunk_size: int | None, context: int = 1
+                ) -> dict[str, list[Any] | None]:
     """What the planner needs of each unit besides its tree tokens: `scored` tokens (a loss
-    coefficient, `jtree.cost.tree_work`) and, with GDN tables, `chunks` (`tree_chunks`)."""
+    coefficient, `jtree.cost.tree_work`), with GDN tables `chunks` (`tree_chunks`) and with
+    context parallelism (`context` > 1 devices per row) `ends`, the masks it splits rows by."""
     return {"scored": [tree_work([u])[0].scored for u in units],
             "chunks": None if gdn_chunk_size is None else
-            [tree_chunks(u, gdn_chunk_size) for u in units]}
+            [tree_chunks(u, gdn_chunk_size) for u in units],
+            "ends": None if context == 1 else [u.token_arrays["end"] for u in units]}
 
 
 def same_score_len(batches: Sequence[TreeBatch]) -> list[TreeBatch]:

@@ -32,6 +32,14 @@ Layout policy (`LayoutConfig`), one step at a time:
    otherwise changes with nearly every batch of chat data, and every width is a compile.
 5. The GDN chunk capacity is the bucket (`jtree.chunk_tables.default_chunk_count`) of the most
    chunks any row needs, or `gdn_chunks` fixed for the run (the trainer: the most any step needs).
+6. With context parallelism (`context` = c > 1 devices per row, the `context` mesh axis) every
+   packed row is split over its c devices by attention work (`jtree.context_split.split_row`,
+   from the units' `end` arrays; each device's work within `context_slack` of the least
+   possible largest, the fewest tokens per device among those), each device holding at most
+   max(length) / c tokens; the row
+   length is the shortest allowed length of c * L positions, L the largest piece rounded up to
+   the attention block, so the row lengths allowed are the multiples of c * `ROW_ALIGN`. Every
+   piece boundary that cuts a node may add one GDN chunk per row (counted in the capacity).
 
 Every host plans the whole global step from the same units, so all hosts agree on every shape
 without talking to each other, and each lays out only the shards it feeds. The shape of a step is
@@ -50,6 +58,7 @@ import numpy as np
 from jtree.balance import assign_to_ranks
 from jtree.bin_packing import first_fit_decreasing
 from jtree.chunk_tables import default_chunk_count
+from jtree.context_split import ContextSplit, check_context, slice_length, split_row
 
 ROW_ALIGN = 64  # row lengths of a ladder are multiples of the attention kernels' block
 SCORE_MIN = 64  # the narrowest `score_index`
@@ -103,13 +112,21 @@ def score_width(need: int, row_len: int) -> int:
 class RowPlan:
     """The placement of one micro-batch (of one shard): `rows[r]` lists the items (indices into
     the micro-batch's units) in row r, in order from position 0; `n_rows` rows of `row_len`
-    tokens (rows past the listed ones are padding)."""
+    tokens (rows past the listed ones are padding). With context parallelism `splits[r]` is
+    listed row r's split over the `context` devices (`jtree.context_split`): the items sit back
+    to back at the packed offsets of `positions`, and `jtree.linearize` places packed position p
+    of row r at `splits[r].place(p, row_len // context)`."""
 
     rows: tuple[tuple[int, ...], ...]
     row_len: int
     n_rows: int
     used_tokens: int
     sizes: tuple[int, ...]
+    splits: tuple[ContextSplit, ...] | None = None
+
+    @property
+    def context(self) -> int:
+        return self.splits[0].context if self.splits else 1
 
     @property
     def padding_tokens(self) -> int:
@@ -120,7 +137,8 @@ class RowPlan:
         return self.padding_tokens / (self.n_rows * self.row_len)
 
     def positions(self) -> tuple[np.ndarray, np.ndarray]:
-        """(row, offset) of every item: items fill their row in listed order from position 0."""
+        """(row, packed offset) of every item: items fill their row in listed order from
+        position 0 (before the context split, if any, moves them to their gapped positions)."""
         row = np.zeros(len(self.sizes), np.int64)
         offset = np.zeros(len(self.sizes), np.int64)
         for r, members in enumerate(self.rows):
@@ -251,7 +269,9 @@ class LayoutConfig:
     row lengths from `row_lengths` (None: `seq_len` only), `score_len` scored slots per row (None:
     per step, `score_width`), GDN chunk tables of `gdn_chunk_size` with `gdn_chunks` chunks per
     row (None: per step). A run fixes rows, score width and chunk capacity at the most any of its
-    steps needs (`jtree.data.step_builder`), so it compiles one step program per row length."""
+    steps needs (`jtree.data.step_builder`), so it compiles one step program per row length.
+    `context` > 1 splits every row over that many devices of the `context` mesh axis, by
+    attention work within `context_slack` of the best balance (module docstring, point 6)."""
 
     seq_len: int
     n_shards: int = 1
@@ -261,8 +281,17 @@ class LayoutConfig:
     gdn_chunk_size: int | None = None
     gdn_chunks: int | None = None
     score_len: int | None = None
+    context: int = 1
+    context_slack: float = 0.05
 
     def __post_init__(self) -> None:
+        check_context(self.context)
+        if not self.context_slack >= 0:
+            raise ValueError(f"context_slack: must be >= 0, got {self.context_slack}")
+        if self.context > 1 and self.seq_len % (self.context * ROW_ALIGN):
+            raise ValueError(f"context={self.context}: seq_len={self.seq_len} is not "
+                             f"{self.context} slices of a multiple of {ROW_ALIGN} tokens (the "
+                             "attention block)")
         for name in ("seq_len", "n_shards", "micro_batches", "rows", "gdn_chunk_size",
                      "gdn_chunks", "score_len"):
             value = getattr(self, name)
@@ -285,7 +314,8 @@ class StepPlan:
     `units[b]` are the unit indices of bin b = shard * micro_batches + micro-batch and
     `placements[b]` their rows (items of the `RowPlan` index into `units[b]`). Every micro-batch
     of every shard has `rows` rows of `row_len` tokens, `score_len` scored slots per row and
-    `gdn_chunks` chunks per row (None without GDN tables).
+    `gdn_chunks` chunks per row (None without GDN tables); with context parallelism every row is
+    `context` slices of `row_len // context` positions (`RowPlan.splits`).
     """
 
     units: tuple[tuple[int, ...], ...]
@@ -296,6 +326,7 @@ class StepPlan:
     rows: int
     score_len: int
     gdn_chunks: int | None
+    context: int = 1
 
     def bin(self, shard: int, micro_batch: int) -> int:
         return shard * self.micro_batches + micro_batch
@@ -315,14 +346,25 @@ class StepPlan:
 
 
 def plan_step(tokens: Sequence[int], config: LayoutConfig, *, scored: Sequence[int] | None = None,
-              chunks: Sequence[int] | None = None) -> StepPlan:
+              chunks: Sequence[int] | None = None,
+              ends: Sequence[np.ndarray] | None = None) -> StepPlan:
     """The plan of one step whose units have `tokens` tree tokens, `scored` scored tokens (those
-    with a loss coefficient; default: every token) and, with GDN tables, `chunks` chunks of
-    `config.gdn_chunk_size` (sum over their nodes of ceil(node length / chunk size))."""
+    with a loss coefficient; default: every token), with GDN tables `chunks` chunks of
+    `config.gdn_chunk_size` (sum over their nodes of ceil(node length / chunk size)) and, with
+    context parallelism (`config.context` > 1), `ends` their masks (`end`, unit-local)."""
     if not len(tokens):
         raise ValueError("tokens: need at least one unit")
     tokens = _check_sizes(tokens, config.seq_len)
     lengths = _fitting(config.row_lengths or [config.seq_len], max(tokens), config.seq_len)
+    if config.context > 1:
+        if ends is None or len(ends) != len(tokens):
+            raise ValueError(f"ends: context={config.context} splits rows by attention work and "
+                             f"needs every unit's `end` ({len(tokens)} units)")
+        lengths = [n for n in lengths if n % (config.context * ROW_ALIGN) == 0]
+        if not lengths:
+            raise ValueError(f"context={config.context}: no row length in "
+                             f"{config.row_lengths} is {config.context} slices of a multiple of "
+                             f"{ROW_ALIGN} tokens")
     if config.micro_batches is None:  # one packing, its rows dealt out `rows` at a time
         whole = least_padding_plan(tokens, config.seq_len, lengths, rows_multiple=config.rows)
         units, placements = [], []
@@ -339,6 +381,9 @@ def plan_step(tokens: Sequence[int], config: LayoutConfig, *, scored: Sequence[i
             tokens, config.n_shards * config.micro_batches).ranks]
         placements = _least_positions([[tokens[i] for i in u] for u in units], lengths,
                                       rows=config.rows, rows_multiple=1)
+    if config.context > 1:
+        placements = _split_rows(units, placements, ends, lengths, config.context,
+                                 config.context_slack)
     row_len = placements[0].row_len
     scored = tokens if scored is None else [int(s) for s in scored]
     for name, values in (("scored", scored), ("chunks", chunks)):
@@ -354,7 +399,8 @@ def plan_step(tokens: Sequence[int], config: LayoutConfig, *, scored: Sequence[i
                 raise ValueError("chunks: needed for the GDN chunk capacity (gdn_chunk_size set)")
             most = max((sum(int(chunks[u[i]]) for i in row) for u, p in zip(units, placements)
                         for row in p.rows), default=0)
-            gdn_chunks = default_chunk_count(row_len, config.gdn_chunk_size, most)
+            gdn_chunks = default_chunk_count(row_len, config.gdn_chunk_size,
+                                             most + config.context - 1)
     if config.score_len is None:
         score_len = score_width(need, row_len)
     elif need > config.score_len:
@@ -364,12 +410,33 @@ def plan_step(tokens: Sequence[int], config: LayoutConfig, *, scored: Sequence[i
         score_len = min(config.score_len, row_len)
     return StepPlan(tuple(tuple(u) for u in units), tuple(placements), config.n_shards,
                     len(units) // config.n_shards, row_len, placements[0].n_rows, score_len,
-                    gdn_chunks)
+                    gdn_chunks, config.context)
+
+
+def _split_rows(units: Sequence[Sequence[int]], placements: Sequence[RowPlan],
+                ends: Sequence[np.ndarray], lengths: Sequence[int], context: int,
+                slack: float) -> list[RowPlan]:
+    """`placements` with every listed row split over `context` devices of at most
+    max(lengths) / context tokens (module docstring, point 6), all at the one row length that
+    holds the largest piece of any row."""
+    max_slice = max(lengths) // context
+    splits = []
+    for members, placement in zip(units, placements):
+        _, offsets = placement.positions()
+        splits.append(tuple(
+            split_row(np.concatenate([np.asarray(ends[members[i]], np.int64) + offsets[i]
+                                      for i in row]), context, block=ROW_ALIGN,
+                      max_slice=max_slice, slack=slack)
+            for row in placement.rows))
+    need = context * slice_length([s for row in splits for s in row], ROW_ALIGN)
+    row_len = min(n for n in lengths if n >= need)
+    return [dataclasses.replace(p, row_len=row_len, splits=s)
+            for p, s in zip(placements, splits)]
 
 
 def rows_to_hold(steps: Sequence[Sequence[int]], config: LayoutConfig) -> int:
     """The fewest rows per micro-batch that hold every step (each given by its units' tree
     tokens) packed at `config.seq_len`: the rows a run fixes (`jtree.data.rows_for_run`)."""
     at_seq_len = dataclasses.replace(config, rows=None, row_lengths=None, gdn_chunk_size=None,
-                                     gdn_chunks=None)
+                                     gdn_chunks=None, context=1)  # a split moves no unit
     return max([1] + [plan_step(s, at_seq_len).rows for s in steps if len(s)])

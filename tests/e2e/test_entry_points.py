@@ -21,7 +21,8 @@ import pytest
 
 from jtree.cli import main as jtree_main
 
-LAUNCH = ("bench", "bench_attention", "bench_attention_gpu", "bench_gdn", "bench_partition", "bench_rfree", "bench_split",
+LAUNCH = ("bench", "bench_attention", "bench_attention_gpu", "bench_context", "bench_gdn",
+          "bench_partition", "bench_rfree", "bench_split",
           "make_sample_data", "lower_step", "memory_plan", "train")
 SUBCOMMANDS = ("stats", "compare-torch", "export-hf")
 
@@ -75,6 +76,17 @@ def test_bench_quick(tmp_path):
     assert [r["workload"] for r in data["rows"]] == ["tiny/synthetic POR 0.7"]
     assert data["rows"][0]["repeats"] == 1
     _png(tmp_path, "bench")
+
+
+def test_bench_context_quick(tmp_path):
+    """Planning only: the balanced split is no worse than the even one, every device counted."""
+    data = _run("bench_context", ["--quick", "--config", "configs/tiny.yaml", "--context", "4"],
+                tmp_path)
+    _png(tmp_path, "bench_context")
+    assert data["context"] == 4 and len(data["devices"]) == 4
+    assert data["worst_balanced_ratio"] <= data["worst_even_ratio"]
+    for row in data["summary"]:
+        assert sum(row["tokens"]) == row["tree_tokens"]
 
 
 def test_bench_split_quick(tmp_path):
