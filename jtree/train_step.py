@@ -159,9 +159,11 @@ def objective_loss(model: Any, inputs: DeviceBatch, objective: Objective, *,
     if objective.critic is None:
         return loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred, out.aux_loss,
                                 inputs, objective, vocab_axis=vocab_axis)
-    inputs, v_loss = critic_objective(model.values(out.hidden), inputs, objective.critic)
+    values, critic_aux = model.values(inputs, out)
+    inputs, v_loss = critic_objective(values, inputs, objective.critic)
     loss, metrics = loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred,
-                                     out.aux_loss, inputs, objective, vocab_axis=vocab_axis)
+                                     out.aux_loss + critic_aux, inputs, objective,
+                                     vocab_axis=vocab_axis)
     return loss + objective.critic.value_coef * v_loss, dict(metrics, value_loss=v_loss)
 
 
@@ -374,8 +376,10 @@ def sharded_graphdef(model: CausalLM, specs: Any) -> nnx.GraphDef:
     Built abstractly: no weights."""
     runtime = dataclasses.replace(model.runtime, tensor_parallel_axis=MODEL,
                                   data_parallel_axis=ROWS)
+    critic = None if model.critic is None else model.critic.config
     abstract = nnx.eval_shape(lambda: CausalLM(model.config, runtime, rngs=nnx.Rngs(0),
-                                               value_head=model.value_head is not None))
+                                               value_head=model.value_head is not None,
+                                               critic=critic))
     by_name = {param_path(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(
         specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
     for path, var in nnx.iter_graph(abstract):

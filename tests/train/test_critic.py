@@ -134,24 +134,30 @@ def test_gae_returns_and_value_loss_equal_the_per_path_reference(seed):
     assert len(np.unique(index)) < len(index)
 
 
-def test_ppo_step_with_critic_equals_per_path_step():
-    """A tiny model with a value head: tree-mode PPO-with-critic loss and every gradient (value
-    head included) equal the per-path baseline's, off-policy old log-probs so the policy clip
-    acts."""
+@pytest.mark.parametrize("critic", ["head", "separate"])
+def test_ppo_step_with_critic_equals_per_path_step(critic):
+    """A tiny model with a value head on its trunk, or with a separate critic of another size:
+    tree-mode PPO-with-critic loss and every gradient (the value head's, the critic's and the
+    policy's) equal the per-path baseline's, off-policy old log-probs so the policy clip acts."""
     rng = np.random.default_rng(3)
+    separate = critic == "separate"
+    network = tiny_config(vocab_size=64, hidden_size=24, num_hidden_layers=1) if separate \
+        else None
     model = CausalLM(tiny_config(vocab_size=64), tiny_runtime(), rngs=nnx.Rngs(0),
-                     value_head=True)
+                     value_head=not separate, critic=network)
     graphdef, params = nnx.split(model)
     params = perturbed(params)
     trees = [critic_tree(rng, max_nodes=8, vocab=64) for _ in range(2)]
     tree = with_critic_pairs(linearize(trees, 64, n_rows=4))
     base = with_critic_pairs(linearize_baseline(trees, 64, n_rows=4))
     tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=1)
-    objective = Objective(kind="ppo", clip_low=0.1, clip_high=0.1,
-                          critic=CriticConfig(gamma=0.95, lam=0.9, value_coef=0.5))
+    objective = Objective(kind="ppo", clip_low=0.1, clip_high=0.1, critic=CriticConfig(
+        gamma=0.95, lam=0.9, value_coef=0.5, model=critic, network=network))
     assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective)
     _, grads = loss_and_grad_fn(graphdef, objective)(params, tree_in)
-    assert float(jnp.linalg.norm(grads["value_head"]["kernel"][...])) > 0
+    value_grads = grads["critic"] if separate else grads["value_head"]
+    for part in (value_grads, grads["model"]):
+        assert all(float(jnp.linalg.norm(x)) > 0 for x in jax.tree_util.tree_leaves(part))
 
 
 def test_critic_config_is_checked():
