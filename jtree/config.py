@@ -176,6 +176,14 @@ class TrainConfig:
             self.objective, critic=dataclasses.replace(critic, network=network)))
 
     @property
+    def critic_model_args(self) -> dict[str, Any]:
+        """`jtree.models.create_model`'s critic arguments for this run: a `value_head` on the
+        policy trunk (`objective.critic.model: head`) or a separate `critic` network."""
+        critic = self.objective.critic
+        return dict(value_head=critic is not None and not critic.separate,
+                    critic=self.critic_network)
+
+    @property
     def critic_network(self) -> Any:
         """The separate critic's architecture config (`objective.critic.model: separate`), None
         without one."""

@@ -93,6 +93,12 @@ class CriticConfig:
         return None if self.init_from in CRITIC_SOURCES else self.init_from
 
 
+def is_critic_param(name: str) -> bool:
+    """Whether the parameter at '/'-joined path `name` is the critic's (the value head on the
+    policy trunk, or anything of the separate critic model), not the policy's."""
+    return name.startswith("critic/") or name.startswith("value_head/")
+
+
 def pair_count(tree: TrajectoryTree) -> int:
     """How many (path, trained token) pairs `tree` contributes (paths of positive weight)."""
     live = tree.weights > 0

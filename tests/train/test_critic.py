@@ -19,6 +19,7 @@ from jtree.cli import main as cli
 from jtree.commands.export_hf import trained_model
 from jtree.config import from_dict, load_config
 from jtree.critic import CriticConfig, gae, pair_token_sums, pair_values, with_critic_pairs
+from jtree.critic_params import flat_params
 from jtree.data import step_builder, step_indices
 from jtree.launch.train import main as train_main
 from jtree.linearize import linearize
@@ -27,11 +28,11 @@ from jtree.models import CausalLM, create_model
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.run_data import load_training_trees
 from jtree.train_step import Objective, make_grad_fn, stack_microbatches
-from jtree.trainer import check_resumable
+from jtree.trainer import Trainer, check_resumable
 from jtree.tree import TrajectoryTree
 from tests.models_util import (
     assert_grads_close, assert_loss_and_grads_match, loss_and_grad_fn, off_policy_ppo_inputs,
-    perturbed, tiny_config, tiny_runtime,
+    perturbed, tiny_config, tiny_lm, tiny_runtime,
 )
 from tests.run_util import tiny_overrides, write_groups
 from tests.strategies import random_forest
@@ -256,3 +257,62 @@ def test_redundancy_free_mode_refuses_a_critic():
                                      value_head=True))
     with pytest.raises(ValueError, match="objective.critic: not available with run.mode=redun"):
         RedundancyFreeStep(graphdef, Objective(kind="ppo", critic=CriticConfig()))
+
+
+@pytest.mark.slow
+def test_critic_starting_weights_with_hugging_face_checkpoints(tmp_path):
+    """The value head with `model.init_from`: the policy from the checkpoint, the head from the
+    seeded init. A separate critic: `init_from: policy` copies the policy's starting trunk (here
+    the loaded one), a checkpoint directory loads the critic's trunk from it (another size), and
+    its value head comes from the seeded init; the optimizer state is the fresh one's."""
+    cfg = tiny_config()
+    policy, other = tiny_lm(cfg, 11), tiny_lm(tiny_config(hidden_size=16, head_dim=4), 12)
+    jtree.hf.save(policy, cfg, tmp_path / "policy")
+    jtree.hf.save(other, other.config, tmp_path / "other")
+    overrides = tiny_overrides(tmp_path / "unused.jsonl", **{
+        "model.tie_word_embeddings": False, "model.rope_theta": cfg.rope_theta,
+        "model.num_hidden_layers": 2, "objective.kind": "ppo"})
+    loaded = flat_params(nnx.state(policy, nnx.Param))
+
+    def start(*extra: str):
+        config = load_config("configs/tiny.yaml", [*overrides, *extra])
+        trainer = Trainer.build(config)
+        state = trainer.initial_state()
+        assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(
+            jax.eval_shape(trainer.init_fn))
+        return flat_params(state.params), flat_params(trainer.init_fn().params)
+
+    def assert_same(got, want):
+        assert set(got) == set(want)
+        for name in want:
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), name)
+
+    init = f"model.init_from={tmp_path / 'policy'}"
+    got, seeded = start(init, "objective.critic.model=head")
+    assert_same({k: v for k, v in got.items() if not k.startswith("value_head/")}, loaded)
+    assert_same({k: v for k, v in got.items() if k.startswith("value_head/")},
+                {k: v for k, v in seeded.items() if k.startswith("value_head/")})
+
+    got, seeded = start(init, "objective.critic.model=separate")
+    assert_same({k: v for k, v in got.items() if not k.startswith("critic/")}, loaded)
+    assert_same({k[len("critic/"):]: v for k, v in got.items()
+                 if k.startswith("critic/model/")},
+                {k: v for k, v in loaded.items() if k.startswith("model/")})
+    assert np.array_equal(got["critic/value_head/kernel"], seeded["critic/value_head/kernel"])
+
+    got, seeded = start("objective.critic.model=separate",
+                        f"objective.critic.init_from={tmp_path / 'other'}",
+                        "objective.critic.network={hidden_size: 16, head_dim: 4}")
+    other_params = flat_params(nnx.state(other, nnx.Param))
+    assert_same({k[len("critic/"):]: v for k, v in got.items()
+                 if k.startswith("critic/model/")},
+                {k: v for k, v in other_params.items() if k.startswith("model/")})
+    assert_same({k: v for k, v in got.items() if not k.startswith("critic/model/")},
+                {k: v for k, v in seeded.items() if not k.startswith("critic/model/")})
+
+    wrong = load_config("configs/tiny.yaml", [
+        *overrides, "objective.critic.model=separate",
+        f"objective.critic.init_from={tmp_path / 'other'}"])
+    with pytest.raises(ValueError, match=r"objective.critic.init_from: objective.critic.network"
+                                         r"\.hidden_size: the config has 32"):
+        Trainer.build(wrong).initial_state()
