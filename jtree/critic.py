@@ -25,11 +25,13 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jtree.batch import CriticPairs
 from jtree.linearize import TreeBatch
 from jtree.loss import path_coefficients
 from jtree.planner import SCORE_MIN, SCORE_STEPS_PER_OCTAVE, octave_step_length
+from jtree.sharding import param_path
 from jtree.tree import TrajectoryTree
 
 
@@ -97,6 +99,27 @@ def is_critic_param(name: str) -> bool:
     """Whether the parameter at '/'-joined path `name` is the critic's (the value head on the
     policy trunk, or anything of the separate critic model), not the policy's."""
     return name.startswith("critic/") or name.startswith("value_head/")
+
+
+def critic_update_scale(critic_learning_rate: float, learning_rate: float
+                        ) -> optax.GradientTransformation:
+    """The critic's parameters (`is_critic_param`) at their own peak learning rate: their AdamW
+    updates (the policy's schedule times the update direction) scaled by
+    critic_learning_rate / learning_rate. The schedule (warmup from 0, cosine to a fixed ratio
+    of the peak) is proportional to its peak, so this is AdamW at the critic's peak rate on the
+    same schedule, with no second optimizer state."""
+    if learning_rate <= 0:
+        raise ValueError(f"objective.critic.learning_rate: needs optim.learning_rate > 0, not "
+                         f"{learning_rate} (the critic's rate scales the policy's schedule)")
+    ratio = critic_learning_rate / learning_rate
+
+    def update_fn(updates: Any, state: Any, params: Any = None):
+        del params
+        return jax.tree_util.tree_map_with_path(
+            lambda path, u: u * jnp.asarray(ratio, u.dtype) if is_critic_param(param_path(path))
+            else u, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def pair_count(tree: TrajectoryTree) -> int:

@@ -29,7 +29,9 @@ from flax import nnx
 from jtree.advantages import Estimator
 from jtree.baseline import linearize_baseline
 from jtree.batch import DeviceBatch, LossCoefficients, stack
-from jtree.critic import CriticConfig, gae, is_critic_param, pair_token_sums, pair_values
+from jtree.critic import (
+    CriticConfig, critic_update_scale, gae, pair_token_sums, pair_values,
+)
 from jtree.linearize import TreeBatch, linearize
 from jtree.logprobs import logprobs_from_hidden, scored_logprobs, token_logprobs
 from jtree.loss import (
@@ -100,23 +102,14 @@ class OptimConfig:
 def make_optimizer(cfg: OptimConfig, critic_learning_rate: float | None = None
                    ) -> optax.GradientTransformation:
     """AdamW after global-norm clipping. With `critic_learning_rate` (`objective.critic.
-    learning_rate`) the critic's parameters (`jtree.critic.is_critic_param`) get their own AdamW
-    at that peak rate on the same schedule; the clipping norm stays that of all gradients."""
-
-    def adamw(peak: float) -> optax.GradientTransformation:
-        schedule = make_schedule(dataclasses.replace(cfg, learning_rate=peak))
-        return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                           weight_decay=cfg.weight_decay)
-
-    if critic_learning_rate is None:
-        return optax.chain(clip_by_global_norm(cfg.clip_norm), adamw(cfg.learning_rate))
-
-    def labels(params: Any) -> Any:
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: "critic" if is_critic_param(param_path(path)) else "policy", params)
-
-    return optax.chain(clip_by_global_norm(cfg.clip_norm), optax.multi_transform(
-        {"policy": adamw(cfg.learning_rate), "critic": adamw(critic_learning_rate)}, labels))
+    learning_rate`) the critic's updates are scaled to that peak rate (`jtree.critic.
+    critic_update_scale`)."""
+    steps = [clip_by_global_norm(cfg.clip_norm),
+             optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                         weight_decay=cfg.weight_decay)]
+    if critic_learning_rate is not None:
+        steps.append(critic_update_scale(critic_learning_rate, cfg.learning_rate))
+    return optax.chain(*steps)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:

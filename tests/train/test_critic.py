@@ -5,6 +5,7 @@ per-path step (docs/rl.md, "PPO with a critic")."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -27,7 +28,9 @@ from jtree.loss import value_loss
 from jtree.models import CausalLM, create_model
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.run_data import load_training_trees
-from jtree.train_step import Objective, make_grad_fn, stack_microbatches
+from jtree.train_step import (
+    Objective, OptimConfig, make_grad_fn, make_optimizer, stack_microbatches,
+)
 from jtree.trainer import Trainer, check_resumable
 from jtree.tree import TrajectoryTree
 from tests.models_util import (
@@ -164,8 +167,28 @@ def test_ppo_step_with_critic_equals_per_path_step(critic):
 def test_critic_config_is_checked():
     with pytest.raises(ValueError, match=r"objective.critic.gama: unknown config key"):
         from_dict(Objective, {"kind": "ppo", "critic": {"gama": 0.9}}, "objective")
-    with pytest.raises(ValueError, match="separate critic model is not"):
-        from_dict(Objective, {"kind": "ppo", "critic": {"model": "separate"}}, "objective")
+    with pytest.raises(ValueError, match=r"objective.critic.model: 'value' is not one of"):
+        from_dict(Objective, {"kind": "ppo", "critic": {"model": "value"}}, "objective")
+    for key, value in (("network", {"hidden_size": 8}), ("init_from", "random")):
+        with pytest.raises(ValueError, match=f"objective.critic: {key}: only for model: separate"):
+            from_dict(Objective, {"kind": "ppo", "critic": {key: value}}, "objective")
+    with pytest.raises(ValueError, match="learning_rate: -1.0 must be > 0"):
+        from_dict(Objective, {"kind": "ppo", "critic": {"learning_rate": -1.0}}, "objective")
+    base = ["objective.kind=ppo", "objective.critic.model=separate"]
+    for override, match in (
+            ("objective.critic.network={hidden_sise: 8}",
+             r"objective.critic.network.hidden_sise: unknown config key"),
+            ("objective.critic.network={vocab_size: 8}",
+             r"objective.critic.network.vocab_size: 8 is not the policy's model.vocab_size"),
+            ("objective.critic.network={architecture: qwen4}",
+             r"objective.critic.network.architecture: 'qwen4' is not one of"),
+            ("objective.critic.network={architecture: qwen3_moe, num_experts: 3, "
+             "num_experts_per_tok: 4}", r"objective.critic.network: ")):
+        with pytest.raises(ValueError, match=match):
+            load_config(None, [*base, override])
+    cfg = load_config(None, [*base, "objective.critic.network={num_hidden_layers: 1}"])
+    assert cfg.critic_network == dataclasses.replace(cfg.model.config, num_hidden_layers=1)
+    assert load_config(None, base).critic_network == cfg.model.config
     with pytest.raises(ValueError, match="critic: needs kind 'ppo'"):
         from_dict(Objective, {"kind": "gspo", "critic": {}}, "objective")
     with pytest.raises(ValueError, match="lam: 1.5 is not in"):
@@ -250,6 +273,16 @@ def test_resuming_may_change_the_critic_settings_not_whether_there_is_one():
     for before, after in ((saved, {"objective.critic": None}), ({"objective.critic": None}, saved)):
         with pytest.raises(ValueError, match="objective.critic .*adds or removes the value head"):
             check_resumable({"config": before}, after, "ckpt")
+    separate = {"model": "separate", "network": {"hidden_size": 16}, "learning_rate": 1e-3,
+                "init_from": "policy"}
+    check_resumable({"config": {"objective.critic": separate}}, {"objective.critic": dict(
+        separate, learning_rate=1e-4, init_from="random")}, "ckpt")
+    for change, why in (({"model": "head", "network": None}, "where the values come from"),
+                        ({"network": {"hidden_size": 8}}, "the critic's network"),
+                        ({"learning_rate": None}, "the critic's own optimizer")):
+        with pytest.raises(ValueError, match=f"objective.critic .*{why}"):
+            check_resumable({"config": {"objective.critic": separate}},
+                            {"objective.critic": dict(separate, **change)}, "ckpt")
 
 
 def test_redundancy_free_mode_refuses_a_critic():
@@ -316,3 +349,61 @@ def test_critic_starting_weights_with_hugging_face_checkpoints(tmp_path):
     with pytest.raises(ValueError, match=r"objective.critic.init_from: objective.critic.network"
                                          r"\.hidden_size: the config has 32"):
         Trainer.build(wrong).initial_state()
+
+
+@pytest.mark.slow
+def test_a_separate_critic_run_checkpoints_resumes_and_exports_the_policy(few_groups_file,
+                                                                          tmp_path):
+    """`jtree train` with a separate critic (another size, its own learning rate) trains it,
+    checkpoints it beside the policy (parameters and its own optimizer state), resumes from
+    the checkpoint, and `jtree export-hf` writes the policy without it."""
+    overrides = tiny_overrides(few_groups_file, **{
+        "run.steps": 2, "objective.kind": "ppo", "objective.critic.gamma": 0.9,
+        "objective.critic.model": "separate", "objective.critic.init_from": "random",
+        "objective.critic.network": "{hidden_size: 16, head_dim: 4}",
+        "objective.critic.learning_rate": 3e-3, "model.tie_word_embeddings": False})
+    ckpt = tmp_path / "ckpt"
+    assert train_main(["--config", "configs/tiny.yaml", *overrides,
+                       f"checkpoint.dir={ckpt}"]) == 0
+    assert train_main(["--config", "configs/tiny.yaml", *overrides, "run.steps=3",
+                       f"checkpoint.dir={ckpt}", "--resume"]) == 0
+    trained, config = trained_model("configs/tiny.yaml", overrides, str(ckpt))
+    cfg = load_config("configs/tiny.yaml", overrides)
+    initial = create_model("qwen3", config, **cfg.critic_model_args)
+    assert trained.critic.config.hidden_size == 16
+    for part in ("value_head", "model"):
+        got, was = (flat_params(nnx.state(getattr(m.critic, part), nnx.Param))
+                    for m in (trained, initial))
+        assert any(not np.array_equal(np.asarray(got[k]), np.asarray(was[k])) for k in got)
+    assert cli(["export-hf", "--config", "configs/tiny.yaml", "--checkpoint", str(ckpt),
+                "--out", str(tmp_path / "hf"), *overrides]) == 0
+    _, loaded = jtree.hf.load(tmp_path / "hf")
+    assert loaded.critic is None and loaded.value_head is None
+    np.testing.assert_array_equal(np.asarray(loaded.lm_head.kernel[...]),
+                                  np.asarray(trained.lm_head.kernel[...]))
+
+
+def test_the_critic_learning_rate_scales_only_the_critic_updates():
+    """`objective.critic.learning_rate`: the critic's (value head's, separate critic's) AdamW
+    updates are those at its own peak rate, the policy's unchanged."""
+    params = {"model": {"w": jnp.ones(3)}, "value_head": {"kernel": jnp.ones(2)},
+              "critic": {"model": {"w": jnp.ones(3)}}}
+    grads = jax.tree_util.tree_map(lambda x: x * jnp.arange(1.0, x.size + 1), params)
+    cfg = OptimConfig(learning_rate=1e-2, warmup_steps=2, decay_steps=10)
+
+    def update(opt):
+        state = opt.init(params)
+        for _ in range(3):
+            updates, state = opt.update(grads, state, params)
+        return updates
+
+    plain = update(make_optimizer(cfg))
+    scaled = update(make_optimizer(cfg, critic_learning_rate=3e-3))
+    own = update(make_optimizer(dataclasses.replace(cfg, learning_rate=3e-3)))
+    np.testing.assert_array_equal(scaled["model"]["w"], plain["model"]["w"])
+    for part in ("value_head", "critic"):
+        for got, want in zip(jax.tree_util.tree_leaves(scaled[part]),
+                             jax.tree_util.tree_leaves(own[part])):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(ValueError, match="objective.critic.learning_rate: needs optim.learning"):
+        make_optimizer(dataclasses.replace(cfg, learning_rate=0.0), critic_learning_rate=1e-3)
