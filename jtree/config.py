@@ -204,12 +204,7 @@ def critic_network(spec: ModelSpec, critic: Any) -> Any:
     if not isinstance(network, Mapping):  # already resolved
         config = network
     else:
-        fields = dict(network)
-        arch = fields.pop("architecture", spec.architecture)
-        try:
-            config_class = architecture(arch).config_class
-        except ValueError as e:
-            raise ValueError(f"{path}.{e}") from None
+        arch, config_class, fields = _architecture_fields(network, path, spec.architecture)
         if arch == spec.architecture:
             fields = {**{f.name: getattr(spec.config, f.name)
                          for f in dataclasses.fields(config_class) if f.init}, **fields}
@@ -221,17 +216,24 @@ def critic_network(spec: ModelSpec, critic: Any) -> Any:
     return config
 
 
+def _architecture_fields(value: Mapping[str, Any], path: str, default: str
+                         ) -> tuple[str, type, dict[str, Any]]:
+    """(architecture name, its config class, the other fields) of a model section `value`
+    at `path`, its `architecture` defaulting to `default`."""
+    fields = dict(value)
+    arch = fields.pop("architecture", default)
+    try:
+        return arch, architecture(arch).config_class, fields
+    except ValueError as e:
+        raise ValueError(f"{path}.{e}") from None
+
+
 def _model_spec(value: Any, path: str) -> ModelSpec:
     """`{architecture: name, **config fields}` -> ModelSpec, fields checked against the
     architecture's config class."""
     if not isinstance(value, Mapping):
         raise ValueError(f"{path}: expected a mapping, got {type(value).__name__}")
-    fields = dict(value)
-    arch = fields.pop("architecture", ModelSpec.architecture)
-    try:
-        config_class = architecture(arch).config_class
-    except ValueError as e:
-        raise ValueError(f"{path}.{e}") from None
+    arch, config_class, fields = _architecture_fields(value, path, ModelSpec.architecture)
     init_from = _check_value(fields.pop("init_from", None), str | None, f"{path}.init_from")
     lora = _check_value(fields.pop("lora", None), LoraConfig | None, f"{path}.lora")
     return ModelSpec(arch, from_dict(config_class, fields, path), init_from, lora)

@@ -149,26 +149,13 @@ class Trainer:
     def initial_state(self) -> TrainState:
         """A fresh TrainState: random init, or the weights of `model.init_from` (and of a
         separate critic's `objective.critic.init_from` checkpoint) placed directly onto the mesh
-        (each host reads only what its devices hold), the parameters they do not hold (value
-        heads) from the seeded init (`jtree.critic_params`)."""
+        (each host reads only what its devices hold)."""
         path = self.cfg.model.init_from
         critic = self.cfg.objective.critic
-        critic_path = None if critic is None else critic.checkpoint_dir
-        if path is None and critic_path is None:
+        if path is None and (critic is None or critic.checkpoint_dir is None):
             return self.init_fn()
-        loaded = {}
-        if path is not None:
-            loaded = flat_params(self.load_hf(path, "model.init_from"))
-            if self.cfg.critic_network is not None and critic.init_from == "policy":
-                loaded |= as_critic_trunk(loaded)
-        if critic_path is not None:
-            loaded |= as_critic_trunk(flat_params(self.load_hf(
-                critic_path, "objective.critic.init_from", self.cfg.critic_network, "critic.")))
-        fresh = jax.eval_shape(self.init_fn).params
-        seeded = jax.jit(lambda: {k: v for k, v in flat_params(self.init_fn().params).items()
-                                  if k not in loaded})()  # only what is not loaded is computed
-        params = jax.jit(lambda values: with_named(fresh, values),
-                         out_shardings=self.shardings.params)(loaded | seeded)
+        params = self.load_hf(path, "model.init_from") if critic is None else \
+            self.critic_start_params()
         if self.cfg.model.lora is not None:
             params = jax.jit(lambda p: with_lora(p, self.cfg.model.lora, self.cfg.run.seed),
                              out_shardings=self.shardings.params)(params)
@@ -176,6 +163,30 @@ class Trainer:
                             out_shardings=self.shardings.opt_state)(params)
         return TrainState(params, opt_state,
                           jax.device_put(jnp.zeros((), jnp.int32), self.shardings.step))
+
+    def critic_start_params(self) -> Any:
+        """The starting parameters of a run with a critic and a Hugging Face checkpoint to load
+        (`model.init_from`, a separate critic's `init_from`): what the checkpoints hold from
+        them, the rest (value heads, a `random` critic, an unloaded policy) from the seeded
+        init, of which only those parameters are computed (`jtree.critic_params`)."""
+        cfg = self.cfg
+        critic, path = cfg.objective.critic, cfg.model.init_from
+        loaded = {}
+        if path is not None:
+            loaded = flat_params(self.load_hf(path, "model.init_from"))
+            if critic.separate and critic.init_from == "policy":
+                loaded |= as_critic_trunk(loaded)
+        if critic.checkpoint_dir is not None:
+            loaded |= as_critic_trunk(flat_params(self.load_hf(
+                critic.checkpoint_dir, "objective.critic.init_from", cfg.critic_network,
+                "critic.")))
+        fresh = jax.eval_shape(self.init_fn).params
+        where = flat_params(self.shardings.params)
+        rest = {k: where[k] for k in flat_params(fresh) if k not in loaded}
+        seeded = jax.jit(lambda: {k: v for k, v in flat_params(self.init_fn().params).items()
+                                  if k in rest}, out_shardings=rest)()
+        return jax.jit(lambda values: with_named(fresh, values),
+                       out_shardings=self.shardings.params)(loaded | seeded)
 
     def load_hf(self, path: str, key: str, config: Any = None, prefix: str = "") -> Any:
         """The model parameters of Hugging Face checkpoint `path` placed directly onto the mesh
