@@ -407,3 +407,28 @@ def test_the_critic_learning_rate_scales_only_the_critic_updates():
             np.testing.assert_allclose(got, want, rtol=1e-6)
     with pytest.raises(ValueError, match="objective.critic.learning_rate: needs optim.learning"):
         make_optimizer(dataclasses.replace(cfg, learning_rate=0.0), critic_learning_rate=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("critic", ["head", "separate"])
+def test_the_reference_model_runs_the_policy_alone(tmp_path, critic):
+    """With a critic, `objective.reference` (`initial`, or an HF checkpoint, which has no
+    critic) runs the policy's parameters alone: `initial` gives the starting policy's log-probs,
+    a checkpoint loads into the same layout."""
+    overrides = tiny_overrides(tmp_path / "unused.jsonl", **{
+        "objective.kind": "ppo", "objective.kl_coef": 0.1, "objective.reference": "initial",
+        "objective.critic.model": critic})
+    cfg = load_config("configs/tiny.yaml", overrides)
+    trainer = Trainer.build(cfg)
+    reference = trainer.reference_params()
+    assert not any(k.startswith(("critic/", "value_head/")) for k in flat_params(reference))
+    trees = [critic_tree(np.random.default_rng(0), max_nodes=6, vocab=64)]
+    inputs = stack_microbatches([with_critic_pairs(linearize(trees, 64, n_rows=1))])
+    want = trainer.logprob_fn(trainer.initial_state().params, inputs)
+    np.testing.assert_array_equal(trainer.ref_logprob_fn(reference, inputs), want)
+    jtree.hf.save(create_model("qwen3", cfg.model.config, seed=0), cfg.model.config,
+                  tmp_path / "hf")
+    from_dir = Trainer.build(load_config("configs/tiny.yaml", [
+        *overrides, f"objective.reference={tmp_path / 'hf'}"]))
+    np.testing.assert_allclose(from_dir.ref_logprob_fn(from_dir.reference_params(), inputs),
+                               want, rtol=1e-6, atol=1e-6)
