@@ -313,7 +313,8 @@ def critic_resume_refusal(saved: dict[str, Any] | None, config: dict[str, Any] |
         if saved.get(field) != config.get(field):
             return f"it changes {what} ({field})"
     if (saved.get("learning_rate") is None) != (config.get("learning_rate") is None):
-        return "it adds or removes the critic's own optimizer (learning_rate)"
+        return ("it adds or removes the critic's learning rate (a step of the optimizer, whose "
+                "state the checkpoint holds)")
     return None
 
 

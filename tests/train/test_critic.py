@@ -279,7 +279,7 @@ def test_resuming_may_change_the_critic_settings_not_whether_there_is_one():
         separate, learning_rate=1e-4, init_from="random")}, "ckpt")
     for change, why in (({"model": "head", "network": None}, "where the values come from"),
                         ({"network": {"hidden_size": 8}}, "the critic's network"),
-                        ({"learning_rate": None}, "the critic's own optimizer")):
+                        ({"learning_rate": None}, "the critic's learning rate")):
         with pytest.raises(ValueError, match=f"objective.critic .*{why}"):
             check_resumable({"config": {"objective.critic": separate}},
                             {"objective.critic": dict(separate, **change)}, "ckpt")
