@@ -167,18 +167,73 @@ class TrainConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
+    def __post_init__(self) -> None:
+        critic = self.objective.critic
+        if critic is None or not critic.separate:
+            return
+        network = critic_network(self.model, critic)
+        object.__setattr__(self, "objective", dataclasses.replace(
+            self.objective, critic=dataclasses.replace(critic, network=network)))
+
+    @property
+    def critic_model_args(self) -> dict[str, Any]:
+        """`jtree.models.create_model`'s critic arguments for this run: a `value_head` on the
+        policy trunk (`objective.critic.model: head`) or a separate `critic` network."""
+        critic = self.objective.critic
+        return dict(value_head=critic is not None and not critic.separate,
+                    critic=self.critic_network)
+
+    @property
+    def critic_network(self) -> Any:
+        """The separate critic's architecture config (`objective.critic.model: separate`), None
+        without one."""
+        critic = self.objective.critic
+        return critic.network if critic is not None and critic.separate else None
+
+
+def critic_network(spec: ModelSpec, critic: Any) -> Any:
+    """The architecture config of the separate critic of `critic` (`jtree.critic.CriticConfig`)
+    beside the policy `spec`: `network` unset is the policy's config; a mapping names its
+    `architecture` (default: the policy's) and fields that override the policy's config (same
+    architecture) or the architecture's defaults. Its vocabulary must be the policy's: it reads
+    the same tokens. Errors name the key (`objective.critic.network.<field>`)."""
+    path = "objective.critic.network"
+    network = critic.network
+    if network is None:
+        return spec.config
+    if not isinstance(network, Mapping):  # already resolved
+        config = network
+    else:
+        arch, config_class, fields = _architecture_fields(network, path, spec.architecture)
+        if arch == spec.architecture:
+            fields = {**{f.name: getattr(spec.config, f.name)
+                         for f in dataclasses.fields(config_class) if f.init}, **fields}
+        config = from_dict(config_class, fields, path)
+    if config.vocab_size != spec.config.vocab_size:
+        raise ValueError(f"{path}.vocab_size: {config.vocab_size} is not the policy's "
+                         f"model.vocab_size ({spec.config.vocab_size}): the critic reads the "
+                         "policy's tokens")
+    return config
+
+
+def _architecture_fields(value: Mapping[str, Any], path: str, default: str
+                         ) -> tuple[str, type, dict[str, Any]]:
+    """(architecture name, its config class, the other fields) of a model section `value`
+    at `path`, its `architecture` defaulting to `default`."""
+    fields = dict(value)
+    arch = fields.pop("architecture", default)
+    try:
+        return arch, architecture(arch).config_class, fields
+    except ValueError as e:
+        raise ValueError(f"{path}.{e}") from None
+
 
 def _model_spec(value: Any, path: str) -> ModelSpec:
     """`{architecture: name, **config fields}` -> ModelSpec, fields checked against the
     architecture's config class."""
     if not isinstance(value, Mapping):
         raise ValueError(f"{path}: expected a mapping, got {type(value).__name__}")
-    fields = dict(value)
-    arch = fields.pop("architecture", ModelSpec.architecture)
-    try:
-        config_class = architecture(arch).config_class
-    except ValueError as e:
-        raise ValueError(f"{path}.{e}") from None
+    arch, config_class, fields = _architecture_fields(value, path, ModelSpec.architecture)
     init_from = _check_value(fields.pop("init_from", None), str | None, f"{path}.init_from")
     lora = _check_value(fields.pop("lora", None), LoraConfig | None, f"{path}.lora")
     return ModelSpec(arch, from_dict(config_class, fields, path), init_from, lora)

@@ -19,30 +19,49 @@ reward of its last action, every other reward is 0; the value after the last act
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jtree.batch import CriticPairs
 from jtree.linearize import TreeBatch
 from jtree.loss import path_coefficients
 from jtree.planner import SCORE_MIN, SCORE_STEPS_PER_OCTAVE, octave_step_length
+from jtree.sharding import param_path
 from jtree.tree import TrajectoryTree
+
+
+CRITIC_SOURCES = ("policy", "random")
 
 
 @dataclasses.dataclass(frozen=True)
 class CriticConfig:
     """`objective.critic`: GAE's discount `gamma` and `lam` (lambda), the value loss's weight
     `value_coef` and clip range `value_clip` (the new value is clipped to old +- value_clip), and
-    where the values come from: `model: head` (a linear value head on the policy trunk; a
-    separate critic model is not built)."""
+    where the values come from: `model: head` (a linear value head on the policy trunk) or
+    `model: separate` (a model of its own with a value head, run on the same linearized batch).
+
+    A separate critic's `network` is its model section (`architecture` and that architecture's
+    config fields; unset: the policy's model; the fields given override the policy's config when
+    the architecture is the policy's, else that architecture's defaults; `jtree.config` resolves
+    the mapping into the architecture's config instance) and `init_from` its
+    trunk's starting weights: `policy` (a copy of the policy's starting weights; needs the
+    policy's network), `random` (the seeded init) or a Hugging Face checkpoint directory.
+    `learning_rate`: the peak learning rate of the critic's own parameters (the value head, or
+    the separate critic), on the policy's warmup and decay schedule (unset: the policy's)."""
 
     gamma: float = 1.0
     lam: float = 1.0
     value_coef: float = 0.5
     value_clip: float = 0.2
-    model: str = "head"
+    model: Literal["head", "separate"] = "head"
+    network: Any = None
+    init_from: str = "policy"
+    learning_rate: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("gamma", "lam"):
@@ -51,9 +70,56 @@ class CriticConfig:
         for name in ("value_coef", "value_clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: {getattr(self, name)} is negative")
-        if self.model != "head":
-            raise ValueError(f"model: {self.model!r}: only 'head' (a value head on the policy "
-                             "trunk) is built; a separate critic model is not")
+        if self.model not in ("head", "separate"):
+            raise ValueError(f"model: {self.model!r} is not 'head' (a value head on the policy "
+                             "trunk) or 'separate' (a critic model of its own)")
+        if self.model == "head" and (self.network is not None or self.init_from != "policy"):
+            key = "network" if self.network is not None else "init_from"
+            raise ValueError(f"{key}: only for model: separate (the value head sits on the "
+                             "policy trunk: it has no network or weights of its own to load)")
+        if not (self.network is None or isinstance(self.network, Mapping)
+                or dataclasses.is_dataclass(self.network)):
+            raise ValueError(f"network: expected a mapping (architecture and config fields), "
+                             f"got {type(self.network).__name__}")
+        if self.learning_rate is not None and self.learning_rate <= 0:
+            raise ValueError(f"learning_rate: {self.learning_rate} must be > 0")
+
+    @property
+    def separate(self) -> bool:
+        """Whether the values come from a critic model of its own."""
+        return self.model == "separate"
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        """The Hugging Face checkpoint a separate critic starts from (None: `policy`/`random`)."""
+        return None if self.init_from in CRITIC_SOURCES else self.init_from
+
+
+def is_critic_param(name: str) -> bool:
+    """Whether the parameter at '/'-joined path `name` is the critic's (the value head on the
+    policy trunk, or anything of the separate critic model), not the policy's."""
+    return name.startswith("critic/") or name.startswith("value_head/")
+
+
+def critic_update_scale(critic_learning_rate: float, learning_rate: float
+                        ) -> optax.GradientTransformation:
+    """The critic's parameters (`is_critic_param`) at their own peak learning rate: their AdamW
+    updates (the policy's schedule times the update direction) scaled by
+    critic_learning_rate / learning_rate. The schedule (warmup from 0, cosine to a fixed ratio
+    of the peak) is proportional to its peak, so this is AdamW at the critic's peak rate on the
+    same schedule, with no second optimizer state."""
+    if learning_rate <= 0:
+        raise ValueError(f"objective.critic.learning_rate: needs optim.learning_rate > 0, not "
+                         f"{learning_rate} (the critic's rate scales the policy's schedule)")
+    ratio = critic_learning_rate / learning_rate
+
+    def update_fn(updates: Any, state: Any, params: Any = None):
+        del params
+        return jax.tree_util.tree_map_with_path(
+            lambda path, u: u * jnp.asarray(ratio, u.dtype) if is_critic_param(param_path(path))
+            else u, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def pair_count(tree: TrajectoryTree) -> int:

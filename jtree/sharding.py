@@ -192,16 +192,20 @@ LAYER_KIND_RULES: dict[str, Callable[[Any, int], Rules]] = {
 }
 
 
-def param_rules(cfg: Any, model: int) -> Rules:
+def param_rules(cfg: Any, model: int, critic: Any = None) -> Rules:
     """The rule list of the model of architecture config `cfg` for a tensor-parallel degree of
     `model`: vocab-parallel embedding and head, replicated norms, and the rules of every layer
     kind `cfg.decoder()` uses (a size only has to divide where some layer has that kind); raises
-    when a split is impossible."""
+    when a split is impossible. `critic`: the architecture config of PPO's separate critic
+    (`jtree.critic`), whose parameters (under `critic/`) follow its own architecture's rules."""
     rules = []
     for kind in sorted(cfg.decoder().kinds(), key=list(LAYER_KIND_RULES).index):
         rules += LAYER_KIND_RULES[kind](cfg, model)
     rules += _embedding_rules(cfg, model)
-    return rules + _adapter_rules(rules)
+    # The critic's rules come first: the policy's patterns are searched anywhere in a path.
+    first = [] if critic is None else [
+        ("^critic/.*" + pattern, spec) for pattern, spec in param_rules(critic, model)]
+    return first + rules + _adapter_rules(rules)
 
 
 def _adapter_rules(rules: Rules) -> Rules:

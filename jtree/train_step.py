@@ -29,7 +29,9 @@ from flax import nnx
 from jtree.advantages import Estimator
 from jtree.baseline import linearize_baseline
 from jtree.batch import DeviceBatch, LossCoefficients, stack
-from jtree.critic import CriticConfig, gae, pair_token_sums, pair_values
+from jtree.critic import (
+    CriticConfig, critic_update_scale, gae, pair_token_sums, pair_values,
+)
 from jtree.linearize import TreeBatch, linearize
 from jtree.logprobs import logprobs_from_hidden, scored_logprobs, token_logprobs
 from jtree.loss import (
@@ -97,12 +99,17 @@ class OptimConfig:
     clip_norm: float = 1.0
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    return optax.chain(
-        clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                    weight_decay=cfg.weight_decay),
-    )
+def make_optimizer(cfg: OptimConfig, critic_learning_rate: float | None = None
+                   ) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping. With `critic_learning_rate` (`objective.critic.
+    learning_rate`) the critic's updates are scaled to that peak rate (`jtree.critic.
+    critic_update_scale`)."""
+    steps = [clip_by_global_norm(cfg.clip_norm),
+             optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                         weight_decay=cfg.weight_decay)]
+    if critic_learning_rate is not None:
+        steps.append(critic_update_scale(critic_learning_rate, cfg.learning_rate))
+    return optax.chain(*steps)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -159,9 +166,11 @@ def objective_loss(model: Any, inputs: DeviceBatch, objective: Objective, *,
     if objective.critic is None:
         return loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred, out.aux_loss,
                                 inputs, objective, vocab_axis=vocab_axis)
-    inputs, v_loss = critic_objective(model.values(out.hidden), inputs, objective.critic)
+    values, critic_aux = model.values(inputs, out)
+    inputs, v_loss = critic_objective(values, inputs, objective.critic)
     loss, metrics = loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred,
-                                     out.aux_loss, inputs, objective, vocab_axis=vocab_axis)
+                                     out.aux_loss + critic_aux, inputs, objective,
+                                     vocab_axis=vocab_axis)
     return loss + objective.critic.value_coef * v_loss, dict(metrics, value_loss=v_loss)
 
 
@@ -374,8 +383,10 @@ def sharded_graphdef(model: CausalLM, specs: Any) -> nnx.GraphDef:
     Built abstractly: no weights."""
     runtime = dataclasses.replace(model.runtime, tensor_parallel_axis=MODEL,
                                   data_parallel_axis=ROWS)
+    critic = None if model.critic is None else model.critic.config
     abstract = nnx.eval_shape(lambda: CausalLM(model.config, runtime, rngs=nnx.Rngs(0),
-                                               value_head=model.value_head is not None))
+                                               value_head=model.value_head is not None,
+                                               critic=critic))
     by_name = {param_path(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(
         specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
     for path, var in nnx.iter_graph(abstract):

@@ -37,6 +37,7 @@ from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.layer_stack import layer_groups
 from jtree.compiles import Compiles, CompileWatch
 from jtree.config import TrainConfig, config_values
+from jtree.critic_params import as_critic_trunk, flat_params, policy_params, with_named
 from jtree.data import LoadReport, make_pipeline
 from jtree.host_allocator import configure_host_malloc
 from jtree.kernels.tree_attention import resolve_impl
@@ -88,20 +89,20 @@ class Trainer:
     def build(cls, cfg: TrainConfig) -> Trainer:
         """Compiles nothing: the model is built abstractly (shapes only) and the functions are
         jitted wrappers that compile on their first call."""
-        critic = cfg.objective.critic is not None
-        if critic and cfg.model.init_from is not None:
-            raise ValueError("objective.critic: a model loaded from model.init_from has no value "
-                             "head (loading HF weights into a model with one is not built)")
+        critic, network = cfg.objective.critic, cfg.critic_network
+        if critic is not None and cfg.model.lora is not None:
+            raise ValueError("model.lora: not available with objective.critic (only the "
+                             "adapters would train: the critic's parameters would stay frozen)")
         mesh = make_mesh(cfg.mesh)
         arch, mcfg = cfg.model.architecture, cfg.model.config
         check_reference(cfg)
-        abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime,
-                                                       seed=cfg.run.seed, value_head=critic))
+        abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed,
+                                                       **cfg.critic_model_args))
         _, abstract_model_params = nnx.split(abstract)
         abstract_params = jax.eval_shape(
             lambda p: with_lora(p, cfg.model.lora, cfg.run.seed), abstract_model_params)
         try:
-            rules = param_rules(mcfg, mesh.shape[MODEL])
+            rules = param_rules(mcfg, mesh.shape[MODEL], critic=network)
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh.model={mesh.shape[MODEL]}: {e}") from None
         if cfg.model.lora is not None and mesh.shape[FSDP] > 1:
@@ -114,7 +115,7 @@ class Trainer:
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh {describe_mesh(mesh)}: {e}") from None
         graphdef = sharded_graphdef(abstract, model_specs)
-        optimizer = make_optimizer(cfg.optim)
+        optimizer = make_optimizer(cfg.optim, None if critic is None else critic.learning_rate)
         shardings = state_shardings(optimizer, abstract_params, named(mesh, specs), mesh)
         grad_fn = make_sharded_grad_fn(graphdef, cfg.objective, mesh, specs)
         step = make_train_step(graphdef, optimizer, cfg.objective, grad_fn=grad_fn)
@@ -123,12 +124,17 @@ class Trainer:
         chunk = cfg.objective.logprob_chunk
         logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, specs, chunk))
         ref_logprob_fn = None
-        if cfg.objective.reference is not None:
-            ref_logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, model_specs, chunk))
+        if cfg.objective.reference is not None:  # the policy alone, without the critic
+            policy = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime))
+            ref_specs = policy_params(model_specs)
+            ref_logprob_fn = jax.jit(make_sharded_logprob_fn(
+                sharded_graphdef(policy, ref_specs), mesh, ref_specs, chunk))
 
         def init() -> TrainState:
             params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed,
-                                            value_head=critic))[1]
+                                            **cfg.critic_model_args))[1]
+            if network is not None and critic.init_from == "policy":
+                params = with_named(params, as_critic_trunk(flat_params(params)))
             params = with_lora(params, cfg.model.lora, cfg.run.seed)
             return TrainState(params, optimizer.init(trainable(params)),
                               jnp.zeros((), jnp.int32))
@@ -141,12 +147,15 @@ class Trainer:
                    rfree_step, model_specs, ref_logprob_fn)
 
     def initial_state(self) -> TrainState:
-        """A fresh TrainState: random init, or the weights of `model.init_from` placed directly
-        onto the mesh (each host reads only what its devices hold)."""
+        """A fresh TrainState: random init, or the weights of `model.init_from` (and of a
+        separate critic's `objective.critic.init_from` checkpoint) placed directly onto the mesh
+        (each host reads only what its devices hold)."""
         path = self.cfg.model.init_from
-        if path is None:
+        critic = self.cfg.objective.critic
+        if path is None and (critic is None or critic.checkpoint_dir is None):
             return self.init_fn()
-        params = self.load_hf(path, "model.init_from")
+        params = self.load_hf(path, "model.init_from") if critic is None else \
+            self.critic_start_params()
         if self.cfg.model.lora is not None:
             params = jax.jit(lambda p: with_lora(p, self.cfg.model.lora, self.cfg.run.seed),
                              out_shardings=self.shardings.params)(params)
@@ -155,21 +164,50 @@ class Trainer:
         return TrainState(params, opt_state,
                           jax.device_put(jnp.zeros((), jnp.int32), self.shardings.step))
 
-    def load_hf(self, path: str, key: str) -> Any:
+    def critic_start_params(self) -> Any:
+        """The starting parameters of a run with a critic and a Hugging Face checkpoint to load
+        (`model.init_from`, a separate critic's `init_from`): what the checkpoints hold from
+        them, the rest (value heads, a `random` critic, an unloaded policy) from the seeded
+        init, of which only those parameters are computed (`jtree.critic_params`)."""
+        cfg = self.cfg
+        critic, path = cfg.objective.critic, cfg.model.init_from
+        loaded = {}
+        if path is not None:
+            loaded = flat_params(self.load_hf(path, "model.init_from"))
+            if critic.separate and critic.init_from == "policy":
+                loaded |= as_critic_trunk(loaded)
+        if critic.checkpoint_dir is not None:
+            loaded |= as_critic_trunk(flat_params(self.load_hf(
+                critic.checkpoint_dir, "objective.critic.init_from", cfg.critic_network,
+                "critic.")))
+        fresh = jax.eval_shape(self.init_fn).params
+        where = flat_params(self.shardings.params)
+        rest = {k: where[k] for k in flat_params(fresh) if k not in loaded}
+        seeded = jax.jit(lambda: {k: v for k, v in flat_params(self.init_fn().params).items()
+                                  if k in rest}, out_shardings=rest)()
+        return jax.jit(lambda values: with_named(fresh, values),
+                       out_shardings=self.shardings.params)(loaded | seeded)
+
+    def load_hf(self, path: str, key: str, config: Any = None, prefix: str = "") -> Any:
         """The model parameters of Hugging Face checkpoint `path` placed directly onto the mesh
-        (each host reads only what its devices hold); its config.json must agree with
-        `model` (an error names `key`, the config key that gave `path`, and the field)."""
+        (each host reads only what its devices hold), laid out as the parameters under `prefix`
+        ('critic.': the separate critic's; what the run does not hold, replicated); its
+        config.json must agree with `config` (default: `model`; an error names `key`, the
+        config key that gave `path`, and the field)."""
         from jtree.hf import load
 
-        mcfg = self.cfg.model.config
+        mcfg = self.cfg.model.config if config is None else config
+        section = "model" if config is None else "objective.critic.network"
         by_name = {param_path(p).replace("/", "."): s for p, s in
                    jax.tree_util.tree_flatten_with_path(named(self.mesh, self.model_specs))[0]}
-        loaded, model = load(path, self.cfg.runtime, shardings=lambda name, shape: by_name[name])
+        replicated = NamedSharding(self.mesh, P())
+        loaded, model = load(path, self.cfg.runtime, shardings=lambda name, shape: by_name.get(
+            prefix + name, replicated))
         for field in dataclasses.fields(mcfg):
             ours, theirs = getattr(mcfg, field.name), getattr(loaded, field.name)
             # initializer_range only shapes a random init, which a loaded model does not have.
             if field.name != "initializer_range" and ours != theirs:
-                raise ValueError(f"{key}: model.{field.name}: the config has {ours!r}, "
+                raise ValueError(f"{key}: {section}.{field.name}: the config has {ours!r}, "
                                  f"{path}/config.json has {theirs!r}")
         return nnx.split(model)[1]
 
@@ -181,7 +219,8 @@ class Trainer:
         if ref != "initial":
             return self.load_hf(ref, "objective.reference")
         start = self.initial_state().params
-        return jax.jit(model_params, out_shardings=named(self.mesh, self.model_specs))(start)
+        return jax.jit(lambda p: policy_params(model_params(p)), out_shardings=named(
+            self.mesh, policy_params(self.model_specs)))(start)
 
     def run_meta(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run that wrote it: its whole config (dotted keys), so
@@ -258,6 +297,27 @@ def resume_refusal(key: str) -> str | None:
     return None
 
 
+def critic_resume_refusal(saved: dict[str, Any] | None, config: dict[str, Any] | None
+                          ) -> str | None:
+    """Why a resumed run may not change `objective.critic` from `saved` to `config` (their
+    `config_values`), or None: adding or removing the critic, or changing where its values
+    come from (head or separate model, the separate network) or whether it has a learning rate
+    of its own, changes the parameters or the optimizer state the checkpoint holds. GAE and the
+    value loss's settings, the learning rate's value and `init_from` may change."""
+    if (saved is None) != (config is None):
+        return "it adds or removes the value head or the separate critic (its settings may change)"
+    if saved is None:
+        return None
+    for field, what in (("model", "where the values come from"),
+                        ("network", "the critic's network")):
+        if saved.get(field) != config.get(field):
+            return f"it changes {what} ({field})"
+    if (saved.get("learning_rate") is None) != (config.get("learning_rate") is None):
+        return ("it adds or removes the critic's learning rate (a step of the optimizer, whose "
+                "state the checkpoint holds)")
+    return None
+
+
 def check_resumable(meta: dict[str, Any], config: dict[str, Any], where: str) -> None:
     """Say which keys of `config` (this run's `config_values`) differ from those of the
     checkpoint's run meta, each with its old and new value, and refuse the checkpoint when one
@@ -270,8 +330,8 @@ def check_resumable(meta: dict[str, Any], config: dict[str, Any], where: str) ->
     refused = []
     for key in changed:
         why = resume_refusal(key)
-        if key == "objective.critic" and (saved.get(key) is None) != (config.get(key) is None):
-            why = "it adds or removes the value head (its settings may change)"
+        if key == "objective.critic":
+            why = critic_resume_refusal(saved.get(key), config.get(key))
         say(f"--resume: {key} changed from {saved.get(key)!r} to {config.get(key)!r}"
             + (f": refused, {why}" if why else ": allowed"))
         if why:

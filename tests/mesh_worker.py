@@ -1,8 +1,9 @@
 """Run one train step on several meshes of 8 forced host devices and compare with one device.
 
 Run in a subprocess (`tests/train/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
-(model `dense`, `moe` or `next`; `dense_lora`: `dense` training LoRA adapters; mesh data x fsdp x
-model). Prints one JSON line per case with the largest relative differences to the single-device
+(model `dense`, `moe` or `next`; `dense_lora`: `dense` training LoRA adapters; `dense_critic` and
+`dense_critic_model`: `dense` with PPO's critic, a value head or a separate smaller critic model;
+mesh data x fsdp x model). Prints one JSON line per case with the largest relative differences to the single-device
 step: loss, gradient norm, per-parameter gradients (Adam's first moment after one step, i.e. the
 clipped gradient scaled by 1 - b1), updated parameters and their updates, and how many parameters
 the mesh shards over `model` and over `fsdp`.
@@ -36,6 +37,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jtree.baseline import flatten_paths, linearize_baseline  # noqa: E402
 from jtree.batch import DeviceBatch, stack  # noqa: E402
 from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
+from jtree.critic import CriticConfig, critic_pairs, with_critic_pairs  # noqa: E402
 from jtree.layer_stack import convert_tree, layer_groups  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
@@ -67,9 +69,11 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     reference step, whose sharded step runs the Pallas TPU kernel (`MESH_IMPL`) in the TPU
     interpreter; `dense_lora` is `dense` training LoRA adapters; `dense_scan` is `dense` with
     its layers scanned (stacked parameters split per layer); `moe_a2a` and `next_a2a` run
-    their experts with token dispatch (`expert_dispatch="all_to_all"`)."""
+    their experts with token dispatch (`expert_dispatch="all_to_all"`); `dense_critic*` are
+    `dense` (their critic: `case_critic`)."""
     dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
-    if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan"):
+    if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan", "dense_critic",
+                "dense_critic_model"):
         impl = {"dense_cpu": "cpu", "dense_tpu": "xla"}.get(kind, "reference")
         head_dim = {"dense_tpu": 64}.get(kind, 8)
         return ("qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
@@ -80,12 +84,28 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     return "qwen3_next", tiny_next_config(), tiny_runtime(expert_dispatch=dispatch)
 
 
+def case_critic(kind: str) -> CriticConfig | None:
+    """PPO's critic of model `kind`: a value head (`dense_critic`), a separate critic model of
+    another size (`dense_critic_model`, its own tensor-parallel and FSDP layout), else none."""
+    if kind == "dense_critic":
+        return CriticConfig(gamma=0.9, lam=0.8)
+    if kind == "dense_critic_model":
+        network = tiny_config(num_attention_heads=4, num_key_value_heads=4, vocab_size=64,
+                              head_dim=4, hidden_size=16, num_hidden_layers=1)
+        return CriticConfig(gamma=0.9, lam=0.8, model="separate", network=network)
+    return None
+
+
 def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
     """Two micro-batches of branching trees, raw coefficients plus per-row normalizer shares
-    (the form `jtree.data` produces), GDN chunk tables sized as the pipeline sizes them."""
+    (the form `jtree.data` produces), GDN chunk tables sized as the pipeline sizes them; with a
+    critic, rewards and the critic pairs (one width for both micro-batches)."""
     rng = np.random.default_rng(7)
-    trees = [(explicit_tree if i % 2 else sequences_tree)(random_forest(rng, max_nodes=8))
-             for i in range(10)]
+    forests = [random_forest(rng, max_nodes=8) for _ in range(10)]
+    if objective.critic is not None:
+        for f in forests:
+            f["rewards"] = rng.normal(size=len(f["path_nodes"])).tolist()
+    trees = [(explicit_tree if i % 2 else sequences_tree)(f) for i, f in enumerate(forests)]
     fn = linearize if mode == "tree" else linearize_baseline
     parts = (trees[:5], trees[5:])
     kw = {}
@@ -96,8 +116,12 @@ def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
                  for us in units]  # each micro-batch's rows as linearize packs them
         kw = dict(gdn_chunk_size=GDN_CHUNK, gdn_chunks=max(p.gdn_chunks for p in plans))
     out = []
-    for part in parts:
-        b = fn(part, S, normalization=objective.normalization, normalizer=1.0, n_rows=ROWS, **kw)
+    batches = [fn(part, S, normalization=objective.normalization, normalizer=1.0, n_rows=ROWS,
+                  **kw) for part in parts]
+    if objective.critic is not None:
+        width = max(critic_pairs(b).index.shape[-1] for b in batches)
+        batches = [with_critic_pairs(b, width) for b in batches]
+    for part, b in zip(parts, batches):
         row_norm = np.zeros(ROWS, np.float32)
         row_norm[0] = batch_normalizer(part, objective.normalization)
         out.append(dataclasses.replace(b.inputs, row_norm=row_norm))
@@ -153,7 +177,10 @@ def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
 def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]:
     """The single-device step every mesh of this (model, mode, objective) is compared with."""
     arch, cfg, runtime = case_model(model_kind)
-    model = create_model(arch, cfg, runtime, seed=3)
+    critic = case_critic(model_kind)
+    model = create_model(arch, cfg, runtime, seed=3,
+                         value_head=critic is not None and not critic.separate,
+                         critic=critic.network if critic is not None else None)
     graphdef, params = nnx.split(model)
     if model_kind == "dense_lora":  # column- and row-parallel kernels and the vocab-split head
         lora = LoraConfig(rank=2, alpha=4.0, targets=("self_attn/(q|k|o)_proj", "mlp", "lm_head"))
@@ -161,7 +188,7 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
     if model_kind != "dense":
         params = perturbed(params)  # with LoRA, B != 0: A's gradients too are non-zero
     objective = Objective(kind=kind, normalization="token_mean" if kind == "sft"
-                          else "seq_mean_token_mean")
+                          else "seq_mean_token_mean", critic=critic)
     inputs = step_inputs(mode, objective, cfg.decoder().needs_gdn_tables)
     if kind == "ppo":
         rng = np.random.default_rng(1)
@@ -180,7 +207,9 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
     params, objective, model = ref["params"], ref["objective"], ref["model"]
     mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, model=model_size),
                      jax.devices()[:data * fsdp * model_size])
-    specs = param_specs(params, param_rules(ref["cfg"], model_size), mesh)
+    network = model.critic.config if model.critic is not None else None
+    rules = param_rules(ref["cfg"], model_size, critic=network)
+    specs = param_specs(params, rules, mesh)
     sharded_params = jax.device_put(params, named(mesh, specs))
     impl = MESH_IMPL.get(case.split(":")[0])
     interpret = contextlib.nullcontext()
@@ -188,7 +217,7 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
         model = create_model(ref["arch"], ref["cfg"],
                              dataclasses.replace(model.runtime, attention_impl=impl), seed=3)
         interpret = pltpu.force_tpu_interpret_mode()
-    model_specs = param_specs(nnx.split(model)[1], param_rules(ref["cfg"], model_size), mesh)
+    model_specs = param_specs(nnx.split(model)[1], rules, mesh)
     graphdef = sharded_graphdef(model, model_specs)
     grad_fn = make_sharded_grad_fn(graphdef, objective, mesh, specs)
     step = jax.jit(make_train_step(graphdef, opt, objective, grad_fn=grad_fn))

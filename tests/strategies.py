@@ -81,6 +81,7 @@ def sequences_tree(kwargs: dict) -> TrajectoryTree:
         advantages=None if t.advantages is None else list(t.advantages),
         old_logprobs=None if t.old_logprobs is None else list(t.old_logprobs),
         weights=t.weights,
+        rewards=None if t.rewards is None else list(t.rewards),
     )
 
 

@@ -44,18 +44,19 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
                   ) -> tuple[nnx.Module, object]:
     """(model with the checkpoint's parameters, model config) on the default device; a
     `model.lora` run's adapters merged into the base (which `merge_lora` must ask for). A run
-    with a critic has a value head, which the checkpoint holds and the HF export leaves out."""
+    with a critic has a value head or a separate critic, which the checkpoint holds and the HF
+    export leaves out."""
     cfg = load_config(config_path, overrides)
     arch, mcfg, lora = cfg.model.architecture, cfg.model.config, cfg.model.lora
     if merge_lora != (lora is not None):
         raise ValueError("--merge-lora: the run's config has no model.lora" if merge_lora else
                          "--merge-lora: the checkpoint of a model.lora run holds adapters beside "
                          "the frozen base; pass --merge-lora to write the merged model")
-    value_head = cfg.objective.critic is not None
-    optimizer = make_optimizer(cfg.optim)
+    critic, critic_kw = cfg.objective.critic, cfg.critic_model_args
+    optimizer = make_optimizer(cfg.optim, None if critic is None else critic.learning_rate)
 
     def init() -> TrainState:
-        params = nnx.split(create_model(arch, mcfg, cfg.runtime, value_head=value_head))[1]
+        params = nnx.split(create_model(arch, mcfg, cfg.runtime, **critic_kw))[1]
         params = with_lora(params, lora, cfg.run.seed)
         return TrainState(params, optimizer.init(trainable(params)), jnp.zeros((), jnp.int32))
 
@@ -71,7 +72,7 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
     finally:
         ckpt.close()
     graphdef = nnx.split(nnx.eval_shape(
-        lambda: create_model(arch, mcfg, cfg.runtime, value_head=value_head)))[0]
+        lambda: create_model(arch, mcfg, cfg.runtime, **critic_kw)))[0]
     return nnx.merge(graphdef, model_params(state.params)), mcfg
 
 
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     model, mcfg = trained_model(args.config, args.overrides, args.checkpoint, args.step,
                                 merge_lora=args.merge_lora)
-    model.value_head = None  # the policy only: HF's *ForCausalLM has no value head
+    model.value_head = model.critic = None  # the policy only: HF's *ForCausalLM has no critic
     save(model, mcfg, args.out, dtype=args.dtype, copy_from=args.copy_from)
     print(f"wrote {args.out} from {args.checkpoint}")
     return 0

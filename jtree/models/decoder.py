@@ -230,10 +230,14 @@ class CausalLM(nnx.Module):
     config (`jtree.models.architectures`), `runtime` how to run it."""
 
     def __init__(self, config: Any, runtime: RuntimeConfig, *, rngs: nnx.Rngs,
-                 value_head: bool = False):
+                 value_head: bool = False, critic: Any = None, lm_head: bool = True):
+        """`value_head`: PPO's critic as a value head on this model's trunk; `critic`: PPO's
+        critic as a model of its own, of that architecture config (a `CausalLM` with a value
+        head and no LM head, built after this model's parameters, so the policy's initial
+        weights do not depend on it); `lm_head=False` leaves out the untied LM head."""
         self.config, self.runtime, self.spec = config, runtime, config.decoder()
         self.model = Decoder(config, runtime, self.spec, rngs=rngs)
-        self.lm_head = None if config.tie_word_embeddings else linear(
+        self.lm_head = None if config.tie_word_embeddings or not lm_head else linear(
             config.hidden_size, config.vocab_size, bias=False,
             init_std=config.initializer_range, dtype=runtime.compute_dtype,
             param_dtype=runtime.weight_dtype, rngs=rngs)
@@ -242,6 +246,8 @@ class CausalLM(nnx.Module):
             config.hidden_size, 1, bias=True, init_std=config.initializer_range,
             dtype=runtime.compute_dtype, param_dtype=runtime.weight_dtype,
             rngs=rngs) if value_head else None
+        self.critic = None if critic is None else CausalLM(
+            critic, runtime, rngs=rngs, value_head=True, lm_head=False)
 
     def __call__(self, inputs: DeviceBatch,
                  prefix: Sequence[LayerCache] | None = None) -> ModelOutput:
@@ -267,13 +273,19 @@ class CausalLM(nnx.Module):
         return ModelOutput(hidden, aux, exports,
                            router_load(stats, inputs.path_count, cfg.num_experts))
 
-    def values(self, hidden: jax.Array) -> jax.Array:
-        """[..., S, hidden] final hidden states -> [..., S] float32 values of the value head
-        (the value of the state after each token)."""
+    def values(self, inputs: DeviceBatch, out: ModelOutput) -> tuple[jax.Array, jax.Array]:
+        """PPO's per-token values [..., S] float32 (the value of the state after each token)
+        and the critic's auxiliary loss, given this model's output `out` on `inputs`: the value
+        head on `out`'s hidden states, or the separate critic run on the same `inputs` (its
+        hidden states, like the policy's, once per tree token)."""
+        if self.critic is not None:
+            critic_out = self.critic(inputs)
+            return self.critic.values(inputs, critic_out)[0], critic_out.aux_loss
         if self.value_head is None:
-            raise ValueError("model: no value head (build it with value_head=True; "
-                             "objective.critic does)")
-        return self.value_head(hidden)[..., 0].astype(jnp.float32)
+            raise ValueError("model: no value head (build it with value_head=True or a "
+                             "critic; objective.critic does)")
+        return (self.value_head(out.hidden)[..., 0].astype(jnp.float32),
+                jnp.zeros((), jnp.float32))
 
     def output_embedding(self) -> jax.Array:
         """[hidden, vocab] matrix mapping final hidden states to logits (this device's vocabulary

@@ -5,6 +5,7 @@ per-path step (docs/rl.md, "PPO with a critic")."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -19,6 +20,7 @@ from jtree.cli import main as cli
 from jtree.commands.export_hf import trained_model
 from jtree.config import from_dict, load_config
 from jtree.critic import CriticConfig, gae, pair_token_sums, pair_values, with_critic_pairs
+from jtree.critic_params import flat_params
 from jtree.data import step_builder, step_indices
 from jtree.launch.train import main as train_main
 from jtree.linearize import linearize
@@ -26,12 +28,14 @@ from jtree.loss import value_loss
 from jtree.models import CausalLM, create_model
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.run_data import load_training_trees
-from jtree.train_step import Objective, make_grad_fn, stack_microbatches
-from jtree.trainer import check_resumable
+from jtree.train_step import (
+    Objective, OptimConfig, make_grad_fn, make_optimizer, stack_microbatches,
+)
+from jtree.trainer import Trainer, check_resumable
 from jtree.tree import TrajectoryTree
 from tests.models_util import (
     assert_grads_close, assert_loss_and_grads_match, loss_and_grad_fn, off_policy_ppo_inputs,
-    perturbed, tiny_config, tiny_runtime,
+    perturbed, tiny_config, tiny_lm, tiny_runtime,
 )
 from tests.run_util import tiny_overrides, write_groups
 from tests.strategies import random_forest
@@ -134,31 +138,57 @@ def test_gae_returns_and_value_loss_equal_the_per_path_reference(seed):
     assert len(np.unique(index)) < len(index)
 
 
-def test_ppo_step_with_critic_equals_per_path_step():
-    """A tiny model with a value head: tree-mode PPO-with-critic loss and every gradient (value
-    head included) equal the per-path baseline's, off-policy old log-probs so the policy clip
-    acts."""
+@pytest.mark.parametrize("critic", ["head", "separate"])
+def test_ppo_step_with_critic_equals_per_path_step(critic):
+    """A tiny model with a value head on its trunk, or with a separate critic of another size:
+    tree-mode PPO-with-critic loss and every gradient (the value head's, the critic's and the
+    policy's) equal the per-path baseline's, off-policy old log-probs so the policy clip acts."""
     rng = np.random.default_rng(3)
+    separate = critic == "separate"
+    network = tiny_config(vocab_size=64, hidden_size=24, num_hidden_layers=1) if separate \
+        else None
     model = CausalLM(tiny_config(vocab_size=64), tiny_runtime(), rngs=nnx.Rngs(0),
-                     value_head=True)
+                     value_head=not separate, critic=network)
     graphdef, params = nnx.split(model)
     params = perturbed(params)
     trees = [critic_tree(rng, max_nodes=8, vocab=64) for _ in range(2)]
     tree = with_critic_pairs(linearize(trees, 64, n_rows=4))
     base = with_critic_pairs(linearize_baseline(trees, 64, n_rows=4))
     tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=1)
-    objective = Objective(kind="ppo", clip_low=0.1, clip_high=0.1,
-                          critic=CriticConfig(gamma=0.95, lam=0.9, value_coef=0.5))
+    objective = Objective(kind="ppo", clip_low=0.1, clip_high=0.1, critic=CriticConfig(
+        gamma=0.95, lam=0.9, value_coef=0.5, model=critic, network=network))
     assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective)
     _, grads = loss_and_grad_fn(graphdef, objective)(params, tree_in)
-    assert float(jnp.linalg.norm(grads["value_head"]["kernel"][...])) > 0
+    value_grads = grads["critic"] if separate else grads["value_head"]
+    for part in (value_grads, grads["model"]):
+        assert all(float(jnp.linalg.norm(x)) > 0 for x in jax.tree_util.tree_leaves(part))
 
 
 def test_critic_config_is_checked():
     with pytest.raises(ValueError, match=r"objective.critic.gama: unknown config key"):
         from_dict(Objective, {"kind": "ppo", "critic": {"gama": 0.9}}, "objective")
-    with pytest.raises(ValueError, match="separate critic model is not"):
-        from_dict(Objective, {"kind": "ppo", "critic": {"model": "separate"}}, "objective")
+    with pytest.raises(ValueError, match=r"objective.critic.model: 'value' is not one of"):
+        from_dict(Objective, {"kind": "ppo", "critic": {"model": "value"}}, "objective")
+    for key, value in (("network", {"hidden_size": 8}), ("init_from", "random")):
+        with pytest.raises(ValueError, match=f"objective.critic: {key}: only for model: separate"):
+            from_dict(Objective, {"kind": "ppo", "critic": {key: value}}, "objective")
+    with pytest.raises(ValueError, match="learning_rate: -1.0 must be > 0"):
+        from_dict(Objective, {"kind": "ppo", "critic": {"learning_rate": -1.0}}, "objective")
+    base = ["objective.kind=ppo", "objective.critic.model=separate"]
+    for override, match in (
+            ("objective.critic.network={hidden_sise: 8}",
+             r"objective.critic.network.hidden_sise: unknown config key"),
+            ("objective.critic.network={vocab_size: 8}",
+             r"objective.critic.network.vocab_size: 8 is not the policy's model.vocab_size"),
+            ("objective.critic.network={architecture: qwen4}",
+             r"objective.critic.network.architecture: 'qwen4' is not one of"),
+            ("objective.critic.network={architecture: qwen3_moe, num_experts: 3, "
+             "num_experts_per_tok: 4}", r"objective.critic.network: ")):
+        with pytest.raises(ValueError, match=match):
+            load_config(None, [*base, override])
+    cfg = load_config(None, [*base, "objective.critic.network={num_hidden_layers: 1}"])
+    assert cfg.critic_network == dataclasses.replace(cfg.model.config, num_hidden_layers=1)
+    assert load_config(None, base).critic_network == cfg.model.config
     with pytest.raises(ValueError, match="critic: needs kind 'ppo'"):
         from_dict(Objective, {"kind": "gspo", "critic": {}}, "objective")
     with pytest.raises(ValueError, match="lam: 1.5 is not in"):
@@ -243,6 +273,16 @@ def test_resuming_may_change_the_critic_settings_not_whether_there_is_one():
     for before, after in ((saved, {"objective.critic": None}), ({"objective.critic": None}, saved)):
         with pytest.raises(ValueError, match="objective.critic .*adds or removes the value head"):
             check_resumable({"config": before}, after, "ckpt")
+    separate = {"model": "separate", "network": {"hidden_size": 16}, "learning_rate": 1e-3,
+                "init_from": "policy"}
+    check_resumable({"config": {"objective.critic": separate}}, {"objective.critic": dict(
+        separate, learning_rate=1e-4, init_from="random")}, "ckpt")
+    for change, why in (({"model": "head", "network": None}, "where the values come from"),
+                        ({"network": {"hidden_size": 8}}, "the critic's network"),
+                        ({"learning_rate": None}, "the critic's learning rate")):
+        with pytest.raises(ValueError, match=f"objective.critic .*{why}"):
+            check_resumable({"config": {"objective.critic": separate}},
+                            {"objective.critic": dict(separate, **change)}, "ckpt")
 
 
 def test_redundancy_free_mode_refuses_a_critic():
@@ -250,3 +290,145 @@ def test_redundancy_free_mode_refuses_a_critic():
                                      value_head=True))
     with pytest.raises(ValueError, match="objective.critic: not available with run.mode=redun"):
         RedundancyFreeStep(graphdef, Objective(kind="ppo", critic=CriticConfig()))
+
+
+@pytest.mark.slow
+def test_critic_starting_weights_with_hugging_face_checkpoints(tmp_path):
+    """The value head with `model.init_from`: the policy from the checkpoint, the head from the
+    seeded init. A separate critic: `init_from: policy` copies the policy's starting trunk (here
+    the loaded one), a checkpoint directory loads the critic's trunk from it (another size), and
+    its value head comes from the seeded init; the optimizer state is the fresh one's."""
+    cfg = tiny_config()
+    policy, other = tiny_lm(cfg, 11), tiny_lm(tiny_config(hidden_size=16, head_dim=4), 12)
+    jtree.hf.save(policy, cfg, tmp_path / "policy")
+    jtree.hf.save(other, other.config, tmp_path / "other")
+    overrides = tiny_overrides(tmp_path / "unused.jsonl", **{
+        "model.tie_word_embeddings": False, "model.rope_theta": cfg.rope_theta,
+        "model.num_hidden_layers": 2, "objective.kind": "ppo"})
+    loaded = flat_params(nnx.state(policy, nnx.Param))
+
+    def start(*extra: str):
+        config = load_config("configs/tiny.yaml", [*overrides, *extra])
+        trainer = Trainer.build(config)
+        state = trainer.initial_state()
+        assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(
+            jax.eval_shape(trainer.init_fn))
+        return flat_params(state.params), flat_params(trainer.init_fn().params)
+
+    def assert_same(got, want):
+        assert set(got) == set(want)
+        for name in want:
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), name)
+
+    init = f"model.init_from={tmp_path / 'policy'}"
+    got, seeded = start(init, "objective.critic.model=head")
+    assert_same({k: v for k, v in got.items() if not k.startswith("value_head/")}, loaded)
+    assert_same({k: v for k, v in got.items() if k.startswith("value_head/")},
+                {k: v for k, v in seeded.items() if k.startswith("value_head/")})
+
+    got, seeded = start(init, "objective.critic.model=separate")
+    assert_same({k: v for k, v in got.items() if not k.startswith("critic/")}, loaded)
+    assert_same({k[len("critic/"):]: v for k, v in got.items()
+                 if k.startswith("critic/model/")},
+                {k: v for k, v in loaded.items() if k.startswith("model/")})
+    assert np.array_equal(got["critic/value_head/kernel"], seeded["critic/value_head/kernel"])
+
+    got, seeded = start("objective.critic.model=separate",
+                        f"objective.critic.init_from={tmp_path / 'other'}",
+                        "objective.critic.network={hidden_size: 16, head_dim: 4}")
+    other_params = flat_params(nnx.state(other, nnx.Param))
+    assert_same({k[len("critic/"):]: v for k, v in got.items()
+                 if k.startswith("critic/model/")},
+                {k: v for k, v in other_params.items() if k.startswith("model/")})
+    assert_same({k: v for k, v in got.items() if not k.startswith("critic/model/")},
+                {k: v for k, v in seeded.items() if not k.startswith("critic/model/")})
+
+    wrong = load_config("configs/tiny.yaml", [
+        *overrides, "objective.critic.model=separate",
+        f"objective.critic.init_from={tmp_path / 'other'}"])
+    with pytest.raises(ValueError, match=r"objective.critic.init_from: objective.critic.network"
+                                         r"\.hidden_size: the config has 32"):
+        Trainer.build(wrong).initial_state()
+
+
+@pytest.mark.slow
+def test_a_separate_critic_run_checkpoints_resumes_and_exports_the_policy(few_groups_file,
+                                                                          tmp_path):
+    """`jtree train` with a separate critic (another size, its own learning rate) trains it,
+    checkpoints it beside the policy (parameters and its own optimizer state), resumes from
+    the checkpoint, and `jtree export-hf` writes the policy without it."""
+    overrides = tiny_overrides(few_groups_file, **{
+        "run.steps": 2, "objective.kind": "ppo", "objective.critic.gamma": 0.9,
+        "objective.critic.model": "separate", "objective.critic.init_from": "random",
+        "objective.critic.network": "{hidden_size: 16, head_dim: 4}",
+        "objective.critic.learning_rate": 3e-3, "model.tie_word_embeddings": False})
+    ckpt = tmp_path / "ckpt"
+    assert train_main(["--config", "configs/tiny.yaml", *overrides,
+                       f"checkpoint.dir={ckpt}"]) == 0
+    assert train_main(["--config", "configs/tiny.yaml", *overrides, "run.steps=3",
+                       f"checkpoint.dir={ckpt}", "--resume"]) == 0
+    trained, config = trained_model("configs/tiny.yaml", overrides, str(ckpt))
+    cfg = load_config("configs/tiny.yaml", overrides)
+    initial = create_model("qwen3", config, **cfg.critic_model_args)
+    assert trained.critic.config.hidden_size == 16
+    for part in ("value_head", "model"):
+        got, was = (flat_params(nnx.state(getattr(m.critic, part), nnx.Param))
+                    for m in (trained, initial))
+        assert any(not np.array_equal(np.asarray(got[k]), np.asarray(was[k])) for k in got)
+    assert cli(["export-hf", "--config", "configs/tiny.yaml", "--checkpoint", str(ckpt),
+                "--out", str(tmp_path / "hf"), *overrides]) == 0
+    _, loaded = jtree.hf.load(tmp_path / "hf")
+    assert loaded.critic is None and loaded.value_head is None
+    np.testing.assert_array_equal(np.asarray(loaded.lm_head.kernel[...]),
+                                  np.asarray(trained.lm_head.kernel[...]))
+
+
+def test_the_critic_learning_rate_scales_only_the_critic_updates():
+    """`objective.critic.learning_rate`: the critic's (value head's, separate critic's) AdamW
+    updates are those at its own peak rate, the policy's unchanged."""
+    params = {"model": {"w": jnp.ones(3)}, "value_head": {"kernel": jnp.ones(2)},
+              "critic": {"model": {"w": jnp.ones(3)}}}
+    grads = jax.tree_util.tree_map(lambda x: x * jnp.arange(1.0, x.size + 1), params)
+    cfg = OptimConfig(learning_rate=1e-2, warmup_steps=2, decay_steps=10)
+
+    def update(opt):
+        state = opt.init(params)
+        for _ in range(3):
+            updates, state = opt.update(grads, state, params)
+        return updates
+
+    plain = update(make_optimizer(cfg))
+    scaled = update(make_optimizer(cfg, critic_learning_rate=3e-3))
+    own = update(make_optimizer(dataclasses.replace(cfg, learning_rate=3e-3)))
+    np.testing.assert_array_equal(scaled["model"]["w"], plain["model"]["w"])
+    for part in ("value_head", "critic"):
+        for got, want in zip(jax.tree_util.tree_leaves(scaled[part]),
+                             jax.tree_util.tree_leaves(own[part])):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(ValueError, match="objective.critic.learning_rate: needs optim.learning"):
+        make_optimizer(dataclasses.replace(cfg, learning_rate=0.0), critic_learning_rate=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("critic", ["head", "separate"])
+def test_the_reference_model_runs_the_policy_alone(tmp_path, critic):
+    """With a critic, `objective.reference` (`initial`, or an HF checkpoint, which has no
+    critic) runs the policy's parameters alone: `initial` gives the starting policy's log-probs,
+    a checkpoint loads into the same layout."""
+    overrides = tiny_overrides(tmp_path / "unused.jsonl", **{
+        "objective.kind": "ppo", "objective.kl_coef": 0.1, "objective.reference": "initial",
+        "objective.critic.model": critic})
+    cfg = load_config("configs/tiny.yaml", overrides)
+    trainer = Trainer.build(cfg)
+    reference = trainer.reference_params()
+    assert not any(k.startswith(("critic/", "value_head/")) for k in flat_params(reference))
+    trees = [critic_tree(np.random.default_rng(0), max_nodes=6, vocab=64)]
+    inputs = stack_microbatches([with_critic_pairs(linearize(trees, 64, n_rows=1))])
+    want = trainer.logprob_fn(trainer.initial_state().params, inputs)
+    np.testing.assert_array_equal(trainer.ref_logprob_fn(reference, inputs), want)
+    jtree.hf.save(create_model("qwen3", cfg.model.config, seed=0), cfg.model.config,
+                  tmp_path / "hf")
+    from_dir = Trainer.build(load_config("configs/tiny.yaml", [
+        *overrides, f"objective.reference={tmp_path / 'hf'}"]))
+    np.testing.assert_allclose(from_dir.ref_logprob_fn(from_dir.reference_params(), inputs),
+                               want, rtol=1e-6, atol=1e-6)

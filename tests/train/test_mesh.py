@@ -6,7 +6,9 @@ creates its CPU backend. A case is `model:mode:objective:DxFxM` (data x fsdp x m
 `dense` (Qwen3), `moe` (Qwen3-MoE: expert parallel, router loss pooled over the data shards) or
 `next` (Qwen3-Next: Gated DeltaNet heads split, gated attention, shared expert); `dense_cpu` is
 Qwen3 with the C++ `cpu` attention kernel, `dense_lora` Qwen3 training LoRA adapters (split like
-their kernels); `dense_tpu` is Qwen3 whose sharded step runs the Pallas
+their kernels), `dense_critic` and `dense_critic_model` Qwen3 trained by PPO with a critic (a
+value head; a separate, smaller critic model laid out by its own rules); `dense_tpu` is Qwen3 whose
+sharded step runs the Pallas
 TPU kernel in the TPU interpreter (its outputs and custom_vjp cotangents must carry the inputs'
 varying mesh axes), compared with the `xla` step on one device, on two-device meshes. Float32,
 docs/design.md tolerances: loss,
@@ -67,7 +69,8 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
              for mode in ("tree", "baseline") for mesh in MESHES]
     cases += ["moe:tree:ppo:2x1x4", "dense:baseline:ppo:4x1x2", "next:tree:sft:2x1x4",
               "dense_cpu:tree:sft:4x1x2", "dense:tree:sft:1x8x1", "moe:tree:ppo:2x2x2",
-              "dense_tpu:tree:sft:1x1x2", "dense_lora:tree:ppo:2x1x4"]
+              "dense_tpu:tree:sft:1x1x2", "dense_lora:tree:ppo:2x1x4",
+              "dense_critic_model:tree:ppo:2x2x2"]
     step_results = run_cases(cases + [f"restore:{tmp_path}/ckpt"])
     for result in step_results[:-1]:
         check(result)
@@ -84,6 +87,18 @@ def test_next_and_lora_on_every_mesh_and_ppo_on_every_model():
     cases += [f"dense_lora:{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in MESHES]
     cases += ["dense_scan:tree:sft:2x1x4", "dense_scan:tree:ppo:2x2x2"]
     for result in run_cases(cases + ["dense:baseline:ppo:2x1x4"]):
+        check(result)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("model", ("dense_critic", "dense_critic_model"))
+def test_ppo_with_a_critic_on_every_mesh(model):
+    # PPO with the value head, or with the separate critic model: tree mode on every data,
+    # tensor-parallel and FSDP mesh, the per-path baseline on two.
+    cases = [f"{model}:tree:ppo:{mesh}" for mesh in MESHES + FSDP_MESHES]
+    cases += [f"{model}:baseline:ppo:{mesh}" for mesh in ("4x1x2", "1x4x2")]
+    for result in run_cases(cases):
         check(result)
 
 

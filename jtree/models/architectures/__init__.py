@@ -73,11 +73,12 @@ def architecture_of_hf_config(hf_config: Mapping[str, Any]) -> Architecture:
 
 
 def create_model(name: str, config: Any, runtime: RuntimeConfig = RuntimeConfig(), *,
-                 seed: int = 0, value_head: bool = False) -> CausalLM:
+                 seed: int = 0, value_head: bool = False, critic: Any = None) -> CausalLM:
     """A randomly initialized model of architecture `name` with `config` (an instance of the
-    record's config class), run as `runtime` says; `value_head` adds PPO's critic head."""
+    record's config class), run as `runtime` says; `value_head` adds PPO's critic head,
+    `critic` (an architecture config) PPO's critic as a model of its own (`CausalLM`)."""
     arch = architecture(name)
     if not isinstance(config, arch.config_class):
         raise ValueError(f"architecture {name!r} needs a {arch.config_class.__name__}, "
                          f"got {type(config).__name__}")
-    return CausalLM(config, runtime, rngs=nnx.Rngs(seed), value_head=value_head)
+    return CausalLM(config, runtime, rngs=nnx.Rngs(seed), value_head=value_head, critic=critic)
