@@ -202,16 +202,19 @@ class MeshRedundancyFreeStep:
 
             (loss, part_out, own), vjp, metrics = jax.vjp(
                 f, grads, parent.prefix, parent.out, has_aux=True)
-            reads = call.reads_below[0]
-            d_out = _masked(reads, below.d_out)
-            d_own = _masked(reads, below.d_prefix)
-            d_t, d_parent_prefix, d_parent_out = vjp(
-                (jnp.ones_like(loss), _vary_like(d_out, part_out), _vary_like(d_own, own)))
+            # Only a backward call seeds its backward: the gradient of a parameter sharded
+            # over `fsdp` comes back summed over the fsdp peers (the transpose of its gather),
+            # which run other calls, so the calls are masked at the seed, not at the result.
             backward = call.active[0] & call.backward[0]
+            reads = backward & call.reads_below[0]
+            d_t, d_parent_prefix, d_parent_out = vjp((
+                jnp.where(backward, 1.0, 0.0).astype(loss.dtype),
+                _vary_like(_masked(reads, below.d_out), part_out),
+                _vary_like(_masked(reads, below.d_prefix), own)))
             buffers = _update(buffers, call, levels, own, part_out, d_parent_prefix,
                               d_parent_out)
-            total = jax.tree_util.tree_map(lambda a, x: a + _masked(backward, x), total,
-                                           (loss, metrics, d_t))
+            loss, metrics = _masked(backward, (loss, metrics))
+            total = jax.tree_util.tree_map(jnp.add, total, (loss, metrics, d_t))
             return (buffers, total), None
 
         loss_shape, _, metrics_shape = jax.eval_shape(lambda: part_forward(
