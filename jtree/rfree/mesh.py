@@ -56,7 +56,7 @@ from jtree.rfree.execute import (
 from jtree.rfree.layout import RfreeProgram
 from jtree.rfree.schedule import Lockstep, lockstep
 from jtree.sharding import (
-    MODEL, ROWS, batch_spec, batch_specs, row_shards, varying_axes, vary_over,
+    AXES, MODEL, ROWS, batch_spec, batch_specs, row_shards, varying_axes, vary_over,
 )
 from jtree.train_step import Objective, finish_metrics, merged_model, zero_sums
 
@@ -129,6 +129,11 @@ class MeshRedundancyFreeStep:
 
     def __init__(self, graphdef: nnx.GraphDef, objective: Objective, mesh: Mesh, specs: Any):
         check_objective(objective)
+        other = [a for a in mesh.axis_names if a not in AXES and mesh.shape[a] > 1]
+        if other:  # e.g. a context-parallel axis: a part row is never split over devices
+            raise ValueError(f"mesh.{other[0]}={mesh.shape[other[0]]}: run.mode=redundancy_free "
+                             f"runs on the {', '.join(AXES)} axes only (each part row on one "
+                             f"row shard); set mesh.{other[0]}=1 or another run.mode")
         self.graphdef, self.objective, self.mesh, self.specs = graphdef, objective, mesh, specs
         self.schedule: Lockstep | None = None
         self._grads = jax.jit(self._sharded, static_argnums=(2, 3))
