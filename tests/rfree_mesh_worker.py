@@ -5,8 +5,9 @@ Run in a subprocess (`tests/rfree/test_rfree_mesh.py`): XLA_FLAGS must be set be
 its CPU backend. A case is `model:objective:DxFxM` (model `dense`, `moe` or `next` of
 `tests.mesh_worker.case_model`; data x fsdp x model). Prints one JSON line per case with the
 largest relative differences of the mesh step to both references (loss, every gradient, the
-updated parameters) and the lockstep schedule's shape (steps, idle calls, shards used). The
-single-device references are computed once per model and objective; the same compile flags as
+updated parameters) and the lockstep schedule's shape (steps, calls per shard, buffer levels).
+The references are computed once per model and objective, the single-device redundancy-free one
+on the mesh's program (`build_program(..., uniform=True)`); the same compile flags as
 `tests/mesh_worker.py`.
 """
 
@@ -63,8 +64,10 @@ def reference(model_kind: str, objective_name: str, opt) -> dict[str, Any]:
     objective = OBJECTIVES[objective_name]
     chunk = GDN_CHUNK if cfg.decoder().needs_gdn_tables else None
     trees = case_trees()
-    program = build_program(trees, CAPACITY, seq_len=ROW, normalization=objective.normalization,
-                            gdn_chunk_size=chunk)
+    # The mesh's program (rows of one shape: each jitted piece of the single-device executor
+    # compiles once).
+    program = build_program(trees, CAPACITY, seq_len=ROW, uniform=True,
+                            normalization=objective.normalization, gdn_chunk_size=chunk)
     state = TrainState(params, opt.init(params), np.int32(0))
     update = jax.jit(apply_gradients(opt))
     rfree = RedundancyFreeStep(graphdef, objective, prefix_backward="auto")
@@ -75,8 +78,8 @@ def reference(model_kind: str, objective_name: str, opt) -> dict[str, Any]:
     t_loss, t_metrics, t_grads = jax.jit(make_grad_fn(graphdef, objective))(
         params, stack_microbatches([full]))
     tree_params = update(state, t_loss, t_metrics, t_grads)[0].params
-    return dict(cfg=cfg, model=model, params=params, objective=objective, chunk=chunk,
-                trees=trees, state=state, update=update,
+    return dict(cfg=cfg, model=model, params=params, objective=objective, program=program,
+                state=state, update=update,
                 rfree=(loss, grads, rfree_params), tree=(t_loss, t_grads, tree_params))
 
 
@@ -89,9 +92,7 @@ def compare_on_mesh(case: str, ref: dict[str, Any]) -> dict[str, Any]:
     graphdef = sharded_graphdef(ref["model"], specs)
     sharded = jax.device_put(params, named(mesh, specs))
     step = MeshRedundancyFreeStep(graphdef, objective, mesh, specs)
-    program = build_program(ref["trees"], CAPACITY, seq_len=ROW, uniform=True,
-                            normalization=objective.normalization, gdn_chunk_size=ref["chunk"])
-    loss, metrics, grads = step(sharded, program)
+    loss, metrics, grads = step(sharded, ref["program"])
     new_params = ref["update"](ref["state"], loss, metrics, grads)[0].params
     leaves = jax.tree_util.tree_leaves
     result: dict[str, Any] = {"case": case}
