@@ -138,7 +138,6 @@ class MeshRedundancyFreeStep:
         self.schedule: Lockstep | None = None
         self._grads = jax.jit(self._sharded, static_argnums=(2, 3))
         self._conv_width: int | None = None
-        self._pools_router: bool | None = None
 
     def __call__(self, params: Any, program: RfreeProgram):
         """(loss, metrics, grads) of the whole program."""

@@ -12,18 +12,14 @@ over models (dense, MoE, Qwen3-Next), objectives and meshes (data 2 and 4 among 
 launcher run are slow.
 """
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from jtree.rfree.layout import build_program
 from jtree.rfree.schedule import lockstep, part_calls
-from tests.run_util import WORKTREE, finish, launch, tiny_overrides, write_groups
+from tests.run_util import finish, launch, run_worker, tiny_overrides, write_groups
 from tests.strategies import multi_part_trees
 
 
@@ -86,13 +82,7 @@ def test_lockstep_runs_part_trees_in_post_order_on_one_shard(shards):
 
 
 def run_cases(cases: list[str]) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=str(WORKTREE))
-    proc = subprocess.run([sys.executable, "-m", "tests.rfree_mesh_worker", *cases],
-                          cwd=WORKTREE, env=env, capture_output=True, text=True, timeout=1700)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["case"] for r in results] == cases
-    return results
+    return run_worker("tests.rfree_mesh_worker", cases)
 
 
 def check(result: dict) -> None:
