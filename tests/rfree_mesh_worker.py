@@ -3,7 +3,8 @@ single-device redundancy-free step and the tree step.
 
 Run in a subprocess (`tests/rfree/test_rfree_mesh.py`): XLA_FLAGS must be set before jax creates
 its CPU backend. A case is `model:objective:DxFxM` (model `dense`, `moe` or `next` of
-`tests.mesh_worker.case_model`; data x fsdp x model). Prints one JSON line per case with the
+`tests.mesh_worker.case_model`, or `dense_lora`: `dense` training LoRA adapters; data x fsdp x
+model). Prints one JSON line per case with the
 largest relative differences of the mesh step to both references (loss, every gradient, the
 updated parameters) and the lockstep schedule's shape (steps, calls per shard, buffer levels).
 The references are computed once per model and objective, the single-device redundancy-free one
@@ -28,6 +29,9 @@ from flax import nnx  # noqa: E402
 
 from jtree.linearize import linearize  # noqa: E402
 from jtree.models import create_model  # noqa: E402
+from jtree.models.lora import (  # noqa: E402
+    LoraConfig, attach, model_params, trainable, trainable_grads,
+)
 from jtree.rfree.execute import RedundancyFreeStep  # noqa: E402
 from jtree.rfree.layout import build_program  # noqa: E402
 from jtree.rfree.mesh import MeshRedundancyFreeStep  # noqa: E402
@@ -41,6 +45,7 @@ from tests.models_util import perturbed, rel_l2  # noqa: E402
 from tests.strategies import multi_part_trees  # noqa: E402
 
 ROW, CAPACITY, GDN_CHUNK = 16, 5, 3
+LORA = LoraConfig(rank=2, alpha=4.0, targets=("self_attn/(q|k|o)_proj", "mlp", "lm_head"))
 OBJECTIVES = {
     "sft": Objective(kind="sft", normalization="seq_mean_token_mean"),
     "ppo": Objective(kind="ppo", normalization="token_mean", clip_low=0.1, clip_high=0.1,
@@ -59,6 +64,8 @@ def reference(model_kind: str, objective_name: str, opt) -> dict[str, Any]:
     arch, cfg, runtime = case_model(model_kind)
     model = create_model(arch, cfg, runtime, seed=3)
     graphdef, params = nnx.split(model)
+    if model_kind == "dense_lora":  # as the trainer runs it: LoRA on a base model
+        params = attach(params, LORA, jax.random.key(0))
     if model_kind != "dense":
         params = perturbed(params, scale=0.2)
     objective = OBJECTIVES[objective_name]
@@ -68,10 +75,13 @@ def reference(model_kind: str, objective_name: str, opt) -> dict[str, Any]:
     # compiles once).
     program = build_program(trees, CAPACITY, seq_len=ROW, uniform=True,
                             normalization=objective.normalization, gdn_chunk_size=chunk)
-    state = TrainState(params, opt.init(params), np.int32(0))
+    state = TrainState(params, opt.init(trainable(params)), np.int32(0))
     update = jax.jit(apply_gradients(opt))
     rfree = RedundancyFreeStep(graphdef, objective, prefix_backward="auto")
-    loss, metrics, grads = rfree(params, program)
+    # With LoRA the single-device executor differentiates the merged model (the trainer's
+    # pull-back); the mesh executor differentiates the adapters directly.
+    loss, metrics, grads = rfree(model_params(params), program)
+    grads = trainable_grads(params, grads)
     rfree_params = update(state, loss, metrics, grads)[0].params
     full = linearize(trees, 128, normalization=objective.normalization, gdn_chunk_size=chunk,
                      gdn_chunks=128 if chunk else None)
@@ -88,8 +98,10 @@ def compare_on_mesh(case: str, ref: dict[str, Any]) -> dict[str, Any]:
     mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, model=model_size),
                      jax.devices()[:data * fsdp * model_size])
     params, objective = ref["params"], ref["objective"]
-    specs = param_specs(params, param_rules(ref["cfg"], model_size), mesh)
-    graphdef = sharded_graphdef(ref["model"], specs)
+    rules = param_rules(ref["cfg"], model_size)
+    specs = param_specs(params, rules, mesh)
+    graphdef = sharded_graphdef(ref["model"],
+                                param_specs(nnx.split(ref["model"])[1], rules, mesh))
     sharded = jax.device_put(params, named(mesh, specs))
     step = MeshRedundancyFreeStep(graphdef, objective, mesh, specs)
     loss, metrics, grads = step(sharded, ref["program"])

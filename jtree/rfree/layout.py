@@ -191,7 +191,8 @@ def build_program(
                 children=tuple(c + base for c in part.children))))
     tails, leftover = _fill_tails([len(p.own) for _, p in planned], small, trees, seq_len)
     if uniform:
-        leftover = _leftover_rows(planned, tails, leftover, trees, capacity, seq_len)
+        _leftover_rows(planned, tails, leftover, trees, capacity, seq_len)
+        leftover = []
     shape = _RowShape(seq_len, prefix_buckets, gdn_chunk_size, gdn_chunks, gdn_exports)
     rows = _rows(planned, tails, trees, fields, shape, row_lengths, row_steps_per_octave)
     if uniform:  # again, at the largest shapes of the first layout
@@ -232,11 +233,11 @@ def _rows(planned, tails: list[list[int]], trees, fields, shape: _RowShape,
 
 def _leftover_rows(planned: list[tuple[int, RfreePart]], tails: list[list[int]],
                    leftover: list[int], trees: Sequence[TrajectoryTree], capacity: int,
-                   seq_len: int) -> list[int]:
+                   seq_len: int) -> None:
     """Small trees left over by `_fill_tails` laid out as rows of their own, first fit
     decreasing: the largest becomes a part without prefix or children (its one part of
-    `plan_parts`), the next ones fill its spare room, and so on. Appends to `planned` and
-    `tails`; returns the trees still left over (none)."""
+    `plan_parts`), the next ones fill its spare room, and so on (appended to `planned` and
+    `tails`)."""
     leftover = sorted(leftover, key=lambda i: -trees[i].n_tree_tokens)
     while leftover:
         i = leftover.pop(0)
@@ -245,7 +246,6 @@ def _leftover_rows(planned: list[tuple[int, RfreePart]], tails: list[list[int]],
         more, leftover = _fill_tails([len(part.own)], leftover, trees, seq_len)
         tails.append(more[0])
         leftover = sorted(leftover, key=lambda i: -trees[i].n_tree_tokens)
-    return leftover
 
 
 def _fill_tails(part_sizes: list[int], small: list[int], trees: Sequence[TrajectoryTree],
