@@ -244,13 +244,13 @@ class MeshRedundancyFreeStep:
         the schedule, each part's load added at its last call, summed over the row axes."""
         levels = jax.tree_util.tree_leaves(stack)[0].shape[0]
         p_len = calls.inputs.mask.prefix_len
-        model = self._model(params, trainable(params))
 
         def body(carry, call: LockstepInputs):
             buffers, (counts, total) = carry
             parent, _ = _at_level(buffers, call.depth[0], levels)
             own = self._own_prefix(call, parent.prefix, parent.out, p_len, conv_width)
-            out, _, _ = part_hidden(model, call.inputs, own)
+            # The model is merged inside the scan: its layers' FSDP gathers run in the body.
+            out, _, _ = part_hidden(self._model(params, trainable(params)), call.inputs, own)
             part_out = PartOutput(out.exports, out.hidden)
             zeros = jax.tree_util.tree_map(jnp.zeros_like, (own, part_out))
             buffers = _update(buffers, call, levels, own, part_out, *zeros)
