@@ -5,8 +5,8 @@ Run in a subprocess (`tests/rfree/test_rfree_mesh.py`): XLA_FLAGS must be set be
 its CPU backend. A case is `model:objective:DxFxM` (model `dense`, `moe` or `next` of
 `tests.mesh_worker.case_model`, or `dense_lora`: `dense` training LoRA adapters; data x fsdp x
 model). Prints one JSON line per case with the
-largest relative differences of the mesh step to both references (loss, every gradient, the
-updated parameters) and the lockstep schedule's shape (steps, calls per shard, buffer levels).
+largest relative differences of the mesh step to both references (loss, every gradient, also
+floored as `tests.models_util.assert_grads_close` floors it, the updated parameters) and the lockstep schedule's shape (steps, calls per shard, buffer levels).
 The references are computed once per model and objective, the single-device redundancy-free one
 on the mesh's program (`build_program(..., uniform=True)`); the same compile flags as
 `tests/mesh_worker.py`.
@@ -114,12 +114,27 @@ def compare_on_mesh(case: str, ref: dict[str, Any]) -> dict[str, Any]:
                                              zip(leaves(grads), leaves(r_grads)))
         result[f"{name}_params_rel_l2"] = max(rel_l2(a, b) for a, b in
                                               zip(leaves(new_params), leaves(r_params)))
+        result[f"{name}_grads_floored"] = floored_error(grads, r_grads)
+    # How far the two references are apart themselves (one device, no mesh involved).
+    result["rfree_vs_tree_grads_rel_l2"] = max(rel_l2(a, b) for a, b in zip(
+        leaves(ref["rfree"][1]), leaves(ref["tree"][1])))
     schedule = step.schedule
     result.update(steps=int(schedule.steps), loads=list(schedule.loads),
                   levels=int(schedule.levels),
                   model_sharded=sum("model" in a.sharding.spec for a in leaves(grads)),
                   fsdp_sharded=sum("fsdp" in a.sharding.spec for a in leaves(grads)))
     return result
+
+
+def floored_error(got: Any, want: Any) -> float:
+    """The largest leaf error relative to max(the leaf's norm, 0.1 x the whole gradient's norm):
+    <= 1e-5 is `tests.models_util.assert_grads_close` (1e-5 relative, 1e-6 of the whole norm as
+    the floor for leaves whose gradient nearly cancels)."""
+    leaves = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(want)]
+    total = float(np.sqrt(sum(np.sum(x ** 2) for x in leaves)))
+    return max(float(np.linalg.norm(np.asarray(a, np.float64) - b))
+               / max(float(np.linalg.norm(b)), 0.1 * total)
+               for a, b in zip(jax.tree_util.tree_leaves(got), leaves))
 
 
 def main(cases: list[str]) -> None:

@@ -143,7 +143,7 @@ class MeshRedundancyFreeStep:
         """(loss, metrics, grads) of the whole program."""
         _check_uniform(program)
         if self._conv_width is None:
-            self._conv_width = conv_context(self.graphdef, params)
+            self._conv_width = conv_context(self.graphdef, jax.eval_shape(model_params, params))
         schedule = lockstep(program, row_shards(self.mesh))
         steps = octave_step_length(schedule.steps, STEPS_PER_OCTAVE, min_step=1)
         if steps != schedule.steps:

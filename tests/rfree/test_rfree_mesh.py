@@ -4,7 +4,8 @@ The lockstep schedule and the uniform layout are checked in process (no compile)
 in a subprocess of 8 forced host devices (`tests/rfree_mesh_worker.py`): a case
 `model:objective:DxFxM` trains one step on that mesh and compares it with the single-device
 redundancy-free step and the tree step on the same trees (float32, docs/design.md tolerances:
-loss, every gradient and the updated parameters within 1e-5 relative). Trees: four that need
+loss, every gradient and the updated parameters within 1e-5 relative; against the tree step
+the gradients as `tests.models_util.assert_grads_close` compares them, with its floor). Trees: four that need
 two to four levels of parts at capacity 5 and two small ones (rows of their own); the data 4
 mesh runs one part tree per shard, data 2 two. The default case is the dense model with PPO on
 data 2 x fsdp 2 x model 2 (data parallel, FSDP gathers and tensor parallel in one run); the sweep
@@ -88,8 +89,12 @@ def run_cases(cases: list[str]) -> list[dict]:
 def check(result: dict) -> None:
     for ref in ("rfree", "tree"):
         assert result[f"{ref}_loss_rel"] <= 1e-5, result
-        assert result[f"{ref}_grads_rel_l2"] <= 1e-5, result
         assert result[f"{ref}_params_rel_l2"] <= 1e-5, result
+    assert result["rfree_grads_rel_l2"] <= 1e-5, result
+    # Against the tree step, leaves whose gradient nearly cancels are held to 1e-6 of the whole
+    # gradient's norm (`assert_grads_close`): the single-device redundancy-free step itself is
+    # 1.3e-5 off the tree step on one such leaf of Qwen3-Next with PPO.
+    assert result["tree_grads_floored"] <= 1e-5, result
     data, fsdp, model = (int(x) for x in result["case"].split(":")[2].split("x"))
     assert len(result["loads"]) == data * fsdp and min(result["loads"]) > 0  # every shard ran
     assert result["levels"] >= 2  # parts with grandchildren: buffers on several levels
