@@ -131,8 +131,8 @@ def run_step_builder(cfg: TrainConfig, trees: Sequence[TrajectoryTree], builders
     if cfg.run.mode == "redundancy_free":
         capacity = rfree_capacity(cfg)
         config = RfreeStepConfig(cfg.objective.normalization, d.seq_len, capacity,
-                                 d.trees_per_step, gdn_chunk_size(cfg), cfg.run.row_steps_per_octave,
-                                 uniform=n_devices > 1)
+                                 d.trees_per_step, gdn_chunk_size(cfg),
+                                 cfg.run.row_steps_per_octave, uniform=n_devices > 1)
         how = ("one device call per part" if n_devices == 1 else
                "rows of one shape per step, part trees in lockstep over the row shards")
         return RfreeStepBuilder(trees, config), (

@@ -4,12 +4,12 @@ single-device redundancy-free step and the tree step.
 Run in a subprocess (`tests/rfree/test_rfree_mesh.py`): XLA_FLAGS must be set before jax creates
 its CPU backend. A case is `model:objective:DxFxM` (model `dense`, `moe` or `next` of
 `tests.mesh_worker.case_model`, or `dense_lora`: `dense` training LoRA adapters; data x fsdp x
-model). Prints one JSON line per case with the
-largest relative differences of the mesh step to both references (loss, every gradient, also
-floored as `tests.models_util.assert_grads_close` floors it, the updated parameters) and the lockstep schedule's shape (steps, calls per shard, buffer levels).
-The references are computed once per model and objective, the single-device redundancy-free one
-on the mesh's program (`build_program(..., uniform=True)`); the same compile flags as
-`tests/mesh_worker.py`.
+model). Prints one JSON line per case with the largest relative differences of the mesh step to
+both references (loss, every gradient, also floored as `tests.models_util.assert_grads_close`
+floors it, the updated parameters), the gap between the two references, and the lockstep
+schedule's shape (steps, calls per shard, buffer levels). The references are computed once per
+model and objective, the single-device redundancy-free one on the mesh's program
+(`build_program(..., uniform=True)`); the same compile flags as `tests/mesh_worker.py`.
 """
 
 from __future__ import annotations

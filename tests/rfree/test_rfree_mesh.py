@@ -4,13 +4,13 @@ The lockstep schedule and the uniform layout are checked in process (no compile)
 in a subprocess of 8 forced host devices (`tests/rfree_mesh_worker.py`): a case
 `model:objective:DxFxM` trains one step on that mesh and compares it with the single-device
 redundancy-free step and the tree step on the same trees (float32, docs/design.md tolerances:
-loss, every gradient and the updated parameters within 1e-5 relative; against the tree step
-the gradients as `tests.models_util.assert_grads_close` compares them, with its floor). Trees: four that need
-two to four levels of parts at capacity 5 and two small ones (rows of their own); the data 4
-mesh runs one part tree per shard, data 2 two. The default case is the dense model with PPO on
-data 2 x fsdp 2 x model 2 (data parallel, FSDP gathers and tensor parallel in one run); the sweep
-over models (dense, MoE, Qwen3-Next), objectives and meshes (data 2 and 4 among them) and the
-launcher run are slow.
+loss, every gradient and the updated parameters within 1e-5 relative; against the tree step the
+gradients as `tests.models_util.assert_grads_close` compares them, with its floor). Trees: four
+that need two to four levels of parts at capacity 5 and two small ones (rows of their own); the
+data 4 mesh runs one part tree per shard, data 2 two. The default case is the dense model with
+PPO on data 2 x fsdp 2 x model 2 (data parallel, FSDP gathers and tensor parallel in one run);
+the sweep over models (dense, MoE, Qwen3-Next, LoRA), objectives and meshes (data 2 and 4 among
+them) and the launcher run are slow.
 """
 
 import re
