@@ -116,8 +116,10 @@ def compare_on_mesh(case: str, ref: dict[str, Any]) -> dict[str, Any]:
                                               zip(leaves(new_params), leaves(r_params)))
         result[f"{name}_grads_floored"] = floored_error(grads, r_grads)
     # How far the two references are apart themselves (one device, no mesh involved).
-    result["rfree_vs_tree_grads_rel_l2"] = max(rel_l2(a, b) for a, b in zip(
-        leaves(ref["rfree"][1]), leaves(ref["tree"][1])))
+    gaps = {jax.tree_util.keystr(path): rel_l2(a, b) for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(ref["rfree"][1]), leaves(ref["tree"][1]))}
+    result["rfree_vs_tree_grads_rel_l2"] = max(gaps.values())
+    result["rfree_vs_tree_worst_leaf"] = max(gaps, key=gaps.get)
     schedule = step.schedule
     result.update(steps=int(schedule.steps), loads=list(schedule.loads),
                   levels=int(schedule.levels),

@@ -92,9 +92,11 @@ def check(result: dict) -> None:
         assert result[f"{ref}_params_rel_l2"] <= 1e-5, result
     assert result["rfree_grads_rel_l2"] <= 1e-5, result
     # Against the tree step, leaves whose gradient nearly cancels are held to 1e-6 of the whole
-    # gradient's norm (`assert_grads_close`): the single-device redundancy-free step itself is
-    # 1.3e-5 off the tree step on one such leaf of Qwen3-Next with PPO.
-    assert result["tree_grads_floored"] <= 1e-5, result
+    # gradient's norm (`assert_grads_close`); where the single-device redundancy-free step is
+    # itself further off the tree step (Qwen3-Next with PPO: 1.2e-5 on one leaf, float32
+    # rounding of its per-part sums), the mesh step may be as far, not farther.
+    gap = result["rfree_vs_tree_grads_rel_l2"]
+    assert result["tree_grads_floored"] <= max(1e-5, gap + result["rfree_grads_rel_l2"]), result
     data, fsdp, model = (int(x) for x in result["case"].split(":")[2].split("x"))
     assert len(result["loads"]) == data * fsdp and min(result["loads"]) > 0  # every shard ran
     assert result["levels"] >= 2  # parts with grandchildren: buffers on several levels
