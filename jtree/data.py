@@ -365,12 +365,14 @@ class RfreeStepConfig:
     trees_per_step: int
     gdn_chunk_size: int | None = None
     row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE
+    uniform: bool = False  # part rows of one shape, for the mesh executor (jtree.rfree.mesh)
 
 
 class RfreeStepBuilder:
     """Grain transform for `run.mode=redundancy_free`: the tree indices of one step -> the step's
     `jtree.rfree` program (`{"program": RfreeProgram, "info": step_info(...)}`), run part by part
-    on one device by `jtree.rfree.execute.RedundancyFreeStep`."""
+    on one device by `jtree.rfree.execute.RedundancyFreeStep`, or with `uniform` in lockstep
+    over a mesh by `jtree.rfree.mesh.MeshRedundancyFreeStep`."""
 
     def __init__(self, trees: Sequence[TrajectoryTree], config: RfreeStepConfig):
         self.trees, self.config = list(trees), config
@@ -381,7 +383,8 @@ class RfreeStepBuilder:
         program = build_program(trees, config.capacity, seq_len=config.seq_len,
                                 normalization=config.normalization,
                                 gdn_chunk_size=config.gdn_chunk_size,
-                                row_steps_per_octave=config.row_steps_per_octave)
+                                row_steps_per_octave=config.row_steps_per_octave,
+                                uniform=config.uniform)
         info = dict(step_info(trees, trees), n_computed_tokens=np.int64(program.n_computed))
         return {"program": program, "info": info}
 

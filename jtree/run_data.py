@@ -121,17 +121,22 @@ class StepBuilders:
         self.rows[mode] = builder.config.layout.rows
 
 
-def run_step_builder(cfg: TrainConfig, trees: Sequence[TrajectoryTree], builders: StepBuilders
+def run_step_builder(cfg: TrainConfig, trees: Sequence[TrajectoryTree], builders: StepBuilders,
+                     n_devices: int = 1
                      ) -> tuple[StepBuilder | AutoStepBuilder | RfreeStepBuilder, str]:
-    """What feeds the run's pipeline for `run.mode`, and a description of its layout."""
+    """What feeds the run's pipeline for `run.mode`, and a description of its layout
+    (`n_devices`: the mesh's; a redundancy-free run on more than one lays its parts out for the
+    mesh executor)."""
     d = cfg.data
     if cfg.run.mode == "redundancy_free":
         capacity = rfree_capacity(cfg)
         config = RfreeStepConfig(cfg.objective.normalization, d.seq_len, capacity,
-                                 d.trees_per_step, gdn_chunk_size(cfg), cfg.run.row_steps_per_octave)
+                                 d.trees_per_step, gdn_chunk_size(cfg),
+                                 cfg.run.row_steps_per_octave, uniform=n_devices > 1)
+        how = ("one device call per part" if n_devices == 1 else
+               "rows of one shape per step, part trees in lockstep over the row shards")
         return RfreeStepBuilder(trees, config), (
-            f"parts of <= {capacity} tokens in rows fitted to them (at most {d.seq_len}), one "
-            "device call per part")
+            f"parts of <= {capacity} tokens in rows fitted to them (at most {d.seq_len}), {how}")
     modes = trained_modes(cfg)
     builder = (AutoStepBuilder({m: builders[m] for m in modes}, FlopModel.for_config(
         cfg.model.config), cfg.run.auto_min_gain) if cfg.run.mode == "auto"

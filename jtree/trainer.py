@@ -45,6 +45,7 @@ from jtree.metrics import MetricsLog
 from jtree.models import create_model
 from jtree.models.lora import model_params, trainable, trainable_grads, with_lora
 from jtree.rfree.execute import RedundancyFreeStep
+from jtree.rfree.mesh import MeshRedundancyFreeStep
 from jtree.planner import check_steps_per_octave
 from jtree.run_data import (
     StepBuilders, host_data_shards, load_training_trees, rfree_capacity, run_step_builder,
@@ -142,7 +143,8 @@ class Trainer:
         init_fn = jax.jit(init, out_shardings=shardings)
         rfree_step = None
         if cfg.run.mode == "redundancy_free":
-            rfree_step = make_rfree_step(cfg, mesh, nnx.split(abstract)[0], optimizer)
+            rfree_step = make_rfree_step(cfg, mesh, nnx.split(abstract)[0], optimizer,
+                                         sharded=(graphdef, specs, shardings))
         return cls(cfg, mesh, graphdef, specs, shardings, optimizer, step_fn, logprob_fn, init_fn,
                    rfree_step, model_specs, ref_logprob_fn)
 
@@ -245,16 +247,30 @@ def check_reference(cfg: TrainConfig) -> None:
                          "run.mode")
 
 
-def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any
+def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any, *,
+                    sharded: tuple[Any, Any, TrainState] | None = None
                     ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
-    """The `run.mode=redundancy_free` step: `jtree.rfree` gradients part by part, then the
-    optimizer update. Single device: the parts run as separate calls, not over a mesh."""
-    if mesh.devices.size != 1:
-        raise ValueError(f"run.mode=redundancy_free: runs on one device, but the mesh has "
-                         f"{mesh.devices.size} ({describe_mesh(mesh)}); set mesh.data=1 "
-                         "mesh.fsdp=1 mesh.model=1 or another run.mode")
+    """The `run.mode=redundancy_free` step: `jtree.rfree` gradients, then the optimizer update.
+    On one device the parts run as separate calls (`RedundancyFreeStep`); on a larger mesh in
+    lockstep over its row shards inside one sharded call (`MeshRedundancyFreeStep`), which needs
+    `sharded` = (the model for shard_map, the parameters' specs, the state's shardings)."""
     rfree_capacity(cfg)
     check_steps_per_octave(cfg.run.row_steps_per_octave, "run.row_steps_per_octave")
+    if mesh.devices.size > 1:
+        if cfg.run.prefix_backward == "residuals":
+            raise ValueError(f"run.prefix_backward=residuals: not available on a mesh of "
+                             f"{mesh.devices.size} devices ({describe_mesh(mesh)}), where a "
+                             "part with children runs its forward again for its backward; set "
+                             "run.prefix_backward=recompute (or auto)")
+        sharded_graphdef, specs, shardings = sharded
+        grads_on_mesh = MeshRedundancyFreeStep(sharded_graphdef, cfg.objective, mesh, specs)
+        update = jax.jit(apply_gradients(optimizer), donate_argnums=0,
+                         out_shardings=(shardings, NamedSharding(mesh, P())))
+
+        def mesh_step(state: TrainState, program) -> tuple[TrainState, dict[str, jax.Array]]:
+            return update(state, *grads_on_mesh(state.params, program))
+
+        return mesh_step
     grads_of = RedundancyFreeStep(graphdef, cfg.objective,
                                   prefix_backward=cfg.run.prefix_backward)
     update = jax.jit(apply_gradients(optimizer), donate_argnums=0)
@@ -272,8 +288,6 @@ def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any
         return update(state, loss, metrics, to_trainable(state.params, grads))
 
     return lora_step
-
-    return step
 
 
 # Config keys a resumed run may change although they are part of a fixed section (`model.`,
@@ -372,7 +386,7 @@ class TrainingRun:
         shards = host_data_shards(trainer.mesh)
         with progress("laying out the steps (partitioning trees, sizing rows)"):
             builders = StepBuilders(cfg, trees, row_shards(trainer.mesh), shards)
-            builder, layout = run_step_builder(cfg, trees, builders)
+            builder, layout = run_step_builder(cfg, trees, builders, trainer.mesh.devices.size)
         iterator = iter(make_pipeline(builder, seed=cfg.data.shuffle_seed,
                                       worker_count=cfg.data.worker_count))
         ckpt = None

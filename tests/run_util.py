@@ -61,5 +61,17 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> tuple[int
     return code, Path(f"{log}.out").read_text(), Path(f"{log}.err").read_text()
 
 
+def run_worker(module: str, cases: list[str], timeout: float = 1700) -> list[dict]:
+    """Run `python -m MODULE CASES...` (a worker that prints one JSON line per case, e.g. with
+    forced host devices) from the worktree: its results, checked to be one per case, in order."""
+    env = dict(os.environ, PYTHONPATH=str(WORKTREE))
+    proc = subprocess.run([sys.executable, "-m", module, *cases], cwd=WORKTREE, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["case"] for r in results] == cases
+    return results
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

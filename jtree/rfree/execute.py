@@ -90,12 +90,7 @@ class RedundancyFreeStep:
         if prefix_backward not in ("residuals", "recompute", "auto"):
             raise ValueError(f"prefix_backward: {prefix_backward!r} is not 'residuals', "
                              "'recompute' or 'auto'")
-        if objective.kind == "gspo":  # a part's path sums would miss the prefix it reuses
-            raise ValueError("objective.kind=gspo: not available with run.mode=redundancy_free "
-                             "(use run.mode=tree)")
-        if objective.critic is not None:  # a part's per-path GAE would miss its prefix's pairs
-            raise ValueError("objective.critic: not available with run.mode=redundancy_free "
-                             "(use run.mode=tree)")
+        check_objective(objective)
         self.graphdef, self.objective = graphdef, objective
         self.prefix_backward = prefix_backward
         self.conv_width: int | None = None  # K - 1 of the GDN conv, read from the model config
@@ -120,24 +115,13 @@ class RedundancyFreeStep:
 
     # ------------------------------------------------------------------ jitted pieces
 
-    def _part_hidden(self, params, inputs, prefix: PartPrefix):
-        model = nnx.merge(self.graphdef, params)
-        out = model(inputs, prefix.layers)
-        # Row 0 of the scoring rows: the attach token's hidden state.
-        p = inputs.mask.prefix_len
-        hidden = jnp.concatenate([prefix.hidden[:, None].astype(out.hidden.dtype), out.hidden], 1)
-        pred = jnp.where(inputs.pred >= 0, inputs.pred - p + 1, -1)
-        return model, out, hidden, pred
-
     def _part_forward(self, params, inputs, prefix):
-        model, out, hidden, pred = self._part_hidden(params, inputs, prefix)
-        loss, metrics = loss_from_hidden(model.output_embedding(), hidden, pred, out.aux_loss,
-                                         inputs, self.objective)
-        return loss, PartOutput(out.exports, out.hidden), metrics
+        return part_forward(nnx.merge(self.graphdef, params), inputs, prefix, self.objective)
 
     def _part_logprobs(self, params, inputs, prefix):
         """Forward only: log-probs [1, S], what children read, and the router load (or None)."""
-        model, out, hidden, pred = self._part_hidden(params, inputs, prefix)
+        model = nnx.merge(self.graphdef, params)
+        out, hidden, pred = part_hidden(model, inputs, prefix)
         logp, _ = logprobs_from_hidden(hidden, model.output_embedding(), inputs.tokens, pred,
                                        chunk=self.objective.logprob_chunk)
         return (jax.lax.stop_gradient(logp), PartOutput(out.exports, out.hidden),
@@ -186,33 +170,7 @@ class RedundancyFreeStep:
 
     def _extend_prefix(self, prefix: PartPrefix, out: PartOutput, index, state_index,
                        p_par: int) -> PartPrefix:
-        """A child's prefix: slot j of its prefix is position index[j] of the parent's combined
-        coordinates ([parent prefix of `p_par` slots | parent own tokens]; -1 padding)."""
-        safe = jnp.maximum(index, 0)
-        layers = []
-        for above, own in zip(prefix.layers, out.exports):
-            if isinstance(own, AttentionCache):
-                k = jnp.concatenate([above.k, own.k], 1)
-                v = jnp.concatenate([above.v, own.v], 1)
-                layers.append(AttentionCache(_take(k, safe), _take(v, safe)))
-            else:
-                layers.append(self._extend_gdn(above, own, index, state_index, p_par))
-        attach = index[:, -1] - p_par
-        hidden = jnp.take_along_axis(out.hidden, attach[:, None, None], axis=1)[:, 0]
-        return PartPrefix(tuple(layers), hidden)
-
-    def _extend_gdn(self, above: GdnCache, own: GdnCache, index, state_index, p_par: int
-                    ) -> GdnCache:
-        """The child's conv context (the K - 1 tokens above its attach token, from the parent's
-        [cached K - 1 | own] activations) and the state after its attach token."""
-        w = self.conv_width
-        source = jnp.concatenate([above.conv.astype(own.conv.dtype), own.conv], 1)
-        idx = index[:, -w:] if index.shape[1] >= w else jnp.pad(
-            index, ((0, 0), (w - index.shape[1], 0)), constant_values=-1)
-        idx = jnp.where(idx >= 0, idx - p_par + w, -1)
-        conv = jnp.where((idx >= 0)[..., None], _take(source, jnp.maximum(idx, 0)), 0)
-        state = jnp.take_along_axis(own.state, state_index[:, None, None, None, None], axis=1)
-        return GdnCache(conv, state[:, 0])
+        return extend_prefix(prefix, out, index, state_index, p_par, self.conv_width)
 
     def _extend_transpose(self, prefix, out, index, state_index, p_par: int, d_child):
         _, vjp = jax.vjp(lambda c, o: self._extend_prefix(c, o, index, state_index, p_par),
@@ -262,34 +220,19 @@ class RedundancyFreeStep:
         return fn(*args)
 
     def _empty_prefix(self, params: Any, part: PartBatch) -> PartPrefix:
-        """Zeros in the shapes of `part`'s prefix, for a part at the top of a tree (its prefix
-        slots are all padding: masked in attention, no query reads their conv context or state)."""
+        """Zeros in the shapes of `part`'s prefix (`zero_prefix`), once per shape."""
         key = (jax.tree_util.tree_structure(part.inputs),
                tuple(x.shape for x in jax.tree_util.tree_leaves(part.inputs)))
         if key not in self._empty:
             out = jax.eval_shape(lambda p, x: nnx.merge(self.graphdef, p)(x), params, part.inputs)
-            rows, p = part.inputs.shape[0], part.prefix_len
-            layers = []
-            for e in out.exports:
-                if isinstance(e, AttentionCache):
-                    layers.append(AttentionCache(*(jnp.zeros((rows, p) + a.shape[2:], a.dtype)
-                                                   for a in e)))
-                else:
-                    layers.append(GdnCache(
-                        jnp.zeros((rows, self.conv_width) + e.conv.shape[2:], e.conv.dtype),
-                        jnp.zeros(e.state.shape[:1] + e.state.shape[2:], e.state.dtype)))
-            hidden = jnp.zeros((rows, out.hidden.shape[-1]), out.hidden.dtype)
-            self._empty[key] = PartPrefix(tuple(layers), hidden)
+            self._empty[key] = zero_prefix(out.exports, out.hidden, part.inputs.shape[0],
+                                           part.prefix_len, self.conv_width)
         return self._empty[key]
 
     def _read_config(self, params: Any) -> None:
         """What the traversal needs from the model config (its parameters' shapes suffice)."""
         if self.conv_width is None:
-            shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                            params)
-            model = nnx.merge(self.graphdef, shapes)
-            self.conv_width = (model.config.linear_conv_kernel_dim - 1
-                               if model.spec.needs_gdn_tables else 0)
+            self.conv_width = conv_context(self.graphdef, params)
 
     def _uses_router_load(self, params: Any, program: RfreeProgram) -> bool:
         """Whether the model has a router load-balancing loss (traced abstractly, once)."""
@@ -401,6 +344,93 @@ class RedundancyFreeStep:
                 child = program.parts[c]
                 stack.append((c, self._extend(prefix, out, jnp.asarray(child.gather_index),
                                               jnp.asarray(child.gather_state), part.prefix_len)))
+
+
+def check_objective(objective: Objective) -> None:
+    """Refuse the objectives a part cannot compute on its own tokens, naming the setting."""
+    if objective.kind == "gspo":  # a part's path sums would miss the prefix it reuses
+        raise ValueError("objective.kind=gspo: not available with run.mode=redundancy_free "
+                         "(use run.mode=tree)")
+    if objective.critic is not None:  # a part's per-path GAE would miss its prefix's pairs
+        raise ValueError("objective.critic: not available with run.mode=redundancy_free "
+                         "(use run.mode=tree)")
+
+
+def conv_context(graphdef: nnx.GraphDef, params: Any) -> int:
+    """K - 1, the tokens of GDN conv context a prefix carries (0 without GDN layers), from the
+    model config (its parameters' shapes suffice)."""
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    model = nnx.merge(graphdef, shapes)
+    return model.config.linear_conv_kernel_dim - 1 if model.spec.needs_gdn_tables else 0
+
+
+def zero_prefix(exports: tuple[LayerCache, ...], hidden: Any, rows: int, p: int,
+                conv_width: int) -> PartPrefix:
+    """Zeros in the shapes of a prefix of `p` slots, from (the shapes of) a forward's `exports`
+    and `hidden`: what a part at the top of a tree reads (its prefix slots are all padding:
+    masked in attention, no query reads their conv context or state)."""
+    layers = []
+    for e in exports:
+        if isinstance(e, AttentionCache):
+            layers.append(AttentionCache(*(jnp.zeros((rows, p) + a.shape[2:], a.dtype)
+                                           for a in e)))
+        else:
+            layers.append(GdnCache(
+                jnp.zeros((rows, conv_width) + e.conv.shape[2:], e.conv.dtype),
+                jnp.zeros(e.state.shape[:1] + e.state.shape[2:], e.state.dtype)))
+    return PartPrefix(tuple(layers), jnp.zeros((rows, hidden.shape[-1]), hidden.dtype))
+
+
+def part_hidden(model: Any, inputs: Any, prefix: PartPrefix
+                ) -> tuple[Any, jax.Array, jax.Array]:
+    """A part's forward: the model output, its scoring rows (row 0 the attach token's hidden
+    state, then the own tokens') and `pred` into them."""
+    out = model(inputs, prefix.layers)
+    p = inputs.mask.prefix_len
+    hidden = jnp.concatenate([prefix.hidden[:, None].astype(out.hidden.dtype), out.hidden], 1)
+    pred = jnp.where(inputs.pred >= 0, inputs.pred - p + 1, -1)
+    return out, hidden, pred
+
+
+def part_forward(model: Any, inputs: Any, prefix: PartPrefix, objective: Objective, *,
+                 vocab_axis: str | None = None) -> tuple[jax.Array, PartOutput, dict]:
+    """A part's loss, what its children read, and its metrics (`vocab_axis`: the
+    tensor-parallel axis of a vocab-parallel head, inside shard_map)."""
+    out, hidden, pred = part_hidden(model, inputs, prefix)
+    loss, metrics = loss_from_hidden(model.output_embedding(), hidden, pred, out.aux_loss,
+                                     inputs, objective, vocab_axis=vocab_axis)
+    return loss, PartOutput(out.exports, out.hidden), metrics
+
+
+def extend_prefix(prefix: PartPrefix, out: PartOutput, index: jax.Array,
+                  state_index: jax.Array, p_par: int, conv_width: int) -> PartPrefix:
+    """A child's prefix: slot j of its prefix is position index[j] of the parent's combined
+    coordinates ([parent prefix of `p_par` slots | parent own tokens]; -1 padding)."""
+    safe = jnp.maximum(index, 0)
+    layers = []
+    for above, own in zip(prefix.layers, out.exports):
+        if isinstance(own, AttentionCache):
+            k = jnp.concatenate([above.k, own.k], 1)
+            v = jnp.concatenate([above.v, own.v], 1)
+            layers.append(AttentionCache(_take(k, safe), _take(v, safe)))
+        else:
+            layers.append(_extend_gdn(above, own, index, state_index, p_par, conv_width))
+    attach = index[:, -1] - p_par
+    hidden = jnp.take_along_axis(out.hidden, attach[:, None, None], axis=1)[:, 0]
+    return PartPrefix(tuple(layers), hidden)
+
+
+def _extend_gdn(above: GdnCache, own: GdnCache, index: jax.Array, state_index: jax.Array,
+                p_par: int, w: int) -> GdnCache:
+    """The child's conv context (the K - 1 = `w` tokens above its attach token, from the
+    parent's [cached K - 1 | own] activations) and the state after its attach token."""
+    source = jnp.concatenate([above.conv.astype(own.conv.dtype), own.conv], 1)
+    idx = index[:, -w:] if index.shape[1] >= w else jnp.pad(
+        index, ((0, 0), (w - index.shape[1], 0)), constant_values=-1)
+    idx = jnp.where(idx >= 0, idx - p_par + w, -1)
+    conv = jnp.where((idx >= 0)[..., None], _take(source, jnp.maximum(idx, 0)), 0)
+    state = jnp.take_along_axis(own.state, state_index[:, None, None, None, None], axis=1)
+    return GdnCache(conv, state[:, 0])
 
 
 class _Accumulator:

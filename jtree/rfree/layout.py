@@ -150,6 +150,7 @@ def build_program(
     gdn_chunk_size: int | None = None,
     gdn_chunks: int | None = None,
     gdn_exports: int | None = None,
+    uniform: bool = False,
 ) -> RfreeProgram:
     """Plan and lay out `trees` for redundancy-free training: parts of at most `capacity` tokens
     in rows of at most `seq_len` (default `capacity`) tokens.
@@ -163,6 +164,12 @@ def build_program(
     `gdn_exports` the number of exported states per row (default: a power of two per part; fixed
     values compile fewer shapes). Whole
     trees that do not fit into part rows go to micro-batches of `rows_per_microbatch` rows.
+
+    `uniform` lays the program out for the mesh executor (`jtree.rfree.mesh`), which stacks part
+    rows into one array: every part row gets the same shapes (the largest row length, prefix
+    region, GDN chunk count and export width of the program's rows) and the small trees that
+    fit no part row get rows of their own (parts without prefix or children) instead of
+    micro-batches.
     """
     if not trees:
         raise ValueError("trees: need at least one tree")
@@ -183,15 +190,20 @@ def build_program(
                 part, parent=part.parent + base if part.parent >= 0 else -1,
                 children=tuple(c + base for c in part.children))))
     tails, leftover = _fill_tails([len(p.own) for _, p in planned], small, trees, seq_len)
+    if uniform:
+        _leftover_rows(planned, tails, leftover, trees, capacity, seq_len)
+        leftover = []
     shape = _RowShape(seq_len, prefix_buckets, gdn_chunk_size, gdn_chunks, gdn_exports)
-    lengths = [prefix_bucket(len(p.prefix), prefix_buckets) for _, p in planned if p.attach >= 0]
-    root_len = min(lengths) if lengths else prefix_bucket(1, prefix_buckets)
-    rows = []
-    for k, (_, part) in enumerate(planned):
-        content = len(part.own) + sum(trees[i].n_tree_tokens for i in tails[k])
-        row_shape = dataclasses.replace(shape, seq_len=row_length(content, seq_len, row_lengths,
-                                                                    row_steps_per_octave))
-        rows.append(_part_row(planned, k, tails[k], trees, fields, row_shape, root_len))
+    rows = _rows(planned, tails, trees, fields, shape, row_lengths, row_steps_per_octave)
+    if uniform:  # again, at the largest shapes of the first layout
+        shape = dataclasses.replace(
+            shape, prefix_buckets=[max(r.prefix_len for r in rows)],
+            gdn_chunks=None if gdn_chunk_size is None else max(
+                r.inputs.gdn.chunk_tokens.shape[1] for r in rows),
+            gdn_exports=None if gdn_chunk_size is None else max(
+                r.inputs.gdn.export_slots.shape[1] for r in rows))
+        rows = _rows(planned, tails, trees, fields, shape,
+                     [max(r.inputs.shape[1] for r in rows)], row_steps_per_octave)
     parts = tuple(_link(rows, planned))
     whole = None
     if leftover:
@@ -201,6 +213,39 @@ def build_program(
                                    gdn_chunk_size=gdn_chunk_size)
     return RfreeProgram(tuple(trees), parts, whole, tuple(leftover), capacity, normalization,
                         float(normalizer), disagreement)
+
+
+def _rows(planned, tails: list[list[int]], trees, fields, shape: _RowShape,
+          row_lengths: Sequence[int] | None, row_steps_per_octave: int) -> list[_Row]:
+    """The rows of the planned parts (and the small trees packed after them); parts without a
+    prefix get the shortest prefix region of the others."""
+    lengths = [prefix_bucket(len(p.prefix), shape.prefix_buckets) for _, p in planned
+               if p.attach >= 0]
+    root_len = min(lengths) if lengths else prefix_bucket(1, shape.prefix_buckets)
+    rows = []
+    for k, (_, part) in enumerate(planned):
+        content = len(part.own) + sum(trees[i].n_tree_tokens for i in tails[k])
+        row_shape = dataclasses.replace(shape, seq_len=row_length(
+            content, shape.seq_len, row_lengths, row_steps_per_octave))
+        rows.append(_part_row(planned, k, tails[k], trees, fields, row_shape, root_len))
+    return rows
+
+
+def _leftover_rows(planned: list[tuple[int, RfreePart]], tails: list[list[int]],
+                   leftover: list[int], trees: Sequence[TrajectoryTree], capacity: int,
+                   seq_len: int) -> None:
+    """Small trees left over by `_fill_tails` laid out as rows of their own, first fit
+    decreasing: the largest becomes a part without prefix or children (its one part of
+    `plan_parts`), the next ones fill its spare room, and so on (appended to `planned` and
+    `tails`)."""
+    leftover = sorted(leftover, key=lambda i: -trees[i].n_tree_tokens)
+    while leftover:
+        i = leftover.pop(0)
+        (part,) = plan_parts(trees[i], capacity)
+        planned.append((i, part))
+        more, leftover = _fill_tails([len(part.own)], leftover, trees, seq_len)
+        tails.append(more[0])
+        leftover = sorted(leftover, key=lambda i: -trees[i].n_tree_tokens)
 
 
 def _fill_tails(part_sizes: list[int], small: list[int], trees: Sequence[TrajectoryTree],

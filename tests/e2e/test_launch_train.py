@@ -143,17 +143,26 @@ def test_redundancy_free_mode_trains(few_groups_file, tmp_path, capsys, modes):
         assert losses["redundancy_free"] == pytest.approx(losses["tree"], abs=2e-4)
 
 
-def test_redundancy_free_mode_refuses_a_multi_device_mesh_and_bad_settings():
+def test_redundancy_free_mode_refuses_bad_settings():
+    """On a mesh of several devices the parts run in lockstep (`jtree.rfree.mesh`, tested in
+    tests/rfree/test_rfree_mesh.py), which keeps no residuals: `run.prefix_backward=residuals`
+    there is refused, naming the setting and the mesh; so are mesh axes other than data, fsdp
+    and model, a capacity above the rows and a bad row ladder."""
     from jax.sharding import Mesh
+    from jtree.rfree.mesh import MeshRedundancyFreeStep
     from jtree.trainer import make_rfree_step
     from jtree.config import load_config
 
-    cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free"])
+    cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free",
+                                            "run.prefix_backward=residuals"])
     axes = ("data", "fsdp", "model")
     for shape, named in (((2, 1, 1), "data=2 x fsdp=1"), ((1, 2, 1), "data=1 x fsdp=2")):
         devices = np.array([jax.devices()[0]] * 2).reshape(shape)
-        with pytest.raises(ValueError, match=f"run.mode=redundancy_free.*{named}"):
+        with pytest.raises(ValueError, match=f"run.prefix_backward=residuals.*{named}"):
             make_rfree_step(cfg, Mesh(devices, axes), None, None)
+    context = Mesh(np.array([jax.devices()[0]] * 2).reshape(1, 1, 1, 2), axes + ("context",))
+    with pytest.raises(ValueError, match="mesh.context=2: run.mode=redundancy_free"):
+        MeshRedundancyFreeStep(None, cfg.objective, context, None)
     cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free", "run.capacity=4096"])
     one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), axes)
     with pytest.raises(ValueError, match="run.capacity=4096"):
