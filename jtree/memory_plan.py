@@ -24,6 +24,9 @@ config, and it grows with depth), so the plan takes each number from where it is
   different program), so each layer's recomputation and gradient happen inside its own backward
   iteration as at full depth. Unscanned configs compile 1 and 2 blocks, unrolled: there XLA may
   schedule one layer's recomputation next to another's (docs/memory.md), as it may at full depth.
+  A scanned compile costs the same at any depth, so the upper depth may be the full one
+  (`depth_blocks=(2, layers // block)`): the total is then the full-depth compile's, where the
+  default depths can understate it at long `seq_len` (docs/memory.md has the checks).
 
 The compile runs for this host's backend, so its buffer assignment is XLA:CPU's: fusion and
 scheduling differ on a GPU or TPU, so `T` is an estimate of the accelerator's, not a measurement
