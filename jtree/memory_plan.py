@@ -19,10 +19,14 @@ config, and it grows with depth), so the plan takes each number from where it is
   A block is the smallest repeating run of layer kinds (1 layer for a dense or MoE model, 3 Gated
   DeltaNet + 1 attention layers for Qwen3-Next), so each compiled depth holds whole blocks.
   `tests/train/test_memory_plan.py` checks the rule against an actual compile at a third depth.
-  The two depths compile with the layers unrolled (`runtime.scan_layers=false`): a scanned model
-  of one block runs it unscanned (a block that does not repeat is not scanned), so the two
-  depths would otherwise be different programs. A scanned run keeps the same per-layer residuals
-  (the scan stacks them), so the plan stands for it too.
+  The depths compile what the config runs. With `runtime.scan_layers` they are 2 and 3 blocks,
+  each a real scan over its blocks (a stack of one block is not scanned, so 1 block would be a
+  different program), so each layer's recomputation and gradient happen inside its own backward
+  iteration as at full depth. Unscanned configs compile 1 and 2 blocks, unrolled: there XLA may
+  schedule one layer's recomputation next to another's (docs/memory.md), as it may at full depth.
+  A scanned compile costs the same at any depth, so the upper depth may be the full one
+  (`depth_blocks=(2, layers // block)`): the total is then the full-depth compile's, where the
+  default depths can understate it at long `seq_len` (docs/memory.md has the checks).
 
 The compile runs for this host's backend, so its buffer assignment is XLA:CPU's: fusion and
 scheduling differ on a GPU or TPU, so `T` is an estimate of the accelerator's, not a measurement
@@ -50,6 +54,8 @@ from jtree.sharding import describe_mesh
 from jtree.trainer import Trainer
 
 GIB = 1024**3
+# The depths compiled by default, in repeated layer blocks: a scan needs two repeats or more.
+SCANNED_DEPTHS, UNROLLED_DEPTHS = (2, 3), (1, 2)
 
 
 def shard_bytes(tree: Any) -> int:
@@ -88,6 +94,7 @@ class MemoryPlan:
     micro_batches: int
     rows: int
     remat: str
+    scanned: bool
     params: int
     grads: int
     opt_state: int
@@ -126,7 +133,8 @@ class MemoryPlan:
             f"  total              {gib(self.total)}  per device: "
             + (f"fits {device_gib:g} GiB ({free / GIB:.2f} GiB free)" if free >= 0 else
                f"does NOT fit {device_gib:g} GiB ({-free / GIB:.2f} GiB over)"),
-            f"  activations and temporaries fitted from XLA:CPU compiles at {depths} layers",
+            f"  activations and temporaries fitted from XLA:CPU compiles at {depths} layers, "
+            + ("scanned" if self.scanned else "unrolled"),
         ]
         return "\n".join(lines)
 
@@ -153,14 +161,21 @@ def fit_linear(samples: Sequence[Compiled], block: int) -> tuple[float, float]:
 
 
 def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
-                depth_blocks: tuple[int, int] = (1, 2)) -> MemoryPlan:
+                depth_blocks: tuple[int, int] | None = None) -> MemoryPlan:
     """The per-device memory plan of `config` (with `overrides`) on the devices jax sees, from
-    compiles at `depth_blocks` repeated layer blocks."""
+    compiles at `depth_blocks` repeated layer blocks (default `SCANNED_DEPTHS` when the config
+    scans its layers, else `UNROLLED_DEPTHS`), scanned or unrolled as the config runs."""
     cfg = load_config(config, overrides)
     layers = cfg.model.config.num_hidden_layers
     block = layer_block(getattr(cfg.model.config, "layer_types", None))
-    if depth_blocks[0] == depth_blocks[1] or min(depth_blocks) < 1:
-        raise ValueError(f"depth_blocks: {depth_blocks} must be two different depths >= 1")
+    scanned = cfg.runtime.scan_layers
+    depth_blocks = depth_blocks or (SCANNED_DEPTHS if scanned else UNROLLED_DEPTHS)
+    lowest = min(SCANNED_DEPTHS if scanned else UNROLLED_DEPTHS)
+    if depth_blocks[0] == depth_blocks[1] or min(depth_blocks) < lowest:
+        raise ValueError(
+            f"depth_blocks: {depth_blocks} must be two different depths >= {lowest}"
+            + (" with runtime.scan_layers (a stack of one block is not scanned)"
+               if scanned else ""))
     if max(depth_blocks) * block > layers:
         raise ValueError(f"{config}: model.num_hidden_layers={layers} is below the compiled depth "
                          f"{max(depth_blocks) * block}")
@@ -168,14 +183,13 @@ def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
     state, inputs = abstract_step_args(trainer, rows)
     samples = tuple(
         activations_and_temps(
-            load_config(config, [*overrides, f"model.num_hidden_layers={n * block}",
-                                 "runtime.scan_layers=false"]), rows)
+            load_config(config, [*overrides, f"model.num_hidden_layers={n * block}"]), rows)
         for n in depth_blocks)
     a, b = fit_linear(samples, block)
     return MemoryPlan(
         config=config, mesh=describe_mesh(trainer.mesh), layers=layers, block=block,
         seq_len=cfg.data.seq_len, micro_batches=cfg.data.micro_batches, rows=rows,
-        remat=cfg.runtime.remat, params=shard_bytes(state.params),
+        remat=cfg.runtime.remat, scanned=scanned, params=shard_bytes(state.params),
         grads=shard_bytes(trainable(state.params)), opt_state=shard_bytes(state.opt_state),
         inputs=shard_bytes(inputs), activations=round(b * layers / block),
         largest_temporary=round(a), compiled=samples)

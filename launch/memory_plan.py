@@ -6,10 +6,10 @@
 Parameters, gradients, optimizer state and batch inputs are exact bytes per device from the
 shardings at full depth on `--devices` forced host devices (the target's device count, so the
 config's mesh resolves as on the target); activations and the largest temporary come from XLA's
-`memory_analysis()` of the step compiled on this host at two reduced depths (`--depth-blocks`,
-in repeated layer blocks), scaled linearly to the full depth. Exits 1 when the plan does not fit
-`--device-gib`. `runtime.attention_impl=auto` compiles as `xla`, as `jtree.launch.lower_step`
-exports it (`auto` would pick this CPU host's own kernel).
+`memory_analysis()` of the step compiled on this host at two depths (`--depth-blocks`, in
+repeated layer blocks; scanned when the config scans its layers), scaled linearly to the full
+depth. Exits 1 when the plan does not fit `--device-gib`. `runtime.attention_impl=auto` compiles
+as `xla`, as `jtree.launch.lower_step` exports it (`auto` would pick this CPU host's own kernel).
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device-gib", type=float, default=80.0, help="memory per device (GiB)")
     parser.add_argument("--rows", type=int, default=1,
                         help="rows per micro-batch per row shard (data x fsdp)")
-    parser.add_argument("--depth-blocks", type=int, nargs=2, default=(1, 2),
-                        help="the two reduced depths compiled, in repeated layer blocks")
+    parser.add_argument("--depth-blocks", type=int, nargs=2, default=None,
+                        help="the two depths compiled, in repeated layer blocks (default 2 3 "
+                             "with runtime.scan_layers, else 1 2; scanned, the second may "
+                             "be the full depth)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={args.devices} "
@@ -51,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     impl = export_attention_impl(load_config(args.config, args.overrides).runtime.attention_impl)
     overrides = [*args.overrides, f"runtime.attention_impl={impl}"]
     plan = memory_plan(args.config, overrides, rows=args.rows,
-                       depth_blocks=tuple(args.depth_blocks))
+                       depth_blocks=args.depth_blocks and tuple(args.depth_blocks))
     print(plan.report(args.device_gib))
     return 0 if plan.fits(args.device_gib) else 1
 

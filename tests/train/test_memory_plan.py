@@ -1,16 +1,19 @@
 """The memory plan's depth rule (`jtree.memory_plan`): activations and temporaries fitted through
-compiles at 1 and 2 layers predict an actual compile at 3 layers; the repeated layer block of a
+compiles at 1 and 2 unrolled layers predict an actual compile at 3 layers, and through 2 and 3
+scanned layers (what a `runtime.scan_layers` config runs) one at 4; the repeated layer block of a
 hybrid model; per-device bytes from shardings; the grouped CPU lowering of `ragged_dot` the plan
 compiles with equals jax's own (values and gradients)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jtree.config import load_config
 from jtree.grouped_matmul_lowering import grouped_matmul_lowering
-from jtree.memory_plan import activations_and_temps, layer_block, memory_plan, shard_bytes
+from jtree.memory_plan import (
+    Compiled, MemoryPlan, activations_and_temps, layer_block, memory_plan, shard_bytes)
 
 TINY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=128",
         "data.micro_batches=1", "mesh.data=1"]
@@ -19,19 +22,40 @@ TINY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=128",
 TOLERANCE = 0.05
 
 
+def assert_rule_predicts(plan: MemoryPlan, actual: Compiled) -> None:
+    """The plan's a + b * layers at the depth of `actual` is within TOLERANCE of its compile."""
+    a = plan.largest_temporary
+    b = plan.activations / plan.layers
+    predicted = a + actual.layers * b
+    assert b > 0 and a > 0
+    error = abs(predicted - actual.activations_and_temps) / actual.activations_and_temps
+    assert error <= TOLERANCE, (predicted, actual)
+
+
 def test_depth_rule_predicts_a_third_compile():
     plan = memory_plan("configs/tiny.yaml", TINY, depth_blocks=(1, 2))
     actual = activations_and_temps(
         load_config("configs/tiny.yaml", [*TINY, "model.num_hidden_layers=3"]), rows=1)
-    a = plan.largest_temporary
-    b = plan.activations / plan.layers
-    predicted = a + 3 * b
-    assert b > 0 and a > 0
-    error = abs(predicted - actual.activations_and_temps) / actual.activations_and_temps
-    assert error <= TOLERANCE, (predicted, actual)
+    assert not plan.scanned
+    assert_rule_predicts(plan, actual)
     assert plan.grads == plan.params  # AdamW: mu and nu like the parameters, plus scalar counts
     assert 2 * plan.params < plan.opt_state < 2 * plan.params + 64
     assert plan.fits(1.0) and not plan.fits(plan.total / 2**30 / 2)
+
+
+def test_scanned_depth_rule_predicts_a_third_scanned_compile():
+    scanned = [*TINY, "runtime.scan_layers=true", "model.num_hidden_layers=4"]
+    plan = memory_plan("configs/tiny.yaml", scanned)
+    assert plan.scanned and [c.layers for c in plan.compiled] == [2, 3]
+    actual = activations_and_temps(load_config("configs/tiny.yaml", scanned), rows=1)
+    assert actual.layers == 4
+    assert_rule_predicts(plan, actual)
+
+
+def test_a_scanned_plan_refuses_a_depth_that_would_not_scan():
+    with pytest.raises(ValueError, match="depth_blocks.*>= 2 with runtime.scan_layers"):
+        memory_plan("configs/tiny.yaml", [*TINY, "runtime.scan_layers=true",
+                                          "model.num_hidden_layers=4"], depth_blocks=(1, 2))
 
 
 def test_layer_block():
