@@ -40,7 +40,7 @@ from jtree.layer_stack import convert_tree, layer_groups  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
 from jtree.models import RuntimeConfig, create_model  # noqa: E402
-from jtree.models.lora import LoraConfig, attach, trainable  # noqa: E402
+from jtree.models.lora import LoraConfig, LoraParams, attach, lora_specs, trainable  # noqa: E402
 from jtree.packing import unit_counts  # noqa: E402
 from jtree.planner import LayoutConfig, plan_step  # noqa: E402
 from jtree.sharding import (  # noqa: E402
@@ -173,6 +173,11 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
                 inputs=inputs, state=ref_state, metrics=ref_metrics)
 
 
+def model_base(params: Any) -> Any:
+    """The frozen part of a LoRA run's parameters (nothing for a run that trains all)."""
+    return params.base if isinstance(params, LoraParams) else ()
+
+
 def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
     """One sharded step on the case's mesh (the first D x F x M devices), with its largest
     relative differences to `ref`."""
@@ -180,7 +185,7 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
     params, objective, model = ref["params"], ref["objective"], ref["model"]
     mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, model=model_size),
                      jax.devices()[:data * fsdp * model_size])
-    specs = param_specs(params, param_rules(ref["cfg"], model_size), mesh)
+    specs, step_specs = lora_specs(params, param_rules(ref["cfg"], model_size), mesh)
     sharded_params = jax.device_put(params, named(mesh, specs))
     impl = MESH_IMPL.get(case.split(":")[0])
     interpret = contextlib.nullcontext()
@@ -190,8 +195,10 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
         interpret = pltpu.force_tpu_interpret_mode()
     model_specs = param_specs(nnx.split(model)[1], param_rules(ref["cfg"], model_size), mesh)
     graphdef = sharded_graphdef(model, model_specs)
-    grad_fn = make_sharded_grad_fn(graphdef, objective, mesh, specs)
-    step = jax.jit(make_train_step(graphdef, opt, objective, grad_fn=grad_fn))
+    grad_fn = make_sharded_grad_fn(graphdef, objective, mesh, step_specs)
+    shardings = state_shardings(opt, params, named(mesh, specs), mesh)
+    step = jax.jit(make_train_step(graphdef, opt, objective, grad_fn=grad_fn),
+                   out_shardings=(shardings, None))
     with interpret:
         new_state, metrics = step(
             TrainState(sharded_params, opt.init(trainable(sharded_params)), np.int32(0)),
@@ -214,6 +221,9 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
             rel_l2(np.asarray(a) - np.asarray(p0), np.asarray(b) - np.asarray(p0))
             for a, b, p0 in zip(leaves(new_state.params), leaves(ref_state.params),
                                 leaves(params))),
+        # A LoRA step leaves the frozen base bit for bit as it was.
+        "frozen_equal": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+            leaves(model_base(new_state.params)), leaves(model_base(params)))),
         "model_sharded": sum("model" in a.sharding.spec for a in leaves(new_state.params)),
         "fsdp_sharded": sum("fsdp" in a.sharding.spec for a in leaves(new_state.params)),
         "leaves": len(leaves(new_state.params)),

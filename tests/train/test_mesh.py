@@ -5,8 +5,9 @@ The meshes run in a subprocess (`tests/mesh_worker.py`) because the device count
 creates its CPU backend. A case is `model:mode:objective:DxFxM` (data x fsdp x model), model
 `dense` (Qwen3), `moe` (Qwen3-MoE: expert parallel, router loss pooled over the data shards) or
 `next` (Qwen3-Next: Gated DeltaNet heads split, gated attention, shared expert); `dense_cpu` is
-Qwen3 with the C++ `cpu` attention kernel, `dense_lora` Qwen3 training LoRA adapters (split like
-their kernels); `dense_tpu` is Qwen3 whose sharded step runs the Pallas
+Qwen3 with the C++ `cpu` attention kernel, `dense_lora` Qwen3 training LoRA adapters (read split
+like their kernels, FSDP included; the frozen base must come out of the step bit for bit as it went
+in); `dense_tpu` is Qwen3 whose sharded step runs the Pallas
 TPU kernel in the TPU interpreter (its outputs and custom_vjp cotangents must carry the inputs'
 varying mesh axes), compared with the `xla` step on one device, on two-device meshes. Float32,
 docs/design.md tolerances: loss,
@@ -44,6 +45,7 @@ def check(result: dict) -> None:
     assert result["grad_norm_rel"] <= 1e-5, result
     assert result["grads_rel_l2"] <= 1e-5, result
     assert result["params_rel_l2"] <= 1e-5, result
+    assert result["frozen_equal"], result  # a LoRA step leaves the base as it was
     _, fsdp, model = (int(x) for x in result["case"].split(":")[3].split("x"))
     if model > 1:
         assert result["model_sharded"] > 0, result  # tensor parallel really split weights
@@ -58,12 +60,14 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
     # The full dense/MoE x tree/baseline x (8,1)/(4,2)/(2,4) matrix with the SFT objective, plus
     # PPO on both models, Qwen3-Next on one tensor-parallel mesh, FSDP alone and FSDP mixed with
     # data and tensor parallelism, and a checkpoint resharded across tensor-parallel and FSDP
-    # meshes. Next's full matrix and the FSDP sweep run in the slow tests below.
+    # meshes, and LoRA on an FSDP x tensor-parallel mesh. Next's full matrix and the FSDP sweep
+    # (LoRA included) run in the slow tests below.
     cases = [f"{model}:{mode}:sft:{mesh}" for model in ("dense", "moe")
              for mode in ("tree", "baseline") for mesh in MESHES]
     cases += ["moe:tree:ppo:2x1x4", "dense:baseline:ppo:4x1x2", "next:tree:sft:2x1x4",
               "dense_cpu:tree:sft:4x1x2", "dense:tree:sft:1x8x1", "moe:tree:ppo:2x2x2",
-              "dense_tpu:tree:sft:1x1x2", "dense_lora:tree:ppo:2x1x4"]
+              "dense_tpu:tree:sft:1x1x2", "dense_lora:tree:ppo:2x1x4",
+              "dense_lora:tree:ppo:2x2x2"]
     step_results = run_cases(cases + [f"restore:{tmp_path}/ckpt"])
     for result in step_results[:-1]:
         check(result)
@@ -86,7 +90,7 @@ def test_next_and_lora_on_every_mesh_and_ppo_on_every_model():
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("mesh", FSDP_MESHES)
-@pytest.mark.parametrize("model", ("dense", "moe", "next"))
+@pytest.mark.parametrize("model", ("dense", "moe", "next", "dense_lora"))
 def test_fsdp_meshes_for_every_model_mode_and_objective(model, mesh):
     # One subprocess per (model, mesh): tree and baseline, SFT and PPO.
     cases = [f"{model}:{mode}:{objective}:{mesh}" for mode in ("tree", "baseline")
