@@ -70,9 +70,9 @@ class Trainer:
 
     `specs` lay out the trained parameters (a `jtree.models.lora.LoraParams` with `model.lora`)
     and their optimizer state (the step reads LoRA adapters in another layout,
-    `jtree.models.lora.lora_specs`), `model_specs` the model's own (what a Hugging Face checkpoint loads into and the reference
-    model runs on). `ref_logprob_fn` runs the reference model of `objective.reference` (None
-    when the data carries the reference log-probs)."""
+    `jtree.models.lora.lora_specs`), `model_specs` the model's own (what a Hugging Face
+    checkpoint loads into and the reference model runs on). `ref_logprob_fn` runs the reference
+    model of `objective.reference` (None when the data carries the reference log-probs)."""
 
     cfg: TrainConfig
     mesh: Mesh
