@@ -22,6 +22,7 @@ no linear kernel is an error naming it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Literal
 
@@ -31,7 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jtree.sharding import FSDP, Rules, param_path, param_specs
+from jtree.sharding import FSDP, MODEL, Rules, param_path, param_specs
 
 KERNEL = "kernel"
 ADAPTERS = ("lora_a", "lora_b")
@@ -183,10 +184,11 @@ def lora_specs(params: Any, rules: Rules, mesh: Mesh) -> tuple[Any, Any]:
     output axis, each taking the kernel's whole spec there (tensor parallel and FSDP), so every
     device's A B is exactly its block of the kernel and the merge W + s A B runs on the shards,
     before the layer gathers W' over FSDP (`jtree.models.layers.call_layer`). Of A and B, the one
-    whose axis the kernel's FSDP split does not cut is then whole over `fsdp`: it is stored with
-    that axis split over `fsdp` too (within its tensor-parallel shard; whole when the sizes do
-    not divide), so no device keeps a whole adapter or its optimizer moments, and the step's jit
-    gathers it (r x out or in x r numbers, once per step) and slices its gradient back.
+    whose axis the kernel's FSDP split does not cut is then whole over `fsdp`, and A of a
+    column-parallel kernel (B of a row-parallel one) whole over `model`: each is stored with its
+    feature axis split over those axes too (when the sizes divide), so no device keeps a whole
+    adapter or its optimizer moments, and the step's jit gathers it (r x in or r x out numbers,
+    once per step) and slices its gradient back.
     Docs: docs/lora.md."""
     if not isinstance(params, LoraParams):
         specs = param_specs(params, rules, mesh)
@@ -202,17 +204,19 @@ def lora_specs(params: Any, rules: Rules, mesh: Mesh) -> tuple[Any, Any]:
         return P(*w[:-2], w[-2], None) if which == "lora_a" else P(*w[:-2], None, w[-1])
 
     def keep(path: tuple[Any, ...], x: Any, spec: P) -> P:
-        fsdp = mesh.shape.get(FSDP, 1)
-        if fsdp == 1 or FSDP in tuple(spec):
-            return spec
-        # The feature axis (A's in, B's out), further split over fsdp within its
-        # tensor-parallel shard, when the sizes divide; whole over fsdp otherwise.
-        dim = x.ndim - (2 if param_path(path).endswith("lora_a") else 1)
+        # The feature axis (A's in, B's out) further split over every mesh axis the step's
+        # layout leaves it whole over (within the split it has), when the sizes divide.
         axes = list(tuple(spec) + (None,) * (x.ndim - len(spec)))
-        tp = axes[dim]
-        if x.shape[dim] % (fsdp * (1 if tp is None else mesh.shape[tp])):
+        used = {a for entry in axes if entry is not None
+                for a in (entry if isinstance(entry, tuple) else (entry,))}
+        extra = tuple(a for a in (FSDP, MODEL) if mesh.shape.get(a, 1) > 1 and a not in used)
+        if not extra:
             return spec
-        axes[dim] = FSDP if tp is None else (tp, FSDP)
+        dim = x.ndim - (2 if param_path(path).endswith("lora_a") else 1)
+        have = () if axes[dim] is None else (axes[dim],)
+        if x.shape[dim] % math.prod(mesh.shape[a] for a in have + extra):
+            return spec
+        axes[dim] = have + extra if have or len(extra) > 1 else extra[0]
         return P(*axes)
 
     step = jax.tree_util.tree_map_with_path(read, params.adapters)
