@@ -178,6 +178,12 @@ def model_base(params: Any) -> Any:
     return params.base if isinstance(params, LoraParams) else ()
 
 
+def split_over(array: jax.Array, axis: str) -> bool:
+    """Whether `array` is split over mesh axis `axis` (alone or with others on one dimension)."""
+    return any(axis == entry or (isinstance(entry, tuple) and axis in entry)
+               for entry in array.sharding.spec)
+
+
 def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
     """One sharded step on the case's mesh (the first D x F x M devices), with its largest
     relative differences to `ref`."""
@@ -224,8 +230,8 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
         # A LoRA step leaves the frozen base bit for bit as it was.
         "frozen_equal": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
             leaves(model_base(new_state.params)), leaves(model_base(params)))),
-        "model_sharded": sum("model" in a.sharding.spec for a in leaves(new_state.params)),
-        "fsdp_sharded": sum("fsdp" in a.sharding.spec for a in leaves(new_state.params)),
+        "model_sharded": sum(split_over(a, "model") for a in leaves(new_state.params)),
+        "fsdp_sharded": sum(split_over(a, "fsdp") for a in leaves(new_state.params)),
         "leaves": len(leaves(new_state.params)),
         # Bytes of parameters and optimizer state after the step: in all, on the first device,
         # and of the arrays every device holds whole.
