@@ -13,11 +13,21 @@ prompt (and, in tree search, whatever prefix they branch from). With K paths of 
   its global term and its 1/sqrt(leaves) scaling. A token's advantage is the same on every path
   through it, tokens shared by every path get 0, and along a path the advantages telescope to
   V(end node) - mean R.
+- `turn`: per-turn credit within a path, MT-GRPO's turn-level advantage (Zeng et al., 2025,
+  arXiv:2505.11821) for any number of turns. The turns of a path are the runs of its trained
+  tokens (`turn_spans`); r_{p,k} its reward for turn k. Each turn's rewards are normalized over
+  the paths that have that turn, as GRPO normalizes, and a turn's tokens get the discounted sum
+  of the normalized rewards of that turn and the later ones (gamma = `objective.turn_discount`,
+  MT-GRPO's lambda; for two turns exactly its A^MT):
+      Ahat_{p,k} = (r_{p,k} - mean_q r_{q,k}) / (std_q r_{q,k} + eps),
+      A_{p,t} = sum_{k >= t} gamma^(k - t) Ahat_{p,k}.
+  Tokens outside every turn (loss mask 0) get 0. A token shared by several paths gets each
+  path's own turn advantage (the P/N coefficients add them up per path).
 - `given`: the advantages the records carry.
 
 Means are unweighted (path weights scale the loss, not the baseline). The results are per-path
-advantages (`grpo`, `dr_grpo`, `rloo`: one number per path; `tree`: one per token), which
-`jtree.loss` folds into the P/N coefficients as before, so training stays exact on the tree.
+advantages (`grpo`, `dr_grpo`, `rloo`: one number per path; `tree`, `turn`: one per token),
+which `jtree.loss` folds into the P/N coefficients as before, so training stays exact on the tree.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import numpy as np
 
 from jtree.tree import TrajectoryTree
 
-Estimator = Literal["given", "grpo", "dr_grpo", "rloo", "tree"]
+Estimator = Literal["given", "grpo", "dr_grpo", "rloo", "tree", "turn"]
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 
 # Added to the std of GRPO's rewards, so a group whose rewards are all equal gets advantage 0.
@@ -71,21 +81,61 @@ def tree_token_advantages(tree: TrajectoryTree, rewards: np.ndarray) -> np.ndarr
     return np.repeat(v - parent_v, np.diff(tree.node_offsets))
 
 
-def with_advantages(tree: TrajectoryTree, estimator: Estimator) -> TrajectoryTree:
+def turn_spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:
+    """The turns of a path: (start, end) of every maximal run of trained tokens (loss mask 1),
+    in order. Position 0 is never scored, so it belongs to no turn."""
+    trained = np.asarray(loss_mask) != 0
+    trained[:1] = False
+    edges = np.diff(np.concatenate([[0], trained.astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+
+
+def turn_advantages(tree: TrajectoryTree, discount: float) -> list[np.ndarray]:
+    """The `turn` estimator's per-token advantages of every path (float64, path order). A path
+    whose per-turn rewards do not match its turns is an error naming it and its turns."""
+    spans = [turn_spans(m) for m in tree.loss_masks]
+    rewards = tree.turn_rewards
+    for p, (r, s) in enumerate(zip(rewards, spans)):
+        if r.size != len(s):
+            shown = ", ".join(f"{a}..{b - 1}" for a, b in s[:4]) + (", ..." if len(s) > 4 else "")
+            raise ValueError(f"path {p}: reward: {r.size} per-turn reward(s) for {len(s)} turn(s) "
+                             f"(runs of loss_mask 1 at tokens: {shown or 'none'}; "
+                             "objective.advantage=turn needs one reward per turn)")
+    normalized = [np.zeros(r.size) for r in rewards]
+    for k in range(max(r.size for r in rewards)):
+        have = [p for p, r in enumerate(rewards) if r.size > k]
+        for p, a in zip(have, group_advantages(np.array([rewards[p][k] for p in have]), "grpo")):
+            normalized[p][k] = a
+    out = []
+    for p, (a_hat, s) in enumerate(zip(normalized, spans)):
+        adv = np.zeros(int(tree.path_lengths[p]))
+        to_go = 0.0
+        for k in range(len(s) - 1, -1, -1):  # the discounted sum over turns k, k + 1, ...
+            to_go = a_hat[k] + discount * to_go
+            adv[s[k][0]:s[k][1]] = to_go
+        out.append(adv)
+    return out
+
+
+def with_advantages(tree: TrajectoryTree, estimator: Estimator,
+                    turn_discount: float = 1.0) -> TrajectoryTree:
     """`tree` with the advantages of `estimator` computed from its rewards (`given`: unchanged,
-    but it must carry advantages). Errors say which field is missing."""
+    but it must carry advantages; `turn` discounts later turns by `turn_discount`). Errors say
+    which field is missing or does not fit."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"objective.advantage: {estimator!r} is not one of {ESTIMATORS}")
     if estimator == "given":
         if tree.advantages is None:
             raise ValueError("path 0: no advantage (objective.advantage=given reads one per "
                              "path; give rewards and set objective.advantage to grpo, dr_grpo, "
-                             "rloo or tree to compute them)")
+                             "rloo, tree or turn to compute them)")
         return tree
     rewards = tree.rewards
     if rewards is None:
         raise ValueError(f"path 0: no reward (objective.advantage={estimator} computes "
                          "advantages from one reward per path)")
+    if estimator == "turn":
+        return tree.with_advantages(turn_advantages(tree, turn_discount))
     if estimator == "tree":
         per_token = tree_token_advantages(tree, rewards)
         return tree.with_advantages([per_token[tree.path_token_index(p)]

@@ -129,12 +129,13 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
                on_bad_record: str = "raise", tokenizer: str = "bytes",
                max_path_len: int | None = None, format_key: str = "data.format",
                advantage: Estimator | None = None, shared_masks: bool = False,
-               ) -> tuple[list[TrajectoryTree], LoadReport]:
+               turn_discount: float = 1.0) -> tuple[list[TrajectoryTree], LoadReport]:
     """Every tree of a JSONL file, validated; see the module docstring for bad records.
     `max_path_len`: the longest path a row holds in the run's mode (None: no limit). A file of
     another format is refused naming `format_key` (the option that sets `fmt`). `advantage`: the
     estimator that gives every tree its advantages (`jtree.advantages`; None: the objective needs
-    none); a record without the rewards or advantages it needs is a bad record, and so is one
+    none; `turn` discounts by `turn_discount`); a record without the rewards or advantages it
+    needs (or whose per-turn rewards do not match its turns) is a bad record, and so is one
     whose paths disagree on the loss mask of a shared token when `shared_masks` (GSPO)."""
     _check_format(path, fmt, format_key)
     bad = _BadRecords(on_bad_record)
@@ -155,7 +156,8 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
         for members in groups.values():
             try:
                 tree = tree_from_group(members, vocab_size=vocab_size,  # path p: line p
-                                       advantage=advantage, shared_masks=shared_masks)
+                                       advantage=advantage, shared_masks=shared_masks,
+                                       turn_discount=turn_discount)
                 trees.append(check_path_lengths(tree, [w for w, _ in members],
                                                 members[0][1]["group"], max_path_len))
             except ValueError as e:  # the group as a whole is bad: count all its lines
@@ -171,7 +173,8 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
                 rec = parse_line(where, line)
                 if tok is None:
                     tree = tree_from_record(where, rec, vocab_size=vocab_size, advantage=advantage,
-                                            shared_masks=shared_masks)
+                                            shared_masks=shared_masks,
+                                            turn_discount=turn_discount)
                 else:
                     tree = conversation_tree(rec, tok, where=where, vocab_size=vocab_size)
                     if advantage is not None:  # chat records carry neither rewards nor advantages

@@ -69,6 +69,7 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
                                on_bad_record=d.on_bad_record, tokenizer=d.tokenizer,
                                max_path_len=max_path_len,
                                advantage=cfg.objective.advantage_estimator,
+                               turn_discount=cfg.objective.turn_discount,
                                shared_masks=cfg.objective.kind == "gspo")
     if cfg.objective.critic is not None:
         missing = next((i for i, t in enumerate(trees) if t.rewards is None), None)

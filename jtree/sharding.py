@@ -205,22 +205,7 @@ def param_rules(cfg: Any, model: int, critic: Any = None) -> Rules:
     # The critic's rules come first: the policy's patterns are searched anywhere in a path.
     first = [] if critic is None else [
         ("^critic/.*" + pattern, spec) for pattern, spec in param_rules(critic, model)]
-    return first + rules + _adapter_rules(rules)
-
-
-def _adapter_rules(rules: Rules) -> Rules:
-    """LoRA adapters (`jtree.models.lora`) of every kernel a rule places: A [..., in, r] split
-    like the kernel's input axis and B [..., r, out] like its output axis, so that A B is split
-    like the kernel (a row-parallel kernel's partial products stay partial sums)."""
-    out = []
-    for pattern, spec in rules:
-        if pattern.endswith("kernel$"):
-            stem = pattern[:-len("kernel$")]
-            lead = tuple(spec[:-2])
-            a, b = (P(*lead, spec[-2], None), P(*lead, None, spec[-1])) if len(spec) >= 2 else (
-                P(), P())
-            out += [(stem + "lora_a$", a), (stem + "lora_b$", b)]
-    return out
+    return first + rules
 
 
 def param_path(path: tuple[Any, ...]) -> str:

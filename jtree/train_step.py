@@ -51,8 +51,9 @@ class Objective:
     """What the step minimizes. `sft`: weighted NLL. `ppo`: clipped token-level surrogate (+ KL,
     entropy). `gspo`: GSPO's clipped sequence-level surrogate (`jtree.loss.gspo_loss`; its paper
     clips at 3e-4 / 4e-4). `advantage`: where the RL objectives' advantages come from
-    (`jtree.advantages`: the records' own, or computed from their rewards); `critic`: PPO with a
-    value head and per-path GAE instead (`jtree.critic`). See docs/rl.md.
+    (`jtree.advantages`: the records' own, or computed from their rewards; `turn_discount` is
+    the `turn` estimator's discount over later turns); `critic`: PPO with a value head and
+    per-path GAE instead (`jtree.critic`). See docs/rl.md.
 
     `reference`: where the KL term's reference log-probs come from: None reads them from the
     data, `initial` runs the run's starting weights and a directory runs that Hugging Face
@@ -60,6 +61,7 @@ class Objective:
 
     kind: Literal["sft", "ppo", "gspo"] = "sft"
     advantage: Estimator = "given"
+    turn_discount: float = 1.0
     critic: CriticConfig | None = None
     normalization: Normalization = "seq_mean_token_mean"
     clip_low: float = 0.2
@@ -76,6 +78,11 @@ class Objective:
         if self.critic is not None and self.advantage != "given":
             raise ValueError(f"advantage: {self.advantage!r} with a critic (the critic's GAE "
                              "gives the advantages; leave objective.advantage unset)")
+        if not 0.0 <= self.turn_discount <= 1.0:
+            raise ValueError(f"turn_discount: {self.turn_discount} must be in [0, 1]")
+        if self.turn_discount != 1.0 and self.advantage != "turn":
+            raise ValueError(f"turn_discount: {self.turn_discount} discounts the turns of "
+                             f"advantage 'turn', not {self.advantage!r}")
 
     @property
     def advantage_estimator(self) -> Estimator | None:

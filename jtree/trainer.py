@@ -43,7 +43,9 @@ from jtree.host_allocator import configure_host_malloc
 from jtree.kernels.tree_attention import resolve_impl
 from jtree.metrics import MetricsLog
 from jtree.models import create_model
-from jtree.models.lora import model_params, trainable, trainable_grads, with_lora
+from jtree.models.lora import (
+    lora_specs, model_params, trainable, trainable_grads, with_lora,
+)
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.rfree.mesh import MeshRedundancyFreeStep
 from jtree.planner import check_steps_per_octave
@@ -53,7 +55,7 @@ from jtree.run_data import (
 )
 from jtree.run_report import progress, progress_line, say, step_record, summary
 from jtree.sharding import (
-    FSDP, MODEL, describe_mesh, make_mesh, named, param_path, param_rules, param_specs, row_shards,
+    MODEL, describe_mesh, make_mesh, named, param_path, param_rules, param_specs, row_shards,
 )
 from jtree.train_step import (
     TrainState, apply_gradients, make_optimizer, make_schedule, make_sharded_grad_fn,
@@ -68,10 +70,11 @@ class Trainer:
     the jitted step, log-prob and init functions. No data: `jtree.launch.lower_step` lowers the
     step a run trains with from it.
 
-    `specs` lay out the trained parameters (a `jtree.models.lora.LoraParams` with `model.lora`),
-    `model_specs` the model's own (what a Hugging Face checkpoint loads into and the reference
-    model runs on). `ref_logprob_fn` runs the reference model of `objective.reference` (None
-    when the data carries the reference log-probs)."""
+    `specs` lay out the trained parameters (a `jtree.models.lora.LoraParams` with `model.lora`)
+    and their optimizer state (the step reads LoRA adapters in another layout,
+    `jtree.models.lora.lora_specs`), `model_specs` the model's own (what a Hugging Face
+    checkpoint loads into and the reference model runs on). `ref_logprob_fn` runs the reference
+    model of `objective.reference` (None when the data carries the reference log-probs)."""
 
     cfg: TrainConfig
     mesh: Mesh
@@ -106,24 +109,20 @@ class Trainer:
             rules = param_rules(mcfg, mesh.shape[MODEL], critic=network)
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh.model={mesh.shape[MODEL]}: {e}") from None
-        if cfg.model.lora is not None and mesh.shape[FSDP] > 1:
-            raise ValueError(f"model.lora: not supported on an FSDP mesh (mesh.fsdp="
-                             f"{mesh.shape[FSDP]}): the adapters merge into whole kernels, not "
-                             f"into FSDP shards")
         try:
-            specs = param_specs(abstract_params, rules, mesh)
+            specs, step_specs = lora_specs(abstract_params, rules, mesh)
             model_specs = param_specs(abstract_model_params, rules, mesh)
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh {describe_mesh(mesh)}: {e}") from None
         graphdef = sharded_graphdef(abstract, model_specs)
         optimizer = make_optimizer(cfg.optim, None if critic is None else critic.learning_rate)
         shardings = state_shardings(optimizer, abstract_params, named(mesh, specs), mesh)
-        grad_fn = make_sharded_grad_fn(graphdef, cfg.objective, mesh, specs)
+        grad_fn = make_sharded_grad_fn(graphdef, cfg.objective, mesh, step_specs)
         step = make_train_step(graphdef, optimizer, cfg.objective, grad_fn=grad_fn)
         replicated = NamedSharding(mesh, P())
         step_fn = jax.jit(step, out_shardings=(shardings, replicated), donate_argnums=0)
         chunk = cfg.objective.logprob_chunk
-        logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, specs, chunk))
+        logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, step_specs, chunk))
         ref_logprob_fn = None
         if cfg.objective.reference is not None:  # the policy alone, without the critic
             policy = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime))

@@ -133,12 +133,12 @@ class _PathData:
     advantages: tuple[np.ndarray, ...] | None
     old_logprobs: tuple[np.ndarray, ...] | None
     weights: np.ndarray
-    rewards: np.ndarray | None = None
+    rewards: tuple[np.ndarray, ...] | None = None  # per path: its per-turn rewards, float64 [T]
 
 
-def _path_reward(value: ArrayLike, what: str) -> float:
-    """A path's reward: a number, or a non-empty list of per-turn rewards, which add up (the
-    undiscounted return of the path; docs/rl.md)."""
+def _path_reward(value: ArrayLike, what: str) -> np.ndarray:
+    """A path's rewards per turn, float64 [T]: a number is one turn's, a non-empty list gives
+    one per turn (`TrajectoryTree.rewards` adds them up; docs/rl.md)."""
     if np.asarray(value).dtype == bool:  # JSON true/false is not a reward
         raise ValueError(f"{what}: expected numbers, got {_preview(value)}")
     arr = _numbers(value, what, np.float64)
@@ -149,7 +149,7 @@ def _path_reward(value: ArrayLike, what: str) -> float:
         bad = int(np.flatnonzero(~np.isfinite(np.atleast_1d(arr)))[0])
         at = "" if arr.ndim == 0 else f"[{bad}]"
         raise ValueError(f"{what}{at} = {np.atleast_1d(arr)[bad]} is not finite")
-    return float(arr.sum())
+    return np.atleast_1d(arr)
 
 
 def _validate_path_data(
@@ -214,7 +214,7 @@ def _validate_path_data(
         w = w.astype(np.float32)
     rew = None
     if rewards is not None:
-        rew = np.array([_path_reward(r, f"{label} {i}: reward") for i, r in enumerate(rewards)])
+        rew = tuple(_path_reward(r, f"{label} {i}: reward") for i, r in enumerate(rewards))
     return _PathData(masks, adv, old, w, rew)
 
 
@@ -413,9 +413,16 @@ class TrajectoryTree:
     def old_logprobs(self) -> tuple[np.ndarray, ...] | None:
         return self._data.old_logprobs
 
-    @property
+    @functools.cached_property
     def rewards(self) -> np.ndarray | None:
-        """One float64 reward per path (per-turn rewards already summed), or None."""
+        """One float64 reward per path (its per-turn rewards summed), or None."""
+        turns = self._data.rewards
+        return None if turns is None else np.array([float(r.sum()) for r in turns])
+
+    @property
+    def turn_rewards(self) -> tuple[np.ndarray, ...] | None:
+        """Per path, its rewards per turn as the record gives them (float64 [T]; a single
+        number is one turn's), or None."""
         return self._data.rewards
 
     def with_advantages(self, advantages: Sequence[ArrayLike]) -> TrajectoryTree:
@@ -528,7 +535,7 @@ class TrajectoryTree:
 
         d = self._data
         data = _PathData((d.loss_masks[p],), pick(d.advantages), pick(d.old_logprobs),
-                         d.weights[p : p + 1], None if d.rewards is None else d.rewards[p : p + 1])
+                         d.weights[p : p + 1], pick(d.rewards))
         return TrajectoryTree(np.array([-1], np.int32), [self.path_tokens(p)],
                               np.zeros(1, np.int32), data)
 

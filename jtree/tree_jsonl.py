@@ -10,8 +10,9 @@ Trees: one tree per line, `{"parents": [...], "segments": [[...], ...], "paths":
 (`paths` optional: one path per leaf). Errors name the file, line and field.
 
 `reward` is a path's scalar reward, or a list of per-turn rewards of a multi-turn path, which add
-up to the path's reward. With an `advantage` estimator other than `given` (`jtree.advantages`),
-the advantages are computed from the rewards of the tree's paths when the tree is read.
+up to the path's reward (the `turn` estimator credits each turn with its own and later ones).
+With an `advantage` estimator other than `given` (`jtree.advantages`), the advantages are
+computed from the rewards of the tree's paths when the tree is read.
 """
 
 from __future__ import annotations
@@ -92,9 +93,10 @@ def group_key(rec: dict[str, Any]) -> str:
 
 def tree_from_group(members: Sequence[tuple[str, dict[str, Any]]], *,
                     vocab_size: int | None = None, advantage: Estimator | None = None,
-                    shared_masks: bool = False) -> TrajectoryTree:
+                    shared_masks: bool = False, turn_discount: float = 1.0) -> TrajectoryTree:
     """Merge the lines of one group (`(where, record)` pairs) into a tree; with an `advantage`
-    estimator, the tree's advantages come from it (None: advantages are not needed), and with
+    estimator, the tree's advantages come from it (None: advantages are not needed; `turn`
+    discounts by `turn_discount`), and with
     `shared_masks` paths must agree on the loss mask of the tokens they share (GSPO)."""
     wheres = [w for w, _ in members]
     recs = [r for _, r in members]
@@ -104,17 +106,17 @@ def tree_from_group(members: Sequence[tuple[str, dict[str, Any]]], *,
     except ValueError as e:
         raise ValueError(_locate(str(e), "sequence", wheres)) from None
     try:
-        return for_objective(tree, advantage, shared_masks)
+        return for_objective(tree, advantage, shared_masks, turn_discount)
     except ValueError as e:
         raise ValueError(_locate(str(e), "path", wheres)) from None
 
 
-def for_objective(tree: TrajectoryTree, advantage: Estimator | None,
-                  shared_masks: bool) -> TrajectoryTree:
+def for_objective(tree: TrajectoryTree, advantage: Estimator | None, shared_masks: bool,
+                  turn_discount: float = 1.0) -> TrajectoryTree:
     """`tree` with what the objective needs checked and computed (see `tree_from_group`)."""
     if shared_masks:
         check_shared_masks(tree)
-    return tree if advantage is None else with_advantages(tree, advantage)
+    return tree if advantage is None else with_advantages(tree, advantage, turn_discount)
 
 
 def read_sequence_groups(path: str | Path, *, vocab_size: int | None = None) -> list[TrajectoryTree]:
@@ -155,8 +157,9 @@ def _path_record(t: TrajectoryTree, p: int) -> dict[str, Any]:
     if t.advantages is not None:
         a = t.advantages[p]
         rec["advantage"] = float(a[0]) if np.all(a == a[0]) else a.tolist()
-    if t.rewards is not None:
-        rec["reward"] = float(t.rewards[p])
+    if t.turn_rewards is not None:
+        r = t.turn_rewards[p]
+        rec["reward"] = float(r[0]) if r.size == 1 else r.tolist()
     if t.old_logprobs is not None:
         rec["old_logprobs"] = t.old_logprobs[p].tolist()
     rec["weight"] = float(t.weights[p])
@@ -164,8 +167,8 @@ def _path_record(t: TrajectoryTree, p: int) -> dict[str, Any]:
 
 
 def tree_from_record(where: str, rec: dict[str, Any], *, vocab_size: int | None = None,
-                     advantage: Estimator | None = None,
-                     shared_masks: bool = False) -> TrajectoryTree:
+                     advantage: Estimator | None = None, shared_masks: bool = False,
+                     turn_discount: float = 1.0) -> TrajectoryTree:
     """One explicit tree from its JSON record (advantages as in `tree_from_group`); errors name
     `where`."""
     for field in ("parents", "segments"):
@@ -187,7 +190,7 @@ def tree_from_record(where: str, rec: dict[str, Any], *, vocab_size: int | None 
     try:
         tree = TrajectoryTree.from_nodes(rec["parents"], rec["segments"], vocab_size=vocab_size,
                                          **kwargs)
-        return for_objective(tree, advantage, shared_masks)
+        return for_objective(tree, advantage, shared_masks, turn_discount)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 

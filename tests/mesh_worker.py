@@ -42,7 +42,7 @@ from jtree.layer_stack import convert_tree, layer_groups  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
 from jtree.models import RuntimeConfig, create_model  # noqa: E402
-from jtree.models.lora import LoraConfig, attach, trainable  # noqa: E402
+from jtree.models.lora import LoraConfig, LoraParams, attach, lora_specs, trainable  # noqa: E402
 from jtree.packing import unit_counts  # noqa: E402
 from jtree.planner import LayoutConfig, plan_step  # noqa: E402
 from jtree.sharding import (  # noqa: E402
@@ -200,6 +200,17 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
                 inputs=inputs, state=ref_state, metrics=ref_metrics)
 
 
+def model_base(params: Any) -> Any:
+    """The frozen part of a LoRA run's parameters (nothing for a run that trains all)."""
+    return params.base if isinstance(params, LoraParams) else ()
+
+
+def split_over(array: jax.Array, axis: str) -> bool:
+    """Whether `array` is split over mesh axis `axis` (alone or with others on one dimension)."""
+    return any(axis == entry or (isinstance(entry, tuple) and axis in entry)
+               for entry in array.sharding.spec)
+
+
 def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
     """One sharded step on the case's mesh (the first D x F x M devices), with its largest
     relative differences to `ref`."""
@@ -209,7 +220,7 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
                      jax.devices()[:data * fsdp * model_size])
     network = model.critic.config if model.critic is not None else None
     rules = param_rules(ref["cfg"], model_size, critic=network)
-    specs = param_specs(params, rules, mesh)
+    specs, step_specs = lora_specs(params, rules, mesh)
     sharded_params = jax.device_put(params, named(mesh, specs))
     impl = MESH_IMPL.get(case.split(":")[0])
     interpret = contextlib.nullcontext()
@@ -219,8 +230,10 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
         interpret = pltpu.force_tpu_interpret_mode()
     model_specs = param_specs(nnx.split(model)[1], rules, mesh)
     graphdef = sharded_graphdef(model, model_specs)
-    grad_fn = make_sharded_grad_fn(graphdef, objective, mesh, specs)
-    step = jax.jit(make_train_step(graphdef, opt, objective, grad_fn=grad_fn))
+    grad_fn = make_sharded_grad_fn(graphdef, objective, mesh, step_specs)
+    shardings = state_shardings(opt, params, named(mesh, specs), mesh)
+    step = jax.jit(make_train_step(graphdef, opt, objective, grad_fn=grad_fn),
+                   out_shardings=(shardings, None))
     with interpret:
         new_state, metrics = step(
             TrainState(sharded_params, opt.init(trainable(sharded_params)), np.int32(0)),
@@ -243,8 +256,11 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
             rel_l2(np.asarray(a) - np.asarray(p0), np.asarray(b) - np.asarray(p0))
             for a, b, p0 in zip(leaves(new_state.params), leaves(ref_state.params),
                                 leaves(params))),
-        "model_sharded": sum("model" in a.sharding.spec for a in leaves(new_state.params)),
-        "fsdp_sharded": sum("fsdp" in a.sharding.spec for a in leaves(new_state.params)),
+        # A LoRA step leaves the frozen base bit for bit as it was.
+        "frozen_equal": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+            leaves(model_base(new_state.params)), leaves(model_base(params)))),
+        "model_sharded": sum(split_over(a, "model") for a in leaves(new_state.params)),
+        "fsdp_sharded": sum(split_over(a, "fsdp") for a in leaves(new_state.params)),
         "leaves": len(leaves(new_state.params)),
         # Bytes of parameters and optimizer state after the step: in all, on the first device,
         # and of the arrays every device holds whole.

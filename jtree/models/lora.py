@@ -5,9 +5,10 @@ stored in `base_dtype` if asked) and, for every targeted kernel W [..., in, out]
 A [..., in, r] and B [..., r, out]. The model itself is not changed: every forward runs it on
 the merged weights W' = W + (alpha / r) A B (`model_params`), so the model a step trains is by
 construction the model `jtree export-hf --merge-lora` writes, every layout (tree, baseline,
-redundancy-free parts) and the tensor-parallel model need nothing LoRA-specific, and the sharding
-of A and B follows the kernel's (`jtree.sharding`: A split like W's input axis, B like its output
-axis, so A B is split like W). Gradients are taken with respect to the adapters only
+redundancy-free parts), the tensor-parallel and the FSDP model need nothing LoRA-specific, and the
+sharding of A and B follows the kernel's (`lora_specs`: the step reads A split like W's input
+axis and B like its output axis, FSDP included, so the local A B is the local block of W).
+Gradients are taken with respect to the adapters only
 (`trainable`), so the optimizer holds state for the adapters alone. The price of merging over
 adding x A B beside x W: each targeted kernel gets a weight-sized merged copy and a weight-sized
 cotangent per micro-batch (contracted to dA, dB right away); no optimizer state, no gradient
@@ -21,14 +22,17 @@ no linear kernel is an error naming it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from jtree.sharding import param_path
+from jtree.sharding import FSDP, MODEL, Rules, param_path, param_specs
 
 KERNEL = "kernel"
 ADAPTERS = ("lora_a", "lora_b")
@@ -168,3 +172,54 @@ def trainable_grads(params: Any, model_grads: Any) -> Any:
         return model_grads
     _, pullback = jax.vjp(lambda t: model_params(with_trainable(params, t)), trainable(params))
     return pullback(model_grads)[0]
+
+
+def lora_specs(params: Any, rules: Rules, mesh: Mesh) -> tuple[Any, Any]:
+    """(stored, step): the PartitionSpecs the parameters of a run (`params`, a `LoraParams` or
+    the model's own) are kept in, with their optimizer state, and those the step reads them in
+    (shard_map's in_specs, and its gradients' out_specs). Without LoRA both are
+    `jtree.sharding.param_specs`; the frozen base is laid out as the model's parameters are.
+
+    The step reads A [..., in, r] split like its kernel's input axis and B [..., r, out] like its
+    output axis, each taking the kernel's whole spec there (tensor parallel and FSDP), so every
+    device's A B is exactly its block of the kernel and the merge W + s A B runs on the shards,
+    before the layer gathers W' over FSDP (`jtree.models.layers.call_layer`). Of A and B, the one
+    whose axis the kernel's FSDP split does not cut is then whole over `fsdp`, and A of a
+    column-parallel kernel (B of a row-parallel one) whole over `model`: each is stored with its
+    feature axis split over those axes too (when the sizes divide), so no device keeps a whole
+    adapter or its optimizer moments, and the step's jit gathers it (r x in or r x out numbers,
+    once per step) and slices its gradient back.
+    Docs: docs/lora.md."""
+    if not isinstance(params, LoraParams):
+        specs = param_specs(params, rules, mesh)
+        return specs, specs
+    base = param_specs(params.base, rules, mesh)
+    kernels = {param_path(path): tuple(spec) for path, spec in
+               jax.tree_util.tree_flatten_with_path(base, is_leaf=lambda x: isinstance(x, P))[0]}
+
+    def read(path: tuple[Any, ...], x: Any) -> P:
+        stem, _, which = param_path(path).rpartition("/")
+        w = kernels[stem + "/" + KERNEL]
+        w = w + (None,) * (x.ndim - len(w))
+        return P(*w[:-2], w[-2], None) if which == "lora_a" else P(*w[:-2], None, w[-1])
+
+    def keep(path: tuple[Any, ...], x: Any, spec: P) -> P:
+        # The feature axis (A's in, B's out) further split over every mesh axis the step's
+        # layout leaves it whole over (within the split it has), when the sizes divide.
+        axes = list(tuple(spec) + (None,) * (x.ndim - len(spec)))
+        used = {a for entry in axes if entry is not None
+                for a in (entry if isinstance(entry, tuple) else (entry,))}
+        extra = tuple(a for a in (FSDP, MODEL) if mesh.shape.get(a, 1) > 1 and a not in used)
+        if not extra:
+            return spec
+        dim = x.ndim - (2 if param_path(path).endswith("lora_a") else 1)
+        have = () if axes[dim] is None else (axes[dim],)
+        if x.shape[dim] % math.prod(mesh.shape[a] for a in have + extra):
+            return spec
+        axes[dim] = have + extra if have or len(extra) > 1 else extra[0]
+        return P(*axes)
+
+    step = jax.tree_util.tree_map_with_path(read, params.adapters)
+    stored = jax.tree_util.tree_map_with_path(keep, params.adapters, step)
+    return (dataclasses.replace(params, base=base, adapters=stored),
+            dataclasses.replace(params, base=base, adapters=step))

@@ -8,7 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from jtree.advantages import group_advantages, tree_token_advantages, with_advantages
+from jtree.advantages import (
+    group_advantages, tree_token_advantages, turn_spans, with_advantages,
+)
 from jtree.config import load_config
 from jtree.data import load_trees
 from jtree.linearize import linearize
@@ -50,6 +52,36 @@ def test_group_advantages_of_known_rewards():
 def test_per_turn_rewards_add_up():
     tree = TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4]], rewards=[[0.5, 0.25], 1.0])
     assert tree.rewards.tolist() == [0.75, 1.0]
+    assert [r.tolist() for r in tree.turn_rewards] == [[0.5, 0.25], [1.0]]
+
+
+# Prompt [1, 2] (untrained), then turns (runs of loss mask 1) split by a tool token 9: paths 0 and
+# 1 take two turns, 2 and 3 one; token 3 (turn 1) is shared by paths 0, 1 and 3. Turn 1 rewards
+# 1, 1, 0, 0 normalize to +-1; turn 2 (paths 0 and 1 only) 0, 2 to -1, +1 (docs/rl.md).
+TURNS = dict(sequences=[[1, 2, 3, 4, 9, 5, 6], [1, 2, 3, 4, 9, 7], [1, 2, 8, 9], [1, 2, 3, 5]],
+             loss_masks=[[0, 0, 1, 1, 0, 1, 1], [0, 0, 1, 1, 0, 1], [0, 0, 1, 0], [0, 0, 1, 1]],
+             rewards=[[1.0, 0.0], [1.0, 2.0], 0.0, [0.0]])
+
+
+@pytest.mark.parametrize("discount, want", [
+    (0.5, [[0, 0, 0.5, 0.5, 0, -1, -1], [0, 0, 1.5, 1.5, 0, 1], [0, 0, -1, 0], [0, 0, -1, -1]]),
+    (1.0, [[0, 0, 0, 0, 0, -1, -1], [0, 0, 2, 2, 0, 1], [0, 0, -1, 0], [0, 0, -1, -1]]),
+])
+def test_turn_advantages_of_a_hand_built_tree(discount, want):
+    tree = with_advantages(TrajectoryTree.from_sequences(**TURNS), "turn", discount)
+    for got, w in zip(tree.advantages, want):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)  # std + 1e-6: 1 - 2e-6, not 1
+    # The shared token 3 is credited per path: 0.5, 1.5 and -1 on paths 0, 1 and 3.
+    assert len({float(tree.advantages[p][2]) for p in (0, 1, 3)}) == 3
+
+
+def test_turn_spans_and_one_turn_paths_are_grpo():
+    assert turn_spans(np.array([1, 1, 0, 1, 1, 0, 0, 1])) == [(1, 2), (3, 5), (7, 8)]
+    assert turn_spans(np.array([1, 0, 0])) == []  # position 0 is never scored
+    plain = TrajectoryTree.from_nodes(**HAND)  # every path one turn (the whole path trained)
+    turn, grpo = with_advantages(plain, "turn"), with_advantages(plain, "grpo")
+    for p, (a, b) in enumerate(zip(turn.advantages, grpo.advantages)):
+        np.testing.assert_allclose(a[1:], b[1:], rtol=1e-6, err_msg=f"path {p}")
 
 
 def _write(tmp_path, lines) -> str:
@@ -70,6 +102,13 @@ def _write(tmp_path, lines) -> str:
      r"g\.jsonl:1: reward\[1\] = inf is not finite"),
     ([{"group": 0, "tokens": [1, 2], "reward": 1.0}], "given",
      r"g\.jsonl:1: no advantage \(objective\.advantage=given"),
+    ([{"group": 0, "tokens": [1, 2, 3], "loss_mask": [0, 1, 1], "reward": 1.0},
+      {"group": 0, "tokens": [1, 2, 4, 5], "loss_mask": [0, 1, 0, 1], "reward": [1.0, -1.0, 2.0]}],
+     "turn", r"g\.jsonl:2: reward: 3 per-turn reward\(s\) for 2 turn\(s\) \(runs of loss_mask 1 "
+             r"at tokens: 1\.\.1, 3\.\.3"),
+    ([{"group": 0, "tokens": [1, 2, 3], "loss_mask": [0, 1, 1], "reward": 1.0},
+      {"group": 0, "tokens": [1, 2, 4], "loss_mask": [0, 1, 1], "reward": [float("-inf")]}],
+     "turn", r"g\.jsonl:2: reward\[0\] = -inf is not finite"),
 ])
 def test_bad_reward_records_name_line_and_field(tmp_path, lines, advantage, match):
     with pytest.raises(ValueError, match=match):
@@ -87,9 +126,47 @@ def test_bad_reward_in_a_tree_record_names_line_and_path(tmp_path):
     path.write_text(json.dumps(rec) + "\n")
     (tree,), _ = load_trees(str(path), "trees", vocab_size=None, advantage="dr_grpo")
     assert [float(a[0]) for a in tree.advantages] == [0.5, -0.5]
+    rec["paths"][1]["reward"] = [0.0, 1.0]  # two rewards, one turn (token 1)
+    path.write_text(json.dumps(rec) + "\n")
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: path 1: reward: 2 per-turn reward\(s\) "
+                                         r"for 1 turn\(s\)"):
+        load_trees(str(path), "trees", vocab_size=None, advantage="turn")
 
 
 # --------------------------------------------------------------- training with rewards only
+
+
+def _reference_turn_advantages(masks: list[list[int]], turn_rewards: list[list[float]],
+                               discount: float) -> list[np.ndarray]:
+    """The `turn` estimator per path, token by token: a trained token (position 0 excepted)
+    after an untrained one starts the next turn; each turn's reward is normalized over the
+    paths that have that turn, and a turn's tokens get the discounted sum over it and later
+    turns."""
+    n_turns = max(len(r) for r in turn_rewards)
+    norm = {}
+    for k in range(n_turns):
+        have = [p for p, r in enumerate(turn_rewards) if len(r) > k]
+        values = np.array([turn_rewards[p][k] for p in have])
+        for p, v in zip(have, values):
+            norm[p, k] = (v - values.mean()) / (values.std() + 1e-6)
+    out = []
+    for p, mask in enumerate(masks):
+        returns = [0.0] * (len(turn_rewards[p]) + 1)
+        for k in reversed(range(len(turn_rewards[p]))):
+            returns[k] = norm[p, k] + discount * returns[k + 1]
+        adv, turn, inside = np.zeros(len(mask)), -1, False
+        for i in range(1, len(mask)):
+            if mask[i] and not inside:
+                turn += 1
+            inside = bool(mask[i])
+            if inside:
+                adv[i] = returns[turn]
+        out.append(adv)
+    return out
+
+
+def _n_turns(mask: list[int]) -> int:
+    return sum(1 for i in range(1, len(mask)) if mask[i] and not (i > 1 and mask[i - 1]))
 
 
 def _reference_advantages(seqs: list[list[int]], rewards: np.ndarray, estimator: str):
@@ -111,10 +188,12 @@ def _reference_advantages(seqs: list[list[int]], rewards: np.ndarray, estimator:
     return out
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "tree"])
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "tree", "turn"])
 def test_training_on_rewards_equals_per_path_training(estimator):
     """Tree mode with rewards as the only RL input vs every path trained on its own with the
-    advantages computed per path from the sequences (float32: loss and every gradient)."""
+    advantages computed per path from the sequences (float32: loss and every gradient); `turn`
+    with per-turn rewards on multi-turn paths (random loss masks: several turns per path, and
+    shared tokens in different turns of different paths)."""
     rng = np.random.default_rng(7)
     graphdef, params = tiny_model(vocab_size=64)
     trees, singles = [], []
@@ -122,11 +201,19 @@ def test_training_on_rewards_equals_per_path_training(estimator):
         kw = random_forest(rng, max_nodes=8, vocab=64, with_rl=False)
         shape = TrajectoryTree.from_nodes(**kw)
         seqs = [shape.path_tokens(p).tolist() for p in range(shape.n_paths)]
-        rewards = rng.normal(size=len(seqs))
+        if estimator == "turn":  # paths of 2+ tokens that train their last: 1+ turns each
+            keep = [p for p, s in enumerate(seqs) if len(s) > 1]
+            seqs = [seqs[p] for p in keep]
+            kw["weights"] = [kw["weights"][p] for p in keep]
+            kw["loss_masks"] = [kw["loss_masks"][p][:-1] + [1] for p in keep]
+            rewards = [rng.normal(size=_n_turns(m)).tolist() for m in kw["loss_masks"]]
+            ref = _reference_turn_advantages(kw["loss_masks"], rewards, 0.7)
+        else:
+            rewards = rng.normal(size=len(seqs))
+            ref = _reference_advantages(seqs, rewards, estimator)
         trees.append(with_advantages(TrajectoryTree.from_sequences(
             seqs, loss_masks=kw["loss_masks"], weights=kw["weights"], rewards=rewards),
-            estimator))
-        ref = _reference_advantages(seqs, rewards, estimator)
+            estimator, *([0.7] if estimator == "turn" else [])))
         singles += [TrajectoryTree.from_sequences([s], loss_masks=[m], weights=[w],
                                                   advantages=[a])
                     for s, m, w, a in zip(seqs, kw["loss_masks"], kw["weights"], ref)]

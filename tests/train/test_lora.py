@@ -23,7 +23,7 @@ from jtree.train_step import (
     stack_microbatches,
 )
 from tests.models_util import assert_grads_close, off_policy_ppo_inputs, tiny_model
-from tests.run_util import read_metrics, tiny_overrides
+from tests.run_util import finish, launch, read_metrics, tiny_overrides
 from tests.strategies import seeded_forests
 
 TARGETS = ("self_attn/(q|o)_proj", "mlp/down_proj", "lm_head")
@@ -136,3 +136,27 @@ def test_lora_runs_train_alike_in_tree_baseline_and_redundancy_free_mode(few_gro
     assert losses["tree"][-1] < losses["tree"][0]
     for mode in ("baseline", "redundancy_free"):
         assert losses[mode] == pytest.approx(losses["tree"], rel=1e-5), mode
+
+
+@pytest.mark.slow
+def test_lora_run_on_an_fsdp_mesh_trains_like_one_device(few_groups_file, tmp_path):
+    """`jtree.launch.train` with LoRA on mesh.fsdp=2 (two forced host devices): the base stored
+    split over fsdp and gathered per layer, the adapters laid out by `lora_specs`; its losses
+    equal the one-device run's in tree and baseline mode."""
+    overrides = tiny_overrides(few_groups_file, **{
+        "run.steps": 3, "data.trees_per_step": 2, "optim.warmup_steps": 0,
+        "model.lora": "{rank: 2, alpha: 4, targets: [proj, lm_head]}",
+        "model.tie_word_embeddings": False})
+    one = tmp_path / "one.jsonl"
+    assert main(["--config", "configs/tiny.yaml", *overrides, f"run.metrics_jsonl={one}"]) == 0
+    want = [r["loss"] for r in read_metrics(one)]
+    assert want[-1] < want[0]
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    for mode in ("tree", "baseline"):
+        out, log = tmp_path / f"fsdp_{mode}.jsonl", tmp_path / f"fsdp_{mode}"
+        code, stdout, err = finish(launch(["--config", "configs/tiny.yaml", *overrides,
+                                           "mesh.data=1", "mesh.fsdp=2", f"run.mode={mode}",
+                                           f"run.metrics_jsonl={out}"], log, env), log)
+        assert code == 0, err[-3000:]
+        assert "mesh data=1 x fsdp=2 x model=1" in stdout
+        assert [r["loss"] for r in read_metrics(out)] == pytest.approx(want, rel=1e-5), mode

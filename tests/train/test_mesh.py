@@ -5,8 +5,9 @@ The meshes run in a subprocess (`tests/mesh_worker.py`) because the device count
 creates its CPU backend. A case is `model:mode:objective:DxFxM` (data x fsdp x model), model
 `dense` (Qwen3), `moe` (Qwen3-MoE: expert parallel, router loss pooled over the data shards) or
 `next` (Qwen3-Next: Gated DeltaNet heads split, gated attention, shared expert); `dense_cpu` is
-Qwen3 with the C++ `cpu` attention kernel, `dense_lora` Qwen3 training LoRA adapters (split like
-their kernels), `dense_critic` and `dense_critic_model` Qwen3 trained by PPO with a critic (a
+Qwen3 with the C++ `cpu` attention kernel, `dense_lora` Qwen3 training LoRA adapters (read split
+like their kernels, FSDP included; the frozen base must come out of the step bit for bit as it went
+in), `dense_critic` and `dense_critic_model` Qwen3 trained by PPO with a critic (a
 value head; a separate, smaller critic model laid out by its own rules); `dense_tpu` is Qwen3 whose
 sharded step runs the Pallas
 TPU kernel in the TPU interpreter (its outputs and custom_vjp cotangents must carry the inputs'
@@ -46,6 +47,7 @@ def check(result: dict) -> None:
     assert result["grad_norm_rel"] <= 1e-5, result
     assert result["grads_rel_l2"] <= 1e-5, result
     assert result["params_rel_l2"] <= 1e-5, result
+    assert result["frozen_equal"], result  # a LoRA step leaves the base as it was
     _, fsdp, model = (int(x) for x in result["case"].split(":")[3].split("x"))
     if model > 1:
         assert result["model_sharded"] > 0, result  # tensor parallel really split weights
@@ -61,16 +63,16 @@ def check(result: dict) -> None:
 
 
 def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
-    # The full dense/MoE x tree/baseline x (8,1)/(4,2)/(2,4) matrix with the SFT objective, plus
+    # Dense/MoE x tree/baseline with the SFT objective on the three data x model meshes, plus
     # PPO on both models, Qwen3-Next on one tensor-parallel mesh, FSDP alone and FSDP mixed with
     # data and tensor parallelism, and a checkpoint resharded across tensor-parallel and FSDP
-    # meshes. Next's full matrix and the FSDP sweep run in the slow tests below.
-    cases = [f"{model}:{mode}:sft:{mesh}" for model in ("dense", "moe")
-             for mode in ("tree", "baseline") for mesh in MESHES]
+    # meshes, and LoRA on an FSDP x tensor-parallel mesh. Next's full matrix and the FSDP sweep
+    # (LoRA included), the rest of the dense/MoE matrix and the critic run in the slow tests below.
+    cases = ["dense:tree:sft:8x1x1", "dense:baseline:sft:4x1x2", "moe:tree:sft:4x1x2",
+             "moe:baseline:sft:2x1x4"]
     cases += ["moe:tree:ppo:2x1x4", "dense:baseline:ppo:4x1x2", "next:tree:sft:2x1x4",
               "dense_cpu:tree:sft:4x1x2", "dense:tree:sft:1x8x1", "moe:tree:ppo:2x2x2",
-              "dense_tpu:tree:sft:1x1x2", "dense_lora:tree:ppo:2x1x4",
-              "dense_critic_model:tree:ppo:2x2x2"]
+              "dense_tpu:tree:sft:1x1x2", "dense_lora:tree:ppo:2x2x2"]
     step_results = run_cases(cases + [f"restore:{tmp_path}/ckpt"])
     for result in step_results[:-1]:
         check(result)
@@ -81,7 +83,8 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
 
 @pytest.mark.slow
 def test_next_and_lora_on_every_mesh_and_ppo_on_every_model():
-    cases = [f"next:{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in MESHES]
+    cases = [f"{model}:{mode}:sft:{mesh}" for model in ("dense", "moe", "next")
+             for mode in ("tree", "baseline") for mesh in MESHES]
     cases += [f"{model}:tree:ppo:4x1x2" for model in ("dense", "moe", "next")]
     cases += ["dense_tpu:tree:sft:2x1x1", "dense_tpu:baseline:sft:1x1x2"]
     cases += [f"dense_lora:{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in MESHES]
@@ -105,7 +108,7 @@ def test_ppo_with_a_critic_on_every_mesh(model):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("mesh", FSDP_MESHES)
-@pytest.mark.parametrize("model", ("dense", "moe", "next"))
+@pytest.mark.parametrize("model", ("dense", "moe", "next", "dense_lora"))
 def test_fsdp_meshes_for_every_model_mode_and_objective(model, mesh):
     # One subprocess per (model, mesh): tree and baseline, SFT and PPO.
     cases = [f"{model}:{mode}:{objective}:{mesh}" for mode in ("tree", "baseline")
