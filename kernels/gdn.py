@@ -136,7 +136,8 @@ def _unit_lower_inverse(a: jax.Array) -> jax.Array:
 
 
 class _ChunkTerms(NamedTuple):
-    """State-independent quantities of every chunk, [B, NC, H, C, ...] (NC chunks of C tokens)."""
+    """State-independent quantities of every chunk, [..., H, C, ...] ([B, NC] or [B * NC] chunks
+    of C tokens in front)."""
 
     u: jax.Array  # UT-transformed beta * v                 [.., C, dv]
     w: jax.Array  # UT-transformed beta * k * decay-to-token [.., C, dk]
@@ -147,12 +148,13 @@ class _ChunkTerms(NamedTuple):
 
 
 def _chunk_terms(q, k, v, g, beta) -> _ChunkTerms:
-    """q, k [B, NC, C, H, dk] (prepared), v [.., dv], g, beta [B, NC, C, H]; all fp32.
+    """q, k [..., C, H, dk] (prepared), v [.., dv], g, beta [..., C, H]; all fp32; the leading
+    axes (chunks) are batch axes.
 
     Empty slots (g = beta = k = 0) leave the state unchanged, so chunks may be padded at the end.
     """
-    q, k, v = (jnp.swapaxes(x, 2, 3) for x in (q, k, v))  # [B, NC, H, C, d]
-    g, beta = jnp.swapaxes(g, 2, 3), jnp.swapaxes(beta, 2, 3)  # [B, NC, H, C]
+    q, k, v = (jnp.swapaxes(x, -3, -2) for x in (q, k, v))  # [..., H, C, d]
+    g, beta = jnp.swapaxes(g, -2, -1), jnp.swapaxes(beta, -2, -1)  # [..., H, C]
     c = g.shape[-1]
     cum = jnp.cumsum(g, axis=-1)
     lower = jnp.tril(jnp.ones((c, c), bool))
@@ -276,11 +278,11 @@ def _parallel_forward(terms: _ChunkTerms, src: jax.Array, initial_states: jax.Ar
     (`compose_along_parents`), gives every chunk's final state from the initial states; then all
     chunks' outputs at once from their entering states."""
     b, nc = src.shape
-    m, n = _chunk_maps(terms)
+    flat = jax.tree_util.tree_map(_over_chunks, terms)
+    m, n = (x.reshape((b, nc) + x.shape[1:]) for x in _chunk_maps(flat))
     m, n, root = compose_along_parents(m, n, src, initial_states.shape[1])
     s_out = _einsum("bchij,bchjv->bchiv", m, gather_slots(initial_states, root)) + n
     buffer = jnp.concatenate([initial_states, s_out], axis=1)
-    flat = jax.tree_util.tree_map(_over_chunks, terms)
     o, _, _ = _chunk_step(flat, _over_chunks(gather_slots(buffer, src)))
     return o.reshape((b, nc) + o.shape[1:]), buffer
 
@@ -299,7 +301,8 @@ def _parallel_bwd(res, cts):
     # The entering states' cotangents from the chunks' own outputs and final-state slots, then
     # their sums over every descendant's.
     _, vjp_out = jax.vjp(lambda s: _chunk_step(flat, s)[0], entering)
-    m, _ = _chunk_maps(terms)
+    m = _chunk_maps(flat)[0]
+    m = m.reshape(src.shape + m.shape[1:])
     direct = vjp_out(d_o_flat)[0].reshape(m.shape[:3] + entering.shape[-2:])
     direct = direct + _einsum("...ij,...iv->...jv", m, d_buffer[:, n_init:])
     d_entering = accumulate_from_descendants(m, direct, src, n_init)
@@ -427,9 +430,12 @@ def tree_gated_delta_rule(
         idx = gather_idx.reshape(gather_idx.shape + (1,) * (x.ndim - 2))
         mask = filled.reshape(filled.shape + (1,) * (x.ndim - 2))
         picked = jnp.where(mask, jnp.take_along_axis(x, idx, axis=1), 0.0)
-        return picked.reshape((r, nc, c) + x.shape[2:])
+        return picked.reshape((r * nc, c) + x.shape[2:])
 
-    terms = _chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta)))
+    # The chunk terms are per chunk: computed over one flat chunk axis, which XLA:CPU runs faster
+    # than [R, NC] when R = 1 (one tree row; see `jtree.kernels.channel_scale`).
+    terms = jax.tree_util.tree_map(lambda x: x.reshape((r, nc) + x.shape[1:]),
+                                   _chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta))))
     if initial_states is not None:
         states = initial_states.astype(jnp.float32)
     elif initial_state is not None:

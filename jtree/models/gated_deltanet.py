@@ -31,6 +31,7 @@ from flax import nnx
 from jtree.models.layers import linear, rms_normalized, row_parallel
 from jtree.models.prefix import GdnCache
 from jtree.models.runtime import RuntimeConfig
+from jtree.kernels.channel_scale import scale_channels
 from jtree.kernels.gdn import tree_gated_delta_rule
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
 
@@ -71,7 +72,7 @@ class GatedRMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
         dtype = x.dtype
-        out = self.weight[...] * rms_normalized(x, self.eps).astype(dtype)
+        out = scale_channels(rms_normalized(x, self.eps).astype(dtype), self.weight[...])
         return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
 
 
