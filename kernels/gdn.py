@@ -180,11 +180,22 @@ def _chunk_terms(q, k, v, g, beta) -> _ChunkTerms:
 
 
 def _chunk_step(t: _ChunkTerms, s: jax.Array):
-    """One chunk from entering state s [B, H, dk, dv]: (output [B, H, C, dv], final state, v_new)."""
-    v_new = t.u - _einsum("bhck,bhkv->bhcv", t.w, s)
-    o = _einsum("bhck,bhkv->bhcv", t.q_decayed, s) + _einsum("bhcd,bhdv->bhcv", t.attn, v_new)
-    s_out = s * t.chunk_decay[..., None, None] + _einsum("bhck,bhcv->bhkv", t.k_decayed, v_new)
-    return o, s_out, v_new
+    """One chunk from entering state s [B, H, dk, dv]: (output [B, H, C, dv], final state, v_new).
+
+    Computed with B and H merged into one batch axis: the sequential scan runs this on one row
+    (B = 1) of a tree, and XLA:CPU's batched matmuls with a leading size-1 axis are much slower
+    (the whole scan about 1.5x)."""
+    lead = s.shape[:2]
+
+    def merged(x: jax.Array) -> jax.Array:
+        return x.reshape((-1,) + x.shape[2:])
+
+    w, u, q_dec, k_dec, attn = map(merged, (t.w, t.u, t.q_decayed, t.k_decayed, t.attn))
+    s = merged(s)
+    v_new = u - _einsum("nck,nkv->ncv", w, s)
+    o = _einsum("nck,nkv->ncv", q_dec, s) + _einsum("ncd,ndv->ncv", attn, v_new)
+    s_out = s * t.chunk_decay.reshape(-1, 1, 1) + _einsum("nck,ncv->nkv", k_dec, v_new)
+    return tuple(x.reshape(lead + x.shape[1:]) for x in (o, s_out, v_new))
 
 
 def _chunks_first(terms: _ChunkTerms) -> _ChunkTerms:
@@ -358,10 +369,11 @@ def pick_scan(scan: str, platform: str) -> str:
     "auto" picks "parallel" on accelerators and "sequential" on CPU. The sequential scan is one
     dependent step per chunk (a few [C, dk] x [dk, dv] products): on a GPU or TPU each step is a
     launch too small to fill the device, which the parallel scan replaces by ceil(log2(depth))
-    rounds of batched [dk, dk] compositions over all chunks. On CPU the two measured within noise
-    of each other (docs/benchmarks.md, dk = 64, C = 64: the compositions' extra ~2 x log2(depth)
-    dk^3 flops per chunk cost about what the steps' serialization does), so the reference stays.
-    The accelerator side of the rule is reasoned, not measured (no accelerator here).
+    rounds of batched [dk, dk] compositions over all chunks. On CPU a step costs little more than
+    its flops, so the compositions' extra ~2 x log2(depth) dk^3 flops per chunk make the parallel
+    scan the slower one on every layout measured (one tree row of 128 chunks as well as 16 rows of
+    8; docs/benchmarks.md, dk = 64, C = 64), and the reference stays. The accelerator side of
+    the rule is reasoned, not measured (no accelerator here).
     """
     if scan not in GDN_SCANS:
         raise ValueError(f"scan: {scan!r} is not one of {GDN_SCANS}")
