@@ -143,7 +143,7 @@ class Trainer:
         rfree_step = None
         if cfg.run.mode == "redundancy_free":
             rfree_step = make_rfree_step(cfg, mesh, nnx.split(abstract)[0], optimizer,
-                                         sharded=(graphdef, specs, shardings))
+                                         sharded=(graphdef, step_specs, shardings))
         return cls(cfg, mesh, graphdef, specs, shardings, optimizer, step_fn, logprob_fn, init_fn,
                    rfree_step, model_specs, ref_logprob_fn)
 

@@ -136,7 +136,8 @@ def _unit_lower_inverse(a: jax.Array) -> jax.Array:
 
 
 class ChunkTerms(NamedTuple):
-    """State-independent quantities of every chunk, [B, NC, H, C, ...] (NC chunks of C tokens)."""
+    """State-independent quantities of every chunk, [..., H, C, ...] ([B, NC] or [B * NC] chunks
+    of C tokens in front)."""
 
     u: jax.Array  # UT-transformed beta * v                 [.., C, dv]
     w: jax.Array  # UT-transformed beta * k * decay-to-token [.., C, dk]
@@ -147,12 +148,13 @@ class ChunkTerms(NamedTuple):
 
 
 def _chunk_terms(q, k, v, g, beta) -> ChunkTerms:
-    """q, k [B, NC, C, H, dk] (prepared), v [.., dv], g, beta [B, NC, C, H]; all fp32.
+    """q, k [..., C, H, dk] (prepared), v [.., dv], g, beta [..., C, H]; all fp32; the leading
+    axes (chunks) are batch axes.
 
     Empty slots (g = beta = k = 0) leave the state unchanged, so chunks may be padded at the end.
     """
-    q, k, v = (jnp.swapaxes(x, 2, 3) for x in (q, k, v))  # [B, NC, H, C, d]
-    g, beta = jnp.swapaxes(g, 2, 3), jnp.swapaxes(beta, 2, 3)  # [B, NC, H, C]
+    q, k, v = (jnp.swapaxes(x, -3, -2) for x in (q, k, v))  # [..., H, C, d]
+    g, beta = jnp.swapaxes(g, -2, -1), jnp.swapaxes(beta, -2, -1)  # [..., H, C]
     c = g.shape[-1]
     cum = jnp.cumsum(g, axis=-1)
     lower = jnp.tril(jnp.ones((c, c), bool))
@@ -178,11 +180,22 @@ def _chunk_terms(q, k, v, g, beta) -> ChunkTerms:
 
 
 def chunk_step(t: ChunkTerms, s: jax.Array):
-    """One chunk from entering state s [B, H, dk, dv]: (output [B, H, C, dv], final state, v_new)."""
-    v_new = t.u - _einsum("bhck,bhkv->bhcv", t.w, s)
-    o = _einsum("bhck,bhkv->bhcv", t.q_decayed, s) + _einsum("bhcd,bhdv->bhcv", t.attn, v_new)
-    s_out = s * t.chunk_decay[..., None, None] + _einsum("bhck,bhcv->bhkv", t.k_decayed, v_new)
-    return o, s_out, v_new
+    """One chunk from entering state s [B, H, dk, dv]: (output [B, H, C, dv], final state, v_new).
+
+    Computed with B and H merged into one batch axis: the sequential scan runs this on one row
+    (B = 1) of a tree, and XLA:CPU's batched matmuls with a leading size-1 axis are much slower
+    (the whole scan about 1.5x)."""
+    lead = s.shape[:2]
+
+    def merged(x: jax.Array) -> jax.Array:
+        return x.reshape((-1,) + x.shape[2:])
+
+    w, u, q_dec, k_dec, attn = map(merged, (t.w, t.u, t.q_decayed, t.k_decayed, t.attn))
+    s = merged(s)
+    v_new = u - _einsum("nck,nkv->ncv", w, s)
+    o = _einsum("nck,nkv->ncv", q_dec, s) + _einsum("ncd,ndv->ncv", attn, v_new)
+    s_out = s * t.chunk_decay.reshape(-1, 1, 1) + _einsum("nck,ncv->nkv", k_dec, v_new)
+    return tuple(x.reshape(lead + x.shape[1:]) for x in (o, s_out, v_new))
 
 
 def _chunks_first(terms: ChunkTerms) -> ChunkTerms:
@@ -276,11 +289,11 @@ def _parallel_forward(terms: ChunkTerms, src: jax.Array, initial_states: jax.Arr
     (`compose_along_parents`), gives every chunk's final state from the initial states; then all
     chunks' outputs at once from their entering states."""
     b, nc = src.shape
-    m, n = chunk_maps(terms)
+    flat = jax.tree_util.tree_map(over_chunks, terms)
+    m, n = (x.reshape((b, nc) + x.shape[1:]) for x in chunk_maps(flat))
     m, n, root = compose_along_parents(m, n, src, initial_states.shape[1])
     s_out = _einsum("bchij,bchjv->bchiv", m, gather_slots(initial_states, root)) + n
     buffer = jnp.concatenate([initial_states, s_out], axis=1)
-    flat = jax.tree_util.tree_map(over_chunks, terms)
     o, _, _ = chunk_step(flat, over_chunks(gather_slots(buffer, src)))
     return o.reshape((b, nc) + o.shape[1:]), buffer
 
@@ -299,7 +312,8 @@ def _parallel_bwd(res, cts):
     # The entering states' cotangents from the chunks' own outputs and final-state slots, then
     # their sums over every descendant's.
     _, vjp_out = jax.vjp(lambda s: chunk_step(flat, s)[0], entering)
-    m, _ = chunk_maps(terms)
+    m = chunk_maps(flat)[0]
+    m = m.reshape(src.shape + m.shape[1:])
     direct = vjp_out(d_o_flat)[0].reshape(m.shape[:3] + entering.shape[-2:])
     direct = direct + _einsum("...ij,...iv->...jv", m, d_buffer[:, n_init:])
     d_entering = accumulate_from_descendants(m, direct, src, n_init)
@@ -330,9 +344,12 @@ def tree_chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
         idx = gather_idx.reshape(gather_idx.shape + (1,) * (x.ndim - 2))
         mask = filled.reshape(filled.shape + (1,) * (x.ndim - 2))
         picked = jnp.where(mask, jnp.take_along_axis(x, idx, axis=1), 0.0)
-        return picked.reshape((r, nc, c) + x.shape[2:])
+        return picked.reshape((r * nc, c) + x.shape[2:])
 
-    return _chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta)))
+    # The chunk terms are per chunk: computed over one flat chunk axis, which XLA:CPU runs faster
+    # than [R, NC] when R = 1 (one tree row; see `jtree.kernels.channel_scale`).
+    return jax.tree_util.tree_map(lambda x: x.reshape((r, nc) + x.shape[1:]),
+                                  _chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta))))
 
 
 def tokens_from_chunks(o: jax.Array, token_slot: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -387,10 +404,11 @@ def pick_scan(scan: str, platform: str) -> str:
     "auto" picks "parallel" on accelerators and "sequential" on CPU. The sequential scan is one
     dependent step per chunk (a few [C, dk] x [dk, dv] products): on a GPU or TPU each step is a
     launch too small to fill the device, which the parallel scan replaces by ceil(log2(depth))
-    rounds of batched [dk, dk] compositions over all chunks. On CPU the two measured within noise
-    of each other (docs/benchmarks.md, dk = 64, C = 64: the compositions' extra ~2 x log2(depth)
-    dk^3 flops per chunk cost about what the steps' serialization does), so the reference stays.
-    The accelerator side of the rule is reasoned, not measured (no accelerator here).
+    rounds of batched [dk, dk] compositions over all chunks. On CPU a step costs little more than
+    its flops, so the compositions' extra ~2 x log2(depth) dk^3 flops per chunk make the parallel
+    scan the slower one on every layout measured (one tree row of 128 chunks as well as 16 rows of
+    8; docs/benchmarks.md, dk = 64, C = 64), and the reference stays. The accelerator side of
+    the rule is reasoned, not measured (no accelerator here).
     """
     if scan not in GDN_SCANS:
         raise ValueError(f"scan: {scan!r} is not one of {GDN_SCANS}")

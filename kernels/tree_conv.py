@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jtree.kernels.channel_scale import scale_channels
+
 
 def path_context(pred: jax.Array, width: int) -> jax.Array:
     """[R, S, width] row-local indices of the 1st..width-th previous tokens along each token's path
@@ -39,9 +41,10 @@ def tree_causal_conv1d(x: jax.Array, weight: jax.Array, context: jax.Array,
         raise ValueError(f"context must be [R, S, K-1] = {x.shape[:2] + (kernel - 1,)}; "
                          f"got {context.shape}")
     w = weight.astype(x.dtype)
-    out = x * w[:, kernel - 1]
+    out = scale_channels(x, w[:, kernel - 1])
     for m in range(1, kernel):
         idx = context[..., m - 1]
         shifted = jnp.take_along_axis(src, jnp.maximum(idx, 0)[..., None], axis=1)
-        out = out + jnp.where((idx >= 0)[..., None], shifted, 0) * w[:, kernel - 1 - m]
+        out = out + scale_channels(jnp.where((idx >= 0)[..., None], shifted, 0),
+                                   w[:, kernel - 1 - m])
     return out

@@ -96,6 +96,7 @@ COLUMNS = (
     Column("tree par ms", "tree_parallel_ms"), Column("paths seq ms", "paths_sequential_ms"),
     Column("paths par ms", "paths_parallel_ms"),
     Column("tree par vs best paths", "speedup", "{}x"),
+    Column("tree seq vs best paths", "sequential_tree_speedup", "{}x"),
     Column("tree par vs tree seq", "scan_speedup", "{}x"), Column("bound", "token_bound", "{}x"),
     Column("tree / paths temp MiB", "temp_mib"), Column("tree / paths resid MiB", "residual_mib"),
     Column("tree chunks", "tree_chunks"), Column("max depth (chunks)", "tree_depth"),

@@ -30,7 +30,7 @@ from flax import nnx  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.models import create_model  # noqa: E402
 from jtree.models.lora import (  # noqa: E402
-    LoraConfig, attach, model_params, trainable, trainable_grads,
+    LoraConfig, attach, lora_specs, model_params, trainable, trainable_grads,
 )
 from jtree.rfree.execute import RedundancyFreeStep  # noqa: E402
 from jtree.rfree.layout import build_program  # noqa: E402
@@ -99,11 +99,11 @@ def compare_on_mesh(case: str, ref: dict[str, Any]) -> dict[str, Any]:
                      jax.devices()[:data * fsdp * model_size])
     params, objective = ref["params"], ref["objective"]
     rules = param_rules(ref["cfg"], model_size)
-    specs = param_specs(params, rules, mesh)
+    specs, step_specs = lora_specs(params, rules, mesh)
     graphdef = sharded_graphdef(ref["model"],
                                 param_specs(nnx.split(ref["model"])[1], rules, mesh))
     sharded = jax.device_put(params, named(mesh, specs))
-    step = MeshRedundancyFreeStep(graphdef, objective, mesh, specs)
+    step = MeshRedundancyFreeStep(graphdef, objective, mesh, step_specs)
     loss, metrics, grads = step(sharded, ref["program"])
     new_params = ref["update"](ref["state"], loss, metrics, grads)[0].params
     leaves = jax.tree_util.tree_leaves

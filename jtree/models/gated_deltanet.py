@@ -40,6 +40,7 @@ from jtree.models.layers import linear, rms_normalized, row_parallel
 from jtree.models.prefix import GdnCache
 from jtree.models.runtime import RuntimeConfig
 from jtree.batch import GdnTables
+from jtree.kernels.channel_scale import scale_channels
 from jtree.kernels.gdn import tree_gated_delta_rule
 from jtree.kernels.gdn_context import (
     context_conv_index, context_conv_source, context_gated_delta_rule,
@@ -97,7 +98,7 @@ class GatedRMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
         dtype = x.dtype
-        out = self.weight[...] * rms_normalized(x, self.eps).astype(dtype)
+        out = scale_channels(rms_normalized(x, self.eps).astype(dtype), self.weight[...])
         return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
 
 

@@ -115,8 +115,7 @@ def test_dense_on_a_data_fsdp_model_mesh():
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("model", ["dense", "moe", "next", "dense_lora"])
 def test_every_model_objective_and_mesh(model):
-    meshes = ("2x1x1", "4x1x1", "2x1x2") if model == "dense_lora" else (  # no LoRA with FSDP
-        "2x1x1", "4x1x1", "2x1x2", "1x2x2", "2x2x2")
+    meshes = ("2x1x1", "4x1x1", "2x1x2", "1x2x2", "2x2x2")
     cases = [f"{model}:{objective}:{mesh}" for objective in ("sft", "ppo") for mesh in meshes]
     for result in run_cases(cases):
         check(result)

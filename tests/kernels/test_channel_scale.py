@@ -1,0 +1,27 @@
+"""`scale_channels`: x * weight with the leading axes flattened, values and gradients unchanged."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jtree.kernels.channel_scale import scale_channels
+
+
+@pytest.mark.parametrize("x_shape, w_shape", [((1, 40, 6), (6,)), ((3, 8, 6), (6,)),
+                                              ((1, 40, 2, 3), (3,)), ((2, 5, 2, 3), (2, 3))])
+def test_equals_broadcast_product_with_gradients(x_shape, w_shape):
+    """One row or several, a weight over the last axis or the last two: the same product and
+    the same gradients (the weight's is the sum over every leading axis)."""
+    rng = np.random.default_rng(0)
+    x, w, ct = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in (x_shape, w_shape, x_shape))
+    np.testing.assert_array_equal(scale_channels(x, w), x * w)
+    got = jax.grad(lambda x, w: jnp.sum(scale_channels(x, w) * ct), argnums=(0, 1))(x, w)
+    want = jax.grad(lambda x, w: jnp.sum(x * w * ct), argnums=(0, 1))(x, w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_weight_that_does_not_match_the_channels_is_named():
+    with pytest.raises(ValueError, match=r"weight \(4,\) must match x's trailing axes"):
+        scale_channels(jnp.zeros((1, 3, 5)), jnp.zeros((4,)))
