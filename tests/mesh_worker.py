@@ -2,7 +2,7 @@
 
 Run in a subprocess (`tests/train/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
 (model `dense`, `moe` or `next`; `dense_lora`: `dense` training LoRA adapters; mesh data x fsdp x
-model). Prints one JSON line per case with the largest relative differences to the single-device
+model, or data x fsdp x context x model; mode `cp`: the context-parallel trees of `cp_inputs`). Prints one JSON line per case with the largest relative differences to the single-device
 step: loss, gradient norm, per-parameter gradients (Adam's first moment after one step, i.e. the
 clipped gradient scaled by 1 - b1), updated parameters and their updates, and how many parameters
 the mesh shards over `model` and over `fsdp`.
@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jtree.baseline import flatten_paths, linearize_baseline  # noqa: E402
 from jtree.batch import DeviceBatch, stack  # noqa: E402
 from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
+from jtree.context_parallel import context_batch  # noqa: E402
 from jtree.layer_stack import convert_tree, layer_groups  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
@@ -54,8 +55,10 @@ from tests.models_util import (  # noqa: E402
     perturbed, rel_l2, tiny_config, tiny_moe_config, tiny_next_config, tiny_runtime,
 )
 from tests.strategies import explicit_tree, random_forest, sequences_tree  # noqa: E402
+from jtree.tree import TrajectoryTree  # noqa: E402
 
 S, ROWS, GDN_CHUNK = 64, 8, 4
+CP_ROWS = 4  # rows of each micro-batch of the context-parallel batch
 # Kinds whose sharded step runs another attention kernel than their single-device reference.
 MESH_IMPL = {"dense_tpu": "pallas_tpu"}
 
@@ -63,14 +66,14 @@ MESH_IMPL = {"dense_tpu": "pallas_tpu"}
 def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     """(architecture, config, runtime) of the tiny `dense`, `moe` or `next` model; `dense_cpu` is
     `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map);
-    `dense_tpu` is `dense` at head_dim 64 (what the Pallas TPU kernel tiles) with an `xla`
+    `dense_xla` is `dense` with the block-sparse `xla` kernel; `dense_tpu` is `dense` at head_dim 64 (what the Pallas TPU kernel tiles) with an `xla`
     reference step, whose sharded step runs the Pallas TPU kernel (`MESH_IMPL`) in the TPU
     interpreter; `dense_lora` is `dense` training LoRA adapters; `dense_scan` is `dense` with
     its layers scanned (stacked parameters split per layer); `moe_a2a` and `next_a2a` run
     their experts with token dispatch (`expert_dispatch="all_to_all"`)."""
     dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
-    if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan"):
-        impl = {"dense_cpu": "cpu", "dense_tpu": "xla"}.get(kind, "reference")
+    if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan", "dense_xla"):
+        impl = {"dense_cpu": "cpu", "dense_tpu": "xla", "dense_xla": "xla"}.get(kind, "reference")
         head_dim = {"dense_tpu": 64}.get(kind, 8)
         return ("qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                                      head_dim=head_dim),
@@ -100,6 +103,47 @@ def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
         b = fn(part, S, normalization=objective.normalization, normalizer=1.0, n_rows=ROWS, **kw)
         row_norm = np.zeros(ROWS, np.float32)
         row_norm[0] = batch_normalizer(part, objective.normalization)
+        out.append(dataclasses.replace(b.inputs, row_norm=row_norm))
+    return stack(out)
+
+
+def chain_tree(rng: np.random.Generator) -> TrajectoryTree:
+    """A deep chain of 12 nodes of 5 tokens (60 tokens: it crosses every boundary of a 64-token
+    row split over up to 8 devices), paths ending at its leaf and at an internal node, and a
+    last child of the root laid out after the chain: its first token, at position 60, is scored
+    by the root's last token, 7 devices back at context 8 (3 back at 4)."""
+    parents = [-1] + list(range(11)) + [0]
+    seg = [5] * 12 + [3]
+    path_nodes = [11, 12, 5]
+    lengths = [60, 8, 30]
+    return TrajectoryTree.from_nodes(
+        parents=parents, segments=[rng.integers(0, 64, size=k).tolist() for k in seg],
+        path_nodes=path_nodes,
+        loss_masks=[(rng.random(n) < 0.8).astype(int).tolist() for n in lengths],
+        weights=rng.uniform(0.5, 2.0, size=3).tolist(),
+        advantages=[rng.normal(size=n).tolist() for n in lengths],
+        old_logprobs=[(-rng.uniform(0.5, 6.0, size=n)).tolist() for n in lengths])
+
+
+def cp_inputs(objective: Objective) -> DeviceBatch:
+    """Two micro-batches of CP_ROWS even-split rows (a valid context-parallel layout): the deep
+    chain of `chain_tree` in each, and random multi-level forests (siblings, paths ending at
+    internal nodes) filling the rows, so nodes are cut by every device boundary; raw
+    coefficients with per-row normalizer shares; `score_index` on. The single-device reference
+    runs it as it is, the mesh laid out for its context size (`context_batch`)."""
+    rng = np.random.default_rng(11)
+    out = []
+    for _ in range(2):
+        trees = [chain_tree(rng)]
+        for _ in range(40):
+            tree = (explicit_tree if rng.random() < 0.5 else sequences_tree)(
+                random_forest(rng, max_nodes=10, max_seg=9))
+            if linearize(trees + [tree], S).shape[0] <= CP_ROWS:
+                trees.append(tree)
+        b = linearize(trees, S, normalization=objective.normalization, normalizer=1.0,
+                      n_rows=CP_ROWS, score_len=S)
+        row_norm = np.zeros(CP_ROWS, np.float32)
+        row_norm[0] = batch_normalizer(trees, objective.normalization)
         out.append(dataclasses.replace(b.inputs, row_norm=row_norm))
     return stack(out)
 
@@ -162,7 +206,10 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
         params = perturbed(params)  # with LoRA, B != 0: A's gradients too are non-zero
     objective = Objective(kind=kind, normalization="token_mean" if kind == "sft"
                           else "seq_mean_token_mean")
-    inputs = step_inputs(mode, objective, cfg.decoder().needs_gdn_tables)
+    if mode == "cp":
+        inputs = cp_inputs(objective)
+    else:
+        inputs = step_inputs(mode, objective, cfg.decoder().needs_gdn_tables)
     if kind == "ppo":
         rng = np.random.default_rng(1)
         inputs = inputs.with_coefficients(
@@ -174,12 +221,14 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
 
 
 def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
-    """One sharded step on the case's mesh (the first D x F x M devices), with its largest
+    """One sharded step on the case's mesh (the first D x F x [C x] M devices), with its largest
     relative differences to `ref`."""
-    data, fsdp, model_size = (int(x) for x in case.split(":")[3].split("x"))
+    sizes = [int(x) for x in case.split(":")[3].split("x")]
+    data, fsdp, context, model_size = sizes if len(sizes) == 4 else (sizes[0], sizes[1], 1,
+                                                                     sizes[2])
     params, objective, model = ref["params"], ref["objective"], ref["model"]
-    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, model=model_size),
-                     jax.devices()[:data * fsdp * model_size])
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, context=context, model=model_size),
+                     jax.devices()[:data * fsdp * context * model_size])
     specs = param_specs(params, param_rules(ref["cfg"], model_size), mesh)
     sharded_params = jax.device_put(params, named(mesh, specs))
     impl = MESH_IMPL.get(case.split(":")[0])
@@ -189,13 +238,14 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
                              dataclasses.replace(model.runtime, attention_impl=impl), seed=3)
         interpret = pltpu.force_tpu_interpret_mode()
     model_specs = param_specs(nnx.split(model)[1], param_rules(ref["cfg"], model_size), mesh)
-    graphdef = sharded_graphdef(model, model_specs)
+    graphdef = sharded_graphdef(model, model_specs, mesh)
     grad_fn = make_sharded_grad_fn(graphdef, objective, mesh, specs)
     step = jax.jit(make_train_step(graphdef, opt, objective, grad_fn=grad_fn))
+    inputs = ref["inputs"] if context == 1 else context_batch(ref["inputs"], context)
     with interpret:
         new_state, metrics = step(
             TrainState(sharded_params, opt.init(trainable(sharded_params)), np.int32(0)),
-            ref["inputs"])
+            inputs)
     ref_state, ref_metrics = ref["state"], ref["metrics"]
     leaves = jax.tree_util.tree_leaves
     held = leaves((new_state.params, new_state.opt_state))
