@@ -80,12 +80,14 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     where = f"the {n} devices available ({jax.process_count()} process(es))"
-    inner = 1
+    inner, after = 1, []
     for axis in ("model", "context", "fsdp"):
         inner *= getattr(cfg, axis)
         if n % inner:
-            raise ValueError(f"mesh.{axis}={getattr(cfg, axis)} (x the axes after it: "
-                             f"{inner // getattr(cfg, axis)}) does not divide {where}")
+            times = "".join(f" x mesh.{a}={getattr(cfg, a)}" for a in after)
+            raise ValueError(f"mesh.{axis}={getattr(cfg, axis)}"
+                             + (f" ({times[1:]})" if after else "") + f" does not divide {where}")
+        after.insert(0, axis)
     data = cfg.data if cfg.data > 0 else n // inner
     if data * inner != n:
         raise ValueError(f"mesh.data={cfg.data}: data={cfg.data} x fsdp={cfg.fsdp} x context="
@@ -95,8 +97,10 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
 
 
 def describe_mesh(mesh: Mesh) -> str:
-    """'data=2 x fsdp=4 x context=1 x model=1', for logs and errors."""
-    return " x ".join(f"{axis}={mesh.shape[axis]}" for axis in AXES)
+    """'data=2 x fsdp=4 x model=1', for logs and errors; with 'context=N' before 'model' when
+    the mesh splits rows' tokens (N > 1)."""
+    return " x ".join(f"{axis}={mesh.shape[axis]}" for axis in AXES
+                      if axis != CONTEXT or mesh.shape[axis] > 1)
 
 
 def context_size(mesh: Mesh) -> int:
