@@ -14,6 +14,12 @@ row). Every index in the batch stays a position in the whole row. Two things cro
   per device (`halo_capacity`, computed on the host from `pred`), all-gathered as [c H, D]
   (`scoring_view`); never the full hidden.
 
+Sums along paths (GSPO's sequence ratios, the critic's per-path GAE) need whole rows: their
+per-token inputs are all-gathered over the axis (a float or int per token), every device computes
+them for the whole row, and each sums only the terms of the tokens it owns (`owned`), so the
+sum over the axis counts every term once and the gradients reach the owners through the
+gathers' transposes.
+
 Host side: `context_batch` checks that c divides the row, adds the halo and lays `score_index`
 out per device (each device scores the tokens it holds). The same batch runs unchanged on one
 device: the halo is ignored there and `score_index` is still a list of positions.
@@ -105,8 +111,7 @@ def context_batch(batch: DeviceBatch, context: int, halo: int | None = None) -> 
     and the batch fields context parallelism does not run yet."""
     seq_len = batch.tokens.shape[-1]
     _check_split(seq_len, context)
-    unsupported = {"gdn": "gated deltanet chunk tables", "prefix_pred": "a redundancy-free part",
-                   "critic": "objective.critic"}
+    unsupported = {"gdn": "gated deltanet chunk tables", "prefix_pred": "a redundancy-free part"}
     for name, what in unsupported.items():
         if getattr(batch, name) is not None:
             raise ValueError(f"mesh.context={context}: the batch has {name!r} ({what}), which "
@@ -128,6 +133,22 @@ def context_batch(batch: DeviceBatch, context: int, halo: int | None = None) -> 
 def slice_offset(local_len: int, axis: str) -> jax.Array:
     """This device's first row position: axis_index * L."""
     return jax.lax.axis_index(axis).astype(jnp.int32) * local_len
+
+
+def local_index(index: jax.Array, local_len: int, axis: str) -> jax.Array:
+    """Row positions -> positions in this device's slice, -1 for those outside it (and for -1)."""
+    offset = slice_offset(local_len, axis)
+    inside = (index >= offset) & (index < offset + local_len)
+    return jnp.where(inside, index - offset, -1)
+
+
+def owned(seq_len: int, local_len: int, axis: str) -> jax.Array:
+    """[S] bool: the row positions this device holds. Terms computed on the whole row (path
+    sums gathered over the axis) are summed where their token is owned, so that the sum over
+    the axis counts each once."""
+    offset = slice_offset(local_len, axis)
+    at = jnp.arange(seq_len, dtype=jnp.int32)
+    return (at >= offset) & (at < offset + local_len)
 
 
 def gathered_row(x: jax.Array, axis: str, dim: int = 1) -> jax.Array:
@@ -175,5 +196,5 @@ def scoring_view(hidden: jax.Array, pred: jax.Array, halo: Any, score_index: Any
     view_pred = jnp.where(pred < 0, -1, jnp.where(inside, pred - offset,
                                                   length + slot.astype(jnp.int32)))
     if score_index is not None:
-        score_index = jnp.where(score_index >= 0, score_index - offset, -1)
+        score_index = local_index(score_index, length, axis)
     return jnp.concatenate([hidden, halo_hidden], axis=1), view_pred, score_index

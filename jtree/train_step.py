@@ -19,6 +19,7 @@ knowing the global batch (`jtree.data`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -30,7 +31,7 @@ from flax import nnx
 from jtree.advantages import Estimator
 from jtree.baseline import linearize_baseline
 from jtree.batch import DeviceBatch, LossCoefficients, stack
-from jtree.context_parallel import scoring_view
+from jtree.context_parallel import gathered_row, local_index, owned, scoring_view
 from jtree.critic import CriticConfig, gae, pair_token_sums, pair_values
 from jtree.linearize import TreeBatch, linearize
 from jtree.logprobs import logprobs_from_hidden, scored_logprobs, token_logprobs
@@ -157,45 +158,53 @@ def objective_loss(model: Any, inputs: DeviceBatch, objective: Objective, *,
 
     Metrics are sums (so they add over micro-batches and devices); the PPO clip fraction is
     carried as its numerator `clipped_adv` and denominator `abs_adv` (see `finish_metrics`).
-    Under context parallelism (the model's `runtime.context_axis`) they are this device's
-    slice's sums; the critic's per-path GAE and GSPO's path sums would need the whole row and
-    are refused by name.
+    Under context parallelism (the model's `runtime.context_axis`) `inputs` is this device's
+    slice of the rows and the sums are the slice's (`jtree.context_parallel`).
     """
     context_axis = model.runtime.context_axis
-    if context_axis is not None and (objective.critic is not None or objective.kind == "gspo"):
-        what = "objective.critic" if objective.critic is not None else "objective.kind='gspo'"
-        raise ValueError(f"mesh.context > 1 with {what}: its sums along paths cross device "
-                         "slices, which is not implemented yet; use mesh.context=1")
     out = model(inputs)
     if objective.critic is None:
         return loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred, out.aux_loss,
                                 inputs, objective, vocab_axis=vocab_axis,
                                 context_axis=context_axis)
-    inputs, v_loss = critic_objective(model.values(out.hidden), inputs, objective.critic)
+    inputs, v_loss = critic_objective(model.values(out.hidden), inputs, objective.critic,
+                                      context_axis=context_axis)
     loss, metrics = loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred,
-                                     out.aux_loss, inputs, objective, vocab_axis=vocab_axis)
+                                     out.aux_loss, inputs, objective, vocab_axis=vocab_axis,
+                                     context_axis=context_axis)
     return loss + objective.critic.value_coef * v_loss, dict(metrics, value_loss=v_loss)
 
 
-def critic_objective(token_values: jax.Array, inputs: DeviceBatch, critic: CriticConfig
-                     ) -> tuple[DeviceBatch, jax.Array]:
+def critic_objective(token_values: jax.Array, inputs: DeviceBatch, critic: CriticConfig, *,
+                     context_axis: str | None = None) -> tuple[DeviceBatch, jax.Array]:
     """PPO with a critic on one micro-batch: `inputs` with the policy's P/N from the per-path
     GAE advantages, and the clipped value loss (`jtree.critic`, docs/rl.md). The old values are
     the current ones without gradient: the step's parameters are the policy's before the update,
-    as for recomputed old log-probs."""
+    as for recomputed old log-probs.
+
+    Under context parallelism (`context_axis`) the pairs are the whole rows' (not split): the
+    values and `pred` are gathered over the axis, every device runs the rows' GAE, and each
+    keeps the pairs whose token it holds (its P/N and its share of the value loss)."""
     pairs = inputs.critic
     if pairs is None:
         raise ValueError("inputs: 'critic' pairs missing; objective.critic needs "
                          "jtree.critic.with_critic_pairs on the batch")
-    values = pair_values(token_values, inputs.pred, pairs)
+    s = inputs.tokens.shape[-1]
+    pred, local_pairs = inputs.pred, pairs
+    if context_axis is not None:
+        token_values = gathered_row(token_values, context_axis)
+        pred = gathered_row(pred, context_axis)
+        index = local_index(pairs.index, s, context_axis)
+        local_pairs = dataclasses.replace(pairs, index=index,
+                                          coef=jnp.where(index >= 0, pairs.coef, 0.0))
+    values = pair_values(token_values, pred, pairs)
     old = jax.lax.stop_gradient(values)
     advantages, returns = gae(old, pairs, critic.gamma, critic.lam)
-    ca = pairs.coef * advantages
-    s = inputs.tokens.shape[-1]
+    ca = local_pairs.coef * advantages
     inputs = inputs.with_coefficients(
-        adv_pos=pair_token_sums(jnp.where(ca >= 0, ca, 0.0), pairs, s),
-        adv_neg=pair_token_sums(jnp.where(ca < 0, ca, 0.0), pairs, s))
-    return inputs, value_loss(values, old, returns, pairs.coef, critic.value_clip)
+        adv_pos=pair_token_sums(jnp.where(ca >= 0, ca, 0.0), local_pairs, s),
+        adv_neg=pair_token_sums(jnp.where(ca < 0, ca, 0.0), local_pairs, s))
+    return inputs, value_loss(values, old, returns, local_pairs.coef, critic.value_clip)
 
 
 def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_loss: jax.Array,
@@ -235,7 +244,8 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
         rl = dict(clip_low=objective.clip_low, clip_high=objective.clip_high,
                   kl_coef=objective.kl_coef, entropy=entropy, entropy_coef=objective.entropy_coef)
         if objective.kind == "gspo":
-            loss, metrics = gspo_loss(logp, coefficients, inputs.mask.end, **rl)
+            loss, metrics = path_level_loss(logp, coefficients, inputs.mask.end, rl,
+                                            context_axis)
             pos, neg = coefficients.seq_pos, coefficients.seq_neg
         else:
             loss, metrics = ppo_loss(logp, coefficients, **rl)
@@ -243,6 +253,23 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
         abs_adv = jnp.sum(jnp.abs(pos) + jnp.abs(neg))
         metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv)
     return loss + aux_loss, dict(metrics, aux_loss=aux_loss)
+
+
+def path_level_loss(logp: jax.Array, coefficients: LossCoefficients, end: jax.Array,
+                    rl: dict[str, Any], context_axis: str | None
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`gspo_loss` on [rows, S] per-token values; under context parallelism on the rows
+    gathered over `context_axis` (log-probs, entropies, coefficients and `end`: a float or int
+    per token), each device summing the terms of the tokens it holds."""
+    if context_axis is None:
+        return gspo_loss(logp, coefficients, end, **rl)
+    length = logp.shape[-1]
+    row = functools.partial(gathered_row, axis=context_axis)
+    coefficients = jax.tree_util.tree_map(row, coefficients)
+    end = row(end)
+    rl = dict(rl, entropy=None if rl["entropy"] is None else row(rl["entropy"]))
+    return gspo_loss(row(logp), coefficients, end,
+                     owned=owned(end.shape[-1], length, context_axis), **rl)
 
 
 def gather_scored(coefficients: LossCoefficients, index: jax.Array) -> LossCoefficients:

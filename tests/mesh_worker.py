@@ -2,7 +2,8 @@
 
 Run in a subprocess (`tests/train/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
 (model `dense`, `moe` or `next`; `dense_lora`: `dense` training LoRA adapters; mesh data x fsdp x
-model, or data x fsdp x context x model; mode `cp`: the context-parallel trees of `cp_inputs`). Prints one JSON line per case with the largest relative differences to the single-device
+model, or data x fsdp x context x model; mode `cp`: the context-parallel trees of `cp_inputs`;
+objective `sft`, `ppo`, and with mode `cp` also `gspo` and `critic`: PPO with a value head). Prints one JSON line per case with the largest relative differences to the single-device
 step: loss, gradient norm, per-parameter gradients (Adam's first moment after one step, i.e. the
 clipped gradient scaled by 1 - b1), updated parameters and their updates, and how many parameters
 the mesh shards over `model` and over `fsdp`.
@@ -37,6 +38,7 @@ from jtree.baseline import flatten_paths, linearize_baseline  # noqa: E402
 from jtree.batch import DeviceBatch, stack  # noqa: E402
 from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
 from jtree.context_parallel import context_batch  # noqa: E402
+from jtree.critic import CriticConfig, critic_pairs, with_critic_pairs  # noqa: E402
 from jtree.layer_stack import convert_tree, layer_groups  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
 from jtree.loss import batch_normalizer  # noqa: E402
@@ -122,30 +124,36 @@ def chain_tree(rng: np.random.Generator) -> TrajectoryTree:
         loss_masks=[(rng.random(n) < 0.8).astype(int).tolist() for n in lengths],
         weights=rng.uniform(0.5, 2.0, size=3).tolist(),
         advantages=[rng.normal(size=n).tolist() for n in lengths],
-        old_logprobs=[(-rng.uniform(0.5, 6.0, size=n)).tolist() for n in lengths])
+        old_logprobs=[(-rng.uniform(0.5, 6.0, size=n)).tolist() for n in lengths],
+        rewards=rng.normal(size=3).tolist())
 
 
 def cp_inputs(objective: Objective) -> DeviceBatch:
     """Two micro-batches of CP_ROWS even-split rows (a valid context-parallel layout): the deep
     chain of `chain_tree` in each, and random multi-level forests (siblings, paths ending at
-    internal nodes) filling the rows, so nodes are cut by every device boundary; raw
-    coefficients with per-row normalizer shares; `score_index` on. The single-device reference
-    runs it as it is, the mesh laid out for its context size (`context_batch`)."""
+    internal nodes) filling the rows, so nodes are cut by every device boundary; one reward per
+    path and the critic's pairs when the objective has a critic; raw coefficients with per-row
+    normalizer shares; `score_index` on. The single-device reference runs it as it is, the mesh
+    laid out for its context size (`context_batch`)."""
     rng = np.random.default_rng(11)
-    out = []
+    batches = []
     for _ in range(2):
         trees = [chain_tree(rng)]
         for _ in range(40):
-            tree = (explicit_tree if rng.random() < 0.5 else sequences_tree)(
-                random_forest(rng, max_nodes=10, max_seg=9))
+            kwargs = random_forest(rng, max_nodes=10, max_seg=9)
+            tree = TrajectoryTree.from_nodes(
+                **kwargs, rewards=rng.normal(size=len(kwargs["path_nodes"])).tolist())
             if linearize(trees + [tree], S).shape[0] <= CP_ROWS:
                 trees.append(tree)
         b = linearize(trees, S, normalization=objective.normalization, normalizer=1.0,
                       n_rows=CP_ROWS, score_len=S)
         row_norm = np.zeros(CP_ROWS, np.float32)
         row_norm[0] = batch_normalizer(trees, objective.normalization)
-        out.append(dataclasses.replace(b.inputs, row_norm=row_norm))
-    return stack(out)
+        batches.append((b, row_norm))
+    if objective.critic is not None:  # one pair width for both micro-batches
+        width = max(critic_pairs(b).index.shape[1] for b, _ in batches)
+        batches = [(with_critic_pairs(b, width), norm) for b, norm in batches]
+    return stack([dataclasses.replace(b.inputs, row_norm=norm) for b, norm in batches])
 
 
 def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
@@ -197,20 +205,22 @@ def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
 def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]:
     """The single-device step every mesh of this (model, mode, objective) is compared with."""
     arch, cfg, runtime = case_model(model_kind)
-    model = create_model(arch, cfg, runtime, seed=3)
+    model = create_model(arch, cfg, runtime, seed=3, value_head=kind == "critic")
     graphdef, params = nnx.split(model)
     if model_kind == "dense_lora":  # column- and row-parallel kernels and the vocab-split head
         lora = LoraConfig(rank=2, alpha=4.0, targets=("self_attn/(q|k|o)_proj", "mlp", "lm_head"))
         params = attach(params, lora, jax.random.key(0))
     if model_kind != "dense":
         params = perturbed(params)  # with LoRA, B != 0: A's gradients too are non-zero
-    objective = Objective(kind=kind, normalization="token_mean" if kind == "sft"
-                          else "seq_mean_token_mean")
+    objective = Objective(kind="ppo" if kind == "critic" else kind,
+                          normalization="token_mean" if kind == "sft" else "seq_mean_token_mean",
+                          critic=CriticConfig(gamma=0.95, lam=0.9, value_coef=0.5)
+                          if kind == "critic" else None)
     if mode == "cp":
         inputs = cp_inputs(objective)
     else:
         inputs = step_inputs(mode, objective, cfg.decoder().needs_gdn_tables)
-    if kind == "ppo":
+    if kind != "sft":
         rng = np.random.default_rng(1)
         inputs = inputs.with_coefficients(
             old_logprobs=(-rng.uniform(0.5, 5.0, inputs.shape)).astype(np.float32))
