@@ -115,6 +115,10 @@ class Trainer:
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh {describe_mesh(mesh)}: {e}") from None
         context = context_size(mesh)
+        if context > 1 and cfg.run.mode == "redundancy_free":
+            raise ValueError(f"run.mode=redundancy_free with mesh.context={context}: parts of "
+                             "trees do not run under context parallelism yet; set "
+                             "mesh.context=1 or another run.mode")
         if cfg.data.seq_len % context:
             raise ValueError(f"mesh.context={context} does not divide data.seq_len="
                              f"{cfg.data.seq_len} (context parallelism splits every row into "
