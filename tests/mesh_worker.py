@@ -50,8 +50,8 @@ from jtree.sharding import (  # noqa: E402
     MeshConfig, make_mesh, named, param_rules, param_specs,
 )
 from jtree.train_step import (  # noqa: E402
-    Objective, OptimConfig, TrainState, make_optimizer, make_sharded_grad_fn,
-    make_train_step, sharded_graphdef, state_shardings,
+    Objective, OptimConfig, TrainState, make_logprob_fn, make_optimizer, make_sharded_grad_fn,
+    make_sharded_logprob_fn, make_train_step, sharded_graphdef, state_shardings,
 )
 from tests.models_util import (  # noqa: E402
     perturbed, rel_l2, tiny_config, tiny_moe_config, tiny_next_config, tiny_runtime,
@@ -259,7 +259,14 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
     ref_state, ref_metrics = ref["state"], ref["metrics"]
     leaves = jax.tree_util.tree_leaves
     held = leaves((new_state.params, new_state.opt_state))
-    return {
+    extra = {}
+    if case.split(":")[1:3] == ["cp", "ppo"]:  # old log-probs recomputed over the mesh
+        logprob = jax.jit(make_sharded_logprob_fn(graphdef, mesh, specs))(sharded_params, inputs)
+        one = make_logprob_fn(nnx.split(model)[0])
+        want = jax.jit(lambda p, x: jax.lax.map(lambda m: one(p, m), x))(params, ref["inputs"])
+        extra["logprobs_rel"] = float(np.max(np.abs(np.asarray(logprob) - np.asarray(want)))
+                                      / np.max(np.abs(np.asarray(want))))
+    return extra | {
         "case": case,
         "loss_rel": abs(float(metrics["loss"]) - float(ref_metrics["loss"]))
         / abs(float(ref_metrics["loss"])),

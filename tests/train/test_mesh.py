@@ -12,7 +12,8 @@ varying mesh axes), compared with the `xla` step on one device, on two-device me
 Context parallelism (mode `cp`, mesh `DxFxCxM`): the rows of `tests.mesh_worker.cp_inputs`
 (a deep chain crossing every device boundary, a node scored by a position 3 and 7 devices back,
 random multi-level forests cut by the boundaries), split over C = 2, 4, 8 devices, mixed with
-data, FSDP and tensor parallelism; dense (the `reference` and the block-sparse `xla` kernel) and
+data, FSDP and tensor parallelism; dense (the `reference`, the block-sparse `xla` and, in its
+interpreter, the Pallas TPU kernel) and
 MoE (router loss pooled over the context axis too), SFT, PPO, GSPO and PPO with a critic.
 docs/design.md tolerances: loss,
 gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
@@ -49,6 +50,7 @@ def check(result: dict) -> None:
     assert result["grad_norm_rel"] <= 1e-5, result
     assert result["grads_rel_l2"] <= 1e-5, result
     assert result["params_rel_l2"] <= 1e-5, result
+    assert result.get("logprobs_rel", 0.0) <= 1e-5, result  # CP PPO: the sharded log-prob forward
     sizes = [int(x) for x in result["case"].split(":")[3].split("x")]  # DxFxM or DxFxCxM
     fsdp, model = sizes[1], sizes[-1]
     if model > 1:
@@ -106,8 +108,12 @@ CP_MESHES = ("1x1x2x1", "1x1x4x1", "1x1x8x1", "2x1x2x2", "1x2x4x1", "2x2x2x1", "
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("model", ("dense", "dense_xla", "moe"))
+@pytest.mark.parametrize("model", ("dense", "dense_xla", "moe", "dense_tpu"))
 def test_context_parallel_meshes_for_dense_and_moe_and_every_objective(model):
+    if model == "dense_tpu":  # the Pallas TPU kernel in its interpreter at a query offset
+        for result in run_cases(["dense_tpu:cp:sft:1x1x2x1", "dense_tpu:cp:ppo:2x1x2x2"]):
+            check(result)
+        return
     # One subprocess per model: SFT and PPO on every context-parallel mesh; GSPO (path sums over
     # the gathered rows) and PPO with a critic (GAE over the gathered values) on three, with
     # perturbed weights (the `dense` model's initial weights leave gradient entries near Adam's
