@@ -36,6 +36,7 @@ import numpy as np
 
 from jtree.batch import DeviceBatch
 from jtree.kernels import TreeMask
+from jtree.planner import octave_step_length, score_width
 
 
 def _check_split(seq_len: int, context: int) -> int:
@@ -89,14 +90,21 @@ def halo_positions(pred: np.ndarray, context: int, capacity: int) -> np.ndarray:
     return out.reshape(*pred.shape[:-1], context * capacity)
 
 
-def score_layout(score_index: np.ndarray, seq_len: int, context: int) -> np.ndarray:
+def score_layout(score_index: np.ndarray, seq_len: int, context: int,
+                 width: int | None = None) -> np.ndarray:
     """`score_index` [..., rows, K] laid out per device: [..., rows, c K'], device k's slots
-    holding the scored positions it owns (ascending; -1 fills), K' the most any device of any
-    row scores. Still a list of row positions, valid on one device too."""
+    holding the scored positions it owns (ascending; -1 fills). K' is `width`, by default the
+    most any device of any row scores rounded up on the planner's score-width ladder
+    (`jtree.planner.score_width`), so steps compile for few widths. Still a list of row
+    positions, valid on one device too."""
     length = _check_split(seq_len, context)
     flat = np.asarray(score_index).reshape(-1, score_index.shape[-1])
     per = [[row[(row >= 0) & (row // length == k)] for k in range(context)] for row in flat]
-    width = max([1] + [len(x) for row in per for x in row])
+    need = max([0] + [len(x) for row in per for x in row])
+    width = score_width(need, length) if width is None else width
+    if need > width:
+        raise ValueError(f"score width {width}: a device of mesh.context={context} scores {need} "
+                         "tokens")
     out = np.full((flat.shape[0], context * width), -1, np.int32)
     for r, row in enumerate(per):
         for k, positions in enumerate(row):
@@ -106,9 +114,10 @@ def score_layout(score_index: np.ndarray, seq_len: int, context: int) -> np.ndar
 
 def context_batch(batch: DeviceBatch, context: int, halo: int | None = None) -> DeviceBatch:
     """`batch` (host arrays, [..., rows, S]) ready to run with its rows split over `context`
-    devices: the halo added (`halo` slots per device, default `halo_capacity`) and
-    `score_index` laid out per device. An error names `mesh.context` when it does not divide S,
-    and the batch fields context parallelism does not run yet."""
+    devices: the halo added (`halo` slots per device; default `halo_capacity` rounded up to a
+    power of two, at least 8, so steps compile for few halo sizes) and `score_index` laid out
+    per device (`score_layout`). An error names `mesh.context` when it does not divide S, and
+    the batch fields context parallelism does not run yet."""
     seq_len = batch.tokens.shape[-1]
     _check_split(seq_len, context)
     unsupported = {"gdn": "gated deltanet chunk tables", "prefix_pred": "a redundancy-free part"}
@@ -117,7 +126,7 @@ def context_batch(batch: DeviceBatch, context: int, halo: int | None = None) -> 
             raise ValueError(f"mesh.context={context}: the batch has {name!r} ({what}), which "
                              "does not run under context parallelism yet")
     pred = np.asarray(batch.pred)
-    capacity = halo_capacity(pred, context) if halo is None else halo
+    capacity = octave_step_length(halo_capacity(pred, context), 1) if halo is None else halo
     score = batch.score_index
     if score is not None:
         score = score_layout(np.asarray(score), seq_len, context)

@@ -11,12 +11,12 @@ from flax import nnx
 
 from jtree.batch import GdnTables
 from jtree.context_parallel import (
-    context_batch, halo_capacity, halo_positions, score_layout,
+    context_batch, context_mask, halo_capacity, halo_positions, score_layout,
 )
+from jtree.kernels import TreeMask
 from jtree.linearize import linearize
 from jtree.models.decoder import CausalLM
-from jtree.train_step import Objective, objective_loss
-from tests.models_util import tiny_config, tiny_next_config, tiny_runtime
+from tests.models_util import tiny_next_config, tiny_runtime
 from tests.strategies import seeded_forests
 
 # Two devices of 4 tokens: tokens 4 and 5 are scored by positions 3 and 0 of device 0, token 7
@@ -38,14 +38,19 @@ def test_the_halo_holds_the_positions_other_devices_are_scored_by():
 
 def test_scored_positions_are_laid_out_per_device():
     index = np.array([[1, 3, 2, 7, -1]], np.int32)
-    np.testing.assert_array_equal(score_layout(index, 8, 2), [[1, 2, 3, 7, -1, -1]])
-    np.testing.assert_array_equal(score_layout(index, 8, 4), [[1, -1, 2, 3, -1, -1, 7, -1]])
+    np.testing.assert_array_equal(score_layout(index, 8, 2, width=3), [[1, 2, 3, 7, -1, -1]])
+    np.testing.assert_array_equal(score_layout(index, 8, 4, width=2),
+                                  [[1, -1, 2, 3, -1, -1, 7, -1]])
+    # by default on the score-width ladder, at most a device's tokens
+    np.testing.assert_array_equal(score_layout(index, 8, 2), [[1, 2, 3, -1, 7, -1, -1, -1]])
+    with pytest.raises(ValueError, match=r"score width 2: a device of mesh.context=2 scores 3"):
+        score_layout(index, 8, 2, width=2)
 
 
 def test_context_batch_names_what_it_cannot_split():
     batch = linearize(seeded_forests(3, max_nodes=5), 24, score_len=24).inputs
     laid = context_batch(batch, 4)
-    assert laid.halo.shape == (batch.shape[0], 4 * halo_capacity(batch.pred, 4))
+    assert halo_capacity(batch.pred, 4) <= 8 and laid.halo.shape == (batch.shape[0], 4 * 8)
     kept = np.sort(laid.score_index[laid.score_index >= 0])
     np.testing.assert_array_equal(kept, np.sort(batch.score_index[batch.score_index >= 0]))
     with pytest.raises(ValueError, match=r"mesh.context=5 does not divide the row length S=24"):
@@ -60,8 +65,6 @@ def test_what_does_not_run_under_context_parallelism_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^mesh.context > 1 with gated deltanet layers"):
         nnx.eval_shape(lambda: CausalLM(tiny_next_config(), tiny_runtime(context_axis="context"),
                                         rngs=nnx.Rngs(0)))
-    model = nnx.eval_shape(lambda: CausalLM(tiny_config(), tiny_runtime(context_axis="context"),
-                                            rngs=nnx.Rngs(0)))
-    batch = linearize(seeded_forests(2, max_nodes=4), 16).inputs
-    with pytest.raises(ValueError, match=r"^mesh.context > 1 with objective.kind='gspo'"):
-        objective_loss(model, batch, Objective(kind="gspo"))
+    prefixed = TreeMask(np.arange(1, 5, dtype=np.int32)[None], np.ones((1, 2), np.int32))
+    with pytest.raises(ValueError, match=r"^mesh.context > 1 with a redundancy-free part"):
+        context_mask(prefixed, "context")
