@@ -119,6 +119,11 @@ class Trainer:
             raise ValueError(f"run.mode=redundancy_free with mesh.context={context}: parts of "
                              "trees do not run under context parallelism yet; set "
                              "mesh.context=1 or another run.mode")
+        if context > 1 and jax.process_count() > 1:
+            raise ValueError(f"mesh.context={context} with {jax.process_count()} processes: "
+                             "each process would size the halo of its own rows "
+                             "(jtree.context_parallel.context_batch); run context parallelism "
+                             "in one process until the planner sizes it for the whole step")
         if cfg.data.seq_len % context:
             raise ValueError(f"mesh.context={context} does not divide data.seq_len="
                              f"{cfg.data.seq_len} (context parallelism splits every row into "
