@@ -404,8 +404,9 @@ def make_sharded_grad_fn(graphdef: nnx.GraphDef, objective: Objective, mesh: jax
     (`jtree.sharding.param_specs`), `graphdef` the model for shard_map (`sharded_graphdef` of
     the same specs and mesh). Returns global loss, metrics and gradients (sharded like the
     parameters)."""
+    # Sums run over `context` on every mesh: the batch is split over it (a no-op of size 1).
     local = make_grad_fn(graphdef, objective, data_axes=ROWS, vocab_axis=MODEL,
-                         context_axis=CONTEXT if context_size(mesh) > 1 else None)
+                         context_axis=CONTEXT)
     P = jax.sharding.PartitionSpec
 
     def grad_fn(params: Any, inputs: DeviceBatch):
