@@ -13,8 +13,14 @@ from jax.sharding import NamedSharding
 from jtree.batch import padding
 from jtree.chunk_tables import default_chunk_count
 from jtree.run_data import gdn_chunk_size
-from jtree.sharding import batch_specs, row_shards
+from jtree.context_parallel import halo_positions, score_layout
+from jtree.sharding import batch_specs, context_size, row_shards
 from jtree.trainer import Trainer
+
+# The halo slots per device the abstract step carries under context parallelism: the hidden
+# states a device exports are those of nodes whose children start on later devices, a few per
+# slice in agent trees; the real batch's capacity comes from `halo_capacity`.
+HALO_SLOTS = 64
 
 
 def abstract_step_args(trainer: Trainer, rows: int) -> tuple[Any, Any]:
@@ -22,7 +28,8 @@ def abstract_step_args(trainer: Trainer, rows: int) -> tuple[Any, Any]:
 
     Inputs are `data.micro_batches` micro-batches of `rows` rows per row shard (data x fsdp) at
     `data.seq_len`: GDN chunk tables at the capacity of a full row of long nodes, the widest
-    `score_index` (every token scored), coefficients arriving raw with `row_norm`."""
+    `score_index` (every token scored), coefficients arriving raw with `row_norm`; under context
+    parallelism a halo of `HALO_SLOTS` per device."""
     cfg, mesh, d = trainer.cfg, trainer.mesh, trainer.cfg.data
     state = jax.eval_shape(trainer.init_fn)
     state = jax.tree_util.tree_map(
@@ -33,6 +40,11 @@ def abstract_step_args(trainer: Trainer, rows: int) -> tuple[Any, Any]:
     row = padding(n_rows, d.seq_len, score_len=d.seq_len, gdn_chunk_size=chunk,
                   gdn_chunks=n_chunks)
     row = dataclasses.replace(row, row_norm=np.zeros(n_rows, np.float32))
+    context = context_size(mesh)
+    if context > 1:
+        everything = np.broadcast_to(np.arange(d.seq_len, dtype=np.int32), (n_rows, d.seq_len))
+        row = dataclasses.replace(row, score_index=score_layout(everything, d.seq_len, context),
+                                  halo=halo_positions(row.pred, context, HALO_SLOTS))
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct((d.micro_batches, *x.shape), x.dtype), row)
     inputs = jax.tree_util.tree_map(

@@ -24,6 +24,12 @@ back to paths. Fields, dtypes and padding values (what an all-padding row holds:
   micro-batch axis of a step)
 - `critic`: the (path, trained token) pairs of PPO with a critic (`CriticPairs`, [rows, Q],
   `jtree.critic`), None otherwise
+- `halo` [rows, c * H] int32: under context parallelism over c devices, the positions whose
+  hidden states device k sends to the others (slots [k H, (k + 1) H), ascending, unused slots
+  repeating the last real position: `jtree.context_parallel`); None otherwise
+
+Index-valued fields (`mask.end`, `pred`, `score_index`, `halo`, ...) hold positions in the whole
+row, also when the row is split over the `context` mesh axis (docs/context_parallel.md).
 
 Construction checks dtypes and shapes whenever every leaf is an array (host arrays, traced
 values, `jax.ShapeDtypeStruct`s) and names the offending field; pytrees of other leaves (partition
@@ -112,6 +118,7 @@ class DeviceBatch:
     prefix_pred: Any = None
     router_load: tuple[Any, Any] | None = None
     critic: CriticPairs | None = None
+    halo: Any = None
 
     def __post_init__(self) -> None:
         leaves = jax.tree_util.tree_leaves(self)
@@ -147,7 +154,19 @@ _SCHEMA: dict[str, tuple[Any, str]] = {
     "row_norm": (np.float32, ""), "prefix_pred": (np.int32, "P"),
     "critic.index": (np.int32, "Q"), "critic.coef": (np.float32, "Q"),
     "critic.reward": (np.float32, "Q"), "critic.last": (np.bool_, "Q"),
+    "halo": (np.int32, "H"),
 }
+
+
+def field_axes(name: str) -> str:
+    """The axes of field `name` (its dotted path, e.g. 'mask.end') after the leading
+    [..., rows] axes, one schema letter each: 'S' the token axis, others free sizes."""
+    return _SCHEMA[name][1]
+
+
+def field_name(path: Sequence[Any]) -> str:
+    """The dotted field name of a pytree key path into a `DeviceBatch` ('mask.end')."""
+    return ".".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
 _REQUIRED = ("tokens", "pos", "mask", "mask.end", "pred", "node", "valid", "path_count",
@@ -167,8 +186,7 @@ def _field(batch: DeviceBatch, name: str) -> Any:
 
 def _named_leaves(batch: DeviceBatch) -> list[tuple[str, Any]]:
     flat = jax.tree_util.tree_flatten_with_path(batch)[0]
-    return [(".".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in path), x)
-            for path, x in flat]
+    return [(field_name(path), x) for path, x in flat]
 
 
 def _check(batch: DeviceBatch) -> None:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jtree.batch import DeviceBatch
+from jtree.context_parallel import scoring_view
 
 DEFAULT_CHUNK = 1024
 
@@ -174,10 +175,16 @@ def token_logprobs(
     """For every token of `inputs`, log p(token | its path context): a [rows, S] float32 array.
 
     Positions with no scoring row (a sequence's first token, padding) hold 0. With
-    `with_entropy=True` also returns the entropy of each token's predictive distribution.
+    `with_entropy=True` also returns the entropy of each token's predictive distribution. Under
+    context parallelism (`model.runtime.context_axis`) `inputs` is this device's slice of the
+    rows, scored through the halo (`jtree.context_parallel.scoring_view`).
     """
+    hidden, pred = model(inputs).hidden, inputs.pred
+    if model.runtime.context_axis is not None:
+        hidden, pred, _ = scoring_view(hidden, pred, inputs.halo, None,
+                                       model.runtime.context_axis)
     logp, entropy = logprobs_from_hidden(
-        model(inputs).hidden, model.output_embedding(), inputs.tokens, inputs.pred, chunk=chunk,
+        hidden, model.output_embedding(), inputs.tokens, pred, chunk=chunk,
         with_entropy=with_entropy, vocab_axis=vocab_axis,
     )
     return (logp, entropy) if with_entropy else logp

@@ -13,6 +13,7 @@ devices and partitions of a tree add up to exactly the full-batch loss.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Literal, get_args
 
@@ -199,6 +200,7 @@ def gspo_loss(
     kl_coef: float = 0.0,
     entropy: jax.Array | None = None,
     entropy_coef: float = 0.0,
+    owned: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GSPO's clipped sequence-level surrogate on a tree, equal to the per-path sum.
 
@@ -210,8 +212,13 @@ def gspo_loss(
     gradient reaches every token of the path through the path sum's transpose (GSPO's
     token-level form: each token's log-prob gradient times s_p A_p / n_p, where unclipped).
     KL and entropy terms use W_t as in `ppo_loss`.
+
+    `owned` [..., S] bool (default all): the tokens whose terms (path ends, KL, entropy) this
+    call sums, the path sums still running over every token; under context parallelism a
+    device's slice of the gathered row (`jtree.context_parallel.owned`).
     """
     c = coefficients
+    own = 1.0 if owned is None else owned.astype(logprobs.dtype)
     trained = (c.weight > 0).astype(logprobs.dtype)
     log_ratio = trained * (logprobs - c.old_logprobs)
     ends = (c.seq_pos != 0) | (c.seq_neg != 0)
@@ -220,15 +227,17 @@ def gspo_loss(
     ratio = jnp.exp(mean_log_ratio)
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     surrogate = c.seq_pos * jnp.minimum(ratio, clipped) + c.seq_neg * jnp.maximum(ratio, clipped)
-    loss = -jnp.sum(surrogate)
-    abs_adv = jnp.abs(c.seq_pos) + jnp.abs(c.seq_neg)
+    loss = -jnp.sum(own * surrogate)
+    abs_adv = own * (jnp.abs(c.seq_pos) + jnp.abs(c.seq_neg))
     token_ratio = jnp.exp(log_ratio)
+    weight = own * c.weight
     metrics = {
         "policy_loss": loss,
         "clip_frac": jnp.sum(abs_adv * (ratio != clipped)) / jnp.maximum(jnp.sum(abs_adv), 1e-30),
-        "approx_kl_old": jnp.sum(c.weight * (token_ratio - 1.0 - log_ratio)),
+        "approx_kl_old": jnp.sum(weight * (token_ratio - 1.0 - log_ratio)),
     }
-    return _regularizers(loss, metrics, logprobs, c, kl_coef, entropy, entropy_coef), metrics
+    return _regularizers(loss, metrics, logprobs, dataclasses.replace(c, weight=weight), kl_coef,
+                         entropy, entropy_coef), metrics
 
 
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, coef: jax.Array,

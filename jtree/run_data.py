@@ -19,7 +19,7 @@ from jtree.data import (
 )
 from jtree.run_report import say
 from jtree.batch import DeviceBatch
-from jtree.sharding import MODEL, batch_specs, row_shards
+from jtree.sharding import batch_specs, row_shards
 from jtree.tree import TrajectoryTree
 
 
@@ -27,7 +27,7 @@ def host_data_shards(mesh: Mesh) -> tuple[int, ...]:
     """The row shards (data x fsdp, `jtree.sharding.row_shards`) whose devices live on this
     process (contiguous)."""
     pid = jax.process_index()
-    groups = mesh.devices.reshape(row_shards(mesh), mesh.shape[MODEL])
+    groups = mesh.devices.reshape(row_shards(mesh), -1)  # a row shard's context x model group
     shards = tuple(i for i in range(len(groups))
                    if any(d.process_index == pid for d in groups[i]))
     if not shards or shards != tuple(range(shards[0], shards[-1] + 1)):

@@ -1,4 +1,5 @@
-"""The device mesh ('data', 'fsdp', 'model') and how parameters and batches are laid out on it.
+"""The device mesh ('data', 'fsdp', 'context', 'model') and how parameters and batches are laid
+out on it.
 
 Data parallelism splits the rows of every batch array over `data` and `fsdp` together (`ROWS`);
 fully sharded data parallelism (FSDP, ZeRO-3) also splits every parameter, its gradient and its
@@ -15,6 +16,12 @@ A model's list is the rules of the layer kinds its architecture config chooses
 (`config.decoder()`, `jtree.models.decoder.LayerKind`), since every kind of layer splits the same
 way in every architecture that uses it. The same lists place Hugging Face checkpoints on a mesh
 (`jtree.hf.placement`), so training and loading cannot disagree.
+
+Context parallelism splits the token axis of every row over `context` (docs/context_parallel.md):
+device k of the axis holds the contiguous slice [k L, (k + 1) L) of each row's S = c L tokens
+(`batch_specs`); parameters are not split over it (their gradients are summed over it like over
+the row axes), and the model's hook is `RuntimeConfig.context_axis` (the attention gathers keys
+and values over the axis, the loss exchanges a halo of hidden states: `jtree.context_parallel`).
 """
 
 from __future__ import annotations
@@ -29,26 +36,31 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jtree.batch import DeviceBatch
+from jtree.batch import DeviceBatch, field_axes, field_name
 from jtree.layer_stack import stacked_axes
 
-DATA, FSDP, MODEL = "data", "fsdp", "model"
-AXES = (DATA, FSDP, MODEL)
+DATA, FSDP, CONTEXT, MODEL = "data", "fsdp", "context", "model"
+AXES = (DATA, FSDP, CONTEXT, MODEL)
 ROWS = (DATA, FSDP)  # the mesh axes the rows of a batch are split over
+# The batch axes (`jtree.batch` schema letters) split over `context`: the tokens, the scored
+# positions (laid out per device by `jtree.context_parallel.context_batch`) and the halo.
+CONTEXT_SPLIT = ("S", "K", "H")
 Rules = list[tuple[str, P]]
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Mesh shape: `data` x `fsdp` x `model` devices; -1 for `data` means all devices left over.
-    `fsdp` > 1 shards parameters and optimizer state over that many data-parallel devices."""
+    """Mesh shape: `data` x `fsdp` x `context` x `model` devices; -1 for `data` means all devices
+    left over. `fsdp` > 1 shards parameters and optimizer state over that many data-parallel
+    devices; `context` > 1 splits every row's tokens over that many devices."""
 
     data: int = -1
     fsdp: int = 1
+    context: int = 1
     model: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("fsdp", "model"):
+        for axis in ("fsdp", "context", "model"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"{axis}: {getattr(self, axis)} must be >= 1")
         if self.data == 0 or self.data < -1:
@@ -56,30 +68,44 @@ class MeshConfig:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ('data', 'fsdp', 'model') mesh over `devices` (default: every device of every process).
+    """A ('data', 'fsdp', 'context', 'model') mesh over `devices` (default: every device of every
+    process).
 
-    The model axis varies fastest, then fsdp, so with several hosts a tensor-parallel group (and,
-    host size permitting, an FSDP group, whose gathers run per layer) stays within a host and the
-    data axis spans hosts. A size that does not divide the devices is an error naming its axis.
+    The model axis varies fastest, then context, then fsdp, so with several hosts a
+    tensor-parallel group (and, host size permitting, a context group, which gathers keys and
+    values per attention layer, and an FSDP group, whose gathers run per layer) stays within a
+    host and the data axis spans hosts. A size that does not divide the devices is an error
+    naming its axis.
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     where = f"the {n} devices available ({jax.process_count()} process(es))"
-    if n % cfg.model:
-        raise ValueError(f"mesh.model={cfg.model} does not divide {where}")
-    if n % (cfg.model * cfg.fsdp):
-        raise ValueError(f"mesh.fsdp={cfg.fsdp} (x mesh.model={cfg.model}) does not divide {where}")
-    data = cfg.data if cfg.data > 0 else n // (cfg.fsdp * cfg.model)
-    if data * cfg.fsdp * cfg.model != n:
-        raise ValueError(f"mesh.data={cfg.data}: data={cfg.data} x fsdp={cfg.fsdp} x model="
-                         f"{cfg.model} does not match {where}")
-    grid = np.asarray(devices, dtype=object).reshape(data, cfg.fsdp, cfg.model)
+    inner, after = 1, []
+    for axis in ("model", "context", "fsdp"):
+        inner *= getattr(cfg, axis)
+        if n % inner:
+            times = "".join(f" x mesh.{a}={getattr(cfg, a)}" for a in after)
+            raise ValueError(f"mesh.{axis}={getattr(cfg, axis)}"
+                             + (f" ({times[1:]})" if after else "") + f" does not divide {where}")
+        after.insert(0, axis)
+    data = cfg.data if cfg.data > 0 else n // inner
+    if data * inner != n:
+        raise ValueError(f"mesh.data={cfg.data}: data={cfg.data} x fsdp={cfg.fsdp} x context="
+                         f"{cfg.context} x model={cfg.model} does not match {where}")
+    grid = np.asarray(devices, dtype=object).reshape(data, cfg.fsdp, cfg.context, cfg.model)
     return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
 
 def describe_mesh(mesh: Mesh) -> str:
-    """'data=2 x fsdp=4 x model=1', for logs and errors."""
-    return " x ".join(f"{axis}={mesh.shape[axis]}" for axis in AXES)
+    """'data=2 x fsdp=4 x model=1', for logs and errors; with 'context=N' before 'model' when
+    the mesh splits rows' tokens (N > 1)."""
+    return " x ".join(f"{axis}={mesh.shape[axis]}" for axis in AXES
+                      if axis != CONTEXT or mesh.shape[axis] > 1)
+
+
+def context_size(mesh: Mesh) -> int:
+    """How many devices each row's tokens are split over (1: no context parallelism)."""
+    return mesh.shape.get(CONTEXT, 1)
 
 
 def row_shards(mesh: Mesh) -> int:
@@ -277,15 +303,25 @@ def named(mesh: Mesh, specs: Any) -> Any:
                                   is_leaf=lambda x: isinstance(x, P))
 
 
-def batch_spec(ndim: int) -> P:
-    """Step inputs are [micro_batches, rows, ...]: rows are split over `data` and `fsdp`."""
-    return P(None, ROWS, *([None] * (ndim - 2)))
+def token_spec() -> P:
+    """Per-token step arrays [micro_batches, rows, S]: rows split over `data` and `fsdp`, the
+    tokens of each row over `context`."""
+    return P(None, ROWS, CONTEXT)
 
 
 def batch_specs(inputs: DeviceBatch) -> DeviceBatch:
     """The PartitionSpec of every field of step inputs [micro_batches, rows, ...] (the same
-    pytree as `inputs`, for shard_map's in_specs or the batch's shardings)."""
-    return jax.tree_util.tree_map(lambda x: batch_spec(x.ndim), inputs)
+    pytree as `inputs`, for shard_map's in_specs or the batch's shardings): rows over `ROWS`,
+    the axes `CONTEXT_SPLIT` names over `context`, every other axis whole; `router_load` (no
+    row axis) replicated."""
+    def spec(name: str, x: Any) -> P:
+        if name.startswith("router_load"):
+            return P(*([None] * x.ndim))
+        axes = field_axes(name)
+        return P(None, ROWS, *(CONTEXT if a in CONTEXT_SPLIT else None for a in axes))
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: spec(field_name(path), x), inputs)
 
 
 def varying_axes(x: jax.Array) -> frozenset[str]:

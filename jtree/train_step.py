@@ -1,8 +1,9 @@
 """Training step: objectives, optimizer, gradient accumulation over micro-batches, mesh sharding.
 
 The step is a pure function of (TrainState, inputs) so it can be jitted on one device, or run over
-a ('data', 'fsdp', 'model') mesh (`make_sharded_grad_fn`: data parallel over rows, parameters and
-optimizer state fully sharded over `fsdp` and gathered per layer, Megatron tensor parallel inside
+a ('data', 'fsdp', 'context', 'model') mesh (`make_sharded_grad_fn`: data parallel over rows,
+parameters and optimizer state fully sharded over `fsdp` and gathered per layer, each row's
+tokens split over `context` (`jtree.context_parallel`), Megatron tensor parallel inside
 `shard_map`, optax update outside it under the same `jit`). `inputs` is a
 `jtree.batch.DeviceBatch` of [micro_batches, rows, S] arrays; the micro-batches are scanned and
 their gradients summed, which equals the full-batch gradient because every loss coefficient is
@@ -18,6 +19,7 @@ knowing the global batch (`jtree.data`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -29,6 +31,7 @@ from flax import nnx
 from jtree.advantages import Estimator
 from jtree.baseline import linearize_baseline
 from jtree.batch import DeviceBatch, LossCoefficients, stack
+from jtree.context_parallel import gathered_row, local_index, owned, scoring_view
 from jtree.critic import (
     CriticConfig, critic_update_scale, gae, pair_token_sums, pair_values,
 )
@@ -42,7 +45,8 @@ from jtree.models.lora import model_params, trainable, with_trainable
 from jtree.packing import same_score_len
 from jtree.models.layers import FSDP_GATHER, fsdp_gathered
 from jtree.sharding import (
-    FSDP, MODEL, ROWS, batch_spec, batch_specs, param_path, varying_axes, vary_over,
+    CONTEXT, FSDP, MODEL, ROWS, batch_specs, context_size, param_path, token_spec,
+    varying_axes, vary_over,
 )
 from jtree.tree import TrajectoryTree
 
@@ -168,59 +172,81 @@ def objective_loss(model: Any, inputs: DeviceBatch, objective: Objective, *,
 
     Metrics are sums (so they add over micro-batches and devices); the PPO clip fraction is
     carried as its numerator `clipped_adv` and denominator `abs_adv` (see `finish_metrics`).
+    Under context parallelism (the model's `runtime.context_axis`) `inputs` is this device's
+    slice of the rows and the sums are the slice's (`jtree.context_parallel`).
     """
+    context_axis = model.runtime.context_axis
     out = model(inputs)
     if objective.critic is None:
         return loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred, out.aux_loss,
-                                inputs, objective, vocab_axis=vocab_axis)
+                                inputs, objective, vocab_axis=vocab_axis,
+                                context_axis=context_axis)
     values, critic_aux = model.values(inputs, out)
-    inputs, v_loss = critic_objective(values, inputs, objective.critic)
+    inputs, v_loss = critic_objective(values, inputs, objective.critic,
+                                      context_axis=context_axis)
     loss, metrics = loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred,
                                      out.aux_loss + critic_aux, inputs, objective,
-                                     vocab_axis=vocab_axis)
+                                     vocab_axis=vocab_axis, context_axis=context_axis)
     return loss + objective.critic.value_coef * v_loss, dict(metrics, value_loss=v_loss)
 
 
-def critic_objective(token_values: jax.Array, inputs: DeviceBatch, critic: CriticConfig
-                     ) -> tuple[DeviceBatch, jax.Array]:
+def critic_objective(token_values: jax.Array, inputs: DeviceBatch, critic: CriticConfig, *,
+                     context_axis: str | None = None) -> tuple[DeviceBatch, jax.Array]:
     """PPO with a critic on one micro-batch: `inputs` with the policy's P/N from the per-path
     GAE advantages, and the clipped value loss (`jtree.critic`, docs/rl.md). The old values are
     the current ones without gradient: the step's parameters are the policy's before the update,
-    as for recomputed old log-probs."""
+    as for recomputed old log-probs.
+
+    Under context parallelism (`context_axis`) the pairs are the whole rows' (not split): the
+    values and `pred` are gathered over the axis, every device runs the rows' GAE, and each
+    keeps the pairs whose token it holds (its P/N and its share of the value loss)."""
     pairs = inputs.critic
     if pairs is None:
         raise ValueError("inputs: 'critic' pairs missing; objective.critic needs "
                          "jtree.critic.with_critic_pairs on the batch")
-    values = pair_values(token_values, inputs.pred, pairs)
+    s = inputs.tokens.shape[-1]
+    pred, local_pairs = inputs.pred, pairs
+    if context_axis is not None:
+        token_values = gathered_row(token_values, context_axis)
+        pred = gathered_row(pred, context_axis)
+        index = local_index(pairs.index, s, context_axis)
+        local_pairs = dataclasses.replace(pairs, index=index,
+                                          coef=jnp.where(index >= 0, pairs.coef, 0.0))
+    values = pair_values(token_values, pred, pairs)
     old = jax.lax.stop_gradient(values)
     advantages, returns = gae(old, pairs, critic.gamma, critic.lam)
-    ca = pairs.coef * advantages
-    s = inputs.tokens.shape[-1]
+    ca = local_pairs.coef * advantages
     inputs = inputs.with_coefficients(
-        adv_pos=pair_token_sums(jnp.where(ca >= 0, ca, 0.0), pairs, s),
-        adv_neg=pair_token_sums(jnp.where(ca < 0, ca, 0.0), pairs, s))
-    return inputs, value_loss(values, old, returns, pairs.coef, critic.value_clip)
+        adv_pos=pair_token_sums(jnp.where(ca >= 0, ca, 0.0), local_pairs, s),
+        adv_neg=pair_token_sums(jnp.where(ca < 0, ca, 0.0), local_pairs, s))
+    return inputs, value_loss(values, old, returns, local_pairs.coef, critic.value_clip)
 
 
 def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_loss: jax.Array,
                      inputs: DeviceBatch, objective: Objective, *,
-                     vocab_axis: str | None = None):
+                     vocab_axis: str | None = None, context_axis: str | None = None):
     """`objective_loss` from final hidden states: token i is scored by row `pred[i]` of `hidden`
-    (a part of a partitioned tree puts the hidden state of the token above it first)."""
+    (a part of a partitioned tree puts the hidden state of the token above it first). With
+    `context_axis`, `hidden` is this device's slice of the row and the states of other devices
+    that its tokens are scored by come through the halo (`jtree.context_parallel.scoring_view`)."""
     want_entropy = objective.kind != "sft" and objective.entropy_coef != 0
     coefficients = inputs.coefficients
-    if inputs.score_index is not None:  # score only the tokens with a loss coefficient
+    score_index = inputs.score_index
+    if context_axis is not None:
+        hidden, pred, score_index = scoring_view(hidden, pred, inputs.halo, score_index,
+                                                 context_axis)
+    if score_index is not None:  # score only the tokens with a loss coefficient
         logp, entropy = scored_logprobs(
             hidden, w_out, inputs.tokens, pred,
-            inputs.score_index, chunk=objective.logprob_chunk, with_entropy=want_entropy,
+            score_index, chunk=objective.logprob_chunk, with_entropy=want_entropy,
             vocab_axis=vocab_axis,
         )
         if objective.kind == "gspo":  # path sums run over the layout: the scored values at [.., S]
             logp, entropy = (None if x is None else
-                             scatter_scored(x, inputs.score_index, inputs.tokens.shape[-1])
+                             scatter_scored(x, score_index, inputs.tokens.shape[-1])
                              for x in (logp, entropy))
         else:
-            coefficients = gather_scored(coefficients, inputs.score_index)
+            coefficients = gather_scored(coefficients, score_index)
     else:
         logp, entropy = logprobs_from_hidden(
             hidden, w_out, inputs.tokens, pred,
@@ -233,7 +259,8 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
         rl = dict(clip_low=objective.clip_low, clip_high=objective.clip_high,
                   kl_coef=objective.kl_coef, entropy=entropy, entropy_coef=objective.entropy_coef)
         if objective.kind == "gspo":
-            loss, metrics = gspo_loss(logp, coefficients, inputs.mask.end, **rl)
+            loss, metrics = path_level_loss(logp, coefficients, inputs.mask.end, rl,
+                                            context_axis)
             pos, neg = coefficients.seq_pos, coefficients.seq_neg
         else:
             loss, metrics = ppo_loss(logp, coefficients, **rl)
@@ -241,6 +268,23 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
         abs_adv = jnp.sum(jnp.abs(pos) + jnp.abs(neg))
         metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv)
     return loss + aux_loss, dict(metrics, aux_loss=aux_loss)
+
+
+def path_level_loss(logp: jax.Array, coefficients: LossCoefficients, end: jax.Array,
+                    rl: dict[str, Any], context_axis: str | None
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`gspo_loss` on [rows, S] per-token values; under context parallelism on the rows
+    gathered over `context_axis` (log-probs, entropies, coefficients and `end`: a float or int
+    per token), each device summing the terms of the tokens it holds."""
+    if context_axis is None:
+        return gspo_loss(logp, coefficients, end, **rl)
+    length = logp.shape[-1]
+    row = functools.partial(gathered_row, axis=context_axis)
+    coefficients = jax.tree_util.tree_map(row, coefficients)
+    end = row(end)
+    rl = dict(rl, entropy=None if rl["entropy"] is None else row(rl["entropy"]))
+    return gspo_loss(row(logp), coefficients, end,
+                     owned=owned(end.shape[-1], length, context_axis), **rl)
 
 
 def gather_scored(coefficients: LossCoefficients, index: jax.Array) -> LossCoefficients:
@@ -287,7 +331,8 @@ def normalize_coefficients(inputs: DeviceBatch, data_axes: Sequence[str] = ()) -
 
 
 def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *,
-                 data_axes: Sequence[str] = (), vocab_axis: str | None = None) -> Callable:
+                 data_axes: Sequence[str] = (), context_axis: str | None = None,
+                 vocab_axis: str | None = None) -> Callable:
     """(params, inputs [M, rows, S]) -> (loss, metrics, grads), summed over the M micro-batches.
 
     The gradients are those of the trainable parameters (`jtree.models.lora.trainable`: the
@@ -296,9 +341,13 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *,
     those axes once at the end, each over the axes its parameter is not sharded over (a parameter
     sharded over `fsdp` has its gradient reduce-scattered over `fsdp` by the transpose of its
     gather, per micro-batch, since its accumulator is sharded too). `vocab_axis` names the
-    tensor-parallel axis when the output embedding is vocab-parallel.
+    tensor-parallel axis when the output embedding is vocab-parallel. `context_axis` names the
+    axis each row's tokens are split over (context parallelism): loss, metrics and gradients are
+    token sums, so they are summed over it too, while the rows' normalizer shares are not (every
+    device of the axis holds the whole row's `row_norm`).
     """
-    data_axes = tuple(data_axes)
+    row_axes = tuple(data_axes)
+    data_axes = row_axes + (() if context_axis is None else (context_axis,))
 
     def micro(params: Any, inputs: DeviceBatch):
         def loss_fn(t: Any):
@@ -309,7 +358,7 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *,
         return loss, metrics, grads
 
     def grad_fn(params: Any, inputs: DeviceBatch):
-        inputs = normalize_coefficients(inputs, data_axes)
+        inputs = normalize_coefficients(inputs, row_axes)
         # The row axes each gradient still has to be summed over: those its parameter is
         # replicated over (not `fsdp` where it is sharded over `fsdp`).
         sum_axes = jax.tree_util.tree_map(
@@ -365,11 +414,14 @@ def zero_sums(loss: Any, metrics: Any, params: Any) -> tuple[jax.Array, Any, Any
 
 def make_sharded_grad_fn(graphdef: nnx.GraphDef, objective: Objective, mesh: jax.sharding.Mesh,
                          specs: Any) -> Callable:
-    """`make_grad_fn` over a ('data', 'fsdp', 'model') mesh: rows split over `data` and `fsdp`,
-    parameters laid out by `specs` (`jtree.sharding.param_specs`), `graphdef` the model for
-    shard_map (`sharded_graphdef` of the same specs). Returns global loss, metrics and gradients
-    (sharded like the parameters)."""
-    local = make_grad_fn(graphdef, objective, data_axes=ROWS, vocab_axis=MODEL)
+    """`make_grad_fn` over a ('data', 'fsdp', 'context', 'model') mesh: rows split over `data`
+    and `fsdp`, their tokens over `context`, parameters laid out by `specs`
+    (`jtree.sharding.param_specs`), `graphdef` the model for shard_map (`sharded_graphdef` of
+    the same specs and mesh). Returns global loss, metrics and gradients (sharded like the
+    parameters)."""
+    # Sums run over `context` on every mesh: the batch is split over it (a no-op of size 1).
+    local = make_grad_fn(graphdef, objective, data_axes=ROWS, vocab_axis=MODEL,
+                         context_axis=CONTEXT)
     P = jax.sharding.PartitionSpec
 
     def grad_fn(params: Any, inputs: DeviceBatch):
@@ -381,15 +433,19 @@ def make_sharded_grad_fn(graphdef: nnx.GraphDef, objective: Objective, mesh: jax
     return grad_fn
 
 
-def sharded_graphdef(model: CausalLM, specs: Any) -> nnx.GraphDef:
+def sharded_graphdef(model: CausalLM, specs: Any, mesh: jax.sharding.Mesh) -> nnx.GraphDef:
     """The graph of `model` to merge with per-device parameter shards laid out by `specs`
-    inside shard_map: its tensor-parallel hook on (`tensor_parallel_axis='model'`), batch-level
-    statistics of the loss (the MoE router loss) pooled over the row axes
-    (`data_parallel_axis=('data', 'fsdp')`), and every parameter that `specs` shards over `fsdp`
-    marked with the dimension to gather (`jtree.models.layers.FSDP_GATHER`, counted from the end).
-    Built abstractly: no weights."""
-    runtime = dataclasses.replace(model.runtime, tensor_parallel_axis=MODEL,
-                                  data_parallel_axis=ROWS)
+    inside shard_map on `mesh`: its tensor-parallel hook on (`tensor_parallel_axis='model'`),
+    on a mesh with `context` > 1 its context-parallel hook (`context_axis='context'`),
+    batch-level statistics of the loss (the MoE router loss) pooled over the axes the tokens are
+    split over (`data_parallel_axis`: 'data', 'fsdp' and, under context parallelism,
+    'context'), and every parameter that `specs` shards over `fsdp` marked with the dimension to
+    gather (`jtree.models.layers.FSDP_GATHER`, counted from the end). Built abstractly: no
+    weights."""
+    context = CONTEXT if context_size(mesh) > 1 else None
+    runtime = dataclasses.replace(
+        model.runtime, tensor_parallel_axis=MODEL, context_axis=context,
+        data_parallel_axis=ROWS + (() if context is None else (context,)))
     critic = None if model.critic is None else model.critic.config
     abstract = nnx.eval_shape(lambda: CausalLM(model.config, runtime, rngs=nnx.Rngs(0),
                                                value_head=model.value_head is not None,
@@ -460,7 +516,7 @@ def make_sharded_logprob_fn(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, spe
 
     def fn(params: Any, inputs: DeviceBatch) -> jax.Array:
         in_specs = (specs, batch_specs(inputs))
-        out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=batch_spec(3))(
+        out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=token_spec())(
             params, inputs)
         return jax.lax.stop_gradient(out)
 

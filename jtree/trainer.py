@@ -1,7 +1,7 @@
 """The trainer: a run of a `TrainConfig` on trees from JSONL, whichever entry point starts it
 (`jtree train`, `python -m jtree.launch.train`).
 
-`Trainer` holds what the config alone determines: the ('data', 'fsdp', 'model') mesh, the model graph and
+`Trainer` holds what the config alone determines: the ('data', 'fsdp', 'context', 'model') mesh, the model graph and
 its parameter shardings, the optimizer and the jitted step functions (data parallel over rows,
 parameters and optimizer state sharded over `fsdp`, tensor parallel inside shard_map). It needs no data, so `jtree.launch.lower_step` lowers the very
 step a run trains with. `TrainingRun` adds what the trees determine: the step builders of each
@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jtree.baseline_comparison import compare_with_baseline
 from jtree.batch import DeviceBatch
+from jtree.context_parallel import context_batch
 from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.layer_stack import layer_groups
 from jtree.compiles import Compiles, CompileWatch
@@ -55,7 +56,8 @@ from jtree.run_data import (
 )
 from jtree.run_report import progress, progress_line, say, step_record, summary
 from jtree.sharding import (
-    MODEL, describe_mesh, make_mesh, named, param_path, param_rules, param_specs, row_shards,
+    MODEL, context_size, describe_mesh, make_mesh, named, param_path, param_rules, param_specs,
+    row_shards,
 )
 from jtree.train_step import (
     TrainState, apply_gradients, make_optimizer, make_schedule, make_sharded_grad_fn,
@@ -114,7 +116,24 @@ class Trainer:
             model_specs = param_specs(abstract_model_params, rules, mesh)
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh {describe_mesh(mesh)}: {e}") from None
-        graphdef = sharded_graphdef(abstract, model_specs)
+        context = context_size(mesh)
+        if context > 1 and cfg.run.mode == "redundancy_free":
+            raise ValueError(f"run.mode=redundancy_free with mesh.context={context}: parts of "
+                             "trees do not run under context parallelism yet; set "
+                             "mesh.context=1 or another run.mode")
+        if context > 1 and jax.process_count() > 1:
+            raise ValueError(f"mesh.context={context} with {jax.process_count()} processes: "
+                             "each process would size the halo of its own rows "
+                             "(jtree.context_parallel.context_batch); run context parallelism "
+                             "in one process until the planner sizes it for the whole step")
+        if cfg.data.seq_len % context:
+            raise ValueError(f"mesh.context={context} does not divide data.seq_len="
+                             f"{cfg.data.seq_len} (context parallelism splits every row into "
+                             "equal device slices)")
+        try:
+            graphdef = sharded_graphdef(abstract, model_specs, mesh)
+        except ValueError as e:
+            raise ValueError(f"model ({arch}) on mesh {describe_mesh(mesh)}: {e}") from None
         optimizer = make_optimizer(cfg.optim, None if critic is None else critic.learning_rate)
         shardings = state_shardings(optimizer, abstract_params, named(mesh, specs), mesh)
         grad_fn = make_sharded_grad_fn(graphdef, cfg.objective, mesh, step_specs)
@@ -492,7 +511,10 @@ class TrainingRun:
             t1 = time.perf_counter()
             state, metrics = trainer.rfree_step(state, element["program"])
         else:
-            inputs = to_global(trainer.mesh, element["inputs"], len(self.shards))
+            local = element["inputs"]
+            if context_size(trainer.mesh) > 1:
+                local = context_batch(local, context_size(trainer.mesh))
+            inputs = to_global(trainer.mesh, local, len(self.shards))
             t1 = time.perf_counter()
             if stale:
                 inputs = inputs.with_coefficients(

@@ -16,6 +16,15 @@ j <= i < end[j] still decides visibility while queries exist only for the own to
 implementation without rectangular support raises ("prefix not supported"); every one `auto` picks
 has it.
 
+Context parallelism (a query offset, `TreeMask.query_offset`): q [rows, L, Hq, D] are the queries
+at key positions offset + i of the whole row's k, v [rows, S, Hkv, D] (gathered over the
+`context` mesh axis) and `mask.end` [rows, S] the ends of all keys; the call is the same
+rectangular one, with the offset traced. Block tables come from the global `end` and the
+queries' positions, so a kernel skips every key block no local query sees (all keys after the
+device's last query, and every block outside the local queries' ancestors). An implementation
+runs under it only where its registry entry says so (`context_parallel`); the others raise
+naming the implementation and `mesh.context`.
+
 What `auto` runs (the table in docs/kernels.md): `pallas_tpu` on TPU; on a GPU the rule of
 `gpu_impl` (Hopper's Mosaic kernel where wgmma takes the operands, else the Pallas Triton kernel);
 on CPU the C++ `cpu` kernel when it builds and the call has no soft-cap, else `xla`.
@@ -43,6 +52,9 @@ class _Impl(NamedTuple):
     # (Sq, Skv, **options) -> (Sq', Skv') for calls with a prefix (keyword `q_pos` of `run`);
     # None: the implementation does not support a prefix.
     padded_lengths: Callable[..., tuple[int, int]] | None = None
+    # Whether it runs a query offset (context parallelism): the rectangular call with a traced
+    # `q_pos`, checked against the reference on this machine (the GPU kernels are not yet).
+    context_parallel: bool = False
 
 
 def _any_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
@@ -50,14 +62,14 @@ def _any_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
 
 
 _IMPLS: dict[str, _Impl] = {
-    "reference": _Impl(attention_reference, None, _any_lengths),
+    "reference": _Impl(attention_reference, None, _any_lengths, context_parallel=True),
     "xla": _Impl(attention_xla.tree_attention_xla, attention_xla.padded_length,
-                 attention_xla.padded_lengths),
+                 attention_xla.padded_lengths, context_parallel=True),
     # The `xla` kernel's blocks and schedule, run by a multi-threaded C++ custom call (CPU only).
     "cpu": _Impl(attention_cpu.tree_attention_cpu, attention_xla.padded_length,
-                 attention_xla.padded_lengths),
+                 attention_xla.padded_lengths, context_parallel=True),
     "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length,
-                        attention_tpu.padded_lengths),
+                        attention_tpu.padded_lengths, context_parallel=True),
     "pallas_mosaic_gpu": _Impl(attention_mgpu.attention_mgpu, attention_mgpu.padded_length,
                                attention_mgpu.padded_lengths),
     "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
@@ -156,20 +168,31 @@ def tree_attention(
 
     With a prefix (`prefix_k`, `prefix_v` [rows, P, Hkv, D] and `mask.prefix_end` [rows, P]; see
     the module docstring), the mask is in combined coordinates: P + i < end[i] <= P + S and
-    j < prefix_end[j] <= P + S.
+    j < prefix_end[j] <= P + S. With `mask.query_offset` (context parallelism), q holds L <= S
+    queries at key positions offset + i and k, v, `mask.end` the whole row's S keys.
     """
     if not isinstance(mask, TreeMask):
         raise TypeError(f"mask: expected a jtree.kernels.TreeMask, got {type(mask).__name__}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [rows, S, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+    windowed = mask.query_offset is not None
+    if (k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]
+            or (q.shape[1] > k.shape[1] if windowed else q.shape[1] != k.shape[1])):
         raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"GQA: kv heads ({k.shape[2]}) must divide q heads ({q.shape[2]})")
-    if mask.end.shape != q.shape[:2]:
-        raise ValueError(f"end: shape {mask.end.shape} does not match q's [rows, S] {q.shape[:2]}")
+    if mask.end.shape != k.shape[:2]:
+        raise ValueError(f"end: shape {mask.end.shape} does not match k's [rows, S] {k.shape[:2]}")
     if scale is None:
         scale = q.shape[3] ** -0.5
+    if windowed:
+        mask.check()
+        name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)
+        if not _IMPLS[name].context_parallel:
+            raise ValueError(f"attention impl {name!r} does not run under context parallelism "
+                             "(mesh.context > 1): set model.attention_impl to 'xla', 'cpu' or "
+                             "'pallas_tpu', or mesh.context=1")
+        return _rectangular(q, k, v, mask, name, scale=scale, softcap=softcap, **options)
     if mask.prefix_end is not None or prefix_k is not None or prefix_v is not None:
         return _with_prefix(q, k, v, mask, prefix_k, prefix_v, impl=impl, scale=scale,
                             softcap=softcap, **options)
@@ -202,15 +225,24 @@ def _with_prefix(q, k, v, mask: TreeMask, prefix_k, prefix_v, *, impl: str, scal
                          f"[rows, P] {(rows, p)}")
     mask.check()
     name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)
-    chosen = _IMPLS[name]
-    if chosen.padded_lengths is None:
+    if _IMPLS[name].padded_lengths is None:
         raise ValueError(f"attention impl {name!r}: prefix not supported (it cannot attend to "
                          "cached keys of earlier parts; use 'xla' or 'reference')")
-    sq, skv = chosen.padded_lengths(s, p + s, **options)
-    end, q_pos = mask.padded(sq, skv)
-    kv_width = ((0, 0), (0, skv - p - s), (0, 0), (0, 0))
-    k_all = jnp.pad(jnp.concatenate([prefix_k, k], axis=1), kv_width)
-    v_all = jnp.pad(jnp.concatenate([prefix_v, v], axis=1), kv_width)
+    return _rectangular(q, jnp.concatenate([prefix_k, k], axis=1),
+                        jnp.concatenate([prefix_v, v], axis=1), mask, name, scale=scale,
+                        softcap=softcap, **options)
+
+
+def _rectangular(q, k, v, mask: TreeMask, name: str, *, scale: float, softcap: float | None,
+                 **options: Any) -> jax.Array:
+    """Queries q [rows, Sq] at the key positions the mask gives them (after a prefix, or at a
+    query offset) over all keys k, v [rows, Skv], padded to the kernel's lengths."""
+    chosen = _IMPLS[name]
+    s, skv_real = q.shape[1], k.shape[1]
+    sq, skv = chosen.padded_lengths(s, skv_real, **options)
+    end, q_pos = mask.padded(sq, skv, queries=s)
+    kv_width = ((0, 0), (0, skv - skv_real), (0, 0), (0, 0))
+    k, v = jnp.pad(k, kv_width), jnp.pad(v, kv_width)
     q = jnp.pad(q, ((0, 0), (0, sq - s), (0, 0), (0, 0)))
-    out = chosen.run(q, k_all, v_all, end, scale=scale, softcap=softcap, q_pos=q_pos, **options)
+    out = chosen.run(q, k, v, end, scale=scale, softcap=softcap, q_pos=q_pos, **options)
     return out[:, :s]

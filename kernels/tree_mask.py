@@ -6,6 +6,12 @@ keys laid out before its own; then `end` and `prefix_end` are in the part's comb
 (prefix key j at position j, own token i at position P + i) and queries exist only for the own
 tokens, so the same rule decides visibility with query i sitting at key position P + i.
 
+Context parallelism (docs/context_parallel.md) uses the same rule with the queries a window of the
+keys: `end` holds the ends of ALL keys of the row (global positions, gathered over the `context`
+mesh axis) and `query_offset` (a traced int32 scalar: the device's first position) puts query i
+at key position query_offset + i. The prefix form is the special case of a window at the end of
+the keys (query_offset = P), kept as its own field because its keys arrive in two pieces.
+
 Padding keys attend only to themselves (end[j] = j + 1): no real query sees them (j <= i fails).
 """
 
@@ -23,11 +29,18 @@ import numpy as np
 @dataclasses.dataclass(frozen=True, eq=False)
 class TreeMask:
     """`end` [..., S] int32 of the own keys; `prefix_end` [..., P] int32 of cached prefix keys
-    (None: no prefix). Host (numpy) arrays stay numpy, so kernels can build their block tables on
-    the host and `check` can validate them."""
+    (None: no prefix); `query_offset` int32 scalar: the queries are keys query_offset + i of the
+    row `end` describes (None: the queries are the keys themselves). Host (numpy) arrays stay
+    numpy, so kernels can build their block tables on the host and `check` can validate them."""
 
     end: Any
     prefix_end: Any = None
+    query_offset: Any = None
+
+    def __post_init__(self) -> None:
+        if self.prefix_end is not None and self.query_offset is not None:
+            raise ValueError("TreeMask: a prefix and a query offset cannot be combined (a "
+                             "redundancy-free part does not run under context parallelism)")
 
     @property
     def prefix_len(self) -> int:
@@ -48,15 +61,17 @@ class TreeMask:
         return jnp.concatenate([jnp.asarray(self.prefix_end, jnp.int32),
                                 jnp.asarray(self.end, jnp.int32)], axis=-1)
 
-    def padded(self, sq: int, skv: int) -> tuple[Any, Any]:
-        """(end [rows, skv], q_pos [rows, sq] or None) for a kernel that runs sq >= S queries over
+    def padded(self, sq: int, skv: int, queries: int | None = None) -> tuple[Any, Any]:
+        """(end [rows, skv], q_pos [rows, sq] or None) for a kernel that runs sq queries over
         skv >= P + S keys: padding keys see only themselves, padding queries sit on the last key
-        position (their outputs are dropped). `q_pos` (each query's key position) is None for a
-        call without a prefix, whose queries are the keys (sq == skv)."""
+        position (their outputs are dropped). `queries` is the number of real queries: S (the
+        default) unless the mask has a `query_offset`. `q_pos` (each query's key position) is
+        None for a square call, whose queries are the keys (sq == skv)."""
         rows, s = self.end.shape[0], self.end.shape[-1]
         p = self.prefix_len
-        if sq < s or skv < p + s:
-            raise ValueError(f"padded: ({sq}, {skv}) is shorter than the mask's ({s}, {p + s})")
+        nq = s if queries is None else queries
+        if sq < nq or skv < p + s:
+            raise ValueError(f"padded: ({sq}, {skv}) is shorter than the mask's ({nq}, {p + s})")
         end = self.key_end()
         if skv > p + s:
             tail = np.arange(p + s, skv, dtype=np.int32) + 1
@@ -64,6 +79,10 @@ class TreeMask:
                    if isinstance(end, np.ndarray) else
                    jnp.concatenate([jnp.asarray(end, jnp.int32),
                                     jnp.broadcast_to(jnp.asarray(tail), (rows, len(tail)))], 1))
+        if self.query_offset is not None:
+            own = jnp.asarray(self.query_offset, jnp.int32) + jnp.arange(nq, dtype=jnp.int32)
+            q_pos = jnp.concatenate([own, jnp.full(sq - nq, skv - 1, jnp.int32)])
+            return jnp.asarray(end, jnp.int32), jnp.broadcast_to(q_pos, (rows, sq))
         if self.prefix_end is None:
             if sq != skv:
                 raise ValueError(f"padded: a mask without a prefix is square; got ({sq}, {skv})")

@@ -3,7 +3,9 @@
 Run in a subprocess (`tests/train/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
 (model `dense`, `moe` or `next`; `dense_lora`: `dense` training LoRA adapters; `dense_critic` and
 `dense_critic_model`: `dense` with PPO's critic, a value head or a separate smaller critic model;
-mesh data x fsdp x model). Prints one JSON line per case with the largest relative differences to the single-device
+mesh data x fsdp x model, or data x fsdp x context x model; mode `cp`: the context-parallel trees
+of `cp_inputs`; objective `sft`, `ppo`, and with mode `cp` also `gspo` and `critic`: PPO with a
+value head). Prints one JSON line per case with the largest relative differences to the single-device
 step: loss, gradient norm, per-parameter gradients (Adam's first moment after one step, i.e. the
 clipped gradient scaled by 1 - b1), updated parameters and their updates, and how many parameters
 the mesh shards over `model` and over `fsdp`.
@@ -37,6 +39,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jtree.baseline import flatten_paths, linearize_baseline  # noqa: E402
 from jtree.batch import DeviceBatch, stack  # noqa: E402
 from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
+from jtree.context_parallel import context_batch  # noqa: E402
 from jtree.critic import CriticConfig, critic_pairs, with_critic_pairs  # noqa: E402
 from jtree.layer_stack import convert_tree, layer_groups  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
@@ -49,15 +52,17 @@ from jtree.sharding import (  # noqa: E402
     MeshConfig, make_mesh, named, param_rules, param_specs,
 )
 from jtree.train_step import (  # noqa: E402
-    Objective, OptimConfig, TrainState, make_optimizer, make_sharded_grad_fn,
-    make_train_step, sharded_graphdef, state_shardings,
+    Objective, OptimConfig, TrainState, make_logprob_fn, make_optimizer, make_sharded_grad_fn,
+    make_sharded_logprob_fn, make_train_step, sharded_graphdef, state_shardings,
 )
 from tests.models_util import (  # noqa: E402
     perturbed, rel_l2, tiny_config, tiny_moe_config, tiny_next_config, tiny_runtime,
 )
 from tests.strategies import explicit_tree, random_forest, sequences_tree  # noqa: E402
+from jtree.tree import TrajectoryTree  # noqa: E402
 
 S, ROWS, GDN_CHUNK = 64, 8, 4
+CP_ROWS = 4  # rows of each micro-batch of the context-parallel batch
 # Kinds whose sharded step runs another attention kernel than their single-device reference.
 MESH_IMPL = {"dense_tpu": "pallas_tpu"}
 
@@ -65,16 +70,16 @@ MESH_IMPL = {"dense_tpu": "pallas_tpu"}
 def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     """(architecture, config, runtime) of the tiny `dense`, `moe` or `next` model; `dense_cpu` is
     `dense` with the C++ `cpu` attention kernel (an XLA custom call inside shard_map);
-    `dense_tpu` is `dense` at head_dim 64 (what the Pallas TPU kernel tiles) with an `xla`
+    `dense_xla` is `dense` with the block-sparse `xla` kernel; `dense_tpu` is `dense` at head_dim 64 (what the Pallas TPU kernel tiles) with an `xla`
     reference step, whose sharded step runs the Pallas TPU kernel (`MESH_IMPL`) in the TPU
     interpreter; `dense_lora` is `dense` training LoRA adapters; `dense_scan` is `dense` with
     its layers scanned (stacked parameters split per layer); `moe_a2a` and `next_a2a` run
     their experts with token dispatch (`expert_dispatch="all_to_all"`); `dense_critic*` are
     `dense` (their critic: `case_critic`)."""
     dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
-    if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan", "dense_critic",
-                "dense_critic_model"):
-        impl = {"dense_cpu": "cpu", "dense_tpu": "xla"}.get(kind, "reference")
+    if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan", "dense_xla",
+                "dense_critic", "dense_critic_model"):
+        impl = {"dense_cpu": "cpu", "dense_tpu": "xla", "dense_xla": "xla"}.get(kind, "reference")
         head_dim = {"dense_tpu": 64}.get(kind, 8)
         return ("qwen3", tiny_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                                      head_dim=head_dim),
@@ -128,6 +133,53 @@ def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
     return stack(out)
 
 
+def chain_tree(rng: np.random.Generator) -> TrajectoryTree:
+    """A deep chain of 12 nodes of 5 tokens (60 tokens: it crosses every boundary of a 64-token
+    row split over up to 8 devices), paths ending at its leaf and at an internal node, and a
+    last child of the root laid out after the chain: its first token, at position 60, is scored
+    by the root's last token, 7 devices back at context 8 (3 back at 4)."""
+    parents = [-1] + list(range(11)) + [0]
+    seg = [5] * 12 + [3]
+    path_nodes = [11, 12, 5]
+    lengths = [60, 8, 30]
+    return TrajectoryTree.from_nodes(
+        parents=parents, segments=[rng.integers(0, 64, size=k).tolist() for k in seg],
+        path_nodes=path_nodes,
+        loss_masks=[(rng.random(n) < 0.8).astype(int).tolist() for n in lengths],
+        weights=rng.uniform(0.5, 2.0, size=3).tolist(),
+        advantages=[rng.normal(size=n).tolist() for n in lengths],
+        old_logprobs=[(-rng.uniform(0.5, 6.0, size=n)).tolist() for n in lengths],
+        rewards=rng.normal(size=3).tolist())
+
+
+def cp_inputs(objective: Objective) -> DeviceBatch:
+    """Two micro-batches of CP_ROWS even-split rows (a valid context-parallel layout): the deep
+    chain of `chain_tree` in each, and random multi-level forests (siblings, paths ending at
+    internal nodes) filling the rows, so nodes are cut by every device boundary; one reward per
+    path and the critic's pairs when the objective has a critic; raw coefficients with per-row
+    normalizer shares; `score_index` on. The single-device reference runs it as it is, the mesh
+    laid out for its context size (`context_batch`)."""
+    rng = np.random.default_rng(11)
+    batches = []
+    for _ in range(2):
+        trees = [chain_tree(rng)]
+        for _ in range(40):
+            kwargs = random_forest(rng, max_nodes=10, max_seg=9)
+            tree = TrajectoryTree.from_nodes(
+                **kwargs, rewards=rng.normal(size=len(kwargs["path_nodes"])).tolist())
+            if linearize(trees + [tree], S).shape[0] <= CP_ROWS:
+                trees.append(tree)
+        b = linearize(trees, S, normalization=objective.normalization, normalizer=1.0,
+                      n_rows=CP_ROWS, score_len=S)
+        row_norm = np.zeros(CP_ROWS, np.float32)
+        row_norm[0] = batch_normalizer(trees, objective.normalization)
+        batches.append((b, row_norm))
+    if objective.critic is not None:  # one pair width for both micro-batches
+        width = max(critic_pairs(b).index.shape[1] for b, _ in batches)
+        batches = [(with_critic_pairs(b, width), norm) for b, norm in batches]
+    return stack([dataclasses.replace(b.inputs, row_norm=norm) for b, norm in batches])
+
+
 def restore_on_other_meshes(cfg, params, opt, directory: str) -> dict:
     """Save a sharded TrainState from a (data, fsdp, model) = (2, 2, 2) mesh, restore it onto
     (2, 1, 4), (8, 1, 1) and (1, 8, 1): tensor parallel and FSDP layouts both change; then
@@ -178,6 +230,8 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
     """The single-device step every mesh of this (model, mode, objective) is compared with."""
     arch, cfg, runtime = case_model(model_kind)
     critic = case_critic(model_kind)
+    if kind == "critic":  # the context-parallel cases' objective: PPO with a value head
+        critic = CriticConfig(gamma=0.95, lam=0.9, value_coef=0.5)
     model = create_model(arch, cfg, runtime, seed=3,
                          value_head=critic is not None and not critic.separate,
                          critic=critic.network if critic is not None else None)
@@ -187,10 +241,14 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
         params = attach(params, lora, jax.random.key(0))
     if model_kind != "dense":
         params = perturbed(params)  # with LoRA, B != 0: A's gradients too are non-zero
-    objective = Objective(kind=kind, normalization="token_mean" if kind == "sft"
-                          else "seq_mean_token_mean", critic=critic)
-    inputs = step_inputs(mode, objective, cfg.decoder().needs_gdn_tables)
-    if kind == "ppo":
+    objective = Objective(kind="ppo" if kind == "critic" else kind,
+                          normalization="token_mean" if kind == "sft" else "seq_mean_token_mean",
+                          critic=critic)
+    if mode == "cp":
+        inputs = cp_inputs(objective)
+    else:
+        inputs = step_inputs(mode, objective, cfg.decoder().needs_gdn_tables)
+    if kind != "sft":
         rng = np.random.default_rng(1)
         inputs = inputs.with_coefficients(
             old_logprobs=(-rng.uniform(0.5, 5.0, inputs.shape)).astype(np.float32))
@@ -212,12 +270,14 @@ def split_over(array: jax.Array, axis: str) -> bool:
 
 
 def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
-    """One sharded step on the case's mesh (the first D x F x M devices), with its largest
+    """One sharded step on the case's mesh (the first D x F x [C x] M devices), with its largest
     relative differences to `ref`."""
-    data, fsdp, model_size = (int(x) for x in case.split(":")[3].split("x"))
+    sizes = [int(x) for x in case.split(":")[3].split("x")]
+    data, fsdp, context, model_size = sizes if len(sizes) == 4 else (sizes[0], sizes[1], 1,
+                                                                     sizes[2])
     params, objective, model = ref["params"], ref["objective"], ref["model"]
-    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, model=model_size),
-                     jax.devices()[:data * fsdp * model_size])
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, context=context, model=model_size),
+                     jax.devices()[:data * fsdp * context * model_size])
     network = model.critic.config if model.critic is not None else None
     rules = param_rules(ref["cfg"], model_size, critic=network)
     specs, step_specs = lora_specs(params, rules, mesh)
@@ -229,19 +289,27 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
                              dataclasses.replace(model.runtime, attention_impl=impl), seed=3)
         interpret = pltpu.force_tpu_interpret_mode()
     model_specs = param_specs(nnx.split(model)[1], rules, mesh)
-    graphdef = sharded_graphdef(model, model_specs)
+    graphdef = sharded_graphdef(model, model_specs, mesh)
     grad_fn = make_sharded_grad_fn(graphdef, objective, mesh, step_specs)
     shardings = state_shardings(opt, params, named(mesh, specs), mesh)
     step = jax.jit(make_train_step(graphdef, opt, objective, grad_fn=grad_fn),
                    out_shardings=(shardings, None))
+    inputs = ref["inputs"] if context == 1 else context_batch(ref["inputs"], context)
     with interpret:
         new_state, metrics = step(
             TrainState(sharded_params, opt.init(trainable(sharded_params)), np.int32(0)),
-            ref["inputs"])
+            inputs)
     ref_state, ref_metrics = ref["state"], ref["metrics"]
     leaves = jax.tree_util.tree_leaves
     held = leaves((new_state.params, new_state.opt_state))
-    return {
+    extra = {}
+    if case.split(":")[1:3] == ["cp", "ppo"]:  # old log-probs recomputed over the mesh
+        logprob = jax.jit(make_sharded_logprob_fn(graphdef, mesh, step_specs))(sharded_params, inputs)
+        one = make_logprob_fn(nnx.split(model)[0])
+        want = jax.jit(lambda p, x: jax.lax.map(lambda m: one(p, m), x))(params, ref["inputs"])
+        extra["logprobs_rel"] = float(np.max(np.abs(np.asarray(logprob) - np.asarray(want)))
+                                      / np.max(np.abs(np.asarray(want))))
+    return extra | {
         "case": case,
         "loss_rel": abs(float(metrics["loss"]) - float(ref_metrics["loss"]))
         / abs(float(ref_metrics["loss"])),

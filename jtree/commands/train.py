@@ -1,8 +1,9 @@
 """`jtree train --config CFG [--resume] [key.path=value ...]`: train on trees from JSONL.
 
 One process or many (`jtree.distributed`: `launch/local_multihost.sh`, TPU pod and SLURM recipes
-in launch/). The step runs over the ('data', 'fsdp', 'model') mesh of the config: data parallel
-over rows, parameters and optimizer state sharded over `fsdp`, tensor parallel inside shard_map. Prints one line per step (loss, baseline-equivalent and tree
+in launch/). The step runs over the ('data', 'fsdp', 'context', 'model') mesh of the config: data
+parallel over rows, parameters and optimizer state sharded over `fsdp`, rows' tokens over
+`context`, tensor parallel inside shard_map. Prints one line per step (loss, baseline-equivalent and tree
 tokens/s, POR, ERR, grad norm, host/device time; with `run.mode=auto` the mode each step
 chose and why), writes metrics as JSONL (and TensorBoard),
 checkpoints with Orbax (`--resume` continues from the latest one, data order included, after

@@ -128,6 +128,10 @@ class _Recording:
                 self.blocks[name] = _first_output(var.get_value())
         return self.out
 
+    @property
+    def runtime(self):
+        return self.model.runtime
+
     def output_embedding(self):
         return self.model.output_embedding()
 

@@ -9,6 +9,11 @@ Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits query heads: q_
 column-parallel (a column split keeps each head's gate with it, so the gate multiplies only local
 heads), o_proj row-parallel; kv heads are split like the query heads or, when there are fewer of
 them than devices, replicated (`local_kv_heads`).
+
+Context parallelism (`RuntimeConfig.context_axis`): the layer holds one slice of each row; its
+keys and values are all-gathered over the axis and its queries run at the slice's offset (the
+mask of `jtree.context_parallel.context_mask`, built once per forward). The returned cache holds
+the slice's own keys and values.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jtree.context_parallel import gathered_keys
 from jtree.kernels import TreeMask, tree_attention
 from jtree.models.layers import NORMS, apply_rope, linear, local_kv_heads, row_parallel
 from jtree.models.prefix import AttentionCache
@@ -57,7 +63,11 @@ class Attention(nnx.Module):
         heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
         k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, mask, prefix, self.runtime.attention_impl)
+        if self.runtime.context_axis is None:
+            out = attend(q, k, v, mask, prefix, self.runtime.attention_impl)
+        else:
+            k_row, v_row = gathered_keys(k, v, self.runtime.context_axis)
+            out = attend(q, k_row, v_row, mask, prefix, self.runtime.attention_impl)
         out = out.reshape(rows, s, -1)
         if self.gated:
             out = out * jax.nn.sigmoid(gate.reshape(rows, s, -1))

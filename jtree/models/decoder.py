@@ -42,6 +42,7 @@ from jtree.models.layers import (
 from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
 from jtree.models.output import ModelOutput
 from jtree.batch import DeviceBatch
+from jtree.context_parallel import context_mask
 from jtree.kernels import TreeMask
 from jtree.models.prefix import LayerCache, prefix_inputs
 from jtree.models.runtime import RuntimeConfig
@@ -236,6 +237,10 @@ class CausalLM(nnx.Module):
         head and no LM head, built after this model's parameters, so the policy's initial
         weights do not depend on it); `lm_head=False` leaves out the untied LM head."""
         self.config, self.runtime, self.spec = config, runtime, config.decoder()
+        if runtime.context_axis is not None and self.spec.needs_gdn_tables:
+            raise ValueError("mesh.context > 1 with gated deltanet layers: the chunk scan and "
+                             "the conv across device slices are not implemented yet; use "
+                             "mesh.context=1 for this architecture")
         self.model = Decoder(config, runtime, self.spec, rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings or not lm_head else linear(
             config.hidden_size, config.vocab_size, bias=False,
@@ -254,6 +259,8 @@ class CausalLM(nnx.Module):
         """`prefix`: per-layer caches of the tokens above a part (`jtree.models.prefix`)."""
         cfg, spec = self.config, self.spec
         mask, prefix_pred = prefix_inputs(inputs, prefix)
+        if self.runtime.context_axis is not None:
+            mask = context_mask(mask, self.runtime.context_axis)
         routing = None
         if spec.needs_gdn_tables:
             gdn = inputs.gdn

@@ -47,6 +47,12 @@ class RuntimeConfig:
     everywhere else. (Which weights FSDP gathers is per parameter: Variable metadata, see
     `jtree.models.layers.fsdp_gathered`.)
 
+    `context_axis` is set by the same function when the mesh splits rows' tokens over its
+    `context` axis (context parallelism, `jtree.context_parallel`): each device then holds a
+    contiguous slice of every row, attention gathers keys and values over the axis, and the
+    data-parallel axes above include it (router statistics are token sums). Token mixers that
+    cannot run on a slice refuse it by name.
+
     `expert_dispatch` chooses how a MoE block runs its experts under tensor parallelism
     (`jtree.models.moe`): "psum" routes every token on every device of the model group and sums
     the partial outputs; "all_to_all" splits the tokens over the group and exchanges the

@@ -155,16 +155,16 @@ def test_redundancy_free_mode_refuses_bad_settings():
 
     cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free",
                                             "run.prefix_backward=residuals"])
-    axes = ("data", "fsdp", "model")
-    for shape, named in (((2, 1, 1), "data=2 x fsdp=1"), ((1, 2, 1), "data=1 x fsdp=2")):
+    from jtree.sharding import AXES as axes
+    for shape, named in (((2, 1, 1, 1), "data=2 x fsdp=1"), ((1, 2, 1, 1), "data=1 x fsdp=2")):
         devices = np.array([jax.devices()[0]] * 2).reshape(shape)
         with pytest.raises(ValueError, match=f"run.prefix_backward=residuals.*{named}"):
             make_rfree_step(cfg, Mesh(devices, axes), None, None)
-    context = Mesh(np.array([jax.devices()[0]] * 2).reshape(1, 1, 1, 2), axes + ("context",))
+    context = Mesh(np.array([jax.devices()[0]] * 2).reshape(1, 1, 2, 1), axes)
     with pytest.raises(ValueError, match="mesh.context=2: run.mode=redundancy_free"):
         MeshRedundancyFreeStep(None, cfg.objective, context, None)
     cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free", "run.capacity=4096"])
-    one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), axes)
+    one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), axes)
     with pytest.raises(ValueError, match="run.capacity=4096"):
         make_rfree_step(cfg, one, None, None)
     cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free",

@@ -12,7 +12,7 @@ from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.attention_reference import tree_mask
 from jtree.linearize import linearize
 from jtree.loss import ppo_loss, sft_loss
-from jtree.sharding import ROWS, batch_specs
+from jtree.sharding import CONTEXT, ROWS, batch_specs
 from jtree.tree import TrajectoryTree
 
 
@@ -98,6 +98,6 @@ def test_a_pytree_with_a_spec_per_field():
     assert isinstance(doubled, DeviceBatch) and isinstance(doubled.mask, TreeMask)
     np.testing.assert_array_equal(doubled.tokens, step.tokens * 2)
     specs = batch_specs(step)
-    assert specs.tokens == jax.sharding.PartitionSpec(None, ROWS, None)
+    assert specs.tokens == jax.sharding.PartitionSpec(None, ROWS, CONTEXT)  # tokens over context
     assert specs.gdn.chunk_tokens == jax.sharding.PartitionSpec(None, ROWS, None, None)
     assert specs.row_norm is None and specs.prefix_pred is None  # absent fields stay absent

@@ -1,5 +1,5 @@
-"""One train step over ('data', 'fsdp', 'model') meshes of 8 host devices equals the single-device
-step.
+"""One train step over ('data', 'fsdp', 'context', 'model') meshes of 8 host devices equals the
+single-device step.
 
 The meshes run in a subprocess (`tests/mesh_worker.py`) because the device count is fixed when jax
 creates its CPU backend. A case is `model:mode:objective:DxFxM` (data x fsdp x model), model
@@ -12,6 +12,12 @@ value head; a separate, smaller critic model laid out by its own rules); `dense_
 sharded step runs the Pallas
 TPU kernel in the TPU interpreter (its outputs and custom_vjp cotangents must carry the inputs'
 varying mesh axes), compared with the `xla` step on one device, on two-device meshes. Float32,
+Context parallelism (mode `cp`, mesh `DxFxCxM`): the rows of `tests.mesh_worker.cp_inputs`
+(a deep chain crossing every device boundary, a node scored by a position 3 and 7 devices back,
+random multi-level forests cut by the boundaries), split over C = 2, 4, 8 devices, mixed with
+data, FSDP and tensor parallelism; dense (the `reference`, the block-sparse `xla` and, in its
+interpreter, the Pallas TPU kernel) and
+MoE (router loss pooled over the context axis too), SFT, PPO, GSPO and PPO with a critic.
 docs/design.md tolerances: loss,
 gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
 2 kv heads on a 4-way model axis exercise replicated KV heads; every case exercises the
@@ -48,7 +54,9 @@ def check(result: dict) -> None:
     assert result["grads_rel_l2"] <= 1e-5, result
     assert result["params_rel_l2"] <= 1e-5, result
     assert result["frozen_equal"], result  # a LoRA step leaves the base as it was
-    _, fsdp, model = (int(x) for x in result["case"].split(":")[3].split("x"))
+    assert result.get("logprobs_rel", 0.0) <= 1e-5, result  # CP PPO: the sharded log-prob forward
+    sizes = [int(x) for x in result["case"].split(":")[3].split("x")]  # DxFxM or DxFxCxM
+    fsdp, model = sizes[1], sizes[-1]
     if model > 1:
         assert result["model_sharded"] > 0, result  # tensor parallel really split weights
     if fsdp > 1:  # FSDP split every parameter but the 1-D ones (norms)
@@ -72,7 +80,7 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
              "moe:baseline:sft:2x1x4"]
     cases += ["moe:tree:ppo:2x1x4", "dense:baseline:ppo:4x1x2", "next:tree:sft:2x1x4",
               "dense_cpu:tree:sft:4x1x2", "dense:tree:sft:1x8x1", "moe:tree:ppo:2x2x2",
-              "dense_tpu:tree:sft:1x1x2", "dense_lora:tree:ppo:2x2x2"]
+              "dense_tpu:tree:sft:1x1x2", "dense_lora:tree:ppo:2x2x2", "moe:cp:ppo:1x1x4x2"]
     step_results = run_cases(cases + [f"restore:{tmp_path}/ckpt"])
     for result in step_results[:-1]:
         check(result)
@@ -113,5 +121,29 @@ def test_fsdp_meshes_for_every_model_mode_and_objective(model, mesh):
     # One subprocess per (model, mesh): tree and baseline, SFT and PPO.
     cases = [f"{model}:{mode}:{objective}:{mesh}" for mode in ("tree", "baseline")
              for objective in ("sft", "ppo")]
+    for result in run_cases(cases):
+        check(result)
+
+
+CP_MESHES = ("1x1x2x1", "1x1x4x1", "1x1x8x1", "2x1x2x2", "1x2x4x1", "2x2x2x1", "1x1x2x4")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("model", ("dense", "dense_xla", "moe", "dense_tpu"))
+def test_context_parallel_meshes_for_dense_and_moe_and_every_objective(model):
+    if model == "dense_tpu":  # the Pallas TPU kernel in its interpreter at a query offset
+        for result in run_cases(["dense_tpu:cp:sft:1x1x2x1", "dense_tpu:cp:ppo:2x1x2x2"]):
+            check(result)
+        return
+    # One subprocess per model: SFT and PPO on every context-parallel mesh; GSPO (path sums over
+    # the gathered rows) and PPO with a critic (GAE over the gathered values) on three, with
+    # perturbed weights (the `dense` model's initial weights leave gradient entries near Adam's
+    # eps, where the first update's sign-like step amplifies rounding).
+    cases = [f"{model}:cp:{objective}:{mesh}" for objective in ("sft", "ppo")
+             for mesh in CP_MESHES]
+    if model != "dense":
+        cases += [f"{model}:cp:{objective}:{mesh}" for objective in ("gspo", "critic")
+                  for mesh in ("1x1x4x1", "2x1x2x2", "1x1x8x1")]
     for result in run_cases(cases):
         check(result)

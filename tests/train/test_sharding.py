@@ -21,8 +21,8 @@ from tests.models_util import (
 from tests.strategies import explicit_tree, random_forest
 
 
-def _abstract_mesh(data, model, fsdp=1):
-    return AbstractMesh((data, fsdp, model), AXES)
+def _abstract_mesh(data, model, fsdp=1, context=1):
+    return AbstractMesh((data, fsdp, context, model), AXES)
 
 
 def test_dense_rules_split_heads_mlp_and_vocab():
@@ -57,16 +57,26 @@ def test_rules_reject_shapes_the_mesh_cannot_split():
 
 
 def test_mesh_shape_must_match_devices():
-    assert make_mesh(MeshConfig()).shape == {"data": jax.device_count(), "fsdp": 1, "model": 1}
-    with pytest.raises(ValueError, match=r"mesh.data=3: data=3 x fsdp=1 x model=1 does not match"):
+    assert make_mesh(MeshConfig()).shape == {"data": jax.device_count(), "fsdp": 1,
+                                             "context": 1, "model": 1}
+    with pytest.raises(ValueError, match=r"mesh.data=3: data=3 x fsdp=1 x context=1 x model=1 "
+                                         r"does not match"):
         make_mesh(MeshConfig(data=3))
     devices = [jax.devices()[0]] * 8  # a mesh's shape is checked before its devices are used
-    with pytest.raises(ValueError, match=r"^mesh.fsdp=3 \(x mesh.model=1\) does not divide the 8"):
+    with pytest.raises(ValueError, match=r"^mesh.fsdp=3 \(x mesh.context=1 x mesh.model=1\) does "
+                                         r"not divide the 8"):
         make_mesh(MeshConfig(fsdp=3), devices)
+    with pytest.raises(ValueError, match=r"^mesh.context=3 \(x mesh.model=2\) does not divide the "
+                                         r"8"):
+        make_mesh(MeshConfig(context=3, model=2), devices)
+    assert make_mesh(MeshConfig(fsdp=2, context=2, model=2), devices).shape == {
+        "data": 1, "fsdp": 2, "context": 2, "model": 2}
     with pytest.raises(ValueError, match=r"^mesh.model=3 does not divide the 8 devices"):
         make_mesh(MeshConfig(model=3), devices)
     with pytest.raises(ValueError, match=r"^fsdp: 0 must be >= 1"):
         MeshConfig(fsdp=0)
+    with pytest.raises(ValueError, match=r"^context: 0 must be >= 1"):
+        MeshConfig(context=0)
 
 
 def test_fsdp_adds_its_axis_to_one_dimension_the_rule_leaves_whole():
