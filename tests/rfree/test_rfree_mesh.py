@@ -82,6 +82,11 @@ def test_lockstep_runs_part_trees_in_post_order_on_one_shard(shards):
         assert sum(len(v) for v in seen.values()) == n
 
 
+# Leaves of Qwen3-Next whose float32 gradient is ill-conditioned (see `check`).
+ILL_CONDITIONED = (r"\['embed_tokens'\]|\['layers'\]\[0\]\['(input_layernorm|linear_attn'\]"
+                   r"\['(conv1d|in_proj_qkvz))'\]")
+
+
 def run_cases(cases: list[str]) -> list[dict]:
     return run_worker("tests.rfree_mesh_worker", cases)
 
@@ -92,10 +97,19 @@ def check(result: dict) -> None:
         assert result[f"{ref}_params_rel_l2"] <= 1e-5, result
     assert result["rfree_grads_rel_l2"] <= 1e-5, result
     # Against the tree step, leaves whose gradient nearly cancels are held to 1e-6 of the whole
-    # gradient's norm (`assert_grads_close`); where the single-device redundancy-free step is
-    # itself further off the tree step (Qwen3-Next with PPO: 1.2e-5 on one leaf, float32
-    # rounding of its per-part sums), the mesh step may be as far, not farther.
+    # gradient's norm (`assert_grads_close`). The two single-device steps agree to 1e-5 except on
+    # Qwen3-Next, whose layer-0 GDN input path (conv1d, in_proj_qkvz, input_layernorm, the
+    # embedding) is ill-conditioned in float32 with PPO: in float64 the redundancy-free and tree
+    # steps agree to 4e-15, a relative 2^-24 noise on the parameters moves those exact gradients
+    # by 4e-6, and in float32 the tree step is 1.0e-5 and the redundancy-free step 2.1e-5 off the
+    # float64 gradient (1.2e-5 apart on conv1d). There the gap is bounded by 2.5e-5 on those
+    # leaves, and the mesh step may be as far from the tree step as the gap, not farther.
     gap = result["rfree_vs_tree_grads_rel_l2"]
+    if result["case"].startswith("next:") and gap > 1e-5:
+        assert gap <= 2.5e-5 and re.search(ILL_CONDITIONED, result["rfree_vs_tree_worst_leaf"]), \
+            result
+    else:
+        assert gap <= 1e-5, result
     assert result["tree_grads_floored"] <= max(1e-5, gap + result["rfree_grads_rel_l2"]), result
     data, fsdp, model = (int(x) for x in result["case"].split(":")[2].split("x"))
     assert len(result["loads"]) == data * fsdp and min(result["loads"]) > 0  # every shard ran
