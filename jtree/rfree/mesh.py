@@ -56,7 +56,7 @@ from jtree.rfree.execute import (
 from jtree.rfree.layout import RfreeProgram
 from jtree.rfree.schedule import Lockstep, lockstep
 from jtree.sharding import (
-    AXES, MODEL, ROWS, batch_spec, batch_specs, row_shards, varying_axes, vary_over,
+    MODEL, ROWS, row_shards, varying_axes, vary_over,
 )
 from jtree.train_step import Objective, finish_metrics, merged_model, zero_sums
 
@@ -129,10 +129,11 @@ class MeshRedundancyFreeStep:
 
     def __init__(self, graphdef: nnx.GraphDef, objective: Objective, mesh: Mesh, specs: Any):
         check_objective(objective)
-        other = [a for a in mesh.axis_names if a not in AXES and mesh.shape[a] > 1]
-        if other:  # e.g. a context-parallel axis: a part row is never split over devices
+        axes = ROWS + (MODEL,)
+        other = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
+        if other:  # the context-parallel axis: a part row is never split over devices
             raise ValueError(f"mesh.{other[0]}={mesh.shape[other[0]]}: run.mode=redundancy_free "
-                             f"runs on the {', '.join(AXES)} axes only (each part row on one "
+                             f"runs on the {', '.join(axes)} axes only (each part row on one "
                              f"row shard); set mesh.{other[0]}=1 or another run.mode")
         self.graphdef, self.objective, self.mesh, self.specs = graphdef, objective, mesh, specs
         self.schedule: Lockstep | None = None
@@ -157,14 +158,14 @@ class MeshRedundancyFreeStep:
         """A host array [T, shards, ...] onto the mesh, its shard axis over the row axes (each
         process holds the whole schedule and places what its devices hold)."""
         x = np.asarray(x)
-        sharding = NamedSharding(self.mesh, batch_spec(x.ndim))
+        sharding = NamedSharding(self.mesh, P(None, ROWS))
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     def _sharded(self, params: Any, calls: LockstepInputs, levels: int, conv_width: int):
         def local(params: Any, calls: LockstepInputs):
             return self._local(params, calls, levels, conv_width)
 
-        in_specs = (self.specs, batch_specs(calls))
+        in_specs = (self.specs, jax.tree_util.tree_map(lambda _: P(None, ROWS), calls))
         out_specs = (P(), P(), trainable(self.specs))
         return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(
             params, calls)
