@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jtree.kernels.channel_scale import scale_channels
 from jtree.models.runtime import REMAT_POLICIES
 
 M = TypeVar("M", bound=nnx.Module)
@@ -29,8 +28,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return scale_channels(rms_normalized(x, self.eps).astype(x.dtype),
-                              self.weight[...].astype(x.dtype))
+        return self.weight[...].astype(x.dtype) * rms_normalized(x, self.eps).astype(x.dtype)
 
 
 class OffsetRMSNorm(nnx.Module):
@@ -43,7 +41,7 @@ class OffsetRMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = 1.0 + self.weight[...].astype(jnp.float32)
-        return scale_channels(rms_normalized(x, self.eps), scale).astype(x.dtype)
+        return (rms_normalized(x, self.eps) * scale).astype(x.dtype)
 
 
 NORMS = {"rms": RMSNorm, "offset_rms": OffsetRMSNorm}
