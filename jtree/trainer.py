@@ -147,7 +147,7 @@ class Trainer:
             policy = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime))
             ref_specs = policy_params(model_specs)
             ref_logprob_fn = jax.jit(make_sharded_logprob_fn(
-                sharded_graphdef(policy, ref_specs), mesh, ref_specs, chunk))
+                sharded_graphdef(policy, ref_specs, mesh), mesh, ref_specs, chunk))
 
         def init() -> TrainState:
             params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed,

@@ -101,7 +101,7 @@ def compare_on_mesh(case: str, ref: dict[str, Any]) -> dict[str, Any]:
     rules = param_rules(ref["cfg"], model_size)
     specs, step_specs = lora_specs(params, rules, mesh)
     graphdef = sharded_graphdef(ref["model"],
-                                param_specs(nnx.split(ref["model"])[1], rules, mesh))
+                                param_specs(nnx.split(ref["model"])[1], rules, mesh), mesh)
     sharded = jax.device_put(params, named(mesh, specs))
     step = MeshRedundancyFreeStep(graphdef, objective, mesh, step_specs)
     loss, metrics, grads = step(sharded, ref["program"])
