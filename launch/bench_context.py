@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from jtree.config import load_config
+from jtree.context_parallel import halo_capacity
 from jtree.context_split import even_split, slice_length, slice_work
 from jtree.kernels.block_tables import EMPTY, classify_blocks
 from jtree.linearize import linearize
@@ -66,15 +67,6 @@ DEVICE_COLUMNS = (
 )
 
 
-def halo_exports(pred: np.ndarray, valid: np.ndarray, context: int) -> np.ndarray:
-    """[c] positions each device holds whose hidden state scores a token of another device."""
-    slice_len = len(pred) // context
-    src = pred[valid & (pred >= 0)]
-    dst = np.flatnonzero(valid & (pred >= 0)) // slice_len
-    need = np.unique(src[src // slice_len != dst])
-    return np.bincount(need // slice_len, minlength=context)
-
-
 def needed_key_blocks(end: np.ndarray, valid: np.ndarray, context: int) -> np.ndarray:
     """[c] key blocks of other devices that some real query block of each device sees."""
     nonempty = classify_blocks(end[None], ROW_ALIGN, ROW_ALIGN)[0] != EMPTY
@@ -95,8 +87,7 @@ def measure_row(end: np.ndarray, valid: np.ndarray, pred: np.ndarray, context: i
     slice_len = len(end) // context
     kv_token = model["kv_heads"] * model["head_dim"] * 2 * model["bytes"]  # K and V
     per_layer = 2 * model["attention_layers"]  # forward gather + backward reduce-scatter
-    halo = halo_exports(pred, valid, context)
-    h = int(halo.max(initial=0))
+    h = halo_capacity(pred[None], context)  # the halo slots the step allocates per device
     return {
         "slice_len": slice_len, "blocks": work.blocks, "tokens": work.tokens,
         "gap_blocks": work.gap_blocks,
