@@ -14,12 +14,14 @@ from jtree.batch import padding
 from jtree.chunk_tables import default_chunk_count
 from jtree.run_data import gdn_chunk_size
 from jtree.context_parallel import halo_positions, score_layout
+from jtree.context_tables import context_gdn_tables
 from jtree.sharding import batch_specs, context_size, row_shards
 from jtree.trainer import Trainer
 
-# The halo slots per device the abstract step carries under context parallelism: the hidden
-# states a device exports are those of nodes whose children start on later devices, a few per
-# slice in agent trees; the real batch's capacity comes from `halo_capacity`.
+# The halo slots per device the abstract step carries under context parallelism (the attention
+# halo, and the Gated DeltaNet exported chunks and conv halo): the hidden states a device exports
+# are those of nodes whose children start on later devices, a few per slice in agent trees; the
+# real batch's capacities come from `jtree.context_parallel.context_batch`.
 HALO_SLOTS = 64
 
 
@@ -29,7 +31,7 @@ def abstract_step_args(trainer: Trainer, rows: int) -> tuple[Any, Any]:
     Inputs are `data.micro_batches` micro-batches of `rows` rows per row shard (data x fsdp) at
     `data.seq_len`: GDN chunk tables at the capacity of a full row of long nodes, the widest
     `score_index` (every token scored), coefficients arriving raw with `row_norm`; under context
-    parallelism a halo of `HALO_SLOTS` per device."""
+    parallelism a halo of `HALO_SLOTS` per device and the GDN tables laid out per device."""
     cfg, mesh, d = trainer.cfg, trainer.mesh, trainer.cfg.data
     state = jax.eval_shape(trainer.init_fn)
     state = jax.tree_util.tree_map(
@@ -43,8 +45,12 @@ def abstract_step_args(trainer: Trainer, rows: int) -> tuple[Any, Any]:
     context = context_size(mesh)
     if context > 1:
         everything = np.broadcast_to(np.arange(d.seq_len, dtype=np.int32), (n_rows, d.seq_len))
+        gdn = None if chunk is None else context_gdn_tables(
+            row.node, row.pred, context, chunk, cfg.model.config.linear_conv_kernel_dim,
+            n_chunks=default_chunk_count(d.seq_len // context, chunk, 0), n_exports=HALO_SLOTS,
+            n_halo=HALO_SLOTS)
         row = dataclasses.replace(row, score_index=score_layout(everything, d.seq_len, context),
-                                  halo=halo_positions(row.pred, context, HALO_SLOTS))
+                                  halo=halo_positions(row.pred, context, HALO_SLOTS), gdn=gdn)
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct((d.micro_batches, *x.shape), x.dtype), row)
     inputs = jax.tree_util.tree_map(

@@ -87,7 +87,7 @@ class GdnTables:
     (-1), `chunk_src` [rows, NC] (0), `token_slot` [rows, S] (-1); `export_slots` [rows, E] lists
     the buffer slots whose states later redundancy-free parts start from (None otherwise);
     `context_exports` [rows, c X] lists, per device of a row split over the context mesh axis,
-    the chunks whose final states other devices' chunks enter from, and `conv_halo` [rows, c H]
+    the chunks whose final states other devices' chunks enter from, and `conv_halo` [rows, c W]
     the positions whose conv inputs each device sends to later ones (`jtree.context_tables`;
     None otherwise)."""
 
@@ -150,7 +150,7 @@ _SCHEMA: dict[str, tuple[Any, str]] = {
     "coefficients.ref_logprobs": (np.float32, "S"), "score_index": (np.int32, "K"),
     "gdn.chunk_tokens": (np.int32, "NC"), "gdn.chunk_src": (np.int32, "N"),
     "gdn.token_slot": (np.int32, "S"), "gdn.export_slots": (np.int32, "E"),
-    "gdn.context_exports": (np.int32, "X"), "gdn.conv_halo": (np.int32, "H"),
+    "gdn.context_exports": (np.int32, "X"), "gdn.conv_halo": (np.int32, "W"),
     "row_norm": (np.float32, ""), "prefix_pred": (np.int32, "P"),
     "critic.index": (np.int32, "Q"), "critic.coef": (np.float32, "Q"),
     "critic.reward": (np.float32, "Q"), "critic.last": (np.bool_, "Q"),

@@ -20,9 +20,11 @@ them for the whole row, and each sums only the terms of the tokens it owns (`own
 sum over the axis counts every term once and the gradients reach the owners through the
 gathers' transposes.
 
-Host side: `context_batch` checks that c divides the row, adds the halo and lays `score_index`
-out per device (each device scores the tokens it holds). The same batch runs unchanged on one
-device: the halo is ignored there and `score_index` is still a list of positions.
+Host side: `context_batch` checks that c divides the row, adds the halo, lays `score_index`
+out per device (each device scores the tokens it holds) and rebuilds the Gated DeltaNet chunk
+tables per device (`jtree.context_tables`). The same batch runs unchanged on one device: the halo
+is ignored there and `score_index` is still a list of positions (the GDN tables, though, are the
+per-device ones: a one-device run reads the batch's own).
 """
 
 from __future__ import annotations
@@ -34,60 +36,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtree.batch import DeviceBatch
+from jtree.batch import DeviceBatch, GdnTables
+from jtree.chunk_tables import default_chunk_count
+from jtree.context_tables import context_gdn_tables, device_exports, device_slice
 from jtree.kernels import TreeMask
 from jtree.planner import octave_step_length, score_width
 
 
-def _check_split(seq_len: int, context: int) -> int:
-    """L, the tokens of one device; an error naming `mesh.context` when c does not divide S."""
-    if context < 1 or seq_len % context:
-        raise ValueError(f"mesh.context={context} does not divide the row length S={seq_len} "
-                         "(context parallelism splits every row into equal device slices)")
-    return seq_len // context
-
-
-def _exports(pred: np.ndarray, context: int) -> list[list[np.ndarray]]:
-    """Per row and device, the ascending positions of that device whose hidden states tokens of
-    other devices are scored by."""
-    rows, s = pred.shape
-    length = _check_split(s, context)
-    owner = np.arange(s) // length
-    out = []
-    for r in range(rows):
-        src = pred[r]
-        cross = (src >= 0) & (src // length != owner)
-        needed = np.unique(src[cross])
-        out.append([needed[needed // length == k] for k in range(context)])
-    return out
+def _scoring_exports(pred: np.ndarray, context: int) -> list[np.ndarray]:
+    """Per row of `pred` [rows, S], the positions whose hidden states score a token of another
+    device."""
+    length = device_slice(pred.shape[-1], context)
+    owner = np.arange(pred.shape[-1]) // length
+    return [src[(src >= 0) & (src // length != owner)] for src in pred]
 
 
 def halo_capacity(pred: np.ndarray, context: int) -> int:
     """H, the halo slots each device needs for rows `pred` [..., rows, S] split over `context`
     devices: the most positions any device of any row must export (at least 1, so the halo's
     shape never vanishes). The planner sizes batches with it (one H for all micro-batches)."""
-    pred = np.asarray(pred)
-    flat = pred.reshape(-1, pred.shape[-1])
-    return max([1] + [len(e) for row in _exports(flat, context) for e in row])
+    return halo_positions(pred, context, None).shape[-1] // context
 
 
-def halo_positions(pred: np.ndarray, context: int, capacity: int) -> np.ndarray:
+def halo_positions(pred: np.ndarray, context: int, capacity: int | None) -> np.ndarray:
     """The `halo` field [..., rows, c H] for `pred` [..., rows, S]: device k's exports in slots
-    [k H, (k + 1) H), ascending, unused slots repeating the last real position before them (-1
-    before any), so the whole row is non-decreasing and a position's first occurrence is its
-    slot (`scoring_view` finds it by binary search)."""
+    [k H, (k + 1) H), in the layout of `jtree.context_tables.device_exports` (non-decreasing
+    along the row, a position's first occurrence its slot: `scoring_view` finds it by binary
+    search). H is `capacity` (None: the smallest that holds every row)."""
     pred = np.asarray(pred)
     flat = pred.reshape(-1, pred.shape[-1])
-    out = np.full((flat.shape[0], context * capacity), -1, np.int32)
-    for r, per_device in enumerate(_exports(flat, context)):
-        for k, positions in enumerate(per_device):
-            if len(positions) > capacity:
-                raise ValueError(f"halo capacity {capacity}: row {r}, device {k} of mesh.context="
-                                 f"{context} exports {len(positions)} hidden states (size it "
-                                 "with jtree.context_parallel.halo_capacity)")
-            out[r, k * capacity:k * capacity + len(positions)] = positions
-        out[r] = np.maximum.accumulate(out[r])
-    return out.reshape(*pred.shape[:-1], context * capacity)
+    length = device_slice(pred.shape[-1], context)
+    out = device_exports(_scoring_exports(flat, context), length, context, capacity, "halo")
+    return out.reshape(*pred.shape[:-1], out.shape[-1])
 
 
 def score_layout(score_index: np.ndarray, seq_len: int, context: int,
@@ -97,7 +77,7 @@ def score_layout(score_index: np.ndarray, seq_len: int, context: int,
     most any device of any row scores rounded up on the planner's score-width ladder
     (`jtree.planner.score_width`), so steps compile for few widths. Still a list of row
     positions, valid on one device too."""
-    length = _check_split(seq_len, context)
+    length = device_slice(seq_len, context)
     flat = np.asarray(score_index).reshape(-1, score_index.shape[-1])
     per = [[row[(row >= 0) & (row // length == k)] for k in range(context)] for row in flat]
     need = max([0] + [len(x) for row in per for x in row])
@@ -112,26 +92,52 @@ def score_layout(score_index: np.ndarray, seq_len: int, context: int,
     return out.reshape(*score_index.shape[:-1], context * width)
 
 
-def context_batch(batch: DeviceBatch, context: int, halo: int | None = None) -> DeviceBatch:
+def context_batch(batch: DeviceBatch, context: int, *, conv_kernel: int | None = None,
+                  halo: int | None = None) -> DeviceBatch:
     """`batch` (host arrays, [..., rows, S]) ready to run with its rows split over `context`
     devices: the halo added (`halo` slots per device; default `halo_capacity` rounded up to a
-    power of two, at least 8, so steps compile for few halo sizes) and `score_index` laid out
-    per device (`score_layout`). An error names `mesh.context` when it does not divide S, and
-    the batch fields context parallelism does not run yet."""
+    power of two, at least 8, so steps compile for few halo sizes), `score_index` laid out per
+    device (`score_layout`) and, for a model with Gated DeltaNet layers (the batch has `gdn`
+    tables), the chunk tables rebuilt per device (`context_step_tables`, for a conv of
+    `conv_kernel` taps). An error names `mesh.context` when it does not divide S, and a
+    redundancy-free part (a prefix), which does not run under context parallelism."""
     seq_len = batch.tokens.shape[-1]
-    _check_split(seq_len, context)
-    unsupported = {"gdn": "gated deltanet chunk tables", "prefix_pred": "a redundancy-free part"}
-    for name, what in unsupported.items():
-        if getattr(batch, name) is not None:
-            raise ValueError(f"mesh.context={context}: the batch has {name!r} ({what}), which "
-                             "does not run under context parallelism yet")
+    device_slice(seq_len, context)
+    if batch.prefix_pred is not None:
+        raise ValueError(f"mesh.context={context}: the batch has 'prefix_pred' (a redundancy-free "
+                         "part), which does not run under context parallelism")
     pred = np.asarray(batch.pred)
     capacity = octave_step_length(halo_capacity(pred, context), 1) if halo is None else halo
     score = batch.score_index
     if score is not None:
         score = score_layout(np.asarray(score), seq_len, context)
+    gdn = batch.gdn
+    if gdn is not None:
+        if conv_kernel is None:
+            raise ValueError("context_batch: the batch has 'gdn' chunk tables; pass conv_kernel "
+                             "(the model's linear_conv_kernel_dim)")
+        gdn = context_step_tables(np.asarray(batch.node), pred, context,
+                                  gdn.chunk_tokens.shape[-1], conv_kernel)
     return dataclasses.replace(batch, halo=halo_positions(pred, context, capacity),
-                               score_index=score)
+                               score_index=score, gdn=gdn)
+
+
+def context_step_tables(node: np.ndarray, pred: np.ndarray, context: int, chunk_size: int,
+                        conv_kernel: int) -> GdnTables:
+    """`jtree.context_tables.context_gdn_tables` of rows [..., rows, S] (every micro-batch
+    alike) at capacities on ladders, so a run compiles its step for few table shapes: the chunks
+    per device on `jtree.chunk_tables.default_chunk_count`'s buckets, the exported chunks and
+    the conv halo on powers of two (at least 8)."""
+    lead, seq_len = node.shape[:-1], node.shape[-1]
+    flat_node, flat_pred = node.reshape(-1, seq_len), pred.reshape(-1, seq_len)
+    need = context_gdn_tables(flat_node, flat_pred, context, chunk_size, conv_kernel)
+    chunks, exports, conv_halo = (x.shape[-1] // context for x in (
+        need.chunk_src, need.context_exports, need.conv_halo))
+    tables = context_gdn_tables(
+        flat_node, flat_pred, context, chunk_size, conv_kernel,
+        n_chunks=default_chunk_count(seq_len // context, chunk_size, chunks),
+        n_exports=octave_step_length(exports, 1), n_halo=octave_step_length(conv_halo, 1))
+    return jax.tree_util.tree_map(lambda x: x.reshape(*lead, *x.shape[1:]), tables)
 
 
 # ---------------------------------------------------------------------- device side

@@ -31,9 +31,12 @@ from jtree.batch import GdnTables
 from jtree.chunk_tables import concat_ranges
 
 
-def _slice_len(seq_len: int, context: int) -> int:
+def device_slice(seq_len: int, context: int) -> int:
+    """L, the tokens each of `context` devices holds of a row of `seq_len`; an error naming
+    `mesh.context` when it does not divide the row."""
     if context < 1 or seq_len % context:
-        raise ValueError(f"mesh.context={context} does not divide the row length S={seq_len}")
+        raise ValueError(f"mesh.context={context} does not divide the row length S={seq_len} "
+                         "(context parallelism splits every row into equal device slices)")
     return seq_len // context
 
 
@@ -64,7 +67,7 @@ def conv_halo_positions(pred: np.ndarray, context: int, width: int,
     - 1) steps of the pred chain. `pred` [rows, S] (global, -1 for a path's first token and on
     padding). H is `capacity` (default: the smallest that holds every row)."""
     pred = np.asarray(pred)
-    length = _slice_len(pred.shape[1], context)
+    length = device_slice(pred.shape[1], context)
     owner = np.arange(pred.shape[1]) // length
     needed = []
     for row in pred:
@@ -99,7 +102,7 @@ def context_chunk_tables(node: np.ndarray, pred: np.ndarray, context: int, chunk
     if node.shape != pred.shape or node.ndim != 2:
         raise ValueError(f"node and pred must be [rows, S] alike; got {node.shape}, {pred.shape}")
     rows, seq_len = node.shape
-    length = _slice_len(seq_len, context)
+    length = device_slice(seq_len, context)
     pos = np.arange(seq_len)
     per_row = []
     for r in range(rows):

@@ -43,8 +43,10 @@ DATA, FSDP, CONTEXT, MODEL = "data", "fsdp", "context", "model"
 AXES = (DATA, FSDP, CONTEXT, MODEL)
 ROWS = (DATA, FSDP)  # the mesh axes the rows of a batch are split over
 # The batch axes (`jtree.batch` schema letters) split over `context`: the tokens, the scored
-# positions (laid out per device by `jtree.context_parallel.context_batch`) and the halo.
-CONTEXT_SPLIT = ("S", "K", "H")
+# positions (laid out per device by `jtree.context_parallel.context_batch`), the halo, and the
+# Gated DeltaNet tables' chunks, exported chunks and conv halo (`jtree.context_tables`: device
+# k's entries in the k-th block of each).
+CONTEXT_SPLIT = ("S", "K", "H", "N", "X", "W")
 Rules = list[tuple[str, P]]
 
 

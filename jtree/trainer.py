@@ -513,7 +513,9 @@ class TrainingRun:
         else:
             local = element["inputs"]
             if context_size(trainer.mesh) > 1:
-                local = context_batch(local, context_size(trainer.mesh))
+                local = context_batch(local, context_size(trainer.mesh),
+                                      conv_kernel=getattr(cfg.model.config,
+                                                          "linear_conv_kernel_dim", None))
             inputs = to_global(trainer.mesh, local, len(self.shards))
             t1 = time.perf_counter()
             if stale:

@@ -152,13 +152,14 @@ def chain_tree(rng: np.random.Generator) -> TrajectoryTree:
         rewards=rng.normal(size=3).tolist())
 
 
-def cp_inputs(objective: Objective) -> DeviceBatch:
+def cp_inputs(objective: Objective, gdn: bool) -> DeviceBatch:
     """Two micro-batches of CP_ROWS even-split rows (a valid context-parallel layout): the deep
     chain of `chain_tree` in each, and random multi-level forests (siblings, paths ending at
     internal nodes) filling the rows, so nodes are cut by every device boundary; one reward per
     path and the critic's pairs when the objective has a critic; raw coefficients with per-row
-    normalizer shares; `score_index` on. The single-device reference runs it as it is, the mesh
-    laid out for its context size (`context_batch`)."""
+    normalizer shares; `score_index` on; with `gdn`, one-device GDN chunk tables (the mesh
+    rebuilds them per device). The single-device reference runs it as it is, the mesh laid out
+    for its context size (`context_batch`)."""
     rng = np.random.default_rng(11)
     batches = []
     for _ in range(2):
@@ -170,7 +171,8 @@ def cp_inputs(objective: Objective) -> DeviceBatch:
             if linearize(trees + [tree], S).shape[0] <= CP_ROWS:
                 trees.append(tree)
         b = linearize(trees, S, normalization=objective.normalization, normalizer=1.0,
-                      n_rows=CP_ROWS, score_len=S)
+                      n_rows=CP_ROWS, score_len=S, gdn_chunk_size=GDN_CHUNK if gdn else None,
+                      gdn_chunks=S if gdn else None)
         row_norm = np.zeros(CP_ROWS, np.float32)
         row_norm[0] = batch_normalizer(trees, objective.normalization)
         batches.append((b, row_norm))
@@ -245,7 +247,7 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
                           normalization="token_mean" if kind == "sft" else "seq_mean_token_mean",
                           critic=critic)
     if mode == "cp":
-        inputs = cp_inputs(objective)
+        inputs = cp_inputs(objective, cfg.decoder().needs_gdn_tables)
     else:
         inputs = step_inputs(mode, objective, cfg.decoder().needs_gdn_tables)
     if kind != "sft":
@@ -294,7 +296,8 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
     shardings = state_shardings(opt, params, named(mesh, specs), mesh)
     step = jax.jit(make_train_step(graphdef, opt, objective, grad_fn=grad_fn),
                    out_shardings=(shardings, None))
-    inputs = ref["inputs"] if context == 1 else context_batch(ref["inputs"], context)
+    inputs = ref["inputs"] if context == 1 else context_batch(
+        ref["inputs"], context, conv_kernel=getattr(ref["cfg"], "linear_conv_kernel_dim", None))
     with interpret:
         new_state, metrics = step(
             TrainState(sharded_params, opt.init(trainable(sharded_params)), np.int32(0)),

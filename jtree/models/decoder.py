@@ -237,10 +237,6 @@ class CausalLM(nnx.Module):
         head and no LM head, built after this model's parameters, so the policy's initial
         weights do not depend on it); `lm_head=False` leaves out the untied LM head."""
         self.config, self.runtime, self.spec = config, runtime, config.decoder()
-        if runtime.context_axis is not None and self.spec.needs_gdn_tables:
-            raise ValueError("mesh.context > 1 with gated deltanet layers: the chunk scan and "
-                             "the conv across device slices are not implemented yet; use "
-                             "mesh.context=1 for this architecture")
         self.model = Decoder(config, runtime, self.spec, rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings or not lm_head else linear(
             config.hidden_size, config.vocab_size, bias=False,

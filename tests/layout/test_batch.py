@@ -99,5 +99,7 @@ def test_a_pytree_with_a_spec_per_field():
     np.testing.assert_array_equal(doubled.tokens, step.tokens * 2)
     specs = batch_specs(step)
     assert specs.tokens == jax.sharding.PartitionSpec(None, ROWS, CONTEXT)  # tokens over context
-    assert specs.gdn.chunk_tokens == jax.sharding.PartitionSpec(None, ROWS, None, None)
+    # GDN chunks over context too (device k's chunks are the k-th block: jtree.context_tables),
+    # the tokens within a chunk whole
+    assert specs.gdn.chunk_tokens == jax.sharding.PartitionSpec(None, ROWS, CONTEXT, None)
     assert specs.row_norm is None and specs.prefix_pred is None  # absent fields stay absent

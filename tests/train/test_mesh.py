@@ -16,8 +16,9 @@ Context parallelism (mode `cp`, mesh `DxFxCxM`): the rows of `tests.mesh_worker.
 (a deep chain crossing every device boundary, a node scored by a position 3 and 7 devices back,
 random multi-level forests cut by the boundaries), split over C = 2, 4, 8 devices, mixed with
 data, FSDP and tensor parallelism; dense (the `reference`, the block-sparse `xla` and, in its
-interpreter, the Pallas TPU kernel) and
-MoE (router loss pooled over the context axis too), SFT, PPO, GSPO and PPO with a critic.
+interpreter, the Pallas TPU kernel), MoE (router loss pooled over the context axis too) and
+Qwen3-Next (the Gated DeltaNet chunk scan and conv across device slices, with the per-device
+tables of `jtree.context_parallel.context_batch`), SFT, PPO, GSPO and PPO with a critic.
 docs/design.md tolerances: loss,
 gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
 2 kv heads on a 4-way model axis exercise replicated KV heads; every case exercises the
@@ -74,13 +75,15 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
     # Dense/MoE x tree/baseline with the SFT objective on the three data x model meshes, plus
     # PPO on both models, Qwen3-Next on one tensor-parallel mesh, FSDP alone and FSDP mixed with
     # data and tensor parallelism, and a checkpoint resharded across tensor-parallel and FSDP
-    # meshes, and LoRA on an FSDP x tensor-parallel mesh. Next's full matrix and the FSDP sweep
-    # (LoRA included), the rest of the dense/MoE matrix and the critic run in the slow tests below.
+    # meshes, LoRA on an FSDP x tensor-parallel mesh, and Qwen3-Next PPO (MoE, Gated DeltaNet
+    # and attention) under context x tensor parallelism. Next's full matrix, the FSDP and
+    # context-parallel sweeps (LoRA included), the rest of the dense/MoE matrix and the critic
+    # run in the slow tests below.
     cases = ["dense:tree:sft:8x1x1", "dense:baseline:sft:4x1x2", "moe:tree:sft:4x1x2",
              "moe:baseline:sft:2x1x4"]
     cases += ["moe:tree:ppo:2x1x4", "dense:baseline:ppo:4x1x2", "next:tree:sft:2x1x4",
               "dense_cpu:tree:sft:4x1x2", "dense:tree:sft:1x8x1", "moe:tree:ppo:2x2x2",
-              "dense_tpu:tree:sft:1x1x2", "dense_lora:tree:ppo:2x2x2", "moe:cp:ppo:1x1x4x2"]
+              "dense_tpu:tree:sft:1x1x2", "dense_lora:tree:ppo:2x2x2", "next:cp:ppo:1x1x4x2"]
     step_results = run_cases(cases + [f"restore:{tmp_path}/ckpt"])
     for result in step_results[:-1]:
         check(result)
@@ -130,8 +133,8 @@ CP_MESHES = ("1x1x2x1", "1x1x4x1", "1x1x8x1", "2x1x2x2", "1x2x4x1", "2x2x2x1", "
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("model", ("dense", "dense_xla", "moe", "dense_tpu"))
-def test_context_parallel_meshes_for_dense_and_moe_and_every_objective(model):
+@pytest.mark.parametrize("model", ("dense", "dense_xla", "moe", "next", "dense_tpu"))
+def test_context_parallel_meshes_for_every_model_and_objective(model):
     if model == "dense_tpu":  # the Pallas TPU kernel in its interpreter at a query offset
         for result in run_cases(["dense_tpu:cp:sft:1x1x2x1", "dense_tpu:cp:ppo:2x1x2x2"]):
             check(result)
