@@ -18,7 +18,7 @@ from jtree.batch import stack
 from jtree.config import TrainConfig
 from jtree.data import step_indices
 from jtree.linearize import linearize, unlinearize
-from jtree.run_data import StepBuilders, gdn_chunk_size, to_global
+from jtree.run_data import StepBuilders, gdn_chunk_size
 from jtree.run_report import say
 from jtree.sharding import row_shards
 from jtree.train_step import TrainState
@@ -48,7 +48,7 @@ def check_equivalence(cfg: TrainConfig, trainer: Trainer, state: TrainState,
 
     def logprobs(batch) -> np.ndarray:
         arrays = stack([batch.inputs])
-        return np.asarray(trainer.logprob_fn(state.params, to_global(mesh, arrays, n_data)))[0]
+        return np.asarray(trainer.logprob_fn(state.params, trainer.place(arrays, n_data)))[0]
 
     def padded_rows(n: int) -> int:
         return -(-n // n_data) * n_data
@@ -72,7 +72,7 @@ def time_tree_vs_baseline(cfg: TrainConfig, trainer: Trainer, builders: StepBuil
     builders (each mode at the shape that holds every step of the run), alternating, and print
     the medians and the speedup against the token bound of `trees`."""
     repeats, n_data = cfg.run.timing_repeats, row_shards(trainer.mesh)
-    inputs = {mode: to_global(trainer.mesh, builders[mode](indices)["inputs"], n_data)
+    inputs = {mode: trainer.place(builders[mode](indices)["inputs"], n_data)
               for mode in ("tree", "baseline")}
     for mode in inputs:  # compile both before timing
         state, metrics = trainer.step_fn(state, inputs[mode])

@@ -166,6 +166,20 @@ class Trainer:
         return cls(cfg, mesh, graphdef, specs, shardings, optimizer, step_fn, logprob_fn, init_fn,
                    rfree_step, model_specs, ref_logprob_fn)
 
+    def laid_out(self, local: DeviceBatch) -> DeviceBatch:
+        """A host step batch as this mesh runs it: on a context-parallel mesh laid out per device
+        (`jtree.context_parallel.context_batch`: halo, score layout, GDN tables), else as is."""
+        context = context_size(self.mesh)
+        if context == 1:
+            return local
+        return context_batch(local, context, conv_kernel=getattr(
+            self.cfg.model.config, "linear_conv_kernel_dim", None))
+
+    def place(self, local: DeviceBatch, n_local_shards: int) -> DeviceBatch:
+        """A host step batch (this process's `n_local_shards` row shards) as global arrays on
+        the mesh, laid out for it (`laid_out`)."""
+        return to_global(self.mesh, self.laid_out(local), n_local_shards)
+
     def initial_state(self) -> TrainState:
         """A fresh TrainState: random init, or the weights of `model.init_from` (and of a
         separate critic's `objective.critic.init_from` checkpoint) placed directly onto the mesh
@@ -494,6 +508,8 @@ class TrainingRun:
         cfg, trainer = self.cfg, self.trainer
         t0 = time.perf_counter()
         element = next(self.iterator)
+        if "inputs" in element:  # the shapes the step compiles for are those of the laid-out batch
+            element = dict(element, inputs=trainer.laid_out(element["inputs"]))
         info = element["info"]
         new = {k: d for k, d in step_shapes(element).items() if k not in self.compiled_shapes}
         shape = "; ".join(new.values())
@@ -511,12 +527,7 @@ class TrainingRun:
             t1 = time.perf_counter()
             state, metrics = trainer.rfree_step(state, element["program"])
         else:
-            local = element["inputs"]
-            if context_size(trainer.mesh) > 1:
-                local = context_batch(local, context_size(trainer.mesh),
-                                      conv_kernel=getattr(cfg.model.config,
-                                                          "linear_conv_kernel_dim", None))
-            inputs = to_global(trainer.mesh, local, len(self.shards))
+            inputs = to_global(trainer.mesh, element["inputs"], len(self.shards))
             t1 = time.perf_counter()
             if stale:
                 inputs = inputs.with_coefficients(
