@@ -510,9 +510,13 @@ def make_sharded_logprob_fn(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, spe
     (old/reference policies, equivalence checks). `graphdef` is `sharded_graphdef`'s."""
 
     def local(params: Any, inputs: DeviceBatch) -> jax.Array:
-        model = merged_model(graphdef, model_params(params))
-        return jax.lax.map(lambda x: token_logprobs(model, x, chunk=chunk, vocab_axis=MODEL),
-                           inputs)
+        # The model is merged inside the map's body: an FSDP layer's gather runs under
+        # `nnx.remat`, which cannot update variables created outside the trace it runs in.
+        def one(x: DeviceBatch) -> jax.Array:
+            model = merged_model(graphdef, model_params(params))
+            return token_logprobs(model, x, chunk=chunk, vocab_axis=MODEL)
+
+        return jax.lax.map(one, inputs)
 
     def fn(params: Any, inputs: DeviceBatch) -> jax.Array:
         in_specs = (specs, batch_specs(inputs))
