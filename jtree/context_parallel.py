@@ -35,12 +35,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from jtree.batch import DeviceBatch, GdnTables
+from jtree.batch import DeviceBatch
 from jtree.chunk_tables import default_chunk_count
 from jtree.context_tables import context_gdn_tables, device_exports, device_slice
 from jtree.kernels import TreeMask
 from jtree.planner import octave_step_length, score_width
+from jtree.sharding import CONTEXT, MODEL, row_shards
 
 
 def _scoring_exports(pred: np.ndarray, context: int) -> list[np.ndarray]:
@@ -70,6 +72,14 @@ def halo_positions(pred: np.ndarray, context: int, capacity: int | None) -> np.n
     return out.reshape(*pred.shape[:-1], out.shape[-1])
 
 
+def _scored_per_device(score_index: np.ndarray, seq_len: int, context: int
+                       ) -> list[list[np.ndarray]]:
+    """Per row of `score_index` [..., rows, K] (flattened) and device, the positions it scores."""
+    length = device_slice(seq_len, context)
+    flat = np.asarray(score_index).reshape(-1, score_index.shape[-1])
+    return [[row[(row >= 0) & (row // length == k)] for k in range(context)] for row in flat]
+
+
 def score_layout(score_index: np.ndarray, seq_len: int, context: int,
                  width: int | None = None) -> np.ndarray:
     """`score_index` [..., rows, K] laid out per device: [..., rows, c K'], device k's slots
@@ -77,67 +87,127 @@ def score_layout(score_index: np.ndarray, seq_len: int, context: int,
     most any device of any row scores rounded up on the planner's score-width ladder
     (`jtree.planner.score_width`), so steps compile for few widths. Still a list of row
     positions, valid on one device too."""
-    length = device_slice(seq_len, context)
-    flat = np.asarray(score_index).reshape(-1, score_index.shape[-1])
-    per = [[row[(row >= 0) & (row // length == k)] for k in range(context)] for row in flat]
+    per = _scored_per_device(score_index, seq_len, context)
     need = max([0] + [len(x) for row in per for x in row])
-    width = score_width(need, length) if width is None else width
+    width = score_width(need, seq_len // context) if width is None else width
     if need > width:
         raise ValueError(f"score width {width}: a device of mesh.context={context} scores {need} "
                          "tokens")
-    out = np.full((flat.shape[0], context * width), -1, np.int32)
+    out = np.full((len(per), context * width), -1, np.int32)
     for r, row in enumerate(per):
         for k, positions in enumerate(row):
             out[r, k * width:k * width + len(positions)] = np.sort(positions)
     return out.reshape(*score_index.shape[:-1], context * width)
 
 
-def context_batch(batch: DeviceBatch, context: int, *, conv_kernel: int | None = None,
-                  halo: int | None = None) -> DeviceBatch:
-    """`batch` (host arrays, [..., rows, S]) ready to run with its rows split over `context`
-    devices: the halo added (`halo` slots per device; default `halo_capacity` rounded up to a
-    power of two, at least 8, so steps compile for few halo sizes), `score_index` laid out per
-    device (`score_layout`) and, for a model with Gated DeltaNet layers (the batch has `gdn`
-    tables), the chunk tables rebuilt per device (`context_step_tables`, for a conv of
-    `conv_kernel` taps). An error names `mesh.context` when it does not divide S, and a
-    redundancy-free part (a prefix), which does not run under context parallelism."""
+@dataclasses.dataclass(frozen=True)
+class ContextCapacities:
+    """The per-device sizes a step batch is laid out at for context parallelism: `halo` slots,
+    the `score` width of `score_index` (None: the batch has none) and, for a model with Gated
+    DeltaNet layers, the `chunks` per device, the `exports` (chunk states other devices enter
+    from) and the `conv_halo` slots (`jtree.context_tables`; None otherwise). Each on a ladder,
+    so a run compiles its step for few shapes; the processes of a multi-process run agree on one
+    (`agreed`), since the step's arrays have one global shape."""
+
+    halo: int
+    score: int | None = None
+    chunks: int | None = None
+    exports: int | None = None
+    conv_halo: int | None = None
+
+
+def context_capacities(batch: DeviceBatch, context: int, conv_kernel: int | None = None
+                       ) -> ContextCapacities:
+    """What `batch` (host arrays, [..., rows, S]) needs when its rows are split over `context`
+    devices, each rounded up on its ladder: the halo and the exports and conv halo to powers of
+    two (at least 8), the score width on the planner's score-width ladder, the chunks per device
+    on `jtree.chunk_tables.default_chunk_count`'s buckets. `conv_kernel`: the Gated DeltaNet
+    conv's taps, needed when the batch has `gdn` tables."""
     seq_len = batch.tokens.shape[-1]
-    device_slice(seq_len, context)
+    length = device_slice(seq_len, context)
     if batch.prefix_pred is not None:
         raise ValueError(f"mesh.context={context}: the batch has 'prefix_pred' (a redundancy-free "
                          "part), which does not run under context parallelism")
     pred = np.asarray(batch.pred)
-    capacity = octave_step_length(halo_capacity(pred, context), 1) if halo is None else halo
+    caps = ContextCapacities(halo=octave_step_length(halo_capacity(pred, context), 1))
+    if batch.score_index is not None:
+        per = _scored_per_device(np.asarray(batch.score_index), seq_len, context)
+        caps = dataclasses.replace(caps, score=score_width(
+            max([0] + [len(x) for row in per for x in row]), length))
+    if batch.gdn is not None:
+        _check_conv_kernel(batch, conv_kernel)
+        chunk_size = batch.gdn.chunk_tokens.shape[-1]
+        need = context_gdn_tables(np.asarray(batch.node).reshape(-1, seq_len),
+                                  pred.reshape(-1, seq_len), context, chunk_size, conv_kernel)
+        chunks, exports, conv_halo = (x.shape[-1] // context for x in (
+            need.chunk_src, need.context_exports, need.conv_halo))
+        caps = dataclasses.replace(
+            caps, chunks=default_chunk_count(length, chunk_size, chunks),
+            exports=octave_step_length(exports, 1), conv_halo=octave_step_length(conv_halo, 1))
+    return caps
+
+
+def _check_conv_kernel(batch: DeviceBatch, conv_kernel: int | None) -> None:
+    if batch.gdn is not None and conv_kernel is None:
+        raise ValueError("context_batch: the batch has 'gdn' chunk tables; pass conv_kernel "
+                         "(the model's linear_conv_kernel_dim)")
+
+
+def agreed(capacities: ContextCapacities) -> ContextCapacities:
+    """The capacities every process of the run lays its rows out at: the largest of each over
+    the processes (one small all-gather; `capacities` itself in a one-process run). Every
+    process must call it at the same point of its step."""
+    if jax.process_count() == 1:
+        return capacities
+    from jax.experimental import multihost_utils
+
+    fields = [f.name for f in dataclasses.fields(capacities)]
+    mine = np.array([getattr(capacities, f) or 0 for f in fields], np.int64)
+    most = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(fields)).max(0)
+    return ContextCapacities(**{f: (int(v) if getattr(capacities, f) is not None else None)
+                                for f, v in zip(fields, most)})
+
+
+def check_rows_within_processes(mesh: Mesh) -> None:
+    """An error naming `mesh.context` when a row's devices (a row shard's context x model group)
+    span processes: each process feeds whole rows of its own row shards."""
+    groups = mesh.devices.reshape(row_shards(mesh), -1)
+    for shard, group in enumerate(groups):
+        owners = sorted({d.process_index for d in group.flat})
+        if len(owners) > 1:
+            raise ValueError(
+                f"mesh.context={mesh.shape[CONTEXT]} x mesh.model={mesh.shape[MODEL]}: the "
+                f"devices of row shard {shard} span processes {owners}; make context x model "
+                f"divide the {jax.local_device_count()} devices of one process (each process "
+                "feeds whole rows)")
+
+
+def context_batch(batch: DeviceBatch, context: int, *, conv_kernel: int | None = None,
+                  capacities: ContextCapacities | None = None) -> DeviceBatch:
+    """`batch` (host arrays, [..., rows, S]) ready to run with its rows split over `context`
+    devices, at `capacities` (default: what it needs, `context_capacities`): the halo added,
+    `score_index` laid out per device (`score_layout`) and, for a model with Gated DeltaNet
+    layers (the batch has `gdn` tables), the chunk tables rebuilt per device
+    (`jtree.context_tables.context_gdn_tables`, for a conv of `conv_kernel` taps). An error
+    names `mesh.context` when it does not divide S, and a redundancy-free part (a prefix), which
+    does not run under context parallelism."""
+    _check_conv_kernel(batch, conv_kernel)
+    caps = capacities or context_capacities(batch, context, conv_kernel)
+    seq_len = batch.tokens.shape[-1]
+    pred = np.asarray(batch.pred)
     score = batch.score_index
     if score is not None:
-        score = score_layout(np.asarray(score), seq_len, context)
+        score = score_layout(np.asarray(score), seq_len, context, width=caps.score)
     gdn = batch.gdn
     if gdn is not None:
-        if conv_kernel is None:
-            raise ValueError("context_batch: the batch has 'gdn' chunk tables; pass conv_kernel "
-                             "(the model's linear_conv_kernel_dim)")
-        gdn = context_step_tables(np.asarray(batch.node), pred, context,
-                                  gdn.chunk_tokens.shape[-1], conv_kernel)
-    return dataclasses.replace(batch, halo=halo_positions(pred, context, capacity),
+        lead = pred.shape[:-1]
+        tables = context_gdn_tables(
+            np.asarray(batch.node).reshape(-1, seq_len), pred.reshape(-1, seq_len), context,
+            gdn.chunk_tokens.shape[-1], conv_kernel, n_chunks=caps.chunks,
+            n_exports=caps.exports, n_halo=caps.conv_halo)
+        gdn = jax.tree_util.tree_map(lambda x: x.reshape(*lead, *x.shape[1:]), tables)
+    return dataclasses.replace(batch, halo=halo_positions(pred, context, caps.halo),
                                score_index=score, gdn=gdn)
-
-
-def context_step_tables(node: np.ndarray, pred: np.ndarray, context: int, chunk_size: int,
-                        conv_kernel: int) -> GdnTables:
-    """`jtree.context_tables.context_gdn_tables` of rows [..., rows, S] (every micro-batch
-    alike) at capacities on ladders, so a run compiles its step for few table shapes: the chunks
-    per device on `jtree.chunk_tables.default_chunk_count`'s buckets, the exported chunks and
-    the conv halo on powers of two (at least 8)."""
-    lead, seq_len = node.shape[:-1], node.shape[-1]
-    flat_node, flat_pred = node.reshape(-1, seq_len), pred.reshape(-1, seq_len)
-    need = context_gdn_tables(flat_node, flat_pred, context, chunk_size, conv_kernel)
-    chunks, exports, conv_halo = (x.shape[-1] // context for x in (
-        need.chunk_src, need.context_exports, need.conv_halo))
-    tables = context_gdn_tables(
-        flat_node, flat_pred, context, chunk_size, conv_kernel,
-        n_chunks=default_chunk_count(seq_len // context, chunk_size, chunks),
-        n_exports=octave_step_length(exports, 1), n_halo=octave_step_length(conv_halo, 1))
-    return jax.tree_util.tree_map(lambda x: x.reshape(*lead, *x.shape[1:]), tables)
 
 
 # ---------------------------------------------------------------------- device side

@@ -33,7 +33,9 @@ from jax.sharding import PartitionSpec as P
 
 from jtree.baseline_comparison import compare_with_baseline
 from jtree.batch import DeviceBatch
-from jtree.context_parallel import context_batch
+from jtree.context_parallel import (
+    agreed, check_rows_within_processes, context_batch, context_capacities,
+)
 from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.layer_stack import layer_groups
 from jtree.compiles import Compiles, CompileWatch
@@ -121,11 +123,8 @@ class Trainer:
             raise ValueError(f"run.mode=redundancy_free with mesh.context={context}: parts of "
                              "trees do not run under context parallelism yet; set "
                              "mesh.context=1 or another run.mode")
-        if context > 1 and jax.process_count() > 1:
-            raise ValueError(f"mesh.context={context} with {jax.process_count()} processes: "
-                             "each process would size the halo of its own rows "
-                             "(jtree.context_parallel.context_batch); run context parallelism "
-                             "in one process until the planner sizes it for the whole step")
+        if context > 1:
+            check_rows_within_processes(mesh)
         if cfg.data.seq_len % context:
             raise ValueError(f"mesh.context={context} does not divide data.seq_len="
                              f"{cfg.data.seq_len} (context parallelism splits every row into "
@@ -172,8 +171,9 @@ class Trainer:
         context = context_size(self.mesh)
         if context == 1:
             return local
-        return context_batch(local, context, conv_kernel=getattr(
-            self.cfg.model.config, "linear_conv_kernel_dim", None))
+        conv_kernel = getattr(self.cfg.model.config, "linear_conv_kernel_dim", None)
+        capacities = agreed(context_capacities(local, context, conv_kernel))
+        return context_batch(local, context, conv_kernel=conv_kernel, capacities=capacities)
 
     def place(self, local: DeviceBatch, n_local_shards: int) -> DeviceBatch:
         """A host step batch (this process's `n_local_shards` row shards) as global arrays on

@@ -70,3 +70,53 @@ def test_distributed_environment_is_validated():
     with pytest.raises(ValueError, match=r"JTREE_PROCESS_ID=2 is not in \[0, 2\)"):
         initialize_from_env({"JTREE_COORDINATOR": "localhost:1234", "JTREE_NUM_PROCESSES": "2",
                              "JTREE_PROCESS_ID": "2"})
+
+
+@pytest.mark.slow
+def test_context_parallel_over_two_processes_matches_one(groups_file, tmp_path):
+    """Two processes of two CPU devices each, mesh data=2 x context=2: each process feeds the
+    rows of its data shard, split over its own two devices, and the processes agree on one set
+    of per-device capacities every step (`jtree.context_parallel.agreed`); the losses equal the
+    one-process, one-device run's."""
+    common = tiny_overrides(groups_file, **{"run.steps": 3})
+    single = tmp_path / "single.jsonl"
+    assert main(["--config", "configs/tiny.yaml", *common, f"run.metrics_jsonl={single}"]) == 0
+    multi = tmp_path / "multi.jsonl"
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        env = {"JTREE_COORDINATOR": f"localhost:{port}", "JTREE_NUM_PROCESSES": "2",
+               "JTREE_PROCESS_ID": str(pid),
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+        log = tmp_path / f"proc{pid}"
+        procs.append((launch(["--config", "configs/tiny.yaml", *common,
+                              f"run.metrics_jsonl={multi}", "mesh.data=2", "mesh.context=2"],
+                             log, env), log))
+    results = [finish(p, log) for p, log in procs]
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+    assert "mesh data=2 x fsdp=1 x context=2 x model=1 over 2 process(es)" in results[0][1]
+    a, b = read_metrics(single), read_metrics(multi)
+    assert [r["step"] for r in b] == [0, 1, 2]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+
+
+def test_a_row_over_several_processes_is_refused_by_name():
+    """Each process feeds whole rows: a context x model group that spans processes fails naming
+    the settings (checked on a stand-in mesh of devices of two processes)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from jtree.context_parallel import check_rows_within_processes
+
+    devices = np.array([SimpleNamespace(process_index=i // 2) for i in range(4)])
+    mesh = SimpleNamespace(devices=devices.reshape(1, 1, 4, 1),
+                           shape={"data": 1, "fsdp": 1, "context": 4, "model": 1})
+    with pytest.raises(ValueError, match=r"^mesh.context=4 x mesh.model=1: the devices of row "
+                                         r"shard 0 span processes \[0, 1\]"):
+        check_rows_within_processes(mesh)
+    check_rows_within_processes(SimpleNamespace(devices=devices.reshape(2, 1, 2, 1),
+                                                shape={"data": 2, "fsdp": 1, "context": 2,
+                                                       "model": 1}))
