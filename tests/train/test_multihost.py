@@ -22,6 +22,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_processes(args: list[str], tmp_path, devices: int = 1) -> str:
+    """Run `jtree.launch.train --config configs/tiny.yaml ARGS` as two processes joined by
+    jax.distributed, `devices` CPU devices each; process 0's output (both must succeed)."""
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        env = {"JTREE_COORDINATOR": f"localhost:{port}", "JTREE_NUM_PROCESSES": "2",
+               "JTREE_PROCESS_ID": str(pid),
+               "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        log = tmp_path / f"proc{pid}"
+        procs.append((launch(["--config", "configs/tiny.yaml", *args], log, env), log))
+    results = [finish(p, log) for p, log in procs]
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    return results[0][1]
+
+
 def test_two_processes_match_one(groups_file, tmp_path):
     common = tiny_overrides(groups_file, **{"run.steps": 3})
     single = tmp_path / "single.jsonl"
@@ -29,19 +46,9 @@ def test_two_processes_match_one(groups_file, tmp_path):
                  f"checkpoint.dir={tmp_path}/single_ckpt"]) == 0
 
     multi = tmp_path / "multi.jsonl"
-    port = _free_port()
-    procs = []
-    for pid in range(2):
-        env = {"JTREE_COORDINATOR": f"localhost:{port}", "JTREE_NUM_PROCESSES": "2",
-               "JTREE_PROCESS_ID": str(pid)}
-        log = tmp_path / f"proc{pid}"
-        procs.append((launch(["--config", "configs/tiny.yaml", *common,
-                              f"run.metrics_jsonl={multi}", "mesh.data=1", "mesh.fsdp=2",
-                              f"checkpoint.dir={tmp_path}/ckpt"], log, env), log))
-    results = [finish(p, log) for p, log in procs]
-    for code, out, err in results:
-        assert code == 0, err[-3000:]
-    assert "mesh data=1 x fsdp=2 x model=1 over 2 process(es)" in results[0][1]
+    out = _two_processes([*common, f"run.metrics_jsonl={multi}", "mesh.data=1", "mesh.fsdp=2",
+                          f"checkpoint.dir={tmp_path}/ckpt"], tmp_path)
+    assert "mesh data=1 x fsdp=2 x model=1 over 2 process(es)" in out
     a, b = read_metrics(single), read_metrics(multi)
     assert [r["step"] for r in b] == [0, 1, 2]
     for x, y in zip(a, b):
@@ -82,20 +89,9 @@ def test_context_parallel_over_two_processes_matches_one(groups_file, tmp_path):
     single = tmp_path / "single.jsonl"
     assert main(["--config", "configs/tiny.yaml", *common, f"run.metrics_jsonl={single}"]) == 0
     multi = tmp_path / "multi.jsonl"
-    port = _free_port()
-    procs = []
-    for pid in range(2):
-        env = {"JTREE_COORDINATOR": f"localhost:{port}", "JTREE_NUM_PROCESSES": "2",
-               "JTREE_PROCESS_ID": str(pid),
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-        log = tmp_path / f"proc{pid}"
-        procs.append((launch(["--config", "configs/tiny.yaml", *common,
-                              f"run.metrics_jsonl={multi}", "mesh.data=2", "mesh.context=2"],
-                             log, env), log))
-    results = [finish(p, log) for p, log in procs]
-    for code, out, err in results:
-        assert code == 0, err[-3000:]
-    assert "mesh data=2 x fsdp=1 x context=2 x model=1 over 2 process(es)" in results[0][1]
+    out = _two_processes([*common, f"run.metrics_jsonl={multi}", "mesh.data=2", "mesh.context=2"],
+                         tmp_path, devices=2)
+    assert "mesh data=2 x fsdp=1 x context=2 x model=1 over 2 process(es)" in out
     a, b = read_metrics(single), read_metrics(multi)
     assert [r["step"] for r in b] == [0, 1, 2]
     for x, y in zip(a, b):
