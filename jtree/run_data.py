@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jtree.config import TrainConfig
+from jtree.context_parallel import context_batch
 from jtree.cost import FlopModel
 from jtree.data import (
     AutoStepBuilder, LoadReport, RfreeStepBuilder, RfreeStepConfig, StepBuilder, load_trees,
@@ -19,7 +20,7 @@ from jtree.data import (
 )
 from jtree.run_report import say
 from jtree.batch import DeviceBatch
-from jtree.sharding import batch_specs, row_shards
+from jtree.sharding import batch_specs, context_size, row_shards
 from jtree.tree import TrajectoryTree
 
 
@@ -37,7 +38,14 @@ def host_data_shards(mesh: Mesh) -> tuple[int, ...]:
 
 
 def to_global(mesh: Mesh, local: DeviceBatch, n_local_shards: int) -> DeviceBatch:
-    """Host-local [M, rows_local, ...] arrays -> global arrays split over `data` and `fsdp`."""
+    """Host-local [M, rows_local, ...] arrays -> global arrays split over `data` and `fsdp`; on a
+    mesh with a `context` axis each row's tokens are split over it too, after `context_batch`
+    adds the halo and lays `score_index` out per device (every batch the run's step or log-prob
+    functions take goes through here, the baseline comparison's included)."""
+    context = context_size(mesh)
+    if context > 1:
+        local = context_batch(local, context)
+
     def one(value: np.ndarray, spec: jax.sharding.PartitionSpec) -> jax.Array:
         shape = (value.shape[0], value.shape[1] // n_local_shards * row_shards(mesh),
                  *value.shape[2:])
@@ -95,7 +103,9 @@ class StepBuilders:
     """The `StepBuilder` of each layout mode over the run's trees, each built once, so the run's
     pipeline and the baseline comparison lay out the same steps at the same shapes. The trained
     modes get `data.rows_per_micro_batch` rows (default: the fewest that hold every step of the
-    run); a mode built later on demand gets the fewest that hold every step of the run."""
+    run); a mode built later on demand gets the fewest that hold every step of the run. Every
+    mode splits its rows over the `mesh.context` devices by attention work (gaps at slice ends,
+    `jtree.context_split`), as the step it feeds runs them."""
 
     def __init__(self, cfg: TrainConfig, trees: Sequence[TrajectoryTree], n_data: int,
                  shards: tuple[int, ...]):
@@ -117,7 +127,8 @@ class StepBuilders:
         builder = step_builder(self._trees, data, mode, normalization=cfg.objective.normalization,
                                n_shards=self._n_data, shards=self._shards, steps=cfg.run.steps,
                                gdn_chunk_size=gdn_chunk_size(cfg),
-                               critic=cfg.objective.critic is not None)
+                               critic=cfg.objective.critic is not None,
+                               context=cfg.mesh.context)
         self._built[mode] = builder
         self.rows[mode] = builder.config.layout.rows
 

@@ -33,7 +33,6 @@ from jax.sharding import PartitionSpec as P
 
 from jtree.baseline_comparison import compare_with_baseline
 from jtree.batch import DeviceBatch
-from jtree.context_parallel import context_batch
 from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.layer_stack import layer_groups
 from jtree.compiles import Compiles, CompileWatch
@@ -49,7 +48,7 @@ from jtree.models.lora import (
 )
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.rfree.mesh import MeshRedundancyFreeStep
-from jtree.planner import check_steps_per_octave
+from jtree.planner import ROW_ALIGN, check_steps_per_octave
 from jtree.run_data import (
     StepBuilders, host_data_shards, load_training_trees, rfree_capacity, run_step_builder,
     to_global,
@@ -126,10 +125,11 @@ class Trainer:
                              "each process would size the halo of its own rows "
                              "(jtree.context_parallel.context_batch); run context parallelism "
                              "in one process until the planner sizes it for the whole step")
-        if cfg.data.seq_len % context:
-            raise ValueError(f"mesh.context={context} does not divide data.seq_len="
-                             f"{cfg.data.seq_len} (context parallelism splits every row into "
-                             "equal device slices)")
+        if cfg.data.seq_len % (context * ROW_ALIGN):
+            raise ValueError(f"mesh.context={context}: data.seq_len={cfg.data.seq_len} is not "
+                             f"{context} device slices of a multiple of {ROW_ALIGN} tokens (the "
+                             "attention block; the planner balances rows over the slices in "
+                             "whole blocks, jtree.context_split)")
         try:
             graphdef = sharded_graphdef(abstract, model_specs, mesh)
         except ValueError as e:
@@ -511,10 +511,7 @@ class TrainingRun:
             t1 = time.perf_counter()
             state, metrics = trainer.rfree_step(state, element["program"])
         else:
-            local = element["inputs"]
-            if context_size(trainer.mesh) > 1:
-                local = context_batch(local, context_size(trainer.mesh))
-            inputs = to_global(trainer.mesh, local, len(self.shards))
+            inputs = to_global(trainer.mesh, element["inputs"], len(self.shards))
             t1 = time.perf_counter()
             if stale:
                 inputs = inputs.with_coefficients(
