@@ -55,7 +55,7 @@ from jtree.run_data import (
 )
 from jtree.run_report import progress, progress_line, say, step_record, summary
 from jtree.sharding import (
-    MODEL, context_size, describe_mesh, make_mesh, named, param_path, param_rules, param_specs,
+    MODEL, describe_mesh, make_mesh, named, param_path, param_rules, param_specs,
     row_shards,
 )
 from jtree.train_step import (
@@ -98,6 +98,12 @@ class Trainer:
         if critic is not None and cfg.model.lora is not None:
             raise ValueError("model.lora: not available with objective.critic (only the "
                              "adapters would train: the critic's parameters would stay frozen)")
+        context = cfg.mesh.context
+        if context > 1 and cfg.data.seq_len % (context * ROW_ALIGN):
+            raise ValueError(f"mesh.context={context}: data.seq_len={cfg.data.seq_len} is not "
+                             f"{context} device slices of a multiple of {ROW_ALIGN} tokens (the "
+                             "attention block; the planner balances rows over the slices in "
+                             "whole blocks, jtree.context_split)")
         mesh = make_mesh(cfg.mesh)
         arch, mcfg = cfg.model.architecture, cfg.model.config
         check_reference(cfg)
@@ -115,7 +121,6 @@ class Trainer:
             model_specs = param_specs(abstract_model_params, rules, mesh)
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh {describe_mesh(mesh)}: {e}") from None
-        context = context_size(mesh)
         if context > 1 and cfg.run.mode == "redundancy_free":
             raise ValueError(f"run.mode=redundancy_free with mesh.context={context}: parts of "
                              "trees do not run under context parallelism yet; set "
@@ -125,11 +130,6 @@ class Trainer:
                              "each process would size the halo of its own rows "
                              "(jtree.context_parallel.context_batch); run context parallelism "
                              "in one process until the planner sizes it for the whole step")
-        if cfg.data.seq_len % (context * ROW_ALIGN):
-            raise ValueError(f"mesh.context={context}: data.seq_len={cfg.data.seq_len} is not "
-                             f"{context} device slices of a multiple of {ROW_ALIGN} tokens (the "
-                             "attention block; the planner balances rows over the slices in "
-                             "whole blocks, jtree.context_split)")
         try:
             graphdef = sharded_graphdef(abstract, model_specs, mesh)
         except ValueError as e:

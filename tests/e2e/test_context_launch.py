@@ -112,3 +112,12 @@ def test_context_parallel_run_trains_like_one_device_ppo(agent_groups, tmp_path)
     _assert_same_steps(got, _one_device_run(agent_groups, tmp_path, "ppo"))
     diff = float(stdout.split("over all path tokens = ")[1].split()[0])
     assert diff <= 1e-5
+
+
+def test_a_row_length_that_is_not_whole_blocks_per_device_is_refused(agent_groups, capsys):
+    """`data.seq_len` must be `mesh.context` slices of whole attention blocks (the planner cuts
+    rows between blocks); the launcher says so before it builds a mesh."""
+    assert main(_overrides(agent_groups, "sft", **{"mesh.context": CONTEXT,
+                                                  "data.seq_len": 384})) == 2
+    assert ("ValueError: mesh.context=4: data.seq_len=384 is not 4 device slices of a multiple "
+            "of 64 tokens") in capsys.readouterr().err
