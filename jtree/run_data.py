@@ -156,5 +156,7 @@ def run_step_builder(cfg: TrainConfig, trees: Sequence[TrajectoryTree], builders
     rows = "/".join(f"{builders.rows[m]}" for m in modes)
     length = (f"{d.seq_len}" if d.row_steps_per_octave is None else
               f"<= {d.seq_len} ({d.row_steps_per_octave} lengths per octave)")
+    split = ("" if cfg.mesh.context == 1 else
+             f", each row over {cfg.mesh.context} context devices balanced by attention work")
     return builder, (f"{d.micro_batches} micro-batch(es) x {rows} rows ({'/'.join(modes)}) x "
-                     f"{length} per data shard")
+                     f"{length} per data shard{split}")

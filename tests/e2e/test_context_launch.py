@@ -87,6 +87,7 @@ def _context_run(data, tmp_path, objective: str, *extra: str) -> tuple[list[dict
         "mesh.context": CONTEXT}), f"run.metrics_jsonl={out}", *extra], log, env), log)
     assert code == 0, err[-3000:]
     assert "mesh data=2 x fsdp=1 x context=4 x model=1" in stdout, stdout
+    assert "each row over 4 context devices balanced by attention work" in stdout
     return read_metrics(out), stdout
 
 
