@@ -37,7 +37,8 @@ def host_data_shards(mesh: Mesh) -> tuple[int, ...]:
 
 
 def to_global(mesh: Mesh, local: DeviceBatch, n_local_shards: int) -> DeviceBatch:
-    """Host-local [M, rows_local, ...] arrays -> global arrays split over `data` and `fsdp`."""
+    """Host-local [M, rows_local, ...] arrays -> global arrays split over `data` and `fsdp` (and
+    their tokens over `context`: a batch laid out for it, `jtree.trainer.Trainer.place`)."""
     def one(value: np.ndarray, spec: jax.sharding.PartitionSpec) -> jax.Array:
         shape = (value.shape[0], value.shape[1] // n_local_shards * row_shards(mesh),
                  *value.shape[2:])
@@ -95,7 +96,9 @@ class StepBuilders:
     """The `StepBuilder` of each layout mode over the run's trees, each built once, so the run's
     pipeline and the baseline comparison lay out the same steps at the same shapes. The trained
     modes get `data.rows_per_micro_batch` rows (default: the fewest that hold every step of the
-    run); a mode built later on demand gets the fewest that hold every step of the run."""
+    run); a mode built later on demand gets the fewest that hold every step of the run. Every
+    mode splits its rows over the `mesh.context` devices by attention work (gaps at slice ends,
+    `jtree.context_split`), as the step it feeds runs them."""
 
     def __init__(self, cfg: TrainConfig, trees: Sequence[TrajectoryTree], n_data: int,
                  shards: tuple[int, ...]):
@@ -117,7 +120,8 @@ class StepBuilders:
         builder = step_builder(self._trees, data, mode, normalization=cfg.objective.normalization,
                                n_shards=self._n_data, shards=self._shards, steps=cfg.run.steps,
                                gdn_chunk_size=gdn_chunk_size(cfg),
-                               critic=cfg.objective.critic is not None)
+                               critic=cfg.objective.critic is not None,
+                               context=cfg.mesh.context)
         self._built[mode] = builder
         self.rows[mode] = builder.config.layout.rows
 
@@ -145,5 +149,7 @@ def run_step_builder(cfg: TrainConfig, trees: Sequence[TrajectoryTree], builders
     rows = "/".join(f"{builders.rows[m]}" for m in modes)
     length = (f"{d.seq_len}" if d.row_steps_per_octave is None else
               f"<= {d.seq_len} ({d.row_steps_per_octave} lengths per octave)")
+    split = ("" if cfg.mesh.context == 1 else
+             f", each row over {cfg.mesh.context} context devices balanced by attention work")
     return builder, (f"{d.micro_batches} micro-batch(es) x {rows} rows ({'/'.join(modes)}) x "
-                     f"{length} per data shard")
+                     f"{length} per data shard{split}")

@@ -51,7 +51,7 @@ from jtree.models.lora import (
 )
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.rfree.mesh import MeshRedundancyFreeStep
-from jtree.planner import check_steps_per_octave
+from jtree.planner import ROW_ALIGN, check_steps_per_octave
 from jtree.run_data import (
     StepBuilders, host_data_shards, load_training_trees, rfree_capacity, run_step_builder,
     to_global,
@@ -101,6 +101,12 @@ class Trainer:
         if critic is not None and cfg.model.lora is not None:
             raise ValueError("model.lora: not available with objective.critic (only the "
                              "adapters would train: the critic's parameters would stay frozen)")
+        context = cfg.mesh.context
+        if context > 1 and cfg.data.seq_len % (context * ROW_ALIGN):
+            raise ValueError(f"mesh.context={context}: data.seq_len={cfg.data.seq_len} is not "
+                             f"{context} device slices of a multiple of {ROW_ALIGN} tokens (the "
+                             "attention block; the planner balances rows over the slices in "
+                             "whole blocks, jtree.context_split)")
         mesh = make_mesh(cfg.mesh)
         arch, mcfg = cfg.model.architecture, cfg.model.config
         check_reference(cfg)
@@ -118,17 +124,12 @@ class Trainer:
             model_specs = param_specs(abstract_model_params, rules, mesh)
         except ValueError as e:
             raise ValueError(f"model ({arch}) on mesh {describe_mesh(mesh)}: {e}") from None
-        context = context_size(mesh)
         if context > 1 and cfg.run.mode == "redundancy_free":
             raise ValueError(f"run.mode=redundancy_free with mesh.context={context}: parts of "
                              "trees do not run under context parallelism yet; set "
                              "mesh.context=1 or another run.mode")
         if context > 1:
             check_rows_within_processes(mesh)
-        if cfg.data.seq_len % context:
-            raise ValueError(f"mesh.context={context} does not divide data.seq_len="
-                             f"{cfg.data.seq_len} (context parallelism splits every row into "
-                             "equal device slices)")
         try:
             graphdef = sharded_graphdef(abstract, model_specs, mesh)
         except ValueError as e:
