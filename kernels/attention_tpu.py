@@ -108,7 +108,7 @@ def tree_attention_tpu(
         q_pos = np.broadcast_to(np.arange(sq, dtype=np.int32), (rows, sq))
     out = _attention(q, k, v, jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32),
                      kv_table, q_table, cfg)
-    if isinstance(end, np.ndarray) or (max_kv_blocks is None and max_q_blocks is None):
+    if isinstance(tables.kv_count, np.ndarray) or (max_kv_blocks is None and max_q_blocks is None):
         return out
     overflow = (jnp.max(tables.kv_count) > max_kv) | (jnp.max(tables.q_count) > max_q)
     return jnp.where(overflow, jnp.nan, out).astype(out.dtype)

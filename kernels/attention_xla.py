@@ -160,7 +160,7 @@ def flat_kv_lists(tables: BlockTables, nk: int) -> tuple:
 
 def _schedule(end, cfg: _Config, q_pos=None, q_real=None) -> _Schedule:
     tables = block_tables(end, cfg.block_q, cfg.block_kv, q_pos=q_pos, q_real=q_real)
-    xp = np if isinstance(end, np.ndarray) else jnp
+    xp = np if isinstance(tables.kv_blocks, np.ndarray) else jnp
     rows, nq, max_kv = tables.kv_blocks.shape
     kv_index, _, count = flat_kv_lists(tables, end.shape[1] // cfg.block_kv)
     order = (np.argsort(-count, kind="stable") if xp is np else

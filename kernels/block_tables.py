@@ -27,7 +27,7 @@ the same tables (a padding query's backward must not meet a key its forward did 
 and dq passes) and per-kv-block lists of non-empty q-blocks (for the dkv pass), padded to a static
 length. Padding entries repeat the last real entry, so a pipelined kernel that prefetches "the next
 block" fetches nothing new, and carry kind EMPTY so they are skipped. Works on numpy arrays (host)
-and on jax arrays (under jit) with the same code.
+and on jax arrays (under jit) with the same code; the tables are host arrays when every input is.
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ def classify_blocks(end: Any, block_q: int, block_kv: int, q_pos: Any = None,
     position i, Sq = Skv), non-decreasing along each row; `q_real` [rows, Sq] bool marks the real
     queries (None: all), a q-block without one keeps only the blocks of its own key positions.
     """
-    xp = _xp(end)
+    xp = _xp(end) if q_real is None else jnp if jnp in (_xp(end), _xp(q_real)) else np
+    if xp is jnp:
+        end = jnp.asarray(end)
     rows, s = end.shape
     sq = s if q_pos is None else q_pos.shape[1]
     if sq % block_q or s % block_kv:
@@ -149,7 +151,7 @@ def block_tables(
     nq, nk = classes.shape[1:]
     max_kv = nk if max_kv_blocks is None else max_kv_blocks
     max_q = nq if max_q_blocks is None else max_q_blocks
-    if isinstance(end, np.ndarray):
+    if isinstance(classes, np.ndarray):
         need_kv, need_q = _required(classes)
         if need_kv > max_kv or need_q > max_q:
             raise ValueError(

@@ -47,6 +47,9 @@ def test_gap_blocks_keep_only_their_own_key_blocks():
     flagged = classify_blocks(end, BLOCK, BLOCK, q_real=valid)
     live = valid.reshape(1, -1, BLOCK).any(-1)[0]
     np.testing.assert_array_equal(flagged[0, live], plain[0, live])
+    # Host `end` with traced flags (the model's valid under jit): the same classes, as jax arrays.
+    traced = jax.jit(lambda real: classify_blocks(end, BLOCK, BLOCK, q_real=real))(valid)
+    np.testing.assert_array_equal(np.asarray(traced), flagged)
     gaps = np.flatnonzero(~live)
     nonempty = flagged[0, gaps] != EMPTY
     np.testing.assert_array_equal(nonempty, np.eye(len(live), dtype=bool)[gaps])
