@@ -173,6 +173,7 @@ def tree_attention(
     the module docstring), the mask is in combined coordinates: P + i < end[i] <= P + S and
     j < prefix_end[j] <= P + S. With `mask.query_offset` (context parallelism), q holds L <= S
     queries at key positions offset + i and k, v, `mask.end` the whole row's S keys.
+    `mask.real` [rows, queries] bool marks the real queries (see the module docstring).
     """
     if not isinstance(mask, TreeMask):
         raise TypeError(f"mask: expected a jtree.kernels.TreeMask, got {type(mask).__name__}")
