@@ -10,7 +10,8 @@ back to paths. Fields, dtypes and padding values (what an all-padding row holds:
   token attends only to itself) and, for a part of a tree split redundancy-free, `prefix_end`
 - `pred` int32 (-1): row-local index of the token whose logits score this token
 - `node` int32 (-1): row-local node index
-- `valid` bool (False): real tokens
+- `valid` bool (False): real tokens; the attention kernels skip the query blocks that hold none
+  (`jtree.kernels.TreeMask.real`), so a padding token's attention output is not the mask's
 - `path_count` int32 (0): paths through the token (its multiplicity in the per-path baseline)
 - `coefficients`: the loss coefficients W, P, N, the sequence-level P/N at the paths' last tokens,
   old (and optional reference) log-probs, float32 (0)

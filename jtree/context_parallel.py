@@ -244,12 +244,14 @@ def gathered_row(x: jax.Array, axis: str, dim: int = 1) -> jax.Array:
 
 def context_mask(mask: TreeMask, axis: str) -> TreeMask:
     """The attention mask of this device's queries: the whole row's key ends (int32 x S, gathered
-    once per forward) and the queries at the slice's offset."""
+    once per forward), the queries at the slice's offset and which of them are real (local, like
+    the queries)."""
     if mask.prefix_end is not None:
         raise ValueError("mesh.context > 1 with a redundancy-free part (a prefix): not supported "
                          "yet; run redundancy-free mode with mesh.context=1")
     local_len = mask.end.shape[-1]
-    return TreeMask(gathered_row(mask.end, axis), query_offset=slice_offset(local_len, axis))
+    return TreeMask(gathered_row(mask.end, axis), query_offset=slice_offset(local_len, axis),
+                    real=mask.real)
 
 
 def gathered_keys(k: jax.Array, v: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:

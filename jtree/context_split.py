@@ -10,8 +10,9 @@ even token split leaves the device holding the end of the longest paths with the
 Attention work is counted as the kernels do, in (query block, key block) pairs of the block tables
 (`jtree.kernels.block_tables`) at the kernel block size B: device k's work is the number of
 non-empty pairs whose query block lies in slice k and holds a real token. A gap's query blocks hold
-none, so a CP kernel skips them (they are the blocks of a slice after its last valid token); a
-gap's keys are seen by gap queries only. Cuts fall on multiples of B in the gapless (packed) row,
+none, so the kernels skip them (the mask's real queries, `jtree.kernels.TreeMask.real`): of
+such a block they run only its own (diagonal) key block, one pair, which `slice_work` counts
+apart; a gap's keys are seen by gap queries only. Cuts fall on multiples of B in the gapless (packed) row,
 so every block of the gapped row is a block of the packed row moved by a multiple of B: a
 device's work is exactly the sum of the packed row's per-query-block counts over its blocks
 (`block_work`), and the split is a contiguous partition of those counts.
@@ -179,26 +180,34 @@ def slice_length(splits: list[ContextSplit], block: int) -> int:
 class SliceWork:
     """Per device of a laid-out CP row: `blocks` the non-empty (query block, key block) pairs of
     its query blocks that hold a real token, `tokens` its real tokens, and `gap_blocks` the
-    pairs of its query blocks that hold none (work a kernel that does not skip them would do)."""
+    pairs the kernels run on its query blocks that hold none (their own key blocks)."""
 
     blocks: np.ndarray
     tokens: np.ndarray
     gap_blocks: np.ndarray
 
+    @property
+    def kernel_blocks(self) -> np.ndarray:
+        """[c] the pairs the kernels' block tables hold for each device's query blocks."""
+        return self.blocks + self.gap_blocks
+
 
 def slice_work(end: np.ndarray, valid: np.ndarray, context: int, *, block: int) -> SliceWork:
     """The attention work and tokens of each device on a laid-out row (`end`, `valid` [S] with
-    S = context * L, gapped or not), counted from the block tables of its `end`."""
+    S = context * L, gapped or not), counted from the kernels' block tables of its `end` with
+    the real queries `valid`."""
     context = check_context(context)
     s = len(end)
     if s % (context * block):
         raise ValueError(f"context={context}: a row of {s} positions is not {context} slices of "
                          f"a multiple of the block size {block}")
-    pairs = (classify_blocks(np.asarray(end, np.int32)[None], block, block)[0] != EMPTY).sum(-1)
-    live = np.asarray(valid, bool).reshape(-1, block).any(-1)
+    valid = np.asarray(valid, bool)
+    pairs = (classify_blocks(np.asarray(end, np.int32)[None], block, block,
+                             q_real=valid[None])[0] != EMPTY).sum(-1)
+    live = valid.reshape(-1, block).any(-1)
     per = s // block // context
     return SliceWork(np.where(live, pairs, 0).reshape(context, per).sum(-1),
-                     np.asarray(valid, bool).reshape(context, -1).sum(-1),
+                     valid.reshape(context, -1).sum(-1),
                      np.where(live, 0, pairs).reshape(context, per).sum(-1))
 
 

@@ -66,14 +66,21 @@ def attention_mgpu(
     stages: int = 2,
     interpret: Any = None,
     q_pos: jax.Array | None = None,
+    q_real: jax.Array | None = None,
 ) -> jax.Array:
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] on Hopper (see
     `tree_attention`; Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query).
+
+    `q_real` is not used: the forward, dQ and dK/dV passes tile the queries differently, so
+    skipping non-real q-blocks would let a padding query's backward meet keys its forward never
+    saw (exp(s - lse) unbounded, times its zero cotangent: NaN). Every query's output is the
+    mask's, which is what skipping would only have made cheaper.
 
     `block_kv` is the forward kv tile (default 128 for head_dim <= 128, else 64); `stages` the
     depth of the TMA ring. `interpret` is passed to `plgpu.kernel` (an `InterpretGPUParams` runs
     the kernels in the Mosaic GPU interpreter on CPU).
     """
+    del q_real  # see above
     rows, sq, _, head_dim = q.shape
     skv = k.shape[1]
     _check_operands(q, k, v)

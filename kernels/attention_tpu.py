@@ -70,9 +70,11 @@ def tree_attention_tpu(
     max_q_blocks: int | None = None,
     interpret: Any = False,
     q_pos: jax.Array | None = None,
+    q_real: jax.Array | None = None,
 ) -> jax.Array:
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] (see `tree_attention`;
-    Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query).
+    Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query; q-blocks without a
+    real query in `q_real` run only their own key blocks, `classify_blocks`).
 
     `max_kv_blocks` / `max_q_blocks` shrink the grid's block-list axis from S / block to a budget
     computed on the host (`jtree.kernels.block_tables.required_blocks`); each skipped grid step still
@@ -97,7 +99,7 @@ def tree_attention_tpu(
             f"{SMEM_TABLE_BYTES}-byte SMEM budget; use larger blocks, fewer rows per call, or a "
             "max_kv_blocks / max_q_blocks budget")
     tables = block_tables(end, block_q, block_kv, max_kv_blocks=max_kv, max_q_blocks=max_q,
-                          q_pos=q_pos)
+                          q_pos=q_pos, q_real=q_real)
     kv_table = _pack(tables.kv_blocks, tables.kv_kind)
     q_table = _pack(tables.q_blocks, tables.q_kind)
     cfg = _Config(float(scale), None if softcap is None else float(softcap), block_q, block_kv,
@@ -106,7 +108,7 @@ def tree_attention_tpu(
         q_pos = np.broadcast_to(np.arange(sq, dtype=np.int32), (rows, sq))
     out = _attention(q, k, v, jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32),
                      kv_table, q_table, cfg)
-    if isinstance(end, np.ndarray) or (max_kv_blocks is None and max_q_blocks is None):
+    if isinstance(tables.kv_count, np.ndarray) or (max_kv_blocks is None and max_q_blocks is None):
         return out
     overflow = (jnp.max(tables.kv_count) > max_kv) | (jnp.max(tables.q_count) > max_q)
     return jnp.where(overflow, jnp.nan, out).astype(out.dtype)

@@ -86,6 +86,7 @@ def tree_attention_triton(
     scale: float,
     softcap: float | None = None,
     q_pos: jax.Array | None = None,
+    q_real: jax.Array | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
     num_warps: int | None = None,
@@ -93,7 +94,9 @@ def tree_attention_triton(
     interpret: bool = False,
 ) -> jax.Array:
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] (see `tree_attention`;
-    Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query).
+    Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query; q-blocks without a
+    real query in `q_real` run only their own key blocks, `classify_blocks`: one set of tables
+    serves the forward and both backward passes).
 
     `block_q`, `block_kv` default to `default_blocks`; `num_warps` (default 4 up to head_dim 64,
     else 8) and `num_stages` go to the Triton compiler. `interpret` runs the kernels in the
@@ -105,7 +108,7 @@ def tree_attention_triton(
     _check_supported(q, k, v, block_q, block_kv)
     cfg = _Config(float(scale), None if softcap is None else float(softcap), block_q, block_kv,
                   num_warps or (4 if d <= 64 else 8), num_stages, bool(interpret))
-    tables = block_tables(end, block_q, block_kv, q_pos=q_pos)
+    tables = block_tables(end, block_q, block_kv, q_pos=q_pos, q_real=q_real)
     if q_pos is None:
         q_pos = np.broadcast_to(np.arange(sq, dtype=np.int32), (rows, sq))
     lists = _Lists(*(jnp.asarray(x, jnp.int32) for x in (

@@ -98,6 +98,7 @@ def tree_attention_xla(
     block_kv: int | None = None,
     group: int = DEFAULT_GROUP,
     q_pos: jax.Array | None = None,
+    q_real: jax.Array | None = None,
 ) -> jax.Array:
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] (see `tree_attention`).
 
@@ -105,7 +106,8 @@ def tree_attention_xla(
     both block sizes (`tree_attention` pads it). With `q_pos` [rows, Sq] (non-decreasing key
     positions of the queries), Sq must be a multiple of block_q and Skv of block_kv. `group` is
     how many q-blocks are processed together: larger groups make bigger matmuls, smaller ones
-    waste less work on lists shorter than the longest of their group.
+    waste less work on lists shorter than the longest of their group. `q_real` [rows, Sq]: the
+    real queries; q-blocks without one run only their own key blocks (`classify_blocks`).
     """
     sq, skv = q.shape[1], k.shape[1]
     if q_pos is None:
@@ -126,7 +128,7 @@ def tree_attention_xla(
     cfg = _Config(float(scale), None if softcap is None else float(softcap), block_q, block_kv,
                   group)
     # Built on the host if `end` (and `q_pos`) are numpy arrays.
-    sched = jax.tree.map(jnp.asarray, _schedule(end, cfg, q_pos))
+    sched = jax.tree.map(jnp.asarray, _schedule(end, cfg, q_pos, q_real))
     if q_pos is None:
         q_pos = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (q.shape[0], sq))
     return _attention(q, k, v, jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32), sched,
@@ -156,9 +158,9 @@ def flat_kv_lists(tables: BlockTables, nk: int) -> tuple:
             tables.kv_kind.reshape(rows * nq, max_kv), tables.kv_count.reshape(rows * nq))
 
 
-def _schedule(end, cfg: _Config, q_pos=None) -> _Schedule:
-    tables = block_tables(end, cfg.block_q, cfg.block_kv, q_pos=q_pos)
-    xp = np if isinstance(end, np.ndarray) else jnp
+def _schedule(end, cfg: _Config, q_pos=None, q_real=None) -> _Schedule:
+    tables = block_tables(end, cfg.block_q, cfg.block_kv, q_pos=q_pos, q_real=q_real)
+    xp = np if isinstance(tables.kv_blocks, np.ndarray) else jnp
     rows, nq, max_kv = tables.kv_blocks.shape
     kv_index, _, count = flat_kv_lists(tables, end.shape[1] // cfg.block_kv)
     order = (np.argsort(-count, kind="stable") if xp is np else

@@ -13,11 +13,21 @@ keys are cached prefix tokens followed by its own tokens, and whose queries are 
 tokens), query i sits at key position q_pos[i] (non-decreasing) and the same rules apply with
 qa = q_pos of the block's first query and qb = q_pos of its last.
 
+Query blocks with no real query (`q_real`): a gap in a context-parallel row (docs/context_parallel.md)
+is padding inside the intervals of the nodes it cuts, so by the rule above its queries see all
+those nodes' ancestors and its blocks would be as dear as real ones. Nothing reads a padding
+query's output (padding keys are visible only to their own query, padding tokens are never scored,
+so their cotangent is zero), so a q-block whose queries are all padding keeps only the kv-blocks
+that overlap its own key positions [qa, qb]: every padding query still sees its own key (end[g] =
+g + 1), its softmax row is never empty (no NaN anywhere), and every other block is EMPTY. Real
+queries' outputs and all gradients are unchanged, provided the forward and backward passes read
+the same tables (a padding query's backward must not meet a key its forward did not see).
+
 `block_tables` turns the classes into per-q-block lists of non-empty kv-blocks (for the forward
 and dq passes) and per-kv-block lists of non-empty q-blocks (for the dkv pass), padded to a static
 length. Padding entries repeat the last real entry, so a pipelined kernel that prefetches "the next
 block" fetches nothing new, and carry kind EMPTY so they are skipped. Works on numpy arrays (host)
-and on jax arrays (under jit) with the same code.
+and on jax arrays (under jit) with the same code; the tables are host arrays when every input is.
 """
 
 from __future__ import annotations
@@ -37,13 +47,17 @@ def _xp(x: Any):
     return np if isinstance(x, np.ndarray) else jnp
 
 
-def classify_blocks(end: Any, block_q: int, block_kv: int, q_pos: Any = None) -> Any:
+def classify_blocks(end: Any, block_q: int, block_kv: int, q_pos: Any = None,
+                    q_real: Any = None) -> Any:
     """[rows, Sq/block_q, Skv/block_kv] int8 block classes (EMPTY, PARTIAL, FULL).
 
     `end` [rows, Skv]; `q_pos` [rows, Sq] is the key position of every query (default: query i at
-    position i, Sq = Skv), non-decreasing along each row.
+    position i, Sq = Skv), non-decreasing along each row; `q_real` [rows, Sq] bool marks the real
+    queries (None: all), a q-block without one keeps only the blocks of its own key positions.
     """
-    xp = _xp(end)
+    xp = _xp(end) if q_real is None else jnp if jnp in (_xp(end), _xp(q_real)) else np
+    if xp is jnp:
+        end = jnp.asarray(end)
     rows, s = end.shape
     sq = s if q_pos is None else q_pos.shape[1]
     if sq % block_q or s % block_kv:
@@ -71,7 +85,13 @@ def classify_blocks(end: Any, block_q: int, block_kv: int, q_pos: Any = None) ->
     kv_index = xp.arange(nk)[None, None, :]
     reach = prefix_max[row_index, kv_index, last]  # [rows, nq, nk]
     nonempty = (ka <= qb) & (reach > qa)
-    full = (kb <= qa) & (end_min[:, None, :] > qb)
+    if q_real is not None:
+        if tuple(q_real.shape) != (rows, sq):
+            raise ValueError(f"q_real: shape {tuple(q_real.shape)}, expected [rows, Sq] = "
+                             f"{(rows, sq)}")
+        live = q_real.reshape(rows, nq, block_q).any(axis=-1)[:, :, None]  # [rows, nq, 1]
+        nonempty = nonempty & (live | ((ka <= qb) & (kb >= qa)))
+    full = nonempty & (kb <= qa) & (end_min[:, None, :] > qb)
     return xp.where(full, FULL, xp.where(nonempty, PARTIAL, EMPTY)).astype(xp.int8)
 
 
@@ -118,18 +138,20 @@ def block_tables(
     max_kv_blocks: int | None = None,
     max_q_blocks: int | None = None,
     q_pos: Any = None,
+    q_real: Any = None,
 ) -> BlockTables:
-    """Block lists of the tree mask given by `end` [rows, S] (and `q_pos`, see `classify_blocks`).
+    """Block lists of the tree mask given by `end` [rows, S] (and `q_pos`, `q_real`, see
+    `classify_blocks`).
 
     `max_kv_blocks` / `max_q_blocks` fix the padded list lengths (default: all blocks, which always
     suffices). With numpy input a budget smaller than a list raises; under jit the caller sizes the
     budget with `required_blocks` on the host (the batch bucket), since a traced value cannot.
     """
-    classes = classify_blocks(end, block_q, block_kv, q_pos)
+    classes = classify_blocks(end, block_q, block_kv, q_pos, q_real)
     nq, nk = classes.shape[1:]
     max_kv = nk if max_kv_blocks is None else max_kv_blocks
     max_q = nq if max_q_blocks is None else max_q_blocks
-    if isinstance(end, np.ndarray):
+    if isinstance(classes, np.ndarray):
         need_kv, need_q = _required(classes)
         if need_kv > max_kv or need_q > max_q:
             raise ValueError(
@@ -170,7 +192,8 @@ def block_padding(default: int) -> tuple[Callable[..., int], Callable[..., tuple
 
 def required_blocks(end: np.ndarray, block_q: int, block_kv: int,
                     q_pos: np.ndarray | None = None) -> tuple[int, int]:
-    """(max non-empty kv-blocks of any q-block, max non-empty q-blocks of any kv-block)."""
+    """(max non-empty kv-blocks of any q-block, max non-empty q-blocks of any kv-block); a
+    bound also for tables with `q_real`, which only remove blocks."""
     q_pos = None if q_pos is None else np.asarray(q_pos)
     return _required(classify_blocks(np.asarray(end), block_q, block_kv, q_pos))
 

@@ -3,6 +3,9 @@
 Every implementation reads the same one-int-per-token mask (`TreeMask`, `jtree.kernels.tree_mask`)
 and computes softmax(q k^T * scale) v over the keys j with j <= i < end[j]. An implementation that
 cannot honour the mask for given inputs raises; nothing falls back to plain causal attention.
+With `TreeMask.real`, a block-sparse implementation may skip the query blocks without a real
+query (the outputs of their queries are then unspecified but finite; real queries' outputs and
+all gradients, given a zero cotangent on the non-real outputs, are the same).
 
 Block-sparse implementations need S to be a multiple of their block sizes. The dispatch pads S with
 tokens that attend only to themselves (end[j] = j + 1), which no real query can see (j <= i fails),
@@ -47,7 +50,7 @@ from jtree.kernels.tree_mask import TreeMask
 
 
 class _Impl(NamedTuple):
-    run: Callable[..., jax.Array]  # (q, k, v, end, *, scale, softcap, [q_pos], **options)
+    run: Callable[..., jax.Array]  # (q, k, v, end, *, scale, softcap, q_real, [q_pos], **options)
     padded_length: Callable[..., int] | None  # (S, **options) -> S' >= S it can run; None: any S
     # (Sq, Skv, **options) -> (Sq', Skv') for calls with a prefix (keyword `q_pos` of `run`);
     # None: the implementation does not support a prefix.
@@ -170,6 +173,7 @@ def tree_attention(
     the module docstring), the mask is in combined coordinates: P + i < end[i] <= P + S and
     j < prefix_end[j] <= P + S. With `mask.query_offset` (context parallelism), q holds L <= S
     queries at key positions offset + i and k, v, `mask.end` the whole row's S keys.
+    `mask.real` [rows, queries] bool marks the real queries (see the module docstring).
     """
     if not isinstance(mask, TreeMask):
         raise TypeError(f"mask: expected a jtree.kernels.TreeMask, got {type(mask).__name__}")
@@ -183,6 +187,9 @@ def tree_attention(
         raise ValueError(f"GQA: kv heads ({k.shape[2]}) must divide q heads ({q.shape[2]})")
     if mask.end.shape != k.shape[:2]:
         raise ValueError(f"end: shape {mask.end.shape} does not match k's [rows, S] {k.shape[:2]}")
+    if mask.real is not None and tuple(mask.real.shape) != q.shape[:2]:
+        raise ValueError(f"real: shape {tuple(mask.real.shape)} does not match q's [rows, S] "
+                         f"{q.shape[:2]}")
     if scale is None:
         scale = q.shape[3] ** -0.5
     if windowed:
@@ -201,11 +208,12 @@ def tree_attention(
     s = q.shape[1]
     target = s if chosen.padded_length is None else chosen.padded_length(s, **options)
     end, _ = mask.padded(target, target)
+    q_real = mask.padded_real(target)
     if target == s:
-        return chosen.run(q, k, v, end, scale=scale, softcap=softcap, **options)
+        return chosen.run(q, k, v, end, scale=scale, softcap=softcap, q_real=q_real, **options)
     width = ((0, 0), (0, target - s), (0, 0), (0, 0))
     out = chosen.run(jnp.pad(q, width), jnp.pad(k, width), jnp.pad(v, width), end, scale=scale,
-                     softcap=softcap, **options)
+                     softcap=softcap, q_real=q_real, **options)
     return out[:, :s]
 
 
@@ -244,5 +252,6 @@ def _rectangular(q, k, v, mask: TreeMask, name: str, *, scale: float, softcap: f
     kv_width = ((0, 0), (0, skv - skv_real), (0, 0), (0, 0))
     k, v = jnp.pad(k, kv_width), jnp.pad(v, kv_width)
     q = jnp.pad(q, ((0, 0), (0, sq - s), (0, 0), (0, 0)))
-    out = chosen.run(q, k, v, end, scale=scale, softcap=softcap, q_pos=q_pos, **options)
+    out = chosen.run(q, k, v, end, scale=scale, softcap=softcap, q_pos=q_pos,
+                     q_real=mask.padded_real(sq), **options)
     return out[:, :s]

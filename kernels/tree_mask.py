@@ -13,6 +13,13 @@ at key position query_offset + i. The prefix form is the special case of a windo
 the keys (query_offset = P), kept as its own field because its keys arrive in two pieces.
 
 Padding keys attend only to themselves (end[j] = j + 1): no real query sees them (j <= i fails).
+
+`real` marks the real queries (the batch's `valid`; None: all). A block-sparse kernel skips the
+query blocks that hold none (`jtree.kernels.block_tables.classify_blocks`): a gap of a
+context-parallel row lies inside the subtree intervals of the nodes it cuts, so its padding
+queries would otherwise see those nodes' ancestors. Their outputs are then not the mask's (each
+sees at least its own key, so they stay finite) and must be read by nothing, which holds for
+padding: its keys are visible to itself only and it is never scored.
 """
 
 from __future__ import annotations
@@ -30,12 +37,14 @@ import numpy as np
 class TreeMask:
     """`end` [..., S] int32 of the own keys; `prefix_end` [..., P] int32 of cached prefix keys
     (None: no prefix); `query_offset` int32 scalar: the queries are keys query_offset + i of the
-    row `end` describes (None: the queries are the keys themselves). Host (numpy) arrays stay
+    row `end` describes (None: the queries are the keys themselves); `real` [..., queries] bool
+    the real queries (None: every query; see the module docstring). Host (numpy) arrays stay
     numpy, so kernels can build their block tables on the host and `check` can validate them."""
 
     end: Any
     prefix_end: Any = None
     query_offset: Any = None
+    real: Any = None
 
     def __post_init__(self) -> None:
         if self.prefix_end is not None and self.query_offset is not None:
@@ -91,6 +100,20 @@ class TreeMask:
                                 np.full(sq - s, skv - 1, np.int32)])
         q_pos = np.broadcast_to(q_pos, (rows, sq))
         return end, (q_pos if isinstance(end, np.ndarray) else jnp.asarray(q_pos))
+
+    def padded_real(self, sq: int) -> Any:
+        """`real` [rows, sq] for a kernel that runs sq queries (padding queries are not real),
+        or None when every query is real."""
+        if self.real is None:
+            return None
+        real = self.real
+        if real.shape[-1] > sq:
+            raise ValueError(f"padded_real: {sq} queries are fewer than the mask's "
+                             f"{real.shape[-1]}")
+        width = ((0, 0), (0, sq - real.shape[-1]))
+        if isinstance(real, np.ndarray):
+            return np.pad(real.astype(bool), width)
+        return jnp.pad(jnp.asarray(real, bool), width)
 
     def check(self) -> None:
         """On host arrays: every key sees itself and no key's subtree reaches past the row

@@ -19,6 +19,7 @@ P + i), and `mask.end`, `pred` of the own tokens in the same coordinates.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Union
 
 import jax
@@ -49,12 +50,14 @@ def prefix_inputs(inputs: DeviceBatch, prefix: tuple[LayerCache, ...] | None
                   ) -> tuple[TreeMask, jax.Array | None]:
     """The mask and prefix chain (`prefix_pred` [R, P]) a forward reads. A call with `prefix`
     needs the batch's prefix layout; a call without one reads the own tokens' mask only (the
-    prefix layout of a batch describes the caches that come with it)."""
+    prefix layout of a batch describes the caches that come with it). The mask's real queries
+    are the batch's `valid` tokens, so the kernels skip the query blocks of padding and gaps
+    (`jtree.kernels.TreeMask.real`)."""
     if prefix is None:
-        return TreeMask(inputs.mask.end), None
+        return TreeMask(inputs.mask.end, real=inputs.valid), None
     missing = [f for f, x in (("mask.prefix_end", inputs.mask.prefix_end),
                               ("prefix_pred", inputs.prefix_pred)) if x is None]
     if missing:
         raise ValueError(f"inputs: {missing} missing; a call with a prefix needs the prefix layout "
                          "of jtree.rfree")
-    return inputs.mask, inputs.prefix_pred
+    return dataclasses.replace(inputs.mask, real=inputs.valid), inputs.prefix_pred

@@ -42,6 +42,8 @@ def test_split_balances_attention_blocks_on_long_agent_trees(seed, context):
     end, valid = batch.inputs.mask.end[0], batch.inputs.valid[0]
     work = slice_work(end, valid, context, block=ROW_ALIGN)
     assert work.blocks.max() / work.blocks.mean() <= 1.1, work.blocks
+    # Also what the kernels run: each gap query block keeps its own key block (`TreeMask.real`).
+    assert work.kernel_blocks.max() / work.kernel_blocks.mean() <= 1.1, work.kernel_blocks
     # The split's own count is the block tables' count of the gapped row.
     split = plan.placements[0].splits[0]
     per_block = block_work(tree.token_arrays["end"], ROW_ALIGN)

@@ -12,11 +12,15 @@ import numpy as np
 import pytest
 
 from jtree.context_split import ContextSplit
+from jtree.kernels.attention_xla import DEFAULT_BLOCK
+from jtree.kernels.block_tables import EMPTY, classify_blocks
 from jtree.linearize import linearize
 from jtree.planner import plan_rows
 from jtree.train_step import Objective
 from jtree.tree import TrajectoryTree
-from tests.models_util import assert_loss_and_grads_match, perturbed_moe_model, tiny_model
+from tests.models_util import (
+    assert_loss_and_grads_match, perturbed_moe_model, tiny_model, tiny_runtime,
+)
 from tests.strategies import random_forest
 
 CONTEXT = 4
@@ -26,16 +30,17 @@ OBJECTIVES = {"sft": Objective(kind="sft"),
 
 
 @functools.lru_cache(maxsize=None)
-def _batches():
+def _batches(extra: int = 0):
     """(gapped, ungapped) batches of two random forests in one row of CONTEXT slices: the
-    gapped row's pieces are cut at random tokens (inside nodes for these seeds)."""
+    gapped row's pieces are cut at random tokens (inside nodes for these seeds); `extra` more
+    positions per slice make longer gaps."""
     trees = [TrajectoryTree.from_nodes(**random_forest(np.random.default_rng(s), max_nodes=9,
                                                        max_seg=14)) for s in (1, 2)]
     sizes = [t.n_tree_tokens for t in trees]
     n = sum(sizes)
     cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, n), CONTEXT - 1, replace=False))
     split = ContextSplit((0, *map(int, cuts), n))
-    slice_len = 16 * -(-int(split.piece_tokens.max()) // 16)
+    slice_len = 16 * -(-int(split.piece_tokens.max()) // 16) + extra
     plan = plan_rows(sizes, CONTEXT * slice_len)
     kw = dict(normalization="token_mean", gdn_chunk_size=3)
     gapped = linearize(trees, CONTEXT * slice_len, plan=dataclasses.replace(plan, splits=(split,)),
@@ -78,3 +83,17 @@ def test_gapped_row_on_one_device_equals_the_ungapped_row(kind, objective):
         graphdef, params,
         gapped.inputs.with_coefficients(old_logprobs=g_old, ref_logprobs=g_ref),
         flat.inputs.with_coefficients(old_logprobs=old, ref_logprobs=ref), OBJECTIVES[objective])
+
+
+@pytest.mark.parametrize("impl", ["cpu", pytest.param("xla", marks=pytest.mark.slow)])
+def test_gap_query_blocks_skipped_by_the_kernel_keep_the_loss_and_gradients(impl):
+    """Gaps of whole kernel blocks (64 tokens), inside the intervals of the nodes they cut: the
+    kernel runs only their own key blocks (`TreeMask.real` from `valid`), and the loss and
+    gradients still equal the ungapped row's."""
+    gapped, flat = _batches(extra=2 * DEFAULT_BLOCK)
+    end, valid = gapped.inputs.mask.end, gapped.inputs.valid
+    gap_blocks = ~valid.reshape(1, -1, DEFAULT_BLOCK).any(-1)[0]
+    plain = classify_blocks(end, DEFAULT_BLOCK, DEFAULT_BLOCK)[0]
+    assert ((plain[gap_blocks] != EMPTY).sum(-1) > 1).any()  # a gap block sees ancestors
+    graphdef, params = tiny_model(runtime=tiny_runtime(attention_impl=impl))
+    assert_loss_and_grads_match(graphdef, params, gapped.inputs, flat.inputs, OBJECTIVES["sft"])
