@@ -115,6 +115,23 @@ def test_context_parallel_run_trains_like_one_device_ppo(agent_groups, tmp_path)
     assert diff <= 1e-5
 
 
+NEXT = {"model.architecture": "qwen3_next", "model.num_hidden_layers": 2,
+        "model.layer_types": "[linear_attention,full_attention]", "model.num_experts": 4,
+        "model.moe_intermediate_size": 16, "model.shared_expert_intermediate_size": 16,
+        "model.tie_word_embeddings": "false", "data.gdn_chunk_size": 8}
+
+
+@pytest.mark.slow  # a Qwen3-Next compile on 8 devices and on one
+def test_qwen3_next_context_parallel_run_trains_like_one_device(agent_groups, tmp_path):
+    """Qwen3-Next (a Gated DeltaNet layer, a gated-attention layer, MoE with a shared expert) on
+    the gapped rows: the chunk tables rebuilt per device, the scan and conv across slices."""
+    extra = [f"{k}={v}" for k, v in NEXT.items()]
+    got, _ = _context_run(agent_groups, tmp_path, "sft", *extra)
+    out = tmp_path / "one_next.jsonl"
+    assert main([*_overrides(agent_groups, "sft"), *extra, f"run.metrics_jsonl={out}"]) == 0
+    _assert_same_steps(got, read_metrics(out))
+
+
 def test_a_row_length_that_is_not_whole_blocks_per_device_is_refused(agent_groups, capsys):
     """`data.seq_len` must be `mesh.context` slices of whole attention blocks (the planner cuts
     rows between blocks); the launcher says so before it builds a mesh."""
