@@ -13,8 +13,7 @@ from jax.sharding import NamedSharding
 from jtree.batch import padding
 from jtree.chunk_tables import default_chunk_count
 from jtree.run_data import gdn_chunk_size
-from jtree.context_parallel import halo_positions, score_layout
-from jtree.context_tables import context_gdn_tables
+from jtree.context_parallel import ContextCapacities
 from jtree.sharding import batch_specs, context_size, row_shards
 from jtree.trainer import Trainer
 
@@ -44,13 +43,12 @@ def abstract_step_args(trainer: Trainer, rows: int) -> tuple[Any, Any]:
     row = dataclasses.replace(row, row_norm=np.zeros(n_rows, np.float32))
     context = context_size(mesh)
     if context > 1:
+        length = d.seq_len // context
         everything = np.broadcast_to(np.arange(d.seq_len, dtype=np.int32), (n_rows, d.seq_len))
-        gdn = None if chunk is None else context_gdn_tables(
-            row.node, row.pred, context, chunk, cfg.model.config.linear_conv_kernel_dim,
-            n_chunks=default_chunk_count(d.seq_len // context, chunk, 0), n_exports=HALO_SLOTS,
-            n_halo=HALO_SLOTS)
-        row = dataclasses.replace(row, score_index=score_layout(everything, d.seq_len, context),
-                                  halo=halo_positions(row.pred, context, HALO_SLOTS), gdn=gdn)
+        capacities = ContextCapacities(
+            halo=HALO_SLOTS, score=length, exports=HALO_SLOTS, conv_halo=HALO_SLOTS,
+            chunks=None if chunk is None else default_chunk_count(length, chunk, 0))
+        row = trainer.laid_out(dataclasses.replace(row, score_index=everything), capacities)
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct((d.micro_batches, *x.shape), x.dtype), row)
     inputs = jax.tree_util.tree_map(

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jtree.baseline_comparison import compare_with_baseline
 from jtree.batch import DeviceBatch
 from jtree.context_parallel import (
-    agreed, check_rows_within_processes, context_batch, context_capacities,
+    ContextCapacities, agreed, check_rows_within_processes, context_batch, context_capacities,
 )
 from jtree.checkpoint import Checkpointer, abstract_like
 from jtree.layer_stack import layer_groups
@@ -166,14 +166,17 @@ class Trainer:
         return cls(cfg, mesh, graphdef, specs, shardings, optimizer, step_fn, logprob_fn, init_fn,
                    rfree_step, model_specs, ref_logprob_fn)
 
-    def laid_out(self, local: DeviceBatch) -> DeviceBatch:
+    def laid_out(self, local: DeviceBatch, capacities: ContextCapacities | None = None
+                 ) -> DeviceBatch:
         """A host step batch as this mesh runs it: on a context-parallel mesh laid out per device
-        (`jtree.context_parallel.context_batch`: halo, score layout, GDN tables), else as is."""
+        (`jtree.context_parallel.context_batch`: halo, score layout, GDN tables) at `capacities`
+        (default: what it needs, agreed over the processes), else as is."""
         context = context_size(self.mesh)
         if context == 1:
             return local
         conv_kernel = getattr(self.cfg.model.config, "linear_conv_kernel_dim", None)
-        capacities = agreed(context_capacities(local, context, conv_kernel))
+        if capacities is None:
+            capacities = agreed(context_capacities(local, context, conv_kernel))
         return context_batch(local, context, conv_kernel=conv_kernel, capacities=capacities)
 
     def place(self, local: DeviceBatch, n_local_shards: int) -> DeviceBatch:
