@@ -3,6 +3,8 @@
 Fixtures (here): what several test files set up the same way.
 - hypothesis runs without a per-example deadline (the first examples of a test compile jax
   functions); each test still sets its own `max_examples`.
+- the files that run longest are collected first (`LONG_FILES_FIRST`), so that the two workers of
+  `make test` finish together.
 - `sample_groups`: the bundled sample data, data/sample_groups.jsonl.
 - `groups_file`, `few_groups_file`: branching agent-rollout groups written for a tiny training
   run (12 groups: several steps; 4 groups: a step or two).
@@ -47,3 +49,18 @@ def groups_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def few_groups_file(tmp_path: Path) -> Path:
     return write_groups(tmp_path / "groups.jsonl", n_groups=4)
+
+
+# The files that run for a minute or more, longest first. `make test` runs two workers that take
+# whole files (`--dist loadfile`) in collection order; a long file collected last (tests/train
+# sorts after the rest) would leave one worker running it alone at the end.
+LONG_FILES_FIRST = (
+    "tests/train/test_mesh.py", "tests/e2e/test_launch_train.py", "tests/rfree/test_rfree.py",
+    "tests/models/test_hybrid_equivalence.py", "tests/train/test_resume.py",
+    "tests/e2e/test_entry_points.py", "tests/kernels/test_attention_mgpu.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))

@@ -89,6 +89,7 @@ def test_bench_context_quick(tmp_path):
         assert sum(row["tokens"]) == row["tree_tokens"]
 
 
+@pytest.mark.slow  # profiles two bench workloads (about 20 s)
 def test_bench_split_quick(tmp_path):
     data = _run("bench_split", ["--quick", "--repeats", "1", "--host-malloc", "default"],
                 tmp_path)
@@ -120,6 +121,7 @@ def test_bench_attention_gpu_without_a_gpu(tmp_path):
     assert "timings need a GPU" in (tmp_path / "bench_attention_gpu.md").read_text()
 
 
+@pytest.mark.slow  # compiles four GDN layer steps (about 40 s)
 def test_bench_gdn_quick(tmp_path):
     """The GDN layer returns (output, cache); the bench differentiates the output."""
     data = _run("bench_gdn", ["--quick"], tmp_path)

@@ -94,9 +94,11 @@ def _branching_trees_end():
     return jnp.asarray(linearize(trees, SEQ_MULTIPLE).inputs.mask.end)
 
 
-# float16 is slow-marked to keep the default suite's interpreter time down; the slow
-# `mgpu_interpret` run (tests/e2e/test_entry_points.py) covers it too, with and without a prefix.
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
+# Slow-marked to keep the default suite's interpreter time down (the prefix and empty-block tests
+# below run the interpreter by default); the slow `mgpu_interpret` run
+# (tests/e2e/test_entry_points.py) covers GQA too, with and without a prefix.
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_gqa_head_pairs_forward_backward_in_interpreter(tmp_path, dtype):
     """GQA group 2: each CTA holds the same 64 positions of two q heads (head packing); the dK/dV
     kernel sums both heads of the group. Production defaults: block_kv 128, both wgmma dtypes."""

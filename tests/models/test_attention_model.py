@@ -25,7 +25,7 @@ FORESTS = forests(n_trees=(2, 5), max_nodes=8, max_seg=9)
 
 
 @pytest.mark.parametrize("impl", sorted(GRAPHDEFS))
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(trees=FORESTS)
 def test_tree_equals_baseline_with_block_sparse_attention(impl, trees):
     tree = fitting_layout(linearize, trees, S, n_rows=TREE_ROWS)

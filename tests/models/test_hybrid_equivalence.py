@@ -48,8 +48,9 @@ def test_logprobs_equal_baseline(trees, kind):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind, gdn_scan", [("moe", "auto"), ("next", "sequential"),
-                                            ("next", "parallel")])
+@pytest.mark.parametrize("kind, gdn_scan", [
+    ("moe", "auto"), ("next", "sequential"),
+    pytest.param("next", "parallel", marks=pytest.mark.slow)])  # both scans: tests/kernels/test_gdn.py
 @settings(max_examples=2, derandomize=True)
 @given(trees=FORESTS)
 def test_sft_loss_and_grads_equal_baseline(trees, kind, gdn_scan):

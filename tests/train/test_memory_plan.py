@@ -32,6 +32,7 @@ def assert_rule_predicts(plan: MemoryPlan, actual: Compiled) -> None:
     assert error <= TOLERANCE, (predicted, actual)
 
 
+@pytest.mark.slow  # the scanned rule below runs by default
 def test_depth_rule_predicts_a_third_compile():
     plan = memory_plan("configs/tiny.yaml", TINY, depth_blocks=(1, 2))
     actual = activations_and_temps(
