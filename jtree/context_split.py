@@ -12,9 +12,9 @@ Attention work is counted as the kernels do, in (query block, key block) pairs o
 non-empty pairs whose query block lies in slice k and holds a real token. A gap's query blocks hold
 none, so the kernels skip them (the mask's real queries, `jtree.kernels.TreeMask.real`): of
 such a block they run only its own (diagonal) key block, one pair, which `slice_work` counts
-apart; a gap's keys are seen by gap queries only. Cuts fall on multiples of B in the gapless (packed) row,
-so every block of the gapped row is a block of the packed row moved by a multiple of B: a
-device's work is exactly the sum of the packed row's per-query-block counts over its blocks
+apart; a gap's keys are seen by gap queries only. Cuts fall on multiples of B in the gapless
+(packed) row, so every block of the gapped row is a block of the packed row moved by a multiple
+of B: a device's work is exactly the sum of the packed row's per-query-block counts over its blocks
 (`block_work`), and the split is a contiguous partition of those counts.
 
 `split_row` picks the cuts: among the splits whose largest work per device is within `slack` of the

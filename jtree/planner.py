@@ -65,6 +65,17 @@ SCORE_MIN = 64  # the narrowest `score_index`
 SCORE_STEPS_PER_OCTAVE = 4
 
 
+def check_row_slices(seq_len: int, context: int,
+                     names: tuple[str, str] = ("context", "seq_len")) -> None:
+    """A ValueError naming the settings `names` (context size, row length) when a row of
+    `seq_len` tokens is not `context` slices of whole `ROW_ALIGN` blocks."""
+    if context > 1 and seq_len % (context * ROW_ALIGN):
+        raise ValueError(f"{names[0]}={context}: {names[1]}={seq_len} is not {context} device "
+                         f"slices of a multiple of {ROW_ALIGN} tokens (the attention block; the "
+                         "planner balances rows over the slices in whole blocks, "
+                         "jtree.context_split)")
+
+
 # ---------------------------------------------------------------------------- length ladders
 
 
@@ -288,10 +299,7 @@ class LayoutConfig:
         check_context(self.context)
         if not self.context_slack >= 0:
             raise ValueError(f"context_slack: must be >= 0, got {self.context_slack}")
-        if self.context > 1 and self.seq_len % (self.context * ROW_ALIGN):
-            raise ValueError(f"context={self.context}: seq_len={self.seq_len} is not "
-                             f"{self.context} slices of a multiple of {ROW_ALIGN} tokens (the "
-                             "attention block)")
+        check_row_slices(self.seq_len, self.context)
         for name in ("seq_len", "n_shards", "micro_batches", "rows", "gdn_chunk_size",
                      "gdn_chunks", "score_len"):
             value = getattr(self, name)

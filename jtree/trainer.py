@@ -51,7 +51,7 @@ from jtree.models.lora import (
 )
 from jtree.rfree.execute import RedundancyFreeStep
 from jtree.rfree.mesh import MeshRedundancyFreeStep
-from jtree.planner import ROW_ALIGN, check_steps_per_octave
+from jtree.planner import check_row_slices, check_steps_per_octave
 from jtree.run_data import (
     StepBuilders, host_data_shards, load_training_trees, rfree_capacity, run_step_builder,
     to_global,
@@ -102,11 +102,7 @@ class Trainer:
             raise ValueError("model.lora: not available with objective.critic (only the "
                              "adapters would train: the critic's parameters would stay frozen)")
         context = cfg.mesh.context
-        if context > 1 and cfg.data.seq_len % (context * ROW_ALIGN):
-            raise ValueError(f"mesh.context={context}: data.seq_len={cfg.data.seq_len} is not "
-                             f"{context} device slices of a multiple of {ROW_ALIGN} tokens (the "
-                             "attention block; the planner balances rows over the slices in "
-                             "whole blocks, jtree.context_split)")
+        check_row_slices(cfg.data.seq_len, context, ("mesh.context", "data.seq_len"))
         mesh = make_mesh(cfg.mesh)
         arch, mcfg = cfg.model.architecture, cfg.model.config
         check_reference(cfg)

@@ -136,7 +136,8 @@ def tree_attention_cpu(
     threads: int | None = None,
 ) -> jax.Array:
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D]; the contract of
-    `jtree.kernels.attention_xla.tree_attention_xla` (S a multiple of the blocks, optional `q_pos`, `q_real`).
+    `jtree.kernels.attention_xla.tree_attention_xla` (S a multiple of the blocks, optional
+    `q_pos`, `q_real`).
     `threads` defaults to the CPUs this process may use."""
     if softcap is not None:
         raise ValueError("attention impl 'cpu': softcap is not supported (use 'xla')")
@@ -155,7 +156,8 @@ def tree_attention_cpu(
         q_pos = (np.broadcast_to(np.arange(sq, dtype=np.int32), (rows, sq))
                  if isinstance(end, np.ndarray) else
                  jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (rows, sq)))
-    lists = flat_kv_lists(block_tables(end, block_q, block_kv, q_pos=q_pos, q_real=q_real), skv // block_kv)
+    tables = block_tables(end, block_q, block_kv, q_pos=q_pos, q_real=q_real)
+    lists = flat_kv_lists(tables, skv // block_kv)
     sched = _Schedule(*(jnp.asarray(x, jnp.int32) for x in lists))
     cfg = _Config(float(scale), block_q, block_kv, threads or default_threads())
     out = _attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),

@@ -55,9 +55,9 @@ def classify_blocks(end: Any, block_q: int, block_kv: int, q_pos: Any = None,
     position i, Sq = Skv), non-decreasing along each row; `q_real` [rows, Sq] bool marks the real
     queries (None: all), a q-block without one keeps only the blocks of its own key positions.
     """
-    xp = _xp(end) if q_real is None else jnp if jnp in (_xp(end), _xp(q_real)) else np
-    if xp is jnp:
-        end = jnp.asarray(end)
+    # Host tables only when every input is a host array.
+    xp = jnp if any(x is not None and _xp(x) is jnp for x in (end, q_real)) else np
+    end = xp.asarray(end)
     rows, s = end.shape
     sq = s if q_pos is None else q_pos.shape[1]
     if sq % block_q or s % block_kv:
