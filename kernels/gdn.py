@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jtree.kernels.flat_tokens import normalized_last_axis
 from jtree.kernels.gdn_tree_scan import (
     accumulate_from_descendants, compose_along_parents, gather_slots, sum_into_slots,
 )
@@ -64,14 +65,9 @@ def _check_shapes(q, k, v, g, beta, initial_state) -> None:
 
 def _prepare_qk(q: jax.Array, k: jax.Array, n_v_heads: int) -> tuple[jax.Array, jax.Array]:
     """fp32 L2-normalised q and k (eps 1e-6, as HF/FLA), q scaled by dk**-0.5, one per value head."""
-
-    def l2norm(x: jax.Array) -> jax.Array:
-        x = x.astype(jnp.float32)
-        return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
-
     rep = n_v_heads // q.shape[2]
-    q = jnp.repeat(l2norm(q), rep, axis=2) * (q.shape[-1] ** -0.5)
-    return q, jnp.repeat(l2norm(k), rep, axis=2)
+    q = jnp.repeat(normalized_last_axis(q, 1e-6, mean=False), rep, axis=2) * (q.shape[-1] ** -0.5)
+    return q, jnp.repeat(normalized_last_axis(k, 1e-6, mean=False), rep, axis=2)
 
 
 def _zero_state(v: jax.Array, dk: int) -> jax.Array:
@@ -347,7 +343,7 @@ def tree_chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
         return picked.reshape((r * nc, c) + x.shape[2:])
 
     # The chunk terms are per chunk: computed over one flat chunk axis, which XLA:CPU runs faster
-    # than [R, NC] when R = 1 (one tree row; see `jtree.kernels.channel_scale`).
+    # than [R, NC] when R = 1 (one tree row; see `jtree.kernels.flat_tokens`).
     return jax.tree_util.tree_map(lambda x: x.reshape((r, nc) + x.shape[1:]),
                                   _chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta))))
 

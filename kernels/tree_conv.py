@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jtree.kernels.channel_scale import scale_channels
+from jtree.kernels.flat_tokens import scale_channels
 
 
 def path_context(pred: jax.Array, width: int) -> jax.Array:

@@ -40,7 +40,7 @@ from jtree.models.layers import linear, rms_normalized, row_parallel
 from jtree.models.prefix import GdnCache
 from jtree.models.runtime import RuntimeConfig
 from jtree.batch import GdnTables
-from jtree.kernels.channel_scale import scale_channels
+from jtree.kernels.flat_tokens import scale_channels
 from jtree.kernels.gdn import tree_gated_delta_rule
 from jtree.kernels.gdn_context import (
     context_conv_index, context_conv_source, context_gated_delta_rule,
@@ -164,13 +164,17 @@ class GatedDeltaNet(nnx.Module):
         # Head counts come from the weights: under tensor parallelism they are this device's.
         nk = self.in_proj_qkvz.kernel.shape[1] // (2 * dk + 2 * per * dv)
         nv = nk * per
-        qkvz = self.in_proj_qkvz(x).reshape(r, s, nk, 2 * dk + 2 * per * dv)
+        # Token-wise work runs on the tokens of all rows as one axis ([R * S, ..]): on one long tree
+        # row XLA:CPU runs several fused reductions with a leading size-1 axis far slower
+        # (`jtree.kernels.flat_tokens`). Only the conv and the recurrence see the rows.
+        flat = x.reshape(r * s, x.shape[-1])
+        qkvz = self.in_proj_qkvz(flat).reshape(r * s, nk, 2 * dk + 2 * per * dv)
         q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + per * dv], axis=-1)
-        ba = self.in_proj_ba(x).reshape(r, s, nk, 2 * per)
-        b, a = ba[..., :per].reshape(r, s, nv), ba[..., per:].reshape(r, s, nv)
+        ba = self.in_proj_ba(flat).reshape(r * s, nk, 2 * per)
+        b, a = ba[..., :per].reshape(r * s, nv), ba[..., per:].reshape(r * s, nv)
 
-        pre_conv = jnp.concatenate([q.reshape(r, s, -1), k.reshape(r, s, -1), v.reshape(r, s, -1)],
-                                   -1)
+        pre_conv = jnp.concatenate([q.reshape(r * s, -1), k.reshape(r * s, -1),
+                                    v.reshape(r * s, -1)], -1).reshape(r, s, -1)
         cp = self.runtime.context_axis
         if cp is not None:
             source = context_conv_source(pre_conv, routing.conv_halo, cp)
@@ -180,10 +184,11 @@ class GatedDeltaNet(nnx.Module):
         channels = local_conv_channels(cfg.linear_num_key_heads * dk,
                                        cfg.linear_num_value_heads * dv, nk * dk, nv * dv, tp)
         mixed = jax.nn.silu(self.conv1d(pre_conv, routing.conv_context, channels, source))
-        q, k, v = jnp.split(mixed, [nk * dk, 2 * nk * dk], axis=-1)
+        q, k, v = jnp.split(mixed.reshape(r * s, -1), [nk * dk, 2 * nk * dk], axis=-1)
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        g, beta = g.reshape(r, s, nv), beta.reshape(r, s, nv)
         q, k, v = q.reshape(r, s, nk, dk), k.reshape(r, s, nk, dk), v.reshape(r, s, nv, dv)
         if cp is not None:
             o = context_gated_delta_rule(
@@ -199,5 +204,6 @@ class GatedDeltaNet(nnx.Module):
             slots = (jnp.zeros((r, 0), jnp.int32) if routing.export_slots is None
                      else routing.export_slots)
             states = jnp.take_along_axis(buffer, slots[:, :, None, None, None], axis=1)
-        o = self.norm(o, z.reshape(r, s, nv, dv))
-        return row_parallel(self.out_proj, o.reshape(r, s, nv * dv), tp), GdnCache(pre_conv, states)
+        o = self.norm(o.reshape(r * s, nv, dv), z.reshape(r * s, nv, dv))
+        out = row_parallel(self.out_proj, o.reshape(r * s, nv * dv), tp)
+        return out.reshape(r, s, -1), GdnCache(pre_conv, states)

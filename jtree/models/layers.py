@@ -9,15 +9,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jtree.kernels.flat_tokens import normalized_last_axis, scale_channels
 from jtree.models.runtime import REMAT_POLICIES
 
 M = TypeVar("M", bound=nnx.Module)
 
 
 def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
-    """x / rms(x) over the last axis, in float32 (every norm of the family normalizes so)."""
-    x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    """x / rms(x) over the last axis, in float32 (every norm of the family normalizes so), over
+    one flat token axis (`jtree.kernels.flat_tokens`: its backward on one long tree row)."""
+    return normalized_last_axis(x, eps, mean=True)
 
 
 class RMSNorm(nnx.Module):
@@ -28,7 +29,8 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.weight[...].astype(x.dtype) * rms_normalized(x, self.eps).astype(x.dtype)
+        return scale_channels(rms_normalized(x, self.eps).astype(x.dtype),
+                              self.weight[...].astype(x.dtype))
 
 
 class OffsetRMSNorm(nnx.Module):
@@ -41,7 +43,7 @@ class OffsetRMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = 1.0 + self.weight[...].astype(jnp.float32)
-        return (rms_normalized(x, self.eps) * scale).astype(x.dtype)
+        return scale_channels(rms_normalized(x, self.eps), scale).astype(x.dtype)
 
 
 NORMS = {"rms": RMSNorm, "offset_rms": OffsetRMSNorm}

@@ -128,6 +128,8 @@ def test_bench_gdn_quick(tmp_path):
     (row,) = data["results"]
     assert row["tree_tokens"] < row["flat_tokens"]
     assert row["tree_sequential_ms"] > 0 and row["tree_parallel_ms"] > 0
+    # The headline speedup is the tree with the scan `gdn_scan: auto` runs here (CPU).
+    assert row["auto_scan"] == "sequential" and row["speedup"] == row["sequential_tree_speedup"]
     _png(tmp_path, "bench_gdn")
 
 

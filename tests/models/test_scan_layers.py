@@ -88,7 +88,8 @@ def test_scanned_model_equals_unscanned(kind):
     (loss_s, out_s), grads_s = _loss_grads_and_output(scanned_graphdef, stacked, batch)
     # The scan body is fused apart from the rest of the program, so sums may round differently
     # (ulps; bit-identical when the gradient is compiled alone): 1e-6, ten times tighter than
-    # the tree == baseline tests.
+    # the tree == baseline tests, for the loss and gradients; the exported activations of the
+    # last layers carry a few more rounding steps (1e-5, as tree == baseline).
     assert float(loss_s) == pytest.approx(float(loss), rel=1e-6)
     grads_s = convert_state(grads_s, groups, scanned=False)
     assert jax.tree.structure(grads_s) == jax.tree.structure(grads)
@@ -96,4 +97,4 @@ def test_scanned_model_equals_unscanned(kind):
     assert len(out_s.exports) == cfg.num_hidden_layers
     assert jax.tree.structure(out_s) == jax.tree.structure(out)
     for a, b in zip(jax.tree.leaves(out_s), jax.tree.leaves(out)):  # exports, router load
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
