@@ -31,6 +31,7 @@ from jtree.kernels.attention_xla import (
     _blocks, _kv_from_blocks, _kv_to_blocks, _q_from_blocks, _q_to_blocks, default_blocks,
     flat_kv_lists)
 from jtree.kernels.block_tables import block_tables
+from jtree.kernels.flat_tokens import last_axis_dot
 from jtree.kernels.vma import varying_like
 
 _SOURCE = Path(__file__).with_name("cpu") / "tree_attention.cc"
@@ -202,7 +203,7 @@ def _attention_bwd(cfg, residuals, d_out):
     rows, _, hq, _ = q.shape
     hkv = k.shape[2]
     args = _block_inputs(q, k, v, end, q_pos, sched, cfg)
-    delta = jnp.sum(d_out * out, axis=-1)
+    delta = last_axis_dot(d_out, out)  # float32 like d_out and out here
     args += (_q_to_blocks(d_out, hkv, cfg.block_q), lse, _q_to_blocks(delta, hkv, cfg.block_q))
     grads = jax.ffi.ffi_call(_BACKWARD, (jax.ShapeDtypeStruct(args[0].shape, jnp.float32),
                                          jax.ShapeDtypeStruct(args[1].shape, jnp.float32),

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.kernels.block_tables import BlockTables, block_tables, round_up_to_blocks
+from jtree.kernels.flat_tokens import last_axis_dot
 from jtree.kernels.vma import varying_like
 
 DEFAULT_BLOCK = 64
@@ -310,7 +311,7 @@ def _attention_bwd(cfg, residuals, d_out):
     blocks = _to_blocks(q, k, v, end, cfg)
     qpos_blocks = q_pos.reshape(rows * nq, cfg.block_q)
     do_blocks = _q_to_blocks(d_out, hkv, cfg.block_q)
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    delta = last_axis_dot(d_out, out)
     delta_blocks = _q_to_blocks(delta, hkv, cfg.block_q)
     g = hq // hkv
 

@@ -6,9 +6,12 @@ row axis is kept:
 - the gradient of a per-channel weight w [C] in x * w, x [R, S, C], is a sum over the leading
   axes, which with R = 1 is a sum of [1, S, C] over its middle axis: 40-70x slower than over
   [S, C] (117 ms vs 1.9 ms for [1, 8192, 512]);
-- the backward of a normalization over the last axis holds a fused multiply-and-sum of two
-  [1, S, C] arrays over that axis: about 25x slower than over [S, C] (23 ms vs 0.8 ms for
-  [1, 8192, 256]); a plain sum is not affected.
+- a fused multiply-and-sum of two [1, S, ..] arrays over the last axis (in the backward of a
+  normalization, and the row-wise dot of attention's output with its cotangent): about 25x
+  slower than over [S, ..] (23 ms vs 0.8 ms for [1, 8192, 256]); a plain sum is not affected.
+  Both are XLA:CPU's YNNPACK reduce fusions; `--xla_cpu_experimental_ynn_fusion_type=
+  LIBRARY_FUSION_TYPE_DOT` turns those off, but then the sequential GDN scan's small steps run
+  slower (the GDN layer step 1.2x), so the code avoids the pattern instead.
 Computing over the leading axes flattened into one makes both the fast kind, for every row count;
 the values are the same. (`python -m jtree.launch.bench_gdn` shows the effect on a whole layer.)
 """
@@ -35,3 +38,12 @@ def normalized_last_axis(x: jax.Array, eps: float, *, mean: bool) -> jax.Array:
     reduce = jnp.mean if mean else jnp.sum
     flat = flat * jax.lax.rsqrt(reduce(flat * flat, axis=-1, keepdims=True) + eps)
     return flat.reshape(x.shape)
+
+
+def last_axis_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """sum(a * b) over the last axis, in float32, computed over the leading axes flattened into
+    one: [...] for a, b [..., C]."""
+    if a.shape != b.shape:
+        raise ValueError(f"a {a.shape} and b {b.shape} must have the same shape")
+    flat = (a.astype(jnp.float32) * b.astype(jnp.float32)).reshape(-1, a.shape[-1])
+    return jnp.sum(flat, axis=-1).reshape(a.shape[:-1])

@@ -1,12 +1,12 @@
-"""`scale_channels` and `normalized_last_axis`: computed with the leading axes flattened, values
-and gradients unchanged."""
+"""`scale_channels`, `normalized_last_axis` and `last_axis_dot`: computed with the leading axes
+flattened, values and gradients unchanged."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.kernels.flat_tokens import normalized_last_axis, scale_channels
+from jtree.kernels.flat_tokens import last_axis_dot, normalized_last_axis, scale_channels
 
 
 @pytest.mark.parametrize("x_shape, w_shape", [((1, 40, 6), (6,)), ((3, 8, 6), (6,)),
@@ -47,3 +47,16 @@ def test_normalized_equals_the_broadcast_formula_with_gradients(shape, mean):
     g_got = jax.grad(lambda x: jnp.sum(normalized_last_axis(x, eps, mean=mean) * ct))(x)
     g_want = jax.grad(lambda x: jnp.sum(want(x) * ct))(x)
     np.testing.assert_allclose(g_got, g_want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 40, 6), (1, 40, 2, 5), (3, 8, 2, 5)])
+def test_last_axis_dot_equals_the_sum_of_products_with_gradients(shape):
+    rng = np.random.default_rng(2)
+    a, b, ct = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in (shape, shape, shape[:-1]))
+    np.testing.assert_allclose(last_axis_dot(a, b), jnp.sum(a * b, -1), rtol=1e-6, atol=1e-6)
+    got = jax.grad(lambda a, b: jnp.sum(last_axis_dot(a, b) * ct), argnums=(0, 1))(a, b)
+    want = jax.grad(lambda a, b: jnp.sum(jnp.sum(a * b, -1) * ct), argnums=(0, 1))(a, b)
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="must have the same shape"):
+        last_axis_dot(a, b[..., :1])
