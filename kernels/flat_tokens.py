@@ -12,8 +12,9 @@ row axis is kept:
   Both are XLA:CPU's YNNPACK reduce fusions; `--xla_cpu_experimental_ynn_fusion_type=
   LIBRARY_FUSION_TYPE_DOT` turns those off, but then the sequential GDN scan's small steps run
   slower (the GDN layer step 1.2x), so the code avoids the pattern instead.
-Computing over the leading axes flattened into one makes both the fast kind, for every row count;
-the values are the same. (`python -m jtree.launch.bench_gdn` shows the effect on a whole layer.)
+Computing over the leading axes flattened into one (or, for a plain row-wise dot, as an einsum)
+makes both the fast kind, for every row count; the values are the same.
+(`python -m jtree.launch.bench_gdn` shows the effect on a whole layer.)
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def normalized_last_axis(x: jax.Array, eps: float, *, mean: bool) -> jax.Array:
 
 
 def last_axis_dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """sum(a * b) over the last axis, in float32, computed over the leading axes flattened into
-    one: [...] for a, b [..., C]."""
+    """sum(a * b) over the last axis, in float32: [...] for a, b [..., C]. Written as a dot (an
+    einsum), which XLA:CPU does not lower to the slow reduce fusion whatever the leading axes;
+    flattening them does not help here (XLA moves the reshape out of the fusion again)."""
     if a.shape != b.shape:
         raise ValueError(f"a {a.shape} and b {b.shape} must have the same shape")
-    flat = (a.astype(jnp.float32) * b.astype(jnp.float32)).reshape(-1, a.shape[-1])
-    return jnp.sum(flat, axis=-1).reshape(a.shape[:-1])
+    return jnp.einsum("...c,...c->...", a, b, precision=jax.lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32)
