@@ -203,7 +203,7 @@ def _attention_bwd(cfg, residuals, d_out):
     rows, _, hq, _ = q.shape
     hkv = k.shape[2]
     args = _block_inputs(q, k, v, end, q_pos, sched, cfg)
-    delta = last_axis_dot(d_out, out)  # float32 like d_out and out here
+    delta = last_axis_dot(d_out, out)
     args += (_q_to_blocks(d_out, hkv, cfg.block_q), lse, _q_to_blocks(delta, hkv, cfg.block_q))
     grads = jax.ffi.ffi_call(_BACKWARD, (jax.ShapeDtypeStruct(args[0].shape, jnp.float32),
                                          jax.ShapeDtypeStruct(args[1].shape, jnp.float32),
