@@ -7,8 +7,9 @@ alternating runs, medians. Measured the way docs/design.md section 8 (and the se
 
 - POR, token bound N_flat / N_computed, ideal speedup FLOPs_baseline / FLOPs_tree (`jtree.cost`:
   per computed token, per visible (query, key) pair, per scored token), realized speedup (median
-  over run pairs of baseline step time / tree step time, wall clock, each tree run paired with the
-  baseline run right after it; the range of the pair ratios shows the noise), efficiency = realized / ideal, and the same from the process CPU time of the steps
+  over rounds of baseline step time / tree step time, wall clock, each tree run paired with the
+  baseline run of its round, the two in shuffled order; the range of the pair ratios shows the
+  noise), efficiency = realized / ideal, and the same from the process CPU time of the steps
   (less sensitive to other jobs taking the cores of a shared machine);
 - host preparation (partitioning, packing, linearization, transfer; from trees whose cached
   layouts are cold) vs the device step, and host tokens/s;
@@ -244,9 +245,9 @@ def fixed_cost_inputs(cfg: Qwen3Config) -> Prepared:
 def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: int,
             max_reps: int, budget_s: float) -> tuple[dict[str, Any], TrainState]:
     """One workload: compile both steps (memory from the compiled executables), one warm-up run
-    each, then alternating tree/baseline runs (at least `min_reps` pairs, more while `budget_s`
-    lasts, at most `max_reps`), each pair followed by the step on one 64-token row (the fixed
-    cost, `fixed_cost_inputs`), then host preparation timed from cold trees."""
+    each, then rounds of one tree run, one baseline run and one step on one 64-token row (the
+    fixed cost, `fixed_cost_inputs`) in shuffled order (at least `min_reps` rounds, more while
+    `budget_s` lasts, at most `max_reps`), then host preparation timed from cold trees."""
     cfg = SHAPES[workload.shape]
     trees = workload.make_trees()
     stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
@@ -271,8 +272,8 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
     times = timings.wall
     host = {mode: host_seconds(workload, mode, 3) for mode in ("tree", "baseline")}
     device = {mode: timings.median(mode) for mode in times}
-    # Each ratio compares a tree run with the baseline run right after it (same load on a shared
-    # machine); their median is the realized speedup (the ratio of the medians is kept too).
+    # Each ratio compares a tree run with the baseline run of the same round (same load on a
+    # shared machine); their median is the realized speedup (the ratio of the medians is kept too).
     pair_ratios = timings.ratios("baseline", "tree")
     realized = timings.ratio("baseline", "tree")
     realized_cpu = timings.ratio("baseline", "tree", cpu=True)

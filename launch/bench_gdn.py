@@ -12,7 +12,10 @@ the paths packed one per row (each a plain sequence). Each layout runs with both
 process. Both differentiate a weighted sum of the outputs with respect to the layer's parameters
 and inputs. Reports median step times, the tree's speedups (per-round ratios against the faster
 per-path variant: of the tree with the scan `gdn_scan: auto` picks on this platform, the headline,
-and of each tree scan; and the parallel against the sequential tree scan), XLA's compiled temp
+and of each tree scan; and the parallel against the sequential tree scan). The headline comes with a
+95% bootstrap interval over the rounds and a verdict (faster, parity: the interval holds 1, or
+slower), next to the interval of a control: the per-path step run twice in every round, which does
+the same work as itself, so its interval is this machine's noise. Also XLA's compiled temp
 memory of the step, and the bytes the backward pass keeps (jax.vjp residuals), which grow with the
 number of chunks, not chunks x nodes. Writes bench_out/bench_gdn.json, .md and .png
 (`jtree.launch.harness`; `--out` picks the folder).
@@ -98,6 +101,11 @@ COLUMNS = (
     Column("tree par ms", "tree_parallel_ms"), Column("paths seq ms", "paths_sequential_ms"),
     Column("paths par ms", "paths_parallel_ms"),
     Column("tree (auto scan) vs best paths", "speedup", "{}x"),
+    Column("95% interval", "speedup_interval", cell=lambda r: "{:.3f}-{:.3f}".format(
+        *r["speedup_interval"])),
+    Column("verdict", "verdict"),
+    Column("paths vs itself, 95%", "control_interval", cell=lambda r: "{:.3f}-{:.3f}".format(
+        *r["control_interval"])),
     Column("tree seq vs best paths", "sequential_tree_speedup", "{}x"),
     Column("tree par vs best paths", "parallel_tree_speedup", "{}x"),
     Column("tree par vs tree seq", "scan_speedup", "{}x"), Column("bound", "token_bound", "{}x"),
@@ -158,13 +166,23 @@ def main(argv=None) -> int:
                 runs[name] = lambda compiled=compiled: compiled(params, embed)
                 temp[name] = round(CompiledMemory.of(compiled).temp_bytes / 2**20, 2)
                 resid[name] = round(residual_bytes(params) / 2**20, 2)
+        auto = pick_scan("auto", jax.default_backend())
+        # The control: the per-path step with the auto scan once more, in every round. Its
+        # ratio to itself shows how far two runs of the same work differ here.
+        runs["paths_control"] = runs[f"paths_{auto}"]
         timings = alternate(runs, args.repeats)
+        del runs["paths_control"]
         for name in runs:
             row[f"{name}_ms"] = round(timings.median(name) * 1e3, 2)
         best_paths = min(("paths_sequential", "paths_parallel"), key=timings.median)
         row["best_paths"] = best_paths
-        row["auto_scan"] = auto = pick_scan("auto", jax.default_backend())
+        row["auto_scan"] = auto
         row["speedup"] = round(timings.ratio(best_paths, f"tree_{auto}"), 2)
+        row["speedup_interval"] = [round(x, 3) for x in
+                                   timings.ratio_interval(best_paths, f"tree_{auto}")]
+        row["verdict"] = timings.compare(best_paths, f"tree_{auto}")
+        row["control_interval"] = [round(x, 3) for x in
+                                   timings.ratio_interval("paths_control", f"paths_{auto}")]
         for scan in SCANS:
             row[f"{scan}_tree_speedup"] = round(timings.ratio(best_paths, f"tree_{scan}"), 2)
         row["scan_speedup"] = round(timings.ratio("tree_sequential", "tree_parallel"), 2)

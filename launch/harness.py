@@ -2,10 +2,11 @@
 common flags.
 
 Timing. On a shared machine the load changes while a bench runs, so variants are never timed in
-separate loops: `alternate` runs one call of every variant per round, and a comparison is the
-median over rounds of the ratio of two variants' times *in the same round* (both saw the same
-load); medians of the times are reported too. Warm-up rounds (compiles, first-touch of memory)
-are timed separately and left out of the medians.
+separate loops: `alternate` runs one call of every variant per round (in a shuffled order), and a
+comparison is the median over rounds of the ratio of two variants' times *in the same round* (both
+saw the same load), with a bootstrap interval that says whether it is beyond noise; medians of the
+times are reported too. Warm-up rounds (compiles, first-touch of memory) are timed separately
+and left out of the medians.
 
 Outputs. A bench named `NAME` (its module, e.g. `bench_gdn`) writes `OUT/NAME.json` (everything
 it measured, with the machine and its arguments), `OUT/NAME.md` (the table it printed) and, where
@@ -73,6 +74,25 @@ class Timings:
         tree's speedup."""
         return float(np.median(self.ratios(num, den, cpu=cpu)))
 
+    def ratio_interval(self, num: str, den: str, *, level: float = 0.95, resamples: int = 2000,
+                       seed: int = 0) -> tuple[float, float]:
+        """A bootstrap interval of `ratio(num, den)`: the rounds resampled with replacement
+        `resamples` times, the central `level` share of the resampled medians. A comparison of
+        two variants that do the same work reads about 1.0 with run-to-run noise; the interval
+        says whether a measured difference is bigger than that noise (`compare`)."""
+        r = self.ratios(num, den)
+        draws = np.random.default_rng(seed).integers(0, len(r), size=(resamples, len(r)))
+        medians = np.median(r[draws], axis=1)
+        tail = 100 * (1 - level) / 2
+        return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
+
+    def compare(self, num: str, den: str, *, level: float = 0.95) -> str:
+        """"faster" when den is faster than num with the whole `ratio_interval` above 1,
+        "slower" when it is below 1, "parity" when it holds 1 (no difference the rounds can
+        tell from noise)."""
+        low, high = self.ratio_interval(num, den, level=level)
+        return "faster" if low > 1 else "slower" if high < 1 else "parity"
+
     def medians_ms(self) -> dict[str, float]:
         return {name: 1e3 * self.median(name) for name in self.wall}
 
@@ -83,7 +103,12 @@ def alternate(runs: Mapping[str, Callable[[], Any]], rounds: int, *, warmup: int
 
     `warmup` untimed rounds first (the first one's times and results are kept in `first_s` /
     `first_result`), then at least `rounds` timed rounds, more while `budget_s` seconds of timed
-    rounds have not passed, at most `max_rounds` (default `rounds`)."""
+    rounds have not passed, at most `max_rounds` (default `rounds`).
+
+    Every timed round runs the variants in a new order (a permutation from a fixed seed): a call
+    runs a little slower or faster depending on what ran just before it (caches, the allocator),
+    and with a fixed order that bias would sit in every round's ratio. Shuffled, it averages out:
+    the same step measured as two variants then reads 1.0 within noise."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     max_rounds = rounds if max_rounds is None else max(rounds, max_rounds)
@@ -99,11 +124,14 @@ def alternate(runs: Mapping[str, Callable[[], Any]], rounds: int, *, warmup: int
     cpu: dict[str, list[float]] = {name: [] for name in runs}
     faults: dict[str, list[int]] = {name: [] for name in runs}
     t_start = time.perf_counter()
+    order = np.random.default_rng(0)
+    names = list(runs)
     done = 0
     while done < max_rounds and (done < rounds or time.perf_counter() - t_start < budget_s):
-        for name, run in runs.items():
+        for i in order.permutation(len(names)):
+            name = names[i]
             t0, c0, f0 = time.perf_counter(), time.process_time(), minor_faults()
-            jax.block_until_ready(run())
+            jax.block_until_ready(runs[name]())
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
             faults[name].append(minor_faults() - f0)

@@ -130,6 +130,10 @@ def test_bench_gdn_quick(tmp_path):
     assert row["tree_sequential_ms"] > 0 and row["tree_parallel_ms"] > 0
     # The headline speedup is the tree with the scan `gdn_scan: auto` runs here (CPU).
     assert row["auto_scan"] == "sequential" and row["speedup"] == row["sequential_tree_speedup"]
+    low, high = row["speedup_interval"]
+    assert low - 0.005 <= row["speedup"] <= high + 0.005
+    assert row["verdict"] in ("faster", "parity", "slower")
+    assert len(row["control_interval"]) == 2
     _png(tmp_path, "bench_gdn")
 
 

@@ -1,5 +1,6 @@
-"""The bench harness (`jtree.launch.harness`): rounds alternate the variants, comparisons are
-medians of same-round ratios, and every bench's outputs are named and written one way."""
+"""The bench harness (`jtree.launch.harness`): rounds alternate the variants in shuffled orders,
+comparisons are medians of same-round ratios (with a bootstrap interval), and every bench's
+outputs are named and written one way."""
 
 import json
 
@@ -18,12 +19,17 @@ def test_rounds_alternate_the_variants_after_the_warmup():
             return len(calls)
         return run
 
-    timings = alternate({"a": variant("a"), "b": variant("b")}, 2, warmup=1)
-    assert calls == ["a", "b", "a", "b", "a", "b"]
-    assert timings.rounds == 2 and timings.first_result == {"a": 1, "b": 2}
-    assert set(timings.first_s) == {"a", "b"}
-    assert all(len(timings.wall[k]) == len(timings.cpu[k]) == len(timings.faults[k]) == 2
-               for k in "ab")
+    timings = alternate({"a": variant("a"), "b": variant("b"), "c": variant("c")}, 6, warmup=1)
+    # The warm-up round in the given order, then every variant once per round, in an order that
+    # changes from round to round (so no variant always follows the same one).
+    assert calls[:3] == ["a", "b", "c"]
+    rounds = [tuple(calls[i:i + 3]) for i in range(3, len(calls), 3)]
+    assert len(rounds) == 6 and all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert len(set(rounds)) > 1
+    assert timings.rounds == 6 and timings.first_result == {"a": 1, "b": 2, "c": 3}
+    assert set(timings.first_s) == {"a", "b", "c"}
+    assert all(len(timings.wall[k]) == len(timings.cpu[k]) == len(timings.faults[k]) == 6
+               for k in "abc")
 
 
 def test_budget_adds_rounds_up_to_the_maximum():
@@ -44,6 +50,30 @@ def test_ratio_is_the_median_of_same_round_ratios_not_the_ratio_of_medians():
     assert t.ratio("base", "tree", cpu=True) == pytest.approx(3.0)
     assert t.ratios("base", "tree").tolist() == pytest.approx([2.0, 2.0, 2.5])
     assert t.medians_ms() == pytest.approx({"tree": 1200.0, "base": 3000.0})
+
+
+def _paired(tree: list[float], ratios: np.ndarray) -> Timings:
+    """Rounds where "base" took `ratios` times as long as "tree"."""
+    return Timings(wall={"base": list(np.asarray(tree) * ratios), "tree": list(tree)},
+                   cpu={}, faults={}, first_s={}, first_result={})
+
+
+def test_ratio_interval_brackets_the_median_and_tells_noise_from_a_difference():
+    rng = np.random.default_rng(1)
+    base = list(1 + rng.random(31))  # the load changes from round to round
+    noise = 1 + 0.02 * rng.standard_normal(31)
+    same, faster, slower = (_paired(base, noise * f) for f in (1.0, 1.1, 0.9))
+    low, high = same.ratio_interval("base", "tree")
+    assert low < same.ratio("base", "tree") < high and low < 1 < high
+    assert same.compare("base", "tree") == "parity"
+    assert faster.compare("base", "tree") == "faster"
+    assert faster.ratio_interval("base", "tree")[0] > 1
+    assert slower.compare("base", "tree") == "slower"
+    assert slower.ratio_interval("base", "tree")[1] < 1
+    # Deterministic (a fixed seed), and a wider level gives a wider interval.
+    assert same.ratio_interval("base", "tree") == (low, high)
+    wide = same.ratio_interval("base", "tree", level=0.999)
+    assert wide[0] <= low and high <= wide[1]
 
 
 def test_output_writes_name_json_md_png(tmp_path):
