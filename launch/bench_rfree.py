@@ -148,8 +148,8 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
         "n_computed": {"baseline": stats.n_flat_tokens,
                        "duplicating": int(sum(p.n_tree_tokens for p in dup_parts)),
                        **{name: program.n_computed for name in RFREE_MODES}},
-        "calls": {"baseline": int(base["tokens"].shape[0]),
-                  "duplicating": int(dup["tokens"].shape[0]),
+        "calls": {"baseline": int(base.tokens.shape[0]),
+                  "duplicating": int(dup.tokens.shape[0]),
                   **{name: len(program.parts) for name in RFREE_MODES}},
         "part_shapes": len(part_shapes), "prefix_lengths": sorted(
             {p.prefix_len for p in program.parts}),
@@ -161,7 +161,7 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
         "times_s": timings.wall,
         "token_bound": stats.n_flat_tokens / stats.n_tree_tokens,
         "flop_ideal": ideal_speedup(flops, tree_w, base_w),
-        "row_slots": {"baseline": int(base["tokens"].size), "duplicating": int(dup["tokens"].size),
+        "row_slots": {"baseline": int(base.tokens.size), "duplicating": int(dup.tokens.size),
                       "rfree": int(sum(p.inputs.tokens.size for p in program.parts))},
     }
 
