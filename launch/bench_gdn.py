@@ -101,11 +101,9 @@ COLUMNS = (
     Column("tree par ms", "tree_parallel_ms"), Column("paths seq ms", "paths_sequential_ms"),
     Column("paths par ms", "paths_parallel_ms"),
     Column("tree (auto scan) vs best paths", "speedup", "{}x"),
-    Column("95% interval", "speedup_interval", cell=lambda r: "{:.3f}-{:.3f}".format(
-        *r["speedup_interval"])),
+    Column("95% interval", "speedup_interval", "{0[0]:.3f}-{0[1]:.3f}"),
     Column("verdict", "verdict"),
-    Column("paths vs itself, 95%", "control_interval", cell=lambda r: "{:.3f}-{:.3f}".format(
-        *r["control_interval"])),
+    Column("paths vs itself, 95%", "control_interval", "{0[0]:.3f}-{0[1]:.3f}"),
     Column("tree seq vs best paths", "sequential_tree_speedup", "{}x"),
     Column("tree par vs best paths", "parallel_tree_speedup", "{}x"),
     Column("tree par vs tree seq", "scan_speedup", "{}x"), Column("bound", "token_bound", "{}x"),
@@ -169,9 +167,7 @@ def main(argv=None) -> int:
         auto = pick_scan("auto", jax.default_backend())
         # The control: the per-path step with the auto scan once more, in every round. Its
         # ratio to itself shows how far two runs of the same work differ here.
-        runs["paths_control"] = runs[f"paths_{auto}"]
-        timings = alternate(runs, args.repeats)
-        del runs["paths_control"]
+        timings = alternate({**runs, "paths_control": runs[f"paths_{auto}"]}, args.repeats)
         for name in runs:
             row[f"{name}_ms"] = round(timings.median(name) * 1e3, 2)
         best_paths = min(("paths_sequential", "paths_parallel"), key=timings.median)
