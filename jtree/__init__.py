@@ -6,16 +6,18 @@ memory (`partition`), score them (`token_logprobs`), turn rewards into advantage
 (`with_advantages`) and train on them (`sft_loss`, `ppo_loss`, `gspo_loss`, on `path_sum`).
 """
 
-from jtree.advantages import with_advantages
-from jtree.baseline import linearize_baseline, unlinearize_baseline
-from jtree.batch import DeviceBatch
-from jtree.linearize import TreeBatch, linearize, unlinearize
-from jtree.logprobs import token_logprobs
-from jtree.loss import batch_normalizer, gspo_loss, ppo_loss, sft_loss, token_coefficients
-from jtree.partition import PartitionResult, TreePart, partition
-from jtree.path_sum import path_sum
-from jtree.tree import TrajectoryTree, TreeStats
-from jtree.tree_jsonl import read_sequence_groups, read_trees, write_sequence_groups, write_trees
+from jtree.objectives.advantages import with_advantages
+from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
+from jtree.layout.batch import DeviceBatch
+from jtree.layout.linearize import TreeBatch, linearize, unlinearize
+from jtree.objectives.logprobs import token_logprobs
+from jtree.objectives.losses import (
+    batch_normalizer, gspo_loss, ppo_loss, sft_loss, token_coefficients,
+)
+from jtree.partitioning.partition import PartitionResult, TreePart, partition
+from jtree.objectives.path_sum import path_sum
+from jtree.trees.tree import TrajectoryTree, TreeStats
+from jtree.trees.jsonl import read_sequence_groups, read_trees, write_sequence_groups, write_trees
 
 __all__ = [
     "DeviceBatch",

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtree.linearize import linearize
+from jtree.layout.linearize import linearize
 from jtree.kernels import TreeMask, tree_attention
 from tests.strategies import explicit_tree, random_forest
 

@@ -1,4 +1,4 @@
-"""Damaged Orbax checkpoints: each way a step directory of `jtree.checkpoint.Checkpointer` can be
+"""Damaged Orbax checkpoints: each way a step directory of `jtree.training.checkpoint.Checkpointer` can be
 damaged, for the tests of falling back to the newest intact checkpoint (directly and in a resumed
 run)."""
 

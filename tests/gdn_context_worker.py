@@ -26,8 +26,8 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from flax import nnx  # noqa: E402
 
-from jtree.batch import GdnTables  # noqa: E402
-from jtree.context_tables import (  # noqa: E402
+from jtree.layout.batch import GdnTables  # noqa: E402
+from jtree.layout.context_gdn_tables import (  # noqa: E402
     context_chunk_tables, context_gdn_tables, conv_halo_positions,
 )
 from jtree.kernels.gdn import tree_gated_delta_rule  # noqa: E402
@@ -35,9 +35,9 @@ from jtree.kernels.gdn_context import (  # noqa: E402
     context_conv_index, context_conv_source, context_gated_delta_rule,
 )
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d  # noqa: E402
-from jtree.linearize import linearize  # noqa: E402
+from jtree.layout.linearize import linearize  # noqa: E402
 from jtree.models.gated_deltanet import GatedDeltaNet, gdn_routing  # noqa: E402
-from jtree.tree import TrajectoryTree  # noqa: E402
+from jtree.trees.tree import TrajectoryTree  # noqa: E402
 from tests.models_util import rel_l2, tiny_next_config, tiny_runtime  # noqa: E402
 from tests.strategies import explicit_tree, random_forest  # noqa: E402
 

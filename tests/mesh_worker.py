@@ -36,30 +36,32 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from jtree.baseline import flatten_paths, linearize_baseline  # noqa: E402
-from jtree.batch import DeviceBatch, stack  # noqa: E402
-from jtree.checkpoint import Checkpointer, abstract_like  # noqa: E402
-from jtree.context_parallel import context_batch  # noqa: E402
-from jtree.critic import CriticConfig, critic_pairs, with_critic_pairs  # noqa: E402
-from jtree.layer_stack import convert_tree, layer_groups  # noqa: E402
-from jtree.linearize import linearize  # noqa: E402
-from jtree.loss import batch_normalizer  # noqa: E402
-from jtree.models import RuntimeConfig, create_model  # noqa: E402
-from jtree.models.lora import LoraConfig, LoraParams, attach, lora_specs, trainable  # noqa: E402
-from jtree.packing import unit_counts  # noqa: E402
-from jtree.planner import LayoutConfig, plan_step  # noqa: E402
-from jtree.sharding import (  # noqa: E402
-    MeshConfig, make_mesh, named, param_rules, param_specs,
-)
-from jtree.train_step import (  # noqa: E402
-    Objective, OptimConfig, TrainState, make_logprob_fn, make_optimizer, make_sharded_grad_fn,
-    make_sharded_logprob_fn, make_train_step, sharded_graphdef, state_shardings,
+from jtree.layout.baseline import flatten_paths, linearize_baseline  # noqa: E402
+from jtree.layout.batch import DeviceBatch, stack  # noqa: E402
+from jtree.training.checkpoint import Checkpointer, abstract_like  # noqa: E402
+from jtree.parallel.context import context_batch  # noqa: E402
+from jtree.config.objective import CriticConfig
+from jtree.objectives.critic import critic_pairs, with_critic_pairs
+from jtree.parallel.layer_stack import convert_tree, layer_groups  # noqa: E402
+from jtree.layout.linearize import linearize  # noqa: E402
+from jtree.objectives.losses import batch_normalizer
+from jtree.config.runtime import RuntimeConfig
+from jtree.models import create_model
+from jtree.config.model import LoraConfig
+from jtree.models.lora import LoraParams, attach, lora_specs, trainable
+from jtree.layout.microbatches import unit_counts  # noqa: E402
+from jtree.layout.planner import LayoutConfig, plan_step  # noqa: E402
+from jtree.config.run import MeshConfig
+from jtree.parallel.sharding import make_mesh, named, param_rules, param_specs
+from jtree.config.objective import Objective, OptimConfig
+from jtree.step.train_step import (
+    TrainState, make_logprob_fn, make_optimizer, make_sharded_grad_fn, make_sharded_logprob_fn, make_train_step, sharded_graphdef, state_shardings,
 )
 from tests.models_util import (  # noqa: E402
     perturbed, rel_l2, tiny_config, tiny_moe_config, tiny_next_config, tiny_runtime,
 )
 from tests.strategies import explicit_tree, random_forest, sequences_tree  # noqa: E402
-from jtree.tree import TrajectoryTree  # noqa: E402
+from jtree.trees.tree import TrajectoryTree  # noqa: E402
 
 S, ROWS, GDN_CHUNK = 64, 8, 4
 CP_ROWS = 4  # rows of each micro-batch of the context-parallel batch
@@ -103,7 +105,7 @@ def case_critic(kind: str) -> CriticConfig | None:
 
 def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
     """Two micro-batches of branching trees, raw coefficients plus per-row normalizer shares
-    (the form `jtree.data` produces), GDN chunk tables sized as the pipeline sizes them; with a
+    (the form `jtree.training.pipeline` produces), GDN chunk tables sized as the pipeline sizes them; with a
     critic, rewards and the critic pairs (one width for both micro-batches)."""
     rng = np.random.default_rng(7)
     forests = [random_forest(rng, max_nodes=8) for _ in range(10)]

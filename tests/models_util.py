@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jtree.linearize import TreeBatch, unlinearize
-from jtree.models import (
-    CausalLM, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, RuntimeConfig,
-)
-from jtree.train_step import Objective, make_logprob_fn, objective_loss
+from jtree.layout.linearize import TreeBatch, unlinearize
+from jtree.models import CausalLM
+from jtree.config.architectures import Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+from jtree.config.runtime import RuntimeConfig
+from jtree.config.objective import Objective
+from jtree.step.train_step import make_logprob_fn, objective_loss
 
 
 def tiny_runtime(**overrides) -> RuntimeConfig:

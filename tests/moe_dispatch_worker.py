@@ -27,11 +27,10 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jtree.models.decoder import feed_forward  # noqa: E402
-from jtree.models.moe import load_balancing_loss  # noqa: E402
-from jtree.sharding import (  # noqa: E402
-    DATA, LAYER_KIND_RULES, MODEL, MeshConfig, make_mesh, param_specs,
-)
+from jtree.models.decoder import feed_forward
+from jtree.models.moe import load_balancing_loss
+from jtree.parallel.sharding import DATA, LAYER_KIND_RULES, MODEL, make_mesh, param_specs
+from jtree.config.run import MeshConfig
 from tests.models_util import perturbed, rel_l2, tiny_moe_config, tiny_next_config, tiny_runtime  # noqa: E402,E501
 
 ROWS_PER_SHARD, S = 2, 7

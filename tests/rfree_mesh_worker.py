@@ -27,18 +27,18 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jtree.linearize import linearize  # noqa: E402
-from jtree.models import create_model  # noqa: E402
-from jtree.models.lora import (  # noqa: E402
-    LoraConfig, attach, lora_specs, model_params, trainable, trainable_grads,
-)
-from jtree.rfree.execute import RedundancyFreeStep  # noqa: E402
-from jtree.rfree.layout import build_program  # noqa: E402
-from jtree.rfree.mesh import MeshRedundancyFreeStep  # noqa: E402
-from jtree.sharding import MeshConfig, make_mesh, named, param_rules, param_specs  # noqa: E402
-from jtree.train_step import (  # noqa: E402
-    Objective, OptimConfig, TrainState, apply_gradients, make_grad_fn, make_optimizer,
-    sharded_graphdef, stack_microbatches,
+from jtree.layout.linearize import linearize  # noqa: E402
+from jtree.models import create_model
+from jtree.config.model import LoraConfig
+from jtree.models.lora import attach, lora_specs, model_params, trainable, trainable_grads
+from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep  # noqa: E402
+from jtree.partitioning.redundancy_free.layout import build_program
+from jtree.partitioning.redundancy_free.mesh_executor import MeshRedundancyFreeStep  # noqa: E402
+from jtree.config.run import MeshConfig
+from jtree.parallel.sharding import make_mesh, named, param_rules, param_specs
+from jtree.config.objective import Objective, OptimConfig
+from jtree.step.train_step import (
+    TrainState, apply_gradients, make_grad_fn, make_optimizer, sharded_graphdef, stack_microbatches,
 )
 from tests.mesh_worker import case_model  # noqa: E402
 from tests.models_util import perturbed, rel_l2  # noqa: E402

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jtree.synthetic import AgentShape, agent_rollout_group
-from jtree.tree_jsonl import write_sequence_groups
+from jtree.trees.synthetic import AgentShape, agent_rollout_group
+from jtree.trees.jsonl import write_sequence_groups
 
 WORKTREE = Path(__file__).resolve().parent.parent
 VOCAB = 64

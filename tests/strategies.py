@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import reject
 from hypothesis import strategies as st
 
-from jtree.tree import TrajectoryTree
+from jtree.trees.tree import TrajectoryTree
 
 
 def random_forest(

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from jtree.commands.data_file import add_data_arguments, read_data
-from jtree.loss import NORMALIZATIONS
+from jtree.config.objective import NORMALIZATIONS
 
 # docs/design.md section 9 (see jtree.hf.compare.Tolerances).
 DEFAULT_TOL = 1e-4
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import jtree.hf
     from jtree.hf.compare import Tolerances, compare
     from jtree.hf.torch_reference import load_torch_model
-    from jtree.models import RuntimeConfig
+    from jtree.config.runtime import RuntimeConfig
 
     config, model = jtree.hf.load(args.hf_dir, RuntimeConfig(attention_impl=args.attention_impl))
     trees = read_data(args.data, args, vocab_size=config.vocab_size)

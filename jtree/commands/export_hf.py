@@ -1,7 +1,7 @@
 """`jtree export-hf --config CFG --checkpoint DIR --out OUT`: a trained model as a Hugging Face
 directory.
 
-Restores the parameters of an Orbax training checkpoint (`jtree.checkpoint`, the latest step or
+Restores the parameters of an Orbax training checkpoint (`jtree.training.checkpoint`, the latest step or
 `--step`) onto this host, rebuilds the model of the run's config (same `key=value` overrides as
 the run) and writes it with `jtree.hf.save`, which transformers' `from_pretrained` loads. The
 checkpoint of a `model.lora` run holds the frozen base and the adapters: `--merge-lora` writes the
@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jtree.checkpoint import Checkpointer, abstract_like
-from jtree.layer_stack import layer_groups
+from jtree.training.checkpoint import Checkpointer, abstract_like
+from jtree.parallel.layer_stack import layer_groups
 from jtree.config import load_config
 from jtree.models import create_model
 from jtree.models.lora import model_params, trainable, with_lora
-from jtree.train_step import TrainState, make_optimizer
+from jtree.step.train_step import TrainState, make_optimizer
 
 
 def register(sub: argparse._SubParsersAction) -> None:

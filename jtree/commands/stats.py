@@ -2,11 +2,11 @@
 
 With `--capacity C`, every tree is partitioned into parts of at most C tree tokens by each method
 (`--methods`), reporting parts, N_computed and ERR per tree and in total (`dp_multi` is reported as
-refused on trees too large for it). Method `redundancy_free` plans the parts of `jtree.rfree` (no
+refused on trees too large for it). Method `redundancy_free` plans the parts of `jtree.partitioning.redundancy_free` (no
 prefix duplicated: N_computed == N_tree, ERR == POR, at any capacity, paths longer than it
 included). `--plot OUT.png` draws one tree (node size by tokens; with a
 capacity, colour by how many heuristic parts compute each node) and its overlap curve; `--json`
-writes every number. Files are read as training reads them (`jtree.data.load_trees`): `--format
+writes every number. Files are read as training reads them (`jtree.training.pipeline.load_trees`): `--format
 chat` tokenizes conversations with `--tokenizer`, one tree per conversation, one node per message.
 """
 
@@ -18,10 +18,10 @@ import json
 import numpy as np
 
 from jtree.commands.data_file import add_data_arguments, read_data
-from jtree.partition import METHODS, partition
-from jtree.partition_dp import DEFAULT_MAX_WORK, TooLargeForExactDP
-from jtree.rfree.plan import plan_parts
-from jtree.tree import TrajectoryTree
+from jtree.partitioning.partition import METHODS, partition
+from jtree.partitioning.exact_dp import DEFAULT_MAX_WORK, TooLargeForExactDP
+from jtree.partitioning.redundancy_free.plan import plan_parts
+from jtree.trees.tree import TrajectoryTree
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -133,7 +133,7 @@ def _print_partitions(per_tree: list[dict], totals: dict, methods: list[str],
 
 
 def _plot(trees: list[TrajectoryTree], args: argparse.Namespace) -> None:
-    from jtree.tree_plot import plot_tree_overview
+    from jtree.trees.plot import plot_tree_overview
 
     index = args.plot_tree
     if index is None:

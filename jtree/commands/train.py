@@ -1,6 +1,6 @@
 """`jtree train --config CFG [--resume] [key.path=value ...]`: train on trees from JSONL.
 
-One process or many (`jtree.distributed`: `launch/local_multihost.sh`, TPU pod and SLURM recipes
+One process or many (`jtree.parallel.distributed`: `launch/local_multihost.sh`, TPU pod and SLURM recipes
 in launch/). The step runs over the ('data', 'fsdp', 'context', 'model') mesh of the config: data
 parallel over rows, parameters and optimizer state sharded over `fsdp`, rows' tokens over
 `context`, tensor parallel inside shard_map. Prints one line per step (loss, baseline-equivalent and tree
@@ -37,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here so other commands start without building models and train steps.
     from jtree.config import load_config
-    from jtree.distributed import initialize_from_env
-    from jtree.trainer import train
+    from jtree.parallel.distributed import initialize_from_env
+    from jtree.training.trainer import train
 
     initialize_from_env()  # before anything touches a device
     train(load_config(args.config, args.overrides), resume=args.resume)

@@ -27,13 +27,15 @@ import numpy as np
 from flax import nnx
 
 from jtree.hf import torch_reference
-from jtree.chunk_tables import DEFAULT_CHUNK_SIZE
+from jtree.config.run import DEFAULT_CHUNK_SIZE
 from jtree.hf.load_save import to_hf_tensors
-from jtree.linearize import TreeBatch, linearize, unlinearize
-from jtree.logprobs import logprobs_from_hidden
-from jtree.loss import Normalization, batch_normalizer, path_coefficients
-from jtree.train_step import Objective, objective_loss
-from jtree.tree import TrajectoryTree
+from jtree.layout.linearize import TreeBatch, linearize, unlinearize
+from jtree.objectives.logprobs import logprobs_from_hidden
+from jtree.config.objective import Normalization
+from jtree.objectives.losses import batch_normalizer, path_coefficients
+from jtree.config.objective import Objective
+from jtree.step.train_step import objective_loss
+from jtree.trees.tree import TrajectoryTree
 
 LAYER_PART = re.compile(r"model\.layers\.(\d+)\.(\w+)")
 # The blocks whose outputs are compared (HF and jtree module names alike).

@@ -1,7 +1,7 @@
 """Load and save Hugging Face checkpoint directories (config.json + safetensors) as jtree models.
 
 Everything goes through the architecture records' Hugging Face mappings
-(`jtree.models.architectures`, `jtree.hf.spec.HfMapping`): names, layouts (one
+(`jtree.models.architectures`, `jtree.models.hf_mapping.HfMapping`): names, layouts (one
 jtree parameter may be several HF tensors, e.g. one per expert), tied and ignored tensors, and
 placement. Loading validates the whole checkpoint against the model before converting any weight:
 unknown architectures, unsupported config fields, missing, extra or misshapen tensors fail with
@@ -24,11 +24,11 @@ from jax.sharding import Mesh
 
 from jtree.hf.placement import ShardingFn, mesh_shardings, place
 from jtree.hf.safetensors_io import INDEX_FILE, CheckpointTensors, write_checkpoint
-from jtree.hf.spec import HfMapping, Storage, dotted
-from jtree.layer_stack import layer_groups, layer_paths, layer_sharding, unstack_flat
-from jtree.models import architectures  # a module: the records import jtree.hf.spec
+from jtree.models.hf_mapping import HfMapping, Storage, dotted
+from jtree.parallel.layer_stack import layer_groups, layer_paths, layer_sharding, unstack_flat
+from jtree.models import architectures
 from jtree.models.decoder import CausalLM
-from jtree.models.runtime import DTYPES, RuntimeConfig
+from jtree.config.runtime import DTYPES, RuntimeConfig
 
 CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
@@ -157,7 +157,7 @@ def load(
     activation dtype, e.g. float32 and bfloat16 for fp32 master weights with bf16 compute).
     Experts load from one tensor per expert (Hub) or the fused transformers 5
     tensors, detected per parameter from the tensor names. With `mesh`, parameters are placed by
-    the train step's sharding rules (tensor parallel over the axis "model", `jtree.sharding`), so
+    the train step's sharding rules (tensor parallel over the axis "model", `jtree.parallel.sharding`), so
     a loaded model is where training expects it; `shardings` instead gives any
     `jax.sharding.Sharding` per (jtree parameter name, shape).
     """
@@ -247,7 +247,7 @@ class _LayerOf(NamedTuple):
 
 def _per_layer(params: nnx.State, config: Any) -> list[tuple[tuple, Any]]:
     """Flat (path, variable) pairs of `params` under per-layer (Hugging Face) names: a scanned
-    model's stacked parameters as one `_LayerOf` per layer (`jtree.layer_stack`)."""
+    model's stacked parameters as one `_LayerOf` per layer (`jtree.parallel.layer_stack`)."""
     return unstack_flat(list(nnx.to_flat_state(params)), layer_groups(config.decoder().layers),
                         _LayerOf)
 

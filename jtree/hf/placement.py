@@ -10,13 +10,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jtree.sharding import MODEL, param_rules, partition_spec
+from jtree.parallel.sharding import MODEL, param_rules, partition_spec
 
 ShardingFn = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
 
 def mesh_shardings(config: Any, mesh: Mesh) -> ShardingFn:
-    """NamedShardings from the train step's rules for `config`'s model (`jtree.sharding`, the
+    """NamedShardings from the train step's rules for `config`'s model (`jtree.parallel.sharding`, the
     one source of truth: tensor parallel over the mesh axis "model", fully sharded over "fsdp",
     every other mesh axis holds replicas), so a loaded model lands exactly where training expects it. An impossible split or
     a missing axis raises, naming the parameter."""

@@ -12,7 +12,7 @@ them than devices, replicated (`local_kv_heads`).
 
 Context parallelism (`RuntimeConfig.context_axis`): the layer holds one slice of each row; its
 keys and values are all-gathered over the axis and its queries run at the slice's offset (the
-mask of `jtree.context_parallel.context_mask`, built once per forward). The returned cache holds
+mask of `jtree.parallel.context.context_mask`, built once per forward). The returned cache holds
 the slice's own keys and values.
 """
 
@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jtree.context_parallel import gathered_keys
+from jtree.parallel.context import gathered_keys
 from jtree.kernels import TreeMask, tree_attention
 from jtree.models.layers import NORMS, apply_rope, linear, local_kv_heads, row_parallel
 from jtree.models.prefix import AttentionCache
-from jtree.models.runtime import RuntimeConfig
+from jtree.config.runtime import RuntimeConfig
 
 
 class Attention(nnx.Module):

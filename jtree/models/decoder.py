@@ -8,26 +8,25 @@ and parameter names mirror Hugging Face's `*ForCausalLM` (`model.layers.N.self_a
 `...linear_attn.in_proj_qkvz`, `...mlp.experts.gate_up_proj`; NNX `kernel` is HF `weight`
 transposed), so checkpoints map by name.
 
-`CausalLM.__call__` is the only place that reads the batch (a `jtree.batch.DeviceBatch`: tokens,
+`CausalLM.__call__` is the only place that reads the batch (a `jtree.layout.batch.DeviceBatch`: tokens,
 positions, the `TreeMask`, GDN tables, prefix layout, router-loss inputs): it builds the
 per-forward `LayerInputs` every layer reads. Logits are never formed for the whole batch here:
 `jtree.token_logprobs` combines the hidden states with `output_embedding()` only where a token is
 scored.
 
 With `RuntimeConfig.scan_layers` the layers are held stacked (`Decoder.blocks`, one stacked
-`DecoderLayer` per position of each repeated block, `jtree.layer_stack`) and each block runs as
+`DecoderLayer` per position of each repeated block, `jtree.parallel.layer_stack`) and each block runs as
 the body of a `jax.lax.scan`; prefix caches, exports and router statistics stay per layer.
 
 Under tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) attention splits query heads,
 Gated DeltaNet key heads, dense MLPs their columns, MoE blocks whole experts and the embedding and
-head the vocabulary (each module's docstring; the parameter layouts are `jtree.sharding`'s).
+head the vocabulary (each module's docstring; the parameter layouts are `jtree.parallel.sharding`'s).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,56 +34,20 @@ from flax import nnx
 
 from jtree.models.attention import Attention
 from jtree.models.gated_deltanet import GatedDeltaNet, GdnRouting, gdn_routing
-from jtree.layer_stack import layer_groups
+from jtree.parallel.layer_stack import layer_groups
 from jtree.models.layers import (
     NORMS, SwiGLU, call_layer, linear, rope_cos_sin, vocab_parallel_embed,
 )
 from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
 from jtree.models.output import ModelOutput
-from jtree.batch import DeviceBatch
-from jtree.context_parallel import context_mask
+from jtree.layout.batch import DeviceBatch
+from jtree.parallel.context import context_mask
 from jtree.kernels import TreeMask
 from jtree.models.prefix import LayerCache, prefix_inputs
-from jtree.models.runtime import RuntimeConfig
-
-Mixer = Literal["attention", "gated_attention", "gated_deltanet"]
-FeedForward = Literal["mlp", "moe", "moe_shared"]
-MIXERS: tuple[Mixer, ...] = ("attention", "gated_attention", "gated_deltanet")
-FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared")
-
-
-class LayerKind(NamedTuple):
-    """What one decoder layer is made of: its token mixer and its feed-forward."""
-
-    mixer: Mixer
-    ffn: FeedForward
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderSpec:
-    """The layer choice of an architecture config: one `LayerKind` per decoder layer, the norm
-    of every layer, head and final output (`jtree.models.layers.NORMS`: Qwen3's RMSNorm or
-    Qwen3-Next's (1 + weight) form) and how many features of each head RoPE rotates."""
-
-    layers: tuple[LayerKind, ...]
-    norm: Literal["rms", "offset_rms"]
-    rotary_dim: int
-
-    def __post_init__(self) -> None:
-        for i, kind in enumerate(self.layers):
-            if kind.mixer not in MIXERS or kind.ffn not in FEED_FORWARDS:
-                raise ValueError(f"layer {i}: {kind} is not a (mixer in {MIXERS}, feed-forward "
-                                 f"in {FEED_FORWARDS}) pair")
-
-    @property
-    def needs_gdn_tables(self) -> bool:
-        """Whether batches need the gated-delta-rule chunk tables (`linearize(gdn_chunk_size=)`):
-        only Gated DeltaNet layers read them."""
-        return any(kind.mixer == "gated_deltanet" for kind in self.layers)
-
-    def kinds(self) -> set[str]:
-        """Every mixer and feed-forward kind some layer uses."""
-        return {kind.mixer for kind in self.layers} | {kind.ffn for kind in self.layers}
+from jtree.config.runtime import RuntimeConfig
+from jtree.config.architectures import DecoderSpec
+from jtree.config.architectures import FeedForward
+from jtree.config.architectures import LayerKind
 
 
 class LayerInputs(NamedTuple):
@@ -242,7 +205,7 @@ class CausalLM(nnx.Module):
             config.hidden_size, config.vocab_size, bias=False,
             init_std=config.initializer_range, dtype=runtime.compute_dtype,
             param_dtype=runtime.weight_dtype, rngs=rngs)
-        # PPO's critic on the policy trunk (`jtree.critic`): final hidden state -> value.
+        # PPO's critic on the policy trunk (`jtree.objectives.critic`): final hidden state -> value.
         self.value_head = linear(
             config.hidden_size, 1, bias=True, init_std=config.initializer_range,
             dtype=runtime.compute_dtype, param_dtype=runtime.weight_dtype,
@@ -262,7 +225,7 @@ class CausalLM(nnx.Module):
             gdn = inputs.gdn
             if gdn is None:
                 raise ValueError("inputs: 'gdn' missing; linear-attention layers need the chunk "
-                                 "tables of jtree.linearize (gdn_chunk_size)")
+                                 "tables of jtree.layout.linearize (gdn_chunk_size)")
             routing = gdn_routing(inputs.pred, gdn, cfg.linear_conv_kernel_dim, prefix_pred,
                                   self.runtime.context_axis)
         cos, sin = rope_cos_sin(inputs.pos, spec.rotary_dim, cfg.rope_theta)

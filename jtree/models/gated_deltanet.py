@@ -38,8 +38,8 @@ from flax import nnx
 
 from jtree.models.layers import linear, rms_normalized, row_parallel
 from jtree.models.prefix import GdnCache
-from jtree.models.runtime import RuntimeConfig
-from jtree.batch import GdnTables
+from jtree.config.runtime import RuntimeConfig
+from jtree.layout.batch import GdnTables
 from jtree.kernels.flat_tokens import scale_channels
 from jtree.kernels.gdn import tree_gated_delta_rule
 from jtree.kernels.gdn_context import (
@@ -63,17 +63,17 @@ class GdnRouting(NamedTuple):
 def gdn_routing(pred: jax.Array, tables: GdnTables, conv_kernel: int,
                 prefix_pred: jax.Array | None = None, context_axis: str | None = None
                 ) -> GdnRouting:
-    """Conv context and chunk tables (`jtree.linearize`'s pred chain and GDN tables). Without a
+    """Conv context and chunk tables (`jtree.layout.linearize`'s pred chain and GDN tables). Without a
     prefix the conv context indexes the row's own tokens; with one (its chain `prefix_pred`
     [R, P]) it indexes [K - 1 cached activations before the part | own tokens]; under context
     parallelism over `context_axis` (this device's slice of `pred` and the tables, built by
-    `jtree.context_tables.context_gdn_tables`) it indexes [the slice | the gathered conv halo]."""
+    `jtree.layout.context_gdn_tables.context_gdn_tables`) it indexes [the slice | the gathered conv halo]."""
     width = conv_kernel - 1
     if context_axis is not None:
         if tables.context_exports is None or tables.conv_halo is None:
             raise ValueError("inputs: 'gdn.context_exports' / 'gdn.conv_halo' missing; gated "
                              "deltanet under context parallelism needs the tables of "
-                             "jtree.context_tables.context_gdn_tables")
+                             "jtree.layout.context_gdn_tables.context_gdn_tables")
         if prefix_pred is not None or tables.export_slots is not None:
             raise ValueError("gated deltanet under context parallelism does not run a "
                              "redundancy-free part (a prefix or exported states)")

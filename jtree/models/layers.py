@@ -10,7 +10,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtree.kernels.flat_tokens import normalized_last_axis, scale_channels
-from jtree.models.runtime import REMAT_POLICIES
+
+# `runtime.remat` names (`jtree.config.runtime.REMAT_POLICY_NAMES`, besides "none") -> jax policies.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -111,7 +117,7 @@ class SwiGLU(nnx.Module):
 
 
 # ---------------------------------------------------------------------- tensor-parallel hooks
-# Megatron-style tensor parallelism inside `shard_map` (jtree.sharding decides the splits): the
+# Megatron-style tensor parallelism inside `shard_map` (jtree.parallel.sharding decides the splits): the
 # model sees only its shard of each weight. Column-parallel projections (q/k/v, gate/up) need no
 # change; these three helpers are the only places that communicate. With `axis=None` (no tensor
 # parallelism) each is exactly the plain single-device computation.
@@ -158,10 +164,10 @@ def local_kv_heads(kv: jax.Array, q_heads_local: int, q_heads: int, kv_heads: in
 
 
 # ---------------------------------------------------------------------- FSDP hooks
-# Fully sharded data parallelism inside `shard_map` (jtree.sharding decides the splits;
+# Fully sharded data parallelism inside `shard_map` (jtree.parallel.sharding decides the splits;
 # docs/training.md, "Fully sharded data parallel"): a parameter sharded over the FSDP axis
 # carries the Variable metadata `FSDP_GATHER` = (mesh axis, dimension counted from the end),
-# set by `jtree.train_step.sharded_graphdef`. Counting from the end keeps the dimension right when
+# set by `jtree.step.train_step.sharded_graphdef`. Counting from the end keeps the dimension right when
 # layers are stacked along leading axes. Without the metadata (one device, or a parameter
 # replicated over the axis) nothing is gathered.
 

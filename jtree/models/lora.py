@@ -15,7 +15,7 @@ cotangent per micro-batch (contracted to dA, dB right away); no optimizer state,
 accumulator and no update for the base.
 
 Targets are regular expressions searched in the '/'-joined parameter path of a kernel
-('model/layers/0/self_attn/q_proj/kernel'), as `jtree.sharding` rules are; a target that matches
+('model/layers/0/self_attn/q_proj/kernel'), as `jtree.parallel.sharding` rules are; a target that matches
 no linear kernel is an error naming it.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,38 +32,11 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jtree.sharding import FSDP, MODEL, Rules, param_path, param_specs
+from jtree.parallel.sharding import FSDP, MODEL, Rules, param_path, param_specs
+from jtree.config.model import LoraConfig
 
 KERNEL = "kernel"
 ADAPTERS = ("lora_a", "lora_b")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-    """`model.lora`: adapters of rank `rank` scaled by `alpha / rank` on every linear kernel whose
-    parameter path one of `targets` (regexes) is found in; `base_dtype` stores the frozen base in
-    that dtype (None: the model's parameter dtype)."""
-
-    rank: int = 8
-    alpha: float = 16.0
-    targets: tuple[str, ...] = ()
-    base_dtype: Literal["float32", "bfloat16"] | None = None
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"rank: {self.rank} must be >= 1")
-        if not self.targets:
-            raise ValueError("targets: name at least one parameter path regex "
-                             "(e.g. ['self_attn/(q|v)_proj'])")
-        for i, target in enumerate(self.targets):
-            try:
-                re.compile(target)
-            except re.error as e:
-                raise ValueError(f"targets[{i}]: {target!r} is not a regex ({e})") from None
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
 
 
 @dataclasses.dataclass
@@ -167,7 +140,7 @@ def with_trainable(params: Any, values: Any) -> Any:
 def trainable_grads(params: Any, model_grads: Any) -> Any:
     """Gradients with respect to the trainable part from gradients with respect to the model's
     parameters (`model_params`): the chain rule through the merge, for steps that differentiate
-    the model's parameters themselves (`jtree.rfree`)."""
+    the model's parameters themselves (`jtree.partitioning.redundancy_free`)."""
     if not isinstance(params, LoraParams):
         return model_grads
     _, pullback = jax.vjp(lambda t: model_params(with_trainable(params, t)), trainable(params))
@@ -178,7 +151,7 @@ def lora_specs(params: Any, rules: Rules, mesh: Mesh) -> tuple[Any, Any]:
     """(stored, step): the PartitionSpecs the parameters of a run (`params`, a `LoraParams` or
     the model's own) are kept in, with their optimizer state, and those the step reads them in
     (shard_map's in_specs, and its gradients' out_specs). Without LoRA both are
-    `jtree.sharding.param_specs`; the frozen base is laid out as the model's parameters are.
+    `jtree.parallel.sharding.param_specs`; the frozen base is laid out as the model's parameters are.
 
     The step reads A [..., in, r] split like its kernel's input axis and B [..., r, out] like its
     output axis, each taking the kernel's whole spec there (tensor parallel and FSDP), so every

@@ -249,8 +249,3 @@ def load_balancing_loss(stats: list[RouterStats], token_weight: jax.Array, num_e
     return num_experts * jnp.sum((counts / safe) * (prob_sum / safe)) / shards
 
 
-def is_moe_layer(layer: int, num_experts: int, decoder_sparse_step: int,
-                 mlp_only_layers: tuple[int, ...]) -> bool:
-    """HF's rule for which decoder layers get a sparse MoE block instead of a dense MLP."""
-    return (layer not in mlp_only_layers and num_experts > 0
-            and (layer + 1) % decoder_sparse_step == 0)

@@ -1,5 +1,5 @@
 """What a part of a tree reads from the tokens above it, and what it hands on (redundancy-free
-partitioning, `jtree.rfree`).
+partitioning, `jtree.partitioning.redundancy_free`).
 
 A part's own tokens hang below a chain of tokens (its *prefix*) that earlier parts computed. Every
 model of the family can be called as `model(inputs, prefix=...)` with one cache entry per decoder
@@ -12,7 +12,7 @@ the next parts' prefixes are gathered:
   from) and the activations of its last K - 1 tokens; as exports, every own token's activations
   and the states after the tokens listed in the batch's `gdn.export_slots`.
 
-The layout of the prefix comes with the batch (`jtree.rfree.layout`): `mask.prefix_end` [R, P]
+The layout of the prefix comes with the batch (`jtree.partitioning.redundancy_free.layout`): `mask.prefix_end` [R, P]
 and `prefix_pred` [R, P] in the part's combined coordinates (prefix token j at j, own token i at
 P + i), and `mask.end`, `pred` of the own tokens in the same coordinates.
 """
@@ -24,7 +24,7 @@ from typing import NamedTuple, Union
 
 import jax
 
-from jtree.batch import DeviceBatch
+from jtree.layout.batch import DeviceBatch
 from jtree.kernels import TreeMask
 
 
@@ -59,5 +59,5 @@ def prefix_inputs(inputs: DeviceBatch, prefix: tuple[LayerCache, ...] | None
                               ("prefix_pred", inputs.prefix_pred)) if x is None]
     if missing:
         raise ValueError(f"inputs: {missing} missing; a call with a prefix needs the prefix layout "
-                         "of jtree.rfree")
+                         "of jtree.partitioning.redundancy_free")
     return dataclasses.replace(inputs.mask, real=inputs.valid), inputs.prefix_pred

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from jtree.synthetic import por_forest
+from jtree.trees.synthetic import por_forest
 from jtree.launch import bench
 from tests.models_util import tiny_config
 

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from jtree.chat import ByteTokenizer, conversation_tree
+from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.cli import main
-from jtree.tree_plot import node_boundaries, node_layout
+from jtree.trees.plot import node_boundaries, node_layout
 
 CHAT = {"messages": [
     {"role": "system", "content": "Be brief."},

@@ -1,6 +1,6 @@
 """`python -m jtree.launch.train` with context parallelism: `mesh.context=4` on 8 forced host
 devices (2 data shards x 4 context) trains on rows balanced by attention work, with gaps at the
-ends of slices (`jtree.context_split`), and gives the losses and gradient norms of the same run on
+ends of slices (`jtree.layout.context_rows`), and gives the losses and gradient norms of the same run on
 one device without context parallelism. The trees are agent-rollout groups (a long shared prompt,
 turns branching into rollouts), so an even token split of a row would be unbalanced."""
 
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from jtree.config import load_config
-from jtree.context_split import block_work, even_split, slice_work
-from jtree.data import step_indices
+from jtree.layout.context_rows import block_work, even_split, slice_work
+from jtree.training.pipeline import step_indices
 from jtree.launch.train import main
-from jtree.planner import ROW_ALIGN
-from jtree.run_data import StepBuilders, load_training_trees
-from jtree.synthetic import AgentShape, agent_rollout_group
-from jtree.tree_jsonl import write_sequence_groups
+from jtree.layout.planner import ROW_ALIGN
+from jtree.training.run_data import StepBuilders, load_training_trees
+from jtree.trees.synthetic import AgentShape, agent_rollout_group
+from jtree.trees.jsonl import write_sequence_groups
 from tests.run_util import VOCAB, finish, launch, read_metrics, tiny_overrides
 
 CONTEXT = 4

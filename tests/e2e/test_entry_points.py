@@ -163,7 +163,7 @@ def test_mgpu_interpret_random_trees(tmp_path):
 
 def test_make_sample_data_smallest(tmp_path):
     from jtree.launch.make_sample_data import main
-    from jtree.tree_jsonl import read_sequence_groups
+    from jtree.trees.jsonl import read_sequence_groups
 
     out = tmp_path / "groups.jsonl"
     assert main(["--groups", "1", "--out", str(out)]) == 0

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jtree.launch.train import main
-from jtree.synthetic import chat_record
+from jtree.trees.synthetic import chat_record
 from tests.run_util import tiny_overrides
 
 
@@ -144,18 +144,18 @@ def test_redundancy_free_mode_trains(few_groups_file, tmp_path, capsys, modes):
 
 
 def test_redundancy_free_mode_refuses_bad_settings():
-    """On a mesh of several devices the parts run in lockstep (`jtree.rfree.mesh`, tested in
+    """On a mesh of several devices the parts run in lockstep (`jtree.partitioning.redundancy_free.mesh_executor`, tested in
     tests/rfree/test_rfree_mesh.py), which keeps no residuals: `run.prefix_backward=residuals`
     there is refused, naming the setting and the mesh; so are mesh axes other than data, fsdp
     and model, a capacity above the rows and a bad row ladder."""
     from jax.sharding import Mesh
-    from jtree.rfree.mesh import MeshRedundancyFreeStep
-    from jtree.trainer import make_rfree_step
+    from jtree.partitioning.redundancy_free.mesh_executor import MeshRedundancyFreeStep
+    from jtree.training.trainer import make_rfree_step
     from jtree.config import load_config
 
     cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free",
                                             "run.prefix_backward=residuals"])
-    from jtree.sharding import AXES as axes
+    from jtree.parallel.sharding import AXES as axes
     for shape, named in (((2, 1, 1, 1), "data=2 x fsdp=1"), ((1, 2, 1, 1), "data=1 x fsdp=2")):
         devices = np.array([jax.devices()[0]] * 2).reshape(shape)
         with pytest.raises(ValueError, match=f"run.prefix_backward=residuals.*{named}"):

@@ -3,8 +3,8 @@ import json
 import numpy as np
 
 from jtree.cli import main
-from jtree.tree_jsonl import read_sequence_groups
-from jtree.tree_plot import node_layout, overlap_curve
+from jtree.trees.jsonl import read_sequence_groups
+from jtree.trees.plot import node_layout, overlap_curve
 from tests.strategies import explicit_tree, random_forest
 
 def test_stats_with_capacity_reports_every_method(sample_groups, tmp_path, capsys):

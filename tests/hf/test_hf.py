@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 
 import jtree.hf
 from jtree.hf.safetensors_io import INDEX_FILE, SINGLE_FILE
-from jtree.models import RuntimeConfig
+from jtree.config.runtime import RuntimeConfig
 from tests.hf_util import assert_same_params, copy_checkpoint, param_arrays, random_model
 from tests.models_util import tiny_runtime
 

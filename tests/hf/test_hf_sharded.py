@@ -20,8 +20,8 @@ import jax, numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jtree.hf
-from jtree.linearize import linearize
-from jtree.tree import TrajectoryTree
+from jtree.layout.linearize import linearize
+from jtree.trees.tree import TrajectoryTree
 from tests.models_util import tiny_config, tiny_lm, tiny_runtime
 
 assert jax.device_count() == 8, jax.devices()

@@ -16,13 +16,14 @@ transformers = pytest.importorskip("transformers")
 
 import jtree.hf  # noqa: E402
 from jtree.cli import main  # noqa: E402
-from jtree.linearize import linearize, unlinearize  # noqa: E402
-from jtree.logprobs import token_logprobs  # noqa: E402
-from jtree.loss import batch_normalizer, path_coefficients  # noqa: E402
-from jtree.train_step import Objective, objective_loss  # noqa: E402
-from jtree.tree import TrajectoryTree  # noqa: E402
-from jtree.tree_jsonl import write_sequence_groups  # noqa: E402
-from jtree.models import RuntimeConfig  # noqa: E402
+from jtree.layout.linearize import linearize, unlinearize  # noqa: E402
+from jtree.objectives.logprobs import token_logprobs  # noqa: E402
+from jtree.objectives.losses import batch_normalizer, path_coefficients
+from jtree.config.objective import Objective
+from jtree.step.train_step import objective_loss
+from jtree.trees.tree import TrajectoryTree  # noqa: E402
+from jtree.trees.jsonl import write_sequence_groups  # noqa: E402
+from jtree.config.runtime import RuntimeConfig
 from tests.models_util import rel_l2, tiny_runtime  # noqa: E402
 from tests.hf_util import random_model  # noqa: E402
 from tests.strategies import one_row_forests  # noqa: E402

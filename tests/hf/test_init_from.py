@@ -8,7 +8,7 @@ from flax import nnx
 
 import jtree.hf
 from jtree.config import load_config
-from jtree.trainer import Trainer
+from jtree.training.trainer import Trainer
 from tests.models_util import tiny_config, tiny_lm
 from tests.run_util import tiny_overrides
 

@@ -140,7 +140,7 @@ def test_padding_tokens_are_invisible():
 
 
 def test_model_config_rejects_unknown_impl():
-    from jtree.models import RuntimeConfig
+    from jtree.config.runtime import RuntimeConfig
 
     with pytest.raises(ValueError, match="attention_impl: 'flash' is not one of"):
         RuntimeConfig(attention_impl="flash")

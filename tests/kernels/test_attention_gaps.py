@@ -4,7 +4,7 @@ nodes' ancestors and every such block is work. With it the block tables keep onl
 block's own key blocks, and the real queries' outputs and all gradients (for a zero cotangent on
 the gap outputs, which nothing reads) equal the dense reference's; the gap outputs stay finite.
 
-The rows are random multi-level forests laid out by `jtree.linearize` with a `ContextSplit` whose
+The rows are random multi-level forests laid out by `jtree.layout.linearize` with a `ContextSplit` whose
 cuts fall inside nodes, and slices longer than their pieces (whole gap blocks)."""
 
 import contextlib
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from jtree.context_split import ContextSplit
+from jtree.layout.context_rows import ContextSplit
 from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.block_tables import EMPTY, classify_blocks
-from jtree.linearize import linearize
-from jtree.planner import plan_rows
+from jtree.layout.linearize import linearize
+from jtree.layout.planner import plan_rows
 from tests.attention_cases import qkv
 from tests.strategies import explicit_tree, random_forest
 

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.linearize import linearize
-from jtree.tree import TrajectoryTree
+from jtree.layout.linearize import linearize
+from jtree.trees.tree import TrajectoryTree
 from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.attention_mgpu import SEQ_MULTIPLE, attention_mgpu
 from jtree.kernels.attention_reference import attention_reference

@@ -22,8 +22,8 @@ import pytest
 from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.attention_triton import tree_attention_triton
 from jtree.kernels.block_tables import EMPTY, FULL, PARTIAL, classify_blocks
-from jtree.linearize import linearize
-from jtree.tree import TrajectoryTree
+from jtree.layout.linearize import linearize
+from jtree.trees.tree import TrajectoryTree
 from tests.attention_cases import qkv, tree_end
 
 # Relative bound per dtype (see the module docstring).

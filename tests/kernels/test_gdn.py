@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jtree.linearize import linearize
-from jtree.tree import TrajectoryTree
+from jtree.layout.linearize import linearize
+from jtree.trees.tree import TrajectoryTree
 from jtree.kernels.gdn import (
     gated_delta_rule_chunked, gated_delta_rule_recurrent, pick_scan,
     tree_gated_delta_rule,

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jtree.context_tables import context_chunk_tables, conv_halo_positions
+from jtree.layout.context_gdn_tables import context_chunk_tables, conv_halo_positions
 
 WORKTREE = Path(__file__).resolve().parents[2]
 TOL = 1e-5

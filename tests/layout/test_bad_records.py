@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from jtree.chat import ByteTokenizer, conversation_tree
-from jtree.data import load_trees
-from jtree.tree import TrajectoryTree
+from jtree.trees.chat import ByteTokenizer, conversation_tree
+from jtree.training.pipeline import load_trees
+from jtree.trees.tree import TrajectoryTree
 from tests.run_util import VOCAB
 
 

@@ -3,11 +3,11 @@ import itertools
 import numpy as np
 import pytest
 
-from jtree.balance import (
+from jtree.layout.balance import (
     assign_to_ranks, attention_pairs, contiguous_runs, split_contiguous, tree_cost,
 )
-from jtree.partition import TreePart
-from jtree.tree import TrajectoryTree
+from jtree.partitioning.partition import TreePart
+from jtree.trees.tree import TrajectoryTree
 from tests.strategies import explicit_tree, random_forest
 
 

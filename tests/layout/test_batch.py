@@ -1,4 +1,4 @@
-"""The device batch schema (`jtree.batch`): padding, stacking, and errors naming the field."""
+"""The device batch schema (`jtree.layout.batch`): padding, stacking, and errors naming the field."""
 
 import dataclasses
 
@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.batch import DeviceBatch, concatenate_rows, padding, stack
+from jtree.layout.batch import DeviceBatch, concatenate_rows, padding, stack
 from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.attention_reference import tree_mask
-from jtree.linearize import linearize
-from jtree.loss import ppo_loss, sft_loss
-from jtree.sharding import CONTEXT, ROWS, batch_specs
-from jtree.tree import TrajectoryTree
+from jtree.layout.linearize import linearize
+from jtree.objectives.losses import ppo_loss, sft_loss
+from jtree.parallel.sharding import CONTEXT, ROWS, batch_specs
+from jtree.trees.tree import TrajectoryTree
 
 
 def _batch(**kw) -> DeviceBatch:
@@ -99,7 +99,7 @@ def test_a_pytree_with_a_spec_per_field():
     np.testing.assert_array_equal(doubled.tokens, step.tokens * 2)
     specs = batch_specs(step)
     assert specs.tokens == jax.sharding.PartitionSpec(None, ROWS, CONTEXT)  # tokens over context
-    # GDN chunks over context too (device k's chunks are the k-th block: jtree.context_tables),
+    # GDN chunks over context too (device k's chunks are the k-th block: jtree.layout.context_gdn_tables),
     # the tokens within a chunk whole
     assert specs.gdn.chunk_tokens == jax.sharding.PartitionSpec(None, ROWS, CONTEXT, None)
     assert specs.row_norm is None and specs.prefix_pred is None  # absent fields stay absent

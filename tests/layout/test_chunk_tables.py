@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jtree.chunk_tables import default_chunk_count
-from jtree.linearize import linearize
-from jtree.tree import TrajectoryTree
+from jtree.layout.gdn_tables import default_chunk_count
+from jtree.layout.linearize import linearize
+from jtree.trees.tree import TrajectoryTree
 from tests.strategies import forests
 
 

@@ -6,17 +6,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jtree.context_split import (
+from jtree.layout.context_rows import (
     ContextSplit, block_work, check_context, even_split, slice_work, split_row,
 )
 from jtree.config import DataConfig
-from jtree.critic import with_critic_pairs
-from jtree.data import step_builder, step_indices
-from jtree.linearize import linearize, unlinearize
-from jtree.packing import unit_counts
-from jtree.planner import ROW_ALIGN, LayoutConfig, plan_rows, plan_step
-from jtree.synthetic import AgentShape, agent_rollout_group
-from jtree.tree import TrajectoryTree
+from jtree.objectives.critic import with_critic_pairs
+from jtree.training.pipeline import step_builder, step_indices
+from jtree.layout.linearize import linearize, unlinearize
+from jtree.layout.microbatches import unit_counts
+from jtree.layout.planner import ROW_ALIGN, LayoutConfig, plan_rows, plan_step
+from jtree.trees.synthetic import AgentShape, agent_rollout_group
+from jtree.trees.tree import TrajectoryTree
 from tests.strategies import random_forest, seeded_forests
 
 # Long agent trees (about 20-40k tokens: long prompt, many turns, rollouts branching at turns).

@@ -1,16 +1,16 @@
-"""Work model (jtree.cost), controlled-POR generators (jtree.synthetic) and the mode choice."""
+"""Work model (jtree.layout.flop_model), controlled-POR generators (jtree.trees.synthetic) and the mode choice."""
 
 import numpy as np
 import pytest
 
-from jtree.baseline import linearize_baseline
-from jtree.chat import ByteTokenizer, conversation_tree
-from jtree.cost import (
+from jtree.layout.baseline import linearize_baseline
+from jtree.trees.chat import ByteTokenizer, conversation_tree
+from jtree.layout.flop_model import (
     FlopModel, Work, batch_work, choose_mode, ideal_speedup, token_bound, tree_work,
 )
-from jtree.linearize import linearize
-from jtree.models import Qwen3Config
-from jtree.synthetic import chat_record, por_forest, por_tree
+from jtree.layout.linearize import linearize
+from jtree.config.architectures import Qwen3Config
+from jtree.trees.synthetic import chat_record, por_forest, por_tree
 from tests.strategies import explicit_tree, random_forest
 
 
@@ -117,7 +117,7 @@ def test_chat_records_become_trees_with_one_path_per_assistant_turn():
 
 
 def test_flop_model_counts_moe_experts_and_linear_attention_layers():
-    from jtree.models import Qwen3MoeConfig, Qwen3NextConfig
+    from jtree.config.architectures import Qwen3MoeConfig, Qwen3NextConfig
 
     dense = FlopModel.for_config(Qwen3Config(hidden_size=16, intermediate_size=32,
                                              num_hidden_layers=2, head_dim=8))

@@ -4,16 +4,17 @@ import jax
 import numpy as np
 import pytest
 
-from jtree.chunk_tables import default_chunk_count
-from jtree.cost import FlopModel
-from jtree.data import (
+from jtree.layout.gdn_tables import default_chunk_count
+from jtree.layout.flop_model import FlopModel
+from jtree.training.pipeline import (
     AutoStepBuilder, StepBuilder, StepConfig, all_units, load_trees, make_pipeline, rows_for_run,
     step_indices,
 )
-from jtree.loss import batch_normalizer
-from jtree.planner import LayoutConfig
-from jtree.train_step import Objective, build_batch, make_grad_fn, stack_microbatches
-from jtree.synthetic import por_forest
+from jtree.objectives.losses import batch_normalizer
+from jtree.layout.planner import LayoutConfig
+from jtree.config.objective import Objective
+from jtree.step.train_step import build_batch, make_grad_fn, stack_microbatches
+from jtree.trees.synthetic import por_forest
 from tests.models_util import tiny_config, tiny_model
 from tests.run_util import VOCAB
 from tests.strategies import seeded_forests

@@ -1,11 +1,11 @@
 import numpy as np
 import pytest
 
-from jtree.linearize import linearize
-from jtree.loss import batch_normalizer
-from jtree.packing import build_microbatches
-from jtree.planner import least_padding_plan, plan_rows
-from jtree.partition import partition
+from jtree.layout.linearize import linearize
+from jtree.objectives.losses import batch_normalizer
+from jtree.layout.microbatches import build_microbatches
+from jtree.layout.planner import least_padding_plan, plan_rows
+from jtree.partitioning.partition import partition
 from tests.strategies import explicit_tree, random_forest
 
 

@@ -5,10 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jtree.loss import NORMALIZATIONS, batch_normalizer, token_coefficients
-from jtree.partition import METHODS, TreePart, partition, plan_groups
-from jtree.partition_dp import set_partitions_bounded
-from jtree.tree import TrajectoryTree
+from jtree.config.objective import NORMALIZATIONS
+from jtree.objectives.losses import batch_normalizer, token_coefficients
+from jtree.partitioning.partition import METHODS, TreePart, partition, plan_groups
+from jtree.partitioning.exact_dp import set_partitions_bounded
+from jtree.trees.tree import TrajectoryTree
 from tests.strategies import explicit_tree, random_forest, sequences_tree
 
 

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.linearize import linearize
-from jtree.path_sum import path_sum
-from jtree.tree import TrajectoryTree
+from jtree.layout.linearize import linearize
+from jtree.objectives.path_sum import path_sum
+from jtree.trees.tree import TrajectoryTree
 from tests.strategies import seeded_forests
 
 

@@ -8,18 +8,18 @@ import jax
 import numpy as np
 import pytest
 
-from jtree.bin_packing import first_fit_decreasing
-from jtree.chat import ByteTokenizer, conversation_tree
-from jtree.chunk_tables import tree_chunks
+from jtree.layout.bin_packing import first_fit_decreasing
+from jtree.trees.chat import ByteTokenizer, conversation_tree
+from jtree.layout.gdn_tables import tree_chunks
 from jtree.config import DataConfig
-from jtree.cost import tree_work
-from jtree.data import StepBuilder, StepConfig, all_units, step_builder, step_indices
-from jtree.linearize import linearize
-from jtree.packing import unit_counts
-from jtree.planner import (
+from jtree.layout.flop_model import tree_work
+from jtree.training.pipeline import StepBuilder, StepConfig, all_units, step_builder, step_indices
+from jtree.layout.linearize import linearize
+from jtree.layout.microbatches import unit_counts
+from jtree.layout.planner import (
     LayoutConfig, plan_step, row_length_ladder, rows_to_hold, score_width,
 )
-from jtree.synthetic import chat_record, por_forest
+from jtree.trees.synthetic import chat_record, por_forest
 from tests.strategies import seeded_forests
 
 
@@ -158,10 +158,10 @@ def test_unit_counts_are_what_the_planner_reads():
 
 
 def test_bench_and_trainer_build_batches_with_the_same_function():
-    """`make bench` times the trainer's batches: `prepare` goes through `jtree.data.step_builder`,
-    the function the trainer builds its steps with (`jtree.run_data`), and gets exactly its
+    """`make bench` times the trainer's batches: `prepare` goes through `jtree.training.pipeline.step_builder`,
+    the function the trainer builds its steps with (`jtree.training.run_data`), and gets exactly its
     inputs."""
-    from jtree import run_data
+    from jtree.training import run_data
     from jtree.launch import bench
 
     assert bench.step_builder is step_builder and run_data.step_builder is step_builder

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jtree.tree import TrajectoryTree
+from jtree.trees.tree import TrajectoryTree
 from tests.strategies import forests
 
 

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from jtree.tree_jsonl import read_sequence_groups, read_trees, write_sequence_groups, write_trees
+from jtree.trees.jsonl import read_sequence_groups, read_trees, write_sequence_groups, write_trees
 from tests.strategies import explicit_tree, random_forest
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jtree.baseline import linearize_baseline, unlinearize_baseline
-from jtree.linearize import linearize, unlinearize
-from jtree.train_step import Objective
+from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
+from jtree.layout.linearize import linearize, unlinearize
+from jtree.config.objective import Objective
 from tests.models_util import (
     assert_grads_close, logprob_fn, loss_and_grad_fn, tiny_model, tiny_runtime,
 )

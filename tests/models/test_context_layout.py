@@ -11,13 +11,13 @@ import functools
 import numpy as np
 import pytest
 
-from jtree.context_split import ContextSplit
+from jtree.layout.context_rows import ContextSplit
 from jtree.kernels.attention_xla import DEFAULT_BLOCK
 from jtree.kernels.block_tables import EMPTY, classify_blocks
-from jtree.linearize import linearize
-from jtree.planner import plan_rows
-from jtree.train_step import Objective
-from jtree.tree import TrajectoryTree
+from jtree.layout.linearize import linearize
+from jtree.layout.planner import plan_rows
+from jtree.config.objective import Objective
+from jtree.trees.tree import TrajectoryTree
 from tests.models_util import (
     assert_loss_and_grads_match, perturbed_moe_model, tiny_model, tiny_runtime,
 )

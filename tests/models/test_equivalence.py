@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jtree.baseline import linearize_baseline, unlinearize_baseline
-from jtree.linearize import linearize, unlinearize
-from jtree.loss import NORMALIZATIONS
-from jtree.train_step import Objective
+from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
+from jtree.layout.linearize import linearize, unlinearize
+from jtree.config.objective import NORMALIZATIONS
+from jtree.config.objective import Objective
 from tests.models_util import (
     assert_loss_and_grads_match,
     logprob_fn,

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.linearize import linearize
-from jtree.logprobs import _chunked, logprobs_from_hidden, scored_logprobs
-from jtree.tree import TrajectoryTree
+from jtree.layout.linearize import linearize
+from jtree.objectives.logprobs import _chunked, logprobs_from_hidden, scored_logprobs
+from jtree.trees.tree import TrajectoryTree
 from tests.models_util import logprob_fn, tiny_model
 
 

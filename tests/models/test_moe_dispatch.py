@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from jtree.models import RuntimeConfig
+from jtree.config.runtime import RuntimeConfig
 from tests.run_util import WORKTREE
 
 

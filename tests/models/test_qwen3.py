@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jtree.batch import padding
+from jtree.layout.batch import padding
 from jtree.kernels import TreeMask
-from jtree.linearize import linearize
-from jtree.tree import TrajectoryTree
+from jtree.layout.linearize import linearize
+from jtree.trees.tree import TrajectoryTree
 from tests.models_util import logprob_fn, tiny_config, tiny_lm
 
 

@@ -1,4 +1,4 @@
-"""Scanned decoder layers (`RuntimeConfig.scan_layers`, `jtree.layer_stack`): how layers are cut
+"""Scanned decoder layers (`RuntimeConfig.scan_layers`, `jtree.parallel.layer_stack`): how layers are cut
 into repeated blocks, and a scanned model equal to the unscanned one — loss, gradients, router
 statistics and per-layer exports — for dense, MoE (router loss on) and Qwen3-Next models, with
 and without rematerialization. The redundancy-free executor on a scanned model:
@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jtree.layer_stack import LayerGroup, convert_state, layer_groups, stacked_axes
-from jtree.linearize import linearize
-from jtree.models.decoder import LayerKind
-from jtree.train_step import Objective, loss_from_hidden
+from jtree.parallel.layer_stack import LayerGroup, convert_state, layer_groups, stacked_axes
+from jtree.layout.linearize import linearize
+from jtree.config.architectures import LayerKind
+from jtree.config.objective import Objective
+from jtree.step.train_step import loss_from_hidden
 from tests.models_util import (
     assert_grads_close, four_expert_config, perturbed, tiny_config, tiny_lm,
 )

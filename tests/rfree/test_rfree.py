@@ -1,4 +1,4 @@
-"""Redundancy-free partitioning (jtree.rfree): plans compute every tree token once, and running the
+"""Redundancy-free partitioning (jtree.partitioning.redundancy_free): plans compute every tree token once, and running the
 parts depth-first over cached prefixes gives the unpartitioned tree's log-probs, loss and gradients
 (docs/design.md section 9 tolerances) for dense, MoE and hybrid (GDN) tiny models, at capacities down to
 a few tokens (far below the longest shared prefix), with both prefix-backward modes.
@@ -16,14 +16,15 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 
-from jtree.linearize import linearize
-from jtree.rfree.execute import RedundancyFreeStep
-from jtree.planner import octave_step_length
-from jtree.rfree.layout import build_program, prefix_bucket, row_length
-from jtree.rfree.plan import plan_parts
-from jtree.rfree.schedule import LiveBuffers, child_order, part_slots
-from jtree.train_step import Objective, make_grad_fn, stack_microbatches
-from jtree.tree import TrajectoryTree
+from jtree.layout.linearize import linearize
+from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
+from jtree.layout.planner import octave_step_length
+from jtree.partitioning.redundancy_free.layout import build_program, prefix_bucket, row_length
+from jtree.partitioning.redundancy_free.plan import plan_parts
+from jtree.partitioning.redundancy_free.schedule import LiveBuffers, child_order, part_slots
+from jtree.config.objective import Objective
+from jtree.step.train_step import make_grad_fn, stack_microbatches
+from jtree.trees.tree import TrajectoryTree
 from tests.models_util import (
     four_expert_config, logprob_fn, perturbed, perturbed_moe_model, rel_l2, tiny_config, tiny_lm,
     tiny_model,
@@ -224,7 +225,7 @@ def check_schedule(program, live: LiveBuffers, mode: str) -> None:
 
 
 def subtree_need(program, order, k: int) -> int:
-    """need(k) of `jtree.rfree.schedule` for the given child order, recomputed recursively."""
+    """need(k) of `jtree.partitioning.redundancy_free.schedule` for the given child order, recomputed recursively."""
     kids = order[k]
     slots = part_slots(program, k)
     return slots + max([subtree_need(program, order, c) + (slots if i else 0)

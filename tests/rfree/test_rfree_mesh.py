@@ -1,4 +1,4 @@
-"""Redundancy-free training over a ('data', 'fsdp', 'model') mesh (`jtree.rfree.mesh`).
+"""Redundancy-free training over a ('data', 'fsdp', 'model') mesh (`jtree.partitioning.redundancy_free.mesh_executor`).
 
 The lockstep schedule and the uniform layout are checked in process (no compile). The steps run
 in a subprocess of 8 forced host devices (`tests/rfree_mesh_worker.py`): a case
@@ -18,8 +18,8 @@ import re
 import numpy as np
 import pytest
 
-from jtree.rfree.layout import build_program
-from jtree.rfree.schedule import lockstep, part_calls
+from jtree.partitioning.redundancy_free.layout import build_program
+from jtree.partitioning.redundancy_free.schedule import lockstep, part_calls
 from tests.run_util import finish, launch, run_worker, tiny_overrides, write_groups
 from tests.strategies import multi_part_trees
 

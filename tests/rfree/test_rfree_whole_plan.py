@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from jtree.packing import unit_counts
-from jtree.planner import LayoutConfig, StepPlan, plan_step
-from jtree.rfree.layout import build_program
+from jtree.layout.microbatches import unit_counts
+from jtree.layout.planner import LayoutConfig, StepPlan, plan_step
+from jtree.partitioning.redundancy_free.layout import build_program
 from tests.strategies import multi_part_trees
 
 

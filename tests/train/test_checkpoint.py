@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.checkpoint import Checkpointer, CorruptCheckpoint
+from jtree.training.checkpoint import Checkpointer, CorruptCheckpoint
 from tests.checkpoint_damage import damage
 
 # A read of a damaged checkpoint fails inside Orbax's event loop, which leaves the aborted reads'

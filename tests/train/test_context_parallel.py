@@ -1,4 +1,4 @@
-"""The host side of context parallelism (`jtree.context_parallel`) and what it refuses by name.
+"""The host side of context parallelism (`jtree.parallel.context`) and what it refuses by name.
 
 The equivalence of the context-parallel step with the single-device one runs on 8 forced host
 devices in `tests/train/test_mesh.py` (mode `cp` of `tests/mesh_worker.py`)."""
@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.batch import stack
-from jtree.chunk_tables import default_chunk_count
-from jtree.context_parallel import (
+from jtree.layout.batch import stack
+from jtree.layout.gdn_tables import default_chunk_count
+from jtree.parallel.context import (
     context_batch, context_mask, halo_capacity, halo_positions, score_layout,
 )
 from jtree.kernels import TreeMask
 from jtree.kernels.gdn import tree_gated_delta_rule
-from jtree.linearize import linearize
+from jtree.layout.linearize import linearize
 from tests.strategies import seeded_forests
 
 # Two devices of 4 tokens: tokens 4 and 5 are scored by positions 3 and 0 of device 0, token 7

@@ -8,13 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.baseline import linearize_baseline
-from jtree.data import load_trees
-from jtree.linearize import linearize
-from jtree.loss import NORMALIZATIONS, check_shared_masks, gspo_loss
-from jtree.rfree.execute import RedundancyFreeStep
-from jtree.train_step import Objective
-from jtree.tree import TrajectoryTree
+from jtree.layout.baseline import linearize_baseline
+from jtree.training.pipeline import load_trees
+from jtree.layout.linearize import linearize
+from jtree.config.objective import NORMALIZATIONS
+from jtree.objectives.losses import check_shared_masks, gspo_loss
+from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
+from jtree.config.objective import Objective
+from jtree.trees.tree import TrajectoryTree
 from tests.models_util import assert_loss_and_grads_match, off_policy_ppo_inputs, tiny_model
 from tests.strategies import random_forest
 

@@ -1,4 +1,4 @@
-"""jtree.host_allocator: with freed memory kept, repeated CPU steps stop page-faulting their
+"""jtree.training.host_allocator: with freed memory kept, repeated CPU steps stop page-faulting their
 temporaries (each process is fresh: the setting must precede the XLA CPU client's threads)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.run_util import WORKTREE
 
 _PROGRAM = """
 import json, resource, sys
-from jtree.host_allocator import keep_freed_memory
+from jtree.training.host_allocator import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else False
 import jax, jax.numpy as jnp
 
@@ -62,7 +62,7 @@ def test_host_malloc_policy_leaves_malloc_alone_off_cpu_and_rejects_unknown_sett
     """`run.host_malloc`: `auto` keeps freed memory only on the CPU backend (an accelerator's
     runtime caches its own buffers), `default` never; anything else is a config error. (The
     branches that apply mallopt run in fresh processes above and in `jtree.launch.train`.)"""
-    from jtree.host_allocator import configure_host_malloc
+    from jtree.training.host_allocator import configure_host_malloc
     assert configure_host_malloc("auto", "tpu") is False
     assert configure_host_malloc("auto", "gpu") is False
     assert configure_host_malloc("default", "cpu") is False
@@ -73,7 +73,7 @@ def test_host_malloc_policy_leaves_malloc_alone_off_cpu_and_rejects_unknown_sett
 _STARTS_NO_BACKEND = """
 import json, sys
 from jax._src import xla_bridge
-from jtree.host_allocator import configure_host_malloc, platform_before_start
+from jtree.training.host_allocator import configure_host_malloc, platform_before_start
 from jtree.launch.harness import apply_host_malloc
 import argparse
 platform = platform_before_start()

@@ -9,18 +9,17 @@ import numpy as np
 import optax
 import pytest
 
-from jtree.baseline import linearize_baseline
-from jtree.batch import stack
+from jtree.layout.baseline import linearize_baseline
+from jtree.layout.batch import stack
 from jtree.config import load_config
 from jtree.launch.train import main
-from jtree.linearize import linearize
-from jtree.models.lora import (
-    LoraConfig, attach, model_params, trainable, trainable_grads, with_trainable,
-)
-from jtree.trainer import Trainer
-from jtree.train_step import (
-    Objective, OptimConfig, TrainState, make_grad_fn, make_optimizer, make_train_step,
-    stack_microbatches,
+from jtree.layout.linearize import linearize
+from jtree.config.model import LoraConfig
+from jtree.models.lora import attach, model_params, trainable, trainable_grads, with_trainable
+from jtree.training.trainer import Trainer
+from jtree.config.objective import Objective, OptimConfig
+from jtree.step.train_step import (
+    TrainState, make_grad_fn, make_optimizer, make_train_step, stack_microbatches,
 )
 from tests.models_util import assert_grads_close, off_policy_ppo_inputs, tiny_model
 from tests.run_util import finish, launch, read_metrics, tiny_overrides

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jtree.linearize import linearize
-from jtree.loss import NORMALIZATIONS, batch_normalizer, ppo_loss, sft_loss, token_coefficients
+from jtree.layout.linearize import linearize
+from jtree.config.objective import NORMALIZATIONS
+from jtree.objectives.losses import batch_normalizer, ppo_loss, sft_loss, token_coefficients
 from tests.strategies import forests
 
 

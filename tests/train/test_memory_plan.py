@@ -1,4 +1,4 @@
-"""The memory plan's depth rule (`jtree.memory_plan`): activations and temporaries fitted through
+"""The memory plan's depth rule (`jtree.memory.plan`): activations and temporaries fitted through
 compiles at 1 and 2 unrolled layers predict an actual compile at 3 layers, and through 2 and 3
 scanned layers (what a `runtime.scan_layers` config runs) one at 4; the repeated layer block of a
 hybrid model; per-device bytes from shardings; the grouped CPU lowering of `ragged_dot` the plan
@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jtree.config import load_config
-from jtree.grouped_matmul_lowering import grouped_matmul_lowering
-from jtree.memory_plan import (
+from jtree.memory.grouped_matmul_lowering import grouped_matmul_lowering
+from jtree.memory.plan import (
     Compiled, MemoryPlan, activations_and_temps, layer_block, memory_plan, shard_bytes)
 
 TINY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=128",

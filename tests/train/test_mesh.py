@@ -18,7 +18,7 @@ random multi-level forests cut by the boundaries), split over C = 2, 4, 8 device
 data, FSDP and tensor parallelism; dense (the `reference`, the block-sparse `xla` and, in its
 interpreter, the Pallas TPU kernel), MoE (router loss pooled over the context axis too) and
 Qwen3-Next (the Gated DeltaNet chunk scan and conv across device slices, with the per-device
-tables of `jtree.context_parallel.context_batch`), SFT, PPO, GSPO and PPO with a critic.
+tables of `jtree.parallel.context.context_batch`), SFT, PPO, GSPO and PPO with a critic.
 docs/design.md tolerances: loss,
 gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
 2 kv heads on a 4-way model axis exercise replicated KV heads; every case exercises the

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from jtree.metrics import MetricsLog
+from jtree.training.metrics import MetricsLog
 
 
 def tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:

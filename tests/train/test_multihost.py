@@ -8,10 +8,10 @@ import socket
 import jax
 import pytest
 
-from jtree.checkpoint import Checkpointer, abstract_like
+from jtree.training.checkpoint import Checkpointer, abstract_like
 from jtree.config import load_config
 from jtree.launch.train import main
-from jtree.trainer import Trainer
+from jtree.training.trainer import Trainer
 from tests.models_util import rel_l2
 from tests.run_util import finish, launch, read_metrics, tiny_overrides
 
@@ -69,7 +69,7 @@ def test_two_processes_match_one(groups_file, tmp_path):
 
 
 def test_distributed_environment_is_validated():
-    from jtree.distributed import initialize_from_env
+    from jtree.parallel.distributed import initialize_from_env
 
     assert initialize_from_env({}) is False  # nothing set: one process
     with pytest.raises(ValueError, match=r"JTREE_NUM_PROCESSES, JTREE_PROCESS_ID not set"):
@@ -83,7 +83,7 @@ def test_distributed_environment_is_validated():
 def test_context_parallel_over_two_processes_matches_one(groups_file, tmp_path):
     """Two processes of two CPU devices each, mesh data=2 x context=2: each process feeds the
     rows of its data shard, split over its own two devices, and the processes agree on one set
-    of per-device capacities every step (`jtree.context_parallel.agreed`); the losses equal the
+    of per-device capacities every step (`jtree.parallel.context.agreed`); the losses equal the
     one-process, one-device run's."""
     common = tiny_overrides(groups_file, **{"run.steps": 3})
     single = tmp_path / "single.jsonl"
@@ -105,7 +105,7 @@ def test_a_row_over_several_processes_is_refused_by_name():
 
     import numpy as np
 
-    from jtree.context_parallel import check_rows_within_processes
+    from jtree.parallel.context import check_rows_within_processes
 
     devices = np.array([SimpleNamespace(process_index=i // 2) for i in range(4)])
     mesh = SimpleNamespace(devices=devices.reshape(1, 1, 4, 1),

@@ -1,7 +1,7 @@
 import time
 
-from jtree.compiles import CompileWatch
-from jtree.run_report import progress
+from jtree.training.compile_log import CompileWatch
+from jtree.training.report import progress
 
 
 def test_progress_says_nothing_when_quick_and_ticks_when_slow(capsys):

@@ -12,14 +12,15 @@ from flax import nnx
 
 import jtree.hf
 
-from jtree.batch import stack
-from jtree.baseline import linearize_baseline, unlinearize_baseline
+from jtree.layout.batch import stack
+from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
 from jtree.config import load_config
 from jtree.launch.train import main
-from jtree.linearize import linearize, unlinearize
+from jtree.layout.linearize import linearize, unlinearize
 from jtree.models import create_model
-from jtree.trainer import Trainer
-from jtree.train_step import Objective, make_grad_fn
+from jtree.training.trainer import Trainer
+from jtree.config.objective import Objective
+from jtree.step.train_step import make_grad_fn
 from tests.models_util import (
     assert_grads_close, logprob_fn, off_policy_ppo_inputs, perturbed, tiny_config, tiny_lm,
     tiny_model,

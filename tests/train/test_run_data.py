@@ -1,10 +1,10 @@
-"""The step builders of a run (`jtree.run_data.StepBuilders`): each mode is laid out by one builder,
+"""The step builders of a run (`jtree.training.run_data.StepBuilders`): each mode is laid out by one builder,
 made once, so the run's pipeline and the end-of-run baseline check use the same steps at the same
 shapes."""
 
 from jtree.config import load_config
-from jtree.data import all_units, rows_for_run, step_indices
-from jtree.run_data import StepBuilders, load_training_trees
+from jtree.training.pipeline import all_units, rows_for_run, step_indices
+from jtree.training.run_data import StepBuilders, load_training_trees
 from tests.run_util import tiny_overrides, write_groups
 
 

@@ -6,14 +6,15 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jtree.linearize import linearize
+from jtree.layout.linearize import linearize
 from jtree.models import architecture, create_model
-from jtree.sharding import (
-    AXES, MeshConfig, fsdp_spec, make_mesh, named, param_path, param_rules, param_specs,
+from jtree.parallel.sharding import (
+    AXES, fsdp_spec, make_mesh, named, param_path, param_rules, param_specs,
 )
-from jtree.train_step import (
-    Objective, OptimConfig, TrainState, make_grad_fn, make_optimizer, stack_microbatches,
-    state_shardings,
+from jtree.config.run import MeshConfig
+from jtree.config.objective import Objective, OptimConfig
+from jtree.step.train_step import (
+    TrainState, make_grad_fn, make_optimizer, stack_microbatches, state_shardings,
 )
 from tests.models_util import (
     rel_l2, tiny_config, tiny_lm, tiny_model, tiny_moe_config, tiny_next_config, tiny_runtime,

@@ -3,13 +3,13 @@ import numpy as np
 import optax
 import pytest
 
-from jtree.linearize import linearize
-from jtree.loss import batch_normalizer
-from jtree.train_step import (
-    Objective, OptimConfig, TrainState, clip_by_global_norm, make_grad_fn, make_optimizer,
-    make_train_step, needs_old_logprobs, stack_microbatches,
+from jtree.layout.linearize import linearize
+from jtree.objectives.losses import batch_normalizer
+from jtree.config.objective import Objective, OptimConfig
+from jtree.step.train_step import (
+    TrainState, clip_by_global_norm, make_grad_fn, make_optimizer, make_train_step, needs_old_logprobs, stack_microbatches,
 )
-from jtree.tree import TrajectoryTree
+from jtree.trees.tree import TrajectoryTree
 from tests.models_util import rel_l2, tiny_model, tiny_runtime
 from tests.strategies import explicit_tree, random_forest
 

@@ -3,9 +3,9 @@ checkpoints), by Hugging Face name (`architectures` in config.json) or by config
 
 A record holds everything that is particular to an architecture: its config class (Hugging Face
 field names only) whose `decoder()` gives the layer choice of the shared decoder stack
-(`jtree.models.decoder`), and its Hugging Face mapping (`jtree.hf.spec.HfMapping`: config.json
-fields and tensor names). Sharding rules (`jtree.sharding.param_rules`) and FLOP counts
-(`jtree.cost.FlopModel.for_config`) follow from the layer choice, per layer kind.
+(`jtree.models.decoder`), and its Hugging Face mapping (`jtree.models.hf_mapping.HfMapping`: config.json
+fields and tensor names). Sharding rules (`jtree.parallel.sharding.param_rules`) and FLOP counts
+(`jtree.layout.flop_model.FlopModel.for_config`) follow from the layer choice, per layer kind.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 
 from flax import nnx
 
-from jtree.hf.spec import HfMapping
+from jtree.models.hf_mapping import HfMapping
 from jtree.models.architectures import qwen3, qwen3_moe, qwen3_next
+from jtree.config.architectures import ARCHITECTURE_CONFIGS, architecture_config
 from jtree.models.decoder import CausalLM
-from jtree.models.runtime import RuntimeConfig
+from jtree.config.runtime import RuntimeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,17 +32,14 @@ class Architecture:
     hf: HfMapping
 
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
-    Architecture("qwen3", qwen3.Qwen3Config, qwen3.HF),
-    Architecture("qwen3_moe", qwen3_moe.Qwen3MoeConfig, qwen3_moe.HF),
-    Architecture("qwen3_next", qwen3_next.Qwen3NextConfig, qwen3_next.HF),
-)}
+ARCHITECTURES: dict[str, Architecture] = {
+    name: Architecture(name, ARCHITECTURE_CONFIGS[name], module.HF)
+    for name, module in (("qwen3", qwen3), ("qwen3_moe", qwen3_moe), ("qwen3_next", qwen3_next))}
 
 
 def architecture(name: str) -> Architecture:
     """The record named `name`."""
-    if name not in ARCHITECTURES:
-        raise ValueError(f"architecture: {name!r} is not one of {sorted(ARCHITECTURES)}")
+    architecture_config(name)  # the one error for an unknown name
     return ARCHITECTURES[name]
 
 

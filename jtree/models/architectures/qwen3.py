@@ -1,49 +1,15 @@
 """Qwen3 (HF `Qwen3ForCausalLM`): the config, its layer choice (attention + dense SwiGLU in every
 layer, RMSNorm) and its Hugging Face config.json mapping and tensor names (every parameter is
-stored under its own name, `jtree.hf.spec.NNX_TO_TORCH`)."""
+stored under its own name, `jtree.models.hf_mapping.NNX_TO_TORCH`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jtree.hf.config_map import REQUIRED, ROPE_KEYS, equals, read_config, rope_theta
-from jtree.hf.spec import NNX_TO_TORCH, HfMapping
-from jtree.models.decoder import DecoderSpec, LayerKind
-
-
-@dataclasses.dataclass(frozen=True)
-class Qwen3Config:
-    """Architecture of a Qwen3 dense model. Field names are Hugging Face's, so that `config.json`
-    maps one to one; how to run the model is `jtree.models.runtime.RuntimeConfig`."""
-
-    vocab_size: int = 512
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    tie_word_embeddings: bool = True
-    attention_bias: bool = False
-    max_position_embeddings: int = 40960
-    initializer_range: float = 0.02
-
-    def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
-
-    def decoder(self) -> DecoderSpec:
-        return DecoderSpec((LayerKind("attention", "mlp"),) * self.num_hidden_layers, "rms",
-                           self.head_dim)
+from jtree.models.hf_config import REQUIRED, ROPE_KEYS, equals, read_config, rope_theta
+from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping
+from jtree.config.architectures import Qwen3Config
 
 
 # ---------------------------------------------------------------------- Hugging Face mapping

@@ -14,51 +14,13 @@ tools read.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jtree.hf.config_map import read_config, renamed, rope_theta
-from jtree.hf.spec import NNX_TO_TORCH, HfMapping, PerExpertRule
+from jtree.models.hf_config import read_config, renamed, rope_theta
+from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping, PerExpertRule
 from jtree.models.architectures import qwen3
-from jtree.models.decoder import DecoderSpec, LayerKind
-from jtree.models.moe import is_moe_layer
-
-
-@dataclasses.dataclass(frozen=True)
-class Qwen3MoeConfig(qwen3.Qwen3Config):
-    """Qwen3 with sparse MoE feed-forward layers.
-
-    The router load-balancing loss is added to the objective (times `router_aux_loss_coef`) only
-    when `output_router_logits` is true, as in HF's `*ForCausalLM.forward`.
-    """
-
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 64
-    norm_topk_prob: bool = False
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    router_aux_loss_coef: float = 0.001
-    output_router_logits: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
-        if not 1 <= self.num_experts_per_tok <= max(self.num_experts, 1):
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
-                             f"[1, num_experts={self.num_experts}]")
-        if self.decoder_sparse_step < 1:
-            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
-
-    def sparse_layers(self) -> list[bool]:
-        """Which decoder layers get a MoE block instead of a dense MLP (HF's rule)."""
-        return [is_moe_layer(i, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
-                for i in range(self.num_hidden_layers)]
-
-    def decoder(self) -> DecoderSpec:
-        return DecoderSpec(tuple(LayerKind("attention", "moe" if sparse else "mlp")
-                                 for sparse in self.sparse_layers()), "rms", self.head_dim)
+from jtree.config.architectures import Qwen3MoeConfig
 
 
 # ---------------------------------------------------------------------- Hugging Face mapping

@@ -21,67 +21,13 @@ transformers' Qwen3-Next has no sliding window.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jtree.hf.config_map import equals, read_config, rope_settings
-from jtree.hf.spec import NNX_TO_TORCH, HfMapping, TensorRule
+from jtree.models.hf_config import equals, read_config, rope_settings
+from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping, TensorRule
 from jtree.models.architectures import qwen3, qwen3_moe
-from jtree.models.decoder import DecoderSpec, LayerKind
-
-LAYER_TYPES = ("linear_attention", "full_attention")
-_MIXERS = {"linear_attention": "gated_deltanet", "full_attention": "gated_attention"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Qwen3NextConfig(qwen3_moe.Qwen3MoeConfig):
-    """Qwen3-Next. `layer_types` defaults to every `full_attention_interval`-th layer being full
-    attention, the rest linear attention (HF's default)."""
-
-    norm_topk_prob: bool = True
-    head_dim: int = 32
-    partial_rotary_factor: float = 0.25
-    linear_conv_kernel_dim: int = 4
-    linear_key_head_dim: int = 16
-    linear_value_head_dim: int = 16
-    linear_num_key_heads: int = 2
-    linear_num_value_heads: int = 4
-    shared_expert_intermediate_size: int = 64
-    full_attention_interval: int = 4
-    layer_types: tuple[str, ...] | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.layer_types is None:
-            types = tuple("full_attention" if (i + 1) % self.full_attention_interval == 0
-                          else "linear_attention" for i in range(self.num_hidden_layers))
-        else:
-            types = tuple(self.layer_types)
-        object.__setattr__(self, "layer_types", types)
-        if len(types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers="
-                             f"{self.num_hidden_layers}")
-        for i, t in enumerate(types):
-            if t not in LAYER_TYPES:
-                raise ValueError(f"layer_types[{i}]: {t!r} is not one of {LAYER_TYPES}")
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(f"linear_num_key_heads ({self.linear_num_key_heads}) must divide "
-                             f"linear_num_value_heads ({self.linear_num_value_heads})")
-        if self.linear_conv_kernel_dim < 1:
-            raise ValueError(f"linear_conv_kernel_dim must be >= 1, got {self.linear_conv_kernel_dim}")
-        if self.rotary_dim % 2 or self.rotary_dim < 2:
-            raise ValueError(f"partial_rotary_factor ({self.partial_rotary_factor}) x head_dim "
-                             f"({self.head_dim}) must give an even rotary dimension >= 2")
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    def decoder(self) -> DecoderSpec:
-        return DecoderSpec(tuple(LayerKind(_MIXERS[t], "moe_shared" if sparse else "mlp")
-                                 for t, sparse in zip(self.layer_types, self.sparse_layers())),
-                           "offset_rms", self.rotary_dim)
+from jtree.config.architectures import Qwen3NextConfig
 
 
 # ---------------------------------------------------------------------- Hugging Face mapping

@@ -1,0 +1,204 @@
+"""Architecture configs: what a Hugging Face config.json holds, and the layer choice it implies.
+
+One frozen dataclass per architecture (field names are Hugging Face's, so config.json maps one to
+one), each with `decoder()`: the kind of every decoder layer (`LayerKind`: token mixer and
+feed-forward) as a `DecoderSpec`. They live with the configs, not with the model code, so that a
+run config is read, the FLOP model counted and the sharding rules chosen without building a model;
+`jtree.models.architectures` pairs each with its module code and Hugging Face name tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple
+
+
+Mixer = Literal["attention", "gated_attention", "gated_deltanet"]
+
+
+FeedForward = Literal["mlp", "moe", "moe_shared"]
+
+
+MIXERS: tuple[Mixer, ...] = ("attention", "gated_attention", "gated_deltanet")
+
+
+FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared")
+
+
+class LayerKind(NamedTuple):
+    """What one decoder layer is made of: its token mixer and its feed-forward."""
+
+    mixer: Mixer
+    ffn: FeedForward
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    """The layer choice of an architecture config: one `LayerKind` per decoder layer, the norm
+    of every layer, head and final output (`jtree.models.layers.NORMS`: Qwen3's RMSNorm or
+    Qwen3-Next's (1 + weight) form) and how many features of each head RoPE rotates."""
+
+    layers: tuple[LayerKind, ...]
+    norm: Literal["rms", "offset_rms"]
+    rotary_dim: int
+
+    def __post_init__(self) -> None:
+        for i, kind in enumerate(self.layers):
+            if kind.mixer not in MIXERS or kind.ffn not in FEED_FORWARDS:
+                raise ValueError(f"layer {i}: {kind} is not a (mixer in {MIXERS}, feed-forward "
+                                 f"in {FEED_FORWARDS}) pair")
+
+    @property
+    def needs_gdn_tables(self) -> bool:
+        """Whether batches need the gated-delta-rule chunk tables (`linearize(gdn_chunk_size=)`):
+        only Gated DeltaNet layers read them."""
+        return any(kind.mixer == "gated_deltanet" for kind in self.layers)
+
+    def kinds(self) -> set[str]:
+        """Every mixer and feed-forward kind some layer uses."""
+        return {kind.mixer for kind in self.layers} | {kind.ffn for kind in self.layers}
+
+
+def is_moe_layer(layer: int, num_experts: int, decoder_sparse_step: int,
+                 mlp_only_layers: tuple[int, ...]) -> bool:
+    """HF's rule for which decoder layers get a sparse MoE block instead of a dense MLP."""
+    return (layer not in mlp_only_layers and num_experts > 0
+            and (layer + 1) % decoder_sparse_step == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Architecture of a Qwen3 dense model. Field names are Hugging Face's, so that `config.json`
+    maps one to one; how to run the model is `jtree.models.runtime.RuntimeConfig`."""
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    max_position_embeddings: int = 40960
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+
+    def decoder(self) -> DecoderSpec:
+        return DecoderSpec((LayerKind("attention", "mlp"),) * self.num_hidden_layers, "rms",
+                           self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeConfig(Qwen3Config):
+    """Qwen3 with sparse MoE feed-forward layers.
+
+    The router load-balancing loss is added to the objective (times `router_aux_loss_coef`) only
+    when `output_router_logits` is true, as in HF's `*ForCausalLM.forward`.
+    """
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if not 1 <= self.num_experts_per_tok <= max(self.num_experts, 1):
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                             f"[1, num_experts={self.num_experts}]")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    def sparse_layers(self) -> list[bool]:
+        """Which decoder layers get a MoE block instead of a dense MLP (HF's rule)."""
+        return [is_moe_layer(i, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
+                for i in range(self.num_hidden_layers)]
+
+    def decoder(self) -> DecoderSpec:
+        return DecoderSpec(tuple(LayerKind("attention", "moe" if sparse else "mlp")
+                                 for sparse in self.sparse_layers()), "rms", self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3NextConfig(Qwen3MoeConfig):
+    """Qwen3-Next. `layer_types` defaults to every `full_attention_interval`-th layer being full
+    attention, the rest linear attention (HF's default)."""
+
+    norm_topk_prob: bool = True
+    head_dim: int = 32
+    partial_rotary_factor: float = 0.25
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    shared_expert_intermediate_size: int = 64
+    full_attention_interval: int = 4
+    layer_types: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_types is None:
+            types = tuple("full_attention" if (i + 1) % self.full_attention_interval == 0
+                          else "linear_attention" for i in range(self.num_hidden_layers))
+        else:
+            types = tuple(self.layer_types)
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers="
+                             f"{self.num_hidden_layers}")
+        for i, t in enumerate(types):
+            if t not in LAYER_TYPES:
+                raise ValueError(f"layer_types[{i}]: {t!r} is not one of {LAYER_TYPES}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_key_heads ({self.linear_num_key_heads}) must divide "
+                             f"linear_num_value_heads ({self.linear_num_value_heads})")
+        if self.linear_conv_kernel_dim < 1:
+            raise ValueError(f"linear_conv_kernel_dim must be >= 1, got {self.linear_conv_kernel_dim}")
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(f"partial_rotary_factor ({self.partial_rotary_factor}) x head_dim "
+                             f"({self.head_dim}) must give an even rotary dimension >= 2")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def decoder(self) -> DecoderSpec:
+        return DecoderSpec(tuple(LayerKind(_MIXERS[t], "moe_shared" if sparse else "mlp")
+                                 for t, sparse in zip(self.layer_types, self.sparse_layers())),
+                           "offset_rms", self.rotary_dim)
+
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+# The `model.architecture` names of run configs and checkpoints, with their config classes
+# (`jtree.models.architectures` adds each one's model code and Hugging Face name tables).
+ARCHITECTURE_CONFIGS: dict[str, type] = {
+    "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "qwen3_next": Qwen3NextConfig}
+
+
+def architecture_config(name: str) -> type:
+    """The config class of architecture `name`."""
+    if name not in ARCHITECTURE_CONFIGS:
+        raise ValueError(f"architecture: {name!r} is not one of {sorted(ARCHITECTURE_CONFIGS)}")
+    return ARCHITECTURE_CONFIGS[name]
+
+
+_MIXERS = {"linear_attention": "gated_deltanet", "full_attention": "gated_attention"}

@@ -1,0 +1,141 @@
+"""The `objective` and `optim` sections: what the step minimizes (SFT, PPO, GSPO; advantages; the
+critic) and the optimizer that follows its gradient. Types only: the losses are
+`jtree.objectives`, the optimizer `jtree.step.optimizer`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
+
+
+Estimator = Literal["given", "grpo", "dr_grpo", "rloo", "tree", "turn"]
+
+
+ESTIMATORS: tuple[str, ...] = get_args(Estimator)
+
+
+Normalization = Literal["seq_mean_token_mean", "seq_mean_token_sum", "token_mean"]
+
+
+NORMALIZATIONS: tuple[str, ...] = get_args(Normalization)
+
+
+CRITIC_SOURCES = ("policy", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    """`objective.critic`: GAE's discount `gamma` and `lam` (lambda), the value loss's weight
+    `value_coef` and clip range `value_clip` (the new value is clipped to old +- value_clip), and
+    where the values come from: `model: head` (a linear value head on the policy trunk) or
+    `model: separate` (a model of its own with a value head, run on the same linearized batch).
+
+    A separate critic's `network` is its model section (`architecture` and that architecture's
+    config fields; unset: the policy's model; the fields given override the policy's config when
+    the architecture is the policy's, else that architecture's defaults; `jtree.config` resolves
+    the mapping into the architecture's config instance) and `init_from` its
+    trunk's starting weights: `policy` (a copy of the policy's starting weights; needs the
+    policy's network), `random` (the seeded init) or a Hugging Face checkpoint directory.
+    `learning_rate`: the peak learning rate of the critic's own parameters (the value head, or
+    the separate critic), on the policy's warmup and decay schedule (unset: the policy's)."""
+
+    gamma: float = 1.0
+    lam: float = 1.0
+    value_coef: float = 0.5
+    value_clip: float = 0.2
+    model: Literal["head", "separate"] = "head"
+    network: Any = None
+    init_from: str = "policy"
+    learning_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}: {getattr(self, name)} is not in [0, 1]")
+        for name in ("value_coef", "value_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: {getattr(self, name)} is negative")
+        if self.model not in ("head", "separate"):
+            raise ValueError(f"model: {self.model!r} is not 'head' (a value head on the policy "
+                             "trunk) or 'separate' (a critic model of its own)")
+        if self.model == "head" and (self.network is not None or self.init_from != "policy"):
+            key = "network" if self.network is not None else "init_from"
+            raise ValueError(f"{key}: only for model: separate (the value head sits on the "
+                             "policy trunk: it has no network or weights of its own to load)")
+        if not (self.network is None or isinstance(self.network, Mapping)
+                or dataclasses.is_dataclass(self.network)):
+            raise ValueError(f"network: expected a mapping (architecture and config fields), "
+                             f"got {type(self.network).__name__}")
+        if self.learning_rate is not None and self.learning_rate <= 0:
+            raise ValueError(f"learning_rate: {self.learning_rate} must be > 0")
+
+    @property
+    def separate(self) -> bool:
+        """Whether the values come from a critic model of its own."""
+        return self.model == "separate"
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        """The Hugging Face checkpoint a separate critic starts from (None: `policy`/`random`)."""
+        return None if self.init_from in CRITIC_SOURCES else self.init_from
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What the step minimizes. `sft`: weighted NLL. `ppo`: clipped token-level surrogate (+ KL,
+    entropy). `gspo`: GSPO's clipped sequence-level surrogate (`jtree.objectives.losses.gspo_loss`; its paper
+    clips at 3e-4 / 4e-4). `advantage`: where the RL objectives' advantages come from
+    (`jtree.objectives.advantages`: the records' own, or computed from their rewards; `turn_discount` is
+    the `turn` estimator's discount over later turns); `critic`: PPO with a value head and
+    per-path GAE instead (`jtree.objectives.critic`). See docs/rl.md.
+
+    `reference`: where the KL term's reference log-probs come from: None reads them from the
+    data, `initial` runs the run's starting weights and a directory runs that Hugging Face
+    checkpoint, on each step's batch (`jtree.training.trainer`; docs/training.md)."""
+
+    kind: Literal["sft", "ppo", "gspo"] = "sft"
+    advantage: Estimator = "given"
+    turn_discount: float = 1.0
+    critic: CriticConfig | None = None
+    normalization: Normalization = "seq_mean_token_mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    logprob_chunk: int = 1024
+    old_logprob_tolerance: float = 1e-3
+    reference: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.critic is not None and self.kind != "ppo":
+            raise ValueError(f"critic: needs kind 'ppo', not {self.kind!r}")
+        if self.critic is not None and self.advantage != "given":
+            raise ValueError(f"advantage: {self.advantage!r} with a critic (the critic's GAE "
+                             "gives the advantages; leave objective.advantage unset)")
+        if not 0.0 <= self.turn_discount <= 1.0:
+            raise ValueError(f"turn_discount: {self.turn_discount} must be in [0, 1]")
+        if self.turn_discount != 1.0 and self.advantage != "turn":
+            raise ValueError(f"turn_discount: {self.turn_discount} discounts the turns of "
+                             f"advantage 'turn', not {self.advantage!r}")
+
+    @property
+    def advantage_estimator(self) -> Estimator | None:
+        """The estimator every tree's advantages come from; None when the objective needs none
+        (SFT) or computes them in the step (a critic's GAE)."""
+        return None if self.kind == "sft" or self.critic is not None else self.advantage
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with global-norm clipping and a warmup + cosine learning-rate schedule."""
+
+    learning_rate: float = 3e-4
+    warmup_steps: int = 10
+    decay_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0

@@ -1,0 +1,220 @@
+"""A whole run config (`TrainConfig`: one section per dataclass) read from YAML with `key.path=value`
+overrides, and the sections that belong to no other layer: data, run, mesh, checkpoints.
+
+The `model` section names its `architecture` (a key of
+`jtree.config.architectures.ARCHITECTURE_CONFIGS`) and is validated against that architecture's
+config class, which holds only Hugging Face config fields; how to run the model (attention kernel,
+dtypes, rematerialization) is the `runtime` section (`jtree.config.runtime.RuntimeConfig`). This
+package imports nothing else of jtree but kernel names: a config is read without loading a step,
+a planner or a model. Checks that need the planner (row ladders) are made where the planner is
+used (`jtree.training`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from jtree.config.model import ModelSpec, critic_network
+from jtree.config.objective import Objective, OptimConfig
+from jtree.config.runtime import RuntimeConfig
+from jtree.config.schema import apply_overrides, from_dict
+
+# The Gated DeltaNet chunk length every GDN table uses unless `data.gdn_chunk_size` says otherwise.
+DEFAULT_CHUNK_SIZE = 64
+# How many row lengths per octave the redundancy-free layout fits part rows to by default.
+ROW_STEPS_PER_OCTAVE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where training trees come from and how they are batched (`jtree.training.pipeline`).
+
+    `format`: `groups` (JSONL, one sequence per line with a group id; one tree per group),
+    `trees` (JSONL, one explicit tree per line) or `chat` (JSONL, `{"messages": [...]}` per line,
+    tokenized with `tokenizer`: `bytes` for the built-in byte tokenizer, else a local
+    tokenizer.json or Hugging Face tokenizer directory). Each step trains on `trees_per_step`
+    trees, spread over the data-parallel shards and `micro_batches` per shard, each micro-batch
+    packed into `rows_per_micro_batch` rows of `seq_len` tokens (None: the fewest rows that hold
+    every step of the run); a tree larger than `seq_len` is cut into parts by `partition_method`
+    (`jtree.partitioning.partition`). `on_bad_record`: `raise` (stop at file:line) or `skip` (count and
+    report). `worker_count` > 0 linearizes in that many grain worker processes. Models with
+    linear-attention layers (Qwen3-Next) get Gated DeltaNet chunk tables with chunks of
+    `gdn_chunk_size` tokens and `gdn_chunks` chunks per row (None: the smallest bucket of
+    `jtree.layout.gdn_tables.default_chunk_count` that holds the step, so a run compiles for a few
+    shapes; fix it to compile once, a step that needs more then fails naming it); other models
+    ignore both. `row_steps_per_octave`: None gives every row `seq_len` tokens; a power of two k
+    lets each step take the shortest row length that holds it in its rows from a ladder of k
+    lengths per octave (multiples of 64; `jtree.layout.planner`): less padding on small steps, up to k
+    row shapes per octave to compile.
+    """
+
+    path: str = "data/sample_groups.jsonl"
+    format: Literal["groups", "trees", "chat"] = "groups"
+    seq_len: int = 1024
+    trees_per_step: int = 8
+    micro_batches: int = 1
+    rows_per_micro_batch: int | None = None
+    shuffle_seed: int = 0
+    partition_method: Literal["heuristic", "dp_single", "dp_multi"] = "heuristic"
+    on_bad_record: Literal["raise", "skip"] = "raise"
+    tokenizer: str = "bytes"
+    worker_count: int = 0
+    gdn_chunk_size: int = DEFAULT_CHUNK_SIZE
+    gdn_chunks: int | None = None
+    row_steps_per_octave: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "trees_per_step", "micro_batches", "gdn_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        if self.rows_per_micro_batch is not None and self.rows_per_micro_batch < 1:
+            raise ValueError(f"rows_per_micro_batch: {self.rows_per_micro_batch} must be >= 1")
+        if self.gdn_chunks is not None and self.gdn_chunks < 1:
+            raise ValueError(f"gdn_chunks: {self.gdn_chunks} must be >= 1")
+        if self.worker_count < 0:
+            raise ValueError(f"worker_count: {self.worker_count} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints (`jtree.training.checkpoint`): saved every `every` steps and at the end into
+    `dir` (None: no checkpoints), the last `keep` kept; `async_save` writes in the background.
+    `on_corrupt`: what `--resume` does when the latest checkpoint is uncommitted, incomplete or
+    unreadable: `fallback` (log it and resume from the newest intact one) or `raise`."""
+
+    dir: str | None = None
+    every: int = 100
+    keep: int = 3
+    async_save: bool = True
+    on_corrupt: Literal["fallback", "raise"] = "fallback"
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.keep < 1:
+            raise ValueError(f"every ({self.every}) and keep ({self.keep}) must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The training run: length, mode, seed, logging.
+
+    `metrics_jsonl`: a file that gets one JSON object per step; `tensorboard_dir`: scalars for
+    TensorBoard (needs the `tensorboardX` package). `mode`: `tree`, `baseline` (every path its own
+    sequence), or `auto`: each step in tree mode unless the cost model predicts a gain below
+    `auto_min_gain` over the baseline, then in baseline mode (same loss either way; the choice and
+    its reason are logged per step), or `redundancy_free`: trees larger than `capacity` tokens
+    (default `data.seq_len`) split into parts that reuse their ancestors' cached prefixes
+    (`jtree.partitioning.redundancy_free`; single device only), `prefix_backward` choosing how a part with children gets
+    its backward (`residuals`, `recompute` or `auto`) and `row_steps_per_octave` how finely part
+    rows are fitted to their tokens (`jtree.partitioning.redundancy_free.layout.row_length`: more steps, less padding,
+    more shapes to compile). `host_malloc`: `keep` makes glibc keep freed
+    host memory so CPU steps stop page-faulting their temporaries every step
+    (`jtree.training.host_allocator`; the process keeps its peak host memory), `default` leaves malloc
+    alone, `auto` keeps it on the CPU backend only. `kill_after_checkpoint`: fault injection for
+    resume tests, the process SIGKILLs itself once the checkpoint of that step is committed.
+    """
+
+    steps: int = 20
+    seed: int = 0
+    mode: Literal["tree", "baseline", "auto", "redundancy_free"] = "tree"
+    auto_min_gain: float = 1.05
+    capacity: int | None = None
+    prefix_backward: Literal["residuals", "recompute", "auto"] = "auto"
+    row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE
+    host_malloc: Literal["auto", "keep", "default"] = "auto"
+    log_every: int = 1
+    compare_baseline: bool = True
+    timing_repeats: int = 5
+    metrics_jsonl: str | None = None
+    tensorboard_dir: str | None = None
+    kill_after_checkpoint: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape: `data` x `fsdp` x `context` x `model` devices; -1 for `data` means all devices
+    left over. `fsdp` > 1 shards parameters and optimizer state over that many data-parallel
+    devices; `context` > 1 splits every row's tokens over that many devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    context: int = 1
+    model: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in ("fsdp", "context", "model"):
+            if getattr(self, axis) < 1:
+                raise ValueError(f"{axis}: {getattr(self, axis)} must be >= 1")
+        if self.data == 0 or self.data < -1:
+            raise ValueError(f"data: {self.data} must be >= 1 or -1 (all remaining devices)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A run config: one section per dataclass. `model` is what the checkpoint holds, `runtime`
+    how it is run (attention kernel, dtypes, remat; never part of a checkpoint's config.json)."""
+
+    model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    objective: Objective = dataclasses.field(default_factory=Objective)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        critic = self.objective.critic
+        if critic is None or not critic.separate:
+            return
+        network = critic_network(self.model, critic)
+        object.__setattr__(self, "objective", dataclasses.replace(
+            self.objective, critic=dataclasses.replace(critic, network=network)))
+
+    @property
+    def critic_model_args(self) -> dict[str, Any]:
+        """`jtree.models.create_model`'s critic arguments for this run: a `value_head` on the
+        policy trunk (`objective.critic.model: head`) or a separate `critic` network."""
+        critic = self.objective.critic
+        return dict(value_head=critic is not None and not critic.separate,
+                    critic=self.critic_network)
+
+    @property
+    def critic_network(self) -> Any:
+        """The separate critic's architecture config (`objective.critic.model: separate`), None
+        without one."""
+        critic = self.objective.critic
+        return critic.network if critic is not None and critic.separate else None
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a YAML config (or start from defaults when `path` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    try:
+        return from_dict(TrainConfig, apply_overrides(data, overrides))
+    except ValueError as e:
+        raise ValueError(f"{path or 'config'}: {e}") from None
+
+
+def config_values(cfg: TrainConfig) -> dict[str, Any]:
+    """Every setting of `cfg` under the dotted key an override names it by (`model.hidden_size`,
+    `data.seq_len`), its value as JSON reads it back (tuples as lists), so a config saved with a
+    checkpoint compares equal to the config that wrote it."""
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(cfg):
+        section = getattr(cfg, field.name)
+        values = dataclasses.asdict(section)
+        if isinstance(section, ModelSpec):  # the architecture's fields sit directly under model.
+            values = {"architecture": section.architecture, "init_from": section.init_from,
+                      "lora": values["lora"], **values["config"]}
+        for key, value in values.items():
+            out[f"{field.name}.{key}"] = json.loads(json.dumps(value))
+    return out

@@ -1,0 +1,94 @@
+"""How a model runs, as opposed to what it is: kernels, dtypes, rematerialization, mesh axes.
+
+An architecture config (`jtree.config.architectures`) holds only what a Hugging Face config.json
+holds; everything here can change between runs of the same checkpoint without changing the
+math beyond rounding, and is never written to or read from config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jtree.kernels import available_impls
+from jtree.kernels.gdn import GDN_SCANS
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+# Activation rematerialization policies by name (`jtree.models.layers.REMAT_POLICIES` maps them
+# to jax checkpoint policies).
+REMAT_POLICY_NAMES = ("none", "full", "dots", "dots_no_batch")
+
+
+EXPERT_DISPATCHES = ("psum", "all_to_all")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """`attention_impl` selects the `jtree.kernels.tree_attention` implementation; `dtype` is the
+    compute dtype and `param_dtype` the storage dtype of the weights. `remat` is the activation
+    rematerialization policy of each decoder layer (`REMAT_POLICIES`, or "none"). `gdn_scan` is how
+    the Gated DeltaNet layers route states over the tree's chunks (`jtree.kernels.gdn.pick_scan`:
+    "sequential", "parallel", or "auto" to pick by the documented rule). `scan_layers` stacks the
+    decoder layers and runs each repeated block of them with one `jax.lax.scan`
+    (`jtree.parallel.layer_stack`), so compile time and program size do not grow with depth; the math is
+    the same, and checkpoints convert between the two layouts when loaded. It lives here, not
+    in the model config, because it does not change the model.
+
+    `tensor_parallel_axis` and `data_parallel_axis` are set by
+    `jtree.step.train_step.sharded_graphdef` for the copy of the model that runs inside
+    `shard_map`: weights are then this device's shard and partial sums are reduced over the
+    tensor-parallel axis, and batch statistics (the MoE router loss) are pooled over the
+    data-parallel axes (every axis the rows are split over: `data` and `fsdp`). Leave them unset
+    everywhere else. (Which weights FSDP gathers is per parameter: Variable metadata, see
+    `jtree.models.layers.fsdp_gathered`.)
+
+    `context_axis` is set by the same function when the mesh splits rows' tokens over its
+    `context` axis (context parallelism, `jtree.parallel.context`): each device then holds a
+    contiguous slice of every row, attention gathers keys and values over the axis, and the
+    data-parallel axes above include it (router statistics are token sums). Token mixers that
+    cannot run on a slice refuse it by name.
+
+    `expert_dispatch` chooses how a MoE block runs its experts under tensor parallelism
+    (`jtree.models.moe`): "psum" routes every token on every device of the model group and sums
+    the partial outputs; "all_to_all" splits the tokens over the group and exchanges the
+    (token, expert) assignments with the devices owning the experts. Same math either way; it
+    changes nothing on one device.
+    """
+
+    attention_impl: str = "auto"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+    gdn_scan: str = "auto"
+    scan_layers: bool = False
+    tensor_parallel_axis: str | None = None
+    data_parallel_axis: str | tuple[str, ...] | None = None
+    context_axis: str | None = None
+    expert_dispatch: str = "psum"
+
+    def __post_init__(self) -> None:
+        for field in ("dtype", "param_dtype"):
+            if getattr(self, field) not in DTYPES:
+                raise ValueError(f"{field}: {getattr(self, field)!r} is not one of {tuple(DTYPES)}")
+        if self.remat not in REMAT_POLICY_NAMES:
+            raise ValueError(f"remat: {self.remat!r} is not one of {REMAT_POLICY_NAMES}")
+        if self.expert_dispatch not in EXPERT_DISPATCHES:
+            raise ValueError(f"expert_dispatch: {self.expert_dispatch!r} is not one of "
+                             f"{EXPERT_DISPATCHES}")
+        if self.gdn_scan not in GDN_SCANS:
+            raise ValueError(f"gdn_scan: {self.gdn_scan!r} is not one of {GDN_SCANS}")
+        if self.attention_impl not in available_impls():
+            raise ValueError(f"attention_impl: {self.attention_impl!r} is not one of "
+                             f"{available_impls()}")
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        return DTYPES[self.param_dtype]

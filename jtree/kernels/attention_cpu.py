@@ -1,0 +1,217 @@
+"""Block-sparse tree attention for the CPU backend: a multi-threaded C++ kernel (XLA FFI).
+
+Same mask, blocks, schedule and layouts as the `xla` kernel (`jtree.kernels.attention_xla`), but the
+per-block work runs in `kernels/cpu/tree_attention.cc` over all cores. XLA:CPU executes a `while`
+loop on one thread, so the `xla` kernel's block loop leaves the other cores idle unless XLA finds
+independent work to overlap (it does in the backward, never in the forward); this kernel splits
+the (q-block, kv-head) items over threads instead. FULL blocks skip the element mask.
+
+The library is compiled on first use with the system C++ compiler (`CXX`, default `g++`) against
+the FFI headers shipped with jaxlib, for this machine (`-march=native`), and cached under
+`$JTREE_KERNEL_CACHE` (default `~/.cache/jtree/kernels`) by a hash of the source, flags, compiler,
+jax version and CPU. Float32 compute (other dtypes are cast in and out); no soft-cap.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtree.kernels.attention_xla import (
+    _blocks, _kv_from_blocks, _kv_to_blocks, _q_from_blocks, _q_to_blocks, default_blocks,
+    flat_kv_lists)
+from jtree.kernels.block_tables import block_tables
+from jtree.kernels.flat_tokens import last_axis_dot
+from jtree.kernels.varying_axes import varying_like
+
+_SOURCE = Path(__file__).with_name("cpu") / "tree_attention.cc"
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++20", "-shared", "-fPIC", "-pthread")
+_FORWARD, _BACKWARD = "jtree_tree_attention_fwd", "jtree_tree_attention_bwd"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("model name", "flags"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compile() -> Path:
+    """The kernel library for this machine: cached, else compiled (atomically, so concurrent
+    processes may race safely)."""
+    cxx = os.environ.get("CXX", "g++")
+    include = jax.ffi.include_dir()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"attention impl 'cpu': needs a C++ compiler ({cxx!r}: {e}); "
+                           "set CXX or use attention impl 'xla'") from None
+    key = hashlib.sha256("\0".join((_SOURCE.read_text(), " ".join(_FLAGS), version, include,
+                                    jax.__version__, _cpu_model())).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("JTREE_KERNEL_CACHE",
+                                Path.home() / ".cache" / "jtree" / "kernels"))
+    lib = cache / f"tree_attention-{key}.so"
+    if lib.exists():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / lib.name
+        done = subprocess.run([cxx, *_FLAGS, "-isystem", include, str(_SOURCE), "-o", str(built)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"attention impl 'cpu': compiling {_SOURCE} failed:\n"
+                               f"{done.stderr[-4000:]}")
+        os.replace(built, lib)
+    return lib
+
+
+def build_error() -> str | None:
+    """Why the kernel cannot run on this machine (no compiler, a failed build), or None when its
+    library is built (now or before): what `auto` asks before choosing this kernel on CPU."""
+    try:
+        _compile()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@functools.cache
+def _register() -> None:
+    """Compile (or find) the library and register its two handlers with XLA, once per process."""
+    import ctypes
+
+    lib = ctypes.cdll.LoadLibrary(str(_compile()))
+    jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(lib.JtreeTreeAttentionForward),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(lib.JtreeTreeAttentionBackward),
+                                platform="cpu")
+
+
+class _Config(NamedTuple):
+    """Static parameters of one call (hashable: a non-differentiable argument)."""
+
+    scale: float
+    block_q: int
+    block_kv: int
+    threads: int
+
+
+class _Schedule(NamedTuple):
+    kv_index: jax.Array  # [rows * nq, L] int32 global kv-block ids
+    kv_kind: jax.Array  # [rows * nq, L] int32 (FULL skips the element mask)
+    count: jax.Array  # [rows * nq] int32
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def tree_attention_cpu(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    end: jax.Array,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    q_pos: jax.Array | None = None,
+    q_real: jax.Array | None = None,
+    threads: int | None = None,
+) -> jax.Array:
+    """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D]; the contract of
+    `jtree.kernels.attention_xla.tree_attention_xla` (S a multiple of the blocks, optional
+    `q_pos`, `q_real`).
+    `threads` defaults to the CPUs this process may use."""
+    if softcap is not None:
+        raise ValueError("attention impl 'cpu': softcap is not supported (use 'xla')")
+    sq, skv = q.shape[1], k.shape[1]
+    if q_pos is None:
+        dq, dk = default_blocks(sq)
+        block_q, block_kv = block_q or dq, block_kv or dk
+    else:
+        block_q, block_kv = _blocks(sq, skv, block_q, block_kv)
+    if sq % block_q or skv % block_kv:
+        raise ValueError(f"cpu tree attention: Sq={sq} must be a multiple of block_q={block_q} "
+                         f"and Skv={skv} of block_kv={block_kv} (tree_attention pads them)")
+    _register()
+    rows = q.shape[0]
+    if q_pos is None:
+        q_pos = (np.broadcast_to(np.arange(sq, dtype=np.int32), (rows, sq))
+                 if isinstance(end, np.ndarray) else
+                 jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (rows, sq)))
+    tables = block_tables(end, block_q, block_kv, q_pos=q_pos, q_real=q_real)
+    lists = flat_kv_lists(tables, skv // block_kv)
+    sched = _Schedule(*(jnp.asarray(x, jnp.int32) for x in lists))
+    cfg = _Config(float(scale), block_q, block_kv, threads or default_threads())
+    out = _attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                     jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32), sched, cfg)
+    return out.astype(q.dtype)
+
+
+def _attrs(cfg: _Config, nk: int) -> dict:
+    return {"scale": np.float32(cfg.scale), "nk_row": np.int64(nk),
+            "threads": np.int64(cfg.threads)}
+
+
+def _block_inputs(q, k, v, end, q_pos, sched: _Schedule, cfg: _Config):
+    hkv = k.shape[2]
+    return (_q_to_blocks(q, hkv, cfg.block_q), _kv_to_blocks(k, cfg.block_kv),
+            _kv_to_blocks(v, cfg.block_kv), end.reshape(-1, cfg.block_kv),
+            q_pos.reshape(-1, cfg.block_q), sched.kv_index, sched.kv_kind, sched.count)
+
+
+def _forward(q, k, v, end, q_pos, sched: _Schedule, cfg: _Config):
+    args = _block_inputs(q, k, v, end, q_pos, sched, cfg)
+    qb = args[0]
+    out, lse = jax.ffi.ffi_call(_FORWARD, (jax.ShapeDtypeStruct(qb.shape, jnp.float32),
+                                           jax.ShapeDtypeStruct(qb.shape[:3], jnp.float32)))(
+        *args, **_attrs(cfg, k.shape[1] // cfg.block_kv))
+    out, lse = varying_like((out, lse), *args)  # inside shard_map: per-device like the inputs
+    return _q_from_blocks(out, q.shape[0], q.shape[2], cfg.block_q), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, end, q_pos, sched, cfg):
+    return _forward(q, k, v, end, q_pos, sched, cfg)[0]
+
+
+def _attention_fwd(q, k, v, end, q_pos, sched, cfg):
+    out, lse = _forward(q, k, v, end, q_pos, sched, cfg)
+    return out, (q, k, v, end, q_pos, sched, out, lse)
+
+
+def _attention_bwd(cfg, residuals, d_out):
+    q, k, v, end, q_pos, sched, out, lse = residuals
+    rows, _, hq, _ = q.shape
+    hkv = k.shape[2]
+    args = _block_inputs(q, k, v, end, q_pos, sched, cfg)
+    delta = last_axis_dot(d_out, out)
+    args += (_q_to_blocks(d_out, hkv, cfg.block_q), lse, _q_to_blocks(delta, hkv, cfg.block_q))
+    grads = jax.ffi.ffi_call(_BACKWARD, (jax.ShapeDtypeStruct(args[0].shape, jnp.float32),
+                                         jax.ShapeDtypeStruct(args[1].shape, jnp.float32),
+                                         jax.ShapeDtypeStruct(args[1].shape, jnp.float32)))(
+        *args, **_attrs(cfg, k.shape[1] // cfg.block_kv))
+    dq, dk, dv = varying_like(grads, *args)
+    return (_q_from_blocks(dq, rows, hq, cfg.block_q), _kv_from_blocks(dk, rows),
+            _kv_from_blocks(dv, rows), None, None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

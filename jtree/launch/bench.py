@@ -1,0 +1,455 @@
+"""End-to-end speedup of tree training over the per-branch baseline (not a test).
+
+For every workload, the tree step and the baseline step (`jtree.layout.baseline`: every path its own
+packed sequence, through the same linearization, model, attention kernel family and loss code)
+run on the same trees, with the same model config, in one process: both compiled and run once, then
+alternating runs, medians. Measured the way docs/design.md section 8 (and the seeds) define it:
+
+- POR, token bound N_flat / N_computed, ideal speedup FLOPs_baseline / FLOPs_tree (`jtree.layout.flop_model`:
+  per computed token, per visible (query, key) pair, per scored token), realized speedup (median
+  over rounds of baseline step time / tree step time, wall clock, each tree run paired with the
+  baseline run of its round, the two in shuffled order; the range of the pair ratios shows the
+  noise), efficiency = realized / ideal, and the same from the process CPU time of the steps
+  (less sensitive to other jobs taking the cores of a shared machine);
+- host preparation (partitioning, packing, linearization, transfer; from trees whose cached
+  layouts are cold) vs the device step, and host tokens/s;
+- padding of each layout, and peak step memory of each mode from XLA's compiled memory analysis
+  (arguments + outputs + temporaries of the jitted step; not a process RSS);
+- the automatic mode choice (`jtree.layout.flop_model.choose_mode`) for the batch, and its predicted gain.
+
+Batches: exactly the trainer's. `prepare` builds both modes' step through `jtree.training.pipeline.step_builder`
+(what the trainer, `jtree.training.run_data`, trains with) for a run whose one step holds the workload's trees: one data
+shard, one micro-batch, the fewest rows of S that hold the step (`rows_for_run`), and row lengths
+from `data.row_steps_per_octave` = `ROW_STEPS_PER_OCTAVE` (each step packs at the shortest length
+of the ladder that fits those rows; `jtree.layout.planner`), so its speedups are the trainer's.
+
+Workloads: synthetic trees with POR 0 / 0.3 / 0.5 / 0.7 / 0.9 at a constant flat-token count and
+path length (`jtree.trees.synthetic.por_forest`) on a projection-dominated model (S = 4096) and an
+attention-heavy one (S = 16384); agent-rollout trees (`jtree.trees.synthetic.agent_rollout_group`: long
+shared system prompt, parallel tool calls, think-mode branches) on both; chat conversations
+(`jtree.trees.synthetic.chat_record`) through the chat ingestion path (`jtree.trees.chat`, byte tokenizer).
+
+Step size. A step also pays costs that do not shrink with its tokens (the AdamW update of all
+parameters, per-op dispatch, loss set-up): the "fixed s" column times the same step on one 64-token
+row, an upper bound of that cost. The FLOP ideal leaves it out, and at high POR the tree step is
+small: with fixed cost F and token work T in the baseline step, a 10x ideal can at best realize
+(T + F) / (T / 10 + F). Real steps hold 10^5+ tokens, where F vanishes; a bench step must be
+small enough for this 2-core CPU. The proj synthetic workloads hold `PROJ_FLAT_TOKENS` = 12288
+flat tokens (24 paths of 512; the tree step at POR 0.9 holds 1229 tokens, a baseline step
+10-15 s here), twice the first version's 6144, where the fixed cost was 12-35% of the 614-token
+tree step at POR 0.9 (efficiency 0.87 there vs 0.99 at 4x the tokens). 4x would keep the
+proj workloads alone above 15 minutes here; with 2x, `make bench` took 1423 s at load 6-8
+(limit 30 minutes). The count is the same at every POR (the issue's rule), so the baseline step is the same
+size across POR and only the tree step shrinks. The attn workloads' steps are 32768 flat tokens
+already.
+
+Host memory. XLA:CPU mallocs a step's temporaries (hundreds of MiB) and frees them after it;
+glibc maps them fresh every step, so each step page-faults and zeroes all of them again (~0.3 s
+per 560 MiB here, a cost of memory, not FLOPs; device allocators cache). The bench therefore
+calls `jtree.training.host_allocator.keep_freed_memory` first (`--host-malloc default` to measure without
+it) and records each mode's minor page faults per step.
+
+    PYTHONPATH=. python -m jtree.launch.bench                 # everything (`make bench`), ~9 min idle here
+    PYTHONPATH=. python -m jtree.launch.bench --only proj     # workloads whose name contains "proj"
+    PYTHONPATH=. python -m jtree.launch.bench --attention xla # both modes on the plain-XLA kernel
+    PYTHONPATH=. python -m jtree.launch.bench --quick         # two tiny workloads (a smoke run)
+
+Attention kernel: `cpu` by default (`jtree.kernels.attention_cpu`, the block schedule over all cores);
+XLA:CPU runs the `xla` kernel's block loop on one thread, which cost the tree step, with its larger
+attention share, more than the baseline (README, "How the last 5% was closed").
+
+Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.png
+(`jtree.launch.harness`; `--out` picks the folder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jtree.trees.chat import ByteTokenizer, conversation_tree
+from jtree.config import DataConfig
+from jtree.layout.flop_model import FlopModel, Work, choose_mode, ideal_speedup, tree_work
+from jtree.training.pipeline import step_builder, step_indices
+from jtree.models import CausalLM
+from jtree.config.architectures import Qwen3Config
+from jtree.config.runtime import RuntimeConfig
+from jtree.layout.planner import StepPlan
+from jtree.trees.synthetic import AgentShape, agent_rollout_group, chat_record, por_forest, por_tree
+from jtree.config.objective import Objective, OptimConfig
+from jtree.step.train_step import TrainState, make_optimizer, make_train_step
+from jtree.trees.tree import TrajectoryTree
+from jtree.kernels.attention_xla import default_blocks, schedule_work
+from jtree.kernels.block_tables import EMPTY, FULL, classify_blocks, round_up_to_blocks
+from jtree.launch.harness import (
+    Column, CompiledMemory, Output, add_attention_flag, add_host_malloc_flag, alternate,
+    apply_host_malloc, bench_parser, figure, machine, markdown_table,
+)
+
+SHAPES = {
+    # Projections and MLP dominate: hidden 256, MLP 1024, 4 layers, paths of ~512 tokens.
+    "proj": Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=1024,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64),
+    # Attention dominates: hidden 64, one 64-wide head, rows of 16k, paths of ~2.7k tokens.
+    "attn": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                        head_dim=64),
+    # --quick: a one-layer model small enough that a workload runs in seconds (a smoke run).
+    "tiny": Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+}
+AUTO_MIN_GAIN = 1.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    shape: str
+    seq_len: int
+    make_trees: Callable[[], list[TrajectoryTree]]  # deterministic: cold trees on every call
+
+
+def _synthetic(shape: str, seq_len: int, flat: int, path_len: int, por: float) -> Workload:
+    vocab = SHAPES[shape].vocab_size
+
+    def make() -> list[TrajectoryTree]:
+        return por_forest(np.random.default_rng(int(por * 100)), flat, por, path_len=path_len,
+                          max_tree_tokens=seq_len, vocab_size=vocab, trained_fraction=0.5)
+
+    return Workload(f"{shape}/synthetic POR {por:.1f}", shape, seq_len, make)
+
+
+def _agent(shape: str, seq_len: int, n_trees: int, agent: AgentShape) -> Workload:
+    def make() -> list[TrajectoryTree]:
+        rng = np.random.default_rng(7)
+        return [agent_rollout_group(rng, agent) for _ in range(n_trees)]
+
+    return Workload(f"{shape}/agent", shape, seq_len, make)
+
+
+def _chat(shape: str, seq_len: int, n_records: int) -> Workload:
+    def make() -> list[TrajectoryTree]:
+        rng = np.random.default_rng(11)
+        tok = ByteTokenizer()
+        return [conversation_tree(chat_record(rng, system_words=80, turns=3, user_words=20,
+                                              assistant_words=30, tool_words=40,
+                                              reasoning_words=40), tok, where=f"chat {i}",
+                                  vocab_size=SHAPES[shape].vocab_size)
+                for i in range(n_records)]
+
+    return Workload(f"{shape}/chat", shape, seq_len, make)
+
+
+PROJ_FLAT_TOKENS = 12288  # see the module docstring: why a step of this size
+
+
+def workloads(quick: bool = False) -> list[Workload]:
+    """The bench's workloads; `quick`: two tiny synthetic ones (768 flat tokens each)."""
+    if quick:
+        return [_synthetic("tiny", 256, 768, 96, p) for p in (0.3, 0.7)]
+    out = [_synthetic("proj", 4096, PROJ_FLAT_TOKENS, 512, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
+    out += [_synthetic("attn", 16384, 32768, 2730, p) for p in (0.0, 0.3, 0.5, 0.7, 0.9)]
+    out.append(_agent("proj", 4096, 1, AgentShape(vocab_size=2048, system_len=500, task_len=80,
+                                                  turns=3, assistant_len=60, tool_len=100,
+                                                  rollouts=6, think_len=60)))
+    out.append(_agent("attn", 16384, 1, AgentShape(vocab_size=512, system_len=2000,
+                                                   task_len=200, turns=3, assistant_len=200,
+                                                   tool_len=400, rollouts=6, think_len=150)))
+    out.append(_chat("proj", 8192, 2))
+    return out
+
+
+# ----------------------------------------------------------------------------- one mode's batch
+
+
+ROW_STEPS_PER_OCTAVE = 32  # the trainer's data.row_steps_per_octave the bench runs with
+BATCHES = (f"times the trainer's batches (jtree.training.pipeline.step_builder: 1 data shard x 1 micro-batch, "
+           f"rows_for_run rows, data.row_steps_per_octave={ROW_STEPS_PER_OCTAVE})")
+
+
+@dataclasses.dataclass
+class Prepared:
+    inputs: dict[str, jax.Array]
+    plan: StepPlan
+    end: np.ndarray  # [micro_batches, rows, S] attention ends (the block statistics read them)
+    work: Work  # what the step's units need, padding excluded
+
+
+def prepare(trees: Sequence[TrajectoryTree], mode: str, seq_len: int,
+            row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE) -> Prepared:
+    """What the trainer's host does before a step, through the trainer's own builder
+    (`jtree.training.pipeline.step_builder`, as `jtree.training.run_data` calls it): a run whose one step holds all
+    `trees` on one data shard, one micro-batch, rows from `rows_for_run`, row lengths from
+    `row_steps_per_octave` steps per octave; units (parts of trees larger than a row, or paths),
+    the step's plan, linearized arrays on the device."""
+    data = DataConfig(seq_len=seq_len, trees_per_step=len(trees),
+                      row_steps_per_octave=row_steps_per_octave)
+    builder = step_builder(trees, data, mode, normalization=Objective().normalization,
+                           n_shards=1, shards=(0,), steps=1)
+    indices = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)[0]
+    plan = builder.plan(indices)
+    inputs = builder.build(indices, plan)["inputs"]
+    units = [u for i in indices for u in builder.units[int(i)]]
+    return Prepared(jax.device_put(inputs), plan, inputs.mask.end, tree_work(units)[0])
+
+
+def block_stats(ends: Sequence[np.ndarray], work: Work) -> dict[str, float]:
+    """Attention blocks of the block-sparse kernels' default size (`xla` and `cpu` share it): non-empty and full block counts, the
+    blocks its schedule computes per non-empty block, and the visible pairs per computed pair."""
+    nonempty = full = computed = computed_pairs = 0
+    for end in ends:
+        block_q, block_kv = default_blocks(end.shape[1])
+        s = round_up_to_blocks(end.shape[1], block_q, block_kv)
+        padded = np.concatenate([end, np.arange(end.shape[1], s, dtype=np.int32)[None]
+                                 .repeat(end.shape[0], 0) + 1], axis=1)
+        classes = classify_blocks(padded, block_q, block_kv)
+        nonempty += int((classes != EMPTY).sum())
+        full += int((classes == FULL).sum())
+        blocks = schedule_work(padded, block_q=block_q, block_kv=block_kv)[0]
+        computed += blocks
+        computed_pairs += blocks * block_q * block_kv
+    return {"nonempty_blocks": nonempty, "full_fraction": full / max(nonempty, 1),
+            "computed_per_nonempty": computed / max(nonempty, 1),
+            "pair_efficiency": work.pairs / max(computed_pairs, 1)}
+
+
+def host_seconds(workload: Workload, mode: str, repeats: int) -> float:
+    """Median host preparation time from freshly built trees (no cached layouts)."""
+    times = []
+    for _ in range(repeats):
+        trees = workload.make_trees()
+        t0 = time.perf_counter()
+        prepared = prepare(trees, mode, workload.seq_len)
+        jax.block_until_ready(prepared.inputs)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def fixed_cost_inputs(cfg: Qwen3Config) -> Prepared:
+    """A step on one row of 64 tokens (one path): what a step costs with (almost) no tokens, i.e.
+    an upper bound of its fixed cost (optimizer update, per-op dispatch, loss set-up; it still
+    holds 64 tokens of work)."""
+    tree = por_tree(np.random.default_rng(0), 64, 1, 0.0, vocab_size=cfg.vocab_size)
+    return prepare([tree], "tree", 64)
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: int,
+            max_reps: int, budget_s: float) -> tuple[dict[str, Any], TrainState]:
+    """One workload: compile both steps (memory from the compiled executables), one warm-up run
+    each, then rounds of one tree run, one baseline run and one step on one 64-token row (the
+    fixed cost, `fixed_cost_inputs`) in shuffled order (at least `min_reps` rounds, more while
+    `budget_s` lasts, at most `max_reps`), then host preparation timed from cold trees."""
+    cfg = SHAPES[workload.shape]
+    trees = workload.make_trees()
+    stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
+    prep = {mode: prepare(trees, mode, workload.seq_len) for mode in ("tree", "baseline")}
+    fm = FlopModel.for_config(cfg)
+    work = {m: p.work for m, p in prep.items()}
+    tree_w, base_w = work["tree"], work["baseline"]
+    plans = {m: p.plan for m, p in prep.items()}
+    choice = choose_mode(fm, trees, tree_tokens=plans["tree"].n_rows * plans["tree"].row_len,
+                         baseline_tokens=plans["baseline"].n_rows * plans["baseline"].row_len,
+                         min_gain=AUTO_MIN_GAIN)
+    prep["fixed"] = fixed_cost_inputs(cfg)
+    memory, compile_s, runs = {}, {}, {}
+    loop = StepLoop(state)
+    for mode in ("tree", "baseline", "fixed"):
+        t0 = time.perf_counter()
+        compiled = step.lower(state, prep[mode].inputs).compile()
+        compile_s[mode] = time.perf_counter() - t0
+        memory[mode] = CompiledMemory.of(compiled).peak_bytes
+        runs[mode] = loop.run(compiled, prep[mode].inputs)
+    timings = alternate(runs, min_reps, max_rounds=max_reps, budget_s=budget_s)
+    times = timings.wall
+    host = {mode: host_seconds(workload, mode, 3) for mode in ("tree", "baseline")}
+    device = {mode: timings.median(mode) for mode in times}
+    # Each ratio compares a tree run with the baseline run of the same round (same load on a
+    # shared machine); their median is the realized speedup (the ratio of the medians is kept too).
+    pair_ratios = timings.ratios("baseline", "tree")
+    realized = timings.ratio("baseline", "tree")
+    realized_cpu = timings.ratio("baseline", "tree", cpu=True)
+    ideal = ideal_speedup(fm, tree_w, base_w)
+    fixed = device["fixed"]
+    row = {
+        "workload": workload.name, "shape": workload.shape, "seq_len": workload.seq_len,
+        "n_trees": len(trees), "n_paths": stats.n_paths, "por": stats.por,
+        "n_flat_tokens": base_w.tokens, "n_computed_tokens": tree_w.tokens,
+        "token_bound": base_w.tokens / tree_w.tokens, "ideal_speedup": ideal,
+        "realized_speedup": realized, "efficiency": realized / ideal,
+        "ratio_of_medians": device["baseline"] / device["tree"],
+        "ratio_spread": [float(pair_ratios.min()), float(pair_ratios.max())],
+        "realized_speedup_cpu_time": realized_cpu, "efficiency_cpu_time": realized_cpu / ideal,
+        "fixed_s": fixed, "fixed_times_s": times["fixed"],
+        "fixed_share_tree": fixed / device["tree"],
+        "repeats": timings.rounds,
+        "flop_shares_tree": fm.shares(tree_w), "flop_shares_baseline": fm.shares(base_w),
+        "auto_mode": choice.mode, "auto_predicted_gain": choice.predicted_gain,
+        "auto_reason": choice.reason,
+    }
+    for mode, key in (("tree", "tree"), ("baseline", "base")):
+        p, w = plans[mode], work[mode]
+        blocks = block_stats(list(prep[mode].end), w)
+        row.update({
+            f"{key}_device_s": device[mode], f"{key}_host_s": host[mode],
+            f"{key}_host_fraction": host[mode] / (host[mode] + device[mode]),
+            f"{key}_host_tokens_per_s": w.tokens / host[mode],
+            f"{key}_rows": p.n_rows, f"{key}_row_len": p.row_len,
+            f"{key}_padding": p.padding_fraction,
+            f"{key}_scored": w.scored, f"{key}_pairs": w.pairs,
+            f"{key}_peak_mib": memory[mode] / 2**20, f"{key}_compile_s": compile_s[mode],
+            f"{key}_times_s": times[mode], f"{key}_cpu_s": timings.cpu[mode],
+            f"{key}_minor_faults": int(np.median(timings.faults[mode])),
+            **{f"{key}_{k}": v for k, v in blocks.items()},
+        })
+    return row, loop.state
+
+
+class StepLoop:
+    """Runs compiled train steps that donate their state, carrying the updated state from one
+    call to the next (whatever step ran last)."""
+
+    def __init__(self, state: TrainState):
+        self.state = state
+
+    def run(self, compiled: Callable, inputs: dict[str, jax.Array]) -> Callable[[], Any]:
+        """A call of `compiled` on `inputs` and the current state; returns the step's metrics."""
+        def call() -> Any:
+            self.state, metrics = compiled(self.state, inputs)
+            return metrics
+        return call
+
+
+def make_step(cfg: Qwen3Config, attention: str) -> tuple[Callable, TrainState]:
+    """The jitted train step of `cfg`'s model with the `attention` kernel (both modes use it)."""
+    model = CausalLM(cfg, RuntimeConfig(attention_impl=attention), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    optimizer = make_optimizer(OptimConfig(learning_rate=1e-4))
+    state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+    step = jax.jit(make_train_step(graphdef, optimizer, Objective()), donate_argnums=0)
+    return step, state
+
+
+# ----------------------------------------------------------------------------- reporting
+
+COLUMNS = (
+    Column("workload", "workload"), Column("POR", "por", "{:.2f}"),
+    Column("ideal", "ideal_speedup", "{:.2f}"), Column("token bound", "token_bound", "{:.2f}"),
+    Column("realized", "realized_speedup", "{:.2f}"),
+    Column("run-pair range", "ratio_spread", "{0[0]:.2f}-{0[1]:.2f}"),
+    Column("efficiency", "efficiency", "{:.2f}"),
+    Column("efficiency (CPU time)", "efficiency_cpu_time", "{:.2f}"),
+    Column("tree s", "tree_device_s", "{:.2f}"), Column("baseline s", "base_device_s", "{:.2f}"),
+    Column("fixed s", "fixed_s", "{:.3f}"), Column("fixed / tree", "fixed_share_tree", "{:.1%}"),
+    Column("tree host", "tree_host_fraction", "{:.1%}"),
+    Column("base host", "base_host_fraction", "{:.1%}"),
+    Column("tree pad", "tree_padding", "{:.1%}"), Column("base pad", "base_padding", "{:.1%}"),
+    Column("tree MiB", "tree_peak_mib", "{:.0f}"), Column("base MiB", "base_peak_mib", "{:.0f}"),
+    Column("auto", "auto_mode"),
+)
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    return markdown_table(rows, COLUMNS)
+
+
+def plot(rows: Sequence[dict[str, Any]]) -> Any:
+    """Realized speedups (and the FLOP ideal of the synthetic workloads) against POR."""
+    fig, ax = figure(1, (7.5, 5))
+    por = np.linspace(0, 0.92, 200)
+    ax.plot(por, 1 / (1 - por), color="0.6", ls="--", label="token bound 1/(1-POR)")
+    styles = zip(("tab:blue", "tab:red", "tab:green"), ("o", "s", "^"))
+    for shape, (color, marker) in zip(SHAPES, styles):
+        sel = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["por"])
+        if not sel:
+            continue
+        synth = [r for r in sel if "synthetic" in r["workload"]]
+        if synth:
+            ax.plot([r["por"] for r in synth], [r["ideal_speedup"] for r in synth], color=color,
+                    lw=1, label=f"{shape}: ideal (FLOPs)")
+        ax.scatter([r["por"] for r in sel], [r["realized_speedup"] for r in sel], color=color,
+                   marker=marker, zorder=3, label=f"{shape}: realized")
+        for r in sel:
+            if "synthetic" not in r["workload"]:
+                ax.annotate(r["workload"].split("/")[1], (r["por"], r["realized_speedup"]),
+                            textcoords="offset points", xytext=(5, -10), fontsize=8)
+    ax.set_xlabel("POR (fraction of flat tokens that are shared repeats)")
+    ax.set_ylabel("speedup over the per-branch baseline")
+    ax.set_title("jtree tree vs baseline training step (CPU, medians of alternating runs)")
+    ax.set_yscale("log")
+    ax.set_yticks([1, 2, 3, 5, 10])
+    ax.set_yticklabels(["1", "2", "3", "5", "10"])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def write(out: Path, info: str, rows: Sequence[dict[str, Any]], wall: float) -> list[Path]:
+    """out/bench.json (rows, machine, model shapes), out/bench.md (the table), out/bench.png."""
+    return Output(out, "bench").write(
+        {"machine": info, "wall_s": wall, "rows": rows,
+         "shapes": {k: dataclasses.asdict(v) for k, v in SHAPES.items()}},
+        table=f"machine: {info}; wall {wall:.0f} s\n\n{table(rows)}", fig=plot(rows), dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = bench_parser(__doc__, repeats=None,
+                          quick="two tiny workloads, one timed round each (a smoke run)")
+    parser.add_argument("--only", default="", help="run workloads whose name contains this")
+    parser.add_argument("--min-reps", type=int, default=4)
+    parser.add_argument("--max-reps", type=int, default=7)
+    parser.add_argument("--budget", type=float, default=20.0,
+                        help="seconds of alternating runs per workload after the minimum")
+    parser.add_argument("--total-budget", type=float, default=1200.0,
+                        help="seconds for the whole run: later workloads get fewer repeats "
+                             "(never below --min-reps) when earlier ones ran long")
+    add_host_malloc_flag(parser)
+    add_attention_flag(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.min_reps, args.max_reps, args.budget = 1, 1, 0.0
+    kept = apply_host_malloc(args)
+    out = Path(args.out)
+    info = (f"{machine()}, host malloc {'keeps freed memory' if kept else 'default'}, "
+            f"attention kernel {args.attention}; {BATCHES}")
+    print(f"machine: {info}", flush=True)
+    steps: dict[str, tuple[Callable, TrainState]] = {}
+    rows = []
+    t_all = time.perf_counter()
+    chosen = [w for w in workloads(args.quick) if args.only in w.name]
+    for i, w in enumerate(chosen):
+        if w.shape not in steps:
+            steps[w.shape] = make_step(SHAPES[w.shape], args.attention)
+        step, state = steps[w.shape]
+        t0 = time.perf_counter()
+        left = args.total_budget - (time.perf_counter() - t_all)
+        budget = min(args.budget, max(0.0, left / (len(chosen) - i) - 30.0))
+        row, state = measure(w, step, state, min_reps=args.min_reps, max_reps=args.max_reps,
+                             budget_s=budget)
+        steps[w.shape] = (step, state)
+        rows.append(row)
+        print(f"{w.name}: POR {row['por']:.2f}, ideal {row['ideal_speedup']:.2f}x, realized "
+              f"{row['realized_speedup']:.2f}x (pairs {row['ratio_spread'][0]:.2f}-"
+              f"{row['ratio_spread'][1]:.2f}, {row['repeats']} reps), efficiency "
+              f"{row['efficiency']:.2f}; tree {row['tree_device_s']:.2f} s, baseline "
+              f"{row['base_device_s']:.2f} s; auto: {row['auto_reason']} "
+              f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+        written = write(out, info, rows, time.perf_counter() - t_all)  # after every workload
+    print(table(rows))
+    print(f"wrote {', '.join(map(str, written))} ({time.perf_counter() - t_all:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""A step's layout on the host: the planner, DFS linearization, the typed device batch, the per-path baseline layout, micro-batches, bin packing, data-parallel balancing, GDN chunk tables, context-parallel rows, the FLOP model and the loss coefficients. Numpy only, above trees."""

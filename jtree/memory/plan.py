@@ -1,0 +1,195 @@
+"""Per-device memory of a config's train step, at full depth, from a compile at reduced depth.
+
+A full-depth compile of a pod-sized model on a CPU host is what this avoids (minutes to hours per
+config, and it grows with depth), so the plan takes each number from where it is exact or cheap:
+
+- **Parameters, gradients, optimizer state, batch inputs**: exact bytes of one device's shard of
+  every array, from the step's argument shardings at full depth (`jax.ShapeDtypeStruct`s, nothing
+  allocated). The gradient accumulator holds one gradient per trainable parameter in the
+  parameter dtype, sharded like the parameter.
+- **Activations and temporaries**: XLA's own buffer assignment (`compiled.memory_analysis()`) of
+  the real sharded step compiled on this host at two reduced depths, with the target's mesh (so
+  every per-device shape is the target's), `seq_len`, `micro_batches` and remat policy. XLA's
+  temporaries contain the gradient accumulator; its exact bytes are subtracted first, leaving
+  T(L). The rule: T(L) = a + b * L, linear in the number of repeated layer blocks, fitted through
+  the two compiled depths. `b * L` are the **activations** each layer keeps for the backward
+  (its remat residuals and saved inputs: they are live together at the end of the forward);
+  `a` is the **largest temporary** that does not grow with depth: the working set of the one layer
+  being recomputed and differentiated, the logits and loss, the optimizer update.
+  A block is the smallest repeating run of layer kinds (1 layer for a dense or MoE model, 3 Gated
+  DeltaNet + 1 attention layers for Qwen3-Next), so each compiled depth holds whole blocks.
+  `tests/train/test_memory_plan.py` checks the rule against an actual compile at a third depth.
+  The depths compile what the config runs. With `runtime.scan_layers` they are 2 and 3 blocks,
+  each a real scan over its blocks (a stack of one block is not scanned, so 1 block would be a
+  different program), so each layer's recomputation and gradient happen inside its own backward
+  iteration as at full depth. Unscanned configs compile 1 and 2 blocks, unrolled: there XLA may
+  schedule one layer's recomputation next to another's (docs/memory.md), as it may at full depth.
+  A scanned compile costs the same at any depth, so the upper depth may be the full one
+  (`depth_blocks=(2, layers // block)`): the total is then the full-depth compile's, where the
+  default depths can understate it at long `seq_len` (docs/memory.md has the checks).
+
+The compile runs for this host's backend, so its buffer assignment is XLA:CPU's: fusion and
+scheduling differ on a GPU or TPU, so `T` is an estimate of the accelerator's, not a measurement
+of it. One CPU lowering would distort it beyond that: `jax.lax.ragged_dot` (the MoE experts)
+expands densely to [groups, rows, features] on CPU only, so the step is compiled with a grouped
+lowering of the accelerators' buffer sizes (`jtree.memory.grouped_matmul_lowering`). Everything except
+`T` is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from jtree.memory.step_shapes import abstract_step_args
+from jtree.config import TrainConfig, load_config
+from jtree.memory.grouped_matmul_lowering import grouped_matmul_lowering
+from jtree.models.lora import trainable
+from jtree.parallel.sharding import describe_mesh
+from jtree.training.trainer import Trainer
+
+GIB = 1024**3
+# The depths compiled by default, in repeated layer blocks: a scan needs two repeats or more.
+SCANNED_DEPTHS, UNROLLED_DEPTHS = (2, 3), (1, 2)
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes one device holds of `tree`'s sharded `jax.ShapeDtypeStruct`s (each array's shard)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.tree_util.tree_leaves(tree))
+
+
+def layer_block(layer_types: Sequence[str] | None) -> int:
+    """Layers in the smallest run of layer kinds that repeats to give `layer_types` (1 when the
+    architecture has one kind)."""
+    types = tuple(layer_types or ("layer",))
+    return next(p for p in range(1, len(types) + 1)
+                if len(types) % p == 0 and types == types[:p] * (len(types) // p))
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One compile of the step at `layers` layers: XLA's temporaries minus the gradient
+    accumulator (`activations_and_temps`), and how long tracing and compiling took."""
+
+    layers: int
+    activations_and_temps: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device bytes of a config's train step at full depth (see the module docstring)."""
+
+    config: str
+    mesh: str
+    layers: int
+    block: int
+    seq_len: int
+    micro_batches: int
+    rows: int
+    remat: str
+    scanned: bool
+    params: int
+    grads: int
+    opt_state: int
+    inputs: int
+    activations: int
+    largest_temporary: int
+    compiled: tuple[Compiled, ...]
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.opt_state + self.inputs + self.activations
+                + self.largest_temporary)
+
+    def fits(self, device_gib: float) -> bool:
+        return self.total <= device_gib * GIB
+
+    def report(self, device_gib: float) -> str:
+        """The plan as printed by `python -m jtree.launch.memory_plan`."""
+        gib = lambda n: f"{n / GIB:9.2f} GiB"  # noqa: E731
+        blocks = self.layers // self.block
+        unit = "layer" if self.block == 1 else f"block of {self.block} layers"
+        slope = self.activations / blocks
+        depths = " and ".join(f"{c.layers} ({c.seconds:.0f} s)" for c in self.compiled)
+        free = device_gib * GIB - self.total
+        lines = [
+            f"memory plan: {self.config}, mesh {self.mesh}, {self.layers} layers, seq_len "
+            f"{self.seq_len}, micro_batches {self.micro_batches}, {self.rows} row(s) per "
+            f"micro-batch per device, remat {self.remat}",
+            f"  parameters         {gib(self.params)}",
+            f"  gradients          {gib(self.grads)}",
+            f"  optimizer state    {gib(self.opt_state)}",
+            f"  batch inputs       {gib(self.inputs)}",
+            f"  activations        {gib(self.activations)}  ({blocks} x {slope / GIB:.3f} GiB "
+            f"per {unit})",
+            f"  largest temporary  {gib(self.largest_temporary)}",
+            f"  total              {gib(self.total)}  per device: "
+            + (f"fits {device_gib:g} GiB ({free / GIB:.2f} GiB free)" if free >= 0 else
+               f"does NOT fit {device_gib:g} GiB ({-free / GIB:.2f} GiB over)"),
+            f"  activations and temporaries fitted from XLA:CPU compiles at {depths} layers, "
+            + ("scanned" if self.scanned else "unrolled"),
+        ]
+        return "\n".join(lines)
+
+
+def activations_and_temps(cfg: TrainConfig, rows: int) -> Compiled:
+    """Compile the step of `cfg` for this host, its MoE grouped matmuls lowered as an
+    accelerator's (`grouped_matmul_lowering`), and return XLA's temporaries less the gradient
+    accumulator."""
+    start = time.perf_counter()
+    trainer = Trainer.build(cfg)
+    state, inputs = abstract_step_args(trainer, rows)
+    with grouped_matmul_lowering():
+        analysis = trainer.step_fn.lower(state, inputs).compile().memory_analysis()
+    grads = shard_bytes(trainable(state.params))
+    return Compiled(cfg.model.config.num_hidden_layers, analysis.temp_size_in_bytes - grads,
+                    time.perf_counter() - start)
+
+
+def fit_linear(samples: Sequence[Compiled], block: int) -> tuple[float, float]:
+    """(a, b) of T = a + b * blocks through two compiled depths."""
+    (l0, t0), (l1, t1) = [(c.layers // block, c.activations_and_temps) for c in samples]
+    b = (t1 - t0) / (l1 - l0)
+    return t0 - b * l0, b
+
+
+def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
+                depth_blocks: tuple[int, int] | None = None) -> MemoryPlan:
+    """The per-device memory plan of `config` (with `overrides`) on the devices jax sees, from
+    compiles at `depth_blocks` repeated layer blocks (default `SCANNED_DEPTHS` when the config
+    scans its layers, else `UNROLLED_DEPTHS`), scanned or unrolled as the config runs."""
+    cfg = load_config(config, overrides)
+    layers = cfg.model.config.num_hidden_layers
+    block = layer_block(getattr(cfg.model.config, "layer_types", None))
+    scanned = cfg.runtime.scan_layers
+    depth_blocks = depth_blocks or (SCANNED_DEPTHS if scanned else UNROLLED_DEPTHS)
+    lowest = min(SCANNED_DEPTHS if scanned else UNROLLED_DEPTHS)
+    if depth_blocks[0] == depth_blocks[1] or min(depth_blocks) < lowest:
+        raise ValueError(
+            f"depth_blocks: {depth_blocks} must be two different depths >= {lowest}"
+            + (" with runtime.scan_layers (a stack of one block is not scanned)"
+               if scanned else ""))
+    if max(depth_blocks) * block > layers:
+        raise ValueError(f"{config}: model.num_hidden_layers={layers} is below the compiled depth "
+                         f"{max(depth_blocks) * block}")
+    trainer = Trainer.build(cfg)
+    state, inputs = abstract_step_args(trainer, rows)
+    samples = tuple(
+        activations_and_temps(
+            load_config(config, [*overrides, f"model.num_hidden_layers={n * block}"]), rows)
+        for n in depth_blocks)
+    a, b = fit_linear(samples, block)
+    return MemoryPlan(
+        config=config, mesh=describe_mesh(trainer.mesh), layers=layers, block=block,
+        seq_len=cfg.data.seq_len, micro_batches=cfg.data.micro_batches, rows=rows,
+        remat=cfg.runtime.remat, scanned=scanned, params=shard_bytes(state.params),
+        grads=shard_bytes(trainable(state.params)), opt_state=shard_bytes(state.opt_state),
+        inputs=shard_bytes(inputs), activations=round(b * layers / block),
+        largest_temporary=round(a), compiled=samples)

@@ -1,0 +1,57 @@
+"""The train step's arguments as abstract, sharded shapes: what `jtree.launch.lower_step` exports
+and `jtree.memory.plan` compiles, without materializing a parameter or a batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jtree.layout.batch import padding
+from jtree.layout.gdn_tables import default_chunk_count
+from jtree.training.run_data import gdn_chunk_size
+from jtree.parallel.context import ContextCapacities
+from jtree.parallel.sharding import batch_specs, context_size, row_shards
+from jtree.training.trainer import Trainer
+
+# The halo slots per device the abstract step carries under context parallelism (the attention
+# halo, and the Gated DeltaNet exported chunks and conv halo): the hidden states a device exports
+# are those of nodes whose children start on later devices, a few per slice in agent trees; the
+# real batch's capacities come from `jtree.parallel.context.context_batch`.
+HALO_SLOTS = 64
+
+
+def abstract_step_args(trainer: Trainer, rows: int) -> tuple[Any, Any]:
+    """(state, inputs) of `trainer.step_fn` as `jax.ShapeDtypeStruct`s carrying their shardings.
+
+    Inputs are `data.micro_batches` micro-batches of `rows` rows per row shard (data x fsdp) at
+    `data.seq_len`: GDN chunk tables at the capacity of a full row of long nodes, the widest
+    `score_index` (every token scored), coefficients arriving raw with `row_norm`; under context
+    parallelism a halo of `HALO_SLOTS` per device and the GDN tables laid out per device."""
+    cfg, mesh, d = trainer.cfg, trainer.mesh, trainer.cfg.data
+    state = jax.eval_shape(trainer.init_fn)
+    state = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, trainer.shardings)
+    n_rows = rows * row_shards(mesh)
+    chunk = gdn_chunk_size(cfg)
+    n_chunks = None if chunk is None else d.gdn_chunks or default_chunk_count(d.seq_len, chunk, 0)
+    row = padding(n_rows, d.seq_len, score_len=d.seq_len, gdn_chunk_size=chunk,
+                  gdn_chunks=n_chunks)
+    row = dataclasses.replace(row, row_norm=np.zeros(n_rows, np.float32))
+    context = context_size(mesh)
+    if context > 1:
+        length = d.seq_len // context
+        everything = np.broadcast_to(np.arange(d.seq_len, dtype=np.int32), (n_rows, d.seq_len))
+        capacities = ContextCapacities(
+            halo=HALO_SLOTS, score=length, exports=HALO_SLOTS, conv_halo=HALO_SLOTS,
+            chunks=None if chunk is None else default_chunk_count(length, chunk, 0))
+        row = trainer.laid_out(dataclasses.replace(row, score_index=everything), capacities)
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((d.micro_batches, *x.shape), x.dtype), row)
+    inputs = jax.tree_util.tree_map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+        abstract, batch_specs(abstract))
+    return state, inputs

@@ -1,0 +1,162 @@
+"""How a Hugging Face architecture maps onto a jtree model, as data.
+
+Each architecture record (`jtree.models.architectures`) holds one `HfMapping`: how its
+`config.json` becomes the jtree architecture config (and back), which HF tensor every jtree
+parameter is stored as and in which layout (transposed, permuted, ...) and which HF tensors are
+tied to others. Placement on a device mesh is not here: it follows the train step's rules
+(`jtree.parallel.sharding`, via `jtree.hf.placement`). Loader, saver and the PyTorch comparison only read
+these tables, so adding an architecture (or a per-architecture permutation such as a grouped
+projection) is a new record, not a new code path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+Array = Any  # numpy or jax array: layouts use only array methods, so both work (and eval_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a jtree array is stored in the HF checkpoint.
+
+    `to_hf(array, config)` gives the HF tensor, `from_hf(tensor, config)` its inverse. Both must
+    use array methods only (`.T`, `.reshape`, `.transpose`) so they run on numpy arrays, jax
+    arrays and abstract shapes alike.
+    """
+
+    name: str
+    to_hf: Callable[[Array, Any], Array]
+    from_hf: Callable[[Array, Any], Array]
+
+
+SAME = Layout("same", lambda a, cfg: a, lambda a, cfg: a)
+# nnx.Linear stores kernel [in, out]; torch.nn.Linear stores weight [out, in].
+TRANSPOSED = Layout("transposed", lambda a, cfg: a.T, lambda a, cfg: a.T)
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """How one jtree parameter is stored in a checkpoint: as the HF tensors `hf_names` of shapes
+    `hf_shapes`. `part(array, i)` is HF tensor i cut from the jtree array (array methods only, so
+    numpy and jax arrays both work); `join(tensors)` rebuilds the jtree array from all of them, in
+    `hf_names` order, as host numpy arrays."""
+
+    hf_names: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    part: Callable[[Array, int], Array]
+    join: Callable[[Sequence[Array]], Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRule:
+    """jtree parameters whose dotted path fully matches `pattern` are stored as the HF tensor
+    `re.sub(pattern, hf_name, path)` in `layout`. The first matching rule of a table wins."""
+
+    pattern: str
+    hf_name: str
+    layout: Layout = SAME
+
+    def storages(self, path: str, shape: tuple[int, ...], config: Any) -> list[Storage]:
+        struct = jax.ShapeDtypeStruct(shape, jax.numpy.float32)
+        hf_shape = tuple(jax.eval_shape(lambda a: self.layout.to_hf(a, config), struct).shape)
+        return [Storage(
+            (re.sub(self.pattern, self.hf_name, path),), (hf_shape,),
+            part=lambda a, i: self.layout.to_hf(a, config),
+            join=lambda tensors: self.layout.from_hf(tensors[0], config),
+        )]
+
+
+@dataclasses.dataclass(frozen=True)
+class PerExpertRule:
+    """A stacked experts parameter [E, P * n, ...] (transformers 5's fused module layout) stored
+    one tensor per expert and part, as on the Hub: rows [p * n, (p + 1) * n) of expert e are the HF
+    tensor `hf_names[p]` (after `re.sub(pattern, ., path)`) with `{e}` replaced by e. E.g.
+    `experts.gate_up_proj` [E, 2I, H] -> `experts.{e}.gate_proj.weight` and
+    `experts.{e}.up_proj.weight` [I, H]. Checkpoints holding the fused tensor
+    `re.sub(pattern, fused_name, path)` as it is load too; saving writes the per-expert form."""
+
+    pattern: str
+    hf_names: tuple[str, ...]
+    fused_name: str = r"\g<0>"
+
+    def storages(self, path: str, shape: tuple[int, ...], config: Any) -> list[Storage]:
+        n_parts = len(self.hf_names)
+        experts, rows = shape[0], shape[1] // n_parts
+        if shape[1] % n_parts:
+            raise ValueError(f"parameter {path!r}: axis 1 of {shape} does not split into "
+                             f"{n_parts} parts")
+        names = tuple(re.sub(self.pattern, t, path).replace("{e}", str(e))
+                      for e in range(experts) for t in self.hf_names)
+        part_shape = (rows,) + tuple(shape[2:])
+
+        def part(a: Array, i: int) -> Array:
+            e, p = divmod(i, n_parts)
+            return a[e, p * rows:(p + 1) * rows]
+
+        def join(tensors: Sequence[Array]) -> Array:
+            per_expert = [np.concatenate(tensors[e * n_parts:(e + 1) * n_parts], axis=0)
+                          for e in range(experts)]
+            return np.stack(per_expert)
+
+        per_expert = Storage(names, (part_shape,) * len(names), part, join)
+        fused = TensorRule(self.pattern, self.fused_name).storages(path, shape, config)[0]
+        return [per_expert, fused]
+
+
+Rule = TensorRule | PerExpertRule
+
+
+@dataclasses.dataclass(frozen=True)
+class HfMapping:
+    """One HF architecture (the `architectures[0]` of config.json) against its jtree record.
+
+    - `config_from_hf(hf_config)`: the jtree architecture config; refuses fields it cannot
+      honour. How to run the model (`jtree.models.runtime`) is never part of config.json.
+    - `config_to_hf(config)`: the config.json dict (without `architectures`/`torch_dtype`).
+    - `tensors`: parameter name and layout table (`TensorRule`: one HF tensor per parameter;
+      `PerExpertRule`: one per expert and part).
+    - `tied(config)`: HF tensors that the HF model ties to another one (alias -> source), which a
+      checkpoint may omit or contain as an exact copy.
+    - `ignored`: HF tensors a checkpoint may hold that the causal LM does not use (Qwen3-Next's
+      multi-token-prediction head `mtp.*`, which transformers skips too); they are not read.
+    """
+
+    hf_name: str
+    model_type: str
+    config_from_hf: Callable[[Mapping[str, Any]], Any]
+    config_to_hf: Callable[[Any], dict[str, Any]]
+    tensors: tuple[Rule, ...]
+    tied: Callable[[Any], Mapping[str, str]]
+    ignored: tuple[str, ...] = ()
+
+    def storages(self, path: str, shape: tuple[int, ...], config: Any) -> list[Storage]:
+        """The ways the jtree parameter at dotted `path` may be stored, the saved one first."""
+        for rule in self.tensors:
+            if re.fullmatch(rule.pattern, path):
+                return rule.storages(path, tuple(shape), config)
+        raise ValueError(f"{self.hf_name}: jtree parameter {path!r} matches no tensor rule")
+
+    def is_ignored(self, hf_name: str) -> bool:
+        return any(re.fullmatch(p, hf_name) for p in self.ignored)
+
+
+def dotted(path: Sequence[Any]) -> str:
+    """('model', 'layers', 0, 'mlp') -> 'model.layers.0.mlp' (nnx state paths to names)."""
+    return ".".join(str(p) for p in path)
+
+
+# The Flax NNX layers' names and layouts against their torch.nn counterparts: nnx.Linear `kernel`
+# [in, out] is torch `weight` [out, in]; nnx.Embed `embedding` is torch `weight` as is; norm
+# weights and biases keep name and layout. Models with HF parameter names need nothing more.
+NNX_TO_TORCH = (
+    TensorRule(r"(.*)\.kernel", r"\1.weight", TRANSPOSED),
+    TensorRule(r"(.*)\.embedding", r"\1.weight"),
+    TensorRule(r".*\.(weight|bias)", r"\g<0>"),
+)

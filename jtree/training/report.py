@@ -1,0 +1,102 @@
+"""What a training run reports: one record per step (the metrics JSONL and TensorBoard), the
+progress line printed for it, and the closing summary. Printing happens on process 0 only, so a
+multi-process run prints each line once."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jtree.training.compile_log import Compiles
+
+
+def say(*args: Any) -> None:
+    """Print on process 0 only."""
+    if jax.process_index() == 0:
+        print(*args, flush=True)
+
+
+@contextlib.contextmanager
+def progress(label: str, after: float = 5.0, every: float = 10.0) -> Iterator[None]:
+    """Around work that may take long (loading a dataset, building its steps): once it has run
+    `after` seconds, say `label: N s so far` every `every` seconds and, at the end, how long it
+    took; quick work stays silent."""
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def tick() -> None:
+        wait = after
+        while not done.wait(wait):
+            say(f"{label}: {time.perf_counter() - t0:.0f} s so far")
+            wait = every
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= after:
+            say(f"{label}: done in {elapsed:.1f} s")
+
+
+def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host_s: float,
+                device_s: float, compiles: Compiles, lr: float) -> dict[str, Any]:
+    """One JSONL record: step metrics plus throughput and sharing numbers of the global batch.
+    POR counts the trees' sharing, ERR what was really computed (parts of trees larger than a
+    row recompute their shared prefixes; the baseline computes every path). `device_s` leaves
+    out the step's `compiles` (`compiles`, `compile_s`), so tokens/s measures the step, not
+    XLA."""
+    n_tree, n_flat = int(info["n_tree_tokens"]), int(info["n_flat_tokens"])
+    n_computed = int(info["n_computed_tokens"])
+    if "mode" in info:  # the automatic mode choice of this step
+        metrics = dict(metrics, mode=str(info["mode"]),
+                       predicted_gain=float(info["predicted_gain"]))
+    return dict(
+        metrics, step=step, learning_rate=lr, n_trees=int(info["n_trees"]),
+        n_tree_tokens=n_tree, n_flat_tokens=n_flat, n_computed_tokens=n_computed,
+        por=1 - n_tree / n_flat,
+        err=1 - n_computed / n_flat, tokens_per_s=n_flat / device_s,
+        tree_tokens_per_s=n_computed / device_s, host_s=host_s, device_s=device_s,
+        compiles=compiles.n, compile_s=compiles.seconds,
+    )
+
+
+def progress_line(r: dict[str, Any]) -> str:
+    """The printed line of a `step_record`: baseline-equivalent tokens/s counts every path token
+    (what a per-path trainer would have to process), tree tokens/s what was really computed."""
+    return (f"step {r['step']:4d}  loss {r['loss']:8.4f}  grad_norm {r['grad_norm']:7.3f}  "
+            f"tokens/s {r['tokens_per_s']:9.0f} (baseline-equivalent)  "
+            f"tree tokens/s {r['tree_tokens_per_s']:9.0f}  POR {r['por']:.3f}  ERR {r['err']:.3f}  "
+            f"host {r['host_s'] * 1e3:6.1f} ms  device {r['device_s'] * 1e3:7.1f} ms"
+            + (f"  compile {r['compile_s']:.1f} s (not in device time)" if r["compiles"] else ""))
+
+
+def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
+            checkpoint_dir: Path | None) -> str:
+    """The closing line of a run. Medians leave out the steps that compiled (their time is
+    mostly XLA's, not the step's; with none left, they take every step); the compiles are
+    reported apart."""
+    if not history:
+        return "summary: no steps to run"
+    compiled = [r for r in history if r["compiles"]]
+    steady = [r for r in history if not r["compiles"]] or history
+    return (f"summary: steps {history[0]['step']}-{history[-1]['step']} in {wall:.1f} s; final "
+            f"loss {history[-1]['loss']:.4f}; median baseline-equivalent tokens/s "
+            f"{np.median([r['tokens_per_s'] for r in steady]):.0f}, device "
+            f"{np.median([r['device_s'] for r in steady]) * 1e3:.1f} ms/step, host "
+            f"{np.median([r['host_s'] for r in steady]) * 1e3:.1f} ms/step (over "
+            + (f"{len(steady)} step(s) without a compile" if len(compiled) < len(history)
+               else "every step; each compiled") + "); compiles: "
+            f"{sum(r['compiles'] for r in history)} in {len(compiled)} step(s), "
+            f"{sum(r['compile_s'] for r in history):.1f} s; bad records skipped {n_bad}"
+            + (f"; checkpoints in {checkpoint_dir}" if checkpoint_dir is not None else ""))

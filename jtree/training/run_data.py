@@ -1,0 +1,155 @@
+"""What a training run trains on: the trees of `data.path`, the step builders of each layout
+mode, the builder that feeds the run's pipeline for `run.mode`, and the placement of each step's
+host-local arrays on the mesh (every process feeds the data shards its devices hold)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jtree.config import TrainConfig
+from jtree.layout.flop_model import FlopModel
+from jtree.training.pipeline import (
+    AutoStepBuilder, LoadReport, RfreeStepBuilder, RfreeStepConfig, StepBuilder, load_trees,
+    step_builder,
+)
+from jtree.training.report import say
+from jtree.layout.batch import DeviceBatch
+from jtree.parallel.sharding import batch_specs, row_shards
+from jtree.trees.tree import TrajectoryTree
+
+
+def host_data_shards(mesh: Mesh) -> tuple[int, ...]:
+    """The row shards (data x fsdp, `jtree.parallel.sharding.row_shards`) whose devices live on this
+    process (contiguous)."""
+    pid = jax.process_index()
+    groups = mesh.devices.reshape(row_shards(mesh), -1)  # a row shard's context x model group
+    shards = tuple(i for i in range(len(groups))
+                   if any(d.process_index == pid for d in groups[i]))
+    if not shards or shards != tuple(range(shards[0], shards[-1] + 1)):
+        raise ValueError(f"process {pid}: its devices hold data shards {shards}; expected a "
+                         "non-empty contiguous range (check the mesh/device order)")
+    return shards
+
+
+def to_global(mesh: Mesh, local: DeviceBatch, n_local_shards: int) -> DeviceBatch:
+    """Host-local [M, rows_local, ...] arrays -> global arrays split over `data` and `fsdp` (and
+    their tokens over `context`: a batch laid out for it, `jtree.training.trainer.Trainer.place`)."""
+    def one(value: np.ndarray, spec: jax.sharding.PartitionSpec) -> jax.Array:
+        shape = (value.shape[0], value.shape[1] // n_local_shards * row_shards(mesh),
+                 *value.shape[2:])
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), value, shape)
+
+    return jax.tree_util.tree_map(one, local, batch_specs(local))
+
+
+def rfree_capacity(cfg: TrainConfig) -> int:
+    """`run.capacity` (default `data.seq_len`), checked against the rows it must fit."""
+    capacity = cfg.data.seq_len if cfg.run.capacity is None else cfg.run.capacity
+    if not 1 <= capacity <= cfg.data.seq_len:
+        raise ValueError(f"run.capacity={capacity}: must be in [1, data.seq_len={cfg.data.seq_len}]")
+    return capacity
+
+
+def gdn_chunk_size(cfg: TrainConfig) -> int | None:
+    """The GDN chunk size of the batches: `data.gdn_chunk_size` when the model has
+    linear-attention layers, else None (no chunk tables)."""
+    return cfg.data.gdn_chunk_size if cfg.model.config.decoder().needs_gdn_tables else None
+
+
+def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadReport]:
+    """The trees of `data.path` (bad records handled as `data.on_bad_record` says), announced
+    with their sharing."""
+    d = cfg.data
+    max_path_len = None if cfg.run.mode == "redundancy_free" else d.seq_len  # rfree splits paths
+    trees, report = load_trees(d.path, d.format, vocab_size=cfg.model.config.vocab_size,
+                               on_bad_record=d.on_bad_record, tokenizer=d.tokenizer,
+                               max_path_len=max_path_len,
+                               advantage=cfg.objective.advantage_estimator,
+                               turn_discount=cfg.objective.turn_discount,
+                               shared_masks=cfg.objective.kind == "gspo")
+    if cfg.objective.critic is not None:
+        missing = next((i for i, t in enumerate(trees) if t.rewards is None), None)
+        if missing is not None:
+            raise ValueError(f"{d.path}: tree {missing}: no reward (objective.critic computes "
+                             "GAE from one reward per path)")
+    total = sum((t.stats() for t in trees[1:]), trees[0].stats())
+    say(f"data: {len(trees)} trees from {d.path} ({d.format}): {total.n_flat_tokens} flat tokens, "
+        f"{total.n_tree_tokens} tree tokens, POR {total.por:.3f}"
+        + (f"; skipped {report.n_bad} bad record(s), first: {report.first_errors[0]}"
+           if report.n_bad else ""))
+    return trees, report
+
+
+def trained_modes(cfg: TrainConfig) -> tuple[str, ...]:
+    """The layout modes whose steps the run trains on: `auto` chooses between tree and baseline
+    per step; `redundancy_free` trains on programs, not on laid-out rows."""
+    return {"auto": ("tree", "baseline"), "redundancy_free": ()}.get(cfg.run.mode,
+                                                                    (cfg.run.mode,))
+
+
+class StepBuilders:
+    """The `StepBuilder` of each layout mode over the run's trees, each built once, so the run's
+    pipeline and the baseline comparison lay out the same steps at the same shapes. The trained
+    modes get `data.rows_per_micro_batch` rows (default: the fewest that hold every step of the
+    run); a mode built later on demand gets the fewest that hold every step of the run. Every
+    mode splits its rows over the `mesh.context` devices by attention work (gaps at slice ends,
+    `jtree.layout.context_rows`), as the step it feeds runs them."""
+
+    def __init__(self, cfg: TrainConfig, trees: Sequence[TrajectoryTree], n_data: int,
+                 shards: tuple[int, ...]):
+        self._cfg, self._trees, self._n_data, self._shards = cfg, trees, n_data, shards
+        self._built: dict[str, StepBuilder] = {}
+        self.rows: dict[str, int] = {}
+        for mode in trained_modes(cfg):
+            self._build(mode, cfg.data.rows_per_micro_batch)
+
+    def __getitem__(self, mode: str) -> StepBuilder:
+        """The builder of `mode`, built now if the run does not train on it."""
+        if mode not in self._built:
+            self._build(mode, None)
+        return self._built[mode]
+
+    def _build(self, mode: str, rows: int | None) -> None:
+        cfg = self._cfg
+        data = dataclasses.replace(cfg.data, rows_per_micro_batch=rows)
+        builder = step_builder(self._trees, data, mode, normalization=cfg.objective.normalization,
+                               n_shards=self._n_data, shards=self._shards, steps=cfg.run.steps,
+                               gdn_chunk_size=gdn_chunk_size(cfg),
+                               critic=cfg.objective.critic is not None,
+                               context=cfg.mesh.context)
+        self._built[mode] = builder
+        self.rows[mode] = builder.config.layout.rows
+
+
+def run_step_builder(cfg: TrainConfig, trees: Sequence[TrajectoryTree], builders: StepBuilders,
+                     n_devices: int = 1
+                     ) -> tuple[StepBuilder | AutoStepBuilder | RfreeStepBuilder, str]:
+    """What feeds the run's pipeline for `run.mode`, and a description of its layout
+    (`n_devices`: the mesh's; a redundancy-free run on more than one lays its parts out for the
+    mesh executor)."""
+    d = cfg.data
+    if cfg.run.mode == "redundancy_free":
+        capacity = rfree_capacity(cfg)
+        config = RfreeStepConfig(cfg.objective.normalization, d.seq_len, capacity,
+                                 d.trees_per_step, gdn_chunk_size(cfg),
+                                 cfg.run.row_steps_per_octave, uniform=n_devices > 1)
+        how = ("one device call per part" if n_devices == 1 else
+               "rows of one shape per step, part trees in lockstep over the row shards")
+        return RfreeStepBuilder(trees, config), (
+            f"parts of <= {capacity} tokens in rows fitted to them (at most {d.seq_len}), {how}")
+    modes = trained_modes(cfg)
+    builder = (AutoStepBuilder({m: builders[m] for m in modes}, FlopModel.for_config(
+        cfg.model.config), cfg.run.auto_min_gain) if cfg.run.mode == "auto"
+        else builders[cfg.run.mode])
+    rows = "/".join(f"{builders.rows[m]}" for m in modes)
+    length = (f"{d.seq_len}" if d.row_steps_per_octave is None else
+              f"<= {d.seq_len} ({d.row_steps_per_octave} lengths per octave)")
+    split = ("" if cfg.mesh.context == 1 else
+             f", each row over {cfg.mesh.context} context devices balanced by attention work")
+    return builder, (f"{d.micro_batches} micro-batch(es) x {rows} rows ({'/'.join(modes)}) x "
+                     f"{length} per data shard{split}")

@@ -1,0 +1,1 @@
+"""Trajectory trees and their inputs: the validated tree, JSONL records, chat conversations, synthetic trees, pictures. The bottom of jtree's data flow: nothing here knows about rows, devices or models."""
