@@ -11,10 +11,10 @@ from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
 from jtree.layout.batch import DeviceBatch
 from jtree.layout.linearize import TreeBatch, linearize, unlinearize
 from jtree.objectives.logprobs import token_logprobs
-from jtree.objectives.losses import (
-    batch_normalizer, gspo_loss, ppo_loss, sft_loss, token_coefficients,
-)
-from jtree.partitioning.partition import PartitionResult, TreePart, partition
+from jtree.layout.coefficients import batch_normalizer, token_coefficients
+from jtree.objectives.losses import gspo_loss, ppo_loss, sft_loss
+from jtree.partitioning.partition import PartitionResult, partition
+from jtree.trees.part import TreePart
 from jtree.objectives.path_sum import path_sum
 from jtree.trees.tree import TrajectoryTree, TreeStats
 from jtree.trees.jsonl import read_sequence_groups, read_trees, write_sequence_groups, write_trees

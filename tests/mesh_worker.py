@@ -44,7 +44,7 @@ from jtree.config.objective import CriticConfig
 from jtree.objectives.critic import critic_pairs, with_critic_pairs
 from jtree.parallel.layer_stack import convert_tree, layer_groups  # noqa: E402
 from jtree.layout.linearize import linearize  # noqa: E402
-from jtree.objectives.losses import batch_normalizer
+from jtree.layout.coefficients import batch_normalizer
 from jtree.config.runtime import RuntimeConfig
 from jtree.models import create_model
 from jtree.config.model import LoraConfig
@@ -54,8 +54,9 @@ from jtree.layout.planner import LayoutConfig, plan_step  # noqa: E402
 from jtree.config.run import MeshConfig
 from jtree.parallel.sharding import make_mesh, named, param_rules, param_specs
 from jtree.config.objective import Objective, OptimConfig
+from jtree.step.optimizer import TrainState, make_optimizer, state_shardings
 from jtree.step.train_step import (
-    TrainState, make_logprob_fn, make_optimizer, make_sharded_grad_fn, make_sharded_logprob_fn, make_train_step, sharded_graphdef, state_shardings,
+    make_logprob_fn, make_sharded_grad_fn, make_sharded_logprob_fn, make_train_step, sharded_graphdef,
 )
 from tests.models_util import (  # noqa: E402
     perturbed, rel_l2, tiny_config, tiny_moe_config, tiny_next_config, tiny_runtime,

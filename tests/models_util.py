@@ -14,7 +14,8 @@ from jtree.models import CausalLM
 from jtree.config.architectures import Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
 from jtree.config.runtime import RuntimeConfig
 from jtree.config.objective import Objective
-from jtree.step.train_step import make_logprob_fn, objective_loss
+from jtree.step.train_step import make_logprob_fn
+from jtree.objectives.objective import objective_loss
 
 
 def tiny_runtime(**overrides) -> RuntimeConfig:

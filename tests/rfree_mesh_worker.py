@@ -37,9 +37,9 @@ from jtree.partitioning.redundancy_free.mesh_executor import MeshRedundancyFreeS
 from jtree.config.run import MeshConfig
 from jtree.parallel.sharding import make_mesh, named, param_rules, param_specs
 from jtree.config.objective import Objective, OptimConfig
-from jtree.step.train_step import (
-    TrainState, apply_gradients, make_grad_fn, make_optimizer, sharded_graphdef, stack_microbatches,
-)
+from jtree.step.optimizer import TrainState, apply_gradients, make_optimizer
+from jtree.step.train_step import make_grad_fn, sharded_graphdef
+from jtree.step.batches import stack_microbatches
 from tests.mesh_worker import case_model  # noqa: E402
 from tests.models_util import perturbed, rel_l2  # noqa: E402
 from tests.strategies import multi_part_trees  # noqa: E402

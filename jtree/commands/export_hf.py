@@ -21,7 +21,7 @@ from jtree.parallel.layer_stack import layer_groups
 from jtree.config import load_config
 from jtree.models import create_model
 from jtree.models.lora import model_params, trainable, with_lora
-from jtree.step.train_step import TrainState, make_optimizer
+from jtree.step.optimizer import TrainState, make_optimizer
 
 
 def register(sub: argparse._SubParsersAction) -> None:

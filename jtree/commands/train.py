@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here so other commands start without building models and train steps.
     from jtree.config import load_config
     from jtree.parallel.distributed import initialize_from_env
-    from jtree.training.trainer import train
+    from jtree.training.run import train
 
     initialize_from_env()  # before anything touches a device
     train(load_config(args.config, args.overrides), resume=args.resume)

@@ -32,9 +32,9 @@ from jtree.hf.load_save import to_hf_tensors
 from jtree.layout.linearize import TreeBatch, linearize, unlinearize
 from jtree.objectives.logprobs import logprobs_from_hidden
 from jtree.config.objective import Normalization
-from jtree.objectives.losses import batch_normalizer, path_coefficients
+from jtree.layout.coefficients import batch_normalizer, path_coefficients
 from jtree.config.objective import Objective
-from jtree.step.train_step import objective_loss
+from jtree.objectives.objective import objective_loss
 from jtree.trees.tree import TrajectoryTree
 
 LAYER_PART = re.compile(r"model\.layers\.(\d+)\.(\w+)")

@@ -85,7 +85,8 @@ from jtree.config.runtime import RuntimeConfig
 from jtree.layout.planner import StepPlan
 from jtree.trees.synthetic import AgentShape, agent_rollout_group, chat_record, por_forest, por_tree
 from jtree.config.objective import Objective, OptimConfig
-from jtree.step.train_step import TrainState, make_optimizer, make_train_step
+from jtree.step.optimizer import TrainState, make_optimizer
+from jtree.step.train_step import make_train_step
 from jtree.trees.tree import TrajectoryTree
 from jtree.kernels.attention_xla import default_blocks, schedule_work
 from jtree.kernels.block_tables import EMPTY, FULL, classify_blocks, round_up_to_blocks

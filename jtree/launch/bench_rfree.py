@@ -47,7 +47,7 @@ from flax import nnx
 
 from jtree.layout.baseline import flatten_paths
 from jtree.layout.flop_model import FlopModel, ideal_speedup, tree_work
-from jtree.objectives.losses import batch_normalizer
+from jtree.layout.coefficients import batch_normalizer
 from jtree.models import CausalLM
 from jtree.config.architectures import Qwen3Config
 from jtree.config.runtime import RuntimeConfig

@@ -29,7 +29,7 @@ from jtree.models import architecture, create_model
 from jtree.config.runtime import REMAT_POLICY_NAMES, RuntimeConfig
 from jtree.trees.synthetic import por_tree
 from jtree.config.objective import Objective
-from jtree.step.train_step import objective_loss
+from jtree.objectives.objective import objective_loss
 from jtree.launch.harness import Column, Output, alternate, bench_parser, markdown_table, run_info
 
 SEQ_LEN, ROWS, GDN_CHUNK = 128, 2, 16

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jtree.layout.bin_packing import first_fit_decreasing
-from jtree.partitioning.partition import TreePart
+from jtree.trees.part import TreePart
 from jtree.trees.tree import TrajectoryTree
 
 

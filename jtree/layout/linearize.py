@@ -33,7 +33,7 @@ from jtree.layout.gdn_tables import (
     chunk_tables, chunks_needed, concat_ranges, default_chunk_count, node_chunk_tables, tree_nodes,
 )
 from jtree.layout.context_rows import ContextSplit, place_in_rows, split_nodes
-from jtree.objectives.losses import COEFFICIENT_FIELDS, batch_normalizer, token_coefficients
+from jtree.layout.coefficients import COEFFICIENT_FIELDS, batch_normalizer, token_coefficients
 from jtree.config.objective import Normalization
 from jtree.layout.planner import RowPlan, plan_rows, score_width
 from jtree.trees.tree import TrajectoryTree, TreeStats

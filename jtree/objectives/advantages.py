@@ -38,6 +38,7 @@ import numpy as np
 from jtree.trees.tree import TrajectoryTree
 from jtree.config.objective import ESTIMATORS
 from jtree.config.objective import Estimator
+from jtree.trees.loss_masks import check_shared_masks
 
 
 # Added to the std of GRPO's rewards, so a group whose rewards are all equal gets advantage 0.
@@ -140,3 +141,14 @@ def with_advantages(tree: TrajectoryTree, estimator: Estimator,
         return tree.with_advantages([per_token[tree.path_token_index(p)]
                                      for p in range(tree.n_paths)])
     return tree.with_advantages(list(group_advantages(rewards, estimator)))
+
+
+def for_objective(tree: TrajectoryTree, advantage: Estimator | None, shared_masks: bool,
+                  turn_discount: float = 1.0) -> TrajectoryTree:
+    """`tree` with what an objective needs from it when it is read: with `shared_masks` (GSPO),
+    its paths must agree on the loss mask of the tokens they share; with an `advantage`
+    estimator, its advantages are computed from the paths' rewards (None: the objective needs
+    none; `turn` discounts later turns by `turn_discount`)."""
+    if shared_masks:
+        check_shared_masks(tree)
+    return tree if advantage is None else with_advantages(tree, advantage, turn_discount)

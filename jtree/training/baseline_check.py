@@ -21,7 +21,7 @@ from jtree.layout.linearize import linearize, unlinearize
 from jtree.training.run_data import StepBuilders, gdn_chunk_size
 from jtree.training.report import say
 from jtree.parallel.sharding import row_shards
-from jtree.step.train_step import TrainState
+from jtree.step.optimizer import TrainState
 from jtree.trees.tree import TrajectoryTree
 
 if TYPE_CHECKING:  # jtree.training.trainer calls this module at the end of a run

@@ -42,7 +42,7 @@ from jtree.config import DataConfig
 from jtree.layout.flop_model import FlopModel, choose_mode
 from jtree.layout.linearize import linearize
 from jtree.config.objective import Normalization
-from jtree.objectives.losses import batch_normalizer
+from jtree.layout.coefficients import batch_normalizer
 from jtree.layout.microbatches import unit_counts
 from jtree.partitioning.partition import Method as PartitionMethod
 from jtree.partitioning.partition import partition
@@ -55,6 +55,8 @@ from jtree.trees.tree import TrajectoryTree
 from jtree.trees.jsonl import (
     check_group_line, group_key, iter_lines, parse_line, tree_from_group, tree_from_record,
 )
+from jtree.objectives.advantages import for_objective
+import functools
 
 Mode = Literal["tree", "baseline"]
 
@@ -140,6 +142,8 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
     needs (or whose per-turn rewards do not match its turns) is a bad record, and so is one
     whose paths disagree on the loss mask of a shared token when `shared_masks` (GSPO)."""
     _check_format(path, fmt, format_key)
+    prepare = functools.partial(for_objective, advantage=advantage, shared_masks=shared_masks,
+                                turn_discount=turn_discount)
     bad = _BadRecords(on_bad_record)
     trees: list[TrajectoryTree] = []
     n_lines = 0
@@ -158,8 +162,7 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
         for members in groups.values():
             try:
                 tree = tree_from_group(members, vocab_size=vocab_size,  # path p: line p
-                                       advantage=advantage, shared_masks=shared_masks,
-                                       turn_discount=turn_discount)
+                                       prepare=prepare)
                 trees.append(check_path_lengths(tree, [w for w, _ in members],
                                                 members[0][1]["group"], max_path_len))
             except ValueError as e:  # the group as a whole is bad: count all its lines
@@ -174,9 +177,7 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
             try:
                 rec = parse_line(where, line)
                 if tok is None:
-                    tree = tree_from_record(where, rec, vocab_size=vocab_size, advantage=advantage,
-                                            shared_masks=shared_masks,
-                                            turn_discount=turn_discount)
+                    tree = tree_from_record(where, rec, vocab_size=vocab_size, prepare=prepare)
                 else:
                     tree = conversation_tree(rec, tok, where=where, vocab_size=vocab_size)
                     if advantage is not None:  # chat records carry neither rewards nor advantages

@@ -11,23 +11,24 @@ Trees: one tree per line, `{"parents": [...], "segments": [[...], ...], "paths":
 
 `reward` is a path's scalar reward, or a list of per-turn rewards of a multi-turn path, which add
 up to the path's reward (the `turn` estimator credits each turn with its own and later ones).
-With an `advantage` estimator other than `given` (`jtree.objectives.advantages`), the advantages are
-computed from the rewards of the tree's paths when the tree is read.
+The record readers take a `prepare` step run on each tree as it is read (the training pipeline
+computes advantages from the rewards and checks what the objective needs there); its errors are
+located in the file like the readers' own.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jtree.config.objective import Estimator
-from jtree.objectives.advantages import with_advantages
-from jtree.objectives.losses import check_shared_masks
 from jtree.trees.tree import TrajectoryTree
+
+# What a reader runs on each tree it reads (advantages, objective checks); may raise ValueError.
+Prepare = Callable[[TrajectoryTree], TrajectoryTree]
 
 _PATH_FIELDS = {"loss_mask": "loss_masks", "advantage": "advantages", "reward": "rewards",
                 "old_logprobs": "old_logprobs"}
@@ -93,12 +94,10 @@ def group_key(rec: dict[str, Any]) -> str:
 
 
 def tree_from_group(members: Sequence[tuple[str, dict[str, Any]]], *,
-                    vocab_size: int | None = None, advantage: Estimator | None = None,
-                    shared_masks: bool = False, turn_discount: float = 1.0) -> TrajectoryTree:
-    """Merge the lines of one group (`(where, record)` pairs) into a tree; with an `advantage`
-    estimator, the tree's advantages come from it (None: advantages are not needed; `turn`
-    discounts by `turn_discount`), and with
-    `shared_masks` paths must agree on the loss mask of the tokens they share (GSPO)."""
+                    vocab_size: int | None = None, prepare: Prepare | None = None
+                    ) -> TrajectoryTree:
+    """Merge the lines of one group (`(where, record)` pairs) into a tree, then run `prepare` on
+    it (an error naming path p is reported at line p)."""
     wheres = [w for w, _ in members]
     recs = [r for _, r in members]
     try:
@@ -107,17 +106,9 @@ def tree_from_group(members: Sequence[tuple[str, dict[str, Any]]], *,
     except ValueError as e:
         raise ValueError(_locate(str(e), "sequence", wheres)) from None
     try:
-        return for_objective(tree, advantage, shared_masks, turn_discount)
+        return tree if prepare is None else prepare(tree)
     except ValueError as e:
         raise ValueError(_locate(str(e), "path", wheres)) from None
-
-
-def for_objective(tree: TrajectoryTree, advantage: Estimator | None, shared_masks: bool,
-                  turn_discount: float = 1.0) -> TrajectoryTree:
-    """`tree` with what the objective needs checked and computed (see `tree_from_group`)."""
-    if shared_masks:
-        check_shared_masks(tree)
-    return tree if advantage is None else with_advantages(tree, advantage, turn_discount)
 
 
 def read_sequence_groups(path: str | Path, *, vocab_size: int | None = None) -> list[TrajectoryTree]:
@@ -168,10 +159,8 @@ def _path_record(t: TrajectoryTree, p: int) -> dict[str, Any]:
 
 
 def tree_from_record(where: str, rec: dict[str, Any], *, vocab_size: int | None = None,
-                     advantage: Estimator | None = None, shared_masks: bool = False,
-                     turn_discount: float = 1.0) -> TrajectoryTree:
-    """One explicit tree from its JSON record (advantages as in `tree_from_group`); errors name
-    `where`."""
+                     prepare: Prepare | None = None) -> TrajectoryTree:
+    """One explicit tree from its JSON record, then `prepare` run on it; errors name `where`."""
     for field in ("parents", "segments"):
         if field not in rec:
             raise ValueError(f"{where}: missing field {field!r}")
@@ -191,7 +180,7 @@ def tree_from_record(where: str, rec: dict[str, Any], *, vocab_size: int | None 
     try:
         tree = TrajectoryTree.from_nodes(rec["parents"], rec["segments"], vocab_size=vocab_size,
                                          **kwargs)
-        return for_objective(tree, advantage, shared_masks, turn_discount)
+        return tree if prepare is None else prepare(tree)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 

@@ -18,9 +18,9 @@ import jtree.hf  # noqa: E402
 from jtree.cli import main  # noqa: E402
 from jtree.layout.linearize import linearize, unlinearize  # noqa: E402
 from jtree.objectives.logprobs import token_logprobs  # noqa: E402
-from jtree.objectives.losses import batch_normalizer, path_coefficients
+from jtree.layout.coefficients import batch_normalizer, path_coefficients
 from jtree.config.objective import Objective
-from jtree.step.train_step import objective_loss
+from jtree.objectives.objective import objective_loss
 from jtree.trees.tree import TrajectoryTree  # noqa: E402
 from jtree.trees.jsonl import write_sequence_groups  # noqa: E402
 from jtree.config.runtime import RuntimeConfig

@@ -6,7 +6,7 @@ import pytest
 from jtree.layout.balance import (
     assign_to_ranks, attention_pairs, contiguous_runs, split_contiguous, tree_cost,
 )
-from jtree.partitioning.partition import TreePart
+from jtree.trees.part import TreePart
 from jtree.trees.tree import TrajectoryTree
 from tests.strategies import explicit_tree, random_forest
 

@@ -10,10 +10,11 @@ from jtree.training.pipeline import (
     AutoStepBuilder, StepBuilder, StepConfig, all_units, load_trees, make_pipeline, rows_for_run,
     step_indices,
 )
-from jtree.objectives.losses import batch_normalizer
+from jtree.layout.coefficients import batch_normalizer
 from jtree.layout.planner import LayoutConfig
 from jtree.config.objective import Objective
-from jtree.step.train_step import build_batch, make_grad_fn, stack_microbatches
+from jtree.step.batches import build_batch, stack_microbatches
+from jtree.step.train_step import make_grad_fn
 from jtree.trees.synthetic import por_forest
 from tests.models_util import tiny_config, tiny_model
 from tests.run_util import VOCAB

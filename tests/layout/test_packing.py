@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from jtree.layout.linearize import linearize
-from jtree.objectives.losses import batch_normalizer
+from jtree.layout.coefficients import batch_normalizer
 from jtree.layout.microbatches import build_microbatches
 from jtree.layout.planner import least_padding_plan, plan_rows
 from jtree.partitioning.partition import partition

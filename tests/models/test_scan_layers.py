@@ -13,7 +13,7 @@ from jtree.parallel.layer_stack import LayerGroup, convert_state, layer_groups, 
 from jtree.layout.linearize import linearize
 from jtree.config.architectures import LayerKind
 from jtree.config.objective import Objective
-from jtree.step.train_step import loss_from_hidden
+from jtree.objectives.objective import loss_from_hidden
 from tests.models_util import (
     assert_grads_close, four_expert_config, perturbed, tiny_config, tiny_lm,
 )

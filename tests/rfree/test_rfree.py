@@ -23,7 +23,8 @@ from jtree.partitioning.redundancy_free.layout import build_program, prefix_buck
 from jtree.partitioning.redundancy_free.plan import plan_parts
 from jtree.partitioning.redundancy_free.schedule import LiveBuffers, child_order, part_slots
 from jtree.config.objective import Objective
-from jtree.step.train_step import make_grad_fn, stack_microbatches
+from jtree.step.train_step import make_grad_fn
+from jtree.step.batches import stack_microbatches
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import (
     four_expert_config, logprob_fn, perturbed, perturbed_moe_model, rel_l2, tiny_config, tiny_lm,

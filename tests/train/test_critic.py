@@ -30,8 +30,11 @@ from jtree.models import CausalLM, create_model
 from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
 from jtree.training.run_data import load_training_trees
 from jtree.config.objective import Objective, OptimConfig
-from jtree.step.train_step import make_grad_fn, make_optimizer, stack_microbatches
-from jtree.training.trainer import Trainer, check_resumable
+from jtree.step.train_step import make_grad_fn
+from jtree.step.optimizer import make_optimizer
+from jtree.step.batches import stack_microbatches
+from jtree.training.trainer import Trainer
+from jtree.training.resume import check_resumable
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import (
     assert_grads_close, assert_loss_and_grads_match, loss_and_grad_fn, off_policy_ppo_inputs,

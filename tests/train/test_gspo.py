@@ -12,7 +12,8 @@ from jtree.layout.baseline import linearize_baseline
 from jtree.training.pipeline import load_trees
 from jtree.layout.linearize import linearize
 from jtree.config.objective import NORMALIZATIONS
-from jtree.objectives.losses import check_shared_masks, gspo_loss
+from jtree.trees.loss_masks import check_shared_masks
+from jtree.objectives.losses import gspo_loss
 from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
 from jtree.config.objective import Objective
 from jtree.trees.tree import TrajectoryTree

@@ -18,9 +18,9 @@ from jtree.config.model import LoraConfig
 from jtree.models.lora import attach, model_params, trainable, trainable_grads, with_trainable
 from jtree.training.trainer import Trainer
 from jtree.config.objective import Objective, OptimConfig
-from jtree.step.train_step import (
-    TrainState, make_grad_fn, make_optimizer, make_train_step, stack_microbatches,
-)
+from jtree.step.optimizer import TrainState, make_optimizer
+from jtree.step.train_step import make_grad_fn, make_train_step
+from jtree.step.batches import stack_microbatches
 from tests.models_util import assert_grads_close, off_policy_ppo_inputs, tiny_model
 from tests.run_util import finish, launch, read_metrics, tiny_overrides
 from tests.strategies import seeded_forests

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 
 from jtree.layout.linearize import linearize
 from jtree.config.objective import NORMALIZATIONS
-from jtree.objectives.losses import batch_normalizer, ppo_loss, sft_loss, token_coefficients
+from jtree.layout.coefficients import batch_normalizer, token_coefficients
+from jtree.objectives.losses import ppo_loss, sft_loss
 from tests.strategies import forests
 
 

@@ -13,9 +13,9 @@ from jtree.parallel.sharding import (
 )
 from jtree.config.run import MeshConfig
 from jtree.config.objective import Objective, OptimConfig
-from jtree.step.train_step import (
-    TrainState, make_grad_fn, make_optimizer, stack_microbatches, state_shardings,
-)
+from jtree.step.optimizer import TrainState, make_optimizer, state_shardings
+from jtree.step.train_step import make_grad_fn
+from jtree.step.batches import stack_microbatches
 from tests.models_util import (
     rel_l2, tiny_config, tiny_lm, tiny_model, tiny_moe_config, tiny_next_config, tiny_runtime,
 )

@@ -4,11 +4,11 @@ import optax
 import pytest
 
 from jtree.layout.linearize import linearize
-from jtree.objectives.losses import batch_normalizer
+from jtree.layout.coefficients import batch_normalizer
 from jtree.config.objective import Objective, OptimConfig
-from jtree.step.train_step import (
-    TrainState, clip_by_global_norm, make_grad_fn, make_optimizer, make_train_step, needs_old_logprobs, stack_microbatches,
-)
+from jtree.step.optimizer import TrainState, clip_by_global_norm, make_optimizer
+from jtree.step.train_step import make_grad_fn, make_train_step
+from jtree.step.batches import needs_old_logprobs, stack_microbatches
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import rel_l2, tiny_model, tiny_runtime
 from tests.strategies import explicit_tree, random_forest

@@ -50,7 +50,8 @@ from jtree.partitioning.redundancy_free.layout import Member, PartBatch, RfreePr
 from jtree.partitioning.redundancy_free.schedule import LiveBuffers, child_order
 from jtree.objectives.logprobs import logprobs_from_hidden
 from jtree.config.objective import Objective
-from jtree.step.train_step import finish_metrics, loss_from_hidden, make_grad_fn, zero_sums
+from jtree.objectives.objective import finish_metrics, loss_from_hidden, zero_sums
+from jtree.step.train_step import make_grad_fn
 
 PrefixBackward = Literal["residuals", "recompute", "auto"]
 

@@ -57,7 +57,8 @@ from jtree.partitioning.redundancy_free.layout import RfreeProgram
 from jtree.partitioning.redundancy_free.schedule import Lockstep, lockstep
 from jtree.parallel.sharding import MODEL, ROWS, row_shards, varying_axes, vary_over
 from jtree.config.objective import Objective
-from jtree.step.train_step import finish_metrics, merged_model, zero_sums
+from jtree.objectives.objective import finish_metrics, zero_sums
+from jtree.step.train_step import merged_model
 
 # Steps of a lockstep schedule are padded to this many lengths per octave: programs of nearby
 # call counts share one compiled step.

@@ -1,0 +1,201 @@
+"""The objective a step differentiates, assembled from the device losses: SFT, PPO or GSPO from the
+final hidden states (log-probs scored where a token is trained), the critic's value loss and GAE,
+the router's auxiliary loss; plus the sums that micro-batches and mesh shards accumulate.
+
+Coefficients either arrive normalized (host-side `normalizer`, as `linearize` does by default) or
+raw (`normalizer=1`) with `row_norm`, each row's share of the batch normalizer;
+`normalize_coefficients` then divides by the sum over all rows, micro-batches and data shards, so
+every host can linearize its own trees without knowing the global batch
+(`jtree.training.pipeline`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+import jax
+import jax.numpy as jnp
+from jtree.layout.batch import DeviceBatch, LossCoefficients
+from jtree.parallel.context import gathered_row, local_index, owned, scoring_view
+from jtree.config.objective import CriticConfig
+from jtree.objectives.critic import gae, pair_token_sums, pair_values
+from jtree.objectives.logprobs import logprobs_from_hidden, scored_logprobs
+from jtree.layout.coefficients import COEFFICIENT_FIELDS
+from jtree.objectives.losses import gspo_loss, ppo_loss, sft_loss, value_loss
+from jtree.config.objective import Objective
+
+
+def objective_loss(model: Any, inputs: DeviceBatch, objective: Objective, *,
+                   vocab_axis: str | None = None):
+    """The objective on one micro-batch, plus the model's auxiliary loss: (loss, metrics).
+
+    Metrics are sums (so they add over micro-batches and devices); the PPO clip fraction is
+    carried as its numerator `clipped_adv` and denominator `abs_adv` (see `finish_metrics`).
+    Under context parallelism (the model's `runtime.context_axis`) `inputs` is this device's
+    slice of the rows and the sums are the slice's (`jtree.parallel.context`).
+    """
+    context_axis = model.runtime.context_axis
+    out = model(inputs)
+    if objective.critic is None:
+        return loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred, out.aux_loss,
+                                inputs, objective, vocab_axis=vocab_axis,
+                                context_axis=context_axis)
+    values, critic_aux = model.values(inputs, out)
+    inputs, v_loss = critic_objective(values, inputs, objective.critic,
+                                      context_axis=context_axis)
+    loss, metrics = loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred,
+                                     out.aux_loss + critic_aux, inputs, objective,
+                                     vocab_axis=vocab_axis, context_axis=context_axis)
+    return loss + objective.critic.value_coef * v_loss, dict(metrics, value_loss=v_loss)
+
+
+def critic_objective(token_values: jax.Array, inputs: DeviceBatch, critic: CriticConfig, *,
+                     context_axis: str | None = None) -> tuple[DeviceBatch, jax.Array]:
+    """PPO with a critic on one micro-batch: `inputs` with the policy's P/N from the per-path
+    GAE advantages, and the clipped value loss (`jtree.objectives.critic`, docs/rl.md). The old values are
+    the current ones without gradient: the step's parameters are the policy's before the update,
+    as for recomputed old log-probs.
+
+    Under context parallelism (`context_axis`) the pairs are the whole rows' (not split): the
+    values and `pred` are gathered over the axis, every device runs the rows' GAE, and each
+    keeps the pairs whose token it holds (its P/N and its share of the value loss)."""
+    pairs = inputs.critic
+    if pairs is None:
+        raise ValueError("inputs: 'critic' pairs missing; objective.critic needs "
+                         "jtree.objectives.critic.with_critic_pairs on the batch")
+    s = inputs.tokens.shape[-1]
+    pred, local_pairs = inputs.pred, pairs
+    if context_axis is not None:
+        token_values = gathered_row(token_values, context_axis)
+        pred = gathered_row(pred, context_axis)
+        index = local_index(pairs.index, s, context_axis)
+        local_pairs = dataclasses.replace(pairs, index=index,
+                                          coef=jnp.where(index >= 0, pairs.coef, 0.0))
+    values = pair_values(token_values, pred, pairs)
+    old = jax.lax.stop_gradient(values)
+    advantages, returns = gae(old, pairs, critic.gamma, critic.lam)
+    ca = local_pairs.coef * advantages
+    inputs = inputs.with_coefficients(
+        adv_pos=pair_token_sums(jnp.where(ca >= 0, ca, 0.0), local_pairs, s),
+        adv_neg=pair_token_sums(jnp.where(ca < 0, ca, 0.0), local_pairs, s))
+    return inputs, value_loss(values, old, returns, local_pairs.coef, critic.value_clip)
+
+
+def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_loss: jax.Array,
+                     inputs: DeviceBatch, objective: Objective, *,
+                     vocab_axis: str | None = None, context_axis: str | None = None):
+    """`objective_loss` from final hidden states: token i is scored by row `pred[i]` of `hidden`
+    (a part of a partitioned tree puts the hidden state of the token above it first). With
+    `context_axis`, `hidden` is this device's slice of the row and the states of other devices
+    that its tokens are scored by come through the halo (`jtree.parallel.context.scoring_view`)."""
+    want_entropy = objective.kind != "sft" and objective.entropy_coef != 0
+    coefficients = inputs.coefficients
+    score_index = inputs.score_index
+    if context_axis is not None:
+        hidden, pred, score_index = scoring_view(hidden, pred, inputs.halo, score_index,
+                                                 context_axis)
+    if score_index is not None:  # score only the tokens with a loss coefficient
+        logp, entropy = scored_logprobs(
+            hidden, w_out, inputs.tokens, pred,
+            score_index, chunk=objective.logprob_chunk, with_entropy=want_entropy,
+            vocab_axis=vocab_axis,
+        )
+        if objective.kind == "gspo":  # path sums run over the layout: the scored values at [.., S]
+            logp, entropy = (None if x is None else
+                             scatter_scored(x, score_index, inputs.tokens.shape[-1])
+                             for x in (logp, entropy))
+        else:
+            coefficients = gather_scored(coefficients, score_index)
+    else:
+        logp, entropy = logprobs_from_hidden(
+            hidden, w_out, inputs.tokens, pred,
+            chunk=objective.logprob_chunk, with_entropy=want_entropy, vocab_axis=vocab_axis,
+        )
+    if objective.kind == "sft":
+        loss = sft_loss(logp, coefficients)
+        metrics = {"nll": loss}
+    else:
+        rl = dict(clip_low=objective.clip_low, clip_high=objective.clip_high,
+                  kl_coef=objective.kl_coef, entropy=entropy, entropy_coef=objective.entropy_coef)
+        if objective.kind == "gspo":
+            loss, metrics = path_level_loss(logp, coefficients, inputs.mask.end, rl,
+                                            context_axis)
+            pos, neg = coefficients.seq_pos, coefficients.seq_neg
+        else:
+            loss, metrics = ppo_loss(logp, coefficients, **rl)
+            pos, neg = coefficients.adv_pos, coefficients.adv_neg
+        abs_adv = jnp.sum(jnp.abs(pos) + jnp.abs(neg))
+        metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv)
+    return loss + aux_loss, dict(metrics, aux_loss=aux_loss)
+
+
+def path_level_loss(logp: jax.Array, coefficients: LossCoefficients, end: jax.Array,
+                    rl: dict[str, Any], context_axis: str | None
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`gspo_loss` on [rows, S] per-token values; under context parallelism on the rows
+    gathered over `context_axis` (log-probs, entropies, coefficients and `end`: a float or int
+    per token), each device summing the terms of the tokens it holds."""
+    if context_axis is None:
+        return gspo_loss(logp, coefficients, end, **rl)
+    length = logp.shape[-1]
+    row = functools.partial(gathered_row, axis=context_axis)
+    coefficients = jax.tree_util.tree_map(row, coefficients)
+    end = row(end)
+    rl = dict(rl, entropy=None if rl["entropy"] is None else row(rl["entropy"]))
+    return gspo_loss(row(logp), coefficients, end,
+                     owned=owned(end.shape[-1], length, context_axis), **rl)
+
+
+def gather_scored(coefficients: LossCoefficients, index: jax.Array) -> LossCoefficients:
+    """The loss coefficients at `score_index` [rows, K] (0 on empty slots), so the losses of
+    `jtree.objectives.losses` run on the scored tokens only."""
+    at = jnp.where(index >= 0, index, 0)
+    return jax.tree_util.tree_map(
+        lambda x: jnp.where(index >= 0, jnp.take_along_axis(x, at, axis=1), 0.0), coefficients)
+
+
+def scatter_scored(values: jax.Array, index: jax.Array, seq_len: int) -> jax.Array:
+    """[rows, K] values at `score_index` -> [rows, seq_len], 0 where nothing is scored (the
+    inverse of `gather_scored` on the scored positions)."""
+    at = jnp.where(index >= 0, index, seq_len)  # empty slots go past the end and are dropped
+    return jax.vmap(lambda v, i: jnp.zeros(seq_len, v.dtype).at[i].set(v, mode="drop"))(
+        values, at)
+
+
+def normalize_coefficients(inputs: DeviceBatch, data_axes: Sequence[str] = ()) -> DeviceBatch:
+    """Divide raw loss coefficients by the batch normalizer when the batch carries `row_norm`
+    (the normalizer's per-row shares; summed over the row shards `data_axes` inside
+    shard_map)."""
+    if inputs.row_norm is None:
+        return inputs
+    total = jnp.sum(inputs.row_norm)
+    if data_axes:
+        total = jax.lax.psum(total, tuple(data_axes))
+    scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    c = inputs.coefficients
+    if inputs.critic is not None:
+        inputs = dataclasses.replace(inputs, critic=dataclasses.replace(
+            inputs.critic, coef=inputs.critic.coef * scale))
+    return dataclasses.replace(inputs, row_norm=None).with_coefficients(
+        **{name: getattr(c, name) * scale for name in COEFFICIENT_FIELDS})
+
+
+def finish_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Turn summed metrics into reported ones (the clip fraction as a ratio of sums)."""
+    if "clipped_adv" not in metrics:
+        return metrics
+    metrics = dict(metrics)
+    clipped, total = metrics.pop("clipped_adv"), metrics.pop("abs_adv")
+    return dict(metrics, clip_frac=clipped / jnp.maximum(total, 1e-30))
+
+
+def zero_sums(loss: Any, metrics: Any, params: Any) -> tuple[jax.Array, Any, Any]:
+    """Zero (loss, metrics, grads) to add micro-batch or part results to: `loss` and `metrics` as
+    arrays or `jax.ShapeDtypeStruct`s, the gradients shaped like `params`."""
+    def zeros(x: Any) -> jax.Array:
+        return jnp.zeros(x.shape, x.dtype)
+
+    return (zeros(loss), jax.tree_util.tree_map(zeros, metrics),
+            jax.tree_util.tree_map(jnp.zeros_like, params))

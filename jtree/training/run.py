@@ -1,0 +1,288 @@
+"""A training run of a `TrainConfig` on trees from JSONL, whichever entry point starts it
+(`jtree train`, `python -m jtree.launch.train`).
+
+`TrainingRun` adds to the `Trainer` what the trees determine: the step builders of each layout
+mode (`StepBuilders`), the data pipeline and the checkpointer. It restores a checkpoint (data order
+included; `jtree.training.resume` says which config keys may differ), trains with one record per
+step (`jtree.training.report`), saves checkpoints (with the `run.kill_after_checkpoint` fault
+injection the resume tests use), logs every compile of the step (`jtree.training.compile_log`;
+compile time is kept out of tokens/s) and, with `run.compare_baseline`, checks tree-vs-baseline
+log-prob equivalence with the trained parameters and times the tree step against the per-path
+baseline step (`jtree.training.baseline_check`). `train` runs one config from start to summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from typing import Any
+import jax
+from jtree.training.baseline_check import compare_with_baseline
+from jtree.layout.batch import DeviceBatch
+from jtree.training.checkpoint import Checkpointer, abstract_like
+from jtree.parallel.layer_stack import layer_groups
+from jtree.training.compile_log import Compiles, CompileWatch
+from jtree.config import TrainConfig
+from jtree.training.pipeline import LoadReport, make_pipeline
+from jtree.training.host_allocator import configure_host_malloc
+from jtree.kernels.tree_attention import resolve_impl
+from jtree.training.metrics import MetricsLog
+from jtree.models.lora import trainable
+from jtree.training.run_data import (
+    StepBuilders, host_data_shards, load_training_trees, run_step_builder,
+    to_global,
+)
+from jtree.training.report import progress, progress_line, say, step_record, summary
+from jtree.parallel.sharding import (
+    describe_mesh, row_shards,
+)
+from jtree.step.optimizer import (
+    TrainState, make_schedule,
+)
+from jtree.step.batches import old_logprobs_stale
+from jtree.trees.tree import TrajectoryTree
+from jtree.training.trainer import Trainer
+from jtree.training.resume import check_resumable
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """One run of a config: its trees, step functions, step builders, data iterator and
+    checkpointer (None without `checkpoint.dir`)."""
+
+    cfg: TrainConfig
+    trees: list[TrajectoryTree]
+    load_report: LoadReport
+    trainer: Trainer
+    shards: tuple[int, ...]  # the data shards this process feeds
+    builders: StepBuilders
+    iterator: Any  # grain iterator: get_state / set_state carry the data order into checkpoints
+    layout: str
+    checkpointer: Checkpointer | None
+    compile_watch: CompileWatch = dataclasses.field(default_factory=CompileWatch)
+    compiled_shapes: set[tuple] = dataclasses.field(default_factory=set)
+    reference: Any = None  # the reference model's parameters (objective.reference), on the mesh
+
+    @classmethod
+    def build(cls, cfg: TrainConfig) -> TrainingRun:
+        """Load the trees, build the step functions, the step builders of the trained modes and
+        the pipeline that feeds this process's data shards, and open `checkpoint.dir`."""
+        with progress(f"loading {cfg.data.path}"):
+            try:
+                trees, report = load_training_trees(cfg)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"data.path: no such file: {e.filename}") from None
+        trainer = Trainer.build(cfg)
+        shards = host_data_shards(trainer.mesh)
+        with progress("laying out the steps (partitioning trees, sizing rows)"):
+            builders = StepBuilders(cfg, trees, row_shards(trainer.mesh), shards)
+            builder, layout = run_step_builder(cfg, trees, builders, trainer.mesh.devices.size)
+        iterator = iter(make_pipeline(builder, seed=cfg.data.shuffle_seed,
+                                      worker_count=cfg.data.worker_count))
+        ckpt = None
+        if cfg.checkpoint.dir is not None:
+            ckpt = Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
+                                async_save=cfg.checkpoint.async_save)
+        return cls(cfg, trees, report, trainer, shards, builders, iterator, layout, ckpt)
+
+    def restore(self, resume: bool) -> tuple[TrainState, int]:
+        """(state, first step): the latest checkpoint's, data order included, when `resume` and
+        one exists; otherwise a fresh state at step 0. Loads the reference model of
+        `objective.reference` too (its weights do not depend on the checkpoint)."""
+        if self.cfg.objective.reference is not None:
+            with progress(f"loading the reference model ({self.cfg.objective.reference})"):
+                self.reference = self.trainer.reference_params()
+        ckpt = self.checkpointer
+        if resume and ckpt is None:
+            raise ValueError("--resume: checkpoint.dir is not set")
+        restored = ckpt.restore_latest(
+            abstract_like(jax.eval_shape(self.trainer.init_fn), self.trainer.shardings),
+            on_corrupt=self.cfg.checkpoint.on_corrupt, log=say,
+            layer_groups=layer_groups(self.cfg.model.config.decoder().layers),
+            check_meta=lambda meta, where: check_resumable(meta, self.trainer.run_meta()["config"],
+                                                           where),
+        ) if resume else None
+        if restored is None:
+            if resume:
+                say(f"--resume: no checkpoint in {ckpt.directory}, starting from scratch")
+            return self.trainer.initial_state(), 0
+        state = restored.state
+        self.iterator.set_state(restored.data_state)
+        start = int(state.step)
+        say(f"resumed from {ckpt.where(restored.step)} (step {start})")
+        return state, start
+
+    def describe(self, state: TrainState) -> str:
+        """The line that says what runs where: model, mode, objective, mesh, attention kernel (what
+        `auto` resolved to), batch layout."""
+        cfg, mesh, mcfg = self.cfg, self.trainer.mesh, self.cfg.model.config
+        n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+        if cfg.model.lora is not None:
+            n_lora = sum(x.size for x in jax.tree_util.tree_leaves(trainable(state.params)))
+            n_params = f"{n_params - n_lora:,} frozen + {n_lora:,} LoRA"
+        else:
+            n_params = f"{n_params:,}"
+        rt = cfg.runtime
+        attention = resolve_impl(rt.attention_impl, dtype=rt.dtype, head_dim=mcfg.head_dim)
+        return (f"model: {cfg.model.architecture} {mcfg.num_hidden_layers} layers, hidden "
+                f"{mcfg.hidden_size}, {n_params} parameters; mode {cfg.run.mode}, objective "
+                f"{cfg.objective.kind}; mesh {describe_mesh(mesh)} "
+                f"over {jax.process_count()} process(es), backend {jax.default_backend()}, "
+                f"attention {attention}; "
+                f"{self.layout}")
+
+    def loop(self, state: TrainState, start: int) -> tuple[TrainState, list[dict[str, Any]]]:
+        """Train steps `start` .. `run.steps - 1`: log each step's record, print every
+        `run.log_every`-th, checkpoint every `checkpoint.every`-th. Returns the records."""
+        cfg = self.cfg
+        metrics_log = MetricsLog(cfg.run.metrics_jsonl, cfg.run.tensorboard_dir,
+                                 first_step=start, enabled=jax.process_index() == 0)
+        schedule = make_schedule(cfg.optim)
+        history = []
+        for step in range(start, cfg.run.steps):
+            state, metrics, info, host_s, device_s, compiles = self.train_step(state, step)
+            record = step_record(step, metrics, info, host_s, device_s, compiles,
+                                 float(schedule(step)))
+            history.append(record)
+            metrics_log.write(record)
+            if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
+                say(progress_line(record))
+                if "mode_reason" in info:
+                    say(f"           auto mode: {info['mode']} ({info['mode_reason']})")
+            self.checkpoint(step + 1, state)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        metrics_log.close()
+        return state, history
+
+    def train_step(self, state: TrainState, step: int) -> tuple[
+            TrainState, dict[str, float], dict[str, Any], float, float, Compiles]:
+        """Train the pipeline's next step: (state, metrics, step info, host s, device s, the
+        step's compiles). Host time is reading the step and placing it; device time runs the
+        old and reference log-prob forwards the step needs and waits for its metrics, less the time the step spent compiling (`compile_watch`, entered by
+        `train`). A step at a shape not seen before says so before it compiles and how long the
+        compile took after; a compile at known shapes is logged too (a redundancy-free part
+        compiles per structure as well as per shape)."""
+        cfg, trainer = self.cfg, self.trainer
+        t0 = time.perf_counter()
+        element = next(self.iterator)
+        if "inputs" in element:  # the shapes the step compiles for are those of the laid-out batch
+            element = dict(element, inputs=trainer.laid_out(element["inputs"]))
+        info = element["info"]
+        new = {k: d for k, d in step_shapes(element).items() if k not in self.compiled_shapes}
+        shape = "; ".join(new.values())
+        if new:
+            say(f"compiling the step for shape {shape} ...")
+            self.compiled_shapes.update(new)
+        before = self.compile_watch.total
+        stale = old_logprobs_stale(bool(info["has_old_logprobs"]),
+                                   float(info["old_logprob_disagreement"]), cfg.objective)
+        if "program" in element:  # run.mode=redundancy_free
+            if stale:
+                raise ValueError(f"run.mode=redundancy_free: objective.kind="
+                                 f"{cfg.objective.kind} needs old log-probs that the trees of "
+                                 f"step {step} do not carry (or that disagree on shared tokens)")
+            t1 = time.perf_counter()
+            state, metrics = trainer.rfree_step(state, element["program"])
+        else:
+            inputs = to_global(trainer.mesh, element["inputs"], len(self.shards))
+            t1 = time.perf_counter()
+            if stale:
+                inputs = inputs.with_coefficients(
+                    old_logprobs=trainer.logprob_fn(state.params, inputs))
+            if self.reference is not None:  # the KL term's reference: a forward on this batch
+                inputs = inputs.with_coefficients(
+                    ref_logprobs=trainer.ref_logprob_fn(self.reference, inputs))
+            state, metrics = trainer.step_fn(state, inputs)
+        metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
+        device_s = time.perf_counter() - t1
+        compiles = self.compile_watch.total - before
+        if compiles.n:
+            say(f"compiling the step for shape {shape}: done in {compiles.seconds:.1f} s "
+                f"({compiles.n} program(s))" if new else
+                f"compiled the step again at shapes seen before: {compiles.n} program(s) in "
+                f"{compiles.seconds:.1f} s")
+        return state, metrics, info, t1 - t0, device_s - compiles.seconds, compiles
+
+    def checkpoint(self, done: int, state: TrainState) -> None:
+        """Save after `done` steps when due (every `checkpoint.every` and at the end); with
+        `run.kill_after_checkpoint == done`, wait for the write and SIGKILL this process (the
+        fault the resume tests recover from)."""
+        cfg, ckpt = self.cfg, self.checkpointer
+        if ckpt is None or (done % cfg.checkpoint.every != 0 and done != cfg.run.steps):
+            return
+        ckpt.save(done, state, self.iterator.get_state(), self.trainer.run_meta())
+        if cfg.run.kill_after_checkpoint == done:
+            ckpt.wait()
+            say(f"checkpoint {done} committed; fault injection: SIGKILL")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def close(self) -> None:
+        """Release the checkpointer: waits for its background writes and stops its threads, so
+        a run that stops on an error exits without Orbax's teardown noise after the error."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+
+def step_shapes(element: dict[str, Any]) -> dict[tuple, str]:
+    """What a pipeline element's step compiles for, each with its description: the shapes of its
+    input arrays (a jit compiles once per distinct set), described by the micro-batches x rows x
+    row length of `tokens` and every input of another shape. A redundancy-free program runs one
+    call per part and one for the trees that fit a row whole, each compiling per input shapes."""
+    if "program" not in element:
+        return {_shape_key(element["inputs"]): _describe(element["inputs"])}
+    program = element["program"]
+    calls = [part.inputs for part in program.parts]
+    if program.whole is not None:
+        calls.append(program.whole.inputs())
+    return {_shape_key(inputs): _describe(inputs) for inputs in calls}
+
+
+def _leaf_shapes(inputs: DeviceBatch) -> list[tuple[str, tuple[int, ...]]]:
+    """(field path, shape) of every array of a step's inputs."""
+    return [(jax.tree_util.keystr(path).lstrip("."), tuple(leaf.shape))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(inputs)[0]]
+
+
+def _shape_key(inputs: DeviceBatch) -> tuple:
+    return tuple(_leaf_shapes(inputs))
+
+
+def _describe(inputs: DeviceBatch) -> str:
+    tokens = tuple(inputs.tokens.shape)
+    other = [f"{k} {'x'.join(map(str, shape))}" for k, shape in _leaf_shapes(inputs)
+             if shape[:len(tokens)] != tokens]
+    return ", ".join(["tokens " + "x".join(map(str, tokens)), *other])
+
+
+def train(cfg: TrainConfig, *, resume: bool = False) -> None:
+    """Run `cfg` from its trees to its summary (and the baseline comparison when
+    `run.compare_baseline`); with `resume`, continue from the latest checkpoint in
+    `checkpoint.dir`. A multi-process run calls `jtree.parallel.distributed.initialize_from_env` first."""
+    if configure_host_malloc(cfg.run.host_malloc):  # before anything starts a jax backend
+        say("host malloc: keeps freed memory (run.host_malloc; CPU steps reuse their temporaries)")
+    run = TrainingRun.build(cfg)
+    try:
+        with run.compile_watch:
+            state, start = run.restore(resume)
+            say(run.describe(state))
+            t_run = time.perf_counter()
+            state, history = run.loop(state, start)
+            checkpoint_dir = run.checkpointer.directory if run.checkpointer is not None else None
+            say(summary(history, time.perf_counter() - t_run, run.load_report.n_bad,
+                        checkpoint_dir))
+            if cfg.run.compare_baseline and history:
+                if jax.process_count() == 1:
+                    before = run.compile_watch.total
+                    compare_with_baseline(cfg, run.trainer, run.builders, run.trees, state)
+                    done = run.compile_watch.total - before
+                    say(f"compare_baseline: {done.n} compile(s) in {done.seconds:.1f} s")
+                else:
+                    say("compare_baseline: skipped (single-process check)")
+            if cfg.run.mode != "redundancy_free":  # its parts run their own functions
+                # The jit's own cache: one entry per step program this run compiled.
+                say(f"step programs compiled: {run.trainer.step_fn._cache_size()}")
+    finally:
+        run.close()
