@@ -19,8 +19,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m jtree.launch.train --config configs/tiny.yaml
 
-# Two workers, one per core; a test file stays on one worker so its compiled functions are shared.
+# The import layers first (pyproject.toml's contract), then the tests: two workers, one per core; a
+# test file stays on one worker so its compiled functions are shared.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 test-slow: $(STAMP)

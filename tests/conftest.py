@@ -55,8 +55,8 @@ def few_groups_file(tmp_path: Path) -> Path:
 # whole files (`--dist loadfile`) in collection order; a long file collected last (tests/train
 # sorts after the rest) would leave one worker running it alone at the end.
 LONG_FILES_FIRST = (
-    "tests/train/test_mesh.py", "tests/e2e/test_launch_train.py", "tests/rfree/test_rfree.py",
-    "tests/models/test_hybrid_equivalence.py", "tests/train/test_resume.py",
+    "tests/step/test_mesh.py", "tests/e2e/test_launch_train.py", "tests/partitioning/test_redundancy_free.py",
+    "tests/models/test_hybrid_equivalence.py", "tests/training/test_resume.py",
     "tests/e2e/test_entry_points.py", "tests/kernels/test_attention_mgpu.py",
 )
 

@@ -1,12 +1,12 @@
 """The data file of a command (`jtree stats`, `jtree compare-torch`): its `--format` and
-`--tokenizer` options, and reading it exactly as training does (`jtree.training.pipeline.load_trees`), so a
+`--tokenizer` options, and reading it exactly as training does (`jtree.training.tree_files.load_trees`), so a
 file that trains is a file these commands read, chat conversations included."""
 
 from __future__ import annotations
 
 import argparse
 
-from jtree.training.pipeline import FORMAT_FIELDS, load_trees
+from jtree.training.tree_files import FORMAT_FIELDS, load_trees
 from jtree.trees.tree import TrajectoryTree
 
 

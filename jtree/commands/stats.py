@@ -6,7 +6,7 @@ refused on trees too large for it). Method `redundancy_free` plans the parts of 
 prefix duplicated: N_computed == N_tree, ERR == POR, at any capacity, paths longer than it
 included). `--plot OUT.png` draws one tree (node size by tokens; with a
 capacity, colour by how many heuristic parts compute each node) and its overlap curve; `--json`
-writes every number. Files are read as training reads them (`jtree.training.pipeline.load_trees`): `--format
+writes every number. Files are read as training reads them (`jtree.training.tree_files.load_trees`): `--format
 chat` tokenizes conversations with `--tokenizer`, one tree per conversation, one node per message.
 """
 

@@ -69,7 +69,7 @@ def is_moe_layer(layer: int, num_experts: int, decoder_sparse_step: int,
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
     """Architecture of a Qwen3 dense model. Field names are Hugging Face's, so that `config.json`
-    maps one to one; how to run the model is `jtree.models.runtime.RuntimeConfig`."""
+    maps one to one; how to run the model is `jtree.config.runtime.RuntimeConfig`."""
 
     vocab_size: int = 512
     hidden_size: int = 128

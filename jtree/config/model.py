@@ -37,7 +37,7 @@ class ModelSpec:
 
 
 def critic_network(spec: ModelSpec, critic: Any) -> Any:
-    """The architecture config of the separate critic of `critic` (`jtree.objectives.critic.CriticConfig`)
+    """The architecture config of the separate critic of `critic` (`jtree.config.objective.CriticConfig`)
     beside the policy `spec`: `network` unset is the policy's config; a mapping names its
     `architecture` (default: the policy's) and fields that override the policy's config (same
     architecture) or the architecture's defaults. Its vocabulary must be the policy's: it reads

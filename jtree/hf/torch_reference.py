@@ -44,7 +44,7 @@ def run_path(
     coefficients: np.ndarray | None = None,
     module_names: Sequence[str] = (),
 ) -> PathOutputs:
-    """Forward one sequence; with `coefficients` (per token, like `jtree.objectives.losses.path_coefficients`)
+    """Forward one sequence; with `coefficients` (per token, like `jtree.layout.coefficients.path_coefficients`)
     also backpropagate this path's loss -sum_t c_t log p_t, accumulating into `.grad`."""
     import torch
 

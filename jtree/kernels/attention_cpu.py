@@ -1,7 +1,7 @@
 """Block-sparse tree attention for the CPU backend: a multi-threaded C++ kernel (XLA FFI).
 
 Same mask, blocks, schedule and layouts as the `xla` kernel (`jtree.kernels.attention_xla`), but the
-per-block work runs in `kernels/cpu/tree_attention.cc` over all cores. XLA:CPU executes a `while`
+per-block work runs in `jtree/kernels/cpu/tree_attention.cc` over all cores. XLA:CPU executes a `while`
 loop on one thread, so the `xla` kernel's block loop leaves the other cores idle unless XLA finds
 independent work to overlap (it does in the backward, never in the forward); this kernel splits
 the (q-block, kv-head) items over threads instead. FULL blocks skip the element mask.
@@ -33,6 +33,7 @@ from jtree.kernels.attention_xla import (
 from jtree.kernels.block_tables import block_tables
 from jtree.kernels.flat_tokens import last_axis_dot
 from jtree.kernels.varying_axes import varying_like
+from jtree.kernels.flash_vjp import flash_vjp
 
 _SOURCE = Path(__file__).with_name("cpu") / "tree_attention.cc"
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++20", "-shared", "-fPIC", "-pthread")
@@ -188,18 +189,7 @@ def _forward(q, k, v, end, q_pos, sched: _Schedule, cfg: _Config):
     return _q_from_blocks(out, q.shape[0], q.shape[2], cfg.block_q), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, end, q_pos, sched, cfg):
-    return _forward(q, k, v, end, q_pos, sched, cfg)[0]
-
-
-def _attention_fwd(q, k, v, end, q_pos, sched, cfg):
-    out, lse = _forward(q, k, v, end, q_pos, sched, cfg)
-    return out, (q, k, v, end, q_pos, sched, out, lse)
-
-
-def _attention_bwd(cfg, residuals, d_out):
-    q, k, v, end, q_pos, sched, out, lse = residuals
+def _backward(cfg, q, k, v, end, q_pos, sched, out, lse, d_out):
     rows, _, hq, _ = q.shape
     hkv = k.shape[2]
     args = _block_inputs(q, k, v, end, q_pos, sched, cfg)
@@ -211,7 +201,7 @@ def _attention_bwd(cfg, residuals, d_out):
         *args, **_attrs(cfg, k.shape[1] // cfg.block_kv))
     dq, dk, dv = varying_like(grads, *args)
     return (_q_from_blocks(dq, rows, hq, cfg.block_q), _kv_from_blocks(dk, rows),
-            _kv_from_blocks(dv, rows), None, None, None)
+            _kv_from_blocks(dv, rows))
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = flash_vjp(_forward, _backward, 6)

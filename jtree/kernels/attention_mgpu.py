@@ -19,7 +19,6 @@ with tokens nobody sees).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -37,6 +36,7 @@ from jtree.kernels.mgpu_backward import (
 )
 from jtree.kernels.mgpu_forward import forward_buffers, forward_call
 from jtree.kernels.mgpu_pipeline import CONSUMERS, LIST_CHUNK, SMEM_LIMIT, WG_ROWS, smem_bytes
+from jtree.kernels.flash_vjp import flash_vjp
 
 SEQ_MULTIPLE = CONSUMERS * WG_ROWS  # every kernel's block sizes divide this
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -168,18 +168,7 @@ def _forward(q, k, v, end, q_pos, st: _Static):
         scale=st.scale, softcap=st.softcap, interpret=st.interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, end, q_pos, st: _Static):
-    return _forward(q, k, v, end, q_pos, st)[0]
-
-
-def _attention_fwd(q, k, v, end, q_pos, st: _Static):
-    out, lse = _forward(q, k, v, end, q_pos, st)
-    return out, (q, k, v, end, q_pos, out, lse)
-
-
-def _attention_bwd(st: _Static, residuals, d_out):
-    q, k, v, end, q_pos, out, lse = residuals
+def _backward(st: _Static, q, k, v, end, q_pos, out, lse, d_out):
     sq, skv, head_dim = q.shape[1], k.shape[1], q.shape[3]
     _check_smem("dq", dq_buffers(skv, head_dim, st.stages, q.dtype))
     _check_smem("dkv", dkv_buffers(sq, head_dim, st.stages, q.dtype))
@@ -198,7 +187,7 @@ def _attention_bwd(st: _Static, residuals, d_out):
         _transposed(q), _transposed(d_out), q, d_out, lse, delta, k, v, end, q_pos,
         _list_table(q_lists.q_blocks, q_lists.q_kind), q_lists.q_count,
         stages=st.stages, scale=st.scale, softcap=st.softcap, interpret=st.interpret)
-    return d_q, d_k, d_v, None, None
+    return d_q, d_k, d_v
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = flash_vjp(_forward, _backward, 5)

@@ -36,21 +36,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jtree.kernels.block_tables import FULL, PARTIAL, block_padding, block_tables
 from jtree.kernels.varying_axes import varying_struct
+from jtree.kernels.pallas_attention import BlockConfig
+from jtree.kernels.pallas_attention import MASKED
+from jtree.kernels.pallas_attention import NN
+from jtree.kernels.pallas_attention import NT
 
 DEFAULT_BLOCK = 128
 LANES = 128
 SMEM_TABLE_BYTES = 512 * 1024  # half of the 1 MiB SMEM of TPU v4 and later
-_MASKED = -0.7 * float(np.finfo(np.float32).max)
-_NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
-_NN = (((1,), (0,)), ((), ()))  # a @ b
-
-
-class _Config(NamedTuple):
-    scale: float
-    softcap: float | None
-    block_q: int
-    block_kv: int
-    interpret: Any  # False, True, or pltpu.InterpretParams
 
 
 padded_length, padded_lengths = block_padding(DEFAULT_BLOCK)
@@ -102,8 +95,8 @@ def tree_attention_tpu(
                           q_pos=q_pos, q_real=q_real)
     kv_table = _pack(tables.kv_blocks, tables.kv_kind)
     q_table = _pack(tables.q_blocks, tables.q_kind)
-    cfg = _Config(float(scale), None if softcap is None else float(softcap), block_q, block_kv,
-                  interpret)
+    cfg = BlockConfig(float(scale), None if softcap is None else float(softcap), block_q, block_kv,
+                      interpret)
     if q_pos is None:
         q_pos = np.broadcast_to(np.arange(sq, dtype=np.int32), (rows, sq))
     out = _attention(q, k, v, jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32),
@@ -149,7 +142,7 @@ def _kind(entry):
     return jax.lax.bitwise_and(entry, 3)
 
 
-def _cap(s: jax.Array, cfg: _Config):
+def _cap(s: jax.Array, cfg: BlockConfig):
     """Soft-capped scores and tanh(s / cap) (None without a cap), for the backward's chain rule."""
     if cfg.softcap is None:
         return s, None
@@ -183,7 +176,7 @@ class _Specs(NamedTuple):
     qpos: pl.BlockSpec
 
 
-def _specs(q_map, kv_map, end_map, row_map, d: int, cfg: _Config) -> _Specs:
+def _specs(q_map, kv_map, end_map, row_map, d: int, cfg: BlockConfig) -> _Specs:
     bq, bk = cfg.block_q, cfg.block_kv
 
     def qpos_map(*idx):
@@ -195,7 +188,7 @@ def _specs(q_map, kv_map, end_map, row_map, d: int, cfg: _Config) -> _Specs:
                   pl.BlockSpec((None, 1, bq), qpos_map))
 
 
-def _per_q_block_specs(group: int, d: int, cfg: _Config) -> _Specs:
+def _per_q_block_specs(group: int, d: int, cfg: BlockConfig) -> _Specs:
     """Grid (rows, Hq, nq, steps): step n of q-block i reads the n-th kv-block of its list."""
 
     def q_map(r, h, i, n, tab):
@@ -213,7 +206,7 @@ def _per_q_block_specs(group: int, d: int, cfg: _Config) -> _Specs:
     return _specs(q_map, kv_map, end_map, row_map, d, cfg)
 
 
-def _per_kv_block_specs(group: int, d: int, cfg: _Config) -> _Specs:
+def _per_kv_block_specs(group: int, d: int, cfg: BlockConfig) -> _Specs:
     """Grid (rows, Hkv, nk, group, steps): query head hk * group + gi, step n of kv-block j reads
     the n-th q-block of its list."""
 
@@ -232,7 +225,7 @@ def _per_kv_block_specs(group: int, d: int, cfg: _Config) -> _Specs:
     return _specs(q_map, kv_map, end_map, row_map, d, cfg)
 
 
-def _call(kernel, name: str, *, grid, cfg: _Config, in_specs, out_specs, out_shape, scratch,
+def _call(kernel, name: str, *, grid, cfg: BlockConfig, in_specs, out_specs, out_shape, scratch,
           accumulating: int = 1):
     """A pallas_call with one scalar-prefetched block table; every grid axis is parallel except
     the last `accumulating` ones, whose steps accumulate into scratch in order."""
@@ -253,26 +246,26 @@ def _call(kernel, name: str, *, grid, cfg: _Config, in_specs, out_specs, out_sha
 
 
 def _fwd_kernel(kv_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, o_ref, lse_ref, m_scr, l_scr,
-                acc_scr, *, cfg: _Config, steps: int):
+                acc_scr, *, cfg: BlockConfig, steps: int):
     r, i, n = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     entry = kv_table[r, i, n]
     bq, bk = cfg.block_q, cfg.block_kv
 
     @pl.when(n == 0)
     def _init():
-        m_scr[...] = jnp.full(m_scr.shape, _MASKED, jnp.float32)
+        m_scr[...] = jnp.full(m_scr.shape, MASKED, jnp.float32)
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
     def accumulate(masked: bool):
         v = v_ref[...]
-        s = jax.lax.dot_general(q_ref[...], k_ref[...], _NT,
+        s = jax.lax.dot_general(q_ref[...], k_ref[...], NT,
                                 preferred_element_type=jnp.float32) * cfg.scale
         s, _ = _cap(s, cfg)
         if masked:
             mask = _mask((bq, bk), qpos_ref[0][:, None], _block(entry) * bk, end_ref[...],
                          keys_on_lanes=True)
-            s = jnp.where(mask, s, _MASKED)
+            s = jnp.where(mask, s, MASKED)
         m_prev, l_prev = m_scr[...], l_scr[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, LANES]
         p = jnp.exp(s - m_next[:, :1])
@@ -281,7 +274,7 @@ def _fwd_kernel(kv_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, o_ref, lse_ref
         alpha = jnp.exp(m_prev - m_next)
         l_scr[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         m_scr[...] = m_next
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
         acc_scr[...] = acc_scr[...] * alpha[:, :1] + pv
 
     _on_kind(_kind(entry), accumulate)
@@ -294,7 +287,7 @@ def _fwd_kernel(kv_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, o_ref, lse_ref
         lse_ref[...] = (m_scr[...] + jnp.log(l)).T[:1, :]  # [1, bq]: lane-dense row
 
 
-def _forward(q, k, v, end, q_pos, kv_table, cfg: _Config):
+def _forward(q, k, v, end, q_pos, kv_table, cfg: BlockConfig):
     """q [rows, Hq, Sq, D], k, v [rows, Hkv, Skv, D], end [rows, 1, Skv], q_pos [rows, 1, Sq]
     -> out, lse [rows, Hq, 1, Sq]."""
     rows, hq, s, d = q.shape
@@ -316,7 +309,7 @@ def _forward(q, k, v, end, q_pos, kv_table, cfg: _Config):
 
 
 def _dq_kernel(kv_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, dq_scr, *, cfg: _Config, steps: int):
+               dq_ref, dq_scr, *, cfg: BlockConfig, steps: int):
     r, i, n = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     entry = kv_table[r, i, n]
     bq, bk = cfg.block_q, cfg.block_kv
@@ -327,19 +320,19 @@ def _dq_kernel(kv_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, do_ref, lse_ref
 
     def accumulate(masked: bool):
         k = k_ref[...]
-        s = jax.lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32) * cfg.scale
+        s = jax.lax.dot_general(q_ref[...], k, NT, preferred_element_type=jnp.float32) * cfg.scale
         s, t = _cap(s, cfg)
         p = jnp.exp(s - lse_ref[0][:, None])
         if masked:
             mask = _mask((bq, bk), qpos_ref[0][:, None], _block(entry) * bk, end_ref[...],
                          keys_on_lanes=True)
             p = jnp.where(mask, p, 0.0)
-        dp = jax.lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
+        dp = jax.lax.dot_general(do_ref[...], v_ref[...], NT, preferred_element_type=jnp.float32)
         ds = p * (dp - delta_ref[0][:, None])
         if t is not None:
             ds = ds * (1.0 - t * t)
         dq_scr[...] += cfg.scale * jax.lax.dot_general(
-            ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
+            ds.astype(k.dtype), k, NN, preferred_element_type=jnp.float32)
 
     _on_kind(_kind(entry), accumulate)
 
@@ -348,7 +341,7 @@ def _dq_kernel(kv_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, do_ref, lse_ref
         dq_ref[...] = dq_scr[...].astype(dq_ref.dtype)
 
 
-def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, kv_table, cfg: _Config):
+def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, kv_table, cfg: BlockConfig):
     rows, hq, s, d = q.shape
     specs = _per_q_block_specs(hq // k.shape[1], d, cfg)
     return _call(
@@ -367,7 +360,7 @@ def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, kv_table, cfg: _Config)
 
 
 def _dkv_kernel(q_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, dk_scr, dv_scr, *, cfg: _Config, steps: int, group: int):
+                dk_ref, dv_ref, dk_scr, dv_scr, *, cfg: BlockConfig, steps: int, group: int):
     r, j, gi, n = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     entry = q_table[r, j, n]
     bq, bk = cfg.block_q, cfg.block_kv
@@ -380,20 +373,20 @@ def _dkv_kernel(q_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, do_ref, lse_ref
     def accumulate(masked: bool):
         q, do = q_ref[...], do_ref[...]
         # Keys on sublanes: [bk, bq] tiles, so the per-query rows (lse, delta) broadcast as rows.
-        s = jax.lax.dot_general(k_ref[...], q, _NT, preferred_element_type=jnp.float32) * cfg.scale
+        s = jax.lax.dot_general(k_ref[...], q, NT, preferred_element_type=jnp.float32) * cfg.scale
         s, t = _cap(s, cfg)
         p = jnp.exp(s - lse_ref[...])
         if masked:
             mask = _mask((bk, bq), qpos_ref[...], j * bk, end_ref[0][:, None],
                          keys_on_lanes=False)
             p = jnp.where(mask, p, 0.0)
-        dv_scr[...] += jax.lax.dot_general(p.astype(do.dtype), do, _NN,
+        dv_scr[...] += jax.lax.dot_general(p.astype(do.dtype), do, NN,
                                            preferred_element_type=jnp.float32)
-        dp = jax.lax.dot_general(v_ref[...], do, _NT, preferred_element_type=jnp.float32)
+        dp = jax.lax.dot_general(v_ref[...], do, NT, preferred_element_type=jnp.float32)
         ds = p * (dp - delta_ref[...])
         if t is not None:
             ds = ds * (1.0 - t * t)
-        dk_scr[...] += cfg.scale * jax.lax.dot_general(ds.astype(q.dtype), q, _NN,
+        dk_scr[...] += cfg.scale * jax.lax.dot_general(ds.astype(q.dtype), q, NN,
                                                        preferred_element_type=jnp.float32)
 
     _on_kind(_kind(entry), accumulate)
@@ -404,7 +397,7 @@ def _dkv_kernel(q_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, do_ref, lse_ref
         dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, q_table, cfg: _Config):
+def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, q_table, cfg: BlockConfig):
     rows, hq, _, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     specs = _per_kv_block_specs(hq // hkv, d, cfg)

@@ -44,26 +44,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jtree.kernels.block_tables import PARTIAL, block_padding, block_tables
+from jtree.kernels.flash_vjp import flash_vjp
+from jtree.kernels.pallas_attention import BlockConfig
+from jtree.kernels.pallas_attention import MASKED
+from jtree.kernels.pallas_attention import NN
+from jtree.kernels.pallas_attention import NT
 
 PAD_MULTIPLE = 64  # the dispatch pads S to this by default; every default block divides it
 MIN_BLOCK = 16  # tl.dot needs every matmul dimension >= 16
 MAX_HEAD_DIM = 256
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_MASKED = -0.7 * float(np.finfo(np.float32).max)
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-_NN = (((1,), (0,)), ((), ()))  # a @ b
-
-
-class _Config(NamedTuple):
-    """Everything static about one call (hashable: it is a custom_vjp nondiff argument)."""
-
-    scale: float
-    softcap: float | None
-    block_q: int
-    block_kv: int
-    num_warps: int
-    num_stages: int
-    interpret: bool
 
 
 def default_blocks(dtype: Any, head_dim: int) -> tuple[int, int]:
@@ -106,8 +96,8 @@ def tree_attention_triton(
     defaults = default_blocks(q.dtype, d)
     block_q, block_kv = block_q or defaults[0], block_kv or defaults[1]
     _check_supported(q, k, v, block_q, block_kv)
-    cfg = _Config(float(scale), None if softcap is None else float(softcap), block_q, block_kv,
-                  num_warps or (4 if d <= 64 else 8), num_stages, bool(interpret))
+    cfg = BlockConfig(float(scale), None if softcap is None else float(softcap), block_q,
+                      block_kv, bool(interpret), num_warps or (4 if d <= 64 else 8), num_stages)
     tables = block_tables(end, block_q, block_kv, q_pos=q_pos, q_real=q_real)
     if q_pos is None:
         q_pos = np.broadcast_to(np.arange(sq, dtype=np.int32), (rows, sq))
@@ -159,7 +149,7 @@ def _list_specs(table: jax.Array) -> list[pl.BlockSpec]:
     return [entries, entries, pl.BlockSpec((None, blocks), lambda b, r, h: (r, 0))]
 
 
-def _call(kernel, name: str, *, grid, cfg: _Config, in_specs, out_specs, out_shape):
+def _call(kernel, name: str, *, grid, cfg: BlockConfig, in_specs, out_specs, out_shape):
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
@@ -167,7 +157,7 @@ def _call(kernel, name: str, *, grid, cfg: _Config, in_specs, out_specs, out_sha
         interpret=cfg.interpret, name=name)
 
 
-def _cap(s: jax.Array, cfg: _Config) -> tuple[jax.Array, jax.Array | None]:
+def _cap(s: jax.Array, cfg: BlockConfig) -> tuple[jax.Array, jax.Array | None]:
     """Soft-capped scores and tanh(s / cap) (None without a cap), for the backward's chain rule."""
     if cfg.softcap is None:
         return s, None
@@ -175,9 +165,9 @@ def _cap(s: jax.Array, cfg: _Config) -> tuple[jax.Array, jax.Array | None]:
     return cfg.softcap * t, t
 
 
-def _scores(a: jax.Array, b: jax.Array, cfg: _Config) -> tuple[jax.Array, jax.Array | None]:
+def _scores(a: jax.Array, b: jax.Array, cfg: BlockConfig) -> tuple[jax.Array, jax.Array | None]:
     """Soft-capped scale * a @ b.T in float32, and the tanh of the cap."""
-    s = lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32) * cfg.scale
+    s = lax.dot_general(a, b, NT, preferred_element_type=jnp.float32) * cfg.scale
     return _cap(s, cfg)
 
 
@@ -198,7 +188,7 @@ def _by_kind(kind: jax.Array, step, *operands):
 
 
 def _fwd_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref, end_ref,
-                o_ref, lse_ref, *, cfg: _Config):
+                o_ref, lse_ref, *, cfg: BlockConfig):
     bk = cfg.block_kv
     q = q_ref[...]
     qpos = qpos_ref[...]
@@ -210,19 +200,19 @@ def _fwd_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
         if masked:
             mask = _visible(kv.start + lax.broadcasted_iota(jnp.int32, s.shape, 1),
                             qpos[:, None], end_ref[kv][None, :])
-            s = jnp.where(mask, s, _MASKED)
+            s = jnp.where(mask, s, MASKED)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         p = jnp.exp(s - m_next[:, None])
         if masked:
             p = jnp.where(mask, p, 0.0)
         alpha = jnp.exp(m_prev - m_next)
         v = v_ref[kv, :]
-        pv = lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
+        pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
         acc = acc * alpha[:, None] + pv
         return acc, m_next, alpha * l_prev + jnp.sum(p, axis=1)
 
     bq, d = q.shape
-    init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _MASKED, jnp.float32),
+    init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), MASKED, jnp.float32),
             jnp.zeros((bq,), jnp.float32))
     acc, m, l = lax.fori_loop(0, count_ref[pl.program_id(0)],
                               lambda n, c: _by_kind(kinds_ref[n], step, n, c), init)
@@ -231,7 +221,7 @@ def _fwd_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
     lse_ref[...] = m + jnp.log(l)
 
 
-def _forward(q, k, v, end, q_pos, lists: _Lists, cfg: _Config):
+def _forward(q, k, v, end, q_pos, lists: _Lists, cfg: BlockConfig):
     """-> out [rows, Sq, Hq, D], lse [rows, Hq, Sq] float32."""
     rows, sq, hq, d = q.shape
     skv, group = k.shape[1], hq // k.shape[2]
@@ -256,7 +246,7 @@ def _forward(q, k, v, end, q_pos, lists: _Lists, cfg: _Config):
 
 
 def _dq_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref, end_ref, do_ref,
-               lse_ref, delta_ref, dq_ref, *, cfg: _Config):
+               lse_ref, delta_ref, dq_ref, *, cfg: BlockConfig):
     bk = cfg.block_kv
     q, do = q_ref[...], do_ref[...]
     qpos, lse, delta = qpos_ref[...], lse_ref[...], delta_ref[...]
@@ -270,11 +260,11 @@ def _dq_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref, 
             mask = _visible(kv.start + lax.broadcasted_iota(jnp.int32, s.shape, 1),
                             qpos[:, None], end_ref[kv][None, :])
             p = jnp.where(mask, p, 0.0)
-        dp = lax.dot_general(do, v_ref[kv, :], _NT, preferred_element_type=jnp.float32)
+        dp = lax.dot_general(do, v_ref[kv, :], NT, preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None])
         if t is not None:
             ds = ds * (1.0 - t * t)
-        return dq + lax.dot_general(ds.astype(k.dtype), k, _NN,
+        return dq + lax.dot_general(ds.astype(k.dtype), k, NN,
                                     preferred_element_type=jnp.float32)
 
     dq = lax.fori_loop(0, count_ref[pl.program_id(0)],
@@ -283,7 +273,7 @@ def _dq_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref, 
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
-def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, cfg: _Config):
+def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, cfg: BlockConfig):
     rows, sq, hq, d = q.shape
     skv, group = k.shape[1], hq // k.shape[2]
     bq, nq = cfg.block_q, sq // cfg.block_q
@@ -307,7 +297,7 @@ def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, cfg: _Co
 
 
 def _dkv_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref, end_ref, do_ref,
-                lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: _Config, group: int):
+                lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: BlockConfig, group: int):
     bq = cfg.block_q
     k, v, key_end = k_ref[...], v_ref[...], end_ref[...]
     kpos = pl.program_id(0) * cfg.block_kv + lax.broadcasted_iota(
@@ -326,13 +316,13 @@ def _dkv_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
             if masked:
                 mask = _visible(kpos, qpos[None, :], key_end[:, None])
                 p = jnp.where(mask, p, 0.0)
-            dv = dv + lax.dot_general(p.astype(do.dtype), do, _NN,
+            dv = dv + lax.dot_general(p.astype(do.dtype), do, NN,
                                       preferred_element_type=jnp.float32)
-            dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+            dp = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
             ds = p * (dp - delta_ref[g, qs][None, :])
             if t is not None:
                 ds = ds * (1.0 - t * t)
-            dk = dk + lax.dot_general(ds.astype(q.dtype), q, _NN,
+            dk = dk + lax.dot_general(ds.astype(q.dtype), q, NN,
                                       preferred_element_type=jnp.float32)
             return dk, dv
 
@@ -345,7 +335,7 @@ def _dkv_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, cfg: _Config):
+def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, cfg: BlockConfig):
     rows, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -369,24 +359,13 @@ def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, cfg: _C
 # ----------------------------------------------------------------------------- custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, end, q_pos, lists, cfg):
-    return _forward(q, k, v, end, q_pos, lists, cfg)[0]
-
-
-def _attention_fwd(q, k, v, end, q_pos, lists, cfg):
-    out, lse = _forward(q, k, v, end, q_pos, lists, cfg)
-    return out, (q, k, v, end, q_pos, lists, out, lse)
-
-
-def _attention_bwd(cfg, residuals, d_out):
-    q, k, v, end, q_pos, lists, out, lse = residuals
+def _backward(cfg, q, k, v, end, q_pos, lists, out, lse, d_out):
     d_out = d_out.astype(q.dtype)
     # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: the softmax Jacobian's row term, O(S) memory.
     delta = jnp.einsum("rshd,rshd->rhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
     dq = _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, lists, cfg)
     dk, dv = _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, lists, cfg)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = flash_vjp(_forward, _backward, 6)

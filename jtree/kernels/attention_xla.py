@@ -33,9 +33,10 @@ import numpy as np
 from jtree.kernels.block_tables import BlockTables, block_tables, round_up_to_blocks
 from jtree.kernels.flat_tokens import last_axis_dot
 from jtree.kernels.varying_axes import varying_like
+from jtree.kernels.flash_vjp import flash_vjp
 
 DEFAULT_BLOCK = 64
-DEFAULT_GROUP = 1  # fastest on CPU (launch/bench_attention.py sweep); larger suits wide devices
+DEFAULT_GROUP = 1  # fastest on CPU (jtree/launch/bench_attention.py sweep); larger suits wide devices
 _MASKED = -1e30  # finite, so exp(m_old - m_new) never sees inf - inf
 
 
@@ -64,7 +65,7 @@ class _Schedule(NamedTuple):
 
 def default_blocks(s: int) -> tuple[int, int]:
     """(block_q, block_kv) used when the caller gives none: 64, or S rounded up to 8 if shorter
-    (64 measured fastest on CPU at head_dim 64 and 128: launch/bench_attention.py)."""
+    (64 measured fastest on CPU at head_dim 64 and 128: jtree/launch/bench_attention.py)."""
     b = min(DEFAULT_BLOCK, -(-s // 8) * 8)
     return b, b
 
@@ -293,18 +294,7 @@ def _forward(q, k, v, end, q_pos, sched: _Schedule, cfg: _Config):
     return _q_from_blocks(out, rows, hq, cfg.block_q), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, end, q_pos, sched, cfg):
-    return _forward(q, k, v, end, q_pos, sched, cfg)[0]
-
-
-def _attention_fwd(q, k, v, end, q_pos, sched, cfg):
-    out, lse = _forward(q, k, v, end, q_pos, sched, cfg)
-    return out, (q, k, v, end, q_pos, sched, out, lse)
-
-
-def _attention_bwd(cfg, residuals, d_out):
-    q, k, v, end, q_pos, sched, out, lse = residuals
+def _backward(cfg, q, k, v, end, q_pos, sched, out, lse, d_out):
     rows, sq, hq, d = q.shape
     nq, nk = sq // cfg.block_q, k.shape[1] // cfg.block_kv
     hkv = k.shape[2]
@@ -351,8 +341,7 @@ def _attention_bwd(cfg, residuals, d_out):
     inverse = jnp.argsort(sched.groups.reshape(-1), stable=True)[: rows * nq]
     dq = dq.reshape(-1, *dq.shape[2:])[inverse]
     return (_q_from_blocks(dq, rows, hq, cfg.block_q),
-            _kv_from_blocks(dk, rows).astype(k.dtype), _kv_from_blocks(dv, rows).astype(v.dtype),
-            None, None, None)
+            _kv_from_blocks(dk, rows).astype(k.dtype), _kv_from_blocks(dv, rows).astype(v.dtype))
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = flash_vjp(_forward, _backward, 6)

@@ -49,6 +49,7 @@ from jtree.kernels.mgpu_pipeline import (
     tiled_smem,
     tree_mask_tile,
 )
+from collections.abc import Callable
 
 DQ_BLOCK_KV = 64  # kv tile of the dQ kernel (three streamed operands per block)
 DKV_BLOCK_Q = 64  # q tile of the dK/dV kernel (four streamed operands per block)
@@ -172,15 +173,11 @@ def dq_call(q, do, lse, delta, k_t, v_t, k, end, q_pos, table, count, *, stages:
                   interpret)(q, do, lse, delta, k_t, v_t, k, end, q_pos, table, count)
 
 
-def dkv_call(q_t, do_t, q, do, lse, delta, k, v, end, q_pos, table, count, *, stages: int,
-             scale: float, softcap: float | None,
-             interpret: Any) -> tuple[jax.Array, jax.Array]:
-    """dK, dV [rows, Skv, Hkv, D]. `q_t`, `do_t` are [rows, Hq, D, Sq]; `table` holds each 128-key
-    block's (q-block, kind) list at q-block size DKV_BLOCK_Q (layout: `mgpu_pipeline.list_entry`)
-    and `count` [rows, nk] its length."""
-    rows, q_len, q_heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    group = q_heads // kv_heads
+def _dkv_kernel(*, group: int, head_dim: int, stages: int, scale: float,
+                softcap: float | None) -> Callable[..., None]:
+    """The body every CTA of `dkv_call` runs: one producer warpgroup streams the group's query
+    blocks (Q, dO, their transposes, LSE, delta, positions) while the consumer warpgroups
+    accumulate dK and dV of their 64 keys."""
     shape = (WG_ROWS, DKV_BLOCK_Q)
 
     def kernel(qt_ref, dot_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, end_ref,
@@ -253,6 +250,22 @@ def dkv_call(q_t, do_t, q, do, lse, delta, k, v, end, q_pos, table, count, *, st
             v_tile[...] = dv.astype(v_tile.dtype)
             store_tiles([(k_tile, dk_ref.at[r, keys, kv_head]),
                          (v_tile, dv_ref.at[r, keys, kv_head])])
+
+    return kernel
+
+
+def dkv_call(q_t, do_t, q, do, lse, delta, k, v, end, q_pos, table, count, *, stages: int,
+             scale: float, softcap: float | None,
+             interpret: Any) -> tuple[jax.Array, jax.Array]:
+    """dK, dV [rows, Skv, Hkv, D]. `q_t`, `do_t` are [rows, Hq, D, Sq]; `table` holds each 128-key
+    block's (q-block, kind) list at q-block size DKV_BLOCK_Q (layout: `mgpu_pipeline.list_entry`)
+    and `count` [rows, nk] its length."""
+    rows, q_len, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = q_heads // kv_heads
+
+    kernel = _dkv_kernel(group=group, head_dim=head_dim, stages=stages, scale=scale,
+                         softcap=softcap)
 
     buffers = dkv_buffers(q_len, head_dim, stages, q.dtype)
     barriers = _ring_barriers(("qt", "dot", "q", "do", "lse", "delta", "qpos"), stages, resident=3)

@@ -43,6 +43,7 @@ from jtree.kernels.mgpu_pipeline import (
     tiled_smem,
     tree_mask_tile,
 )
+from collections.abc import Callable
 
 
 def forward_buffers(kv_len: int, head_dim: int, block_kv: int, stages: int,
@@ -91,31 +92,10 @@ def q_block_cta(table_ref: Any, count_ref: Any, table_smem: Any, table_ready: An
     return QBlockCta(row, wg, head0 // group, count_ref[row, q_block], entry, head, q_start)
 
 
-def forward_call(
-    q: jax.Array,
-    k_t: jax.Array,
-    v: jax.Array,
-    end: jax.Array,
-    q_pos: jax.Array,
-    table: jax.Array,
-    count: jax.Array,
-    *,
-    block_kv: int,
-    stages: int,
-    heads_per_cta: int,
-    scale: float,
-    softcap: float | None,
-    interpret: Any,
-) -> tuple[jax.Array, jax.Array]:
-    """O [rows, Sq, Hq, D] and base-2 LSE [rows, Hq, Sq] of q over k, v [rows, Skv, Hkv, D] under
-    the tree mask, query i at key position q_pos[i] ([rows, Sq]).
-
-    `k_t` is k transposed to [rows, Hkv, D, Skv]; `table` holds each q-block's (kv-block, kind) list
-    (layout: `mgpu_pipeline.list_entry`) and `count` [rows, nq] its length.
-    """
-    rows, seq, q_heads, head_dim = q.shape
-    group = q_heads // v.shape[2]
-    num_q_blocks = table.shape[1]
+def _forward_kernel(*, group: int, head_dim: int, block_kv: int, stages: int, heads_per_cta: int,
+                    scale: float, softcap: float | None) -> Callable[..., None]:
+    """The body every CTA of `forward_call` runs: one producer warpgroup streams K^T, V and the
+    mask's `end` through `stages` SMEM slots while the consumer warpgroups run the online softmax."""
     shape = (WG_ROWS, block_kv)
 
     def kernel(q_ref, kt_ref, v_ref, end_ref, qpos_ref, table_ref, count_ref, o_ref, lse_ref, buf,
@@ -183,6 +163,37 @@ def forward_call(
             store_tiles([(q_tile, o_ref.at[r, queries, head]),
                          (buf["lse"].at[wg], lse_ref.at[r, head, queries])])
 
+    return kernel
+
+
+def forward_call(
+    q: jax.Array,
+    k_t: jax.Array,
+    v: jax.Array,
+    end: jax.Array,
+    q_pos: jax.Array,
+    table: jax.Array,
+    count: jax.Array,
+    *,
+    block_kv: int,
+    stages: int,
+    heads_per_cta: int,
+    scale: float,
+    softcap: float | None,
+    interpret: Any,
+) -> tuple[jax.Array, jax.Array]:
+    """O [rows, Sq, Hq, D] and base-2 LSE [rows, Hq, Sq] of q over k, v [rows, Skv, Hkv, D] under
+    the tree mask, query i at key position q_pos[i] ([rows, Sq]).
+
+    `k_t` is k transposed to [rows, Hkv, D, Skv]; `table` holds each q-block's (kv-block, kind) list
+    (layout: `mgpu_pipeline.list_entry`) and `count` [rows, nq] its length.
+    """
+    rows, seq, q_heads, head_dim = q.shape
+    group = q_heads // v.shape[2]
+    num_q_blocks = table.shape[1]
+
+    kernel = _forward_kernel(group=group, head_dim=head_dim, block_kv=block_kv, stages=stages,
+                             heads_per_cta=heads_per_cta, scale=scale, softcap=softcap)
     buffers = forward_buffers(v.shape[1], head_dim, block_kv, stages, q.dtype)
     barriers = dict(
         table=plgpu.Barrier(num_barriers=1),

@@ -197,7 +197,7 @@ def tree_attention(
         name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)
         if not _IMPLS[name].context_parallel:
             raise ValueError(f"attention impl {name!r} does not run under context parallelism "
-                             "(mesh.context > 1): set model.attention_impl to 'xla', 'cpu' or "
+                             "(mesh.context > 1): set runtime.attention_impl to 'xla', 'cpu' or "
                              "'pallas_tpu', or mesh.context=1")
         return _rectangular(q, k, v, mask, name, scale=scale, softcap=softcap, **options)
     if mask.prefix_end is not None or prefix_k is not None or prefix_v is not None:

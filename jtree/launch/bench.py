@@ -17,7 +17,7 @@ alternating runs, medians. Measured the way docs/design.md section 8 (and the se
   (arguments + outputs + temporaries of the jitted step; not a process RSS);
 - the automatic mode choice (`jtree.layout.flop_model.choose_mode`) for the batch, and its predicted gain.
 
-Batches: exactly the trainer's. `prepare` builds both modes' step through `jtree.training.pipeline.step_builder`
+Batches: exactly the trainer's. `prepare` builds both modes' step through `jtree.training.step_builders.step_builder`
 (what the trainer, `jtree.training.run_data`, trains with) for a run whose one step holds the workload's trees: one data
 shard, one micro-batch, the fewest rows of S that hold the step (`rows_for_run`), and row lengths
 from `data.row_steps_per_octave` = `ROW_STEPS_PER_OCTAVE` (each step packs at the shortest length
@@ -78,7 +78,8 @@ from flax import nnx
 from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.config import DataConfig
 from jtree.layout.flop_model import FlopModel, Work, choose_mode, ideal_speedup, tree_work
-from jtree.training.pipeline import step_builder, step_indices
+from jtree.training.step_builders import step_builder
+from jtree.training.step_builders import step_indices
 from jtree.models import CausalLM
 from jtree.config.architectures import Qwen3Config
 from jtree.config.runtime import RuntimeConfig
@@ -173,7 +174,7 @@ def workloads(quick: bool = False) -> list[Workload]:
 
 
 ROW_STEPS_PER_OCTAVE = 32  # the trainer's data.row_steps_per_octave the bench runs with
-BATCHES = (f"times the trainer's batches (jtree.training.pipeline.step_builder: 1 data shard x 1 micro-batch, "
+BATCHES = (f"times the trainer's batches (jtree.training.step_builders.step_builder: 1 data shard x 1 micro-batch, "
            f"rows_for_run rows, data.row_steps_per_octave={ROW_STEPS_PER_OCTAVE})")
 
 
@@ -188,7 +189,7 @@ class Prepared:
 def prepare(trees: Sequence[TrajectoryTree], mode: str, seq_len: int,
             row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE) -> Prepared:
     """What the trainer's host does before a step, through the trainer's own builder
-    (`jtree.training.pipeline.step_builder`, as `jtree.training.run_data` calls it): a run whose one step holds all
+    (`jtree.training.step_builders.step_builder`, as `jtree.training.run_data` calls it): a run whose one step holds all
     `trees` on one data shard, one micro-batch, rows from `rows_for_run`, row lengths from
     `row_steps_per_octave` steps per octave; units (parts of trees larger than a row, or paths),
     the step's plan, linearized arrays on the device."""

@@ -1,4 +1,4 @@
-"""What every bench script under `launch/` shares: the alternating timer, the output files, the
+"""What every bench script under `jtree/launch/` shares: the alternating timer, the output files, the
 common flags.
 
 Timing. On a shared machine the load changes while a bench runs, so variants are never timed in

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Run N training processes on this machine, joined by jax.distributed over localhost (CPU, gloo):
-#   launch/local_multihost.sh N --config configs/tiny.yaml [key=value ...]
+#   jtree/launch/local_multihost.sh N --config configs/tiny.yaml [key=value ...]
 # Each process gets DEVICES_PER_PROCESS forced host devices (default 1); the mesh spans all of
 # them (mesh.data=-1). Process 0 prints progress and writes metrics/checkpoint metadata; all
 # processes write their checkpoint shards. Output of process i is prefixed with [i].
 set -euo pipefail
-N=${1:?usage: launch/local_multihost.sh N [--config FILE] [key=value ...]}
+N=${1:?usage: jtree/launch/local_multihost.sh N [--config FILE] [key=value ...]}
 shift
 PORT=${JTREE_PORT:-$((20000 + RANDOM % 20000))}
 PY=${PYTHON:-python}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Cloud TPU pod slice recipe. NOT RUN HERE: this project has no TPU; the command is documented
-# and the train step's lowering for TPU is checked on CPU (launch/lower_step.py --platform tpu).
+# and the train step's lowering for TPU is checked on CPU (jtree/launch/lower_step.py --platform tpu).
 #
-#   TPU_NAME=my-v5p-64 ZONE=us-east5-a REPO=~/jtree launch/tpu_pod.sh --config configs/qwen3_8b.yaml
+#   TPU_NAME=my-v5p-64 ZONE=us-east5-a REPO=~/jtree jtree/launch/tpu_pod.sh --config configs/qwen3_8b.yaml
 #
 # Every worker VM runs the same command; JTREE_DISTRIBUTED=auto lets jax.distributed.initialize()
 # discover the slice (process count, ids, coordinator) from the TPU metadata. The mesh is

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from jtree.layout.linearize import TreeBatch, linearize, unlinearize
-from jtree.config.objective import Normalization
 from jtree.trees.tree import TrajectoryTree
+from typing import Any
 
 
 def flatten_paths(trees: Sequence[TrajectoryTree]) -> list[TrajectoryTree]:
@@ -21,26 +21,15 @@ def flatten_paths(trees: Sequence[TrajectoryTree]) -> list[TrajectoryTree]:
     return [t.path_as_tree(p) for t in trees for p in range(t.n_paths)]
 
 
-def linearize_baseline(
-    trees: Sequence[TrajectoryTree],
-    seq_len: int,
-    *,
-    normalization: Normalization = "seq_mean_token_mean",
-    normalizer: float | None = None,
-    n_rows: int | None = None,
-    len_buckets: Sequence[int] | None = None,
-    gdn_chunk_size: int | None = None,
-    gdn_chunks: int | None = None,
-) -> TreeBatch:
-    """Pack the paths of `trees` as separate sequences (same arguments as `linearize`)."""
+def linearize_baseline(trees: Sequence[TrajectoryTree], seq_len: int, **options: Any
+                       ) -> TreeBatch:
+    """Pack the paths of `trees` as separate sequences (`options`: `RowOptions`' fields, as for
+    `linearize`)."""
     for i, t in enumerate(trees):
         longest = int(t.path_lengths.max())
         if longest > seq_len:
             raise ValueError(f"tree {i}: a path of {longest} tokens exceeds seq_len={seq_len}")
-    return linearize(
-        flatten_paths(trees), seq_len, normalization=normalization, normalizer=normalizer,
-        n_rows=n_rows, len_buckets=len_buckets, gdn_chunk_size=gdn_chunk_size, gdn_chunks=gdn_chunks,
-    )
+    return linearize(flatten_paths(trees), seq_len, **options)
 
 
 def unlinearize_baseline(

@@ -18,7 +18,7 @@ back to paths. Fields, dtypes and padding values (what an all-padding row holds:
 - `score_index` [rows, K] int32 (-1): the row-local positions the loss reads (None: every token)
 - `gdn`: gated-delta-rule chunk tables (`GdnTables`), None for models without linear attention
 - `row_norm` [rows] float32 (0): each row's share of the batch normalizer when the coefficients
-  arrive raw (`jtree.step.train_step.normalize_coefficients`); None when they arrive normalized
+  arrive raw (`jtree.objectives.objective.normalize_coefficients`); None when they arrive normalized
 - `prefix_pred` [rows, P] int32 (-1): the prefix chain of a redundancy-free part (`jtree.partitioning.redundancy_free`)
 - `router_load`: (counts [E], total []) of the larger forward this batch is a piece of, for the
   MoE load-balancing loss of a redundancy-free part (`jtree.models.moe`); no row axis (only the

@@ -37,6 +37,8 @@ from jtree.layout.coefficients import COEFFICIENT_FIELDS, batch_normalizer, toke
 from jtree.config.objective import Normalization
 from jtree.layout.planner import RowPlan, plan_rows, score_width
 from jtree.trees.tree import TrajectoryTree, TreeStats
+from typing import Any
+from jtree.layout.batch import GdnTables
 
 
 
@@ -88,56 +90,51 @@ class TreeBatch:
         return 1.0 - float(self.inputs.valid.mean())
 
 
-def linearize(
-    trees: Sequence[TrajectoryTree],
-    seq_len: int,
-    *,
-    normalization: Normalization = "seq_mean_token_mean",
-    normalizer: float | None = None,
-    n_rows: int | None = None,
-    len_buckets: Sequence[int] | None = None,
-    plan: RowPlan | None = None,
-    gdn_chunk_size: int | None = None,
-    gdn_chunks: int | None = None,
-    score_len: int | None = None,
-) -> TreeBatch:
-    """Lay `trees` out in DFS order into rows of at most `seq_len` tokens, where `plan` places
-    them (`jtree.layout.planner`: tree k in row `plan.rows`, from the offset `plan.positions()` gives).
+@dataclasses.dataclass(frozen=True)
+class RowOptions:
+    """How trees are laid into rows: the keywords of `linearize`, and of everything that lays out
+    through it (`jtree.layout.baseline.linearize_baseline`, `jtree.step.batches.build_batch`).
 
     Without a `plan`, the planner's `plan_rows` makes one (first fit decreasing; `n_rows` fixes the
     number of rows, padding with empty rows; `len_buckets` lists allowed row lengths, the smallest
     that holds the packed rows is taken, default: always `seq_len`).
     `normalizer` overrides the batch normalizer of `normalization` (pass the value computed over the
     global batch when this call is one micro-batch or one device's share).
-    `gdn_chunk_size` (e.g. `jtree.layout.gdn_tables.DEFAULT_CHUNK_SIZE`) adds the gated-delta-rule
+    `gdn_chunk_size` (e.g. `jtree.config.run.DEFAULT_CHUNK_SIZE`) adds the gated-delta-rule
     chunk tables with chunks of that many tokens; `gdn_chunks` is their chunk capacity NC per row
     (default: `jtree.layout.gdn_tables.default_chunk_count`, at least ceil(S / C); fix it to give
-    every micro-batch the same shape). `score_len` fixes the width K of `score_index` (see the
-    module docstring).
+    every micro-batch the same shape).
+    """
+
+    normalization: Normalization = "seq_mean_token_mean"
+    normalizer: float | None = None
+    n_rows: int | None = None
+    len_buckets: Sequence[int] | None = None
+    gdn_chunk_size: int | None = None
+    gdn_chunks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.gdn_chunk_size is None and self.gdn_chunks is not None:
+            raise ValueError("gdn_chunks: given without gdn_chunk_size")
+        if self.gdn_chunk_size is not None and self.gdn_chunk_size < 1:
+            raise ValueError(f"gdn_chunk_size: must be >= 1, got {self.gdn_chunk_size}")
+
+
+def linearize(trees: Sequence[TrajectoryTree], seq_len: int, *, plan: RowPlan | None = None,
+              score_len: int | None = None, **options: Any) -> TreeBatch:
+    """Lay `trees` out in DFS order into rows of at most `seq_len` tokens, where `plan` places
+    them (`jtree.layout.planner`: tree k in row `plan.rows`, from the offset `plan.positions()`
+    gives). `options` are `RowOptions`' fields. `score_len` fixes the width K of `score_index`
+    (see the module docstring).
     """
     if not trees:
         raise ValueError("trees: need at least one tree")
-    if gdn_chunk_size is None and gdn_chunks is not None:
-        raise ValueError("gdn_chunks: given without gdn_chunk_size")
-    if gdn_chunk_size is not None and gdn_chunk_size < 1:
-        raise ValueError(f"gdn_chunk_size: must be >= 1, got {gdn_chunk_size}")
+    opts = RowOptions(**options)
+    normalization, normalizer = opts.normalization, opts.normalizer
+    plan = _checked_plan(trees, seq_len, plan, opts)
     sizes = [t.n_tree_tokens for t in trees]
-    for i, n in enumerate(sizes):
-        if n > seq_len:
-            raise ValueError(
-                f"tree {i}: has {n} tree tokens, more than seq_len={seq_len}; partition it into "
-                "parts of at most seq_len tokens first (capacity partitioning, jtree.partitioning.partition)"
-            )
-    if plan is None:
-        plan = plan_rows(sizes, seq_len, len_buckets=len_buckets, n_rows=n_rows)
-    elif plan.sizes != tuple(sizes) or plan.row_len > seq_len:
-        raise ValueError(f"plan: places units of {list(plan.sizes)} tokens in rows of "
-                         f"{plan.row_len}; the trees have {sizes}, seq_len={seq_len}")
     row_len, n_rows = plan.row_len, plan.n_rows
     splits = plan.splits if plan.context > 1 else None
-    if row_len % plan.context:
-        raise ValueError(f"plan: rows of {row_len} tokens are not context={plan.context} equal "
-                         "slices")
     slice_len = row_len // plan.context
 
     if normalizer is None:
@@ -171,20 +168,8 @@ def linearize(
                                  -1)
     row["node"][dest] = cat["node"] + np.repeat(tree_node_off, size_arr)
     row["valid"][dest] = True
-    gdn = None
-    if gdn_chunk_size is not None and splits is None:
-        if gdn_chunks is None:
-            needed = chunks_needed(trees, tree_row, n_rows, gdn_chunk_size)
-            gdn_chunks = default_chunk_count(row_len, gdn_chunk_size, int(needed.max()))
-        gdn = chunk_tables(trees, tree_row, tree_off, n_rows, row_len, gdn_chunk_size, gdn_chunks)
-    elif gdn_chunk_size is not None:
-        nodes = split_nodes(*tree_nodes(trees, tree_row, tree_off), splits, slice_len)
-        if gdn_chunks is None:
-            needed = np.bincount(nodes[2], weights=-(-nodes[0] // gdn_chunk_size),
-                                 minlength=n_rows)
-            gdn_chunks = default_chunk_count(row_len, gdn_chunk_size, int(needed.max()))
-        gdn = node_chunk_tables(*nodes, np.zeros(len(nodes[0]), np.int64), n_rows, row_len,
-                                gdn_chunk_size, gdn_chunks, n_initial=1)["tables"]
+    gdn = None if opts.gdn_chunk_size is None else _gdn_tables(
+        trees, tree_row, tree_off, n_rows, row_len, splits, slice_len, opts)
     return TreeBatch(
         inputs=dataclasses.replace(pad, gdn=gdn,
                                    score_index=score_positions(pad.coefficients, score_len)),
@@ -195,6 +180,46 @@ def linearize(
         has_old_logprobs=has_old,
         old_logprob_disagreement=disagreement,
     )
+
+
+def _checked_plan(trees: Sequence[TrajectoryTree], seq_len: int, plan: RowPlan | None,
+                  opts: RowOptions) -> RowPlan:
+    """`plan`, or the planner's rows for `trees`, checked against the trees and `seq_len`."""
+    sizes = [t.n_tree_tokens for t in trees]
+    for i, n in enumerate(sizes):
+        if n > seq_len:
+            raise ValueError(
+                f"tree {i}: has {n} tree tokens, more than seq_len={seq_len}; partition it into "
+                "parts of at most seq_len tokens first (capacity partitioning, "
+                "jtree.partitioning.partition)")
+    if plan is None:
+        plan = plan_rows(sizes, seq_len, len_buckets=opts.len_buckets, n_rows=opts.n_rows)
+    elif plan.sizes != tuple(sizes) or plan.row_len > seq_len:
+        raise ValueError(f"plan: places units of {list(plan.sizes)} tokens in rows of "
+                         f"{plan.row_len}; the trees have {sizes}, seq_len={seq_len}")
+    if plan.row_len % plan.context:
+        raise ValueError(f"plan: rows of {plan.row_len} tokens are not context={plan.context} "
+                         "equal slices")
+    return plan
+
+
+def _gdn_tables(trees: Sequence[TrajectoryTree], tree_row: np.ndarray, tree_off: np.ndarray,
+                n_rows: int, row_len: int, splits: Any, slice_len: int, opts: RowOptions
+                ) -> GdnTables:
+    """The gated-delta-rule chunk tables of the placed trees, on whole rows or, when `splits`
+    cut the rows over the `context` devices, on the slices."""
+    size, chunks = opts.gdn_chunk_size, opts.gdn_chunks
+    if splits is None:
+        if chunks is None:
+            needed = chunks_needed(trees, tree_row, n_rows, size)
+            chunks = default_chunk_count(row_len, size, int(needed.max()))
+        return chunk_tables(trees, tree_row, tree_off, n_rows, row_len, size, chunks)
+    nodes = split_nodes(*tree_nodes(trees, tree_row, tree_off), splits, slice_len)
+    if chunks is None:
+        needed = np.bincount(nodes[2], weights=-(-nodes[0] // size), minlength=n_rows)
+        chunks = default_chunk_count(row_len, size, int(needed.max()))
+    return node_chunk_tables(*nodes, np.zeros(len(nodes[0]), np.int64), n_rows, row_len, size,
+                             chunks, n_initial=1)["tables"]
 
 
 def score_positions(coefficients: LossCoefficients, score_len: int | None = None) -> np.ndarray:

@@ -4,7 +4,7 @@
 a redundancy-free program) with `jtree.layout.planner.plan_step` and linearizes each micro-batch of the
 plan: M equally shaped `TreeBatch`es of R rows with the normalizer of the whole step, which is
 what `jtree.step.train_step.make_grad_fn` scans over (the summed micro-batch gradients equal the
-full-batch gradient). The trainer's step builder (`jtree.training.pipeline.StepBuilder`) lays out the same
+full-batch gradient). The trainer's step builder (`jtree.training.step_builders.StepBuilder`) lays out the same
 plans, with raw coefficients and per-row normalizer shares for many hosts.
 """
 

@@ -6,7 +6,7 @@ unit (tree tokens, scored tokens, Gated DeltaNet chunks) and returns a `StepPlan
 to which data shard, micro-batch, row and offset, the row length, the rows per micro-batch, the
 `score_index` width and the GDN chunk capacity. `jtree.layout.linearize.linearize` lays the units out
 where the plan says (it takes a `RowPlan`, the placement of one micro-batch of one shard); the
-step builders (`jtree.training.pipeline.StepBuilder`, `jtree.layout.microbatches.build_microbatches`) and every benchmark
+step builders (`jtree.training.step_builders.StepBuilder`, `jtree.layout.microbatches.build_microbatches`) and every benchmark
 get their batches that way, so nothing else decides or predicts the packing.
 
 Layout policy (`LayoutConfig`), one step at a time:
@@ -22,7 +22,7 @@ Layout policy (`LayoutConfig`), one step at a time:
    attention block) the step packs at every length that holds its largest unit and keeps the one
    that computes the fewest positions (bins x rows x length; ties to longer rows: fewer, larger
    matmuls). With `rows` fixed for the run (the trainer: `data.rows_per_micro_batch` or
-   `jtree.training.pipeline.rows_for_run`, the fewest rows of `seq_len` that hold every step) that is the
+   `jtree.training.step_builders.rows_for_run`, the fewest rows of `seq_len` that hold every step) that is the
    shortest length whose packing fits the rows; with `rows=None` the rows follow the step.
    A small step of a run with long rows (high POR: the tree holds a tenth of the baseline's
    tokens) thus gets short rows instead of one mostly padded row of `seq_len`.
@@ -280,7 +280,7 @@ class LayoutConfig:
     row lengths from `row_lengths` (None: `seq_len` only), `score_len` scored slots per row (None:
     per step, `score_width`), GDN chunk tables of `gdn_chunk_size` with `gdn_chunks` chunks per
     row (None: per step). A run fixes rows, score width and chunk capacity at the most any of its
-    steps needs (`jtree.training.pipeline.step_builder`), so it compiles one step program per row length.
+    steps needs (`jtree.training.step_builders.step_builder`), so it compiles one step program per row length.
     `context` > 1 splits every row over that many devices of the `context` mesh axis, by
     attention work within `context_slack` of the best balance (module docstring, point 6)."""
 
@@ -444,7 +444,7 @@ def _split_rows(units: Sequence[Sequence[int]], placements: Sequence[RowPlan],
 
 def rows_to_hold(steps: Sequence[Sequence[int]], config: LayoutConfig) -> int:
     """The fewest rows per micro-batch that hold every step (each given by its units' tree
-    tokens) packed at `config.seq_len`: the rows a run fixes (`jtree.training.pipeline.rows_for_run`)."""
+    tokens) packed at `config.seq_len`: the rows a run fixes (`jtree.training.step_builders.rows_for_run`)."""
     at_seq_len = dataclasses.replace(config, rows=None, row_lengths=None, gdn_chunk_size=None,
                                      gdn_chunks=None, context=1)  # a split moves no unit
     return max([1] + [plan_step(s, at_seq_len).rows for s in steps if len(s)])

@@ -8,7 +8,7 @@ experts per device and 32k x 8 assignments that is tens of GiB per layer, a buff
 allocates. Under `grouped_matmul_lowering()` the CPU lowering instead loops over the groups
 (`lax.scan`), multiplying the rows of one group at a time into an output-sized accumulator (or
 stacking the per-group results when the ragged dimension is contracted, as in the weight
-gradient): the same result (`tests/train/test_memory_plan.py` compares values and gradients),
+gradient): the same result (`tests/memory/test_memory_plan.py` compares values and gradients),
 with an accelerator's buffer sizes. The step is only compiled under it, never run.
 """
 

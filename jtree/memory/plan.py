@@ -18,7 +18,7 @@ config, and it grows with depth), so the plan takes each number from where it is
   being recomputed and differentiated, the logits and loss, the optimizer update.
   A block is the smallest repeating run of layer kinds (1 layer for a dense or MoE model, 3 Gated
   DeltaNet + 1 attention layers for Qwen3-Next), so each compiled depth holds whole blocks.
-  `tests/train/test_memory_plan.py` checks the rule against an actual compile at a third depth.
+  `tests/memory/test_memory_plan.py` checks the rule against an actual compile at a third depth.
   The depths compile what the config runs. With `runtime.scan_layers` they are 2 and 3 blocks,
   each a real scan over its blocks (a stack of one block is not scanned, so 1 block would be a
   different program), so each layer's recomputation and gradient happen inside its own backward

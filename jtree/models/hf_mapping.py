@@ -118,7 +118,7 @@ class HfMapping:
     """One HF architecture (the `architectures[0]` of config.json) against its jtree record.
 
     - `config_from_hf(hf_config)`: the jtree architecture config; refuses fields it cannot
-      honour. How to run the model (`jtree.models.runtime`) is never part of config.json.
+      honour. How to run the model (`jtree.config.runtime`) is never part of config.json.
     - `config_to_hf(config)`: the config.json dict (without `architectures`/`torch_dtype`).
     - `tensors`: parameter name and layout table (`TensorRule`: one HF tensor per parameter;
       `PerExpertRule`: one per expert and part).

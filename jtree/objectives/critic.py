@@ -1,5 +1,5 @@
-"""PPO's critic on trees: the (path, trained token) pairs, per-path GAE, and the critic config
-(docs/rl.md, "PPO with a critic").
+"""PPO's critic on trees: the (path, trained token) pairs, and per-path GAE (docs/rl.md, "PPO with a
+critic"; its config is `jtree.config.objective.CriticConfig`).
 
 The value head runs once per tree token (the hidden states are per tree token): the value of the
 state in which token t is chosen is V_t = head(hidden[pred[t]]), the same on every path through t.

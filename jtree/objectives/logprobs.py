@@ -44,6 +44,24 @@ def _chunked(x: jax.Array, chunk: int) -> jax.Array:
     return jnp.pad(x, pad).reshape(n_chunks, size, *x.shape[1:])
 
 
+def _logsumexp_entropy(logits: jax.Array, with_entropy: bool, vocab_axis: str | None
+                       ) -> tuple[jax.Array, jax.Array]:
+    """log-sum-exp of each row of `logits` [n, V] (V this device's slice of the vocabulary when
+    `vocab_axis` is set) and the entropy of its softmax (zeros unless `with_entropy`)."""
+    if vocab_axis is None:
+        lse = jax.nn.logsumexp(logits, axis=-1)
+    else:  # the max only stabilizes the exponent, so it carries no gradient
+        top = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), vocab_axis)
+        total = jax.lax.psum(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1), vocab_axis)
+        lse = top + jnp.log(total)
+    if not with_entropy:
+        return lse, jnp.zeros_like(lse)
+    expected = jnp.sum(jnp.exp(logits - lse[:, None]) * logits, axis=-1)
+    if vocab_axis is not None:
+        expected = jax.lax.psum(expected, vocab_axis)
+    return lse, lse - expected
+
+
 def _row_logsumexp(h: jax.Array, w_out: jax.Array, chunk: int, with_entropy: bool,
                    vocab_axis: str | None):
     """log-sum-exp (and entropy) of the logits of each row of h [N, d], chunk rows at a time."""
@@ -53,18 +71,7 @@ def _row_logsumexp(h: jax.Array, w_out: jax.Array, chunk: int, with_entropy: boo
     @jax.checkpoint
     def one(hc: jax.Array) -> tuple[jax.Array, jax.Array]:
         logits = jnp.dot(hc, w_out, preferred_element_type=jnp.float32)
-        if vocab_axis is None:
-            lse = jax.nn.logsumexp(logits, axis=-1)
-        else:  # the max only stabilizes the exponent, so it carries no gradient
-            top = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), vocab_axis)
-            total = jax.lax.psum(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1), vocab_axis)
-            lse = top + jnp.log(total)
-        if not with_entropy:
-            return lse, jnp.zeros_like(lse)
-        expected = jnp.sum(jnp.exp(logits - lse[:, None]) * logits, axis=-1)
-        if vocab_axis is not None:
-            expected = jax.lax.psum(expected, vocab_axis)
-        return lse, lse - expected
+        return _logsumexp_entropy(logits, with_entropy, vocab_axis)
 
     lse, ent = jax.lax.map(one, padded)
     return lse.reshape(-1)[:n], ent.reshape(-1)[:n]
@@ -127,25 +134,16 @@ def scored_logprobs(
     def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         hc, tc = args
         logits = jnp.dot(hc, w_out, preferred_element_type=jnp.float32)
+        lse, ent = _logsumexp_entropy(logits, with_entropy, vocab_axis)
         if vocab_axis is None:
-            lse = jax.nn.logsumexp(logits, axis=-1)
             target = jnp.take_along_axis(logits, tc[:, None], axis=1)[:, 0]
         else:
-            top = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), vocab_axis)
-            total = jax.lax.psum(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1), vocab_axis)
-            lse = top + jnp.log(total)
             cols = logits.shape[1]
             local = tc - jax.lax.axis_index(vocab_axis) * cols
             inside = (local >= 0) & (local < cols)
             picked = jnp.take_along_axis(logits, jnp.where(inside, local, 0)[:, None], axis=1)
             target = jax.lax.psum(jnp.where(inside, picked[:, 0], 0.0), vocab_axis)
-        logp = target - lse
-        if not with_entropy:
-            return logp, jnp.zeros_like(logp)
-        expected = jnp.sum(jnp.exp(logits - lse[:, None]) * logits, axis=-1)
-        if vocab_axis is not None:
-            expected = jax.lax.psum(expected, vocab_axis)
-        return logp, lse - expected
+        return target - lse, ent
 
     logp, ent = jax.lax.map(one, (h_chunks, tok_chunks))
     logp = jnp.where(live, logp.reshape(-1)[:n].reshape(rows, k), 0.0)

@@ -13,7 +13,7 @@ split in `jtree.models.moe`). Parameter layouts come from rule
 lists (`param_rules`): ordered (regex over the '/'-joined parameter path, PartitionSpec) pairs,
 first match wins, and a parameter that no rule matches is an error rather than a silent replica.
 A model's list is the rules of the layer kinds its architecture config chooses
-(`config.decoder()`, `jtree.models.decoder.LayerKind`), since every kind of layer splits the same
+(`config.decoder()`, `jtree.config.architectures.LayerKind`), since every kind of layer splits the same
 way in every architecture that uses it. The same lists place Hugging Face checkpoints on a mesh
 (`jtree.hf.placement`), so training and loading cannot disagree.
 
@@ -188,7 +188,7 @@ def _gated_deltanet_rules(cfg: Any, model: int) -> Rules:
     ]
 
 
-# The rules of each layer kind (`jtree.models.decoder.MIXERS`, `FEED_FORWARDS`); the gated
+# The rules of each layer kind (`jtree.config.architectures.MIXERS`, `FEED_FORWARDS`); the gated
 # attention's q_proj columns are [query, gate] per head, so the query-head split keeps each
 # head's gate with it.
 LAYER_KIND_RULES: dict[str, Callable[[Any, int], Rules]] = {

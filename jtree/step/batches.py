@@ -9,36 +9,27 @@ from typing import Literal
 from jtree.layout.baseline import linearize_baseline
 from jtree.layout.batch import DeviceBatch, stack
 from jtree.layout.linearize import TreeBatch, linearize
-from jtree.config.objective import Normalization
 from jtree.layout.microbatches import same_score_len
 from jtree.trees.tree import TrajectoryTree
 from jtree.config.objective import Objective
+from typing import Any
 
 
-def build_batch(
-    trees: Sequence[TrajectoryTree],
-    seq_len: int,
-    *,
-    mode: Literal["tree", "baseline"],
-    normalization: Normalization,
-    normalizer: float | None = None,
-    n_rows: int | None = None,
-    len_buckets: Sequence[int] | None = None,
-    gdn_chunk_size: int | None = None,
-    gdn_chunks: int | None = None,
-) -> TreeBatch:
-    """Linearize `trees` in tree mode or as the per-path baseline.
+def build_batch(trees: Sequence[TrajectoryTree], seq_len: int, *,
+                mode: Literal["tree", "baseline"], **options: Any) -> TreeBatch:
+    """Linearize `trees` in tree mode or as the per-path baseline (`options`:
+    `jtree.layout.linearize.RowOptions`' fields).
 
-    Pass `normalizer` (from `jtree.objectives.losses.batch_normalizer` over the whole step) when `trees` is one
-    micro-batch of a larger step, so the micro-batch losses sum to the step loss. Models with
-    linear-attention layers need `gdn_chunk_size` (chunk tables) and, for micro-batches that must
-    stack, one `gdn_chunks` for all of them (see `jtree.layout.gdn_tables.default_chunk_count`).
+    Pass `normalizer` (from `jtree.layout.coefficients.batch_normalizer` over the whole step) when
+    `trees` is one micro-batch of a larger step, so the micro-batch losses sum to the step loss.
+    Models with linear-attention layers need `gdn_chunk_size` (chunk tables) and, for
+    micro-batches that must stack, one `gdn_chunks` for all of them (see
+    `jtree.layout.gdn_tables.default_chunk_count`).
     """
     fn = {"tree": linearize, "baseline": linearize_baseline}.get(mode)
     if fn is None:
         raise ValueError(f"mode: {mode!r} is not 'tree' or 'baseline'")
-    return fn(trees, seq_len, normalization=normalization, normalizer=normalizer, n_rows=n_rows,
-              len_buckets=len_buckets, gdn_chunk_size=gdn_chunk_size, gdn_chunks=gdn_chunks)
+    return fn(trees, seq_len, **options)
 
 
 def stack_microbatches(batches: Sequence[TreeBatch]) -> DeviceBatch:

@@ -16,7 +16,7 @@ import numpy as np
 from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
 from jtree.layout.batch import stack
 from jtree.config import TrainConfig
-from jtree.training.pipeline import step_indices
+from jtree.training.step_builders import step_indices
 from jtree.layout.linearize import linearize, unlinearize
 from jtree.training.run_data import StepBuilders, gdn_chunk_size
 from jtree.training.report import say

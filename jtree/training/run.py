@@ -25,7 +25,8 @@ from jtree.training.checkpoint import Checkpointer, abstract_like
 from jtree.parallel.layer_stack import layer_groups
 from jtree.training.compile_log import Compiles, CompileWatch
 from jtree.config import TrainConfig
-from jtree.training.pipeline import LoadReport, make_pipeline
+from jtree.training.tree_files import LoadReport
+from jtree.training.pipeline import make_pipeline
 from jtree.training.host_allocator import configure_host_malloc
 from jtree.kernels.tree_attention import resolve_impl
 from jtree.training.metrics import MetricsLog

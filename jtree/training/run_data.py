@@ -13,10 +13,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from jtree.config import TrainConfig
 from jtree.layout.flop_model import FlopModel
-from jtree.training.pipeline import (
-    AutoStepBuilder, LoadReport, RfreeStepBuilder, RfreeStepConfig, StepBuilder, load_trees,
-    step_builder,
+from jtree.training.step_builders import (
+    AutoStepBuilder, RfreeStepBuilder, RfreeStepConfig, StepBuilder, step_builder,
 )
+from jtree.training.tree_files import LoadReport, load_trees
 from jtree.training.report import say
 from jtree.layout.batch import DeviceBatch
 from jtree.parallel.sharding import batch_specs, row_shards

@@ -1,4 +1,5 @@
-"""TODO docstring."""
+"""A part of a tree: a tree holding a subset of another tree's paths, with the map back to the
+nodes and paths it came from (what capacity partitioning and data-parallel balancing hand on)."""
 
 from __future__ import annotations
 

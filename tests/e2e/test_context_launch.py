@@ -9,7 +9,7 @@ import pytest
 
 from jtree.config import load_config
 from jtree.layout.context_rows import block_work, even_split, slice_work
-from jtree.training.pipeline import step_indices
+from jtree.training.step_builders import step_indices
 from jtree.launch.train import main
 from jtree.layout.planner import ROW_ALIGN
 from jtree.training.run_data import StepBuilders, load_training_trees

@@ -3,8 +3,8 @@ and every bench (and the sample-data script) runs at its smallest sizes and writ
 (`OUT/NAME.json|md|png`, `jtree.launch.harness`). Numbers are not checked: timings are benchmarks,
 not tests.
 
-Run elsewhere at their smallest sizes: `launch/train.py` (tests/e2e/test_launch_train.py),
-`launch/lower_step.py` (tests/e2e/test_lower.py), `jtree stats` (tests/e2e/test_cli.py),
+Run elsewhere at their smallest sizes: `jtree/launch/train.py` (tests/e2e/test_launch_train.py),
+`jtree/launch/lower_step.py` (tests/e2e/test_lower.py), `jtree stats` (tests/e2e/test_cli.py),
 `jtree compare-torch` (tests/hf/test_hf_torch.py), `jtree export-hf` (tests/hf/test_export_hf.py),
 `mgpu_interpret IN OUT` (tests/kernels/test_attention_mgpu.py).
 
@@ -22,7 +22,7 @@ import pytest
 from jtree.cli import main as jtree_main
 
 LAUNCH = ("bench", "bench_attention", "bench_attention_gpu", "bench_context", "bench_gdn",
-          "bench_partition", "bench_rfree", "bench_split",
+          "bench_partition", "bench_redundancy_free", "bench_split",
           "make_sample_data", "lower_step", "memory_plan", "train")
 SUBCOMMANDS = ("stats", "compare-torch", "export-hf")
 
@@ -144,11 +144,11 @@ def test_bench_partition_quick(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_rfree_quick(tmp_path):
-    data = _run("bench_rfree", ["--quick", "--host-malloc", "default"], tmp_path)
+def test_bench_redundancy_free_quick(tmp_path):
+    data = _run("bench_redundancy_free", ["--quick", "--host-malloc", "default"], tmp_path)
     (case,) = data["cases"]
     assert case["n_computed"]["rfree"] == case["n_tree"]
-    _png(tmp_path, "bench_rfree")
+    _png(tmp_path, "bench_redundancy_free")
 
 
 @pytest.mark.slow

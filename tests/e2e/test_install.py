@@ -1,7 +1,7 @@
 """jtree installs next to distributions that own the bare names `kernels` and `launch`.
 
-The checkout keeps `kernels/` and `launch/` as top-level folders, but the wheel installs them as
-`jtree.kernels` and `jtree.launch` (pyproject's package-dir). The test builds the wheel from a copy
+The kernels and entry points are sub-packages (`jtree/kernels/`, `jtree/launch/`), never bare
+top-level names, and the wheel carries the `cpu` kernel's C++ source. The test builds the wheel from a copy
 of the sources, installs it into an empty target folder together with a stand-in for the PyPI
 `kernels` package (the Hugging Face kernel hub, which many transformers users have), and imports
 both from a directory outside the checkout.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tests.run_util import WORKTREE
 
-SOURCES = ("pyproject.toml", "README.md", "jtree", "kernels", "launch")
+SOURCES = ("pyproject.toml", "README.md", "jtree")
 
 
 def _pip(*args: str) -> None:

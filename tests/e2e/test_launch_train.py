@@ -145,7 +145,7 @@ def test_redundancy_free_mode_trains(few_groups_file, tmp_path, capsys, modes):
 
 def test_redundancy_free_mode_refuses_bad_settings():
     """On a mesh of several devices the parts run in lockstep (`jtree.partitioning.redundancy_free.mesh_executor`, tested in
-    tests/rfree/test_rfree_mesh.py), which keeps no residuals: `run.prefix_backward=residuals`
+    tests/partitioning/test_redundancy_free_mesh.py), which keeps no residuals: `run.prefix_backward=residuals`
     there is refused, naming the setting and the mesh; so are mesh axes other than data, fsdp
     and model, a capacity above the rows and a bad row ladder."""
     from jax.sharding import Mesh

@@ -11,7 +11,7 @@ import sys
 
 from tests.run_util import WORKTREE
 
-# The train step's rules (jtree/sharding.py), written out independently, for Qwen3 and Qwen3-Next
+# The train step's rules (jtree/parallel/sharding.py), written out independently, for Qwen3 and Qwen3-Next
 # (MoE experts, Gated DeltaNet, gated attention, shared expert). The tiny models have 2 kv heads,
 # fewer than the 4-way model axis, so k/v are replicated (each device keeps the head it reads).
 MESH_CHECKS = r'''

@@ -1,7 +1,7 @@
 """Mosaic GPU (Hopper) tree-attention kernels, checked without a GPU.
 
 - Numerics: the three kernels (forward, dQ, dK/dV) run end to end in the Mosaic GPU interpreter
-  with race detection on (in a child process with a hard timeout, see launch/mgpu_interpret.py),
+  with race detection on (in a child process with a hard timeout, see jtree/launch/mgpu_interpret.py),
   through `tree_attention` (which pads the lengths), at the kernels' default blocks unless a test
   says otherwise, and are compared with the dense reference. Inputs are bfloat16 or float16 (what
   wgmma multiplies); the reference runs in float32 on the same values. Tolerance: max abs error

@@ -13,7 +13,8 @@ from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.layout.gdn_tables import tree_chunks
 from jtree.config import DataConfig
 from jtree.layout.flop_model import tree_work
-from jtree.training.pipeline import StepBuilder, StepConfig, all_units, step_builder, step_indices
+from jtree.training.step_builders import StepBuilder, StepConfig, all_units, step_builder
+from jtree.training.step_builders import step_indices
 from jtree.layout.linearize import linearize
 from jtree.layout.microbatches import unit_counts
 from jtree.layout.planner import (
@@ -158,7 +159,7 @@ def test_unit_counts_are_what_the_planner_reads():
 
 
 def test_bench_and_trainer_build_batches_with_the_same_function():
-    """`make bench` times the trainer's batches: `prepare` goes through `jtree.training.pipeline.step_builder`,
+    """`make bench` times the trainer's batches: `prepare` goes through `jtree.training.step_builders.step_builder`,
     the function the trainer builds its steps with (`jtree.training.run_data`), and gets exactly its
     inputs."""
     from jtree.training import run_data

@@ -2,7 +2,7 @@
 gaps (the CP convention's first test of a gapped layout), for dense, MoE and Qwen3-Next tiny
 models, SFT and PPO. The cuts fall inside nodes, so gaps cut node segments: attention masks, the
 scoring `pred`, the GDN chunk chains and the conv context all cross a gap. The default suite
-runs the dense PPO case (the host-side test `tests/layout/test_context_split.py` checks the chunk
+runs the dense PPO case (the host-side test `tests/layout/test_context_rows.py` checks the chunk
 chains and `pred` of a gapped row in every default run); MoE, Qwen3-Next and SFT are `slow`."""
 
 import dataclasses

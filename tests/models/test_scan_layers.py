@@ -2,7 +2,7 @@
 into repeated blocks, and a scanned model equal to the unscanned one — loss, gradients, router
 statistics and per-layer exports — for dense, MoE (router loss on) and Qwen3-Next models, with
 and without rematerialization. The redundancy-free executor on a scanned model:
-tests/rfree/test_rfree.py."""
+tests/partitioning/test_redundancy_free.py."""
 
 import jax
 import numpy as np

@@ -1,5 +1,5 @@
-"""Qwen3 (HF `Qwen3ForCausalLM`): the config, its layer choice (attention + dense SwiGLU in every
-layer, RMSNorm) and its Hugging Face config.json mapping and tensor names (every parameter is
+"""Qwen3 (HF `Qwen3ForCausalLM`; its config and layer choice, attention + dense SwiGLU in every
+layer with RMSNorm, are `jtree.config.architectures.Qwen3Config`): its Hugging Face config.json mapping and tensor names (every parameter is
 stored under its own name, `jtree.models.hf_mapping.NNX_TO_TORCH`)."""
 
 from __future__ import annotations

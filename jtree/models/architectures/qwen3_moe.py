@@ -1,6 +1,6 @@
 """Qwen3-MoE (HF `Qwen3MoeForCausalLM`): Qwen3 with sparse MoE feed-forward layers (a dense
-SwiGLU on `mlp_only_layers` and off `decoder_sparse_step`, HF's rule); config, layer choice and
-Hugging Face mapping.
+SwiGLU on `mlp_only_layers` and off `decoder_sparse_step`, HF's rule; the config is
+`jtree.config.architectures.Qwen3MoeConfig`): its Hugging Face mapping.
 
 Experts. jtree holds each MoE layer's experts stacked, in transformers 5's fused module layout
 (`mlp.experts.gate_up_proj` [E, 2 * moe_intermediate, hidden], gate rows first, and

@@ -1,6 +1,6 @@
 """Qwen3-Next (HF `Qwen3NextForCausalLM`): Gated DeltaNet layers interleaved with gated full
-attention (partial RoPE), MoE with a gated shared expert, RMSNorms that scale by (1 + weight);
-config, layer choice and Hugging Face mapping.
+attention (partial RoPE), MoE with a gated shared expert, RMSNorms that scale by (1 + weight)
+(the config is `jtree.config.architectures.Qwen3NextConfig`): its Hugging Face mapping.
 
 Tensors. Everything is stored as transformers' modules name it; experts as in Qwen3-MoE (one tensor
 per expert on the Hub, fused in transformers 5 memory, see `jtree.models.architectures.qwen3_moe`).

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jtree.trees.chat import ByteTokenizer, HFTokenizer, conversation_tree, load_tokenizer
-from jtree.training.pipeline import load_trees
+from jtree.training.tree_files import load_trees
 
 THREE_TURNS = {"messages": [
     {"role": "system", "content": "Be brief."},

@@ -1,7 +1,7 @@
 """Redundancy-free training over a ('data', 'fsdp', 'model') mesh (`jtree.partitioning.redundancy_free.mesh_executor`).
 
 The lockstep schedule and the uniform layout are checked in process (no compile). The steps run
-in a subprocess of 8 forced host devices (`tests/rfree_mesh_worker.py`): a case
+in a subprocess of 8 forced host devices (`tests/redundancy_free_mesh_worker.py`): a case
 `model:objective:DxFxM` trains one step on that mesh and compares it with the single-device
 redundancy-free step and the tree step on the same trees (float32, docs/design.md tolerances:
 loss, every gradient and the updated parameters within 1e-5 relative; against the tree step the
@@ -88,7 +88,7 @@ ILL_CONDITIONED = (r"\['embed_tokens'\]|\['layers'\]\[0\]\['(input_layernorm|lin
 
 
 def run_cases(cases: list[str]) -> list[dict]:
-    return run_worker("tests.rfree_mesh_worker", cases)
+    return run_worker("tests.redundancy_free_mesh_worker", cases)
 
 
 def check(result: dict) -> None:

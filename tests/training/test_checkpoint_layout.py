@@ -1,7 +1,7 @@
 """An Orbax checkpoint written with the decoder layers scanned (stacked) restores into an
 unscanned train state and back (`Checkpointer.restore(layer_groups=)`): parameters and AdamW
 moments equal, placed where the target state asks. Across ('data', 'model') meshes:
-tests/train/test_mesh.py."""
+tests/step/test_mesh.py."""
 
 import jax
 import numpy as np

@@ -6,10 +6,12 @@ import pytest
 
 from jtree.layout.gdn_tables import default_chunk_count
 from jtree.layout.flop_model import FlopModel
-from jtree.training.pipeline import (
-    AutoStepBuilder, StepBuilder, StepConfig, all_units, load_trees, make_pipeline, rows_for_run,
-    step_indices,
+from jtree.training.step_builders import (
+    AutoStepBuilder, StepBuilder, StepConfig, all_units, rows_for_run,
 )
+from jtree.training.tree_files import load_trees
+from jtree.training.pipeline import make_pipeline
+from jtree.training.step_builders import step_indices
 from jtree.layout.coefficients import batch_normalizer
 from jtree.layout.planner import LayoutConfig
 from jtree.config.objective import Objective

@@ -1,7 +1,7 @@
 """Run one redundancy-free train step on meshes of 8 forced host devices and compare it with the
 single-device redundancy-free step and the tree step.
 
-Run in a subprocess (`tests/rfree/test_rfree_mesh.py`): XLA_FLAGS must be set before jax creates
+Run in a subprocess (`tests/partitioning/test_redundancy_free_mesh.py`): XLA_FLAGS must be set before jax creates
 its CPU backend. A case is `model:objective:DxFxM` (model `dense`, `moe` or `next` of
 `tests.mesh_worker.case_model`, or `dense_lora`: `dense` training LoRA adapters; data x fsdp x
 model). Prints one JSON line per case with the largest relative differences of the mesh step to

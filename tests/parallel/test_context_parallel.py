@@ -1,7 +1,7 @@
 """The host side of context parallelism (`jtree.parallel.context`) and what it refuses by name.
 
 The equivalence of the context-parallel step with the single-device one runs on 8 forced host
-devices in `tests/train/test_mesh.py` (mode `cp` of `tests/mesh_worker.py`)."""
+devices in `tests/step/test_mesh.py` (mode `cp` of `tests/mesh_worker.py`)."""
 
 import dataclasses
 

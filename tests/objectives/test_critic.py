@@ -22,7 +22,8 @@ from jtree.config import from_dict, load_config
 from jtree.config.objective import CriticConfig
 from jtree.objectives.critic import gae, pair_token_sums, pair_values, with_critic_pairs
 from jtree.step.critic_params import flat_params
-from jtree.training.pipeline import step_builder, step_indices
+from jtree.training.step_builders import step_builder
+from jtree.training.step_builders import step_indices
 from jtree.launch.train import main as train_main
 from jtree.layout.linearize import linearize
 from jtree.objectives.losses import value_loss

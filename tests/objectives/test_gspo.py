@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jtree.layout.baseline import linearize_baseline
-from jtree.training.pipeline import load_trees
+from jtree.training.tree_files import load_trees
 from jtree.layout.linearize import linearize
 from jtree.config.objective import NORMALIZATIONS
 from jtree.trees.loss_masks import check_shared_masks

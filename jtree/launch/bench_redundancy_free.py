@@ -1,4 +1,4 @@
-"""Benchmark redundancy-free partitioning: `python -m jtree.launch.bench_rfree`.
+"""Benchmark redundancy-free partitioning: `python -m jtree.launch.bench_redundancy_free`.
 
 On agent-rollout trees 2-8x larger than the capacity C (rows of at most C tokens, one row per
 device call or micro-batch), one SFT training step (loss and gradients) of a small dense Qwen3
@@ -34,7 +34,7 @@ in a real model at these lengths; both bounds are printed.
 Like `jtree.launch.bench`, it first makes glibc keep freed host memory (`jtree.training.host_allocator`; every
 method's calls otherwise page-fault their temporaries again on each run).
 
-Writes bench_out/bench_rfree.json, .md and .png (`jtree.launch.harness`; `--out` picks the folder).
+Writes bench_out/bench_redundancy_free.json, .md and .png (`jtree.launch.harness`; `--out` picks the folder).
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     report = {**run_info(args), "capacity": args.capacity,
               "row_steps_per_octave": args.row_steps_per_octave,
               "host_malloc_keeps_freed_memory": kept, "cases": cases}
-    written = Output.from_args(args, "bench_rfree").write(report, table=table, fig=plot(report),
+    written = Output.from_args(args, "bench_redundancy_free").write(report, table=table, fig=plot(report),
                                                           dpi=80)
     print(f"wrote {', '.join(map(str, written))}")
     return 0

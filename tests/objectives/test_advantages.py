@@ -12,7 +12,7 @@ from jtree.objectives.advantages import (
     group_advantages, tree_token_advantages, turn_spans, with_advantages,
 )
 from jtree.config import load_config
-from jtree.training.pipeline import load_trees
+from jtree.training.tree_files import load_trees
 from jtree.layout.linearize import linearize
 from jtree.training.run_data import load_training_trees
 from jtree.config.objective import Objective

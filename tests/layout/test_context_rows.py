@@ -11,7 +11,8 @@ from jtree.layout.context_rows import (
 )
 from jtree.config import DataConfig
 from jtree.objectives.critic import with_critic_pairs
-from jtree.training.pipeline import step_builder, step_indices
+from jtree.training.step_builders import step_builder
+from jtree.training.step_builders import step_indices
 from jtree.layout.linearize import linearize, unlinearize
 from jtree.layout.microbatches import unit_counts
 from jtree.layout.planner import ROW_ALIGN, LayoutConfig, plan_rows, plan_step

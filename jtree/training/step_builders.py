@@ -1,0 +1,303 @@
+"""Step builders: a step's tree indices -> this host's linearized arrays, in each layout mode.
+
+A tree larger than a row is cut into capacity parts (`jtree.partitioning.partition`); the baseline
+packs paths. Every host plans the same global step (`jtree.layout.planner.plan_step`: units
+balanced over the global data shards x micro-batches, packed into rows, the row length, score
+width and GDN chunk capacity), so all hosts agree on shapes and statistics without talking to each
+other, and linearizes only the shards its devices hold, where the plan puts them. Loss
+coefficients stay raw (normalizer 1) and `row_norm` carries each row's share of the normalizer;
+the train step divides by the global sum (`jtree.objectives.objective.normalize_coefficients`),
+so no host needs another host's trees.
+
+Models with linear-attention layers also get the gated-delta-rule chunk tables
+(`LayoutConfig.gdn_chunk_size`), with the one chunk capacity the plan gives every micro-batch and
+shard of the step (or `gdn_chunks` fixed for the whole run). `AutoStepBuilder` picks tree or
+baseline mode per step by the FLOP model; `RfreeStepBuilder` builds redundancy-free programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+import grain
+import numpy as np
+from jtree.objectives.critic import pair_count, pair_width, padding_pairs, with_critic_pairs
+from jtree.layout.baseline import flatten_paths
+from jtree.layout.batch import DeviceBatch, concatenate_rows, padding, stack
+from jtree.config import DataConfig
+from jtree.layout.flop_model import FlopModel, choose_mode
+from jtree.layout.linearize import linearize
+from jtree.config.objective import Normalization
+from jtree.layout.coefficients import batch_normalizer
+from jtree.layout.microbatches import unit_counts
+from jtree.partitioning.partition import Method as PartitionMethod
+from jtree.partitioning.partition import partition
+from jtree.layout.planner import (
+    LayoutConfig, RowPlan, StepPlan, plan_step, row_length_ladder, rows_to_hold,
+)
+from jtree.config.run import ROW_STEPS_PER_OCTAVE
+from jtree.partitioning.redundancy_free.layout import build_program
+from jtree.trees.tree import TrajectoryTree
+from jtree.layout.planner import check_steps_per_octave
+
+
+Mode = Literal["tree", "baseline"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What every step of a run is built with: `mode`, `normalization`, `trees_per_step`, the
+    global data shards this host feeds (`shards`, out of `layout.n_shards`) and the layout policy
+    (`jtree.layout.planner.LayoutConfig`: micro-batches, rows per micro-batch, row lengths, GDN chunk
+    tables). With `critic` (PPO's critic, `jtree.objectives.critic`) every micro-batch carries its
+    (path, trained token) pairs, `critic_len` of them per row (None: the step's own need)."""
+
+    mode: Mode
+    normalization: Normalization
+    trees_per_step: int
+    shards: tuple[int, ...]
+    layout: LayoutConfig
+    critic: bool = False
+    critic_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout.micro_batches is None:
+            raise ValueError("layout.micro_batches: a run's steps need a fixed count")
+        if not self.shards or not all(0 <= s < self.layout.n_shards for s in self.shards):
+            raise ValueError(f"shards: {self.shards} must be non-empty indices of the "
+                             f"{self.layout.n_shards} data shards")
+
+
+def training_units(tree: TrajectoryTree, mode: Mode, seq_len: int,
+                   method: PartitionMethod = "heuristic") -> list[TrajectoryTree]:
+    """What gets packed into rows: the tree, its capacity parts when it is larger than a row
+    (`jtree.partitioning.partition` with `method`, exact: each path owned by one part), or its paths
+    (baseline)."""
+    if mode == "baseline":
+        return flatten_paths([tree])
+    if tree.n_tree_tokens <= seq_len:
+        return [tree]
+    return list(partition(tree, seq_len, method).parts)
+
+
+def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree]
+              ) -> dict[str, np.ndarray]:
+    """Global statistics of a step (every host computes them from the same trees)."""
+    stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
+    has_old = all(t.old_logprobs is not None for t in trees)
+    disagreement = 0.0
+    if has_old:
+        for t in trees:  # position 0 is never scored, as in `linearize`
+            old = [np.concatenate([[0.0], o[1:]]) for o in t.old_logprobs]
+            disagreement = max(disagreement, t.tree_token_values(old)[1])
+    return {
+        "n_trees": np.int64(len(trees)), "n_paths": np.int64(stats.n_paths),
+        "n_tree_tokens": np.int64(stats.n_tree_tokens),
+        "n_flat_tokens": np.int64(stats.n_flat_tokens),
+        "n_computed_tokens": np.int64(sum(u.n_tree_tokens for u in units)),
+        "has_old_logprobs": np.bool_(has_old),
+        "old_logprob_disagreement": np.float64(disagreement),
+    }
+
+
+class StepBuilder:
+    """Grain transform: the tree indices of one global step -> this host's step inputs.
+
+    Output: `{"inputs": DeviceBatch [micro_batches, rows * len(shards), row_len] with `row_norm`,
+    "info": step_info(...)}`. `units[i]` are the training units of `trees[i]` (`all_units`).
+    The step is planned once (`plan`, `jtree.layout.planner.plan_step`) and laid out where the plan
+    says (`build`); every host plans the same global step.
+    """
+
+    def __init__(self, trees: Sequence[TrajectoryTree], units: Sequence[Sequence[TrajectoryTree]],
+                 config: StepConfig, counts: Sequence[dict[str, Any]] | None = None):
+        """`counts`: the units' `unit_counts` per tree, when already computed (the same units)."""
+        self.trees, self.units, self.config = list(trees), list(units), config
+        self.counts = (list(counts) if counts is not None else
+                       [unit_counts(us, config.layout.gdn_chunk_size, config.layout.context)
+                        for us in self.units])
+        self.pair_counts = ([[pair_count(u) for u in us] for us in self.units] if config.critic
+                            else None)
+
+    def plan(self, indices: np.ndarray) -> StepPlan:
+        """Where every unit of the step goes, and the step's shape."""
+        ids = [int(i) for i in indices]
+        counts = {k: None if self.counts[ids[0]][k] is None else
+                  [n for i in ids for n in self.counts[i][k]] for k in self.counts[ids[0]]}
+        return plan_step([u.n_tree_tokens for i in ids for u in self.units[i]],
+                         self.config.layout, **counts)
+
+    def __call__(self, indices: np.ndarray) -> dict[str, Any]:
+        return self.build(indices, self.plan(indices))
+
+    def build(self, indices: np.ndarray, plan: StepPlan) -> dict[str, Any]:
+        """This host's step inputs of the step `indices`, laid out where `plan` (this builder's
+        plan of those indices) says."""
+        units = [u for i in indices for u in self.units[int(i)]]
+        critic_len = None
+        if self.config.critic:
+            critic_len = self.config.critic_len or self.critic_len(indices, plan)
+        micro = []
+        for m in range(plan.micro_batches):
+            parts = [self._linearize([units[i] for i in plan.units[plan.bin(s, m)]],
+                                     plan.placements[plan.bin(s, m)], plan, critic_len)
+                     for s in self.config.shards]
+            micro.append(concatenate_rows(parts))
+        info = step_info([self.trees[int(i)] for i in indices], units)
+        return {"inputs": stack(micro), "info": info}
+
+    def critic_len(self, indices: np.ndarray, plan: StepPlan) -> int:
+        """The critic pair width of the step `indices` laid out by `plan`: the most pairs any row
+        of any shard and micro-batch holds, on `jtree.objectives.critic.pair_width`'s ladder."""
+        counts = [n for i in indices for n in self.pair_counts[int(i)]]
+        need = max((sum(counts[units[i]] for i in row)
+                    for units, placement in zip(plan.units, plan.placements)
+                    for row in placement.rows), default=0)
+        return pair_width(need)
+
+    def _linearize(self, units: list[TrajectoryTree], placement: RowPlan, plan: StepPlan,
+                   critic_len: int | None) -> DeviceBatch:
+        config = self.config
+        chunk_size = config.layout.gdn_chunk_size
+        if not units:  # a bin that got no tree
+            empty = padding(plan.rows, plan.row_len, score_len=plan.score_len,
+                            gdn_chunk_size=chunk_size, gdn_chunks=plan.gdn_chunks)
+            critic = None if critic_len is None else padding_pairs(plan.rows, critic_len)
+            return dataclasses.replace(empty, row_norm=np.zeros(plan.rows, np.float32),
+                                       critic=critic)
+        batch = linearize(units, plan.row_len, normalization=config.normalization,
+                          normalizer=1.0, plan=placement, score_len=plan.score_len,
+                          gdn_chunk_size=chunk_size, gdn_chunks=plan.gdn_chunks)
+        if critic_len is not None:
+            batch = with_critic_pairs(batch, critic_len)
+        row_norm = np.zeros(plan.rows, np.float64)
+        for t, r in zip(batch.layout.trees, batch.layout.rows):
+            row_norm[r] += batch_normalizer([t], config.normalization)
+        return dataclasses.replace(batch.inputs, row_norm=row_norm.astype(np.float32))
+
+
+class AutoStepBuilder:
+    """Grain transform that trains each step in tree mode or in baseline mode, whichever the cost
+    model (`jtree.layout.flop_model.choose_mode`) predicts faster: baseline when the predicted gain of tree
+    mode is below `min_gain` (little sharing, so the tree layout's padding and partitioning
+    cannot pay). Both modes give the same loss and gradients; the choice only changes speed.
+    `builders` maps "tree" and "baseline" to their `StepBuilder`s (same trees, each with its own
+    step shape). `info` gains the chosen `mode`, the `predicted_gain` and the `mode_reason`.
+    """
+
+    def __init__(self, builders: dict[str, StepBuilder], flop_model: FlopModel,
+                 min_gain: float):
+        if set(builders) != {"tree", "baseline"}:
+            raise ValueError(f"builders: need 'tree' and 'baseline', got {sorted(builders)}")
+        self.builders, self.flop_model, self.min_gain = builders, flop_model, min_gain
+        self.trees = builders["tree"].trees
+        self.config = builders["tree"].config
+
+    def __call__(self, indices: np.ndarray) -> dict[str, Any]:
+        plans = {mode: b.plan(indices) for mode, b in self.builders.items()}
+        padded = {mode: p.n_rows * p.row_len for mode, p in plans.items()}  # all data shards
+        choice = choose_mode(self.flop_model, [self.trees[int(i)] for i in indices],
+                             tree_tokens=padded["tree"], baseline_tokens=padded["baseline"],
+                             min_gain=self.min_gain)
+        element = self.builders[choice.mode].build(indices, plans[choice.mode])
+        element["info"] = dict(element["info"], mode=choice.mode,
+                               predicted_gain=np.float64(choice.predicted_gain),
+                               mode_reason=choice.reason)
+        return element
+
+
+@dataclasses.dataclass(frozen=True)
+class RfreeStepConfig:
+    """What every redundancy-free step is built with (`RfreeStepBuilder`)."""
+
+    normalization: Normalization
+    seq_len: int
+    capacity: int
+    trees_per_step: int
+    gdn_chunk_size: int | None = None
+    row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE
+    uniform: bool = False  # part rows of one shape, for the mesh executor (jtree.partitioning.redundancy_free.mesh_executor)
+
+
+class RfreeStepBuilder:
+    """Grain transform for `run.mode=redundancy_free`: the tree indices of one step -> the step's
+    `jtree.partitioning.redundancy_free` program (`{"program": RfreeProgram, "info": step_info(...)}`), run part by part
+    on one device by `jtree.partitioning.redundancy_free.executor.RedundancyFreeStep`, or with `uniform` in lockstep
+    over a mesh by `jtree.partitioning.redundancy_free.mesh_executor.MeshRedundancyFreeStep`."""
+
+    def __init__(self, trees: Sequence[TrajectoryTree], config: RfreeStepConfig):
+        self.trees, self.config = list(trees), config
+
+    def __call__(self, indices: np.ndarray) -> dict[str, Any]:
+        trees = [self.trees[int(i)] for i in indices]
+        config = self.config
+        program = build_program(trees, config.capacity, seq_len=config.seq_len,
+                                normalization=config.normalization,
+                                gdn_chunk_size=config.gdn_chunk_size,
+                                row_steps_per_octave=config.row_steps_per_octave,
+                                uniform=config.uniform)
+        info = dict(step_info(trees, trees), n_computed_tokens=np.int64(program.n_computed))
+        return {"program": program, "info": info}
+
+
+def all_units(trees: Sequence[TrajectoryTree], mode: Mode, seq_len: int,
+              method: PartitionMethod = "heuristic") -> list[list[TrajectoryTree]]:
+    """`training_units` of every tree, computed once for the run."""
+    return [training_units(t, mode, seq_len, method) for t in trees]
+
+
+def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_per_step: int,
+                 n_bins: int, seed: int, steps: int) -> int:
+    """The fewest rows per micro-batch that hold every one of the first `steps` steps, each
+    balanced over `n_bins` data shards x micro-batches and packed at `seq_len`
+    (`jtree.layout.planner.rows_to_hold`)."""
+    index = step_indices(len(units), trees_per_step, seed)
+    return rows_to_hold([[u.n_tree_tokens for i in index[k] for u in units[int(i)]]
+                         for k in range(steps)], LayoutConfig(seq_len, micro_batches=n_bins))
+
+
+def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, *,
+                 normalization: Normalization, n_shards: int, shards: Sequence[int], steps: int,
+                 gdn_chunk_size: int | None = None, critic: bool = False,
+                 context: int = 1) -> StepBuilder:
+    """The `StepBuilder` a run with data config `data` trains `mode` with, on `n_shards` data
+    shards of which this host feeds `shards`: units from `all_units`, `data.rows_per_micro_batch`
+    rows per micro-batch or else the fewest that hold the run's `steps` steps (`rows_for_run`),
+    row lengths from `data.row_steps_per_octave` (`jtree.layout.planner.row_length_ladder`), and the
+    score width and GDN chunk capacity (unless `data.gdn_chunks` fixes it) at the most any of
+    those steps needs: the run compiles one step program per row length.
+    `gdn_chunk_size`: chunk tables of that size (models with linear-attention layers).
+    `critic`: the steps carry critic pairs (`jtree.objectives.critic`), as many per row as any step needs.
+    `context`: devices of the `context` mesh axis each row is split over (`mesh.context`; the
+    planner balances them by attention work, `jtree.layout.context_rows`)."""
+    if data.row_steps_per_octave is not None:
+        check_steps_per_octave(data.row_steps_per_octave, "data.row_steps_per_octave")
+    units = all_units(trees, mode, data.seq_len, data.partition_method)
+    rows = data.rows_per_micro_batch or rows_for_run(
+        units, data.seq_len, data.trees_per_step, n_shards * data.micro_batches,
+        data.shuffle_seed, steps)
+    row_lengths = (None if data.row_steps_per_octave is None
+                   else row_length_ladder(data.seq_len, data.row_steps_per_octave))
+    layout = LayoutConfig(data.seq_len, n_shards, data.micro_batches, rows, row_lengths,
+                          gdn_chunk_size, data.gdn_chunks if gdn_chunk_size else None,
+                          context=context)
+    config = StepConfig(mode, normalization, data.trees_per_step, tuple(shards), layout, critic)
+    builder = StepBuilder(trees, units, config)
+    index = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)
+    plans = [builder.plan(index[k]) for k in range(steps)]
+    if not plans:
+        return builder
+    fixed = dataclasses.replace(
+        layout, score_len=max(p.score_len for p in plans),
+        gdn_chunks=None if gdn_chunk_size is None else max(p.gdn_chunks for p in plans))
+    critic_len = max(builder.critic_len(index[k], p) for k, p in enumerate(plans)) \
+        if critic else None
+    return StepBuilder(trees, units, dataclasses.replace(config, layout=fixed,
+                                                         critic_len=critic_len), builder.counts)
+
+
+def step_indices(n_trees: int, trees_per_step: int, seed: int) -> grain.MapDataset:
+    """Tree indices of every step: a seeded shuffle of all trees, reshuffled every epoch."""
+    return (grain.MapDataset.range(n_trees).seed(seed).shuffle().repeat()
+            .batch(trees_per_step, drop_remainder=True))

@@ -1,0 +1,158 @@
+"""Reading a run's trees from JSONL: sequence groups, explicit trees or chat conversations (UTF-8).
+
+Every record is validated, and the objective's needs are met as it is read (advantages from
+rewards, GSPO's shared masks: `jtree.objectives.advantages.for_objective`). A bad record either
+stops the run with its `file:line` or, with `on_bad_record="skip"`, is skipped and counted. A
+record with a path longer than a row is bad in the modes that train whole paths in rows
+(`max_path_len`), not in `redundancy_free`, which splits long paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+import numpy as np
+from jtree.config.objective import Estimator
+from jtree.trees.chat import conversation_tree, load_tokenizer
+from jtree.trees.tree import TrajectoryTree
+from jtree.trees.jsonl import (
+    check_group_line, group_key, iter_lines, parse_line, tree_from_group, tree_from_record,
+)
+from jtree.objectives.advantages import for_objective
+import functools
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What loading read: records (lines), trees built, and the skipped bad records."""
+
+    n_lines: int
+    n_trees: int
+    n_bad: int
+    first_errors: tuple[str, ...]
+
+
+class _BadRecords:
+    """Raise on the first bad record, or count it (keeping the first few messages)."""
+
+    def __init__(self, policy: str, keep: int = 5):
+        if policy not in ("raise", "skip"):
+            raise ValueError(f"on_bad_record: {policy!r} is not 'raise' or 'skip'")
+        self.policy, self.keep = policy, keep
+        self.count, self.errors = 0, []
+
+    def __call__(self, error: ValueError, lines: int = 1) -> None:
+        if self.policy == "raise":
+            raise error
+        self.count += lines
+        if len(self.errors) < self.keep:
+            self.errors.append(str(error))
+
+
+def check_path_lengths(tree: TrajectoryTree, wheres: Sequence[str], record_id: Any,
+                       max_path_len: int | None) -> TrajectoryTree:
+    """`tree`, or a ValueError naming the record when its longest path does not fit a row of
+    `max_path_len` tokens (None: no limit), with the two ways out. `wheres`: the `file:line` of
+    each path (one entry: of the whole tree)."""
+    longest = int(np.argmax(tree.path_lengths))
+    n = int(tree.path_lengths[longest])
+    if max_path_len is not None and n > max_path_len:
+        where = wheres[longest] if len(wheres) > 1 else wheres[0]
+        named = "" if record_id is None else f" (id {json.dumps(record_id)})"
+        raise ValueError(f"{where}{named}: path {longest} has {n} tokens, more than a row holds "
+                         f"(data.seq_len={max_path_len}); raise data.seq_len, or train with "
+                         "run.mode=redundancy_free, which splits long paths")
+    return tree
+
+
+# The fields that make a record one of each format: what tells a file in another format apart.
+FORMAT_FIELDS = {"groups": ("group", "tokens"), "trees": ("parents", "segments"),
+                 "chat": ("messages",)}
+
+
+def record_format(rec: dict[str, Any]) -> str | None:
+    """The format whose required fields `rec` has (None: no format's, or several)."""
+    found = [f for f, fields in FORMAT_FIELDS.items() if all(k in rec for k in fields)]
+    return found[0] if len(found) == 1 else None
+
+
+def _check_format(path: str | Path, fmt: str, format_key: str) -> None:
+    """Refuse a file whose first record is of another format in one line naming the option, rather
+    than a missing-field error on every record (a file is read in the format it is told)."""
+    for where, line in iter_lines(path):
+        try:
+            found = record_format(parse_line(where, line))
+        except ValueError:  # an unreadable first record is reported as a bad record
+            return
+        if found is not None and found != fmt:
+            raise ValueError(f"{where}: a {found!r} record ({', '.join(FORMAT_FIELDS[found])}), "
+                             f"but the file is read as {fmt!r}: set {format_key}={found}")
+        return
+
+
+def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
+               on_bad_record: str = "raise", tokenizer: str = "bytes",
+               max_path_len: int | None = None, format_key: str = "data.format",
+               advantage: Estimator | None = None, shared_masks: bool = False,
+               turn_discount: float = 1.0) -> tuple[list[TrajectoryTree], LoadReport]:
+    """Every tree of a JSONL file, validated; see the module docstring for bad records.
+    `max_path_len`: the longest path a row holds in the run's mode (None: no limit). A file of
+    another format is refused naming `format_key` (the option that sets `fmt`). `advantage`: the
+    estimator that gives every tree its advantages (`jtree.objectives.advantages`; None: the objective needs
+    none; `turn` discounts by `turn_discount`); a record without the rewards or advantages it
+    needs (or whose per-turn rewards do not match its turns) is a bad record, and so is one
+    whose paths disagree on the loss mask of a shared token when `shared_masks` (GSPO)."""
+    _check_format(path, fmt, format_key)
+    prepare = functools.partial(for_objective, advantage=advantage, shared_masks=shared_masks,
+                                turn_discount=turn_discount)
+    bad = _BadRecords(on_bad_record)
+    trees: list[TrajectoryTree] = []
+    n_lines = 0
+    if fmt == "groups":
+        groups: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        for where, line in iter_lines(path):
+            n_lines += 1
+            try:
+                rec = parse_line(where, line)
+                check_group_line(where, rec)
+                tree_from_group([(where, rec)], vocab_size=vocab_size)  # the line on its own
+            except ValueError as e:
+                bad(e)
+                continue
+            groups.setdefault(group_key(rec), []).append((where, rec))
+        for members in groups.values():
+            try:
+                tree = tree_from_group(members, vocab_size=vocab_size,  # path p: line p
+                                       prepare=prepare)
+                trees.append(check_path_lengths(tree, [w for w, _ in members],
+                                                members[0][1]["group"], max_path_len))
+            except ValueError as e:  # the group as a whole is bad: count all its lines
+                bad(e, lines=len(members))
+    elif fmt in ("trees", "chat"):
+        tok = load_tokenizer(tokenizer) if fmt == "chat" else None
+        if tok is not None and vocab_size is not None and tok.vocab_size > vocab_size:
+            raise ValueError(f"tokenizer: {tokenizer} has {tok.vocab_size} tokens, more than "
+                             f"model.vocab_size={vocab_size}")
+        for where, line in iter_lines(path):
+            n_lines += 1
+            try:
+                rec = parse_line(where, line)
+                if tok is None:
+                    tree = tree_from_record(where, rec, vocab_size=vocab_size, prepare=prepare)
+                else:
+                    tree = conversation_tree(rec, tok, where=where, vocab_size=vocab_size)
+                    if advantage is not None:  # chat records carry neither rewards nor advantages
+                        raise ValueError(f"{where}: chat records carry no reward or advantage, "
+                                         f"which objective.advantage={advantage} needs")
+                trees.append(check_path_lengths(tree, [where], rec.get("id"), max_path_len))
+            except ValueError as e:
+                bad(e)
+    else:
+        raise ValueError(f"format: {fmt!r} is not one of ('groups', 'trees', 'chat')")
+    if not trees:
+        raise ValueError(f"{path}: no usable records ({bad.count} bad)"
+                         + (f"; first: {bad.errors[0]}" if bad.errors else ""))
+    return trees, LoadReport(n_lines, len(trees), bad.count, tuple(bad.errors))
