@@ -28,7 +28,8 @@ def _overwrite_middle(path: Path, n: int = 64, seed: int = 0) -> None:
     n = min(n, len(data))
     start = (len(data) - n) // 2
     noise = np.random.default_rng(seed).integers(1, 256, n, dtype=np.uint8)
-    data[start:start + n] = (np.frombuffer(bytes(data[start:start + n]), np.uint8) ^ noise).tobytes()
+    old = np.frombuffer(bytes(data[start:start + n]), np.uint8)
+    data[start:start + n] = (old ^ noise).tobytes()
     path.write_bytes(bytes(data))
 
 

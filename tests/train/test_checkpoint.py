@@ -146,7 +146,8 @@ def test_no_intact_checkpoint_stops_the_resume(saved_run, tmp_path):
     damage(tmp_path / "ck" / "3", "bitflip")
     ckpt = Checkpointer(tmp_path / "ck", keep=5, async_save=False)
     lines: list[str] = []
-    with pytest.raises(CorruptCheckpoint, match=r"no intact checkpoint \(damaged steps \[1, 2, 3\]\)"):
+    with pytest.raises(CorruptCheckpoint,
+                       match=r"no intact checkpoint \(damaged steps \[1, 2, 3\]\)"):
         ckpt.restore_latest(_abstract(_state(0)), log=lines.append)
     assert len(lines) == 3
 
