@@ -7,12 +7,28 @@ writes into a temporary directory and renames it when complete, so a killed run 
 half-written checkpoint that looks valid; `async_save` lets training continue while arrays are
 written; only the last `keep` checkpoints are kept.
 
-A step directory can still be damaged after it was written (a lost file, a disk or copy error),
-and Orbax lists it as a step all the same. So a checkpoint is verified before it is used: committed
-(Orbax's commit marker in the step directory and in every item), its metadata files present, its
-saved arrays of the shapes being trained, and readable. `restore_latest` falls back to the newest
-intact checkpoint and sets the damaged newer ones aside (`<step>.corrupt`), so the resumed run can
-write those steps again; a checkpoint of another model or run is not damage and stops the run.
+A step directory can still be damaged after it was written (a lost or truncated file, bytes
+changed by a disk or a copy), and Orbax lists it and reads it all the same: Orbax's chunk format
+checksums only its chunk indices, not the array bytes, and not the metadata files, so changed
+array bytes load silently. So every checkpoint carries a manifest, `jtree_checksums.json`: the
+size and SHA-256 of every file in the step directory. It is written by the primary host (process
+0) from Orbax's post-finalization callback, which runs once every host's writes of the step are
+complete (Orbax's barrier) and before Orbax renames the temporary directory; so a step that counts
+as committed always has its manifest, and with `async_save` the hashing runs on Orbax's background
+thread, not in the training loop. Two files Orbax writes at the commit itself are not hashed: the
+step's commit marker (checked to exist) and `_CHECKPOINT_METADATA` (Orbax's step record, rewritten
+with the commit time; checked to be a JSON object that names the three items).
+
+Before a checkpoint is used it is verified: committed (Orbax's commit marker in the step directory
+and in every item), `_CHECKPOINT_METADATA` readable, every file of the manifest there with its
+size and hash, no file the manifest does not list; then its saved arrays of the shapes being
+trained and readable. Every process verifies on its own (the step directory is on a filesystem
+all hosts share, so they reach the same verdict), reading the checkpoint once more. A checkpoint
+without a manifest (written by a jtree without checksums) cannot be told from one whose manifest
+was lost, so it is damage too; `write_manifest(step_dir)` adopts one that is trusted.
+`restore_latest` falls back to the newest intact checkpoint and sets the damaged newer ones aside
+(`<step>.corrupt`), so the resumed run can write those steps again; a checkpoint of another model
+or run is not damage and stops the run.
 
 Restoring takes the abstract train state with the shardings of the *current* mesh, so a run
 saved on one mesh shape resumes on another; given the model's layer groups
@@ -22,6 +38,8 @@ saved on one mesh shape resumes on another; given the model's layer groups
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -34,12 +52,18 @@ from jtree.parallel.layer_stack import LayerGroup, convert_tree, layer_sharding
 
 OnCorrupt = Literal["fallback", "raise"]
 
-# What Orbax writes in a committed step directory (besides the arrays): the commit marker in the
-# step directory and in every item, the step metadata, and each item's metadata files.
+# Orbax's commit marker (in the step directory and in every item) and its step record; the
+# items of a jtree checkpoint; jtree's manifest of file sizes and hashes.
 COMMIT_MARKER = "commit_success.txt"
 STEP_METADATA = "_CHECKPOINT_METADATA"
-ITEM_FILES = {"state": ("_METADATA", "manifest.ocdbt"), "data": ("metadata",),
-              "meta": ("metadata",)}
+ITEMS = ("state", "data", "meta")
+MANIFEST = "jtree_checksums.json"
+# SHA-256: OpenSSL computes it with the CPU's SHA instructions (x86 SHA-NI, ARMv8), as fast as a
+# non-cryptographic hash in hashlib, and no corruption pattern can slip past it as one can past a
+# CRC; hashlib.file_digest releases the GIL, so hashing on Orbax's thread does not stall training.
+HASH = "sha256"
+# Written by Orbax's commit after the manifest, so not in it (checked otherwise, see `verify`).
+UNHASHED = frozenset({MANIFEST, COMMIT_MARKER, STEP_METADATA})
 
 
 class CorruptCheckpoint(ValueError):
@@ -61,17 +85,36 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=async_save)
+        self._async = async_save
+        self._sealing: int | None = None  # the step whose write is in flight
+        # Always Orbax's async checkpointer: only it runs a callback between the last write and
+        # the commit, where the manifest goes; a synchronous save waits for it (`save`).
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._seal))
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state: Any, data_state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Start writing checkpoint `step` (returns before the write finishes when async)."""
+        self._manager.wait_until_finished()  # Orbax would wait too; `_seal` reads `_sealing`
+        self._sealing = step
         self._manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(data_state),
             meta=ocp.args.JsonSave(meta),
         ))
+        if not self._async:
+            self._manager.wait_until_finished()
+
+    def _seal(self) -> None:
+        """Write the manifest of the step being saved into its temporary directory. Orbax calls
+        this on the primary host only, after every host's writes and before the commit; an error
+        here leaves the step uncommitted and is raised by the next `save` or `wait`."""
+        pending = sorted(self.directory.glob(f"{self._sealing}{ocp.utils.TMP_DIR_SUFFIX}*"))
+        if len(pending) != 1:
+            raise RuntimeError(f"{self.where(self._sealing)}: expected one temporary directory "
+                               f"to seal, found {[p.name for p in pending]}")
+        write_manifest(pending[0])
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -80,17 +123,17 @@ class Checkpointer:
         return f"checkpoint {self.directory}/{step}"
 
     def verify(self, step: int) -> None:
-        """Raise CorruptCheckpoint unless `step` is committed and its metadata files are there
-        (Orbax lists a step directory whatever is missing inside it)."""
+        """Raise CorruptCheckpoint naming the first damaged file unless `step` is committed and
+        every file matches its manifest (Orbax lists a step directory, and reads changed array
+        bytes, whatever happened to it)."""
         root = self.directory / str(step)
-        for item in ("", *ITEM_FILES):
+        for item in ("", *ITEMS):
             if not (root / item / COMMIT_MARKER).is_file():
                 raise CorruptCheckpoint(f"{self.where(step)}: not committed (no "
                                         f"{(Path(item) / COMMIT_MARKER).as_posix()})")
-        for name in (STEP_METADATA, *(f"{item}/{f}" for item, files in ITEM_FILES.items()
-                                      for f in files)):
-            if not (root / name).is_file():
-                raise CorruptCheckpoint(f"{self.where(step)}: {name} is missing")
+        damage = _step_metadata_damage(root) or _manifest_damage(root)
+        if damage is not None:
+            raise CorruptCheckpoint(f"{self.where(step)}: {damage}")
 
     def restore(self, step: int, abstract_state: Any,
                 check_meta: Callable[[dict[str, Any], str], None] | None = None,
@@ -189,6 +232,72 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, HASH).hexdigest()
+
+
+def _hashed_files(step_dir: Path) -> set[str]:
+    """The files of a step directory that its manifest lists (paths relative to it)."""
+    return {p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*")
+            if p.is_file() and p.relative_to(step_dir).as_posix() not in UNHASHED}
+
+
+def write_manifest(step_dir: str | Path) -> None:
+    """Write `step_dir`/jtree_checksums.json: the size and hash of every file but those Orbax's
+    commit writes. Called at save before the commit; called by hand, it adopts a checkpoint
+    written without one (by an older jtree) that is trusted, so that it can be resumed."""
+    step_dir = Path(step_dir)
+    files = {name: {"bytes": (step_dir / name).stat().st_size, HASH: _digest(step_dir / name)}
+             for name in sorted(_hashed_files(step_dir))}
+    (step_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def _read_manifest(step_dir: Path) -> dict[str, tuple[int, str]] | str:
+    """name -> (bytes, hash) of the manifest, or why it cannot be read."""
+    try:
+        files = json.loads((step_dir / MANIFEST).read_text())["files"]
+        return {str(name): (int(e["bytes"]), str(e[HASH])) for name, e in files.items()}
+    except FileNotFoundError:
+        return (f"no {MANIFEST} (written by a jtree without checksums, or lost; "
+                "jtree.training.checkpoint.write_manifest adopts a checkpoint you trust)")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} unreadable ({_reason(e)})"
+
+
+def _manifest_damage(step_dir: Path) -> str | None:
+    """The first file of `step_dir` that is missing, of another size or hash than its manifest
+    says, or not listed in it; None when all match."""
+    saved = _read_manifest(step_dir)
+    if isinstance(saved, str):
+        return saved
+    on_disk = _hashed_files(step_dir)
+    for name, (size, digest) in sorted(saved.items()):
+        if name not in on_disk:
+            return f"{name} is missing"
+        have = (step_dir / name).stat().st_size
+        if have != size:
+            return f"{name} has {have} bytes, {size} were written"
+        if _digest(step_dir / name) != digest:
+            return f"{name} does not match its {HASH} in {MANIFEST}"
+    extra = sorted(on_disk - set(saved))
+    return f"{extra[0]} is not in {MANIFEST}" if extra else None
+
+
+def _step_metadata_damage(step_dir: Path) -> str | None:
+    """Orbax's step record is rewritten at the commit, after the manifest: it must be a JSON
+    object naming the three items' handlers (what Orbax reads of it to restore)."""
+    try:
+        handlers = json.loads((step_dir / STEP_METADATA).read_text())["item_handlers"]
+    except FileNotFoundError:
+        return f"{STEP_METADATA} is missing"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{STEP_METADATA} unreadable ({_reason(e)})"
+    if not isinstance(handlers, dict) or sorted(handlers) != sorted(ITEMS):
+        return f"{STEP_METADATA} unreadable (item handlers {handlers!r:.100})"
+    return None
 
 
 def _reason(e: BaseException) -> str:

@@ -36,9 +36,7 @@ from jtree.training.run_data import (
     to_global,
 )
 from jtree.training.report import progress, progress_line, say, step_record, summary
-from jtree.parallel.sharding import (
-    describe_mesh, row_shards,
-)
+from jtree.parallel.sharding import describe_mesh, row_shards
 from jtree.step.optimizer import (
     TrainState, make_schedule,
 )

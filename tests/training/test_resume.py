@@ -89,19 +89,20 @@ def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(groups_file, 
 
 
 def test_resume_falls_back_past_a_damaged_checkpoint(groups_file, tmp_path, capsys):
-    """A lost array chunk in the latest checkpoint: `--resume` logs it and continues from the
-    newest intact one, with the same losses as resuming from that checkpoint directly."""
+    """Changed bytes in the latest checkpoint's arrays (which Orbax reads without an error):
+    `--resume` logs the file in one line and continues from the newest intact checkpoint, with the
+    same losses and final parameters as resuming from that checkpoint directly; with
+    `checkpoint.on_corrupt=raise` it stops naming the file."""
     first = tmp_path / "first"
-    common = tiny_overrides(groups_file, **{"checkpoint.every": 1,
-                                            "checkpoint.async_save": "false"})
+    common = tiny_overrides(groups_file, **{"checkpoint.every": 1})
     assert main(["--config", "configs/tiny.yaml", *common, "run.steps=3",
                  f"checkpoint.dir={first}"]) == 0
-    losses = {}
+    losses, reason = {}, None
     for name in ("damaged", "direct"):
         directory = tmp_path / name
         shutil.copytree(first, directory)
         if name == "damaged":
-            damage(directory / "3", "chunk")
+            reason = damage(directory / "3", "bitflip")
         else:
             shutil.rmtree(directory / "3")
         capsys.readouterr()
@@ -110,10 +111,23 @@ def test_resume_falls_back_past_a_damaged_checkpoint(groups_file, tmp_path, caps
                      f"run.metrics_jsonl={directory}/metrics.jsonl"]) == 0
         out = capsys.readouterr().out
         assert f"resumed from checkpoint {directory}/2 (step 2)" in out
-        assert (f"checkpoint {directory}/3: unreadable" in out) == (name == "damaged"), out
+        damaged_line = f"checkpoint {directory}/3: {reason}"
+        assert (damaged_line in out) == (name == "damaged"), out
+        assert out.count(f"{directory}/3:") == (name == "damaged")
         losses[name] = [(r["step"], r["loss"]) for r in read_metrics(directory / "metrics.jsonl")]
     assert [s for s, _ in losses["direct"]] == [2, 3]
     assert losses["damaged"] == losses["direct"]
+    for x, y in zip(_params(tmp_path / "damaged", 4), _params(tmp_path / "direct", 4), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+    directory = tmp_path / "raise"
+    shutil.copytree(first, directory)
+    damage(directory / "3", "bitflip")
+    assert main(["--resume", "--config", "configs/tiny.yaml", *common, "run.steps=4",
+                 f"checkpoint.dir={directory}", "checkpoint.on_corrupt=raise"]) == 2
+    err = capsys.readouterr().err
+    assert f"CorruptCheckpoint: checkpoint {directory}/3: {reason}" in err, err
+    assert (directory / "3").is_dir() and not (directory / "4").exists()
 
 
 def test_resume_says_what_changed_and_refuses_model_and_data_order_changes(few_groups_file,
