@@ -75,3 +75,20 @@ def run_worker(module: str, cases: list[str], timeout: float = 1700) -> list[dic
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def checkpoint_params(ckpt_dir: Path, step: int) -> dict[str, np.ndarray]:
+    """The parameters of `jtree.training.checkpoint` checkpoint `step` under `ckpt_dir` (whatever mesh
+    wrote them), read onto this process's first device: {leaf path: array}."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = Path(ckpt_dir) / str(step) / "state"
+    checkpointer = ocp.StandardCheckpointer()
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree_util.tree_map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+        checkpointer.metadata(path).item_metadata)
+    params = checkpointer.restore(path, target)["params"]
+    return {jax.tree_util.keystr(k): np.asarray(a)
+            for k, a in jax.tree_util.tree_leaves_with_path(params)}

@@ -17,7 +17,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from jtree.kernels import TreeMask, tree_attention
-from tests.attention_cases import qkv, tree_end
+from tests.attention_cases import assert_elementwise_close, qkv, tree_end
 
 S = 128
 
@@ -65,6 +65,7 @@ def test_windows_equal_the_square_call(impl, windows):
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5,
                                    err_msg=f"{impl} {name}")
+        assert_elementwise_close(a, b, jnp.float32, f"{impl} {name}")
 
 
 @pytest.mark.parametrize("impl", ["pallas_mosaic_gpu", "pallas_triton"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jtree.kernels import TreeMask, tree_attention
-from tests.attention_cases import max_errors, qkv, tree_end
+from tests.attention_cases import assert_elementwise_close, max_errors, qkv, tree_end
 
 F32_TOL = 2e-5
 
@@ -42,6 +42,7 @@ def test_host_end_and_bfloat16_inputs():
     want = tree_attention(qb, kb, vb, TreeMask(jnp.asarray(end)), impl="xla")
     assert out.dtype == jnp.bfloat16
     assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32)))) <= 3e-2
+    assert_elementwise_close(out, want, jnp.bfloat16, "cpu bf16 out")
 
 
 def test_prefix_matches_xla():
@@ -60,8 +61,9 @@ def test_prefix_matches_xla():
         out, vjp = jax.vjp(f, q[:, p:], k[:, p:], v[:, p:])
         return (out, *vjp(cot))
 
-    for got, want in zip(run("cpu"), run("xla")):
+    for name, got, want in zip(("out", "dq", "dk", "dv"), run("cpu"), run("xla")):
         assert float(jnp.max(jnp.abs(got - want))) <= F32_TOL
+        assert_elementwise_close(got, want, jnp.float32, f"cpu prefix {name}")
 
 
 def test_rejects_softcap():

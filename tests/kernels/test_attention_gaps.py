@@ -21,7 +21,7 @@ from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.block_tables import EMPTY, classify_blocks
 from jtree.layout.linearize import linearize
 from jtree.layout.planner import plan_rows
-from tests.attention_cases import qkv
+from tests.attention_cases import assert_elementwise_close, qkv
 from tests.strategies import explicit_tree, random_forest
 
 BLOCK = 16
@@ -78,6 +78,7 @@ def _check(got, want, valid, what: str) -> None:
         if name in ("out", "dq"):
             a, b = a[real], b[real]
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=f"{what} {name}")
+        assert_elementwise_close(a, b, np.float32, f"{what} {name}")
 
 
 @pytest.mark.parametrize("impl", [

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jtree.kernels import TreeMask, tree_attention
-from tests.attention_cases import qkv, tree_end
+from tests.attention_cases import assert_elementwise_close, qkv, tree_end
 
 F32_TOL = 2e-5
 dispatch = importlib.import_module("jtree.kernels.tree_attention")  # the module, not the function
@@ -54,6 +54,8 @@ def prefix_errors(end, q, k, v, p: int, *, impl: str, softcap=None, **options):
     cot = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), q.dtype)
     got = _prefix_run(impl, p, softcap, tuple(sorted(options.items())))(q, k, v, end, cot)
     want = _square_run(p, softcap)(q, k, v, end, cot)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_elementwise_close(a, b, q.dtype, f"{impl} prefix {name}")
     return [float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, want)]
 
 
@@ -80,6 +82,7 @@ def test_host_end_and_reference():
                              impl=impl, prefix_k=k[:, :p], prefix_v=v[:, :p], **options)
         want = tree_attention(q, k, v, TreeMask(end), impl="reference")[:, p:]
         np.testing.assert_allclose(out, want, atol=F32_TOL)
+        assert_elementwise_close(out, want, jnp.float32, f"{impl} host-end prefix out")
 
 
 @pytest.mark.timeout(300)

@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.block_tables import required_blocks
-from tests.attention_cases import max_errors, qkv, tree_end
+from tests.attention_cases import assert_elementwise_close, max_errors, qkv, tree_end
 
 F32_TOL = 2e-5
 BF16_TOL = 1e-2
@@ -73,8 +73,10 @@ def test_no_races_in_tpu_interpreter(monkeypatch, dtype):
     assert len(launches) == 3 and not any(r.races_found for r in launches)
     ref, ref_vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, TreeMask(end), impl="reference"),
                            *(x.astype(jnp.float32) for x in (q, k, v)))
-    for a, b in zip((out, *grads), (ref, *ref_vjp(jnp.ones_like(ref)))):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads),
+                          (ref, *ref_vjp(jnp.ones_like(ref)))):
         assert a.dtype == dtype
+        assert_elementwise_close(a, b, dtype, f"pallas_tpu race-free {name}")
         if dtype == jnp.float32:
             np.testing.assert_allclose(a, b, atol=F32_TOL)
         else:

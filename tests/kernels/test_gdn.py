@@ -17,6 +17,7 @@ from jtree.kernels.gdn import (
     tree_gated_delta_rule,
 )
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
+from tests.attention_cases import assert_elementwise_close
 from tests.models_util import rel_l2
 from tests.strategies import forests
 
@@ -47,6 +48,8 @@ def test_chunked_equals_recurrent(chunk, with_state):
     o_c, f_c = chunked(*args, s0, chunk_size=chunk)
     assert float(jnp.max(jnp.abs(o_r - o_c))) <= 1e-5
     assert float(jnp.max(jnp.abs(f_r - f_c))) <= 1e-5
+    assert_elementwise_close(o_c, o_r, jnp.float32, "chunked out")
+    assert_elementwise_close(f_c, f_r, jnp.float32, "chunked final state")
 
 
 def test_recurrent_matches_hugging_face():
@@ -61,6 +64,8 @@ def test_recurrent_matches_hugging_face():
         use_qk_l2norm_in_kernel=True)
     np.testing.assert_allclose(o, o_hf.numpy(), atol=1e-5)
     np.testing.assert_allclose(f, f_hf.numpy(), atol=1e-5)
+    assert_elementwise_close(o, o_hf.numpy(), jnp.float32, "recurrent out vs HF")
+    assert_elementwise_close(f, f_hf.numpy(), jnp.float32, "recurrent final state vs HF")
 
 
 @pytest.mark.parametrize("split", [1, 13, 32])
@@ -73,6 +78,8 @@ def test_carrying_the_state_across_a_split_equals_one_pass(split):
     o_b, f_b = chunked(*(a[:, split:] for a in args), f_a, chunk_size=8)
     np.testing.assert_allclose(np.concatenate([o_a, o_b], axis=1), o_full, atol=1e-5)
     np.testing.assert_allclose(f_b, f_full, atol=1e-5)
+    assert_elementwise_close(np.concatenate([o_a, o_b], axis=1), o_full, jnp.float32, "split out")
+    assert_elementwise_close(f_b, f_full, jnp.float32, "split final state")
 
 
 def test_gradients_match_between_forms():
@@ -207,6 +214,8 @@ def _assert_tree_equals_paths(trees, chunk, scan):
     (l_p, o_p), g_p = path_fn(*args, rows, idx, coeff, target)
     np.testing.assert_allclose(np.asarray(o_t)[rows[:, None], idx][real], np.asarray(o_p)[real],
                                atol=1e-5)
+    assert_elementwise_close(np.asarray(o_t)[rows[:, None], idx][real], np.asarray(o_p)[real],
+                             jnp.float32, f"{scan} tree out vs paths")
     assert float(l_t) == pytest.approx(float(l_p), rel=1e-5, abs=1e-5)
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), g_t, g_p):
         assert rel_l2(a, b) <= 1e-5, name
@@ -228,6 +237,7 @@ def test_path_conv_reads_the_pred_chain(trees):
             xp = np.concatenate([np.zeros((kernel - 1, 5), np.float32), x[r, idx]])
             want = sum(xp[m : m + len(idx)] * w[:, m] for m in range(kernel))
             np.testing.assert_allclose(out[r, idx], want, atol=1e-5)
+            assert_elementwise_close(out[r, idx], want, jnp.float32, "path conv")
 
 
 @functools.lru_cache(maxsize=None)
@@ -267,6 +277,8 @@ def test_parallel_scan_equals_sequential_with_initial_slots(shape):
     ((_, (o_s, buf_s)), g_s), ((_, (o_p, buf_p)), g_p) = results
     assert float(jnp.max(jnp.abs(o_s - o_p))) <= 1e-5
     assert float(jnp.max(jnp.abs(buf_s - buf_p))) <= 1e-5
+    assert_elementwise_close(o_p, o_s, jnp.float32, "parallel scan out")
+    assert_elementwise_close(buf_p, buf_s, jnp.float32, "parallel scan states")
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_states"), g_p, g_s):
         assert rel_l2(a, b) <= 1e-5, name
         assert float(jnp.linalg.norm(b)) > 0, name

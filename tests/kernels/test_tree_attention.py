@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from jtree.kernels import TreeMask, tree_attention
+from tests.attention_cases import assert_elementwise_close
 
 
 def _inputs(rows=1, s=8, hq=4, hkv=2, d=8):
@@ -26,6 +27,7 @@ def test_reference_matches_per_path_softmax_with_gqa_and_softcap():
             p = np.exp(s - s.max())
             want = (p / p.sum()) @ np.asarray(v[0, keys, h // 2])
             np.testing.assert_allclose(out[0, i, h], want, atol=1e-5)
+            assert_elementwise_close(out[0, i, h], want, jnp.float32, f"reference {i} {h}")
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ from tests.run_util import WORKTREE
 
 MESHES = ("8x1x1", "4x1x2", "2x1x4")
 FSDP_MESHES = ("1x8x1", "2x4x1", "1x4x2", "2x2x2")
+UPDATE_TOL = 1e-3  # relative L2 of the parameter update (see `check`)
 
 
 def run_cases(cases: list[str]) -> list[dict]:
@@ -54,6 +55,11 @@ def check(result: dict) -> None:
     assert result["grad_norm_rel"] <= 1e-5, result
     assert result["grads_rel_l2"] <= 1e-5, result
     assert result["params_rel_l2"] <= 1e-5, result
+    # The update itself (new - initial parameters), which params_rel_l2 sees only against the
+    # parameters' size: Adam's first step is ~lr x sign(g) per entry with eps 1e-6, so rounding
+    # in entries whose gradient is near eps moves it; measured 1.3e-5 to 1.4e-4 (next) on the
+    # fast cases (the slow ones not measured here).
+    assert result["update_rel_l2"] <= UPDATE_TOL, result
     assert result["frozen_equal"], result  # a LoRA step leaves the base as it was
     assert result.get("logprobs_rel", 0.0) <= 1e-5, result  # CP PPO: the sharded log-prob forward
     sizes = [int(x) for x in result["case"].split(":")[3].split("x")]  # DxFxM or DxFxCxM
