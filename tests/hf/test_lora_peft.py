@@ -26,13 +26,18 @@ peft = pytest.importorskip("peft")
 
 import jtree.hf  # noqa: E402
 from jtree.cli import main as cli  # noqa: E402
-from jtree.hf.peft_adapters import save_peft_adapters  # noqa: E402
+from jtree.commands.export_hf import restored_params  # noqa: E402
+from jtree.config import load_config  # noqa: E402
+from jtree.hf.peft_adapters import peft_adapter_tensors, save_peft_adapters  # noqa: E402
 from jtree.hf.torch_reference import load_torch_model  # noqa: E402
+from jtree.launch.train import main  # noqa: E402
 from jtree.linearize import linearize  # noqa: E402
+from jtree.models import CausalLM, create_model  # noqa: E402
 from jtree.models.lora import LoraConfig, attach, model_params, with_trainable  # noqa: E402
 from jtree.tree import TrajectoryTree  # noqa: E402
 from tests.hf.test_hf_moe_next import _hf_model as next_model  # noqa: E402
-from tests.models_util import tiny_runtime  # noqa: E402
+from tests.models_util import tiny_config, tiny_runtime  # noqa: E402
+from tests.run_util import tiny_overrides  # noqa: E402
 from tests.torch_util import write_qwen3_checkpoint  # noqa: E402
 
 RANK, ALPHA = 4, 6.0  # scale 1.5: alpha / r, alpha, r / alpha and 1 all differ
@@ -205,9 +210,54 @@ def test_peft_export_refuses_a_mismatched_lora_config(case, tmp_path):
                                                     targets=("proj",)), case["config"], tmp_path)
 
 
+def test_peft_export_leaves_out_the_critic():
+    """A value head and a separate critic are not part of the HF causal LM: their adapters are
+    not written (peft would find no module for them)."""
+    config = tiny_config(num_hidden_layers=1)
+    model = CausalLM(config, tiny_runtime(), rngs=nnx.Rngs(0), value_head=True, critic=config)
+    lora = attach(nnx.split(model)[1], LoraConfig(rank=RANK, alpha=ALPHA, targets=("head",)),
+                  jax.random.key(0))
+    kernels = {".".join(str(p.key) for p in path[:-1])
+               for path, _ in jax.tree_util.tree_flatten_with_path(lora.adapters)[0]}
+    assert kernels == {"lm_head", "value_head", "critic.value_head"}
+    assert set(peft_adapter_tensors(lora, config)) == {
+        "base_model.model.lm_head.lora_A.weight", "base_model.model.lm_head.lora_B.weight"}
+
+
 def test_export_hf_peft_adapters_of_a_run_without_lora_fails_in_one_line(tmp_path, capsys):
     assert cli(["export-hf", "--config", "configs/tiny.yaml", "--checkpoint",
                 str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--peft-adapters"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "--peft-adapters: configs/tiny.yaml has no model.lora" in err
+
+
+@pytest.mark.slow
+def test_export_hf_peft_adapters_of_a_trained_run_load_in_peft(few_groups_file, tmp_path):
+    """`export-hf --peft-adapters` on a trained LoRA run's checkpoint: peft applies them to the
+    run's frozen base as the `--merge-lora` export of the same checkpoint runs."""
+    overrides = tiny_overrides(few_groups_file, **{
+        "run.steps": 3, "model.tie_word_embeddings": False,
+        "model.lora": "{rank: 2, alpha: 3, targets: [q_proj, mlp, lm_head]}"})
+    ckpt = tmp_path / "ckpt"
+    assert main(["--config", "configs/tiny.yaml", *overrides, f"checkpoint.dir={ckpt}"]) == 0
+    args = ["export-hf", "--config", "configs/tiny.yaml", "--checkpoint", str(ckpt), *overrides]
+    assert cli([*args, "--out", str(tmp_path / "merged"), "--merge-lora"]) == 0
+    assert cli([*args, "--out", str(tmp_path / "adapters"), "--peft-adapters",
+                "--copy-from", "some/base"]) == 0
+    assert json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"] == "some/base"
+
+    cfg = load_config("configs/tiny.yaml", overrides)  # the run's frozen base, as HF weights
+    graphdef = nnx.split(nnx.eval_shape(lambda: create_model("qwen3", cfg.model.config,
+                                                             cfg.runtime)))[0]
+    base = nnx.merge(graphdef, restored_params(cfg, str(ckpt)).base)
+    jtree.hf.save(base, cfg.model.config, tmp_path / "base")
+
+    loaded = peft.PeftModel.from_pretrained(load_torch_model(tmp_path / "base"),
+                                            tmp_path / "adapters").eval()
+    merged, plain = load_torch_model(tmp_path / "merged"), load_torch_model(tmp_path / "base")
+    seq = np.random.default_rng(0).integers(0, cfg.model.config.vocab_size, 20)
+    assert np.abs(torch_log_probs(merged, seq) - torch_log_probs(plain, seq)).max() > 1e-4
+    np.testing.assert_allclose(torch_log_probs(loaded, seq), torch_log_probs(merged, seq),
+                               rtol=RTOL, atol=ATOL["qwen3"])
