@@ -131,8 +131,8 @@ def save_peft_adapters(params: LoraParams, lora: LoraConfig, config: Any, path: 
                          f"alpha / rank = {lora.alpha} / {lora.rank} of model.lora")
     tensors = peft_adapter_tensors(params, config, dtype)
     if not tensors:
-        raise ValueError("peft adapters: model.lora.targets select only kernels of the critic, "
-                         "which the causal LM has none of")
+        raise ValueError("peft adapters: model.lora.targets select only the critic's kernels, "
+                         "which the causal LM does not have")
     ranks = {v.shape[0] for k, v in tensors.items() if k.endswith(".lora_A.weight")}
     if ranks != {lora.rank}:
         raise ValueError(f"peft adapters: adapters of rank {sorted(ranks)}, model.lora.rank is "
