@@ -5,12 +5,15 @@ Restores the parameters of an Orbax training checkpoint (`jtree.training.checkpo
 `--step`) onto this host, rebuilds the model of the run's config (same `key=value` overrides as
 the run) and writes it with `jtree.hf.save`, which transformers' `from_pretrained` loads. The
 checkpoint of a `model.lora` run holds the frozen base and the adapters: `--merge-lora` writes the
-merged model W + (alpha / r) A B, the very parameters the run trained (`jtree.models.lora`).
+merged model W + (alpha / r) A B, the very parameters the run trained (`jtree.models.lora`);
+`--peft-adapters` writes the adapters unmerged, as peft saves them (`jtree.hf.peft_adapters`), for
+`peft.PeftModel.from_pretrained` or a server to apply to the base model.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +21,7 @@ from flax import nnx
 
 from jtree.training.checkpoint import Checkpointer, abstract_like
 from jtree.parallel.layer_stack import layer_groups
-from jtree.config import load_config
+from jtree.config import TrainConfig, load_config
 from jtree.models import create_model
 from jtree.models.lora import model_params, trainable, with_lora
 from jtree.step.optimizer import TrainState, make_optimizer
@@ -32,26 +35,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default=None, help="stored dtype (default: the parameter dtype)")
     p.add_argument("--copy-from", default=None,
-                   help="HF directory the run started from (tokenizer files, token ids)")
-    p.add_argument("--merge-lora", action="store_true",
-                   help="merge the LoRA adapters of a model.lora run into its base weights")
+                   help="HF directory the run started from (tokenizer files, token ids; with "
+                        "--peft-adapters: the base model recorded, default model.init_from)")
+    lora = p.add_mutually_exclusive_group()
+    lora.add_argument("--merge-lora", action="store_true",
+                      help="merge the LoRA adapters of a model.lora run into its base weights")
+    lora.add_argument("--peft-adapters", action="store_true",
+                      help="write only the LoRA adapters of a model.lora run, unmerged, in peft's "
+                           "format (adapter_config.json, adapter_model.safetensors)")
     p.add_argument("overrides", nargs="*", help="the run's key.path=value overrides")
     p.set_defaults(func=run)
 
 
-def trained_model(config_path: str, overrides: list[str], checkpoint: str,
-                  step: int | None = None, *, merge_lora: bool = False
-                  ) -> tuple[nnx.Module, object]:
-    """(model with the checkpoint's parameters, model config) on the default device; a
-    `model.lora` run's adapters merged into the base (which `merge_lora` must ask for). A run
-    with a critic has a value head or a separate critic, which the checkpoint holds and the HF
-    export leaves out."""
-    cfg = load_config(config_path, overrides)
+def restored_params(cfg: TrainConfig, checkpoint: str, step: int | None = None) -> Any:
+    """The parameters a checkpoint of the run `cfg` holds (its latest step or `step`), on the
+    default device: the model's own, or a `model.lora` run's `LoraParams` (base and adapters)."""
     arch, mcfg, lora = cfg.model.architecture, cfg.model.config, cfg.model.lora
-    if merge_lora != (lora is not None):
-        raise ValueError("--merge-lora: the run's config has no model.lora" if merge_lora else
-                         "--merge-lora: the checkpoint of a model.lora run holds adapters beside "
-                         "the frozen base; pass --merge-lora to write the merged model")
     critic, critic_kw = cfg.objective.critic, cfg.critic_model_args
     optimizer = make_optimizer(cfg.optim, None if critic is None else critic.learning_rate)
 
@@ -71,14 +70,54 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
                              layer_groups=layer_groups(mcfg.decoder().layers)).state
     finally:
         ckpt.close()
+    return state.params
+
+
+def trained_model(config_path: str, overrides: list[str], checkpoint: str,
+                  step: int | None = None, *, merge_lora: bool = False
+                  ) -> tuple[nnx.Module, object]:
+    """(model with the checkpoint's parameters, model config) on the default device; a
+    `model.lora` run's adapters merged into the base (which `merge_lora` must ask for). A run
+    with a critic has a value head or a separate critic, which the checkpoint holds and the HF
+    export leaves out."""
+    cfg = load_config(config_path, overrides)
+    if merge_lora != (cfg.model.lora is not None):
+        raise ValueError("--merge-lora: the run's config has no model.lora" if merge_lora else
+                         "--merge-lora: the checkpoint of a model.lora run holds adapters beside "
+                         "the frozen base; pass --merge-lora to write the merged model, or "
+                         "--peft-adapters to write the adapters alone")
+    params = restored_params(cfg, checkpoint, step)
+    arch, mcfg = cfg.model.architecture, cfg.model.config
     graphdef = nnx.split(nnx.eval_shape(
-        lambda: create_model(arch, mcfg, cfg.runtime, **critic_kw)))[0]
-    return nnx.merge(graphdef, model_params(state.params)), mcfg
+        lambda: create_model(arch, mcfg, cfg.runtime, **cfg.critic_model_args)))[0]
+    return nnx.merge(graphdef, model_params(params)), mcfg
+
+
+def export_peft_adapters(config_path: str, overrides: list[str], checkpoint: str, out: str, *,
+                         step: int | None = None, dtype: str | None = None,
+                         base_model: str | None = None) -> None:
+    """Write the adapters of a `model.lora` run's checkpoint to `out` in peft's format
+    (`jtree.hf.peft_adapters`); `base_model` (default: the run's `model.init_from`) is recorded
+    as the model they apply to."""
+    from jtree.hf.peft_adapters import save_peft_adapters
+
+    cfg = load_config(config_path, overrides)
+    if cfg.model.lora is None:
+        raise ValueError(f"--peft-adapters: {config_path} has no model.lora, so its checkpoint "
+                         "holds no adapters (export the model without --peft-adapters)")
+    params = restored_params(cfg, checkpoint, step)
+    save_peft_adapters(params, cfg.model.lora, cfg.model.config, out, dtype=dtype,
+                       base_model=base_model or cfg.model.init_from)
 
 
 def run(args: argparse.Namespace) -> int:
     from jtree.hf import save
 
+    if args.peft_adapters:
+        export_peft_adapters(args.config, args.overrides, args.checkpoint, args.out,
+                             step=args.step, dtype=args.dtype, base_model=args.copy_from)
+        print(f"wrote peft adapters to {args.out} from {args.checkpoint}")
+        return 0
     model, mcfg = trained_model(args.config, args.overrides, args.checkpoint, args.step,
                                 merge_lora=args.merge_lora)
     model.value_head = model.critic = None  # the policy only: HF's *ForCausalLM has no critic
