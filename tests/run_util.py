@@ -92,3 +92,14 @@ def checkpoint_params(ckpt_dir: Path, step: int) -> dict[str, np.ndarray]:
     params = checkpointer.restore(path, target)["params"]
     return {jax.tree_util.keystr(k): np.asarray(a)
             for k, a in jax.tree_util.tree_leaves_with_path(params)}
+
+# The fields of a metrics record that measure time (and the compiles a step waited for: a resumed
+# run compiles at its first step), so differ between identical runs; every other field is computed.
+TIMING_FIELDS = frozenset({"tokens_per_s", "tree_tokens_per_s", "host_s", "device_s", "compiles",
+                           "compile_s"})
+
+
+def computed_metrics(records: list[dict]) -> list[dict]:
+    """Metrics records without their `TIMING_FIELDS`: what identical runs must agree on bit for
+    bit."""
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]

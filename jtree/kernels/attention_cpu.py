@@ -9,7 +9,8 @@ the (q-block, kv-head) items over threads instead. FULL blocks skip the element 
 The library is compiled on first use with the system C++ compiler (`CXX`, default `g++`) against
 the FFI headers shipped with jaxlib, for this machine (`-march=native`), and cached under
 `$JTREE_KERNEL_CACHE` (default `~/.cache/jtree/kernels`) by a hash of the source, flags, compiler,
-jax version and CPU. Float32 compute (other dtypes are cast in and out); no soft-cap.
+jax version and CPU. Float32 compute (other dtypes are cast in and out); no soft-cap. Bitwise
+repeatable for a given thread count (the backward's dk/dv sums run in an order fixed by it).
 """
 
 from __future__ import annotations

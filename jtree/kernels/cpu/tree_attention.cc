@@ -135,6 +135,35 @@ void parallel_items(int64_t n, const std::vector<int64_t>& cost, int threads, Fn
   for (auto& th : pool) th.join();
 }
 
+// Runs fn(item, thread) over items 0..n-1 on `threads` threads, each running a fixed list: heaviest
+// item first (by `cost`, ties by index) to the thread with the least cost so far (ties to the
+// lowest thread). Unlike `parallel_items`, which thread runs an item, and in which order each thread
+// runs its items, is a function of the costs and the thread count alone, never of timing: the
+// backward sums every item's dk/dv into its thread's accumulator, and floating-point addition in an
+// order that varied from call to call made the gradients differ in their last bits between
+// identical runs.
+template <typename Fn>
+void parallel_items_fixed(int64_t n, const std::vector<int64_t>& cost, int threads, Fn fn) {
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::vector<std::vector<int64_t>> lists(threads);
+  std::vector<int64_t> load(threads, 0);
+  for (int64_t i : order) {
+    const int t = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    lists[t].push_back(i);
+    load[t] += std::max<int64_t>(cost[i], 1);  // an empty list still costs its setup
+  }
+  auto work = [&](int t) {
+    for (int64_t i : lists[t]) fn(i, t);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  work(0);
+  for (auto& th : pool) th.join();
+}
+
 // The visible-score mask of one (q-block, kv-block) pair applied to scores S[M][bk] in place:
 // masked entries become kMasked.
 void apply_mask(float* S, const Shape& s, const int32_t* qpos, const int32_t* end_k, int64_t kid) {
@@ -267,14 +296,16 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
   const int64_t items = s.nq * s.h;
   const int nt = thread_count(threads, items);
   const int64_t kv_size = s.nk * s.h * s.bk * s.d;
-  // dk / dv: thread 0 writes the outputs, the others their own accumulators, summed at the end.
+  // dk / dv: thread 0 writes the outputs, the others their own accumulators, summed at the end in
+  // thread order; with the items' fixed assignment (`parallel_items_fixed`) every sum runs in the
+  // same order on every call with the same thread count.
   std::vector<std::vector<float>> dk_part(nt - 1), dv_part(nt - 1);
   float* DK = dk->typed_data();
   float* DV = dv->typed_data();
   std::fill(DK, DK + kv_size, 0.f);
   std::fill(DV, DV + kv_size, 0.f);
   std::vector<std::vector<float>> scratch(nt);
-  parallel_items(items, cost, nt, [&](int64_t item, int t) {
+  parallel_items_fixed(items, cost, nt, [&](int64_t item, int t) {
     const int64_t qb = item / s.h, h = item % s.h;
     if (t > 0 && dk_part[t - 1].empty()) {
       dk_part[t - 1].assign(kv_size, 0.f);
