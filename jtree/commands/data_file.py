@@ -1,6 +1,7 @@
 """The data file of a command (`jtree stats`, `jtree compare-torch`): its `--format`,
-`--tokenizer` and `--trace-drift` options, and reading it exactly as training does (`jtree.training.tree_files.load_trees`), so a
-file that trains is a file these commands read, chat conversations included."""
+`--tokenizer` and `--trace-drift` options, and reading it exactly as training does
+(`jtree.training.tree_files.load_trees`), so a file that trains is a file these commands read,
+chat conversations and engine traces included."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
                         help="for --format chat: `bytes` (the built-in byte tokenizer) or a local "
                              "tokenizer.json or its directory")
     parser.add_argument("--trace-drift", choices=DRIFT_POLICIES, default="reject",
-                        help="for --format traces: a turn whose prompt does not extend the previous "
-                             "turn's tokens is rejected, or branched into a new path there")
+                        help="for --format traces: a turn whose prompt does not extend the "
+                             "previous turn's tokens is rejected, or branched into a new path")
 
 
 def read_data(path: str, args: argparse.Namespace, vocab_size: int | None = None

@@ -186,7 +186,8 @@ def read_rollout(where: str, rec: dict[str, Any], *, vocab_size: int | None = No
             continue
         message = _drift_message(where, i, before, prompt, pos)
         if drift == "reject":
-            raise ValueError(f"{message} (data.trace_drift=branch starts a new path there)")
+            raise ValueError(f"{message} (data.trace_drift / --trace-drift branch starts a new "
+                             "path there)")
         drifts.append(f"{message}: branched")
         runs.append([turns[i]])
     paths = tuple(_path_line(rec, run, outcome) for run in runs)

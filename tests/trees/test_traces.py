@@ -108,8 +108,8 @@ def test_drift_is_rejected_naming_line_turn_and_position(tmp_path):
     path = _write(tmp_path / "t.jsonl", [DRIFTING])
     with pytest.raises(ValueError) as e:
         read_traces(path)
-    assert str(e.value) == (f"{tmp_path}/{DRIFT_MESSAGE} (data.trace_drift=branch starts a new "
-                            "path there)")
+    assert str(e.value) == (f"{tmp_path}/{DRIFT_MESSAGE} (data.trace_drift / --trace-drift "
+                            "branch starts a new path there)")
 
 
 def test_drift_branches_a_new_path_that_shares_the_tokens_before_the_difference(tmp_path):
@@ -181,7 +181,8 @@ def test_bad_records_name_line_turn_and_field(tmp_path, records, match):
 
 
 def test_a_skipped_bad_record_is_counted_and_the_rest_trains(tmp_path):
-    bad = {"group": 0, "turns": [_turn(ASK, [10, 11], [-0.1, -0.2]), _turn(ASK + [12], [13], [-0.3])]}
+    bad = {"group": 0, "turns": [_turn(ASK, [10, 11], [-0.1, -0.2]),
+                                 _turn(ASK + [12], [13], [-0.3])]}
     path = _write(tmp_path / "t.jsonl", [GOOD, bad, dict(GOOD, group=1)])
     trees, report = load_trees(path, "traces", vocab_size=VOCAB, on_bad_record="skip")
     assert (report.n_lines, report.n_trees, report.n_bad) == (3, 2, 1)
@@ -196,7 +197,7 @@ def test_a_log_prob_within_the_tolerance_and_routed_experts_are_accepted(tmp_pat
 
 def test_a_file_of_another_format_names_the_format_to_use(tmp_path):
     path = _write(tmp_path / "g.jsonl", [{"group": 0, "tokens": [1, 2]}])
-    with pytest.raises(ValueError, match=r"g\.jsonl:1: a 'groups' record .* set data.format=groups"):
+    with pytest.raises(ValueError, match=r"g\.jsonl:1: a 'groups' record .* data.format=groups"):
         load_trees(path, "traces", vocab_size=VOCAB)
 
 
@@ -240,11 +241,13 @@ def test_a_tiny_training_run_trains_on_a_traces_file(tmp_path):
                   [r for g in range(8) for r in _rollout_group(rng, g)])
     metrics = tmp_path / "metrics.jsonl"
     args = ["--config", "configs/tiny.yaml", *tiny_overrides(data, **{
-        "data.format": "traces", "data.trace_drift": "branch", "objective.kind": "ppo", "objective.advantage": "grpo",
+        "data.format": "traces", "data.trace_drift": "branch", "objective.kind": "ppo",
+        "objective.advantage": "grpo",
         "run.steps": 2, "run.metrics_jsonl": metrics})]
     code, out, err = finish(launch(args, tmp_path / "run"), tmp_path / "run")
     assert code == 0, err[-3000:]
     log = out + err
-    assert "data: 8 trees from" in log and "(traces)" in log and "branched 8 trace rollout(s)" in log
+    assert "data: 8 trees from" in log and "(traces)" in log
+    assert "branched 8 trace rollout(s)" in log
     rows = read_metrics(metrics)
     assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
