@@ -1,22 +1,28 @@
-"""The data file of a command (`jtree stats`, `jtree compare-torch`): its `--format` and
-`--tokenizer` options, and reading it exactly as training does (`jtree.training.tree_files.load_trees`), so a
-file that trains is a file these commands read, chat conversations included."""
+"""The data file of a command (`jtree stats`, `jtree compare-torch`): its `--format`,
+`--tokenizer` and `--trace-drift` options, and reading it exactly as training does
+(`jtree.training.tree_files.load_trees`), so a file that trains is a file these commands read,
+chat conversations and engine traces included."""
 
 from __future__ import annotations
 
 import argparse
 
 from jtree.training.tree_files import FORMAT_FIELDS, load_trees
+from jtree.trees.traces import DRIFT_POLICIES
 from jtree.trees.tree import TrajectoryTree
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--format` and `--tokenizer` (read by `read_data`)."""
+    """`--format`, `--tokenizer` and `--trace-drift` (read by `read_data`)."""
     parser.add_argument("--format", choices=tuple(FORMAT_FIELDS), default="groups",
-                        help="groups | trees | chat (conversations, tokenized with --tokenizer)")
+                        help="groups | trees | chat (conversations, tokenized with --tokenizer) | "
+                             "traces (engine rollouts, token-in / token-out)")
     parser.add_argument("--tokenizer", default="bytes",
                         help="for --format chat: `bytes` (the built-in byte tokenizer) or a local "
                              "tokenizer.json or its directory")
+    parser.add_argument("--trace-drift", choices=DRIFT_POLICIES, default="reject",
+                        help="for --format traces: a turn whose prompt does not extend the "
+                             "previous turn's tokens is rejected, or branched into a new path")
 
 
 def read_data(path: str, args: argparse.Namespace, vocab_size: int | None = None
@@ -24,4 +30,4 @@ def read_data(path: str, args: argparse.Namespace, vocab_size: int | None = None
     """The trees of the file at `path` in `args.format`; the first bad record stops the command
     (naming its file:line), a file of another format names the `--format` to use."""
     return load_trees(path, args.format, vocab_size=vocab_size, tokenizer=args.tokenizer,
-                      format_key="--format")[0]
+                      trace_drift=args.trace_drift, format_key="--format")[0]

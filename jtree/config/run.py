@@ -36,9 +36,12 @@ class DataConfig:
     """Where training trees come from and how they are batched (`jtree.training.pipeline`).
 
     `format`: `groups` (JSONL, one sequence per line with a group id; one tree per group),
-    `trees` (JSONL, one explicit tree per line) or `chat` (JSONL, `{"messages": [...]}` per line,
+    `trees` (JSONL, one explicit tree per line), `chat` (JSONL, `{"messages": [...]}` per line,
     tokenized with `tokenizer`: `bytes` for the built-in byte tokenizer, else a local
-    tokenizer.json or Hugging Face tokenizer directory). Each step trains on `trees_per_step`
+    tokenizer.json or Hugging Face tokenizer directory) or `traces` (JSONL, one engine rollout
+    per line, token-in / token-out; one tree per group; `jtree.trees.traces`). `trace_drift`: a
+    trace whose turn does not extend the previous turn's tokens is `reject`ed as a bad record or
+    `branch`ed into a new path at the first difference. Each step trains on `trees_per_step`
     trees, spread over the data-parallel shards and `micro_batches` per shard, each micro-batch
     packed into `rows_per_micro_batch` rows of `seq_len` tokens (None: the fewest rows that hold
     every step of the run); a tree larger than `seq_len` is cut into parts by `partition_method`
@@ -55,7 +58,7 @@ class DataConfig:
     """
 
     path: str = "data/sample_groups.jsonl"
-    format: Literal["groups", "trees", "chat"] = "groups"
+    format: Literal["groups", "trees", "chat", "traces"] = "groups"
     seq_len: int = 1024
     trees_per_step: int = 8
     micro_batches: int = 1
@@ -64,6 +67,7 @@ class DataConfig:
     partition_method: Literal["heuristic", "dp_single", "dp_multi"] = "heuristic"
     on_bad_record: Literal["raise", "skip"] = "raise"
     tokenizer: str = "bytes"
+    trace_drift: Literal["reject", "branch"] = "reject"
     worker_count: int = 0
     gdn_chunk_size: int = DEFAULT_CHUNK_SIZE
     gdn_chunks: int | None = None

@@ -68,6 +68,7 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
     max_path_len = None if cfg.run.mode == "redundancy_free" else d.seq_len  # rfree splits paths
     trees, report = load_trees(d.path, d.format, vocab_size=cfg.model.config.vocab_size,
                                on_bad_record=d.on_bad_record, tokenizer=d.tokenizer,
+                               trace_drift=d.trace_drift,
                                max_path_len=max_path_len,
                                advantage=cfg.objective.advantage_estimator,
                                turn_discount=cfg.objective.turn_discount,
@@ -81,7 +82,9 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
     say(f"data: {len(trees)} trees from {d.path} ({d.format}): {total.n_flat_tokens} flat tokens, "
         f"{total.n_tree_tokens} tree tokens, POR {total.por:.3f}"
         + (f"; skipped {report.n_bad} bad record(s), first: {report.first_errors[0]}"
-           if report.n_bad else ""))
+           if report.n_bad else "")
+        + (f"; branched {report.n_branched} trace rollout(s) where their turns drift, first: "
+           f"{report.first_branches[0]}" if report.n_branched else ""))
     return trees, report
 
 

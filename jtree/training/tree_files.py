@@ -1,10 +1,12 @@
-"""Reading a run's trees from JSONL: sequence groups, explicit trees or chat conversations (UTF-8).
+"""Reading a run's trees from JSONL: sequence groups, explicit trees, chat conversations or engine
+traces (UTF-8).
 
 Every record is validated, and the objective's needs are met as it is read (advantages from
 rewards, GSPO's shared masks: `jtree.objectives.advantages.for_objective`). A bad record either
 stops the run with its `file:line` or, with `on_bad_record="skip"`, is skipped and counted. A
 record with a path longer than a row is bad in the modes that train whole paths in rows
-(`max_path_len`), not in `redundancy_free`, which splits long paths.
+(`max_path_len`), not in `redundancy_free`, which splits long paths. A trace rollout whose turns
+drift and is branched (`trace_drift="branch"`) is not bad, but counted and reported.
 """
 
 from __future__ import annotations
@@ -21,18 +23,22 @@ from jtree.trees.tree import TrajectoryTree
 from jtree.trees.jsonl import (
     check_group_line, group_key, iter_lines, parse_line, tree_from_group, tree_from_record,
 )
+from jtree.trees.traces import Rollout, path_wheres, read_rollout, tree_from_rollouts
 from jtree.objectives.advantages import for_objective
 import functools
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
-    """What loading read: records (lines), trees built, and the skipped bad records."""
+    """What loading read: records (lines), trees built, the skipped bad records, and the trace
+    rollouts branched where their turns drift (`n_branched`, the first few messages)."""
 
     n_lines: int
     n_trees: int
     n_bad: int
     first_errors: tuple[str, ...]
+    n_branched: int = 0
+    first_branches: tuple[str, ...] = ()
 
 
 class _BadRecords:
@@ -70,7 +76,7 @@ def check_path_lengths(tree: TrajectoryTree, wheres: Sequence[str], record_id: A
 
 # The fields that make a record one of each format: what tells a file in another format apart.
 FORMAT_FIELDS = {"groups": ("group", "tokens"), "trees": ("parents", "segments"),
-                 "chat": ("messages",)}
+                 "chat": ("messages",), "traces": ("group", "turns")}
 
 
 def record_format(rec: dict[str, Any]) -> str | None:
@@ -97,20 +103,23 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
                on_bad_record: str = "raise", tokenizer: str = "bytes",
                max_path_len: int | None = None, format_key: str = "data.format",
                advantage: Estimator | None = None, shared_masks: bool = False,
-               turn_discount: float = 1.0) -> tuple[list[TrajectoryTree], LoadReport]:
+               turn_discount: float = 1.0, trace_drift: str = "reject"
+               ) -> tuple[list[TrajectoryTree], LoadReport]:
     """Every tree of a JSONL file, validated; see the module docstring for bad records.
     `max_path_len`: the longest path a row holds in the run's mode (None: no limit). A file of
     another format is refused naming `format_key` (the option that sets `fmt`). `advantage`: the
     estimator that gives every tree its advantages (`jtree.objectives.advantages`; None: the objective needs
     none; `turn` discounts by `turn_discount`); a record without the rewards or advantages it
     needs (or whose per-turn rewards do not match its turns) is a bad record, and so is one
-    whose paths disagree on the loss mask of a shared token when `shared_masks` (GSPO)."""
+    whose paths disagree on the loss mask of a shared token when `shared_masks` (GSPO).
+    `trace_drift`: what a trace rollout whose turns drift is (`jtree.trees.traces`)."""
     _check_format(path, fmt, format_key)
     prepare = functools.partial(for_objective, advantage=advantage, shared_masks=shared_masks,
                                 turn_discount=turn_discount)
     bad = _BadRecords(on_bad_record)
     trees: list[TrajectoryTree] = []
     n_lines = 0
+    branched: list[str] = []
     if fmt == "groups":
         groups: dict[str, list[tuple[str, dict[str, Any]]]] = {}
         for where, line in iter_lines(path):
@@ -129,6 +138,25 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
                                        prepare=prepare)
                 trees.append(check_path_lengths(tree, [w for w, _ in members],
                                                 members[0][1]["group"], max_path_len))
+            except ValueError as e:  # the group as a whole is bad: count all its lines
+                bad(e, lines=len(members))
+    elif fmt == "traces":
+        rollouts: dict[str, list[Rollout]] = {}
+        for where, line in iter_lines(path):
+            n_lines += 1
+            try:
+                rec = parse_line(where, line)
+                rollout = read_rollout(where, rec, vocab_size=vocab_size, drift=trace_drift)
+            except ValueError as e:
+                bad(e)
+                continue
+            branched.extend(rollout.drifts[:1])
+            rollouts.setdefault(group_key(rec), []).append(rollout)
+        for members in rollouts.values():
+            try:
+                tree = tree_from_rollouts(members, vocab_size=vocab_size, prepare=prepare)
+                trees.append(check_path_lengths(tree, path_wheres(members), members[0].group,
+                                                max_path_len))
             except ValueError as e:  # the group as a whole is bad: count all its lines
                 bad(e, lines=len(members))
     elif fmt in ("trees", "chat"):
@@ -151,8 +179,9 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
             except ValueError as e:
                 bad(e)
     else:
-        raise ValueError(f"format: {fmt!r} is not one of ('groups', 'trees', 'chat')")
+        raise ValueError(f"format: {fmt!r} is not one of {tuple(FORMAT_FIELDS)}")
     if not trees:
         raise ValueError(f"{path}: no usable records ({bad.count} bad)"
                          + (f"; first: {bad.errors[0]}" if bad.errors else ""))
-    return trees, LoadReport(n_lines, len(trees), bad.count, tuple(bad.errors))
+    return trees, LoadReport(n_lines, len(trees), bad.count, tuple(bad.errors), len(branched),
+                             tuple(branched[:bad.keep]))

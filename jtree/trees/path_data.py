@@ -66,6 +66,15 @@ def per_token(values: ArrayLike, length: int, what: str, *, allow_scalar: bool) 
     return arr.astype(np.float32)
 
 
+def check_log_probabilities(values: np.ndarray, what: str, start: int = 0) -> None:
+    """Refuse a value from `start` on that lies above 0 by more than `LOGPROB_TOLERANCE`,
+    naming `what[j]`: it is not a log-probability and would distort the PPO ratio."""
+    above = np.flatnonzero(values[start:] > LOGPROB_TOLERANCE)
+    if above.size:
+        j = int(above[0]) + start
+        raise ValueError(f"{what}[{j}] = {values[j]:g} is above 0 (a log-probability is <= 0)")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class PathData:
     """Per-path training data, validated, one entry per path."""
@@ -135,11 +144,7 @@ def validate_path_data(
             for i, (o, n) in enumerate(zip(old_logprobs, lengths))
         )
         for i, o in enumerate(old):  # position 0 predicts nothing: its value is never used
-            above = np.flatnonzero(o[1:] > LOGPROB_TOLERANCE)
-            if above.size:
-                j = int(above[0]) + 1
-                raise ValueError(f"{label} {i}: old_logprobs[{j}] = {o[j]:g} is above 0 (a "
-                                 f"log-probability is <= 0)")
+            check_log_probabilities(o, f"{label} {i}: old_logprobs", start=1)
     if weights is None:
         w = np.ones(k, np.float32)
     else:

@@ -1,0 +1,242 @@
+"""Engine traces: rollouts recorded token-in / token-out, as the inference engine saw them, read
+into trees (docs/rl.md, "Engine traces").
+
+A record (one JSONL line) is one rollout:
+
+    {"group": g, "turns": [{"prompt_ids": [...], "output_ids": [...], "output_logprobs": [...],
+                            "reward": r_t}, ...], "reward": R, "weight": w}
+
+`group`, `turns` and every turn's `prompt_ids` and `output_ids` are required. A turn's
+`output_logprobs` (one per output token, the engine's sampling log-probs) and `reward` are on
+every turn of a rollout or on none; a turn may carry `routed_experts` (one entry per output
+token), checked for its length and not read: routing replay is not implemented. `id` is allowed.
+
+Training on the tokens the engine produced, not on a retokenization, needs each turn's prompt to
+begin with the previous turn's `prompt_ids + output_ids`, token for token. Where it does not
+(retokenization drift, a truncated context, an agent that summarizes its history) the record names
+the turn and the first position that differs, and `drift` decides: `reject` makes it a bad
+record; `branch` cuts the rollout there, never merging the two token streams silently.
+
+Paths. A rollout is cut into runs of turns that extend one another (one run when nothing
+drifts). Each run is one path: the tokens of its last turn (`prompt_ids + output_ids`), trained
+(loss mask 1) on the output tokens of the run's own turns and nowhere else: prompts (system
+prompt, user turns, tool output) are context, and so are the earlier runs' outputs when a later
+prompt repeats them. So after a drift at turn t, the path of turns 1..t-1 trains their outputs,
+the path of turns t.. shares with it the tokens before the first difference (one trunk in the
+tree) and trains only the outputs of turns t.. : every output token is trained once.
+
+Old log-probs: the output tokens' `output_logprobs`. A prompt token has no sampling log-prob and
+is never trained on its path; it takes the engine's log-prob of the same tree token from a path
+that generated it (a later run, or another rollout whose prompt repeats an output), else 0, so that
+paths agree on shared tokens and the old log-probs are not recomputed for a placeholder.
+
+Rewards: with turn rewards, a path's rewards are those of its turns, the rollout's `reward` (the
+outcome) added to its last turn's; without, the rollout's `reward` is each path's. Rollouts of one
+`group` merge into one tree as sequence groups do (`jtree.trees.jsonl.tree_from_group`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jtree.trees.jsonl import Prepare, group_key, iter_lines, parse_line, tree_from_group
+from jtree.trees.path_data import (
+    as_token_array, check_log_probabilities, path_reward, per_token, preview,
+)
+from jtree.trees.tree import TrajectoryTree
+
+DRIFT_POLICIES = ("reject", "branch")
+_RECORD_FIELDS = ("group", "turns", "reward", "weight", "id")
+_TURN_FIELDS = ("prompt_ids", "output_ids", "output_logprobs", "reward", "routed_experts")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Turn:
+    prompt: np.ndarray
+    output: np.ndarray
+    logprobs: np.ndarray | None
+    reward: float | None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return np.concatenate([self.prompt, self.output])
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One trace record, checked and cut into paths: `paths` are sequence-group lines
+    (`jtree.trees.jsonl`) whose `old_logprobs` are NaN on prompt tokens until the group's tree
+    fills them; `drifts` the turns where the rollout was branched, one message each."""
+
+    where: str
+    group: Any
+    paths: tuple[dict[str, Any], ...]
+    drifts: tuple[str, ...]
+
+
+def _scalar(value: Any, what: str) -> float:
+    if isinstance(value, list):
+        raise ValueError(f"{what}: expected a number, got {preview(value)}")
+    return float(path_reward(value, what)[0])
+
+
+def _check_fields(rec: Any, allowed: Sequence[str], required: Sequence[str], what: str) -> None:
+    if not isinstance(rec, dict):
+        raise ValueError(f"{what}: expected an object")
+    for field in required:
+        if field not in rec:
+            raise ValueError(f"{what}: missing field {field!r}")
+    unknown = set(rec) - set(allowed)
+    if unknown:
+        raise ValueError(f"{what}: unknown field {sorted(unknown)[0]!r}")
+
+
+def _read_turn(at: str, rec: Any, vocab_size: int | None) -> _Turn:
+    _check_fields(rec, _TURN_FIELDS, ("prompt_ids", "output_ids"), at)
+    prompt = as_token_array(rec["prompt_ids"], f"{at}.prompt_ids", vocab_size)
+    output = as_token_array(rec["output_ids"], f"{at}.output_ids", vocab_size)
+    logprobs = None
+    if "output_logprobs" in rec:
+        what = f"{at}.output_logprobs"
+        logprobs = per_token(rec["output_logprobs"], len(output), what, allow_scalar=False)
+        check_log_probabilities(logprobs, what)
+    if "routed_experts" in rec:
+        experts = rec["routed_experts"]
+        if not isinstance(experts, list) or len(experts) != len(output):
+            got = len(experts) if isinstance(experts, list) else preview(experts)
+            raise ValueError(f"{at}.routed_experts: expected a list of {len(output)} entries "
+                             f"(one per output token), got {got}")
+    reward = _scalar(rec["reward"], f"{at}.reward") if "reward" in rec else None
+    return _Turn(prompt, output, logprobs, reward)
+
+
+def divergence(before: np.ndarray, prompt: np.ndarray) -> int | None:
+    """The first position where `prompt` stops repeating `before` (None: it begins with all of
+    `before`). A prompt shorter than `before` that repeats it diverges where it ends."""
+    n = min(len(before), len(prompt))
+    diff = np.flatnonzero(before[:n] != prompt[:n])
+    if diff.size:
+        return int(diff[0])
+    return None if len(prompt) >= len(before) else len(prompt)
+
+
+def _drift_message(at: str, i: int, before: np.ndarray, prompt: np.ndarray, pos: int) -> str:
+    if pos < len(prompt):
+        how = f"token {int(prompt[pos])} where turns[{i - 1}] has {int(before[pos])}"
+    else:
+        how = f"the prompt ends there, inside the {len(before)} tokens of turns[{i - 1}]"
+    return (f"{at}: turns[{i}].prompt_ids: does not extend turns[{i - 1}].prompt_ids + "
+            f"output_ids: first difference at position {pos} ({how})")
+
+
+def _path_line(rec: dict[str, Any], turns: Sequence[_Turn], outcome: float | None
+               ) -> dict[str, Any]:
+    """The sequence-group line of one run of turns that extend each other."""
+    tokens = turns[-1].tokens
+    mask = np.zeros(len(tokens), np.float32)
+    own = np.full(len(tokens), np.nan, np.float32)
+    for t in turns:
+        start, stop = len(t.prompt), len(t.prompt) + len(t.output)
+        mask[start:stop] = 1.0
+        if t.logprobs is not None:
+            own[start:stop] = t.logprobs
+    line: dict[str, Any] = {"group": rec["group"], "tokens": tokens, "loss_mask": mask}
+    if turns[0].logprobs is not None:
+        line["old_logprobs"] = own
+    if turns[0].reward is not None:
+        rewards = [t.reward for t in turns]
+        rewards[-1] += outcome or 0.0
+        line["reward"] = rewards
+    elif outcome is not None:
+        line["reward"] = outcome
+    if "weight" in rec:
+        line["weight"] = rec["weight"]
+    return line
+
+
+def read_rollout(where: str, rec: dict[str, Any], *, vocab_size: int | None = None,
+                 drift: str = "reject") -> Rollout:
+    """One trace record checked on its own and cut into paths (module docstring); errors name
+    `where`, the turn and the field."""
+    if drift not in DRIFT_POLICIES:
+        raise ValueError(f"trace_drift: {drift!r} is not one of {DRIFT_POLICIES}")
+    _check_fields(rec, _RECORD_FIELDS, ("group", "turns"), where)
+    if not isinstance(rec["turns"], list) or not rec["turns"]:
+        raise ValueError(f"{where}: turns: expected a non-empty list of turns, got "
+                         f"{preview(rec['turns'])}")
+    turns = [_read_turn(f"{where}: turns[{i}]", t, vocab_size) for i, t in enumerate(rec["turns"])]
+    for field, present in (("output_logprobs", [t.logprobs is not None for t in turns]),
+                           ("reward", [t.reward is not None for t in turns])):
+        if any(present) and not all(present):
+            raise ValueError(f"{where}: turns[{present.index(False)}].{field}: missing, but "
+                             f"turns[{present.index(True)}] has it (give it on every turn or none)")
+    outcome = _scalar(rec["reward"], f"{where}: reward") if "reward" in rec else None
+    runs: list[list[_Turn]] = [[turns[0]]]
+    drifts: list[str] = []
+    for i in range(1, len(turns)):
+        before, prompt = turns[i - 1].tokens, turns[i].prompt
+        pos = divergence(before, prompt)
+        if pos is None:
+            runs[-1].append(turns[i])
+            continue
+        message = _drift_message(where, i, before, prompt, pos)
+        if drift == "reject":
+            raise ValueError(f"{message} (data.trace_drift / --trace-drift branch starts a new "
+                             "path there)")
+        drifts.append(f"{message}: branched")
+        runs.append([turns[i]])
+    paths = tuple(_path_line(rec, run, outcome) for run in runs)
+    return Rollout(where, rec["group"], paths, tuple(drifts))
+
+
+def _fill_prompt_logprobs(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each line's old log-probs with its prompt tokens (NaN) given the log-prob of the same
+    tree token on a line that generated it, else 0."""
+    shape = TrajectoryTree.from_sequences([line["tokens"] for line in lines])
+    own = np.concatenate([line["old_logprobs"] for line in lines])
+    known = ~np.isnan(own)
+    generated, first = np.unique(shape.flat_token_index[known], return_index=True)
+    values = np.zeros(shape.n_tree_tokens, np.float32)
+    values[generated] = own[known][first]
+    filled = []
+    for p, line in enumerate(lines):
+        old = line["old_logprobs"]
+        old = np.where(np.isnan(old), values[shape.path_token_index(p)], old)
+        filled.append(dict(line, old_logprobs=old))
+    return filled
+
+
+def tree_from_rollouts(rollouts: Sequence[Rollout], *, vocab_size: int | None = None,
+                       prepare: Prepare | None = None) -> TrajectoryTree:
+    """The tree of one group's rollouts (shared prompts stored once), then `prepare` run on it;
+    an error about a path names the line of its rollout."""
+    members = [(r.where, line) for r in rollouts for line in r.paths]
+    lines = [line for _, line in members]
+    if all("old_logprobs" in line for line in lines):
+        lines = _fill_prompt_logprobs(lines)
+    return tree_from_group([(w, line) for (w, _), line in zip(members, lines)],
+                           vocab_size=vocab_size, prepare=prepare)
+
+
+def path_wheres(rollouts: Sequence[Rollout]) -> list[str]:
+    """The `file:line` of every path of the group's tree, in path order."""
+    return [r.where for r in rollouts for _ in r.paths]
+
+
+def read_traces(path: str | Path, *, vocab_size: int | None = None, drift: str = "reject"
+                ) -> list[TrajectoryTree]:
+    """One tree per group of a traces file, in order of first appearance; the first bad record
+    raises (training reads with a bad-record policy: `jtree.training.tree_files.load_trees`)."""
+    groups: dict[str, list[Rollout]] = {}
+    for where, line in iter_lines(path):
+        rec = parse_line(where, line)
+        rollout = read_rollout(where, rec, vocab_size=vocab_size, drift=drift)
+        groups.setdefault(group_key(rec), []).append(rollout)
+    if not groups:
+        raise ValueError(f"{path}: no rollouts")
+    return [tree_from_rollouts(rs, vocab_size=vocab_size) for rs in groups.values()]
