@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 import numpy as np
@@ -26,6 +26,7 @@ from jtree.trees.jsonl import (
 from jtree.trees.traces import Rollout, path_wheres, read_rollout, tree_from_rollouts
 from jtree.objectives.advantages import for_objective
 import functools
+from jtree.trees.jsonl import Prepare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,82 @@ def _check_format(path: str | Path, fmt: str, format_key: str) -> None:
         return
 
 
+@dataclasses.dataclass
+class _Reading:
+    """One file being read: the options every record is read with, and what has been read."""
+
+    vocab_size: int | None
+    max_path_len: int | None
+    prepare: Prepare
+    bad: _BadRecords
+    trees: list[TrajectoryTree] = dataclasses.field(default_factory=list)
+    n_lines: int = 0
+    branched: list[str] = dataclasses.field(default_factory=list)
+
+    def lines(self, path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(where, record) of every line that parses as a JSON object; the others are bad."""
+        for where, line in iter_lines(path):
+            self.n_lines += 1
+            try:
+                yield where, parse_line(where, line)
+            except ValueError as e:
+                self.bad(e)
+
+    def keep(self, tree: TrajectoryTree, wheres: Sequence[str], record_id: Any) -> None:
+        self.trees.append(check_path_lengths(tree, wheres, record_id, self.max_path_len))
+
+    def groups(self, path: str | Path) -> None:
+        groups: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        for where, rec in self.lines(path):
+            try:
+                check_group_line(where, rec)
+                tree_from_group([(where, rec)], vocab_size=self.vocab_size)  # the line alone
+            except ValueError as e:
+                self.bad(e)
+                continue
+            groups.setdefault(group_key(rec), []).append((where, rec))
+        for members in groups.values():
+            try:  # path p: line p
+                tree = tree_from_group(members, vocab_size=self.vocab_size, prepare=self.prepare)
+                self.keep(tree, [w for w, _ in members], members[0][1]["group"])
+            except ValueError as e:  # the group as a whole is bad: count all its lines
+                self.bad(e, lines=len(members))
+
+    def traces(self, path: str | Path, drift: str) -> None:
+        rollouts: dict[str, list[Rollout]] = {}
+        for where, rec in self.lines(path):
+            try:
+                rollout = read_rollout(where, rec, vocab_size=self.vocab_size, drift=drift)
+            except ValueError as e:
+                self.bad(e)
+                continue
+            self.branched.extend(rollout.drifts[:1])
+            rollouts.setdefault(group_key(rec), []).append(rollout)
+        for members in rollouts.values():
+            try:
+                tree = tree_from_rollouts(members, vocab_size=self.vocab_size,
+                                          prepare=self.prepare)
+                self.keep(tree, path_wheres(members), members[0].group)
+            except ValueError as e:  # the group as a whole is bad: count all its lines
+                self.bad(e, lines=len(members))
+
+    def records(self, path: str | Path, tok: Any, advantage: Estimator | None) -> None:
+        """One tree per line: explicit trees, or chat conversations tokenized with `tok`."""
+        for where, rec in self.lines(path):
+            try:
+                if tok is None:
+                    tree = tree_from_record(where, rec, vocab_size=self.vocab_size,
+                                            prepare=self.prepare)
+                else:
+                    tree = conversation_tree(rec, tok, where=where, vocab_size=self.vocab_size)
+                    if advantage is not None:  # chat records carry neither rewards nor advantages
+                        raise ValueError(f"{where}: chat records carry no reward or advantage, "
+                                         f"which objective.advantage={advantage} needs")
+                self.keep(tree, [where], rec.get("id"))
+            except ValueError as e:
+                self.bad(e)
+
+
 def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
                on_bad_record: str = "raise", tokenizer: str = "bytes",
                max_path_len: int | None = None, format_key: str = "data.format",
@@ -108,80 +185,31 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
     """Every tree of a JSONL file, validated; see the module docstring for bad records.
     `max_path_len`: the longest path a row holds in the run's mode (None: no limit). A file of
     another format is refused naming `format_key` (the option that sets `fmt`). `advantage`: the
-    estimator that gives every tree its advantages (`jtree.objectives.advantages`; None: the objective needs
-    none; `turn` discounts by `turn_discount`); a record without the rewards or advantages it
-    needs (or whose per-turn rewards do not match its turns) is a bad record, and so is one
-    whose paths disagree on the loss mask of a shared token when `shared_masks` (GSPO).
+    estimator that gives every tree its advantages (`jtree.objectives.advantages`; None: the
+    objective needs none; `turn` discounts by `turn_discount`); a record without the rewards or
+    advantages it needs (or whose per-turn rewards do not match its turns) is a bad record, and so
+    is one whose paths disagree on the loss mask of a shared token when `shared_masks` (GSPO).
     `trace_drift`: what a trace rollout whose turns drift is (`jtree.trees.traces`)."""
     _check_format(path, fmt, format_key)
     prepare = functools.partial(for_objective, advantage=advantage, shared_masks=shared_masks,
                                 turn_discount=turn_discount)
-    bad = _BadRecords(on_bad_record)
-    trees: list[TrajectoryTree] = []
-    n_lines = 0
-    branched: list[str] = []
+    reading = _Reading(vocab_size, max_path_len, prepare, _BadRecords(on_bad_record))
     if fmt == "groups":
-        groups: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-        for where, line in iter_lines(path):
-            n_lines += 1
-            try:
-                rec = parse_line(where, line)
-                check_group_line(where, rec)
-                tree_from_group([(where, rec)], vocab_size=vocab_size)  # the line on its own
-            except ValueError as e:
-                bad(e)
-                continue
-            groups.setdefault(group_key(rec), []).append((where, rec))
-        for members in groups.values():
-            try:
-                tree = tree_from_group(members, vocab_size=vocab_size,  # path p: line p
-                                       prepare=prepare)
-                trees.append(check_path_lengths(tree, [w for w, _ in members],
-                                                members[0][1]["group"], max_path_len))
-            except ValueError as e:  # the group as a whole is bad: count all its lines
-                bad(e, lines=len(members))
+        reading.groups(path)
     elif fmt == "traces":
-        rollouts: dict[str, list[Rollout]] = {}
-        for where, line in iter_lines(path):
-            n_lines += 1
-            try:
-                rec = parse_line(where, line)
-                rollout = read_rollout(where, rec, vocab_size=vocab_size, drift=trace_drift)
-            except ValueError as e:
-                bad(e)
-                continue
-            branched.extend(rollout.drifts[:1])
-            rollouts.setdefault(group_key(rec), []).append(rollout)
-        for members in rollouts.values():
-            try:
-                tree = tree_from_rollouts(members, vocab_size=vocab_size, prepare=prepare)
-                trees.append(check_path_lengths(tree, path_wheres(members), members[0].group,
-                                                max_path_len))
-            except ValueError as e:  # the group as a whole is bad: count all its lines
-                bad(e, lines=len(members))
+        reading.traces(path, trace_drift)
     elif fmt in ("trees", "chat"):
         tok = load_tokenizer(tokenizer) if fmt == "chat" else None
         if tok is not None and vocab_size is not None and tok.vocab_size > vocab_size:
             raise ValueError(f"tokenizer: {tokenizer} has {tok.vocab_size} tokens, more than "
                              f"model.vocab_size={vocab_size}")
-        for where, line in iter_lines(path):
-            n_lines += 1
-            try:
-                rec = parse_line(where, line)
-                if tok is None:
-                    tree = tree_from_record(where, rec, vocab_size=vocab_size, prepare=prepare)
-                else:
-                    tree = conversation_tree(rec, tok, where=where, vocab_size=vocab_size)
-                    if advantage is not None:  # chat records carry neither rewards nor advantages
-                        raise ValueError(f"{where}: chat records carry no reward or advantage, "
-                                         f"which objective.advantage={advantage} needs")
-                trees.append(check_path_lengths(tree, [where], rec.get("id"), max_path_len))
-            except ValueError as e:
-                bad(e)
+        reading.records(path, tok, advantage)
     else:
         raise ValueError(f"format: {fmt!r} is not one of {tuple(FORMAT_FIELDS)}")
-    if not trees:
+    bad, branched = reading.bad, reading.branched
+    if not reading.trees:
         raise ValueError(f"{path}: no usable records ({bad.count} bad)"
                          + (f"; first: {bad.errors[0]}" if bad.errors else ""))
-    return trees, LoadReport(n_lines, len(trees), bad.count, tuple(bad.errors), len(branched),
-                             tuple(branched[:bad.keep]))
+    return reading.trees, LoadReport(reading.n_lines, len(reading.trees), bad.count,
+                                     tuple(bad.errors), len(branched),
+                                     tuple(branched[:bad.keep]))
