@@ -24,6 +24,56 @@ NORMALIZATIONS: tuple[str, ...] = get_args(Normalization)
 CRITIC_SOURCES = ("policy", "random")
 
 
+OffPolicyKind = Literal["none", "tis", "mis", "seq_tis", "seq_mis"]
+
+
+OFF_POLICY_KINDS: tuple[str, ...] = get_args(OffPolicyKind)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffPolicyConfig:
+    """`objective.off_policy`: the correction for the gap between the rollout engine's behavior
+    log-probs mu (the data's `old_logprobs`) and the trainer's own old log-probs pi_old, as an
+    importance weight on each trained token's surrogate term (`jtree.layout.off_policy`,
+    docs/rl.md "Off-policy correction"). With r = exp(pi_old - mu): `tis` weighs by min(r, cap),
+    `mis` by r inside [low, high] and 0 outside; `seq_tis` / `seq_mis` do the same with one
+    ratio per path, the geometric mean of r over the path's trained tokens. Truncation reads
+    only `cap`, masking only `low` and `high`, so a key the kind ignores is refused rather than
+    silently unused."""
+
+    kind: OffPolicyKind = "none"
+    cap: float | None = None
+    low: float | None = None
+    high: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in OFF_POLICY_KINDS:
+            raise ValueError(f"kind: {self.kind!r} is not one of {OFF_POLICY_KINDS}")
+        wants = {"none": (), "tis": ("cap",), "seq_tis": ("cap",), "mis": ("low", "high"),
+                 "seq_mis": ("low", "high")}[self.kind]
+        for name in ("cap", "low", "high"):
+            value = getattr(self, name)
+            if name in wants and value is None:
+                raise ValueError(f"{name}: needed by kind {self.kind!r}")
+            if name not in wants and value is not None:
+                raise ValueError(f"{name}: not read by kind {self.kind!r} (truncation reads "
+                                 "cap, masking reads low and high)")
+        if self.cap is not None and not self.cap > 0:
+            raise ValueError(f"cap: {self.cap} must be > 0")
+        if self.low is not None and not 0 <= self.low < self.high:
+            raise ValueError(f"low, high: [{self.low}, {self.high}] must satisfy 0 <= low < high")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any correction applies."""
+        return self.kind != "none"
+
+    @property
+    def sequence_level(self) -> bool:
+        """Whether one weight per path (the geometric-mean ratio) applies to all its tokens."""
+        return self.kind.startswith("seq_")
+
+
 @dataclasses.dataclass(frozen=True)
 class CriticConfig:
     """`objective.critic`: GAE's discount `gamma` and `lam` (lambda), the value loss's weight
@@ -88,7 +138,8 @@ class Objective:
     clips at 3e-4 / 4e-4). `advantage`: where the RL objectives' advantages come from
     (`jtree.objectives.advantages`: the records' own, or computed from their rewards; `turn_discount` is
     the `turn` estimator's discount over later turns); `critic`: PPO with a value head and
-    per-path GAE instead (`jtree.objectives.critic`). See docs/rl.md.
+    per-path GAE instead (`jtree.objectives.critic`); `off_policy`: importance weights for the
+engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
 
     `reference`: where the KL term's reference log-probs come from: None reads them from the
     data, `initial` runs the run's starting weights and a directory runs that Hugging Face
@@ -106,8 +157,10 @@ class Objective:
     logprob_chunk: int = 1024
     old_logprob_tolerance: float = 1e-3
     reference: str | None = None
+    off_policy: OffPolicyConfig = OffPolicyConfig()
 
     def __post_init__(self) -> None:
+        self._check_off_policy()
         if self.critic is not None and self.kind != "ppo":
             raise ValueError(f"critic: needs kind 'ppo', not {self.kind!r}")
         if self.critic is not None and self.advantage != "given":
@@ -118,6 +171,21 @@ class Objective:
         if self.turn_discount != 1.0 and self.advantage != "turn":
             raise ValueError(f"turn_discount: {self.turn_discount} discounts the turns of "
                              f"advantage 'turn', not {self.advantage!r}")
+
+    def _check_off_policy(self) -> None:
+        """The objectives the off-policy weights fold into exactly (docs/rl.md)."""
+        kind = self.off_policy.kind
+        if kind == "none":
+            return
+        if self.kind == "sft":
+            raise ValueError(f"off_policy.kind: {kind!r} weighs a policy-gradient surrogate; "
+                             "objective.kind 'sft' has none")
+        if self.kind == "gspo" and not self.off_policy.sequence_level:
+            raise ValueError(f"off_policy.kind: {kind!r} weighs single tokens, but gspo has one "
+                             "ratio per path; use seq_tis or seq_mis")
+        if self.critic is not None:
+            raise ValueError(f"off_policy.kind: {kind!r} with a critic (its GAE advantages are "
+                             "formed in the step, after the host folds the weights)")
 
     @property
     def advantage_estimator(self) -> Estimator | None:

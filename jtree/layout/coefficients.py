@@ -63,12 +63,18 @@ def path_coefficients(
 
 
 def token_coefficients(
-    tree: TrajectoryTree, normalization: Normalization, normalizer: float
+    tree: TrajectoryTree, normalization: Normalization, normalizer: float,
+    path_weights: Sequence[np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Per-tree-token coefficients (`COEFFICIENT_FIELDS`): `weight` (W), `adv_pos` (P),
     `adv_neg` (N), and the sequence-level `seq_pos` / `seq_neg`: at the last token of each path
     p, s_p = sum_t c[p,t] A[p,t] (c_p A_p for one advantage per path, c_p = sum_t c[p,t]), added
-    to `seq_pos` when s_p >= 0, else to `seq_neg` (paths ending at one token share its sum)."""
+    to `seq_pos` when s_p >= 0, else to `seq_neg` (paths ending at one token share its sum).
+
+    `path_weights` (one non-negative array per path, aligned with its tokens: the off-policy
+    importance weights of `jtree.layout.off_policy`) multiply c[p,t] A[p,t] before the sums, so a
+    shared token's P_t / N_t add each path's weighted term and the surrogate stays the per-path
+    one; W (the KL and entropy terms) is not weighted."""
     coeffs = np.concatenate(path_coefficients(tree, normalization, normalizer)).astype(np.float64)
     idx = tree.flat_token_index
     n = tree.n_tree_tokens
@@ -78,6 +84,10 @@ def token_coefficients(
         return {"weight": weight.astype(np.float32),
                 **{name: zeros for name in COEFFICIENT_FIELDS[1:]}}
     ca = coeffs * np.concatenate(tree.advantages)
+    if path_weights is not None:
+        if [len(w) for w in path_weights] != tree.path_lengths.tolist():
+            raise ValueError("path_weights: expected one weight per token of every path")
+        ca = ca * np.concatenate(path_weights)
     pos = np.bincount(idx, weights=np.where(ca >= 0, ca, 0.0), minlength=n)
     neg = np.bincount(idx, weights=np.where(ca < 0, ca, 0.0), minlength=n)
     per_path = np.add.reduceat(ca, np.r_[0, np.cumsum(tree.path_lengths)[:-1]])

@@ -104,6 +104,9 @@ class RowOptions:
     chunk tables with chunks of that many tokens; `gdn_chunks` is their chunk capacity NC per row
     (default: `jtree.layout.gdn_tables.default_chunk_count`, at least ceil(S / C); fix it to give
     every micro-batch the same shape).
+    `path_weights` holds, per tree, per-path weights folded into the policy coefficients
+    (`jtree.layout.coefficients.token_coefficients`; the off-policy weights of
+    `jtree.layout.off_policy.path_weights`).
     """
 
     normalization: Normalization = "seq_mean_token_mean"
@@ -112,6 +115,7 @@ class RowOptions:
     len_buckets: Sequence[int] | None = None
     gdn_chunk_size: int | None = None
     gdn_chunks: int | None = None
+    path_weights: Sequence[Sequence[np.ndarray]] | None = None
 
     def __post_init__(self) -> None:
         if self.gdn_chunk_size is None and self.gdn_chunks is not None:
@@ -147,7 +151,8 @@ def linearize(trees: Sequence[TrajectoryTree], seq_len: int, *, plan: RowPlan | 
             tree_node_off[i] = nodes
             nodes += trees[i].n_nodes
 
-    per_tree, has_old, disagreement = tree_token_fields(trees, normalization, normalizer)
+    per_tree, has_old, disagreement = tree_token_fields(trees, normalization, normalizer,
+                                                        opts.path_weights)
 
     size_arr = np.asarray(sizes, np.int64)
     tok_row = np.repeat(tree_row, size_arr)
@@ -249,19 +254,25 @@ def pad_score_index(index: np.ndarray, score_len: int) -> np.ndarray:
 
 
 def tree_token_fields(
-    trees: Sequence[TrajectoryTree], normalization: Normalization, normalizer: float
+    trees: Sequence[TrajectoryTree], normalization: Normalization, normalizer: float,
+    path_weights: Sequence[Sequence[np.ndarray]] | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], bool, float]:
     """Every per-token field of each tree in tree-token (DFS) order, tree-local indices: the
-    `token_arrays`, loss coefficients, `path_count` and `old_logprobs`. Also whether the trees
-    carry old log-probs and the largest disagreement of per-path old log-probs on shared tokens."""
+    `token_arrays`, loss coefficients (with tree k's `path_weights[k]` folded in, when given),
+    `path_count` and `old_logprobs`. Also whether the trees carry old log-probs and the largest
+    disagreement of per-path old log-probs on shared tokens."""
+    if path_weights is not None and len(path_weights) != len(trees):
+        raise ValueError(f"path_weights: {len(path_weights)} trees' weights for {len(trees)} "
+                         "trees")
     per_tree = [dict(t.token_arrays) for t in trees]
     has_old = any(t.old_logprobs is not None for t in trees)
     if has_old and not all(t.old_logprobs is not None for t in trees):
         missing = next(i for i, t in enumerate(trees) if t.old_logprobs is None)
         raise ValueError(f"tree {missing}: old_logprobs missing while other trees have them")
     disagreement = 0.0
-    for t, arrs in zip(trees, per_tree):
-        arrs.update(token_coefficients(t, normalization, normalizer))
+    for k, (t, arrs) in enumerate(zip(trees, per_tree)):
+        weights = None if path_weights is None else path_weights[k]
+        arrs.update(token_coefficients(t, normalization, normalizer, weights))
         arrs["path_count"] = np.bincount(t.flat_token_index, minlength=t.n_tree_tokens)
         if has_old:
             # Position 0 is never scored, so rollout engines may leave anything there.
