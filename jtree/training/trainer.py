@@ -82,6 +82,7 @@ class Trainer:
         mesh = make_mesh(cfg.mesh)
         arch, mcfg = cfg.model.architecture, cfg.model.config
         check_reference(cfg)
+        check_off_policy(cfg)
         abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed,
                                                        **cfg.critic_model_args))
         _, abstract_model_params = nnx.split(abstract)
@@ -253,6 +254,18 @@ def check_reference(cfg: TrainConfig) -> None:
         raise ValueError("objective.reference: run.mode=redundancy_free runs no reference "
                          "forward on its parts; give ref_logprobs in the data or use another "
                          "run.mode")
+
+
+def check_off_policy(cfg: TrainConfig) -> None:
+    """Refuse `objective.off_policy` in a run: its weights need the trainer's old log-probs on the
+    host, before P / N are summed, and a run computes them on the device after the layout
+    (docs/rl.md, "Off-policy correction"; the exact fold is `jtree.layout.off_policy`)."""
+    kind = cfg.objective.off_policy.kind
+    if kind != "none":
+        raise ValueError(f"objective.off_policy.kind={kind}: not applied in training runs yet "
+                         "(the weights need pi_old before the host sums P / N; a run recomputes "
+                         "pi_old on the device after it): unset it, or fold the weights with "
+                         "jtree.layout.off_policy.path_weights and linearize(path_weights=...)")
 
 
 def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any, *,

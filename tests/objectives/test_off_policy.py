@@ -240,3 +240,4 @@ def test_objective_refuses_what_the_weights_cannot_fold_into():
     assert read.off_policy == OffPolicyConfig(kind="seq_mis", low=0.5, high=2.0)
     with pytest.raises(ValueError, match="cap"):
         from_dict(Objective, {"kind": "ppo", "off_policy": {"kind": "tis", "capp": 2.0}})
+
