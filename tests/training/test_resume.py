@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jtree.launch.train import main
+from jtree.training.checkpoint import write_manifest
 from tests.checkpoint_damage import damage
 from tests.run_util import computed_metrics, finish, launch, read_metrics, tiny_overrides
 
@@ -168,11 +169,13 @@ def test_resume_says_what_changed_and_refuses_model_and_data_order_changes(few_g
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "model.hidden_size (32 -> 64): it changes the model" in err
 
-    # The stored config agrees, the stored parameters do not: refused before Orbax restores.
+    # The stored config agrees, the stored parameters do not: refused before Orbax restores. The
+    # edited metadata is sealed again (`write_manifest`), or the checksum check would call it damage.
     meta = ckpt / "2" / "meta" / "metadata"
     saved = json.loads(meta.read_text())
     saved["config"]["model.hidden_size"] = 64
     meta.write_text(json.dumps(saved))
+    write_manifest(ckpt / "2")
     log = tmp_path / "shapes"
     code, out, err = finish(launch([*common, "--resume", "model.hidden_size=64"], log), log)
     assert code == 2
@@ -180,6 +183,7 @@ def test_resume_says_what_changed_and_refuses_model_and_data_order_changes(few_g
     assert "embed_tokens/embedding/value has shape (64, 32), the model wants (64, 64)" in err
     saved["config"]["model.hidden_size"] = 32
     meta.write_text(json.dumps(saved))
+    write_manifest(ckpt / "2")
 
     from jtree.cli import main as jtree  # export-hf checks the stored shapes the same way
 
