@@ -6,11 +6,12 @@ Parameters, gradients, optimizer state and batch inputs are exact bytes per devi
 shardings at full depth on `--devices` forced host devices (the target's device count, so the
 config's mesh resolves as on the target; default: the devices the config's mesh names, its
 `data` x `fsdp` x `context` x `model` with `data: -1` counted once: per-device shapes do not
-depend on how many data-parallel replicas there are); activations and the largest temporary come from XLA's
-`memory_analysis()` of the step compiled on this host at two depths (`--depth-blocks`, in
-repeated layer blocks; scanned when the config scans its layers), scaled linearly to the full
-depth. Exits 1 when the plan does not fit `--device-gib`. `runtime.attention_impl=auto` compiles
-as `xla`, as `jtree.launch.lower_step` exports it (`auto` would pick this CPU host's own kernel).
+depend on how many data-parallel replicas there are); activations and the largest temporary
+come from XLA's `memory_analysis()` of the step compiled on this host at two depths
+(`--depth-blocks`, in repeated layer blocks; scanned when the config scans its layers), scaled
+linearly to the full depth. Exits 1 when the plan does not fit `--device-gib`.
+`runtime.attention_impl=auto` compiles as `xla`, as `jtree.launch.lower_step` exports it (`auto`
+would pick this CPU host's own kernel).
 """
 
 from __future__ import annotations
