@@ -36,26 +36,28 @@ Time on one H100, full run (estimated from compiles and FLOPs; it has not run on
 - start, info (jax and CUDA init, nvidia-smi): ~15 s;
 - numerics: 16 attention rows (xla and Triton in 3 dtypes, Mosaic GPU in 2, x 2 cases), each one
   forward+backward compile of ~2-5 s on tiny shapes (the float32 reference compiles once per
-  case), plus 3 GDN and 4 tiny-model compiles: ~2 min; the FLOPs are negligible (S 200);
+  case), plus 5 GDN and 4 tiny-model compiles: ~2 min; the FLOPs are negligible (S 200);
 - memory: one compile of the scanned 0.6B step (~40 s) while the plan's two XLA:CPU compiles run
   in a child process (26-31 s each on 2 cores at S 16384 per docs/memory.md, fewer at 8192):
   ~1 min;
-- speed, attention: 6 (S, POR) cases x (tree, cuDNN [, tokamax]) x (fwd, fwd+bwd): ~30 compiles of
-  ~3 s = 1.5 min; 5 runs each, the largest the dense 32k fwd+bwd, 3.5 x 4 x 32768^2 x 128 x 16
-  heads = 3.1e13 FLOPs (~0.1 s at 300 TFLOP/s): seconds in all; host-side tree shapes and the
-  1 GiB dense mask at 32k: ~20 s;
+- speed, attention: 6 (S, POR) cases x (tree, dense cuDNN, dense XLA [, tokamax]) x (fwd,
+  fwd+bwd): ~36 compiles of ~3 s = 2 min; 5 runs each, the largest a dense 32k fwd+bwd,
+  3.5 x 4 x 32768^2 x 128 x 16 heads = 3.1e13 FLOPs (~0.1 s at 300 TFLOP/s): seconds in all
+  (the XLA dense kernel runs out of memory at 32k, reported as failed); host-side tree shapes:
+  ~15 s;
 - speed, train step: two compiles of the scanned 0.6B step (~80 s), then 5 runs of each mode; the
-  baseline step holds 32k flat tokens, 6 x 0.6e9 x 32768 = 1.2e14 FLOPs plus attention, well
-  under a second at 30% MFU: ~1.5 min;
+  baseline step holds 16k flat tokens, 6 x 0.6e9 x 16384 = 6e13 FLOPs plus attention, well under
+  a second at 30% MFU: ~1.5 min;
 - speed, GDN: two compiles at S 8192 (~20 s).
-Total about 6.5-7 minutes, under the 8 the docs' recipe allows (`timeout 480`).
+Total about 7 minutes, under the 8 the docs' recipe allows (`timeout 480`).
 
     python -m jtree.launch.device_check --out device_out          # full check (GPU/TPU)
-    python -m jtree.launch.device_check --quick --out device_out  # smallest sizes (CPU: ~1 min)
+    python -m jtree.launch.device_check --quick --out device_out  # smallest sizes (2-core CPU: 2-5 min)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -309,7 +311,9 @@ def attention_numerics(platform: str, device_kind: str, impls: Sequence[str] | N
     rng = np.random.default_rng(1)
     shape = lambda h: (*end.shape, h, d)  # noqa: E731
     normal = [rng.normal(size=shape(h)).astype(np.float32) for h in (hq, hkv, hkv, hq)]
+    # The oracle runs on the CPU backend (IEEE float32), whatever the device.
     reference = jax.jit(value_and_grads, static_argnames=("impl", "case"))
+    cpu = jax.devices("cpu")[0]
     rows = []
     for impl, dtypes in impl_dtypes(platform, device_kind).items():
         if impls and impl not in impls:
@@ -329,13 +333,17 @@ def attention_numerics(platform: str, device_kind: str, impls: Sequence[str] | N
                     continue
 
                 def compute(impl=impl, dtype=dtype, case=case, q=q, k=k, v=v):
-                    want = reference("reference", q, k, v, jnp.asarray(end), d_out, case)
+                    want = reference("reference", *jax.device_put((q, k, v, end, d_out), cpu),
+                                     case)
                     if impl == "pallas_mosaic_gpu" and platform != "gpu":
-                        got = _mgpu_interpreted(q, k, v, end, d_out, dtype, case)
-                    else:
-                        cast = [jnp.asarray(x, dtype) for x in (q, k, v)]
-                        run = functools.partial(value_and_grads, impl, case=case,
-                                                **_interpret_options(impl, platform))
+                        return errors(_mgpu_interpreted(q, k, v, end, d_out, dtype, case), want)
+                    cast = [jnp.asarray(x, dtype) for x in (q, k, v)]
+                    run = functools.partial(value_and_grads, impl, case=case,
+                                            **_interpret_options(impl, platform))
+                    # float32 at full precision: a GPU's default (TF32) matmuls would hide
+                    # nothing but cost 1e-3 of accuracy against the 5e-5 tolerance.
+                    with (jax.default_matmul_precision("highest") if dtype == "float32"
+                          else contextlib.nullcontext()):
                         got = jax.jit(run)(*cast, jnp.asarray(end), jnp.asarray(d_out, dtype))
                     return errors(got, want)
 
@@ -383,8 +391,9 @@ def gdn_numerics() -> list[dict[str, Any]]:
         o, _ = gated_delta_rule_recurrent(*(gather(x) for x in xs))
         return jnp.sum(o * gather(target))
 
-    want = jax.jit(jax.grad(path_loss, argnums=range(5)))(*args)
-    want_loss = float(jax.jit(path_loss)(*args))
+    on_cpu = jax.device_put(args, jax.devices("cpu")[0])  # the oracle runs on the CPU backend
+    want = jax.jit(jax.grad(path_loss, argnums=range(5)))(*on_cpu)
+    want_loss = float(jax.jit(path_loss)(*on_cpu))
     rows = []
     for scan in ("sequential", "parallel"):
         def tree_loss(*xs, scan=scan):
@@ -546,23 +555,31 @@ def memory(report: Report, args: Any) -> dict[str, Any]:
 
 def dense_kernels(end: np.ndarray, heads: Any, platform: str
                   ) -> dict[str, tuple[Callable, Callable]]:
-    """Dense attention given the tree mask as a [1, 1, S, S] boolean mask: jax's best dense
-    kernel here (cuDNN on a GPU, XLA elsewhere) and tokamax when installed."""
+    """Dense attention given the tree mask as a [1, 1, S, S] boolean mask (built inside the jitted
+    call from `end`, so no S x S constant is compiled in): jax's dense kernels here (cuDNN and XLA
+    on a GPU, XLA elsewhere; the XLA one runs out of memory at long S and is reported so) and
+    tokamax when installed."""
     from jtree.launch.bench_attention_gpu import _fwd_and_step
 
-    s = end.shape[1]
-    i = np.arange(s)
-    mask = jnp.asarray((i[None, :] <= i[:, None]) & (i[:, None] < end[0][None, :]))[None, None]
+    end = jnp.asarray(end[0])
     scale = heads.dim ** -0.5
-    impl = "cudnn" if platform == "gpu" else "xla"
-    kernels = {f"dense_{impl}": _fwd_and_step(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, mask=mask, scale=scale, implementation=impl))}
+
+    def tree_mask() -> jax.Array:
+        i = jnp.arange(end.shape[0])
+        return ((i[None, :] <= i[:, None]) & (i[:, None] < end[None, :]))[None, None]
+
+    def dense(impl: str) -> Callable:
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=tree_mask(),
+                                                            scale=scale, implementation=impl)
+
+    impls = ("cudnn", "xla") if platform == "gpu" else ("xla",)
+    kernels = {f"dense_{impl}": _fwd_and_step(dense(impl)) for impl in impls}
     try:
         import tokamax
     except ImportError:
         return kernels
     kernels["dense_tokamax"] = _fwd_and_step(lambda q, k, v: tokamax.dot_product_attention(
-        q, k, v, mask=mask, scale=scale))
+        q, k, v, mask=tree_mask(), scale=scale))
     return kernels
 
 
@@ -614,7 +631,8 @@ def step_speed(platform: str, quick: bool, repeats: int) -> dict[str, Any]:
         cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                           num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                           head_dim=128, tie_word_embeddings=True)
-        seq_len, flat, path_len = 8192, 32768, 2048
+        # Baseline: 16k flat tokens in 2-3 rows (activations ~0.4 GiB per layer and row).
+        seq_len, flat, path_len = 8192, 16384, 2048
     trees = por_forest(np.random.default_rng(5), flat, 0.7, path_len=path_len,
                        max_tree_tokens=seq_len, vocab_size=cfg.vocab_size)
     prep = {mode: prepare(trees, mode, seq_len) for mode in ("tree", "baseline")}
@@ -653,13 +671,14 @@ def gdn_speed(quick: bool, repeats: int) -> dict[str, Any]:
     s, hk, hv, d, chunk = (512, 2, 4, 32, 64) if quick else (8192, 16, 32, 128, 64)
     trees = por_forest(np.random.default_rng(6), 3 * s, 0.7, path_len=s // 4,
                        max_tree_tokens=s, vocab_size=100)
-    batch = linearize(trees, s, gdn_chunk_size=chunk, n_rows=1)
+    batch = linearize(trees, s, gdn_chunk_size=chunk)
     gdn = batch.inputs.gdn
+    r = batch.shape[0]
     rng = np.random.default_rng(0)
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
-    args = [jnp.asarray(rng.normal(size=(1, s, h, d)) / d ** 0.5, dtype) for h in (hk, hk, hv)]
-    args += [jnp.asarray(-rng.uniform(0, 1, size=(1, s, hv)), dtype),
-             jnp.asarray(rng.uniform(size=(1, s, hv)), dtype)]
+    args = [jnp.asarray(rng.normal(size=(r, s, h, d)) / d ** 0.5, dtype) for h in (hk, hk, hv)]
+    args += [jnp.asarray(-rng.uniform(0, 1, size=(r, s, hv)), dtype),
+             jnp.asarray(rng.uniform(size=(r, s, hv)), dtype)]
     runs = {}
     for scan in ("sequential", "parallel"):
         def loss(*xs, scan=scan):
@@ -672,7 +691,7 @@ def gdn_speed(quick: bool, repeats: int) -> dict[str, Any]:
         runs[scan] = lambda step=step: step(*args)
     timings = alternate(runs, repeats)
     chunks = int((np.asarray(gdn.chunk_tokens) >= 0).any(-1).sum())
-    return {"execution": "native", "S": s, "chunks": chunks,
+    return {"execution": "native", "rows": r, "S": s, "chunks": chunks,
             **{f"{scan}_ms": 1e3 * timings.median(scan) for scan in runs},
             "parallel_speedup": timings.ratio("sequential", "parallel")}
 
