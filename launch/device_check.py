@@ -474,9 +474,16 @@ def step_numerics(platform: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _elementwise(row: dict[str, Any]) -> str:
+    rel = [e["max_elementwise_rel"] for e in row.get("errors", {}).values()
+           if "max_elementwise_rel" in e]
+    return f"{max(rel):.1e}" if rel else "-"
+
+
 NUMERIC_COLUMNS = (
     Column("check", "check"), Column("execution", "execution"),
     Column("worst error", "worst", "{:.2e}"), Column("tolerance", "tolerance", "{:.0e}"),
+    Column("max element-wise rel.", "errors", cell=lambda r: _elementwise(r)),
     Column("result", "passed", cell=lambda r: "skipped" if r.get("skipped") else
            "pass" if r.get("passed") else "FAIL"),
     Column("seconds", "seconds"), Column("error or note", "error",
