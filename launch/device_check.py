@@ -264,17 +264,16 @@ def checked(row: dict[str, Any], compute: Callable[[], dict[str, dict[str, float
 
 def impl_dtypes(platform: str, device_kind: str) -> dict[str, tuple[str, ...]]:
     """Implementation -> the dtypes it is checked in, on this platform."""
-    hopper = dispatch.gpu_impl(device_kind, jnp.bfloat16, 128) == "pallas_mosaic_gpu"
     impls = {"xla": DTYPES}
     if platform == "cpu":
         impls.update(cpu=("float32",), pallas_triton=DTYPES, pallas_tpu=("float32", "bfloat16"),
                      pallas_mosaic_gpu=("bfloat16", "float16"))
     elif platform == "gpu":
         impls.update(pallas_triton=DTYPES)
-        if hopper:
+        if dispatch.gpu_impl(device_kind, jnp.bfloat16, 128) == "pallas_mosaic_gpu":  # Hopper
             impls["pallas_mosaic_gpu"] = ("bfloat16", "float16")
-    elif platform == "tpu":
-        impls["pallas_tpu"] = ("float32", "bfloat16")
+    elif platform == "tpu":  # no float16 on a TPU
+        impls.update(xla=("float32", "bfloat16"), pallas_tpu=("float32", "bfloat16"))
     return impls
 
 
@@ -320,8 +319,7 @@ def attention_numerics(platform: str, device_kind: str, impls: Sequence[str] | N
             continue
         for dtype in dtypes[:1] if quick else dtypes:
             # Rounded to the dtype first, so the reference sees exactly the kernel's inputs.
-            q, k, v = (np.asarray(jnp.asarray(x, dtype), np.float32) for x in normal[:3])
-            d_out = normal[3]
+            q, k, v, d_out = (np.asarray(jnp.asarray(x, dtype), np.float32) for x in normal)
             # The C++ `cpu` kernel has no soft-cap (it raises; docs/kernels.md). --quick runs
             # the last case an impl takes: every feature of the layout at once.
             cases = [c for c in CASES if impl != "cpu" or c.softcap is None]
@@ -344,7 +342,7 @@ def attention_numerics(platform: str, device_kind: str, impls: Sequence[str] | N
                     # nothing but cost 1e-3 of accuracy against the 5e-5 tolerance.
                     with (jax.default_matmul_precision("highest") if dtype == "float32"
                           else contextlib.nullcontext()):
-                        got = jax.jit(run)(*cast, jnp.asarray(end), jnp.asarray(d_out, dtype))
+                        got = jax.jit(run)(*cast, jnp.asarray(end), jnp.asarray(d_out))
                     return errors(got, want)
 
                 rows.append(checked(row, compute, TOLERANCE[dtype]))

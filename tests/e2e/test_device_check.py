@@ -82,3 +82,16 @@ def test_peak_flops_by_device_kind():
     assert device_check.peak_flops("NVIDIA H100 PCIe") == 756e12
     assert device_check.peak_flops("TPU v5 lite") == 197e12
     assert device_check.peak_flops("cpu") is None
+
+
+def test_each_device_checks_the_kernels_it_runs_natively():
+    hopper = device_check.impl_dtypes("gpu", "NVIDIA H100 80GB HBM3")
+    assert hopper == {"xla": device_check.DTYPES, "pallas_triton": device_check.DTYPES,
+                      "pallas_mosaic_gpu": ("bfloat16", "float16")}
+    assert set(device_check.impl_dtypes("gpu", "NVIDIA A100-SXM4-80GB")) == {"xla",
+                                                                            "pallas_triton"}
+    assert device_check.impl_dtypes("tpu", "TPU v5 lite") == {
+        "xla": ("float32", "bfloat16"), "pallas_tpu": ("float32", "bfloat16")}
+    assert device_check.execution("pallas_triton", "gpu") == "native"
+    assert device_check.execution("pallas_triton", "cpu") == "interpreted"
+    assert device_check.execution("xla", "tpu") == "native"
