@@ -333,9 +333,10 @@ class StepLoop:
         return call
 
 
-def make_step(cfg: Qwen3Config, attention: str) -> tuple[Callable, TrainState]:
-    """The jitted train step of `cfg`'s model with the `attention` kernel (both modes use it)."""
-    model = CausalLM(cfg, RuntimeConfig(attention_impl=attention), rngs=nnx.Rngs(0))
+def make_step(cfg: Qwen3Config, attention: str, **runtime: Any) -> tuple[Callable, TrainState]:
+    """The jitted train step of `cfg`'s model with the `attention` kernel (both modes use it);
+    `runtime` sets the other `RuntimeConfig` fields (e.g. a device's bf16 compute)."""
+    model = CausalLM(cfg, RuntimeConfig(attention_impl=attention, **runtime), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(OptimConfig(learning_rate=1e-4))
     state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))

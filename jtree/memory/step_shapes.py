@@ -24,17 +24,20 @@ from jtree.training.trainer import Trainer
 HALO_SLOTS = 64
 
 
-def abstract_step_args(trainer: Trainer, rows: int) -> tuple[Any, Any]:
-    """(state, inputs) of `trainer.step_fn` as `jax.ShapeDtypeStruct`s carrying their shardings.
+def padding_step_inputs(trainer: Trainer, rows: int) -> Any:
+    """A real all-padding batch of the shapes and shardings `abstract_step_args` describes, on the
+    devices: a step on it allocates what a step on real data does (the shapes are static), so
+    `jtree.launch.device_check` measures the peak memory `jtree.memory.plan` predicts."""
+    host = _padding_row(trainer, rows)
+    _, inputs = abstract_step_args(trainer, rows)
+    return jax.tree_util.tree_map(
+        lambda x, spec: jax.device_put(np.broadcast_to(x, spec.shape), spec.sharding),
+        host, inputs)
 
-    Inputs are `data.micro_batches` micro-batches of `rows` rows per row shard (data x fsdp) at
-    `data.seq_len`: GDN chunk tables at the capacity of a full row of long nodes, the widest
-    `score_index` (every token scored), coefficients arriving raw with `row_norm`; under context
-    parallelism a halo of `HALO_SLOTS` per device and the GDN tables laid out per device."""
+
+def _padding_row(trainer: Trainer, rows: int) -> Any:
+    """One micro-batch of padding rows (`rows` per row shard) laid out as the step takes it."""
     cfg, mesh, d = trainer.cfg, trainer.mesh, trainer.cfg.data
-    state = jax.eval_shape(trainer.init_fn)
-    state = jax.tree_util.tree_map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, trainer.shardings)
     n_rows = rows * row_shards(mesh)
     chunk = gdn_chunk_size(cfg)
     n_chunks = None if chunk is None else d.gdn_chunks or default_chunk_count(d.seq_len, chunk, 0)
@@ -49,6 +52,21 @@ def abstract_step_args(trainer: Trainer, rows: int) -> tuple[Any, Any]:
             halo=HALO_SLOTS, score=length, exports=HALO_SLOTS, conv_halo=HALO_SLOTS,
             chunks=None if chunk is None else default_chunk_count(length, chunk, 0))
         row = trainer.laid_out(dataclasses.replace(row, score_index=everything), capacities)
+    return row
+
+
+def abstract_step_args(trainer: Trainer, rows: int) -> tuple[Any, Any]:
+    """(state, inputs) of `trainer.step_fn` as `jax.ShapeDtypeStruct`s carrying their shardings.
+
+    Inputs are `data.micro_batches` micro-batches of `rows` rows per row shard (data x fsdp) at
+    `data.seq_len`: GDN chunk tables at the capacity of a full row of long nodes, the widest
+    `score_index` (every token scored), coefficients arriving raw with `row_norm`; under context
+    parallelism a halo of `HALO_SLOTS` per device and the GDN tables laid out per device."""
+    mesh, d = trainer.mesh, trainer.cfg.data
+    state = jax.eval_shape(trainer.init_fn)
+    state = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, trainer.shardings)
+    row = _padding_row(trainer, rows)
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct((d.micro_batches, *x.shape), x.dtype), row)
     inputs = jax.tree_util.tree_map(

@@ -1,9 +1,10 @@
-"""Every entry point under `launch/` and every `jtree` subcommand prints a usage line for `--help`,
+"""Every entry point under `jtree/launch/` and every `jtree` subcommand prints a usage line for `--help`,
 and every bench (and the sample-data script) runs at its smallest sizes and writes its outputs
 (`OUT/NAME.json|md|png`, `jtree.launch.harness`). Numbers are not checked: timings are benchmarks,
 not tests.
 
 Run elsewhere at their smallest sizes: `jtree/launch/train.py` (tests/e2e/test_launch_train.py),
+`jtree/launch/device_check.py` (tests/e2e/test_device_check.py),
 `jtree/launch/lower_step.py` (tests/e2e/test_lower.py), `jtree stats` (tests/e2e/test_cli.py),
 `jtree compare-torch` (tests/hf/test_hf_torch.py), `jtree export-hf` (tests/hf/test_export_hf.py),
 `mgpu_interpret IN OUT` (tests/kernels/test_attention_mgpu.py).
@@ -23,7 +24,7 @@ from jtree.cli import main as jtree_main
 
 LAUNCH = ("bench", "bench_attention", "bench_attention_gpu", "bench_context", "bench_gdn",
           "bench_partition", "bench_redundancy_free", "bench_split",
-          "make_sample_data", "lower_step", "memory_plan", "train")
+          "device_check", "make_sample_data", "lower_step", "memory_plan", "train")
 SUBCOMMANDS = ("stats", "compare-torch", "export-hf")
 
 

@@ -4,6 +4,10 @@ scanned layers (what a `runtime.scan_layers` config runs) one at 4; the repeated
 hybrid model; per-device bytes from shardings; the grouped CPU lowering of `ragged_dot` the plan
 compiles with equals jax's own (values and gradients)."""
 
+import json
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,3 +98,22 @@ def test_grouped_lowering_equals_ragged_dot():
         grouped = values_and_grads()
     for want, got in zip(jax.tree.leaves(reference), jax.tree.leaves(grouped)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_device_count_defaults_to_the_configs_mesh(tmp_path):
+    """`--devices` left out: the plan forces as many host devices as the config's mesh names
+    (qwen3_30b_a3b's fsdp 8 x model 8 no longer needs `--devices 64`); `data: -1` counts once."""
+    from jtree.launch.memory_plan import mesh_devices
+
+    assert mesh_devices(load_config("configs/qwen3_30b_a3b.yaml").mesh) == 64
+    assert mesh_devices(load_config("configs/tiny.yaml").mesh) == 1
+    assert mesh_devices(load_config("configs/tiny.yaml", ["mesh.data=2", "mesh.model=2"]).mesh) == 4
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(  # its own process: the forced device count is read at jax's start
+        [sys.executable, "-m", "jtree.launch.memory_plan", "--config", "configs/tiny.yaml",
+         "--json", str(out), *TINY, "mesh.fsdp=2"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(out.read_text())
+    assert "fsdp 2" in plan["mesh"] or "fsdp=2" in plan["mesh"], plan["mesh"]
+    assert plan["total"] == sum(plan[k] for k in ("params", "grads", "opt_state", "inputs",
+                                                  "activations", "largest_temporary"))
