@@ -349,6 +349,7 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
         "model_sharded": sum(split_over(a, "model") for a in leaves(new_state.params)),
         "fsdp_sharded": sum(split_over(a, "fsdp") for a in leaves(new_state.params)),
         "leaves": len(leaves(new_state.params)),
+        "matrices": sum(np.ndim(a) >= 2 for a in leaves(new_state.params)),
         # Bytes of parameters and optimizer state after the step: in all, on the first device,
         # and of the arrays every device holds whole.
         "state_bytes": sum(a.nbytes for a in held),
