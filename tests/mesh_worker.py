@@ -1,7 +1,7 @@
 """Run one train step on several meshes of 8 forced host devices and compare with one device.
 
 Run in a subprocess (`tests/step/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
-(model `dense`, `moe` or `next`; `dense_lora`: `dense` training LoRA adapters; `dense_critic` and
+(model `dense`, `moe`, `next`, `llama` or `qwen2`; `dense_lora`: `dense` training LoRA adapters; `dense_critic` and
 `dense_critic_model`: `dense` with PPO's critic, a value head or a separate smaller critic model;
 mesh data x fsdp x model, or data x fsdp x context x model; mode `cp`: the context-parallel trees
 of `cp_inputs`; objective `sft`, `ppo`, and with mode `cp` also `gspo` and `critic`: PPO with a
@@ -59,7 +59,8 @@ from jtree.step.train_step import (
     make_logprob_fn, make_sharded_grad_fn, make_sharded_logprob_fn, make_train_step, sharded_graphdef,
 )
 from tests.models_util import (  # noqa: E402
-    perturbed, rel_l2, tiny_config, tiny_moe_config, tiny_next_config, tiny_runtime,
+    perturbed, rel_l2, tiny_config, tiny_llama_config, tiny_moe_config, tiny_next_config,
+    tiny_qwen2_config, tiny_runtime,
 )
 from tests.strategies import explicit_tree, random_forest, sequences_tree  # noqa: E402
 from jtree.trees.tree import TrajectoryTree  # noqa: E402
@@ -78,7 +79,8 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     interpreter; `dense_lora` is `dense` training LoRA adapters; `dense_scan` is `dense` with
     its layers scanned (stacked parameters split per layer); `moe_a2a` and `next_a2a` run
     their experts with token dispatch (`expert_dispatch="all_to_all"`); `dense_critic*` are
-    `dense` (their critic: `case_critic`)."""
+    `dense` (their critic: `case_critic`); `llama` (Llama 3 with attention and MLP biases and
+    scaled RoPE) and `qwen2` (q/k/v biases, no q/k norm) are the other dense architectures."""
     dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
     if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan", "dense_xla",
                 "dense_critic", "dense_critic_model"):
@@ -89,6 +91,10 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
                 tiny_runtime(attention_impl=impl, scan_layers=kind == "dense_scan"))
     if kind in ("moe", "moe_a2a"):
         return "qwen3_moe", tiny_moe_config(), tiny_runtime(expert_dispatch=dispatch)
+    if kind == "llama":
+        return "llama", tiny_llama_config(vocab_size=64), tiny_runtime()
+    if kind == "qwen2":
+        return "qwen2", tiny_qwen2_config(vocab_size=64), tiny_runtime()
     return "qwen3_next", tiny_next_config(), tiny_runtime(expert_dispatch=dispatch)
 
 
@@ -343,6 +349,7 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
         "model_sharded": sum(split_over(a, "model") for a in leaves(new_state.params)),
         "fsdp_sharded": sum(split_over(a, "fsdp") for a in leaves(new_state.params)),
         "leaves": len(leaves(new_state.params)),
+        "matrices": sum(np.ndim(a) >= 2 for a in leaves(new_state.params)),
         # Bytes of parameters and optimizer state after the step: in all, on the first device,
         # and of the arrays every device holds whole.
         "state_bytes": sum(a.nbytes for a in held),

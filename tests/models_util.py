@@ -11,7 +11,9 @@ from flax import nnx
 
 from jtree.layout.linearize import TreeBatch, unlinearize
 from jtree.models import CausalLM
-from jtree.config.architectures import Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+from jtree.config.architectures import (
+    Llama3RopeScaling, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+)
 from jtree.config.runtime import RuntimeConfig
 from jtree.config.objective import Objective
 from jtree.step.train_step import make_logprob_fn
@@ -28,12 +30,28 @@ def tiny_lm(config, seed: int = 0, **runtime) -> CausalLM:
     return CausalLM(config, tiny_runtime(**runtime), rngs=nnx.Rngs(seed))
 
 
+TINY_DENSE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  tie_word_embeddings=False, rope_theta=10_000.0)
+# Llama 3's RoPE scaling at a scale tiny models reach: with head_dim 8 and theta 1e4 the
+# wavelengths are 6.3, 63, 628 and 6283 positions, so against an original context of 100 (fast
+# below 25, slow above 100) the first is kept, the second blended and the others slowed down.
+TINY_LLAMA3_ROPE = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=100)
+
+
 def tiny_config(**overrides) -> Qwen3Config:
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                tie_word_embeddings=False, rope_theta=10_000.0)
-    base.update(overrides)
-    return Qwen3Config(**base)
+    return Qwen3Config(**dict(TINY_DENSE, **overrides))
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """A tiny Llama 3 with every option on: biases on attention and MLP, scaled RoPE."""
+    return LlamaConfig(**dict(TINY_DENSE, attention_bias=True, mlp_bias=True,
+                              rope_scaling=TINY_LLAMA3_ROPE, **overrides))
+
+
+def tiny_qwen2_config(**overrides) -> Qwen2Config:
+    return Qwen2Config(**dict(TINY_DENSE, **overrides))
 
 
 # Tiny MoE / Qwen3-Next models that split 4 ways: 4 query heads over 2 kv heads, 8 experts, 4 GDN

@@ -36,11 +36,22 @@ class LayerKind(NamedTuple):
 class DecoderSpec:
     """The layer choice of an architecture config: one `LayerKind` per decoder layer, the norm
     of every layer, head and final output (`jtree.models.layers.NORMS`: Qwen3's RMSNorm or
-    Qwen3-Next's (1 + weight) form) and how many features of each head RoPE rotates."""
+    Qwen3-Next's (1 + weight) form), how many features of each head RoPE rotates and how its
+    frequencies are scaled (`rope_scaling`, None: plain RoPE).
+
+    The attention's details that leave its shapes, sharding and FLOPs as they are, so they are
+    flags here rather than layer kinds: `qk_norm` (Qwen3's per-head q/k norm; Llama and Qwen2
+    have none), biases on the q/k/v projections (`qkv_bias`) and on o_proj (`o_bias`) (Qwen2
+    has the first without the second) and on the dense MLP's projections (`mlp_bias`)."""
 
     layers: tuple[LayerKind, ...]
     norm: Literal["rms", "offset_rms"]
     rotary_dim: int
+    rope_scaling: Llama3RopeScaling | None = None
+    qk_norm: bool = True
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         for i, kind in enumerate(self.layers):
@@ -67,9 +78,11 @@ def is_moe_layer(layer: int, num_experts: int, decoder_sparse_step: int,
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3Config:
-    """Architecture of a Qwen3 dense model. Field names are Hugging Face's, so that `config.json`
-    maps one to one; how to run the model is `jtree.config.runtime.RuntimeConfig`."""
+class DenseConfig:
+    """The fields and checks shared by the decoders with attention and a dense SwiGLU in every
+    layer (Qwen3, Qwen2, Llama), which differ only in attention details (`DecoderSpec`'s flags).
+    Field names are Hugging Face's, so that `config.json` maps one to one; how to run the model is
+    `jtree.config.runtime.RuntimeConfig`."""
 
     vocab_size: int = 512
     hidden_size: int = 128
@@ -81,7 +94,6 @@ class Qwen3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = True
-    attention_bias: bool = False
     max_position_embeddings: int = 40960
     initializer_range: float = 0.02
 
@@ -96,7 +108,67 @@ class Qwen3Config:
 
     def decoder(self) -> DecoderSpec:
         return DecoderSpec((LayerKind("attention", "mlp"),) * self.num_hidden_layers, "rms",
-                           self.head_dim)
+                           self.head_dim, qk_norm=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config(DenseConfig):
+    """Architecture of a Qwen3 dense model: per-head q/k RMSNorm, and `attention_bias` on q/k/v
+    and o alike."""
+
+    attention_bias: bool = False
+
+    def decoder(self) -> DecoderSpec:
+        return dataclasses.replace(super().decoder(), qk_norm=True, qkv_bias=self.attention_bias,
+                                   o_bias=self.attention_bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3's RoPE frequency scaling (HF `rope_scaling` with `rope_type: llama3`): slow
+    frequencies (wavelength above `original_max_position_embeddings / low_freq_factor`) are
+    divided by `factor`, fast ones (wavelength below `... / high_freq_factor`) kept, and those in
+    between interpolated (`jtree.models.layers.rope_inverse_frequencies`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling.factor ({self.factor}) must be > 0")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"rope_scaling: need 0 < low_freq_factor ({self.low_freq_factor}) "
+                             f"< high_freq_factor ({self.high_freq_factor})")
+        if self.original_max_position_embeddings < 1:
+            raise ValueError("rope_scaling.original_max_position_embeddings must be >= 1, got "
+                             f"{self.original_max_position_embeddings}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig(DenseConfig):
+    """Llama (HF `LlamaForCausalLM`, Llama 3 included): no q/k norm, `attention_bias` on q/k/v and
+    o alike, `mlp_bias` on the MLP's three projections, and Llama 3's `rope_scaling` (None: plain
+    RoPE)."""
+
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: Llama3RopeScaling | None = None
+
+    def decoder(self) -> DecoderSpec:
+        return dataclasses.replace(super().decoder(), qkv_bias=self.attention_bias,
+                                   o_bias=self.attention_bias, mlp_bias=self.mlp_bias,
+                                   rope_scaling=self.rope_scaling)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config(DenseConfig):
+    """Qwen2 / Qwen2.5 (HF `Qwen2ForCausalLM`): no q/k norm, biases on q/k/v but not on o_proj,
+    fixed as in HF (whose Qwen2 config has no bias field)."""
+
+    def decoder(self) -> DecoderSpec:
+        return dataclasses.replace(super().decoder(), qkv_bias=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +203,8 @@ class Qwen3MoeConfig(Qwen3Config):
                 for i in range(self.num_hidden_layers)]
 
     def decoder(self) -> DecoderSpec:
-        return DecoderSpec(tuple(LayerKind("attention", "moe" if sparse else "mlp")
-                                 for sparse in self.sparse_layers()), "rms", self.head_dim)
+        return dataclasses.replace(super().decoder(), layers=tuple(
+            LayerKind("attention", "moe" if sparse else "mlp") for sparse in self.sparse_layers()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +252,10 @@ class Qwen3NextConfig(Qwen3MoeConfig):
         return int(self.head_dim * self.partial_rotary_factor)
 
     def decoder(self) -> DecoderSpec:
-        return DecoderSpec(tuple(LayerKind(_MIXERS[t], "moe_shared" if sparse else "mlp")
-                                 for t, sparse in zip(self.layer_types, self.sparse_layers())),
-                           "offset_rms", self.rotary_dim)
+        return dataclasses.replace(
+            super().decoder(), norm="offset_rms", rotary_dim=self.rotary_dim,
+            layers=tuple(LayerKind(_MIXERS[t], "moe_shared" if sparse else "mlp")
+                         for t, sparse in zip(self.layer_types, self.sparse_layers())))
 
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -191,7 +264,8 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 # The `model.architecture` names of run configs and checkpoints, with their config classes
 # (`jtree.models.architectures` adds each one's model code and Hugging Face name tables).
 ARCHITECTURE_CONFIGS: dict[str, type] = {
-    "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "qwen3_next": Qwen3NextConfig}
+    "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "qwen3_next": Qwen3NextConfig,
+    "llama": LlamaConfig, "qwen2": Qwen2Config}
 
 
 def architecture_config(name: str) -> type:

@@ -1,8 +1,9 @@
 """Self-attention under the tree mask, plain (HF `Qwen3Attention`) or gated (HF
 `Qwen3NextAttention`), and `attend`, the one call of `jtree.kernels.tree_attention`.
 
-GQA with per-head q/k RMSNorm before RoPE (RoPE on the first `rotary_dim` features of each head,
-the width of the cos/sin tables). The gated form's q_proj also emits a per-head output gate
+GQA with per-head q/k RMSNorm before RoPE where the architecture has it (Qwen3; not Llama or
+Qwen2), RoPE on the first `rotary_dim` features of each head (the width of the cos/sin tables),
+biases on q/k/v and on o_proj as the architecture says (`DecoderSpec`). The gated form's q_proj also emits a per-head output gate
 ([query, gate] per head) and the output is multiplied by sigmoid(gate) before o_proj.
 
 Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits query heads: q_proj is
@@ -28,24 +29,31 @@ from jtree.parallel.context import gathered_keys
 from jtree.kernels import TreeMask, tree_attention
 from jtree.models.layers import NORMS, apply_rope, linear, local_kv_heads, row_parallel
 from jtree.models.prefix import AttentionCache
+from jtree.config.architectures import DecoderSpec
 from jtree.config.runtime import RuntimeConfig
 
 
 class Attention(nnx.Module):
-    """GQA self-attention of one decoder layer; `gated` adds Qwen3-Next's output gate, `norm`
-    names the q/k norm (`jtree.models.layers.NORMS`)."""
+    """GQA self-attention of one decoder layer; `gated` adds Qwen3-Next's output gate, `spec`
+    (the architecture's `DecoderSpec`) says whether there is a q/k norm (of kind `spec.norm`,
+    `jtree.models.layers.NORMS`) and which projections have biases."""
 
-    def __init__(self, cfg: Any, runtime: RuntimeConfig, *, gated: bool, norm: str,
+    def __init__(self, cfg: Any, runtime: RuntimeConfig, spec: DecoderSpec, *, gated: bool,
                  rngs: nnx.Rngs):
         d, hd = cfg.hidden_size, cfg.head_dim
-        kw = dict(bias=cfg.attention_bias, init_std=cfg.initializer_range,
-                  dtype=runtime.compute_dtype, param_dtype=runtime.weight_dtype, rngs=rngs)
-        self.q_proj = linear(d, cfg.num_attention_heads * hd * (2 if gated else 1), **kw)
-        self.k_proj = linear(d, cfg.num_key_value_heads * hd, **kw)
-        self.v_proj = linear(d, cfg.num_key_value_heads * hd, **kw)
-        self.o_proj = linear(cfg.num_attention_heads * hd, d, **kw)
-        self.q_norm = NORMS[norm](hd, eps=cfg.rms_norm_eps, param_dtype=runtime.weight_dtype)
-        self.k_norm = NORMS[norm](hd, eps=cfg.rms_norm_eps, param_dtype=runtime.weight_dtype)
+        kw = dict(init_std=cfg.initializer_range, dtype=runtime.compute_dtype,
+                  param_dtype=runtime.weight_dtype, rngs=rngs)
+        self.q_proj = linear(d, cfg.num_attention_heads * hd * (2 if gated else 1),
+                             bias=spec.qkv_bias, **kw)
+        self.k_proj = linear(d, cfg.num_key_value_heads * hd, bias=spec.qkv_bias, **kw)
+        self.v_proj = linear(d, cfg.num_key_value_heads * hd, bias=spec.qkv_bias, **kw)
+        self.o_proj = linear(cfg.num_attention_heads * hd, d, bias=spec.o_bias, **kw)
+
+        def qk_norm() -> nnx.Module | None:
+            return (NORMS[spec.norm](hd, eps=cfg.rms_norm_eps, param_dtype=runtime.weight_dtype)
+                    if spec.qk_norm else None)
+
+        self.q_norm, self.k_norm = nnx.data(qk_norm()), nnx.data(qk_norm())
         self.cfg, self.runtime, self.gated = cfg, runtime, gated
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: TreeMask,
@@ -57,8 +65,9 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(rows, s, -1, cfg.head_dim * (2 if self.gated else 1))
         if self.gated:
             q, gate = jnp.split(q, 2, axis=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).reshape(rows, s, -1, cfg.head_dim))
+        k = self.k_proj(x).reshape(rows, s, -1, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).reshape(rows, s, -1, cfg.head_dim)
         heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
         k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)

@@ -36,7 +36,8 @@ from jtree.models.attention import Attention
 from jtree.models.gated_deltanet import GatedDeltaNet, GdnRouting, gdn_routing
 from jtree.parallel.layer_stack import layer_groups
 from jtree.models.layers import (
-    NORMS, SwiGLU, call_layer, linear, rope_cos_sin, vocab_parallel_embed,
+    NORMS, SwiGLU, call_layer, linear, rope_cos_sin, rope_inverse_frequencies,
+    vocab_parallel_embed,
 )
 from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
 from jtree.models.output import ModelOutput
@@ -61,13 +62,14 @@ class LayerInputs(NamedTuple):
     routing: GdnRouting | None
 
 
-def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, *,
-                 rngs: nnx.Rngs) -> SwiGLU | SparseMoeBlock:
-    """The feed-forward block of kind `ffn`."""
+def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, *, rngs: nnx.Rngs,
+                 mlp_bias: bool = False) -> SwiGLU | SparseMoeBlock:
+    """The feed-forward block of kind `ffn`; `mlp_bias` puts biases on a dense MLP (Llama's
+    `mlp_bias`)."""
     kw = dict(init_std=cfg.initializer_range, dtype=runtime.compute_dtype,
               param_dtype=runtime.weight_dtype, rngs=rngs, tp_axis=runtime.tensor_parallel_axis)
     if ffn == "mlp":
-        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=mlp_bias, **kw)
     return SparseMoeBlock(
         cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
         moe_intermediate=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
@@ -79,15 +81,15 @@ class DecoderLayer(nnx.Module):
     """Pre-norm residual layer: x + mixer(norm(x)), then + ffn(norm(x)). The mixer is
     `self_attn` (attention, gated or not) or `linear_attn` (Gated DeltaNet), as HF names them."""
 
-    def __init__(self, cfg: Any, runtime: RuntimeConfig, kind: LayerKind, norm: str, *,
+    def __init__(self, cfg: Any, runtime: RuntimeConfig, kind: LayerKind, spec: DecoderSpec, *,
                  rngs: nnx.Rngs):
         if kind.mixer == "gated_deltanet":
             self.linear_attn = GatedDeltaNet(cfg, runtime, rngs=rngs)
         else:
-            self.self_attn = Attention(cfg, runtime, gated=kind.mixer == "gated_attention",
-                                       norm=norm, rngs=rngs)
-        self.mlp = feed_forward(cfg, runtime, kind.ffn, rngs=rngs)
-        norm_cls = NORMS[norm]
+            self.self_attn = Attention(cfg, runtime, spec,
+                                       gated=kind.mixer == "gated_attention", rngs=rngs)
+        self.mlp = feed_forward(cfg, runtime, kind.ffn, mlp_bias=spec.mlp_bias, rngs=rngs)
+        norm_cls = NORMS[spec.norm]
         self.input_layernorm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                         param_dtype=runtime.weight_dtype)
         self.post_attention_layernorm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps,
@@ -118,7 +120,7 @@ class Decoder(nnx.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=runtime.compute_dtype,
             param_dtype=runtime.weight_dtype,
             embedding_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
-        layers = [DecoderLayer(cfg, runtime, kind, spec.norm, rngs=rngs) for kind in spec.layers]
+        layers = [DecoderLayer(cfg, runtime, kind, spec, rngs=rngs) for kind in spec.layers]
         if runtime.scan_layers:
             self.groups = layer_groups(spec.layers)
             self.blocks = nnx.List([
@@ -228,7 +230,8 @@ class CausalLM(nnx.Module):
                                  "tables of jtree.layout.linearize (gdn_chunk_size)")
             routing = gdn_routing(inputs.pred, gdn, cfg.linear_conv_kernel_dim, prefix_pred,
                                   self.runtime.context_axis)
-        cos, sin = rope_cos_sin(inputs.pos, spec.rotary_dim, cfg.rope_theta)
+        cos, sin = rope_cos_sin(inputs.pos, rope_inverse_frequencies(
+            spec.rotary_dim, cfg.rope_theta, spec.rope_scaling))
         hidden, stats, exports = self.model(inputs.tokens, LayerInputs(cos, sin, mask, routing),
                                             prefix)
         if not stats or not cfg.output_router_logits:

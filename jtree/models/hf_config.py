@@ -92,48 +92,76 @@ def renamed(hf: Mapping[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]
 
 
 ROPE_KEYS = frozenset({"rope_theta", "rope_parameters", "rope_scaling", "partial_rotary_factor"})
+# `rope_config`'s `types` of an architecture with plain RoPE only.
+DEFAULT_ROPE_ONLY: Mapping[str, frozenset[str]] = {"default": frozenset()}
+
+
+def rope_config(hf: Mapping[str, Any], default_theta: float, default_partial: float,
+                types: Mapping[str, frozenset[str]] = DEFAULT_ROPE_ONLY
+                ) -> tuple[float, float, str, dict[str, Any]]:
+    """(rope_theta, partial_rotary_factor, rope type, the type's parameters) from the top-level
+    keys (transformers 4) and/or `rope_parameters` / `rope_scaling` (transformers 5 writes the
+    first, the Hub's Llama 3 the second). `types` maps each RoPE type the caller implements to
+    the parameter keys it takes (Llama 3's `factor`, ...); any other type (YaRN, linear, dynamic,
+    ...) is refused naming the field, and so are values that disagree between the places."""
+    found: dict[str, set[Any]] = {"rope_theta": set(), "partial_rotary_factor": set()}
+    for key in found:
+        if hf.get(key) is not None:
+            found[key].add(float(hf[key]))
+    rope_types: set[str] = set()
+    params: dict[str, set[Any]] = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        given = hf.get(key)
+        if given is None:
+            continue
+        if not isinstance(given, Mapping):
+            raise ValueError(f"config.json: {key} = {given!r}: expected an object")
+        rope_type = given.get("rope_type", given.get("type", "default"))
+        if rope_type not in types:
+            raise ValueError(
+                f"config.json: {key}.rope_type = {rope_type!r}: only RoPE of type "
+                f"{' or '.join(map(repr, types))} is supported (no YaRN, linear or dynamic "
+                "scaling)")
+        rope_types.add(rope_type)
+        extra = sorted(set(given) - {"rope_type", "type", *found, *types[rope_type]})
+        if extra:
+            raise ValueError(f"config.json: {key}.{extra[0]} = {given[extra[0]]!r} is not "
+                             "supported")
+        for name in found:
+            if given.get(name) is not None:
+                found[name].add(float(given[name]))
+        for name in types[rope_type]:
+            if given.get(name) is not None:
+                params.setdefault(name, set()).add(given[name])
+    if len(rope_types) > 1:
+        raise ValueError(f"config.json: conflicting rope_type values {sorted(rope_types)} in "
+                         "rope_parameters and rope_scaling")
+    for name, values in {**found, **params}.items():
+        if len(values) > 1:
+            raise ValueError(f"config.json: conflicting {name} values {sorted(values)}")
+    theta, partial = found["rope_theta"], found["partial_rotary_factor"]
+    return (theta.pop() if theta else default_theta, partial.pop() if partial else default_partial,
+            rope_types.pop() if rope_types else "default",
+            {name: values.pop() for name, values in params.items()})
 
 
 def rope_settings(hf: Mapping[str, Any], default_theta: float,
                   default_partial: float) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) from the top-level keys (transformers 4) and/or
-    `rope_parameters` / `rope_scaling` (transformers 5); any RoPE type but the default (YaRN,
-    linear, dynamic, ...) is refused, and so are values that disagree between the places."""
-    found: dict[str, set[float]] = {"rope_theta": set(), "partial_rotary_factor": set()}
-    for key in found:
-        if hf.get(key) is not None:
-            found[key].add(float(hf[key]))
-    for key in ("rope_parameters", "rope_scaling"):
-        params = hf.get(key)
-        if params is None:
-            continue
-        if not isinstance(params, Mapping):
-            raise ValueError(f"config.json: {key} = {params!r}: expected an object")
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(
-                f"config.json: {key}.rope_type = {rope_type!r}: only the default RoPE is "
-                "supported (no YaRN, linear or dynamic scaling)"
-            )
-        extra = sorted(set(params) - {"rope_type", "type", *found})
-        if extra:
-            raise ValueError(f"config.json: {key}.{extra[0]} = {params[extra[0]]!r} is not "
-                             "supported")
-        for name in found:
-            if params.get(name) is not None:
-                found[name].add(float(params[name]))
-    for name, values in found.items():
-        if len(values) > 1:
-            raise ValueError(f"config.json: conflicting {name} values {sorted(values)}")
-    theta, partial = found["rope_theta"], found["partial_rotary_factor"]
-    return (theta.pop() if theta else default_theta, partial.pop() if partial else default_partial)
+    """(rope_theta, partial_rotary_factor) of a model with plain RoPE (`rope_config`)."""
+    theta, partial, _, _ = rope_config(hf, default_theta, default_partial)
+    return theta, partial
+
+
+def whole_head(partial: float) -> None:
+    """Refuse a `partial_rotary_factor` other than 1 (an architecture that rotates whole heads)."""
+    if partial != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor = {partial!r}: only 1.0 (RoPE on "
+                         "the whole head) is supported for this architecture")
 
 
 def rope_theta(hf: Mapping[str, Any], default: float) -> float:
     """The RoPE base of a model that rotates whole heads: a `partial_rotary_factor` other than 1
     is refused (Qwen3 and Qwen3-MoE apply RoPE to the full head dimension)."""
     theta, partial = rope_settings(hf, default, 1.0)
-    if partial != 1.0:
-        raise ValueError(f"config.json: partial_rotary_factor = {partial!r}: only 1.0 (RoPE on "
-                         "the whole head) is supported for this architecture")
+    whole_head(partial)
     return theta

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jtree.config.architectures import Llama3RopeScaling
 from jtree.kernels.flat_tokens import normalized_last_axis, scale_channels
 
 # `runtime.remat` names (`jtree.config.runtime.REMAT_POLICY_NAMES`, besides "none") -> jax policies.
@@ -72,9 +74,34 @@ def linear(
     )
 
 
-def rope_cos_sin(pos: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables [..., rotary_dim] for integer positions, in float32 (as HF computes them)."""
+def rope_inverse_frequencies(rotary_dim: int, theta: float,
+                             scaling: Llama3RopeScaling | None = None) -> jax.Array:
+    """RoPE's rotation speeds [rotary_dim / 2] in float32, op for op as transformers computes
+    them, so tables (and the logits after them) match HF to float32 rounding.
+
+    With Llama 3's `scaling`, a frequency is judged by its wavelength 2 pi / f in positions
+    against the original context length L = original_max_position_embeddings: one that turns less
+    than `low_freq_factor` times over L is slowed down by `factor` (it never saw longer contexts
+    in pretraining), one that turns more than `high_freq_factor` times is kept (it encodes local
+    order), and in between the two are blended with weight s = (L / wavelength - low) / (high -
+    low) on the kept one."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    if scaling is None:
+        return inv_freq
+    context = scaling.original_max_position_embeddings
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    slow = wavelength > context / low
+    fast = wavelength < context / high
+    scaled = jnp.where(slow, inv_freq / scaling.factor, inv_freq)
+    s = (context / wavelength - low) / (high - low)
+    blended = (1 - s) * scaled / scaling.factor + s * scaled
+    return jnp.where(~slow & ~fast, blended, scaled)
+
+
+def rope_cos_sin(pos: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables [..., 2 * len(inv_freq)] for integer positions (a token's index along its
+    path, so every path sees the positions it would alone), in float32 (as HF computes them)."""
     freqs = pos.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
@@ -93,12 +120,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class SwiGLU(nnx.Module):
-    """down(silu(gate(x)) * up(x)). Under tensor parallelism (`tp_axis`), gate/up are column
-    shards and down is the matching row shard, so the output is reduced over `tp_axis`."""
+    """down(silu(gate(x)) * up(x)), with biases on all three when `bias` (Llama's `mlp_bias`).
+    Under tensor parallelism (`tp_axis`), gate/up are column shards and down is the matching row
+    shard, so the output is reduced over `tp_axis` (down's bias added once, after the sum)."""
 
     def __init__(self, hidden: int, intermediate: int, *, init_std: float, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype, rngs: nnx.Rngs, tp_axis: str | None = None):
-        kw = dict(bias=False, init_std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                 param_dtype: jnp.dtype, rngs: nnx.Rngs, tp_axis: str | None = None,
+                 bias: bool = False):
+        kw = dict(bias=bias, init_std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.gate_proj = linear(hidden, intermediate, **kw)
         self.up_proj = linear(hidden, intermediate, **kw)
         self.down_proj = linear(intermediate, hidden, **kw)

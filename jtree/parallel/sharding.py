@@ -143,10 +143,13 @@ def _attention_rules(cfg: Any, model: int) -> Rules:
 
 
 def _swiglu_rules(prefix: str) -> Rules:
-    """Megatron SwiGLU: column-parallel gate/up, row-parallel down."""
+    """Megatron SwiGLU: column-parallel gate/up (their biases, Llama's `mlp_bias`, split with
+    the columns), row-parallel down (its bias replicated, added once after the sum)."""
     return [
         (rf"{prefix}/(gate|up)_proj/kernel$", P(None, MODEL)),
+        (rf"{prefix}/(gate|up)_proj/bias$", P(MODEL)),
         (rf"{prefix}/down_proj/kernel$", P(MODEL, None)),
+        (rf"{prefix}/down_proj/bias$", P()),
     ]
 
 

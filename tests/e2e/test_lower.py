@@ -66,3 +66,23 @@ def test_big_configs_lower_at_full_depth_on_their_target_mesh(config, params, pl
     assert f"for {platform}: {params} parameters" in proc.stdout, proc.stdout
     assert "mesh data=1 x fsdp=8 x model=8" in proc.stdout, proc.stdout
     assert "all_gather" in proc.stdout and "reduce_scatter" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("full_depth", [
+    False, pytest.param(True, marks=pytest.mark.slow)], ids=["one_layer", "full_depth"])
+def test_llama3_8b_config_lowers_for_cuda_on_its_mesh(full_depth):
+    """configs/llama3_8b.yaml (Llama-3.1-8B shapes, llama3 RoPE scaling) on its 8-way tensor-
+    parallel mesh at full width and sequence length; cut to one layer unless `full_depth` (then
+    the parameter count is Llama-3.1-8B's)."""
+    env = dict(os.environ, PYTHONPATH=str(WORKTREE))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jtree.launch.lower_step", "--config", "configs/llama3_8b.yaml",
+         "--platform", "cuda", "--devices", "8",
+         *([] if full_depth else ["model.num_hidden_layers=1"])],
+        cwd=WORKTREE, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mesh data=1 x fsdp=1 x model=8" in proc.stdout, proc.stdout
+    assert "all_reduce" in proc.stdout
+    if full_depth:
+        assert "for cuda: 8,030,261,248 parameters" in proc.stdout, proc.stdout

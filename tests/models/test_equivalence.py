@@ -6,6 +6,7 @@ trees per row, single-token nodes, several roots), float32, docs/design.md secti
 
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 
 from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
@@ -16,7 +17,11 @@ from tests.models_util import (
     assert_loss_and_grads_match,
     logprob_fn,
     off_policy_ppo_inputs,
+    perturbed,
+    tiny_llama_config,
+    tiny_lm,
     tiny_model,
+    tiny_qwen2_config,
 )
 from tests.strategies import forests
 
@@ -65,3 +70,28 @@ def test_ppo_loss_and_grads_equal_baseline(trees, normalization):
     objective = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05,
                           entropy_coef=0.01)
     assert_loss_and_grads_match(GRAPHDEF, PARAMS, tree_in, base_in, objective)
+
+
+# Llama 3 (attention and MLP biases, scaled RoPE) and Qwen2 (q/k/v biases, no q/k norm), with
+# perturbed weights so the zero-initialized biases matter.
+OTHER_DENSE = {name: nnx.split(tiny_lm(make(), seed=2)) for name, make in
+               (("llama", tiny_llama_config), ("qwen2", tiny_qwen2_config))}
+OTHER_DENSE = {name: (g, perturbed(p)) for name, (g, p) in OTHER_DENSE.items()}
+
+
+@pytest.mark.parametrize("arch", list(OTHER_DENSE))
+@settings(max_examples=4)
+@given(trees=FORESTS)
+def test_other_dense_architectures_equal_baseline_under_ppo(trees, arch):
+    graphdef, params = OTHER_DENSE[arch]
+    tree, base = _batches(trees, "seq_mean_token_mean")
+    fn = logprob_fn(graphdef)
+    lp_tree = unlinearize(tree, np.asarray(fn(params, tree.inputs)))
+    lp_base = unlinearize_baseline(base, np.asarray(fn(params, base.inputs)), trees)
+    for a_paths, b_paths in zip(lp_tree, lp_base):
+        for a, b in zip(a_paths, b_paths):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=len(trees))
+    objective = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05,
+                          entropy_coef=0.01)
+    assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective)

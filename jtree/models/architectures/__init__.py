@@ -17,7 +17,7 @@ from typing import Any
 from flax import nnx
 
 from jtree.models.hf_mapping import HfMapping
-from jtree.models.architectures import qwen3, qwen3_moe, qwen3_next
+from jtree.models.architectures import llama, qwen2, qwen3, qwen3_moe, qwen3_next
 from jtree.config.architectures import ARCHITECTURE_CONFIGS, architecture_config
 from jtree.models.decoder import CausalLM
 from jtree.config.runtime import RuntimeConfig
@@ -34,7 +34,8 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     name: Architecture(name, ARCHITECTURE_CONFIGS[name], module.HF)
-    for name, module in (("qwen3", qwen3), ("qwen3_moe", qwen3_moe), ("qwen3_next", qwen3_next))}
+    for name, module in (("qwen3", qwen3), ("qwen3_moe", qwen3_moe), ("qwen3_next", qwen3_next),
+                         ("llama", llama), ("qwen2", qwen2))}
 
 
 def architecture(name: str) -> Architecture:
