@@ -11,6 +11,7 @@ from jtree.config.objective import CriticConfig, Objective
 from jtree.layout.planner import LayoutConfig
 from jtree.layout.pruning import prune_trees, pruning_blocker
 from jtree.step.train_step import make_grad_fn
+from jtree.training.report import summary
 from jtree.training.step_builders import StepBuilder, StepConfig, all_units, rows_for_run
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import assert_grads_close, tiny_model
@@ -146,3 +147,12 @@ def test_saved_tokens_match_a_hand_count():
     info = _builder(trees, "tree", "seq_mean_token_mean", 64, pruned=pruned)(np.arange(2))["info"]
     assert info["n_pruned_tokens"] == 4 + 4
     assert info["n_computed_tokens"] == 7
+
+
+def test_summary_reports_the_pruned_tokens():
+    record = dict(step=1, loss=0.5, tokens_per_s=1.0, device_s=1.0, host_s=0.1, compiles=0,
+                  compile_s=0.0, n_tree_tokens=100)
+    history = [dict(record, n_pruned_tokens=30), dict(record, step=2, n_pruned_tokens=10)]
+    assert "; pruned 40 zero-gradient tree tokens of 200 (20.0%, mean 20 per step)" in summary(
+        history, 1.0, 0, None)
+    assert "pruned" not in summary([dict(record, n_pruned_tokens=0)], 1.0, 0, None)
