@@ -54,7 +54,10 @@ class DataConfig:
     ignore both. `row_steps_per_octave`: None gives every row `seq_len` tokens; a power of two k
     lets each step take the shortest row length that holds it in its rows from a ladder of k
     lengths per octave (multiples of 64; `jtree.layout.planner`): less padding on small steps, up to k
-    row shapes per octave to compile.
+    row shapes per octave to compile. `prune_zero_gradient`: leave out of every step the paths
+    whose advantage is 0 on every trained token, and the tree nodes only they need
+    (`jtree.layout.pruning`; exact: the loss and gradients do not change; off by default because
+    per-token metrics such as the entropy then cover only the tokens trained on).
     """
 
     path: str = "data/sample_groups.jsonl"
@@ -72,6 +75,7 @@ class DataConfig:
     gdn_chunk_size: int = DEFAULT_CHUNK_SIZE
     gdn_chunks: int | None = None
     row_steps_per_octave: int | None = None
+    prune_zero_gradient: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "trees_per_step", "micro_batches", "gdn_chunk_size"):

@@ -33,15 +33,17 @@ def _check_normalization(normalization: str) -> None:
 
 def batch_normalizer(trees: Sequence[TrajectoryTree], normalization: Normalization) -> float:
     """The global denominator of `normalization` over every path of every tree in the batch."""
+    return float(sum(float(path_normalizers(t, normalization).sum()) for t in trees))
+
+
+def path_normalizers(tree: TrajectoryTree, normalization: Normalization) -> np.ndarray:
+    """Each path's share of the batch normalizer (float64, one per path): its weight, times its
+    scored tokens under `token_mean`. Shares add, so a step that leaves a path out (pruning,
+    `jtree.layout.pruning`) can still divide by the normalizer that counts it."""
     _check_normalization(normalization)
     if normalization == "token_mean":
-        return float(
-            sum(
-                float(np.dot(t.weights, [m.sum() for m in scored_masks(t)]))
-                for t in trees
-            )
-        )
-    return float(sum(float(t.weights.sum()) for t in trees))
+        return tree.weights.astype(np.float64) * [float(m.sum()) for m in scored_masks(tree)]
+    return tree.weights.astype(np.float64)
 
 
 def path_coefficients(

@@ -64,6 +64,7 @@ def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host
     return dict(
         metrics, step=step, learning_rate=lr, n_trees=int(info["n_trees"]),
         n_tree_tokens=n_tree, n_flat_tokens=n_flat, n_computed_tokens=n_computed,
+        n_pruned_tokens=int(info["n_pruned_tokens"]),
         por=1 - n_tree / n_flat,
         err=1 - n_computed / n_flat, tokens_per_s=n_flat / device_s,
         tree_tokens_per_s=n_computed / device_s, host_s=host_s, device_s=device_s,
@@ -79,6 +80,16 @@ def progress_line(r: dict[str, Any]) -> str:
             f"tree tokens/s {r['tree_tokens_per_s']:9.0f}  POR {r['por']:.3f}  ERR {r['err']:.3f}  "
             f"host {r['host_s'] * 1e3:6.1f} ms  device {r['device_s'] * 1e3:7.1f} ms"
             + (f"  compile {r['compile_s']:.1f} s (not in device time)" if r["compiles"] else ""))
+
+
+def _pruned(history: list[dict[str, Any]]) -> str:
+    """The summary's account of zero-gradient pruning (empty when it left nothing out)."""
+    saved = sum(r["n_pruned_tokens"] for r in history)
+    if not saved:
+        return ""
+    total = sum(r["n_tree_tokens"] for r in history)
+    return (f"; pruned {saved} zero-gradient tree tokens of {total} "
+            f"({saved / max(total, 1):.1%}, mean {saved / len(history):.0f} per step)")
 
 
 def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
@@ -99,4 +110,5 @@ def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
                else "every step; each compiled") + "); compiles: "
             f"{sum(r['compiles'] for r in history)} in {len(compiled)} step(s), "
             f"{sum(r['compile_s'] for r in history):.1f} s; bad records skipped {n_bad}"
+            + _pruned(history)
             + (f"; checkpoints in {checkpoint_dir}" if checkpoint_dir is not None else ""))

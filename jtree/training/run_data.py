@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jtree.config import TrainConfig
 from jtree.layout.flop_model import FlopModel
+from jtree.layout.pruning import PrunedTree, pruning_blocker, prune_trees
 from jtree.training.step_builders import (
     AutoStepBuilder, RfreeStepBuilder, RfreeStepConfig, StepBuilder, step_builder,
 )
@@ -88,6 +89,25 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
     return trees, report
 
 
+def pruned_trees(cfg: TrainConfig, trees: Sequence[TrajectoryTree]) -> list[PrunedTree] | None:
+    """The run's trees pruned of their zero-gradient paths when `data.prune_zero_gradient` asks
+    for it (None otherwise), announced with what it saves or why nothing is prunable."""
+    if not cfg.data.prune_zero_gradient:
+        return None
+    if cfg.run.mode == "redundancy_free":
+        say("data.prune_zero_gradient: not applied in run.mode=redundancy_free")
+        return None
+    router_aux = bool(getattr(cfg.model.config, "output_router_logits", False))
+    blocker = pruning_blocker(cfg.objective, router_aux)
+    pruned = prune_trees(trees, cfg.objective, router_aux)
+    saved = sum(p.saved_tokens for p in pruned)
+    total = sum(t.n_tree_tokens for t in trees)
+    say("data.prune_zero_gradient: " + (f"nothing to prune ({blocker})" if blocker else
+        f"{saved} of {total} tree tokens on zero-advantage paths only, left out; "
+        f"{sum(p.tree is None for p in pruned)} tree(s) dropped whole"))
+    return pruned
+
+
 def trained_modes(cfg: TrainConfig) -> tuple[str, ...]:
     """The layout modes whose steps the run trains on: `auto` chooses between tree and baseline
     per step; `redundancy_free` trains on programs, not on laid-out rows."""
@@ -106,6 +126,7 @@ class StepBuilders:
     def __init__(self, cfg: TrainConfig, trees: Sequence[TrajectoryTree], n_data: int,
                  shards: tuple[int, ...]):
         self._cfg, self._trees, self._n_data, self._shards = cfg, trees, n_data, shards
+        self._pruned = pruned_trees(cfg, trees)
         self._built: dict[str, StepBuilder] = {}
         self.rows: dict[str, int] = {}
         for mode in trained_modes(cfg):
@@ -124,7 +145,7 @@ class StepBuilders:
                                n_shards=self._n_data, shards=self._shards, steps=cfg.run.steps,
                                gdn_chunk_size=gdn_chunk_size(cfg),
                                critic=cfg.objective.critic is not None,
-                               context=cfg.mesh.context)
+                               context=cfg.mesh.context, pruned=self._pruned)
         self._built[mode] = builder
         self.rows[mode] = builder.config.layout.rows
 

@@ -30,6 +30,7 @@ from jtree.layout.flop_model import FlopModel, choose_mode
 from jtree.layout.linearize import linearize
 from jtree.config.objective import Normalization
 from jtree.layout.coefficients import batch_normalizer
+from jtree.layout.pruning import PrunedTree
 from jtree.layout.microbatches import unit_counts
 from jtree.partitioning.partition import Method as PartitionMethod
 from jtree.partitioning.partition import partition
@@ -38,6 +39,7 @@ from jtree.layout.planner import (
 )
 from jtree.config.run import ROW_STEPS_PER_OCTAVE
 from jtree.partitioning.redundancy_free.layout import build_program
+from jtree.trees.part import TreePart
 from jtree.trees.tree import TrajectoryTree
 from jtree.layout.planner import check_steps_per_octave
 
@@ -81,9 +83,11 @@ def training_units(tree: TrajectoryTree, mode: Mode, seq_len: int,
     return list(partition(tree, seq_len, method).parts)
 
 
-def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree]
-              ) -> dict[str, np.ndarray]:
-    """Global statistics of a step (every host computes them from the same trees)."""
+def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree],
+              pruned_tokens: int = 0) -> dict[str, np.ndarray]:
+    """Global statistics of a step (every host computes them from the same trees, before any
+    pruning: the old log-probs' disagreement decides a recompute as in the unpruned step);
+    `pruned_tokens`: the tree tokens pruning left out (`jtree.layout.pruning`)."""
     stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
     has_old = all(t.old_logprobs is not None for t in trees)
     disagreement = 0.0
@@ -96,6 +100,7 @@ def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree]
         "n_tree_tokens": np.int64(stats.n_tree_tokens),
         "n_flat_tokens": np.int64(stats.n_flat_tokens),
         "n_computed_tokens": np.int64(sum(u.n_tree_tokens for u in units)),
+        "n_pruned_tokens": np.int64(pruned_tokens),
         "has_old_logprobs": np.bool_(has_old),
         "old_logprob_disagreement": np.float64(disagreement),
     }
@@ -108,25 +113,43 @@ class StepBuilder:
     "info": step_info(...)}`. `units[i]` are the training units of `trees[i]` (`all_units`).
     The step is planned once (`plan`, `jtree.layout.planner.plan_step`) and laid out where the plan
     says (`build`); every host plans the same global step.
+
+    With `pruned` (`jtree.layout.pruning`, one per tree) the units are those of the pruned trees,
+    and the step's normalizer stays the unpruned one: what the dropped paths' shares add up to
+    goes to the first row of data shard 0 (the device sums every row's share). A step whose
+    trees were all pruned away trains the shortest path of its first tree, whose coefficients are
+    zero, so that every step has a unit to lay out.
     """
 
     def __init__(self, trees: Sequence[TrajectoryTree], units: Sequence[Sequence[TrajectoryTree]],
-                 config: StepConfig, counts: Sequence[dict[str, Any]] | None = None):
+                 config: StepConfig, counts: Sequence[dict[str, Any]] | None = None,
+                 pruned: Sequence[PrunedTree] | None = None):
         """`counts`: the units' `unit_counts` per tree, when already computed (the same units)."""
         self.trees, self.units, self.config = list(trees), list(units), config
+        self.pruned = None if pruned is None else list(pruned)
         self.counts = (list(counts) if counts is not None else
                        [unit_counts(us, config.layout.gdn_chunk_size, config.layout.context)
                         for us in self.units])
         self.pair_counts = ([[pair_count(u) for u in us] for us in self.units] if config.critic
                             else None)
 
+    def step_units(self, indices: np.ndarray) -> tuple[list[TrajectoryTree], dict[str, Any]]:
+        """The units of the step `indices` and their `unit_counts` (a stand-in when pruning left
+        none: the shortest path of the first tree)."""
+        ids = [int(i) for i in indices]
+        units = [u for i in ids for u in self.units[i]]
+        if not units:
+            first = self.trees[ids[0]]
+            units = [TreePart.from_paths(first, [int(np.argmin(first.path_lengths))])]
+            layout = self.config.layout
+            return units, unit_counts(units, layout.gdn_chunk_size, layout.context)
+        return units, {k: None if self.counts[ids[0]][k] is None else
+                       [n for i in ids for n in self.counts[i][k]] for k in self.counts[ids[0]]}
+
     def plan(self, indices: np.ndarray) -> StepPlan:
         """Where every unit of the step goes, and the step's shape."""
-        ids = [int(i) for i in indices]
-        counts = {k: None if self.counts[ids[0]][k] is None else
-                  [n for i in ids for n in self.counts[i][k]] for k in self.counts[ids[0]]}
-        return plan_step([u.n_tree_tokens for i in ids for u in self.units[i]],
-                         self.config.layout, **counts)
+        units, counts = self.step_units(indices)
+        return plan_step([u.n_tree_tokens for u in units], self.config.layout, **counts)
 
     def __call__(self, indices: np.ndarray) -> dict[str, Any]:
         return self.build(indices, self.plan(indices))
@@ -134,7 +157,7 @@ class StepBuilder:
     def build(self, indices: np.ndarray, plan: StepPlan) -> dict[str, Any]:
         """This host's step inputs of the step `indices`, laid out where `plan` (this builder's
         plan of those indices) says."""
-        units = [u for i in indices for u in self.units[int(i)]]
+        units = self.step_units(indices)[0]
         critic_len = None
         if self.config.critic:
             critic_len = self.config.critic_len or self.critic_len(indices, plan)
@@ -144,8 +167,25 @@ class StepBuilder:
                                      plan.placements[plan.bin(s, m)], plan, critic_len)
                      for s in self.config.shards]
             micro.append(concatenate_rows(parts))
-        info = step_info([self.trees[int(i)] for i in indices], units)
+        saved = 0
+        if self.pruned is not None:
+            saved = sum(self.pruned[int(i)].saved_tokens for i in indices)
+            micro[0] = self._with_dropped_shares(micro[0], indices, units)
+        info = step_info([self.trees[int(i)] for i in indices], units, saved)
         return {"inputs": stack(micro), "info": info}
+
+    def _with_dropped_shares(self, first: DeviceBatch, indices: np.ndarray,
+                             units: Sequence[TrajectoryTree]) -> DeviceBatch:
+        """The first micro-batch with the normalizer shares of the paths pruning dropped added to
+        data shard 0's first row (on the host feeding shard 0), so the rows of all hosts still
+        sum to the unpruned step's normalizer."""
+        if self.config.shards[0] != 0:  # shards are contiguous: shard 0 comes first
+            return first
+        dropped = (sum(self.pruned[int(i)].normalizer for i in indices)
+                   - sum(batch_normalizer([u], self.config.normalization) for u in units))
+        row_norm = first.row_norm.astype(np.float64)
+        row_norm[0] += dropped
+        return dataclasses.replace(first, row_norm=row_norm.astype(np.float32))
 
     def critic_len(self, indices: np.ndarray, plan: StepPlan) -> int:
         """The critic pair width of the step `indices` laid out by `plan`: the most pairs any row
@@ -241,10 +281,11 @@ class RfreeStepBuilder:
         return {"program": program, "info": info}
 
 
-def all_units(trees: Sequence[TrajectoryTree], mode: Mode, seq_len: int,
+def all_units(trees: Sequence[TrajectoryTree | None], mode: Mode, seq_len: int,
               method: PartitionMethod = "heuristic") -> list[list[TrajectoryTree]]:
-    """`training_units` of every tree, computed once for the run."""
-    return [training_units(t, mode, seq_len, method) for t in trees]
+    """`training_units` of every tree, computed once for the run (none for a tree pruning left
+    empty, None)."""
+    return [[] if t is None else training_units(t, mode, seq_len, method) for t in trees]
 
 
 def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_per_step: int,
@@ -260,7 +301,7 @@ def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_
 def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, *,
                  normalization: Normalization, n_shards: int, shards: Sequence[int], steps: int,
                  gdn_chunk_size: int | None = None, critic: bool = False,
-                 context: int = 1) -> StepBuilder:
+                 context: int = 1, pruned: Sequence[PrunedTree] | None = None) -> StepBuilder:
     """The `StepBuilder` a run with data config `data` trains `mode` with, on `n_shards` data
     shards of which this host feeds `shards`: units from `all_units`, `data.rows_per_micro_batch`
     rows per micro-batch or else the fewest that hold the run's `steps` steps (`rows_for_run`),
@@ -270,10 +311,13 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
     `gdn_chunk_size`: chunk tables of that size (models with linear-attention layers).
     `critic`: the steps carry critic pairs (`jtree.objectives.critic`), as many per row as any step needs.
     `context`: devices of the `context` mesh axis each row is split over (`mesh.context`; the
-    planner balances them by attention work, `jtree.layout.context_rows`)."""
+    planner balances them by attention work, `jtree.layout.context_rows`).
+    `pruned`: the trees pruned of their zero-gradient paths (`jtree.layout.pruning.prune_trees`),
+    laid out in their place with the unpruned normalizer."""
     if data.row_steps_per_octave is not None:
         check_steps_per_octave(data.row_steps_per_octave, "data.row_steps_per_octave")
-    units = all_units(trees, mode, data.seq_len, data.partition_method)
+    units = all_units(trees if pruned is None else [p.tree for p in pruned], mode, data.seq_len,
+                      data.partition_method)
     rows = data.rows_per_micro_batch or rows_for_run(
         units, data.seq_len, data.trees_per_step, n_shards * data.micro_batches,
         data.shuffle_seed, steps)
@@ -283,7 +327,7 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
                           gdn_chunk_size, data.gdn_chunks if gdn_chunk_size else None,
                           context=context)
     config = StepConfig(mode, normalization, data.trees_per_step, tuple(shards), layout, critic)
-    builder = StepBuilder(trees, units, config)
+    builder = StepBuilder(trees, units, config, pruned=pruned)
     index = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)
     plans = [builder.plan(index[k]) for k in range(steps)]
     if not plans:
@@ -294,7 +338,8 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
     critic_len = max(builder.critic_len(index[k], p) for k, p in enumerate(plans)) \
         if critic else None
     return StepBuilder(trees, units, dataclasses.replace(config, layout=fixed,
-                                                         critic_len=critic_len), builder.counts)
+                                                         critic_len=critic_len), builder.counts,
+                       pruned)
 
 
 def step_indices(n_trees: int, trees_per_step: int, seed: int) -> grain.MapDataset:

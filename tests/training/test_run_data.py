@@ -35,3 +35,28 @@ def test_auto_mode_trains_both_layouts():
     cfg = load_config("configs/tiny.yaml", ["run.mode=auto", "run.steps=1"])
     trees, _ = load_training_trees(cfg)
     assert set(StepBuilders(cfg, trees, n_data=1, shards=(0,)).rows) == {"tree", "baseline"}
+
+
+def test_prune_zero_gradient_applies_grpo_advantages_and_counts_saved_tokens(tmp_path, capsys):
+    """Groups whose rewards all agree get GRPO advantage 0: with `data.prune_zero_gradient` such
+    a group is left out of its step and counted; a KL term makes every path count again."""
+    import json
+    path = tmp_path / "g.jsonl"
+    groups = {0: ([[1, 2, 3, 4], [1, 2, 5, 6], [1, 7]], [1.0, 1.0, 1.0]),  # all equal: zero
+              1: ([[1, 2, 3, 8], [1, 2, 9]], [0.0, 1.0])}
+    path.write_text("".join(json.dumps({"group": g, "tokens": s, "reward": r}) + "\n"
+                            for g, (seqs, rs) in groups.items() for s, r in zip(seqs, rs)))
+    base = tiny_overrides(path, **{"run.mode": "tree", "run.steps": 1, "data.trees_per_step": 2,
+                                   "data.micro_batches": 1, "objective.kind": "ppo",
+                                   "objective.advantage": "grpo",
+                                   "data.prune_zero_gradient": True})
+    cfg = load_config("configs/tiny.yaml", base)
+    trees, _ = load_training_trees(cfg)
+    info = StepBuilders(cfg, trees, n_data=1, shards=(0,))["tree"](
+        step_indices(len(trees), 2, cfg.data.shuffle_seed)[0])["info"]
+    assert int(info["n_pruned_tokens"]) == 7  # group 0's tree: [1,2] [3,4] [5,6] [7]
+    assert "7 of 12 tree tokens" in capsys.readouterr().out
+    cfg = load_config("configs/tiny.yaml", base + ["objective.kl_coef=0.1"])
+    builder = StepBuilders(cfg, trees, n_data=1, shards=(0,))["tree"]
+    assert "nothing to prune (objective.kl_coef > 0" in capsys.readouterr().out
+    assert int(builder(step_indices(len(trees), 2, 0)[0])["info"]["n_pruned_tokens"]) == 0
