@@ -6,18 +6,18 @@ memory (`partition`), score them (`token_logprobs`), turn rewards into advantage
 (`with_advantages`) and train on them (`sft_loss`, `ppo_loss`, `gspo_loss`, on `path_sum`).
 """
 
-from jtree.objectives.advantages import with_advantages
 from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
 from jtree.layout.batch import DeviceBatch
-from jtree.layout.linearize import TreeBatch, linearize, unlinearize
-from jtree.objectives.logprobs import token_logprobs
 from jtree.layout.coefficients import batch_normalizer, token_coefficients
+from jtree.layout.linearize import TreeBatch, linearize, unlinearize
+from jtree.objectives.advantages import with_advantages
+from jtree.objectives.logprobs import token_logprobs
 from jtree.objectives.losses import gspo_loss, ppo_loss, sft_loss
-from jtree.partitioning.partition import PartitionResult, partition
-from jtree.trees.part import TreePart
 from jtree.objectives.path_sum import path_sum
-from jtree.trees.tree import TrajectoryTree, TreeStats
+from jtree.partitioning.partition import PartitionResult, partition
 from jtree.trees.jsonl import read_sequence_groups, read_trees, write_sequence_groups, write_trees
+from jtree.trees.part import TreePart
+from jtree.trees.tree import TrajectoryTree, TreeStats
 
 __all__ = [
     "DeviceBatch",

@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtree.layout.linearize import linearize
 from jtree.kernels import TreeMask, tree_attention
+from jtree.layout.linearize import linearize
 from tests.strategies import explicit_tree, random_forest
-
 
 # Element-wise bound of a kernel's output (or gradient) against its reference, per element:
 #     |got - want| <= RTOL * |want| + ATOL_EPS * eps * max |want|

@@ -16,9 +16,9 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from jtree.config.architectures import Qwen3Config
 from jtree.hf.safetensors_io import SINGLE_FILE
 from jtree.models import CausalLM
-from jtree.config.architectures import Qwen3Config
 from tests.models_util import tiny_config, tiny_lm
 
 

@@ -9,15 +9,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jtree.config.architectures import (
+    Llama3RopeScaling,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    Qwen3NextConfig,
+)
+from jtree.config.objective import Objective
+from jtree.config.runtime import RuntimeConfig
 from jtree.layout.linearize import TreeBatch, unlinearize
 from jtree.models import CausalLM
-from jtree.config.architectures import (
-    Llama3RopeScaling, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
-)
-from jtree.config.runtime import RuntimeConfig
-from jtree.config.objective import Objective
-from jtree.step.train_step import make_logprob_fn
 from jtree.objectives.objective import objective_loss
+from jtree.step.train_step import make_logprob_fn
 
 
 def tiny_runtime(**overrides) -> RuntimeConfig:

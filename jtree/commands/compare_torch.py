@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-
 from typing import Any
 
 from jtree.commands.data_file import add_data_arguments, read_data
@@ -45,9 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here so other commands start without jax models, torch or transformers.
     import jtree.hf
+    from jtree.config.runtime import RuntimeConfig
     from jtree.hf.compare import Tolerances, compare
     from jtree.hf.torch_reference import load_torch_model
-    from jtree.config.runtime import RuntimeConfig
 
     config, model = jtree.hf.load(args.hf_dir, RuntimeConfig(attention_impl=args.attention_impl))
     trees = read_data(args.data, args, vocab_size=config.vocab_size)

@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jtree.training.checkpoint import Checkpointer, abstract_like
-from jtree.parallel.layer_stack import layer_groups
 from jtree.config import TrainConfig, load_config
 from jtree.models import create_model
 from jtree.models.lora import model_params, trainable, with_lora
+from jtree.parallel.layer_stack import layer_groups
 from jtree.step.optimizer import TrainState, make_optimizer
+from jtree.training.checkpoint import Checkpointer, abstract_like
 
 
 def register(sub: argparse._SubParsersAction) -> None:

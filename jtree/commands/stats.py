@@ -18,8 +18,8 @@ import json
 import numpy as np
 
 from jtree.commands.data_file import add_data_arguments, read_data
-from jtree.partitioning.partition import METHODS, partition
 from jtree.partitioning.exact_dp import DEFAULT_MAX_WORK, TooLargeForExactDP
+from jtree.partitioning.partition import METHODS, partition
 from jtree.partitioning.redundancy_free.plan import plan_parts
 from jtree.trees.tree import TrajectoryTree
 

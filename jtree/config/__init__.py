@@ -5,13 +5,24 @@ read its own section, and a config is read without loading a step, a planner or 
 """
 
 from jtree.config.architectures import (
-    ARCHITECTURE_CONFIGS, DecoderSpec, LayerKind, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+    ARCHITECTURE_CONFIGS,
+    DecoderSpec,
+    LayerKind,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    Qwen3NextConfig,
     architecture_config,
 )
 from jtree.config.model import LoraConfig, ModelSpec
 from jtree.config.objective import CriticConfig, Objective, OptimConfig
 from jtree.config.run import (
-    CheckpointConfig, DataConfig, MeshConfig, RunConfig, TrainConfig, config_values, load_config,
+    CheckpointConfig,
+    DataConfig,
+    MeshConfig,
+    RunConfig,
+    TrainConfig,
+    config_values,
+    load_config,
 )
 from jtree.config.runtime import RuntimeConfig
 from jtree.config.schema import apply_overrides, from_dict

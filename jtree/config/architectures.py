@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, NamedTuple
 
-
 Mixer = Literal["attention", "gated_attention", "gated_deltanet"]
 
 

@@ -8,7 +8,6 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
-
 Estimator = Literal["given", "grpo", "dr_grpo", "rloo", "tree", "turn"]
 
 

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from jtree.kernels import available_impls
 from jtree.kernels.gdn import GDN_SCANS
 
-
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 import yaml
 
-
 _YAML11_EXPONENT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
 
 

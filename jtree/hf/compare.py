@@ -26,14 +26,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jtree.hf import torch_reference
+from jtree.config.objective import Normalization, Objective
 from jtree.config.run import DEFAULT_CHUNK_SIZE
+from jtree.hf import torch_reference
 from jtree.hf.load_save import to_hf_tensors
+from jtree.layout.coefficients import batch_normalizer, path_coefficients
 from jtree.layout.linearize import TreeBatch, linearize, unlinearize
 from jtree.objectives.logprobs import logprobs_from_hidden
-from jtree.config.objective import Normalization
-from jtree.layout.coefficients import batch_normalizer, path_coefficients
-from jtree.config.objective import Objective
 from jtree.objectives.objective import objective_loss
 from jtree.trees.tree import TrajectoryTree
 

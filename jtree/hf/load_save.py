@@ -22,13 +22,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jtree.config.runtime import DTYPES, RuntimeConfig
 from jtree.hf.placement import ShardingFn, mesh_shardings, place
 from jtree.hf.safetensors_io import INDEX_FILE, CheckpointTensors, write_checkpoint
-from jtree.models.hf_mapping import HfMapping, Storage, dotted
-from jtree.parallel.layer_stack import layer_groups, layer_paths, layer_sharding, unstack_flat
 from jtree.models import architectures
 from jtree.models.decoder import CausalLM
-from jtree.config.runtime import DTYPES, RuntimeConfig
+from jtree.models.hf_mapping import HfMapping, Storage, dotted
+from jtree.parallel.layer_stack import layer_groups, layer_paths, layer_sharding, unstack_flat
 
 CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30

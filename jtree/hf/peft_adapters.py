@@ -31,12 +31,12 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from jtree.models.hf_mapping import dotted
-from jtree.parallel.layer_stack import layer_groups, unstack_flat
-from jtree.models import architectures
-from jtree.models.lora import KERNEL, LoraParams
 from jtree.config.model import LoraConfig
 from jtree.config.runtime import DTYPES
+from jtree.models import architectures
+from jtree.models.hf_mapping import dotted
+from jtree.models.lora import KERNEL, LoraParams
+from jtree.parallel.layer_stack import layer_groups, unstack_flat
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"

@@ -29,12 +29,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.kernels.attention_xla import (
-    _blocks, _kv_from_blocks, _kv_to_blocks, _q_from_blocks, _q_to_blocks, default_blocks,
-    flat_kv_lists)
+    _blocks,
+    _kv_from_blocks,
+    _kv_to_blocks,
+    _q_from_blocks,
+    _q_to_blocks,
+    default_blocks,
+    flat_kv_lists,
+)
 from jtree.kernels.block_tables import block_tables
+from jtree.kernels.flash_vjp import flash_vjp
 from jtree.kernels.flat_tokens import last_axis_dot
 from jtree.kernels.varying_axes import varying_like
-from jtree.kernels.flash_vjp import flash_vjp
 
 _SOURCE = Path(__file__).with_name("cpu") / "tree_attention.cc"
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++20", "-shared", "-fPIC", "-pthread")

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jtree.kernels.block_tables import block_tables, round_up_to_blocks
+from jtree.kernels.flash_vjp import flash_vjp
 from jtree.kernels.mgpu_backward import (
     DKV_BLOCK_KV,
     DKV_BLOCK_Q,
@@ -36,7 +37,6 @@ from jtree.kernels.mgpu_backward import (
 )
 from jtree.kernels.mgpu_forward import forward_buffers, forward_call
 from jtree.kernels.mgpu_pipeline import CONSUMERS, LIST_CHUNK, SMEM_LIMIT, WG_ROWS, smem_bytes
-from jtree.kernels.flash_vjp import flash_vjp
 
 SEQ_MULTIPLE = CONSUMERS * WG_ROWS  # every kernel's block sizes divide this
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -35,11 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jtree.kernels.block_tables import FULL, PARTIAL, block_padding, block_tables
+from jtree.kernels.pallas_attention import MASKED, NN, NT, BlockConfig
 from jtree.kernels.varying_axes import varying_struct
-from jtree.kernels.pallas_attention import BlockConfig
-from jtree.kernels.pallas_attention import MASKED
-from jtree.kernels.pallas_attention import NN
-from jtree.kernels.pallas_attention import NT
 
 DEFAULT_BLOCK = 128
 LANES = 128

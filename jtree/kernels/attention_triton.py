@@ -45,10 +45,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jtree.kernels.block_tables import PARTIAL, block_padding, block_tables
 from jtree.kernels.flash_vjp import flash_vjp
-from jtree.kernels.pallas_attention import BlockConfig
-from jtree.kernels.pallas_attention import MASKED
-from jtree.kernels.pallas_attention import NN
-from jtree.kernels.pallas_attention import NT
+from jtree.kernels.pallas_attention import MASKED, NN, NT, BlockConfig
 
 PAD_MULTIPLE = 64  # the dispatch pads S to this by default; every default block divides it
 MIN_BLOCK = 16  # tl.dot needs every matmul dimension >= 16

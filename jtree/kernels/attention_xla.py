@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.kernels.block_tables import BlockTables, block_tables, round_up_to_blocks
+from jtree.kernels.flash_vjp import flash_vjp
 from jtree.kernels.flat_tokens import last_axis_dot
 from jtree.kernels.varying_axes import varying_like
-from jtree.kernels.flash_vjp import flash_vjp
 
 DEFAULT_BLOCK = 64
 DEFAULT_GROUP = 1  # fastest on CPU (jtree/launch/bench_attention.py sweep); larger suits wide devices

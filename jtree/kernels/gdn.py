@@ -39,7 +39,10 @@ import numpy as np
 
 from jtree.kernels.flat_tokens import normalized_last_axis
 from jtree.kernels.gdn_tree_scan import (
-    accumulate_from_descendants, compose_along_parents, gather_slots, sum_into_slots,
+    accumulate_from_descendants,
+    compose_along_parents,
+    gather_slots,
+    sum_into_slots,
 )
 from jtree.kernels.varying_axes import varying_like
 

@@ -39,10 +39,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.kernels.gdn import (
-    ChunkTerms, chunk_maps, chunk_step, over_chunks, tokens_from_chunks, tree_chunk_terms,
+    ChunkTerms,
+    chunk_maps,
+    chunk_step,
+    over_chunks,
+    tokens_from_chunks,
+    tree_chunk_terms,
 )
 from jtree.kernels.gdn_tree_scan import (
-    accumulate_from_descendants, compose_along_parents, gather_slots, sum_into_slots,
+    accumulate_from_descendants,
+    compose_along_parents,
+    gather_slots,
+    sum_into_slots,
 )
 from jtree.kernels.tree_conv import path_context
 

@@ -20,6 +20,7 @@ kernel loads its queries' positions with its Q tile.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,7 +50,6 @@ from jtree.kernels.mgpu_pipeline import (
     tiled_smem,
     tree_mask_tile,
 )
-from collections.abc import Callable
 
 DQ_BLOCK_KV = 64  # kv tile of the dQ kernel (three streamed operands per block)
 DKV_BLOCK_Q = 64  # q tile of the dK/dV kernel (four streamed operands per block)

@@ -14,6 +14,7 @@ positions with its Q tile), so the same kernel runs rectangular [Sq, Skv] layout
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -43,7 +44,6 @@ from jtree.kernels.mgpu_pipeline import (
     tiled_smem,
     tree_mask_tile,
 )
-from collections.abc import Callable
 
 
 def forward_buffers(kv_len: int, head_dim: int, block_kv: int, stages: int,

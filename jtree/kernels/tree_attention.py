@@ -44,7 +44,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jtree.kernels import attention_cpu, attention_mgpu, attention_tpu, attention_triton, attention_xla
+from jtree.kernels import (
+    attention_cpu,
+    attention_mgpu,
+    attention_tpu,
+    attention_triton,
+    attention_xla,
+)
 from jtree.kernels.attention_reference import attention_reference
 from jtree.kernels.tree_mask import TreeMask
 

@@ -75,26 +75,34 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.config import DataConfig
-from jtree.layout.flop_model import FlopModel, Work, choose_mode, ideal_speedup, tree_work
-from jtree.training.step_builders import step_builder
-from jtree.training.step_builders import step_indices
-from jtree.models import CausalLM
 from jtree.config.architectures import Qwen3Config
-from jtree.config.runtime import RuntimeConfig
-from jtree.layout.planner import StepPlan
-from jtree.trees.synthetic import AgentShape, agent_rollout_group, chat_record, por_forest, por_tree
 from jtree.config.objective import Objective, OptimConfig
-from jtree.step.optimizer import TrainState, make_optimizer
-from jtree.step.train_step import make_train_step
-from jtree.trees.tree import TrajectoryTree
+from jtree.config.runtime import RuntimeConfig
 from jtree.kernels.attention_xla import default_blocks, schedule_work
 from jtree.kernels.block_tables import EMPTY, FULL, classify_blocks, round_up_to_blocks
 from jtree.launch.harness import (
-    Column, CompiledMemory, Output, add_attention_flag, add_host_malloc_flag, alternate,
-    apply_host_malloc, bench_parser, figure, machine, markdown_table,
+    Column,
+    CompiledMemory,
+    Output,
+    add_attention_flag,
+    add_host_malloc_flag,
+    alternate,
+    apply_host_malloc,
+    bench_parser,
+    figure,
+    machine,
+    markdown_table,
 )
+from jtree.layout.flop_model import FlopModel, Work, choose_mode, ideal_speedup, tree_work
+from jtree.layout.planner import StepPlan
+from jtree.models import CausalLM
+from jtree.step.optimizer import TrainState, make_optimizer
+from jtree.step.train_step import make_train_step
+from jtree.training.step_builders import step_builder, step_indices
+from jtree.trees.chat import ByteTokenizer, conversation_tree
+from jtree.trees.synthetic import AgentShape, agent_rollout_group, chat_record, por_forest, por_tree
+from jtree.trees.tree import TrajectoryTree
 
 SHAPES = {
     # Projections and MLP dominate: hidden 256, MLP 1024, 4 layers, paths of ~512 tokens.

@@ -27,16 +27,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtree.layout.linearize import linearize
-from jtree.trees.synthetic import AgentShape, agent_rollout_group
-from jtree.trees.tree import TrajectoryTree
 from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.attention_xla import default_blocks, schedule_work
 from jtree.kernels.block_tables import nonempty_fraction
 from jtree.launch.harness import (
-    Column, CompiledMemory, Output, alternate, bench_parser, figure, markdown_table, run_info,
+    Column,
+    CompiledMemory,
+    Output,
+    alternate,
+    bench_parser,
+    figure,
+    markdown_table,
+    run_info,
 )
-
+from jtree.layout.linearize import linearize
+from jtree.trees.synthetic import AgentShape, agent_rollout_group
+from jtree.trees.tree import TrajectoryTree
 
 # ----------------------------------------------------------------------------- data
 

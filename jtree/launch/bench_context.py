@@ -33,14 +33,14 @@ from typing import Any
 import numpy as np
 
 from jtree.config import load_config
-from jtree.parallel.context import halo_capacity
-from jtree.layout.context_rows import even_split, slice_length, slice_work
 from jtree.kernels.block_tables import EMPTY, classify_blocks
+from jtree.launch.harness import Column, Output, bench_parser, figure, markdown_table, run_info
+from jtree.layout.context_rows import even_split, slice_length, slice_work
 from jtree.layout.linearize import linearize
 from jtree.layout.microbatches import unit_counts
 from jtree.layout.planner import ROW_ALIGN, LayoutConfig, plan_rows, plan_step, row_length_ladder
+from jtree.parallel.context import halo_capacity
 from jtree.trees.synthetic import AgentShape, agent_rollout_group
-from jtree.launch.harness import Column, Output, bench_parser, figure, markdown_table, run_info
 
 # About 128k tokens per tree (100-150k over seeds 0-3): a long shared prompt, 12 turns of
 # assistant + tool segments, up to 10 rollouts branching at turns.

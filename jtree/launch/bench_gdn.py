@@ -31,16 +31,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jtree.layout.baseline import linearize_baseline
-from jtree.layout.linearize import TreeBatch, linearize
-from jtree.kernels.gdn import pick_scan
 from jtree.config.architectures import Qwen3NextConfig
 from jtree.config.runtime import RuntimeConfig
+from jtree.kernels.gdn import pick_scan
+from jtree.launch.harness import (
+    Column,
+    CompiledMemory,
+    Output,
+    alternate,
+    bench_parser,
+    figure,
+    markdown_table,
+    run_info,
+)
+from jtree.layout.baseline import linearize_baseline
+from jtree.layout.linearize import TreeBatch, linearize
 from jtree.models.gated_deltanet import GatedDeltaNet, gdn_routing
 from jtree.trees.tree import TrajectoryTree
-from jtree.launch.harness import (
-    Column, CompiledMemory, Output, alternate, bench_parser, figure, markdown_table, run_info,
-)
 
 
 def por_tree(rng: np.random.Generator, n_paths: int, path_len: int, por: float) -> TrajectoryTree:

@@ -20,15 +20,21 @@ from typing import Any
 
 import numpy as np
 
+from jtree.launch.harness import (
+    Column,
+    Output,
+    alternate,
+    bench_parser,
+    figure,
+    markdown_table,
+    run_info,
+)
 from jtree.layout.balance import assign_to_ranks, split_contiguous
 from jtree.layout.planner import plan_rows
-from jtree.partitioning.partition import partition, plan_groups
 from jtree.partitioning.exact_dp import TooLargeForExactDP
+from jtree.partitioning.partition import partition, plan_groups
 from jtree.trees.synthetic import AgentShape, agent_rollout_group
 from jtree.trees.tree import TrajectoryTree
-from jtree.launch.harness import (
-    Column, Output, alternate, bench_parser, figure, markdown_table, run_info,
-)
 
 SCALING_COLUMNS = (
     Column("tree tokens", "tree_tokens"), Column("nodes", "nodes"), Column("paths", "paths"),

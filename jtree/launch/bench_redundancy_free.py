@@ -45,25 +45,34 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jtree.layout.baseline import flatten_paths
-from jtree.layout.flop_model import FlopModel, ideal_speedup, tree_work
-from jtree.layout.coefficients import batch_normalizer
-from jtree.models import CausalLM
 from jtree.config.architectures import Qwen3Config
+from jtree.config.objective import Objective
+from jtree.config.run import ROW_STEPS_PER_OCTAVE
 from jtree.config.runtime import RuntimeConfig
+from jtree.launch.harness import (
+    Column,
+    CompiledMemory,
+    Output,
+    add_attention_flag,
+    add_host_malloc_flag,
+    alternate,
+    apply_host_malloc,
+    bench_parser,
+    figure,
+    markdown_table,
+    run_info,
+)
+from jtree.layout.baseline import flatten_paths
+from jtree.layout.coefficients import batch_normalizer
+from jtree.layout.flop_model import FlopModel, ideal_speedup, tree_work
 from jtree.layout.microbatches import build_microbatches
+from jtree.models import CausalLM
 from jtree.partitioning.partition import partition
 from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
-from jtree.config.run import ROW_STEPS_PER_OCTAVE
 from jtree.partitioning.redundancy_free.layout import build_program
-from jtree.trees.synthetic import AgentShape, agent_rollout_group
-from jtree.config.objective import Objective
 from jtree.step.train_step import make_grad_fn
+from jtree.trees.synthetic import AgentShape, agent_rollout_group
 from jtree.trees.tree import TrajectoryTree
-from jtree.launch.harness import (
-    Column, CompiledMemory, Output, add_attention_flag, add_host_malloc_flag, alternate,
-    apply_host_malloc, bench_parser, figure, markdown_table, run_info,
-)
 
 OBJECTIVE = Objective(kind="sft", normalization="seq_mean_token_mean")
 RFREE_MODES = {"rfree": "residuals", "rfree_recompute": "recompute", "rfree_auto": "auto"}

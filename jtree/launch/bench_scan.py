@@ -24,13 +24,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jtree.config.objective import Objective
+from jtree.config.runtime import REMAT_POLICY_NAMES, RuntimeConfig
+from jtree.launch.harness import Column, Output, alternate, bench_parser, markdown_table, run_info
 from jtree.layout.linearize import linearize
 from jtree.models import architecture, create_model
-from jtree.config.runtime import REMAT_POLICY_NAMES, RuntimeConfig
-from jtree.trees.synthetic import por_tree
-from jtree.config.objective import Objective
 from jtree.objectives.objective import objective_loss
-from jtree.launch.harness import Column, Output, alternate, bench_parser, markdown_table, run_info
+from jtree.trees.synthetic import por_tree
 
 SEQ_LEN, ROWS, GDN_CHUNK = 128, 2, 16
 NEXT_BLOCK = ("linear_attention",) * 3 + ("full_attention",)

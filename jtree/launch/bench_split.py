@@ -33,14 +33,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtree.layout.flop_model import FlopModel
 from jtree.config.architectures import Qwen3Config
 from jtree.kernels import TreeMask, tree_attention
 from jtree.launch.bench import SHAPES, StepLoop, fixed_cost_inputs, make_step, prepare, workloads
 from jtree.launch.harness import (
-    Output, add_attention_flag, add_host_malloc_flag, alternate, apply_host_malloc, bench_parser,
+    Output,
+    add_attention_flag,
+    add_host_malloc_flag,
+    alternate,
+    apply_host_malloc,
+    bench_parser,
     run_info,
 )
+from jtree.layout.flop_model import FlopModel
 
 
 def attention_grad_fn(end: np.ndarray, cfg: Qwen3Config, attention: str) -> Callable:

@@ -69,14 +69,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jtree.launch.harness import Column, Output, bench_parser, markdown_table, run_info
-from jtree.launch.device_report import Report
-from jtree.launch.device_report import dispatch
-from jtree.launch.device_report import first_line
-from jtree.launch.device_numerics import DTYPES
-from jtree.launch.device_numerics import numerics
-from jtree.launch.device_report import peak_flops
+from jtree.launch.device_numerics import DTYPES, numerics
+from jtree.launch.device_report import Report, dispatch, first_line, peak_flops
 from jtree.launch.device_speed import speed
+from jtree.launch.harness import Column, Output, bench_parser, markdown_table, run_info
 
 SECTIONS = ("info", "numerics", "memory", "speed")
 
@@ -125,8 +121,8 @@ def info(report: Report, _args: Any) -> dict[str, Any]:
 
 def memory(report: Report, args: Any) -> dict[str, Any]:
     """The trainer's step of a config, run once here, against `jtree.memory.plan` (XLA:CPU)."""
-    from jtree.memory.step_shapes import padding_step_inputs
     from jtree.config import load_config
+    from jtree.memory.step_shapes import padding_step_inputs
     from jtree.training.trainer import Trainer
 
     config = "configs/tiny.yaml" if args.quick else "configs/qwen3_0.6b.yaml"

@@ -15,19 +15,17 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.gdn import gated_delta_rule_recurrent, tree_gated_delta_rule
+from jtree.launch.device_report import Report, dispatch, execution, first_line
 from jtree.launch.harness import Column, markdown_table
 from jtree.layout.linearize import linearize
 from jtree.trees.tree import TrajectoryTree
-from jtree.launch.device_report import Report
-from jtree.launch.device_report import dispatch
-from jtree.launch.device_report import execution
-from jtree.launch.device_report import first_line
-
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -309,12 +307,12 @@ def step_numerics(platform: str) -> list[dict[str, Any]]:
     (attention `xla`), float32 at the highest matmul precision, on two rows of branching trees."""
     from flax import nnx
 
-    from jtree.models import CausalLM
-    from jtree.config.runtime import RuntimeConfig
-    from jtree.trees.synthetic import por_forest
     from jtree.config.objective import Objective
-    from jtree.step.train_step import make_grad_fn
+    from jtree.config.runtime import RuntimeConfig
+    from jtree.models import CausalLM
     from jtree.step.batches import stack_microbatches
+    from jtree.step.train_step import make_grad_fn
+    from jtree.trees.synthetic import por_forest
 
     cpu = jax.devices("cpu")[0]
     rows = []

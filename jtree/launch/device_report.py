@@ -12,7 +12,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-
 # Datasheet dense bf16 peaks (FLOP/s) by device kind, first match wins.
 PEAK_BF16 = (
     (r"H100.*PCIe", 756e12), (r"\b(H100|H200|H800|GH200)\b", 989e12), (r"\bH20\b", 148e12),

@@ -6,16 +6,15 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable
 from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from jtree.kernels.gdn import tree_gated_delta_rule
+from jtree.launch.device_report import Report, dispatch, first_line, peak_flops
 from jtree.launch.harness import Column, markdown_table
 from jtree.layout.linearize import linearize
-from jtree.launch.device_report import Report
-from jtree.launch.device_report import dispatch
-from jtree.launch.device_report import first_line
-from jtree.launch.device_report import peak_flops
 
 
 def dense_kernels(end: np.ndarray, heads: Any, platform: str
@@ -51,7 +50,12 @@ def dense_kernels(end: np.ndarray, heads: Any, platform: str
 def attention_speed(platform: str, quick: bool, repeats: int) -> list[dict[str, Any]]:
     from jtree.launch.bench_attention import Heads, packed_row
     from jtree.launch.bench_attention_gpu import (
-        _inputs, attention_flops, time_kernels, tree_kernel, visible_pairs)
+        _inputs,
+        attention_flops,
+        time_kernels,
+        tree_kernel,
+        visible_pairs,
+    )
 
     heads = Heads(16, 8, 128)  # Qwen3-0.6B's attention
     dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
@@ -84,10 +88,10 @@ def attention_speed(platform: str, quick: bool, repeats: int) -> list[dict[str, 
 def step_speed(platform: str, quick: bool, repeats: int) -> dict[str, Any]:
     """Tree vs baseline train step of a Qwen3-0.6B-shaped random model (bf16, S 8192), through
     `jtree.launch.bench`'s trainer batches; tokens/s (flat: the baseline's tokens) and MFU."""
-    from jtree.layout.flop_model import FlopModel, choose_mode
+    from jtree.config.architectures import Qwen3Config
     from jtree.launch.bench import AUTO_MIN_GAIN, SHAPES, StepLoop, make_step, prepare
     from jtree.launch.harness import alternate
-    from jtree.config.architectures import Qwen3Config
+    from jtree.layout.flop_model import FlopModel, choose_mode
     from jtree.trees.synthetic import por_forest
 
     if quick:

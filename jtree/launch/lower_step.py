@@ -42,8 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    from jtree.memory.step_shapes import abstract_step_args
     from jtree.config import load_config
+    from jtree.memory.step_shapes import abstract_step_args
     from jtree.parallel.sharding import describe_mesh
     from jtree.training.trainer import Trainer
 

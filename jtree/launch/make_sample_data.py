@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jtree.trees.synthetic import AgentShape, agent_rollout_group
 from jtree.trees.jsonl import write_sequence_groups
+from jtree.trees.synthetic import AgentShape, agent_rollout_group
 
 
 def main(argv: Sequence[str] | None = None) -> int:

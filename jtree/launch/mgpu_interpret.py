@@ -37,12 +37,16 @@ import numpy as np  # noqa: E402
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # noqa: E402
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: E402
 
-from jtree.layout.linearize import linearize  # noqa: E402
-from jtree.trees.tree import TrajectoryTree  # noqa: E402
 from jtree.kernels import TreeMask, tree_attention  # noqa: E402
 from jtree.launch.harness import (  # noqa: E402
-    Column, DEFAULT_OUT, Output, markdown_table, run_info,
+    DEFAULT_OUT,
+    Column,
+    Output,
+    markdown_table,
+    run_info,
 )
+from jtree.layout.linearize import linearize  # noqa: E402
+from jtree.trees.tree import TrajectoryTree  # noqa: E402
 
 OUTPUTS = ("out", "dq", "dk", "dv")
 COLUMNS = (Column("dtype", "dtype"), Column("prefix", "prefix"),

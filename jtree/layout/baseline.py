@@ -8,12 +8,12 @@ is the reference for every equivalence test and every speedup figure.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from jtree.layout.linearize import TreeBatch, linearize, unlinearize
 from jtree.trees.tree import TrajectoryTree
-from typing import Any
 
 
 def flatten_paths(trees: Sequence[TrajectoryTree]) -> list[TrajectoryTree]:

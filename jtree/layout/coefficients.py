@@ -15,12 +15,12 @@ read these coefficients are `jtree.objectives.losses`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-import numpy as np
-from jtree.trees.tree import TrajectoryTree
-from jtree.config.objective import NORMALIZATIONS
-from jtree.config.objective import Normalization
-from jtree.trees.loss_masks import scored_masks
 
+import numpy as np
+
+from jtree.config.objective import NORMALIZATIONS, Normalization
+from jtree.trees.loss_masks import scored_masks
+from jtree.trees.tree import TrajectoryTree
 
 # The per-token coefficient arrays `token_coefficients` returns (fields of `LossCoefficients`).
 COEFFICIENT_FIELDS = ("weight", "adv_pos", "adv_neg", "seq_pos", "seq_neg")

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from jtree.layout.linearize import TreeBatch
 from jtree.config.architectures import LayerKind
+from jtree.layout.linearize import TreeBatch
 from jtree.trees.tree import TrajectoryTree
 
 PROJECTION_PASSES = 3.0

@@ -17,7 +17,6 @@ from jtree.layout.batch import GdnTables
 from jtree.trees.tree import TrajectoryTree
 
 
-
 def concat_ranges(sizes: np.ndarray) -> np.ndarray:
     """Concatenation of arange(n) for every n in `sizes`, without a Python loop."""
     total = int(sizes.sum())

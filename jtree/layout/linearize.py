@@ -25,21 +25,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from jtree.layout.batch import DeviceBatch, LossCoefficients, padding, token_arrays
-from jtree.layout.gdn_tables import (
-    chunk_tables, chunks_needed, concat_ranges, default_chunk_count, node_chunk_tables, tree_nodes,
-)
-from jtree.layout.context_rows import ContextSplit, place_in_rows, split_nodes
-from jtree.layout.coefficients import COEFFICIENT_FIELDS, batch_normalizer, token_coefficients
 from jtree.config.objective import Normalization
+from jtree.layout.batch import DeviceBatch, GdnTables, LossCoefficients, padding, token_arrays
+from jtree.layout.coefficients import COEFFICIENT_FIELDS, batch_normalizer, token_coefficients
+from jtree.layout.context_rows import ContextSplit, place_in_rows, split_nodes
+from jtree.layout.gdn_tables import (
+    chunk_tables,
+    chunks_needed,
+    concat_ranges,
+    default_chunk_count,
+    node_chunk_tables,
+    tree_nodes,
+)
 from jtree.layout.planner import RowPlan, plan_rows, score_width
 from jtree.trees.tree import TrajectoryTree, TreeStats
-from typing import Any
-from jtree.layout.batch import GdnTables
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,12 +14,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jtree.layout.batch import DeviceBatch, stack
-from jtree.layout.gdn_tables import tree_chunks
-from jtree.layout.flop_model import tree_work
-from jtree.layout.linearize import TreeBatch, linearize, pad_score_index
 from jtree.config.objective import Normalization
+from jtree.layout.batch import DeviceBatch, stack
 from jtree.layout.coefficients import batch_normalizer
+from jtree.layout.flop_model import tree_work
+from jtree.layout.gdn_tables import tree_chunks
+from jtree.layout.linearize import TreeBatch, linearize, pad_score_index
 from jtree.layout.planner import LayoutConfig, StepPlan, plan_step
 from jtree.trees.tree import TrajectoryTree
 

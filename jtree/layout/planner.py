@@ -57,8 +57,8 @@ import numpy as np
 
 from jtree.layout.balance import assign_to_ranks
 from jtree.layout.bin_packing import first_fit_decreasing
-from jtree.layout.gdn_tables import default_chunk_count
 from jtree.layout.context_rows import ContextSplit, check_context, slice_length, split_row
+from jtree.layout.gdn_tables import default_chunk_count
 
 ROW_ALIGN = 64  # row lengths of a ladder are multiples of the attention kernels' block
 SCORE_MIN = 64  # the narrowest `score_index`

@@ -46,9 +46,9 @@ from typing import Any
 
 import jax
 
-from jtree.memory.step_shapes import abstract_step_args
 from jtree.config import TrainConfig, load_config
 from jtree.memory.grouped_matmul_lowering import grouped_matmul_lowering
+from jtree.memory.step_shapes import abstract_step_args
 from jtree.models.lora import trainable
 from jtree.parallel.sharding import describe_mesh
 from jtree.training.trainer import Trainer

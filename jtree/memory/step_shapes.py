@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding
 
 from jtree.layout.batch import padding
 from jtree.layout.gdn_tables import default_chunk_count
-from jtree.training.run_data import gdn_chunk_size
 from jtree.parallel.context import ContextCapacities
 from jtree.parallel.sharding import batch_specs, context_size, row_shards
+from jtree.training.run_data import gdn_chunk_size
 from jtree.training.trainer import Trainer
 
 # The halo slots per device the abstract step carries under context parallelism (the attention

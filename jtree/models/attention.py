@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jtree.parallel.context import gathered_keys
+from jtree.config.architectures import DecoderSpec
+from jtree.config.runtime import RuntimeConfig
 from jtree.kernels import TreeMask, tree_attention
 from jtree.models.layers import NORMS, apply_rope, linear, local_kv_heads, row_parallel
 from jtree.models.prefix import AttentionCache
-from jtree.config.architectures import DecoderSpec
-from jtree.config.runtime import RuntimeConfig
+from jtree.parallel.context import gathered_keys
 
 
 class Attention(nnx.Module):

@@ -32,23 +32,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jtree.config.architectures import DecoderSpec, FeedForward, LayerKind
+from jtree.config.runtime import RuntimeConfig
+from jtree.kernels import TreeMask
+from jtree.layout.batch import DeviceBatch
 from jtree.models.attention import Attention
 from jtree.models.gated_deltanet import GatedDeltaNet, GdnRouting, gdn_routing
-from jtree.parallel.layer_stack import layer_groups
 from jtree.models.layers import (
-    NORMS, SwiGLU, call_layer, linear, rope_cos_sin, rope_inverse_frequencies,
+    NORMS,
+    SwiGLU,
+    call_layer,
+    linear,
+    rope_cos_sin,
+    rope_inverse_frequencies,
     vocab_parallel_embed,
 )
 from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
 from jtree.models.output import ModelOutput
-from jtree.layout.batch import DeviceBatch
-from jtree.parallel.context import context_mask
-from jtree.kernels import TreeMask
 from jtree.models.prefix import LayerCache, prefix_inputs
-from jtree.config.runtime import RuntimeConfig
-from jtree.config.architectures import DecoderSpec
-from jtree.config.architectures import FeedForward
-from jtree.config.architectures import LayerKind
+from jtree.parallel.context import context_mask
+from jtree.parallel.layer_stack import layer_groups
 
 
 class LayerInputs(NamedTuple):

@@ -36,16 +36,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jtree.models.layers import linear, rms_normalized, row_parallel
-from jtree.models.prefix import GdnCache
 from jtree.config.runtime import RuntimeConfig
-from jtree.layout.batch import GdnTables
 from jtree.kernels.flat_tokens import scale_channels
 from jtree.kernels.gdn import tree_gated_delta_rule
 from jtree.kernels.gdn_context import (
-    context_conv_index, context_conv_source, context_gated_delta_rule,
+    context_conv_index,
+    context_conv_source,
+    context_gated_delta_rule,
 )
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
+from jtree.layout.batch import GdnTables
+from jtree.models.layers import linear, rms_normalized, row_parallel
+from jtree.models.prefix import GdnCache
 
 
 class GdnRouting(NamedTuple):

@@ -32,8 +32,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jtree.parallel.sharding import FSDP, MODEL, Rules, param_path, param_specs
 from jtree.config.model import LoraConfig
+from jtree.parallel.sharding import FSDP, MODEL, Rules, param_path, param_specs
 
 KERNEL = "kernel"
 ADAPTERS = ("lora_a", "lora_b")

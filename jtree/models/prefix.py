@@ -24,8 +24,8 @@ from typing import NamedTuple, Union
 
 import jax
 
-from jtree.layout.batch import DeviceBatch
 from jtree.kernels import TreeMask
+from jtree.layout.batch import DeviceBatch
 
 
 class AttentionCache(NamedTuple):

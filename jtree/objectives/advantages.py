@@ -32,14 +32,11 @@ which `jtree.objectives.losses` folds into the P/N coefficients as before, so tr
 
 from __future__ import annotations
 
-
 import numpy as np
 
-from jtree.trees.tree import TrajectoryTree
-from jtree.config.objective import ESTIMATORS
-from jtree.config.objective import Estimator
+from jtree.config.objective import ESTIMATORS, Estimator
 from jtree.trees.loss_masks import check_shared_masks
-
+from jtree.trees.tree import TrajectoryTree
 
 # Added to the std of GRPO's rewards, so a group whose rewards are all equal gets advantage 0.
 GRPO_EPS = 1e-6

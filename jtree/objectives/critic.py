@@ -27,8 +27,8 @@ import numpy as np
 import optax
 
 from jtree.layout.batch import CriticPairs
-from jtree.layout.linearize import TreeBatch
 from jtree.layout.coefficients import path_coefficients
+from jtree.layout.linearize import TreeBatch
 from jtree.layout.planner import SCORE_MIN, SCORE_STEPS_PER_OCTAVE, octave_step_length
 from jtree.parallel.sharding import param_path
 from jtree.trees.tree import TrajectoryTree

@@ -15,16 +15,17 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+from jtree.config.objective import CriticConfig, Objective
 from jtree.layout.batch import DeviceBatch, LossCoefficients
-from jtree.parallel.context import gathered_row, local_index, owned, scoring_view
-from jtree.config.objective import CriticConfig
+from jtree.layout.coefficients import COEFFICIENT_FIELDS
 from jtree.objectives.critic import gae, pair_token_sums, pair_values
 from jtree.objectives.logprobs import logprobs_from_hidden, scored_logprobs
-from jtree.layout.coefficients import COEFFICIENT_FIELDS
 from jtree.objectives.losses import gspo_loss, ppo_loss, sft_loss, value_loss
-from jtree.config.objective import Objective
+from jtree.parallel.context import gathered_row, local_index, owned, scoring_view
 
 
 def objective_loss(model: Any, inputs: DeviceBatch, objective: Objective, *,

@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jtree.layout.batch import DeviceBatch
-from jtree.layout.gdn_tables import default_chunk_count
-from jtree.layout.context_gdn_tables import context_gdn_tables, device_exports, device_slice
 from jtree.kernels import TreeMask
+from jtree.layout.batch import DeviceBatch
+from jtree.layout.context_gdn_tables import context_gdn_tables, device_exports, device_slice
+from jtree.layout.gdn_tables import default_chunk_count
 from jtree.layout.planner import octave_step_length, score_width
 from jtree.parallel.sharding import CONTEXT, MODEL, row_shards
 

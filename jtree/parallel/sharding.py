@@ -35,9 +35,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jtree.config.run import MeshConfig
 from jtree.layout.batch import DeviceBatch, field_axes, field_name
 from jtree.parallel.layer_stack import stacked_axes
-from jtree.config.run import MeshConfig
 
 DATA, FSDP, CONTEXT, MODEL = "data", "fsdp", "context", "model"
 AXES = (DATA, FSDP, CONTEXT, MODEL)

@@ -32,8 +32,8 @@ import numpy as np
 from jtree.layout.bin_packing import first_fit_decreasing
 from jtree.partitioning.exact_dp import DEFAULT_MAX_WORK, dp_multi, dp_single
 from jtree.partitioning.path_skeleton import PathSkeleton, path_skeleton
-from jtree.trees.tree import TrajectoryTree
 from jtree.trees.part import TreePart
+from jtree.trees.tree import TrajectoryTree
 
 Method = Literal["heuristic", "dp_single", "dp_multi"]
 METHODS: tuple[str, ...] = get_args(Method)

@@ -5,14 +5,14 @@ from the data."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
+
+from jtree.config.objective import Objective
 from jtree.layout.baseline import linearize_baseline
 from jtree.layout.batch import DeviceBatch, stack
 from jtree.layout.linearize import TreeBatch, linearize
 from jtree.layout.microbatches import same_score_len
 from jtree.trees.tree import TrajectoryTree
-from jtree.config.objective import Objective
-from typing import Any
 
 
 def build_batch(trees: Sequence[TrajectoryTree], seq_len: int, *,

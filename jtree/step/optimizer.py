@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jtree.objectives.critic import critic_update_scale
-from jtree.models.lora import trainable, with_trainable
+
 from jtree.config.objective import OptimConfig
+from jtree.models.lora import trainable, with_trainable
+from jtree.objectives.critic import critic_update_scale
 
 
 def make_optimizer(cfg: OptimConfig, critic_learning_rate: float | None = None

@@ -21,21 +21,31 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jtree.layout.batch import DeviceBatch
-from jtree.objectives.logprobs import token_logprobs
-from jtree.models.decoder import CausalLM
-from jtree.models.lora import model_params, trainable, with_trainable
-from jtree.models.layers import FSDP_GATHER, fsdp_gathered
-from jtree.parallel.sharding import (
-    CONTEXT, FSDP, MODEL, ROWS, batch_specs, context_size, param_path, token_spec, varying_axes, vary_over,
-)
 from jtree.config.objective import Objective
-from jtree.step.optimizer import TrainState
-from jtree.step.optimizer import apply_gradients
-from jtree.objectives.objective import finish_metrics
-from jtree.objectives.objective import normalize_coefficients
-from jtree.objectives.objective import objective_loss
-from jtree.objectives.objective import zero_sums
+from jtree.layout.batch import DeviceBatch
+from jtree.models.decoder import CausalLM
+from jtree.models.layers import FSDP_GATHER, fsdp_gathered
+from jtree.models.lora import model_params, trainable, with_trainable
+from jtree.objectives.logprobs import token_logprobs
+from jtree.objectives.objective import (
+    finish_metrics,
+    normalize_coefficients,
+    objective_loss,
+    zero_sums,
+)
+from jtree.parallel.sharding import (
+    CONTEXT,
+    FSDP,
+    MODEL,
+    ROWS,
+    batch_specs,
+    context_size,
+    param_path,
+    token_spec,
+    vary_over,
+    varying_axes,
+)
+from jtree.step.optimizer import TrainState, apply_gradients
 
 
 def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *,

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from jtree.config import TrainConfig
 from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
 from jtree.layout.batch import stack
-from jtree.config import TrainConfig
-from jtree.training.step_builders import step_indices
 from jtree.layout.linearize import linearize, unlinearize
-from jtree.training.run_data import StepBuilders, gdn_chunk_size
-from jtree.training.report import say
 from jtree.parallel.sharding import row_shards
 from jtree.step.optimizer import TrainState
+from jtree.training.report import say
+from jtree.training.run_data import StepBuilders, gdn_chunk_size
+from jtree.training.step_builders import step_indices
 from jtree.trees.tree import TrajectoryTree
 
 if TYPE_CHECKING:  # jtree.training.trainer calls this module at the end of a run

@@ -6,14 +6,14 @@ iterator state is grain's and is saved with every checkpoint.
 
 from __future__ import annotations
 
-
 import grain
 
-from jtree.training.step_builders import AutoStepBuilder
-from jtree.training.step_builders import RfreeStepBuilder
-from jtree.training.step_builders import StepBuilder
-from jtree.training.step_builders import step_indices
-
+from jtree.training.step_builders import (
+    AutoStepBuilder,
+    RfreeStepBuilder,
+    StepBuilder,
+    step_indices,
+)
 
 # ---------------------------------------------------------------------- step batching
 

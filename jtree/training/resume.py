@@ -4,8 +4,8 @@ line each), and those refused because they change the model, the objective or th
 from __future__ import annotations
 
 from typing import Any
-from jtree.training.report import say
 
+from jtree.training.report import say
 
 # Config keys a resumed run may change although they are part of a fixed section (`model.`,
 # `data.`): where the weights first came from, how many workers read data. How the model runs

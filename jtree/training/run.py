@@ -18,32 +18,38 @@ import os
 import signal
 import time
 from typing import Any
+
 import jax
-from jtree.training.baseline_check import compare_with_baseline
-from jtree.layout.batch import DeviceBatch
-from jtree.training.checkpoint import Checkpointer, abstract_like
-from jtree.parallel.layer_stack import layer_groups
-from jtree.training.compile_log import Compiles, CompileWatch
+
 from jtree.config import TrainConfig
-from jtree.training.tree_files import LoadReport
-from jtree.training.pipeline import make_pipeline
-from jtree.training.host_allocator import configure_host_malloc
 from jtree.kernels.tree_attention import resolve_impl
-from jtree.training.metrics import MetricsLog
+from jtree.layout.batch import DeviceBatch
 from jtree.models.lora import trainable
+from jtree.parallel.layer_stack import layer_groups
+from jtree.parallel.sharding import describe_mesh, row_shards
+from jtree.step.batches import old_logprobs_stale
+from jtree.step.optimizer import (
+    TrainState,
+    make_schedule,
+)
+from jtree.training.baseline_check import compare_with_baseline
+from jtree.training.checkpoint import Checkpointer, abstract_like
+from jtree.training.compile_log import Compiles, CompileWatch
+from jtree.training.host_allocator import configure_host_malloc
+from jtree.training.metrics import MetricsLog
+from jtree.training.pipeline import make_pipeline
+from jtree.training.report import progress, progress_line, say, step_record, summary
+from jtree.training.resume import check_resumable
 from jtree.training.run_data import (
-    StepBuilders, host_data_shards, load_training_trees, run_step_builder,
+    StepBuilders,
+    host_data_shards,
+    load_training_trees,
+    run_step_builder,
     to_global,
 )
-from jtree.training.report import progress, progress_line, say, step_record, summary
-from jtree.parallel.sharding import describe_mesh, row_shards
-from jtree.step.optimizer import (
-    TrainState, make_schedule,
-)
-from jtree.step.batches import old_logprobs_stale
-from jtree.trees.tree import TrajectoryTree
 from jtree.training.trainer import Trainer
-from jtree.training.resume import check_resumable
+from jtree.training.tree_files import LoadReport
+from jtree.trees.tree import TrajectoryTree
 
 
 @dataclasses.dataclass

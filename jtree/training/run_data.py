@@ -12,15 +12,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jtree.config import TrainConfig
+from jtree.layout.batch import DeviceBatch
 from jtree.layout.flop_model import FlopModel
-from jtree.layout.pruning import PrunedTree, pruning_blocker, prune_trees
+from jtree.layout.pruning import PrunedTree, prune_trees, pruning_blocker
+from jtree.parallel.sharding import batch_specs, row_shards
+from jtree.training.report import say
 from jtree.training.step_builders import (
-    AutoStepBuilder, RfreeStepBuilder, RfreeStepConfig, StepBuilder, step_builder,
+    AutoStepBuilder,
+    RfreeStepBuilder,
+    RfreeStepConfig,
+    StepBuilder,
+    step_builder,
 )
 from jtree.training.tree_files import LoadReport, load_trees
-from jtree.training.report import say
-from jtree.layout.batch import DeviceBatch
-from jtree.parallel.sharding import batch_specs, row_shards
 from jtree.trees.tree import TrajectoryTree
 
 

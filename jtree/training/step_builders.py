@@ -20,29 +20,35 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
+
 import grain
 import numpy as np
-from jtree.objectives.critic import pair_count, pair_width, padding_pairs, with_critic_pairs
+
+from jtree.config import DataConfig
+from jtree.config.objective import Normalization
+from jtree.config.run import ROW_STEPS_PER_OCTAVE
 from jtree.layout.baseline import flatten_paths
 from jtree.layout.batch import DeviceBatch, concatenate_rows, padding, stack
-from jtree.config import DataConfig
+from jtree.layout.coefficients import batch_normalizer
 from jtree.layout.flop_model import FlopModel, choose_mode
 from jtree.layout.linearize import linearize
-from jtree.config.objective import Normalization
-from jtree.layout.coefficients import batch_normalizer
-from jtree.layout.pruning import PrunedTree
 from jtree.layout.microbatches import unit_counts
+from jtree.layout.planner import (
+    LayoutConfig,
+    RowPlan,
+    StepPlan,
+    check_steps_per_octave,
+    plan_step,
+    row_length_ladder,
+    rows_to_hold,
+)
+from jtree.layout.pruning import PrunedTree
+from jtree.objectives.critic import padding_pairs, pair_count, pair_width, with_critic_pairs
 from jtree.partitioning.partition import Method as PartitionMethod
 from jtree.partitioning.partition import partition
-from jtree.layout.planner import (
-    LayoutConfig, RowPlan, StepPlan, plan_step, row_length_ladder, rows_to_hold,
-)
-from jtree.config.run import ROW_STEPS_PER_OCTAVE
 from jtree.partitioning.redundancy_free.layout import build_program
 from jtree.trees.part import TreePart
 from jtree.trees.tree import TrajectoryTree
-from jtree.layout.planner import check_steps_per_octave
-
 
 Mode = Literal["tree", "baseline"]
 

@@ -20,29 +20,48 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jtree.layout.batch import DeviceBatch
-from jtree.parallel.context import (
-    ContextCapacities, agreed, check_rows_within_processes, context_batch, context_capacities,
-)
 from jtree.config import TrainConfig, config_values
-from jtree.step.critic_params import as_critic_trunk, flat_params, policy_params, with_named
+from jtree.layout.batch import DeviceBatch
+from jtree.layout.planner import check_row_slices, check_steps_per_octave
 from jtree.models import create_model
 from jtree.models.lora import lora_specs, model_params, trainable, trainable_grads, with_lora
-from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
-from jtree.partitioning.redundancy_free.mesh_executor import MeshRedundancyFreeStep
-from jtree.layout.planner import check_row_slices, check_steps_per_octave
-from jtree.training.run_data import (
-    rfree_capacity, to_global,
+from jtree.parallel.context import (
+    ContextCapacities,
+    agreed,
+    check_rows_within_processes,
+    context_batch,
+    context_capacities,
 )
 from jtree.parallel.sharding import (
-    MODEL, context_size, describe_mesh, make_mesh, named, param_path, param_rules, param_specs,
+    MODEL,
+    context_size,
+    describe_mesh,
+    make_mesh,
+    named,
+    param_path,
+    param_rules,
+    param_specs,
 )
+from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
+from jtree.partitioning.redundancy_free.mesh_executor import MeshRedundancyFreeStep
+from jtree.step.critic_params import as_critic_trunk, flat_params, policy_params, with_named
 from jtree.step.optimizer import (
-    TrainState, apply_gradients, make_optimizer, state_shardings,
+    TrainState,
+    apply_gradients,
+    make_optimizer,
+    state_shardings,
 )
 from jtree.step.train_step import (
-    make_sharded_grad_fn, make_sharded_logprob_fn, make_train_step, sharded_graphdef,
+    make_sharded_grad_fn,
+    make_sharded_logprob_fn,
+    make_train_step,
+    sharded_graphdef,
 )
+from jtree.training.run_data import (
+    rfree_capacity,
+    to_global,
+)
+
 
 @dataclasses.dataclass
 class Trainer:

@@ -12,21 +12,28 @@ drift and is branched (`trace_drift="branch"`) is not bad, but counted and repor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
 import numpy as np
+
 from jtree.config.objective import Estimator
+from jtree.objectives.advantages import for_objective
 from jtree.trees.chat import conversation_tree, load_tokenizer
-from jtree.trees.tree import TrajectoryTree
 from jtree.trees.jsonl import (
-    check_group_line, group_key, iter_lines, parse_line, tree_from_group, tree_from_record,
+    Prepare,
+    check_group_line,
+    group_key,
+    iter_lines,
+    parse_line,
+    tree_from_group,
+    tree_from_record,
 )
 from jtree.trees.traces import Rollout, path_wheres, read_rollout, tree_from_rollouts
-from jtree.objectives.advantages import for_objective
-import functools
-from jtree.trees.jsonl import Prepare
+from jtree.trees.tree import TrajectoryTree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ sequence-level objective (GSPO) needs."""
 from __future__ import annotations
 
 import numpy as np
+
 from jtree.trees.tree import TrajectoryTree
 
 

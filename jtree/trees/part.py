@@ -4,7 +4,9 @@ nodes and paths it came from (what capacity partitioning and data-parallel balan
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import numpy as np
+
 from jtree.trees.tree import TrajectoryTree
 
 

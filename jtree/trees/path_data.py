@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
+
 import numpy as np
 
 ArrayLike = Any

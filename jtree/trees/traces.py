@@ -46,7 +46,11 @@ import numpy as np
 
 from jtree.trees.jsonl import Prepare, group_key, iter_lines, parse_line, tree_from_group
 from jtree.trees.path_data import (
-    as_token_array, check_log_probabilities, path_reward, per_token, preview,
+    as_token_array,
+    check_log_probabilities,
+    path_reward,
+    per_token,
+    preview,
 )
 from jtree.trees.tree import TrajectoryTree
 

@@ -22,7 +22,6 @@ import numpy as np
 from jtree.trees.path_data import ArrayLike, PathData, as_token_array, validate_path_data
 
 
-
 @dataclasses.dataclass(frozen=True)
 class TreeStats:
     """Sharing statistics of one tree (or a sum of trees)."""

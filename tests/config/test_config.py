@@ -4,8 +4,8 @@ import pytest
 import yaml
 
 from jtree.config import TrainConfig, apply_overrides, load_config
-from jtree.models import ARCHITECTURES
 from jtree.config.architectures import Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+from jtree.models import ARCHITECTURES
 from jtree.parallel.sharding import param_rules
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))

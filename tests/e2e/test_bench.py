@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from jtree.trees.synthetic import por_forest
 from jtree.launch import bench
+from jtree.trees.synthetic import por_forest
 from tests.models_util import tiny_config
 
 

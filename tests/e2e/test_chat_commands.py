@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.cli import main
+from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.trees.plot import node_boundaries, node_layout
 
 CHAT = {"messages": [

@@ -3,7 +3,6 @@ import re
 
 import jax
 import numpy as np
-
 import pytest
 
 from jtree.launch.train import main
@@ -149,9 +148,10 @@ def test_redundancy_free_mode_refuses_bad_settings():
     there is refused, naming the setting and the mesh; so are mesh axes other than data, fsdp
     and model, a capacity above the rows and a bad row ladder."""
     from jax.sharding import Mesh
+
+    from jtree.config import load_config
     from jtree.partitioning.redundancy_free.mesh_executor import MeshRedundancyFreeStep
     from jtree.training.trainer import make_rfree_step
-    from jtree.config import load_config
 
     cfg = load_config("configs/tiny.yaml", ["run.mode=redundancy_free",
                                             "run.prefix_backward=residuals"])

@@ -7,6 +7,7 @@ from jtree.trees.jsonl import read_sequence_groups
 from jtree.trees.plot import node_layout, overlap_curve
 from tests.strategies import explicit_tree, random_forest
 
+
 def test_stats_with_capacity_reports_every_method(sample_groups, tmp_path, capsys):
     out = tmp_path / "s.json"
     assert main(["stats", str(sample_groups), "--capacity", "600", "--json", str(out)]) == 0

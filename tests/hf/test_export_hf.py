@@ -9,8 +9,8 @@ from flax import nnx
 import jtree.hf
 from jtree.cli import main as cli
 from jtree.commands.export_hf import trained_model
-from jtree.models import create_model
 from jtree.launch.train import main
+from jtree.models import create_model
 from tests.run_util import tiny_overrides
 
 

@@ -10,8 +10,8 @@ import pytest
 from safetensors.numpy import load_file
 
 import jtree.hf
-from jtree.hf.safetensors_io import INDEX_FILE, SINGLE_FILE
 from jtree.config.runtime import RuntimeConfig
+from jtree.hf.safetensors_io import INDEX_FILE, SINGLE_FILE
 from tests.hf_util import assert_same_params, copy_checkpoint, param_arrays, random_model
 from tests.models_util import tiny_runtime
 

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.layout.linearize import linearize
 from jtree.config.architectures import Qwen3MoeConfig, Qwen3NextConfig
+from jtree.layout.linearize import linearize
 from jtree.trees.tree import TrajectoryTree
 from tests.hf_util import copy_hf_weights
 from tests.models_util import tiny_lm

@@ -22,12 +22,12 @@ transformers = pytest.importorskip("transformers")
 
 import jtree.hf  # noqa: E402
 from jtree.cli import main  # noqa: E402
-from jtree.hf.safetensors_io import INDEX_FILE, SINGLE_FILE  # noqa: E402
-from jtree.models import CausalLM
 from jtree.config.architectures import Qwen3MoeConfig, Qwen3NextConfig
 from jtree.config.runtime import RuntimeConfig
-from jtree.trees.tree import TrajectoryTree  # noqa: E402
+from jtree.hf.safetensors_io import INDEX_FILE, SINGLE_FILE  # noqa: E402
+from jtree.models import CausalLM
 from jtree.trees.jsonl import write_sequence_groups  # noqa: E402
+from jtree.trees.tree import TrajectoryTree  # noqa: E402
 from tests.hf_util import assert_same_params, copy_checkpoint, param_arrays  # noqa: E402
 from tests.models_util import tiny_runtime  # noqa: E402
 from tests.strategies import one_row_forests  # noqa: E402

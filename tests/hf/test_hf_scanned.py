@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 import jtree.hf
-from jtree.parallel.layer_stack import convert_state, layer_groups
 from jtree.config.run import MeshConfig
+from jtree.parallel.layer_stack import convert_state, layer_groups
 from jtree.parallel.sharding import make_mesh
 from tests.hf_util import param_arrays, random_model
 from tests.models_util import four_expert_config, perturbed, tiny_lm, tiny_runtime

@@ -16,18 +16,19 @@ transformers = pytest.importorskip("transformers")
 
 import jtree.hf  # noqa: E402
 from jtree.cli import main  # noqa: E402
+from jtree.config.objective import Objective
+from jtree.config.runtime import RuntimeConfig
+from jtree.layout.coefficients import batch_normalizer, path_coefficients
 from jtree.layout.linearize import linearize, unlinearize  # noqa: E402
 from jtree.objectives.logprobs import token_logprobs  # noqa: E402
-from jtree.layout.coefficients import batch_normalizer, path_coefficients
-from jtree.config.objective import Objective
 from jtree.objectives.objective import objective_loss
-from jtree.trees.tree import TrajectoryTree  # noqa: E402
 from jtree.trees.jsonl import write_sequence_groups  # noqa: E402
-from jtree.config.runtime import RuntimeConfig
-from tests.models_util import rel_l2, tiny_runtime  # noqa: E402
+from jtree.trees.tree import TrajectoryTree  # noqa: E402
 from tests.hf_util import random_model  # noqa: E402
+from tests.models_util import rel_l2, tiny_runtime  # noqa: E402
 from tests.strategies import one_row_forests  # noqa: E402
 from tests.torch_util import TOL, VOCAB, torch_logits, write_qwen3_checkpoint  # noqa: E402
+
 
 @pytest.fixture(scope="module", params=[dict(tie=False, bias=False), dict(tie=True, bias=True)],
                 ids=["untied", "tied+bias"])

@@ -13,9 +13,9 @@ transformers = pytest.importorskip("transformers")
 import jtree.hf  # noqa: E402
 from jtree.cli import main as cli  # noqa: E402
 from jtree.commands.export_hf import trained_model  # noqa: E402
+from jtree.config.model import LoraConfig
 from jtree.launch.train import main  # noqa: E402
 from jtree.layout.linearize import linearize  # noqa: E402
-from jtree.config.model import LoraConfig
 from jtree.models.lora import attach, model_params, with_trainable
 from jtree.trees.tree import TrajectoryTree  # noqa: E402
 from tests.models_util import tiny_runtime  # noqa: E402

@@ -28,12 +28,12 @@ import jtree.hf  # noqa: E402
 from jtree.cli import main as cli  # noqa: E402
 from jtree.commands.export_hf import restored_params  # noqa: E402
 from jtree.config import load_config
+from jtree.config.model import LoraConfig
 from jtree.hf.peft_adapters import peft_adapter_tensors, save_peft_adapters  # noqa: E402
 from jtree.hf.torch_reference import load_torch_model  # noqa: E402
 from jtree.launch.train import main  # noqa: E402
 from jtree.layout.linearize import linearize  # noqa: E402
 from jtree.models import CausalLM, create_model
-from jtree.config.model import LoraConfig
 from jtree.models.lora import attach, model_params, with_trainable
 from jtree.trees.tree import TrajectoryTree  # noqa: E402
 from tests.hf.test_hf_moe_next import _hf_model as next_model  # noqa: E402

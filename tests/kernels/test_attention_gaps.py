@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from jtree.layout.context_rows import ContextSplit
 from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.block_tables import EMPTY, classify_blocks
+from jtree.layout.context_rows import ContextSplit
 from jtree.layout.linearize import linearize
 from jtree.layout.planner import plan_rows
 from tests.attention_cases import assert_elementwise_close, qkv

@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.layout.linearize import linearize
-from jtree.trees.tree import TrajectoryTree
 from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.attention_mgpu import SEQ_MULTIPLE, attention_mgpu
 from jtree.kernels.attention_reference import attention_reference
 from jtree.kernels.block_tables import EMPTY, FULL, PARTIAL, classify_blocks
+from jtree.layout.linearize import linearize
+from jtree.trees.tree import TrajectoryTree
 from tests.run_util import WORKTREE
 from tests.strategies import random_forest
 

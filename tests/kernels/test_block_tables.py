@@ -5,9 +5,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jtree.layout.linearize import linearize
 from jtree.kernels.attention_reference import tree_mask
-from jtree.kernels.block_tables import EMPTY, FULL, PARTIAL, block_tables, classify_blocks, required_blocks
+from jtree.kernels.block_tables import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    block_tables,
+    classify_blocks,
+    required_blocks,
+)
+from jtree.layout.linearize import linearize
 from tests.strategies import forests
 
 

@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jtree.layout.linearize import linearize
-from jtree.trees.tree import TrajectoryTree
 from jtree.kernels.gdn import (
-    gated_delta_rule_chunked, gated_delta_rule_recurrent, pick_scan,
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+    pick_scan,
     tree_gated_delta_rule,
 )
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
+from jtree.layout.linearize import linearize
+from jtree.trees.tree import TrajectoryTree
 from tests.attention_cases import assert_elementwise_close
 from tests.models_util import rel_l2
 from tests.strategies import forests

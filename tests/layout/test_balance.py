@@ -4,7 +4,11 @@ import numpy as np
 import pytest
 
 from jtree.layout.balance import (
-    assign_to_ranks, attention_pairs, contiguous_runs, split_contiguous, tree_cost,
+    assign_to_ranks,
+    attention_pairs,
+    contiguous_runs,
+    split_contiguous,
+    tree_cost,
 )
 from jtree.trees.part import TreePart
 from jtree.trees.tree import TrajectoryTree

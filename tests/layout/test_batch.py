@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.layout.batch import DeviceBatch, concatenate_rows, padding, stack
 from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.attention_reference import tree_mask
+from jtree.layout.batch import DeviceBatch, concatenate_rows, padding, stack
 from jtree.layout.linearize import linearize
 from jtree.objectives.losses import ppo_loss, sft_loss
 from jtree.parallel.sharding import CONTEXT, ROWS, batch_specs

@@ -6,16 +6,20 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jtree.layout.context_rows import (
-    ContextSplit, block_work, check_context, even_split, slice_work, split_row,
-)
 from jtree.config import DataConfig
-from jtree.objectives.critic import with_critic_pairs
-from jtree.training.step_builders import step_builder
-from jtree.training.step_builders import step_indices
+from jtree.layout.context_rows import (
+    ContextSplit,
+    block_work,
+    check_context,
+    even_split,
+    slice_work,
+    split_row,
+)
 from jtree.layout.linearize import linearize, unlinearize
 from jtree.layout.microbatches import unit_counts
 from jtree.layout.planner import ROW_ALIGN, LayoutConfig, plan_rows, plan_step
+from jtree.objectives.critic import with_critic_pairs
+from jtree.training.step_builders import step_builder, step_indices
 from jtree.trees.synthetic import AgentShape, agent_rollout_group
 from jtree.trees.tree import TrajectoryTree
 from tests.strategies import random_forest, seeded_forests

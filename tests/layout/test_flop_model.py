@@ -3,13 +3,19 @@
 import numpy as np
 import pytest
 
+from jtree.config.architectures import Qwen3Config
 from jtree.layout.baseline import linearize_baseline
-from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.layout.flop_model import (
-    FlopModel, Work, batch_work, choose_mode, ideal_speedup, token_bound, tree_work,
+    FlopModel,
+    Work,
+    batch_work,
+    choose_mode,
+    ideal_speedup,
+    token_bound,
+    tree_work,
 )
 from jtree.layout.linearize import linearize
-from jtree.config.architectures import Qwen3Config
+from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.trees.synthetic import chat_record, por_forest, por_tree
 from tests.strategies import explicit_tree, random_forest
 

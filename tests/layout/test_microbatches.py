@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from jtree.layout.linearize import linearize
 from jtree.layout.coefficients import batch_normalizer
+from jtree.layout.linearize import linearize
 from jtree.layout.microbatches import build_microbatches
 from jtree.layout.planner import least_padding_plan, plan_rows
 from jtree.partitioning.partition import partition

@@ -8,18 +8,27 @@ import jax
 import numpy as np
 import pytest
 
-from jtree.layout.bin_packing import first_fit_decreasing
-from jtree.trees.chat import ByteTokenizer, conversation_tree
-from jtree.layout.gdn_tables import tree_chunks
 from jtree.config import DataConfig
+from jtree.layout.bin_packing import first_fit_decreasing
 from jtree.layout.flop_model import tree_work
-from jtree.training.step_builders import StepBuilder, StepConfig, all_units, step_builder
-from jtree.training.step_builders import step_indices
+from jtree.layout.gdn_tables import tree_chunks
 from jtree.layout.linearize import linearize
 from jtree.layout.microbatches import unit_counts
 from jtree.layout.planner import (
-    LayoutConfig, plan_step, row_length_ladder, rows_to_hold, score_width,
+    LayoutConfig,
+    plan_step,
+    row_length_ladder,
+    rows_to_hold,
+    score_width,
 )
+from jtree.training.step_builders import (
+    StepBuilder,
+    StepConfig,
+    all_units,
+    step_builder,
+    step_indices,
+)
+from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.trees.synthetic import chat_record, por_forest
 from tests.strategies import seeded_forests
 
@@ -162,8 +171,8 @@ def test_bench_and_trainer_build_batches_with_the_same_function():
     """`make bench` times the trainer's batches: `prepare` goes through `jtree.training.step_builders.step_builder`,
     the function the trainer builds its steps with (`jtree.training.run_data`), and gets exactly its
     inputs."""
-    from jtree.training import run_data
     from jtree.launch import bench
+    from jtree.training import run_data
 
     assert bench.step_builder is step_builder and run_data.step_builder is step_builder
     trees = por_forest(np.random.default_rng(1), 2000, 0.5, path_len=100, max_tree_tokens=512,

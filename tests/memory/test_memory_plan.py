@@ -12,12 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jtree.config import load_config
 from jtree.memory.grouped_matmul_lowering import grouped_matmul_lowering
 from jtree.memory.plan import (
-    Compiled, MemoryPlan, activations_and_temps, layer_block, memory_plan, shard_bytes)
+    Compiled,
+    MemoryPlan,
+    activations_and_temps,
+    layer_block,
+    memory_plan,
+    shard_bytes,
+)
 
 TINY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=128",
         "data.micro_batches=1", "mesh.data=1"]

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 from flax import nnx
 
-from jtree.models import ARCHITECTURES, architecture, create_model
 from jtree.config.architectures import LayerKind, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
 from jtree.config.runtime import RuntimeConfig
+from jtree.models import ARCHITECTURES, architecture, create_model
 from jtree.models.architectures import architecture_of_config, architecture_of_hf_config
 
 

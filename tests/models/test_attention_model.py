@@ -8,11 +8,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from jtree.config.objective import Objective
 from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
 from jtree.layout.linearize import linearize, unlinearize
-from jtree.config.objective import Objective
 from tests.models_util import (
-    assert_grads_close, logprob_fn, loss_and_grad_fn, tiny_model, tiny_runtime,
+    assert_grads_close,
+    logprob_fn,
+    loss_and_grad_fn,
+    tiny_model,
+    tiny_runtime,
 )
 from tests.strategies import fitting_layout, forests
 

@@ -9,8 +9,8 @@ import importlib
 import numpy as np
 import pytest
 
-from jtree.layout.linearize import linearize
 from jtree.config.objective import Objective
+from jtree.layout.linearize import linearize
 from tests.models_util import assert_grads_close, loss_and_grad_fn, tiny_model, tiny_runtime
 from tests.strategies import seeded_forests
 

@@ -11,15 +11,18 @@ import functools
 import numpy as np
 import pytest
 
-from jtree.layout.context_rows import ContextSplit
+from jtree.config.objective import Objective
 from jtree.kernels.attention_xla import DEFAULT_BLOCK
 from jtree.kernels.block_tables import EMPTY, classify_blocks
+from jtree.layout.context_rows import ContextSplit
 from jtree.layout.linearize import linearize
 from jtree.layout.planner import plan_rows
-from jtree.config.objective import Objective
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import (
-    assert_loss_and_grads_match, perturbed_moe_model, tiny_model, tiny_runtime,
+    assert_loss_and_grads_match,
+    perturbed_moe_model,
+    tiny_model,
+    tiny_runtime,
 )
 from tests.strategies import random_forest
 

@@ -9,10 +9,9 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 
+from jtree.config.objective import NORMALIZATIONS, Objective
 from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
 from jtree.layout.linearize import linearize, unlinearize
-from jtree.config.objective import NORMALIZATIONS
-from jtree.config.objective import Objective
 from tests.models_util import (
     assert_loss_and_grads_match,
     logprob_fn,

@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from jtree.config.objective import Objective
 from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
 from jtree.layout.linearize import linearize, unlinearize
-from jtree.config.objective import Objective
 from tests.models_util import (
-    assert_loss_and_grads_match, logprob_fn, off_policy_ppo_inputs, perturbed_moe_model,
+    assert_loss_and_grads_match,
+    logprob_fn,
+    off_policy_ppo_inputs,
+    perturbed_moe_model,
 )
 from tests.strategies import forests
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jtree.config.architectures import Qwen3MoeConfig, Qwen3NextConfig
 from jtree.layout.linearize import linearize
 from jtree.models import ARCHITECTURES
-from jtree.config.architectures import Qwen3MoeConfig, Qwen3NextConfig
 from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
-from tests.models_util import tiny_lm
 from jtree.trees.tree import TrajectoryTree
+from tests.models_util import tiny_lm
 
 
 def _block(shared=None, norm=True):

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jtree.layout.batch import padding
 from jtree.kernels import TreeMask
+from jtree.layout.batch import padding
 from jtree.layout.linearize import linearize
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import logprob_fn, tiny_config, tiny_lm

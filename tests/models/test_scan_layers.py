@@ -9,13 +9,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jtree.parallel.layer_stack import LayerGroup, convert_state, layer_groups, stacked_axes
-from jtree.layout.linearize import linearize
 from jtree.config.architectures import LayerKind
 from jtree.config.objective import Objective
+from jtree.layout.linearize import linearize
 from jtree.objectives.objective import loss_from_hidden
+from jtree.parallel.layer_stack import LayerGroup, convert_state, layer_groups, stacked_axes
 from tests.models_util import (
-    assert_grads_close, four_expert_config, perturbed, tiny_config, tiny_lm,
+    assert_grads_close,
+    four_expert_config,
+    perturbed,
+    tiny_config,
+    tiny_lm,
 )
 from tests.strategies import seeded_forests
 

@@ -8,14 +8,17 @@ import json
 import numpy as np
 import pytest
 
-from jtree.objectives.advantages import (
-    group_advantages, tree_token_advantages, turn_spans, with_advantages,
-)
 from jtree.config import load_config
-from jtree.training.tree_files import load_trees
-from jtree.layout.linearize import linearize
-from jtree.training.run_data import load_training_trees
 from jtree.config.objective import Objective
+from jtree.layout.linearize import linearize
+from jtree.objectives.advantages import (
+    group_advantages,
+    tree_token_advantages,
+    turn_spans,
+    with_advantages,
+)
+from jtree.training.run_data import load_training_trees
+from jtree.training.tree_files import load_trees
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import assert_loss_and_grads_match, off_policy_ppo_inputs, tiny_model
 from tests.strategies import random_forest

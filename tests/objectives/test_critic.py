@@ -15,31 +15,35 @@ import pytest
 from flax import nnx
 
 import jtree.hf
-from jtree.layout.baseline import linearize_baseline
 from jtree.cli import main as cli
 from jtree.commands.export_hf import trained_model
 from jtree.config import from_dict, load_config
-from jtree.config.objective import CriticConfig
-from jtree.objectives.critic import gae, pair_token_sums, pair_values, with_critic_pairs
-from jtree.step.critic_params import flat_params
-from jtree.training.step_builders import step_builder
-from jtree.training.step_builders import step_indices
+from jtree.config.objective import CriticConfig, Objective, OptimConfig
 from jtree.launch.train import main as train_main
+from jtree.layout.baseline import linearize_baseline
 from jtree.layout.linearize import linearize
-from jtree.objectives.losses import value_loss
 from jtree.models import CausalLM, create_model
+from jtree.objectives.critic import gae, pair_token_sums, pair_values, with_critic_pairs
+from jtree.objectives.losses import value_loss
 from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
-from jtree.training.run_data import load_training_trees
-from jtree.config.objective import Objective, OptimConfig
-from jtree.step.train_step import make_grad_fn
-from jtree.step.optimizer import make_optimizer
 from jtree.step.batches import stack_microbatches
-from jtree.training.trainer import Trainer
+from jtree.step.critic_params import flat_params
+from jtree.step.optimizer import make_optimizer
+from jtree.step.train_step import make_grad_fn
 from jtree.training.resume import check_resumable
+from jtree.training.run_data import load_training_trees
+from jtree.training.step_builders import step_builder, step_indices
+from jtree.training.trainer import Trainer
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import (
-    assert_grads_close, assert_loss_and_grads_match, loss_and_grad_fn, off_policy_ppo_inputs,
-    perturbed, tiny_config, tiny_lm, tiny_runtime,
+    assert_grads_close,
+    assert_loss_and_grads_match,
+    loss_and_grad_fn,
+    off_policy_ppo_inputs,
+    perturbed,
+    tiny_config,
+    tiny_lm,
+    tiny_runtime,
 )
 from tests.run_util import tiny_overrides, write_groups
 from tests.strategies import random_forest

@@ -8,14 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jtree.config.objective import NORMALIZATIONS, Objective
 from jtree.layout.baseline import linearize_baseline
-from jtree.training.tree_files import load_trees
 from jtree.layout.linearize import linearize
-from jtree.config.objective import NORMALIZATIONS
-from jtree.trees.loss_masks import check_shared_masks
 from jtree.objectives.losses import gspo_loss
 from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
-from jtree.config.objective import Objective
+from jtree.training.tree_files import load_trees
+from jtree.trees.loss_masks import check_shared_masks
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import assert_loss_and_grads_match, off_policy_ppo_inputs, tiny_model
 from tests.strategies import random_forest

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jtree.layout.linearize import linearize
 from jtree.config.objective import NORMALIZATIONS
 from jtree.layout.coefficients import batch_normalizer, token_coefficients
+from jtree.layout.linearize import linearize
 from jtree.objectives.losses import ppo_loss, sft_loss
 from tests.strategies import forests
 

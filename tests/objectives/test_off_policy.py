@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.config.objective import CriticConfig, NORMALIZATIONS, Objective, OffPolicyConfig
+from jtree.config.objective import NORMALIZATIONS, CriticConfig, Objective, OffPolicyConfig
 from jtree.config.schema import from_dict
 from jtree.layout.linearize import linearize
 from jtree.layout.off_policy import off_policy_metrics, path_weights

@@ -6,18 +6,30 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from jtree.config.objective import Objective, OptimConfig
+from jtree.config.run import MeshConfig
 from jtree.layout.linearize import linearize
 from jtree.models import architecture, create_model
 from jtree.parallel.sharding import (
-    AXES, fsdp_spec, make_mesh, named, param_path, param_rules, param_specs,
+    AXES,
+    fsdp_spec,
+    make_mesh,
+    named,
+    param_path,
+    param_rules,
+    param_specs,
 )
-from jtree.config.run import MeshConfig
-from jtree.config.objective import Objective, OptimConfig
+from jtree.step.batches import stack_microbatches
 from jtree.step.optimizer import TrainState, make_optimizer, state_shardings
 from jtree.step.train_step import make_grad_fn
-from jtree.step.batches import stack_microbatches
 from tests.models_util import (
-    rel_l2, tiny_config, tiny_lm, tiny_model, tiny_moe_config, tiny_next_config, tiny_runtime,
+    rel_l2,
+    tiny_config,
+    tiny_lm,
+    tiny_model,
+    tiny_moe_config,
+    tiny_next_config,
+    tiny_runtime,
 )
 from tests.strategies import explicit_tree, random_forest
 

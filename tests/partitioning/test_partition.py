@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 from jtree.config.objective import NORMALIZATIONS
 from jtree.layout.coefficients import batch_normalizer, token_coefficients
+from jtree.partitioning.exact_dp import set_partitions_bounded
 from jtree.partitioning.partition import METHODS, partition, plan_groups
 from jtree.trees.part import TreePart
-from jtree.partitioning.exact_dp import set_partitions_bounded
 from jtree.trees.tree import TrajectoryTree
 from tests.strategies import explicit_tree, random_forest, sequences_tree
 

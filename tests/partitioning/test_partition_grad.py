@@ -3,13 +3,13 @@
 import jax
 import pytest
 
-from jtree.layout.linearize import linearize
+from jtree.config.objective import Objective
 from jtree.layout.coefficients import batch_normalizer
+from jtree.layout.linearize import linearize
 from jtree.layout.microbatches import build_microbatches
 from jtree.partitioning.partition import partition
-from jtree.config.objective import Objective
-from jtree.step.train_step import make_grad_fn
 from jtree.step.batches import stack_microbatches
+from jtree.step.train_step import make_grad_fn
 from tests.models_util import rel_l2, tiny_model
 from tests.strategies import multi_part_trees
 

@@ -16,18 +16,24 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 
+from jtree.config.objective import Objective
 from jtree.layout.linearize import linearize
-from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
 from jtree.layout.planner import octave_step_length
+from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
 from jtree.partitioning.redundancy_free.layout import build_program, prefix_bucket, row_length
 from jtree.partitioning.redundancy_free.plan import plan_parts
 from jtree.partitioning.redundancy_free.schedule import LiveBuffers, child_order, part_slots
-from jtree.config.objective import Objective
-from jtree.step.train_step import make_grad_fn
 from jtree.step.batches import stack_microbatches
+from jtree.step.train_step import make_grad_fn
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import (
-    four_expert_config, logprob_fn, perturbed, perturbed_moe_model, rel_l2, tiny_config, tiny_lm,
+    four_expert_config,
+    logprob_fn,
+    perturbed,
+    perturbed_moe_model,
+    rel_l2,
+    tiny_config,
+    tiny_lm,
     tiny_model,
 )
 from tests.strategies import forests, multi_part_trees

@@ -3,12 +3,12 @@ import numpy as np
 import optax
 import pytest
 
-from jtree.layout.linearize import linearize
-from jtree.layout.coefficients import batch_normalizer
 from jtree.config.objective import Objective, OptimConfig
+from jtree.layout.coefficients import batch_normalizer
+from jtree.layout.linearize import linearize
+from jtree.step.batches import needs_old_logprobs, stack_microbatches
 from jtree.step.optimizer import TrainState, clip_by_global_norm, make_optimizer
 from jtree.step.train_step import make_grad_fn, make_train_step
-from jtree.step.batches import needs_old_logprobs, stack_microbatches
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import rel_l2, tiny_model, tiny_runtime
 from tests.strategies import explicit_tree, random_forest

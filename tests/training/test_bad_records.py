@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.training.tree_files import load_trees
+from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.trees.tree import TrajectoryTree
 from tests.run_util import VOCAB
 

@@ -9,9 +9,9 @@ import optax
 import pytest
 from flax import nnx
 
-from jtree.training.checkpoint import Checkpointer, abstract_like
 from jtree.parallel.layer_stack import convert_tree, layer_groups
 from jtree.step.optimizer import TrainState
+from jtree.training.checkpoint import Checkpointer, abstract_like
 from tests.models_util import four_expert_config, perturbed, tiny_lm
 
 NEXT_LAYERS = ("linear_attention",) * 3 + ("full_attention",)

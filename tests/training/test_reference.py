@@ -11,18 +11,22 @@ import pytest
 from flax import nnx
 
 import jtree.hf
-
-from jtree.layout.batch import stack
-from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
 from jtree.config import load_config
+from jtree.config.objective import Objective
 from jtree.launch.train import main
+from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
+from jtree.layout.batch import stack
 from jtree.layout.linearize import linearize, unlinearize
 from jtree.models import create_model
-from jtree.training.trainer import Trainer
-from jtree.config.objective import Objective
 from jtree.step.train_step import make_grad_fn
+from jtree.training.trainer import Trainer
 from tests.models_util import (
-    assert_grads_close, logprob_fn, off_policy_ppo_inputs, perturbed, tiny_config, tiny_lm,
+    assert_grads_close,
+    logprob_fn,
+    off_policy_ppo_inputs,
+    perturbed,
+    tiny_config,
+    tiny_lm,
     tiny_model,
 )
 from tests.run_util import read_metrics, tiny_overrides

@@ -3,9 +3,8 @@ made once, so the run's pipeline and the end-of-run baseline check use the same 
 shapes."""
 
 from jtree.config import load_config
-from jtree.training.step_builders import all_units, rows_for_run
-from jtree.training.step_builders import step_indices
 from jtree.training.run_data import StepBuilders, load_training_trees
+from jtree.training.step_builders import all_units, rows_for_run, step_indices
 from tests.run_util import tiny_overrides, write_groups
 
 

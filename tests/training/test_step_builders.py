@@ -4,19 +4,23 @@ import jax
 import numpy as np
 import pytest
 
-from jtree.layout.gdn_tables import default_chunk_count
-from jtree.layout.flop_model import FlopModel
-from jtree.training.step_builders import (
-    AutoStepBuilder, StepBuilder, StepConfig, all_units, rows_for_run,
-)
-from jtree.training.tree_files import load_trees
-from jtree.training.pipeline import make_pipeline
-from jtree.training.step_builders import step_indices
-from jtree.layout.coefficients import batch_normalizer
-from jtree.layout.planner import LayoutConfig
 from jtree.config.objective import Objective
+from jtree.layout.coefficients import batch_normalizer
+from jtree.layout.flop_model import FlopModel
+from jtree.layout.gdn_tables import default_chunk_count
+from jtree.layout.planner import LayoutConfig
 from jtree.step.batches import build_batch, stack_microbatches
 from jtree.step.train_step import make_grad_fn
+from jtree.training.pipeline import make_pipeline
+from jtree.training.step_builders import (
+    AutoStepBuilder,
+    StepBuilder,
+    StepConfig,
+    all_units,
+    rows_for_run,
+    step_indices,
+)
+from jtree.training.tree_files import load_trees
 from jtree.trees.synthetic import por_forest
 from tests.models_util import tiny_config, tiny_model
 from tests.run_util import VOCAB

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from jtree.trees.chat import ByteTokenizer, HFTokenizer, conversation_tree, load_tokenizer
 from jtree.training.tree_files import load_trees
+from jtree.trees.chat import ByteTokenizer, HFTokenizer, conversation_tree, load_tokenizer
 
 THREE_TURNS = {"messages": [
     {"role": "system", "content": "Be brief."},

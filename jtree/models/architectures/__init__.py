@@ -16,11 +16,11 @@ from typing import Any
 
 from flax import nnx
 
-from jtree.models.hf_mapping import HfMapping
-from jtree.models.architectures import llama, qwen2, qwen3, qwen3_moe, qwen3_next
 from jtree.config.architectures import ARCHITECTURE_CONFIGS, architecture_config
-from jtree.models.decoder import CausalLM
 from jtree.config.runtime import RuntimeConfig
+from jtree.models.architectures import llama, qwen2, qwen3, qwen3_moe, qwen3_next
+from jtree.models.decoder import CausalLM
+from jtree.models.hf_mapping import HfMapping
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,10 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from jtree.config.architectures import Llama3RopeScaling, LlamaConfig
+from jtree.models.architectures import qwen3
 from jtree.models.hf_config import REQUIRED, ROPE_KEYS, equals, read_config, rope_config, whole_head
 from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping
-from jtree.models.architectures import qwen3
-
 
 # ---------------------------------------------------------------------- Hugging Face mapping
 

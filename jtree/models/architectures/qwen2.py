@@ -14,10 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from jtree.config.architectures import Qwen2Config
+from jtree.models.architectures import llama, qwen3
 from jtree.models.hf_config import read_config, rope_theta
 from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping
-from jtree.models.architectures import llama, qwen3
-
 
 # ---------------------------------------------------------------------- Hugging Face mapping
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from jtree.config.architectures import Qwen3Config
 from jtree.models.hf_config import REQUIRED, ROPE_KEYS, equals, read_config, rope_theta
 from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping
-from jtree.config.architectures import Qwen3Config
-
 
 # ---------------------------------------------------------------------- Hugging Face mapping
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from jtree.config.architectures import Qwen3MoeConfig
+from jtree.models.architectures import qwen3
 from jtree.models.hf_config import read_config, renamed, rope_theta
 from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping, PerExpertRule
-from jtree.models.architectures import qwen3
-from jtree.config.architectures import Qwen3MoeConfig
-
 
 # ---------------------------------------------------------------------- Hugging Face mapping
 

@@ -24,11 +24,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from jtree.config.architectures import Qwen3NextConfig
+from jtree.models.architectures import qwen3, qwen3_moe
 from jtree.models.hf_config import equals, read_config, rope_settings
 from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping, TensorRule
-from jtree.models.architectures import qwen3, qwen3_moe
-from jtree.config.architectures import Qwen3NextConfig
-
 
 # ---------------------------------------------------------------------- Hugging Face mapping
 

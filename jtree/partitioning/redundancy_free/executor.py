@@ -45,12 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jtree.config.objective import Objective
 from jtree.models.prefix import AttentionCache, GdnCache, LayerCache
+from jtree.objectives.logprobs import logprobs_from_hidden
+from jtree.objectives.objective import finish_metrics, loss_from_hidden, zero_sums
 from jtree.partitioning.redundancy_free.layout import Member, PartBatch, RfreeProgram
 from jtree.partitioning.redundancy_free.schedule import LiveBuffers, child_order
-from jtree.objectives.logprobs import logprobs_from_hidden
-from jtree.config.objective import Objective
-from jtree.objectives.objective import finish_metrics, loss_from_hidden, zero_sums
 from jtree.step.train_step import make_grad_fn
 
 PrefixBackward = Literal["residuals", "recompute", "auto"]

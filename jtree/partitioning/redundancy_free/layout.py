@@ -38,17 +38,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jtree.config.run import ROW_STEPS_PER_OCTAVE
-from jtree.layout.gdn_tables import default_chunk_count, node_chunk_tables
-from jtree.layout.batch import DeviceBatch, GdnTables, padding, token_arrays
-from jtree.layout.linearize import tree_token_fields
-from jtree.layout.coefficients import COEFFICIENT_FIELDS, batch_normalizer
 from jtree.config.objective import Normalization
+from jtree.config.run import ROW_STEPS_PER_OCTAVE
+from jtree.layout.batch import DeviceBatch, GdnTables, padding, token_arrays
+from jtree.layout.coefficients import COEFFICIENT_FIELDS, batch_normalizer
+from jtree.layout.gdn_tables import default_chunk_count, node_chunk_tables
+from jtree.layout.linearize import tree_token_fields
 from jtree.layout.microbatches import MicroBatches, build_microbatches
 from jtree.layout.planner import check_steps_per_octave, octave_step_length
 from jtree.partitioning.redundancy_free.plan import RfreePart, plan_parts
 from jtree.trees.tree import TrajectoryTree
-
 
 
 @dataclasses.dataclass(frozen=True)

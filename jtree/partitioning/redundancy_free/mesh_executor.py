@@ -46,18 +46,24 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jtree.config.objective import Objective
 from jtree.layout.batch import DeviceBatch
-from jtree.models.lora import model_params, trainable, with_trainable
 from jtree.layout.planner import octave_step_length
+from jtree.models.lora import model_params, trainable, with_trainable
+from jtree.objectives.objective import finish_metrics, zero_sums
+from jtree.parallel.sharding import MODEL, ROWS, row_shards, vary_over, varying_axes
 from jtree.partitioning.redundancy_free.executor import (
-    PartOutput, PartPrefix, check_objective, conv_context, extend_prefix, part_forward,
-    part_hidden, zero_prefix,
+    PartOutput,
+    PartPrefix,
+    check_objective,
+    conv_context,
+    extend_prefix,
+    part_forward,
+    part_hidden,
+    zero_prefix,
 )
 from jtree.partitioning.redundancy_free.layout import RfreeProgram
 from jtree.partitioning.redundancy_free.schedule import Lockstep, lockstep
-from jtree.parallel.sharding import MODEL, ROWS, row_shards, varying_axes, vary_over
-from jtree.config.objective import Objective
-from jtree.objectives.objective import finish_metrics, zero_sums
 from jtree.step.train_step import merged_model
 
 # Steps of a lockstep schedule are padded to this many lengths per octave: programs of nearby

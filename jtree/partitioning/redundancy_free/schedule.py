@@ -31,7 +31,6 @@ import jax
 import numpy as np
 
 from jtree.layout.balance import assign_to_ranks
-
 from jtree.partitioning.redundancy_free.layout import RfreeProgram
 
 
