@@ -58,7 +58,7 @@ def test_moe_and_next_sections_validate_with_their_key_paths():
     "overrides, match",
     [
         (["model.hidden_sise=3"], r"model\.hidden_sise: unknown config key"),
-        (["model.architecture=llama"], r"model\.architecture: 'llama' is not one of"),
+        (["model.architecture=gpt2"], r"model\.architecture: 'gpt2' is not one of"),
         (["run.steps=ten"], r"run\.steps: expected an integer, got 'ten'"),
         (["run.steps=1.5"], r"run\.steps: expected an integer"),
         (["objective.kind=dpo"], r"objective\.kind: 'dpo' is not one of"),

@@ -57,11 +57,10 @@ def test_train_resume_without_a_checkpoint_dir_is_a_clear_error(few_groups_file,
             in capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("command", [["-m", "jtree.cli", "train"], ["-m", "jtree.launch.train"],
-                                     ["-m", "launch.train"]],
-                         ids=["jtree_train", "jtree.launch.train", "launch.train"])
+@pytest.mark.parametrize("command", [["-m", "jtree.cli", "train"], ["-m", "jtree.launch.train"]],
+                         ids=["jtree_train", "jtree.launch.train"])
 def test_train_help_prints_a_usage_line(command):
-    """Both entry points (and the launcher run from the repository root) take the same arguments."""
+    """Both entry points take the same arguments."""
     done = subprocess.run([sys.executable, *command, "--help"], cwd=WORKTREE, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
