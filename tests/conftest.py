@@ -52,12 +52,15 @@ def few_groups_file(tmp_path: Path) -> Path:
 
 
 # The files that run for a minute or more, longest first. `make test` runs two workers that take
-# whole files (`--dist loadfile`) in collection order; a long file collected last (tests/train
-# sorts after the rest) would leave one worker running it alone at the end.
+# whole files (`--dist loadfile`) in collection order; a long file collected last (tests/training
+# and tests/trees sort after the rest) would leave one worker running it alone at the end.
 LONG_FILES_FIRST = (
-    "tests/step/test_mesh.py", "tests/e2e/test_launch_train.py", "tests/partitioning/test_redundancy_free.py",
-    "tests/models/test_hybrid_equivalence.py", "tests/training/test_resume.py",
-    "tests/e2e/test_entry_points.py", "tests/kernels/test_attention_mgpu.py",
+    "tests/step/test_mesh.py", "tests/kernels/test_block_tables.py",
+    "tests/e2e/test_device_check.py", "tests/e2e/test_launch_train.py",
+    "tests/training/test_resume.py", "tests/partitioning/test_redundancy_free.py",
+    "tests/parallel/test_context_parallel.py", "tests/training/test_multihost.py",
+    "tests/models/test_hybrid_equivalence.py", "tests/e2e/test_entry_points.py",
+    "tests/kernels/test_attention_mgpu.py",
 )
 
 
