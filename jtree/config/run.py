@@ -58,6 +58,11 @@ class DataConfig:
     whose advantage is 0 on every trained token, and the tree nodes only they need
     (`jtree.layout.pruning`; exact: the loss and gradients do not change; off by default because
     per-token metrics such as the entropy then cover only the tokens trained on).
+    `share_prefixes`: `within_groups` (default) trains each group (one tree) as read;
+    `across_groups` merges the trees of each step per data shard x micro-batch at their common
+    prefixes (`jtree.layout.cross_group`), so a system prompt common to every group is computed
+    once per merged tree; advantages stay per group (computed when the trees are read) and the
+    loss and gradients do not change.
     """
 
     path: str = "data/sample_groups.jsonl"
@@ -76,6 +81,7 @@ class DataConfig:
     gdn_chunks: int | None = None
     row_steps_per_octave: int | None = None
     prune_zero_gradient: bool = False
+    share_prefixes: Literal["within_groups", "across_groups"] = "within_groups"
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "trees_per_step", "micro_batches", "gdn_chunk_size"):

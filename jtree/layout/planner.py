@@ -355,14 +355,20 @@ class StepPlan:
 
 def plan_step(tokens: Sequence[int], config: LayoutConfig, *, scored: Sequence[int] | None = None,
               chunks: Sequence[int] | None = None,
-              ends: Sequence[np.ndarray] | None = None) -> StepPlan:
+              ends: Sequence[np.ndarray] | None = None,
+              bins: Sequence[Sequence[int]] | None = None) -> StepPlan:
     """The plan of one step whose units have `tokens` tree tokens, `scored` scored tokens (those
     with a loss coefficient; default: every token), with GDN tables `chunks` chunks of
     `config.gdn_chunk_size` (sum over their nodes of ceil(node length / chunk size)) and, with
-    context parallelism (`config.context` > 1), `ends` their masks (`end`, unit-local)."""
+    context parallelism (`config.context` > 1), `ends` their masks (`end`, unit-local).
+    `bins`: the units of each shard x micro-batch bin when the caller balanced them already
+    (cross-group merging builds each bin's units from the trees it gave that bin,
+    `jtree.layout.cross_group`); every unit in exactly one bin."""
     if not len(tokens):
         raise ValueError("tokens: need at least one unit")
     tokens = _check_sizes(tokens, config.seq_len)
+    if bins is not None:
+        _check_bins(bins, len(tokens), config)
     lengths = _fitting(config.row_lengths or [config.seq_len], max(tokens), config.seq_len)
     if config.context > 1:
         if ends is None or len(ends) != len(tokens):
@@ -385,8 +391,8 @@ def plan_step(tokens: Sequence[int], config: LayoutConfig, *, scored: Sequence[i
                 whole.row_len, config.rows, sum(tokens[i] for i in members),
                 tuple(tokens[i] for i in members)))
     else:
-        units = [list(r) for r in assign_to_ranks(
-            tokens, config.n_shards * config.micro_batches).ranks]
+        units = [list(r) for r in (bins if bins is not None else assign_to_ranks(
+            tokens, config.n_shards * config.micro_batches).ranks)]
         placements = _least_positions([[tokens[i] for i in u] for u in units], lengths,
                                       rows=config.rows, rows_multiple=1)
     if config.context > 1:
@@ -421,6 +427,17 @@ def plan_step(tokens: Sequence[int], config: LayoutConfig, *, scored: Sequence[i
                     gdn_chunks, config.context)
 
 
+def _check_bins(bins: Sequence[Sequence[int]], n_units: int, config: LayoutConfig) -> None:
+    """A ValueError unless `bins` puts each of `n_units` units in one of the config's bins."""
+    if config.micro_batches is None:
+        raise ValueError("bins: given with micro_batches=None (which deals packed rows out)")
+    if len(bins) != config.n_shards * config.micro_batches:
+        raise ValueError(f"bins: {len(bins)} bins for {config.n_shards} shard(s) x "
+                         f"{config.micro_batches} micro-batch(es)")
+    if sorted(i for b in bins for i in b) != list(range(n_units)):
+        raise ValueError(f"bins: must hold each of the {n_units} units exactly once")
+
+
 def _split_rows(units: Sequence[Sequence[int]], placements: Sequence[RowPlan],
                 ends: Sequence[np.ndarray], lengths: Sequence[int], context: int,
                 slack: float) -> list[RowPlan]:
@@ -442,9 +459,13 @@ def _split_rows(units: Sequence[Sequence[int]], placements: Sequence[RowPlan],
             for p, s in zip(placements, splits)]
 
 
-def rows_to_hold(steps: Sequence[Sequence[int]], config: LayoutConfig) -> int:
+def rows_to_hold(steps: Sequence[Sequence[int]], config: LayoutConfig,
+                 bins: Sequence[Sequence[Sequence[int]] | None] | None = None) -> int:
     """The fewest rows per micro-batch that hold every step (each given by its units' tree
-    tokens) packed at `config.seq_len`: the rows a run fixes (`jtree.training.step_builders.rows_for_run`)."""
+    tokens, and `bins[k]` step k's bins when balanced already, `plan_step`) packed at
+    `config.seq_len`: the rows a run fixes (`jtree.training.step_builders.rows_for_run`)."""
     at_seq_len = dataclasses.replace(config, rows=None, row_lengths=None, gdn_chunk_size=None,
                                      gdn_chunks=None, context=1)  # a split moves no unit
-    return max([1] + [plan_step(s, at_seq_len).rows for s in steps if len(s)])
+    bins = [None] * len(steps) if bins is None else bins
+    return max([1] + [plan_step(s, at_seq_len, bins=b).rows for s, b in zip(steps, bins)
+                      if len(s)])

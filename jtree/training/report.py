@@ -65,6 +65,7 @@ def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host
         metrics, step=step, learning_rate=lr, n_trees=int(info["n_trees"]),
         n_tree_tokens=n_tree, n_flat_tokens=n_flat, n_computed_tokens=n_computed,
         n_pruned_tokens=int(info["n_pruned_tokens"]),
+        n_merge_saved_tokens=int(info["n_merge_saved_tokens"]),
         por=1 - n_tree / n_flat,
         err=1 - n_computed / n_flat, tokens_per_s=n_flat / device_s,
         tree_tokens_per_s=n_computed / device_s, host_s=host_s, device_s=device_s,
@@ -92,6 +93,17 @@ def _pruned(history: list[dict[str, Any]]) -> str:
             f"({saved / max(total, 1):.1%}, mean {saved / len(history):.0f} per step)")
 
 
+def _merged(history: list[dict[str, Any]]) -> str:
+    """The summary's account of cross-group prefix sharing (empty when it saved nothing)."""
+    saved = sum(r["n_merge_saved_tokens"] for r in history)
+    if not saved:
+        return ""
+    total = sum(r["n_tree_tokens"] for r in history)
+    return (f"; merged across groups: {saved} tree tokens of {total} computed once instead of "
+            f"once per group ({saved / max(total, 1):.1%}, mean {saved / len(history):.0f} per "
+            "step)")
+
+
 def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
             checkpoint_dir: Path | None) -> str:
     """The closing line of a run. Medians leave out the steps that compiled (their time is
@@ -110,5 +122,5 @@ def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
                else "every step; each compiled") + "); compiles: "
             f"{sum(r['compiles'] for r in history)} in {len(compiled)} step(s), "
             f"{sum(r['compile_s'] for r in history):.1f} s; bad records skipped {n_bad}"
-            + _pruned(history)
+            + _pruned(history) + _merged(history)
             + (f"; checkpoints in {checkpoint_dir}" if checkpoint_dir is not None else ""))

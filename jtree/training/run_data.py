@@ -112,6 +112,20 @@ def pruned_trees(cfg: TrainConfig, trees: Sequence[TrajectoryTree]) -> list[Prun
     return pruned
 
 
+def check_share_prefixes(cfg: TrainConfig, n_data: int) -> None:
+    """Refuse `data.share_prefixes: across_groups` where nothing is shared (`run.mode=baseline`
+    trains every path alone), else announce how the steps merge their groups."""
+    if cfg.data.share_prefixes != "across_groups":
+        return
+    if cfg.run.mode == "baseline":
+        raise ValueError("data.share_prefixes=across_groups: run.mode=baseline trains every path "
+                         "alone, so nothing is shared; use run.mode=tree, auto or redundancy_free")
+    bins = (f"{n_data} data shard(s)" if cfg.run.mode == "redundancy_free" else
+            f"{n_data} data shard(s) x {cfg.data.micro_batches} micro-batch(es)")
+    say(f"data.share_prefixes: across_groups: each step's trees merged at their common prefixes, "
+        f"one tree per bin of {bins}; advantages stay per group")
+
+
 def trained_modes(cfg: TrainConfig) -> tuple[str, ...]:
     """The layout modes whose steps the run trains on: `auto` chooses between tree and baseline
     per step; `redundancy_free` trains on programs, not on laid-out rows."""
@@ -129,7 +143,8 @@ class StepBuilders:
 
     def __init__(self, cfg: TrainConfig, trees: Sequence[TrajectoryTree], n_data: int,
                  shards: tuple[int, ...]):
-        self._cfg, self._trees, self._n_data, self._shards = cfg, trees, n_data, shards
+        self._cfg, self._trees, self.n_data, self._shards = cfg, trees, n_data, shards
+        check_share_prefixes(cfg, n_data)
         self._pruned = pruned_trees(cfg, trees)
         self._built: dict[str, StepBuilder] = {}
         self.rows: dict[str, int] = {}
@@ -146,10 +161,11 @@ class StepBuilders:
         cfg = self._cfg
         data = dataclasses.replace(cfg.data, rows_per_micro_batch=rows)
         builder = step_builder(self._trees, data, mode, normalization=cfg.objective.normalization,
-                               n_shards=self._n_data, shards=self._shards, steps=cfg.run.steps,
+                               n_shards=self.n_data, shards=self._shards, steps=cfg.run.steps,
                                gdn_chunk_size=gdn_chunk_size(cfg),
                                critic=cfg.objective.critic is not None,
-                               context=cfg.mesh.context, pruned=self._pruned)
+                               context=cfg.mesh.context, pruned=self._pruned,
+                               shared_masks=cfg.objective.kind == "gspo")
         self._built[mode] = builder
         self.rows[mode] = builder.config.layout.rows
 
@@ -165,7 +181,9 @@ def run_step_builder(cfg: TrainConfig, trees: Sequence[TrajectoryTree], builders
         capacity = rfree_capacity(cfg)
         config = RfreeStepConfig(cfg.objective.normalization, d.seq_len, capacity,
                                  d.trees_per_step, gdn_chunk_size(cfg),
-                                 cfg.run.row_steps_per_octave, uniform=n_devices > 1)
+                                 cfg.run.row_steps_per_octave, uniform=n_devices > 1,
+                                 merge_into=builders.n_data
+                                 if d.share_prefixes == "across_groups" else None)
         how = ("one device call per part" if n_devices == 1 else
                "rows of one shape per step, part trees in lockstep over the row shards")
         return RfreeStepBuilder(trees, config), (

@@ -13,6 +13,11 @@ Models with linear-attention layers also get the gated-delta-rule chunk tables
 (`LayoutConfig.gdn_chunk_size`), with the one chunk capacity the plan gives every micro-batch and
 shard of the step (or `gdn_chunks` fixed for the whole run). `AutoStepBuilder` picks tree or
 baseline mode per step by the FLOP model; `RfreeStepBuilder` builds redundancy-free programs.
+
+With `data.share_prefixes: across_groups` (`CrossGroup`) a tree-mode step's units are not the
+trees' own: the step's trees are balanced over its data shards x micro-batches and merged per bin
+(`jtree.layout.cross_group`), and each bin's merged tree (cut into capacity parts when larger than
+a row) is that bin's units, which the planner packs where they are (`plan_step(bins=...)`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from jtree.config.run import ROW_STEPS_PER_OCTAVE
 from jtree.layout.baseline import flatten_paths
 from jtree.layout.batch import DeviceBatch, concatenate_rows, padding, stack
 from jtree.layout.coefficients import batch_normalizer
+from jtree.layout.cross_group import merge_per_bin
 from jtree.layout.flop_model import FlopModel, choose_mode
 from jtree.layout.linearize import linearize
 from jtree.layout.microbatches import unit_counts
@@ -54,12 +60,37 @@ Mode = Literal["tree", "baseline"]
 
 
 @dataclasses.dataclass(frozen=True)
+class CrossGroup:
+    """How a tree-mode step merges its trees across groups (`data.share_prefixes:
+    across_groups`): each bin's merged tree is cut by `partition_method` when larger than a row;
+    `shared_masks` merges tokens only where the paths agree on their trained bit (GSPO)."""
+
+    partition_method: PartitionMethod = "heuristic"
+    shared_masks: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepUnits:
+    """The units of one step and what the planner needs of them: `counts` (`unit_counts`),
+    `pairs` each unit's critic pairs (None without a critic), `bins` each bin's units when
+    cross-group merging placed them (None: the planner balances), `merge_saved` the tree tokens
+    the merge computes once instead of once per group."""
+
+    units: list[TrajectoryTree]
+    counts: dict[str, Any]
+    pairs: list[int] | None
+    bins: tuple[tuple[int, ...], ...] | None = None
+    merge_saved: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class StepConfig:
     """What every step of a run is built with: `mode`, `normalization`, `trees_per_step`, the
     global data shards this host feeds (`shards`, out of `layout.n_shards`) and the layout policy
     (`jtree.layout.planner.LayoutConfig`: micro-batches, rows per micro-batch, row lengths, GDN chunk
     tables). With `critic` (PPO's critic, `jtree.objectives.critic`) every micro-batch carries its
-    (path, trained token) pairs, `critic_len` of them per row (None: the step's own need)."""
+    (path, trained token) pairs, `critic_len` of them per row (None: the step's own need).
+    `cross_group`: merge each step's trees per bin (`CrossGroup`; tree mode only)."""
 
     mode: Mode
     normalization: Normalization
@@ -68,6 +99,7 @@ class StepConfig:
     layout: LayoutConfig
     critic: bool = False
     critic_len: int | None = None
+    cross_group: CrossGroup | None = None
 
     def __post_init__(self) -> None:
         if self.layout.micro_batches is None:
@@ -75,6 +107,8 @@ class StepConfig:
         if not self.shards or not all(0 <= s < self.layout.n_shards for s in self.shards):
             raise ValueError(f"shards: {self.shards} must be non-empty indices of the "
                              f"{self.layout.n_shards} data shards")
+        if self.cross_group is not None and self.mode != "tree":
+            raise ValueError(f"cross_group: merges trees in tree mode, not in {self.mode} mode")
 
 
 def training_units(tree: TrajectoryTree, mode: Mode, seq_len: int,
@@ -90,15 +124,19 @@ def training_units(tree: TrajectoryTree, mode: Mode, seq_len: int,
 
 
 def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree],
-              pruned_tokens: int = 0) -> dict[str, np.ndarray]:
+              pruned_tokens: int = 0, merge_saved: int = 0) -> dict[str, np.ndarray]:
     """Global statistics of a step (every host computes them from the same trees, before any
     pruning: the old log-probs' disagreement decides a recompute as in the unpruned step);
-    `pruned_tokens`: the tree tokens pruning left out (`jtree.layout.pruning`)."""
+    `pruned_tokens`: the tree tokens pruning left out (`jtree.layout.pruning`); `merge_saved`:
+    those merging across groups computes once instead of once per group
+    (`jtree.layout.cross_group`), whose units' old log-probs are judged too (a merged token takes
+    one value for the paths of several groups)."""
     stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
     has_old = all(t.old_logprobs is not None for t in trees)
     disagreement = 0.0
     if has_old:
-        for t in trees:  # position 0 is never scored, as in `linearize`
+        judged = list(trees) + (list(units) if merge_saved else [])
+        for t in judged:  # position 0 is never scored, as in `linearize`
             old = [np.concatenate([[0.0], o[1:]]) for o in t.old_logprobs]
             disagreement = max(disagreement, t.tree_token_values(old)[1])
     return {
@@ -107,6 +145,7 @@ def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree],
         "n_flat_tokens": np.int64(stats.n_flat_tokens),
         "n_computed_tokens": np.int64(sum(u.n_tree_tokens for u in units)),
         "n_pruned_tokens": np.int64(pruned_tokens),
+        "n_merge_saved_tokens": np.int64(merge_saved),
         "has_old_logprobs": np.bool_(has_old),
         "old_logprob_disagreement": np.float64(disagreement),
     }
@@ -125,37 +164,96 @@ class StepBuilder:
     goes to the first row of data shard 0 (the device sums every row's share). A step whose
     trees were all pruned away trains the shortest path of its first tree, whose coefficients are
     zero, so that every step has a unit to lay out.
+
+    With `config.cross_group` the units are made per step (`StepUnits.bins`, the module
+    docstring) and `units` is None; the last few steps' units are kept, since planning and
+    building a step both read them.
     """
 
-    def __init__(self, trees: Sequence[TrajectoryTree], units: Sequence[Sequence[TrajectoryTree]],
-                 config: StepConfig, counts: Sequence[dict[str, Any]] | None = None,
+    _KEEP_STEPS = 4  # merged steps kept: a step is planned, then built
+
+    def __init__(self, trees: Sequence[TrajectoryTree],
+                 units: Sequence[Sequence[TrajectoryTree]] | None, config: StepConfig,
+                 counts: Sequence[dict[str, Any]] | None = None,
                  pruned: Sequence[PrunedTree] | None = None):
-        """`counts`: the units' `unit_counts` per tree, when already computed (the same units)."""
-        self.trees, self.units, self.config = list(trees), list(units), config
+        """`counts`: the units' `unit_counts` per tree, when already computed (the same units).
+        `units`: each tree's units; None exactly when `config.cross_group` merges per step."""
+        if (units is None) != (config.cross_group is not None):
+            raise ValueError("units: give each tree's units, or None with config.cross_group")
+        self.trees, self.config = list(trees), config
+        self.units = None if units is None else list(units)
         self.pruned = None if pruned is None else list(pruned)
-        self.counts = (list(counts) if counts is not None else
+        self.counts = (None if units is None else list(counts) if counts is not None else
                        [unit_counts(us, config.layout.gdn_chunk_size, config.layout.context)
                         for us in self.units])
-        self.pair_counts = ([[pair_count(u) for u in us] for us in self.units] if config.critic
-                            else None)
+        self.pair_counts = ([[pair_count(u) for u in us] for us in self.units]
+                            if config.critic and units is not None else None)
+        self._merged: dict[tuple[int, ...], StepUnits] = {}
 
-    def step_units(self, indices: np.ndarray) -> tuple[list[TrajectoryTree], dict[str, Any]]:
-        """The units of the step `indices` and their `unit_counts` (a stand-in when pruning left
-        none: the shortest path of the first tree)."""
+    def step_units(self, indices: np.ndarray) -> StepUnits:
+        """The units of the step `indices` with what the planner needs of them (a stand-in when
+        pruning left none: the shortest path of the first tree)."""
         ids = [int(i) for i in indices]
+        if self.config.cross_group is not None:
+            return self._merged_units(tuple(ids))
         units = [u for i in ids for u in self.units[i]]
         if not units:
-            first = self.trees[ids[0]]
-            units = [TreePart.from_paths(first, [int(np.argmin(first.path_lengths))])]
-            layout = self.config.layout
-            return units, unit_counts(units, layout.gdn_chunk_size, layout.context)
-        return units, {k: None if self.counts[ids[0]][k] is None else
-                       [n for i in ids for n in self.counts[i][k]] for k in self.counts[ids[0]]}
+            return self._with_counts(self._stand_in(ids))
+        pairs = (None if self.pair_counts is None else
+                 [n for i in ids for n in self.pair_counts[i]])
+        return StepUnits(units, {k: None if self.counts[ids[0]][k] is None else
+                                 [n for i in ids for n in self.counts[i][k]]
+                                 for k in self.counts[ids[0]]}, pairs)
+
+    def _stand_in(self, ids: Sequence[int]) -> list[TrajectoryTree]:
+        first = self.trees[ids[0]]
+        return [TreePart.from_paths(first, [int(np.argmin(first.path_lengths))])]
+
+    def _with_counts(self, units: list[TrajectoryTree],
+                     bins: tuple[tuple[int, ...], ...] | None = None,
+                     merge_saved: int = 0) -> StepUnits:
+        layout = self.config.layout
+        return StepUnits(units, unit_counts(units, layout.gdn_chunk_size, layout.context),
+                         [pair_count(u) for u in units] if self.config.critic else None,
+                         bins, merge_saved)
+
+    def _merged_units(self, ids: tuple[int, ...]) -> StepUnits:
+        """The step's (pruned) trees merged per bin (`jtree.layout.cross_group.merge_per_bin`),
+        each bin's merged tree cut into capacity parts when larger than a row."""
+        if ids in self._merged:
+            return self._merged[ids]
+        trees = [t for t in (self.trees[i] if self.pruned is None else self.pruned[i].tree
+                             for i in ids) if t is not None]
+        if not trees:
+            return self._with_counts(self._stand_in(ids))
+        layout, cross = self.config.layout, self.config.cross_group
+        merged = merge_per_bin(trees, layout.n_shards * layout.micro_batches,
+                               shared_masks=cross.shared_masks)
+        units: list[TrajectoryTree] = []
+        bins = []
+        for tree in merged.trees:
+            own = [] if tree is None else training_units(tree, "tree", layout.seq_len,
+                                                         cross.partition_method)
+            bins.append(tuple(range(len(units), len(units) + len(own))))
+            units.extend(own)
+        out = self._with_counts(units, tuple(bins), merged.saved_tokens)
+        if len(self._merged) >= self._KEEP_STEPS:
+            self._merged.pop(next(iter(self._merged)))
+        self._merged[ids] = out
+        return out
 
     def plan(self, indices: np.ndarray) -> StepPlan:
         """Where every unit of the step goes, and the step's shape."""
-        units, counts = self.step_units(indices)
-        return plan_step([u.n_tree_tokens for u in units], self.config.layout, **counts)
+        step = self.step_units(indices)
+        return plan_step([u.n_tree_tokens for u in step.units], self.config.layout,
+                         bins=step.bins, **step.counts)
+
+    def rows_to_hold(self, steps: Sequence[np.ndarray]) -> int:
+        """The fewest rows per micro-batch that hold each of `steps` (tree indices) at
+        `seq_len` (`jtree.layout.planner.rows_to_hold`)."""
+        units = [self.step_units(indices) for indices in steps]
+        return rows_to_hold([[u.n_tree_tokens for u in s.units] for s in units],
+                            self.config.layout, [s.bins for s in units])
 
     def __call__(self, indices: np.ndarray) -> dict[str, Any]:
         return self.build(indices, self.plan(indices))
@@ -163,7 +261,8 @@ class StepBuilder:
     def build(self, indices: np.ndarray, plan: StepPlan) -> dict[str, Any]:
         """This host's step inputs of the step `indices`, laid out where `plan` (this builder's
         plan of those indices) says."""
-        units = self.step_units(indices)[0]
+        step = self.step_units(indices)
+        units = step.units
         critic_len = None
         if self.config.critic:
             critic_len = self.config.critic_len or self.critic_len(indices, plan)
@@ -177,7 +276,7 @@ class StepBuilder:
         if self.pruned is not None:
             saved = sum(self.pruned[int(i)].saved_tokens for i in indices)
             micro[0] = self._with_dropped_shares(micro[0], indices, units)
-        info = step_info([self.trees[int(i)] for i in indices], units, saved)
+        info = step_info([self.trees[int(i)] for i in indices], units, saved, step.merge_saved)
         return {"inputs": stack(micro), "info": info}
 
     def _with_dropped_shares(self, first: DeviceBatch, indices: np.ndarray,
@@ -196,7 +295,7 @@ class StepBuilder:
     def critic_len(self, indices: np.ndarray, plan: StepPlan) -> int:
         """The critic pair width of the step `indices` laid out by `plan`: the most pairs any row
         of any shard and micro-batch holds, on `jtree.objectives.critic.pair_width`'s ladder."""
-        counts = [n for i in indices for n in self.pair_counts[int(i)]]
+        counts = self.step_units(indices).pairs
         need = max((sum(counts[units[i]] for i in row)
                     for units, placement in zip(plan.units, plan.placements)
                     for row in placement.rows), default=0)
@@ -255,7 +354,10 @@ class AutoStepBuilder:
 
 @dataclasses.dataclass(frozen=True)
 class RfreeStepConfig:
-    """What every redundancy-free step is built with (`RfreeStepBuilder`)."""
+    """What every redundancy-free step is built with (`RfreeStepBuilder`). `merge_into`: with
+    `data.share_prefixes: across_groups`, the step's trees are merged into that many trees, one
+    per row shard (`jtree.layout.cross_group.merge_per_bin`; a part tree runs on one shard), and
+    a merged tree larger than the capacity is split into parts over cached prefixes like any."""
 
     normalization: Normalization
     seq_len: int
@@ -264,6 +366,7 @@ class RfreeStepConfig:
     gdn_chunk_size: int | None = None
     row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE
     uniform: bool = False  # part rows of one shape, for the mesh executor (jtree.partitioning.redundancy_free.mesh_executor)
+    merge_into: int | None = None
 
 
 class RfreeStepBuilder:
@@ -278,12 +381,18 @@ class RfreeStepBuilder:
     def __call__(self, indices: np.ndarray) -> dict[str, Any]:
         trees = [self.trees[int(i)] for i in indices]
         config = self.config
-        program = build_program(trees, config.capacity, seq_len=config.seq_len,
+        units, saved = trees, 0
+        if config.merge_into is not None:
+            merged = merge_per_bin(trees, config.merge_into)
+            units = [t for t in merged.trees if t is not None]
+            saved = merged.saved_tokens
+        program = build_program(units, config.capacity, seq_len=config.seq_len,
                                 normalization=config.normalization,
                                 gdn_chunk_size=config.gdn_chunk_size,
                                 row_steps_per_octave=config.row_steps_per_octave,
                                 uniform=config.uniform)
-        info = dict(step_info(trees, trees), n_computed_tokens=np.int64(program.n_computed))
+        info = dict(step_info(trees, units, merge_saved=saved),
+                    n_computed_tokens=np.int64(program.n_computed))
         return {"program": program, "info": info}
 
 
@@ -307,7 +416,8 @@ def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_
 def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, *,
                  normalization: Normalization, n_shards: int, shards: Sequence[int], steps: int,
                  gdn_chunk_size: int | None = None, critic: bool = False,
-                 context: int = 1, pruned: Sequence[PrunedTree] | None = None) -> StepBuilder:
+                 context: int = 1, pruned: Sequence[PrunedTree] | None = None,
+                 shared_masks: bool = False) -> StepBuilder:
     """The `StepBuilder` a run with data config `data` trains `mode` with, on `n_shards` data
     shards of which this host feeds `shards`: units from `all_units`, `data.rows_per_micro_batch`
     rows per micro-batch or else the fewest that hold the run's `steps` steps (`rows_for_run`),
@@ -319,22 +429,32 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
     `context`: devices of the `context` mesh axis each row is split over (`mesh.context`; the
     planner balances them by attention work, `jtree.layout.context_rows`).
     `pruned`: the trees pruned of their zero-gradient paths (`jtree.layout.pruning.prune_trees`),
-    laid out in their place with the unpruned normalizer."""
+    laid out in their place with the unpruned normalizer.
+    With `data.share_prefixes: across_groups` a tree-mode step merges its trees per bin
+    (`CrossGroup`; `shared_masks`: only where the paths agree on the trained bit, for GSPO)."""
     if data.row_steps_per_octave is not None:
         check_steps_per_octave(data.row_steps_per_octave, "data.row_steps_per_octave")
-    units = all_units(trees if pruned is None else [p.tree for p in pruned], mode, data.seq_len,
-                      data.partition_method)
-    rows = data.rows_per_micro_batch or rows_for_run(
-        units, data.seq_len, data.trees_per_step, n_shards * data.micro_batches,
-        data.shuffle_seed, steps)
+    cross = (CrossGroup(data.partition_method, shared_masks)
+             if data.share_prefixes == "across_groups" and mode == "tree" else None)
+    units = None if cross is not None else all_units(
+        trees if pruned is None else [p.tree for p in pruned], mode, data.seq_len,
+        data.partition_method)
     row_lengths = (None if data.row_steps_per_octave is None
                    else row_length_ladder(data.seq_len, data.row_steps_per_octave))
-    layout = LayoutConfig(data.seq_len, n_shards, data.micro_batches, rows, row_lengths,
-                          gdn_chunk_size, data.gdn_chunks if gdn_chunk_size else None,
+    layout = LayoutConfig(data.seq_len, n_shards, data.micro_batches, data.rows_per_micro_batch,
+                          row_lengths, gdn_chunk_size, data.gdn_chunks if gdn_chunk_size else None,
                           context=context)
-    config = StepConfig(mode, normalization, data.trees_per_step, tuple(shards), layout, critic)
-    builder = StepBuilder(trees, units, config, pruned=pruned)
+    config = StepConfig(mode, normalization, data.trees_per_step, tuple(shards), layout, critic,
+                        cross_group=cross)
     index = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)
+    if layout.rows is None:
+        rows = (rows_for_run(units, data.seq_len, data.trees_per_step,
+                             n_shards * data.micro_batches, data.shuffle_seed, steps)
+                if cross is None else StepBuilder(trees, None, config, pruned=pruned)
+                .rows_to_hold([index[k] for k in range(steps)]))
+        config = dataclasses.replace(config, layout=dataclasses.replace(layout, rows=rows))
+        layout = config.layout
+    builder = StepBuilder(trees, units, config, pruned=pruned)
     plans = [builder.plan(index[k]) for k in range(steps)]
     if not plans:
         return builder
