@@ -94,8 +94,9 @@ def _pruned(history: list[dict[str, Any]]) -> str:
 
 
 def _merged(history: list[dict[str, Any]]) -> str:
-    """The summary's account of cross-group prefix sharing (empty when it saved nothing)."""
-    saved = sum(r["n_merge_saved_tokens"] for r in history)
+    """The summary's account of cross-group prefix sharing (empty when it saved nothing; a
+    record without the count saved nothing)."""
+    saved = sum(r.get("n_merge_saved_tokens", 0) for r in history)
     if not saved:
         return ""
     total = sum(r["n_tree_tokens"] for r in history)

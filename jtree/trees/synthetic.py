@@ -41,10 +41,15 @@ def _segment(rng: np.random.Generator, mean: int, vocab: int) -> np.ndarray:
     return rng.integers(1, vocab, size=n)
 
 
-def agent_rollout_group(rng: np.random.Generator, shape: AgentShape = AgentShape()) -> TrajectoryTree:
-    """One task's rollouts merged into a tree (see module docstring)."""
+def agent_rollout_group(rng: np.random.Generator, shape: AgentShape = AgentShape(),
+                        system: np.ndarray | None = None) -> TrajectoryTree:
+    """One task's rollouts merged into a tree (see module docstring). `system`: the system
+    prompt's tokens (default: drawn for this group); give every group of a step the same array
+    for an agent run's common system prompt and tool schemas."""
     v = shape.vocab_size
-    prefix = np.concatenate([_segment(rng, shape.system_len, v), _segment(rng, shape.task_len, v)])
+    if system is None:
+        system = _segment(rng, shape.system_len, v)
+    prefix = np.concatenate([system, _segment(rng, shape.task_len, v)])
     prefix_mask = np.zeros(len(prefix))
     seqs: list[np.ndarray] = []
     masks: list[np.ndarray] = []

@@ -22,7 +22,8 @@ import pytest
 
 from jtree.cli import main as jtree_main
 
-LAUNCH = ("bench", "bench_attention", "bench_attention_gpu", "bench_context", "bench_gdn",
+LAUNCH = ("bench", "bench_attention", "bench_attention_gpu", "bench_context", "bench_cross_group",
+          "bench_gdn",
           "bench_partition", "bench_redundancy_free", "bench_split",
           "device_check", "make_sample_data", "lower_step", "memory_plan", "train")
 SUBCOMMANDS = ("stats", "compare-torch", "export-hf")
@@ -103,6 +104,19 @@ def test_bench_split_names_the_workloads_when_one_is_unknown():
 
     with pytest.raises(ValueError, match="no bench workload named 'nope'.*tiny/synthetic POR 0.3"):
         split("nope", 1, quick=True)
+
+
+def test_bench_cross_group_smallest(tmp_path):
+    """Two groups behind a 64-token system prompt, both fitting one row merged: the merged step
+    computes the prompt once (the bench itself checks that the two losses agree)."""
+    data = _run("bench_cross_group", ["--groups", "2", "--system-len", "64", "--rollouts", "2",
+                                      "--seq-len", "2048", "--hidden", "32", "--layers", "1",
+                                      "--repeats", "1", "--attention", "xla",
+                                      "--host-malloc", "default"], tmp_path)
+    (row,) = data["rows"]
+    computed = row["computed_tokens"]
+    assert computed["within_groups"] - computed["across_groups"] == row["merge_saved_tokens"] > 0
+    assert row["por_across"] > row["por_within"]
 
 
 def test_bench_attention_smallest(tmp_path):
