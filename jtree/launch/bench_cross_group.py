@@ -19,7 +19,10 @@ rows of at most `--seq-len` tokens fitted from a ladder of 8 lengths per octave)
 Timed: the PPO loss and gradients of a small dense Qwen3 (`jax.jit(make_grad_fn(...))`; the
 optimizer update costs the same in both and is left out), alternating rounds in shuffled order
 (`jtree.launch.harness.alternate`); the speedup is the median over rounds of within / across time
-in the same round, with a bootstrap interval. Also reported: POR within groups (the sharing the
+in the same round, with a bootstrap interval (and the same from process CPU time, less sensitive to
+other jobs on a shared machine). Also reported: the FLOP ideal (`jtree.layout.flop_model`: a
+merged branch's queries still see every key of the prompt, so attention shrinks with the
+prompt's own tokens only), POR within groups (the sharing the
 per-group trees have) and across groups (the sharing of the merged trees), the tree tokens each
 variant computes (a tree larger than a row is cut into capacity parts that each recompute their
 prefix, so `--seq-len` should hold a merged tree), rows, and the two losses (which must agree:
@@ -51,6 +54,7 @@ from jtree.launch.harness import (
     markdown_table,
     run_info,
 )
+from jtree.layout.flop_model import FlopModel, ideal_speedup, tree_work
 from jtree.models import CausalLM
 from jtree.step.train_step import make_grad_fn
 from jtree.training.step_builders import step_builder, step_indices
@@ -71,20 +75,24 @@ def agent_groups(n_groups: int, system_len: int, shape: AgentShape,
 
 
 def build(trees: list[TrajectoryTree], share: str, seq_len: int,
-          micro_batches: int) -> dict[str, Any]:
-    """One step of all `trees` as the trainer lays it out with `data.share_prefixes=share`."""
+          micro_batches: int) -> tuple[dict[str, Any], list[TrajectoryTree]]:
+    """One step of all `trees` as the trainer lays it out with `data.share_prefixes=share`, and
+    the units it computes."""
     data = DataConfig(seq_len=seq_len, trees_per_step=len(trees), micro_batches=micro_batches,
                       row_steps_per_octave=8, share_prefixes=share)
     builder = step_builder(trees, data, "tree", normalization=OBJECTIVE.normalization,
                            n_shards=1, shards=(0,), steps=1)
-    return builder(step_indices(len(trees), len(trees), data.shuffle_seed)[0])
+    indices = step_indices(len(trees), len(trees), data.shuffle_seed)[0]
+    return builder(indices), builder.step_units(indices).units
 
 
-def measure(trees: list[TrajectoryTree], graphdef: Any, params: Any, *, seq_len: int,
-            micro_batches: int, repeats: int) -> dict[str, Any]:
-    """Both variants of one step on `trees`: layout, timings, losses."""
+def measure(trees: list[TrajectoryTree], graphdef: Any, params: Any, flops: FlopModel, *,
+            seq_len: int, micro_batches: int, repeats: int) -> dict[str, Any]:
+    """Both variants of one step on `trees`: layout, work, timings, losses."""
     grad_fn = jax.jit(make_grad_fn(graphdef, OBJECTIVE))
-    steps = {v: build(trees, v, seq_len, micro_batches) for v in VARIANTS}
+    built = {v: build(trees, v, seq_len, micro_batches) for v in VARIANTS}
+    steps = {v: b[0] for v, b in built.items()}
+    work = {v: tree_work(b[1])[0] for v, b in built.items()}
     inputs = {v: jax.device_put(s["inputs"]) for v, s in steps.items()}
     timings = alternate({v: (lambda v=v: grad_fn(params, inputs[v])) for v in VARIANTS}, repeats)
     losses = {v: float(r[0]) for v, r in timings.first_result.items()}
@@ -103,9 +111,11 @@ def measure(trees: list[TrajectoryTree], graphdef: Any, params: Any, *, seq_len:
         "rows": {v: list(s["inputs"].tokens.shape) for v, s in steps.items()},
         "ms": timings.medians_ms(), "first_step_s": timings.first_s, "times_s": timings.wall,
         "speedup": timings.ratio("within_groups", "across_groups"),
+        "speedup_cpu_time": timings.ratio("within_groups", "across_groups", cpu=True),
         "speedup_interval": [low, high],
         "verdict": timings.compare("within_groups", "across_groups"),
         "token_bound": computed["within_groups"] / computed["across_groups"],
+        "flop_ideal": ideal_speedup(flops, work["across_groups"], work["within_groups"]),
         "loss": losses, "repeats": timings.rounds,
     }
 
@@ -122,7 +132,8 @@ COLUMNS = (
         f"{r['ms'][v]:.0f}" for v in VARIANTS)),
     Column("speedup", "speedup", "{:.2f}"),
     Column("95% interval", "", cell=lambda r: "{:.2f}-{:.2f}".format(*r["speedup_interval"])),
-    Column("token bound", "token_bound", "{:.2f}"),
+    Column("speedup (CPU time)", "speedup_cpu_time", "{:.2f}"),
+    Column("token bound", "token_bound", "{:.2f}"), Column("FLOP ideal", "flop_ideal", "{:.2f}"),
 )
 
 
@@ -153,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                       tie_word_embeddings=False)
     graphdef, params = nnx.split(CausalLM(cfg, RuntimeConfig(attention_impl=args.attention),
                                           rngs=nnx.Rngs(0)))
-    row = measure(trees, graphdef, params, seq_len=args.seq_len,
+    row = measure(trees, graphdef, params, FlopModel.for_config(cfg), seq_len=args.seq_len,
                   micro_batches=args.micro_batches, repeats=args.repeats)
     losses = list(row["loss"].values())
     if abs(losses[0] - losses[1]) > 1e-4 * max(abs(losses[0]), 1e-6):
