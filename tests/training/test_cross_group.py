@@ -84,7 +84,7 @@ def _groups(seed: int, estimator: str = "grpo", id_masks: bool = False) -> list[
 
 def _builder(trees, seq_len, *, merge, shards=(0, 1), n_shards=2, micro=2, rows=None,
              mode="tree", normalization="seq_mean_token_mean", shared_masks=False,
-             score_len=None):
+             score_len=None, critic=False):
     """The builder of one step of `trees`, merged or not, at `rows` rows per micro-batch
     (default: the fewest that hold the step)."""
     cross = CrossGroup(shared_masks=shared_masks) if merge else None
@@ -93,7 +93,7 @@ def _builder(trees, seq_len, *, merge, shards=(0, 1), n_shards=2, micro=2, rows=
     def config(rows):
         return StepConfig(mode, normalization, len(trees), shards,
                           LayoutConfig(seq_len, n_shards, micro, rows, score_len=score_len),
-                          cross_group=cross)
+                          critic=critic, cross_group=cross)
 
     if rows is None:
         rows = StepBuilder(trees, units, config(None)).rows_to_hold([np.arange(len(trees))])
@@ -205,6 +205,23 @@ def test_hosts_split_the_merged_step_and_its_normalizer(model):
     np.testing.assert_array_equal(np.concatenate([p.tokens for p in parts], axis=1), full.tokens)
     assert sum(float(p.row_norm.sum()) for p in parts) == pytest.approx(
         float(_builder(trees, 128, merge=False)(step)["inputs"].row_norm.sum()), rel=1e-6)
+
+
+def test_critic_pairs_travel_with_their_paths():
+    """PPO's critic reads one (path, trained token) pair each, path after path: the merged step
+    holds the unmerged step's pairs (coefficient, reward at the path's end), none lost or
+    added."""
+    trees = _groups(seed=9)
+    step = np.arange(len(trees))
+
+    def pairs(merge):
+        critic = _builder(trees, 128, merge=merge, critic=True)(step)["inputs"].critic
+        live = np.asarray(critic.index) >= 0
+        return sorted(zip(np.asarray(critic.coef)[live].round(7),
+                          np.asarray(critic.reward)[live].round(7)))
+
+    merged = pairs(True)
+    assert merged == pairs(False) and len(merged) > 0
 
 
 def _rfree_steps(trees, n_shards: int = 1) -> dict:
