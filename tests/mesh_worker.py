@@ -41,7 +41,7 @@ from jtree.layout.batch import DeviceBatch, stack  # noqa: E402
 from jtree.training.checkpoint import Checkpointer, abstract_like  # noqa: E402
 from jtree.parallel.context import context_batch  # noqa: E402
 from jtree.config.objective import CriticConfig
-from jtree.objectives.critic import critic_pairs, with_critic_pairs
+from jtree.objectives.pairs import path_pairs, with_pairs
 from jtree.parallel.layer_stack import convert_tree, layer_groups  # noqa: E402
 from jtree.layout.linearize import linearize  # noqa: E402
 from jtree.layout.coefficients import batch_normalizer
@@ -133,8 +133,8 @@ def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
     batches = [fn(part, S, normalization=objective.normalization, normalizer=1.0, n_rows=ROWS,
                   **kw) for part in parts]
     if objective.critic is not None:
-        width = max(critic_pairs(b).index.shape[-1] for b in batches)
-        batches = [with_critic_pairs(b, width) for b in batches]
+        width = max(path_pairs(b).index.shape[-1] for b in batches)
+        batches = [with_pairs(b, width) for b in batches]
     for part, b in zip(parts, batches):
         row_norm = np.zeros(ROWS, np.float32)
         row_norm[0] = batch_normalizer(part, objective.normalization)
@@ -186,8 +186,8 @@ def cp_inputs(objective: Objective, gdn: bool) -> DeviceBatch:
         row_norm[0] = batch_normalizer(trees, objective.normalization)
         batches.append((b, row_norm))
     if objective.critic is not None:  # one pair width for both micro-batches
-        width = max(critic_pairs(b).index.shape[1] for b, _ in batches)
-        batches = [(with_critic_pairs(b, width), norm) for b, norm in batches]
+        width = max(path_pairs(b).index.shape[1] for b, _ in batches)
+        batches = [(with_pairs(b, width), norm) for b, norm in batches]
     return stack([dataclasses.replace(b.inputs, row_norm=norm) for b, norm in batches])
 
 
