@@ -60,9 +60,10 @@ class StepConfig:
     global data shards this host feeds (`shards`, out of `layout.n_shards`) and the layout policy
     (`jtree.layout.planner.LayoutConfig`: micro-batches, rows per micro-batch, row lengths, GDN chunk
     tables). With `critic` (PPO's critic, `jtree.objectives.critic`) or `off_policy` (the
-    off-policy weights, `jtree.objectives.off_policy`) every micro-batch carries its (path, trained
-    token) pairs (`jtree.objectives.pairs`), `pair_len` of them per row (None: the step's own
-    need); with `off_policy` the step's info carries the trees' `offpolicy_behavior_disagreement`."""
+    off-policy weights, `jtree.objectives.off_policy`) every micro-batch carries its (path,
+    trained token) pairs (`jtree.objectives.pairs`), `pair_len` of them per row (None: the step's
+    own need); with `off_policy` the step's info carries the trees'
+    `offpolicy_behavior_disagreement`."""
 
     mode: Mode
     normalization: Normalization

@@ -24,8 +24,8 @@ from jtree.layout.baseline import linearize_baseline
 from jtree.layout.linearize import linearize
 from jtree.models import CausalLM, create_model
 from jtree.objectives.critic import gae, pair_values
-from jtree.objectives.pairs import pair_token_sums, with_pairs
 from jtree.objectives.losses import value_loss
+from jtree.objectives.pairs import pair_token_sums, with_pairs
 from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
 from jtree.step.batches import stack_microbatches
 from jtree.step.critic_params import flat_params

@@ -45,7 +45,7 @@ OBJECTIVES = {
 SEQ_LEN = 32  # a tree larger than this is split into capacity parts in tree mode
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model():
     """(graphdef, params, old params): the step's parameters and the ones pi_old comes from
     (another policy, so the PPO clip acts; a run recomputes pi_old with the step's own)."""
@@ -189,20 +189,19 @@ def run_step(trees: list[TrajectoryTree], objective: Objective, mode: str):
         assert sum(map(len, builder.units)) > len(trees)  # a tree is split into parts
     element = builder(step_indices(len(trees), len(trees), 0)[0])
     inputs = element["inputs"]
-    old = jnp.stack([logprob_fn(graphdef)(old_params, jax.tree_util.tree_map(lambda x: x[i],
-                                                                             inputs))
-                     for i in range(inputs.shape[0])])
+    micro = [jax.tree_util.tree_map(lambda x, i=i: x[i], inputs) for i in range(inputs.shape[0])]
+    old = jnp.stack([logprob_fn(graphdef)(old_params, mb) for mb in micro])
     loss, metrics, grads = grad_fn(graphdef, objective)(params,
                                                          inputs.with_coefficients(old_logprobs=old))
     return float(loss), {k: float(v) for k, v in metrics.items()}, grads, element["info"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def logprob_fn(graphdef):
     return jax.jit(make_logprob_fn(graphdef))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def grad_fn(graphdef, objective: Objective):
     return jax.jit(make_grad_fn(graphdef, objective))
 
