@@ -40,7 +40,7 @@ from jtree.layout.baseline import flatten_paths, linearize_baseline  # noqa: E40
 from jtree.layout.batch import DeviceBatch, stack  # noqa: E402
 from jtree.training.checkpoint import Checkpointer, abstract_like  # noqa: E402
 from jtree.parallel.context import context_batch  # noqa: E402
-from jtree.config.objective import CriticConfig
+from jtree.config.objective import CriticConfig, OffPolicyConfig
 from jtree.objectives.pairs import path_pairs, with_pairs
 from jtree.parallel.layer_stack import convert_tree, layer_groups  # noqa: E402
 from jtree.layout.linearize import linearize  # noqa: E402
@@ -69,6 +69,9 @@ S, ROWS, GDN_CHUNK = 64, 8, 4
 CP_ROWS = 4  # rows of each micro-batch of the context-parallel batch
 # Kinds whose sharded step runs another attention kernel than their single-device reference.
 MESH_IMPL = {"dense_tpu": "pallas_tpu"}
+# Objectives `tis`: PPO with truncated importance weights for the engine-vs-trainer gap
+# (`jtree.objectives.off_policy`: pairs split over the rows like the critic's).
+OFF_POLICY = {"tis": OffPolicyConfig(kind="tis", cap=2.0)}
 
 
 def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
@@ -113,7 +116,7 @@ def case_critic(kind: str) -> CriticConfig | None:
 def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
     """Two micro-batches of branching trees, raw coefficients plus per-row normalizer shares
     (the form `jtree.training.pipeline` produces), GDN chunk tables sized as the pipeline sizes them; with a
-    critic, rewards and the critic pairs (one width for both micro-batches)."""
+    critic (rewards) or off-policy weights, the pairs (one width for both micro-batches)."""
     rng = np.random.default_rng(7)
     forests = [random_forest(rng, max_nodes=8) for _ in range(10)]
     if objective.critic is not None:
@@ -132,9 +135,10 @@ def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
     out = []
     batches = [fn(part, S, normalization=objective.normalization, normalizer=1.0, n_rows=ROWS,
                   **kw) for part in parts]
-    if objective.critic is not None:
-        width = max(path_pairs(b).index.shape[-1] for b in batches)
-        batches = [with_pairs(b, width) for b in batches]
+    if objective.critic is not None or objective.off_policy.enabled:
+        kinds = dict(critic=objective.critic is not None, off_policy=objective.off_policy.enabled)
+        width = max(path_pairs(b, **kinds).index.shape[-1] for b in batches)
+        batches = [with_pairs(b, width, **kinds) for b in batches]
     for part, b in zip(parts, batches):
         row_norm = np.zeros(ROWS, np.float32)
         row_norm[0] = batch_normalizer(part, objective.normalization)
@@ -252,9 +256,9 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
         params = attach(params, lora, jax.random.key(0))
     if model_kind != "dense":
         params = perturbed(params)  # with LoRA, B != 0: A's gradients too are non-zero
-    objective = Objective(kind="ppo" if kind == "critic" else kind,
+    objective = Objective(kind="ppo" if kind in ("critic", *OFF_POLICY) else kind,
                           normalization="token_mean" if kind == "sft" else "seq_mean_token_mean",
-                          critic=critic)
+                          critic=critic, off_policy=OFF_POLICY.get(kind, OffPolicyConfig()))
     if mode == "cp":
         inputs = cp_inputs(objective, cfg.decoder().needs_gdn_tables)
     else:

@@ -20,6 +20,7 @@ data, FSDP and tensor parallelism; dense (the `reference`, the block-sparse `xla
 interpreter, the Pallas TPU kernel), MoE (router loss pooled over the context axis too) and
 Qwen3-Next (the Gated DeltaNet chunk scan and conv across device slices, with the per-device
 tables of `jtree.parallel.context.context_batch`), SFT, PPO, GSPO and PPO with a critic.
+Objective `tis` is PPO with off-policy weights formed in the step from the rows' pairs.
 docs/design.md tolerances: loss,
 gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
 2 kv heads on a 4-way model axis exercise replicated KV heads; every case exercises the
@@ -111,6 +112,7 @@ def test_next_and_lora_on_every_mesh_and_ppo_on_every_model():
     cases += ["dense_tpu:tree:sft:2x1x1", "dense_tpu:baseline:sft:1x1x2"]
     cases += [f"dense_lora:{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in MESHES]
     cases += ["dense_scan:tree:sft:2x1x4", "dense_scan:tree:ppo:2x2x2"]
+    cases += ["dense:tree:tis:2x2x2", "dense:baseline:tis:4x1x2"]  # off-policy weights
     for result in run_cases(cases + ["dense:baseline:ppo:2x1x4"]):
         check(result)
 

@@ -20,6 +20,7 @@ from jtree.config.run import DataConfig
 from jtree.kernels import TreeMask
 from jtree.layout.batch import DeviceBatch, LossCoefficients
 from jtree.objectives.logprobs import token_logprobs
+from jtree.step.batches import old_logprobs_stale
 from jtree.step.train_step import make_grad_fn, make_logprob_fn
 from jtree.training.run import train
 from jtree.training.run_data import load_training_trees
@@ -249,7 +250,11 @@ def test_a_run_trains_with_the_weights_and_logs_their_metrics(tmp_path, capsys):
 
 def test_runs_refuse_what_cannot_take_the_weights(tmp_path):
     base = ["objective.kind=ppo", "objective.off_policy.kind=tis", "objective.off_policy.cap=2.0"]
-    check_off_policy(load_config("configs/tiny.yaml", base))
+    cfg = load_config("configs/tiny.yaml", base)
+    check_off_policy(cfg)
+    # pi_old is the trainer's own even where the data's old log-probs agree on every token
+    assert old_logprobs_stale(True, 0.0, cfg.objective)
+    assert not old_logprobs_stale(True, 0.0, Objective(kind="ppo"))
     with pytest.raises(ValueError, match="objective.off_policy.kind=tis: not available with "
                                          "run.mode=redundancy_free"):
         check_off_policy(load_config("configs/tiny.yaml", [*base, "run.mode=redundancy_free"]))
