@@ -46,10 +46,7 @@ def objective_loss(model: Any, inputs: DeviceBatch, objective: Objective, *,
     if objective.critic is None:
         extra = {}
         if objective.off_policy.enabled:
-            if context_axis is not None:
-                raise ValueError("objective.off_policy: not available under context "
-                                 "parallelism (mesh.context > 1) yet")
-            inputs, extra = off_policy_coefficients(inputs, objective)
+            inputs, extra = off_policy_coefficients(inputs, objective, context_axis=context_axis)
         loss, metrics = loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred,
                                          out.aux_loss, inputs, objective, vocab_axis=vocab_axis,
                                          context_axis=context_axis)

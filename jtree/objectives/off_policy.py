@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jtree.config.objective import Objective, OffPolicyConfig
 from jtree.layout.batch import DeviceBatch, PathPairs
 from jtree.objectives.pairs import pair_path_sums, pair_token_sums
+from jtree.parallel.context import gathered_row, local_index
 
 # Metrics that `off_policy_coefficients` returns as sums over pairs and `finish_off_policy_metrics`
 # turns into means (the names of `jtree.layout.off_policy.off_policy_metrics`).
@@ -44,39 +45,48 @@ def pair_weights(log_ratio: jax.Array, pairs: PathPairs, config: OffPolicyConfig
     return jnp.where(outside, 0.0, ratio), outside
 
 
-def off_policy_coefficients(inputs: DeviceBatch, objective: Objective
+def off_policy_coefficients(inputs: DeviceBatch, objective: Objective, *,
+                            context_axis: str | None = None
                             ) -> tuple[DeviceBatch, dict[str, jax.Array]]:
     """`inputs` with the policy's P / N (`ppo`) or `seq_pos` / `seq_neg` (`gspo`) summed from
     the pairs' weighted c A, pi_old read from the batch's `old_logprobs` (no gradient: they are
     inputs), and the off-policy metrics as sums over the pairs (`MEAN_METRICS` and the pair count
-    `offpolicy_pairs`; `finish_off_policy_metrics` makes them means)."""
+    `offpolicy_pairs`; `finish_off_policy_metrics` makes them means).
+
+    Under context parallelism (`context_axis`) the pairs are the whole rows' (not split): pi_old
+    is gathered over the axis, every device forms every pair's weight (a sequence kind's ratio
+    needs the whole path), and each keeps the pairs whose token (GSPO: whose path end) it holds,
+    for its coefficients and its share of the metrics."""
     pairs = inputs.pairs
     if pairs is None or pairs.behavior is None:
         raise ValueError("inputs: off-policy 'pairs' missing; objective.off_policy needs "
                          "jtree.objectives.pairs.with_pairs(..., off_policy=True) on the batch")
     s = inputs.tokens.shape[-1]
+    old, index, end = inputs.coefficients.old_logprobs, pairs.index, pairs.end
+    if context_axis is not None:
+        old = gathered_row(old, context_axis)
+        index, end = (local_index(x, s, context_axis) for x in (index, end))
     live = pairs.index >= 0
-    pi_old = jnp.take_along_axis(inputs.coefficients.old_logprobs,
-                                 jnp.maximum(pairs.index, 0), axis=-1)
+    pi_old = jnp.take_along_axis(old, jnp.maximum(pairs.index, 0), axis=-1)
     log_ratio = jnp.where(live, pi_old - pairs.behavior, 0.0)
     weight, corrected = pair_weights(log_ratio, pairs, objective.off_policy)
     ca = jnp.where(live, pairs.coef * pairs.advantage * weight, 0.0)
     if objective.kind == "gspo":  # each path's weighted c_p A_p at its last token
         per_path = pair_path_sums(ca, pairs)
-        at = jnp.where(live & pairs.last, pairs.end, -1)
+        at = jnp.where(live & pairs.last, end, -1)
         inputs = inputs.with_coefficients(
             seq_pos=pair_token_sums(jnp.where(per_path >= 0, per_path, 0.0), pairs, s, at),
             seq_neg=pair_token_sums(jnp.where(per_path < 0, per_path, 0.0), pairs, s, at))
     else:
         inputs = inputs.with_coefficients(
-            adv_pos=pair_token_sums(jnp.where(ca >= 0, ca, 0.0), pairs, s),
-            adv_neg=pair_token_sums(jnp.where(ca < 0, ca, 0.0), pairs, s))
-    live_f = live.astype(log_ratio.dtype)
+            adv_pos=pair_token_sums(jnp.where(ca >= 0, ca, 0.0), pairs, s, index),
+            adv_neg=pair_token_sums(jnp.where(ca < 0, ca, 0.0), pairs, s, index))
+    own = (index >= 0).astype(log_ratio.dtype)  # each pair counted on one device
     metrics = {
-        "offpolicy_kl_k1": jnp.sum(-log_ratio),
-        "offpolicy_kl_k3": jnp.sum(live_f * (jnp.expm1(log_ratio) - log_ratio)),
-        "offpolicy_corrected_frac": jnp.sum(live_f * corrected),
-        "offpolicy_pairs": jnp.sum(live_f),
+        "offpolicy_kl_k1": jnp.sum(own * -log_ratio),
+        "offpolicy_kl_k3": jnp.sum(own * (jnp.expm1(log_ratio) - log_ratio)),
+        "offpolicy_corrected_frac": jnp.sum(own * corrected),
+        "offpolicy_pairs": jnp.sum(own),
     }
     return inputs, metrics
 

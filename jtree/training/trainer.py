@@ -278,7 +278,7 @@ def check_reference(cfg: TrainConfig) -> None:
 def check_off_policy(cfg: TrainConfig) -> None:
     """`objective.off_policy` needs the step's (path, trained token) pairs and the trainer's old
     log-probs recomputed on the batch (`jtree.objectives.off_policy`): redundancy-free parts
-    carry neither, and the pairs are not split over the context axis yet."""
+    carry neither."""
     kind = cfg.objective.off_policy.kind
     if kind == "none":
         return
@@ -286,10 +286,6 @@ def check_off_policy(cfg: TrainConfig) -> None:
         raise ValueError(f"objective.off_policy.kind={kind}: not available with "
                          "run.mode=redundancy_free (its parts run no old log-prob forward and "
                          "carry no per-path pairs); use run.mode tree, baseline or auto")
-    if cfg.mesh.context > 1:
-        raise ValueError(f"objective.off_policy.kind={kind}: not available with mesh.context="
-                         f"{cfg.mesh.context} yet (the pairs are not split over the context "
-                         "axis); set mesh.context=1")
 
 
 def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any, *,

@@ -258,9 +258,6 @@ def test_runs_refuse_what_cannot_take_the_weights(tmp_path):
     with pytest.raises(ValueError, match="objective.off_policy.kind=tis: not available with "
                                          "run.mode=redundancy_free"):
         check_off_policy(load_config("configs/tiny.yaml", [*base, "run.mode=redundancy_free"]))
-    with pytest.raises(ValueError, match="objective.off_policy.kind=tis: not available with "
-                                         "mesh.context=2"):
-        check_off_policy(load_config("configs/tiny.yaml", [*base, "mesh.context=2"]))
     data = tmp_path / "trees.jsonl"
     data.write_text(json.dumps({"parents": [-1], "segments": [[1, 2, 3]], "paths": [
         {"node": 0, "loss_mask": [0, 1, 1], "advantage": 1.0}]}) + "\n")
