@@ -10,8 +10,8 @@ per (path, trained token) (`jtree.objectives.pairs`: position, c[p,t], A[p,t], m
 forms each pair's weight and adds the pairs' c A w into their tokens by sign (design.md
 section 2), or, for GSPO, each path's sum at its last token. Weights are >= 0, so every term
 keeps its sign and the P / N regrouping stays exact. The host fold of the same weights, for
-callers that know pi_old beforehand, is `jtree.layout.off_policy`; its formulas are the ones
-here, and the tests hold both to a per-path reference.
+callers that know pi_old beforehand, is `jtree.layout.off_policy`; both weigh ratios with its
+`ratio_weights`, and the tests hold both to a per-path reference.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jtree.config.objective import Objective, OffPolicyConfig
 from jtree.layout.batch import DeviceBatch, PathPairs
+from jtree.layout.off_policy import ratio_weights
 from jtree.objectives.pairs import pair_path_sums, pair_token_sums
 from jtree.parallel.context import gathered_row, local_index
 
@@ -33,16 +34,12 @@ def pair_weights(log_ratio: jax.Array, pairs: PathPairs, config: OffPolicyConfig
                  ) -> tuple[jax.Array, jax.Array]:
     """(weight, corrected) of every pair [..., Q] from its log-ratio pi_old - mu (0 on padding):
     the ratio is the pair's own or, for the sequence kinds, its path's geometric mean over the
-    path's pairs; truncated at `cap`, or masked to 0 outside [low, high]. `corrected`: where the
-    weight is not the ratio."""
+    path's pairs; truncated at `cap`, or masked to 0 outside [low, high]
+    (`jtree.layout.off_policy.ratio_weights`). `corrected`: where the weight is not the ratio."""
     if config.sequence_level:
         count = pair_path_sums((pairs.index >= 0).astype(log_ratio.dtype), pairs)
         log_ratio = pair_path_sums(log_ratio, pairs) / jnp.maximum(count, 1.0)
-    ratio = jnp.exp(log_ratio)
-    if config.kind in ("tis", "seq_tis"):
-        return jnp.minimum(ratio, config.cap), ratio > config.cap
-    outside = (ratio < config.low) | (ratio > config.high)
-    return jnp.where(outside, 0.0, ratio), outside
+    return ratio_weights(jnp.exp(log_ratio), config, jnp)
 
 
 def off_policy_coefficients(inputs: DeviceBatch, objective: Objective, *,
