@@ -19,13 +19,14 @@ from jtree.config.objective import Objective, OffPolicyConfig
 from jtree.config.run import DataConfig
 from jtree.kernels import TreeMask
 from jtree.layout.batch import DeviceBatch, LossCoefficients
+from jtree.memory.step_shapes import abstract_step_args
 from jtree.objectives.logprobs import token_logprobs
 from jtree.step.batches import old_logprobs_stale
 from jtree.step.train_step import make_grad_fn, make_logprob_fn
 from jtree.training.run import train
 from jtree.training.run_data import load_training_trees
 from jtree.training.step_builders import step_builder, step_indices
-from jtree.training.trainer import check_off_policy
+from jtree.training.trainer import Trainer, check_off_policy
 from jtree.trees.jsonl import write_trees
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import assert_grads_close, perturbed, tiny_model
@@ -263,3 +264,17 @@ def test_runs_refuse_what_cannot_take_the_weights(tmp_path):
         {"node": 0, "loss_mask": [0, 1, 1], "advantage": 1.0}]}) + "\n")
     with pytest.raises(ValueError, match="tree 0: no old_logprobs"):
         load_training_trees(load_config(None, [f"data.path={data}", "data.format=trees", *base]))
+
+
+def test_the_step_a_config_lowers_carries_the_pairs():
+    """`jtree.launch.lower_step` and `jtree.memory` trace the run's step on abstract inputs:
+    with off-policy weights they carry the pairs the step reads."""
+    cfg = load_config("configs/tiny.yaml", [
+        "objective.kind=gspo", "objective.off_policy.kind=seq_mis",
+        "objective.off_policy.low=0.5", "objective.off_policy.high=2.0", "data.seq_len=64",
+        "model.num_hidden_layers=1"])
+    trainer = Trainer.build(cfg)
+    state, inputs = abstract_step_args(trainer, 1)
+    assert inputs.pairs.behavior.shape == inputs.pairs.index.shape
+    metrics = jax.eval_shape(trainer.step_fn, state, inputs)[1]
+    assert "offpolicy_kl_k3" in metrics
