@@ -23,6 +23,8 @@ from jtree.memory.step_shapes import abstract_step_args
 from jtree.objectives.logprobs import token_logprobs
 from jtree.step.batches import old_logprobs_stale
 from jtree.step.train_step import make_grad_fn, make_logprob_fn
+from jtree.training.compile_log import Compiles
+from jtree.training.report import step_record, summary
 from jtree.training.run import train
 from jtree.training.run_data import load_training_trees
 from jtree.training.step_builders import step_builder, step_indices
@@ -229,6 +231,25 @@ def test_run_step_with_off_policy_weights_equals_per_path_reference(case):
             assert 0 < metrics["clip_frac"] < 1  # the PPO clip acts too
 
 
+def test_step_records_and_the_summary_carry_the_metrics():
+    """The step's device metrics and the host's behavior disagreement go into the step's
+    record; the summary gives their means over the steps and the largest disagreement."""
+    info = {"n_trees": 2, "n_tree_tokens": 10, "n_flat_tokens": 20, "n_computed_tokens": 10,
+            "n_pruned_tokens": 0, "offpolicy_behavior_disagreement": np.float64(0.25)}
+    history = [step_record(k, {"loss": 1.0, "grad_norm": 1.0, "offpolicy_kl_k1": 0.1,
+                               "offpolicy_kl_k3": 0.02 * (k + 1), "offpolicy_corrected_frac": 0.5},
+                           dict(info, offpolicy_behavior_disagreement=0.25 * (k + 1)), 0.1, 0.1,
+                           Compiles(), 1e-3) for k in range(2)]
+    assert history[1]["offpolicy_behavior_disagreement"] == 0.5
+    assert history[0]["offpolicy_kl_k3"] == 0.02
+    line = summary(history, 1.0, 0, None)
+    assert ("off-policy: mean kl_k3 3.00e-02, corrected 50.0% of pairs, max behavior "
+            "disagreement 5.00e-01") in line
+    plain = {k: v for k, v in history[0].items() if not k.startswith("offpolicy")}
+    assert "off-policy" not in summary([plain], 1.0, 0, None)
+
+
+@pytest.mark.slow
 def test_a_run_trains_with_the_weights_and_logs_their_metrics(tmp_path, capsys):
     """`objective.off_policy` in a run: pi_old recomputed every step (the data's old log-probs
     are mu), the weights' metrics in each step's record and in the summary."""
