@@ -20,6 +20,8 @@ data, FSDP and tensor parallelism; dense (the `reference`, the block-sparse `xla
 interpreter, the Pallas TPU kernel), MoE (router loss pooled over the context axis too) and
 Qwen3-Next (the Gated DeltaNet chunk scan and conv across device slices, with the per-device
 tables of `jtree.parallel.context.context_batch`), SFT, PPO, GSPO and PPO with a critic.
+Objectives `tis` and `seq_tis` are PPO and GSPO with off-policy weights formed in the step from
+the rows' pairs (their metrics compared too).
 docs/design.md tolerances: loss,
 gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
 2 kv heads on a 4-way model axis exercise replicated KV heads; every case exercises the
@@ -57,6 +59,7 @@ def check(result: dict) -> None:
     assert result["grad_norm_rel"] <= 1e-5, result
     assert result["grads_rel_l2"] <= 1e-5, result
     assert result["params_rel_l2"] <= 1e-5, result
+    assert result.get("offpolicy_rel", 0.0) <= 1e-5, result
     # The update itself (new - initial parameters), which params_rel_l2 sees only against the
     # parameters' size: Adam's first step is ~lr x sign(g) per entry with eps 1e-6, so rounding
     # in entries whose gradient is near eps moves it; measured 1.3e-5 to 1.4e-4 (next) on the
@@ -113,6 +116,9 @@ def test_next_and_lora_on_every_mesh_and_ppo_on_every_model():
     cases += [f"{model}:tree:ppo:4x1x2" for model in ("dense", "moe", "next")]
     cases += ["dense_tpu:tree:sft:2x1x1", "dense_tpu:baseline:sft:1x1x2"]
     cases += ["dense_scan:tree:sft:2x1x4", "dense_scan:tree:ppo:2x2x2"]
+    # off-policy weights, PPO and GSPO, on data x FSDP x tensor and context-parallel meshes
+    cases += ["dense:tree:tis:2x2x2", "dense:baseline:tis:4x1x2", "dense:tree:seq_tis:2x1x4",
+              "dense:cp:tis:1x2x2x1", "dense:cp:seq_tis:1x1x4x1"]
     for result in run_cases(cases + ["dense:baseline:ppo:2x1x4"]):
         check(result)
 
