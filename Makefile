@@ -25,8 +25,9 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
+# The heavier tests (CI runs them after `make test`): meshes, interpreters, full-depth lowering.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
+	$(PY) -m pytest -q -n 2 --dist loadfile -m slow --durations=25
 
 bench: $(STAMP)
 	$(PY) -m jtree.launch.bench

@@ -23,8 +23,19 @@ Helpers (modules named for their concept, imported by the tests; no test file im
   copies of a checkpoint, weights copied in by HF name); no torch.
 - tests/torch_util.py: tiny transformers checkpoints and their logits (needs torch).
 - tests/mesh_worker.py: the subprocess that runs train steps on 8 forced host devices.
+- tests/covering.py: covering designs (all pairs of factors) for the sweeps of slow tests.
+
+Compiles are shared: a test session (and every subprocess it starts: launcher runs, mesh workers)
+writes jax's persistent compilation cache into one fresh directory, removed at the end, so that a
+program compiled by one test is loaded, not compiled again, by the next test or subprocess that
+builds the same program. A cache hit returns the executable XLA compiled for that program, so no
+result changes. `JAX_COMPILATION_CACHE_DIR` set before the session (CI shares one across the
+default and the slow suite) is used as it is and left in place.
 """
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,6 +45,33 @@ from tests.run_util import WORKTREE, write_groups
 
 settings.register_profile("jtree", deadline=None)
 settings.load_profile("jtree")
+
+_OWN_CACHE = pytest.StashKey[str]()  # the cache directory this process made, removed at its end
+_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point this session (the xdist controller, whose environment its workers inherit) at a
+    shared compilation cache; workers find the variables already set."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jtree-tests-jax-cache-")
+        config.stash[_OWN_CACHE] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    for key, value in _CACHE_ENV.items():
+        os.environ.setdefault(key, value)
+    import jax  # noqa: PLC0415 (after the variables: a run without xdist imports jax here first)
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                      int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    own = config.stash.get(_OWN_CACHE, None)
+    if own is not None:
+        shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture

@@ -40,8 +40,8 @@ from jtree.layout.baseline import flatten_paths, linearize_baseline  # noqa: E40
 from jtree.layout.batch import DeviceBatch, stack  # noqa: E402
 from jtree.training.checkpoint import Checkpointer, abstract_like  # noqa: E402
 from jtree.parallel.context import context_batch  # noqa: E402
-from jtree.config.objective import CriticConfig
-from jtree.objectives.critic import critic_pairs, with_critic_pairs
+from jtree.config.objective import CriticConfig, OffPolicyConfig
+from jtree.objectives.pairs import path_pairs, with_pairs
 from jtree.parallel.layer_stack import convert_tree, layer_groups  # noqa: E402
 from jtree.layout.linearize import linearize  # noqa: E402
 from jtree.layout.coefficients import batch_normalizer
@@ -69,6 +69,11 @@ S, ROWS, GDN_CHUNK = 64, 8, 4
 CP_ROWS = 4  # rows of each micro-batch of the context-parallel batch
 # Kinds whose sharded step runs another attention kernel than their single-device reference.
 MESH_IMPL = {"dense_tpu": "pallas_tpu"}
+# Objectives `tis` and `seq_tis`: PPO and GSPO with truncated importance weights for the
+# engine-vs-trainer gap (`jtree.objectives.off_policy`: pairs split over the rows like the
+# critic's, whole on every device of the context axis).
+OFF_POLICY = {"tis": ("ppo", OffPolicyConfig(kind="tis", cap=2.0)),
+              "seq_tis": ("gspo", OffPolicyConfig(kind="seq_tis", cap=1.5))}
 
 
 def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
@@ -113,7 +118,7 @@ def case_critic(kind: str) -> CriticConfig | None:
 def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
     """Two micro-batches of branching trees, raw coefficients plus per-row normalizer shares
     (the form `jtree.training.pipeline` produces), GDN chunk tables sized as the pipeline sizes them; with a
-    critic, rewards and the critic pairs (one width for both micro-batches)."""
+    critic (rewards) or off-policy weights, the pairs (one width for both micro-batches)."""
     rng = np.random.default_rng(7)
     forests = [random_forest(rng, max_nodes=8) for _ in range(10)]
     if objective.critic is not None:
@@ -132,9 +137,10 @@ def step_inputs(mode: str, objective: Objective, gdn: bool) -> DeviceBatch:
     out = []
     batches = [fn(part, S, normalization=objective.normalization, normalizer=1.0, n_rows=ROWS,
                   **kw) for part in parts]
-    if objective.critic is not None:
-        width = max(critic_pairs(b).index.shape[-1] for b in batches)
-        batches = [with_critic_pairs(b, width) for b in batches]
+    if objective.critic is not None or objective.off_policy.enabled:
+        kinds = dict(critic=objective.critic is not None, off_policy=objective.off_policy.enabled)
+        width = max(path_pairs(b, **kinds).index.shape[-1] for b in batches)
+        batches = [with_pairs(b, width, **kinds) for b in batches]
     for part, b in zip(parts, batches):
         row_norm = np.zeros(ROWS, np.float32)
         row_norm[0] = batch_normalizer(part, objective.normalization)
@@ -165,7 +171,7 @@ def cp_inputs(objective: Objective, gdn: bool) -> DeviceBatch:
     """Two micro-batches of CP_ROWS even-split rows (a valid context-parallel layout): the deep
     chain of `chain_tree` in each, and random multi-level forests (siblings, paths ending at
     internal nodes) filling the rows, so nodes are cut by every device boundary; one reward per
-    path and the critic's pairs when the objective has a critic; raw coefficients with per-row
+    path and the pairs when the objective has a critic or off-policy weights; raw coefficients with per-row
     normalizer shares; `score_index` on; with `gdn`, one-device GDN chunk tables (the mesh
     rebuilds them per device). The single-device reference runs it as it is, the mesh laid out
     for its context size (`context_batch`)."""
@@ -185,9 +191,10 @@ def cp_inputs(objective: Objective, gdn: bool) -> DeviceBatch:
         row_norm = np.zeros(CP_ROWS, np.float32)
         row_norm[0] = batch_normalizer(trees, objective.normalization)
         batches.append((b, row_norm))
-    if objective.critic is not None:  # one pair width for both micro-batches
-        width = max(critic_pairs(b).index.shape[1] for b, _ in batches)
-        batches = [(with_critic_pairs(b, width), norm) for b, norm in batches]
+    if objective.critic is not None or objective.off_policy.enabled:  # one pair width for both
+        kinds = dict(critic=objective.critic is not None, off_policy=objective.off_policy.enabled)
+        width = max(path_pairs(b, **kinds).index.shape[1] for b, _ in batches)
+        batches = [(with_pairs(b, width, **kinds), norm) for b, norm in batches]
     return stack([dataclasses.replace(b.inputs, row_norm=norm) for b, norm in batches])
 
 
@@ -252,9 +259,10 @@ def reference_step(model_kind: str, mode: str, kind: str, opt) -> dict[str, Any]
         params = attach(params, lora, jax.random.key(0))
     if model_kind != "dense":
         params = perturbed(params)  # with LoRA, B != 0: A's gradients too are non-zero
-    objective = Objective(kind="ppo" if kind == "critic" else kind,
+    base, off_policy = OFF_POLICY.get(kind, (kind, OffPolicyConfig()))
+    objective = Objective(kind="ppo" if kind == "critic" else base,
                           normalization="token_mean" if kind == "sft" else "seq_mean_token_mean",
-                          critic=critic)
+                          critic=critic, off_policy=off_policy)
     if mode == "cp":
         inputs = cp_inputs(objective, cfg.decoder().needs_gdn_tables)
     else:
@@ -324,6 +332,10 @@ def compare_on_mesh(case: str, ref: dict[str, Any], opt) -> dict[str, Any]:
         want = jax.jit(lambda p, x: jax.lax.map(lambda m: one(p, m), x))(params, ref["inputs"])
         extra["logprobs_rel"] = float(np.max(np.abs(np.asarray(logprob) - np.asarray(want)))
                                       / np.max(np.abs(np.asarray(want))))
+    if objective.off_policy.enabled:  # the weights' metrics, each pair counted on one device
+        extra["offpolicy_rel"] = max(
+            abs(float(metrics[k]) - float(ref_metrics[k])) / max(abs(float(ref_metrics[k])), 1e-6)
+            for k in ("offpolicy_kl_k1", "offpolicy_kl_k3", "offpolicy_corrected_frac"))
     return extra | {
         "case": case,
         "loss_rel": abs(float(metrics["loss"]) - float(ref_metrics["loss"]))

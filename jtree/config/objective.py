@@ -183,8 +183,8 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
             raise ValueError(f"off_policy.kind: {kind!r} weighs single tokens, but gspo has one "
                              "ratio per path; use seq_tis or seq_mis")
         if self.critic is not None:
-            raise ValueError(f"off_policy.kind: {kind!r} with a critic (its GAE advantages are "
-                             "formed in the step, after the host folds the weights)")
+            raise ValueError(f"off_policy.kind: {kind!r} with a critic: not implemented (the "
+                             "weights would multiply the GAE advantages the step forms per pair)")
 
     @property
     def advantage_estimator(self) -> Estimator | None:

@@ -23,8 +23,8 @@ back to paths. Fields, dtypes and padding values (what an all-padding row holds:
 - `router_load`: (counts [E], total []) of the larger forward this batch is a piece of, for the
   MoE load-balancing loss of a redundancy-free part (`jtree.models.moe`); no row axis (only the
   micro-batch axis of a step)
-- `critic`: the (path, trained token) pairs of PPO with a critic (`CriticPairs`, [rows, Q],
-  `jtree.objectives.critic`), None otherwise
+- `pairs`: the (path, trained token) pairs (`PathPairs`, [rows, Q], `jtree.objectives.pairs`)
+  of PPO with a critic and of the off-policy weights, None otherwise
 - `halo` [rows, c * H] int32: under context parallelism over c devices, the positions whose
   hidden states device k sends to the others (slots [k H, (k + 1) H), ascending, unused slots
   repeating the last real position: `jtree.parallel.context`); None otherwise
@@ -67,18 +67,25 @@ class LossCoefficients:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
-class CriticPairs:
+class PathPairs:
     """One entry per (path, trained token) of the rows' paths, path after path, each path's
     tokens in order, [rows, Q]: `index` int32 the token's row-local position (-1: padding),
-    `coef` float32 its loss coefficient c[p,t], `reward` float32 the path's reward at its last
-    pair (0 elsewhere), `last` bool the path's last pair (GAE stops there; True on padding).
-    Per path because a shared token's GAE advantage and return depend on the path's future
-    (`jtree.objectives.critic`)."""
+    `coef` float32 its loss coefficient c[p,t], `last` bool the path's last pair (True on
+    padding). Per path because what they carry differs between the paths through a shared
+    token. PPO's critic (`jtree.objectives.critic`) reads `reward` float32, the path's reward
+    at its last pair (0 elsewhere): GAE sums the path's own future. The off-policy weights
+    (`jtree.objectives.off_policy`) read `advantage` float32 A[p,t], `behavior` float32 the
+    path's behavior log-prob mu_p(t) and `end` int32 the row position of the path's last token
+    (where GSPO reads the path's ratio; -1 on padding): each path's weight of a shared token
+    is its own. Fields a batch's objective does not read are None."""
 
     index: Any
     coef: Any
-    reward: Any
     last: Any
+    reward: Any = None
+    advantage: Any = None
+    behavior: Any = None
+    end: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -118,7 +125,7 @@ class DeviceBatch:
     row_norm: Any = None
     prefix_pred: Any = None
     router_load: tuple[Any, Any] | None = None
-    critic: CriticPairs | None = None
+    pairs: PathPairs | None = None
     halo: Any = None
 
     def __post_init__(self) -> None:
@@ -153,8 +160,10 @@ _SCHEMA: dict[str, tuple[Any, str]] = {
     "gdn.token_slot": (np.int32, "S"), "gdn.export_slots": (np.int32, "E"),
     "gdn.context_exports": (np.int32, "X"), "gdn.conv_halo": (np.int32, "W"),
     "row_norm": (np.float32, ""), "prefix_pred": (np.int32, "P"),
-    "critic.index": (np.int32, "Q"), "critic.coef": (np.float32, "Q"),
-    "critic.reward": (np.float32, "Q"), "critic.last": (np.bool_, "Q"),
+    "pairs.index": (np.int32, "Q"), "pairs.coef": (np.float32, "Q"),
+    "pairs.last": (np.bool_, "Q"), "pairs.reward": (np.float32, "Q"),
+    "pairs.advantage": (np.float32, "Q"), "pairs.behavior": (np.float32, "Q"),
+    "pairs.end": (np.int32, "Q"),
     "halo": (np.int32, "H"),
 }
 

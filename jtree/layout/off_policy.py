@@ -17,6 +17,8 @@ host, multiplied into coefficients the device only reads.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -61,11 +63,15 @@ def _ratios(tree: TrajectoryTree, log_ratios: list[np.ndarray], sequence_level: 
     return out
 
 
-def _corrected(ratios: np.ndarray, config: OffPolicyConfig) -> np.ndarray:
-    """Where the weight is not the ratio itself: above the cap, or outside [low, high]."""
+def ratio_weights(ratios: Any, config: OffPolicyConfig, xp: ModuleType = np) -> tuple[Any, Any]:
+    """(weight, corrected) of importance ratios, in array module `xp` (numpy here, jax.numpy in
+    the step, `jtree.objectives.off_policy`): min(r, cap) under truncation, r inside
+    [low, high] and 0 outside under masking; `corrected` where the weight is not the ratio
+    itself (above the cap, or outside [low, high])."""
     if config.kind in ("tis", "seq_tis"):
-        return ratios > config.cap
-    return (ratios < config.low) | (ratios > config.high)
+        return xp.minimum(ratios, config.cap), ratios > config.cap
+    corrected = (ratios < config.low) | (ratios > config.high)
+    return xp.where(corrected, 0.0, ratios), corrected
 
 
 def path_weights(tree: TrajectoryTree, policy_old: np.ndarray, config: OffPolicyConfig
@@ -78,12 +84,7 @@ def path_weights(tree: TrajectoryTree, policy_old: np.ndarray, config: OffPolicy
     if not config.enabled:
         return [np.ones(m.shape) for m in masks]
     ratios = _ratios(tree, path_log_ratios(tree, policy_old), config.sequence_level)
-    out = []
-    for r, m in zip(ratios, masks):
-        w = np.minimum(r, config.cap) if config.kind in ("tis", "seq_tis") else \
-            np.where(_corrected(r, config), 0.0, r)
-        out.append(np.where(m > 0, w, 1.0))
-    return out
+    return [np.where(m > 0, ratio_weights(r, config)[0], 1.0) for r, m in zip(ratios, masks)]
 
 
 def behavior_disagreement(tree: TrajectoryTree) -> float:
@@ -116,7 +117,7 @@ def off_policy_metrics(trees: Sequence[TrajectoryTree], policy_olds: Sequence[np
         ratios = _ratios(tree, x, config.sequence_level)
         log_r += [xp[m] for xp, m in zip(x, masks)]
         if config.enabled:
-            corrected += [_corrected(r[m], config) for r, m in zip(ratios, masks)]
+            corrected += [ratio_weights(r[m], config)[1] for r, m in zip(ratios, masks)]
         disagreement = max(disagreement, behavior_disagreement(tree))
     x = np.concatenate(log_r) if log_r else np.zeros(0)
     n = max(x.size, 1)

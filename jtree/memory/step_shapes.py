@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 
 from jtree.layout.batch import padding
 from jtree.layout.gdn_tables import default_chunk_count
+from jtree.objectives.pairs import padding_pairs, pair_width
 from jtree.parallel.context import ContextCapacities
 from jtree.parallel.sharding import batch_specs, context_size, row_shards
 from jtree.training.run_data import gdn_chunk_size
@@ -44,6 +45,13 @@ def _padding_row(trainer: Trainer, rows: int) -> Any:
     row = padding(n_rows, d.seq_len, score_len=d.seq_len, gdn_chunk_size=chunk,
                   gdn_chunks=n_chunks)
     row = dataclasses.replace(row, row_norm=np.zeros(n_rows, np.float32))
+    objective = cfg.objective
+    if objective.critic is not None or objective.off_policy.enabled:
+        # One (path, trained token) pair per token of a row; a row whose tokens several paths
+        # train holds more, but a pair is a few scalars, next to nothing in the plan.
+        row = dataclasses.replace(row, pairs=padding_pairs(
+            n_rows, pair_width(d.seq_len), critic=objective.critic is not None,
+            off_policy=objective.off_policy.enabled))
     context = context_size(mesh)
     if context > 1:
         length = d.seq_len // context
@@ -61,7 +69,8 @@ def abstract_step_args(trainer: Trainer, rows: int) -> tuple[Any, Any]:
     Inputs are `data.micro_batches` micro-batches of `rows` rows per row shard (data x fsdp) at
     `data.seq_len`: GDN chunk tables at the capacity of a full row of long nodes, the widest
     `score_index` (every token scored), coefficients arriving raw with `row_norm`; under context
-    parallelism a halo of `HALO_SLOTS` per device and the GDN tables laid out per device."""
+    parallelism a halo of `HALO_SLOTS` per device and the GDN tables laid out per device; with a
+    critic or off-policy weights, one (path, trained token) pair per token."""
     mesh, d = trainer.mesh, trainer.cfg.data
     state = jax.eval_shape(trainer.init_fn)
     state = jax.tree_util.tree_map(

@@ -128,7 +128,7 @@ def gspo_loss(
 
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, coef: jax.Array,
                clip: float) -> jax.Array:
-    """PPO's clipped value loss over (path, token) pairs (`jtree.layout.batch.CriticPairs`):
+    """PPO's clipped value loss over (path, token) pairs (`jtree.layout.batch.PathPairs`):
     sum_k c_k 0.5 max((V_k - R_k)^2, (clip(V_k, Vold_k - clip, Vold_k + clip) - R_k)^2).
 
     Summed per pair, not per tree token: a shared token's return differs per path, and which

@@ -22,9 +22,11 @@ import jax.numpy as jnp
 from jtree.config.objective import CriticConfig, Objective
 from jtree.layout.batch import DeviceBatch, LossCoefficients
 from jtree.layout.coefficients import COEFFICIENT_FIELDS
-from jtree.objectives.critic import gae, pair_token_sums, pair_values
+from jtree.objectives.critic import gae, pair_values
 from jtree.objectives.logprobs import logprobs_from_hidden, scored_logprobs
 from jtree.objectives.losses import gspo_loss, ppo_loss, sft_loss, value_loss
+from jtree.objectives.off_policy import finish_off_policy_metrics, off_policy_coefficients
+from jtree.objectives.pairs import pair_token_sums
 from jtree.parallel.context import gathered_row, local_index, owned, scoring_view
 
 
@@ -36,13 +38,19 @@ def objective_loss(model: Any, inputs: DeviceBatch, objective: Objective, *,
     carried as its numerator `clipped_adv` and denominator `abs_adv` (see `finish_metrics`).
     Under context parallelism (the model's `runtime.context_axis`) `inputs` is this device's
     slice of the rows and the sums are the slice's (`jtree.parallel.context`).
+    With `objective.off_policy`, the policy's coefficients are first weighted per (path, token)
+    (`jtree.objectives.off_policy`), and its metrics join the step's.
     """
     context_axis = model.runtime.context_axis
     out = model(inputs)
     if objective.critic is None:
-        return loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred, out.aux_loss,
-                                inputs, objective, vocab_axis=vocab_axis,
-                                context_axis=context_axis)
+        extra = {}
+        if objective.off_policy.enabled:
+            inputs, extra = off_policy_coefficients(inputs, objective, context_axis=context_axis)
+        loss, metrics = loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred,
+                                         out.aux_loss, inputs, objective, vocab_axis=vocab_axis,
+                                         context_axis=context_axis)
+        return loss, dict(metrics, **extra)
     values, critic_aux = model.values(inputs, out)
     inputs, v_loss = critic_objective(values, inputs, objective.critic,
                                       context_axis=context_axis)
@@ -62,10 +70,10 @@ def critic_objective(token_values: jax.Array, inputs: DeviceBatch, critic: Criti
     Under context parallelism (`context_axis`) the pairs are the whole rows' (not split): the
     values and `pred` are gathered over the axis, every device runs the rows' GAE, and each
     keeps the pairs whose token it holds (its P/N and its share of the value loss)."""
-    pairs = inputs.critic
-    if pairs is None:
-        raise ValueError("inputs: 'critic' pairs missing; objective.critic needs "
-                         "jtree.objectives.critic.with_critic_pairs on the batch")
+    pairs = inputs.pairs
+    if pairs is None or pairs.reward is None:
+        raise ValueError("inputs: critic 'pairs' missing; objective.critic needs "
+                         "jtree.objectives.pairs.with_pairs on the batch")
     s = inputs.tokens.shape[-1]
     pred, local_pairs = inputs.pred, pairs
     if context_axis is not None:
@@ -176,15 +184,17 @@ def normalize_coefficients(inputs: DeviceBatch, data_axes: Sequence[str] = ()) -
         total = jax.lax.psum(total, tuple(data_axes))
     scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
     c = inputs.coefficients
-    if inputs.critic is not None:
-        inputs = dataclasses.replace(inputs, critic=dataclasses.replace(
-            inputs.critic, coef=inputs.critic.coef * scale))
+    if inputs.pairs is not None:
+        inputs = dataclasses.replace(inputs, pairs=dataclasses.replace(
+            inputs.pairs, coef=inputs.pairs.coef * scale))
     return dataclasses.replace(inputs, row_norm=None).with_coefficients(
         **{name: getattr(c, name) * scale for name in COEFFICIENT_FIELDS})
 
 
 def finish_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Turn summed metrics into reported ones (the clip fraction as a ratio of sums)."""
+    """Turn summed metrics into reported ones (the clip fraction as a ratio of sums, the
+    off-policy metrics as means over pairs)."""
+    metrics = finish_off_policy_metrics(metrics)
     if "clipped_adv" not in metrics:
         return metrics
     metrics = dict(metrics)

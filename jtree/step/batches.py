@@ -45,13 +45,17 @@ def needs_old_logprobs(batch: TreeBatch, objective: Objective) -> bool:
 
     Per-path old log-probs from a rollout engine can disagree on shared tokens; then the clipped
     surrogate is no longer a function of one ratio per tree token, and the documented policy is to
-    recompute them with the current (pre-update) parameters on the tree.
+    recompute them with the current (pre-update) parameters on the tree. With
+    `objective.off_policy` they are always recomputed: the data's old log-probs are then the
+    behavior log-probs mu, and the weights compare them with the trainer's own pi_old.
     """
     return old_logprobs_stale(batch.has_old_logprobs, batch.old_logprob_disagreement, objective)
 
 
 def old_logprobs_stale(has_old: bool, disagreement: float, objective: Objective) -> bool:
-    """`needs_old_logprobs` from a batch's flags (missing, or disagreeing beyond tolerance)."""
+    """`needs_old_logprobs` from a batch's flags (missing, or disagreeing beyond tolerance, or
+    the off-policy weights' pi_old)."""
     if objective.kind == "sft":
         return False
-    return not has_old or disagreement > objective.old_logprob_tolerance
+    return (not has_old or disagreement > objective.old_logprob_tolerance
+            or objective.off_policy.enabled)

@@ -55,17 +55,21 @@ def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host
     POR counts the trees' sharing, ERR what was really computed (parts of trees larger than a
     row recompute their shared prefixes; the baseline computes every path). `device_s` leaves
     out the step's `compiles` (`compiles`, `compile_s`), so tokens/s measures the step, not
-    XLA."""
+    XLA. With the off-policy weights the step's metrics carry their gauges (from the device)
+    and the record adds the trees' `offpolicy_behavior_disagreement` (from the host)."""
     n_tree, n_flat = int(info["n_tree_tokens"]), int(info["n_flat_tokens"])
     n_computed = int(info["n_computed_tokens"])
     if "mode" in info:  # the automatic mode choice of this step
         metrics = dict(metrics, mode=str(info["mode"]),
                        predicted_gain=float(info["predicted_gain"]))
+    if "offpolicy_behavior_disagreement" in info:
+        metrics = dict(metrics, offpolicy_behavior_disagreement=float(
+            info["offpolicy_behavior_disagreement"]))
     return dict(
         metrics, step=step, learning_rate=lr, n_trees=int(info["n_trees"]),
         n_tree_tokens=n_tree, n_flat_tokens=n_flat, n_computed_tokens=n_computed,
         n_pruned_tokens=int(info["n_pruned_tokens"]),
-        n_merge_saved_tokens=int(info["n_merge_saved_tokens"]),
+        n_merge_saved_tokens=int(info.get("n_merge_saved_tokens", 0)),  # 0: nothing merged
         por=1 - n_tree / n_flat,
         err=1 - n_computed / n_flat, tokens_per_s=n_flat / device_s,
         tree_tokens_per_s=n_computed / device_s, host_s=host_s, device_s=device_s,
@@ -105,6 +109,17 @@ def _merged(history: list[dict[str, Any]]) -> str:
             "step)")
 
 
+def _off_policy(history: list[dict[str, Any]]) -> str:
+    """The summary's account of the off-policy weights (empty without them): the engine-vs-
+    trainer KL and the corrected fraction averaged over the steps, the largest disagreement."""
+    if "offpolicy_kl_k3" not in history[-1]:
+        return ""
+    return (f"; off-policy: mean kl_k3 {np.mean([r['offpolicy_kl_k3'] for r in history]):.2e}, "
+            f"corrected {np.mean([r['offpolicy_corrected_frac'] for r in history]):.1%} of "
+            f"pairs, max behavior disagreement "
+            f"{max(r['offpolicy_behavior_disagreement'] for r in history):.2e}")
+
+
 def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
             checkpoint_dir: Path | None) -> str:
     """The closing line of a run. Medians leave out the steps that compiled (their time is
@@ -123,5 +138,5 @@ def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
                else "every step; each compiled") + "); compiles: "
             f"{sum(r['compiles'] for r in history)} in {len(compiled)} step(s), "
             f"{sum(r['compile_s'] for r in history):.1f} s; bad records skipped {n_bad}"
-            + _pruned(history) + _merged(history)
+            + _pruned(history) + _merged(history) + _off_policy(history)
             + (f"; checkpoints in {checkpoint_dir}" if checkpoint_dir is not None else ""))

@@ -83,6 +83,12 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
         if missing is not None:
             raise ValueError(f"{d.path}: tree {missing}: no reward (objective.critic computes "
                              "GAE from one reward per path)")
+    if cfg.objective.off_policy.enabled:
+        missing = next((i for i, t in enumerate(trees) if t.old_logprobs is None), None)
+        if missing is not None:
+            raise ValueError(f"{d.path}: tree {missing}: no old_logprobs (objective.off_policy."
+                             f"kind={cfg.objective.off_policy.kind} weighs by the engine's "
+                             "behavior log-probs: records' old_logprobs, traces' output_logprobs)")
     total = sum((t.stats() for t in trees[1:]), trees[0].stats())
     say(f"data: {len(trees)} trees from {d.path} ({d.format}): {total.n_flat_tokens} flat tokens, "
         f"{total.n_tree_tokens} tree tokens, POR {total.por:.3f}"
@@ -164,6 +170,7 @@ class StepBuilders:
                                n_shards=self.n_data, shards=self._shards, steps=cfg.run.steps,
                                gdn_chunk_size=gdn_chunk_size(cfg),
                                critic=cfg.objective.critic is not None,
+                               off_policy=cfg.objective.off_policy.enabled,
                                context=cfg.mesh.context, pruned=self._pruned,
                                shared_masks=cfg.objective.kind == "gspo")
         self._built[mode] = builder

@@ -39,6 +39,7 @@ from jtree.layout.cross_group import merge_per_bin
 from jtree.layout.flop_model import FlopModel, choose_mode
 from jtree.layout.linearize import linearize
 from jtree.layout.microbatches import unit_counts
+from jtree.layout.off_policy import behavior_disagreement
 from jtree.layout.planner import (
     LayoutConfig,
     RowPlan,
@@ -49,7 +50,7 @@ from jtree.layout.planner import (
     rows_to_hold,
 )
 from jtree.layout.pruning import PrunedTree
-from jtree.objectives.critic import padding_pairs, pair_count, pair_width, with_critic_pairs
+from jtree.objectives.pairs import padding_pairs, pair_count, pair_width, with_pairs
 from jtree.partitioning.partition import Method as PartitionMethod
 from jtree.partitioning.partition import partition
 from jtree.partitioning.redundancy_free.layout import build_program
@@ -88,9 +89,12 @@ class StepConfig:
     """What every step of a run is built with: `mode`, `normalization`, `trees_per_step`, the
     global data shards this host feeds (`shards`, out of `layout.n_shards`) and the layout policy
     (`jtree.layout.planner.LayoutConfig`: micro-batches, rows per micro-batch, row lengths, GDN chunk
-    tables). With `critic` (PPO's critic, `jtree.objectives.critic`) every micro-batch carries its
-    (path, trained token) pairs, `critic_len` of them per row (None: the step's own need).
-    `cross_group`: merge each step's trees per bin (`CrossGroup`; tree mode only)."""
+    tables). With `critic` (PPO's critic, `jtree.objectives.critic`) or `off_policy` (the
+    off-policy weights, `jtree.objectives.off_policy`) every micro-batch carries its (path,
+    trained token) pairs (`jtree.objectives.pairs`), `pair_len` of them per row (None: the step's
+    own need); with `off_policy` the step's info carries the trees'
+    `offpolicy_behavior_disagreement`. `cross_group`: merge each step's trees per bin
+    (`CrossGroup`; tree mode only)."""
 
     mode: Mode
     normalization: Normalization
@@ -98,8 +102,14 @@ class StepConfig:
     shards: tuple[int, ...]
     layout: LayoutConfig
     critic: bool = False
-    critic_len: int | None = None
+    off_policy: bool = False
+    pair_len: int | None = None
     cross_group: CrossGroup | None = None
+
+    @property
+    def pairs(self) -> bool:
+        """Whether the steps carry (path, trained token) pairs."""
+        return self.critic or self.off_policy
 
     def __post_init__(self) -> None:
         if self.layout.micro_batches is None:
@@ -187,7 +197,7 @@ class StepBuilder:
                        [unit_counts(us, config.layout.gdn_chunk_size, config.layout.context)
                         for us in self.units])
         self.pair_counts = ([[pair_count(u) for u in us] for us in self.units]
-                            if config.critic and units is not None else None)
+                            if config.pairs and units is not None else None)
         self._merged: dict[tuple[int, ...], StepUnits] = {}
 
     def step_units(self, indices: np.ndarray) -> StepUnits:
@@ -214,7 +224,7 @@ class StepBuilder:
                      merge_saved: int = 0) -> StepUnits:
         layout = self.config.layout
         return StepUnits(units, unit_counts(units, layout.gdn_chunk_size, layout.context),
-                         [pair_count(u) for u in units] if self.config.critic else None,
+                         [pair_count(u) for u in units] if self.config.pairs else None,
                          bins, merge_saved)
 
     def _merged_units(self, ids: tuple[int, ...]) -> StepUnits:
@@ -263,20 +273,24 @@ class StepBuilder:
         plan of those indices) says."""
         step = self.step_units(indices)
         units = step.units
-        critic_len = None
-        if self.config.critic:
-            critic_len = self.config.critic_len or self.critic_len(indices, plan)
+        pair_len = None
+        if self.config.pairs:
+            pair_len = self.config.pair_len or self.pair_len(indices, plan)
         micro = []
         for m in range(plan.micro_batches):
             parts = [self._linearize([units[i] for i in plan.units[plan.bin(s, m)]],
-                                     plan.placements[plan.bin(s, m)], plan, critic_len)
+                                     plan.placements[plan.bin(s, m)], plan, pair_len)
                      for s in self.config.shards]
             micro.append(concatenate_rows(parts))
         saved = 0
         if self.pruned is not None:
             saved = sum(self.pruned[int(i)].saved_tokens for i in indices)
             micro[0] = self._with_dropped_shares(micro[0], indices, units)
-        info = step_info([self.trees[int(i)] for i in indices], units, saved, step.merge_saved)
+        trees = [self.trees[int(i)] for i in indices]
+        info = step_info(trees, units, saved, step.merge_saved)
+        if self.config.off_policy:
+            info["offpolicy_behavior_disagreement"] = np.float64(
+                max(behavior_disagreement(t) for t in trees))
         return {"inputs": stack(micro), "info": info}
 
     def _with_dropped_shares(self, first: DeviceBatch, indices: np.ndarray,
@@ -292,9 +306,9 @@ class StepBuilder:
         row_norm[0] += dropped
         return dataclasses.replace(first, row_norm=row_norm.astype(np.float32))
 
-    def critic_len(self, indices: np.ndarray, plan: StepPlan) -> int:
-        """The critic pair width of the step `indices` laid out by `plan`: the most pairs any row
-        of any shard and micro-batch holds, on `jtree.objectives.critic.pair_width`'s ladder."""
+    def pair_len(self, indices: np.ndarray, plan: StepPlan) -> int:
+        """The pair width of the step `indices` laid out by `plan`: the most pairs any row
+        of any shard and micro-batch holds, on `jtree.objectives.pairs.pair_width`'s ladder."""
         counts = self.step_units(indices).pairs
         need = max((sum(counts[units[i]] for i in row)
                     for units, placement in zip(plan.units, plan.placements)
@@ -302,20 +316,22 @@ class StepBuilder:
         return pair_width(need)
 
     def _linearize(self, units: list[TrajectoryTree], placement: RowPlan, plan: StepPlan,
-                   critic_len: int | None) -> DeviceBatch:
+                   pair_len: int | None) -> DeviceBatch:
         config = self.config
         chunk_size = config.layout.gdn_chunk_size
         if not units:  # a bin that got no tree
             empty = padding(plan.rows, plan.row_len, score_len=plan.score_len,
                             gdn_chunk_size=chunk_size, gdn_chunks=plan.gdn_chunks)
-            critic = None if critic_len is None else padding_pairs(plan.rows, critic_len)
+            pairs = None if pair_len is None else padding_pairs(
+                plan.rows, pair_len, critic=config.critic, off_policy=config.off_policy)
             return dataclasses.replace(empty, row_norm=np.zeros(plan.rows, np.float32),
-                                       critic=critic)
+                                       pairs=pairs)
         batch = linearize(units, plan.row_len, normalization=config.normalization,
                           normalizer=1.0, plan=placement, score_len=plan.score_len,
                           gdn_chunk_size=chunk_size, gdn_chunks=plan.gdn_chunks)
-        if critic_len is not None:
-            batch = with_critic_pairs(batch, critic_len)
+        if pair_len is not None:
+            batch = with_pairs(batch, pair_len, critic=config.critic,
+                               off_policy=config.off_policy)
         row_norm = np.zeros(plan.rows, np.float64)
         for t, r in zip(batch.layout.trees, batch.layout.rows):
             row_norm[r] += batch_normalizer([t], config.normalization)
@@ -415,7 +431,7 @@ def rows_for_run(units: Sequence[Sequence[TrajectoryTree]], seq_len: int, trees_
 
 def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, *,
                  normalization: Normalization, n_shards: int, shards: Sequence[int], steps: int,
-                 gdn_chunk_size: int | None = None, critic: bool = False,
+                 gdn_chunk_size: int | None = None, critic: bool = False, off_policy: bool = False,
                  context: int = 1, pruned: Sequence[PrunedTree] | None = None,
                  shared_masks: bool = False) -> StepBuilder:
     """The `StepBuilder` a run with data config `data` trains `mode` with, on `n_shards` data
@@ -425,7 +441,8 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
     score width and GDN chunk capacity (unless `data.gdn_chunks` fixes it) at the most any of
     those steps needs: the run compiles one step program per row length.
     `gdn_chunk_size`: chunk tables of that size (models with linear-attention layers).
-    `critic`: the steps carry critic pairs (`jtree.objectives.critic`), as many per row as any step needs.
+    `critic`, `off_policy`: the steps carry (path, trained token) pairs for PPO's critic and the
+    off-policy weights (`jtree.objectives.pairs`), as many per row as any step needs.
     `context`: devices of the `context` mesh axis each row is split over (`mesh.context`; the
     planner balances them by attention work, `jtree.layout.context_rows`).
     `pruned`: the trees pruned of their zero-gradient paths (`jtree.layout.pruning.prune_trees`),
@@ -445,7 +462,7 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
                           row_lengths, gdn_chunk_size, data.gdn_chunks if gdn_chunk_size else None,
                           context=context)
     config = StepConfig(mode, normalization, data.trees_per_step, tuple(shards), layout, critic,
-                        cross_group=cross)
+                        off_policy, cross_group=cross)
     index = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)
     if layout.rows is None:
         rows = (rows_for_run(units, data.seq_len, data.trees_per_step,
@@ -461,10 +478,10 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
     fixed = dataclasses.replace(
         layout, score_len=max(p.score_len for p in plans),
         gdn_chunks=None if gdn_chunk_size is None else max(p.gdn_chunks for p in plans))
-    critic_len = max(builder.critic_len(index[k], p) for k, p in enumerate(plans)) \
-        if critic else None
+    pair_len = max(builder.pair_len(index[k], p) for k, p in enumerate(plans)) \
+        if config.pairs else None
     return StepBuilder(trees, units, dataclasses.replace(config, layout=fixed,
-                                                         critic_len=critic_len), builder.counts,
+                                                         pair_len=pair_len), builder.counts,
                        pruned)
 
 

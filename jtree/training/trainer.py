@@ -276,15 +276,16 @@ def check_reference(cfg: TrainConfig) -> None:
 
 
 def check_off_policy(cfg: TrainConfig) -> None:
-    """Refuse `objective.off_policy` in a run: its weights need the trainer's old log-probs on the
-    host, before P / N are summed, and a run computes them on the device after the layout
-    (docs/rl.md, "Off-policy correction"; the exact fold is `jtree.layout.off_policy`)."""
+    """`objective.off_policy` needs the step's (path, trained token) pairs and the trainer's old
+    log-probs recomputed on the batch (`jtree.objectives.off_policy`): redundancy-free parts
+    carry neither."""
     kind = cfg.objective.off_policy.kind
-    if kind != "none":
-        raise ValueError(f"objective.off_policy.kind={kind}: not applied in training runs yet "
-                         "(the weights need pi_old before the host sums P / N; a run recomputes "
-                         "pi_old on the device after it): unset it, or fold the weights with "
-                         "jtree.layout.off_policy.path_weights and linearize(path_weights=...)")
+    if kind == "none":
+        return
+    if cfg.run.mode == "redundancy_free":
+        raise ValueError(f"objective.off_policy.kind={kind}: not available with "
+                         "run.mode=redundancy_free (its parts run no old log-prob forward and "
+                         "carry no per-path pairs); use run.mode tree, baseline or auto")
 
 
 def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any, *,

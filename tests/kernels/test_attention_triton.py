@@ -25,6 +25,7 @@ from jtree.kernels.block_tables import EMPTY, FULL, PARTIAL, classify_blocks
 from jtree.layout.linearize import linearize
 from jtree.trees.tree import TrajectoryTree
 from tests.attention_cases import qkv, tree_end
+from tests.covering import latin
 
 # Relative bound per dtype (see the module docstring).
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 4 * 2.0 ** -8, jnp.float16: 4 * 2.0 ** -11}
@@ -78,9 +79,9 @@ CASES = [  # hq, hkv, d, dtype, s, p, softcap
     (4, 2, 64, jnp.float32, 100, 0, 20.0),    # GQA 2, S padded 100 -> 128, soft-cap
     (4, 1, 64, jnp.bfloat16, 90, 37, None),   # GQA 4, prefix of 37 keys, bf16
 ]
-SWEEP = [(hq, hkv, d, dtype, 200, 0, None)
-         for d in (64, 128, 256) for hq, hkv in ((2, 2), (4, 2), (4, 1))
-         for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)] + [
+# Head dims x dtypes x GQA ratios (hq, hkv) as a Latin square: every pair of the three in 9 cases.
+SWEEP = [(hq, hkv, d, dtype, 200, 0, None) for d, dtype, (hq, hkv) in latin(
+    (64, 128, 256), (jnp.float32, jnp.bfloat16, jnp.float16), ((2, 2), (4, 2), (4, 1)))] + [
     (4, 2, 128, jnp.float32, 150, 70, 30.0),  # prefix + soft-cap
     (4, 4, 256, jnp.float16, 120, 100, None),  # prefix longer than the own part
     (2, 1, 64, jnp.bfloat16, 130, 60, 20.0),

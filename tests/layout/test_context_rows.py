@@ -18,7 +18,7 @@ from jtree.layout.context_rows import (
 from jtree.layout.linearize import linearize, unlinearize
 from jtree.layout.microbatches import unit_counts
 from jtree.layout.planner import ROW_ALIGN, LayoutConfig, plan_rows, plan_step
-from jtree.objectives.critic import with_critic_pairs
+from jtree.objectives.pairs import with_pairs
 from jtree.training.step_builders import step_builder, step_indices
 from jtree.trees.synthetic import AgentShape, agent_rollout_group
 from jtree.trees.tree import TrajectoryTree
@@ -95,8 +95,8 @@ def test_gapped_row_holds_the_same_trees_and_indices(seed):
     slice_len = 16 * -(-int(split.piece_tokens.max()) // 16)
     plan = plan_rows(sizes, c * slice_len, n_rows=1)
     kw = dict(gdn_chunk_size=3, gdn_chunks=c * slice_len, normalization="token_mean")
-    flat = with_critic_pairs(linearize(units, c * slice_len, plan=plan, **kw))
-    gapped = with_critic_pairs(linearize(
+    flat = with_pairs(linearize(units, c * slice_len, plan=plan, **kw))
+    gapped = with_pairs(linearize(
         units, c * slice_len, plan=dataclasses.replace(plan, splits=(split,)), **kw))
     at = np.flatnonzero(gapped.inputs.valid[0])
     np.testing.assert_array_equal(at, split.place(np.arange(n), slice_len))
@@ -108,8 +108,8 @@ def test_gapped_row_holds_the_same_trees_and_indices(seed):
     np.testing.assert_array_equal(g.pred[0][at], to_gapped[f.pred[0][:n]])
     np.testing.assert_array_equal(g.score_index, np.where(f.score_index >= 0,
                                                           to_gapped[f.score_index], -1))
-    np.testing.assert_array_equal(g.critic.index, np.where(f.critic.index >= 0,
-                                                           to_gapped[f.critic.index], -1))
+    np.testing.assert_array_equal(g.pairs.index, np.where(f.pairs.index >= 0,
+                                                           to_gapped[f.pairs.index], -1))
     for name in ("tokens", "pos", "node", "path_count"):
         np.testing.assert_array_equal(getattr(g, name)[0][at], getattr(f, name)[0][:n])
     # Chunks: every real token in one chunk, no chunk across a slice boundary, and the chain

@@ -23,8 +23,9 @@ from jtree.launch.train import main as train_main
 from jtree.layout.baseline import linearize_baseline
 from jtree.layout.linearize import linearize
 from jtree.models import CausalLM, create_model
-from jtree.objectives.critic import gae, pair_token_sums, pair_values, with_critic_pairs
+from jtree.objectives.critic import gae, pair_values
 from jtree.objectives.losses import value_loss
+from jtree.objectives.pairs import pair_token_sums, with_pairs
 from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
 from jtree.step.batches import stack_microbatches
 from jtree.step.critic_params import flat_params
@@ -110,8 +111,8 @@ def test_gae_returns_and_value_loss_equal_the_per_path_reference(seed):
     trees = [critic_tree(rng, max_nodes=9, extra_paths=4) for _ in range(3)]
     # some path ends at an internal node (a node with children)
     assert any(set(t.path_nodes) & set(t.parents[t.parents >= 0]) for t in trees)
-    batch = with_critic_pairs(linearize(trees, 64, n_rows=2))
-    pairs = batch.inputs.critic
+    batch = with_pairs(linearize(trees, 64, n_rows=2))
+    pairs = batch.inputs.pairs
     token_values = rng.normal(size=batch.shape).astype(np.float32)
     old_values = (token_values + rng.normal(0, 0.3, batch.shape)).astype(np.float32)
     gamma, lam, clip = 0.9, 0.7, 0.2
@@ -160,8 +161,8 @@ def test_ppo_step_with_critic_equals_per_path_step(critic):
     graphdef, params = nnx.split(model)
     params = perturbed(params)
     trees = [critic_tree(rng, max_nodes=8, vocab=64) for _ in range(2)]
-    tree = with_critic_pairs(linearize(trees, 64, n_rows=4))
-    base = with_critic_pairs(linearize_baseline(trees, 64, n_rows=4))
+    tree = with_pairs(linearize(trees, 64, n_rows=4))
+    base = with_pairs(linearize_baseline(trees, 64, n_rows=4))
     tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=1)
     objective = Objective(kind="ppo", clip_low=0.1, clip_high=0.1, critic=CriticConfig(
         gamma=0.95, lam=0.9, value_coef=0.5, model=critic, network=network))
@@ -208,7 +209,7 @@ def test_critic_config_is_checked():
 def test_critic_needs_rewards():
     tree = TrajectoryTree.from_sequences([[1, 2, 3], [1, 2, 4]])
     with pytest.raises(ValueError, match="tree 0: no reward"):
-        with_critic_pairs(linearize([tree], 8))
+        with_pairs(linearize([tree], 8))
 
 
 @pytest.mark.slow
@@ -228,8 +229,8 @@ def test_run_steps_carry_critic_pairs_and_train_like_a_direct_batch(tmp_path):
                            n_shards=1, shards=(0,), steps=1, critic=True)
     indices = step_indices(len(trees), cfg.data.trees_per_step, cfg.data.shuffle_seed)[0]
     step = builder(indices)["inputs"]
-    assert step.critic.index.shape[-1] == builder.config.critic_len
-    direct = stack_microbatches([with_critic_pairs(
+    assert step.pairs.index.shape[-1] == builder.config.pair_len
+    direct = stack_microbatches([with_pairs(
         linearize([trees[int(i)] for i in indices], 512, normalization=cfg.objective.normalization))])
     model = create_model("qwen3", cfg.model.config, cfg.runtime, value_head=True)
     graphdef, params = nnx.split(model)
@@ -431,7 +432,7 @@ def test_the_reference_model_runs_the_policy_alone(tmp_path, critic):
     reference = trainer.reference_params()
     assert not any(k.startswith(("critic/", "value_head/")) for k in flat_params(reference))
     trees = [critic_tree(np.random.default_rng(0), max_nodes=6, vocab=64)]
-    inputs = stack_microbatches([with_critic_pairs(linearize(trees, 64, n_rows=1))])
+    inputs = stack_microbatches([with_pairs(linearize(trees, 64, n_rows=1))])
     want = trainer.logprob_fn(trainer.initial_state().params, inputs)
     np.testing.assert_array_equal(trainer.ref_logprob_fn(reference, inputs), want)
     jtree.hf.save(create_model("qwen3", cfg.model.config, seed=0), cfg.model.config,

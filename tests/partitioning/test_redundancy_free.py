@@ -340,8 +340,10 @@ def test_scanned_layers_equal_unpartitioned_tree(kind):
 @pytest.mark.parametrize("kind", ["dense", "moe", "hybrid", "gdn"])
 @pytest.mark.parametrize("objective", [SFT, PPO], ids=["sft", "ppo"])
 def test_equals_unpartitioned_tree_slow(kind, objective):
+    # Every kind, objective and prefix-backward mode; the capacities split between the two
+    # objectives (each shape of rows compiles its own program), so each kind sees all four.
     graphdef, params = {"dense": lambda: tiny_model(seed=3), "gdn": gdn_only_model}.get(
         kind, lambda: perturbed_moe_model(kind))()
-    _check(graphdef, params, objective, capacities=(16, 5, 3, 2),
+    _check(graphdef, params, objective, capacities=(16, 3) if objective is SFT else (5, 2),
            modes=("residuals", "recompute", "auto"),
            chunk=CHUNK if kind in ("hybrid", "gdn") else None)

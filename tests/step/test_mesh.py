@@ -20,6 +20,8 @@ data, FSDP and tensor parallelism; dense (the `reference`, the block-sparse `xla
 interpreter, the Pallas TPU kernel), MoE (router loss pooled over the context axis too) and
 Qwen3-Next (the Gated DeltaNet chunk scan and conv across device slices, with the per-device
 tables of `jtree.parallel.context.context_batch`), SFT, PPO, GSPO and PPO with a critic.
+Objectives `tis` and `seq_tis` are PPO and GSPO with off-policy weights formed in the step from
+the rows' pairs (their metrics compared too).
 docs/design.md tolerances: loss,
 gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
 2 kv heads on a 4-way model axis exercise replicated KV heads; every case exercises the
@@ -34,6 +36,7 @@ import sys
 
 import pytest
 
+from tests.covering import latin
 from tests.run_util import WORKTREE
 
 MESHES = ("8x1x1", "4x1x2", "2x1x4")
@@ -56,6 +59,7 @@ def check(result: dict) -> None:
     assert result["grad_norm_rel"] <= 1e-5, result
     assert result["grads_rel_l2"] <= 1e-5, result
     assert result["params_rel_l2"] <= 1e-5, result
+    assert result.get("offpolicy_rel", 0.0) <= 1e-5, result
     # The update itself (new - initial parameters), which params_rel_l2 sees only against the
     # parameters' size: Adam's first step is ~lr x sign(g) per entry with eps 1e-6, so rounding
     # in entries whose gradient is near eps moves it; measured 1.3e-5 to 1.4e-4 (next) on the
@@ -105,12 +109,16 @@ def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
 
 @pytest.mark.slow
 def test_next_and_lora_on_every_mesh_and_ppo_on_every_model():
-    cases = [f"{model}:{mode}:sft:{mesh}" for model in ("dense", "moe", "next")
-             for mode in ("tree", "baseline") for mesh in MESHES]
+    # Each model (and LoRA) on each data x model mesh, tree and baseline mode in turn.
+    cases = [f"{model}:{mode}:sft:{mesh}"
+             for model, mesh, mode in latin(("dense", "moe", "next", "dense_lora"), MESHES,
+                                            ("tree", "baseline"))]
     cases += [f"{model}:tree:ppo:4x1x2" for model in ("dense", "moe", "next")]
     cases += ["dense_tpu:tree:sft:2x1x1", "dense_tpu:baseline:sft:1x1x2"]
-    cases += [f"dense_lora:{mode}:sft:{mesh}" for mode in ("tree", "baseline") for mesh in MESHES]
     cases += ["dense_scan:tree:sft:2x1x4", "dense_scan:tree:ppo:2x2x2"]
+    # off-policy weights, PPO and GSPO, on data x FSDP x tensor and context-parallel meshes
+    cases += ["dense:tree:tis:2x2x2", "dense:baseline:tis:4x1x2", "dense:tree:seq_tis:2x1x4",
+              "dense:cp:tis:1x2x2x1", "dense:cp:seq_tis:1x1x4x1"]
     for result in run_cases(cases + ["dense:baseline:ppo:2x1x4"]):
         check(result)
 
@@ -119,32 +127,37 @@ def test_next_and_lora_on_every_mesh_and_ppo_on_every_model():
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("model", ("dense_critic", "dense_critic_model"))
 def test_ppo_with_a_critic_on_every_mesh(model):
-    # PPO with the value head, or with the separate critic model: tree mode on every data,
-    # tensor-parallel and FSDP mesh, the per-path baseline on two.
-    cases = [f"{model}:tree:ppo:{mesh}" for mesh in MESHES + FSDP_MESHES]
+    # PPO with the value head, or with the separate critic model: tree mode on a mesh of each
+    # axis mix (data, tensor parallel, FSDP, all three), the per-path baseline on two.
+    cases = [f"{model}:tree:ppo:{mesh}" for mesh in ("8x1x1", "2x1x4", "1x8x1", "2x2x2")]
     cases += [f"{model}:baseline:ppo:{mesh}" for mesh in ("4x1x2", "1x4x2")]
     for result in run_cases(cases):
         check(result)
 
 
+FSDP_MODELS = ("dense", "moe", "next", "dense_lora")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("mesh", FSDP_MESHES)
-@pytest.mark.parametrize("model", ("dense", "moe", "next", "dense_lora"))
-def test_fsdp_meshes_for_every_model_mode_and_objective(model, mesh):
-    # One subprocess per (model, mesh): tree and baseline, SFT and PPO.
-    cases = [f"{model}:{mode}:{objective}:{mesh}" for mode in ("tree", "baseline")
-             for objective in ("sft", "ppo")]
+@pytest.mark.parametrize("model", FSDP_MODELS)
+def test_fsdp_meshes_for_every_model_mode_and_objective(model):
+    # One subprocess per model: every FSDP mesh, and on them tree and baseline, SFT and PPO in
+    # turn (each model and each mesh meets all four).
+    combos = [f"{mode}:{objective}" for mode in ("tree", "baseline") for objective in ("sft", "ppo")]
+    cases = [f"{model}:{combo}:{mesh}"
+             for m, mesh, combo in latin(FSDP_MODELS, FSDP_MESHES, combos) if m == model]
     for result in run_cases(cases):
         check(result)
 
 
 CP_MESHES = ("1x1x2x1", "1x1x4x1", "1x1x8x1", "2x1x2x2", "1x2x4x1", "2x2x2x1", "1x1x2x4")
+CP_MODELS = ("dense", "dense_xla", "moe", "next")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("model", ("dense", "dense_xla", "moe", "next", "dense_tpu"))
+@pytest.mark.parametrize("model", CP_MODELS + ("dense_tpu",))
 def test_context_parallel_meshes_for_every_model_and_objective(model):
     if model == "dense_tpu":  # the Pallas TPU kernel in its interpreter at a query offset
         # (on 2 and 4 devices: on the 8 of 2x1x2x2 the interpreter of jax 0.10.2 deadlocks at
@@ -152,15 +165,18 @@ def test_context_parallel_meshes_for_every_model_and_objective(model):
         for result in run_cases(["dense_tpu:cp:sft:1x1x2x1", "dense_tpu:cp:ppo:1x1x4x1"]):
             check(result)
         return
-    # One subprocess per model: SFT and PPO on every context-parallel mesh; GSPO (path sums over
-    # the gathered rows) and PPO with a critic (GAE over the gathered values) on three, with
-    # perturbed weights (the `dense` model's initial weights leave gradient entries near Adam's
-    # eps, where the first update's sign-like step amplifies rounding).
-    cases = [f"{model}:cp:{objective}:{mesh}" for objective in ("sft", "ppo")
-             for mesh in CP_MESHES]
+    # One subprocess per model: every context-parallel mesh, SFT and PPO in turn (each model and
+    # each mesh meets both); GSPO (path sums over the gathered rows) and PPO with a critic (GAE
+    # over the gathered values) on one of three meshes each, with perturbed weights (the `dense`
+    # model's initial weights leave gradient entries near Adam's eps, where the first update's
+    # sign-like step amplifies rounding).
+    cases = [f"{model}:cp:{objective}:{mesh}"
+             for m, mesh, objective in latin(CP_MODELS, CP_MESHES, ("sft", "ppo")) if m == model]
     if model != "dense":
-        cases += [f"{model}:cp:{objective}:{mesh}" for objective in ("gspo", "critic")
-                  for mesh in ("1x1x4x1", "2x1x2x2", "1x1x8x1")]
+        extra = ("1x1x4x1", "2x1x2x2", "1x1x8x1")
+        index = CP_MODELS.index(model)
+        cases += [f"{model}:cp:gspo:{extra[index % 3]}",
+                  f"{model}:cp:critic:{extra[(index + 1) % 3]}"]
     for result in run_cases(cases):
         check(result)
 

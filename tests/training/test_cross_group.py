@@ -93,7 +93,7 @@ def _builder(trees, seq_len, *, merge, shards=(0, 1), n_shards=2, micro=2, rows=
     def config(rows):
         return StepConfig(mode, normalization, len(trees), shards,
                           LayoutConfig(seq_len, n_shards, micro, rows, score_len=score_len),
-                          critic=critic, cross_group=cross)
+                          critic=critic, off_policy=critic, cross_group=cross)
 
     if rows is None:
         rows = StepBuilder(trees, units, config(None)).rows_to_hold([np.arange(len(trees))])
@@ -207,18 +207,18 @@ def test_hosts_split_the_merged_step_and_its_normalizer(model):
         float(_builder(trees, 128, merge=False)(step)["inputs"].row_norm.sum()), rel=1e-6)
 
 
-def test_critic_pairs_travel_with_their_paths():
-    """PPO's critic reads one (path, trained token) pair each, path after path: the merged step
-    holds the unmerged step's pairs (coefficient, reward at the path's end), none lost or
-    added."""
+def test_critic_and_off_policy_pairs_travel_with_their_paths():
+    """PPO's critic and the off-policy weights read one (path, trained token) pair each, path
+    after path: the merged step holds the unmerged step's pairs (coefficient, reward at the
+    path's end, advantage, behavior log-prob), none lost or added."""
     trees = _groups(seed=9)
     step = np.arange(len(trees))
 
     def pairs(merge):
-        critic = _builder(trees, 128, merge=merge, critic=True)(step)["inputs"].critic
-        live = np.asarray(critic.index) >= 0
-        return sorted(zip(np.asarray(critic.coef)[live].round(7),
-                          np.asarray(critic.reward)[live].round(7)))
+        found = _builder(trees, 128, merge=merge, critic=True)(step)["inputs"].pairs
+        live = np.asarray(found.index) >= 0
+        return sorted(zip(*(np.asarray(getattr(found, f))[live].round(6)
+                            for f in ("coef", "reward", "advantage", "behavior"))))
 
     merged = pairs(True)
     assert merged == pairs(False) and len(merged) > 0
