@@ -91,6 +91,7 @@ def test_compare_torch_logits_logprobs_and_gradients_within_tolerance(kind, chec
         assert r["tree_aux_loss"] == pytest.approx(r["path_aux_loss"], rel=1e-5)
 
 
+@pytest.mark.slow  # the default suite's checks against transformers per path are compare-torch's
 def test_tree_ppo_gradient_equals_transformers_per_path(checkpoint):
     """The tree's PPO loss and gradients against transformers per path (the tree log-probs are
     compare-torch's). The PPO loss written in torch has no router loss: the MoE model is run
