@@ -1,7 +1,8 @@
 """Run one train step on several meshes of 8 forced host devices and compare with one device.
 
 Run in a subprocess (`tests/step/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
-(model `dense`, `moe`, `next`, `llama`, `qwen2`, `qwen3_5` or `qwen3_5_moe`; `dense_lora`: `dense` training LoRA adapters; `dense_critic` and
+(model `dense`, `moe`, `next`, `llama`, `qwen2`, `qwen3_5` or `qwen3_5_moe`; `dense_lora`: `dense`
+training LoRA adapters; `dense_critic` and
 `dense_critic_model`: `dense` with PPO's critic, a value head or a separate smaller critic model;
 mesh data x fsdp x model, or data x fsdp x context x model; mode `cp`: the context-parallel trees
 of `cp_inputs`; objective `sft`, `ppo`, and with mode `cp` also `gspo` and `critic`: PPO with a

@@ -5,8 +5,8 @@ Each layer's kind comes from the architecture config (`config.decoder()`, a `Dec
 token mixer is attention (Qwen3), gated attention (Qwen3-Next) or a Gated DeltaNet, its
 feed-forward a dense SwiGLU, a sparse MoE block, or a MoE block with a gated shared expert. Module
 and parameter names mirror Hugging Face's `*ForCausalLM` (`model.layers.N.self_attn.q_proj`,
-`...linear_attn.in_proj_qkvz` or `in_proj_qkv`, `...mlp.experts.gate_up_proj`; NNX `kernel` is HF `weight`
-transposed), so checkpoints map by name.
+`...linear_attn.in_proj_qkvz` or `in_proj_qkv`, `...mlp.experts.gate_up_proj`; NNX `kernel` is
+HF `weight` transposed), so checkpoints map by name.
 
 `CausalLM.__call__` is the only place that reads the batch (a `jtree.layout.batch.DeviceBatch`: tokens,
 positions, the `TreeMask`, GDN tables, prefix layout, router-loss inputs): it builds the

@@ -1,15 +1,15 @@
 """The Gated DeltaNet token mixer on tree batches (HF `Qwen3NextGatedDeltaNet`,
 `Qwen3_5GatedDeltaNet`).
 
-x -> input projections, in one of two layouts (`DecoderSpec.gdn_projections`) of the same
-widths: Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head as HF lays them out ([q, k,
-v-group, z-group] and [b-group, a-group] for each key head), or Qwen3.5's in_proj_qkv, in_proj_z,
-in_proj_b, in_proj_a, held grouped per key head too: in_proj_qkv as [q, k, v-group] per key head
-(HF stores [all q | all k | all v]; the name table permutes it, `jtree.models.architectures.
-qwen3_5`), the others are value-head ordered, which is already grouped -> depthwise causal conv1d over (q, k, v) along
-each token's path, then SiLU -> gated delta rule with beta = sigmoid(b) and
-g = -exp(A_log) * softplus(a + dt_bias), routed over the tree's chunks -> RMSNorm of each head's
-output gated by SiLU(z) -> out_proj.
+x -> input projections, in one of two layouts (`DecoderSpec.gdn_projections`) of the same widths:
+Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head as HF lays them out ([q, k, v-group,
+z-group] and [b-group, a-group] for each key head), or Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b,
+in_proj_a, held grouped per key head too: in_proj_qkv as [q, k, v-group] per key head (HF stores
+[all q | all k | all v]; the name table permutes it, `jtree.models.architectures.qwen3_5`), the
+others are value-head ordered, which is already grouped -> depthwise causal conv1d over (q, k, v)
+along each token's path, then SiLU -> gated delta rule with beta = sigmoid(b) and g = -exp(A_log) *
+softplus(a + dt_bias), routed over the tree's chunks -> RMSNorm of each head's output gated by
+SiLU(z) -> out_proj.
 
 With a prefix (a part of a tree below tokens an earlier part computed, `jtree.models.prefix`), the
 conv reads its left context from the prefix's cached pre-conv activations and the part's subtrees
@@ -24,13 +24,13 @@ from (`GdnTables.context_exports`), by pointer jumping whatever `RuntimeConfig.g
 (the exchange needs the composed maps). Not combined with a prefix or exported states
 (redundancy-free parts).
 
-Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits key heads, each with its value heads: the
-grouped input projections (either layout) are column-parallel (a contiguous column block is whole key-head
-groups), dt_bias and A_log are split per value head, the recurrence and the gated norm are per head
-and need nothing, out_proj is row-parallel (one all-reduce forward, one backward). The conv weight
-lists the q, k and v channels of all heads one after another, so it stays replicated and each
-device convolves its own heads' channels (`local_conv_channels`); its gradient is all-reduced
-(channels x kernel numbers).
+Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits key heads, each with its value
+heads: the grouped input projections (either layout) are column-parallel (a contiguous column block
+is whole key-head groups), dt_bias and A_log are split per value head, the recurrence and the gated
+norm are per head and need nothing, out_proj is row-parallel (one all-reduce forward, one backward).
+The conv weight lists the q, k and v channels of all heads one after another, so it stays replicated
+and each device convolves its own heads' channels (`local_conv_channels`); its gradient is
+all-reduced (channels x kernel numbers).
 """
 
 from __future__ import annotations

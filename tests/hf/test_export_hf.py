@@ -17,7 +17,6 @@ from jtree.trees.tree import TrajectoryTree
 from tests.models_util import logprob_fn
 from tests.run_util import tiny_overrides
 
-
 ARCH_OVERRIDES = {
     "qwen3": {},
     "qwen3_5": {"model.architecture": "qwen3_5", "model.num_hidden_layers": 2,

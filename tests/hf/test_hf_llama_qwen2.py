@@ -4,9 +4,10 @@ Each checkpoint is written by transformers itself with every parameter random (n
 biases too), so a swapped, transposed or misnamed tensor cannot hide. On branching trees (several
 levels, siblings, paths ending inside, duplicates) `jtree compare-torch` checks logits, tree
 log-probs and SFT gradients against transformers run path by path; the PPO test does the same for
-the clipped surrogate with KL and entropy, its per-path loss written here in torch. The checks are `tests.hf_path_checks`'. The Llama 3
-checkpoint's RoPE scaling keeps, blends and slows down some frequency each
-(`tests.models_util.TINY_LLAMA3_ROPE`), so all three branches of the formula are exercised.
+the clipped surrogate with KL and entropy, its per-path loss written in torch (the checks are
+`tests.hf_path_checks`'). The Llama 3 checkpoint's RoPE scaling keeps, blends and slows down some
+frequency each (`tests.models_util.TINY_LLAMA3_ROPE`), so all three branches of the formula are
+exercised.
 """
 
 import dataclasses

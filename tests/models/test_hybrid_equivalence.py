@@ -1,5 +1,6 @@
-"""Tree mode == per-path baseline for tiny Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE models: log-probs, SFT and PPO
-losses and gradients with the router aux loss included (docs/design.md section 9 tolerances).
+"""Tree mode == per-path baseline for tiny Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE models: log-probs,
+SFT and PPO losses and gradients with the router aux loss included (docs/design.md section 9
+tolerances).
 
 Random forests branch on several levels, have single-token nodes (shorter than the conv kernel),
 paths ending at internal nodes, several trees per row and padding; 3-token GDN chunks put chunk

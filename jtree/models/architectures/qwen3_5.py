@@ -38,7 +38,7 @@ import numpy as np
 
 from jtree.config.architectures import Qwen3_5Config
 from jtree.models.architectures import qwen3, qwen3_next
-from jtree.models.hf_config import equals, read_config, rope_settings
+from jtree.models.hf_config import ROPE_KEYS, equals, read_config, rope_settings
 from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping, Layout, TensorRule
 
 # ---------------------------------------------------------------------- Hugging Face mapping
@@ -65,8 +65,8 @@ CHECKS = {
     "mamba_ssm_dtype": equals("float32"),
     "mlp_only_layers": _empty,
 }
-INERT = qwen3.INERT - {"sliding_window", "max_window_layers"} | {
-    "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"}
+# RoPE keys are read by `text_rope`; the multi-token-prediction head is not part of the causal LM.
+INERT = ROPE_KEYS | {"mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"}
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
 
