@@ -36,7 +36,9 @@ def _files(path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "next", "qwen3_5_moe"])
+@pytest.mark.parametrize("kind", [
+    "dense", "moe", "next",
+    pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])  # (the default suite's time budget)
 def test_load_into_scanned_and_save_back_is_bit_identical(kind, tmp_path):
     cfg, model = _model(kind)
     jtree.hf.save(model, cfg, tmp_path / "a")
