@@ -99,8 +99,7 @@ def test_tree_ppo_gradient_equals_transformers_per_path(checkpoint):
     _, ref, config, model = checkpoint
     if config.decoder().kinds() & {"moe_shared"}:
         config = dataclasses.replace(config, output_router_logits=False)
-        graphdef, params = nnx.split(model, nnx.Param)
-        model = nnx.merge(nnx.graphdef(tiny_lm(config)), params)
+        model = nnx.merge(nnx.graphdef(tiny_lm(config)), nnx.state(model, nnx.Param))
     assert_ppo_gradients_equal_per_path(ref, config, model, gdn_chunk_size=CHUNK)
 
 
