@@ -149,7 +149,7 @@ def test_flop_model_counts_qwen3_5_layers_as_their_kernels():
     from tests.models_util import tiny_qwen3_5_config
 
     cfg = tiny_qwen3_5_config()
-    params = nnx.state(create_model("qwen3_5", cfg), nnx.Param)
+    params = nnx.state(nnx.eval_shape(lambda: create_model("qwen3_5", cfg)), nnx.Param)
     kernels = sum(int(np.prod(v.shape)) for path, v in params.flat_state()
                   if path[0] == "model" and path[1] == "layers" and path[-1] == "kernel")
     gdn_layers = sum(kind.mixer == "gated_deltanet" for kind in cfg.decoder().layers)
