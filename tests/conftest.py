@@ -22,6 +22,8 @@ Helpers (modules named for their concept, imported by the tests; no test file im
 - tests/hf_util.py: HF checkpoints on the jtree side (random models, parameters by name, edited
   copies of a checkpoint, weights copied in by HF name); no torch.
 - tests/torch_util.py: tiny transformers checkpoints and their logits (needs torch).
+- tests/hf_path_checks.py: an architecture's tiny random transformers checkpoint against jtree
+  path by path (compare-torch, log-probs, PPO gradients, save -> from_pretrained; needs torch).
 - tests/mesh_worker.py: the subprocess that runs train steps on 8 forced host devices.
 - tests/covering.py: covering designs (all pairs of factors) for the sweeps of slow tests.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +14,8 @@ from jtree.config.architectures import (
     Llama3RopeScaling,
     LlamaConfig,
     Qwen2Config,
+    Qwen3_5Config,
+    Qwen3_5MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
@@ -72,6 +75,21 @@ TINY_NEXT = dict(TINY_MOE, linear_num_key_heads=4, linear_num_value_heads=8, lin
                  layer_types=("linear_attention", "full_attention"))
 
 
+# Qwen3.5 (separate GDN projections): Qwen3-Next's tiny shapes with a MoE block in every layer
+# (the MoE model) or a dense SwiGLU (the dense one, with attention biases on q/k/v/o too).
+TINY_QWEN3_5_MOE = dict(TINY_NEXT, mlp_only_layers=(), partial_rotary_factor=0.5)
+TINY_QWEN3_5 = {**{k: v for k, v in TINY_QWEN3_5_MOE.items() if k in {
+    f.name for f in dataclasses.fields(Qwen3_5Config)}}, "attention_bias": True}
+
+
+def tiny_qwen3_5_config(**overrides) -> Qwen3_5Config:
+    return Qwen3_5Config(**dict(TINY_QWEN3_5, **overrides))
+
+
+def tiny_qwen3_5_moe_config(**overrides) -> Qwen3_5MoeConfig:
+    return Qwen3_5MoeConfig(**dict(TINY_QWEN3_5_MOE, **overrides))
+
+
 def tiny_moe_config(**overrides) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(**dict(TINY_MOE, **overrides))
 
@@ -81,12 +99,13 @@ def tiny_next_config(**overrides) -> Qwen3NextConfig:
 
 
 def four_expert_config(kind: str, **overrides) -> Qwen3MoeConfig | Qwen3NextConfig:
-    """The equivalence tests' smaller sparse models: `TINY_MOE` ("moe") or `TINY_NEXT` ("next",
-    with 2 GDN key heads of 2 value heads each) cut to 4 experts."""
+    """The equivalence tests' smaller sparse models: `TINY_MOE` ("moe"), `TINY_NEXT` ("next")
+    or `TINY_QWEN3_5_MOE` ("qwen3_5_moe"), the last two with 2 GDN key heads of 2 value heads
+    each, cut to 4 experts."""
     if kind == "moe":
         return tiny_moe_config(num_experts=4, **overrides)
-    return tiny_next_config(num_experts=4, linear_num_key_heads=2, linear_num_value_heads=4,
-                            **overrides)
+    make = tiny_next_config if kind == "next" else tiny_qwen3_5_moe_config
+    return make(num_experts=4, linear_num_key_heads=2, linear_num_value_heads=4, **overrides)
 
 
 @functools.lru_cache(maxsize=None)

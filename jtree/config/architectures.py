@@ -10,9 +10,13 @@ run config is read, the FLOP model counted and the sharding rules chosen without
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 Mixer = Literal["attention", "gated_attention", "gated_deltanet"]
+
+
+GdnProjections = Literal["qkvz_ba", "qkv_z_b_a"]
 
 
 FeedForward = Literal["mlp", "moe", "moe_shared"]
@@ -41,7 +45,10 @@ class DecoderSpec:
     The attention's details that leave its shapes, sharding and FLOPs as they are, so they are
     flags here rather than layer kinds: `qk_norm` (Qwen3's per-head q/k norm; Llama and Qwen2
     have none), biases on the q/k/v projections (`qkv_bias`) and on o_proj (`o_bias`) (Qwen2
-    has the first without the second) and on the dense MLP's projections (`mlp_bias`)."""
+    has the first without the second) and on the dense MLP's projections (`mlp_bias`). Likewise
+    the Gated DeltaNet's input projections (`gdn_projections`), whose widths are the same either
+    way: Qwen3-Next's fused `in_proj_qkvz` / `in_proj_ba` ("qkvz_ba") or Qwen3.5's separate
+    `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` ("qkv_z_b_a")."""
 
     layers: tuple[LayerKind, ...]
     norm: Literal["rms", "offset_rms"]
@@ -51,6 +58,7 @@ class DecoderSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    gdn_projections: GdnProjections = "qkvz_ba"
 
     def __post_init__(self) -> None:
         for i, kind in enumerate(self.layers):
@@ -207,24 +215,24 @@ class Qwen3MoeConfig(Qwen3Config):
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3NextConfig(Qwen3MoeConfig):
-    """Qwen3-Next. `layer_types` defaults to every `full_attention_interval`-th layer being full
-    attention, the rest linear attention (HF's default)."""
+class HybridFields:
+    """The fields and checks of the Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): the linear
+    attention's shapes, partial RoPE on the gated attention, and which layers are which.
+    `layer_types` defaults to every `full_attention_interval`-th layer being full attention, the
+    rest linear attention (HF's default); given, it wins. Mixed into an architecture config that
+    holds `num_hidden_layers` and `head_dim`."""
 
-    norm_topk_prob: bool = True
-    head_dim: int = 32
     partial_rotary_factor: float = 0.25
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 16
     linear_value_head_dim: int = 16
     linear_num_key_heads: int = 2
     linear_num_value_heads: int = 4
-    shared_expert_intermediate_size: int = 64
     full_attention_interval: int = 4
     layer_types: tuple[str, ...] | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check_hybrid(self) -> None:
+        """Fill in `layer_types` and check the hybrid fields (called by `__post_init__`)."""
         if self.layer_types is None:
             types = tuple("full_attention" if (i + 1) % self.full_attention_interval == 0
                           else "linear_attention" for i in range(self.num_hidden_layers))
@@ -250,11 +258,72 @@ class Qwen3NextConfig(Qwen3MoeConfig):
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
-    def decoder(self) -> DecoderSpec:
+    def hybrid_decoder(self, base: DecoderSpec, ffns: Sequence[FeedForward],
+                       projections: GdnProjections) -> DecoderSpec:
+        """`base` with the hybrid's layers (mixer from `layer_types`, feed-forward `ffns[i]`),
+        its (1 + weight) norms, partial RoPE and Gated DeltaNet projections."""
         return dataclasses.replace(
-            super().decoder(), norm="offset_rms", rotary_dim=self.rotary_dim,
-            layers=tuple(LayerKind(_MIXERS[t], "moe_shared" if sparse else "mlp")
-                         for t, sparse in zip(self.layer_types, self.sparse_layers())))
+            base, norm="offset_rms", rotary_dim=self.rotary_dim, gdn_projections=projections,
+            layers=tuple(LayerKind(_MIXERS[t], ffn) for t, ffn in zip(self.layer_types, ffns)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3NextConfig(Qwen3MoeConfig, HybridFields):
+    """Qwen3-Next: the hybrid layers (`HybridFields`), sparse MoE blocks with a gated shared
+    expert (a dense SwiGLU where HF's rule says, as in Qwen3-MoE), fused GDN projections."""
+
+    norm_topk_prob: bool = True
+    head_dim: int = 32
+    shared_expert_intermediate_size: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_hybrid()
+
+    def decoder(self) -> DecoderSpec:
+        ffns = ["moe_shared" if sparse else "mlp" for sparse in self.sparse_layers()]
+        return self.hybrid_decoder(super().decoder(), ffns, "qkvz_ba")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3_5Config(Qwen3Config, HybridFields):
+    """Qwen3.5, dense (HF `Qwen3_5ForCausalLM`, text config `Qwen3_5TextConfig`): Qwen3-Next's
+    hybrid layers with a dense SwiGLU in every layer and separate GDN projections. Its RoPE is
+    transformers' multimodal (mrope) form, which for text is 1-D RoPE (`jtree.models.
+    architectures.qwen3_5`)."""
+
+    head_dim: int = 32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_hybrid()
+
+    def decoder(self) -> DecoderSpec:
+        return self.hybrid_decoder(super().decoder(), ["mlp"] * self.num_hidden_layers,
+                                   "qkv_z_b_a")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3_5MoeConfig(Qwen3NextConfig):
+    """Qwen3.5-MoE (HF `Qwen3_5MoeForCausalLM`, text config `Qwen3_5MoeTextConfig`): Qwen3-Next
+    with separate GDN projections and a MoE block with shared expert in every layer. HF's
+    Qwen3.5-MoE has no `decoder_sparse_step`, `mlp_only_layers`, `norm_topk_prob` or
+    `intermediate_size` (its router always renormalizes the top-k weights); the fields inherited
+    from Qwen3-Next must keep those fixed values (`intermediate_size` is read by no layer)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, fixed in (("decoder_sparse_step", 1), ("mlp_only_layers", ()),
+                            ("norm_topk_prob", True)):
+            if getattr(self, name) != fixed:
+                raise ValueError(f"{name} = {getattr(self, name)!r}: Qwen3.5-MoE has a MoE block "
+                                 f"in every layer with renormalized top-k weights ({name} is "
+                                 f"{fixed!r})")
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
+
+    def decoder(self) -> DecoderSpec:
+        return dataclasses.replace(super().decoder(), gdn_projections="qkv_z_b_a")
 
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -264,7 +333,8 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 # (`jtree.models.architectures` adds each one's model code and Hugging Face name tables).
 ARCHITECTURE_CONFIGS: dict[str, type] = {
     "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "qwen3_next": Qwen3NextConfig,
-    "llama": LlamaConfig, "qwen2": Qwen2Config}
+    "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_5": Qwen3_5Config,
+    "qwen3_5_moe": Qwen3_5MoeConfig}
 
 
 def architecture_config(name: str) -> type:

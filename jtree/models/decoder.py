@@ -5,8 +5,8 @@ Each layer's kind comes from the architecture config (`config.decoder()`, a `Dec
 token mixer is attention (Qwen3), gated attention (Qwen3-Next) or a Gated DeltaNet, its
 feed-forward a dense SwiGLU, a sparse MoE block, or a MoE block with a gated shared expert. Module
 and parameter names mirror Hugging Face's `*ForCausalLM` (`model.layers.N.self_attn.q_proj`,
-`...linear_attn.in_proj_qkvz`, `...mlp.experts.gate_up_proj`; NNX `kernel` is HF `weight`
-transposed), so checkpoints map by name.
+`...linear_attn.in_proj_qkvz` or `in_proj_qkv`, `...mlp.experts.gate_up_proj`; NNX `kernel` is
+HF `weight` transposed), so checkpoints map by name.
 
 `CausalLM.__call__` is the only place that reads the batch (a `jtree.layout.batch.DeviceBatch`: tokens,
 positions, the `TreeMask`, GDN tables, prefix layout, router-loss inputs): it builds the
@@ -87,7 +87,8 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: Any, runtime: RuntimeConfig, kind: LayerKind, spec: DecoderSpec, *,
                  rngs: nnx.Rngs):
         if kind.mixer == "gated_deltanet":
-            self.linear_attn = GatedDeltaNet(cfg, runtime, rngs=rngs)
+            self.linear_attn = GatedDeltaNet(cfg, runtime, projections=spec.gdn_projections,
+                                            rngs=rngs)
         else:
             self.self_attn = Attention(cfg, runtime, spec,
                                        gated=kind.mixer == "gated_attention", rngs=rngs)

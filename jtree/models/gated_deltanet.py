@@ -1,10 +1,15 @@
-"""Qwen3-Next's Gated DeltaNet token mixer on tree batches (HF `Qwen3NextGatedDeltaNet`).
+"""The Gated DeltaNet token mixer on tree batches (HF `Qwen3NextGatedDeltaNet`,
+`Qwen3_5GatedDeltaNet`).
 
-x -> in_proj_qkvz / in_proj_ba, grouped per key head as HF lays them out ([q, k, v-group,
-z-group] and [b-group, a-group] for each key head) -> depthwise causal conv1d over (q, k, v) along
-each token's path, then SiLU -> gated delta rule with beta = sigmoid(b) and
-g = -exp(A_log) * softplus(a + dt_bias), routed over the tree's chunks -> RMSNorm of each head's
-output gated by SiLU(z) -> out_proj.
+x -> input projections, in one of two layouts (`DecoderSpec.gdn_projections`) of the same widths:
+Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head as HF lays them out ([q, k, v-group,
+z-group] and [b-group, a-group] for each key head), or Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b,
+in_proj_a, held grouped per key head too: in_proj_qkv as [q, k, v-group] per key head (HF stores
+[all q | all k | all v]; the name table permutes it, `jtree.models.architectures.qwen3_5`), the
+others are value-head ordered, which is already grouped -> depthwise causal conv1d over (q, k, v)
+along each token's path, then SiLU -> gated delta rule with beta = sigmoid(b) and g = -exp(A_log) *
+softplus(a + dt_bias), routed over the tree's chunks -> RMSNorm of each head's output gated by
+SiLU(z) -> out_proj.
 
 With a prefix (a part of a tree below tokens an earlier part computed, `jtree.models.prefix`), the
 conv reads its left context from the prefix's cached pre-conv activations and the part's subtrees
@@ -19,13 +24,13 @@ from (`GdnTables.context_exports`), by pointer jumping whatever `RuntimeConfig.g
 (the exchange needs the composed maps). Not combined with a prefix or exported states
 (redundancy-free parts).
 
-Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits key heads, each with its value heads: the
-grouped in_proj_qkvz / in_proj_ba are column-parallel (a contiguous column block is whole key-head
-groups), dt_bias and A_log are split per value head, the recurrence and the gated norm are per head
-and need nothing, out_proj is row-parallel (one all-reduce forward, one backward). The conv weight
-lists the q, k and v channels of all heads one after another, so it stays replicated and each
-device convolves its own heads' channels (`local_conv_channels`); its gradient is all-reduced
-(channels x kernel numbers).
+Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits key heads, each with its value
+heads: the grouped input projections (either layout) are column-parallel (a contiguous column block
+is whole key-head groups), dt_bias and A_log are split per value head, the recurrence and the gated
+norm are per head and need nothing, out_proj is row-parallel (one all-reduce forward, one backward).
+The conv weight lists the q, k and v channels of all heads one after another, so it stays replicated
+and each device convolves its own heads' channels (`local_conv_channels`); its gradient is
+all-reduced (channels x kernel numbers).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jtree.config.architectures import GdnProjections
 from jtree.config.runtime import RuntimeConfig
 from jtree.kernels.flat_tokens import scale_channels
 from jtree.kernels.gdn import tree_gated_delta_rule
@@ -136,16 +142,24 @@ def local_conv_channels(key_dim: int, value_dim: int, local_key_dim: int, local_
 
 
 class GatedDeltaNet(nnx.Module):
-    """The linear-attention layer of Qwen3-Next, exact on tree batches."""
+    """The linear-attention layer of Qwen3-Next and Qwen3.5, exact on tree batches; `projections`
+    is the layout of its input projections (`DecoderSpec.gdn_projections`)."""
 
-    def __init__(self, cfg: Any, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Any, runtime: RuntimeConfig, *, rngs: nnx.Rngs,
+                 projections: GdnProjections = "qkvz_ba"):
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         pdt = runtime.weight_dtype
         kw = dict(bias=False, init_std=cfg.initializer_range, dtype=runtime.compute_dtype,
                   param_dtype=pdt, rngs=rngs)
-        self.in_proj_qkvz = linear(cfg.hidden_size, 2 * nk * dk + 2 * nv * dv, **kw)
-        self.in_proj_ba = linear(cfg.hidden_size, 2 * nv, **kw)
+        if projections == "qkvz_ba":
+            self.in_proj_qkvz = linear(cfg.hidden_size, 2 * nk * dk + 2 * nv * dv, **kw)
+            self.in_proj_ba = linear(cfg.hidden_size, 2 * nv, **kw)
+        else:
+            self.in_proj_qkv = linear(cfg.hidden_size, 2 * nk * dk + nv * dv, **kw)
+            self.in_proj_z = linear(cfg.hidden_size, nv * dv, **kw)
+            self.in_proj_b = linear(cfg.hidden_size, nv, **kw)
+            self.in_proj_a = linear(cfg.hidden_size, nv, **kw)
         self.conv1d = DepthwiseConv1d(2 * nk * dk + nv * dv, cfg.linear_conv_kernel_dim,
                                       init_std=cfg.initializer_range, param_dtype=pdt, rngs=rngs)
         self.dt_bias = nnx.Param(jnp.ones((nv,), pdt))
@@ -153,7 +167,27 @@ class GatedDeltaNet(nnx.Module):
         self.A_log = nnx.Param(jnp.log(a).astype(pdt))
         self.norm = GatedRMSNorm(dv, eps=cfg.rms_norm_eps, param_dtype=pdt)
         self.out_proj = linear(nv * dv, cfg.hidden_size, **kw)
-        self.cfg, self.runtime = cfg, runtime
+        self.cfg, self.runtime, self.projections = cfg, runtime, projections
+
+    def project(self, flat: jax.Array) -> tuple[jax.Array, ...]:
+        """q, k [T, nk, dk], v, z [T, nk, per * dv] (each key head's value heads) and b, a
+        [T, nv] of tokens `flat` [T, hidden]; head counts are this device's under tensor
+        parallelism (read from the weights)."""
+        cfg, t = self.cfg, flat.shape[0]
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        per = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+        if self.projections == "qkvz_ba":
+            nk = self.in_proj_qkvz.kernel.shape[1] // (2 * dk + 2 * per * dv)
+            qkvz = self.in_proj_qkvz(flat).reshape(t, nk, 2 * dk + 2 * per * dv)
+            q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + per * dv], axis=-1)
+            ba = self.in_proj_ba(flat).reshape(t, nk, 2 * per)
+            b, a = ba[..., :per].reshape(t, nk * per), ba[..., per:].reshape(t, nk * per)
+            return q, k, v, z, b, a
+        nk = self.in_proj_qkv.kernel.shape[1] // (2 * dk + per * dv)
+        qkv = self.in_proj_qkv(flat).reshape(t, nk, 2 * dk + per * dv)
+        q, k, v = jnp.split(qkv, [dk, 2 * dk], axis=-1)
+        return (q, k, v, self.in_proj_z(flat).reshape(t, nk, per * dv), self.in_proj_b(flat),
+                self.in_proj_a(flat))
 
     def __call__(self, x: jax.Array, routing: GdnRouting, prefix: GdnCache | None = None
                  ) -> tuple[jax.Array, GdnCache]:
@@ -162,18 +196,11 @@ class GatedDeltaNet(nnx.Module):
         cfg, tp = self.cfg, self.runtime.tensor_parallel_axis
         r, s, _ = x.shape
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        per = cfg.linear_num_value_heads // cfg.linear_num_key_heads
-        # Head counts come from the weights: under tensor parallelism they are this device's.
-        nk = self.in_proj_qkvz.kernel.shape[1] // (2 * dk + 2 * per * dv)
-        nv = nk * per
         # Token-wise work runs on the tokens of all rows as one axis ([R * S, ..]): on one long tree
         # row XLA:CPU runs several fused reductions with a leading size-1 axis far slower
         # (`jtree.kernels.flat_tokens`). Only the conv and the recurrence see the rows.
-        flat = x.reshape(r * s, x.shape[-1])
-        qkvz = self.in_proj_qkvz(flat).reshape(r * s, nk, 2 * dk + 2 * per * dv)
-        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + per * dv], axis=-1)
-        ba = self.in_proj_ba(flat).reshape(r * s, nk, 2 * per)
-        b, a = ba[..., :per].reshape(r * s, nv), ba[..., per:].reshape(r * s, nv)
+        q, k, v, z, b, a = self.project(x.reshape(r * s, x.shape[-1]))
+        nk, nv = q.shape[1], b.shape[1]
 
         pre_conv = jnp.concatenate([q.reshape(r * s, -1), k.reshape(r * s, -1),
                                     v.reshape(r * s, -1)], -1).reshape(r, s, -1)

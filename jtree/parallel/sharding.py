@@ -177,14 +177,15 @@ def _shared_expert_moe_rules(cfg: Any, model: int) -> Rules:
 
 
 def _gated_deltanet_rules(cfg: Any, model: int) -> Rules:
-    """Key heads split (with their value heads): in_proj_qkvz / in_proj_ba are grouped per key
-    head, so a column split hands each device whole groups; per-value-head dt_bias and A_log
-    split alike; out_proj row-parallel. The depthwise conv weight is stored [q | k | v] channels
-    of all heads, which no single split matches: it is replicated and each device uses its heads'
+    """Key heads split (with their value heads): the input projections of either layout
+    (Qwen3-Next's in_proj_qkvz / in_proj_ba, Qwen3.5's in_proj_qkv / _z / _b / _a) are held grouped
+    per key head, so a column split hands each device whole groups; per-value-head dt_bias and A_log
+    split alike; out_proj row-parallel. The depthwise conv weight is stored [q | k | v] channels of
+    all heads, which no single split matches: it is replicated and each device uses its heads'
     channels (`jtree.models.gated_deltanet.local_conv_channels`)."""
     _divides("linear_num_key_heads", cfg.linear_num_key_heads, model)
     return [
-        (r"linear_attn/in_proj_(qkvz|ba)/kernel$", P(None, MODEL)),
+        (r"linear_attn/in_proj_(qkvz|ba|qkv|z|b|a)/kernel$", P(None, MODEL)),
         (r"linear_attn/(dt_bias|A_log)$", P(MODEL)),
         (r"linear_attn/conv1d/weight$", P()),
         (r"linear_attn/out_proj/kernel$", P(MODEL, None)),

@@ -68,21 +68,33 @@ def test_big_configs_lower_at_full_depth_on_their_target_mesh(config, params, pl
     assert "all_gather" in proc.stdout and "reduce_scatter" in proc.stdout, proc.stdout
 
 
+# (config, overrides of the cut-down case, parameters at full depth: the model's as transformers
+# counts them)
+CUDA_CONFIGS = {
+    "llama3_8b": (["model.num_hidden_layers=1"], "8,030,261,248"),
+    # Qwen3.5-9B's text model: one Gated DeltaNet and one gated-attention layer
+    "qwen3_5_9b": (["model.num_hidden_layers=2", "model.full_attention_interval=2"],
+                   "8,953,803,264"),
+}
+
+
+@pytest.mark.parametrize("config", list(CUDA_CONFIGS))
 @pytest.mark.parametrize("full_depth", [
     False, pytest.param(True, marks=pytest.mark.slow)], ids=["one_layer", "full_depth"])
-def test_llama3_8b_config_lowers_for_cuda_on_its_mesh(full_depth):
-    """configs/llama3_8b.yaml (Llama-3.1-8B shapes, llama3 RoPE scaling) on its 8-way tensor-
-    parallel mesh at full width and sequence length; cut to one layer unless `full_depth` (then
-    the parameter count is Llama-3.1-8B's)."""
+def test_8b_configs_lower_for_cuda_on_their_mesh(config, full_depth):
+    """configs/llama3_8b.yaml (Llama-3.1-8B shapes, llama3 RoPE scaling) and
+    configs/qwen3_5_9b.yaml (Qwen3.5-9B's text model) on their 8-way tensor-parallel mesh at full
+    width and sequence length; cut to one layer (one of each kind) unless `full_depth` (then the
+    parameter count is the model's)."""
+    cut, params = CUDA_CONFIGS[config]
     env = dict(os.environ, PYTHONPATH=str(WORKTREE))
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "jtree.launch.lower_step", "--config", "configs/llama3_8b.yaml",
-         "--platform", "cuda", "--devices", "8",
-         *([] if full_depth else ["model.num_hidden_layers=1"])],
+        [sys.executable, "-m", "jtree.launch.lower_step", "--config", f"configs/{config}.yaml",
+         "--platform", "cuda", "--devices", "8", *([] if full_depth else cut)],
         cwd=WORKTREE, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mesh data=1 x fsdp=1 x model=8" in proc.stdout, proc.stdout
     assert "all_reduce" in proc.stdout
     if full_depth:
-        assert "for cuda: 8,030,261,248 parameters" in proc.stdout, proc.stdout
+        assert f"for cuda: {params} parameters" in proc.stdout, proc.stdout

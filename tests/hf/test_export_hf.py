@@ -1,5 +1,6 @@
 """A training checkpoint exported with `jtree export-hf` loads back (jtree.hf) with the trained
-parameters."""
+parameters; the Qwen3.5 export (GDN and gated attention, grouped in_proj_qkv) also loads in
+transformers with the same logits."""
 
 import jax
 import numpy as np
@@ -10,14 +11,24 @@ import jtree.hf
 from jtree.cli import main as cli
 from jtree.commands.export_hf import trained_model
 from jtree.launch.train import main
+from jtree.layout.linearize import linearize
 from jtree.models import create_model
+from jtree.trees.tree import TrajectoryTree
+from tests.models_util import logprob_fn
 from tests.run_util import tiny_overrides
+
+ARCH_OVERRIDES = {
+    "qwen3": {},
+    "qwen3_5": {"model.architecture": "qwen3_5", "model.num_hidden_layers": 2,
+                "model.full_attention_interval": 2, "model.partial_rotary_factor": 0.5},
+}
 
 
 @pytest.mark.slow
-def test_checkpoint_exports_to_a_hugging_face_directory(few_groups_file, tmp_path):
-    overrides = tiny_overrides(few_groups_file,
-                               **{"run.steps": 2, "model.tie_word_embeddings": False})
+@pytest.mark.parametrize("arch", list(ARCH_OVERRIDES))
+def test_checkpoint_exports_to_a_hugging_face_directory(arch, few_groups_file, tmp_path):
+    overrides = tiny_overrides(few_groups_file, **{
+        "run.steps": 2, "model.tie_word_embeddings": False, **ARCH_OVERRIDES[arch]})
     assert main(["--config", "configs/tiny.yaml", *overrides,
                  f"checkpoint.dir={tmp_path}/ckpt"]) == 0
     assert cli(["export-hf", "--config", "configs/tiny.yaml", "--checkpoint",
@@ -27,5 +38,17 @@ def test_checkpoint_exports_to_a_hugging_face_directory(few_groups_file, tmp_pat
     leaves = lambda m: jax.tree_util.tree_leaves(nnx.state(m, nnx.Param))  # noqa: E731
     for a, b in zip(leaves(loaded), leaves(trained), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    initial = leaves(create_model("qwen3", config))
+    initial = leaves(create_model(arch, config))
     assert any(not np.array_equal(a, b) for a, b in zip(leaves(loaded), initial))
+    if arch == "qwen3_5":
+        torch = pytest.importorskip("torch")
+        transformers = pytest.importorskip("transformers")
+        ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        seq = np.arange(1, 30) % config.vocab_size
+        batch = linearize([TrajectoryTree.from_sequences([seq])], 32, gdn_chunk_size=8)
+        graphdef, params = nnx.split(loaded, nnx.Param)
+        ours = np.asarray(logprob_fn(graphdef)(params, batch.inputs))[0, 1:len(seq)]
+        with torch.no_grad():
+            logits = ref(input_ids=torch.as_tensor(seq[None])).logits[0, :-1]
+        theirs = torch.log_softmax(logits, -1)[torch.arange(len(seq) - 1), seq[1:]].numpy()
+        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)

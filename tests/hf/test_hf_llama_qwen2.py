@@ -4,40 +4,33 @@ Each checkpoint is written by transformers itself with every parameter random (n
 biases too), so a swapped, transposed or misnamed tensor cannot hide. On branching trees (several
 levels, siblings, paths ending inside, duplicates) `jtree compare-torch` checks logits, tree
 log-probs and SFT gradients against transformers run path by path; the PPO test does the same for
-the clipped surrogate with KL and entropy, its per-path loss written here in torch. The Llama 3
-checkpoint's RoPE scaling keeps, blends and slows down some frequency each
-(`tests.models_util.TINY_LLAMA3_ROPE`), so all three branches of the formula are exercised.
+the clipped surrogate with KL and entropy, its per-path loss written in torch (the checks are
+`tests.hf_path_checks`'). The Llama 3 checkpoint's RoPE scaling keeps, blends and slows down some
+frequency each (`tests.models_util.TINY_LLAMA3_ROPE`), so all three branches of the formula are
+exercised.
 """
 
-import contextlib
 import dataclasses
-import io
-import json
 
-import jax
-import numpy as np
 import pytest
-from flax import nnx
 from safetensors.numpy import load_file
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jtree.hf  # noqa: E402
-from jtree.cli import main  # noqa: E402
 from jtree.config.architectures import LlamaConfig, Qwen2Config  # noqa: E402
-from jtree.config.objective import Objective  # noqa: E402
 from jtree.hf.safetensors_io import SINGLE_FILE  # noqa: E402
-from jtree.layout.coefficients import batch_normalizer, path_coefficients  # noqa: E402
-from jtree.layout.linearize import linearize, unlinearize  # noqa: E402
-from jtree.objectives.logprobs import token_logprobs  # noqa: E402
-from jtree.objectives.objective import objective_loss  # noqa: E402
-from jtree.trees.jsonl import write_sequence_groups  # noqa: E402
-from jtree.trees.tree import TrajectoryTree  # noqa: E402
+from tests.hf_path_checks import (  # noqa: E402
+    assert_from_pretrained_gives_the_same_model,
+    assert_ppo_gradients_equal_per_path,
+    assert_tree_logprobs_equal_per_path,
+    compare_torch_report,
+    write_random_checkpoint,
+)
 from tests.hf_util import assert_same_params, copy_checkpoint  # noqa: E402
-from tests.models_util import TINY_LLAMA3_ROPE, rel_l2, tiny_runtime  # noqa: E402
-from tests.strategies import one_row_forests  # noqa: E402
-from tests.torch_util import TOL, VOCAB, torch_logits  # noqa: E402
+from tests.models_util import TINY_LLAMA3_ROPE, tiny_runtime  # noqa: E402
+from tests.torch_util import VOCAB  # noqa: E402
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
@@ -62,20 +55,7 @@ CONFIG_CLASS = {"llama3": LlamaConfig, "llama_tied": LlamaConfig, "qwen2": Qwen2
 
 def write_checkpoint(kind, path):
     """transformers' model of `CONFIGS[kind]`, every parameter random, saved to `path`."""
-    config = CONFIGS[kind]()
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0))
-    model.save_pretrained(path)
-    return model.eval()
-
-
-def compare_trees():
-    """Branching trees and a single sequence longer than the others (up to position 40)."""
-    rng = np.random.default_rng(2)
-    return one_row_forests(VOCAB) + [TrajectoryTree.from_sequences([rng.integers(0, VOCAB, 41)])]
+    return write_random_checkpoint(CONFIGS[kind](), path)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -110,110 +90,29 @@ def test_load_reads_the_architecture_fields(kind, checkpoint):
 
 def test_compare_torch_logits_logprobs_and_gradients_within_tolerance(checkpoint,
                                                                      tmp_path):
-    path = checkpoint[0]
-    write_sequence_groups(tmp_path / "d.jsonl", compare_trees())
-    out, text = tmp_path / "r.json", io.StringIO()
-    with contextlib.redirect_stdout(text):
-        code = main(["compare-torch", "--hf-dir", str(path), "--data", str(tmp_path / "d.jsonl"),
-                     "--attention-impl", "reference", "--json", str(out)])
-    r = json.loads(out.read_text())
-    assert code == 0, text.getvalue()
-    assert r["failures"] == []
-    assert r["paths"] == sum(t.n_paths for t in compare_trees())
-    assert 0 < r["max_abs_logits"] <= TOL  # every position of every path
-    assert r["max_abs_logprobs"] <= TOL  # tree log-probs vs each path run alone in transformers
-    assert r["max_rel_grad"] <= TOL  # per tensor, tree SFT loss vs per-path loss
-    assert r["tree_loss"] == pytest.approx(r["path_loss"], rel=1e-5)
+    r = compare_torch_report(checkpoint[0], tmp_path)
     assert r["groups"]["full_attention"]["layers"] == 3 and r["groups"]["mlp"]["tensors"] > 0
 
 
 def test_tree_logprobs_equal_transformers_per_path(checkpoint):
     _, ref, _, model = checkpoint
-    trees = compare_trees()
-    batch = linearize(trees, 160)
-    ours = unlinearize(batch, np.asarray(token_logprobs(model, batch.inputs)))
-    for tree, tree_logp in zip(trees, ours):
-        for p in range(tree.n_paths):
-            tokens = tree.path_tokens(p)
-            logits = torch.as_tensor(torch_logits(ref, tokens))
-            expected = torch.log_softmax(logits[:-1], -1).gather(
-                1, torch.as_tensor(tokens[1:, None], dtype=torch.int64))[:, 0].numpy()
-            np.testing.assert_allclose(tree_logp[p][1:], expected, atol=TOL, rtol=0)
-
-
-PPO = Objective(kind="ppo", normalization="seq_mean_token_mean", clip_low=0.2, clip_high=0.28,
-                kl_coef=0.05, entropy_coef=0.01)
-
-
-def torch_ppo_path_loss(ref, tokens, c, adv, old, ref_logp):
-    """One path's PPO loss in torch: -sum_t c_t [A min(r_t, clip r_t) (A >= 0; max for A < 0)]
-    + kl_coef sum_t c_t k3(ref_t - logp_t) - entropy_coef sum_t c_t H_t, over tokens 1..L-1."""
-    ids = torch.as_tensor(tokens.astype(np.int64))[None]
-    logits = ref(input_ids=ids).logits[0, :-1]
-    logp_all = torch.log_softmax(logits, -1)
-    logp = logp_all.gather(1, ids[0, 1:, None])[:, 0]
-    c, old, ref_logp = (torch.as_tensor(x[1:]) for x in (c, old, ref_logp))
-    ratio = torch.exp(logp - old)
-    clipped = ratio.clamp(1 - PPO.clip_low, 1 + PPO.clip_high)
-    pick = torch.minimum if adv >= 0 else torch.maximum
-    surrogate = -(c * adv * pick(ratio, clipped)).sum()
-    d = ref_logp - logp
-    kl = (c * (torch.exp(d) - d - 1)).sum()
-    entropy = (c * -(logp_all.exp() * logp_all).sum(-1)).sum()
-    return surrogate + PPO.kl_coef * kl - PPO.entropy_coef * entropy
+    assert_tree_logprobs_equal_per_path(ref, model)
 
 
 def test_tree_ppo_gradient_equals_transformers_per_path(checkpoint):
-    """Advantages of both signs on paths that share tokens, old and reference log-probs off the
-    current policy (so the clip acts): the tree loss and every gradient equal the sum of the
-    per-path losses in transformers."""
     _, ref, config, model = checkpoint
-    rng = np.random.default_rng(3)
-    trees = [t.with_advantages(list(rng.normal(0, 1, t.n_paths))) for t in compare_trees()]
-    batch = linearize(trees, 160, normalization=PPO.normalization)
-    cur = np.asarray(token_logprobs(model, batch.inputs))
-    old = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
-    ref_lp = (cur + rng.normal(0, 0.3, cur.shape)).astype(np.float32)
-    inputs = batch.inputs.with_coefficients(old_logprobs=old, ref_logprobs=ref_lp)
-    graphdef, params = nnx.split(model, nnx.Param)
-    tree_loss, grads = jax.value_and_grad(
-        lambda p: objective_loss(nnx.merge(graphdef, p), inputs, PPO)[0])(params)
-    ours = jtree.hf.to_hf_tensors(grads, config)
-
-    ref.zero_grad(set_to_none=True)
-    normalizer = batch_normalizer(trees, PPO.normalization)
-    path_loss, clipped = 0.0, 0
-    for tree, old_paths, ref_paths in zip(trees, unlinearize(batch, old),
-                                          unlinearize(batch, ref_lp)):
-        coeffs = path_coefficients(tree, PPO.normalization, normalizer)
-        for p in range(tree.n_paths):
-            loss = torch_ppo_path_loss(ref, tree.path_tokens(p), coeffs[p],
-                                       float(tree.advantages[p][0]), old_paths[p], ref_paths[p])
-            loss.backward()
-            path_loss += float(loss.detach())
-    assert float(tree_loss) == pytest.approx(path_loss, rel=1e-5, abs=1e-6)
-    expected = {n: p.grad.numpy() for n, p in ref.named_parameters()}
-    assert ours.keys() == expected.keys()
-    for name, g in expected.items():
-        assert np.linalg.norm(g) > 0, name
-        assert rel_l2(ours[name], g) <= TOL, name
+    assert_ppo_gradients_equal_per_path(ref, config, model)
 
 
 def test_save_then_from_pretrained_gives_the_same_model(checkpoint, tmp_path):
     path, ref, config, model = checkpoint
     jtree.hf.save(model, config, tmp_path)
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert type(back) is type(ref)
-    for key in ("rope_parameters", "tie_word_embeddings", "attention_bias", "mlp_bias",
-                "num_key_value_heads", "rms_norm_eps", "layer_types"):
-        assert getattr(back.config, key, None) == getattr(ref.config, key, None), key
+    assert_from_pretrained_gives_the_same_model(ref, tmp_path, (
+        "rope_parameters", "tie_word_embeddings", "attention_bias", "mlp_bias",
+        "num_key_value_heads", "rms_norm_eps", "layer_types"))
     # (jtree writes Qwen2's head_dim, which transformers' Qwen2 reads when present)
-    assert back.model.layers[0].self_attn.head_dim == ref.model.layers[0].self_attn.head_dim
-    expected = ref.state_dict()
-    for name, value in back.state_dict().items():
-        np.testing.assert_array_equal(value.numpy(), expected[name].numpy(), err_msg=name)
-    seq = np.arange(1, 45) % VOCAB
-    np.testing.assert_array_equal(torch_logits(back, seq), torch_logits(ref, seq))
+    back = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert getattr(back, "head_dim", None) in (None, config.head_dim)
 
 
 def test_load_of_save_is_identical(checkpoint, tmp_path):

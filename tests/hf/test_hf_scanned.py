@@ -19,13 +19,14 @@ NEXT_LAYERS = ("linear_attention",) * 3 + ("full_attention",)
 def _model(kind: str):
     """(config, unscanned model) with random weights: 3 dense layers, MoE with a dense first
     layer (an unscanned group, then a scanned one), Qwen3-Next's 3 x GDN + 1 x attention block
-    twice and a one-layer tail."""
+    twice and a one-layer tail, and Qwen3.5-MoE's the same (its in_proj_qkv permuted layer by
+    layer)."""
     if kind == "dense":
         return random_model(seed=1, num_hidden_layers=3)
     if kind == "moe":
         cfg = four_expert_config("moe", num_hidden_layers=3, mlp_only_layers=(0,))
     else:
-        cfg = four_expert_config("next", num_hidden_layers=9, mlp_only_layers=(),
+        cfg = four_expert_config(kind, num_hidden_layers=9, mlp_only_layers=(),
                                  layer_types=NEXT_LAYERS * 2 + ("linear_attention",))
     graphdef, params = nnx.split(tiny_lm(cfg, 0))
     return cfg, nnx.merge(graphdef, perturbed(params, 0.2))
@@ -35,7 +36,9 @@ def _files(path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "next"])
+@pytest.mark.parametrize("kind", [
+    "dense", "moe", "next",
+    pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])  # (the default suite's time budget)
 def test_load_into_scanned_and_save_back_is_bit_identical(kind, tmp_path):
     cfg, model = _model(kind)
     jtree.hf.save(model, cfg, tmp_path / "a")

@@ -137,3 +137,22 @@ def test_flop_model_counts_moe_experts_and_linear_attention_layers():
     cfg = Qwen3NextConfig(num_hidden_layers=4, full_attention_interval=4)
     # One full-attention layer of four: pairs cost only there.
     assert FlopModel.for_config(cfg).per_pair == 3.5 * 4 * cfg.num_attention_heads * cfg.head_dim
+
+
+def test_flop_model_counts_qwen3_5_layers_as_their_kernels():
+    """Qwen3.5's separate GDN projections: per token, every layer kernel's weights once (3 passes
+    of 2 FLOPs; the dense model uses all of its kernels) plus each GDN layer's state update,
+    counted from the model's own parameters."""
+    from flax import nnx
+
+    from jtree.models import create_model
+    from tests.models_util import tiny_qwen3_5_config
+
+    cfg = tiny_qwen3_5_config()
+    params = nnx.state(nnx.eval_shape(lambda: create_model("qwen3_5", cfg)), nnx.Param)
+    kernels = sum(int(np.prod(v.shape)) for path, v in params.flat_state()
+                  if path[0] == "model" and path[1] == "layers" and path[-1] == "kernel")
+    gdn_layers = sum(kind.mixer == "gated_deltanet" for kind in cfg.decoder().layers)
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    assert gdn_layers == 1 and any("in_proj_qkv" in map(str, p) for p, _ in params.flat_state())
+    assert FlopModel.for_config(cfg).per_token == 6 * (kernels + 4 * state * gdn_layers)

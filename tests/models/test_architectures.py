@@ -6,7 +6,14 @@ import dataclasses
 import pytest
 from flax import nnx
 
-from jtree.config.architectures import LayerKind, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+from jtree.config.architectures import (
+    LayerKind,
+    Qwen3_5Config,
+    Qwen3_5MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    Qwen3NextConfig,
+)
 from jtree.config.runtime import RuntimeConfig
 from jtree.models import ARCHITECTURES, architecture, create_model
 from jtree.models.architectures import architecture_of_config, architecture_of_hf_config
@@ -23,6 +30,15 @@ def test_layer_choice_follows_each_config():
         LayerKind("gated_deltanet", "moe_shared"), LayerKind("gated_attention", "moe_shared"))
     assert (nxt.decoder().norm, nxt.decoder().rotary_dim) == ("offset_rms", 8)
     assert nxt.decoder().needs_gdn_tables and not moe.decoder().needs_gdn_tables
+    # Qwen3.5: Next's hybrid layers, dense or all sparse, with separate GDN projections.
+    dense, sparse = Qwen3_5Config(num_hidden_layers=4), Qwen3_5MoeConfig(num_hidden_layers=4)
+    assert [k.mixer for k in dense.decoder().layers] == [k.mixer for k in nxt.decoder().layers]
+    assert {k.ffn for k in dense.decoder().layers} == {"mlp"}
+    assert {k.ffn for k in sparse.decoder().layers} == {"moe_shared"}
+    assert dense.decoder().gdn_projections == sparse.decoder().gdn_projections == "qkv_z_b_a"
+    assert nxt.decoder().gdn_projections == "qkvz_ba"
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        Qwen3_5MoeConfig(mlp_only_layers=(0,))
 
 
 def test_the_stack_builds_the_chosen_modules_under_hugging_face_names():
@@ -35,13 +51,18 @@ def test_the_stack_builds_the_chosen_modules_under_hugging_face_names():
     assert "model.layers.1.linear_attn.in_proj_qkvz.kernel" in names
     assert "model.layers.1.mlp.gate_proj.kernel" in names
     assert not any(n.startswith("model.layers.0.linear_attn") for n in names)
+    qwen3_5 = nnx.eval_shape(lambda: create_model("qwen3_5", Qwen3_5Config(num_hidden_layers=1)))
+    names_3_5 = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(qwen3_5))}
+    assert {f"model.layers.0.linear_attn.in_proj_{x}.kernel" for x in ("qkv", "z", "b", "a")
+            } <= names_3_5 and not any("qkvz" in n for n in names_3_5)
     # The gated attention's q_proj holds [query, gate] per head.
     q = model.model.layers[0].self_attn.q_proj.kernel
     assert q.shape == (cfg.hidden_size, 2 * cfg.num_attention_heads * cfg.head_dim)
 
 
 def test_registry_looks_records_up_by_name_hf_name_and_config_class():
-    assert set(ARCHITECTURES) == {"qwen3", "qwen3_moe", "qwen3_next", "llama", "qwen2"}
+    assert set(ARCHITECTURES) == {"qwen3", "qwen3_moe", "qwen3_next", "llama", "qwen2",
+                                  "qwen3_5", "qwen3_5_moe"}
     for name, arch in ARCHITECTURES.items():
         assert architecture(name) is arch and arch.name == name
         assert architecture_of_config(arch.config_class()) is arch

@@ -1,5 +1,6 @@
-"""Tree mode == per-path baseline for tiny Qwen3-MoE and Qwen3-Next models: log-probs, SFT and PPO
-losses and gradients with the router aux loss included (docs/design.md section 9 tolerances).
+"""Tree mode == per-path baseline for tiny Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE models: log-probs,
+SFT and PPO losses and gradients with the router aux loss included (docs/design.md section 9
+tolerances).
 
 Random forests branch on several levels, have single-token nodes (shorter than the conv kernel),
 paths ending at internal nodes, several trees per row and padding; 3-token GDN chunks put chunk
@@ -64,8 +65,9 @@ def test_sft_loss_and_grads_equal_baseline(trees, kind, gdn_scan):
                                 Objective(kind="sft"))
 
 
-@pytest.mark.parametrize("kind", ["moe", "next"])
-@settings(max_examples=2, derandomize=True)
+@pytest.mark.parametrize("kind", [
+    "moe", "next", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])  # the default suite's
+@settings(max_examples=2, derandomize=True)  # Qwen3.5 checks: tests/hf/test_hf_qwen3_5.py
 @given(trees=FORESTS)
 def test_ppo_loss_and_grads_equal_baseline(trees, kind):
     """Clipped surrogate + KL + entropy + aux loss (coefficient 0.5, so it matters), advantages

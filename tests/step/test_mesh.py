@@ -187,3 +187,14 @@ def test_llama_and_qwen2_steps_on_fsdp_context_and_model_axes():
     # tensor parallel, SFT. About 40 s on 2 CPU cores.
     for result in run_cases(["llama:cp:ppo:1x2x2x2", "qwen2:tree:sft:2x2x2"]):
         check(result)
+
+
+@pytest.mark.slow
+def test_qwen3_5_steps_on_fsdp_context_and_model_axes():
+    # Qwen3.5 dense (separate GDN projections, attention biases) and MoE (experts split over
+    # `model`) under FSDP x context x tensor parallelism, PPO: the GDN's grouped in_proj_qkv
+    # split by key heads, its recurrence through the context axis' affine scan. Slow (the
+    # default suite's Qwen3.5 checks are tests/hf/test_hf_qwen3_5.py's): about a minute on 2 CPU
+    # cores.
+    for result in run_cases(["qwen3_5:cp:ppo:1x2x2x2", "qwen3_5_moe:cp:ppo:1x2x2x2"]):
+        check(result)

@@ -18,7 +18,15 @@ from flax import nnx
 
 from jtree.config.architectures import ARCHITECTURE_CONFIGS, architecture_config
 from jtree.config.runtime import RuntimeConfig
-from jtree.models.architectures import llama, qwen2, qwen3, qwen3_moe, qwen3_next
+from jtree.models.architectures import (
+    llama,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 from jtree.models.decoder import CausalLM
 from jtree.models.hf_mapping import HfMapping
 
@@ -35,7 +43,8 @@ class Architecture:
 ARCHITECTURES: dict[str, Architecture] = {
     name: Architecture(name, ARCHITECTURE_CONFIGS[name], module.HF)
     for name, module in (("qwen3", qwen3), ("qwen3_moe", qwen3_moe), ("qwen3_next", qwen3_next),
-                         ("llama", llama), ("qwen2", qwen2))}
+                         ("llama", llama), ("qwen2", qwen2), ("qwen3_5", qwen3_5),
+                         ("qwen3_5_moe", qwen3_5_moe))}
 
 
 def architecture(name: str) -> Architecture:

@@ -33,6 +33,16 @@ from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping, TensorRule
 
 HF_NAME = "Qwen3NextForCausalLM"
 
+# The hybrid's own keys -> default when absent (`HybridFields`; Qwen3.5's defaults are the same).
+HYBRID_FIELDS: dict[str, Any] = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "full_attention_interval": 4,
+    "layer_types": None,  # None: from full_attention_interval
+}
 # HF key -> default when absent (transformers 5.23's Qwen3NextConfig defaults).
 _FIELDS: dict[str, Any] = {
     **qwen3.FIELDS,
@@ -43,27 +53,23 @@ _FIELDS: dict[str, Any] = {
     "num_experts_per_tok": 10,
     "moe_intermediate_size": 512,
     "norm_topk_prob": True,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
     "shared_expert_intermediate_size": 512,
-    "full_attention_interval": 4,
-    "layer_types": None,  # None: from full_attention_interval
+    **HYBRID_FIELDS,
 }
 _CHECKS = {"hidden_act": equals("silu"), "attention_dropout": equals(0.0)}
 _INERT = qwen3.INERT | {"use_sliding_window"}
-_DEFAULT_PARTIAL_ROTARY = 0.25
+DEFAULT_PARTIAL_ROTARY = 0.25
 
 # Bare parameters (no `.weight`) of the Gated DeltaNet, stored as they are.
-_GDN_TENSORS = (TensorRule(r".*\.linear_attn\.(A_log|dt_bias)", r"\g<0>"),)
+GDN_TENSORS = (TensorRule(r".*\.linear_attn\.(A_log|dt_bias)", r"\g<0>"),)
+# The multi-token-prediction head of Hub checkpoints, which the causal LM does not use.
+IGNORED = (r"mtp\..*",)
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> Qwen3NextConfig:
     values = read_config(hf, HF_NAME, fields=_FIELDS, checks=_CHECKS, inert=_INERT)
     values["rope_theta"], values["partial_rotary_factor"] = rope_settings(
-        hf, qwen3.DEFAULT_ROPE_THETA, _DEFAULT_PARTIAL_ROTARY)
+        hf, qwen3.DEFAULT_ROPE_THETA, DEFAULT_PARTIAL_ROTARY)
     return Qwen3NextConfig(**values)
 
 
@@ -88,7 +94,7 @@ HF = HfMapping(
     model_type="qwen3_next",
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
-    tensors=qwen3_moe.EXPERT_TENSORS + _GDN_TENSORS + NNX_TO_TORCH,
+    tensors=qwen3_moe.EXPERT_TENSORS + GDN_TENSORS + NNX_TO_TORCH,
     tied=qwen3.tied_head,
-    ignored=(r"mtp\..*",),
+    ignored=IGNORED,
 )
