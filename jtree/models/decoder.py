@@ -25,6 +25,7 @@ head the vocabulary (each module's docstring; the parameter layouts are `jtree.p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -280,7 +281,8 @@ class CausalLM(nnx.Module):
         head on `out`'s hidden states, or the separate critic run on the same `inputs` (its
         hidden states, like the policy's, once per tree token)."""
         if self.critic is not None:
-            critic_out = self.critic(inputs)
+            # The engine's routed experts are the policy's: the critic routes itself.
+            critic_out = self.critic(dataclasses.replace(inputs, routed_experts=None))
             return self.critic.values(inputs, critic_out)[0], critic_out.aux_loss
         if self.value_head is None:
             raise ValueError("model: no value head (build it with value_head=True or a "

@@ -15,6 +15,7 @@ from jtree.layout.baseline import linearize_baseline
 from jtree.layout.linearize import linearize, unlinearize
 from jtree.models.moe import RouterStats, SparseMoeBlock
 from jtree.objectives.objective import objective_loss
+from jtree.step.train_step import make_logprob_fn
 from jtree.objectives.logprobs import token_logprobs
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import assert_grads_close, four_expert_config, perturbed, tiny_lm
@@ -93,7 +94,8 @@ def _two_moe_layer_model(norm: bool):
     return cfg, graphdef, _two_moe_layer_model(False)[2]
 
 
-@pytest.mark.parametrize("norm", [False, True])
+# Renormalized (Qwen3-30B-A3B's checkpoints) in the default suite; HF's default off is slow.
+@pytest.mark.parametrize("norm", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_tree_replay_equals_each_path_alone_with_its_forced_experts(monkeypatch, norm):
     cfg, graphdef, params = _two_moe_layer_model(norm)
     tree = TrajectoryTree.from_sequences(SEQS)
@@ -135,3 +137,13 @@ def test_routed_experts_of_another_shape_are_refused():
     with pytest.raises(ValueError, match=r"inputs\.routed_experts: \[\.\.\., S, 2, 2\], but the "
                                          r"model has 1 MoE layers of top-2 routing"):
         model(batch.inputs)
+
+
+def test_scanned_layers_replay_as_unscanned():
+    cfg = four_expert_config("moe", mlp_only_layers=())
+    tree = TrajectoryTree.from_sequences(SEQS[:3])
+    routing = _engine_routing(tree, 2, cfg.num_experts_per_tok, cfg.num_experts, seed=1)
+    inputs = linearize([tree], SEQ_LEN, routed_experts=[routing]).inputs
+    lps = [np.asarray(jax.jit(make_logprob_fn(g))(p, inputs))
+           for g, p in (nnx.split(tiny_lm(cfg, 0, scan_layers=scan)) for scan in (False, True))]
+    np.testing.assert_allclose(lps[1], lps[0], rtol=1e-5, atol=1e-5)
