@@ -32,22 +32,13 @@ def routed_array(value: Any, n_tokens: int, what: str) -> np.ndarray:
     except ValueError:  # ragged
         arr = np.asarray([], object)
     if arr.ndim != 3 or arr.dtype.kind not in "iu":
-        shapes = {np.shape(v) if _is_int_grid(v) else None for v in value}
         raise ValueError(f"{what}: expected every token's entry as [layers][k] integer expert "
-                         f"ids of one shape, got {preview(value)}"
-                         + (f" (shapes {sorted(map(str, shapes))})" if len(shapes) > 1 else ""))
+                         f"ids of one shape, got {preview(value)}")
     arr = arr.astype(np.int64)
     if arr.shape[2] == 0:
         raise ValueError(f"{what}: k = 0 experts per token")
     check_routing(arr, what)
     return arr.astype(np.int32)
-
-
-def _is_int_grid(v: Any) -> bool:
-    try:
-        return np.asarray(v).dtype.kind in "iu"
-    except ValueError:
-        return False
 
 
 def check_routing(routed: np.ndarray, what: str, *, num_experts: int | None = None,
