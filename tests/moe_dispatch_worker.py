@@ -3,8 +3,9 @@
 Run in a subprocess (`tests/models/test_moe_dispatch.py`); importing `tests.mesh_worker` first sets
 its XLA flags (8 host devices), and train-step cases are that module's. A layer case is
 `layer:KIND:ROUTING:SHARDS`: KIND `moe` (Qwen3-MoE block) or `shared` (Qwen3-Next's, with the
-Megatron-split shared expert), ROUTING `random` or `uneven` (the router biased so that almost
-every assignment goes to the first expert shard), on a ('data', 'model') mesh of 8 / SHARDS x
+Megatron-split shared expert), ROUTING `random`, `uneven` (the router biased so that almost
+every assignment goes to the first expert shard) or `replay` (routing replay: random engine
+experts given for two tokens in three, the others routed by the router), on a ('data', 'model') mesh of 8 / SHARDS x
 SHARDS devices with the block's experts split over `model` and run with
 `expert_dispatch="all_to_all"`. The loss is a fixed projection of the output plus the router
 load-balancing loss (token-weighted, pooled over the data shards); 7 tokens per row, so 14 tokens
@@ -61,11 +62,18 @@ def layer_case(case: str) -> dict:
             params["mlp"]["gate"]["weight"][...].at[:experts // shards, 0].add(4.0))
     ct = jax.random.normal(keys[1], shape)
     weight = jax.random.randint(keys[2], shape[:2], 0, 3).astype(jnp.float32)
+    # The replayed experts (-1 throughout: every token routed by the router).
+    replay = np.full((*shape[:2], cfg.num_experts_per_tok), -1, np.int32)
+    if routing == "replay":
+        rng = np.random.default_rng(0)
+        for idx in np.ndindex(*shape[:2]):
+            if rng.random() < 2 / 3:
+                replay[idx] = rng.choice(experts, cfg.num_experts_per_tok, replace=False)
 
     def loss_fn(graph, data_axis):
         """Loss and, as aux, the block's output and routing."""
-        def loss(p, x, ct, weight):
-            out, stats = nnx.merge(graph, p).mlp(x)
+        def loss(p, x, ct, weight, replay):
+            out, stats = nnx.merge(graph, p).mlp(x, replay)
             total = jnp.sum(out * ct) + load_balancing_loss([stats], weight, experts, data_axis)
             if data_axis is not None:
                 total = jax.lax.psum(total, data_axis)
@@ -75,7 +83,7 @@ def layer_case(case: str) -> dict:
     def value_and_grad(loss):
         return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
 
-    args = (params, x, ct, weight)
+    args = (params, x, ct, weight, jnp.asarray(replay))
     (want_loss, want_fwd), want_grads = value_and_grad(loss_fn(graphdef, None))(*args)
 
     mesh = make_mesh(MeshConfig(data=data, model=shards))
@@ -85,7 +93,7 @@ def layer_case(case: str) -> dict:
     tp_graph = nnx.split(nnx.eval_shape(lambda: Layer(cfg, runtime, ffn)))[0]
     rows = P(DATA)
     sharded_loss = jax.shard_map(loss_fn(tp_graph, DATA), mesh=mesh,
-                                 in_specs=(specs, rows, rows, rows),
+                                 in_specs=(specs, rows, rows, rows, rows),
                                  out_specs=(P(), (rows, rows, rows)))
     (got_loss, got_fwd), got_grads = value_and_grad(sharded_loss)(*args)
 

@@ -142,7 +142,11 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
 
     `reference`: where the KL term's reference log-probs come from: None reads them from the
     data, `initial` runs the run's starting weights and a directory runs that Hugging Face
-    checkpoint, on each step's batch (`jtree.training.trainer`; docs/training.md)."""
+    checkpoint, on each step's batch (`jtree.training.trainer`; docs/training.md).
+
+    `routing_replay`: MoE layers use the rollout engine's expert choice per token (the traces'
+    `routed_experts`) instead of their own top-k (docs/rl.md, "Routing replay"); off by default,
+    checked against the model and data in `jtree.config.run.TrainConfig`."""
 
     kind: Literal["sft", "ppo", "gspo"] = "sft"
     advantage: Estimator = "given"
@@ -157,6 +161,7 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
     old_logprob_tolerance: float = 1e-3
     reference: str | None = None
     off_policy: OffPolicyConfig = OffPolicyConfig()
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         self._check_off_policy()

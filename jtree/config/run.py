@@ -183,12 +183,29 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
+        if self.objective.routing_replay:
+            self._refuse_routing_replay()
         critic = self.objective.critic
         if critic is None or not critic.separate:
             return
         network = critic_network(self.model, critic)
         object.__setattr__(self, "objective", dataclasses.replace(
             self.objective, critic=dataclasses.replace(critic, network=network)))
+
+    def _refuse_routing_replay(self) -> None:
+        """`objective.routing_replay` needs a MoE model and traces that carry routed experts;
+        where both hold it is still refused: the model, the batch and the layout replay routing
+        (docs/rl.md, "Routing replay"), but runs do not pass the traces' routing to the layout
+        yet."""
+        key = "objective.routing_replay"
+        if getattr(self.model.config, "num_experts", 0) <= 0:
+            raise ValueError(f"{key}: model.architecture {self.model.architecture!r} has no MoE "
+                             "layers to replay")
+        if self.data.format != "traces":
+            raise ValueError(f"{key}: needs data.format 'traces' (routed_experts per output "
+                             f"token), not {self.data.format!r}")
+        raise ValueError(f"{key}: not wired into training runs yet (the model and the layout "
+                         "replay routing: jtree.layout.linearize's routed_experts; docs/rl.md)")
 
     @property
     def critic_model_args(self) -> dict[str, Any]:

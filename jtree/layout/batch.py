@@ -28,6 +28,9 @@ back to paths. Fields, dtypes and padding values (what an all-padding row holds:
 - `halo` [rows, c * H] int32: under context parallelism over c devices, the positions whose
   hidden states device k sends to the others (slots [k H, (k + 1) H), ascending, unused slots
   repeating the last real position: `jtree.parallel.context`); None otherwise
+- `routed_experts` [rows, S, L, k] int32 (-1): routing replay (docs/rl.md, "Routing replay"):
+  per token and per MoE layer (the model's MoE layers in order), the k experts the rollout
+  engine chose; -1 where the token keeps the trainer's own top-k. None: no replay
 
 Index-valued fields (`mask.end`, `pred`, `score_index`, `halo`, ...) hold positions in the whole
 row, also when the row is split over the `context` mesh axis (docs/context_parallel.md).
@@ -127,6 +130,7 @@ class DeviceBatch:
     router_load: tuple[Any, Any] | None = None
     pairs: PathPairs | None = None
     halo: Any = None
+    routed_experts: Any = None
 
     def __post_init__(self) -> None:
         leaves = jax.tree_util.tree_leaves(self)
@@ -164,7 +168,7 @@ _SCHEMA: dict[str, tuple[Any, str]] = {
     "pairs.last": (np.bool_, "Q"), "pairs.reward": (np.float32, "Q"),
     "pairs.advantage": (np.float32, "Q"), "pairs.behavior": (np.float32, "Q"),
     "pairs.end": (np.int32, "Q"),
-    "halo": (np.int32, "H"),
+    "halo": (np.int32, "H"), "routed_experts": (np.int32, "SLk"),
 }
 
 

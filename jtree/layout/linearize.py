@@ -42,6 +42,7 @@ from jtree.layout.gdn_tables import (
     tree_nodes,
 )
 from jtree.layout.planner import RowPlan, plan_rows, score_width
+from jtree.layout.routing import tree_routing
 from jtree.trees.tree import TrajectoryTree, TreeStats
 
 
@@ -77,6 +78,7 @@ class TreeBatch:
     normalizer: float
     has_old_logprobs: bool
     old_logprob_disagreement: float
+    routing_disagreements: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -110,6 +112,9 @@ class RowOptions:
     `path_weights` holds, per tree, per-path weights folded into the policy coefficients
     (`jtree.layout.coefficients.token_coefficients`; the off-policy weights of
     `jtree.layout.off_policy.path_weights`).
+    `routed_experts` holds, per tree, per-path routed experts [len(path), L, k] (-1: own
+    routing) for routing replay: folded onto tree tokens by `jtree.layout.routing.tree_routing`
+    into the batch's `routed_experts`.
     """
 
     normalization: Normalization = "seq_mean_token_mean"
@@ -119,6 +124,7 @@ class RowOptions:
     gdn_chunk_size: int | None = None
     gdn_chunks: int | None = None
     path_weights: Sequence[Sequence[np.ndarray]] | None = None
+    routed_experts: Sequence[Sequence[np.ndarray]] | None = None
 
     def __post_init__(self) -> None:
         if self.gdn_chunk_size is None and self.gdn_chunks is not None:
@@ -178,8 +184,12 @@ def linearize(trees: Sequence[TrajectoryTree], seq_len: int, *, plan: RowPlan | 
     row["valid"][dest] = True
     gdn = None if opts.gdn_chunk_size is None else _gdn_tables(
         trees, tree_row, tree_off, n_rows, row_len, splits, slice_len, opts)
+    routed, routing_disagreements = None, 0
+    if opts.routed_experts is not None:
+        routed, routing_disagreements = _routed_rows(trees, opts.routed_experts, dest,
+                                                     (n_rows, row_len))
     return TreeBatch(
-        inputs=dataclasses.replace(pad, gdn=gdn,
+        inputs=dataclasses.replace(pad, gdn=gdn, routed_experts=routed,
                                    score_index=score_positions(pad.coefficients, score_len)),
         layout=BatchLayout(tuple(trees), tree_row, tree_off, splits,
                            None if splits is None else slice_len),
@@ -187,7 +197,25 @@ def linearize(trees: Sequence[TrajectoryTree], seq_len: int, *, plan: RowPlan | 
         normalizer=float(normalizer),
         has_old_logprobs=has_old,
         old_logprob_disagreement=disagreement,
+        routing_disagreements=routing_disagreements,
     )
+
+
+def _routed_rows(trees: Sequence[TrajectoryTree], per_tree: Sequence[Sequence[np.ndarray]],
+                 dest: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, int]:
+    """The batch's `routed_experts` [rows, S, L, k] (-1 on padding and unrouted tokens), the
+    trees' tokens written at `dest` (their flat row positions, tree-token order), and the
+    number of tokens whose paths disagree (`jtree.layout.routing`)."""
+    if len(per_tree) != len(trees):
+        raise ValueError(f"routed_experts: {len(per_tree)} trees' routings for {len(trees)} "
+                         "trees")
+    folded = [tree_routing(t, r) for t, r in zip(trees, per_tree)]
+    shapes = {f.shape[1:] for f, _ in folded}
+    if len(shapes) > 1:
+        raise ValueError(f"routed_experts: trees route [layers, k] of shapes {sorted(shapes)}")
+    out = np.full((shape[0] * shape[1], *shapes.pop()), -1, np.int32)
+    out[dest] = np.concatenate([f for f, _ in folded])
+    return out.reshape(*shape, *out.shape[1:]), sum(n for _, n in folded)
 
 
 def _checked_plan(trees: Sequence[TrajectoryTree], seq_len: int, plan: RowPlan | None,

@@ -25,11 +25,13 @@ head the vocabulary (each module's docstring; the parameter layouts are `jtree.p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jtree.config.architectures import DecoderSpec, FeedForward, LayerKind
@@ -100,9 +102,11 @@ class DecoderLayer(nnx.Module):
                                                  param_dtype=runtime.weight_dtype)
         self.kind = kind
 
-    def __call__(self, x: jax.Array, inputs: LayerInputs, prefix: LayerCache | None = None
+    def __call__(self, x: jax.Array, inputs: LayerInputs, prefix: LayerCache | None = None,
+                 replay: jax.Array | None = None
                  ) -> tuple[jax.Array, RouterStats | None, LayerCache]:
-        """Output, router statistics (MoE layers) and what later parts read (`ModelOutput`)."""
+        """Output, router statistics (MoE layers) and what later parts read (`ModelOutput`).
+        `replay` [..., S, k]: a MoE layer's replayed experts (`SparseMoeBlock`)."""
         h = self.input_layernorm(x)
         if self.kind.mixer == "gated_deltanet":
             h, cache = self.linear_attn(h, inputs.routing, prefix)
@@ -112,7 +116,7 @@ class DecoderLayer(nnx.Module):
         h = self.post_attention_layernorm(x)
         if self.kind.ffn == "mlp":
             return x + self.mlp(h), None, cache
-        y, stats = self.mlp(h)
+        y, stats = self.mlp(h, replay)
         return x + y, stats, cache
 
 
@@ -138,48 +142,59 @@ class Decoder(nnx.Module):
         self.runtime = runtime
 
     def __call__(self, tokens: jax.Array, inputs: LayerInputs,
-                 prefix: Sequence[LayerCache] | None = None
+                 prefix: Sequence[LayerCache] | None = None,
+                 replay: Sequence[jax.Array | None] | None = None
                  ) -> tuple[jax.Array, list[RouterStats], tuple[LayerCache, ...]]:
-        """Final hidden states, the MoE layers' router statistics and every layer's exports."""
+        """Final hidden states, the MoE layers' router statistics and every layer's exports.
+        `replay`: per layer, the replayed experts [..., S, k] of a MoE layer (None elsewhere)."""
         x = vocab_parallel_embed(self.embed_tokens, tokens, self.runtime.tensor_parallel_axis)
         if self.runtime.scan_layers:
-            x, outs = self._scanned(x, inputs, prefix)
+            x, outs = self._scanned(x, inputs, prefix, replay)
         else:
             outs = []
             for i, layer in enumerate(self.layers):
                 x, stats, cache = call_layer(layer, x, inputs,
                                              None if prefix is None else prefix[i],
+                                             None if replay is None else replay[i],
                                              remat=self.runtime.remat)
                 outs.append((stats, cache))
         all_stats = [stats for stats, _ in outs if stats is not None]
         return self.norm(x), all_stats, tuple(cache for _, cache in outs)
 
     def _scanned(self, x: jax.Array, inputs: LayerInputs,
-                 prefix: Sequence[LayerCache] | None
+                 prefix: Sequence[LayerCache] | None,
+                 replay: Sequence[jax.Array | None] | None
                  ) -> tuple[jax.Array, list[tuple[RouterStats | None, LayerCache]]]:
         """The layers group by group, each group's block as the body of one `jax.lax.scan` over
         its repeats (`call_layer` runs every layer, so remat applies inside the body). Prefix
-        caches go in and exports and router statistics come out per layer, as unscanned."""
+        caches and replayed experts go in and exports and router statistics come out per layer,
+        as unscanned."""
         outs: dict[int, tuple[RouterStats | None, LayerCache]] = {}
+
+        def per_position(per_layer: Sequence[Any] | None, group: Any) -> list[Any] | None:
+            """Each block position's per-layer values, stacked over the group's repeats."""
+            return None if per_layer is None else [
+                jax.tree.map(lambda *c: jnp.stack(c),
+                             *(per_layer[group.layer(r, j)] for r in range(group.repeats)))
+                for j in range(len(group.block))]
+
         for group, block in zip(self.groups, self.blocks):
             graphdef, params = nnx.split(block)
             repeats, width = group.repeats, len(group.block)
-            caches = None if prefix is None else [
-                jax.tree.map(lambda *c: jnp.stack(c),
-                             *(prefix[group.layer(r, j)] for r in range(repeats)))
-                for j in range(width)]
+            caches, replays = per_position(prefix, group), per_position(replay, group)
 
             def body(x, xs, graphdef=graphdef):
-                block_params, block_caches = xs
+                block_params, block_caches, block_replays = xs
                 step = []
                 for j, layer in enumerate(nnx.merge(graphdef, block_params)):
                     x, stats, cache = call_layer(
                         layer, x, inputs, None if block_caches is None else block_caches[j],
+                        None if block_replays is None else block_replays[j],
                         remat=self.runtime.remat)
                     step.append((stats, cache))
                 return x, step
 
-            x, stacked = jax.lax.scan(body, x, (params, caches))
+            x, stacked = jax.lax.scan(body, x, (params, caches, replays))
             for r in range(repeats):
                 for j in range(width):
                     outs[group.layer(r, j)] = jax.tree.map(lambda a: a[r], stacked[j])
@@ -237,7 +252,7 @@ class CausalLM(nnx.Module):
         cos, sin = rope_cos_sin(inputs.pos, rope_inverse_frequencies(
             spec.rotary_dim, cfg.rope_theta, spec.rope_scaling))
         hidden, stats, exports = self.model(inputs.tokens, LayerInputs(cos, sin, mask, routing),
-                                            prefix)
+                                            prefix, self._replay(inputs.routed_experts))
         if not stats or not cfg.output_router_logits:
             return ModelOutput(hidden, jnp.zeros((), jnp.float32), exports)
         aux = cfg.router_aux_loss_coef * load_balancing_loss(
@@ -246,13 +261,29 @@ class CausalLM(nnx.Module):
         return ModelOutput(hidden, aux, exports,
                            router_load(stats, inputs.path_count, cfg.num_experts))
 
+    def _replay(self, routed: jax.Array | None) -> list[jax.Array | None] | None:
+        """The batch's `routed_experts` [..., S, L, k] cut per layer: MoE layer m (in order)
+        reads [..., S, k] slice m, other layers None. Refuses a batch whose L or k is not this
+        model's."""
+        if routed is None:
+            return None
+        moe = [kind.ffn != "mlp" for kind in self.spec.layers]
+        want = (sum(moe), getattr(self.config, "num_experts_per_tok", 0))
+        if not want[0] or tuple(routed.shape[-2:]) != want:
+            raise ValueError(f"inputs.routed_experts: [..., S, {routed.shape[-2]}, "
+                             f"{routed.shape[-1]}], but the model has {want[0]} MoE layers of "
+                             f"top-{want[1]} routing (routing replay, docs/rl.md)")
+        m = np.cumsum(moe) - 1
+        return [routed[..., m[i], :] if sparse else None for i, sparse in enumerate(moe)]
+
     def values(self, inputs: DeviceBatch, out: ModelOutput) -> tuple[jax.Array, jax.Array]:
         """PPO's per-token values [..., S] float32 (the value of the state after each token)
         and the critic's auxiliary loss, given this model's output `out` on `inputs`: the value
         head on `out`'s hidden states, or the separate critic run on the same `inputs` (its
         hidden states, like the policy's, once per tree token)."""
         if self.critic is not None:
-            critic_out = self.critic(inputs)
+            # The engine's routed experts are the policy's: the critic routes itself.
+            critic_out = self.critic(dataclasses.replace(inputs, routed_experts=None))
             return self.critic.values(inputs, critic_out)[0], critic_out.aux_loss
         if self.value_head is None:
             raise ValueError("model: no value head (build it with value_head=True or a "

@@ -5,6 +5,8 @@ Parameters keep HF's names and layouts: `gate.weight` [E, hidden], `experts.gate
 [E, 2 * moe_intermediate, hidden] (gate rows first), `experts.down_proj` [E, hidden,
 moe_intermediate]. Experts run dropless: the (token, expert) assignments are sorted by expert and
 multiplied with `jax.lax.ragged_dot`, so no token is ever dropped and the math equals HF's loop.
+Routing replay (docs/rl.md) hands the block the rollout engine's experts per token: the router
+then weighs those instead of its own top-k (`TopKRouter`), on every dispatch path below.
 
 Load-balancing loss on a tree. HF (`load_balancing_loss_func` with the attention mask) pools all
 MoE layers and all non-padding tokens of the forward batch:
@@ -81,14 +83,27 @@ class TopKRouter(nnx.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, RouterStats]:
-        """x [N, hidden] -> (weights [N, k] in x's dtype, experts [N, k], stats)."""
+    def __call__(self, x: jax.Array, replay: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, RouterStats]:
+        """x [N, hidden] -> (weights [N, k] in x's dtype, experts [N, k], stats).
+
+        `replay` [N, k] int32 (routing replay, docs/rl.md): the experts the rollout engine chose
+        for each token, -1 where the token keeps its own top-k. A replayed token's weights are
+        this router's probabilities of the replayed experts, renormalized by the same
+        `norm_topk_prob` rule, so the router's gradient flows through them as it does through
+        its own choice. The statistics (the load-balancing loss) keep the router's own top-k, as
+        HF's loss recomputes top-k from the router logits."""
         logits = x @ self.weight[...].astype(x.dtype).T
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        top_w, top_e = jax.lax.top_k(probs, self.top_k)
+        own_w, own_e = jax.lax.top_k(probs, self.top_k)
+        top_w, top_e = own_w, own_e
+        if replay is not None:
+            replayed = replay[:, :1] >= 0
+            top_e = jnp.where(replayed, replay, own_e).astype(own_e.dtype)
+            top_w = jnp.take_along_axis(probs, top_e, axis=-1)
         if self.norm_topk_prob:
             top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-        return top_w.astype(x.dtype), top_e, RouterStats(probs, top_e)
+        return top_w.astype(x.dtype), top_e, RouterStats(probs, own_e)
 
 
 class Experts(nnx.Module):
@@ -177,13 +192,18 @@ class SparseMoeBlock(nnx.Module):
         self.tp_axis = tp_axis
         self.expert_dispatch = expert_dispatch
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, RouterStats]:
+    def __call__(self, x: jax.Array, replay: jax.Array | None = None
+                 ) -> tuple[jax.Array, RouterStats]:
+        """x [..., hidden]; `replay` [..., k] the replayed experts of each token (-1: its own
+        routing; `TopKRouter`), None: every token routed by the router."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        if replay is not None:
+            replay = replay.reshape(-1, replay.shape[-1])
         if self.tp_axis is not None and self.expert_dispatch == "all_to_all":
-            out, stats = self._dispatched(flat, self.tp_axis)
+            out, stats = self._dispatched(flat, self.tp_axis, replay)
             return out.reshape(shape), stats
-        top_w, top_e, stats = self.gate(flat)
+        top_w, top_e, stats = self.gate(flat, replay)
         out = self.experts(flat, top_e, top_w, self.tp_axis)
         if self.shared_expert is not None:
             out = out + self._shared_gate(flat) * self.shared_expert.unreduced(flat)
@@ -194,15 +214,24 @@ class SparseMoeBlock(nnx.Module):
     def _shared_gate(self, x: jax.Array) -> jax.Array:
         return jax.nn.sigmoid(self.shared_expert_gate(x))
 
-    def _dispatched(self, flat: jax.Array, axis: str) -> tuple[jax.Array, RouterStats]:
-        """Token dispatch over `axis` (module docstring): `flat` [N, hidden] is the same on every
-        device of the group; returns the whole output and the router statistics of all N
-        tokens, the same on every device."""
+    def _dispatched(self, flat: jax.Array, axis: str, replay: jax.Array | None
+                    ) -> tuple[jax.Array, RouterStats]:
+        """Token dispatch over `axis` (module docstring): `flat` [N, hidden] (and `replay`
+        [N, k]) is the same on every device of the group; returns the whole output and the
+        router statistics of all N tokens, the same on every device."""
         n, devices = flat.shape[0], jax.lax.axis_size(axis)
         per = -(-n // devices)
-        padded = jnp.pad(flat, ((0, per * devices - n), (0, 0)))
-        mine = jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(axis) * per, per)
-        top_w, top_e, stats = self.gate(mine)
+
+        def padded_rows(a: jax.Array, fill: float) -> jax.Array:
+            return jnp.pad(a, ((0, per * devices - n), (0, 0)), constant_values=fill)
+
+        def my_share(a: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(axis) * per, per)
+
+        padded = padded_rows(flat, 0)
+        mine = my_share(padded)
+        top_w, top_e, stats = self.gate(
+            mine, None if replay is None else my_share(padded_rows(replay, -1)))
         out = dispatch_to_experts(self.experts, mine, top_e, top_w, axis)
         if self.shared_expert is not None:
             shared = jax.lax.psum_scatter(self.shared_expert.unreduced(padded), axis, tiled=True)

@@ -8,8 +8,9 @@ A record (one JSONL line) is one rollout:
 
 `group`, `turns` and every turn's `prompt_ids` and `output_ids` are required. A turn's
 `output_logprobs` (one per output token, the engine's sampling log-probs) and `reward` are on
-every turn of a rollout or on none; a turn may carry `routed_experts` (one entry per output
-token), checked for its length and not read: routing replay is not implemented. `id` is allowed.
+every turn of a rollout or on none; so is `routed_experts` (per output token, per MoE layer, the
+k experts the engine's router chose: `jtree.trees.routed_experts`), one shape [L][k] per token
+across the rollout. `id` is allowed.
 
 Training on the tokens the engine produced, not on a retokenization, needs each turn's prompt to
 begin with the previous turn's `prompt_ids + output_ids`, token for token. Where it does not
@@ -29,6 +30,10 @@ Old log-probs: the output tokens' `output_logprobs`. A prompt token has no sampl
 is never trained on its path; it takes the engine's log-prob of the same tree token from a path
 that generated it (a later run, or another rollout whose prompt repeats an output), else 0, so that
 paths agree on shared tokens and the old log-probs are not recomputed for a placeholder.
+
+Routed experts: each path carries its tokens' engine routing [tokens, L, k] (`Rollout.routed`),
+its run's output tokens as the turns give them and -1 (own routing) on every other token, prompt
+tokens included; the trainer replays them (docs/rl.md, "Routing replay").
 
 Rewards: with turn rewards, a path's rewards are those of its turns, the rollout's `reward` (the
 outcome) added to its last turn's; without, the rollout's `reward` is each path's. Rollouts of one
@@ -52,6 +57,7 @@ from jtree.trees.path_data import (
     per_token,
     preview,
 )
+from jtree.trees.routed_experts import routed_array
 from jtree.trees.tree import TrajectoryTree
 
 DRIFT_POLICIES = ("reject", "branch")
@@ -65,6 +71,7 @@ class _Turn:
     output: np.ndarray
     logprobs: np.ndarray | None
     reward: float | None
+    routed: np.ndarray | None
 
     @property
     def tokens(self) -> np.ndarray:
@@ -75,12 +82,15 @@ class _Turn:
 class Rollout:
     """One trace record, checked and cut into paths: `paths` are sequence-group lines
     (`jtree.trees.jsonl`) whose `old_logprobs` are NaN on prompt tokens until the group's tree
-    fills them; `drifts` the turns where the rollout was branched, one message each."""
+    fills them; `drifts` the turns where the rollout was branched, one message each; `routed`
+    each path's routed experts [tokens, L, k] (-1: own routing; module docstring), None when
+    the turns carry none."""
 
     where: str
     group: Any
     paths: tuple[dict[str, Any], ...]
     drifts: tuple[str, ...]
+    routed: tuple[np.ndarray, ...] | None = None
 
 
 def _scalar(value: Any, what: str) -> float:
@@ -109,14 +119,11 @@ def _read_turn(at: str, rec: Any, vocab_size: int | None) -> _Turn:
         what = f"{at}.output_logprobs"
         logprobs = per_token(rec["output_logprobs"], len(output), what, allow_scalar=False)
         check_log_probabilities(logprobs, what)
+    routed = None
     if "routed_experts" in rec:
-        experts = rec["routed_experts"]
-        if not isinstance(experts, list) or len(experts) != len(output):
-            got = len(experts) if isinstance(experts, list) else preview(experts)
-            raise ValueError(f"{at}.routed_experts: expected a list of {len(output)} entries "
-                             f"(one per output token), got {got}")
+        routed = routed_array(rec["routed_experts"], len(output), f"{at}.routed_experts")
     reward = _scalar(rec["reward"], f"{at}.reward") if "reward" in rec else None
-    return _Turn(prompt, output, logprobs, reward)
+    return _Turn(prompt, output, logprobs, reward, routed)
 
 
 def divergence(before: np.ndarray, prompt: np.ndarray) -> int | None:
@@ -175,7 +182,8 @@ def read_rollout(where: str, rec: dict[str, Any], *, vocab_size: int | None = No
                          f"{preview(rec['turns'])}")
     turns = [_read_turn(f"{where}: turns[{i}]", t, vocab_size) for i, t in enumerate(rec["turns"])]
     for field, present in (("output_logprobs", [t.logprobs is not None for t in turns]),
-                           ("reward", [t.reward is not None for t in turns])):
+                           ("reward", [t.reward is not None for t in turns]),
+                           ("routed_experts", [t.routed is not None for t in turns])):
         if any(present) and not all(present):
             raise ValueError(f"{where}: turns[{present.index(False)}].{field}: missing, but "
                              f"turns[{present.index(True)}] has it (give it on every turn or none)")
@@ -195,7 +203,23 @@ def read_rollout(where: str, rec: dict[str, Any], *, vocab_size: int | None = No
         drifts.append(f"{message}: branched")
         runs.append([turns[i]])
     paths = tuple(_path_line(rec, run, outcome) for run in runs)
-    return Rollout(where, rec["group"], paths, tuple(drifts))
+    routed = None if turns[0].routed is None else tuple(_path_routing(where, run) for run in runs)
+    return Rollout(where, rec["group"], paths, tuple(drifts), routed)
+
+
+def _path_routing(where: str, turns: Sequence[_Turn]) -> np.ndarray:
+    """A run's routed experts on its path's tokens [tokens, L, k]: its turns' output tokens
+    as given, -1 elsewhere; every turn's entries of one shape [L][k]."""
+    shapes = {t.routed.shape[1:] for t in turns if len(t.output)}
+    if len(shapes) > 1:
+        raise ValueError(f"{where}: routed_experts: turns give [layers][k] of shapes "
+                         f"{sorted(shapes)}; one shape per rollout")
+    tokens = turns[-1].tokens
+    out = np.full((len(tokens), *(shapes.pop() if shapes else (0, 0))), -1, np.int32)
+    for t in turns:
+        if len(t.output):
+            out[len(t.prompt):len(t.prompt) + len(t.output)] = t.routed
+    return out
 
 
 def _fill_prompt_logprobs(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:

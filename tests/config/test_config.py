@@ -46,6 +46,10 @@ def test_moe_and_next_sections_validate_with_their_key_paths():
         (["model.num_experts_per_tok=200"], r"model: num_experts_per_tok \(200\) must be in"),
         (["data.gdn_chunks=0"], r"data: gdn_chunks: 0 must be >= 1"),
         (["data.gdn_chunk_size=0"], r"data: gdn_chunk_size: 0 must be >= 1"),
+        (["objective.routing_replay=true"],
+         r"objective\.routing_replay: needs data\.format 'traces' \(routed_experts"),
+        (["objective.routing_replay=true", "data.format=traces"],
+         r"objective\.routing_replay: not wired into training runs yet"),
     ]:
         with pytest.raises(ValueError, match=match):
             load_config("configs/qwen3_30b_a3b.yaml", overrides)
@@ -74,6 +78,8 @@ def test_moe_and_next_sections_validate_with_their_key_paths():
         (["mesh.pipeline=2"], r"mesh\.pipeline: unknown config key"),
         (["checkpoint.every=0"], r"checkpoint: every \(0\) and keep"),
         (["checkpoint.dir=[1]"], r"checkpoint\.dir: "),
+        (["objective.routing_replay=true"],
+         r"objective\.routing_replay: model\.architecture 'qwen3' has no MoE layers"),
         (["nonsense"], "expected key.path=value"),
     ],
 )

@@ -1,6 +1,7 @@
 """MoE token dispatch (`expert_dispatch="all_to_all"`, jtree.models.moe) equals the single-device
 block: output, routing, loss (router load-balancing loss included) and every gradient, float32,
-on 2 and 4 expert shards, with the router biased so that every assignment goes to one shard;
+on 2 and 4 expert shards, with the router biased so that every assignment goes to one shard and
+with replayed experts (routing replay);
 and a whole tiny MoE train step with it equals the single-device step.
 
 The meshes run in a subprocess (`tests/moe_dispatch_worker.py`, 8 forced host devices; train-step
@@ -44,7 +45,8 @@ def check(result: dict) -> None:
 
 
 def test_dispatch_equals_one_device_on_2_and_4_expert_shards():
-    cases = ["layer:moe:uneven:2", "layer:shared:uneven:4", "moe_a2a:tree:sft:4x1x2"]
+    cases = ["layer:moe:uneven:2", "layer:shared:uneven:4", "layer:moe:replay:4",
+             "moe_a2a:tree:sft:4x1x2"]
     for result in run_worker(cases):
         check(result)
 

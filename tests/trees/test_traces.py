@@ -12,7 +12,8 @@ from jtree.cli import main as jtree
 from jtree.config import load_config
 from jtree.training.run_data import load_training_trees
 from jtree.training.tree_files import load_trees
-from jtree.trees.traces import read_traces
+from jtree.trees.routed_experts import check_routing, routed_array
+from jtree.trees.traces import read_rollout, read_traces
 from tests.run_util import VOCAB, finish, launch, read_metrics, tiny_overrides
 
 SYSTEM, USER = [1, 2, 3], [4, 5]
@@ -167,8 +168,23 @@ GOOD = {"group": 0, "turns": [_turn(ASK, [10, 11], [-0.1, -0.2])]}
      r"t\.jsonl:1: turns\[0\]\.prompt_ids: tokens\[0\] = 69 is outside the vocabulary"),
     ([{"group": 0, "turns": [_turn(ASK, [10], [-0.1]), _turn(ASK + [10], [11])]}],
      r"t\.jsonl:1: turns\[1\]\.output_logprobs: missing, but turns\[0\] has it"),
-    ([{"group": 0, "turns": [_turn(ASK, [10], routed_experts=[[1, 2], [3, 4]])]}],
+    ([{"group": 0, "turns": [_turn(ASK, [10], routed_experts=[[[1, 2]], [[3, 4]]])]}],
      r"t\.jsonl:1: turns\[0\]\.routed_experts: expected a list of 1 entries"),
+    ([{"group": 0, "turns": [_turn(ASK, [10, 11], routed_experts=[[[1, 2]], [[3]]])]}],
+     r"t\.jsonl:1: turns\[0\]\.routed_experts: expected every token's entry as \[layers\]\[k\] "
+     r"integer expert ids of one shape"),
+    ([{"group": 0, "turns": [_turn(ASK, [10, 11], routed_experts=[[1, 2], [3, 4]])]}],
+     r"t\.jsonl:1: turns\[0\]\.routed_experts: expected every token's entry as \[layers\]"),
+    ([{"group": 0, "turns": [_turn(ASK, [10, 11], routed_experts=[[[1, 2]], [[3, -2]]])]}],
+     r"t\.jsonl:1: turns\[0\]\.routed_experts\[1\]: expert ids \[\[3, -2\]\] not all >= 0"),
+    ([{"group": 0, "turns": [_turn(ASK, [10, 11], routed_experts=[[[1, 2]], [[3, 3]]])]}],
+     r"t\.jsonl:1: turns\[0\]\.routed_experts\[1\]: an expert twice in one layer"),
+    ([{"group": 0, "turns": [_turn(ASK, [10], routed_experts=[[[1, 2]]]),
+                             _turn(ASK + [10], [11])]}],
+     r"t\.jsonl:1: turns\[1\]\.routed_experts: missing, but turns\[0\] has it"),
+    ([{"group": 0, "turns": [_turn(ASK, [10], routed_experts=[[[1, 2]]]),
+                             _turn(ASK + [10], [11], routed_experts=[[[1, 2, 3]]])]}],
+     r"t\.jsonl:1: routed_experts: turns give \[layers\]\[k\] of shapes"),
     ([{"group": 0, "reward": [1.0], "turns": [_turn(ASK, [10])]}],
      r"t\.jsonl:1: reward: expected a number"),
     ([GOOD, {"group": 0, "turns": [_turn(ASK, [12])]}],
@@ -190,9 +206,34 @@ def test_a_skipped_bad_record_is_counted_and_the_rest_trains(tmp_path):
 
 
 def test_a_log_prob_within_the_tolerance_and_routed_experts_are_accepted(tmp_path):
-    rec = {"group": 0, "turns": [_turn(ASK, [10, 11], [5e-4, -0.2], routed_experts=[[1], [2]])]}
+    rec = {"group": 0, "turns": [_turn(ASK, [10, 11], [5e-4, -0.2],
+                                       routed_experts=[[[1, 0], [2, 3]], [[2, 1], [0, 3]]])]}
     [tree] = read_traces(_write(tmp_path / "t.jsonl", [rec]))
     assert tree.old_logprobs[0][5] == pytest.approx(5e-4)
+
+
+def test_routed_experts_sit_on_each_path_s_output_tokens():
+    # Two turns, then a drifted third (a new path): each path routes its own run's outputs.
+    turns = [_turn(ASK, [10], routed_experts=[[[1, 0]]]),
+             _turn(ASK + [10] + TOOL_A, [11, 12], routed_experts=[[[2, 3]], [[0, 3]]]),
+             _turn(ASK + [13], [14], routed_experts=[[[3, 1]]])]
+    rollout = read_rollout("t.jsonl:1", {"group": 0, "turns": turns}, drift="branch")
+    none = [[-1, -1]]
+    np.testing.assert_array_equal(rollout.routed[0], [none] * 5 + [[[1, 0]]] + [none] * 2
+                                  + [[[2, 3]], [[0, 3]]])
+    np.testing.assert_array_equal(rollout.routed[1], [none] * 6 + [[[3, 1]]])
+
+
+def test_expert_ids_are_checked_against_the_model():
+    routed = routed_array([[[1, 0]], [[-1, -1]], [[3, 2]]], 3, "r")
+    check_routing(routed, "r", num_experts=4, layers=1, top_k=2)
+    with pytest.raises(ValueError, match=r"r\[2\]: expert ids \[\[3, 2\]\] not all \[0, 3\)"):
+        check_routing(routed, "r", num_experts=3)
+    with pytest.raises(ValueError, match=r"r: 2 k per token, the model has 4 \(experts per "
+                                         r"token\)"):
+        check_routing(routed, "r", top_k=4)
+    with pytest.raises(ValueError, match=r"r: 1 layers per token, the model has 2 \(MoE layers"):
+        check_routing(routed, "r", layers=2)
 
 
 def test_a_file_of_another_format_names_the_format_to_use(tmp_path):
