@@ -33,7 +33,10 @@ paths agree on shared tokens and the old log-probs are not recomputed for a plac
 
 Routed experts: each path carries its tokens' engine routing [tokens, L, k] (`Rollout.routed`),
 its run's output tokens as the turns give them and -1 (own routing) on every other token, prompt
-tokens included; the trainer replays them (docs/rl.md, "Routing replay").
+tokens included. In the group's tree (`TrajectoryTree.routed_experts`) a prompt token takes the
+routing of the same tree token from a path that generated it, as the old log-probs do, else stays
+-1; a rollout without routed experts in a group of rollouts with them routes every token itself
+(-1). The trainer replays them (docs/rl.md, "Routing replay").
 
 Rewards: with turn rewards, a path's rewards are those of its turns, the rollout's `reward` (the
 outcome) added to its last turn's; without, the rollout's `reward` is each path's. Rollouts of one
@@ -247,8 +250,48 @@ def tree_from_rollouts(rollouts: Sequence[Rollout], *, vocab_size: int | None = 
     lines = [line for _, line in members]
     if all("old_logprobs" in line for line in lines):
         lines = _fill_prompt_logprobs(lines)
-    return tree_from_group([(w, line) for (w, _), line in zip(members, lines)],
+    tree = tree_from_group([(w, line) for (w, _), line in zip(members, lines)],
                            vocab_size=vocab_size, prepare=prepare)
+    routed = _group_routing(rollouts)
+    return tree if routed is None else tree.with_routed_experts(
+        _fill_prompt_routing(tree, routed))
+
+
+def _group_routing(rollouts: Sequence[Rollout]) -> list[np.ndarray] | None:
+    """Every path's routed experts in path order, -1 throughout on the paths of a rollout that
+    carries none; None when no rollout of the group does."""
+    given = [r for r in rollouts if r.routed is not None]
+    if not given:
+        return None
+    shapes: dict[tuple[int, ...], str] = {}
+    for r in given:
+        for x in r.routed:
+            shapes.setdefault(x.shape[1:], r.where)
+            if len(shapes) > 1:
+                (a, first), (b, second) = list(shapes.items())[:2]
+                raise ValueError(f"{second}: routed_experts: [layers][k] of shape {list(b)}, "
+                                 f"but {first} (same group) gives {list(a)}")
+    shape = next(iter(shapes))
+    return [x for r in rollouts for x in (r.routed if r.routed is not None else
+                                          [np.full((len(line["tokens"]), *shape), -1, np.int32)
+                                           for line in r.paths])]
+
+
+def _fill_prompt_routing(tree: TrajectoryTree, routed: list[np.ndarray]) -> list[np.ndarray]:
+    """Each path's routing with its tokens that carry none (prompt tokens, -1) given the
+    routing of the same tree token on the first path that generated it, as the old log-probs
+    are (`_fill_prompt_logprobs`), so that paths agree on every shared token unless the engine
+    routed it differently for two of them."""
+    flat = np.concatenate(routed)
+    known = ~np.all(flat == -1, axis=(1, 2))
+    generated, first = np.unique(tree.flat_token_index[known], return_index=True)
+    values = np.full((tree.n_tree_tokens, *flat.shape[1:]), -1, np.int32)
+    values[generated] = flat[known][first]
+    filled = []
+    for p, own in enumerate(routed):
+        none = np.all(own == -1, axis=(1, 2))
+        filled.append(np.where(none[:, None, None], values[tree.path_token_index(p)], own))
+    return filled
 
 
 def path_wheres(rollouts: Sequence[Rollout]) -> list[str]:
