@@ -20,11 +20,13 @@ from flax import nnx
 from jtree.config import load_config
 from jtree.kernels import TreeMask
 from jtree.layout.batch import DeviceBatch, LossCoefficients
+from jtree.memory.step_shapes import abstract_step_args
 from jtree.models.architectures import create_model
 from jtree.objectives.logprobs import token_logprobs
 from jtree.step.train_step import make_grad_fn
 from jtree.training.run import TrainingRun, train
 from jtree.training.run_data import load_training_trees
+from jtree.training.trainer import Trainer
 from tests.models_util import assert_grads_close
 from tests.run_util import read_metrics, tiny_overrides
 
@@ -301,3 +303,13 @@ def test_runs_refuse_what_cannot_replay(tmp_path):
             [[0, 3], [1, 2]]] * 3), records[0]["turns"][1]]}
         load_training_trees(config(write(tmp_path / "t3.jsonl", bad),
                                    **{"model.num_experts": 3}))
+
+
+def test_the_step_a_config_lowers_carries_the_routing(tmp_path):
+    """`jtree.launch.lower_step` and `jtree.memory` trace the run's step on abstract inputs:
+    with routing replay they carry every token's routed experts."""
+    cfg = config(write(tmp_path / "t.jsonl", rollouts(seed=0, disagree=False)))
+    trainer = Trainer.build(cfg)
+    state, inputs = abstract_step_args(trainer, 1)
+    assert inputs.routed_experts.shape == (*inputs.shape, LAYERS, K)
+    assert "loss" in jax.eval_shape(trainer.step_fn, state, inputs)[1]
