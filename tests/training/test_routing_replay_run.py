@@ -19,6 +19,7 @@ from flax import nnx
 
 from jtree.config import load_config
 from jtree.kernels import TreeMask
+from jtree.launch.train import main
 from jtree.layout.batch import DeviceBatch, LossCoefficients
 from jtree.memory.step_shapes import abstract_step_args
 from jtree.models.architectures import create_model
@@ -28,7 +29,7 @@ from jtree.training.run import TrainingRun, train
 from jtree.training.run_data import load_training_trees
 from jtree.training.trainer import Trainer
 from tests.models_util import assert_grads_close
-from tests.run_util import read_metrics, tiny_overrides
+from tests.run_util import finish, launch, read_metrics, tiny_overrides
 
 LAYERS, K, EXPERTS = 2, 2, 4
 SYSTEM = [1, 2, 3, 4, 5]
@@ -48,7 +49,7 @@ def _turn(prompt, output, routed):
     return turn
 
 
-def rollouts(seed: int, disagree: bool) -> list[dict]:
+def rollouts(seed: int, disagree: bool, system: list[int] = SYSTEM) -> list[dict]:
     """Two groups behind one system prompt. Group a: a two-turn rollout (A), a sibling first turn
     (B), a resampled second turn from A's state (C: A's first output is its prompt), a rollout
     that ends where A's first turn ends (D: a path ending at an internal node) and a duplicate of
@@ -57,7 +58,7 @@ def rollouts(seed: int, disagree: bool) -> list[dict]:
     A's first-turn tokens differently (the third: the same experts in another order)."""
     rng = np.random.default_rng(seed)
     o1, a_o1 = [10, 11, 12], _routes(rng, 3)
-    a2_prompt = SYSTEM + [6, 7] + o1 + [20, 21]
+    a2_prompt = system + [6, 7] + o1 + [20, 21]
     d_o1 = [list(x) for x in a_o1]
     if disagree:
         d_o1[0], d_o1[2] = _routes(rng, 1)[0], _routes(rng, 1)[0]
@@ -67,15 +68,15 @@ def rollouts(seed: int, disagree: bool) -> list[dict]:
             d_o1[2] = _routes(rng, 1)[0]
         d_o1[1] = [layer[::-1] for layer in a_o1[1]]
     b_out = _routes(rng, 2)
-    f2_prompt = SYSTEM + [8, 9, 22, 23, 24, 25]
+    f2_prompt = system + [8, 9, 22, 23, 24, 25]
     return [
-        {"group": "a", "turns": [_turn(SYSTEM + [6, 7], o1, a_o1),
+        {"group": "a", "turns": [_turn(system + [6, 7], o1, a_o1),
                                  _turn(a2_prompt, [13, 14], _routes(rng, 2))]},
-        {"group": "a", "turns": [_turn(SYSTEM + [6, 7], [15, 16], b_out)]},
+        {"group": "a", "turns": [_turn(system + [6, 7], [15, 16], b_out)]},
         {"group": "a", "turns": [_turn(a2_prompt, [17, 18, 19], _routes(rng, 3))]},
-        {"group": "a", "turns": [_turn(SYSTEM + [6, 7], o1, d_o1)]},
-        {"group": "a", "turns": [_turn(SYSTEM + [6, 7], [15, 16], b_out)]},
-        {"group": "b", "turns": [_turn(SYSTEM + [8, 9], [22, 23, 24], _routes(rng, 3)),
+        {"group": "a", "turns": [_turn(system + [6, 7], o1, d_o1)]},
+        {"group": "a", "turns": [_turn(system + [6, 7], [15, 16], b_out)]},
+        {"group": "b", "turns": [_turn(system + [8, 9], [22, 23, 24], _routes(rng, 3)),
                                  _turn(f2_prompt, [26, 27], _routes(rng, 2))]},
         {"group": "b", "turns": [_turn(f2_prompt, [28], None)]},
     ]
@@ -313,3 +314,36 @@ def test_the_step_a_config_lowers_carries_the_routing(tmp_path):
     state, inputs = abstract_step_args(trainer, 1)
     assert inputs.routed_experts.shape == (*inputs.shape, LAYERS, K)
     assert "loss" in jax.eval_shape(trainer.step_fn, state, inputs)[1]
+
+
+@pytest.mark.slow  # two runs, one on 2 forced host devices in a subprocess
+def test_a_context_parallel_run_replays_like_one_device(tmp_path):
+    """`mesh.context=2`: each device holds its slice of the rows' routed experts (the batch's
+    per-token axis is split like the tokens'), so the steps' losses and gradient norms are the
+    one-device run's; both differ from a run without replay."""
+    # A long system prompt: the step's 183 tree tokens fill more than one slice.
+    long_system = [30 + i % 30 for i in range(80)]
+    data = write(tmp_path / "t.jsonl", rollouts(seed=0, disagree=False, system=long_system))
+    # Weights at 10x the default scale, so that routing moves the loss well beyond 1e-5.
+    base = {"data.seq_len": 256, "data.micro_batches": 1, "run.steps": 2,
+            "model.initializer_range": 0.2, "optim.warmup_steps": 0}
+
+    def overrides(name, **extra):
+        cfg = tiny_overrides(data, **{
+            "data.format": "traces", "data.trees_per_step": 2, "model.architecture": "qwen3_moe",
+            "model.num_hidden_layers": LAYERS, "model.num_experts": EXPERTS,
+            "model.num_experts_per_tok": K, "model.moe_intermediate_size": 32,
+            "objective.routing_replay": True, **base, **extra})
+        return [*cfg, f"run.metrics_jsonl={tmp_path / name}.jsonl"]
+
+    log = tmp_path / "cp"
+    code, stdout, err = finish(launch(overrides("cp", **{"mesh.context": 2}), log, {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}), log)
+    assert code == 0, err[-3000:]
+    assert "context=2" in stdout and "routing replay: mean coverage 93.8%" in stdout  # G: 1 of 16
+    assert main(overrides("one")) == 0
+    assert main(overrides("plain", **{"objective.routing_replay": False})) == 0
+    got, want, plain = (read_metrics(tmp_path / f"{n}.jsonl") for n in ("cp", "one", "plain"))
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
+    assert abs(plain[0]["loss"] - want[0]["loss"]) > 1e-2
