@@ -25,7 +25,7 @@ from jtree.training.step_builders import (
     step_builder,
 )
 from jtree.training.tree_files import LoadReport, load_trees
-from jtree.trees.routed_experts import check_routing
+from jtree.trees.routed_experts import Experts
 from jtree.trees.tree import TrajectoryTree
 
 
@@ -76,18 +76,19 @@ def replay_shape(cfg: TrainConfig) -> tuple[int, int] | None:
     return layers, cfg.model.config.num_experts_per_tok
 
 
+def _experts(cfg: TrainConfig) -> Experts | None:
+    """With `objective.routing_replay`: the model's routing, which traces' routed experts are
+    read against (each turn's, a bad record when it does not fit); else None."""
+    shape = replay_shape(cfg)
+    return None if shape is None else Experts(*shape, cfg.model.config.num_experts)
+
+
 def _check_replay(cfg: TrainConfig, trees: Sequence[TrajectoryTree]) -> None:
-    """Refuse routing replay on data that carries no routed experts, or routed experts of
-    another shape than the model's or ids past its experts (naming the tree)."""
-    key = "objective.routing_replay"
+    """Refuse routing replay on data that carries no routed experts (their shape and ids were
+    checked against the model as each record was read)."""
     if all(t.routed_experts is None for t in trees):
-        raise ValueError(f"{key}: {cfg.data.path} carries no routed_experts (the traces' turns "
-                         "give none), so there is no engine routing to replay")
-    layers, k = replay_shape(cfg)
-    for i, t in enumerate(trees):
-        for p, routed in enumerate(t.routed_experts or ()):
-            check_routing(routed, f"{key}: {cfg.data.path}: tree {i} path {p}: routed_experts",
-                          num_experts=cfg.model.config.num_experts, layers=layers, top_k=k)
+        raise ValueError(f"objective.routing_replay: {cfg.data.path} carries no routed_experts "
+                         "(the traces' turns give none), so there is no engine routing to replay")
 
 
 def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadReport]:
@@ -101,7 +102,8 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
                                max_path_len=max_path_len,
                                advantage=cfg.objective.advantage_estimator,
                                turn_discount=cfg.objective.turn_discount,
-                               shared_masks=cfg.objective.kind == "gspo")
+                               shared_masks=cfg.objective.kind == "gspo",
+                               experts=_experts(cfg))
     if cfg.objective.critic is not None:
         missing = next((i for i, t in enumerate(trees) if t.rewards is None), None)
         if missing is not None:

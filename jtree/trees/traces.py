@@ -60,7 +60,7 @@ from jtree.trees.path_data import (
     per_token,
     preview,
 )
-from jtree.trees.routed_experts import routed_array
+from jtree.trees.routed_experts import Experts, check_routing, routed_array
 from jtree.trees.tree import TrajectoryTree
 
 DRIFT_POLICIES = ("reject", "branch")
@@ -113,7 +113,7 @@ def _check_fields(rec: Any, allowed: Sequence[str], required: Sequence[str], wha
         raise ValueError(f"{what}: unknown field {sorted(unknown)[0]!r}")
 
 
-def _read_turn(at: str, rec: Any, vocab_size: int | None) -> _Turn:
+def _read_turn(at: str, rec: Any, vocab_size: int | None, experts: Experts | None) -> _Turn:
     _check_fields(rec, _TURN_FIELDS, ("prompt_ids", "output_ids"), at)
     prompt = as_token_array(rec["prompt_ids"], f"{at}.prompt_ids", vocab_size)
     output = as_token_array(rec["output_ids"], f"{at}.output_ids", vocab_size)
@@ -125,6 +125,9 @@ def _read_turn(at: str, rec: Any, vocab_size: int | None) -> _Turn:
     routed = None
     if "routed_experts" in rec:
         routed = routed_array(rec["routed_experts"], len(output), f"{at}.routed_experts")
+        if experts is not None:
+            check_routing(routed, f"{at}.routed_experts", num_experts=experts.num_experts,
+                          layers=experts.layers, top_k=experts.top_k)
     reward = _scalar(rec["reward"], f"{at}.reward") if "reward" in rec else None
     return _Turn(prompt, output, logprobs, reward, routed)
 
@@ -174,16 +177,18 @@ def _path_line(rec: dict[str, Any], turns: Sequence[_Turn], outcome: float | Non
 
 
 def read_rollout(where: str, rec: dict[str, Any], *, vocab_size: int | None = None,
-                 drift: str = "reject") -> Rollout:
+                 drift: str = "reject", experts: Experts | None = None) -> Rollout:
     """One trace record checked on its own and cut into paths (module docstring); errors name
-    `where`, the turn and the field."""
+    `where`, the turn and the field. `experts`: the model's routing, which the turns' routed
+    experts are checked against (layers, k, ids below its experts)."""
     if drift not in DRIFT_POLICIES:
         raise ValueError(f"trace_drift: {drift!r} is not one of {DRIFT_POLICIES}")
     _check_fields(rec, _RECORD_FIELDS, ("group", "turns"), where)
     if not isinstance(rec["turns"], list) or not rec["turns"]:
         raise ValueError(f"{where}: turns: expected a non-empty list of turns, got "
                          f"{preview(rec['turns'])}")
-    turns = [_read_turn(f"{where}: turns[{i}]", t, vocab_size) for i, t in enumerate(rec["turns"])]
+    turns = [_read_turn(f"{where}: turns[{i}]", t, vocab_size, experts)
+             for i, t in enumerate(rec["turns"])]
     for field, present in (("output_logprobs", [t.logprobs is not None for t in turns]),
                            ("reward", [t.reward is not None for t in turns]),
                            ("routed_experts", [t.routed is not None for t in turns])):

@@ -294,14 +294,16 @@ def test_runs_refuse_what_cannot_replay(tmp_path):
     with pytest.raises(ValueError, match=r"objective\.routing_replay: .*t2\.jsonl carries no "
                                          r"routed_experts"):
         load_training_trees(config(write(tmp_path / "t2.jsonl", bare)))
-    with pytest.raises(ValueError, match=r"tree 0 path 0: routed_experts: 2 layers per token, "
-                                         r"the model has 1"):
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: turns\[0\]\.routed_experts: 2 layers "
+                                         r"per token, the model has 1 \(MoE layers\)"):
         load_training_trees(config(data, **{"model.mlp_only_layers": "[1]"}))
-    with pytest.raises(ValueError, match=r"tree 0 path 0: routed_experts\[7\]: expert ids "
-                                         r".* not all \[0, 3\)"):
-        bad = [dict(r) for r in records]
-        bad[0] = {"group": "a", "turns": [dict(records[0]["turns"][0], routed_experts=[
-            [[0, 3], [1, 2]]] * 3), records[0]["turns"][1]]}
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: turns\[0\]\.routed_experts: 2 k per "
+                                         r"token, the model has 3 \(experts per token\)"):
+        load_training_trees(config(data, **{"model.num_experts_per_tok": 3}))
+    bad = [dict(records[0], turns=[dict(records[0]["turns"][0], routed_experts=[
+        [[0, 1], [1, 2]], [[0, 1], [3, 2]], [[0, 1], [1, 2]]]), records[0]["turns"][1]])]
+    with pytest.raises(ValueError, match=r"t3\.jsonl:1: turns\[0\]\.routed_experts\[1\]: "
+                                         r"expert ids \[\[0, 1\], \[3, 2\]\] not all \[0, 3\)"):
         load_training_trees(config(write(tmp_path / "t3.jsonl", bad),
                                    **{"model.num_experts": 3}))
 
