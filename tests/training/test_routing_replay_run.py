@@ -9,6 +9,8 @@ gauges against a count written here, and the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 
 import jax
@@ -131,16 +133,19 @@ def config(data: str, **extra):
     return load_config(None, tiny_overrides(data, **overrides))
 
 
-def plain_graphdef(cfg):
-    """The run's model outside any mesh (the trainer's own runs inside shard_map)."""
-    return nnx.split(nnx.eval_shape(lambda: create_model(
-        cfg.model.architecture, cfg.model.config, cfg.runtime)))[0]
+@functools.cache
+def _per_path_fn(arch, model_config, runtime):
+    graphdef = nnx.split(nnx.eval_shape(lambda: create_model(arch, model_config, runtime)))[0]
+
+    def loss(params, inputs, c):
+        return -jnp.sum(c * token_logprobs(nnx.merge(graphdef, params), inputs))
+
+    return jax.jit(jax.value_and_grad(loss))
 
 
 def per_path(cfg, params, paths, replay: bool):
     """(loss, grads) of SFT (`seq_mean_token_mean`) with every path alone in its own row: plain
-    causal attention, its own forced experts (`replay`) or the trainer's own routing."""
-    graphdef = plain_graphdef(cfg)
+    causal attention, its own forced experts (`replay`) or the trainer's own routing (-1)."""
     k, length = len(paths), max(len(t) for t, _, _ in paths)
     tokens = np.zeros((k, length), np.int32)
     pos = np.zeros((k, length), np.int32)
@@ -155,38 +160,46 @@ def per_path(cfg, params, paths, replay: bool):
         tokens[i, :n], pos[i, :n], end[i, :n], node[i, :n], valid[i, :n] = \
             t, np.arange(n), n, 0, True
         pred[i, 1:n] = np.arange(n - 1)
-        routed[i, :n] = r
+        if replay:
+            routed[i, :n] = r
         c[i, 1:n] = m[1:] / (k * m[1:].sum())  # w_p m / (K_w n_p), every weight 1
     zeros = np.zeros((k, length), np.float32)
     inputs = DeviceBatch(tokens, pos, TreeMask(end), pred, node, valid,
                          np.ones((k, length), np.int32), LossCoefficients(*[zeros] * 6),
-                         routed_experts=routed if replay else None)
-
-    def loss(p):
-        return -jnp.sum(c * token_logprobs(nnx.merge(graphdef, p), inputs))
-
-    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+                         routed_experts=routed)
+    fn = _per_path_fn(cfg.model.architecture, cfg.model.config, cfg.runtime)
+    value, grads = fn(params, inputs, c)
     return float(value), grads
 
 
-def run_step(cfg, step: bool = True):
-    """The run's first step as `TrainingRun` builds it: the element its pipeline yields, the
-    gradients of the step's objective on it at the run's initial parameters, and (`step`) the
-    run's step itself (metrics, info)."""
+@functools.cache
+def grad_fn(arch, model_config, runtime, objective):
+    """The step's gradient function (`make_grad_fn`, the one the trainer runs per device) on
+    the run's model outside any mesh."""
+    graphdef = nnx.split(nnx.eval_shape(lambda: create_model(arch, model_config, runtime)))[0]
+    return jax.jit(make_grad_fn(graphdef, objective))
+
+
+def run_step(cfg):
+    """The run's first step as `TrainingRun` builds it: its initial parameters, the element
+    its pipeline yields, and the run's step on it (metrics, info)."""
     run = TrainingRun.build(cfg)
     try:
         state = run.trainer.initial_state()
         params = jax.tree_util.tree_map(np.asarray, state.params)
         element = next(run.iterator)
-        loss, _, grads = jax.jit(make_grad_fn(plain_graphdef(cfg), cfg.objective))(
-            state.params, element["inputs"])
-        metrics, info = None, element["info"]
-        if step:
-            run.iterator = iter([element])
-            _, metrics, info, *_ = run.train_step(state, 0)
+        run.iterator = iter([element])
+        _, metrics, info, *_ = run.train_step(state, 0)
     finally:
         run.close()
-    return params, float(loss), grads, element, metrics, info
+    return params, element, metrics, info
+
+
+def step_grads(cfg, params, inputs):
+    """(loss, grads) of the step's objective on `inputs` at `params`."""
+    loss, _, grads = grad_fn(cfg.model.architecture, cfg.model.config, cfg.runtime,
+                             cfg.objective)(params, inputs)
+    return float(loss), grads
 
 
 def _norm(grads) -> float:
@@ -200,12 +213,13 @@ def _norm(grads) -> float:
     pytest.param({"data.share_prefixes": "across_groups", "data.micro_batches": 1},
                  marks=pytest.mark.slow),
     # every path alone: the per-path baseline with replay
-    pytest.param({"run.mode": "baseline"}, marks=pytest.mark.slow),
+    {"run.mode": "baseline"},
 ], ids=["tree", "across_groups", "baseline"])
 def test_run_step_with_replay_equals_each_path_alone_with_its_forced_experts(tmp_path, extra):
     records = rollouts(seed=0, disagree=False)
     cfg = config(write(tmp_path / "t.jsonl", records), **extra)
-    params, loss, grads, element, metrics, info = run_step(cfg)
+    params, element, metrics, info = run_step(cfg)
+    loss, grads = step_grads(cfg, params, element["inputs"])
     paths = reference_paths(records)
     want_loss, want_grads = per_path(cfg, params, paths, replay=True)
     assert loss == pytest.approx(want_loss, rel=1e-5)
@@ -221,14 +235,11 @@ def test_run_step_with_replay_equals_each_path_alone_with_its_forced_experts(tmp
     if "data.share_prefixes" in extra:
         assert int(info["n_merge_saved_tokens"]) > 0
 
-    if extra:
-        return
-    # Not vacuous: without replay the same run trains other gradients, those of every path on
-    # the trainer's own routing.
-    plain_cfg = config(str(tmp_path / "t.jsonl"), **extra,
-                       **{"objective.routing_replay": False})
-    _, plain_loss, plain_grads, plain_element, *_ = run_step(plain_cfg, step=False)
-    assert plain_element["inputs"].routed_experts is None
+    # Not vacuous: the same step with every token on the trainer's own routing (-1) trains
+    # other gradients, those of every path alone on its own routing. (A run without replay:
+    # the context-parallel test below.)
+    own = dataclasses.replace(element["inputs"], routed_experts=np.full_like(routed, -1))
+    plain_loss, plain_grads = step_grads(cfg, params, own)
     own_loss, own_grads = per_path(cfg, params, paths, replay=False)
     assert plain_loss == pytest.approx(own_loss, rel=1e-5)
     assert_grads_close(plain_grads, own_grads)
