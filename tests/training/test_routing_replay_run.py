@@ -269,22 +269,34 @@ def numpy_gauges(paths) -> tuple[float, float, int]:
     return disagreeing / len(shared), covered / len(trained), disagreeing
 
 
-def test_the_step_logs_the_disagreement_and_coverage_counted_by_hand(tmp_path):
+def test_the_step_logs_the_disagreement_and_coverage_counted_by_hand(tmp_path, capsys):
+    """The metrics record's gauges against the count written here; the summary carries them."""
     records = rollouts(seed=1, disagree=True)
     metrics_path = tmp_path / "metrics.jsonl"
-    cfg = config(write(tmp_path / "t.jsonl", records),
-                 **{"run.metrics_jsonl": metrics_path})
+    cfg = config(write(tmp_path / "t.jsonl", records), **{"run.metrics_jsonl": metrics_path})
     paths = list(zip([r["group"] for r in records], reference_paths(records)))
     disagreement, coverage, n = numpy_gauges(paths)
     assert n == 2 and 0 < disagreement < 1 and 0 < coverage < 1  # D's two tokens; G unrouted
-    trees, _ = load_training_trees(cfg)
     train(cfg)
     record = read_metrics(metrics_path)[0]
     assert record["routing_disagreement"] == pytest.approx(disagreement, rel=1e-12)
     assert record["routing_coverage"] == pytest.approx(coverage, rel=1e-12)
     assert record["routing_disagreeing_tokens"] == n
-    # The first path's routing wins: the tree replays A's, so D trains as if routed like A.
-    assert len(trees) == 2 and trees[0].routed_experts is not None
+    assert (f"routing replay: mean coverage {coverage:.1%} of trained tokens, max disagreement "
+            f"{disagreement:.1%} of shared routed tokens") in capsys.readouterr().out
+
+
+@pytest.mark.slow  # the end-of-run check compiles three more programs
+def test_the_baseline_check_replays_and_shows_a_disagreement(tmp_path, capsys):
+    """`run.compare_baseline` replays in both layouts: where the paths agree the tree's
+    log-probs are the baseline's; where D's engine routed two of A's tokens otherwise, the tree
+    routes them as A's (the first path's) and D alone as its own, and the check shows it."""
+    for disagree, seed in ((False, 0), (True, 1)):
+        cfg = config(write(tmp_path / f"t{seed}.jsonl", rollouts(seed, disagree)), **{
+            "data.seq_len": 32, "run.compare_baseline": True, "run.timing_repeats": 1})
+        train(cfg)
+        diff = float(capsys.readouterr().out.split("over all path tokens = ")[1].split()[0])
+        assert diff > 1e-4 if disagree else diff < 1e-5
 
 
 def test_runs_refuse_what_cannot_replay(tmp_path):
