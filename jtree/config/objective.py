@@ -146,7 +146,8 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
 
     `routing_replay`: MoE layers use the rollout engine's expert choice per token (the traces'
     `routed_experts`) instead of their own top-k (docs/rl.md, "Routing replay"); off by default,
-    checked against the model and data in `jtree.config.run.TrainConfig`."""
+    checked against the model, data format and mode in `jtree.config.run.TrainConfig`
+    and against the data in `jtree.training.run_data`."""
 
     kind: Literal["sft", "ppo", "gspo"] = "sft"
     advantage: Estimator = "given"

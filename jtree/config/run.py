@@ -193,10 +193,9 @@ class TrainConfig:
             self.objective, critic=dataclasses.replace(critic, network=network)))
 
     def _refuse_routing_replay(self) -> None:
-        """`objective.routing_replay` needs a MoE model and traces that carry routed experts;
-        where both hold it is still refused: the model, the batch and the layout replay routing
-        (docs/rl.md, "Routing replay"), but runs do not pass the traces' routing to the layout
-        yet."""
+        """`objective.routing_replay` needs a MoE model and traces (the data's routed experts are
+        checked when the trees are read: `jtree.training.run_data`), and a mode whose rows carry
+        them: redundancy-free parts are laid out by their own layout, which does not."""
         key = "objective.routing_replay"
         if getattr(self.model.config, "num_experts", 0) <= 0:
             raise ValueError(f"{key}: model.architecture {self.model.architecture!r} has no MoE "
@@ -204,8 +203,10 @@ class TrainConfig:
         if self.data.format != "traces":
             raise ValueError(f"{key}: needs data.format 'traces' (routed_experts per output "
                              f"token), not {self.data.format!r}")
-        raise ValueError(f"{key}: not wired into training runs yet (the model and the layout "
-                         "replay routing: jtree.layout.linearize's routed_experts; docs/rl.md)")
+        if self.run.mode == "redundancy_free":
+            raise ValueError(f"{key}: not available with run.mode=redundancy_free (its part rows "
+                             "and cached prefixes carry no routed experts); use run.mode tree, "
+                             "baseline or auto")
 
     @property
     def critic_model_args(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ and disagreements concentrate on long shared prompts.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -45,3 +46,46 @@ def tree_routing(tree: TrajectoryTree, per_path: Sequence[np.ndarray]) -> tuple[
     as_sets = np.sort(flat[given], axis=-1)
     differs = np.any(as_sets != np.sort(out[idx], axis=-1), axis=(1, 2))
     return out, int(np.unique(idx[differs]).size)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingCounts:
+    """Routing replay's per-step gauges, as tree-token counts (they add over trees):
+    `shared` tokens that two or more paths give an engine routing for, `disagreeing` those of them
+    whose paths give different expert sets (`tree_routing`'s count); `trained` tokens some path
+    trains (loss mask 1), `replayed` those of them that carry an engine routing."""
+
+    shared: int = 0
+    disagreeing: int = 0
+    trained: int = 0
+    replayed: int = 0
+
+    def __add__(self, other: RoutingCounts) -> RoutingCounts:
+        return RoutingCounts(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                                     dataclasses.astuple(other))))
+
+    @property
+    def disagreement(self) -> float:
+        """The fraction of shared routed tokens whose paths' routings differ (0 without any)."""
+        return self.disagreeing / self.shared if self.shared else 0.0
+
+    @property
+    def coverage(self) -> float:
+        """The fraction of trained tokens replayed (1 without any trained token)."""
+        return self.replayed / self.trained if self.trained else 1.0
+
+
+def routing_counts(tree: TrajectoryTree) -> RoutingCounts:
+    """`RoutingCounts` of `tree`'s own routed experts (all zero without them)."""
+    if tree.routed_experts is None:
+        return RoutingCounts()
+    folded, disagreeing = tree_routing(tree, tree.routed_experts)
+    flat = np.concatenate(tree.routed_experts)
+    given = ~np.all(flat == -1, axis=(1, 2))
+    idx = tree.flat_token_index
+    routes = np.bincount(idx[given], minlength=tree.n_tree_tokens)
+    trained = np.zeros(tree.n_tree_tokens, bool)
+    trained[idx[np.concatenate(tree.loss_masks) > 0]] = True
+    replayed = ~np.all(folded == -1, axis=(1, 2))
+    return RoutingCounts(int((routes >= 2).sum()), disagreeing, int(trained.sum()),
+                         int((trained & replayed).sum()))

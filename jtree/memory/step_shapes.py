@@ -15,7 +15,7 @@ from jtree.layout.gdn_tables import default_chunk_count
 from jtree.objectives.pairs import padding_pairs, pair_width
 from jtree.parallel.context import ContextCapacities
 from jtree.parallel.sharding import batch_specs, context_size, row_shards
-from jtree.training.run_data import gdn_chunk_size
+from jtree.training.run_data import gdn_chunk_size, replay_shape
 from jtree.training.trainer import Trainer
 
 # The halo slots per device the abstract step carries under context parallelism (the attention
@@ -52,6 +52,10 @@ def _padding_row(trainer: Trainer, rows: int) -> Any:
         row = dataclasses.replace(row, pairs=padding_pairs(
             n_rows, pair_width(d.seq_len), critic=objective.critic is not None,
             off_policy=objective.off_policy.enabled))
+    replay = replay_shape(cfg)
+    if replay is not None:  # routing replay: the engine's experts per token and MoE layer
+        row = dataclasses.replace(row, routed_experts=np.full((n_rows, d.seq_len, *replay), -1,
+                                                              np.int32))
     context = context_size(mesh)
     if context > 1:
         length = d.seq_len // context
@@ -70,7 +74,8 @@ def abstract_step_args(trainer: Trainer, rows: int) -> tuple[Any, Any]:
     `data.seq_len`: GDN chunk tables at the capacity of a full row of long nodes, the widest
     `score_index` (every token scored), coefficients arriving raw with `row_norm`; under context
     parallelism a halo of `HALO_SLOTS` per device and the GDN tables laid out per device; with a
-    critic or off-policy weights, one (path, trained token) pair per token."""
+    critic or off-policy weights, one (path, trained token) pair per token; with routing replay,
+    the routed experts of every token."""
     mesh, d = trainer.mesh, trainer.cfg.data
     state = jax.eval_shape(trainer.init_fn)
     state = jax.tree_util.tree_map(

@@ -20,8 +20,8 @@ from jtree.layout.linearize import linearize, unlinearize
 from jtree.parallel.sharding import row_shards
 from jtree.step.optimizer import TrainState
 from jtree.training.report import say
-from jtree.training.run_data import StepBuilders, gdn_chunk_size
-from jtree.training.step_builders import step_indices
+from jtree.training.run_data import StepBuilders, gdn_chunk_size, replay_shape
+from jtree.training.step_builders import step_indices, unit_routing
 from jtree.trees.tree import TrajectoryTree
 
 if TYPE_CHECKING:  # jtree.training.trainer calls this module at the end of a run
@@ -42,7 +42,8 @@ def compare_with_baseline(cfg: TrainConfig, trainer: Trainer, builders: StepBuil
 def check_equivalence(cfg: TrainConfig, trainer: Trainer, state: TrainState,
                       trees: list[TrajectoryTree]) -> None:
     """Print max |tree log-prob - baseline log-prob| over every path token of `trees`, each
-    laid out whole in one row."""
+    laid out whole in one row (with routing replay, both replaying the paths' routing: paths
+    that disagree on a shared token's routing differ there, docs/rl.md)."""
     mesh, seq_len = trainer.mesh, cfg.data.seq_len
     n_data = row_shards(mesh)
 
@@ -54,10 +55,16 @@ def check_equivalence(cfg: TrainConfig, trainer: Trainer, state: TrainState,
         return -(-n // n_data) * n_data
 
     kw = dict(normalization=cfg.objective.normalization, gdn_chunk_size=gdn_chunk_size(cfg))
-    tree_b = linearize(trees, seq_len, **kw)
-    tree_b = linearize(trees, seq_len, n_rows=padded_rows(tree_b.shape[0]), **kw)
-    base_b = linearize_baseline(trees, seq_len, **kw)
-    base_b = linearize_baseline(trees, seq_len, n_rows=padded_rows(base_b.shape[0]), **kw)
+    tree_kw, base_kw = kw, kw
+    replay = replay_shape(cfg)
+    if replay is not None:  # routing replay: each path's routing, folded onto the tree
+        routed = [unit_routing(t, replay) for t in trees]
+        tree_kw = dict(kw, routed_experts=routed)
+        base_kw = dict(kw, routed_experts=[[r] for rs in routed for r in rs])
+    tree_b = linearize(trees, seq_len, **tree_kw)
+    tree_b = linearize(trees, seq_len, n_rows=padded_rows(tree_b.shape[0]), **tree_kw)
+    base_b = linearize_baseline(trees, seq_len, **base_kw)
+    base_b = linearize_baseline(trees, seq_len, n_rows=padded_rows(base_b.shape[0]), **base_kw)
     lp_tree = unlinearize(tree_b, logprobs(tree_b))
     lp_base = unlinearize_baseline(base_b, logprobs(base_b), trees)
     diff = max(float(np.max(np.abs(a - b))) for ta, tb in zip(lp_tree, lp_base)

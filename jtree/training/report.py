@@ -56,7 +56,9 @@ def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host
     row recompute their shared prefixes; the baseline computes every path). `device_s` leaves
     out the step's `compiles` (`compiles`, `compile_s`), so tokens/s measures the step, not
     XLA. With the off-policy weights the step's metrics carry their gauges (from the device)
-    and the record adds the trees' `offpolicy_behavior_disagreement` (from the host)."""
+    and the record adds the trees' `offpolicy_behavior_disagreement` (from the host); with
+    routing replay it adds `routing_disagreement`, `routing_coverage` and
+    `routing_disagreeing_tokens` (from the host, `jtree.training.step_builders.routing_info`)."""
     n_tree, n_flat = int(info["n_tree_tokens"]), int(info["n_flat_tokens"])
     n_computed = int(info["n_computed_tokens"])
     if "mode" in info:  # the automatic mode choice of this step
@@ -65,6 +67,10 @@ def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host
     if "offpolicy_behavior_disagreement" in info:
         metrics = dict(metrics, offpolicy_behavior_disagreement=float(
             info["offpolicy_behavior_disagreement"]))
+    if "routing_disagreement" in info:  # routing replay's gauges (jtree.layout.routing)
+        metrics = dict(metrics, routing_disagreement=float(info["routing_disagreement"]),
+                       routing_coverage=float(info["routing_coverage"]),
+                       routing_disagreeing_tokens=int(info["routing_disagreeing_tokens"]))
     return dict(
         metrics, step=step, learning_rate=lr, n_trees=int(info["n_trees"]),
         n_tree_tokens=n_tree, n_flat_tokens=n_flat, n_computed_tokens=n_computed,
@@ -120,6 +126,16 @@ def _off_policy(history: list[dict[str, Any]]) -> str:
             f"{max(r['offpolicy_behavior_disagreement'] for r in history):.2e}")
 
 
+def _routing(history: list[dict[str, Any]]) -> str:
+    """The summary's account of routing replay (empty without it): the mean coverage and the
+    largest disagreement over the steps."""
+    if "routing_coverage" not in history[-1]:
+        return ""
+    coverage = np.mean([r["routing_coverage"] for r in history])
+    return (f"; routing replay: mean coverage {coverage:.1%} of trained tokens, max disagreement "
+            f"{max(r['routing_disagreement'] for r in history):.1%} of shared routed tokens")
+
+
 def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
             checkpoint_dir: Path | None) -> str:
     """The closing line of a run. Medians leave out the steps that compiled (their time is
@@ -138,5 +154,5 @@ def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
                else "every step; each compiled") + "); compiles: "
             f"{sum(r['compiles'] for r in history)} in {len(compiled)} step(s), "
             f"{sum(r['compile_s'] for r in history):.1f} s; bad records skipped {n_bad}"
-            + _pruned(history) + _merged(history) + _off_policy(history)
+            + _pruned(history) + _merged(history) + _off_policy(history) + _routing(history)
             + (f"; checkpoints in {checkpoint_dir}" if checkpoint_dir is not None else ""))

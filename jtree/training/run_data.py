@@ -25,6 +25,7 @@ from jtree.training.step_builders import (
     step_builder,
 )
 from jtree.training.tree_files import LoadReport, load_trees
+from jtree.trees.routed_experts import Experts
 from jtree.trees.tree import TrajectoryTree
 
 
@@ -66,6 +67,30 @@ def gdn_chunk_size(cfg: TrainConfig) -> int | None:
     return cfg.data.gdn_chunk_size if cfg.model.config.decoder().needs_gdn_tables else None
 
 
+def replay_shape(cfg: TrainConfig) -> tuple[int, int] | None:
+    """With `objective.routing_replay`: (L, k), the model's MoE layers and experts per token,
+    the shape of each token's routed experts; else None."""
+    if not cfg.objective.routing_replay:
+        return None
+    layers = sum(kind.ffn != "mlp" for kind in cfg.model.config.decoder().layers)
+    return layers, cfg.model.config.num_experts_per_tok
+
+
+def _experts(cfg: TrainConfig) -> Experts | None:
+    """With `objective.routing_replay`: the model's routing, which traces' routed experts are
+    read against (each turn's, a bad record when it does not fit); else None."""
+    shape = replay_shape(cfg)
+    return None if shape is None else Experts(*shape, cfg.model.config.num_experts)
+
+
+def _check_replay(cfg: TrainConfig, trees: Sequence[TrajectoryTree]) -> None:
+    """Refuse routing replay on data that carries no routed experts (their shape and ids were
+    checked against the model as each record was read)."""
+    if all(t.routed_experts is None for t in trees):
+        raise ValueError(f"objective.routing_replay: {cfg.data.path} carries no routed_experts "
+                         "(the traces' turns give none), so there is no engine routing to replay")
+
+
 def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadReport]:
     """The trees of `data.path` (bad records handled as `data.on_bad_record` says), announced
     with their sharing."""
@@ -77,7 +102,8 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
                                max_path_len=max_path_len,
                                advantage=cfg.objective.advantage_estimator,
                                turn_discount=cfg.objective.turn_discount,
-                               shared_masks=cfg.objective.kind == "gspo")
+                               shared_masks=cfg.objective.kind == "gspo",
+                               experts=_experts(cfg))
     if cfg.objective.critic is not None:
         missing = next((i for i, t in enumerate(trees) if t.rewards is None), None)
         if missing is not None:
@@ -89,6 +115,8 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
             raise ValueError(f"{d.path}: tree {missing}: no old_logprobs (objective.off_policy."
                              f"kind={cfg.objective.off_policy.kind} weighs by the engine's "
                              "behavior log-probs: records' old_logprobs, traces' output_logprobs)")
+    if cfg.objective.routing_replay:
+        _check_replay(cfg, trees)
     total = sum((t.stats() for t in trees[1:]), trees[0].stats())
     say(f"data: {len(trees)} trees from {d.path} ({d.format}): {total.n_flat_tokens} flat tokens, "
         f"{total.n_tree_tokens} tree tokens, POR {total.por:.3f}"
@@ -172,7 +200,8 @@ class StepBuilders:
                                critic=cfg.objective.critic is not None,
                                off_policy=cfg.objective.off_policy.enabled,
                                context=cfg.mesh.context, pruned=self._pruned,
-                               shared_masks=cfg.objective.kind == "gspo")
+                               shared_masks=cfg.objective.kind == "gspo",
+                               routing=replay_shape(cfg))
         self._built[mode] = builder
         self.rows[mode] = builder.config.layout.rows
 

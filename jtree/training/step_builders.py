@@ -50,6 +50,7 @@ from jtree.layout.planner import (
     rows_to_hold,
 )
 from jtree.layout.pruning import PrunedTree
+from jtree.layout.routing import RoutingCounts, routing_counts
 from jtree.objectives.pairs import padding_pairs, pair_count, pair_width, with_pairs
 from jtree.partitioning.partition import Method as PartitionMethod
 from jtree.partitioning.partition import partition
@@ -94,7 +95,10 @@ class StepConfig:
     trained token) pairs (`jtree.objectives.pairs`), `pair_len` of them per row (None: the step's
     own need); with `off_policy` the step's info carries the trees'
     `offpolicy_behavior_disagreement`. `cross_group`: merge each step's trees per bin
-    (`CrossGroup`; tree mode only)."""
+    (`CrossGroup`; tree mode only). `routing` (L, k: the model's MoE layers and experts per
+    token) turns routing replay on: every micro-batch carries the units' routed experts
+    (`jtree.layout.routing`; -1 on a unit without them and on padding) and the step's info its
+    `routing_disagreement` and `routing_coverage` (`routing_info`)."""
 
     mode: Mode
     normalization: Normalization
@@ -105,6 +109,7 @@ class StepConfig:
     off_policy: bool = False
     pair_len: int | None = None
     cross_group: CrossGroup | None = None
+    routing: tuple[int, int] | None = None
 
     @property
     def pairs(self) -> bool:
@@ -131,6 +136,24 @@ def training_units(tree: TrajectoryTree, mode: Mode, seq_len: int,
     if tree.n_tree_tokens <= seq_len:
         return [tree]
     return list(partition(tree, seq_len, method).parts)
+
+
+def routing_info(trees: Sequence[TrajectoryTree]) -> dict[str, np.ndarray]:
+    """Routing replay's gauges of a step's trees (`jtree.layout.routing.RoutingCounts`): the
+    fraction of shared routed tokens whose paths' engine routings differ (the first path's is
+    replayed), and the fraction of trained tokens that replay an engine routing."""
+    counts = sum((routing_counts(t) for t in trees), RoutingCounts())
+    return {"routing_disagreement": np.float64(counts.disagreement),
+            "routing_coverage": np.float64(counts.coverage),
+            "routing_disagreeing_tokens": np.int64(counts.disagreeing)}
+
+
+def unit_routing(unit: TrajectoryTree, shape: tuple[int, int]) -> list[np.ndarray]:
+    """`unit`'s per-path routed experts, -1 throughout (the trainer's own routing) when it
+    carries none."""
+    if unit.routed_experts is not None:
+        return list(unit.routed_experts)
+    return [np.full((n, *shape), -1, np.int32) for n in unit.path_lengths]
 
 
 def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree],
@@ -291,6 +314,8 @@ class StepBuilder:
         if self.config.off_policy:
             info["offpolicy_behavior_disagreement"] = np.float64(
                 max(behavior_disagreement(t) for t in trees))
+        if self.config.routing is not None:  # merged: a token's paths span groups
+            info.update(routing_info(units if step.merge_saved else trees))
         return {"inputs": stack(micro), "info": info}
 
     def _with_dropped_shares(self, first: DeviceBatch, indices: np.ndarray,
@@ -324,11 +349,16 @@ class StepBuilder:
                             gdn_chunk_size=chunk_size, gdn_chunks=plan.gdn_chunks)
             pairs = None if pair_len is None else padding_pairs(
                 plan.rows, pair_len, critic=config.critic, off_policy=config.off_policy)
+            routed = None if config.routing is None else np.full(
+                (plan.rows, plan.row_len, *config.routing), -1, np.int32)
             return dataclasses.replace(empty, row_norm=np.zeros(plan.rows, np.float32),
-                                       pairs=pairs)
+                                       pairs=pairs, routed_experts=routed)
+        routed = (None if config.routing is None else
+                  [unit_routing(u, config.routing) for u in units])
         batch = linearize(units, plan.row_len, normalization=config.normalization,
                           normalizer=1.0, plan=placement, score_len=plan.score_len,
-                          gdn_chunk_size=chunk_size, gdn_chunks=plan.gdn_chunks)
+                          gdn_chunk_size=chunk_size, gdn_chunks=plan.gdn_chunks,
+                          routed_experts=routed)
         if pair_len is not None:
             batch = with_pairs(batch, pair_len, critic=config.critic,
                                off_policy=config.off_policy)
@@ -433,7 +463,8 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
                  normalization: Normalization, n_shards: int, shards: Sequence[int], steps: int,
                  gdn_chunk_size: int | None = None, critic: bool = False, off_policy: bool = False,
                  context: int = 1, pruned: Sequence[PrunedTree] | None = None,
-                 shared_masks: bool = False) -> StepBuilder:
+                 shared_masks: bool = False, routing: tuple[int, int] | None = None
+                 ) -> StepBuilder:
     """The `StepBuilder` a run with data config `data` trains `mode` with, on `n_shards` data
     shards of which this host feeds `shards`: units from `all_units`, `data.rows_per_micro_batch`
     rows per micro-batch or else the fewest that hold the run's `steps` steps (`rows_for_run`),
@@ -448,7 +479,8 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
     `pruned`: the trees pruned of their zero-gradient paths (`jtree.layout.pruning.prune_trees`),
     laid out in their place with the unpruned normalizer.
     With `data.share_prefixes: across_groups` a tree-mode step merges its trees per bin
-    (`CrossGroup`; `shared_masks`: only where the paths agree on the trained bit, for GSPO)."""
+    (`CrossGroup`; `shared_masks`: only where the paths agree on the trained bit, for GSPO).
+    `routing` (the model's MoE layers and experts per token): routing replay (`StepConfig`)."""
     if data.row_steps_per_octave is not None:
         check_steps_per_octave(data.row_steps_per_octave, "data.row_steps_per_octave")
     cross = (CrossGroup(data.partition_method, shared_masks)
@@ -462,7 +494,7 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
                           row_lengths, gdn_chunk_size, data.gdn_chunks if gdn_chunk_size else None,
                           context=context)
     config = StepConfig(mode, normalization, data.trees_per_step, tuple(shards), layout, critic,
-                        off_policy, cross_group=cross)
+                        off_policy, cross_group=cross, routing=routing)
     index = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)
     if layout.rows is None:
         rows = (rows_for_run(units, data.seq_len, data.trees_per_step,

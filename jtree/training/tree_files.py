@@ -32,6 +32,7 @@ from jtree.trees.jsonl import (
     tree_from_group,
     tree_from_record,
 )
+from jtree.trees.routed_experts import Experts
 from jtree.trees.traces import Rollout, path_wheres, read_rollout, tree_from_rollouts
 from jtree.trees.tree import TrajectoryTree
 
@@ -148,11 +149,12 @@ class _Reading:
             except ValueError as e:  # the group as a whole is bad: count all its lines
                 self.bad(e, lines=len(members))
 
-    def traces(self, path: str | Path, drift: str) -> None:
+    def traces(self, path: str | Path, drift: str, experts: Experts | None) -> None:
         rollouts: dict[str, list[Rollout]] = {}
         for where, rec in self.lines(path):
             try:
-                rollout = read_rollout(where, rec, vocab_size=self.vocab_size, drift=drift)
+                rollout = read_rollout(where, rec, vocab_size=self.vocab_size, drift=drift,
+                                       experts=experts)
             except ValueError as e:
                 self.bad(e)
                 continue
@@ -187,8 +189,8 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
                on_bad_record: str = "raise", tokenizer: str = "bytes",
                max_path_len: int | None = None, format_key: str = "data.format",
                advantage: Estimator | None = None, shared_masks: bool = False,
-               turn_discount: float = 1.0, trace_drift: str = "reject"
-               ) -> tuple[list[TrajectoryTree], LoadReport]:
+               turn_discount: float = 1.0, trace_drift: str = "reject",
+               experts: Experts | None = None) -> tuple[list[TrajectoryTree], LoadReport]:
     """Every tree of a JSONL file, validated; see the module docstring for bad records.
     `max_path_len`: the longest path a row holds in the run's mode (None: no limit). A file of
     another format is refused naming `format_key` (the option that sets `fmt`). `advantage`: the
@@ -196,7 +198,8 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
     objective needs none; `turn` discounts by `turn_discount`); a record without the rewards or
     advantages it needs (or whose per-turn rewards do not match its turns) is a bad record, and so
     is one whose paths disagree on the loss mask of a shared token when `shared_masks` (GSPO).
-    `trace_drift`: what a trace rollout whose turns drift is (`jtree.trees.traces`)."""
+    `trace_drift`: what a trace rollout whose turns drift is (`jtree.trees.traces`); `experts`:
+    the model's routing, that traces' routed experts must fit (a bad record otherwise)."""
     _check_format(path, fmt, format_key)
     prepare = functools.partial(for_objective, advantage=advantage, shared_masks=shared_masks,
                                 turn_discount=turn_discount)
@@ -204,7 +207,7 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
     if fmt == "groups":
         reading.groups(path)
     elif fmt == "traces":
-        reading.traces(path, trace_drift)
+        reading.traces(path, trace_drift, experts)
     elif fmt in ("trees", "chat"):
         tok = load_tokenizer(tokenizer) if fmt == "chat" else None
         if tok is not None and vocab_size is not None and tok.vocab_size > vocab_size:

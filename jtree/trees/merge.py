@@ -32,12 +32,28 @@ def _all_or_none(trees: Sequence[TrajectoryTree], field: str) -> list[np.ndarray
     return [a for v in values for a in v]
 
 
+def _routing(trees: Sequence[TrajectoryTree]) -> list[np.ndarray] | None:
+    """Every path's routed experts (routing replay), -1 throughout (the trainer's own routing)
+    on the paths of a tree that carries none; None when no tree carries them."""
+    shapes = {r.shape[1:] for t in trees if t.routed_experts is not None
+              for r in t.routed_experts}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"routed_experts: trees route [layers, k] of shapes {sorted(shapes)}")
+    shape = shapes.pop()
+    return [r for t in trees for r in (t.routed_experts if t.routed_experts is not None else
+                                       [np.full((n, *shape), -1, np.int32)
+                                        for n in t.path_lengths])]
+
+
 def merge_trees(trees: Sequence[TrajectoryTree], *, shared_masks: bool = False
                 ) -> TrajectoryTree:
     """One tree holding every path of `trees` (path order: the trees' paths in order), each
     shared prefix of any of them stored once (maximal segments, as `from_sequences`).
 
-    Per-path data travels with the path. A field that some tree lacks (old log-probs, rewards,
+    Per-path data travels with the path (routed experts too: -1, the trainer's own routing, on
+    the paths of a tree without them). A field that some tree lacks (old log-probs, rewards,
     advantages) is left out of the merged tree: a training step recomputes old log-probs when any
     of its trees lacks them (`jtree.training.step_builders.step_info`), and the objectives that
     read advantages or rewards require them on every tree when the trees are read
@@ -50,7 +66,8 @@ def merge_trees(trees: Sequence[TrajectoryTree], *, shared_masks: bool = False
                 advantages=_all_or_none(trees, "advantages"),
                 old_logprobs=_all_or_none(trees, "old_logprobs"),
                 rewards=_all_or_none(trees, "turn_rewards"),
-                weights=np.concatenate([t.weights for t in trees]))
+                weights=np.concatenate([t.weights for t in trees]),
+                routed_experts=_routing(trees))
     if not shared_masks:
         return TrajectoryTree.from_sequences(paths, **data)
     bits = [m.astype(np.int64) for t in trees for m in scored_masks(t)]

@@ -47,7 +47,7 @@ class TreePart(TrajectoryTree):
             path_nodes=new_index[tree.path_nodes[paths]].tolist(),
             loss_masks=pick(tree.loss_masks), advantages=pick(tree.advantages),
             old_logprobs=pick(tree.old_logprobs), weights=tree.weights[paths],
-            rewards=pick(tree.turn_rewards),
+            rewards=pick(tree.turn_rewards), routed_experts=pick(tree.routed_experts),
         )
         part.owned_paths = paths
         part.source_nodes = nodes

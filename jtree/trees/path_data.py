@@ -85,6 +85,8 @@ class PathData:
     old_logprobs: tuple[np.ndarray, ...] | None
     weights: np.ndarray
     rewards: tuple[np.ndarray, ...] | None = None  # per path: its per-turn rewards, float64 [T]
+    # per path: the engine's routed experts [tokens, L, k] int32, -1 rows: none (routing replay)
+    routed_experts: tuple[np.ndarray, ...] | None = None
 
 
 def path_reward(value: ArrayLike, what: str) -> np.ndarray:
@@ -163,3 +165,25 @@ def validate_path_data(
     if rewards is not None:
         rew = tuple(path_reward(r, f"{label} {i}: reward") for i, r in enumerate(rewards))
     return PathData(masks, adv, old, w, rew)
+
+
+def path_routing(routed: Sequence[ArrayLike] | None, lengths: Sequence[int], label: str
+                 ) -> tuple[np.ndarray, ...] | None:
+    """Per-path routed experts (routing replay, docs/rl.md) checked against the paths:
+    one int32 array [len(path), L, k] per path, one [L, k] for all of them (the ids themselves
+    are checked where they are read: `jtree.trees.routed_experts`)."""
+    if routed is None:
+        return None
+    if len(routed) != len(lengths):
+        raise ValueError(f"routed_experts: got {len(routed)} entries for {len(lengths)} {label}s")
+    out = tuple(np.asarray(r, np.int32) for r in routed)
+    shapes = set()
+    for i, (r, n) in enumerate(zip(out, lengths)):
+        if r.ndim != 3 or len(r) != n:
+            raise ValueError(f"{label} {i}: routed_experts: shape {r.shape}, expected "
+                             f"[{n}, layers, k]")
+        shapes.add(r.shape[1:])
+    if len(shapes) > 1:
+        raise ValueError(f"routed_experts: {label}s route [layers, k] of shapes {sorted(shapes)}")
+    return out
+

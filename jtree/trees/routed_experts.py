@@ -10,11 +10,22 @@ run when a trace is read.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
 from jtree.trees.path_data import preview
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """A model's routing, what routed experts are checked against: its MoE `layers`, `top_k`
+    experts per token, `num_experts` per layer."""
+
+    layers: int
+    top_k: int
+    num_experts: int
 
 
 def routed_array(value: Any, n_tokens: int, what: str) -> np.ndarray:

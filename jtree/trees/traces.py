@@ -33,7 +33,10 @@ paths agree on shared tokens and the old log-probs are not recomputed for a plac
 
 Routed experts: each path carries its tokens' engine routing [tokens, L, k] (`Rollout.routed`),
 its run's output tokens as the turns give them and -1 (own routing) on every other token, prompt
-tokens included; the trainer replays them (docs/rl.md, "Routing replay").
+tokens included. In the group's tree (`TrajectoryTree.routed_experts`) a prompt token takes the
+routing of the same tree token from a path that generated it, as the old log-probs do, else stays
+-1; a rollout without routed experts in a group of rollouts with them routes every token itself
+(-1). The trainer replays them (docs/rl.md, "Routing replay").
 
 Rewards: with turn rewards, a path's rewards are those of its turns, the rollout's `reward` (the
 outcome) added to its last turn's; without, the rollout's `reward` is each path's. Rollouts of one
@@ -57,7 +60,7 @@ from jtree.trees.path_data import (
     per_token,
     preview,
 )
-from jtree.trees.routed_experts import routed_array
+from jtree.trees.routed_experts import Experts, check_routing, routed_array
 from jtree.trees.tree import TrajectoryTree
 
 DRIFT_POLICIES = ("reject", "branch")
@@ -110,7 +113,7 @@ def _check_fields(rec: Any, allowed: Sequence[str], required: Sequence[str], wha
         raise ValueError(f"{what}: unknown field {sorted(unknown)[0]!r}")
 
 
-def _read_turn(at: str, rec: Any, vocab_size: int | None) -> _Turn:
+def _read_turn(at: str, rec: Any, vocab_size: int | None, experts: Experts | None) -> _Turn:
     _check_fields(rec, _TURN_FIELDS, ("prompt_ids", "output_ids"), at)
     prompt = as_token_array(rec["prompt_ids"], f"{at}.prompt_ids", vocab_size)
     output = as_token_array(rec["output_ids"], f"{at}.output_ids", vocab_size)
@@ -122,6 +125,9 @@ def _read_turn(at: str, rec: Any, vocab_size: int | None) -> _Turn:
     routed = None
     if "routed_experts" in rec:
         routed = routed_array(rec["routed_experts"], len(output), f"{at}.routed_experts")
+        if experts is not None:
+            check_routing(routed, f"{at}.routed_experts", num_experts=experts.num_experts,
+                          layers=experts.layers, top_k=experts.top_k)
     reward = _scalar(rec["reward"], f"{at}.reward") if "reward" in rec else None
     return _Turn(prompt, output, logprobs, reward, routed)
 
@@ -171,16 +177,18 @@ def _path_line(rec: dict[str, Any], turns: Sequence[_Turn], outcome: float | Non
 
 
 def read_rollout(where: str, rec: dict[str, Any], *, vocab_size: int | None = None,
-                 drift: str = "reject") -> Rollout:
+                 drift: str = "reject", experts: Experts | None = None) -> Rollout:
     """One trace record checked on its own and cut into paths (module docstring); errors name
-    `where`, the turn and the field."""
+    `where`, the turn and the field. `experts`: the model's routing, which the turns' routed
+    experts are checked against (layers, k, ids below its experts)."""
     if drift not in DRIFT_POLICIES:
         raise ValueError(f"trace_drift: {drift!r} is not one of {DRIFT_POLICIES}")
     _check_fields(rec, _RECORD_FIELDS, ("group", "turns"), where)
     if not isinstance(rec["turns"], list) or not rec["turns"]:
         raise ValueError(f"{where}: turns: expected a non-empty list of turns, got "
                          f"{preview(rec['turns'])}")
-    turns = [_read_turn(f"{where}: turns[{i}]", t, vocab_size) for i, t in enumerate(rec["turns"])]
+    turns = [_read_turn(f"{where}: turns[{i}]", t, vocab_size, experts)
+             for i, t in enumerate(rec["turns"])]
     for field, present in (("output_logprobs", [t.logprobs is not None for t in turns]),
                            ("reward", [t.reward is not None for t in turns]),
                            ("routed_experts", [t.routed is not None for t in turns])):
@@ -247,8 +255,48 @@ def tree_from_rollouts(rollouts: Sequence[Rollout], *, vocab_size: int | None = 
     lines = [line for _, line in members]
     if all("old_logprobs" in line for line in lines):
         lines = _fill_prompt_logprobs(lines)
-    return tree_from_group([(w, line) for (w, _), line in zip(members, lines)],
+    tree = tree_from_group([(w, line) for (w, _), line in zip(members, lines)],
                            vocab_size=vocab_size, prepare=prepare)
+    routed = _group_routing(rollouts)
+    return tree if routed is None else tree.with_routed_experts(
+        _fill_prompt_routing(tree, routed))
+
+
+def _group_routing(rollouts: Sequence[Rollout]) -> list[np.ndarray] | None:
+    """Every path's routed experts in path order, -1 throughout on the paths of a rollout that
+    carries none; None when no rollout of the group does."""
+    given = [r for r in rollouts if r.routed is not None]
+    if not given:
+        return None
+    shapes: dict[tuple[int, ...], str] = {}
+    for r in given:
+        for x in r.routed:
+            shapes.setdefault(x.shape[1:], r.where)
+            if len(shapes) > 1:
+                (a, first), (b, second) = list(shapes.items())[:2]
+                raise ValueError(f"{second}: routed_experts: [layers][k] of shape {list(b)}, "
+                                 f"but {first} (same group) gives {list(a)}")
+    shape = next(iter(shapes))
+    return [x for r in rollouts for x in (r.routed if r.routed is not None else
+                                          [np.full((len(line["tokens"]), *shape), -1, np.int32)
+                                           for line in r.paths])]
+
+
+def _fill_prompt_routing(tree: TrajectoryTree, routed: list[np.ndarray]) -> list[np.ndarray]:
+    """Each path's routing with its tokens that carry none (prompt tokens, -1) given the
+    routing of the same tree token on the first path that generated it, as the old log-probs
+    are (`_fill_prompt_logprobs`), so that paths agree on every shared token unless the engine
+    routed it differently for two of them."""
+    flat = np.concatenate(routed)
+    known = ~np.all(flat == -1, axis=(1, 2))
+    generated, first = np.unique(tree.flat_token_index[known], return_index=True)
+    values = np.full((tree.n_tree_tokens, *flat.shape[1:]), -1, np.int32)
+    values[generated] = flat[known][first]
+    filled = []
+    for p, own in enumerate(routed):
+        none = np.all(own == -1, axis=(1, 2))
+        filled.append(np.where(none[:, None, None], values[tree.path_token_index(p)], own))
+    return filled
 
 
 def path_wheres(rollouts: Sequence[Rollout]) -> list[str]:

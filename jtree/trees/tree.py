@@ -19,7 +19,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jtree.trees.path_data import ArrayLike, PathData, as_token_array, validate_path_data
+from jtree.trees.path_data import (
+    ArrayLike,
+    PathData,
+    as_token_array,
+    path_routing,
+    validate_path_data,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +114,14 @@ class TrajectoryTree:
         weights: ArrayLike | None = None,
         rewards: Sequence[ArrayLike] | None = None,
         vocab_size: int | None = None,
+        routed_experts: Sequence[ArrayLike] | None = None,
     ) -> TrajectoryTree:
         """Merge token sequences into a compressed trie, one node per maximal shared segment.
 
         `advantages` holds a scalar or a per-token array per sequence; `loss_masks` and
         `old_logprobs` hold per-token arrays; `rewards` a number or a list of per-turn numbers
-        per sequence (summed). Sequences with different first tokens become separate
+        per sequence (summed); `routed_experts` an array [len, L, k] per sequence (routing
+        replay: `routed_experts`). Sequences with different first tokens become separate
         roots. The first token of each sequence is never scored (it has no context).
         """
         if len(sequences) == 0:
@@ -123,6 +131,8 @@ class TrajectoryTree:
             [len(a) for a in arrays], loss_masks, advantages, old_logprobs, weights, "sequence",
             rewards,
         )
+        data = dataclasses.replace(data, routed_experts=path_routing(
+            routed_experts, [len(a) for a in arrays], "sequence"))
         roots: dict[int, _TrieNode] = {}
         for p, seq in enumerate(arrays):
             children, node, i = roots, None, 0
@@ -169,6 +179,7 @@ class TrajectoryTree:
         weights: ArrayLike | None = None,
         rewards: Sequence[ArrayLike] | None = None,
         vocab_size: int | None = None,
+        routed_experts: Sequence[ArrayLike] | None = None,
     ) -> TrajectoryTree:
         """Build an explicit tree: `parents[i]` is node i's parent (-1 for a root).
 
@@ -223,8 +234,9 @@ class TrajectoryTree:
             p = new_parents[i]
             depth_tokens[i] = new_len[i] + (depth_tokens[p] if p >= 0 else 0)
         new_ends = new_index[ends]
+        lengths = [int(depth_tokens[e]) for e in new_ends]
         data = validate_path_data(
-            [int(depth_tokens[e]) for e in new_ends],
+            lengths,
             loss_masks,
             advantages,
             old_logprobs,
@@ -232,6 +244,8 @@ class TrajectoryTree:
             "path",
             rewards,
         )
+        data = dataclasses.replace(data, routed_experts=path_routing(routed_experts, lengths,
+                                                                     "path"))
         return cls(new_parents, [segs[i] for i in order], new_ends.astype(np.int32), data)
 
     # ------------------------------------------------------------------ basic properties
@@ -263,6 +277,18 @@ class TrajectoryTree:
     @property
     def old_logprobs(self) -> tuple[np.ndarray, ...] | None:
         return self._data.old_logprobs
+
+    @property
+    def routed_experts(self) -> tuple[np.ndarray, ...] | None:
+        """Per path, the rollout engine's routed experts [len(path), L, k] int32 (-1 rows: the
+        trainer routes the token itself; routing replay, docs/rl.md), or None."""
+        return self._data.routed_experts
+
+    def with_routed_experts(self, routed: Sequence[ArrayLike] | None) -> TrajectoryTree:
+        """This tree with its per-path routed experts replaced (None: removed)."""
+        data = dataclasses.replace(self._data, routed_experts=path_routing(
+            routed, self.path_lengths.tolist(), "path"))
+        return TrajectoryTree(self.parents, self.segments, self.path_nodes, data)
 
     @functools.cached_property
     def rewards(self) -> np.ndarray | None:
@@ -386,7 +412,7 @@ class TrajectoryTree:
 
         d = self._data
         data = PathData((d.loss_masks[p],), pick(d.advantages), pick(d.old_logprobs),
-                         d.weights[p : p + 1], pick(d.rewards))
+                         d.weights[p : p + 1], pick(d.rewards), pick(d.routed_experts))
         return TrajectoryTree(np.array([-1], np.int32), [self.path_tokens(p)],
                               np.zeros(1, np.int32), data)
 

@@ -48,11 +48,14 @@ def test_moe_and_next_sections_validate_with_their_key_paths():
         (["data.gdn_chunk_size=0"], r"data: gdn_chunk_size: 0 must be >= 1"),
         (["objective.routing_replay=true"],
          r"objective\.routing_replay: needs data\.format 'traces' \(routed_experts"),
-        (["objective.routing_replay=true", "data.format=traces"],
-         r"objective\.routing_replay: not wired into training runs yet"),
+        (["objective.routing_replay=true", "data.format=traces", "run.mode=redundancy_free"],
+         r"objective\.routing_replay: not available with run\.mode=redundancy_free"),
     ]:
         with pytest.raises(ValueError, match=match):
             load_config("configs/qwen3_30b_a3b.yaml", overrides)
+    replay = load_config("configs/qwen3_30b_a3b.yaml",
+                         ["objective.routing_replay=true", "data.format=traces"])
+    assert replay.objective.routing_replay  # a MoE model on traces, in tree mode: accepted
     with pytest.raises(ValueError, match=r"model\.layer_types\[1\]: expected a string"):
         load_config("configs/qwen3_next_80b_a3b.yaml",
                     ["model.num_hidden_layers=2", "model.layer_types=[full_attention, 3]"])

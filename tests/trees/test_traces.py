@@ -13,6 +13,8 @@ from jtree.config import load_config
 from jtree.training.run_data import load_training_trees
 from jtree.training.tree_files import load_trees
 from jtree.trees.routed_experts import check_routing, routed_array
+from jtree.trees.merge import merge_trees
+from jtree.trees.part import TreePart
 from jtree.trees.traces import read_rollout, read_traces
 from tests.run_util import VOCAB, finish, launch, read_metrics, tiny_overrides
 
@@ -222,6 +224,37 @@ def test_routed_experts_sit_on_each_path_s_output_tokens():
     np.testing.assert_array_equal(rollout.routed[0], [none] * 5 + [[[1, 0]]] + [none] * 2
                                   + [[[2, 3]], [[0, 3]]])
     np.testing.assert_array_equal(rollout.routed[1], [none] * 6 + [[[3, 1]]])
+
+
+def test_the_group_tree_carries_each_path_s_routing_with_prompt_copies_filled(tmp_path):
+    """In the tree a prompt token takes the routing of the first path that generated it (as
+    its old log-prob does); a rollout without routed experts routes itself (-1); parts, merges
+    and the baseline's paths carry each path's routing."""
+    none = [[-1, -1]]
+    recs = [{"group": 0, "turns": [_turn(ASK, [10, 11], routed_experts=[[[1, 0]], [[2, 3]]])]},
+            {"group": 0, "turns": [_turn(ASK + [10, 11] + TOOL_A, [12],
+                                         routed_experts=[[[0, 3]]])]},
+            {"group": 0, "turns": [_turn(ASK + [10], [13])]},  # no routed experts
+            {"group": 1, "turns": [_turn(ASK, [14])]}]
+    a, b = read_traces(_write(tmp_path / "t.jsonl", recs))
+    # Written out: path 1 repeats path 0's outputs in its prompt; path 2 repeats token 10.
+    expected = [[none] * 5 + [[[1, 0]], [[2, 3]]],
+                [none] * 5 + [[[1, 0]], [[2, 3]]] + [none] * 2 + [[[0, 3]]],
+                [none] * 5 + [[[1, 0]]] + [none]]
+    for got, want in zip(a.routed_experts, expected):
+        np.testing.assert_array_equal(got, want)
+    assert b.routed_experts is None
+    part = TreePart.from_paths(a, [2, 1])
+    np.testing.assert_array_equal(part.routed_experts[0], expected[2])
+    np.testing.assert_array_equal(a.path_as_tree(1).routed_experts[0], expected[1])
+    merged = merge_trees([b, a])  # b's path routes itself
+    np.testing.assert_array_equal(merged.routed_experts[0], [none] * 6)
+    np.testing.assert_array_equal(merged.routed_experts[3], expected[2])
+    other = dict(recs[2], turns=[_turn(ASK + [10], [13], routed_experts=[[[1, 0], [2, 3]]])])
+    with pytest.raises(ValueError, match=r"t2\.jsonl:3: routed_experts: \[layers\]\[k\] of "
+                                         r"shape \[2, 2\], but .*t2\.jsonl:1 \(same group\) "
+                                         r"gives \[1, 2\]"):
+        read_traces(_write(tmp_path / "t2.jsonl", [*recs[:2], other]))
 
 
 def test_expert_ids_are_checked_against_the_model():
