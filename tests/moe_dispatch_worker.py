@@ -41,7 +41,7 @@ class Layer(nnx.Module):
     """Holds the block as `mlp`, the name the sharding rules match in a decoder layer."""
 
     def __init__(self, cfg, runtime, ffn: str):
-        self.mlp = feed_forward(cfg, runtime, ffn, rngs=nnx.Rngs(0))
+        self.mlp = feed_forward(cfg, runtime, ffn, cfg.decoder(), rngs=nnx.Rngs(0))
 
 
 def layer_case(case: str) -> dict:

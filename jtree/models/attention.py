@@ -19,6 +19,7 @@ the slice's own keys and values.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -39,7 +40,7 @@ class Attention(nnx.Module):
     `jtree.models.layers.NORMS`) and which projections have biases."""
 
     def __init__(self, cfg: Any, runtime: RuntimeConfig, spec: DecoderSpec, *, gated: bool,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, window: int | None = None):
         d, hd = cfg.hidden_size, cfg.head_dim
         kw = dict(init_std=cfg.initializer_range, dtype=runtime.compute_dtype,
                   param_dtype=runtime.weight_dtype, rngs=rngs)
@@ -54,7 +55,11 @@ class Attention(nnx.Module):
                     if spec.qk_norm else None)
 
         self.q_norm, self.k_norm = nnx.data(qk_norm()), nnx.data(qk_norm())
-        self.cfg, self.runtime, self.gated = cfg, runtime, gated
+        # gpt-oss's learned sink logit per query head (HF `sinks`, normal(0, std) init)
+        self.sinks = nnx.data(nnx.Param(nnx.initializers.normal(cfg.initializer_range)(
+            rngs.params(), (cfg.num_attention_heads,), runtime.weight_dtype))
+            if spec.attention_sinks else None)
+        self.cfg, self.runtime, self.gated, self.window = cfg, runtime, gated, window
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: TreeMask,
                  prefix: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache]:
@@ -72,11 +77,14 @@ class Attention(nnx.Module):
         heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
         k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        sinks = None if self.sinks is None else self.sinks[...]
+        if self.window is not None:
+            mask = dataclasses.replace(mask, window=self.window)
         if self.runtime.context_axis is None:
-            out = attend(q, k, v, mask, prefix, self.runtime.attention_impl)
+            out = attend(q, k, v, mask, prefix, self.runtime.attention_impl, sinks)
         else:
             k_row, v_row = gathered_keys(k, v, self.runtime.context_axis)
-            out = attend(q, k_row, v_row, mask, prefix, self.runtime.attention_impl)
+            out = attend(q, k_row, v_row, mask, prefix, self.runtime.attention_impl, sinks)
         out = out.reshape(rows, s, -1)
         if self.gated:
             out = out * jax.nn.sigmoid(gate.reshape(rows, s, -1))
@@ -84,9 +92,11 @@ class Attention(nnx.Module):
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: TreeMask,
-           prefix: AttentionCache | None, impl: str) -> jax.Array:
+           prefix: AttentionCache | None, impl: str, sinks: jax.Array | None = None
+           ) -> jax.Array:
     """`tree_attention`, over the cached prefix keys too when there is a prefix (whose key ends
-    the mask carries)."""
+    the mask carries); `sinks` [query heads] the heads' sink logits (None: no sinks)."""
+    kw = {} if sinks is None else {"sinks": sinks}
     if prefix is None:
-        return tree_attention(q, k, v, mask, impl=impl)
-    return tree_attention(q, k, v, mask, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v)
+        return tree_attention(q, k, v, mask, impl=impl, **kw)
+    return tree_attention(q, k, v, mask, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v, **kw)

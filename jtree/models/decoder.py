@@ -45,6 +45,7 @@ from jtree.models.layers import (
     SwiGLU,
     call_layer,
     linear,
+    rope_attention_factor,
     rope_cos_sin,
     rope_inverse_frequencies,
     vocab_parallel_embed,
@@ -67,19 +68,20 @@ class LayerInputs(NamedTuple):
     routing: GdnRouting | None
 
 
-def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, *, rngs: nnx.Rngs,
-                 mlp_bias: bool = False) -> SwiGLU | SparseMoeBlock:
-    """The feed-forward block of kind `ffn`; `mlp_bias` puts biases on a dense MLP (Llama's
-    `mlp_bias`)."""
+def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, spec: DecoderSpec, *,
+                 rngs: nnx.Rngs) -> SwiGLU | SparseMoeBlock:
+    """The feed-forward block of kind `ffn`, with the biases and activation `spec` says (Llama's
+    `mlp_bias` on a dense MLP; gpt-oss's router and expert biases and clamped SwiGLU)."""
     kw = dict(init_std=cfg.initializer_range, dtype=runtime.compute_dtype,
               param_dtype=runtime.weight_dtype, rngs=rngs, tp_axis=runtime.tensor_parallel_axis)
     if ffn == "mlp":
-        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=mlp_bias, **kw)
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=spec.mlp_bias, **kw)
     return SparseMoeBlock(
         cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
         moe_intermediate=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
         shared_intermediate=cfg.shared_expert_intermediate_size if ffn == "moe_shared" else None,
-        expert_dispatch=runtime.expert_dispatch, **kw)
+        expert_dispatch=runtime.expert_dispatch, router_bias=spec.router_bias,
+        expert_bias=spec.expert_bias, clamp=spec.swiglu_clamp, **kw)
 
 
 class DecoderLayer(nnx.Module):
@@ -92,9 +94,11 @@ class DecoderLayer(nnx.Module):
             self.linear_attn = GatedDeltaNet(cfg, runtime, projections=spec.gdn_projections,
                                             rngs=rngs)
         else:
-            self.self_attn = Attention(cfg, runtime, spec,
-                                       gated=kind.mixer == "gated_attention", rngs=rngs)
-        self.mlp = feed_forward(cfg, runtime, kind.ffn, mlp_bias=spec.mlp_bias, rngs=rngs)
+            self.self_attn = Attention(
+                cfg, runtime, spec, gated=kind.mixer == "gated_attention",
+                window=spec.sliding_window if kind.mixer == "sliding_attention" else None,
+                rngs=rngs)
+        self.mlp = feed_forward(cfg, runtime, kind.ffn, spec, rngs=rngs)
         norm_cls = NORMS[spec.norm]
         self.input_layernorm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                         param_dtype=runtime.weight_dtype)
@@ -250,7 +254,8 @@ class CausalLM(nnx.Module):
             routing = gdn_routing(inputs.pred, gdn, cfg.linear_conv_kernel_dim, prefix_pred,
                                   self.runtime.context_axis)
         cos, sin = rope_cos_sin(inputs.pos, rope_inverse_frequencies(
-            spec.rotary_dim, cfg.rope_theta, spec.rope_scaling))
+            spec.rotary_dim, cfg.rope_theta, spec.rope_scaling),
+            rope_attention_factor(spec.rope_scaling))
         hidden, stats, exports = self.model(inputs.tokens, LayerInputs(cos, sin, mask, routing),
                                             prefix, self._replay(inputs.routed_experts))
         if not stats or not cfg.output_router_logits:
