@@ -104,7 +104,9 @@ def rope_inverse_frequencies(rotary_dim: int, theta: float,
 
 def yarn_inverse_frequencies(rotary_dim: int, theta: float,
                              scaling: YarnRopeScaling) -> jax.Array:
-    """YaRN's rotation speeds, op for op as transformers' `_compute_yarn_parameters`: dimension
+    """YaRN's rotation speeds, the float32 ops of transformers' `_compute_yarn_parameters` (equal
+    to its values within an ulp or two: XLA's pow and constant division round differently from
+    torch's on some elements): dimension
     pair i keeps its frequency (extrapolation) below the correction range [low, high] and takes
     it divided by `factor` (interpolation) above it, linearly blended in between; the range is
     where a frequency turns `beta_fast` ... `beta_slow` times over the original context."""
