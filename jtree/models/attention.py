@@ -84,9 +84,10 @@ class Attention(nnx.Module):
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: TreeMask,
-           prefix: AttentionCache | None, impl: str) -> jax.Array:
+           prefix: AttentionCache | None, impl: str, sinks: jax.Array | None = None) -> jax.Array:
     """`tree_attention`, over the cached prefix keys too when there is a prefix (whose key ends
-    the mask carries)."""
+    the mask carries); `sinks` [Hq]: per-head attention-sink logits (None: none)."""
     if prefix is None:
-        return tree_attention(q, k, v, mask, impl=impl)
-    return tree_attention(q, k, v, mask, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v)
+        return tree_attention(q, k, v, mask, impl=impl, sinks=sinks)
+    return tree_attention(q, k, v, mask, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v,
+                          sinks=sinks)
