@@ -77,7 +77,7 @@ class Attention(nnx.Module):
         heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
         k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        sinks = None if self.sinks is None else self.sinks[...]
+        sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
         if self.window is not None:
             mask = dataclasses.replace(mask, window=self.window)
         if self.runtime.context_axis is None:
@@ -92,11 +92,10 @@ class Attention(nnx.Module):
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: TreeMask,
-           prefix: AttentionCache | None, impl: str, sinks: jax.Array | None = None
-           ) -> jax.Array:
+           prefix: AttentionCache | None, impl: str, sinks: jax.Array | None = None) -> jax.Array:
     """`tree_attention`, over the cached prefix keys too when there is a prefix (whose key ends
-    the mask carries); `sinks` [query heads] the heads' sink logits (None: no sinks)."""
-    kw = {} if sinks is None else {"sinks": sinks}
+    the mask carries); `sinks` [Hq]: per-head attention-sink logits (None: none)."""
     if prefix is None:
-        return tree_attention(q, k, v, mask, impl=impl, **kw)
-    return tree_attention(q, k, v, mask, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v, **kw)
+        return tree_attention(q, k, v, mask, impl=impl, sinks=sinks)
+    return tree_attention(q, k, v, mask, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v,
+                          sinks=sinks)
