@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from jtree.config.architectures import (
+    GptOssConfig,
     LayerKind,
     Qwen3_5Config,
     Qwen3_5MoeConfig,
@@ -55,6 +56,11 @@ def test_the_stack_builds_the_chosen_modules_under_hugging_face_names():
     names_3_5 = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(qwen3_5))}
     assert {f"model.layers.0.linear_attn.in_proj_{x}.kernel" for x in ("qkv", "z", "b", "a")
             } <= names_3_5 and not any("qkvz" in n for n in names_3_5)
+    gpt_oss = nnx.eval_shape(lambda: create_model("gpt_oss", GptOssConfig(num_hidden_layers=2)))
+    layers = gpt_oss.model.layers
+    assert [layer.self_attn.window for layer in layers] == [128, None]  # sliding, full
+    assert layers[1].self_attn.sinks.shape == (GptOssConfig().num_attention_heads,)
+    assert layers[0].mlp.gate.bias is not None and layers[0].mlp.experts.clamp == (1.702, 7.0)
     # The gated attention's q_proj holds [query, gate] per head.
     q = model.model.layers[0].self_attn.q_proj.kernel
     assert q.shape == (cfg.hidden_size, 2 * cfg.num_attention_heads * cfg.head_dim)
@@ -62,7 +68,7 @@ def test_the_stack_builds_the_chosen_modules_under_hugging_face_names():
 
 def test_registry_looks_records_up_by_name_hf_name_and_config_class():
     assert set(ARCHITECTURES) == {"qwen3", "qwen3_moe", "qwen3_next", "llama", "qwen2",
-                                  "qwen3_5", "qwen3_5_moe"}
+                                  "qwen3_5", "qwen3_5_moe", "gpt_oss"}
     for name, arch in ARCHITECTURES.items():
         assert architecture(name) is arch and arch.name == name
         assert architecture_of_config(arch.config_class()) is arch
