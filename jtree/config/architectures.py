@@ -403,7 +403,10 @@ class GptOssConfig(DenseConfig):
     swiglu_limit: float = 7.0
     sliding_window: int = 128
     layer_types: tuple[str, ...] | None = None
-    rope_scaling: YarnRopeScaling | None = None
+    # transformers' default for gpt-oss (the released models' scaling); None: plain RoPE
+    rope_scaling: YarnRopeScaling | None = dataclasses.field(
+        default_factory=lambda: YarnRopeScaling(factor=32.0, original_max_position_embeddings=4096,
+                                                truncate=False))
 
     def __post_init__(self) -> None:
         super().__post_init__()

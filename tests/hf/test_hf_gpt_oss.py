@@ -176,6 +176,30 @@ def test_hub_style_config_is_read(checkpoint, tmp_path):
     assert_same_params(loaded, model)
 
 
+def test_rope_defaults_follow_transformers(tmp_path):
+    """Without rope keys transformers' gpt-oss runs the released models' YaRN, and so does the
+    jtree config read from it; plain RoPE (`rope_type: default`) survives save -> transformers."""
+    no_rope = copy_checkpoint(_small_checkpoint(tmp_path / "src"), tmp_path / "no_rope",
+                              edit_config=lambda c: c.pop("rope_parameters"))
+    config, _ = jtree.hf.load(no_rope)
+    assert config.rope_scaling == GptOssConfig().rope_scaling == YarnRopeScaling(
+        factor=32.0, original_max_position_embeddings=4096, truncate=False)
+    assert transformers.AutoConfig.from_pretrained(no_rope).rope_parameters["rope_type"] == "yarn"
+    plain = copy_checkpoint(tmp_path / "src", tmp_path / "plain", edit_config=lambda c: c.update(
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0}))
+    config, model = jtree.hf.load(plain)
+    assert config.rope_scaling is None
+    jtree.hf.save(model, config, tmp_path / "saved")
+    back = transformers.AutoConfig.from_pretrained(tmp_path / "saved").rope_parameters
+    assert back == {"rope_type": "default", "rope_theta": 100.0}
+    assert jtree.hf.load(tmp_path / "saved")[0] == config
+
+
+def _small_checkpoint(path):
+    write_random_checkpoint(hf_config(num_hidden_layers=2, layer_types=None), path)
+    return path
+
+
 def _rope(**kw):
     return lambda c: c["rope_parameters"].update(kw)
 

@@ -19,7 +19,8 @@ no `quantization_config`.
 
 Config. transformers 5's `rope_parameters` or the Hub's top-level `rope_theta` with
 `rope_scaling` (YaRN, `truncate: false` on the released models) are read; `save` writes the Hub's
-form. The Hub's `experts_per_token` must equal `num_experts_per_tok`; `initial_context_length`,
+form. As in transformers, a config.json with neither means the released models' YaRN (factor 32
+over 4096 positions, not truncated), so plain RoPE is saved as `rope_type: default`. The Hub's `experts_per_token` must equal `num_experts_per_tok`; `initial_context_length`,
 which transformers does not read (YaRN reads `original_max_position_embeddings`), and
 `hidden_act`, which gpt-oss's experts do not use (their activation is the clamped SwiGLU), are
 accepted as they are. `num_local_experts` is jtree's `num_experts`.
@@ -103,7 +104,13 @@ def config_from_hf(hf: Mapping[str, Any]) -> GptOssConfig:
     theta, partial, rope_type, params = rope_config(hf, DEFAULT_ROPE_THETA, 1.0, ROPE_TYPES)
     whole_head(partial)
     values["rope_theta"] = theta
-    if rope_type == "yarn":
+    if hf.get("rope_parameters") is None and hf.get("rope_scaling") is None:
+        # transformers' GptOssConfig then applies its default, the released models' YaRN
+        values["rope_scaling"] = YarnRopeScaling(factor=32.0, original_max_position_embeddings=4096,
+                                                 truncate=False)
+    elif rope_type == "default":
+        values["rope_scaling"] = None
+    elif rope_type == "yarn":
         for key in ("factor", "original_max_position_embeddings"):
             if key not in params:
                 raise ValueError(f"config.json: rope_scaling.{key} is missing (rope_type "
@@ -124,7 +131,8 @@ def config_to_hf(cfg: GptOssConfig) -> dict[str, Any]:
     out.update(
         model_type="gpt_oss",
         rope_theta=cfg.rope_theta,
-        rope_scaling=None if scaling is None else {
+        # (an absent or null rope_scaling means transformers' default YaRN, not plain RoPE)
+        rope_scaling={"rope_type": "default"} if scaling is None else {
             "rope_type": "yarn",
             **{k: v for k, v in dataclasses.asdict(scaling).items() if v is not None}},
         hidden_act="silu",
