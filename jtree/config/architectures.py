@@ -39,9 +39,10 @@ class LayerKind(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class DecoderSpec:
     """The layer choice of an architecture config: one `LayerKind` per decoder layer, the norm
-    of every layer, head and final output (`jtree.models.layers.NORMS`: Qwen3's RMSNorm or
-    Qwen3-Next's (1 + weight) form), how many features of each head RoPE rotates and how its
-    frequencies are scaled (`rope_scaling`: Llama 3's or YaRN; None: plain RoPE).
+    of every layer, head and final output (`jtree.models.layers.NORMS`: Qwen3's RMSNorm,
+    Qwen3-Next's (1 + weight) form or gpt-oss's scale in float32), how many features of each
+    head RoPE rotates and how its frequencies are scaled (`rope_scaling`: Llama 3's or YaRN;
+    None: plain RoPE).
 
     The attention's details that leave its shapes, sharding and FLOPs as they are, so they are
     flags here rather than layer kinds: `qk_norm` (Qwen3's per-head q/k norm; Llama and Qwen2
@@ -60,7 +61,7 @@ class DecoderSpec:
     None: silu(gate) * up)."""
 
     layers: tuple[LayerKind, ...]
-    norm: Literal["rms", "offset_rms"]
+    norm: Literal["rms", "offset_rms", "rms_f32_scale"]
     rotary_dim: int
     rope_scaling: Llama3RopeScaling | YarnRopeScaling | None = None
     qk_norm: bool = True
@@ -441,7 +442,7 @@ class GptOssConfig(DenseConfig):
     def decoder(self) -> DecoderSpec:
         return dataclasses.replace(
             super().decoder(), qkv_bias=self.attention_bias, o_bias=self.attention_bias,
-            rope_scaling=self.rope_scaling, attention_sinks=True,
+            norm="rms_f32_scale", rope_scaling=self.rope_scaling, attention_sinks=True,
             sliding_window=self.sliding_window, router_bias=True, expert_bias=True,
             swiglu_clamp=(self.swiglu_alpha, self.swiglu_limit),
             layers=tuple(LayerKind("sliding_attention" if t == "sliding_attention"

@@ -54,7 +54,20 @@ class OffsetRMSNorm(nnx.Module):
         return scale_channels(rms_normalized(x, self.eps), scale).astype(x.dtype)
 
 
-NORMS = {"rms": RMSNorm, "offset_rms": OffsetRMSNorm}
+class RMSNormScaledInFloat32(nnx.Module):
+    """x / rms(x) * weight, scaled in float32 and cast back after the scale (HF `GptOssRMSNorm`,
+    whose weights transformers keeps in float32); the same values as `RMSNorm` in float32."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.weight[...].astype(jnp.float32)
+        return scale_channels(rms_normalized(x, self.eps), scale).astype(x.dtype)
+
+
+NORMS = {"rms": RMSNorm, "offset_rms": OffsetRMSNorm, "rms_f32_scale": RMSNormScaledInFloat32}
 
 
 def linear(

@@ -226,3 +226,29 @@ def test_unsupported_config_is_refused_naming_the_field(checkpoint, tmp_path):
         bad = copy_checkpoint(checkpoint[0], tmp_path / str(i), edit_config=edit)
         with pytest.raises(ValueError, match=field):
             jtree.hf.load(bad)
+
+
+def test_norm_scales_in_float32_as_transformers_in_bfloat16():
+    """gpt-oss's RMSNorm multiplies its (float32) weight before casting back: in bfloat16 jtree's
+    norm gives transformers' bits, where Qwen3's form (cast, then scale) would round twice."""
+    import jax.numpy as jnp
+
+    from jtree.models.layers import NORMS
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 3, (64, 32)).astype(np.float32)
+    w = rng.normal(1, 0.3, 32).astype(np.float32)
+    ref = GptOssRMSNorm(32, eps=1e-5)
+    with torch.no_grad():
+        ref.weight.copy_(torch.as_tensor(w))
+        x_bf16 = torch.as_tensor(x).to(torch.bfloat16)
+        expected = ref(x_bf16).float().numpy()
+    ours = NORMS["rms_f32_scale"](32, eps=1e-5, param_dtype=jnp.float32)
+    ours.weight.value = jnp.asarray(w)
+    got = np.asarray(ours(jnp.asarray(x_bf16.float().numpy(), jnp.bfloat16)).astype(jnp.float32))
+    np.testing.assert_array_equal(got, expected)
+    qwen = NORMS["rms"](32, eps=1e-5, param_dtype=jnp.float32)
+    qwen.weight.value = jnp.asarray(w)
+    other = np.asarray(qwen(jnp.asarray(x_bf16.float().numpy(), jnp.bfloat16)).astype(jnp.float32))
+    assert not np.array_equal(other, expected)
