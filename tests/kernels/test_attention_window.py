@@ -81,3 +81,13 @@ def _split_forms(impl, window, sinks, **options):
 @pytest.mark.parametrize("window", [3, 24])
 def test_xla_prefix_and_query_offset(window):
     _split_forms("xla", window, True, block_q=16, block_kv=16)
+
+
+@pytest.mark.parametrize("window, sinks", [(1, True), (7, False), (16, True), (300, True)])
+def test_cpu(window, sinks):
+    end, pos = tree_end_pos(window + 1, 96)
+    check_against_oracle("cpu", end, pos, window, sinks=sinks, block_q=16, block_kv=16)
+
+
+def test_cpu_prefix_and_query_offset():
+    _split_forms("cpu", 10, True, block_q=16, block_kv=16)
