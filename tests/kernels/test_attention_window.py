@@ -5,7 +5,7 @@ sinks; the block tables skip the blocks outside every query's window (counted ag
 import numpy as np
 import pytest
 
-from jtree.kernels import TreeMask
+from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.block_tables import EMPTY, FULL, classify_blocks
 from tests.window_cases import check_against_oracle, oracle_mask, path_depth, tree_end_pos
 
@@ -91,3 +91,40 @@ def test_cpu(window, sinks):
 
 def test_cpu_prefix_and_query_offset():
     _split_forms("cpu", 10, True, block_q=16, block_kv=16)
+
+
+@pytest.mark.parametrize("window, sinks", [(1, True), (16, True), (23, False), (500, True)])
+def test_triton_interpreted(window, sinks):
+    end, pos = tree_end_pos(window + 2, 96)
+    check_against_oracle("pallas_triton", end, pos, window, sinks=sinks, block_q=16,
+                         block_kv=16, interpret=True)
+
+
+def test_triton_prefix():
+    end, pos = tree_end_pos(21, 128, max_seg=20)
+    check_against_oracle("pallas_triton", end, pos, 10, sinks=True, prefix=40, block_q=16,
+                         block_kv=32, interpret=True)
+
+
+def _lowered_cuda(impl, dtype, window, sinks, **options):
+    """The StableHLO text of forward + backward (q, k, v, sinks) lowered for CUDA at S=4096."""
+    import jax
+    import jax.numpy as jnp
+    rows, s, hq, hkv, d = 1, 4096, 8, 2, 128
+    shapes = [jax.ShapeDtypeStruct((rows, s, h, d), dtype) for h in (hq, hkv, hkv)]
+    shapes += [jax.ShapeDtypeStruct((rows, s), jnp.int32)] * 2
+    shapes.append(jax.ShapeDtypeStruct((hq,), jnp.float32))
+
+    def loss(q, k, v, e, p, sk):
+        out = tree_attention(q, k, v, TreeMask(e, positions=p, window=window), impl=impl,
+                             sinks=sk if sinks else None, **options)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 5))
+    return jax.jit(grad).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_triton_lowers_for_cuda():
+    import jax.numpy as jnp
+    text = _lowered_cuda("pallas_triton", jnp.bfloat16, 128, True)
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 3
