@@ -34,6 +34,41 @@ def tree_end_pos(seed: int, s: int, *, rows: int = 2, max_trees: int = 6, max_no
     return np.asarray(inputs.mask.end, np.int32), np.asarray(inputs.pos, np.int32)
 
 
+def deep_forest(rng: np.random.Generator, *, nodes: int = 10, seg: tuple[int, int] = (4, 40),
+                vocab: int = 64) -> dict:
+    """TrajectoryTree.from_nodes kwargs of a tree with long paths: mostly a chain (each node's
+    parent the previous one) with branches at several levels, paths ending at every leaf and at
+    some internal nodes."""
+    parents = [-1] + [i - 1 if rng.random() < 0.6 else int(rng.integers(0, i))
+                      for i in range(1, nodes)]
+    segments = [rng.integers(0, vocab, size=int(rng.integers(*seg))).tolist()
+                for _ in range(nodes)]
+    children = {p for p in parents if p >= 0}
+    leaves = [i for i in range(nodes) if i not in children]
+    path_nodes = leaves + rng.choice(nodes, size=2).tolist()
+    lengths = []
+    for node in path_nodes:
+        length, cur = 0, node
+        while cur >= 0:
+            length, cur = length + len(segments[cur]), parents[cur]
+        lengths.append(length)
+    return {"parents": parents, "segments": segments, "path_nodes": path_nodes,
+            "loss_masks": [[1] * n for n in lengths], "weights": [1.0] * len(path_nodes)}
+
+
+def deep_end_pos(seed: int, s: int, *, rows: int = 2, trees: int = 3, **kw
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(`end`, `pos`) of `deep_forest` trees packed into rows of s tokens."""
+    rng = np.random.default_rng(seed)
+    packed = []
+    for _ in range(trees):
+        tree = explicit_tree(deep_forest(rng, **kw))
+        if tree.n_tree_tokens <= s and linearize(packed + [tree], s).shape[0] <= rows:
+            packed.append(tree)
+    inputs = linearize(packed, s, n_rows=rows).inputs
+    return np.asarray(inputs.mask.end, np.int32), np.asarray(inputs.pos, np.int32)
+
+
 def path_depth(end: np.ndarray) -> np.ndarray:
     """Depth of every token on its path, from `end` alone: the number of keys it sees, minus 1
     (an independent check of the batch's `pos`)."""

@@ -86,13 +86,14 @@ _IMPLS: dict[str, _Impl] = {
                  attention_xla.padded_lengths, context_parallel=True, window=True, sinks=True),
     # The `xla` kernel's blocks and schedule, run by a multi-threaded C++ custom call (CPU only).
     "cpu": _Impl(attention_cpu.tree_attention_cpu, attention_xla.padded_length,
-                 attention_xla.padded_lengths, context_parallel=True),
+                 attention_xla.padded_lengths, context_parallel=True, window=True, sinks=True),
     "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length,
-                        attention_tpu.padded_lengths, context_parallel=True),
+                        attention_tpu.padded_lengths, context_parallel=True, window=True,
+                        sinks=True),
     "pallas_mosaic_gpu": _Impl(attention_mgpu.attention_mgpu, attention_mgpu.padded_length,
                                attention_mgpu.padded_lengths),
     "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
-                           attention_triton.padded_lengths),
+                           attention_triton.padded_lengths, window=True, sinks=True),
 }
 
 # NVIDIA Hopper (sm_90) device kinds: the GPUs with wgmma, which the Mosaic kernel is built on

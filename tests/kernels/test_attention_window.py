@@ -5,21 +5,38 @@ sinks; the block tables skip the blocks outside every query's window (counted ag
 import numpy as np
 import pytest
 
-from jtree.kernels import TreeMask
+from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.block_tables import EMPTY, FULL, classify_blocks
-from tests.window_cases import check_against_oracle, oracle_mask, path_depth, tree_end_pos
+from tests.window_cases import (
+    check_against_oracle,
+    deep_end_pos,
+    oracle_mask,
+    path_depth,
+    tree_end_pos,
+)
+
+
+def _small(seed):
+    """Rows of 96 tokens (blocks of 16 in the tests): long paths (35-50 tokens deep) branching at
+    several levels for even seeds, bushy random forests (paths up to ~30) for odd ones."""
+    if seed % 2:
+        return tree_end_pos(seed, 96)
+    return deep_end_pos(seed, 96, seg=(2, 12))
 
 
 def test_positions_are_path_depths():
-    end, pos = tree_end_pos(3, 96)
-    assert (pos == path_depth(end)).all()
+    for seed in (2, 3):
+        end, pos = _small(seed)
+        assert (pos == path_depth(end)).all()
+    end, pos = _small(0)
+    assert pos.max() > 40  # windows of 16 and 40 below: smaller than a path
 
 
-# windows smaller than, equal to and larger than a block (16) and than a path (<= 96)
+# windows smaller than, equal to and larger than a block (16) and than a path (35-50)
 @pytest.mark.parametrize("window", [1, 5, 16, 40, 200])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_xla(window, sinks):
-    end, pos = tree_end_pos(window, 96)
+    end, pos = _small(window + sinks)
     check_against_oracle("xla", end, pos, window, sinks=sinks, block_q=16, block_kv=16)
 
 
@@ -72,7 +89,7 @@ def test_window_needs_positions():
 
 def _split_forms(impl, window, sinks, **options):
     """The prefix (redundancy-free) and context-parallel (query offset) forms on one forest."""
-    end, pos = tree_end_pos(21, 128, max_seg=20)
+    end, pos = deep_end_pos(21, 128, seg=(2, 16))
     check_against_oracle(impl, end, pos, window, sinks=sinks, prefix=40, **options)
     check_against_oracle(impl, end, pos, window, sinks=sinks, query_offset=64, n_queries=64,
                          **options)
@@ -81,3 +98,112 @@ def _split_forms(impl, window, sinks, **options):
 @pytest.mark.parametrize("window", [3, 24])
 def test_xla_prefix_and_query_offset(window):
     _split_forms("xla", window, True, block_q=16, block_kv=16)
+
+
+@pytest.mark.parametrize("window, sinks", [(1, True), (7, False), (16, True), (300, True)])
+def test_cpu(window, sinks):
+    end, pos = _small(window + 1)
+    check_against_oracle("cpu", end, pos, window, sinks=sinks, block_q=16, block_kv=16)
+
+
+def test_cpu_prefix_and_query_offset():
+    _split_forms("cpu", 10, True, block_q=16, block_kv=16)
+
+
+@pytest.mark.parametrize("window, sinks", [(1, True), (16, True), (23, False), (500, True)])
+def test_triton_interpreted(window, sinks):
+    end, pos = _small(window)
+    check_against_oracle("pallas_triton", end, pos, window, sinks=sinks, block_q=16,
+                         block_kv=16, interpret=True)
+
+
+def test_triton_prefix():
+    end, pos = deep_end_pos(21, 128, seg=(2, 16))
+    check_against_oracle("pallas_triton", end, pos, 10, sinks=True, prefix=40, block_q=16,
+                         block_kv=32, interpret=True)
+
+
+def _lowered_cuda(impl, dtype, window, sinks, **options):
+    """The StableHLO text of forward + backward (q, k, v, sinks) lowered for CUDA at S=4096."""
+    import jax
+    import jax.numpy as jnp
+    rows, s, hq, hkv, d = 1, 4096, 8, 2, 128
+    shapes = [jax.ShapeDtypeStruct((rows, s, h, d), dtype) for h in (hq, hkv, hkv)]
+    shapes += [jax.ShapeDtypeStruct((rows, s), jnp.int32)] * 2
+    shapes.append(jax.ShapeDtypeStruct((hq,), jnp.float32))
+
+    def loss(q, k, v, e, p, sk):
+        out = tree_attention(q, k, v, TreeMask(e, positions=p, window=window), impl=impl,
+                             sinks=sk if sinks else None, **options)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 5))
+    return jax.jit(grad).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_triton_lowers_for_cuda():
+    import jax.numpy as jnp
+    text = _lowered_cuda("pallas_triton", jnp.bfloat16, 128, True)
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 3
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("window, sinks", [(1, True), (100, True), (128, False), (150, True),
+                                           (700, True)])
+def test_tpu_interpreted(window, sinks):
+    """Blocks of 128, paths 120-180 deep: windows below, at and above a block, below and above
+    every path."""
+    end, pos = deep_end_pos(window % 4, 384)
+    assert pos.max() > 120
+    check_against_oracle("pallas_tpu", end, pos, window, sinks=sinks, d=64, interpret=True)
+
+
+@pytest.mark.timeout(600)
+def test_tpu_prefix_and_query_offset():
+    end, pos = deep_end_pos(5, 384)
+    check_against_oracle("pallas_tpu", end, pos, 50, sinks=True, prefix=128, d=64,
+                         interpret=True)
+    check_against_oracle("pallas_tpu", end, pos, 50, sinks=True, query_offset=128,
+                         n_queries=256, d=64, interpret=True)
+
+
+@pytest.mark.timeout(600)
+def test_tpu_interpreter_params(monkeypatch):
+    """The TPU interpreter proper (simulated DMAs, race detection, two cores) with a window: the
+    oracle's numbers and no races in the forward, dq and dkv launches."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+    from jax.experimental.pallas import tpu as pltpu
+
+    launches = []
+
+    class Recording(tpu_interpreter.RaceDetectionState):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            launches.append(self)
+
+    monkeypatch.setattr(tpu_interpreter, "RaceDetectionState", Recording)
+    end, pos = deep_end_pos(1, 256, rows=1, trees=2, seg=(4, 30))
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+    check_against_oracle("pallas_tpu", end, pos, 40, sinks=True, hq=2, hkv=1, d=64,
+                         interpret=params)
+    assert len(launches) == 3 and not any(r.races_found for r in launches)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tpu_exports_with_window_and_sinks(dtype):
+    """Forward + backward (q, k, v, sinks) lowers for TPU at S=8192: three Mosaic kernels."""
+    import jax
+    import jax.numpy as jnp
+    rows, s, hq, hkv, d = 1, 8192, 8, 2, 128
+    shapes = [jax.ShapeDtypeStruct((rows, s, h, d), jnp.dtype(dtype)) for h in (hq, hkv, hkv)]
+    shapes += [jax.ShapeDtypeStruct((rows, s), jnp.int32)] * 2
+    shapes.append(jax.ShapeDtypeStruct((hq,), jnp.float32))
+
+    def loss(q, k, v, e, p, sk):
+        out = tree_attention(q, k, v, TreeMask(e, positions=p, window=128), impl="pallas_tpu",
+                             sinks=sk)
+        return out.astype(jnp.float32).sum()
+
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 5))),
+                                 platforms=["tpu"])(*shapes)
+    assert exported.mlir_module().count("tpu_custom_call") == 3
