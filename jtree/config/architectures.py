@@ -10,8 +10,8 @@ run config is read, the FLOP model counted and the sharding rules chosen without
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
 
 Mixer = Literal["attention", "sliding_attention", "gated_attention", "gated_deltanet"]
 
@@ -92,6 +92,20 @@ class DecoderSpec:
     def kinds(self) -> set[str]:
         """Every mixer and feed-forward kind some layer uses."""
         return {kind.mixer for kind in self.layers} | {kind.ffn for kind in self.layers}
+
+
+def fill_layer_types(cfg: Any, allowed: tuple[str, ...], default: Callable[[int], str]) -> None:
+    """Set `cfg.layer_types` (a frozen config's, in `__post_init__`) to a tuple: as given, or
+    `default(i)` for every layer i (HF's default pattern); checks its length and entries."""
+    n = cfg.num_hidden_layers
+    types = tuple(default(i) for i in range(n)) if cfg.layer_types is None else tuple(
+        cfg.layer_types)
+    object.__setattr__(cfg, "layer_types", types)
+    if len(types) != n:
+        raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers={n}")
+    for i, t in enumerate(types):
+        if t not in allowed:
+            raise ValueError(f"layer_types[{i}]: {t!r} is not one of {allowed}")
 
 
 def is_moe_layer(layer: int, num_experts: int, decoder_sparse_step: int,
@@ -281,18 +295,8 @@ class HybridFields:
 
     def check_hybrid(self) -> None:
         """Fill in `layer_types` and check the hybrid fields (called by `__post_init__`)."""
-        if self.layer_types is None:
-            types = tuple("full_attention" if (i + 1) % self.full_attention_interval == 0
-                          else "linear_attention" for i in range(self.num_hidden_layers))
-        else:
-            types = tuple(self.layer_types)
-        object.__setattr__(self, "layer_types", types)
-        if len(types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers="
-                             f"{self.num_hidden_layers}")
-        for i, t in enumerate(types):
-            if t not in LAYER_TYPES:
-                raise ValueError(f"layer_types[{i}]: {t!r} is not one of {LAYER_TYPES}")
+        fill_layer_types(self, LAYER_TYPES, lambda i: "full_attention" if (
+            i + 1) % self.full_attention_interval == 0 else "linear_attention")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"linear_num_key_heads ({self.linear_num_key_heads}) must divide "
                              f"linear_num_value_heads ({self.linear_num_value_heads})")
@@ -411,18 +415,8 @@ class GptOssConfig(DenseConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.layer_types is None:
-            types = tuple("sliding_attention" if (i + 1) % 2 else "full_attention"
-                          for i in range(self.num_hidden_layers))
-        else:
-            types = tuple(self.layer_types)
-        object.__setattr__(self, "layer_types", types)
-        if len(types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers="
-                             f"{self.num_hidden_layers}")
-        for i, t in enumerate(types):
-            if t not in GPT_OSS_LAYER_TYPES:
-                raise ValueError(f"layer_types[{i}]: {t!r} is not one of {GPT_OSS_LAYER_TYPES}")
+        fill_layer_types(self, GPT_OSS_LAYER_TYPES, lambda i: "sliding_attention" if (
+            i + 1) % 2 else "full_attention")
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:

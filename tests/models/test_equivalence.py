@@ -83,7 +83,11 @@ OTHER_DENSE = {name: (g, perturbed(p)) for name, (g, p) in OTHER_DENSE.items()}
 @settings(max_examples=4)
 @given(trees=FORESTS)
 def test_other_dense_architectures_equal_baseline_under_ppo(trees, arch):
-    graphdef, params = OTHER_DENSE[arch]
+    _assert_equal_baseline_under_ppo(*OTHER_DENSE[arch], trees)
+
+
+def _assert_equal_baseline_under_ppo(graphdef, params, trees):
+    """Tree log-probs, PPO loss and gradients == the per-path baseline's."""
     tree, base = _batches(trees, "seq_mean_token_mean")
     fn = logprob_fn(graphdef)
     lp_tree = unlinearize(tree, np.asarray(fn(params, tree.inputs)))
@@ -106,15 +110,4 @@ GPT_OSS = (GPT_OSS[0], perturbed(GPT_OSS[1], scale=0.2))
 @settings(max_examples=3)
 @given(trees=FORESTS)
 def test_gpt_oss_equals_baseline_under_ppo(trees):
-    graphdef, params = GPT_OSS
-    tree, base = _batches(trees, "seq_mean_token_mean")
-    fn = logprob_fn(graphdef)
-    lp_tree = unlinearize(tree, np.asarray(fn(params, tree.inputs)))
-    lp_base = unlinearize_baseline(base, np.asarray(fn(params, base.inputs)), trees)
-    for a_paths, b_paths in zip(lp_tree, lp_base):
-        for a, b in zip(a_paths, b_paths):
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=len(trees))
-    objective = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05,
-                          entropy_coef=0.01)
-    assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective)
+    _assert_equal_baseline_under_ppo(*GPT_OSS, trees)
