@@ -19,7 +19,8 @@ dP is 0): their dq, dk, dv are already the sink model's. The sink's own gradient
 
     d s_h = sum_i p_sink_i (0 - delta_i) = -sum over queries i of head h of exp(s_h - L_i) delta_i,
 
-an O(S) sum over the residuals (padding queries have dO = 0 and add nothing).
+an O(S) sum over the residuals (padding queries have dO = 0 and add nothing). Inside `shard_map`
+it is summed over the mesh axes the data varies over and the sinks do not.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jtree.kernels.flat_tokens import last_axis_dot
+from jtree.kernels.varying_axes import summed_like
 
 
 def flash_vjp(forward: Callable[..., tuple[jax.Array, jax.Array]],
@@ -84,6 +86,8 @@ def flash_vjp(forward: Callable[..., tuple[jax.Array, jax.Array]],
         delta = last_axis_dot(d_out.astype(jnp.float32), out.astype(jnp.float32))
         p_sink = jnp.exp(jnp.asarray(sinks, jnp.float32) - total)
         d_sinks = -(p_sink * delta).sum(axis=(0, 1)).astype(sinks.dtype)
+        # Inside shard_map the sinks (a replicated parameter) are invariant over the data axes.
+        d_sinks = summed_like(d_sinks, sinks)
         return (dq, dk, dv, *(None,) * (n_inputs - 3), d_sinks)
 
     with_sinks.defvjp(with_sinks_fwd, with_sinks_bwd)

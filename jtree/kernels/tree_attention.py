@@ -91,7 +91,7 @@ _IMPLS: dict[str, _Impl] = {
                         attention_tpu.padded_lengths, context_parallel=True, window=True,
                         sinks=True),
     "pallas_mosaic_gpu": _Impl(attention_mgpu.attention_mgpu, attention_mgpu.padded_length,
-                               attention_mgpu.padded_lengths),
+                               attention_mgpu.padded_lengths, window=True, sinks=True),
     "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
                            attention_triton.padded_lengths, window=True, sinks=True),
 }
