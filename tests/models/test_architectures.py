@@ -3,6 +3,7 @@ runtime config kept apart from the architecture config."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -91,3 +92,17 @@ def test_runtime_fields_are_not_architecture_fields():
     for field, value in (("dtype", "float8"), ("remat", "some"), ("attention_impl", "flash")):
         with pytest.raises(ValueError, match=rf"^{field}: '{value}' is not one of"):
             RuntimeConfig(**{field: value})
+
+
+def test_gpt_oss_refuses_a_redundancy_free_prefix_under_its_windows():
+    """The prefix layout of a redundancy-free part has no path positions for its cached keys,
+    which a sliding window counts in: refused by name rather than windowed wrongly."""
+    from jtree.layout.batch import padding
+    from jtree.models.prefix import AttentionCache
+    from tests.models_util import tiny_gpt_oss_config, tiny_lm
+
+    model = tiny_lm(tiny_gpt_oss_config())
+    batch = padding(1, 8, score_len=None, prefix_len=4)
+    cache = AttentionCache(np.zeros((1, 4, 2, 8), np.float32), np.zeros((1, 4, 2, 8), np.float32))
+    with pytest.raises(ValueError, match="sliding-window attention layers with a redundancy-free"):
+        model(batch, prefix=[cache, cache])
