@@ -113,6 +113,23 @@ def oracle_attention(q, k, v, mask, sinks=None, scale=None):
     return jnp.einsum("rhij,rjhd->rihd", p, vv, precision=jax.lax.Precision.HIGHEST)
 
 
+def sink_gradient_scale(q, k, v, mask, sinks, d_out, scale=None):
+    """[Hq] sum over queries of |p_sink_i delta_i|, the size of the terms whose signed sum is the
+    sinks' gradient (what rounding errors of those terms are relative to)."""
+    rows, sq, hq, d = q.shape
+    g = hq // k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    kk = jnp.repeat(jnp.asarray(k, jnp.float32), g, axis=2)
+    s = jnp.einsum("rihd,rjhd->rhij", jnp.asarray(q, jnp.float32), kk,
+                   precision=jax.lax.Precision.HIGHEST) * scale
+    s = jnp.where(jnp.asarray(mask)[:, None], s, -jnp.inf)
+    sk = jnp.asarray(sinks, jnp.float32)[None, :, None]
+    lse = jnp.logaddexp(jax.scipy.special.logsumexp(s, axis=-1), sk)  # [rows, Hq, Sq]
+    out = oracle_attention(q, k, v, mask, sinks, scale)
+    delta = jnp.einsum("rihd,rihd->rhi", jnp.asarray(d_out, jnp.float32), out)
+    return jnp.abs(jnp.exp(sk - lse) * delta).sum(axis=(0, 2))
+
+
 def window_mask(end, pos, window, prefix: int = 0, query_offset=None) -> TreeMask:
     """The TreeMask of a call: square, with the first `prefix` keys a cached prefix, or with a
     query offset (queries: keys query_offset + i)."""
