@@ -3,13 +3,16 @@
 
 GQA with per-head q/k RMSNorm before RoPE where the architecture has it (Qwen3; not Llama or
 Qwen2), RoPE on the first `rotary_dim` features of each head (the width of the cos/sin tables),
-biases on q/k/v and on o_proj as the architecture says (`DecoderSpec`). The gated form's q_proj also emits a per-head output gate
-([query, gate] per head) and the output is multiplied by sigmoid(gate) before o_proj.
+biases on q/k/v and on o_proj as the architecture says (`DecoderSpec`). The gated form's q_proj
+also emits a per-head output gate ([query, gate] per head) and the output is multiplied by
+sigmoid(gate) before o_proj. gpt-oss adds learned per-head sinks (`sinks`, one extra logit per
+query head in the softmax) and, on its sliding-attention layers, a key window along the path
+(`window`, set on the layer's copy of the mask, whose `positions` the decoder fills in).
 
-Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits query heads: q_proj is
-column-parallel (a column split keeps each head's gate with it, so the gate multiplies only local
-heads), o_proj row-parallel; kv heads are split like the query heads or, when there are fewer of
-them than devices, replicated (`local_kv_heads`).
+Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits query heads (with their sinks):
+q_proj is column-parallel (a column split keeps each head's gate with it, so the gate multiplies
+only local heads), o_proj row-parallel; kv heads are split like the query heads or, when there
+are fewer of them than devices, replicated (`local_kv_heads`).
 
 Context parallelism (`RuntimeConfig.context_axis`): the layer holds one slice of each row; its
 keys and values are all-gathered over the axis and its queries run at the slice's offset (the

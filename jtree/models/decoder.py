@@ -2,8 +2,9 @@
 an (optionally tied) head, on tree batches. Returns final hidden states, not logits.
 
 Each layer's kind comes from the architecture config (`config.decoder()`, a `DecoderSpec`): its
-token mixer is attention (Qwen3), gated attention (Qwen3-Next) or a Gated DeltaNet, its
-feed-forward a dense SwiGLU, a sparse MoE block, or a MoE block with a gated shared expert. Module
+token mixer is attention (Qwen3), sliding-window attention (gpt-oss), gated attention
+(Qwen3-Next) or a Gated DeltaNet, its feed-forward a dense SwiGLU, a sparse MoE block, or a MoE
+block with a gated shared expert. Module
 and parameter names mirror Hugging Face's `*ForCausalLM` (`model.layers.N.self_attn.q_proj`,
 `...linear_attn.in_proj_qkvz` or `in_proj_qkv`, `...mlp.experts.gate_up_proj`; NNX `kernel` is
 HF `weight` transposed), so checkpoints map by name.
