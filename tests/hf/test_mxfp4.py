@@ -93,22 +93,19 @@ def test_hf_tensor_equals_transformers_dequantizer():
     np.testing.assert_array_equal(ours, theirs.numpy())
 
 
-def test_gpt_oss_checkpoint_with_mxfp4_experts_loads_dequantized(tmp_path):
-    """The experts of a tiny gpt-oss checkpoint quantized with `quantize` (HF tensor W [E, in,
-    out] stored as blocks of W^T's rows, as the released checkpoints are): the loader reads the
-    dequantized tensors, lists neither blocks nor scales, and the model equals the one loaded
-    from the same dequantized weights stored unquantized."""
-    torch = pytest.importorskip("torch")
+def _quantized_checkpoint(tmp_path):
+    """A tiny gpt-oss checkpoint written by transformers (`plain`), its copy with the experts'
+    matrices quantized by `quantize` (`q`: HF tensor W [E, in, out] stored as blocks of W^T's rows,
+    as the released checkpoints are, with their `quantization_config`) and the dequantized tensors
+    by name."""
     transformers = pytest.importorskip("transformers")
     from tests.hf_path_checks import write_random_checkpoint
-    from tests.hf_util import assert_same_params, copy_checkpoint
-    from tests.models_util import tiny_runtime
+    from tests.hf_util import copy_checkpoint
 
     config = transformers.GptOssConfig(
         vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
         num_experts_per_tok=2, sliding_window=4)
-    del torch
     write_random_checkpoint(config, tmp_path / "plain")
     dequantized = {}
 
@@ -117,10 +114,7 @@ def test_gpt_oss_checkpoint_with_mxfp4_experts_loads_dequantized(tmp_path):
             w = tensors.pop(name)
             blocks, scales = quantize(np.ascontiguousarray(w.transpose(0, 2, 1)))
             tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
-            dequantized[name] = mxfp4.hf_tensor(tensors[name + "_blocks"], scales)
-
-    def with_dequantized(tensors):
-        tensors.update(dequantized)
+            dequantized[name] = mxfp4.hf_tensor(blocks, scales)
 
     def quant_config(c):
         c["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
@@ -129,7 +123,19 @@ def test_gpt_oss_checkpoint_with_mxfp4_experts_loads_dequantized(tmp_path):
 
     quantized = copy_checkpoint(tmp_path / "plain", tmp_path / "q", edit_tensors=to_mxfp4,
                                 edit_config=quant_config)
-    plain = copy_checkpoint(tmp_path / "plain", tmp_path / "d", edit_tensors=with_dequantized)
+    return quantized, dequantized
+
+
+def test_gpt_oss_checkpoint_with_mxfp4_experts_loads_dequantized(tmp_path):
+    """The loader reads the dequantized tensors, lists neither blocks nor scales, and the model
+    equals the one loaded from the same dequantized weights stored unquantized; another
+    quantization method is refused."""
+    from tests.hf_util import assert_same_params, copy_checkpoint
+    from tests.models_util import tiny_runtime
+
+    quantized, dequantized = _quantized_checkpoint(tmp_path)
+    plain = copy_checkpoint(tmp_path / "plain", tmp_path / "d",
+                            edit_tensors=lambda tensors: tensors.update(dequantized))
     with CheckpointTensors(quantized) as ckpt:
         name = "model.layers.0.mlp.experts.gate_up_proj"
         assert name in ckpt.names() and name + "_blocks" not in ckpt.names()
@@ -142,3 +148,20 @@ def test_gpt_oss_checkpoint_with_mxfp4_experts_loads_dequantized(tmp_path):
         quantization_config={"quant_method": "fp8"}))
     with pytest.raises(ValueError, match="quantization_config"):
         jtree.hf.load(bad)
+
+
+def test_mxfp4_checkpoint_loads_as_transformers_loads_it(tmp_path):
+    """transformers itself loads the quantized checkpoint (on CPU it dequantizes the experts):
+    every tensor of its model equals jtree's loaded model mapped back to HF names, so blocks,
+    scales, nibble order, transposes and the gate/up interleave agree end to end."""
+    pytest.importorskip("torch")
+    from jtree.hf.torch_reference import load_torch_model
+    from tests.models_util import tiny_runtime
+
+    quantized, _ = _quantized_checkpoint(tmp_path)
+    theirs = {n: p.detach().numpy() for n, p in load_torch_model(quantized).state_dict().items()}
+    config, model = jtree.hf.load(quantized, tiny_runtime())
+    ours = jtree.hf.to_hf_tensors(model, config, names=frozenset(theirs))
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)
