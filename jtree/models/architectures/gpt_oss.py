@@ -35,7 +35,6 @@ from typing import Any
 from jtree.config.architectures import GptOssConfig, YarnRopeScaling
 from jtree.models.architectures import llama, qwen3
 from jtree.models.hf_config import (
-    REQUIRED,
     ROPE_KEYS,
     equals,
     read_config,
@@ -47,19 +46,12 @@ from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping, Layout, TensorRule
 
 HF_NAME = "GptOssForCausalLM"
 
-# HF key -> default when absent (transformers 5's GptOssConfig defaults).
+# HF key -> default when absent (transformers 5's GptOssConfig defaults): Llama's attention
+# fields without `mlp_bias`, and the MoE, SwiGLU and window fields.
 FIELDS: dict[str, Any] = {
-    "vocab_size": REQUIRED,
-    "hidden_size": REQUIRED,
-    "intermediate_size": REQUIRED,
-    "num_hidden_layers": REQUIRED,
-    "num_attention_heads": REQUIRED,
-    "num_key_value_heads": None,  # None: num_attention_heads
-    "head_dim": None,  # None: hidden_size // num_attention_heads
+    **{key: default for key, default in llama.FIELDS.items() if key != "mlp_bias"},
     "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
     "max_position_embeddings": 131072,
-    "initializer_range": 0.02,
     "attention_bias": True,
     "num_experts": 128,
     "num_experts_per_tok": 4,
