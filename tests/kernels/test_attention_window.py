@@ -187,17 +187,11 @@ def test_tpu_prefix_and_query_offset():
 def test_tpu_interpreter_params(monkeypatch):
     """The TPU interpreter proper (simulated DMAs, race detection, two cores) with a window: the
     oracle's numbers and no races in the forward, dq and dkv launches."""
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
     from jax.experimental.pallas import tpu as pltpu
 
-    launches = []
+    from tests.attention_cases import recorded_tpu_races
 
-    class Recording(tpu_interpreter.RaceDetectionState):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            launches.append(self)
-
-    monkeypatch.setattr(tpu_interpreter, "RaceDetectionState", Recording)
+    launches = recorded_tpu_races(monkeypatch)
     end, pos = deep_end_pos(1, 256, rows=1, trees=2, seg=(4, 30))
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
     check_against_oracle("pallas_tpu", end, pos, 40, sinks=True, hq=2, hkv=1, d=64,
