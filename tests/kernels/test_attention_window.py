@@ -15,6 +15,8 @@ from tests.window_cases import (
     tree_end_pos,
 )
 
+SLOW = pytest.mark.slow
+
 
 def _small(seed):
     """Rows of 96 tokens (blocks of 16 in the tests): long paths (35-50 tokens deep) branching at
@@ -32,9 +34,6 @@ def test_positions_are_path_depths():
     assert pos.max() > 40  # windows of 16 and 40 below: smaller than a path
 
 
-SLOW = pytest.mark.slow
-
-
 # windows smaller than, equal to and larger than a block (16) and than a path (35-50)
 @pytest.mark.parametrize("window, sinks", [
     (1, False), (16, True), (200, True),
@@ -47,7 +46,7 @@ def test_xla(window, sinks):
     check_against_oracle("xla", end, pos, window, sinks=sinks, block_q=16, block_kv=16)
 
 
-@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("sinks", [True, pytest.param(False, marks=SLOW)])
 def test_reference(sinks):
     end, pos = tree_end_pos(7, 80)
     check_against_oracle("reference", end, pos, 9, sinks=sinks)
@@ -269,8 +268,19 @@ def _mgpu_interpreted(tmp_path, end, pos, window, *, prefix=0, seed=0, hq=4, hkv
 
 @pytest.mark.timeout(900)
 def test_mgpu_interpreted(tmp_path):
-    """One row of 256 tokens (blocks of 128), paths up to 82 deep, window 40: forward, dQ, dK/dV
-    and the sinks' gradient in the Mosaic GPU interpreter with race detection."""
+    """One row of 128 tokens (one forward block; dQ and dK/dV blocks of 64): two trees with
+    paths up to 59 deep, window 20: forward, dQ, dK/dV and the sinks' gradient in the Mosaic GPU
+    interpreter with race detection."""
+    end, pos = deep_end_pos(3, 128, rows=1, trees=3, seg=(3, 14))
+    assert pos.max() > 40
+    _mgpu_interpreted(tmp_path, end, pos, 20, hq=2, hkv=1)
+
+
+@SLOW
+@pytest.mark.timeout(900)
+def test_mgpu_interpreted_two_blocks(tmp_path):
+    """256 tokens (two forward blocks, so the tables skip blocks), paths up to 82 deep, window
+    40."""
     end, pos = deep_end_pos(1, 256, rows=1, trees=2, seg=(4, 30))
     _mgpu_interpreted(tmp_path, end, pos, 40, hq=2, hkv=1)
 
