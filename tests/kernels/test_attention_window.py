@@ -236,7 +236,7 @@ def _mgpu_interpreted(tmp_path, end, pos, window, *, prefix=0, seed=0, hq=4, hkv
     rng = np.random.default_rng(seed)
     bf = lambda *shape: np.asarray(jnp.asarray(rng.normal(size=shape), jnp.bfloat16), np.float32)
     q, k, v = bf(rows, s, hq, d), bf(rows, s, hkv, d), bf(rows, s, hkv, d)
-    d_out = rng.normal(size=(rows, s - prefix, hq, d)).astype(np.float32)
+    d_out = rng.normal(size=(rows, s, hq, d)).astype(np.float32)  # the layout's; [:, prefix:] used
     sinks = (rng.normal(size=hq) + 1).astype(np.float32)
     source, target = tmp_path / "in.npz", tmp_path / "out.npz"
     np.savez(source, q=q, k=k, v=v, d_out=d_out, end=end, dtype="bfloat16", softcap=np.nan,
@@ -254,14 +254,14 @@ def _mgpu_interpreted(tmp_path, end, pos, window, *, prefix=0, seed=0, hq=4, hkv
     out, vjp = jax.vjp(lambda q, k, v, sk: oracle_attention(q, k, v, mask, sk),
                        jnp.asarray(q[:, prefix:]), jnp.asarray(k), jnp.asarray(v),
                        jnp.asarray(sinks))
-    want = [out, *vjp(jnp.asarray(d_out))]
+    want = [out, *vjp(jnp.asarray(d_out[:, prefix:]))]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         w = np.asarray(w)
         err = np.abs(g - w).max() / np.abs(w).max()
         assert err <= 1e-2, (name, err)
     # The sinks' gradient is a signed sum over every query of p_sink * (dO . O), O rounded to
     # bf16: its error is relative to the sum of the terms' sizes, not to the (cancelled) result.
-    terms = np.asarray(sink_gradient_scale(q[:, prefix:], k, v, mask, sinks, d_out))
+    terms = np.asarray(sink_gradient_scale(q[:, prefix:], k, v, mask, sinks, d_out[:, prefix:]))
     err = np.abs(got[4] - np.asarray(want[4])) / terms
     assert err.max() <= 1e-2, ("dsinks", err)
 
