@@ -15,22 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.kernels import TreeMask, tree_attention
-from jtree.layout.linearize import linearize
-from tests.attention_cases import assert_elementwise_close
-from tests.strategies import explicit_tree, random_forest
+from tests.attention_cases import assert_elementwise_close, packed_forests
 
 
 def tree_end_pos(seed: int, s: int, *, rows: int = 2, max_trees: int = 6, max_nodes: int = 10,
                  max_seg: int = 12, padding_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(`end`, `pos`) [rows, s] of random multi-level forests (paths ending at internal nodes
     too), several per row; padding has end[j] = j + 1 and pos 0."""
-    rng = np.random.default_rng(seed)
-    trees = []
-    for _ in range(max_trees):
-        tree = explicit_tree(random_forest(rng, max_nodes=max_nodes, max_seg=max_seg))
-        if tree.n_tree_tokens <= s and linearize(trees + [tree], s).shape[0] <= rows - padding_rows:
-            trees.append(tree)
-    inputs = linearize(trees, s, n_rows=rows).inputs
+    inputs = packed_forests(seed, s, rows=rows, padding_rows=padding_rows, max_trees=max_trees,
+                            max_nodes=max_nodes, max_seg=max_seg)
     return np.asarray(inputs.mask.end, np.int32), np.asarray(inputs.pos, np.int32)
 
 
@@ -59,13 +52,8 @@ def deep_forest(rng: np.random.Generator, *, nodes: int = 10, seg: tuple[int, in
 def deep_end_pos(seed: int, s: int, *, rows: int = 2, trees: int = 3, **kw
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(`end`, `pos`) of `deep_forest` trees packed into rows of s tokens."""
-    rng = np.random.default_rng(seed)
-    packed = []
-    for _ in range(trees):
-        tree = explicit_tree(deep_forest(rng, **kw))
-        if tree.n_tree_tokens <= s and linearize(packed + [tree], s).shape[0] <= rows:
-            packed.append(tree)
-    inputs = linearize(packed, s, n_rows=rows).inputs
+    inputs = packed_forests(seed, s, rows=rows, padding_rows=0, max_trees=trees, max_nodes=0,
+                            max_seg=0, make=lambda rng: deep_forest(rng, **kw))
     return np.asarray(inputs.mask.end, np.int32), np.asarray(inputs.pos, np.int32)
 
 

@@ -15,6 +15,8 @@ from tests.window_cases import (
     tree_end_pos,
 )
 
+SLOW = pytest.mark.slow
+
 
 def _small(seed):
     """Rows of 96 tokens (blocks of 16 in the tests): long paths (35-50 tokens deep) branching at
@@ -32,9 +34,6 @@ def test_positions_are_path_depths():
     assert pos.max() > 40  # windows of 16 and 40 below: smaller than a path
 
 
-SLOW = pytest.mark.slow
-
-
 # windows smaller than, equal to and larger than a block (16) and than a path (35-50)
 @pytest.mark.parametrize("window, sinks", [
     (1, False), (16, True), (200, True),
@@ -47,7 +46,7 @@ def test_xla(window, sinks):
     check_against_oracle("xla", end, pos, window, sinks=sinks, block_q=16, block_kv=16)
 
 
-@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("sinks", [True, pytest.param(False, marks=SLOW)])
 def test_reference(sinks):
     end, pos = tree_end_pos(7, 80)
     check_against_oracle("reference", end, pos, 9, sinks=sinks)
@@ -187,17 +186,11 @@ def test_tpu_prefix_and_query_offset():
 def test_tpu_interpreter_params(monkeypatch):
     """The TPU interpreter proper (simulated DMAs, race detection, two cores) with a window: the
     oracle's numbers and no races in the forward, dq and dkv launches."""
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
     from jax.experimental.pallas import tpu as pltpu
 
-    launches = []
+    from tests.attention_cases import recorded_tpu_races
 
-    class Recording(tpu_interpreter.RaceDetectionState):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            launches.append(self)
-
-    monkeypatch.setattr(tpu_interpreter, "RaceDetectionState", Recording)
+    launches = recorded_tpu_races(monkeypatch)
     end, pos = deep_end_pos(1, 256, rows=1, trees=2, seg=(4, 30))
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
     check_against_oracle("pallas_tpu", end, pos, 40, sinks=True, hq=2, hkv=1, d=64,
@@ -243,7 +236,7 @@ def _mgpu_interpreted(tmp_path, end, pos, window, *, prefix=0, seed=0, hq=4, hkv
     rng = np.random.default_rng(seed)
     bf = lambda *shape: np.asarray(jnp.asarray(rng.normal(size=shape), jnp.bfloat16), np.float32)
     q, k, v = bf(rows, s, hq, d), bf(rows, s, hkv, d), bf(rows, s, hkv, d)
-    d_out = rng.normal(size=(rows, s - prefix, hq, d)).astype(np.float32)
+    d_out = rng.normal(size=(rows, s, hq, d)).astype(np.float32)  # the layout's; [:, prefix:] used
     sinks = (rng.normal(size=hq) + 1).astype(np.float32)
     source, target = tmp_path / "in.npz", tmp_path / "out.npz"
     np.savez(source, q=q, k=k, v=v, d_out=d_out, end=end, dtype="bfloat16", softcap=np.nan,
@@ -261,22 +254,33 @@ def _mgpu_interpreted(tmp_path, end, pos, window, *, prefix=0, seed=0, hq=4, hkv
     out, vjp = jax.vjp(lambda q, k, v, sk: oracle_attention(q, k, v, mask, sk),
                        jnp.asarray(q[:, prefix:]), jnp.asarray(k), jnp.asarray(v),
                        jnp.asarray(sinks))
-    want = [out, *vjp(jnp.asarray(d_out))]
+    want = [out, *vjp(jnp.asarray(d_out[:, prefix:]))]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         w = np.asarray(w)
         err = np.abs(g - w).max() / np.abs(w).max()
         assert err <= 1e-2, (name, err)
     # The sinks' gradient is a signed sum over every query of p_sink * (dO . O), O rounded to
     # bf16: its error is relative to the sum of the terms' sizes, not to the (cancelled) result.
-    terms = np.asarray(sink_gradient_scale(q[:, prefix:], k, v, mask, sinks, d_out))
+    terms = np.asarray(sink_gradient_scale(q[:, prefix:], k, v, mask, sinks, d_out[:, prefix:]))
     err = np.abs(got[4] - np.asarray(want[4])) / terms
     assert err.max() <= 1e-2, ("dsinks", err)
 
 
 @pytest.mark.timeout(900)
 def test_mgpu_interpreted(tmp_path):
-    """One row of 256 tokens (blocks of 128), paths up to 82 deep, window 40: forward, dQ, dK/dV
-    and the sinks' gradient in the Mosaic GPU interpreter with race detection."""
+    """One row of 128 tokens (one forward block; dQ and dK/dV blocks of 64): two trees with
+    paths up to 59 deep, window 20: forward, dQ, dK/dV and the sinks' gradient in the Mosaic GPU
+    interpreter with race detection."""
+    end, pos = deep_end_pos(3, 128, rows=1, trees=3, seg=(3, 14))
+    assert pos.max() > 40
+    _mgpu_interpreted(tmp_path, end, pos, 20, hq=2, hkv=1)
+
+
+@SLOW
+@pytest.mark.timeout(900)
+def test_mgpu_interpreted_two_blocks(tmp_path):
+    """256 tokens (two forward blocks, so the tables skip blocks), paths up to 82 deep, window
+    40."""
     end, pos = deep_end_pos(1, 256, rows=1, trees=2, seg=(4, 30))
     _mgpu_interpreted(tmp_path, end, pos, 40, hq=2, hkv=1)
 
