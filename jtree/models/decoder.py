@@ -54,7 +54,7 @@ from jtree.models.layers import (
 from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
 from jtree.models.output import ModelOutput
 from jtree.models.prefix import LayerCache, prefix_inputs
-from jtree.parallel.context import context_mask, gathered_row
+from jtree.parallel.context import context_mask
 from jtree.parallel.layer_stack import layer_groups
 
 
@@ -244,10 +244,10 @@ class CausalLM(nnx.Module):
         """`prefix`: per-layer caches of the tokens above a part (`jtree.models.prefix`)."""
         cfg, spec = self.config, self.spec
         mask, prefix_pred = prefix_inputs(inputs, prefix)
-        if self.runtime.context_axis is not None:
-            mask = context_mask(mask, self.runtime.context_axis)
         if spec.sliding_window is not None:
             mask = self._with_positions(mask, inputs, prefix)
+        if self.runtime.context_axis is not None:
+            mask = context_mask(mask, self.runtime.context_axis)
         routing = None
         if spec.needs_gdn_tables:
             gdn = inputs.gdn
@@ -272,16 +272,13 @@ class CausalLM(nnx.Module):
     def _with_positions(self, mask: TreeMask, inputs: DeviceBatch,
                         prefix: Sequence[LayerCache] | None) -> TreeMask:
         """`mask` with every key's path position (`TreeMask.positions`), which the windows of
-        the sliding-attention layers count in: the batch's `pos`, of the whole row under
-        context parallelism (gathered over the axis like the key ends)."""
+        the sliding-attention layers count in: the batch's `pos` (under context parallelism
+        this device's slice, which `context_mask` gathers like the key ends)."""
         if prefix is not None:
             raise ValueError("sliding-window attention layers with a redundancy-free prefix are "
                              "not supported (the prefix keys' path positions are not in its "
                              "layout); train this model in tree or baseline mode")
-        pos = jnp.asarray(inputs.pos, jnp.int32)
-        if self.runtime.context_axis is not None:
-            pos = gathered_row(pos, self.runtime.context_axis)
-        return dataclasses.replace(mask, positions=pos)
+        return dataclasses.replace(mask, positions=jnp.asarray(inputs.pos, jnp.int32))
 
     def _replay(self, routed: jax.Array | None) -> list[jax.Array | None] | None:
         """The batch's `routed_experts` [..., S, L, k] cut per layer: MoE layer m (in order)
