@@ -4,10 +4,10 @@ an (optionally tied) head, on tree batches. Returns final hidden states, not log
 Each layer's kind comes from the architecture config (`config.decoder()`, a `DecoderSpec`): its
 token mixer is attention (Qwen3), sliding-window attention (gpt-oss), gated attention
 (Qwen3-Next) or a Gated DeltaNet, its feed-forward a dense SwiGLU, a sparse MoE block, or a MoE
-block with a gated shared expert. Module
-and parameter names mirror Hugging Face's `*ForCausalLM` (`model.layers.N.self_attn.q_proj`,
-`...linear_attn.in_proj_qkvz` or `in_proj_qkv`, `...mlp.experts.gate_up_proj`; NNX `kernel` is
-HF `weight` transposed), so checkpoints map by name.
+block with a gated shared expert. Module and parameter names mirror Hugging Face's
+`*ForCausalLM` (`model.layers.N.self_attn.q_proj`, `...linear_attn.in_proj_qkvz` or
+`in_proj_qkv`, `...mlp.experts.gate_up_proj`; NNX `kernel` is HF `weight` transposed), so
+checkpoints map by name.
 
 `CausalLM.__call__` is the only place that reads the batch (a `jtree.layout.batch.DeviceBatch`: tokens,
 positions, the `TreeMask`, GDN tables, prefix layout, router-loss inputs): it builds the
@@ -278,7 +278,10 @@ class CausalLM(nnx.Module):
             raise ValueError("sliding-window attention layers with a redundancy-free prefix are "
                              "not supported (the prefix keys' path positions are not in its "
                              "layout); train this model in tree or baseline mode")
-        return dataclasses.replace(mask, positions=jnp.asarray(inputs.pos, jnp.int32))
+        pos = inputs.pos
+        # (host arrays stay on the host, like `end`, so kernels can build block tables there)
+        pos = pos.astype(np.int32) if isinstance(pos, np.ndarray) else jnp.asarray(pos, jnp.int32)
+        return dataclasses.replace(mask, positions=pos)
 
     def _replay(self, routed: jax.Array | None) -> list[jax.Array | None] | None:
         """The batch's `routed_experts` [..., S, L, k] cut per layer: MoE layer m (in order)
