@@ -5,10 +5,11 @@ Parameters keep HF's names and layouts: `gate.weight` [E, hidden], `experts.gate
 [E, 2 * moe_intermediate, hidden] (gate rows first), `experts.down_proj` [E, hidden,
 moe_intermediate]. gpt-oss's block is the same module with a router bias, expert biases and the
 clamped SwiGLU; its HF tensors (`mlp.router`, gate/up interleaved, per-expert transposes) are
-mapped by its record (`jtree.models.architectures.gpt_oss`). Experts run dropless: the (token, expert) assignments are sorted by expert and
-multiplied with `jax.lax.ragged_dot`, so no token is ever dropped and the math equals HF's loop.
-Routing replay (docs/rl.md) hands the block the rollout engine's experts per token: the router
-then weighs those instead of its own top-k (`TopKRouter`), on every dispatch path below.
+mapped by its record (`jtree.models.architectures.gpt_oss`). Experts run dropless: the (token,
+expert) assignments are sorted by expert and multiplied with `jax.lax.ragged_dot`, so no token is
+ever dropped and the math equals HF's loop. Routing replay (docs/rl.md) hands the block the rollout
+engine's experts per token: the router then weighs those instead of its own top-k (`TopKRouter`),
+on every dispatch path below.
 
 Load-balancing loss on a tree. HF (`load_balancing_loss_func` with the attention mask) pools all
 MoE layers and all non-padding tokens of the forward batch:

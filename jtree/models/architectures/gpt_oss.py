@@ -17,13 +17,14 @@ Released checkpoints store the experts' two matrices quantized as MXFP4 (`*_bloc
 (`jtree.hf.mxfp4`), so they load like a bf16 checkpoint; `save` writes unquantized tensors and
 no `quantization_config`.
 
-Config. transformers 5's `rope_parameters` or the Hub's top-level `rope_theta` with
-`rope_scaling` (YaRN, `truncate: false` on the released models) are read; `save` writes the Hub's
-form. As in transformers, a config.json with neither means the released models' YaRN (factor 32
-over 4096 positions, not truncated), so plain RoPE is saved as `rope_type: default`. The Hub's `experts_per_token` must equal `num_experts_per_tok`; `initial_context_length`,
-which transformers does not read (YaRN reads `original_max_position_embeddings`), and
-`hidden_act`, which gpt-oss's experts do not use (their activation is the clamped SwiGLU), are
-accepted as they are. `num_local_experts` is jtree's `num_experts`.
+Config. transformers 5's `rope_parameters` or the Hub's top-level `rope_theta` with `rope_scaling`
+(YaRN, `truncate: false` on the released models) are read; `save` writes the Hub's form. As in
+transformers, a config.json with neither means the released models' YaRN (factor 32 over 4096
+positions, not truncated), so plain RoPE is saved as `rope_type: default`. The Hub's
+`experts_per_token` must equal `num_experts_per_tok`; `initial_context_length`, which transformers
+does not read (YaRN reads `original_max_position_embeddings`), and `hidden_act`, which gpt-oss's
+experts do not use (their activation is the clamped SwiGLU), are accepted as they are.
+`num_local_experts` is jtree's `num_experts`.
 """
 
 from __future__ import annotations
