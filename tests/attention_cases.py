@@ -58,13 +58,39 @@ def tree_end(seed: int, s: int, *, rows: int = 3, padding_rows: int = 1, max_tre
              max_nodes: int = 10, max_seg: int = 12) -> np.ndarray:
     """`end` [rows, s] of random multi-level forests packed several per row (DFS order); the last
     `padding_rows` rows hold only padding (end[j] = j + 1)."""
+    return packed_forests(seed, s, rows=rows, padding_rows=padding_rows, max_trees=max_trees,
+                          max_nodes=max_nodes, max_seg=max_seg).mask.end
+
+
+def packed_forests(seed: int, s: int, *, rows: int, padding_rows: int, max_trees: int,
+                   max_nodes: int, max_seg: int, make=None):
+    """The linearized inputs of random forests (`make(rng)`: from_nodes kwargs of one tree,
+    default `random_forest`) packed several per row of s tokens, the last `padding_rows` rows
+    padding only."""
+    make = make or (lambda rng: random_forest(rng, max_nodes=max_nodes, max_seg=max_seg))
     rng = np.random.default_rng(seed)
     trees = []
     for _ in range(max_trees):
-        tree = explicit_tree(random_forest(rng, max_nodes=max_nodes, max_seg=max_seg))
+        tree = explicit_tree(make(rng))
         if tree.n_tree_tokens <= s and linearize(trees + [tree], s).shape[0] <= rows - padding_rows:
             trees.append(tree)
-    return linearize(trees, s, n_rows=rows).inputs.mask.end
+    return linearize(trees, s, n_rows=rows).inputs
+
+
+def recorded_tpu_races(monkeypatch) -> list:
+    """The TPU interpreter's race-detector states of every kernel launch from now on (private
+    jax API: a fresh object per launch, recorded so that all launches can be checked)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+
+    launches = []
+
+    class Recording(tpu_interpreter.RaceDetectionState):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            launches.append(self)
+
+    monkeypatch.setattr(tpu_interpreter, "RaceDetectionState", Recording)
+    return launches
 
 
 def qkv(seed: int, rows: int, s: int, hq: int, hkv: int, d: int, dtype=jnp.float32):

@@ -1,8 +1,9 @@
 """Checks of a tiny random transformers checkpoint against jtree, path by path, shared by the
-architecture tests (`tests/hf/test_hf_llama_qwen2.py`, `tests/hf/test_hf_qwen3_5.py`): each
-checkpoint is written by transformers itself with every parameter random (norm weights and biases
-too), so a swapped, transposed or misnamed tensor cannot hide; the trees branch at several levels,
-with siblings, paths ending inside and duplicates. Import after `pytest.importorskip("torch")` and
+architecture tests (`tests/hf/test_hf_llama_qwen2.py`, `tests/hf/test_hf_qwen3_5.py`,
+`tests/hf/test_hf_gpt_oss.py`): each checkpoint is written by transformers itself with every
+parameter random (norm weights and biases too), so a swapped, transposed or misnamed tensor
+cannot hide; the trees branch at several levels, with siblings, paths ending inside and
+duplicates. Import after `pytest.importorskip("torch")` and
 `pytest.importorskip("transformers")`."""
 
 from __future__ import annotations

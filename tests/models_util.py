@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from jtree.config.architectures import (
+    GptOssConfig,
     Llama3RopeScaling,
     LlamaConfig,
     Qwen2Config,
@@ -19,6 +20,7 @@ from jtree.config.architectures import (
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
+    YarnRopeScaling,
 )
 from jtree.config.objective import Objective
 from jtree.config.runtime import RuntimeConfig
@@ -88,6 +90,21 @@ def tiny_qwen3_5_config(**overrides) -> Qwen3_5Config:
 
 def tiny_qwen3_5_moe_config(**overrides) -> Qwen3_5MoeConfig:
     return Qwen3_5MoeConfig(**dict(TINY_QWEN3_5_MOE, **overrides))
+
+
+# gpt-oss that splits 4 ways like TINY_MOE (4 query heads over 2 kv heads, 4 experts): layers
+# [sliding (window 3), full], experts whose SwiGLU clamps at 1, YaRN RoPE blending some
+# frequencies, the router loss on.
+TINY_GPT_OSS = dict(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                    num_experts_per_tok=2, sliding_window=3, swiglu_limit=1.0,
+                    router_aux_loss_coef=0.5, output_router_logits=True, rope_theta=100.0,
+                    rope_scaling=YarnRopeScaling(factor=4.0, original_max_position_embeddings=64,
+                                                 truncate=False))
+
+
+def tiny_gpt_oss_config(**overrides) -> GptOssConfig:
+    return GptOssConfig(**dict(TINY_GPT_OSS, **overrides))
 
 
 def tiny_moe_config(**overrides) -> Qwen3MoeConfig:

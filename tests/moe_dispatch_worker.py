@@ -2,8 +2,9 @@
 
 Run in a subprocess (`tests/models/test_moe_dispatch.py`); importing `tests.mesh_worker` first sets
 its XLA flags (8 host devices), and train-step cases are that module's. A layer case is
-`layer:KIND:ROUTING:SHARDS`: KIND `moe` (Qwen3-MoE block) or `shared` (Qwen3-Next's, with the
-Megatron-split shared expert), ROUTING `random`, `uneven` (the router biased so that almost
+`layer:KIND:ROUTING:SHARDS`: KIND `moe` (Qwen3-MoE block), `shared` (Qwen3-Next's, with the
+Megatron-split shared expert) or `gptoss` (gpt-oss's: biased router and experts, clamped
+SwiGLU), ROUTING `random`, `uneven` (the router biased so that almost
 every assignment goes to the first expert shard) or `replay` (routing replay: random engine
 experts given for two tokens in three, the others routed by the router), on a ('data', 'model') mesh of 8 / SHARDS x
 SHARDS devices with the block's experts split over `model` and run with
@@ -32,7 +33,14 @@ from jtree.models.decoder import feed_forward
 from jtree.models.moe import load_balancing_loss
 from jtree.parallel.sharding import DATA, LAYER_KIND_RULES, MODEL, make_mesh, param_specs
 from jtree.config.run import MeshConfig
-from tests.models_util import perturbed, rel_l2, tiny_moe_config, tiny_next_config, tiny_runtime  # noqa: E402,E501
+from tests.models_util import (  # noqa: E402
+    perturbed,
+    rel_l2,
+    tiny_gpt_oss_config,
+    tiny_moe_config,
+    tiny_next_config,
+    tiny_runtime,
+)
 
 ROWS_PER_SHARD, S = 2, 7
 
@@ -41,14 +49,15 @@ class Layer(nnx.Module):
     """Holds the block as `mlp`, the name the sharding rules match in a decoder layer."""
 
     def __init__(self, cfg, runtime, ffn: str):
-        self.mlp = feed_forward(cfg, runtime, ffn, rngs=nnx.Rngs(0))
+        self.mlp = feed_forward(cfg, runtime, ffn, cfg.decoder(), rngs=nnx.Rngs(0))
 
 
 def layer_case(case: str) -> dict:
     _, kind, routing, shards = case.split(":")
     shards = int(shards)
-    ffn = {"moe": "moe", "shared": "moe_shared"}[kind]
-    cfg = (tiny_moe_config if kind == "moe" else tiny_next_config)()
+    ffn = {"moe": "moe", "shared": "moe_shared", "gptoss": "moe"}[kind]
+    cfg = {"moe": tiny_moe_config, "shared": tiny_next_config,
+           "gptoss": tiny_gpt_oss_config}[kind]()
     experts, hidden = cfg.num_experts, cfg.hidden_size
     graphdef, params = nnx.split(Layer(cfg, tiny_runtime(), ffn))
     params = perturbed(params, scale=0.5)

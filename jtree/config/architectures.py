@@ -10,10 +10,10 @@ run config is read, the FLOP model counted and the sharding rules chosen without
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
 
-Mixer = Literal["attention", "gated_attention", "gated_deltanet"]
+Mixer = Literal["attention", "sliding_attention", "gated_attention", "gated_deltanet"]
 
 
 GdnProjections = Literal["qkvz_ba", "qkv_z_b_a"]
@@ -22,7 +22,8 @@ GdnProjections = Literal["qkvz_ba", "qkv_z_b_a"]
 FeedForward = Literal["mlp", "moe", "moe_shared"]
 
 
-MIXERS: tuple[Mixer, ...] = ("attention", "gated_attention", "gated_deltanet")
+MIXERS: tuple[Mixer, ...] = ("attention", "sliding_attention", "gated_attention",
+                             "gated_deltanet")
 
 
 FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared")
@@ -38,9 +39,10 @@ class LayerKind(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class DecoderSpec:
     """The layer choice of an architecture config: one `LayerKind` per decoder layer, the norm
-    of every layer, head and final output (`jtree.models.layers.NORMS`: Qwen3's RMSNorm or
-    Qwen3-Next's (1 + weight) form), how many features of each head RoPE rotates and how its
-    frequencies are scaled (`rope_scaling`, None: plain RoPE).
+    of every layer, head and final output (`jtree.models.layers.NORMS`: Qwen3's RMSNorm,
+    Qwen3-Next's (1 + weight) form or gpt-oss's scale in float32), how many features of each
+    head RoPE rotates and how its frequencies are scaled (`rope_scaling`: Llama 3's or YaRN;
+    None: plain RoPE).
 
     The attention's details that leave its shapes, sharding and FLOPs as they are, so they are
     flags here rather than layer kinds: `qk_norm` (Qwen3's per-head q/k norm; Llama and Qwen2
@@ -48,23 +50,38 @@ class DecoderSpec:
     has the first without the second) and on the dense MLP's projections (`mlp_bias`). Likewise
     the Gated DeltaNet's input projections (`gdn_projections`), whose widths are the same either
     way: Qwen3-Next's fused `in_proj_qkvz` / `in_proj_ba` ("qkvz_ba") or Qwen3.5's separate
-    `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` ("qkv_z_b_a")."""
+    `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` ("qkv_z_b_a").
+
+    gpt-oss's details are flags too: learned per-head attention sinks (`attention_sinks`, an
+    extra logit in each head's softmax denominator), the key window of its "sliding_attention"
+    layers (`sliding_window`, counted along the path: query i sees key j iff
+    pos[i] - pos[j] < sliding_window), a bias on the router (`router_bias`) and on every
+    expert's projections (`expert_bias`), and the experts' clamped SwiGLU (`swiglu_clamp` =
+    (alpha, limit): (clip(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit);
+    None: silu(gate) * up)."""
 
     layers: tuple[LayerKind, ...]
-    norm: Literal["rms", "offset_rms"]
+    norm: Literal["rms", "offset_rms", "rms_f32_scale"]
     rotary_dim: int
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: Llama3RopeScaling | YarnRopeScaling | None = None
     qk_norm: bool = True
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     gdn_projections: GdnProjections = "qkvz_ba"
+    attention_sinks: bool = False
+    sliding_window: int | None = None
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_clamp: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         for i, kind in enumerate(self.layers):
             if kind.mixer not in MIXERS or kind.ffn not in FEED_FORWARDS:
                 raise ValueError(f"layer {i}: {kind} is not a (mixer in {MIXERS}, feed-forward "
                                  f"in {FEED_FORWARDS}) pair")
+            if kind.mixer == "sliding_attention" and self.sliding_window is None:
+                raise ValueError(f"layer {i}: a sliding_attention layer needs sliding_window")
 
     @property
     def needs_gdn_tables(self) -> bool:
@@ -75,6 +92,20 @@ class DecoderSpec:
     def kinds(self) -> set[str]:
         """Every mixer and feed-forward kind some layer uses."""
         return {kind.mixer for kind in self.layers} | {kind.ffn for kind in self.layers}
+
+
+def fill_layer_types(cfg: Any, allowed: tuple[str, ...], default: Callable[[int], str]) -> None:
+    """Set `cfg.layer_types` (a frozen config's, in `__post_init__`) to a tuple: as given, or
+    `default(i)` for every layer i (HF's default pattern); checks its length and entries."""
+    n = cfg.num_hidden_layers
+    types = tuple(default(i) for i in range(n)) if cfg.layer_types is None else tuple(
+        cfg.layer_types)
+    object.__setattr__(cfg, "layer_types", types)
+    if len(types) != n:
+        raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers={n}")
+    for i, t in enumerate(types):
+        if t not in allowed:
+            raise ValueError(f"layer_types[{i}]: {t!r} is not one of {allowed}")
 
 
 def is_moe_layer(layer: int, num_experts: int, decoder_sparse_step: int,
@@ -151,6 +182,37 @@ class Llama3RopeScaling:
         if self.original_max_position_embeddings < 1:
             raise ValueError("rope_scaling.original_max_position_embeddings must be >= 1, got "
                              f"{self.original_max_position_embeddings}")
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN's RoPE frequency scaling (HF `rope_parameters` / `rope_scaling` with `rope_type:
+    yarn`; gpt-oss): each frequency is a blend of the original one (kept where it turns more than
+    `beta_fast` times over `original_max_position_embeddings`) and the one divided by `factor`
+    (where it turns fewer than `beta_slow` times), with a linear ramp over the dimensions in
+    between (`truncate`: the ramp's ends rounded to whole dimensions); cos and sin are multiplied
+    by `attention_factor` (None: 0.1 ln(factor) + 1, or the ratio of the `mscale` /
+    `mscale_all_dim` forms when both are given), as transformers computes them
+    (`jtree.models.layers.rope_inverse_frequencies`, `rope_attention_factor`)."""
+
+    factor: float = 32.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling.factor ({self.factor}) must be > 0")
+        if self.original_max_position_embeddings < 1:
+            raise ValueError("rope_scaling.original_max_position_embeddings must be >= 1, got "
+                             f"{self.original_max_position_embeddings}")
+        if not self.beta_fast > 0 or not self.beta_slow > 0:
+            raise ValueError(f"rope_scaling: beta_fast ({self.beta_fast}) and beta_slow "
+                             f"({self.beta_slow}) must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,18 +295,8 @@ class HybridFields:
 
     def check_hybrid(self) -> None:
         """Fill in `layer_types` and check the hybrid fields (called by `__post_init__`)."""
-        if self.layer_types is None:
-            types = tuple("full_attention" if (i + 1) % self.full_attention_interval == 0
-                          else "linear_attention" for i in range(self.num_hidden_layers))
-        else:
-            types = tuple(self.layer_types)
-        object.__setattr__(self, "layer_types", types)
-        if len(types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers="
-                             f"{self.num_hidden_layers}")
-        for i, t in enumerate(types):
-            if t not in LAYER_TYPES:
-                raise ValueError(f"layer_types[{i}]: {t!r} is not one of {LAYER_TYPES}")
+        fill_layer_types(self, LAYER_TYPES, lambda i: "full_attention" if (
+            i + 1) % self.full_attention_interval == 0 else "linear_attention")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"linear_num_key_heads ({self.linear_num_key_heads}) must divide "
                              f"linear_num_value_heads ({self.linear_num_value_heads})")
@@ -326,6 +378,74 @@ class Qwen3_5MoeConfig(Qwen3NextConfig):
         return dataclasses.replace(super().decoder(), gdn_projections="qkv_z_b_a")
 
 
+@dataclasses.dataclass(frozen=True)
+class GptOssConfig(DenseConfig):
+    """gpt-oss (HF `GptOssForCausalLM`, model_type `gpt_oss`): attention with biases on q/k/v/o,
+    no q/k norm, learned per-head sinks, "sliding_attention" layers (a key window of
+    `sliding_window` path positions) and "full_attention" layers as `layer_types` says (HF's
+    default: alternating, sliding first), YaRN-scaled RoPE (`rope_scaling`), and a MoE block in
+    every layer: a router with a bias whose top-k logits are softmaxed (the same weights as
+    renormalizing the top-k of the full softmax, so the router is Qwen3-MoE's with
+    `norm_topk_prob`), experts with biases and the clamped SwiGLU (`swiglu_alpha`,
+    `swiglu_limit`; `DecoderSpec.swiglu_clamp`). `intermediate_size` is each expert's width
+    (`moe_intermediate_size` reads it); `num_experts` is HF's `num_local_experts`."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 32
+    num_hidden_layers: int = 2
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 150000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 131072
+    attention_bias: bool = True
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    sliding_window: int = 128
+    layer_types: tuple[str, ...] | None = None
+    # transformers' default for gpt-oss (the released models' scaling); None: plain RoPE
+    rope_scaling: YarnRopeScaling | None = dataclasses.field(
+        default_factory=lambda: YarnRopeScaling(factor=32.0, original_max_position_embeddings=4096,
+                                                truncate=False))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        fill_layer_types(self, GPT_OSS_LAYER_TYPES, lambda i: "sliding_attention" if (
+            i + 1) % 2 else "full_attention")
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                             f"[1, num_experts={self.num_experts}]")
+        if not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be > 0, got {self.swiglu_limit}")
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        return self.intermediate_size
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        return True
+
+    def decoder(self) -> DecoderSpec:
+        return dataclasses.replace(
+            super().decoder(), qkv_bias=self.attention_bias, o_bias=self.attention_bias,
+            norm="rms_f32_scale", rope_scaling=self.rope_scaling, attention_sinks=True,
+            sliding_window=self.sliding_window, router_bias=True, expert_bias=True,
+            swiglu_clamp=(self.swiglu_alpha, self.swiglu_limit),
+            layers=tuple(LayerKind("sliding_attention" if t == "sliding_attention"
+                                   else "attention", "moe") for t in self.layer_types))
+
+
+GPT_OSS_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -334,7 +454,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 ARCHITECTURE_CONFIGS: dict[str, type] = {
     "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "qwen3_next": Qwen3NextConfig,
     "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_5": Qwen3_5Config,
-    "qwen3_5_moe": Qwen3_5MoeConfig}
+    "qwen3_5_moe": Qwen3_5MoeConfig, "gpt_oss": GptOssConfig}
 
 
 def architecture_config(name: str) -> type:

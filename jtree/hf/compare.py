@@ -42,7 +42,8 @@ BLOCK = re.compile(r"model\.layers\.\d+\.(self_attn|linear_attn|mlp)")
 FFN_PARTS = ("mlp", "post_attention_layernorm")
 NON_LAYER_GROUP = "embeddings+head"
 # Report groups of the layer kinds (`jtree.config.architectures.LayerKind`), in HF's words.
-MIXER_GROUP = {"attention": "full_attention", "gated_attention": "full_attention",
+MIXER_GROUP = {"attention": "full_attention", "sliding_attention": "sliding_attention",
+               "gated_attention": "full_attention",
                "gated_deltanet": "linear_attention"}
 FFN_GROUP = {"mlp": "mlp", "moe": "moe", "moe_shared": "moe"}
 

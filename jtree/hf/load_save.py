@@ -132,11 +132,11 @@ def _validate(ckpt: CheckpointTensors, arch: HfMapping, config: Any,
             got = ckpt.shape(hf_name)
             if got != hf_shape:
                 raise ValueError(f"{where}: tensor {hf_name!r} has shape {got}, config.json "
-                                 f"implies {hf_shape} ({ckpt.file_of[hf_name]})")
+                                 f"implies {hf_shape} ({ckpt.where(hf_name)})")
             if ckpt.dtype(hf_name) not in FLOAT_DTYPES:
                 raise ValueError(f"{where}: tensor {hf_name!r} has dtype {ckpt.dtype(hf_name)}; "
-                                 "only floating-point weights are supported (no quantized "
-                                 "checkpoints)")
+                                 "only floating-point weights and MXFP4 pairs are read (no "
+                                 "other quantized checkpoints)")
     for alias, source in tied.items():
         if alias in present and not np.array_equal(ckpt.read(alias), ckpt.read(source)):
             raise ValueError(f"{where}: tensor {alias!r} differs from {source!r}, but config.json "

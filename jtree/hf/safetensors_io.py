@@ -14,6 +14,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jtree.hf import mxfp4
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_PATTERN = "model-{:05d}-of-{:05d}.safetensors"
@@ -21,6 +23,10 @@ SHARD_PATTERN = "model-{:05d}-of-{:05d}.safetensors"
 
 class CheckpointTensors(contextlib.AbstractContextManager):
     """Names, shapes and dtypes of every tensor in a checkpoint directory; `read(name)` loads one.
+
+    An MXFP4-quantized tensor (a uint8 pair `NAME_blocks`, `NAME_scales`, as gpt-oss's released
+    experts) is listed as the float32 tensor NAME that transformers dequantizes it to, and read
+    dequantized (`jtree.hf.mxfp4`); the pair itself is not listed.
 
     Use as a context manager (files stay open, memory-mapped, while reading).
     """
@@ -57,22 +63,55 @@ class CheckpointTensors(contextlib.AbstractContextManager):
             for name, file in weight_map.items():
                 if name not in self.file_of:
                     raise ValueError(f"{INDEX_FILE}: tensor {name!r} is missing from {file}")
+        self.quantized: dict[str, tuple[str, str]] = {}
+        for name in list(self.file_of):
+            base = name.removesuffix(mxfp4.BLOCKS_SUFFIX)
+            scales = base + mxfp4.SCALES_SUFFIX
+            if (base == name or scales not in self.file_of or base in self.file_of
+                    or {self._stored_dtype(name), self._stored_dtype(scales)} != {"U8"}):
+                continue
+            self.quantized[base] = (name, scales)
+        self._pair_file = {n: self.file_of.pop(n) for pair in self.quantized.values()
+                           for n in pair}
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
     def names(self) -> list[str]:
-        return sorted(self.file_of)
+        return sorted([*self.file_of, *self.quantized])
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+    def where(self, name: str) -> str:
+        """The file holding tensor `name` (its blocks, for an MXFP4 tensor)."""
+        return self._file(self.quantized[name][0] if name in self.quantized else name)
 
-    def dtype(self, name: str) -> str:
-        """The safetensors dtype code of a tensor ("F32", "BF16", "I8", ...)."""
+    def _stored_dtype(self, name: str) -> str:
         return self._handles[self.file_of[name]].get_slice(name).get_dtype()
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.quantized:
+            blocks = self.quantized[name][0]
+            return mxfp4.hf_shape(tuple(self._raw(blocks).get_shape()))
+        return tuple(self._raw(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype code of a tensor ("F32", "BF16", "I8", ...); "F32" for an MXFP4
+        tensor (what it is read as)."""
+        return "F32" if name in self.quantized else self._raw(name).get_dtype()
+
     def read(self, name: str) -> np.ndarray:
-        return self._handles[self.file_of[name]].get_tensor(name)
+        if name in self.quantized:
+            blocks, scales = self.quantized[name]
+            return mxfp4.hf_tensor(self._read_raw(blocks), self._read_raw(scales))
+        return self._read_raw(name)
+
+    def _raw(self, name: str):
+        return self._handles[self._file(name)].get_slice(name)
+
+    def _read_raw(self, name: str) -> np.ndarray:
+        return self._handles[self._file(name)].get_tensor(name)
+
+    def _file(self, name: str) -> str:
+        return self.file_of[name] if name in self.file_of else self._pair_file[name]
 
 
 def write_checkpoint(

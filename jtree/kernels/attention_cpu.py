@@ -11,6 +11,9 @@ the FFI headers shipped with jaxlib, for this machine (`-march=native`), and cac
 `$JTREE_KERNEL_CACHE` (default `~/.cache/jtree/kernels`) by a hash of the source, flags, compiler,
 jax version and CPU. Float32 compute (other dtypes are cast in and out); no soft-cap. Bitwise
 repeatable for a given thread count (the backward's dk/dv sums run in an order fixed by it).
+
+Sliding window: the block tables skip the blocks outside every query's window and PARTIAL blocks
+test q_path[i] - k_path[j] < W in the element mask; sinks: `flash_vjp` (the `xla` lse layout).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import numpy as np
 
 from jtree.kernels.attention_xla import (
     _blocks,
+    lse_rows,
+    rows_lse,
     _kv_from_blocks,
     _kv_to_blocks,
     _q_from_blocks,
@@ -114,6 +119,7 @@ class _Config(NamedTuple):
     block_q: int
     block_kv: int
     threads: int
+    window: int | None = None
 
 
 class _Schedule(NamedTuple):
@@ -143,10 +149,13 @@ def tree_attention_cpu(
     q_pos: jax.Array | None = None,
     q_real: jax.Array | None = None,
     threads: int | None = None,
+    window: int | None = None,
+    key_pos: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D]; the contract of
     `jtree.kernels.attention_xla.tree_attention_xla` (S a multiple of the blocks, optional
-    `q_pos`, `q_real`).
+    `q_pos`, `q_real`, `window` with `key_pos`, `sinks`).
     `threads` defaults to the CPUs this process may use."""
     if softcap is not None:
         raise ValueError("attention impl 'cpu': softcap is not supported (use 'xla')")
@@ -165,29 +174,38 @@ def tree_attention_cpu(
         q_pos = (np.broadcast_to(np.arange(sq, dtype=np.int32), (rows, sq))
                  if isinstance(end, np.ndarray) else
                  jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (rows, sq)))
-    tables = block_tables(end, block_q, block_kv, q_pos=q_pos, q_real=q_real)
+    tables = block_tables(end, block_q, block_kv, q_pos=q_pos, q_real=q_real, window=window,
+                          key_pos=key_pos)
     lists = flat_kv_lists(tables, skv // block_kv)
     sched = _Schedule(*(jnp.asarray(x, jnp.int32) for x in lists))
-    cfg = _Config(float(scale), block_q, block_kv, threads or default_threads())
+    cfg = _Config(float(scale), block_q, block_kv, threads or default_threads(), window)
+    q_pos = jnp.asarray(q_pos, jnp.int32)
+    if window is None:  # unused by the kernel (window attribute 0)
+        k_path, q_path = jnp.zeros((rows, skv), jnp.int32), jnp.zeros((rows, sq), jnp.int32)
+    else:
+        k_path = jnp.asarray(key_pos, jnp.int32)
+        q_path = jnp.take_along_axis(k_path, q_pos, axis=1)
     out = _attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                     jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32), sched, cfg)
+                     jnp.asarray(end, jnp.int32), q_pos, k_path, q_path, sched, cfg,
+                     sinks=sinks)
     return out.astype(q.dtype)
 
 
 def _attrs(cfg: _Config, nk: int) -> dict:
     return {"scale": np.float32(cfg.scale), "nk_row": np.int64(nk),
-            "threads": np.int64(cfg.threads)}
+            "threads": np.int64(cfg.threads), "window": np.int64(cfg.window or 0)}
 
 
-def _block_inputs(q, k, v, end, q_pos, sched: _Schedule, cfg: _Config):
+def _block_inputs(q, k, v, end, q_pos, k_path, q_path, sched: _Schedule, cfg: _Config):
     hkv = k.shape[2]
     return (_q_to_blocks(q, hkv, cfg.block_q), _kv_to_blocks(k, cfg.block_kv),
             _kv_to_blocks(v, cfg.block_kv), end.reshape(-1, cfg.block_kv),
-            q_pos.reshape(-1, cfg.block_q), sched.kv_index, sched.kv_kind, sched.count)
+            q_pos.reshape(-1, cfg.block_q), sched.kv_index, sched.kv_kind, sched.count,
+            k_path.reshape(-1, cfg.block_kv), q_path.reshape(-1, cfg.block_q))
 
 
-def _forward(q, k, v, end, q_pos, sched: _Schedule, cfg: _Config):
-    args = _block_inputs(q, k, v, end, q_pos, sched, cfg)
+def _forward(q, k, v, end, q_pos, k_path, q_path, sched: _Schedule, cfg: _Config):
+    args = _block_inputs(q, k, v, end, q_pos, k_path, q_path, sched, cfg)
     qb = args[0]
     out, lse = jax.ffi.ffi_call(_FORWARD, (jax.ShapeDtypeStruct(qb.shape, jnp.float32),
                                            jax.ShapeDtypeStruct(qb.shape[:3], jnp.float32)))(
@@ -196,10 +214,10 @@ def _forward(q, k, v, end, q_pos, sched: _Schedule, cfg: _Config):
     return _q_from_blocks(out, q.shape[0], q.shape[2], cfg.block_q), lse
 
 
-def _backward(cfg, q, k, v, end, q_pos, sched, out, lse, d_out):
+def _backward(cfg, q, k, v, end, q_pos, k_path, q_path, sched, out, lse, d_out):
     rows, _, hq, _ = q.shape
     hkv = k.shape[2]
-    args = _block_inputs(q, k, v, end, q_pos, sched, cfg)
+    args = _block_inputs(q, k, v, end, q_pos, k_path, q_path, sched, cfg)
     delta = last_axis_dot(d_out, out)
     args += (_q_to_blocks(d_out, hkv, cfg.block_q), lse, _q_to_blocks(delta, hkv, cfg.block_q))
     grads = jax.ffi.ffi_call(_BACKWARD, (jax.ShapeDtypeStruct(args[0].shape, jnp.float32),
@@ -211,4 +229,4 @@ def _backward(cfg, q, k, v, end, q_pos, sched, out, lse, d_out):
             _kv_from_blocks(dv, rows))
 
 
-_attention = flash_vjp(_forward, _backward, 6)
+_attention = flash_vjp(_forward, _backward, 8, lse_rows=lse_rows, rows_lse=rows_lse)

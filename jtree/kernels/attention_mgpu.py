@@ -10,6 +10,11 @@ See `mgpu_forward.py`, `mgpu_backward.py` and `mgpu_pipeline.py` for the kernels
 Rectangular layouts (a part attending to cached prefix keys): queries at key positions `q_pos`,
 read by the element mask and by the block tables, as in `attention_tpu`.
 
+Sliding window (`window` W, `key_pos`): `end` and `q_pos` travel as [rows, 2, S] stacks whose
+second row is the path positions (fetched with the same TMA tiles); the element mask adds
+q_path[i] - k_path[j] < W and the block tables drop blocks outside every query's window. Sinks:
+`flash_vjp`, on the base-2 log-sum-exp converted to natural log.
+
 Inputs must be bf16 or f16 (what wgmma multiplies), head_dim a multiple of 64 (the 128-byte
 swizzled SMEM tile) and small enough for the SMEM budget; anything else raises ValueError. The
 query and key lengths must be multiples of 128 (`padded_length(s)`: `tree_attention` pads them
@@ -52,6 +57,7 @@ class _Static:
     stages: int
     heads_per_cta: int
     interpret: Any
+    window: int | None = None
 
 
 def attention_mgpu(
@@ -67,6 +73,9 @@ def attention_mgpu(
     interpret: Any = None,
     q_pos: jax.Array | None = None,
     q_real: jax.Array | None = None,
+    window: int | None = None,
+    key_pos: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] on Hopper (see
     `tree_attention`; Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query).
@@ -78,7 +87,8 @@ def attention_mgpu(
 
     `block_kv` is the forward kv tile (default 128 for head_dim <= 128, else 64); `stages` the
     depth of the TMA ring. `interpret` is passed to `plgpu.kernel` (an `InterpretGPUParams` runs
-    the kernels in the Mosaic GPU interpreter on CPU).
+    the kernels in the Mosaic GPU interpreter on CPU). `window` with `key_pos` [rows, Skv]: the
+    sliding window along the path; `sinks` [Hq]: attention sinks.
     """
     del q_real  # see above
     rows, sq, _, head_dim = q.shape
@@ -96,13 +106,18 @@ def attention_mgpu(
                          f"swizzled tile dividing {SEQ_MULTIPLE})")
     if stages < 1:
         raise ValueError(f"stages={stages}: need at least one pipeline stage")
-    _check_smem("forward", forward_buffers(skv, head_dim, block_kv, stages, q.dtype))
+    _check_smem("forward", forward_buffers(skv, head_dim, block_kv, stages, q.dtype, window))
     group = q.shape[2] // k.shape[2]
     static = _Static(float(scale), None if softcap is None else float(softcap), block_kv, stages,
-                     2 if group % 2 == 0 else 1, interpret)
+                     2 if group % 2 == 0 else 1, interpret, window)
     if q_pos is None:
         q_pos = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (rows, sq))
-    return _attention(q, k, v, jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32), static)
+    end, q_pos = jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32)
+    if window is not None:  # [rows, 2, S]: values, then path positions
+        k_path = jnp.asarray(key_pos, jnp.int32)
+        end = jnp.stack([end, k_path], axis=1)
+        q_pos = jnp.stack([q_pos, jnp.take_along_axis(k_path, q_pos, axis=1)], axis=1)
+    return _attention(q, k, v, end, q_pos, static, sinks=sinks)
 
 
 def padded_length(s: int, **_options) -> int:
@@ -159,35 +174,56 @@ def _transposed(x: jax.Array) -> jax.Array:
     return jnp.transpose(x, (0, 2, 3, 1))
 
 
+def _tables(end, q_pos, block_q: int, block_kv: int, st: _Static):
+    """`block_tables` of the (possibly path-stacked, see `attention_mgpu`) `end` and `q_pos`."""
+    if st.window is None:
+        return block_tables(end, block_q, block_kv, q_pos=q_pos)
+    return block_tables(end[:, 0], block_q, block_kv, q_pos=q_pos[:, 0], window=st.window,
+                        key_pos=end[:, 1])
+
+
 def _forward(q, k, v, end, q_pos, st: _Static):
     block_q = SEQ_MULTIPLE // st.heads_per_cta
-    tables = block_tables(end, block_q, st.block_kv, q_pos=q_pos)
+    tables = _tables(end, q_pos, block_q, st.block_kv, st)
     return forward_call(
         q, _transposed(k), v, end, q_pos, _list_table(tables.kv_blocks, tables.kv_kind),
         tables.kv_count, block_kv=st.block_kv, stages=st.stages, heads_per_cta=st.heads_per_cta,
-        scale=st.scale, softcap=st.softcap, interpret=st.interpret)
+        scale=st.scale, softcap=st.softcap, interpret=st.interpret, window=st.window)
 
 
 def _backward(st: _Static, q, k, v, end, q_pos, out, lse, d_out):
     sq, skv, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    _check_smem("dq", dq_buffers(skv, head_dim, st.stages, q.dtype))
-    _check_smem("dkv", dkv_buffers(sq, head_dim, st.stages, q.dtype))
+    _check_smem("dq", dq_buffers(skv, head_dim, st.stages, q.dtype, st.window))
+    _check_smem("dkv", dkv_buffers(sq, head_dim, st.stages, q.dtype, st.window))
     d_out = d_out.astype(q.dtype)
     # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: the softmax Jacobian's row term, O(S) memory.
     delta = jnp.einsum("rshd,rshd->rhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
     block_q = SEQ_MULTIPLE // st.heads_per_cta
-    kv_lists = block_tables(end, block_q, DQ_BLOCK_KV, q_pos=q_pos)
+    kv_lists = _tables(end, q_pos, block_q, DQ_BLOCK_KV, st)
     d_q = dq_call(
         q, d_out, lse, delta, _transposed(k), _transposed(v), k, end, q_pos,
         _list_table(kv_lists.kv_blocks, kv_lists.kv_kind), kv_lists.kv_count,
         stages=st.stages, heads_per_cta=st.heads_per_cta, scale=st.scale, softcap=st.softcap,
-        interpret=st.interpret)
-    q_lists = block_tables(end, DKV_BLOCK_Q, DKV_BLOCK_KV, q_pos=q_pos)
+        interpret=st.interpret, window=st.window)
+    q_lists = _tables(end, q_pos, DKV_BLOCK_Q, DKV_BLOCK_KV, st)
     d_k, d_v = dkv_call(
         _transposed(q), _transposed(d_out), q, d_out, lse, delta, k, v, end, q_pos,
         _list_table(q_lists.q_blocks, q_lists.q_kind), q_lists.q_count,
-        stages=st.stages, scale=st.scale, softcap=st.softcap, interpret=st.interpret)
+        stages=st.stages, scale=st.scale, softcap=st.softcap, interpret=st.interpret,
+        window=st.window)
     return d_q, d_k, d_v
 
 
-_attention = flash_vjp(_forward, _backward, 5)
+_LN2 = 0.6931471805599453
+
+
+def _lse_rows(lse, st, q):
+    """The kernels' base-2 lse [rows, Hq, Sq] as a natural-log [rows, Sq, Hq]."""
+    return lse.transpose(0, 2, 1) * _LN2
+
+
+def _rows_lse(x, st, q, lse):
+    return x.transpose(0, 2, 1) * (1.0 / _LN2)
+
+
+_attention = flash_vjp(_forward, _backward, 5, lse_rows=_lse_rows, rows_lse=_rows_lse)

@@ -17,6 +17,12 @@ Rectangular layouts (`q_pos`, a part attending to cached prefix keys): the queri
 of the key positions, query i at key position q_pos[i]; the kernels read each q-block's slice of
 `q_pos` (lane-dense [1, block_q] rows) instead of an iota, so the mask is j <= q_pos[i] < end[j].
 
+Sliding window (`window` W, `key_pos` the keys' path positions): `end` and `q_pos` travel as
+[rows, 2, S] stacks with the path positions in their second row, so each kernel gets a block's
+path positions with its slice of `end` / `q_pos` (no new BlockSpec), and PARTIAL blocks add
+q_path[i] - k_path[j] < W to the element mask; the block tables drop the blocks outside every
+query's window. Sinks: `jtree.kernels.flash_vjp` (lse [rows, Hq, 1, Sq]).
+
 Inputs are transposed to head-major [rows, heads, S, head_dim] so every block is a lane-dense
 (block, head_dim) tile. Constraints (checked, with the reason, in `tree_attention_tpu`): float32 or
 bfloat16, head_dim 64 or a multiple of 128, block sizes multiples of 128 that divide S, and block
@@ -35,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jtree.kernels.block_tables import FULL, PARTIAL, block_padding, block_tables
+from jtree.kernels.flash_vjp import flash_vjp
 from jtree.kernels.pallas_attention import MASKED, NN, NT, BlockConfig
 from jtree.kernels.varying_axes import varying_struct
 
@@ -61,6 +68,9 @@ def tree_attention_tpu(
     interpret: Any = False,
     q_pos: jax.Array | None = None,
     q_real: jax.Array | None = None,
+    window: int | None = None,
+    key_pos: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] (see `tree_attention`;
     Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query; q-blocks without a
@@ -71,6 +81,8 @@ def tree_attention_tpu(
     costs a little, so a tight budget helps. A budget that is too small raises for a host `end`;
     under jit it cannot raise, so the output is set to NaN instead of silently dropping blocks.
     `interpret` runs the kernels in the Pallas TPU interpreter (True or pltpu.InterpretParams).
+    `window` with `key_pos` [rows, Skv]: the sliding window along the path; `sinks` [Hq]: the
+    attention sinks.
     """
     rows, sq, hq, d = q.shape
     skv = k.shape[1]
@@ -89,15 +101,21 @@ def tree_attention_tpu(
             f"{SMEM_TABLE_BYTES}-byte SMEM budget; use larger blocks, fewer rows per call, or a "
             "max_kv_blocks / max_q_blocks budget")
     tables = block_tables(end, block_q, block_kv, max_kv_blocks=max_kv, max_q_blocks=max_q,
-                          q_pos=q_pos, q_real=q_real)
+                          q_pos=q_pos, q_real=q_real, window=window, key_pos=key_pos)
     kv_table = _pack(tables.kv_blocks, tables.kv_kind)
     q_table = _pack(tables.q_blocks, tables.q_kind)
     cfg = BlockConfig(float(scale), None if softcap is None else float(softcap), block_q, block_kv,
-                      interpret)
+                      interpret, window=window)
     if q_pos is None:
         q_pos = np.broadcast_to(np.arange(sq, dtype=np.int32), (rows, sq))
-    out = _attention(q, k, v, jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32),
-                     kv_table, q_table, cfg)
+    end3 = jnp.asarray(end, jnp.int32)[:, None, :]
+    qpos3 = jnp.asarray(q_pos, jnp.int32)[:, None, :]
+    if window is not None:  # path positions as the second row of `end` and `q_pos`
+        k_path = jnp.asarray(key_pos, jnp.int32)
+        q_path = jnp.take_along_axis(k_path, qpos3[:, 0], axis=1)
+        end3 = jnp.concatenate([end3, k_path[:, None, :]], axis=1)
+        qpos3 = jnp.concatenate([qpos3, q_path[:, None, :]], axis=1)
+    out = _attention(q, k, v, end3, qpos3, kv_table, q_table, cfg, sinks=sinks)
     if isinstance(tables.kv_count, np.ndarray) or (max_kv_blocks is None and max_q_blocks is None):
         return out
     overflow = (jnp.max(tables.kv_count) > max_kv) | (jnp.max(tables.q_count) > max_q)
@@ -147,13 +165,36 @@ def _cap(s: jax.Array, cfg: BlockConfig):
     return cfg.softcap * t, t
 
 
-def _mask(shape, qpos, k_start, end, keys_on_lanes: bool):
+def _mask(shape, qpos, k_start, end, keys_on_lanes: bool, cfg: BlockConfig, q_path=None,
+          k_path=None):
     """Element mask j <= q_pos[i] < end[j] of a score tile. `qpos` is the q-block's slice of
     `q_pos` and `end` the kv-block's slice of `end`, each broadcastable against the tile
-    (keys on lanes: qpos [bq, 1], end [1, bk]; keys on sublanes: qpos [1, bq], end [bk, 1])."""
+    (keys on lanes: qpos [bq, 1], end [1, bk]; keys on sublanes: qpos [1, bq], end [bk, 1]);
+    with a window also q_path[i] - k_path[j] < W (path positions shaped like qpos, end)."""
     k_axis = 1 if keys_on_lanes else 0
     kpos = k_start + jax.lax.broadcasted_iota(jnp.int32, shape, k_axis)
-    return (kpos <= qpos) & (qpos < end)
+    mask = (kpos <= qpos) & (qpos < end)
+    if cfg.window is not None:
+        mask = mask & (q_path - k_path < cfg.window)
+    return mask
+
+
+def _mask_operands(qpos_ref, end_ref, keys_on_lanes: bool, cfg: BlockConfig) -> tuple:
+    """(qpos, end, q_path, k_path) of a tile from the q-block's `q_pos` and the kv-block's `end`
+    blocks ([1 | 2, block]: values, and path positions with a window), shaped to broadcast
+    against it (`_mask`); the path positions are None without a window."""
+    window = cfg.window is not None
+    if keys_on_lanes:
+        qpos = qpos_ref[0][:, None]
+        end = end_ref[pl.ds(0, 1), :] if window else end_ref[...]
+        if not window:
+            return qpos, end, None, None
+        return qpos, end, qpos_ref[1][:, None], end_ref[pl.ds(1, 1), :]
+    qpos = qpos_ref[pl.ds(0, 1), :] if window else qpos_ref[...]
+    end = end_ref[0][:, None]
+    if not window:
+        return qpos, end, None, None
+    return qpos, end, qpos_ref[pl.ds(1, 1), :], end_ref[1][:, None]
 
 
 def _on_kind(kind, body):
@@ -175,14 +216,16 @@ class _Specs(NamedTuple):
 
 def _specs(q_map, kv_map, end_map, row_map, d: int, cfg: BlockConfig) -> _Specs:
     bq, bk = cfg.block_q, cfg.block_kv
+    depth = 1 if cfg.window is None else 2  # `end` / `q_pos` rows: values (and path positions)
 
     def qpos_map(*idx):
         r, _, _, i = row_map(*idx)
         return r, 0, i
 
     return _Specs(pl.BlockSpec((None, None, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
-                  pl.BlockSpec((None, 1, bk), end_map), pl.BlockSpec((None, None, 1, bq), row_map),
-                  pl.BlockSpec((None, 1, bq), qpos_map))
+                  pl.BlockSpec((None, depth, bk), end_map),
+                  pl.BlockSpec((None, None, 1, bq), row_map),
+                  pl.BlockSpec((None, depth, bq), qpos_map))
 
 
 def _per_q_block_specs(group: int, d: int, cfg: BlockConfig) -> _Specs:
@@ -260,8 +303,8 @@ def _fwd_kernel(kv_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, o_ref, lse_ref
                                 preferred_element_type=jnp.float32) * cfg.scale
         s, _ = _cap(s, cfg)
         if masked:
-            mask = _mask((bq, bk), qpos_ref[0][:, None], _block(entry) * bk, end_ref[...],
-                         keys_on_lanes=True)
+            qpos, end, q_path, k_path = _mask_operands(qpos_ref, end_ref, True, cfg)
+            mask = _mask((bq, bk), qpos, _block(entry) * bk, end, True, cfg, q_path, k_path)
             s = jnp.where(mask, s, MASKED)
         m_prev, l_prev = m_scr[...], l_scr[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, LANES]
@@ -321,8 +364,8 @@ def _dq_kernel(kv_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, do_ref, lse_ref
         s, t = _cap(s, cfg)
         p = jnp.exp(s - lse_ref[0][:, None])
         if masked:
-            mask = _mask((bq, bk), qpos_ref[0][:, None], _block(entry) * bk, end_ref[...],
-                         keys_on_lanes=True)
+            qpos, end, q_path, k_path = _mask_operands(qpos_ref, end_ref, True, cfg)
+            mask = _mask((bq, bk), qpos, _block(entry) * bk, end, True, cfg, q_path, k_path)
             p = jnp.where(mask, p, 0.0)
         dp = jax.lax.dot_general(do_ref[...], v_ref[...], NT, preferred_element_type=jnp.float32)
         ds = p * (dp - delta_ref[0][:, None])
@@ -374,8 +417,8 @@ def _dkv_kernel(q_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, do_ref, lse_ref
         s, t = _cap(s, cfg)
         p = jnp.exp(s - lse_ref[...])
         if masked:
-            mask = _mask((bk, bq), qpos_ref[...], j * bk, end_ref[0][:, None],
-                         keys_on_lanes=False)
+            qpos, end, q_path, k_path = _mask_operands(qpos_ref, end_ref, False, cfg)
+            mask = _mask((bk, bq), qpos, j * bk, end, False, cfg, q_path, k_path)
             p = jnp.where(mask, p, 0.0)
         dv_scr[...] += jax.lax.dot_general(p.astype(do.dtype), do, NN,
                                            preferred_element_type=jnp.float32)
@@ -419,25 +462,32 @@ def _head_major(x):
     return x.transpose(0, 2, 1, 3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _attention(q, k, v, end, q_pos, kv_table, q_table, cfg):
-    return _attention_fwd(q, k, v, end, q_pos, kv_table, q_table, cfg)[0]
+def _attention_forward(q, k, v, end3, qpos3, kv_table, q_table, cfg):
+    """end3 [rows, 1 | 2, Skv], qpos3 [rows, 1 | 2, Sq] (values, and path positions with a
+    window) -> out [rows, Sq, Hq, D], lse [rows, Hq, 1, Sq]."""
+    del q_table
+    out, lse = _forward(_head_major(q), _head_major(k), _head_major(v), end3, qpos3, kv_table,
+                        cfg)
+    return _head_major(out), lse
 
 
-def _attention_fwd(q, k, v, end, q_pos, kv_table, q_table, cfg):
-    qh, kh, vh = _head_major(q), _head_major(k), _head_major(v)
-    end3, qpos3 = end[:, None, :], q_pos[:, None, :]
-    out, lse = _forward(qh, kh, vh, end3, qpos3, kv_table, cfg)
-    return _head_major(out), (qh, kh, vh, end3, qpos3, kv_table, q_table, out, lse)
-
-
-def _attention_bwd(cfg, residuals, d_out):
-    qh, kh, vh, end3, qpos3, kv_table, q_table, out, lse = residuals
-    doh = _head_major(d_out)
-    delta = jnp.sum(doh.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None, :]
+def _attention_backward(cfg, q, k, v, end3, qpos3, kv_table, q_table, out, lse, d_out):
+    qh, kh, vh, doh = _head_major(q), _head_major(k), _head_major(v), _head_major(d_out)
+    delta = jnp.sum(doh.astype(jnp.float32) * _head_major(out).astype(jnp.float32),
+                    axis=-1)[:, :, None, :]
     dq = _backward_dq(qh, kh, vh, end3, qpos3, doh, lse, delta, kv_table, cfg)
     dk, dv = _backward_dkv(qh, kh, vh, end3, qpos3, doh, lse, delta, q_table, cfg)
-    return _head_major(dq), _head_major(dk), _head_major(dv), None, None, None, None
+    return _head_major(dq), _head_major(dk), _head_major(dv)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+def _lse_rows(lse, cfg, q):
+    """lse [rows, Hq, 1, Sq] as [rows, Sq, Hq]."""
+    return lse[:, :, 0, :].transpose(0, 2, 1)
+
+
+def _rows_lse(x, cfg, q, lse):
+    return x.transpose(0, 2, 1)[:, :, None, :]
+
+
+_attention = flash_vjp(_attention_forward, _attention_backward, 7, lse_rows=_lse_rows,
+                       rows_lse=_rows_lse)

@@ -79,6 +79,9 @@ def tree_attention_triton(
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
+    window: int | None = None,
+    key_pos: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] (see `tree_attention`;
     Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query; q-blocks without a
@@ -87,22 +90,31 @@ def tree_attention_triton(
 
     `block_q`, `block_kv` default to `default_blocks`; `num_warps` (default 4 up to head_dim 64,
     else 8) and `num_stages` go to the Triton compiler. `interpret` runs the kernels in the
-    Pallas interpreter instead of lowering them for a GPU.
+    Pallas interpreter instead of lowering them for a GPU. `window` with `key_pos` [rows, Skv]:
+    the sliding window along the path (PARTIAL blocks test q_path[i] - k_path[j] < W; the tables
+    drop blocks outside every window); `sinks` [Hq]: attention sinks (`flash_vjp`).
     """
     rows, sq, hq, d = q.shape
     defaults = default_blocks(q.dtype, d)
     block_q, block_kv = block_q or defaults[0], block_kv or defaults[1]
     _check_supported(q, k, v, block_q, block_kv)
     cfg = BlockConfig(float(scale), None if softcap is None else float(softcap), block_q,
-                      block_kv, bool(interpret), num_warps or (4 if d <= 64 else 8), num_stages)
-    tables = block_tables(end, block_q, block_kv, q_pos=q_pos, q_real=q_real)
+                      block_kv, bool(interpret), num_warps or (4 if d <= 64 else 8), num_stages,
+                      window)
+    tables = block_tables(end, block_q, block_kv, q_pos=q_pos, q_real=q_real, window=window,
+                          key_pos=key_pos)
     if q_pos is None:
         q_pos = np.broadcast_to(np.arange(sq, dtype=np.int32), (rows, sq))
     lists = _Lists(*(jnp.asarray(x, jnp.int32) for x in (
         tables.kv_blocks, tables.kv_kind, tables.kv_count,
         tables.q_blocks, tables.q_kind, tables.q_count)))
-    return _attention(q, k, v, jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32), lists,
-                      cfg)
+    q_pos = jnp.asarray(q_pos, jnp.int32)
+    paths = None
+    if window is not None:
+        k_path = jnp.asarray(key_pos, jnp.int32)
+        paths = (jnp.take_along_axis(k_path, q_pos, axis=1), k_path)
+    return _attention(q, k, v, jnp.asarray(end, jnp.int32), q_pos, lists, paths, cfg,
+                      sinks=sinks)
 
 
 def _check_supported(q, k, v, block_q: int, block_kv: int) -> None:
@@ -168,10 +180,20 @@ def _scores(a: jax.Array, b: jax.Array, cfg: BlockConfig) -> tuple[jax.Array, ja
     return _cap(s, cfg)
 
 
-def _visible(kpos: jax.Array, qpos: jax.Array, key_end: jax.Array) -> jax.Array:
+def _visible(kpos: jax.Array, qpos: jax.Array, key_end: jax.Array, q_path=None, k_path=None,
+             window: int | None = None) -> jax.Array:
     """The element mask of a PARTIAL block, j <= q_pos[i] < end[j], from key positions, query
-    positions and key ends broadcast against the score tile."""
-    return (kpos <= qpos) & (qpos < key_end)
+    positions and key ends broadcast against the score tile; with a window also
+    q_path[i] - k_path[j] < W (path positions broadcast likewise)."""
+    mask = (kpos <= qpos) & (qpos < key_end)
+    if window is not None:
+        mask = mask & (q_path - k_path < window)
+    return mask
+
+
+def _path_refs(refs: tuple, cfg: BlockConfig) -> tuple:
+    """The (q_path, k_path) refs a kernel gets last among its inputs with a window, else Nones."""
+    return refs if cfg.window is not None else (None, None)
 
 
 def _by_kind(kind: jax.Array, step, *operands):
@@ -184,11 +206,13 @@ def _by_kind(kind: jax.Array, step, *operands):
 # ----------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref, end_ref,
-                o_ref, lse_ref, *, cfg: BlockConfig):
+def _fwd_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref, end_ref, *refs,
+                cfg: BlockConfig):
+    (qpath_ref, kpath_ref), (o_ref, lse_ref) = _path_refs(refs[:-2], cfg), refs[-2:]
     bk = cfg.block_kv
     q = q_ref[...]
     qpos = qpos_ref[...]
+    qpath = None if qpath_ref is None else qpath_ref[...][:, None]
 
     def step(masked: bool, n, carry):
         acc, m_prev, l_prev = carry
@@ -196,7 +220,8 @@ def _fwd_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
         s, _ = _scores(q, k_ref[kv, :], cfg)
         if masked:
             mask = _visible(kv.start + lax.broadcasted_iota(jnp.int32, s.shape, 1),
-                            qpos[:, None], end_ref[kv][None, :])
+                            qpos[:, None], end_ref[kv][None, :], qpath,
+                            None if kpath_ref is None else kpath_ref[kv][None, :], cfg.window)
             s = jnp.where(mask, s, MASKED)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         p = jnp.exp(s - m_next[:, None])
@@ -218,11 +243,13 @@ def _fwd_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
     lse_ref[...] = m + jnp.log(l)
 
 
-def _forward(q, k, v, end, q_pos, lists: _Lists, cfg: BlockConfig):
+def _forward(q, k, v, end, q_pos, lists: _Lists, paths, cfg: BlockConfig):
     """-> out [rows, Sq, Hq, D], lse [rows, Hq, Sq] float32."""
     rows, sq, hq, d = q.shape
     skv, group = k.shape[1], hq // k.shape[2]
     bq, nq = cfg.block_q, sq // cfg.block_q
+    path_specs = [pl.BlockSpec((None, bq), lambda i, r, h: (r, i)),
+                  pl.BlockSpec((None, skv), lambda i, r, h: (r, 0))]
     return _call(
         functools.partial(_fwd_kernel, cfg=cfg), "tree_attention_triton_fwd",
         grid=(nq, rows, hq), cfg=cfg,
@@ -231,22 +258,25 @@ def _forward(q, k, v, end, q_pos, lists: _Lists, cfg: BlockConfig):
                   pl.BlockSpec((None, bq, None, d), lambda i, r, h: (r, i, h, 0)),
                   pl.BlockSpec((None, skv, None, d), lambda i, r, h: (r, 0, h // group, 0)),
                   pl.BlockSpec((None, skv, None, d), lambda i, r, h: (r, 0, h // group, 0)),
-                  pl.BlockSpec((None, skv), lambda i, r, h: (r, 0))],
+                  pl.BlockSpec((None, skv), lambda i, r, h: (r, 0)),
+                  *(path_specs if paths else [])],
         out_specs=[pl.BlockSpec((None, bq, None, d), lambda i, r, h: (r, i, h, 0)),
                    pl.BlockSpec((None, None, bq), lambda i, r, h: (r, h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((rows, hq, sq), jnp.float32)],
-    )(lists.kv_blocks, lists.kv_kind, lists.kv_count, q_pos, q, k, v, end)
+    )(lists.kv_blocks, lists.kv_kind, lists.kv_count, q_pos, q, k, v, end, *(paths or ()))
 
 
 # ----------------------------------------------------------------------------- backward: dQ
 
 
 def _dq_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref, end_ref, do_ref,
-               lse_ref, delta_ref, dq_ref, *, cfg: BlockConfig):
+               lse_ref, delta_ref, *refs, cfg: BlockConfig):
+    (qpath_ref, kpath_ref), dq_ref = _path_refs(refs[:-1], cfg), refs[-1]
     bk = cfg.block_kv
     q, do = q_ref[...], do_ref[...]
     qpos, lse, delta = qpos_ref[...], lse_ref[...], delta_ref[...]
+    qpath = None if qpath_ref is None else qpath_ref[...][:, None]
 
     def step(masked: bool, n, dq):
         kv = pl.ds(blocks_ref[n] * bk, bk)
@@ -255,7 +285,8 @@ def _dq_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref, 
         p = jnp.exp(s - lse[:, None])
         if masked:
             mask = _visible(kv.start + lax.broadcasted_iota(jnp.int32, s.shape, 1),
-                            qpos[:, None], end_ref[kv][None, :])
+                            qpos[:, None], end_ref[kv][None, :], qpath,
+                            None if kpath_ref is None else kpath_ref[kv][None, :], cfg.window)
             p = jnp.where(mask, p, 0.0)
         dp = lax.dot_general(do, v_ref[kv, :], NT, preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None])
@@ -270,7 +301,8 @@ def _dq_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref, 
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
-def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, cfg: BlockConfig):
+def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, paths,
+                 cfg: BlockConfig):
     rows, sq, hq, d = q.shape
     skv, group = k.shape[1], hq // k.shape[2]
     bq, nq = cfg.block_q, sq // cfg.block_q
@@ -284,25 +316,31 @@ def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, cfg: Blo
                   pl.BlockSpec((None, bq), lambda i, r, h: (r, i)),
                   q_block, kv_all, kv_all,
                   pl.BlockSpec((None, skv), lambda i, r, h: (r, 0)),
-                  q_block, row, row],
+                  q_block, row, row,
+                  *([pl.BlockSpec((None, bq), lambda i, r, h: (r, i)),
+                     pl.BlockSpec((None, skv), lambda i, r, h: (r, 0))] if paths else [])],
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-    )(lists.kv_blocks, lists.kv_kind, lists.kv_count, q_pos, q, k, v, end, d_out, lse, delta)
+    )(lists.kv_blocks, lists.kv_kind, lists.kv_count, q_pos, q, k, v, end, d_out, lse, delta,
+      *(paths or ()))
 
 
 # ----------------------------------------------------------------------------- backward: dK, dV
 
 
 def _dkv_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref, end_ref, do_ref,
-                lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: BlockConfig, group: int):
+                lse_ref, delta_ref, *refs, cfg: BlockConfig, group: int):
+    (qpath_ref, kpath_ref), (dk_ref, dv_ref) = _path_refs(refs[:-2], cfg), refs[-2:]
     bq = cfg.block_q
     k, v, key_end = k_ref[...], v_ref[...], end_ref[...]
+    kpath = None if kpath_ref is None else kpath_ref[...][:, None]
     kpos = pl.program_id(0) * cfg.block_kv + lax.broadcasted_iota(
         jnp.int32, (cfg.block_kv, bq), 0)
 
     def step(masked: bool, n, carry):
         qs = pl.ds(blocks_ref[n] * bq, bq)
         qpos = qpos_ref[qs]
+        qpath = None if qpath_ref is None else qpath_ref[qs][None, :]
 
         def head(g, carry):
             dk, dv = carry
@@ -311,7 +349,7 @@ def _dkv_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
             s, t = _scores(k, q, cfg)
             p = jnp.exp(s - lse_ref[g, qs][None, :])
             if masked:
-                mask = _visible(kpos, qpos[None, :], key_end[:, None])
+                mask = _visible(kpos, qpos[None, :], key_end[:, None], qpath, kpath, cfg.window)
                 p = jnp.where(mask, p, 0.0)
             dv = dv + lax.dot_general(p.astype(do.dtype), do, NN,
                                       preferred_element_type=jnp.float32)
@@ -332,7 +370,8 @@ def _dkv_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, cfg: BlockConfig):
+def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, paths,
+                  cfg: BlockConfig):
     rows, sq, hq, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -347,22 +386,34 @@ def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, cfg: Bl
                   pl.BlockSpec((None, sq), lambda j, r, h: (r, 0)),
                   q_all, kv_block, kv_block,
                   pl.BlockSpec((None, bk), lambda j, r, h: (r, j)),
-                  q_all, rows_all, rows_all],
+                  q_all, rows_all, rows_all,
+                  *([pl.BlockSpec((None, sq), lambda j, r, h: (r, 0)),
+                     pl.BlockSpec((None, bk), lambda j, r, h: (r, j))] if paths else [])],
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-    )(lists.q_blocks, lists.q_kind, lists.q_count, q_pos, q, k, v, end, d_out, lse, delta)
+    )(lists.q_blocks, lists.q_kind, lists.q_count, q_pos, q, k, v, end, d_out, lse, delta,
+      *(paths or ()))
 
 
 # ----------------------------------------------------------------------------- custom VJP
 
 
-def _backward(cfg, q, k, v, end, q_pos, lists, out, lse, d_out):
+def _backward(cfg, q, k, v, end, q_pos, lists, paths, out, lse, d_out):
     d_out = d_out.astype(q.dtype)
     # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: the softmax Jacobian's row term, O(S) memory.
     delta = jnp.einsum("rshd,rshd->rhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    dq = _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, lists, cfg)
-    dk, dv = _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, lists, cfg)
+    dq = _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, lists, paths, cfg)
+    dk, dv = _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, lists, paths, cfg)
     return dq, dk, dv
 
 
-_attention = flash_vjp(_forward, _backward, 6)
+def _lse_rows(lse, cfg, q):
+    """lse [rows, Hq, Sq] as [rows, Sq, Hq]."""
+    return lse.transpose(0, 2, 1)
+
+
+def _rows_lse(x, cfg, q, lse):
+    return x.transpose(0, 2, 1)
+
+
+_attention = flash_vjp(_forward, _backward, 7, lse_rows=_lse_rows, rows_lse=_rows_lse)

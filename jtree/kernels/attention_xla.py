@@ -19,6 +19,10 @@ Heads are laid out so that the Hq / Hkv query heads sharing a kv head form one m
 Rectangular layouts (`q_pos`): the queries may be a subset of the key positions (a part of a tree
 whose keys start with the cached prefix of earlier parts); query i sits at key position q_pos[i]
 and sees key j iff j <= q_pos[i] < end[j].
+
+Sliding window (`window` W, `key_pos` the keys' path positions): a pair also needs
+key_pos[q_pos[i]] - key_pos[j] < W; the block tables drop the blocks outside every query's window
+and the element test of the other blocks includes it. Sinks ([Hq] logits): `flash_vjp`.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class _Config(NamedTuple):
     block_q: int
     block_kv: int
     group: int
+    window: int | None = None
 
 
 class _Schedule(NamedTuple):
@@ -101,6 +106,9 @@ def tree_attention_xla(
     group: int = DEFAULT_GROUP,
     q_pos: jax.Array | None = None,
     q_real: jax.Array | None = None,
+    window: int | None = None,
+    key_pos: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] (see `tree_attention`).
 
@@ -110,6 +118,8 @@ def tree_attention_xla(
     how many q-blocks are processed together: larger groups make bigger matmuls, smaller ones
     waste less work on lists shorter than the longest of their group. `q_real` [rows, Sq]: the
     real queries; q-blocks without one run only their own key blocks (`classify_blocks`).
+    `window` with `key_pos` [rows, Skv]: the sliding window along the path; `sinks` [Hq]: the
+    attention sinks (`jtree.kernels.flash_vjp`).
     """
     sq, skv = q.shape[1], k.shape[1]
     if q_pos is None:
@@ -128,23 +138,30 @@ def tree_attention_xla(
     if group < 1:
         raise ValueError(f"xla tree attention: group={group} must be >= 1")
     cfg = _Config(float(scale), None if softcap is None else float(softcap), block_q, block_kv,
-                  group)
+                  group, window)
     # Built on the host if `end` (and `q_pos`) are numpy arrays.
-    sched = jax.tree.map(jnp.asarray, _schedule(end, cfg, q_pos, q_real))
+    sched = jax.tree.map(jnp.asarray, _schedule(end, cfg, q_pos, q_real, key_pos))
+    path = None if window is None else jnp.asarray(key_pos, jnp.int32)
     if q_pos is None:
         q_pos = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (q.shape[0], sq))
-    return _attention(q, k, v, jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32), sched,
-                      cfg)
+    q_pos = jnp.asarray(q_pos, jnp.int32)
+    q_path = None if path is None else jnp.take_along_axis(path, q_pos, axis=1)
+    return _attention(q, k, v, jnp.asarray(end, jnp.int32), q_pos, path, q_path, sched, cfg,
+                      sinks=sinks)
 
 
 def schedule_work(end: np.ndarray, *, block_q: int | None = None, block_kv: int | None = None,
-                  group: int = DEFAULT_GROUP, q_pos: np.ndarray | None = None) -> tuple[int, int]:
-    """(block pairs the schedule computes, non-empty block pairs) for a host `end` (and `q_pos`)
-    whose lengths the blocks divide. Their ratio is the schedule's overhead (1.0 with group=1)."""
+                  group: int = DEFAULT_GROUP, q_pos: np.ndarray | None = None,
+                  window: int | None = None, key_pos: np.ndarray | None = None
+                  ) -> tuple[int, int]:
+    """(block pairs the schedule computes, non-empty block pairs) for a host `end` (and `q_pos`,
+    and a window with the keys' path positions `key_pos`) whose lengths the blocks divide. Their
+    ratio is the schedule's overhead (1.0 with group=1)."""
     sq = end.shape[1] if q_pos is None else q_pos.shape[1]
-    cfg = _Config(1.0, None, *_blocks(sq, end.shape[1], block_q, block_kv), group)
+    cfg = _Config(1.0, None, *_blocks(sq, end.shape[1], block_q, block_kv), group, window)
     sched = _schedule(np.asarray(end, np.int32), cfg,
-                      None if q_pos is None else np.asarray(q_pos, np.int32))
+                      None if q_pos is None else np.asarray(q_pos, np.int32),
+                      key_pos=None if key_pos is None else np.asarray(key_pos, np.int32))
     computed = int(sched.count[sched.groups].max(axis=1).sum()) * group
     return computed, int(sched.count.sum())
 
@@ -160,8 +177,9 @@ def flat_kv_lists(tables: BlockTables, nk: int) -> tuple:
             tables.kv_kind.reshape(rows * nq, max_kv), tables.kv_count.reshape(rows * nq))
 
 
-def _schedule(end, cfg: _Config, q_pos=None, q_real=None) -> _Schedule:
-    tables = block_tables(end, cfg.block_q, cfg.block_kv, q_pos=q_pos, q_real=q_real)
+def _schedule(end, cfg: _Config, q_pos=None, q_real=None, key_pos=None) -> _Schedule:
+    tables = block_tables(end, cfg.block_q, cfg.block_kv, q_pos=q_pos, q_real=q_real,
+                          window=cfg.window, key_pos=key_pos)
     xp = np if isinstance(tables.kv_blocks, np.ndarray) else jnp
     rows, nq, max_kv = tables.kv_blocks.shape
     kv_index, _, count = flat_kv_lists(tables, end.shape[1] // cfg.block_kv)
@@ -216,22 +234,28 @@ class _Blocks(NamedTuple):
     k: jax.Array  # [rows * nk, Hkv, bk, D]
     v: jax.Array
     end: jax.Array  # [rows * nk, bk]
+    path: jax.Array | None  # [rows * nk, bk] the keys' path positions (window only)
 
 
-def _to_blocks(q, k, v, end, cfg: _Config) -> _Blocks:
+def _to_blocks(q, k, v, end, path, cfg: _Config) -> _Blocks:
     hkv = k.shape[2]
     return _Blocks(_q_to_blocks(q, hkv, cfg.block_q), _kv_to_blocks(k, cfg.block_kv),
-                   _kv_to_blocks(v, cfg.block_kv), end.reshape(-1, cfg.block_kv))
+                   _kv_to_blocks(v, cfg.block_kv), end.reshape(-1, cfg.block_kv),
+                   None if path is None else path.reshape(-1, cfg.block_kv))
 
 
 def _visible(qpos: jax.Array, kid: jax.Array, live: jax.Array, end_k: jax.Array, nk: int,
-             cfg: _Config) -> jax.Array:
+             cfg: _Config, qpath: jax.Array | None = None,
+             kpath: jax.Array | None = None) -> jax.Array:
     """[G, 1, 1, bq, bk] element mask j <= q_pos[i] < end[j] of the q-blocks of a group (their
-    query positions `qpos` [G, bq]) against kv-blocks `kid`; all False where `live` is False
+    query positions `qpos` [G, bq]) against kv-blocks `kid`, and with a window
+    qpath[i] - kpath[j] < W (path positions [G, bq], [G, bk]); all False where `live` is False
     (list exhausted, or a padding group member)."""
     kpos = (kid % nk)[:, None] * cfg.block_kv + jnp.arange(cfg.block_kv)  # [G, bk]
     qpos, kpos, end_k = qpos[:, :, None], kpos[:, None, :], end_k[:, None, :]
     mask = (kpos <= qpos) & (qpos < end_k) & live[:, None, None]
+    if cfg.window is not None:
+        mask = mask & (qpath[:, :, None] - kpath[:, None, :] < cfg.window)
     return mask[:, None, None]
 
 
@@ -248,29 +272,37 @@ def _scores(qg: jax.Array, kk: jax.Array, cfg: _Config) -> tuple[jax.Array, jax.
 
 
 def _group_step_inputs(blocks: _Blocks, sched: _Schedule, gid: jax.Array, qpos: jax.Array,
-                       n: jax.Array, nk: int, cfg: _Config):
+                       n: jax.Array, nk: int, cfg: _Config, qpath: jax.Array | None = None):
     """kv-block ids, k, v and mask for step `n` of every q-block of a group."""
     kid = sched.kv_index[gid, n]
     live = n < sched.count[gid]
-    mask = _visible(qpos, kid, live, blocks.end[kid], nk, cfg)
+    kpath = None if blocks.path is None else blocks.path[kid]
+    mask = _visible(qpos, kid, live, blocks.end[kid], nk, cfg, qpath, kpath)
     return kid, blocks.k[kid], blocks.v[kid], mask
 
 
-def _forward(q, k, v, end, q_pos, sched: _Schedule, cfg: _Config):
+def _path_blocks(q_path, rows, nq, cfg: _Config):
+    return None if q_path is None else q_path.reshape(rows * nq, cfg.block_q)
+
+
+def _forward(q, k, v, end, q_pos, path, q_path, sched: _Schedule, cfg: _Config):
     rows, sq, hq, d = q.shape
     nq, nk = sq // cfg.block_q, k.shape[1] // cfg.block_kv
-    blocks = _to_blocks(q, k, v, end, cfg)
+    blocks = _to_blocks(q, k, v, end, path, cfg)
     qpos_blocks = q_pos.reshape(rows * nq, cfg.block_q)
+    qpath_blocks = _path_blocks(q_path, rows, nq, cfg)
     hkv, m_rows = blocks.q.shape[1:3]
     stat_shape = (cfg.group, hkv, m_rows // cfg.block_q, cfg.block_q)  # per query row
 
     def group_body(_, gid):
         qg = jnp.take(blocks.q, gid, axis=0, mode="clip")
         qpos = jnp.take(qpos_blocks, gid, axis=0, mode="clip")
+        qpath = (None if qpath_blocks is None else
+                 jnp.take(qpath_blocks, gid, axis=0, mode="clip"))
 
         def step(n, carry):
             m, l, acc = carry
-            _, kk, vv, mask = _group_step_inputs(blocks, sched, gid, qpos, n, nk, cfg)
+            _, kk, vv, mask = _group_step_inputs(blocks, sched, gid, qpos, n, nk, cfg, qpath)
             s_blk, _ = _scores(qg, kk, cfg)
             m_new = jnp.maximum(m, jnp.where(mask, s_blk, _MASKED).max(axis=-1))
             p = jnp.where(mask, jnp.exp(s_blk - m_new[..., None]), 0.0)
@@ -294,12 +326,13 @@ def _forward(q, k, v, end, q_pos, sched: _Schedule, cfg: _Config):
     return _q_from_blocks(out, rows, hq, cfg.block_q), lse
 
 
-def _backward(cfg, q, k, v, end, q_pos, sched, out, lse, d_out):
+def _backward(cfg, q, k, v, end, q_pos, path, q_path, sched, out, lse, d_out):
     rows, sq, hq, d = q.shape
     nq, nk = sq // cfg.block_q, k.shape[1] // cfg.block_kv
     hkv = k.shape[2]
-    blocks = _to_blocks(q, k, v, end, cfg)
+    blocks = _to_blocks(q, k, v, end, path, cfg)
     qpos_blocks = q_pos.reshape(rows * nq, cfg.block_q)
+    qpath_blocks = _path_blocks(q_path, rows, nq, cfg)
     do_blocks = _q_to_blocks(d_out, hkv, cfg.block_q)
     delta = last_axis_dot(d_out, out)
     delta_blocks = _q_to_blocks(delta, hkv, cfg.block_q)
@@ -309,12 +342,13 @@ def _backward(cfg, q, k, v, end, q_pos, sched, out, lse, d_out):
         dk_acc, dv_acc = carry
         take = functools.partial(jnp.take, indices=gid, axis=0, mode="clip")
         qg, dog, qpos = take(blocks.q), take(do_blocks), take(qpos_blocks)
+        qpath = None if qpath_blocks is None else take(qpath_blocks)
         lse_g = take(lse).reshape(cfg.group, hkv, g, cfg.block_q, 1)
         delta_g = take(delta_blocks).reshape(cfg.group, hkv, g, cfg.block_q, 1)
 
         def step(n, carry):
             dq, dk_acc, dv_acc = carry
-            kid, kk, vv, mask = _group_step_inputs(blocks, sched, gid, qpos, n, nk, cfg)
+            kid, kk, vv, mask = _group_step_inputs(blocks, sched, gid, qpos, n, nk, cfg, qpath)
             s_blk, t = _scores(qg, kk, cfg)
             p = jnp.where(mask, jnp.exp(s_blk - lse_g), 0.0)
             dp = jnp.einsum("nhmd,nhkd->nhmk", dog, vv, preferred_element_type=jnp.float32)
@@ -344,4 +378,15 @@ def _backward(cfg, q, k, v, end, q_pos, sched, out, lse, d_out):
             _kv_from_blocks(dk, rows).astype(k.dtype), _kv_from_blocks(dv, rows).astype(v.dtype))
 
 
-_attention = flash_vjp(_forward, _backward, 6)
+def lse_rows(lse, cfg, q):
+    """The kernel's block-layout log-sum-exp [rows * nq, Hkv, g * bq] as [rows, Sq, Hq]."""
+    return _q_from_blocks(lse, q.shape[0], q.shape[2], cfg.block_q)
+
+
+def rows_lse(x, cfg, q, lse):
+    """Inverse of `lse_rows` (`lse` gives the layout)."""
+    del q
+    return _q_to_blocks(x, lse.shape[1], cfg.block_q)
+
+
+_attention = flash_vjp(_forward, _backward, 8, lse_rows=lse_rows, rows_lse=rows_lse)

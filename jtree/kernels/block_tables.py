@@ -23,6 +23,14 @@ g + 1), its softmax row is never empty (no NaN anywhere), and every other block 
 queries' outputs and all gradients are unchanged, provided the forward and backward passes read
 the same tables (a padding query's backward must not meet a key its forward did not see).
 
+Sliding window (`window` W, `key_pos` [rows, Skv] the path position of every key; a query's path
+position is that of the key position it sits at): a block is also EMPTY when even its
+lowest-positioned query is W or more past the highest-positioned key of the block that is not after
+the q-block's last query (min pos_q - max pos_k >= W: the window fails for every pair), and FULL
+only when the window holds for every pair too (max pos_q - min pos_k < W). Both tests are
+conservative: a block they keep as PARTIAL gets the element test j <= q_pos[i] < end[j] and
+pos[i] - pos[j] < W. Every query keeps the block of its own key (its own pair passes both rules).
+
 `block_tables` turns the classes into per-q-block lists of non-empty kv-blocks (for the forward
 and dq passes) and per-kv-block lists of non-empty q-blocks (for the dkv pass), padded to a static
 length. Padding entries repeat the last real entry, so a pipelined kernel that prefetches "the next
@@ -48,15 +56,19 @@ def _xp(x: Any):
 
 
 def classify_blocks(end: Any, block_q: int, block_kv: int, q_pos: Any = None,
-                    q_real: Any = None) -> Any:
+                    q_real: Any = None, *, window: int | None = None,
+                    key_pos: Any = None) -> Any:
     """[rows, Sq/block_q, Skv/block_kv] int8 block classes (EMPTY, PARTIAL, FULL).
 
     `end` [rows, Skv]; `q_pos` [rows, Sq] is the key position of every query (default: query i at
     position i, Sq = Skv), non-decreasing along each row; `q_real` [rows, Sq] bool marks the real
-    queries (None: all), a q-block without one keeps only the blocks of its own key positions.
+    queries (None: all), a q-block without one keeps only the blocks of its own key positions;
+    `window` with `key_pos` [rows, Skv] (path positions of the keys) drops the blocks outside
+    every query's window (module docstring).
     """
     # Host tables only when every input is a host array.
-    xp = jnp if any(x is not None and _xp(x) is jnp for x in (end, q_real)) else np
+    xp = jnp if any(x is not None and _xp(x) is jnp
+                    for x in (end, q_real, q_pos, key_pos if window is not None else None)) else np
     end = xp.asarray(end)
     rows, s = end.shape
     sq = s if q_pos is None else q_pos.shape[1]
@@ -92,6 +104,23 @@ def classify_blocks(end: Any, block_q: int, block_kv: int, q_pos: Any = None,
         live = q_real.reshape(rows, nq, block_q).any(axis=-1)[:, :, None]  # [rows, nq, 1]
         nonempty = nonempty & (live | ((ka <= qb) & (kb >= qa)))
     full = nonempty & (kb <= qa) & (end_min[:, None, :] > qb)
+    if window is not None:
+        if key_pos is None or tuple(key_pos.shape) != (rows, s):
+            raise ValueError(f"key_pos: a window needs the keys' path positions [rows, Skv] = "
+                             f"{(rows, s)}")
+        key_pos = xp.asarray(key_pos).astype(xp.int32)
+        path_q = key_pos if q_pos is None else xp.take_along_axis(
+            key_pos, xp.asarray(q_pos).astype(xp.int32), axis=1)
+        path_q = path_q.reshape(rows, nq, block_q)
+        q_low, q_high = path_q.min(-1)[:, :, None], path_q.max(-1)[:, :, None]  # [rows, nq, 1]
+        pos_blocks = key_pos.reshape(rows, nk, block_kv)
+        pos_max = (np.maximum.accumulate(pos_blocks, axis=-1) if xp is np
+                   else jax.lax.cummax(pos_blocks, axis=2))
+        k_high = pos_max[row_index, kv_index, last]  # [rows, nq, nk], keys j <= qb
+        k_low = pos_blocks.min(-1)[:, None, :]  # [rows, 1, nk]
+        in_window = q_low - k_high < window
+        nonempty = nonempty & in_window
+        full = full & in_window & (q_high - k_low < window)
     return xp.where(full, FULL, xp.where(nonempty, PARTIAL, EMPTY)).astype(xp.int8)
 
 
@@ -139,6 +168,8 @@ def block_tables(
     max_q_blocks: int | None = None,
     q_pos: Any = None,
     q_real: Any = None,
+    window: int | None = None,
+    key_pos: Any = None,
 ) -> BlockTables:
     """Block lists of the tree mask given by `end` [rows, S] (and `q_pos`, `q_real`, see
     `classify_blocks`).
@@ -147,7 +178,8 @@ def block_tables(
     suffices). With numpy input a budget smaller than a list raises; under jit the caller sizes the
     budget with `required_blocks` on the host (the batch bucket), since a traced value cannot.
     """
-    classes = classify_blocks(end, block_q, block_kv, q_pos, q_real)
+    classes = classify_blocks(end, block_q, block_kv, q_pos, q_real, window=window,
+                              key_pos=key_pos)
     nq, nk = classes.shape[1:]
     max_kv = nk if max_kv_blocks is None else max_kv_blocks
     max_q = nq if max_q_blocks is None else max_q_blocks
@@ -191,17 +223,23 @@ def block_padding(default: int) -> tuple[Callable[..., int], Callable[..., tuple
 
 
 def required_blocks(end: np.ndarray, block_q: int, block_kv: int,
-                    q_pos: np.ndarray | None = None) -> tuple[int, int]:
+                    q_pos: np.ndarray | None = None, *, window: int | None = None,
+                    key_pos: np.ndarray | None = None) -> tuple[int, int]:
     """(max non-empty kv-blocks of any q-block, max non-empty q-blocks of any kv-block); a
     bound also for tables with `q_real`, which only remove blocks."""
     q_pos = None if q_pos is None else np.asarray(q_pos)
-    return _required(classify_blocks(np.asarray(end), block_q, block_kv, q_pos))
+    key_pos = None if key_pos is None else np.asarray(key_pos)
+    return _required(classify_blocks(np.asarray(end), block_q, block_kv, q_pos, window=window,
+                                     key_pos=key_pos))
 
 
 def nonempty_fraction(end: np.ndarray, block_q: int, block_kv: int,
-                      q_pos: np.ndarray | None = None) -> float:
+                      q_pos: np.ndarray | None = None, *, window: int | None = None,
+                      key_pos: np.ndarray | None = None) -> float:
     """Fraction of all (q-block, kv-block) pairs that are non-empty: the work a block-sparse
     kernel does relative to dense attention."""
     q_pos = None if q_pos is None else np.asarray(q_pos)
-    classes = classify_blocks(np.asarray(end), block_q, block_kv, q_pos)
+    key_pos = None if key_pos is None else np.asarray(key_pos)
+    classes = classify_blocks(np.asarray(end), block_q, block_kv, q_pos, window=window,
+                              key_pos=key_pos)
     return float((classes != EMPTY).mean())

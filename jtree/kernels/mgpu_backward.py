@@ -45,10 +45,14 @@ from jtree.kernels.mgpu_pipeline import (
     logits_base2,
     logits_grad_factor,
     matmul,
+    positions_smem,
+    positions_tile,
     produce,
+    read_positions,
     store_tiles,
     tiled_smem,
     tree_mask_tile,
+    window_mask_tile,
 )
 
 DQ_BLOCK_KV = 64  # kv tile of the dQ kernel (three streamed operands per block)
@@ -56,7 +60,8 @@ DKV_BLOCK_Q = 64  # q tile of the dK/dV kernel (four streamed operands per block
 DKV_BLOCK_KV = CONSUMERS * WG_ROWS  # keys per dK/dV CTA
 
 
-def dq_buffers(kv_len: int, head_dim: int, stages: int, dtype: Any) -> dict[str, Any]:
+def dq_buffers(kv_len: int, head_dim: int, stages: int, dtype: Any,
+               window: int | None = None) -> dict[str, Any]:
     """SMEM buffers of the dQ kernel."""
     per_wg = (CONSUMERS, WG_ROWS, head_dim)
     return dict(
@@ -65,30 +70,31 @@ def dq_buffers(kv_len: int, head_dim: int, stages: int, dtype: Any) -> dict[str,
         do=tiled_smem(per_wg, dtype),
         lse=plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
         delta=plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
-        qpos=plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.int32),
+        qpos=positions_smem((CONSUMERS,), WG_ROWS, window),
         kt=tiled_smem((stages, head_dim, DQ_BLOCK_KV), dtype),
         vt=tiled_smem((stages, head_dim, DQ_BLOCK_KV), dtype),
         k=tiled_smem((stages, DQ_BLOCK_KV, head_dim), dtype),
-        end=plgpu.SMEM((stages, DQ_BLOCK_KV), jnp.int32),
+        end=positions_smem((stages,), DQ_BLOCK_KV, window),
         ds=tiled_smem((CONSUMERS, WG_ROWS, DQ_BLOCK_KV), dtype),
     )
 
 
-def dkv_buffers(q_len: int, head_dim: int, stages: int, dtype: Any) -> dict[str, Any]:
+def dkv_buffers(q_len: int, head_dim: int, stages: int, dtype: Any,
+                window: int | None = None) -> dict[str, Any]:
     """SMEM buffers of the dK/dV kernel."""
     per_wg = (CONSUMERS, WG_ROWS, head_dim)
     return dict(
         table=list_buffer(q_len // DKV_BLOCK_Q),
         k=tiled_smem(per_wg, dtype),  # reused for the dK output
         v=tiled_smem(per_wg, dtype),  # reused for the dV output
-        end=plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.int32),
+        end=positions_smem((CONSUMERS,), WG_ROWS, window),
         qt=tiled_smem((stages, head_dim, DKV_BLOCK_Q), dtype),
         dot=tiled_smem((stages, head_dim, DKV_BLOCK_Q), dtype),
         q=tiled_smem((stages, DKV_BLOCK_Q, head_dim), dtype),
         do=tiled_smem((stages, DKV_BLOCK_Q, head_dim), dtype),
         lse=plgpu.SMEM((stages, DKV_BLOCK_Q), jnp.float32),
         delta=plgpu.SMEM((stages, DKV_BLOCK_Q), jnp.float32),
-        qpos=plgpu.SMEM((stages, DKV_BLOCK_Q), jnp.int32),
+        qpos=positions_smem((stages,), DKV_BLOCK_Q, window),
         pt=tiled_smem((CONSUMERS, WG_ROWS, DKV_BLOCK_Q), dtype),  # P^T, then dS^T
     )
 
@@ -104,7 +110,8 @@ def _ring_barriers(names: tuple[str, ...], stages: int, resident: int) -> dict[s
 
 
 def dq_call(q, do, lse, delta, k_t, v_t, k, end, q_pos, table, count, *, stages: int,
-            heads_per_cta: int, scale: float, softcap: float | None, interpret: Any) -> jax.Array:
+            heads_per_cta: int, scale: float, softcap: float | None, interpret: Any,
+            window: int | None = None) -> jax.Array:
     """dQ [rows, Sq, Hq, D]. `k_t`, `v_t` are [rows, Hkv, D, Skv]; `lse`, `delta` [rows, Hq, Sq];
     `table`, `count` the kv-block lists at kv-block size DQ_BLOCK_KV, as in `forward_call`."""
     rows, _, q_heads, head_dim = q.shape
@@ -123,7 +130,8 @@ def dq_call(q, do, lse, delta, k_t, v_t, k, end, q_pos, table, count, *, stages:
                 Stream(lambda b: kt_ref.at[r, kv_head, :, keys(b)], buf["kt"], bar["kt"]),
                 Stream(lambda b: vt_ref.at[r, kv_head, :, keys(b)], buf["vt"], bar["vt"]),
                 Stream(lambda b: k_ref.at[r, keys(b), kv_head], buf["k"], bar["k"]),
-                Stream(lambda b: end_ref.at[r, keys(b)], buf["end"], bar["end"], partial_only=True),
+                Stream(lambda b: positions_tile(end_ref, r, keys(b), window), buf["end"],
+                       bar["end"], partial_only=True),
             ], bar["free"], stages)
 
         @pl.when(wg < CONSUMERS)
@@ -135,9 +143,9 @@ def dq_call(q, do, lse, delta, k_t, v_t, k, end, q_pos, table, count, *, stages:
                          (do_ref.at[r, queries, head], do_tile),
                          (lse_ref.at[r, head, queries], buf["lse"].at[wg]),
                          (delta_ref.at[r, head, queries], buf["delta"].at[wg]),
-                         (qpos_ref.at[r, queries], buf["qpos"].at[wg])],
+                         (positions_tile(qpos_ref, r, queries, window), buf["qpos"].at[wg])],
                         bar["resident"], wg * 5)
-            q_pos = buf["qpos"][wg]
+            q_pos, q_path = read_positions(buf["qpos"], wg, window)
             lse = lax.broadcast_in_dim(buf["lse"][wg], shape, [0])
             delta = lax.broadcast_in_dim(buf["delta"][wg], shape, [0])
 
@@ -148,8 +156,9 @@ def dq_call(q, do, lse, delta, k_t, v_t, k, end, q_pos, table, count, *, stages:
 
                 def masked(t):
                     plgpu.barrier_wait(bar["end"].at[slot])
-                    mask = tree_mask_tile(q_pos, kv_block * DQ_BLOCK_KV, buf["end"][slot],
-                                          shape, key_axis=1)
+                    ends, k_path = read_positions(buf["end"], slot, window)
+                    mask = tree_mask_tile(q_pos, kv_block * DQ_BLOCK_KV, ends, shape, key_axis=1)
+                    mask = window_mask_tile(mask, q_path, k_path, shape, 1, window)
                     return jnp.where(mask, t, -jnp.inf)
 
                 p = jnp.exp2(lax.cond(kind == PARTIAL, masked, lambda t: t, t) - lse)
@@ -166,7 +175,7 @@ def dq_call(q, do, lse, delta, k_t, v_t, k, end, q_pos, table, count, *, stages:
             q_tile[...] = dq.astype(q_tile.dtype)
             store_tiles([(q_tile, dq_ref.at[r, queries, head])])
 
-    buffers = dq_buffers(k.shape[1], head_dim, stages, q.dtype)
+    buffers = dq_buffers(k.shape[1], head_dim, stages, q.dtype, window)
     barriers = _ring_barriers(("kt", "vt", "k", "end"), stages, resident=5)
     return launch(kernel, jax.ShapeDtypeStruct(q.shape, q.dtype), [buffers, barriers],
                   (table.shape[1], q_heads // heads_per_cta, rows), ("q", "h", "r"),
@@ -174,7 +183,7 @@ def dq_call(q, do, lse, delta, k_t, v_t, k, end, q_pos, table, count, *, stages:
 
 
 def _dkv_kernel(*, group: int, head_dim: int, stages: int, scale: float,
-                softcap: float | None) -> Callable[..., None]:
+                softcap: float | None, window: int | None = None) -> Callable[..., None]:
     """The body every CTA of `dkv_call` runs: one producer warpgroup streams the group's query
     blocks (Q, dO, their transposes, LSE, delta, positions) while the consumer warpgroups
     accumulate dK and dV of their 64 keys."""
@@ -201,8 +210,8 @@ def _dkv_kernel(*, group: int, head_dim: int, stages: int, scale: float,
                 Stream(lambda h, b: do_ref.at[r, qs(b), h], buf["do"], bar["do"]),
                 Stream(lambda h, b: lse_ref.at[r, h, qs(b)], buf["lse"], bar["lse"]),
                 Stream(lambda h, b: delta_ref.at[r, h, qs(b)], buf["delta"], bar["delta"]),
-                Stream(lambda h, b: qpos_ref.at[r, qs(b)], buf["qpos"], bar["qpos"],
-                       partial_only=True),
+                Stream(lambda h, b: positions_tile(qpos_ref, r, qs(b), window), buf["qpos"],
+                       bar["qpos"], partial_only=True),
             ], bar["free"], stages)
 
         @pl.when(wg < CONSUMERS)
@@ -213,9 +222,9 @@ def _dkv_kernel(*, group: int, head_dim: int, stages: int, scale: float,
             k_tile, v_tile, pt_tile = buf["k"].at[wg], buf["v"].at[wg], buf["pt"].at[wg]
             fetch_tiles([(k_ref.at[r, keys, kv_head], k_tile),
                          (v_ref.at[r, keys, kv_head], v_tile),
-                         (end_ref.at[r, keys], buf["end"].at[wg])],
+                         (positions_tile(end_ref, r, keys, window), buf["end"].at[wg])],
                         bar["resident"], wg * 3)
-            ends = buf["end"][wg]
+            ends, k_path = read_positions(buf["end"], wg, window)
 
             def block(slot, coords, kind, carry):
                 dk, dv = carry
@@ -223,7 +232,9 @@ def _dkv_kernel(*, group: int, head_dim: int, stages: int, scale: float,
                 t = logits_base2(matmul(k_tile, buf["qt"].at[slot], shape), scale, softcap)
                 def masked(t):
                     plgpu.barrier_wait(bar["qpos"].at[slot])
-                    mask = tree_mask_tile(buf["qpos"][slot], k_start, ends, shape, key_axis=0)
+                    q_pos, q_path = read_positions(buf["qpos"], slot, window)
+                    mask = tree_mask_tile(q_pos, k_start, ends, shape, key_axis=0)
+                    mask = window_mask_tile(mask, q_path, k_path, shape, 0, window)
                     return jnp.where(mask, t, -jnp.inf)
 
                 t_visible = lax.cond(kind == PARTIAL, masked, lambda t: t, t)
@@ -256,7 +267,7 @@ def _dkv_kernel(*, group: int, head_dim: int, stages: int, scale: float,
 
 def dkv_call(q_t, do_t, q, do, lse, delta, k, v, end, q_pos, table, count, *, stages: int,
              scale: float, softcap: float | None,
-             interpret: Any) -> tuple[jax.Array, jax.Array]:
+             interpret: Any, window: int | None = None) -> tuple[jax.Array, jax.Array]:
     """dK, dV [rows, Skv, Hkv, D]. `q_t`, `do_t` are [rows, Hq, D, Sq]; `table` holds each 128-key
     block's (q-block, kind) list at q-block size DKV_BLOCK_Q (layout: `mgpu_pipeline.list_entry`)
     and `count` [rows, nk] its length."""
@@ -265,9 +276,9 @@ def dkv_call(q_t, do_t, q, do, lse, delta, k, v, end, q_pos, table, count, *, st
     group = q_heads // kv_heads
 
     kernel = _dkv_kernel(group=group, head_dim=head_dim, stages=stages, scale=scale,
-                         softcap=softcap)
+                         softcap=softcap, window=window)
 
-    buffers = dkv_buffers(q_len, head_dim, stages, q.dtype)
+    buffers = dkv_buffers(q_len, head_dim, stages, q.dtype, window)
     barriers = _ring_barriers(("qt", "dot", "q", "do", "lse", "delta", "qpos"), stages, resident=3)
     out = jax.ShapeDtypeStruct(k.shape, k.dtype)
     return launch(kernel, (out, out), [buffers, barriers],

@@ -39,23 +39,27 @@ from jtree.kernels.mgpu_pipeline import (
     list_entry,
     logits_base2,
     matmul,
+    positions_smem,
+    positions_tile,
     produce,
+    read_positions,
     store_tiles,
     tiled_smem,
     tree_mask_tile,
+    window_mask_tile,
 )
 
 
 def forward_buffers(kv_len: int, head_dim: int, block_kv: int, stages: int,
-                    dtype: Any) -> dict[str, Any]:
+                    dtype: Any, window: int | None = None) -> dict[str, Any]:
     """SMEM buffers of the forward kernel (also what the SMEM budget check adds up)."""
     return dict(
         table=list_buffer(kv_len // block_kv),
         q=tiled_smem((CONSUMERS, WG_ROWS, head_dim), dtype),  # Q tiles, reused for O
-        qpos=plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.int32),  # their key positions
+        qpos=positions_smem((CONSUMERS,), WG_ROWS, window),  # their key (and path) positions
         kt=tiled_smem((stages, head_dim, block_kv), dtype),  # K^T ring
         v=tiled_smem((stages, block_kv, head_dim), dtype),  # V ring
-        end=plgpu.SMEM((stages, block_kv), jnp.int32),  # end ring (PARTIAL blocks only)
+        end=positions_smem((stages,), block_kv, window),  # end ring (PARTIAL blocks only)
         p=tiled_smem((CONSUMERS, WG_ROWS, block_kv), dtype),  # P tiles
         lse=plgpu.SMEM((CONSUMERS, WG_ROWS), jnp.float32),
     )
@@ -93,7 +97,8 @@ def q_block_cta(table_ref: Any, count_ref: Any, table_smem: Any, table_ready: An
 
 
 def _forward_kernel(*, group: int, head_dim: int, block_kv: int, stages: int, heads_per_cta: int,
-                    scale: float, softcap: float | None) -> Callable[..., None]:
+                    scale: float, softcap: float | None,
+                    window: int | None = None) -> Callable[..., None]:
     """The body every CTA of `forward_call` runs: one producer warpgroup streams K^T, V and the
     mask's `end` through `stages` SMEM slots while the consumer warpgroups run the online softmax."""
     shape = (WG_ROWS, block_kv)
@@ -109,7 +114,8 @@ def _forward_kernel(*, group: int, head_dim: int, block_kv: int, stages: int, he
             produce(n_blocks, entry, [
                 Stream(lambda b: kt_ref.at[r, kv_head, :, keys(b)], buf["kt"], bar["kt"]),
                 Stream(lambda b: v_ref.at[r, keys(b), kv_head], buf["v"], bar["v"]),
-                Stream(lambda b: end_ref.at[r, keys(b)], buf["end"], bar["end"], partial_only=True),
+                Stream(lambda b: positions_tile(end_ref, r, keys(b), window), buf["end"],
+                       bar["end"], partial_only=True),
             ], bar["free"], stages)
 
         def rendezvous():
@@ -122,8 +128,9 @@ def _forward_kernel(*, group: int, head_dim: int, block_kv: int, stages: int, he
             queries = pl.ds(q_start, WG_ROWS)
             q_tile, p_tile = buf["q"].at[wg], buf["p"].at[wg]
             fetch_tiles([(q_ref.at[r, queries, head], q_tile),
-                         (qpos_ref.at[r, queries], buf["qpos"].at[wg])], bar["q"], wg * 2)
-            q_pos = buf["qpos"][wg]
+                         (positions_tile(qpos_ref, r, queries, window), buf["qpos"].at[wg])],
+                        bar["q"], wg * 2)
+            q_pos, q_path = read_positions(buf["qpos"], wg, window)
             # FA3 ping-pong: warpgroup 1 starts one rendezvous behind warpgroup 0, so each
             # one's wgmmas run while the other one does its softmax.
             pl.when(wg == 1)(rendezvous)
@@ -137,8 +144,9 @@ def _forward_kernel(*, group: int, head_dim: int, block_kv: int, stages: int, he
 
                 def masked(t):
                     plgpu.barrier_wait(bar["end"].at[slot])
-                    ends = buf["end"][slot]
+                    ends, k_path = read_positions(buf["end"], slot, window)
                     mask = tree_mask_tile(q_pos, kv_block * block_kv, ends, shape, key_axis=1)
+                    mask = window_mask_tile(mask, q_path, k_path, shape, 1, window)
                     return jnp.where(mask, t, -jnp.inf)
 
                 t = lax.cond(kind == PARTIAL, masked, lambda t: t, t)
@@ -181,6 +189,7 @@ def forward_call(
     scale: float,
     softcap: float | None,
     interpret: Any,
+    window: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """O [rows, Sq, Hq, D] and base-2 LSE [rows, Hq, Sq] of q over k, v [rows, Skv, Hkv, D] under
     the tree mask, query i at key position q_pos[i] ([rows, Sq]).
@@ -193,8 +202,9 @@ def forward_call(
     num_q_blocks = table.shape[1]
 
     kernel = _forward_kernel(group=group, head_dim=head_dim, block_kv=block_kv, stages=stages,
-                             heads_per_cta=heads_per_cta, scale=scale, softcap=softcap)
-    buffers = forward_buffers(v.shape[1], head_dim, block_kv, stages, q.dtype)
+                             heads_per_cta=heads_per_cta, scale=scale, softcap=softcap,
+                             window=window)
+    buffers = forward_buffers(v.shape[1], head_dim, block_kv, stages, q.dtype, window)
     barriers = dict(
         table=plgpu.Barrier(num_barriers=1),
         q=plgpu.Barrier(num_barriers=CONSUMERS * 2),

@@ -151,6 +151,36 @@ def tree_mask_tile(
     return (kj <= qi) & (qi < ends)
 
 
+def positions_smem(lead: tuple[int, ...], n: int, window: int | None) -> Any:
+    """SMEM of `end` / `q_pos` tiles of n positions: [*lead, n], or with a window [*lead, 2, n]
+    (the values, then the path positions: `attention_mgpu` stacks them in GMEM likewise)."""
+    return plgpu.SMEM((*lead, n) if window is None else (*lead, 2, n), jnp.int32)
+
+
+def positions_tile(ref: Any, row: jax.Array, sl: Any, window: int | None) -> Any:
+    """The GMEM tile of positions `sl` of row `row` of an `end` / `q_pos` array ([rows, S], or
+    [rows, 2, S] with a window)."""
+    return ref.at[row, sl] if window is None else ref.at[row, :, sl]
+
+
+def read_positions(smem: Any, index: jax.Array, window: int | None) -> tuple[Any, Any]:
+    """(values, path positions or None) of SMEM positions tile `index` (see `positions_smem`)."""
+    if window is None:
+        return smem[index], None
+    return smem[index, 0], smem[index, 1]
+
+
+def window_mask_tile(mask: jax.Array, q_path: Any, k_path: Any, shape: tuple[int, int],
+                     key_axis: int, window: int | None) -> jax.Array:
+    """`mask` and, with a window, q_path[i] - k_path[j] < W (1-D path positions of the tile's
+    queries and keys, keys along `key_axis`)."""
+    if window is None:
+        return mask
+    qp = lax.broadcast_in_dim(q_path, shape, [1 - key_axis])
+    kp = lax.broadcast_in_dim(k_path, shape, [key_axis])
+    return mask & (qp - kp < window)
+
+
 def logits_base2(s: jax.Array, scale: float, softcap: float | None) -> jax.Array:
     """Raw q.k scores -> logits in base-2 units (scale, optional soft-cap, times log2 e)."""
     if softcap is None:

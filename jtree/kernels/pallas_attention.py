@@ -27,3 +27,4 @@ class BlockConfig(NamedTuple):
     interpret: Any
     num_warps: int | None = None
     num_stages: int | None = None
+    window: int | None = None  # sliding window along the path (None: none)

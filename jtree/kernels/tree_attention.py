@@ -28,6 +28,12 @@ device's last query, and every block outside the local queries' ancestors). An i
 runs under it only where its registry entry says so (`context_parallel`); the others raise
 naming the implementation and `mesh.context`.
 
+Sliding window (`TreeMask.window` W with `TreeMask.positions`, the keys' path positions in the
+layout of `key_end()`): query i also needs pos[i] - pos[j] < W. Attention sinks (`sinks` [Hq]
+float): one logit per query head added to every softmax denominator, with no value
+(`jtree.kernels.flash_vjp`). An implementation takes either only where its registry entry says
+so (`window`, `sinks`); the others raise naming the implementation and the option.
+
 What `auto` runs (the table in docs/kernels.md): `pallas_tpu` on TPU; on a GPU the rule of
 `gpu_impl` (Hopper's Mosaic kernel where wgmma takes the operands, else the Pallas Triton kernel);
 on CPU the C++ `cpu` kernel when it builds and the call has no soft-cap, else `xla`.
@@ -64,6 +70,9 @@ class _Impl(NamedTuple):
     # Whether it runs a query offset (context parallelism): the rectangular call with a traced
     # `q_pos`, checked against the reference on this machine (the GPU kernels are not yet).
     context_parallel: bool = False
+    # Whether it runs a sliding window (`window`, `key_pos` keywords of `run`) and sinks (`sinks`).
+    window: bool = False
+    sinks: bool = False
 
 
 def _any_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
@@ -71,18 +80,20 @@ def _any_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
 
 
 _IMPLS: dict[str, _Impl] = {
-    "reference": _Impl(attention_reference, None, _any_lengths, context_parallel=True),
+    "reference": _Impl(attention_reference, None, _any_lengths, context_parallel=True,
+                       window=True, sinks=True),
     "xla": _Impl(attention_xla.tree_attention_xla, attention_xla.padded_length,
-                 attention_xla.padded_lengths, context_parallel=True),
+                 attention_xla.padded_lengths, context_parallel=True, window=True, sinks=True),
     # The `xla` kernel's blocks and schedule, run by a multi-threaded C++ custom call (CPU only).
     "cpu": _Impl(attention_cpu.tree_attention_cpu, attention_xla.padded_length,
-                 attention_xla.padded_lengths, context_parallel=True),
+                 attention_xla.padded_lengths, context_parallel=True, window=True, sinks=True),
     "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length,
-                        attention_tpu.padded_lengths, context_parallel=True),
+                        attention_tpu.padded_lengths, context_parallel=True, window=True,
+                        sinks=True),
     "pallas_mosaic_gpu": _Impl(attention_mgpu.attention_mgpu, attention_mgpu.padded_length,
-                               attention_mgpu.padded_lengths),
+                               attention_mgpu.padded_lengths, window=True, sinks=True),
     "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
-                           attention_triton.padded_lengths),
+                           attention_triton.padded_lengths, window=True, sinks=True),
 }
 
 # NVIDIA Hopper (sm_90) device kinds: the GPUs with wgmma, which the Mosaic kernel is built on
@@ -165,6 +176,7 @@ def tree_attention(
     softcap: float | None = None,
     prefix_k: jax.Array | None = None,
     prefix_v: jax.Array | None = None,
+    sinks: jax.Array | None = None,
     **options: Any,
 ) -> jax.Array:
     """Attention of q [rows, S, Hq, D] over k, v [rows, S, Hkv, D] under the tree mask `mask`.
@@ -180,6 +192,8 @@ def tree_attention(
     j < prefix_end[j] <= P + S. With `mask.query_offset` (context parallelism), q holds L <= S
     queries at key positions offset + i and k, v, `mask.end` the whole row's S keys.
     `mask.real` [rows, queries] bool marks the real queries (see the module docstring).
+    `mask.window` (with `mask.positions`) adds the sliding window along the path; `sinks` [Hq]
+    (float) the per-head attention-sink logits.
     """
     if not isinstance(mask, TreeMask):
         raise TypeError(f"mask: expected a jtree.kernels.TreeMask, got {type(mask).__name__}")
@@ -198,6 +212,11 @@ def tree_attention(
                          f"{q.shape[:2]}")
     if scale is None:
         scale = q.shape[3] ** -0.5
+    if sinks is not None:
+        if tuple(jnp.shape(sinks)) != (q.shape[2],):
+            raise ValueError(f"sinks: shape {tuple(jnp.shape(sinks))}, expected [Hq] = "
+                             f"({q.shape[2]},)")
+        options["sinks"] = sinks
     if windowed:
         mask.check()
         name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)
@@ -205,16 +224,20 @@ def tree_attention(
             raise ValueError(f"attention impl {name!r} does not run under context parallelism "
                              "(mesh.context > 1): set runtime.attention_impl to 'xla', 'cpu' or "
                              "'pallas_tpu', or mesh.context=1")
+        _check_options(name, mask, options)
         return _rectangular(q, k, v, mask, name, scale=scale, softcap=softcap, **options)
     if mask.prefix_end is not None or prefix_k is not None or prefix_v is not None:
         return _with_prefix(q, k, v, mask, prefix_k, prefix_v, impl=impl, scale=scale,
                             softcap=softcap, **options)
     mask.check()
-    chosen = _IMPLS[resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)]
+    name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)
+    _check_options(name, mask, options)
+    chosen = _IMPLS[name]
     s = q.shape[1]
     target = s if chosen.padded_length is None else chosen.padded_length(s, **options)
     end, _ = mask.padded(target, target)
     q_real = mask.padded_real(target)
+    options.update(_window_options(mask, target))
     if target == s:
         return chosen.run(q, k, v, end, scale=scale, softcap=softcap, q_real=q_real, **options)
     width = ((0, 0), (0, target - s), (0, 0), (0, 0))
@@ -242,6 +265,7 @@ def _with_prefix(q, k, v, mask: TreeMask, prefix_k, prefix_v, *, impl: str, scal
     if _IMPLS[name].padded_lengths is None:
         raise ValueError(f"attention impl {name!r}: prefix not supported (it cannot attend to "
                          "cached keys of earlier parts; use 'xla' or 'reference')")
+    _check_options(name, mask, options)
     return _rectangular(q, jnp.concatenate([prefix_k, k], axis=1),
                         jnp.concatenate([prefix_v, v], axis=1), mask, name, scale=scale,
                         softcap=softcap, **options)
@@ -259,5 +283,25 @@ def _rectangular(q, k, v, mask: TreeMask, name: str, *, scale: float, softcap: f
     k, v = jnp.pad(k, kv_width), jnp.pad(v, kv_width)
     q = jnp.pad(q, ((0, 0), (0, sq - s), (0, 0), (0, 0)))
     out = chosen.run(q, k, v, end, scale=scale, softcap=softcap, q_pos=q_pos,
-                     q_real=mask.padded_real(sq), **options)
+                     q_real=mask.padded_real(sq), **options, **_window_options(mask, skv))
     return out[:, :s]
+
+
+def _check_options(name: str, mask: TreeMask, options: dict) -> None:
+    """Raise if implementation `name` cannot run the mask's window or the call's sinks."""
+    chosen = _IMPLS[name]
+    if mask.window is not None and not chosen.window:
+        supported = ", ".join(repr(n) for n, i in _IMPLS.items() if i.window)
+        raise ValueError(f"attention impl {name!r}: sliding window (TreeMask.window) not "
+                         f"supported; use one of {supported}")
+    if options.get("sinks") is not None and not chosen.sinks:
+        supported = ", ".join(repr(n) for n, i in _IMPLS.items() if i.sinks)
+        raise ValueError(f"attention impl {name!r}: attention sinks not supported; use one of "
+                         f"{supported}")
+
+
+def _window_options(mask: TreeMask, skv: int) -> dict:
+    """The `window` and `key_pos` keywords of an implementation's `run` ({} without a window)."""
+    if mask.window is None:
+        return {}
+    return {"window": mask.window, "key_pos": mask.padded_positions(skv)}

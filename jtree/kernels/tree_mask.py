@@ -20,7 +20,17 @@ context-parallel row lies inside the subtree intervals of the nodes it cuts, so 
 queries would otherwise see those nodes' ancestors. Their outputs are then not the mask's (each
 sees at least its own key, so they stay finite) and must be read by nothing, which holds for
 padding: its keys are visible to itself only and it is never scored.
+
+Sliding window (`window` W, static, and `positions`): query i additionally needs
+pos[i] - pos[j] < W, where pos is a token's depth on its path (its RoPE position, the batch's
+`pos`). The window counts along the path: keys of another branch stay invisible by the tree rule,
+and the W - 1 path tokens before i (and i) are visible. `positions` [rows, P + S] int32 holds the
+path position of every key in the layout of `key_end()`: [prefix keys | own keys] with a prefix,
+the whole row's keys under a query offset. A query's position is that of the key position it sits
+at (i, P + i, or query_offset + i), so queries need no array of their own. W = None: no window
+(`positions` may then be None and is ignored).
 """
+
 
 from __future__ import annotations
 
@@ -38,15 +48,22 @@ class TreeMask:
     """`end` [..., S] int32 of the own keys; `prefix_end` [..., P] int32 of cached prefix keys
     (None: no prefix); `query_offset` int32 scalar: the queries are keys query_offset + i of the
     row `end` describes (None: the queries are the keys themselves); `real` [..., queries] bool
-    the real queries (None: every query; see the module docstring). Host (numpy) arrays stay
+    the real queries (None: every query; see the module docstring); `positions` [..., P + S]
+    int32 the path position of every key, laid out as `key_end()` (needed when `window` is set);
+    `window` (static) the sliding window W along the path (None: full attention). Host (numpy) arrays stay
     numpy, so kernels can build their block tables on the host and `check` can validate them."""
 
     end: Any
     prefix_end: Any = None
     query_offset: Any = None
     real: Any = None
+    positions: Any = None
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self) -> None:
+        if self.window is not None and (not isinstance(self.window, (int, np.integer))
+                                        or isinstance(self.window, bool) or self.window < 1):
+            raise ValueError(f"TreeMask: window={self.window!r} must be an int >= 1 or None")
         if self.prefix_end is not None and self.query_offset is not None:
             raise ValueError("TreeMask: a prefix and a query offset cannot be combined (a "
                              "redundancy-free part does not run under context parallelism)")
@@ -100,6 +117,26 @@ class TreeMask:
                                 np.full(sq - s, skv - 1, np.int32)])
         q_pos = np.broadcast_to(q_pos, (rows, sq))
         return end, (q_pos if isinstance(end, np.ndarray) else jnp.asarray(q_pos))
+
+    def padded_positions(self, skv: int) -> Any:
+        """Path positions [rows, skv] of the keys of a kernel that runs skv >= P + S keys
+        (padding keys at position 0: they see only themselves, and a query at a padding key
+        position reads the same 0), or None without a window."""
+        if self.window is None:
+            return None
+        pos = self.positions
+        if pos is None:
+            raise ValueError("TreeMask: a window needs `positions` (the path position of every key)")
+        n = self.end.shape[-1] + self.prefix_len
+        if tuple(pos.shape) != (self.end.shape[0], n):
+            raise ValueError(f"positions: shape {tuple(pos.shape)}, expected [rows, P + S] = "
+                             f"{(self.end.shape[0], n)} (the layout of key_end())")
+        if skv < n:
+            raise ValueError(f"padded_positions: {skv} keys are fewer than the mask's {n}")
+        width = ((0, 0), (0, skv - n))
+        if isinstance(pos, np.ndarray):
+            return np.pad(pos.astype(np.int32), width)
+        return jnp.pad(jnp.asarray(pos, jnp.int32), width)
 
     def padded_real(self, sq: int) -> Any:
         """`real` [rows, sq] for a kernel that runs sq queries (padding queries are not real),

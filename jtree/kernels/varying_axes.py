@@ -45,3 +45,11 @@ def varying_struct(shape: tuple[int, ...], dtype: Any, *refs: Any) -> jax.ShapeD
     (the kernel's inputs) vary over."""
     return jax.ShapeDtypeStruct(shape, dtype,
                                 manual_axis_type=jax.sharding.ManualAxisType(varying=_union(refs)))
+
+
+def summed_like(x: jax.Array, ref: Any) -> jax.Array:
+    """`x`, a cotangent of the primal `ref`, summed over the mesh axes it varies over and `ref`
+    does not (the transpose of the implicit broadcast of an invariant input, e.g. a replicated
+    parameter used with per-device data; a no-op outside `shard_map`)."""
+    extra = tuple(sorted(_axes(x) - _axes(ref)))
+    return jax.lax.psum(x, extra) if extra else x

@@ -8,8 +8,9 @@
 IN holds q, k, v, d_out (float32 holding values of `dtype`), end of the whole layout, and scalars
 dtype, softcap (nan for none), block_kv (0: the kernel's default) and prefix P: the first P tokens
 are cached prefix keys (`prefix_k`, `prefix_v`, `mask.prefix_end`) and only the others are queries
-(0: no prefix, every token a query). OUT holds, as float32, out and dq of the queries, dk and dv of
-every key ([prefix | own]), and `races` (race detection result). The kernels run through
+(0: no prefix, every token a query); optionally `window` (0: none) with `positions` (the path
+position of every token of the layout) and `sinks` [Hq]. OUT holds, as float32, out and dq of the queries, dk and dv of
+every key ([prefix | own]), `dsinks` with sinks, and `races` (race detection result). The kernels run through
 `tree_attention(impl="pallas_mosaic_gpu")`, which pads the lengths as in training.
 
 Run it as its own process, for three reasons:
@@ -56,21 +57,27 @@ COLUMNS = (Column("dtype", "dtype"), Column("prefix", "prefix"),
 
 
 def value_and_grads(impl: str, q, k, v, end, d_out, *, prefix: int = 0,
-                    softcap: float | None = None, **options) -> list[jax.Array]:
+                    softcap: float | None = None, window: int | None = None, positions=None,
+                    sinks=None, **options) -> list[jax.Array]:
     """[out, dq, dk, dv] (float32) of `tree_attention(impl=impl)` on the layout q, k, v, end
     [rows, P + S, ...] with output cotangent `d_out`: with `prefix` P > 0, keys [:P] are cached
-    prefix keys and only [P:] are queries (out, dq, d_out are theirs; dk, dv cover every key)."""
+    prefix keys and only [P:] are queries (out, dq, d_out are theirs; dk, dv cover every key).
+    `window` with `positions` [rows, P + S]: the sliding window; with `sinks` [Hq] their
+    gradient is appended."""
     p = prefix
 
-    def attend(q_own, k_own, v_own, prefix_k, prefix_v):
-        mask = TreeMask(end[:, p:], end[:, :p]) if p else TreeMask(end)
+    def attend(q_own, k_own, v_own, prefix_k, prefix_v, sk):
+        mask = (TreeMask(end[:, p:], end[:, :p], positions=positions, window=window) if p else
+                TreeMask(end, positions=positions, window=window))
         kv = dict(prefix_k=prefix_k, prefix_v=prefix_v) if p else {}
         return tree_attention(q_own, k_own, v_own, mask, impl=impl, softcap=softcap, **kv,
-                              **options).astype(jnp.float32)
+                              sinks=sk, **options).astype(jnp.float32)
 
-    out, pull = jax.vjp(attend, q[:, p:], k[:, p:], v[:, p:], k[:, :p], v[:, :p])
-    dq, dk, dv, dpk, dpv = (g.astype(jnp.float32) for g in pull(d_out[:, p:]))
-    return [out, dq, jnp.concatenate([dpk, dk], 1), jnp.concatenate([dpv, dv], 1)]
+    out, pull = jax.vjp(attend, q[:, p:], k[:, p:], v[:, p:], k[:, :p], v[:, :p], sinks)
+    dq, dk, dv, dpk, dpv, dsk = pull(d_out[:, p:])
+    dq, dk, dv, dpk, dpv = (g.astype(jnp.float32) for g in (dq, dk, dv, dpk, dpv))
+    grads = [out, dq, jnp.concatenate([dpk, dk], 1), jnp.concatenate([dpv, dv], 1)]
+    return grads if sinks is None else grads + [dsk]
 
 
 def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -81,12 +88,15 @@ def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     options = dict(interpret=InterpretGPUParams(detect_races=True))
     if int(inputs["block_kv"]):
         options["block_kv"] = int(inputs["block_kv"])
+    window = int(inputs.get("window", 0)) or None
+    positions = jnp.asarray(inputs["positions"], jnp.int32) if window else None
+    sinks = jnp.asarray(inputs["sinks"], jnp.float32) if "sinks" in inputs else None
     run_kernels = jax.jit(functools.partial(value_and_grads, "pallas_mosaic_gpu",
                                             prefix=int(inputs["prefix"]), softcap=softcap,
-                                            **options))
+                                            window=window, **options))
     results = run_kernels(q, k, v, jnp.asarray(inputs["end"], jnp.int32),
-                          jnp.asarray(inputs["d_out"]))
-    arrays = {n: np.asarray(x) for n, x in zip(OUTPUTS, results)}
+                          jnp.asarray(inputs["d_out"]), positions=positions, sinks=sinks)
+    arrays = {n: np.asarray(x) for n, x in zip(OUTPUTS + ("dsinks",), results)}
     arrays["races"] = np.asarray(interpret_pallas_call.get_races().races_found)
     return arrays
 

@@ -42,41 +42,56 @@ LOSS_PASSES = 4.0
 
 @dataclasses.dataclass(frozen=True)
 class FlopModel:
-    """Training FLOPs per computed token, per visible attention pair, per scored token."""
+    """Training FLOPs per computed token, per visible attention pair, per scored token.
+
+    `per_window_token`: the sliding-window attention layers' (gpt-oss) work per computed token,
+    priced as a full window of keys each: exact for every token at path position W - 1 or later,
+    an upper bound for the first W - 1 of a path (the window along the path is then shorter).
+    Their pairs are not in `per_pair`, which counts the layers that see every ancestor."""
 
     per_token: float
     per_pair: float
     per_scored: float
+    per_window_token: float = 0.0
 
     @classmethod
     def for_config(cls, cfg: Any) -> FlopModel:
         """From an architecture config (`jtree.models.architectures`): the layer kinds its
         `decoder()` chooses, each counted by `_layer_macs`, and the output projection."""
-        per_token = per_pair = 0.0
-        for kind in cfg.decoder().layers:
+        per_token = per_pair = per_window_pair = 0.0
+        spec = cfg.decoder()
+        for kind in spec.layers:
             token, pair = _layer_macs(cfg, kind)
             per_token += token
-            per_pair += pair
+            if kind.mixer == "sliding_attention":
+                per_window_pair += pair
+            else:
+                per_pair += pair
+        window = spec.sliding_window or 0
         return cls(per_token=PROJECTION_PASSES * 2.0 * per_token,
                    per_pair=ATTENTION_PASSES * per_pair,
-                   per_scored=LOSS_PASSES * 2.0 * cfg.hidden_size * cfg.vocab_size)
+                   per_scored=LOSS_PASSES * 2.0 * cfg.hidden_size * cfg.vocab_size,
+                   per_window_token=ATTENTION_PASSES * per_window_pair * window)
 
     def flops(self, work: Work) -> float:
-        return (self.per_token * work.tokens + self.per_pair * work.pairs
-                + self.per_scored * work.scored)
+        return ((self.per_token + self.per_window_token) * work.tokens
+                + self.per_pair * work.pairs + self.per_scored * work.scored)
 
     def shares(self, work: Work) -> dict[str, float]:
-        """Fraction of the FLOPs spent per token, per pair and per scored token."""
+        """Fraction of the FLOPs spent per token, per pair (attention, the windowed layers'
+        included) and per scored token."""
         total = self.flops(work)
         return {"tokens": self.per_token * work.tokens / total,
-                "attention": self.per_pair * work.pairs / total,
+                "attention": (self.per_pair * work.pairs
+                              + self.per_window_token * work.tokens) / total,
                 "loss": self.per_scored * work.scored / total}
 
 
 def _layer_macs(cfg: Any, kind: LayerKind) -> tuple[float, float]:
     """Multiply-adds of one decoder layer per computed token and per visible attention pair.
 
-    Attention: q/k/v/o (the gated form's q_proj is twice as wide) and 4 x query width per pair.
+    Attention: q/k/v/o (the gated form's q_proj is twice as wide) and 4 x query width per pair
+    (for a sliding-window layer, per pair inside the window: `FlopModel.per_window_token`).
     Gated DeltaNet: its projections and the per-token state update, no pairs. Dense SwiGLU:
     gate/up/down. MoE: the router and the `num_experts_per_tok` experts a token visits, plus the
     shared expert and its gate.
@@ -163,8 +178,8 @@ def layout_cost(model: FlopModel, padded_tokens: int, blocks: int, block_area: i
                 scored: int) -> float:
     """FLOPs of a concrete layout: every padded position pays the per-token work, attention pays
     for `blocks` computed blocks of `block_area` pairs."""
-    return (model.per_token * padded_tokens + model.per_pair * blocks * block_area
-            + model.per_scored * scored)
+    return ((model.per_token + model.per_window_token) * padded_tokens
+            + model.per_pair * blocks * block_area + model.per_scored * scored)
 
 
 def estimated_blocks(work: Work, block: int) -> int:

@@ -3,13 +3,16 @@
 
 GQA with per-head q/k RMSNorm before RoPE where the architecture has it (Qwen3; not Llama or
 Qwen2), RoPE on the first `rotary_dim` features of each head (the width of the cos/sin tables),
-biases on q/k/v and on o_proj as the architecture says (`DecoderSpec`). The gated form's q_proj also emits a per-head output gate
-([query, gate] per head) and the output is multiplied by sigmoid(gate) before o_proj.
+biases on q/k/v and on o_proj as the architecture says (`DecoderSpec`). The gated form's q_proj
+also emits a per-head output gate ([query, gate] per head) and the output is multiplied by
+sigmoid(gate) before o_proj. gpt-oss adds learned per-head sinks (`sinks`, one extra logit per
+query head in the softmax) and, on its sliding-attention layers, a key window along the path
+(`window`, set on the layer's copy of the mask, whose `positions` the decoder fills in).
 
-Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits query heads: q_proj is
-column-parallel (a column split keeps each head's gate with it, so the gate multiplies only local
-heads), o_proj row-parallel; kv heads are split like the query heads or, when there are fewer of
-them than devices, replicated (`local_kv_heads`).
+Tensor parallelism (`RuntimeConfig.tensor_parallel_axis`) splits query heads (with their sinks):
+q_proj is column-parallel (a column split keeps each head's gate with it, so the gate multiplies
+only local heads), o_proj row-parallel; kv heads are split like the query heads or, when there
+are fewer of them than devices, replicated (`local_kv_heads`).
 
 Context parallelism (`RuntimeConfig.context_axis`): the layer holds one slice of each row; its
 keys and values are all-gathered over the axis and its queries run at the slice's offset (the
@@ -19,6 +22,7 @@ the slice's own keys and values.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -39,7 +43,7 @@ class Attention(nnx.Module):
     `jtree.models.layers.NORMS`) and which projections have biases."""
 
     def __init__(self, cfg: Any, runtime: RuntimeConfig, spec: DecoderSpec, *, gated: bool,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, window: int | None = None):
         d, hd = cfg.hidden_size, cfg.head_dim
         kw = dict(init_std=cfg.initializer_range, dtype=runtime.compute_dtype,
                   param_dtype=runtime.weight_dtype, rngs=rngs)
@@ -54,7 +58,11 @@ class Attention(nnx.Module):
                     if spec.qk_norm else None)
 
         self.q_norm, self.k_norm = nnx.data(qk_norm()), nnx.data(qk_norm())
-        self.cfg, self.runtime, self.gated = cfg, runtime, gated
+        # gpt-oss's learned sink logit per query head (HF `sinks`, normal(0, std) init)
+        self.sinks = nnx.data(nnx.Param(nnx.initializers.normal(cfg.initializer_range)(
+            rngs.params(), (cfg.num_attention_heads,), runtime.weight_dtype))
+            if spec.attention_sinks else None)
+        self.cfg, self.runtime, self.gated, self.window = cfg, runtime, gated, window
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: TreeMask,
                  prefix: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache]:
@@ -72,11 +80,14 @@ class Attention(nnx.Module):
         heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
         k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
+        if self.window is not None:
+            mask = dataclasses.replace(mask, window=self.window)
         if self.runtime.context_axis is None:
-            out = attend(q, k, v, mask, prefix, self.runtime.attention_impl)
+            out = attend(q, k, v, mask, prefix, self.runtime.attention_impl, sinks)
         else:
             k_row, v_row = gathered_keys(k, v, self.runtime.context_axis)
-            out = attend(q, k_row, v_row, mask, prefix, self.runtime.attention_impl)
+            out = attend(q, k_row, v_row, mask, prefix, self.runtime.attention_impl, sinks)
         out = out.reshape(rows, s, -1)
         if self.gated:
             out = out * jax.nn.sigmoid(gate.reshape(rows, s, -1))
@@ -84,9 +95,10 @@ class Attention(nnx.Module):
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: TreeMask,
-           prefix: AttentionCache | None, impl: str) -> jax.Array:
+           prefix: AttentionCache | None, impl: str, sinks: jax.Array | None = None) -> jax.Array:
     """`tree_attention`, over the cached prefix keys too when there is a prefix (whose key ends
-    the mask carries)."""
+    the mask carries); `sinks` [Hq]: per-head attention-sink logits (None: none)."""
     if prefix is None:
-        return tree_attention(q, k, v, mask, impl=impl)
-    return tree_attention(q, k, v, mask, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v)
+        return tree_attention(q, k, v, mask, impl=impl, sinks=sinks)
+    return tree_attention(q, k, v, mask, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v,
+                          sinks=sinks)

@@ -2,11 +2,12 @@
 an (optionally tied) head, on tree batches. Returns final hidden states, not logits.
 
 Each layer's kind comes from the architecture config (`config.decoder()`, a `DecoderSpec`): its
-token mixer is attention (Qwen3), gated attention (Qwen3-Next) or a Gated DeltaNet, its
-feed-forward a dense SwiGLU, a sparse MoE block, or a MoE block with a gated shared expert. Module
-and parameter names mirror Hugging Face's `*ForCausalLM` (`model.layers.N.self_attn.q_proj`,
-`...linear_attn.in_proj_qkvz` or `in_proj_qkv`, `...mlp.experts.gate_up_proj`; NNX `kernel` is
-HF `weight` transposed), so checkpoints map by name.
+token mixer is attention (Qwen3), sliding-window attention (gpt-oss), gated attention
+(Qwen3-Next) or a Gated DeltaNet, its feed-forward a dense SwiGLU, a sparse MoE block, or a MoE
+block with a gated shared expert. Module and parameter names mirror Hugging Face's
+`*ForCausalLM` (`model.layers.N.self_attn.q_proj`, `...linear_attn.in_proj_qkvz` or
+`in_proj_qkv`, `...mlp.experts.gate_up_proj`; NNX `kernel` is HF `weight` transposed), so
+checkpoints map by name.
 
 `CausalLM.__call__` is the only place that reads the batch (a `jtree.layout.batch.DeviceBatch`: tokens,
 positions, the `TreeMask`, GDN tables, prefix layout, router-loss inputs): it builds the
@@ -45,6 +46,7 @@ from jtree.models.layers import (
     SwiGLU,
     call_layer,
     linear,
+    rope_attention_factor,
     rope_cos_sin,
     rope_inverse_frequencies,
     vocab_parallel_embed,
@@ -67,19 +69,20 @@ class LayerInputs(NamedTuple):
     routing: GdnRouting | None
 
 
-def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, *, rngs: nnx.Rngs,
-                 mlp_bias: bool = False) -> SwiGLU | SparseMoeBlock:
-    """The feed-forward block of kind `ffn`; `mlp_bias` puts biases on a dense MLP (Llama's
-    `mlp_bias`)."""
+def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, spec: DecoderSpec, *,
+                 rngs: nnx.Rngs) -> SwiGLU | SparseMoeBlock:
+    """The feed-forward block of kind `ffn`, with the biases and activation `spec` says (Llama's
+    `mlp_bias` on a dense MLP; gpt-oss's router and expert biases and clamped SwiGLU)."""
     kw = dict(init_std=cfg.initializer_range, dtype=runtime.compute_dtype,
               param_dtype=runtime.weight_dtype, rngs=rngs, tp_axis=runtime.tensor_parallel_axis)
     if ffn == "mlp":
-        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=mlp_bias, **kw)
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=spec.mlp_bias, **kw)
     return SparseMoeBlock(
         cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
         moe_intermediate=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
         shared_intermediate=cfg.shared_expert_intermediate_size if ffn == "moe_shared" else None,
-        expert_dispatch=runtime.expert_dispatch, **kw)
+        expert_dispatch=runtime.expert_dispatch, router_bias=spec.router_bias,
+        expert_bias=spec.expert_bias, clamp=spec.swiglu_clamp, **kw)
 
 
 class DecoderLayer(nnx.Module):
@@ -92,9 +95,11 @@ class DecoderLayer(nnx.Module):
             self.linear_attn = GatedDeltaNet(cfg, runtime, projections=spec.gdn_projections,
                                             rngs=rngs)
         else:
-            self.self_attn = Attention(cfg, runtime, spec,
-                                       gated=kind.mixer == "gated_attention", rngs=rngs)
-        self.mlp = feed_forward(cfg, runtime, kind.ffn, mlp_bias=spec.mlp_bias, rngs=rngs)
+            self.self_attn = Attention(
+                cfg, runtime, spec, gated=kind.mixer == "gated_attention",
+                window=spec.sliding_window if kind.mixer == "sliding_attention" else None,
+                rngs=rngs)
+        self.mlp = feed_forward(cfg, runtime, kind.ffn, spec, rngs=rngs)
         norm_cls = NORMS[spec.norm]
         self.input_layernorm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                         param_dtype=runtime.weight_dtype)
@@ -239,6 +244,8 @@ class CausalLM(nnx.Module):
         """`prefix`: per-layer caches of the tokens above a part (`jtree.models.prefix`)."""
         cfg, spec = self.config, self.spec
         mask, prefix_pred = prefix_inputs(inputs, prefix)
+        if spec.sliding_window is not None:
+            mask = self._with_positions(mask, inputs, prefix)
         if self.runtime.context_axis is not None:
             mask = context_mask(mask, self.runtime.context_axis)
         routing = None
@@ -250,7 +257,8 @@ class CausalLM(nnx.Module):
             routing = gdn_routing(inputs.pred, gdn, cfg.linear_conv_kernel_dim, prefix_pred,
                                   self.runtime.context_axis)
         cos, sin = rope_cos_sin(inputs.pos, rope_inverse_frequencies(
-            spec.rotary_dim, cfg.rope_theta, spec.rope_scaling))
+            spec.rotary_dim, cfg.rope_theta, spec.rope_scaling),
+            rope_attention_factor(spec.rope_scaling))
         hidden, stats, exports = self.model(inputs.tokens, LayerInputs(cos, sin, mask, routing),
                                             prefix, self._replay(inputs.routed_experts))
         if not stats or not cfg.output_router_logits:
@@ -260,6 +268,20 @@ class CausalLM(nnx.Module):
             inputs.router_load)
         return ModelOutput(hidden, aux, exports,
                            router_load(stats, inputs.path_count, cfg.num_experts))
+
+    def _with_positions(self, mask: TreeMask, inputs: DeviceBatch,
+                        prefix: Sequence[LayerCache] | None) -> TreeMask:
+        """`mask` with every key's path position (`TreeMask.positions`), which the windows of
+        the sliding-attention layers count in: the batch's `pos` (under context parallelism
+        this device's slice, which `context_mask` gathers like the key ends)."""
+        if prefix is not None:
+            raise ValueError("sliding-window attention layers with a redundancy-free prefix are "
+                             "not supported (the prefix keys' path positions are not in its "
+                             "layout); train this model in tree or baseline mode")
+        pos = inputs.pos
+        # (host arrays stay on the host, like `end`, so kernels can build block tables there)
+        pos = pos.astype(np.int32) if isinstance(pos, np.ndarray) else jnp.asarray(pos, jnp.int32)
+        return dataclasses.replace(mask, positions=pos)
 
     def _replay(self, routed: jax.Array | None) -> list[jax.Array | None] | None:
         """The batch's `routed_experts` [..., S, L, k] cut per layer: MoE layer m (in order)

@@ -102,8 +102,8 @@ def rope_config(hf: Mapping[str, Any], default_theta: float, default_partial: fl
     """(rope_theta, partial_rotary_factor, rope type, the type's parameters) from the top-level
     keys (transformers 4) and/or `rope_parameters` / `rope_scaling` (transformers 5 writes the
     first, the Hub's Llama 3 the second). `types` maps each RoPE type the caller implements to
-    the parameter keys it takes (Llama 3's `factor`, ...); any other type (YaRN, linear, dynamic,
-    ...) is refused naming the field, and so are values that disagree between the places."""
+    the parameter keys it takes (Llama 3's `factor`, ...); any other type (linear, dynamic, ...)
+    is refused naming the field, and so are values that disagree between the places."""
     found: dict[str, set[Any]] = {"rope_theta": set(), "partial_rotary_factor": set()}
     for key in found:
         if hf.get(key) is not None:
@@ -120,8 +120,8 @@ def rope_config(hf: Mapping[str, Any], default_theta: float, default_partial: fl
         if rope_type not in types:
             raise ValueError(
                 f"config.json: {key}.rope_type = {rope_type!r}: only RoPE of type "
-                f"{' or '.join(map(repr, types))} is supported (no YaRN, linear or dynamic "
-                "scaling)")
+                f"{' or '.join(map(repr, types))} is supported for this architecture (other "
+                "scalings change the positions' math)")
         rope_types.add(rope_type)
         extra = sorted(set(given) - {"rope_type", "type", *found, *types[rope_type]})
         if extra:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jtree.config.architectures import Llama3RopeScaling
+from jtree.config.architectures import Llama3RopeScaling, YarnRopeScaling
 from jtree.kernels.flat_tokens import normalized_last_axis, scale_channels
 
 # `runtime.remat` names (`jtree.config.runtime.REMAT_POLICY_NAMES`, besides "none") -> jax policies.
@@ -54,7 +54,20 @@ class OffsetRMSNorm(nnx.Module):
         return scale_channels(rms_normalized(x, self.eps), scale).astype(x.dtype)
 
 
-NORMS = {"rms": RMSNorm, "offset_rms": OffsetRMSNorm}
+class RMSNormScaledInFloat32(nnx.Module):
+    """x / rms(x) * weight, scaled in float32 and cast back after the scale (HF `GptOssRMSNorm`,
+    whose weights transformers keeps in float32); the same values as `RMSNorm` in float32."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.weight[...].astype(jnp.float32)
+        return scale_channels(rms_normalized(x, self.eps), scale).astype(x.dtype)
+
+
+NORMS = {"rms": RMSNorm, "offset_rms": OffsetRMSNorm, "rms_f32_scale": RMSNormScaledInFloat32}
 
 
 def linear(
@@ -75,7 +88,8 @@ def linear(
 
 
 def rope_inverse_frequencies(rotary_dim: int, theta: float,
-                             scaling: Llama3RopeScaling | None = None) -> jax.Array:
+                             scaling: Llama3RopeScaling | YarnRopeScaling | None = None
+                             ) -> jax.Array:
     """RoPE's rotation speeds [rotary_dim / 2] in float32, op for op as transformers computes
     them, so tables (and the logits after them) match HF to float32 rounding.
 
@@ -84,7 +98,9 @@ def rope_inverse_frequencies(rotary_dim: int, theta: float,
     than `low_freq_factor` times over L is slowed down by `factor` (it never saw longer contexts
     in pretraining), one that turns more than `high_freq_factor` times is kept (it encodes local
     order), and in between the two are blended with weight s = (L / wavelength - low) / (high -
-    low) on the kept one."""
+    low) on the kept one. YaRN's scaling: `yarn_inverse_frequencies`."""
+    if isinstance(scaling, YarnRopeScaling):
+        return yarn_inverse_frequencies(rotary_dim, theta, scaling)
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
     if scaling is None:
         return inv_freq
@@ -99,12 +115,62 @@ def rope_inverse_frequencies(rotary_dim: int, theta: float,
     return jnp.where(~slow & ~fast, blended, scaled)
 
 
-def rope_cos_sin(pos: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+def yarn_inverse_frequencies(rotary_dim: int, theta: float,
+                             scaling: YarnRopeScaling) -> jax.Array:
+    """YaRN's rotation speeds, the float32 ops of transformers' `_compute_yarn_parameters` (equal
+    to its values within an ulp or two: XLA's pow and constant division round differently from
+    torch's on some elements): dimension
+    pair i keeps its frequency (extrapolation) below the correction range [low, high] and takes
+    it divided by `factor` (interpolation) above it, linearly blended in between; the range is
+    where a frequency turns `beta_fast` ... `beta_slow` times over the original context."""
+    dim, factor = rotary_dim, scaling.factor
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(scaling.original_max_position_embeddings
+                               / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_attention_factor(scaling: Llama3RopeScaling | YarnRopeScaling | None) -> float:
+    """The factor on RoPE's cos and sin tables: YaRN's attention factor (given, or from
+    `factor` and the optional `mscale` / `mscale_all_dim` as transformers derives it), else 1."""
+    if not isinstance(scaling, YarnRopeScaling):
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return float(mscale(scaling.factor, scaling.mscale)
+                     / mscale(scaling.factor, scaling.mscale_all_dim))
+    return mscale(scaling.factor)
+
+
+def rope_cos_sin(pos: jax.Array, inv_freq: jax.Array,
+                 attention_factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """cos and sin tables [..., 2 * len(inv_freq)] for integer positions (a token's index along its
-    path, so every path sees the positions it would alone), in float32 (as HF computes them)."""
+    path, so every path sees the positions it would alone), in float32 (as HF computes them),
+    times `attention_factor` (YaRN's; `rope_attention_factor`) when it is not 1."""
     freqs = pos.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

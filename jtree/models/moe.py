@@ -3,10 +3,13 @@ shared expert `Qwen3NextSparseMoeBlock`) and the router load-balancing loss on t
 
 Parameters keep HF's names and layouts: `gate.weight` [E, hidden], `experts.gate_up_proj`
 [E, 2 * moe_intermediate, hidden] (gate rows first), `experts.down_proj` [E, hidden,
-moe_intermediate]. Experts run dropless: the (token, expert) assignments are sorted by expert and
-multiplied with `jax.lax.ragged_dot`, so no token is ever dropped and the math equals HF's loop.
-Routing replay (docs/rl.md) hands the block the rollout engine's experts per token: the router
-then weighs those instead of its own top-k (`TopKRouter`), on every dispatch path below.
+moe_intermediate]. gpt-oss's block is the same module with a router bias, expert biases and the
+clamped SwiGLU; its HF tensors (`mlp.router`, gate/up interleaved, per-expert transposes) are
+mapped by its record (`jtree.models.architectures.gpt_oss`). Experts run dropless: the (token,
+expert) assignments are sorted by expert and multiplied with `jax.lax.ragged_dot`, so no token is
+ever dropped and the math equals HF's loop. Routing replay (docs/rl.md) hands the block the rollout
+engine's experts per token: the router then weighs those instead of its own top-k (`TopKRouter`),
+on every dispatch path below.
 
 Load-balancing loss on a tree. HF (`load_balancing_loss_func` with the attention mask) pools all
 MoE layers and all non-padding tokens of the forward batch:
@@ -74,12 +77,17 @@ class RouterStats(NamedTuple):
 
 
 class TopKRouter(nnx.Module):
-    """softmax (fp32) over expert logits, top-k, optional renormalization (HF `*TopKRouter`)."""
+    """softmax (fp32) over expert logits, top-k, optional renormalization (HF `*TopKRouter`);
+    `bias` adds gpt-oss's router bias to the logits. gpt-oss's softmax over the top-k logits is
+    the renormalized top-k of the full softmax (`norm_topk_prob`)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, *,
-                 init_std: float, param_dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(
-            nnx.initializers.normal(init_std)(rngs.params(), (num_experts, hidden), param_dtype))
+                 init_std: float, param_dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False):
+        init = nnx.initializers.normal(init_std)
+        self.weight = nnx.Param(init(rngs.params(), (num_experts, hidden), param_dtype))
+        # gpt-oss's router bias (HF inits it like the weight)
+        self.bias = nnx.data(nnx.Param(init(rngs.params(), (num_experts,), param_dtype))
+                             if bias else None)
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
 
@@ -94,6 +102,8 @@ class TopKRouter(nnx.Module):
         its own choice. The statistics (the load-balancing loss) keep the router's own top-k, as
         HF's loss recomputes top-k from the router logits."""
         logits = x @ self.weight[...].astype(x.dtype).T
+        if self.bias is not None:
+            logits = logits + self.bias[...].astype(x.dtype)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         own_w, own_e = jax.lax.top_k(probs, self.top_k)
         top_w, top_e = own_w, own_e
@@ -107,14 +117,25 @@ class TopKRouter(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """E SwiGLU experts stored as 3-D tensors (HF `*Experts`)."""
+    """E SwiGLU experts stored as 3-D tensors (HF `*Experts`). gpt-oss's form: `bias` adds
+    `gate_up_proj_bias` [E, 2 * intermediate] (gate first, like the rows of gate_up_proj) and
+    `down_proj_bias` [E, hidden]; `clamp` = (alpha, limit) replaces silu(gate) * up by the
+    clamped SwiGLU (`clamped_swiglu`)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, *, init_std: float,
-                 param_dtype: jnp.dtype, rngs: nnx.Rngs):
+                 param_dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False,
+                 clamp: tuple[float, float] | None = None):
         init = nnx.initializers.normal(init_std)
         self.gate_up_proj = nnx.Param(
             init(rngs.params(), (num_experts, 2 * intermediate, hidden), param_dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, intermediate), param_dtype))
+        if bias:
+            self.gate_up_proj_bias = nnx.Param(jnp.zeros((num_experts, 2 * intermediate),
+                                                         param_dtype))
+            self.down_proj_bias = nnx.Param(jnp.zeros((num_experts, hidden), param_dtype))
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = nnx.data(None)
+        self.clamp = clamp
 
     def __call__(self, x: jax.Array, top_e: jax.Array, top_w: jax.Array,
                  axis: str | None = None) -> jax.Array:
@@ -136,11 +157,27 @@ class Experts(nnx.Module):
         group_sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
         gate_up = jax.lax.ragged_dot(
             x[token], jnp.swapaxes(self.gate_up_proj[...].astype(x.dtype), 1, 2), group_sizes)
+        # each sorted row's expert (others' assignments: any local one, masked below)
+        row_expert = jnp.minimum(key[order], local - 1)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[...].astype(x.dtype)[row_expert]
         gate, up = jnp.split(gate_up, 2, axis=-1)
-        y = jax.lax.ragged_dot(jax.nn.silu(gate) * up,
-                               jnp.swapaxes(self.down_proj[...].astype(x.dtype), 1, 2), group_sizes)
+        hidden = (jax.nn.silu(gate) * up if self.clamp is None
+                  else clamped_swiglu(gate, up, *self.clamp))
+        y = jax.lax.ragged_dot(hidden, jnp.swapaxes(self.down_proj[...].astype(x.dtype), 1, 2),
+                               group_sizes)
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias[...].astype(x.dtype)[row_expert]
         y = jnp.where(mine[order][:, None], y * top_w.reshape(-1)[order][:, None], 0)
         return jnp.zeros_like(x).at[token].add(y)
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """gpt-oss's expert activation (HF `GptOssExperts._apply_gate`): the gate clamped from above
+    and the up projection on both sides at `limit`, then (up + 1) * gate * sigmoid(alpha gate)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
 def dispatch_to_experts(experts: Experts, x: jax.Array, top_e: jax.Array, top_w: jax.Array,
@@ -173,16 +210,21 @@ def dispatch_to_experts(experts: Experts, x: jax.Array, top_e: jax.Array, top_w:
 
 class SparseMoeBlock(nnx.Module):
     """Router + experts, plus (Qwen3-Next) a shared SwiGLU expert scaled by sigmoid(shared gate).
+    gpt-oss: `router_bias`, `expert_bias` and the experts' clamped SwiGLU (`clamp`, `Experts`).
     `tp_axis`: expert parallel over that mesh axis, the experts run as `expert_dispatch` says
     ("psum" or "all_to_all", module docstring)."""
 
     def __init__(self, hidden: int, *, num_experts: int, top_k: int, moe_intermediate: int,
                  norm_topk_prob: bool, shared_intermediate: int | None, init_std: float,
                  dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
-                 tp_axis: str | None = None, expert_dispatch: str = "psum"):
+                 tp_axis: str | None = None, expert_dispatch: str = "psum",
+                 router_bias: bool = False, expert_bias: bool = False,
+                 clamp: tuple[float, float] | None = None):
         kw = dict(init_std=init_std, param_dtype=param_dtype, rngs=rngs)
-        self.gate = TopKRouter(hidden, num_experts, top_k, norm_topk_prob, **kw)
-        self.experts = Experts(hidden, moe_intermediate, num_experts, **kw)
+        self.gate = TopKRouter(hidden, num_experts, top_k, norm_topk_prob, bias=router_bias,
+                               **kw)
+        self.experts = Experts(hidden, moe_intermediate, num_experts, bias=expert_bias,
+                               clamp=clamp, **kw)
         if shared_intermediate is None:
             self.shared_expert = self.shared_expert_gate = None
         else:

@@ -245,13 +245,14 @@ def gathered_row(x: jax.Array, axis: str, dim: int = 1) -> jax.Array:
 def context_mask(mask: TreeMask, axis: str) -> TreeMask:
     """The attention mask of this device's queries: the whole row's key ends (int32 x S, gathered
     once per forward), the queries at the slice's offset and which of them are real (local, like
-    the queries)."""
+    the queries); a sliding window's path positions are gathered like the ends."""
     if mask.prefix_end is not None:
         raise ValueError("mesh.context > 1 with a redundancy-free part (a prefix): not supported "
                          "yet; run redundancy-free mode with mesh.context=1")
     local_len = mask.end.shape[-1]
+    positions = None if mask.positions is None else gathered_row(mask.positions, axis)
     return TreeMask(gathered_row(mask.end, axis), query_offset=slice_offset(local_len, axis),
-                    real=mask.real)
+                    real=mask.real, positions=positions, window=mask.window)
 
 
 def gathered_keys(k: jax.Array, v: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:

@@ -139,6 +139,7 @@ def _attention_rules(cfg: Any, model: int) -> Rules:
         (r"self_attn/[kv]_proj/bias$", kv_bias),
         (r"self_attn/o_proj/kernel$", P(MODEL, None)),
         (r"self_attn/o_proj/bias$", P()),
+        (r"self_attn/sinks$", P(MODEL)),  # gpt-oss: one sink logit per query head
     ]
 
 
@@ -160,11 +161,13 @@ def _dense_mlp_rules(cfg: Any, model: int) -> Rules:
 
 def _moe_rules(cfg: Any, model: int) -> Rules:
     """Expert parallel: each device holds num_experts / model whole experts (HF layout, split on
-    the expert axis) and the router is replicated (`jtree.models.moe`)."""
+    the expert axis; gpt-oss's expert biases with them) and the router (with gpt-oss's bias) is
+    replicated (`jtree.models.moe`)."""
     _divides("num_experts", cfg.num_experts, model)
     return [
-        (r"mlp/gate/weight$", P()),
+        (r"mlp/gate/(weight|bias)$", P()),
         (r"mlp/experts/(gate_up_proj|down_proj)$", P(MODEL, None, None)),
+        (r"mlp/experts/(gate_up_proj|down_proj)_bias$", P(MODEL, None)),
     ]
 
 
@@ -197,6 +200,7 @@ def _gated_deltanet_rules(cfg: Any, model: int) -> Rules:
 # head's gate with it.
 LAYER_KIND_RULES: dict[str, Callable[[Any, int], Rules]] = {
     "attention": _attention_rules,
+    "sliding_attention": _attention_rules,
     "gated_attention": _attention_rules,
     "gated_deltanet": _gated_deltanet_rules,
     "mlp": _dense_mlp_rules,

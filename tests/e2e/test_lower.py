@@ -75,6 +75,9 @@ CUDA_CONFIGS = {
     # Qwen3.5-9B's text model: one Gated DeltaNet and one gated-attention layer
     "qwen3_5_9b": (["model.num_hidden_layers=2", "model.full_attention_interval=2"],
                    "8,953,803,264"),
+    # gpt-oss-20b: one sliding-window and one full-attention layer; at full depth the count of
+    # transformers' GptOssForCausalLM of these shapes
+    "gpt_oss_20b": (["model.num_hidden_layers=2"], "20,914,757,184"),
 }
 
 
@@ -82,8 +85,9 @@ CUDA_CONFIGS = {
 @pytest.mark.parametrize("full_depth", [
     False, pytest.param(True, marks=pytest.mark.slow)], ids=["one_layer", "full_depth"])
 def test_8b_configs_lower_for_cuda_on_their_mesh(config, full_depth):
-    """configs/llama3_8b.yaml (Llama-3.1-8B shapes, llama3 RoPE scaling) and
-    configs/qwen3_5_9b.yaml (Qwen3.5-9B's text model) on their 8-way tensor-parallel mesh at full
+    """configs/llama3_8b.yaml (Llama-3.1-8B shapes, llama3 RoPE scaling),
+    configs/qwen3_5_9b.yaml (Qwen3.5-9B's text model) and configs/gpt_oss_20b.yaml (sliding
+    windows with sinks, 32 experts) on their 8-way tensor-parallel mesh at full
     width and sequence length; cut to one layer (one of each kind) unless `full_depth` (then the
     parameter count is the model's)."""
     cut, params = CUDA_CONFIGS[config]

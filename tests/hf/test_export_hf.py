@@ -1,6 +1,7 @@
 """A training checkpoint exported with `jtree export-hf` loads back (jtree.hf) with the trained
-parameters; the Qwen3.5 export (GDN and gated attention, grouped in_proj_qkv) also loads in
-transformers with the same logits."""
+parameters; the Qwen3.5 export (GDN and gated attention, grouped in_proj_qkv) and the gpt-oss
+export (sliding windows with sinks, interleaved expert gate/up) also load in transformers with the
+same log-probs."""
 
 import jax
 import numpy as np
@@ -14,13 +15,18 @@ from jtree.launch.train import main
 from jtree.layout.linearize import linearize
 from jtree.models import create_model
 from jtree.trees.tree import TrajectoryTree
-from tests.models_util import logprob_fn
+from tests.models_util import logprob_fn, tiny_runtime
 from tests.run_util import tiny_overrides
 
 ARCH_OVERRIDES = {
     "qwen3": {},
     "qwen3_5": {"model.architecture": "qwen3_5", "model.num_hidden_layers": 2,
                 "model.full_attention_interval": 2, "model.partial_rotary_factor": 0.5},
+    # a sliding-window (4) and a full layer, 4 experts with the clamped SwiGLU, on the xla kernel
+    "gpt_oss": {"model.architecture": "gpt_oss", "model.num_hidden_layers": 2,
+                "model.intermediate_size": 16, "model.num_experts": 4,
+                "model.num_experts_per_tok": 2, "model.sliding_window": 4,
+                "model.swiglu_limit": 1.0, "runtime.attention_impl": "xla"},
 }
 
 
@@ -33,14 +39,14 @@ def test_checkpoint_exports_to_a_hugging_face_directory(arch, few_groups_file, t
                  f"checkpoint.dir={tmp_path}/ckpt"]) == 0
     assert cli(["export-hf", "--config", "configs/tiny.yaml", "--checkpoint",
                 str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), *overrides]) == 0
-    _, loaded = jtree.hf.load(tmp_path / "hf")
+    _, loaded = jtree.hf.load(tmp_path / "hf", tiny_runtime())
     trained, config = trained_model("configs/tiny.yaml", overrides, str(tmp_path / "ckpt"))
     leaves = lambda m: jax.tree_util.tree_leaves(nnx.state(m, nnx.Param))  # noqa: E731
     for a, b in zip(leaves(loaded), leaves(trained), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     initial = leaves(create_model(arch, config))
     assert any(not np.array_equal(a, b) for a, b in zip(leaves(loaded), initial))
-    if arch == "qwen3_5":
+    if arch in ("qwen3_5", "gpt_oss"):
         torch = pytest.importorskip("torch")
         transformers = pytest.importorskip("transformers")
         ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()

@@ -22,7 +22,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.block_tables import required_blocks
-from tests.attention_cases import assert_elementwise_close, max_errors, qkv, tree_end
+from tests.attention_cases import (
+    assert_elementwise_close,
+    max_errors,
+    qkv,
+    recorded_tpu_races,
+    tree_end,
+)
 
 F32_TOL = 2e-5
 BF16_TOL = 1e-2
@@ -52,16 +58,7 @@ def test_no_races_in_tpu_interpreter(monkeypatch, dtype):
     """Forward, dq and dkv kernels under the TPU interpreter's race detector with two cores (the
     parallel grid axes split between them). The detector's state is private jax API: a fresh
     object per kernel launch, recorded here so all three launches are checked."""
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
-
-    launches = []
-
-    class Recording(tpu_interpreter.RaceDetectionState):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            launches.append(self)
-
-    monkeypatch.setattr(tpu_interpreter, "RaceDetectionState", Recording)
+    launches = recorded_tpu_races(monkeypatch)
     # One row: a root of 100 tokens with children of 60 and 96 tokens (FULL, PARTIAL, EMPTY blocks).
     end = np.array([[256] * 100 + [160] * 60 + [256] * 96], np.int32)
     q, k, v = (x.astype(dtype) for x in qkv(3, 1, 256, 2, 1, 64))

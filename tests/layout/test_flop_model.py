@@ -156,3 +156,24 @@ def test_flop_model_counts_qwen3_5_layers_as_their_kernels():
     state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
     assert gdn_layers == 1 and any("in_proj_qkv" in map(str, p) for p, _ in params.flat_state())
     assert FlopModel.for_config(cfg).per_token == 6 * (kernels + 4 * state * gdn_layers)
+
+
+def test_flop_model_prices_gpt_oss_windows_per_token():
+    """gpt-oss: every layer's projections and experts (router, top-k experts with their biases'
+    negligible adds) per token; the full layers' attention per pair, the sliding layers' as a
+    whole window of pairs per token."""
+    from jtree.config.architectures import GptOssConfig
+
+    cfg = GptOssConfig(num_hidden_layers=4, sliding_window=16)
+    fm = FlopModel.for_config(cfg)
+    d, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    layer = (2 * d * q + 2 * d * kv + d * cfg.num_experts
+             + cfg.num_experts_per_tok * 3 * d * cfg.intermediate_size)
+    assert fm.per_token == 6 * 4 * layer
+    assert fm.per_pair == 3.5 * 2 * 4 * q  # two full-attention layers of four
+    assert fm.per_window_token == 3.5 * 2 * 4 * q * 16
+    work = Work(tokens=10, pairs=40, scored=3)
+    assert fm.flops(work) == (fm.per_token + fm.per_window_token) * 10 + fm.per_pair * 40 + \
+        fm.per_scored * 3
+    assert sum(fm.shares(work).values()) == pytest.approx(1.0)

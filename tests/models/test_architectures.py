@@ -3,10 +3,12 @@ runtime config kept apart from the architecture config."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 from flax import nnx
 
 from jtree.config.architectures import (
+    GptOssConfig,
     LayerKind,
     Qwen3_5Config,
     Qwen3_5MoeConfig,
@@ -55,6 +57,11 @@ def test_the_stack_builds_the_chosen_modules_under_hugging_face_names():
     names_3_5 = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(qwen3_5))}
     assert {f"model.layers.0.linear_attn.in_proj_{x}.kernel" for x in ("qkv", "z", "b", "a")
             } <= names_3_5 and not any("qkvz" in n for n in names_3_5)
+    gpt_oss = nnx.eval_shape(lambda: create_model("gpt_oss", GptOssConfig(num_hidden_layers=2)))
+    layers = gpt_oss.model.layers
+    assert [layer.self_attn.window for layer in layers] == [128, None]  # sliding, full
+    assert layers[1].self_attn.sinks.shape == (GptOssConfig().num_attention_heads,)
+    assert layers[0].mlp.gate.bias is not None and layers[0].mlp.experts.clamp == (1.702, 7.0)
     # The gated attention's q_proj holds [query, gate] per head.
     q = model.model.layers[0].self_attn.q_proj.kernel
     assert q.shape == (cfg.hidden_size, 2 * cfg.num_attention_heads * cfg.head_dim)
@@ -62,7 +69,7 @@ def test_the_stack_builds_the_chosen_modules_under_hugging_face_names():
 
 def test_registry_looks_records_up_by_name_hf_name_and_config_class():
     assert set(ARCHITECTURES) == {"qwen3", "qwen3_moe", "qwen3_next", "llama", "qwen2",
-                                  "qwen3_5", "qwen3_5_moe"}
+                                  "qwen3_5", "qwen3_5_moe", "gpt_oss"}
     for name, arch in ARCHITECTURES.items():
         assert architecture(name) is arch and arch.name == name
         assert architecture_of_config(arch.config_class()) is arch
@@ -85,3 +92,17 @@ def test_runtime_fields_are_not_architecture_fields():
     for field, value in (("dtype", "float8"), ("remat", "some"), ("attention_impl", "flash")):
         with pytest.raises(ValueError, match=rf"^{field}: '{value}' is not one of"):
             RuntimeConfig(**{field: value})
+
+
+def test_gpt_oss_refuses_a_redundancy_free_prefix_under_its_windows():
+    """The prefix layout of a redundancy-free part has no path positions for its cached keys,
+    which a sliding window counts in: refused by name rather than windowed wrongly."""
+    from jtree.layout.batch import padding
+    from jtree.models.prefix import AttentionCache
+    from tests.models_util import tiny_gpt_oss_config, tiny_lm
+
+    model = tiny_lm(tiny_gpt_oss_config())
+    batch = padding(1, 8, score_len=None, prefix_len=4)
+    cache = AttentionCache(np.zeros((1, 4, 2, 8), np.float32), np.zeros((1, 4, 2, 8), np.float32))
+    with pytest.raises(ValueError, match="sliding-window attention layers with a redundancy-free"):
+        model(batch, prefix=[cache, cache])

@@ -17,6 +17,7 @@ from tests.models_util import (
     logprob_fn,
     off_policy_ppo_inputs,
     perturbed,
+    tiny_gpt_oss_config,
     tiny_llama_config,
     tiny_lm,
     tiny_model,
@@ -82,7 +83,11 @@ OTHER_DENSE = {name: (g, perturbed(p)) for name, (g, p) in OTHER_DENSE.items()}
 @settings(max_examples=4)
 @given(trees=FORESTS)
 def test_other_dense_architectures_equal_baseline_under_ppo(trees, arch):
-    graphdef, params = OTHER_DENSE[arch]
+    _assert_equal_baseline_under_ppo(*OTHER_DENSE[arch], trees)
+
+
+def _assert_equal_baseline_under_ppo(graphdef, params, trees):
+    """Tree log-probs, PPO loss and gradients == the per-path baseline's."""
     tree, base = _batches(trees, "seq_mean_token_mean")
     fn = logprob_fn(graphdef)
     lp_tree = unlinearize(tree, np.asarray(fn(params, tree.inputs)))
@@ -94,3 +99,15 @@ def test_other_dense_architectures_equal_baseline_under_ppo(trees, arch):
     objective = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05,
                           entropy_coef=0.01)
     assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective)
+
+
+# gpt-oss (sliding-window and full layers with sinks, MoE with biases and the clamped SwiGLU,
+# YaRN) on the block-sparse `xla` kernel, which skips the blocks outside every window.
+GPT_OSS = nnx.split(tiny_lm(tiny_gpt_oss_config(), seed=2, attention_impl="xla"))
+GPT_OSS = (GPT_OSS[0], perturbed(GPT_OSS[1], scale=0.2))
+
+
+@settings(max_examples=3)
+@given(trees=FORESTS)
+def test_gpt_oss_equals_baseline_under_ppo(trees):
+    _assert_equal_baseline_under_ppo(*GPT_OSS, trees)

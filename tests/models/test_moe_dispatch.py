@@ -45,8 +45,9 @@ def check(result: dict) -> None:
 
 
 def test_dispatch_equals_one_device_on_2_and_4_expert_shards():
+    # (gptoss: gpt-oss's block, router and expert biases and the clamped SwiGLU)
     cases = ["layer:moe:uneven:2", "layer:shared:uneven:4", "layer:moe:replay:4",
-             "moe_a2a:tree:sft:4x1x2"]
+             "layer:gptoss:replay:4", "moe_a2a:tree:sft:4x1x2"]
     for result in run_worker(cases):
         check(result)
 

@@ -199,3 +199,20 @@ def test_qwen3_5_steps_on_fsdp_context_and_model_axes():
     # cores.
     for result in run_cases(["qwen3_5:cp:ppo:1x2x2x2", "qwen3_5_moe:cp:ppo:1x2x2x2"]):
         check(result)
+
+
+def test_gpt_oss_step_on_fsdp_context_and_model_axes():
+    # gpt-oss (sliding-window and full layers with sinks, expert parallel MoE with biases and the
+    # clamped SwiGLU, YaRN) under FSDP x context x tensor parallelism, PPO, on the `xla` kernel:
+    # the windows count in path positions gathered over the context axis. About a minute on 2
+    # CPU cores.
+    for result in run_cases(["gpt_oss:cp:ppo:1x2x2x2"]):
+        check(result)
+
+
+@pytest.mark.slow
+def test_gpt_oss_token_dispatch_step():
+    # gpt-oss's experts with token dispatch (all_to_all): the expert biases travel with the
+    # experts' shards.
+    for result in run_cases(["gpt_oss_a2a:tree:sft:2x2x2"]):
+        check(result)

@@ -14,7 +14,10 @@
 //   q_pos             : [NQ, bq]        key position of every query
 //   kv_index, kv_kind : [NQ, L]         the kv-blocks each q-block visits, and FULL (2) / PARTIAL
 //   count             : [NQ]            how many of them
-// Query i sees key j iff j <= q_pos[i] < end[j]; FULL blocks skip the element test.
+//   k_path            : [NK, bk]        path position of every key (sliding window)
+//   q_path            : [NQ, bq]        path position of every query
+// Query i sees key j iff j <= q_pos[i] < end[j], and with a window W > 0 (attribute `window`,
+// 0: none) also q_path[i] - k_path[j] < W; FULL blocks skip the element test.
 
 #include <algorithm>
 #include <atomic>
@@ -166,7 +169,8 @@ void parallel_items_fixed(int64_t n, const std::vector<int64_t>& cost, int threa
 
 // The visible-score mask of one (q-block, kv-block) pair applied to scores S[M][bk] in place:
 // masked entries become kMasked.
-void apply_mask(float* S, const Shape& s, const int32_t* qpos, const int32_t* end_k, int64_t kid) {
+void apply_mask(float* S, const Shape& s, const int32_t* qpos, const int32_t* end_k, int64_t kid,
+                const int32_t* qpath, const int32_t* kpath, int64_t window) {
   const int64_t kbase = (kid % s.nk_row) * s.bk;
   for (int64_t i = 0; i < s.m; ++i) {
     const int32_t qp = qpos[i % s.bq];
@@ -174,6 +178,11 @@ void apply_mask(float* S, const Shape& s, const int32_t* qpos, const int32_t* en
     for (int64_t j = 0; j < s.bk; ++j) {
       const bool visible = kbase + j <= qp && qp < end_k[j];
       row[j] = visible ? row[j] : kMasked;
+    }
+    if (window > 0) {
+      const int64_t qh = qpath[i % s.bq];
+      for (int64_t j = 0; j < s.bk; ++j)
+        row[j] = qh - kpath[j] < window ? row[j] : kMasked;
     }
   }
 }
@@ -187,14 +196,15 @@ int thread_count(int64_t requested, int64_t items) {
 struct Operands {
   Shape s;
   const float *Q, *K, *V;
-  const int32_t *E, *QP, *KI, *KK, *C;
+  const int32_t *E, *QP, *KI, *KK, *C, *KP, *QH;
   std::vector<int64_t> cost;  // per (q-block, kv-head) item
 };
 
 Operands operands_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
                      ffi::Buffer<ffi::S32>& end, ffi::Buffer<ffi::S32>& q_pos,
                      ffi::Buffer<ffi::S32>& kv_index, ffi::Buffer<ffi::S32>& kv_kind,
-                     ffi::Buffer<ffi::S32>& count, int64_t nk_row) {
+                     ffi::Buffer<ffi::S32>& count, ffi::Buffer<ffi::S32>& k_path,
+                     ffi::Buffer<ffi::S32>& q_path, int64_t nk_row) {
   auto qd = q.dimensions(), kd = k.dimensions();
   const Shape s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[2], q_pos.dimensions()[1],
                 kv_index.dimensions()[1], nk_row};
@@ -202,16 +212,19 @@ Operands operands_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Bu
   std::vector<int64_t> cost(s.nq * s.h);
   for (int64_t i = 0; i < s.nq * s.h; ++i) cost[i] = C[i / s.h];
   return {s, q.typed_data(), k.typed_data(), v.typed_data(), end.typed_data(),
-          q_pos.typed_data(), kv_index.typed_data(), kv_kind.typed_data(), C, std::move(cost)};
+          q_pos.typed_data(), kv_index.typed_data(), kv_kind.typed_data(), C,
+          k_path.typed_data(), q_path.typed_data(), std::move(cost)};
 }
 
 ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                    ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::S32> q_pos,
                    ffi::Buffer<ffi::S32> kv_index, ffi::Buffer<ffi::S32> kv_kind,
-                   ffi::Buffer<ffi::S32> count, float scale, int64_t nk_row, int64_t threads,
-                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
-  const auto [s, Q, K, V, E, QP, KI, KK, C, cost] =
-      operands_of(q, k, v, end, q_pos, kv_index, kv_kind, count, nk_row);
+                   ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::S32> k_path,
+                   ffi::Buffer<ffi::S32> q_path, float scale, int64_t nk_row, int64_t threads,
+                   int64_t window, ffi::ResultBuffer<ffi::F32> out,
+                   ffi::ResultBuffer<ffi::F32> lse) {
+  const auto [s, Q, K, V, E, QP, KI, KK, C, KP, QH, cost] =
+      operands_of(q, k, v, end, q_pos, kv_index, kv_kind, count, k_path, q_path, nk_row);
   float* O = out->typed_data();
   float* L = lse->typed_data();
   const int64_t items = s.nq * s.h;
@@ -242,7 +255,9 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
       std::fill(sc, sc + s.m * s.bk, 0.f);
       gemm(rows(qs, s.d), kt, s.bk, sc, s.bk, s.m, s.bk, s.d);
       const bool full = KK[qb * s.max_kv + n] == kFull;
-      if (!full) apply_mask(sc, s, QP + qb * s.bq, E + kid * s.bk, kid);
+      if (!full)
+        apply_mask(sc, s, QP + qb * s.bq, E + kid * s.bk, kid, QH + qb * s.bq, KP + kid * s.bk,
+                   window);
       // Online softmax of the block, in passes the compiler vectorizes: new row maxima, shifted
       // scores, exp over the whole block, then the mask (scores at kMasked) and row sums.
       for (int64_t i = 0; i < s.m; ++i) {
@@ -284,12 +299,14 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
 ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                     ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::S32> q_pos,
                     ffi::Buffer<ffi::S32> kv_index, ffi::Buffer<ffi::S32> kv_kind,
-                    ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> d_out,
+                    ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::S32> k_path,
+                    ffi::Buffer<ffi::S32> q_path, ffi::Buffer<ffi::F32> d_out,
                     ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta, float scale,
-                    int64_t nk_row, int64_t threads, ffi::ResultBuffer<ffi::F32> dq,
-                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
-  const auto [s, Q, K, V, E, QP, KI, KK, C, cost] =
-      operands_of(q, k, v, end, q_pos, kv_index, kv_kind, count, nk_row);
+                    int64_t nk_row, int64_t threads, int64_t window,
+                    ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                    ffi::ResultBuffer<ffi::F32> dv) {
+  const auto [s, Q, K, V, E, QP, KI, KK, C, KP, QH, cost] =
+      operands_of(q, k, v, end, q_pos, kv_index, kv_kind, count, k_path, q_path, nk_row);
   const float* DO = d_out.typed_data();
   const float* LS = lse.typed_data();
   const float* DL = delta.typed_data();
@@ -337,7 +354,9 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
       std::fill(p, p + 2 * s.m * s.bk, 0.f);  // p and ds (ds holds dP first)
       gemm(rows(qs, s.d), kt, s.bk, p, s.bk, s.m, s.bk, s.d);
       const bool full = KK[qb * s.max_kv + n] == kFull;
-      if (!full) apply_mask(p, s, QP + qb * s.bq, E + kid * s.bk, kid);
+      if (!full)
+        apply_mask(p, s, QP + qb * s.bq, E + kid * s.bk, kid, QH + qb * s.bq, KP + kid * s.bk,
+                   window);
       gemm(rows(doblk, s.d), vt, s.bk, ds, s.bk, s.m, s.bk, s.d);
       for (int64_t i = 0; i < s.m; ++i) {  // p = exp(score - lse) where visible, in passes
         float* prow = p + i * s.bk;
@@ -373,12 +392,14 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
 
 namespace {
 
-// The operands both passes read: q, k, v, end, q_pos, kv_index, kv_kind, count.
+// The operands both passes read: q, k, v, end, q_pos, kv_index, kv_kind, count, k_path, q_path.
 auto BindBlocks() {
   return ffi::Ffi::Bind()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::S32>>()
@@ -393,6 +414,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtreeTreeAttentionForward, Forward,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("nk_row")
                                   .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("window")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Ret<ffi::Buffer<ffi::F32>>());  // lse
 
@@ -404,6 +426,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtreeTreeAttentionBackward, Backward,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("nk_row")
                                   .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("window")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dq
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dk
                                   .Ret<ffi::Buffer<ffi::F32>>());  // dv
