@@ -168,12 +168,14 @@ def test_bench_redundancy_free_quick(tmp_path):
 
 @pytest.mark.slow
 def test_mgpu_interpret_random_trees(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=1200)
+    # The table's path (the kernels' numerics are tests/kernels/test_attention_mgpu.py's): one
+    # run, float16 with a cached prefix, within float16's rounding of the f32 reference.
+    proc = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", "--quick",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "mgpu_interpret.json").read_text())["rows"]
-    assert [(r["dtype"], r["prefix"]) for r in rows] == [
-        ("bfloat16", 0), ("bfloat16", 60), ("float16", 0), ("float16", 60)]
+    assert [(r["dtype"], r["prefix"], r["races"]) for r in rows] == [("float16", 60, False)]
+    assert max(rows[0][name] for name in ("out", "dq", "dk", "dv")) < 2e-3, rows
 
 
 def test_make_sample_data_smallest(tmp_path):
