@@ -11,7 +11,8 @@ so every section (and every row in it) runs on its own and reports its error's f
 - **numerics** (pass/fail; the exit code is 1 when one fails): every attention implementation the
   device runs, forward and q/k/v gradients against the float32 `reference` on the same rounded
   inputs, on tree rows with branching, paths ending inside the tree, GQA 2, S not a block
-  multiple, and a second case with a cached prefix and a soft-cap; in each dtype the kernel takes.
+  multiple, a case with a sliding window along the path (W 24) and attention sinks, and one with a
+  cached prefix and a soft-cap; in each dtype the kernel takes.
   On a GPU/TPU the Pallas kernels run natively; on CPU in their interpreters (Mosaic GPU in
   `jtree.launch.mgpu_interpret`'s own process). The Gated DeltaNet tree scan (sequential and
   parallel) against the recurrent reference run path by path. A tiny Qwen3 and Qwen3-Next loss
@@ -34,9 +35,9 @@ whether it ran natively or interpreted.
 
 Time on one H100, full run (estimated from compiles and FLOPs; it has not run on one):
 - start, info (jax and CUDA init, nvidia-smi): ~15 s;
-- numerics: 16 attention rows (xla and Triton in 3 dtypes, Mosaic GPU in 2, x 2 cases), each one
+- numerics: 24 attention rows (xla and Triton in 3 dtypes, Mosaic GPU in 2, x 3 cases), each one
   forward+backward compile of ~2-5 s on tiny shapes (the float32 reference compiles once per
-  case), plus 5 GDN and 4 tiny-model compiles: ~2 min; the FLOPs are negligible (S 200);
+  case), plus 5 GDN and 4 tiny-model compiles: ~2.5 min; the FLOPs are negligible (S 200);
 - memory: one compile of the scanned 0.6B step (~40 s) while the plan's two XLA:CPU compiles run
   in a child process (26-31 s each on 2 cores at S 16384 per docs/memory.md, fewer at 8192):
   ~1 min;
@@ -49,7 +50,7 @@ Time on one H100, full run (estimated from compiles and FLOPs; it has not run on
   baseline step holds 16k flat tokens, 6 x 0.6e9 x 16384 = 6e13 FLOPs plus attention, well under
   a second at 30% MFU: ~1.5 min;
 - speed, GDN: two compiles at S 8192 (~20 s).
-Total about 7 minutes, under the 8 the docs' recipe allows (`timeout 480`).
+Total about 7.5 minutes, under the 8 the docs' recipe allows (`timeout 480`).
 
     python -m jtree.launch.device_check --out device_out          # full check (GPU/TPU)
     python -m jtree.launch.device_check --quick --out device_out  # smallest sizes (2-core CPU: 2-5 min)

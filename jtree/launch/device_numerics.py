@@ -64,9 +64,21 @@ class AttentionCase:
     name: str
     prefix: int  # the first `prefix` tokens of every row are cached keys of an earlier part
     softcap: float | None
+    window: int | None = None  # sliding window along the path, with attention sinks (constants)
 
 
-CASES = (AttentionCase("tree", 0, None), AttentionCase("prefix+softcap", 40, 30.0))
+# --quick runs the last case an impl takes, so the window case is not last.
+CASES = (AttentionCase("tree", 0, None), AttentionCase("window+sinks", 0, None, window=24),
+         AttentionCase("prefix+softcap", 40, 30.0))
+SINKS = np.asarray([0.5, -1.0, 2.0, 0.0], np.float32)  # one logit per q head (HEADS[0])
+
+
+def path_positions(end: Any) -> Any:
+    """Every token's depth on its path (the keys it sees, minus one), from `end` alone (numpy
+    or jax, like `end`)."""
+    xp = np if isinstance(end, np.ndarray) else jnp
+    i, j = xp.arange(end.shape[1])[:, None], xp.arange(end.shape[1])[None, :]
+    return (((j <= i)[None] & (i[None] < end[:, None, :])).sum(-1) - 1).astype(xp.int32)
 
 
 HEADS = (4, 2, 64)  # q heads, kv heads (GQA 2), head_dim: every kernel's limits allow it
@@ -83,9 +95,13 @@ def value_and_grads(impl: str, q, k, v, end, d_out, case: AttentionCase,
     """[out, dq, dk, dv] (float32) of `tree_attention` on the layout [rows, P + S]: with a prefix
     P the keys [:P] are cached (`prefix_k`, `prefix_v`) and only [P:] are queries."""
     p = case.prefix
+    window = {}
+    if case.window is not None:
+        window = dict(positions=path_positions(end), window=case.window)
+        options = dict(options, sinks=jnp.asarray(SINKS))
 
     def attend(q_own, k_own, v_own, prefix_k, prefix_v):
-        mask = TreeMask(end[:, p:], end[:, :p]) if p else TreeMask(end)
+        mask = TreeMask(end[:, p:], end[:, :p], **window) if p else TreeMask(end, **window)
         cached = dict(prefix_k=prefix_k, prefix_v=prefix_v) if p else {}
         return tree_attention(q_own, k_own, v_own, mask, impl=impl, softcap=case.softcap,
                               **cached, **options).astype(jnp.float32)
@@ -156,9 +172,11 @@ def _mgpu_interpreted(q, k, v, end, d_out, dtype: str, case: AttentionCase,
     process (it sizes XLA's CPU thread pool and can deadlock: docs/kernels.md)."""
     with tempfile.TemporaryDirectory() as tmp:
         inputs, outputs = Path(tmp) / "in.npz", Path(tmp) / "out.npz"
+        window = ({} if case.window is None else
+                  dict(window=np.asarray(case.window), positions=path_positions(end), sinks=SINKS))
         np.savez(inputs, q=q, k=k, v=v, end=end, d_out=d_out, dtype=np.asarray(dtype),
                  softcap=np.asarray(np.nan if case.softcap is None else case.softcap),
-                 block_kv=np.asarray(0), prefix=np.asarray(case.prefix))
+                 block_kv=np.asarray(0), prefix=np.asarray(case.prefix), **window)
         proc = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", str(inputs),
                                str(outputs)], capture_output=True, text=True, timeout=timeout)
         if proc.returncode:

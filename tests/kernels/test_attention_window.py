@@ -329,3 +329,16 @@ def test_sinks_inside_shard_map():
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     for a, b in zip(got[1], want[1]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_window_is_static_and_positions_a_leaf():
+    import jax
+
+    end = np.array([[3, 3, 3]], np.int32)
+    pos = np.array([[0, 1, 2]], np.int32)
+    mask = TreeMask(end, positions=pos, window=2)
+    leaves, treedef = jax.tree.flatten(mask)
+    assert any(leaf is pos for leaf in leaves) and all(isinstance(x, np.ndarray) for x in leaves)
+    assert jax.tree.unflatten(treedef, leaves).window == 2
+    assert jax.jit(lambda m: m.positions.sum() + m.window)(mask) == 5
+    assert jax.tree.map(lambda x: x, mask).window == 2
