@@ -202,15 +202,17 @@ class Prepared:
 
 
 def prepare(trees: Sequence[TrajectoryTree], mode: str, seq_len: int,
-            row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE) -> Prepared:
+            row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE,
+            normalization: str = Objective().normalization) -> Prepared:
     """What the trainer's host does before a step, through the trainer's own builder
     (`jtree.training.step_builders.step_builder`, as `jtree.training.run_data` calls it): a run whose one step holds all
     `trees` on one data shard, one micro-batch, rows from `rows_for_run`, row lengths from
     `row_steps_per_octave` steps per octave; units (parts of trees larger than a row, or paths),
-    the step's plan, linearized arrays on the device."""
+    the step's plan, linearized arrays on the device. `normalization`: the loss coefficients'
+    (the objective's)."""
     data = DataConfig(seq_len=seq_len, trees_per_step=len(trees),
                       row_steps_per_octave=row_steps_per_octave)
-    builder = step_builder(trees, data, mode, normalization=Objective().normalization,
+    builder = step_builder(trees, data, mode, normalization=normalization,
                            n_shards=1, shards=(0,), steps=1)
     indices = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)[0]
     plan = builder.plan(indices)
@@ -388,14 +390,21 @@ class StepLoop:
         return call
 
 
-def make_step(cfg: Qwen3Config, attention: str, **runtime: Any) -> tuple[Callable, TrainState]:
+def make_step(cfg: Qwen3Config, attention: str, *, objective: Objective = Objective(),
+              **runtime: Any) -> tuple[Callable, TrainState]:
     """The jitted train step of `cfg`'s model with the `attention` kernel (both modes use it);
     `runtime` sets the other `RuntimeConfig` fields (e.g. a device's bf16 compute)."""
     model = CausalLM(cfg, RuntimeConfig(attention_impl=attention, **runtime), rngs=nnx.Rngs(0))
+    return step_of(model, objective)
+
+
+def step_of(model: CausalLM, objective: Objective = Objective()) -> tuple[Callable, TrainState]:
+    """The jitted train step (AdamW, learning rate 1e-4, donated state) of `model` and its
+    initial state."""
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(OptimConfig(learning_rate=1e-4))
     state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
-    step = jax.jit(make_train_step(graphdef, optimizer, Objective()), donate_argnums=0)
+    step = jax.jit(make_train_step(graphdef, optimizer, objective), donate_argnums=0)
     return step, state
 
 
