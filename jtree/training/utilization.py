@@ -192,3 +192,23 @@ def mfu_from_rounds(model_flops_: float, step_times: np.ndarray, matmul: MatmulS
     from."""
     per_round = (model_flops_ / np.asarray(step_times)) / (matmul.flops / np.asarray(matmul_times))
     return float(np.median(per_round))
+
+
+def run_utilization(model_cfg: Any, history: list[dict[str, Any]], dtype: str = "float32",
+                    n_devices: int | None = None) -> Utilization | None:
+    """A training run's utilization from its step records (`jtree.training.report.step_record`):
+    model FLOPs of the steps that did not compile over their device seconds, per device (the
+    work splits over `n_devices`, default every device), against a plain matmul probed now at
+    the dominant shape of one device's share of a median step. None without such records (or
+    records without the work counts)."""
+    steady = [r for r in history if not r["compiles"]] or history
+    if not steady or "n_computed_pairs" not in steady[0]:
+        return None
+    fm = FlopModel.for_config(model_cfg)
+    n_devices = n_devices or jax.device_count()
+    flops = [model_flops(fm, Work(r["n_computed_tokens"], r["n_computed_pairs"],
+                                  r["n_scored_tokens"])) / n_devices for r in steady]
+    tokens = int(np.median([r["n_computed_tokens"] for r in steady])) // n_devices
+    shape = dominant_shape(tokens, model_cfg, jnp.dtype(dtype).name)
+    return Utilization(float(np.mean(flops)), float(np.mean([r["device_s"] for r in steady])),
+                       matmul_probe(shape), shape, device_peak(dtype))
