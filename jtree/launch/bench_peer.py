@@ -33,6 +33,7 @@ Writes bench_out/bench_peer.json and .md (`--out` picks the folder).
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -161,7 +162,11 @@ def measure(quick: bool, repeats: int, ops: bool, seq_len: int) -> dict[str, Any
     tree_w, base_w = tree_work(trees)
     fm = FlopModel.for_config(cfg)
     flops = model_flops(fm, prep.work)
-    auto = resolve_impl("auto", "cpu", dtype=np.float32, head_dim=cfg.head_dim)
+    # What `auto` runs in this step's attention calls (one micro-batch of rows x row_len):
+    # measured now for this shape class (jtree.kernels.attention_calibration, one log line).
+    auto = resolve_impl("auto", "cpu", dtype=np.float32, head_dim=cfg.head_dim,
+                        shape=(prep.plan.n_rows, prep.plan.row_len, cfg.num_attention_heads,
+                               cfg.num_key_value_heads))
     model = CausalLM(cfg, RuntimeConfig(attention_impl=IMPLS[0]), rngs=nnx.Rngs(0))
     runs: dict[str, Callable[[], Any]] = {}
     with tempfile.TemporaryDirectory() as d:
@@ -259,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.seq_len = min(args.repeats, 2), 512
     apply_host_malloc(args)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("jtree.kernels.tree_attention").setLevel(logging.INFO)
     row = measure(args.quick, args.repeats, args.ops, args.seq_len)
     text = report(row)
     print(text, flush=True)
