@@ -161,7 +161,9 @@ def _auto_on_cpu() -> str:
     error = attention_cpu.build_error()
     if error is None:
         log.info("tree attention: 'auto' runs the 'cpu' kernel on the CPU backend (the "
-                 "multi-threaded C++ kernel built; 'xla' runs its block loop on one core)")
+                 "multi-threaded C++ kernel built) for calls it does not measure; calls of at "
+                 "least %d tokens run the faster of 'cpu' and 'xla', measured once per shape "
+                 "class", attention_calibration.MIN_TOKENS)
         return "cpu"
     log.warning("tree attention: 'auto' runs 'xla' on the CPU backend, the slower kernel, "
                 "because the C++ 'cpu' kernel cannot be built: %s", error.splitlines()[0])
