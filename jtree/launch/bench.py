@@ -16,6 +16,10 @@ alternating runs, medians. Measured the way docs/design.md section 8 (and the se
 - padding of each layout, and peak step memory of each mode from XLA's compiled memory analysis
   (arguments + outputs + temporaries of the jitted step; not a process RSS);
 - the automatic mode choice (`jtree.layout.flop_model.choose_mode`) for the batch, and its predicted gain.
+- utilization (`jtree.training.utilization`): each mode's model FLOPs, achieved FLOP/s and MFU
+  against a plain matmul at the tree step's dominant shape, timed in the same rounds (the median
+  of the per-round ratios), and against the datasheet peak on a GPU/TPU; XLA's own FLOP count of
+  each compiled step is kept in the JSON.
 
 Batches: exactly the trainer's. `prepare` builds both modes' step through `jtree.training.step_builders.step_builder`
 (what the trainer, `jtree.training.run_data`, trains with) for a run whose one step holds the workload's trees: one data
