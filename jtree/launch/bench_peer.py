@@ -25,7 +25,7 @@ bound, MFU of each jtree variant against the same rounds' matmul, per-token thro
 model FLOP/s of its matmul kinds.
 
     PYTHONPATH=. python -m jtree.launch.bench_peer                 # ~4 min on 2 cores
-    PYTHONPATH=. python -m jtree.launch.bench_peer --ops           # + where the tree step's time goes
+    PYTHONPATH=. python -m jtree.launch.bench_peer --ops           # + the tree step's op kinds
     PYTHONPATH=. python -m jtree.launch.bench_peer --quick         # a tiny smoke run
 
 Writes bench_out/bench_peer.json and .md (`--out` picks the folder).

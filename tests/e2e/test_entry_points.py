@@ -118,6 +118,7 @@ def test_bench_cross_group_smallest(tmp_path):
     computed = row["computed_tokens"]
     assert computed["within_groups"] - computed["across_groups"] == row["merge_saved_tokens"] > 0
     assert row["por_across"] > row["por_within"]
+    assert all(row["mfu"][v] > 0 for v in ("within_groups", "across_groups"))
 
 
 def test_bench_attention_smallest(tmp_path):
