@@ -74,7 +74,7 @@ def test_auto_runs_the_faster_once_per_shape_class(times, chosen, fresh_choices,
     assert resolve_impl("auto", "cpu", dtype=jnp.float32, head_dim=32,
                         shape=(3, 4000, 8, 4)) == chosen
     assert len(calls) == 1 and calls[0][1] == ("cpu", "xla")
-    said = [r.getMessage() for r in caplog.records if r.name == LOGGER and "measured" in
+    said = [r.getMessage() for r in caplog.records if r.name == LOGGER and "measured forward" in
             r.getMessage()]
     assert len(said) == 1 and f"'auto' runs {chosen!r}" in said[0]
     # another class is measured on its own
