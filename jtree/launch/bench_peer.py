@@ -51,7 +51,7 @@ from jtree.config.runtime import RuntimeConfig
 from jtree.hf.load_save import save
 from jtree.kernels.tree_attention import resolve_impl
 from jtree.launch.bench import StepLoop, prepare, step_of
-from jtree.launch.bench_split import op_profile
+from jtree.launch.bench_split import op_profile, ops_line
 from jtree.launch.harness import (
     Column,
     Output,
@@ -260,10 +260,7 @@ def report(row: dict[str, Any]) -> str:
              + f"; {row['rounds']} rounds", "", markdown_table(rows, COLUMNS), "",
              f"auto resolves to {row['auto']}; the faster here: {row['faster_impl']} "
              f"(cpu / xla time {row['cpu_over_xla']:.2f})"]
-    for impl, kinds in row.get("ops", {}).items():
-        total = sum(v for v, _ in kinds.values())
-        lines.append(f"tree {impl}: XLA op time {total * 1e3:.0f} ms per step: " + ", ".join(
-            f"{k} {v * 1e3:.0f} ms ({v / total:.0%})" for k, (v, _) in list(kinds.items())[:10]))
+    lines += [ops_line(f"tree {impl}", kinds, top=10) for impl, kinds in row.get("ops", {}).items()]
     return "\n".join(lines)
 
 

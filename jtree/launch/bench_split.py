@@ -157,11 +157,17 @@ def report(name: str, s: dict[str, float]) -> str:
     lines.append(f"MFU (model FLOP/s over a plain matmul {s['matmul_shape']} at "
                  f"{s['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, same rounds): tree "
                  f"{s['tree_mfu']:.1%}, baseline {s['baseline_mfu']:.1%}")
-    for step, kinds in s.get("ops", {}).items():
-        total_op = sum(v for v, _ in kinds.values())
-        lines.append(f"{step}: XLA op time {total_op * 1e3:.1f} ms per step, by kind: " + ", ".join(
-            f"{k} {v * 1e3:.1f} ms (x{n:.0f})" for k, (v, n) in list(kinds.items())[:8]))
+    lines += [ops_line(step, kinds) for step, kinds in s.get("ops", {}).items()]
     return "\n".join(lines)
+
+
+def ops_line(label: str, kinds: dict[str, tuple[float, float]], top: int = 8) -> str:
+    """One line of an `op_profile`: the total op time and the `top` kinds with their time, share
+    and thunk count per step."""
+    total = sum(v for v, _ in kinds.values())
+    return f"{label}: XLA op time {total * 1e3:.1f} ms per step, by kind: " + ", ".join(
+        f"{k} {v * 1e3:.1f} ms ({v / total:.0%}, x{n:.0f})" for k, (v, n) in
+        list(kinds.items())[:top])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
