@@ -36,7 +36,10 @@ so (`window`, `sinks`); the others raise naming the implementation and the optio
 
 What `auto` runs (the table in docs/kernels.md): `pallas_tpu` on TPU; on a GPU the rule of
 `gpu_impl` (Hopper's Mosaic kernel where wgmma takes the operands, else the Pallas Triton kernel);
-on CPU the C++ `cpu` kernel when it builds and the call has no soft-cap, else `xla`.
+on CPU, among the kernels that can run the call (`cpu_candidates`: the C++ `cpu` kernel when it
+builds and the call has no soft-cap, and `xla`), the faster one measured on the call's shape class
+(`jtree.kernels.attention_calibration`, once per class and process, logged); calls too small to
+pay for a measurement, and calls with a prefix or a query offset, take the first candidate.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from jtree.kernels import (
+    attention_calibration,
     attention_cpu,
     attention_mgpu,
     attention_tpu,
@@ -124,12 +128,17 @@ def gpu_impl(device_kind: str, dtype: Any, head_dim: int) -> str:
 
 def resolve_impl(impl: str, backend: str | None = None, *, dtype: Any = None,
                  head_dim: int | None = None, softcap: float | None = None,
-                 device_kind: str | None = None) -> str:
+                 device_kind: str | None = None,
+                 shape: tuple[int, int, int, int] | None = None) -> str:
     """Map `auto` to the implementation for `backend` (default: jax's default backend; lowering
     for another platform must name it), the operand `dtype` and `head_dim`, and the soft-cap.
 
     On a GPU `dtype` and `head_dim` are required (`gpu_impl`); `device_kind` defaults to the
-    first local device's and must be given when resolving for a GPU from a host without one."""
+    first local device's and must be given when resolving for a GPU from a host without one.
+    On CPU, `shape` = (rows, S, q heads, kv heads) of the call (with `dtype` and `head_dim`)
+    lets `auto` pick the faster of `cpu_candidates` by measurement (`calibrated_cpu_impl`);
+    without it, or for a call of fewer than `attention_calibration.MIN_TOKENS` tokens, `auto`
+    takes the first candidate."""
     if impl not in available_impls():
         raise ValueError(f"attention impl {impl!r} is not one of {available_impls()}")
     if impl != "auto":
@@ -138,7 +147,12 @@ def resolve_impl(impl: str, backend: str | None = None, *, dtype: Any = None,
     if backend == "tpu":
         return "pallas_tpu"
     if backend == "cpu":
-        return "xla" if softcap is not None else _auto_on_cpu()
+        candidates = cpu_candidates(softcap)
+        if (shape is None or dtype is None or head_dim is None or len(candidates) == 1
+                or shape[0] * shape[1] < attention_calibration.MIN_TOKENS):
+            return candidates[0]
+        return calibrated_cpu_impl(attention_calibration.ShapeClass.of(
+            "cpu", dtype, shape[0], shape[1], shape[2], shape[3], head_dim), candidates)
     if backend != "gpu":
         return "xla"  # the portable block-sparse kernel: the same masked attention everywhere
     if dtype is None or head_dim is None:
@@ -158,11 +172,43 @@ def _auto_on_cpu() -> str:
     error = attention_cpu.build_error()
     if error is None:
         log.info("tree attention: 'auto' runs the 'cpu' kernel on the CPU backend (the "
-                 "multi-threaded C++ kernel built; 'xla' runs its block loop on one core)")
+                 "multi-threaded C++ kernel built) for calls it does not measure; calls of at "
+                 "least %d tokens run the faster of 'cpu' and 'xla', measured once per shape "
+                 "class", attention_calibration.MIN_TOKENS)
         return "cpu"
     log.warning("tree attention: 'auto' runs 'xla' on the CPU backend, the slower kernel, "
                 "because the C++ 'cpu' kernel cannot be built: %s", error.splitlines()[0])
     return "xla"
+
+
+def cpu_candidates(softcap: float | None) -> tuple[str, ...]:
+    """The kernels `auto` may run on the CPU backend, the static choice first: `cpu` and `xla`
+    when the C++ kernel builds and the call has no soft-cap (which `cpu` does not take), else
+    `xla` alone. Never a kernel that cannot run the call."""
+    if softcap is not None or _auto_on_cpu() != "cpu":
+        return ("xla",)
+    return ("cpu", "xla")
+
+
+# A cache on purpose: the measurement runs once per shape class and process, and every later
+# call of the class runs the kernel it picked, so a run never switches kernels midway (its
+# results stay bitwise reproducible). `calibrated_cpu_impl.cache_clear()` forgets the choices.
+@functools.lru_cache(maxsize=None)
+def calibrated_cpu_impl(shape: attention_calibration.ShapeClass,
+                        candidates: tuple[str, ...]) -> str:
+    """The faster of `candidates` (forward + backward) on `shape`'s representative call,
+    measured now (`attention_calibration.measure`), ties to the earlier candidate; one log line
+    says what was measured and chosen."""
+    def run(name, q, k, v, end):
+        return tree_attention(q, k, v, TreeMask(end), impl=name)
+
+    times = attention_calibration.measure(shape, candidates, run)
+    choice = attention_calibration.pick_fastest(times, candidates)
+    rows, seq = shape.representative()
+    log.info("tree attention: 'auto' runs %r for %s (measured forward+backward at %d x %d: %s)",
+             choice, shape.describe(), rows, seq,
+             ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in times.items()))
+    return choice
 
 
 def tree_attention(
@@ -230,7 +276,8 @@ def tree_attention(
         return _with_prefix(q, k, v, mask, prefix_k, prefix_v, impl=impl, scale=scale,
                             softcap=softcap, **options)
     mask.check()
-    name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)
+    name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap,
+                        shape=(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
     _check_options(name, mask, options)
     chosen = _IMPLS[name]
     s = q.shape[1]

@@ -16,6 +16,10 @@ alternating runs, medians. Measured the way docs/design.md section 8 (and the se
 - padding of each layout, and peak step memory of each mode from XLA's compiled memory analysis
   (arguments + outputs + temporaries of the jitted step; not a process RSS);
 - the automatic mode choice (`jtree.layout.flop_model.choose_mode`) for the batch, and its predicted gain.
+- utilization (`jtree.training.utilization`): each mode's model FLOPs, achieved FLOP/s and MFU
+  against a plain matmul at the tree step's dominant shape, timed in the same rounds (the median
+  of the per-round ratios), and against the datasheet peak on a GPU/TPU; XLA's own FLOP count of
+  each compiled step is kept in the JSON.
 
 Batches: exactly the trainer's. `prepare` builds both modes' step through `jtree.training.step_builders.step_builder`
 (what the trainer, `jtree.training.run_data`, trains with) for a run whose one step holds the workload's trees: one data
@@ -100,6 +104,13 @@ from jtree.models import CausalLM
 from jtree.step.optimizer import TrainState, make_optimizer
 from jtree.step.train_step import make_train_step
 from jtree.training.step_builders import step_builder, step_indices
+from jtree.training.utilization import (
+    device_peak,
+    dominant_shape,
+    matmul_call,
+    mfu_from_rounds,
+    model_flops,
+)
 from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.trees.synthetic import AgentShape, agent_rollout_group, chat_record, por_forest, por_tree
 from jtree.trees.tree import TrajectoryTree
@@ -195,15 +206,17 @@ class Prepared:
 
 
 def prepare(trees: Sequence[TrajectoryTree], mode: str, seq_len: int,
-            row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE) -> Prepared:
+            row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE,
+            normalization: str = Objective().normalization) -> Prepared:
     """What the trainer's host does before a step, through the trainer's own builder
     (`jtree.training.step_builders.step_builder`, as `jtree.training.run_data` calls it): a run whose one step holds all
     `trees` on one data shard, one micro-batch, rows from `rows_for_run`, row lengths from
     `row_steps_per_octave` steps per octave; units (parts of trees larger than a row, or paths),
-    the step's plan, linearized arrays on the device."""
+    the step's plan, linearized arrays on the device. `normalization`: the loss coefficients'
+    (the objective's)."""
     data = DataConfig(seq_len=seq_len, trees_per_step=len(trees),
                       row_steps_per_octave=row_steps_per_octave)
-    builder = step_builder(trees, data, mode, normalization=Objective().normalization,
+    builder = step_builder(trees, data, mode, normalization=normalization,
                            n_shards=1, shards=(0,), steps=1)
     indices = step_indices(len(trees), data.trees_per_step, data.shuffle_seed)[0]
     plan = builder.plan(indices)
@@ -273,14 +286,19 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
                          baseline_tokens=plans["baseline"].n_rows * plans["baseline"].row_len,
                          min_gain=AUTO_MIN_GAIN)
     prep["fixed"] = fixed_cost_inputs(cfg)
-    memory, compile_s, runs = {}, {}, {}
+    memory, compile_s, runs, xla_flops = {}, {}, {}, {}
     loop = StepLoop(state)
     for mode in ("tree", "baseline", "fixed"):
         t0 = time.perf_counter()
         compiled = step.lower(state, prep[mode].inputs).compile()
         compile_s[mode] = time.perf_counter() - t0
         memory[mode] = CompiledMemory.of(compiled).peak_bytes
+        xla_flops[mode] = xla_cost_flops(compiled)
         runs[mode] = loop.run(compiled, prep[mode].inputs)
+    # The ceiling of MFU: a plain matmul at the tree step's dominant shape, timed in the same
+    # rounds as the steps (same load on a shared machine).
+    matmul = dominant_shape(plans["tree"].n_rows * plans["tree"].row_len, cfg)
+    runs["matmul"] = matmul_call(matmul)
     timings = alternate(runs, min_reps, max_rounds=max_reps, budget_s=budget_s)
     times = timings.wall
     host = {mode: host_seconds(workload, mode, 3) for mode in ("tree", "baseline")}
@@ -292,6 +310,7 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
     realized_cpu = timings.ratio("baseline", "tree", cpu=True)
     ideal = ideal_speedup(fm, tree_w, base_w)
     fixed = device["fixed"]
+    peak = device_peak("float32")
     row = {
         "workload": workload.name, "shape": workload.shape, "seq_len": workload.seq_len,
         "n_trees": len(trees), "n_paths": stats.n_paths, "por": stats.por,
@@ -307,6 +326,9 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
         "flop_shares_tree": fm.shares(tree_w), "flop_shares_baseline": fm.shares(base_w),
         "auto_mode": choice.mode, "auto_predicted_gain": choice.predicted_gain,
         "auto_reason": choice.reason,
+        "matmul_shape": dataclasses.asdict(matmul),
+        "matmul_flops_per_s": matmul.flops / device["matmul"],
+        "matmul_times_s": times["matmul"], "peak_flops_per_s": peak,
     }
     for mode, key in (("tree", "tree"), ("baseline", "base")):
         p, w = plans[mode], work[mode]
@@ -322,8 +344,39 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
             f"{key}_times_s": times[mode], f"{key}_cpu_s": timings.cpu[mode],
             f"{key}_minor_faults": int(np.median(timings.faults[mode])),
             **{f"{key}_{k}": v for k, v in blocks.items()},
+            **utilization_fields(key, model_flops(fm, w), times[mode], matmul, times["matmul"],
+                                 peak, xla_flops[mode]),
         })
     return row, loop.state
+
+
+def xla_cost_flops(compiled: Any) -> float | None:
+    """XLA's own FLOP count of a compiled step (its cost analysis; None where the backend gives
+    none). It counts what the program does, padding and every computed attention block included
+    (a loop body once, whatever its trip count), so it is context for the model FLOPs, not MFU's
+    numerator."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - some backends raise for programs they cannot cost
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    return None if flops is None else float(flops)
+
+
+def utilization_fields(key: str, flops: float, step_times: Sequence[float], matmul: Any,
+                       matmul_times: Sequence[float], peak: float | None,
+                       xla_flops: float | None) -> dict[str, Any]:
+    """One mode's utilization columns: model FLOPs (`jtree.training.utilization.model_flops`),
+    achieved FLOP/s (median step time), MFU against the same rounds' matmul (median of the
+    per-round ratios), against the datasheet peak where there is one, and XLA's FLOP count."""
+    achieved = flops / float(np.median(step_times))
+    return {f"{key}_model_flops": flops, f"{key}_flops_per_s": achieved,
+            f"{key}_mfu": mfu_from_rounds(flops, np.asarray(step_times), matmul,
+                                          np.asarray(matmul_times)),
+            f"{key}_mfu_peak": None if peak is None else achieved / peak,
+            f"{key}_xla_flops": xla_flops}
 
 
 class StepLoop:
@@ -341,14 +394,21 @@ class StepLoop:
         return call
 
 
-def make_step(cfg: Qwen3Config, attention: str, **runtime: Any) -> tuple[Callable, TrainState]:
+def make_step(cfg: Qwen3Config, attention: str, *, objective: Objective = Objective(),
+              **runtime: Any) -> tuple[Callable, TrainState]:
     """The jitted train step of `cfg`'s model with the `attention` kernel (both modes use it);
     `runtime` sets the other `RuntimeConfig` fields (e.g. a device's bf16 compute)."""
     model = CausalLM(cfg, RuntimeConfig(attention_impl=attention, **runtime), rngs=nnx.Rngs(0))
+    return step_of(model, objective)
+
+
+def step_of(model: CausalLM, objective: Objective = Objective()) -> tuple[Callable, TrainState]:
+    """The jitted train step (AdamW, learning rate 1e-4, donated state) of `model` and its
+    initial state."""
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(OptimConfig(learning_rate=1e-4))
     state = TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
-    step = jax.jit(make_train_step(graphdef, optimizer, Objective()), donate_argnums=0)
+    step = jax.jit(make_train_step(graphdef, optimizer, objective), donate_argnums=0)
     return step, state
 
 
@@ -368,6 +428,11 @@ COLUMNS = (
     Column("tree pad", "tree_padding", "{:.1%}"), Column("base pad", "base_padding", "{:.1%}"),
     Column("tree MiB", "tree_peak_mib", "{:.0f}"), Column("base MiB", "base_peak_mib", "{:.0f}"),
     Column("auto", "auto_mode"),
+    Column("tree GFLOP/s", "tree_flops_per_s", cell=lambda r: f"{r['tree_flops_per_s'] / 1e9:.1f}"),
+    Column("matmul GFLOP/s", "matmul_flops_per_s",
+           cell=lambda r: f"{r['matmul_flops_per_s'] / 1e9:.1f}"),
+    Column("tree MFU", "tree_mfu", "{:.1%}"), Column("base MFU", "base_mfu", "{:.1%}"),
+    Column("tree MFU (peak)", "tree_mfu_peak", "{:.1%}"),
 )
 
 
@@ -454,7 +519,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{row['realized_speedup']:.2f}x (pairs {row['ratio_spread'][0]:.2f}-"
               f"{row['ratio_spread'][1]:.2f}, {row['repeats']} reps), efficiency "
               f"{row['efficiency']:.2f}; tree {row['tree_device_s']:.2f} s, baseline "
-              f"{row['base_device_s']:.2f} s; auto: {row['auto_reason']} "
+              f"{row['base_device_s']:.2f} s; MFU tree {row['tree_mfu']:.1%}, baseline "
+              f"{row['base_mfu']:.1%} of a matmul at "
+              f"{row['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; auto: {row['auto_reason']} "
               f"[{time.perf_counter() - t0:.0f} s]", flush=True)
         written = write(out, info, rows, time.perf_counter() - t_all)  # after every workload
     print(table(rows))

@@ -58,6 +58,7 @@ from jtree.layout.flop_model import FlopModel, ideal_speedup, tree_work
 from jtree.models import CausalLM
 from jtree.step.train_step import make_grad_fn
 from jtree.training.step_builders import step_builder, step_indices
+from jtree.training.utilization import dominant_shape, matmul_call, mfu_from_rounds, model_flops
 from jtree.trees.synthetic import AgentShape, agent_rollout_group
 from jtree.trees.tree import TrajectoryTree
 
@@ -87,15 +88,20 @@ def build(trees: list[TrajectoryTree], share: str, seq_len: int,
 
 
 def measure(trees: list[TrajectoryTree], graphdef: Any, params: Any, flops: FlopModel, *,
-            seq_len: int, micro_batches: int, repeats: int) -> dict[str, Any]:
-    """Both variants of one step on `trees`: layout, work, timings, losses."""
+            seq_len: int, micro_batches: int, repeats: int, cfg: Any) -> dict[str, Any]:
+    """Both variants of one step on `trees`: layout, work, timings, losses, and MFU against a
+    plain matmul at the merged step's dominant shape (`cfg`'s widths), timed in the same
+    rounds."""
     grad_fn = jax.jit(make_grad_fn(graphdef, OBJECTIVE))
     built = {v: build(trees, v, seq_len, micro_batches) for v in VARIANTS}
     steps = {v: b[0] for v, b in built.items()}
     work = {v: tree_work(b[1])[0] for v, b in built.items()}
     inputs = {v: jax.device_put(s["inputs"]) for v, s in steps.items()}
-    timings = alternate({v: (lambda v=v: grad_fn(params, inputs[v])) for v in VARIANTS}, repeats)
-    losses = {v: float(r[0]) for v, r in timings.first_result.items()}
+    runs = {v: (lambda v=v: grad_fn(params, inputs[v])) for v in VARIANTS}
+    matmul = dominant_shape(int(np.prod(inputs["across_groups"].tokens.shape)), cfg)
+    runs["matmul"] = matmul_call(matmul)
+    timings = alternate(runs, repeats)
+    losses = {v: float(timings.first_result[v][0]) for v in VARIANTS}
     info = steps["across_groups"]["info"]
     flat, tree_tokens = int(info["n_flat_tokens"]), int(info["n_tree_tokens"])
     computed = {v: int(s["info"]["n_computed_tokens"]) for v, s in steps.items()}
@@ -117,6 +123,10 @@ def measure(trees: list[TrajectoryTree], graphdef: Any, params: Any, flops: Flop
         "token_bound": computed["within_groups"] / computed["across_groups"],
         "flop_ideal": ideal_speedup(flops, work["across_groups"], work["within_groups"]),
         "loss": losses, "repeats": timings.rounds,
+        "matmul_shape": matmul.describe(), "matmul_flops_per_s": matmul.flops / timings.median(
+            "matmul"),
+        "mfu": {v: mfu_from_rounds(model_flops(flops, work[v]), timings.wall[v], matmul,
+                                   timings.wall["matmul"]) for v in VARIANTS},
     }
 
 
@@ -134,6 +144,8 @@ COLUMNS = (
     Column("95% interval", "", cell=lambda r: "{:.2f}-{:.2f}".format(*r["speedup_interval"])),
     Column("speedup (CPU time)", "speedup_cpu_time", "{:.2f}"),
     Column("token bound", "token_bound", "{:.2f}"), Column("FLOP ideal", "flop_ideal", "{:.2f}"),
+    Column("MFU within / across", "", cell=lambda r: " / ".join(
+        f"{r['mfu'][v]:.1%}" for v in VARIANTS)),
 )
 
 
@@ -165,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     graphdef, params = nnx.split(CausalLM(cfg, RuntimeConfig(attention_impl=args.attention),
                                           rngs=nnx.Rngs(0)))
     row = measure(trees, graphdef, params, FlopModel.for_config(cfg), seq_len=args.seq_len,
-                  micro_batches=args.micro_batches, repeats=args.repeats)
+                  micro_batches=args.micro_batches, repeats=args.repeats, cfg=cfg)
     losses = list(row["loss"].values())
     if abs(losses[0] - losses[1]) > 1e-4 * max(abs(losses[0]), 1e-6):
         raise AssertionError(f"losses disagree: {row['loss']}")

@@ -46,6 +46,7 @@ from jtree.launch.harness import (
     run_info,
 )
 from jtree.layout.flop_model import FlopModel
+from jtree.training.utilization import dominant_shape, matmul_call, mfu_from_rounds, model_flops
 
 
 def attention_grad_fn(end: np.ndarray, cfg: Qwen3Config, attention: str) -> Callable:
@@ -104,20 +105,24 @@ def split(name: str, repeats: int, ops: bool = False, attention: str = "cpu",
     cfg = SHAPES[workload.shape]
     trees = workload.make_trees()
     step, state = make_step(cfg, attention)
-    runs, work = {}, {}
+    runs, work, positions = {}, {}, {}
     loop = StepLoop(state)
     for mode in ("tree", "baseline"):
         p = prepare(trees, mode, workload.seq_len)
         work[mode] = p.work
+        positions[mode] = p.plan.n_rows * p.plan.row_len
         runs[f"{mode} attention"] = attention_grad_fn(p.end, cfg, attention)
         compiled = step.lower(state, p.inputs).compile()
         runs[f"{mode} step"] = loop.run(compiled, p.inputs)
     tiny = fixed_cost_inputs(cfg)
     runs["fixed"] = loop.run(step.lower(state, tiny.inputs).compile(), tiny.inputs)
+    matmul = dominant_shape(positions["tree"], cfg)  # MFU's ceiling, timed in the same rounds
+    runs["matmul"] = matmul_call(matmul)
     timings = alternate(runs, repeats)
     med = {k: timings.median(k) for k in runs}
     fm = FlopModel.for_config(cfg)
-    out: dict[str, Any] = {"fixed_s": med["fixed"]}
+    out: dict[str, Any] = {"fixed_s": med["fixed"], "matmul_shape": matmul.describe(),
+                           "matmul_flops_per_s": matmul.flops / med["matmul"]}
     if ops:
         out["ops"] = {k: op_profile(runs[k], repeats) for k in ("tree step", "baseline step",
                                                                   "fixed")}
@@ -128,6 +133,9 @@ def split(name: str, repeats: int, ops: bool = False, attention: str = "cpu",
         w = work[mode]
         out[f"{mode}_attention_flops"] = fm.per_pair * w.pairs
         out[f"{mode}_rest_flops"] = fm.per_token * w.tokens + fm.per_scored * w.scored
+        out[f"{mode}_model_flops"] = model_flops(fm, w)
+        out[f"{mode}_mfu"] = mfu_from_rounds(model_flops(fm, w), timings.wall[f"{mode} step"],
+                                             matmul, timings.wall["matmul"])
     return out
 
 
@@ -146,11 +154,20 @@ def report(name: str, s: dict[str, float]) -> str:
     f = s["fixed_s"]
     lines.append(f"| fixed (step on one 64-token row) | {f:.2f} | {f:.2f} | | | {f / t:.0%} |")
     lines.append(f"step minus fixed: base/tree {(b - f) / (t - f):.2f} vs FLOP ratio {total:.2f}")
-    for step, kinds in s.get("ops", {}).items():
-        total_op = sum(v for v, _ in kinds.values())
-        lines.append(f"{step}: XLA op time {total_op * 1e3:.1f} ms per step, by kind: " + ", ".join(
-            f"{k} {v * 1e3:.1f} ms (x{n:.0f})" for k, (v, n) in list(kinds.items())[:8]))
+    lines.append(f"MFU (model FLOP/s over a plain matmul {s['matmul_shape']} at "
+                 f"{s['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, same rounds): tree "
+                 f"{s['tree_mfu']:.1%}, baseline {s['baseline_mfu']:.1%}")
+    lines += [ops_line(step, kinds) for step, kinds in s.get("ops", {}).items()]
     return "\n".join(lines)
+
+
+def ops_line(label: str, kinds: dict[str, tuple[float, float]], top: int = 8) -> str:
+    """One line of an `op_profile`: the total op time and the `top` kinds with their time, share
+    and thunk count per step."""
+    total = sum(v for v, _ in kinds.values())
+    return f"{label}: XLA op time {total * 1e3:.1f} ms per step, by kind: " + ", ".join(
+        f"{k} {v * 1e3:.1f} ms ({v / total:.0%}, x{n:.0f})" for k, (v, n) in
+        list(kinds.items())[:top])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 from jtree.training.host_allocator import configure_host_malloc
 
 DEFAULT_OUT = "bench_out"
-ATTENTION_IMPLS = ("cpu", "xla")  # --attention: the two block-sparse CPU kernels
+ATTENTION_IMPLS = ("cpu", "xla", "auto")  # --attention: the block-sparse CPU kernels, or `auto`
 
 
 # ----------------------------------------------------------------------------- timing
@@ -190,10 +190,12 @@ def apply_host_malloc(args: argparse.Namespace) -> bool:
 
 
 def add_attention_flag(parser: argparse.ArgumentParser, default: str = "cpu") -> None:
-    """`--attention cpu|xla`: the attention kernel of the bench's model."""
+    """`--attention cpu|xla|auto`: the attention kernel of the bench's model."""
     parser.add_argument("--attention", choices=ATTENTION_IMPLS, default=default,
                         help="cpu: the multi-threaded C++ kernel (jtree.kernels.attention_cpu); xla: "
-                             "the plain-XLA block loop, one core (jtree.kernels.attention_xla)")
+                             "the plain-XLA block loop, one core (jtree.kernels.attention_xla); "
+                             "auto: the faster of the two, measured per shape class "
+                             "(jtree.kernels.attention_calibration)")
 
 
 def machine() -> str:

@@ -75,6 +75,8 @@ def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host
         metrics, step=step, learning_rate=lr, n_trees=int(info["n_trees"]),
         n_tree_tokens=n_tree, n_flat_tokens=n_flat, n_computed_tokens=n_computed,
         n_pruned_tokens=int(info["n_pruned_tokens"]),
+        n_computed_pairs=int(info.get("n_computed_pairs", 0)),
+        n_scored_tokens=int(info.get("n_scored_tokens", 0)),
         n_merge_saved_tokens=int(info.get("n_merge_saved_tokens", 0)),  # 0: nothing merged
         por=1 - n_tree / n_flat,
         err=1 - n_computed / n_flat, tokens_per_s=n_flat / device_s,
@@ -137,10 +139,11 @@ def _routing(history: list[dict[str, Any]]) -> str:
 
 
 def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
-            checkpoint_dir: Path | None) -> str:
+            checkpoint_dir: Path | None, utilization: str = "") -> str:
     """The closing line of a run. Medians leave out the steps that compiled (their time is
     mostly XLA's, not the step's; with none left, they take every step); the compiles are
-    reported apart."""
+    reported apart. `utilization`: the run's model FLOP utilization, said as is
+    (`jtree.training.utilization.run_utilization`)."""
     if not history:
         return "summary: no steps to run"
     compiled = [r for r in history if r["compiles"]]
@@ -155,4 +158,5 @@ def summary(history: list[dict[str, Any]], wall: float, n_bad: int,
             f"{sum(r['compiles'] for r in history)} in {len(compiled)} step(s), "
             f"{sum(r['compile_s'] for r in history):.1f} s; bad records skipped {n_bad}"
             + _pruned(history) + _merged(history) + _off_policy(history) + _routing(history)
+            + (f"; utilization: {utilization}" if utilization else "")
             + (f"; checkpoints in {checkpoint_dir}" if checkpoint_dir is not None else ""))

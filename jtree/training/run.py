@@ -22,7 +22,7 @@ from typing import Any
 import jax
 
 from jtree.config import TrainConfig
-from jtree.kernels.tree_attention import resolve_impl
+from jtree.kernels.tree_attention import cpu_candidates, resolve_impl
 from jtree.layout.batch import DeviceBatch
 from jtree.models.lora import trainable
 from jtree.parallel.layer_stack import layer_groups
@@ -49,6 +49,7 @@ from jtree.training.run_data import (
 )
 from jtree.training.trainer import Trainer
 from jtree.training.tree_files import LoadReport
+from jtree.training.utilization import run_utilization
 from jtree.trees.tree import TrajectoryTree
 
 
@@ -131,6 +132,10 @@ class TrainingRun:
             n_params = f"{n_params:,}"
         rt = cfg.runtime
         attention = resolve_impl(rt.attention_impl, dtype=rt.dtype, head_dim=mcfg.head_dim)
+        if rt.attention_impl == "auto" and jax.default_backend() == "cpu":
+            candidates = cpu_candidates(None)
+            if len(candidates) > 1:  # measured per shape class at the first trace (logged)
+                attention = f"auto ({' or '.join(candidates)}: the faster, measured)"
         return (f"model: {cfg.model.architecture} {mcfg.num_hidden_layers} layers, hidden "
                 f"{mcfg.hidden_size}, {n_params} parameters; mode {cfg.run.mode}, objective "
                 f"{cfg.objective.kind}; mesh {describe_mesh(mesh)} "
@@ -276,8 +281,10 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> None:
             t_run = time.perf_counter()
             state, history = run.loop(state, start)
             checkpoint_dir = run.checkpointer.directory if run.checkpointer is not None else None
-            say(summary(history, time.perf_counter() - t_run, run.load_report.n_bad,
-                        checkpoint_dir))
+            wall = time.perf_counter() - t_run
+            util = run_utilization(cfg.model.config, history, cfg.runtime.dtype)
+            say(summary(history, wall, run.load_report.n_bad, checkpoint_dir,
+                        util.describe() if util is not None else ""))
             if cfg.run.compare_baseline and history:
                 if jax.process_count() == 1:
                     before = run.compile_watch.total

@@ -36,7 +36,7 @@ from jtree.layout.baseline import flatten_paths
 from jtree.layout.batch import DeviceBatch, concatenate_rows, padding, stack
 from jtree.layout.coefficients import batch_normalizer
 from jtree.layout.cross_group import merge_per_bin
-from jtree.layout.flop_model import FlopModel, choose_mode
+from jtree.layout.flop_model import FlopModel, choose_mode, tree_work
 from jtree.layout.linearize import linearize
 from jtree.layout.microbatches import unit_counts
 from jtree.layout.off_policy import behavior_disagreement
@@ -172,11 +172,13 @@ def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree],
         for t in judged:  # position 0 is never scored, as in `linearize`
             old = [np.concatenate([[0.0], o[1:]]) for o in t.old_logprobs]
             disagreement = max(disagreement, t.tree_token_values(old)[1])
+    work = tree_work(units)[0]  # what the units need: the model FLOPs of the step (utilization)
     return {
         "n_trees": np.int64(len(trees)), "n_paths": np.int64(stats.n_paths),
         "n_tree_tokens": np.int64(stats.n_tree_tokens),
         "n_flat_tokens": np.int64(stats.n_flat_tokens),
         "n_computed_tokens": np.int64(sum(u.n_tree_tokens for u in units)),
+        "n_computed_pairs": np.int64(work.pairs), "n_scored_tokens": np.int64(work.scored),
         "n_pruned_tokens": np.int64(pruned_tokens),
         "n_merge_saved_tokens": np.int64(merge_saved),
         "has_old_logprobs": np.bool_(has_old),

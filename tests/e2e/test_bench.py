@@ -41,11 +41,16 @@ def test_measure_counts_both_modes_on_the_same_trees_and_writes_outputs(tiny_sha
     assert 0 < row["tree_host_fraction"] < 1 and row["tree_peak_mib"] > 0
     assert row["tree_minor_faults"] >= 0 and row["base_minor_faults"] >= 0
     assert row["tree_computed_per_nonempty"] == 1.0  # the xla schedule does no extra blocks
+    # utilization: model FLOPs of what each mode needs, MFU against the same rounds' matmul
+    assert row["tree_model_flops"] < row["base_model_flops"]
+    assert row["tree_mfu"] > 0 and row["base_mfu"] > 0 and row["matmul_flops_per_s"] > 0
+    assert row["tree_mfu_peak"] is None  # a CPU has no datasheet peak
+    assert len(row["matmul_times_s"]) == 1
     bench.write(tmp_path, "test machine", rows, 1.0)
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert [r["workload"] for r in saved["rows"]] == [r["workload"] for r in rows]
     table = (tmp_path / "bench.md").read_text()
-    assert table.count("\n| tiny/synthetic") == 1
+    assert table.count("\n| tiny/synthetic") == 1 and "| tree MFU |" in table
     assert (tmp_path / "bench.png").stat().st_size > 1000
 
 
@@ -62,3 +67,21 @@ def test_op_profile_sums_xla_thunks_by_kind():
     assert kinds and all(s > 0 and n > 0 for s, n in kinds.values())
     assert not any(k == "while" or "::" in k for k in kinds)
     assert all(not k[-1].isdigit() or "." not in k for k in kinds)  # numbered fusions merged
+
+
+def test_peer_bench_smoke(tmp_path):
+    """bench_peer --quick: jtree and transformers train the same paths from the same weights with
+    the same loss (equal first-step losses), and the outputs hold the speedup and the MFU."""
+    pytest.importorskip("transformers")
+    from jtree.launch import bench_peer
+
+    assert bench_peer.main(["--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bench_peer.json").read_text())["result"]
+    assert set(result["impls"]) == {"cpu", "xla"} and result["auto"] in result["impls"]
+    for impl in result["impls"].values():
+        assert impl["loss_first"] == pytest.approx(result["peer_loss_first"], rel=1e-5)
+        assert impl["speedup_vs_peer"] > 0 and impl["mfu"] > 0
+        assert impl["speedup_over_token_bound"] == pytest.approx(
+            impl["speedup_vs_peer"] / result["token_bound"])
+    assert result["peer_tokens"] == result["n_flat_tokens"]
+    assert "| speedup / token bound |" in (tmp_path / "bench_peer.md").read_text()

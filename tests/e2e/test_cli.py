@@ -42,12 +42,16 @@ def test_train_runs_a_tiny_config(few_groups_file, tmp_path, capsys):
 
 
 def test_train_says_which_attention_kernel_auto_runs(tmp_path, capsys):
-    """On CPU with a compiler `auto` runs the C++ kernel, and the run's model line says so."""
+    """On CPU with a compiler `auto` runs the faster of the C++ kernel and `xla` (measured per
+    shape class), and the run's model line says so; the summary reports the utilization."""
     data = write_groups(tmp_path / "groups.jsonl", n_groups=2)
     assert main(["train", "--config", "configs/tiny.yaml", *tiny_overrides(data, **{
         "run.steps": 1, "data.trees_per_step": 2, "data.micro_batches": 1,
         "runtime.attention_impl": "auto"})]) == 0
-    assert "backend cpu, attention cpu;" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "backend cpu, attention auto (cpu or xla: the faster, measured);" in out
+    assert re.search(r"utilization: model [\d.]+ GFLOP/step, [\d.]+ GFLOP/s = MFU [\d.]+% of a "
+                     r"plain matmul here \(\[\d+, \d+\] x \[\d+, \d+\] float32", out)
 
 
 def test_train_resume_without_a_checkpoint_dir_is_a_clear_error(few_groups_file, tmp_path, capsys):

@@ -24,7 +24,7 @@ from jtree.cli import main as jtree_main
 
 LAUNCH = ("bench", "bench_attention", "bench_attention_gpu", "bench_context", "bench_cross_group",
           "bench_gdn",
-          "bench_partition", "bench_redundancy_free", "bench_split",
+          "bench_partition", "bench_peer", "bench_redundancy_free", "bench_split",
           "device_check", "make_sample_data", "lower_step", "memory_plan", "train")
 SUBCOMMANDS = ("stats", "compare-torch", "export-hf")
 
@@ -97,6 +97,7 @@ def test_bench_split_quick(tmp_path):
                 tmp_path)
     (split,) = data["splits"].values()
     assert split["tree_step_s"] > 0 and split["baseline_step_s"] > 0
+    assert split["tree_mfu"] > 0 and split["matmul_flops_per_s"] > 0
 
 
 def test_bench_split_names_the_workloads_when_one_is_unknown():
@@ -117,6 +118,7 @@ def test_bench_cross_group_smallest(tmp_path):
     computed = row["computed_tokens"]
     assert computed["within_groups"] - computed["across_groups"] == row["merge_saved_tokens"] > 0
     assert row["por_across"] > row["por_within"]
+    assert all(row["mfu"][v] > 0 for v in ("within_groups", "across_groups"))
 
 
 def test_bench_attention_smallest(tmp_path):

@@ -1,0 +1,290 @@
+"""jtree's tree step against an outside peer: transformers (PyTorch, CPU) training every path on
+its own, on the same trees, the same model and weights, the same loss (not a test).
+
+Workload (the shape of issue 36's measurement, scaled to keep a run short): multi-turn chat
+conversations with tool calls and think-mode turns (`jtree.trees.synthetic.chat_record`, byte
+tokenizer, every assistant turn a path; POR about 0.77, token bound about 4.3), a 4-layer Qwen3
+(hidden 256, MLP 768, 8 q / 4 kv heads of 32, vocabulary = the byte tokenizer's 260), float32.
+
+- jtree: the trainer's tree step (`jtree.launch.bench.prepare`: the trainer's own builder) with
+  each CPU attention kernel (`cpu`, `xla`) and with what `auto` resolves to;
+- peer: the model exported to a Hugging Face directory (`jtree.hf.load_save.save`) and loaded by
+  transformers (`sdpa` attention, `torch.set_num_threads(cores)`); one step = every path forward
+  and backward on its own (batch 1, no padding) with the per-path loss -sum_t c[p,t] log p_t
+  (`jtree.layout.coefficients.path_coefficients`, SFT, `token_mean`), gradients accumulated over
+  the paths, then gradient clipping at 1.0 and AdamW (the jtree step's optimizer settings);
+- a plain matmul at the step's dominant shape in jax (`jtree.training.utilization`), the MFU
+  ceiling.
+
+All variants run in the same alternating rounds (`jtree.launch.harness.alternate`: shuffled order,
+medians; a speedup is the median of same-round ratios with a bootstrap interval). The first
+(warm-up) call of both sides runs at the same initial weights: their losses are printed and must
+agree (same loss function). Reported: speedup of the tree step over the peer, speedup / token
+bound, MFU of each jtree variant against the same rounds' matmul, per-token throughput of the peer.
+`--ops` adds the tree step's XLA op time by kind (`jtree.launch.bench_split.op_profile`) and the
+model FLOP/s of its matmul kinds.
+
+    PYTHONPATH=. python -m jtree.launch.bench_peer                 # ~4 min on 2 cores
+    PYTHONPATH=. python -m jtree.launch.bench_peer --ops           # + the tree step's op kinds
+    PYTHONPATH=. python -m jtree.launch.bench_peer --quick         # a tiny smoke run
+
+Writes bench_out/bench_peer.json and .md (`--out` picks the folder).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jtree.config.architectures import Qwen3Config
+from jtree.config.objective import Objective
+from jtree.config.runtime import RuntimeConfig
+from jtree.hf.load_save import save
+from jtree.kernels.tree_attention import resolve_impl
+from jtree.launch.bench import StepLoop, prepare, step_of
+from jtree.launch.bench_split import op_profile, ops_line
+from jtree.launch.harness import (
+    Column,
+    Output,
+    add_host_malloc_flag,
+    alternate,
+    apply_host_malloc,
+    bench_parser,
+    markdown_table,
+    run_info,
+)
+from jtree.layout.coefficients import batch_normalizer, path_coefficients
+from jtree.layout.flop_model import FlopModel, tree_work
+from jtree.models import CausalLM
+from jtree.trees.chat import ByteTokenizer, conversation_tree
+from jtree.trees.synthetic import chat_record
+from jtree.trees.tree import TrajectoryTree
+from jtree.training.utilization import (
+    device_peak,
+    dominant_shape,
+    matmul_call,
+    mfu_from_rounds,
+    model_flops,
+)
+
+NORMALIZATION = "token_mean"
+OBJECTIVE = Objective(kind="sft", normalization=NORMALIZATION)
+IMPLS = ("cpu", "xla")  # jtree's CPU attention kernels; `auto` resolves to one of them
+
+
+def model_config(quick: bool = False) -> Qwen3Config:
+    vocab = ByteTokenizer().vocab_size
+    if quick:
+        return Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8)
+    return Qwen3Config(vocab_size=vocab, hidden_size=256, intermediate_size=768,
+                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                       head_dim=32)
+
+
+def chat_trees(quick: bool = False) -> list[TrajectoryTree]:
+    """Two conversations (17 paths, 6760 tree tokens, POR 0.77); `quick`: one short one."""
+    rng = np.random.default_rng(11)
+    tok = ByteTokenizer()
+    kw = (dict(system_words=10, turns=2, user_words=5, assistant_words=5, tool_words=5,
+               reasoning_words=5) if quick else
+          dict(system_words=80, turns=6, user_words=15, assistant_words=25, tool_words=30,
+               reasoning_words=30))
+    return [conversation_tree(chat_record(rng, **kw), tok, where=f"chat {i}",
+                              vocab_size=tok.vocab_size) for i in range(1 if quick else 2)]
+
+
+# ----------------------------------------------------------------------------- the peer
+
+
+class TorchPaths:
+    """transformers training every path on its own: one call = one optimizer step over all
+    paths of `trees` (gradients accumulated path by path), the loss the jtree step computes."""
+
+    def __init__(self, directory: Path, trees: Sequence[TrajectoryTree]):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(directory), dtype=torch.float32, attn_implementation="sdpa")
+        self.model.train()
+        normalizer = batch_normalizer(trees, NORMALIZATION)
+        self.paths = []
+        for t in trees:
+            coeffs = path_coefficients(t, NORMALIZATION, normalizer)
+            for p in range(t.n_paths):
+                ids = torch.as_tensor(np.asarray(t.path_tokens(p), np.int64))[None]
+                self.paths.append((ids, torch.as_tensor(np.asarray(coeffs[p], np.float32)[1:])))
+        # jtree's AdamW: learning rate 1e-4 (`jtree.launch.bench.step_of`), OptimConfig's
+        # betas, eps, no weight decay, clipping at global norm 1.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95),
+                                           eps=1e-8, weight_decay=0.0)
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(ids.shape[1]) for ids, _ in self.paths)
+
+    def step(self, threads: int) -> float:
+        """One optimizer step over every path with `threads` intra-op threads."""
+        torch = self.torch
+        torch.set_num_threads(threads)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for ids, c in self.paths:
+            logits = self.model(input_ids=ids, use_cache=False).logits[0]
+            logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+            loss = -(c * logp).sum()
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        return total
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def measure(quick: bool, repeats: int, ops: bool, seq_len: int) -> dict[str, Any]:
+    cfg = model_config(quick)
+    trees = chat_trees(quick)
+    stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
+    prep = prepare(trees, "tree", seq_len, normalization=NORMALIZATION)
+    tree_w, base_w = tree_work(trees)
+    fm = FlopModel.for_config(cfg)
+    flops = model_flops(fm, prep.work)
+    # What `auto` runs in this step's attention calls (one micro-batch of rows x row_len):
+    # measured now for this shape class (jtree.kernels.attention_calibration, one log line).
+    auto = resolve_impl("auto", "cpu", dtype=np.float32, head_dim=cfg.head_dim,
+                        shape=(prep.plan.n_rows, prep.plan.row_len, cfg.num_attention_heads,
+                               cfg.num_key_value_heads))
+    model = CausalLM(cfg, RuntimeConfig(attention_impl=IMPLS[0]), rngs=nnx.Rngs(0))
+    runs: dict[str, Callable[[], Any]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        save(model, cfg, d)
+        peer = TorchPaths(Path(d), trees)
+    # The peer with every core and with one: on a machine whose cores other jobs share, a
+    # thread pool that waits at a barrier for a descheduled thread loses far more than one
+    # thread does; the faster of the two is the peer's time in each round.
+    threads = sorted({os.cpu_count() or 1, 1}, reverse=True)
+    for n in threads:
+        runs[f"transformers paths, {n} thread(s)"] = lambda n=n: peer.step(n)
+    for impl in IMPLS:
+        # The same initial weights as the exported `model` (same seed), this kernel.
+        step, state = step_of(CausalLM(cfg, RuntimeConfig(attention_impl=impl),
+                                       rngs=nnx.Rngs(0)), OBJECTIVE)
+        loop = StepLoop(state)
+        runs[f"tree {impl}"] = loop.run(step.lower(state, prep.inputs).compile(), prep.inputs)
+    matmul = dominant_shape(prep.plan.n_rows * prep.plan.row_len, cfg)
+    runs["matmul"] = matmul_call(matmul)
+    t0 = time.perf_counter()
+    timings = alternate(runs, repeats)
+    peer_names = [f"transformers paths, {n} thread(s)" for n in threads]
+    # the peer's time in each round: its faster thread count in that round
+    peer_times = np.min([timings.wall[n] for n in peer_names], axis=0)
+    timings.wall["transformers paths"] = list(peer_times)
+    peer_loss = float(timings.first_result[peer_names[0]])
+    row: dict[str, Any] = {
+        "n_trees": len(trees), "n_paths": stats.n_paths, "por": stats.por,
+        "n_tree_tokens": tree_w.tokens, "n_flat_tokens": base_w.tokens,
+        "token_bound": base_w.tokens / tree_w.tokens, "rows": prep.plan.n_rows,
+        "row_len": prep.plan.row_len, "model_flops": flops, "auto": auto,
+        "peer_loss_first": peer_loss, "peer_tokens": peer.tokens,
+        "matmul_shape": matmul.describe(),
+        "matmul_flops_per_s": matmul.flops / timings.median("matmul"),
+        "peer_s": timings.median("transformers paths"),
+        "peer_tokens_per_s": peer.tokens / timings.median("transformers paths"),
+        "peer_s_by_threads": {n: timings.median(f"transformers paths, {n} thread(s)")
+                              for n in threads},
+        "rounds": timings.rounds, "timed_s": time.perf_counter() - t0,
+        "peak_flops_per_s": device_peak("float32"), "impls": {},
+    }
+    for impl in IMPLS:
+        name = f"tree {impl}"
+        speedup = timings.ratio("transformers paths", name)
+        row["impls"][impl] = {
+            "step_s": timings.median(name),
+            "loss_first": float(timings.first_result[name]["loss"]),
+            "speedup_vs_peer": speedup,
+            "speedup_interval": timings.ratio_interval("transformers paths", name),
+            "speedup_over_token_bound": speedup / row["token_bound"],
+            "flops_per_s": flops / timings.median(name),
+            "mfu": mfu_from_rounds(flops, np.asarray(timings.wall[name]), matmul,
+                                   np.asarray(timings.wall["matmul"])),
+        }
+    faster = min(IMPLS, key=lambda i: row["impls"][i]["step_s"])
+    row["faster_impl"] = faster
+    row["auto_is_faster"] = auto == faster
+    row["cpu_over_xla"] = timings.ratio("tree cpu", "tree xla")
+    if ops:
+        row["ops"] = {impl: op_profile(runs[f"tree {impl}"], max(1, repeats // 2))
+                      for impl in IMPLS}
+    return row
+
+
+COLUMNS = (
+    Column("attention", "impl"), Column("POR", "por", "{:.2f}"),
+    Column("token bound", "token_bound", "{:.2f}"),
+    Column("tree s", "step_s", "{:.2f}"), Column("transformers paths s", "peer_s", "{:.2f}"),
+    Column("speedup", "speedup_vs_peer", "{:.2f}"),
+    Column("95% interval", "speedup_interval", "{0[0]:.2f}-{0[1]:.2f}"),
+    Column("speedup / token bound", "speedup_over_token_bound", "{:.2f}"),
+    Column("tree GFLOP/s", "flops_per_s", cell=lambda r: f"{r['flops_per_s'] / 1e9:.1f}"),
+    Column("matmul GFLOP/s", "matmul_flops_per_s",
+           cell=lambda r: f"{r['matmul_flops_per_s'] / 1e9:.1f}"),
+    Column("MFU", "mfu", "{:.1%}"),
+)
+
+
+def report(row: dict[str, Any]) -> str:
+    rows = [dict(row, impl=impl + (" (auto)" if impl == row["auto"] else ""), **v)
+            for impl, v in row["impls"].items()]
+    lines = [f"{row['n_trees']} chat trees, {row['n_paths']} paths, {row['n_tree_tokens']} tree "
+             f"tokens ({row['rows']} x {row['row_len']}), {row['n_flat_tokens']} path tokens; "
+             f"model {row['model_flops'] / 1e9:.1f} GFLOP/step; plain matmul "
+             f"{row['matmul_shape']}; transformers {row['peer_tokens_per_s']:.0f} tokens/s ("
+             + ", ".join(f"{n} thread(s) {t:.1f} s" for n, t in row["peer_s_by_threads"].items())
+             + "); "
+             f"first-step loss: transformers {row['peer_loss_first']:.6f}, jtree "
+             + ", ".join(f"{i} {v['loss_first']:.6f}" for i, v in row["impls"].items())
+             + f"; {row['rounds']} rounds", "", markdown_table(rows, COLUMNS), "",
+             f"auto resolves to {row['auto']}; the faster here: {row['faster_impl']} "
+             f"(cpu / xla time {row['cpu_over_xla']:.2f})"]
+    lines += [ops_line(f"tree {impl}", kinds, top=10) for impl, kinds in row.get("ops", {}).items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = bench_parser(__doc__, repeats=5, quick="a one-layer model on one short conversation")
+    parser.add_argument("--ops", action="store_true",
+                        help="also the tree step's XLA op time by kind (profiler)")
+    parser.add_argument("--seq-len", type=int, default=4096,
+                        help="row capacity of the tree step (default 4096)")
+    add_host_malloc_flag(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.seq_len = min(args.repeats, 2), 512
+    apply_host_malloc(args)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("jtree.kernels.tree_attention").setLevel(logging.INFO)
+    row = measure(args.quick, args.repeats, args.ops, args.seq_len)
+    text = report(row)
+    print(text, flush=True)
+    written = Output.from_args(args, "bench_peer").write({**run_info(args), "result": row},
+                                                         table=text)
+    print(f"wrote {', '.join(map(str, written))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
