@@ -24,7 +24,7 @@ from jtree.cli import main as jtree_main
 
 LAUNCH = ("bench", "bench_attention", "bench_attention_gpu", "bench_context", "bench_cross_group",
           "bench_gdn",
-          "bench_partition", "bench_peer", "bench_redundancy_free", "bench_split",
+          "bench_partition", "bench_peer", "bench_redundancy_free", "bench_split", "bench_window",
           "device_check", "make_sample_data", "lower_step", "memory_plan", "train")
 SUBCOMMANDS = ("stats", "compare-torch", "export-hf")
 
@@ -127,6 +127,21 @@ def test_bench_attention_smallest(tmp_path):
     (case,) = data["cases"]
     assert case["S"] == 256 and {"xla_ms", "cpu_ms", "reference_ms"} <= case.keys()
     _png(tmp_path, "bench_attention")
+
+
+def test_bench_window_smallest_with_model_steps(tmp_path):
+    # One layer and gpt-oss train steps on one tree of 512 tokens: the window's blocks are a
+    # subset of full attention's, fewer once paths outgrow it; the steps' blocks add the layers'.
+    data = _run("bench_window", ["--seq-len", "512", "--window", "16", "--impl", "xla",
+                                 "--repeats", "1", "--model-window", "16"], tmp_path)
+    full, windowed = data["rows"]
+    assert (full["window"], windowed["window"]) == ("full", 16)
+    assert windowed["blocks"] < full["blocks"] and windowed["max_depth"] > 16
+    steps = {r["model"]: r for r in data["model_steps"]}
+    assert steps["full"]["blocks_over_full"] == 1.0
+    # two of the four layers slide: half the full model's blocks plus two windowed layers'
+    assert 0.5 < steps["W 16"]["blocks_over_full"] < 1.0
+    assert all(r["step_s"] > 0 for r in steps.values())
 
 
 def test_bench_attention_gpu_without_a_gpu(tmp_path):
