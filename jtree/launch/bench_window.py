@@ -113,18 +113,17 @@ def model_rows(s: int, window: int, repeats: int, impl: str) -> list[dict]:
     end, pos = prepared.end, np.asarray(prepared.inputs.pos)
     block = default_blocks(end.shape[-1])[0]
 
-    def blocks(w: int | None) -> int:
-        return sum(int((classify_blocks(e, block, block, window=w, key_pos=p) != EMPTY).sum())
-                   for e, p in zip(end, pos))
-
+    # Non-empty blocks of one layer of each kind, over every micro-batch's rows.
+    layer_blocks = {kind: sum(int((classify_blocks(e, block, block, window=w, key_pos=p)
+                                   != EMPTY).sum()) for e, p in zip(end, pos))
+                    for kind, w in (("full_attention", None), ("sliding_attention", window))}
     variants = {"full": ("full_attention",) * MODEL["num_hidden_layers"], f"W {window}": None}
     runs, computed = {}, {}
     for name, layer_types in variants.items():
         cfg = GptOssConfig(**MODEL, sliding_window=window, layer_types=layer_types)
         step, state = step_of(create_model("gpt_oss", cfg, RuntimeConfig(attention_impl=impl)))
         runs[name] = StepLoop(state).run(step, prepared.inputs)
-        computed[name] = sum(blocks(window if kind == "sliding_attention" else None)
-                             for kind in cfg.layer_types)
+        computed[name] = sum(layer_blocks[kind] for kind in cfg.layer_types)
     timings = alternate(runs, repeats)
     stats = tree.stats()
     return [{"model": name, "impl": impl, "S": int(end.shape[-1]), "por": stats.por,
