@@ -108,8 +108,8 @@ from jtree.training.utilization import (
     device_peak,
     dominant_shape,
     matmul_call,
-    mfu_from_rounds,
     model_flops,
+    utilization_fields,
 )
 from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.trees.synthetic import AgentShape, agent_rollout_group, chat_record, por_forest, por_tree
@@ -363,20 +363,6 @@ def xla_cost_flops(compiled: Any) -> float | None:
         cost = cost[0] if cost else None
     flops = (cost or {}).get("flops")
     return None if flops is None else float(flops)
-
-
-def utilization_fields(key: str, flops: float, step_times: Sequence[float], matmul: Any,
-                       matmul_times: Sequence[float], peak: float | None,
-                       xla_flops: float | None) -> dict[str, Any]:
-    """One mode's utilization columns: model FLOPs (`jtree.training.utilization.model_flops`),
-    achieved FLOP/s (median step time), MFU against the same rounds' matmul (median of the
-    per-round ratios), against the datasheet peak where there is one, and XLA's FLOP count."""
-    achieved = flops / float(np.median(step_times))
-    return {f"{key}_model_flops": flops, f"{key}_flops_per_s": achieved,
-            f"{key}_mfu": mfu_from_rounds(flops, np.asarray(step_times), matmul,
-                                          np.asarray(matmul_times)),
-            f"{key}_mfu_peak": None if peak is None else achieved / peak,
-            f"{key}_xla_flops": xla_flops}
 
 
 class StepLoop:

@@ -25,6 +25,14 @@ CPU backend has no device memory statistics):
   gradients and temporaries.
 Also reports the first step's time (compiles included) and checks that the losses agree.
 
+Utilization (`jtree.training.utilization`, as in `jtree.launch.bench`): each method's model FLOPs
+(of the work it computes: every path for `baseline`, every part's whole prefix again for
+`duplicating`, the tree once for the rfree methods), achieved FLOP/s and MFU against a plain
+matmul timed in the same rounds as the methods, at the dominant shape of the tree's tokens (the
+rfree step's, all its calls together; `dominant_shape`): one row of C tokens would be a matmul
+small enough for dispatch to dominate, a ceiling below what the machine gives (`--quick`'s tiny
+model is dispatch-bound whatever the shape: its MFU can read above 100%).
+
 Bounds. The issue's target is the token bound N_flat / N_tree; the FLOP ideal (`jtree.layout.flop_model`, as
 `jtree.launch.bench` reports it) is lower when attention matters, because sharing saves tokens but a
 branch's queries still see every shared key (docs/design.md section 8). The model's MLP is 4x its
@@ -73,9 +81,17 @@ from jtree.partitioning.redundancy_free.layout import build_program
 from jtree.step.train_step import make_grad_fn
 from jtree.trees.synthetic import AgentShape, agent_rollout_group
 from jtree.trees.tree import TrajectoryTree
+from jtree.training.utilization import (
+    device_peak,
+    dominant_shape,
+    matmul_call,
+    model_flops,
+    utilization_fields,
+)
 
 OBJECTIVE = Objective(kind="sft", normalization="seq_mean_token_mean")
 RFREE_MODES = {"rfree": "residuals", "rfree_recompute": "recompute", "rfree_auto": "auto"}
+NAMES = ("baseline", "duplicating", *RFREE_MODES)
 
 
 def pick_tree(ratio: float, capacity: int, seed: int) -> TrajectoryTree:
@@ -122,7 +138,8 @@ class PeakProbe:
 
 
 def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: int,
-               flops: FlopModel, row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE) -> dict:
+               cfg: Qwen3Config, row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE) -> dict:
+    flops = FlopModel.for_config(cfg)
     norm = batch_normalizer([tree], OBJECTIVE.normalization)
     grad_fn = jax.jit(make_grad_fn(graphdef, OBJECTIVE))
     base = build_microbatches(flatten_paths([tree]), capacity, rows_per_microbatch=1,
@@ -139,8 +156,10 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
         "duplicating": lambda: grad_fn(params, dup),
         **{name: (lambda step=step: step(params, program)) for name, step in steps.items()},
     }
+    matmul = dominant_shape(tree.n_tree_tokens, cfg)  # MFU's ceiling, timed in the same rounds
+    runs["matmul"] = matmul_call(matmul)
     timings = alternate(runs, repeats)  # the warm-up round compiles: the first step's time
-    losses = {name: float(result[0]) for name, result in timings.first_result.items()}
+    losses = {name: float(timings.first_result[name][0]) for name in NAMES}
     memory, held = {}, {}
     for name, inputs in (("baseline", base), ("duplicating", dup)):
         memory[name] = live_bytes() + temp_bytes(grad_fn, (params, inputs))
@@ -154,7 +173,10 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
                    for p in program.parts}
     stats = tree.stats()
     tree_w, base_w = tree_work([tree])
-    ms = timings.medians_ms()
+    work = {"baseline": base_w, "duplicating": tree_work(dup_parts)[0],
+            **{name: tree_w for name in RFREE_MODES}}
+    peak = device_peak("float32")
+    ms = {k: v for k, v in timings.medians_ms().items() if k in NAMES}
     return {
         "n_tree": stats.n_tree_tokens, "n_flat": stats.n_flat_tokens,
         "ratio": stats.n_tree_tokens / capacity, "paths": stats.n_paths,
@@ -172,14 +194,17 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
         # same load on a shared machine): the median of those ratios.
         "speedup_vs_baseline": {k: timings.ratio("baseline", k) for k in ms if k != "baseline"},
         "times_s": timings.wall,
+        "matmul_shape": matmul.describe(),
+        "matmul_flops_per_s": matmul.flops / timings.median("matmul"),
+        "utilization": {k: v for name in NAMES for k, v in utilization_fields(
+            name, model_flops(flops, work[name]), timings.wall[name], matmul,
+            timings.wall["matmul"], peak).items()},
         "token_bound": stats.n_flat_tokens / stats.n_tree_tokens,
         "flop_ideal": ideal_speedup(flops, tree_w, base_w),
         "row_slots": {"baseline": int(base.tokens.size), "duplicating": int(dup.tokens.size),
                       "rfree": int(sum(p.inputs.tokens.size for p in program.parts))},
     }
 
-
-NAMES = ("baseline", "duplicating", *RFREE_MODES)
 
 
 def _per_method(header: str, cell: Any, names: tuple[str, ...] = NAMES) -> Column:
@@ -203,6 +228,9 @@ COLUMNS = (
     _per_method("speedup / token bound",
                 lambda c, n: f"{c['speedup_vs_baseline'][n] / c['token_bound']:.2f}",
                 tuple(RFREE_MODES)),
+    Column("matmul GFLOP/s", "matmul_flops_per_s",
+           cell=lambda c: f"{c['matmul_flops_per_s'] / 1e9:.1f}"),
+    _per_method("MFU", lambda c, n: f"{c['utilization'][f'{n}_mfu']:.1%}"),
 )
 
 
@@ -247,11 +275,10 @@ def main(argv=None) -> int:
                       tie_word_embeddings=False)
     graphdef, params = nnx.split(CausalLM(cfg, RuntimeConfig(attention_impl=args.attention),
                                           rngs=nnx.Rngs(0)))
-    flops = FlopModel.for_config(cfg)
     cases = []
     for i, ratio in enumerate(float(r) for r in args.ratios.split(",")):
         tree = pick_tree(ratio, args.capacity, seed=i)
-        c = bench_tree(tree, args.capacity, graphdef, params, args.repeats, flops,
+        c = bench_tree(tree, args.capacity, graphdef, params, args.repeats, cfg,
                        args.row_steps_per_octave)
         cases.append(c)
         print(markdown_table([c], COLUMNS).splitlines()[-1], flush=True)

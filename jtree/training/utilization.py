@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -192,6 +192,22 @@ def mfu_from_rounds(model_flops_: float, step_times: np.ndarray, matmul: MatmulS
     from."""
     per_round = (model_flops_ / np.asarray(step_times)) / (matmul.flops / np.asarray(matmul_times))
     return float(np.median(per_round))
+
+
+def utilization_fields(key: str, flops: float, step_times: Sequence[float],
+                       matmul: MatmulShape, matmul_times: Sequence[float], peak: float | None,
+                       xla_flops: float | None = None) -> dict[str, Any]:
+    """One step variant's utilization, as the step benches report it (`key` prefixes the
+    names): model FLOPs (`model_flops`), achieved FLOP/s (median step time), MFU against the
+    same rounds' matmul (`mfu_from_rounds`), against the datasheet `peak` where there is one,
+    and XLA's own FLOP count of the compiled step where the bench has one (None for a step of
+    several device calls). One helper so that every bench's MFU columns mean the same."""
+    achieved = flops / float(np.median(step_times))
+    return {f"{key}_model_flops": flops, f"{key}_flops_per_s": achieved,
+            f"{key}_mfu": mfu_from_rounds(flops, np.asarray(step_times), matmul,
+                                          np.asarray(matmul_times)),
+            f"{key}_mfu_peak": None if peak is None else achieved / peak,
+            f"{key}_xla_flops": xla_flops}
 
 
 def run_utilization(model_cfg: Any, history: list[dict[str, Any]], dtype: str = "float32",

@@ -180,6 +180,8 @@ def test_bench_redundancy_free_quick(tmp_path):
     data = _run("bench_redundancy_free", ["--quick", "--host-malloc", "default"], tmp_path)
     (case,) = data["cases"]
     assert case["n_computed"]["rfree"] == case["n_tree"]
+    assert case["utilization"]["rfree_mfu"] > 0 and case["matmul_flops_per_s"] > 0
+    assert "| MFU baseline/" in (tmp_path / "bench_redundancy_free.md").read_text()
     _png(tmp_path, "bench_redundancy_free")
 
 
