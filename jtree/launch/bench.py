@@ -57,10 +57,18 @@ it) and records each mode's minor page faults per step.
     PYTHONPATH=. python -m jtree.launch.bench --only proj     # workloads whose name contains "proj"
     PYTHONPATH=. python -m jtree.launch.bench --attention xla # both modes on the plain-XLA kernel
     PYTHONPATH=. python -m jtree.launch.bench --quick         # two tiny workloads (a smoke run)
+    PYTHONPATH=. python -m jtree.launch.bench --check-auto    # + auto's kernel choice checked
 
 Attention kernel: `cpu` by default (`jtree.kernels.attention_cpu`, the block schedule over all cores);
 XLA:CPU runs the `xla` kernel's block loop on one thread, which cost the tree step, with its larger
 attention share, more than the baseline (README, "How the last 5% was closed").
+
+`--check-auto` checks `runtime.attention_impl: auto` on every workload: the tree step also runs
+with the other CPU kernel (`cpu` and `xla` both, in the same shuffled rounds as the rest), and the
+row gets what `auto` resolves to for the step's attention calls (`step_auto_attention`: the
+kernels' own rule, `jtree.kernels.tree_attention.resolve_impl`, measured per shape class), the
+same-round cpu / xla time ratio with its interval, and whether auto's pick is the faster
+(`auto_check`). Off by default: it adds one or two tree steps to every round.
 
 Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.png
 (`jtree.launch.harness`; `--out` picks the folder).
@@ -69,8 +77,9 @@ Writes bench_out/bench.json, bench_out/bench.md (the table) and bench_out/bench.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +93,13 @@ from jtree.config.architectures import Qwen3Config
 from jtree.config.objective import Objective, OptimConfig
 from jtree.config.runtime import RuntimeConfig
 from jtree.kernels.attention_xla import default_blocks, schedule_work
+from jtree.kernels.tree_attention import resolve_impl
 from jtree.kernels.block_tables import EMPTY, FULL, classify_blocks, round_up_to_blocks
 from jtree.launch.harness import (
     Column,
     CompiledMemory,
     Output,
+    Timings,
     add_attention_flag,
     add_host_malloc_flag,
     alternate,
@@ -129,6 +140,7 @@ SHAPES = {
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
 AUTO_MIN_GAIN = 1.05
+CPU_IMPLS = ("cpu", "xla")  # the CPU attention kernels `auto` chooses between
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,11 +281,17 @@ def fixed_cost_inputs(cfg: Qwen3Config) -> Prepared:
 
 
 def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: int,
-            max_reps: int, budget_s: float) -> tuple[dict[str, Any], TrainState]:
+            max_reps: int, budget_s: float, attention: str = "cpu",
+            check_auto: Mapping[str, tuple[Callable, StepLoop]] | None = None
+            ) -> tuple[dict[str, Any], TrainState]:
     """One workload: compile both steps (memory from the compiled executables), one warm-up run
     each, then rounds of one tree run, one baseline run and one step on one 64-token row (the
     fixed cost, `fixed_cost_inputs`) in shuffled order (at least `min_reps` rounds, more while
-    `budget_s` lasts, at most `max_reps`), then host preparation timed from cold trees."""
+    `budget_s` lasts, at most `max_reps`), then host preparation timed from cold trees.
+
+    `check_auto` (kernel -> its step and state loop, for each of `CPU_IMPLS` that `step`, built
+    with the `attention` kernel, is not): the tree step also runs with those kernels in the same
+    rounds, and the row gets `auto_check`'s fields."""
     cfg = SHAPES[workload.shape]
     trees = workload.make_trees()
     stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
@@ -295,6 +313,15 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
         memory[mode] = CompiledMemory.of(compiled).peak_bytes
         xla_flops[mode] = xla_cost_flops(compiled)
         runs[mode] = loop.run(compiled, prep[mode].inputs)
+    impl_runs: dict[str, str] = {}
+    if check_auto is not None:
+        for impl in CPU_IMPLS:
+            impl_runs[impl] = "tree" if impl == attention else f"tree {impl}"
+            if impl != attention:
+                other_step, other_loop = check_auto[impl]
+                runs[impl_runs[impl]] = other_loop.run(
+                    other_step.lower(other_loop.state, prep["tree"].inputs).compile(),
+                    prep["tree"].inputs)
     # The ceiling of MFU: a plain matmul at the tree step's dominant shape, timed in the same
     # rounds as the steps (same load on a shared machine).
     matmul = dominant_shape(plans["tree"].n_rows * plans["tree"].row_len, cfg)
@@ -330,6 +357,8 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
         "matmul_flops_per_s": matmul.flops / device["matmul"],
         "matmul_times_s": times["matmul"], "peak_flops_per_s": peak,
     }
+    if check_auto is not None:
+        row.update(auto_check(timings, step_auto_attention(cfg, plans["tree"]), impl_runs))
     for mode, key in (("tree", "tree"), ("baseline", "base")):
         p, w = plans[mode], work[mode]
         blocks = block_stats(list(prep[mode].end), w)
@@ -348,6 +377,34 @@ def measure(workload: Workload, step: Callable, state: TrainState, *, min_reps: 
                                  peak, xla_flops[mode]),
         })
     return row, loop.state
+
+
+def step_auto_attention(cfg: Qwen3Config, plan: StepPlan, dtype: Any = np.float32) -> str:
+    """What `auto` runs on CPU in the attention calls of a step laid out by `plan`: each call
+    holds one micro-batch, q [plan.rows, plan.row_len, q heads, head_dim]
+    (`jtree.models.attention`), resolved by the kernels' own rule (`resolve_impl`: measured once
+    per shape class and process, logged, cached), so the bench names the call's shape and
+    nothing else."""
+    return resolve_impl("auto", "cpu", dtype=dtype, head_dim=cfg.head_dim,
+                        shape=(plan.rows, plan.row_len, cfg.num_attention_heads,
+                               cfg.num_key_value_heads))
+
+
+def auto_check(timings: Timings, auto: str, runs: Mapping[str, str]) -> dict[str, Any]:
+    """`auto`'s pick against the same step timed with each of `CPU_IMPLS` in the same rounds
+    (`runs`: kernel -> its variant in `timings`): the median same-round cpu / xla time ratio
+    with its bootstrap interval, the faster kernel by that ratio, whether `auto` picked it, and
+    the verdict: "parity" when the interval holds 1 (the rounds cannot tell the kernels apart,
+    so either pick is as fast), else which kernel is faster beyond noise."""
+    cpu, xla = runs["cpu"], runs["xla"]
+    ratio = timings.ratio(cpu, xla)
+    faster = "cpu" if ratio < 1 else "xla"
+    verdict = timings.compare(cpu, xla)  # "faster": xla is; "slower": cpu is
+    return {"auto_attention": auto, "cpu_over_xla": ratio,
+            "cpu_over_xla_interval": list(timings.ratio_interval(cpu, xla)),
+            "faster_attention": faster, "auto_attention_is_faster": auto == faster,
+            "attention_verdict": {"faster": "xla faster", "slower": "cpu faster"}.get(
+                verdict, "parity")}
 
 
 def xla_cost_flops(compiled: Any) -> float | None:
@@ -422,8 +479,21 @@ COLUMNS = (
 )
 
 
+# --check-auto's columns: auto's kernel, the same-round cpu / xla step time, whether auto's pick
+# is the faster (and whether the rounds tell the two apart at all).
+AUTO_COLUMNS = (
+    Column("auto attention", "auto_attention"),
+    Column("cpu / xla", "cpu_over_xla", "{:.2f}"),
+    Column("cpu / xla 95%", "cpu_over_xla_interval", "{0[0]:.2f}-{0[1]:.2f}"),
+    Column("auto's pick faster", "", cell=lambda r: (
+        "yes" if r["auto_attention_is_faster"] else "no") + f" ({r['attention_verdict']})"),
+)
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    return markdown_table(rows, COLUMNS)
+    """The bench's table; with `--check-auto`'s columns when its rows have them."""
+    checked = any("auto_attention" in r for r in rows)
+    return markdown_table(rows, COLUMNS + (AUTO_COLUMNS if checked else ()))
 
 
 def plot(rows: Sequence[dict[str, Any]]) -> Any:
@@ -476,29 +546,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--total-budget", type=float, default=1200.0,
                         help="seconds for the whole run: later workloads get fewer repeats "
                              "(never below --min-reps) when earlier ones ran long")
+    parser.add_argument("--check-auto", action="store_true",
+                        help="also time the tree step with both CPU attention kernels in the "
+                             "same rounds and report whether auto's choice is the faster")
     add_host_malloc_flag(parser)
     add_attention_flag(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.min_reps, args.max_reps, args.budget = 1, 1, 0.0
     kept = apply_host_malloc(args)
+    if args.check_auto:  # the calibration's line: what `auto` measured and chose, per class
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("jtree.kernels.tree_attention").setLevel(logging.INFO)
     out = Path(args.out)
     info = (f"{machine()}, host malloc {'keeps freed memory' if kept else 'default'}, "
             f"attention kernel {args.attention}; {BATCHES}")
     print(f"machine: {info}", flush=True)
     steps: dict[str, tuple[Callable, TrainState]] = {}
+    others: dict[str, dict[str, tuple[Callable, StepLoop]]] = {}  # --check-auto's kernels
     rows = []
     t_all = time.perf_counter()
     chosen = [w for w in workloads(args.quick) if args.only in w.name]
     for i, w in enumerate(chosen):
         if w.shape not in steps:
             steps[w.shape] = make_step(SHAPES[w.shape], args.attention)
+            if args.check_auto:
+                others[w.shape] = {}
+                for impl in CPU_IMPLS:
+                    if impl != args.attention:
+                        other_step, other_state = make_step(SHAPES[w.shape], impl)
+                        others[w.shape][impl] = (other_step, StepLoop(other_state))
         step, state = steps[w.shape]
         t0 = time.perf_counter()
         left = args.total_budget - (time.perf_counter() - t_all)
         budget = min(args.budget, max(0.0, left / (len(chosen) - i) - 30.0))
         row, state = measure(w, step, state, min_reps=args.min_reps, max_reps=args.max_reps,
-                             budget_s=budget)
+                             budget_s=budget, attention=args.attention,
+                             check_auto=others.get(w.shape))
         steps[w.shape] = (step, state)
         rows.append(row)
         print(f"{w.name}: POR {row['por']:.2f}, ideal {row['ideal_speedup']:.2f}x, realized "
@@ -507,8 +591,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{row['efficiency']:.2f}; tree {row['tree_device_s']:.2f} s, baseline "
               f"{row['base_device_s']:.2f} s; MFU tree {row['tree_mfu']:.1%}, baseline "
               f"{row['base_mfu']:.1%} of a matmul at "
-              f"{row['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; auto: {row['auto_reason']} "
-              f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+              f"{row['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; auto: {row['auto_reason']}"
+              + (f"; auto attention {row['auto_attention']}, cpu / xla "
+                 f"{row['cpu_over_xla']:.2f} ({row['attention_verdict']})"
+                 if args.check_auto else "")
+              + f" [{time.perf_counter() - t0:.0f} s]", flush=True)
         written = write(out, info, rows, time.perf_counter() - t_all)  # after every workload
     print(table(rows))
     print(f"wrote {', '.join(map(str, written))} ({time.perf_counter() - t_all:.0f} s)")

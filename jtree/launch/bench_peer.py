@@ -49,8 +49,14 @@ from jtree.config.architectures import Qwen3Config
 from jtree.config.objective import Objective
 from jtree.config.runtime import RuntimeConfig
 from jtree.hf.load_save import save
-from jtree.kernels.tree_attention import resolve_impl
-from jtree.launch.bench import StepLoop, prepare, step_of
+from jtree.launch.bench import (
+    CPU_IMPLS,
+    StepLoop,
+    auto_check,
+    prepare,
+    step_auto_attention,
+    step_of,
+)
 from jtree.launch.bench_split import op_profile, ops_line
 from jtree.launch.harness import (
     Column,
@@ -78,7 +84,6 @@ from jtree.training.utilization import (
 
 NORMALIZATION = "token_mean"
 OBJECTIVE = Objective(kind="sft", normalization=NORMALIZATION)
-IMPLS = ("cpu", "xla")  # jtree's CPU attention kernels; `auto` resolves to one of them
 
 
 def model_config(quick: bool = False) -> Qwen3Config:
@@ -163,12 +168,10 @@ def measure(quick: bool, repeats: int, ops: bool, seq_len: int) -> dict[str, Any
     tree_w, base_w = tree_work(trees)
     fm = FlopModel.for_config(cfg)
     flops = model_flops(fm, prep.work)
-    # What `auto` runs in this step's attention calls (one micro-batch of rows x row_len):
-    # measured now for this shape class (jtree.kernels.attention_calibration, one log line).
-    auto = resolve_impl("auto", "cpu", dtype=np.float32, head_dim=cfg.head_dim,
-                        shape=(prep.plan.n_rows, prep.plan.row_len, cfg.num_attention_heads,
-                               cfg.num_key_value_heads))
-    model = CausalLM(cfg, RuntimeConfig(attention_impl=IMPLS[0]), rngs=nnx.Rngs(0))
+    # What `auto` runs in this step's attention calls: measured now for this shape class
+    # (jtree.kernels.attention_calibration, one log line).
+    auto = step_auto_attention(cfg, prep.plan)
+    model = CausalLM(cfg, RuntimeConfig(attention_impl=CPU_IMPLS[0]), rngs=nnx.Rngs(0))
     runs: dict[str, Callable[[], Any]] = {}
     with tempfile.TemporaryDirectory() as d:
         save(model, cfg, d)
@@ -179,7 +182,7 @@ def measure(quick: bool, repeats: int, ops: bool, seq_len: int) -> dict[str, Any
     threads = sorted({os.cpu_count() or 1, 1}, reverse=True)
     for n in threads:
         runs[f"transformers paths, {n} thread(s)"] = lambda n=n: peer.step(n)
-    for impl in IMPLS:
+    for impl in CPU_IMPLS:
         # The same initial weights as the exported `model` (same seed), this kernel.
         step, state = step_of(CausalLM(cfg, RuntimeConfig(attention_impl=impl),
                                        rngs=nnx.Rngs(0)), OBJECTIVE)
@@ -198,7 +201,7 @@ def measure(quick: bool, repeats: int, ops: bool, seq_len: int) -> dict[str, Any
         "n_trees": len(trees), "n_paths": stats.n_paths, "por": stats.por,
         "n_tree_tokens": tree_w.tokens, "n_flat_tokens": base_w.tokens,
         "token_bound": base_w.tokens / tree_w.tokens, "rows": prep.plan.n_rows,
-        "row_len": prep.plan.row_len, "model_flops": flops, "auto": auto,
+        "row_len": prep.plan.row_len, "model_flops": flops,
         "peer_loss_first": peer_loss, "peer_tokens": peer.tokens,
         "matmul_shape": matmul.describe(),
         "matmul_flops_per_s": matmul.flops / timings.median("matmul"),
@@ -209,7 +212,7 @@ def measure(quick: bool, repeats: int, ops: bool, seq_len: int) -> dict[str, Any
         "rounds": timings.rounds, "timed_s": time.perf_counter() - t0,
         "peak_flops_per_s": device_peak("float32"), "impls": {},
     }
-    for impl in IMPLS:
+    for impl in CPU_IMPLS:
         name = f"tree {impl}"
         speedup = timings.ratio("transformers paths", name)
         row["impls"][impl] = {
@@ -222,13 +225,10 @@ def measure(quick: bool, repeats: int, ops: bool, seq_len: int) -> dict[str, Any
             "mfu": mfu_from_rounds(flops, np.asarray(timings.wall[name]), matmul,
                                    np.asarray(timings.wall["matmul"])),
         }
-    faster = min(IMPLS, key=lambda i: row["impls"][i]["step_s"])
-    row["faster_impl"] = faster
-    row["auto_is_faster"] = auto == faster
-    row["cpu_over_xla"] = timings.ratio("tree cpu", "tree xla")
+    row.update(auto_check(timings, auto, {impl: f"tree {impl}" for impl in CPU_IMPLS}))
     if ops:
         row["ops"] = {impl: op_profile(runs[f"tree {impl}"], max(1, repeats // 2))
-                      for impl in IMPLS}
+                      for impl in CPU_IMPLS}
     return row
 
 
@@ -247,7 +247,7 @@ COLUMNS = (
 
 
 def report(row: dict[str, Any]) -> str:
-    rows = [dict(row, impl=impl + (" (auto)" if impl == row["auto"] else ""), **v)
+    rows = [dict(row, impl=impl + (" (auto)" if impl == row["auto_attention"] else ""), **v)
             for impl, v in row["impls"].items()]
     lines = [f"{row['n_trees']} chat trees, {row['n_paths']} paths, {row['n_tree_tokens']} tree "
              f"tokens ({row['rows']} x {row['row_len']}), {row['n_flat_tokens']} path tokens; "
@@ -258,8 +258,9 @@ def report(row: dict[str, Any]) -> str:
              f"first-step loss: transformers {row['peer_loss_first']:.6f}, jtree "
              + ", ".join(f"{i} {v['loss_first']:.6f}" for i, v in row["impls"].items())
              + f"; {row['rounds']} rounds", "", markdown_table(rows, COLUMNS), "",
-             f"auto resolves to {row['auto']}; the faster here: {row['faster_impl']} "
-             f"(cpu / xla time {row['cpu_over_xla']:.2f})"]
+             f"auto resolves to {row['auto_attention']}; the faster here: "
+             f"{row['faster_attention']} (cpu / xla time {row['cpu_over_xla']:.2f}, "
+             f"{row['attention_verdict']})"]
     lines += [ops_line(f"tree {impl}", kinds, top=10) for impl, kinds in row.get("ops", {}).items()]
     return "\n".join(lines)
 

@@ -54,6 +54,23 @@ def test_measure_counts_both_modes_on_the_same_trees_and_writes_outputs(tiny_sha
     assert (tmp_path / "bench.png").stat().st_size > 1000
 
 
+def test_auto_check_compares_the_kernels_in_the_same_rounds():
+    """--check-auto's verdict: the faster kernel by the median same-round ratio, and parity
+    when the rounds' interval holds 1."""
+    from jtree.launch.harness import Timings
+
+    def timings(cpu: list[float], xla: list[float]) -> Timings:
+        return Timings({"tree": cpu, "tree xla": xla}, {}, {}, {}, {})
+
+    names = {"cpu": "tree", "xla": "tree xla"}
+    slow_cpu = bench.auto_check(timings([2.0, 2.1, 2.2], [1.0, 1.0, 1.0]), "cpu", names)
+    assert slow_cpu["cpu_over_xla"] == pytest.approx(2.1)
+    assert slow_cpu["faster_attention"] == "xla" and not slow_cpu["auto_attention_is_faster"]
+    assert slow_cpu["attention_verdict"] == "xla faster"
+    mixed = bench.auto_check(timings([0.9, 1.1, 0.95, 1.05], [1.0] * 4), "xla", names)
+    assert mixed["attention_verdict"] == "parity"
+
+
 def test_op_profile_sums_xla_thunks_by_kind():
     import jax
     import jax.numpy as jnp
@@ -77,7 +94,7 @@ def test_peer_bench_smoke(tmp_path):
 
     assert bench_peer.main(["--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "bench_peer.json").read_text())["result"]
-    assert set(result["impls"]) == {"cpu", "xla"} and result["auto"] in result["impls"]
+    assert set(result["impls"]) == {"cpu", "xla"} and result["auto_attention"] in result["impls"]
     for impl in result["impls"].values():
         assert impl["loss_first"] == pytest.approx(result["peer_loss_first"], rel=1e-5)
         assert impl["speedup_vs_peer"] > 0 and impl["mfu"] > 0
