@@ -24,8 +24,18 @@ bound, MFU of each jtree variant against the same rounds' matmul, per-token thro
 `--ops` adds the tree step's XLA op time by kind (`jtree.launch.bench_split.op_profile`) and the
 model FLOP/s of its matmul kinds.
 
+`--ceiling` asks what XLA:CPU itself reaches on the step's two halves, in the same rounds and
+against the same matmul: (a) the tree step with attention stubbed out (`attention_stubbed`: an
+elementwise stand-in, so projections, MLP, norms, loss and optimizer run as in the step and
+attention costs nothing), MFU over its model FLOPs without the attention pairs; (b) each CPU
+kernel's attention forward + backward alone on the step's layout
+(`jtree.launch.bench_split.attention_grad_fn`, one layer's call, times the layer count), MFU over
+the attention pairs' model FLOPs. If (a) stays far below the matmul, the projections' own
+layout work (the weight gradients' transposed copies) bounds the step whatever attention does.
+
     PYTHONPATH=. python -m jtree.launch.bench_peer                 # ~4 min on 2 cores
     PYTHONPATH=. python -m jtree.launch.bench_peer --ops           # + the tree step's op kinds
+    PYTHONPATH=. python -m jtree.launch.bench_peer --ceiling       # + each half's MFU
     PYTHONPATH=. python -m jtree.launch.bench_peer --quick         # a tiny smoke run
 
 Writes bench_out/bench_peer.json and .md (`--out` picks the folder).
@@ -33,6 +43,7 @@ Writes bench_out/bench_peer.json and .md (`--out` picks the folder).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -42,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -57,10 +69,11 @@ from jtree.launch.bench import (
     step_auto_attention,
     step_of,
 )
-from jtree.launch.bench_split import op_profile, ops_line
+from jtree.launch.bench_split import attention_grad_fn, op_profile, ops_line
 from jtree.launch.harness import (
     Column,
     Output,
+    Timings,
     add_host_malloc_flag,
     alternate,
     apply_host_malloc,
@@ -69,12 +82,13 @@ from jtree.launch.harness import (
     run_info,
 )
 from jtree.layout.coefficients import batch_normalizer, path_coefficients
-from jtree.layout.flop_model import FlopModel, tree_work
+from jtree.layout.flop_model import FlopModel, Work, tree_work
 from jtree.models import CausalLM
 from jtree.trees.chat import ByteTokenizer, conversation_tree
 from jtree.trees.synthetic import chat_record
 from jtree.trees.tree import TrajectoryTree
 from jtree.training.utilization import (
+    MatmulShape,
     device_peak,
     dominant_shape,
     matmul_call,
@@ -160,7 +174,30 @@ class TorchPaths:
 # ----------------------------------------------------------------------------- measurement
 
 
-def measure(quick: bool, repeats: int, ops: bool, seq_len: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def attention_stubbed() -> Any:
+    """While a step is traced, the model's attention (`jtree.models.attention.attend`) is an
+    elementwise stand-in of the same shapes: out = q + (k + v) repeated over each kv head's
+    query heads. It keeps q, k and v live (their projections still run and get gradients) and
+    costs next to nothing, so the traced step is the tree step's projections, MLP, norms, loss
+    and optimizer alone (`--ceiling`). Only for timing: its loss is not the model's."""
+    from jtree.models import attention
+
+    original = attention.attend
+
+    def stand_in(q: jax.Array, k: jax.Array, v: jax.Array, *_args: Any, **_kw: Any
+                 ) -> jax.Array:
+        return q + jnp.repeat(k + v, q.shape[2] // k.shape[2], axis=2)
+
+    attention.attend = stand_in
+    try:
+        yield
+    finally:
+        attention.attend = original
+
+
+def measure(quick: bool, repeats: int, ops: bool, seq_len: int,
+            ceiling: bool = False) -> dict[str, Any]:
     cfg = model_config(quick)
     trees = chat_trees(quick)
     stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
@@ -188,6 +225,14 @@ def measure(quick: bool, repeats: int, ops: bool, seq_len: int) -> dict[str, Any
                                        rngs=nnx.Rngs(0)), OBJECTIVE)
         loop = StepLoop(state)
         runs[f"tree {impl}"] = loop.run(step.lower(state, prep.inputs).compile(), prep.inputs)
+    if ceiling:
+        step, state = step_of(CausalLM(cfg, RuntimeConfig(attention_impl="xla"),
+                                       rngs=nnx.Rngs(0)), OBJECTIVE)
+        with attention_stubbed():
+            compiled = step.lower(state, prep.inputs).compile()
+        runs["tree, attention stubbed"] = StepLoop(state).run(compiled, prep.inputs)
+        for impl in CPU_IMPLS:
+            runs[f"attention {impl}"] = attention_grad_fn(prep.end, cfg, impl)
     matmul = dominant_shape(prep.plan.n_rows * prep.plan.row_len, cfg)
     runs["matmul"] = matmul_call(matmul)
     t0 = time.perf_counter()
@@ -226,11 +271,38 @@ def measure(quick: bool, repeats: int, ops: bool, seq_len: int) -> dict[str, Any
                                    np.asarray(timings.wall["matmul"])),
         }
     row.update(auto_check(timings, auto, {impl: f"tree {impl}" for impl in CPU_IMPLS}))
+    if ceiling:
+        row["ceiling"] = ceiling_fields(timings, fm, prep.work, cfg.num_hidden_layers, matmul)
     if ops:
         row["ops"] = {impl: op_profile(runs[f"tree {impl}"], max(1, repeats // 2))
                       for impl in CPU_IMPLS}
     return row
 
+
+def ceiling_fields(timings: Timings, fm: FlopModel, work: Work, layers: int,
+                   matmul: MatmulShape) -> dict[str, dict[str, float]]:
+    """`--ceiling`'s pieces: seconds per step (an attention call's times `layers`), model
+    FLOPs (the step's without the attention pairs; the pairs' alone), FLOP/s and MFU against the
+    same rounds' matmul."""
+    pieces = {"tree, attention stubbed": (Work(work.tokens, 0, work.scored), 1)}
+    pieces.update({f"attention {impl}": (Work(0, work.pairs, 0), layers) for impl in CPU_IMPLS})
+    out = {}
+    for name, (w, times) in pieces.items():
+        flops = model_flops(fm, w)
+        step_times = times * np.asarray(timings.wall[name])
+        out[name] = {"step_s": float(np.median(step_times)), "model_flops": flops,
+                     "flops_per_s": flops / float(np.median(step_times)),
+                     "mfu": mfu_from_rounds(flops, step_times, matmul,
+                                            np.asarray(timings.wall["matmul"]))}
+    return out
+
+
+CEILING_COLUMNS = (
+    Column("piece", "piece"), Column("s per step", "step_s", "{:.2f}"),
+    Column("model GFLOP", "model_flops", cell=lambda r: f"{r['model_flops'] / 1e9:.1f}"),
+    Column("GFLOP/s", "flops_per_s", cell=lambda r: f"{r['flops_per_s'] / 1e9:.1f}"),
+    Column("MFU", "mfu", "{:.1%}"),
+)
 
 COLUMNS = (
     Column("attention", "impl"), Column("POR", "por", "{:.2f}"),
@@ -261,6 +333,11 @@ def report(row: dict[str, Any]) -> str:
              f"auto resolves to {row['auto_attention']}; the faster here: "
              f"{row['faster_attention']} (cpu / xla time {row['cpu_over_xla']:.2f}, "
              f"{row['attention_verdict']})"]
+    if "ceiling" in row:
+        lines += ["", "What XLA:CPU reaches on each half of the step (same rounds, same matmul; "
+                  "attention: one layer's call x the layer count):", "",
+                  markdown_table([dict(v, piece=k) for k, v in row["ceiling"].items()],
+                                 CEILING_COLUMNS)]
     lines += [ops_line(f"tree {impl}", kinds, top=10) for impl, kinds in row.get("ops", {}).items()]
     return "\n".join(lines)
 
@@ -271,6 +348,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also the tree step's XLA op time by kind (profiler)")
     parser.add_argument("--seq-len", type=int, default=4096,
                         help="row capacity of the tree step (default 4096)")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also time the step with attention stubbed out and attention alone "
+                             "(each half's MFU against the same matmul)")
     add_host_malloc_flag(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -278,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     apply_host_malloc(args)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("jtree.kernels.tree_attention").setLevel(logging.INFO)
-    row = measure(args.quick, args.repeats, args.ops, args.seq_len)
+    row = measure(args.quick, args.repeats, args.ops, args.seq_len, args.ceiling)
     text = report(row)
     print(text, flush=True)
     written = Output.from_args(args, "bench_peer").write({**run_info(args), "result": row},

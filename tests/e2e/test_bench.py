@@ -87,12 +87,13 @@ def test_op_profile_sums_xla_thunks_by_kind():
 
 
 def test_peer_bench_smoke(tmp_path):
-    """bench_peer --quick: jtree and transformers train the same paths from the same weights with
-    the same loss (equal first-step losses), and the outputs hold the speedup and the MFU."""
+    """bench_peer --quick --ceiling: jtree and transformers train the same paths from the same
+    weights with the same loss (equal first-step losses), and the outputs hold the speedup, the
+    MFU and each half's MFU."""
     pytest.importorskip("transformers")
     from jtree.launch import bench_peer
 
-    assert bench_peer.main(["--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    assert bench_peer.main(["--quick", "--repeats", "1", "--ceiling", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "bench_peer.json").read_text())["result"]
     assert set(result["impls"]) == {"cpu", "xla"} and result["auto_attention"] in result["impls"]
     for impl in result["impls"].values():
@@ -101,4 +102,7 @@ def test_peer_bench_smoke(tmp_path):
         assert impl["speedup_over_token_bound"] == pytest.approx(
             impl["speedup_vs_peer"] / result["token_bound"])
     assert result["peer_tokens"] == result["n_flat_tokens"]
+    # --ceiling: the step without attention and each kernel's attention alone, with their MFU
+    assert set(result["ceiling"]) == {"tree, attention stubbed", "attention cpu", "attention xla"}
+    assert all(p["mfu"] > 0 and p["model_flops"] > 0 for p in result["ceiling"].values())
     assert "| speedup / token bound |" in (tmp_path / "bench_peer.md").read_text()
