@@ -93,8 +93,8 @@ from jtree.config.architectures import Qwen3Config
 from jtree.config.objective import Objective, OptimConfig
 from jtree.config.runtime import RuntimeConfig
 from jtree.kernels.attention_xla import default_blocks, schedule_work
-from jtree.kernels.tree_attention import resolve_impl
 from jtree.kernels.block_tables import EMPTY, FULL, classify_blocks, round_up_to_blocks
+from jtree.kernels.tree_attention import resolve_impl
 from jtree.launch.harness import (
     Column,
     CompiledMemory,
