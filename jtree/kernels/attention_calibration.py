@@ -14,9 +14,12 @@ the call's shape class and keeps the faster (`jtree.kernels.tree_attention.resol
   order (deterministic).
 - `measure`: fwd + bwd of each candidate, one warm-up call (compiles) then the median of
   `repeats` calls.
-
 - `decide`: the decision for a class, read from the on-disk store when a process on this machine
   already made it, else measured now and stored.
+
+Only calls of at least `MIN_TOKENS` (1024) tokens are measured: from there the kernels' gap is a
+real share of a step and repays a calibration; smaller calls (attention a small share of their
+step, and the many tiny calls of tests and toy runs) keep the static rule.
 
 Decisions persist so that a run, its resume and a second identical run on the same machine run
 the same kernel (the kernels differ in float32 last bits, so a run that measured the other way
