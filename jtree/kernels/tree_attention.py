@@ -175,7 +175,8 @@ def _auto_on_cpu() -> str:
         log.info("tree attention: 'auto' runs the 'cpu' kernel on the CPU backend (the "
                  "multi-threaded C++ kernel built) for calls it does not measure; calls of at "
                  "least %d tokens run the faster of 'cpu' and 'xla', measured once per shape "
-                 "class", attention_calibration.MIN_TOKENS)
+                 "class and machine (kept in %s)", attention_calibration.MIN_TOKENS,
+                 attention_calibration.store_dir())
         return "cpu"
     log.warning("tree attention: 'auto' runs 'xla' on the CPU backend, the slower kernel, "
                 "because the C++ 'cpu' kernel cannot be built: %s", error.splitlines()[0])
