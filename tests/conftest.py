@@ -32,7 +32,10 @@ writes jax's persistent compilation cache into one fresh directory, removed at t
 program compiled by one test is loaded, not compiled again, by the next test or subprocess that
 builds the same program. A cache hit returns the executable XLA compiled for that program, so no
 result changes. `JAX_COMPILATION_CACHE_DIR` set before the session (CI shares one across the
-default and the slow suite) is used as it is and left in place.
+default and the slow suite) is used as it is and left in place. Likewise `auto`'s attention
+decisions on CPU go to one fresh store for the session (`JTREE_ATTENTION_CALIBRATION_DIR`, unless
+set before): each shape class is measured once per session, and the user's ~/.cache is left
+alone.
 """
 
 import os
@@ -48,17 +51,26 @@ from tests.run_util import WORKTREE, write_groups
 settings.register_profile("jtree", deadline=None)
 settings.load_profile("jtree")
 
-_OWN_CACHE = pytest.StashKey[str]()  # the cache directory this process made, removed at its end
+# the directories this process made, removed at its end
+_OWN_DIRS = pytest.StashKey[list[str]]()
+# session-wide directories: jax's compilation cache and the store of `auto`'s attention decisions
+# (`jtree.kernels.attention_calibration`: measured once per shape class in the session, never
+# read from or written to the user's ~/.cache)
+_SESSION_DIRS = {"JAX_COMPILATION_CACHE_DIR": "jtree-tests-jax-cache-",
+                 "JTREE_ATTENTION_CALIBRATION_DIR": "jtree-tests-attention-calibration-"}
 _CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Point this session (the xdist controller, whose environment its workers inherit) at a
-    shared compilation cache; workers find the variables already set."""
-    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jtree-tests-jax-cache-")
-        config.stash[_OWN_CACHE] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    """Point this session (the xdist controller, whose environment its workers and subprocesses
+    inherit) at a shared compilation cache and attention calibration store; workers find the
+    variables already set. A directory already set before the session is used as it is."""
+    config.stash[_OWN_DIRS] = []
+    for key, prefix in _SESSION_DIRS.items():
+        if key not in os.environ:
+            os.environ[key] = tempfile.mkdtemp(prefix=prefix)
+            config.stash[_OWN_DIRS].append(os.environ[key])
     for key, value in _CACHE_ENV.items():
         os.environ.setdefault(key, value)
     import jax  # noqa: PLC0415 (after the variables: a run without xdist imports jax here first)
@@ -71,8 +83,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    own = config.stash.get(_OWN_CACHE, None)
-    if own is not None:
+    for own in config.stash.get(_OWN_DIRS, []):
         shutil.rmtree(own, ignore_errors=True)
 
 

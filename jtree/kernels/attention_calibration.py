@@ -14,16 +14,42 @@ the call's shape class and keeps the faster (`jtree.kernels.tree_attention.resol
   order (deterministic).
 - `measure`: fwd + bwd of each candidate, one warm-up call (compiles) then the median of
   `repeats` calls.
+- `decide`: the decision for a class, read from the on-disk store when a process on this machine
+  already made it, else measured now and stored.
 
-The cache is the caller's (`tree_attention` keeps one decision per shape class for the process:
-the same shape class always runs the same kernel within a run).
+Only calls of at least `MIN_TOKENS` (1024) tokens are measured: from there the kernels' gap is a
+real share of a step and repays a calibration; smaller calls (attention a small share of their
+step, and the many tiny calls of tests and toy runs) keep the static rule.
+
+Decisions persist so that a run, its resume and a second identical run on the same machine run
+the same kernel (the kernels differ in float32 last bits, so a run that measured the other way
+round would not be bitwise identical). The store is a directory (`store_dir`:
+`JTREE_ATTENTION_CALIBRATION_DIR`, else `$XDG_CACHE_HOME/jtree/attention_calibration`, else
+`~/.cache/jtree/attention_calibration`) of one small JSON file per key (`decision_file`): the
+shape class and the machine signature (`machine_signature`: CPU model, the CPUs this process may
+run on, the jax version and the candidates), so another machine, jax build or CPU count measures
+anew. A file is created whole and only once (a temp file hard-linked to its name: first writer
+wins), so processes that calibrate the same class at once all run the first stored decision: a
+process that loses the race reads and runs the winner's. A directory that cannot be written logs
+one warning and the process keeps its own measurement. Delete a file (or the directory) to
+measure again, e.g. after the machine's load changed for good.
+
+The per-process cache is the caller's (`tree_attention` keeps one decision per shape class in
+front of the store: the same shape class always runs the same kernel within a run).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -31,8 +57,16 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_TOKENS = 4096  # rows x S of the measured call, at most (keeps a calibration to a second or two)
-MIN_TOKENS = 4096  # calls with fewer tokens keep the static rule: a calibration would cost more
+# Calls of fewer tokens (rows x S) keep the static rule. From about 1024 tokens on the kernels'
+# gap is a real share of a training step (1.5-2x on 1 x 1280 and 1 x 2752 calls) and one
+# calibration (a second or so, once per shape class and machine with the store) is repaid; below
+# it attention is a small share of the step, and the many tiny calls of tests and toy runs
+# would each pay a measurement for nothing.
+MIN_TOKENS = 1024
 REPEATS = 3
+STORE_ENV = "JTREE_ATTENTION_CALIBRATION_DIR"
+
+log = logging.getLogger(__name__)
 
 
 def _pow2(n: int) -> int:
@@ -120,3 +154,114 @@ def measure(shape: ShapeClass, candidates: Sequence[str],
                 samples.append(time.perf_counter() - t0)
             times[name] = float(np.median(samples))
     return times
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The kernel a shape class runs, the timings (seconds) it rests on, and where it came from
+    (for the log line: measured now, or read from a file of the store)."""
+
+    choice: str
+    times: dict[str, float]
+    origin: str
+
+
+def store_dir() -> Path:
+    """The directory of stored decisions: `JTREE_ATTENTION_CALIBRATION_DIR` if set, else the
+    user's cache directory (`$XDG_CACHE_HOME` or `~/.cache`) under jtree/attention_calibration."""
+    if os.environ.get(STORE_ENV):
+        return Path(os.environ[STORE_ENV])
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "jtree" / "attention_calibration"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_signature(candidates: Sequence[str]) -> dict[str, Any]:
+    """What a decision is valid for beyond its shape class: the CPU model, the CPUs this process
+    may run on (the `cpu` kernel runs one thread per CPU), the jax version (XLA's code) and the
+    candidates compared."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": _cpu_model(), "cpus": cpus, "jax": jax.__version__,
+            "candidates": list(candidates)}
+
+
+def decision_file(directory: Path, shape: ShapeClass, machine: Mapping[str, Any]) -> Path:
+    """The file of the decision for `shape` on `machine`: named by a hash of both."""
+    key = json.dumps({"shape": dataclasses.asdict(shape), "machine": dict(machine)},
+                     sort_keys=True)
+    return directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def read_decision(path: Path, candidates: Sequence[str]) -> Decision | None:
+    """The decision stored in `path`, or None when there is none (or it names no candidate)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("choice") not in candidates:
+        return None
+    return Decision(record["choice"], dict(record.get("times", {})), f"read from {path}")
+
+
+_warned: set[str] = set()  # store directories this process already warned about
+
+
+def store_decision(path: Path, decision: Decision, record: Mapping[str, Any],
+                   candidates: Sequence[str]) -> Decision:
+    """Store `decision` in `path` unless a decision is there already, and return the one stored
+    (first writer wins: the file appears whole, by a hard link from a temp file, and only once).
+    `record` (the key) goes into the file for whoever reads it. A directory that cannot be
+    written warns once and returns `decision`."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({**record, "choice": decision.choice, "times": decision.times}, f,
+                          sort_keys=True, indent=1)
+            os.link(tmp, path)
+            return dataclasses.replace(decision, origin=f"{decision.origin}, stored in {path}")
+        except FileExistsError:
+            stored = read_decision(path, candidates)
+            if stored is None:
+                raise
+            return dataclasses.replace(stored, origin=(
+                f"{decision.origin} ({decision.choice}), but another process stored its "
+                f"decision first: {stored.origin}"))
+        finally:
+            os.unlink(tmp)
+    except OSError as error:
+        if str(path.parent) not in _warned:
+            _warned.add(str(path.parent))
+            log.warning("attention calibration: cannot store decisions in %s (%s); this "
+                        "process keeps its own measurements, so another run may pick another "
+                        "kernel", path.parent, error)
+        return decision
+
+
+def decide(shape: ShapeClass, candidates: Sequence[str],
+           run: Callable[[str, jax.Array, jax.Array, jax.Array, np.ndarray], jax.Array]
+           ) -> Decision:
+    """The kernel for `shape` among `candidates`: the stored decision for this machine when there
+    is one, else measured now (`measure`, `pick_fastest`) and stored (`store_decision`)."""
+    machine = machine_signature(candidates)
+    path = decision_file(store_dir(), shape, machine)
+    stored = read_decision(path, candidates)
+    if stored is not None:
+        return stored
+    times = measure(shape, candidates, run)
+    rows, seq = shape.representative()
+    measured = Decision(pick_fastest(times, candidates), times, "measured now")
+    record = {"shape": dataclasses.asdict(shape), "machine": machine,
+              "representative": [rows, seq]}
+    return store_decision(path, measured, record, candidates)

@@ -38,8 +38,9 @@ What `auto` runs (the table in docs/kernels.md): `pallas_tpu` on TPU; on a GPU t
 `gpu_impl` (Hopper's Mosaic kernel where wgmma takes the operands, else the Pallas Triton kernel);
 on CPU, among the kernels that can run the call (`cpu_candidates`: the C++ `cpu` kernel when it
 builds and the call has no soft-cap, and `xla`), the faster one measured on the call's shape class
-(`jtree.kernels.attention_calibration`, once per class and process, logged); calls too small to
-pay for a measurement, and calls with a prefix or a query offset, take the first candidate.
+(`jtree.kernels.attention_calibration`: once per class and machine, kept on disk, logged); calls
+too small to pay for a measurement, and calls with a prefix or a query offset, take the first
+candidate.
 """
 
 from __future__ import annotations
@@ -174,7 +175,8 @@ def _auto_on_cpu() -> str:
         log.info("tree attention: 'auto' runs the 'cpu' kernel on the CPU backend (the "
                  "multi-threaded C++ kernel built) for calls it does not measure; calls of at "
                  "least %d tokens run the faster of 'cpu' and 'xla', measured once per shape "
-                 "class", attention_calibration.MIN_TOKENS)
+                 "class and machine (kept in %s)", attention_calibration.MIN_TOKENS,
+                 attention_calibration.store_dir())
         return "cpu"
     log.warning("tree attention: 'auto' runs 'xla' on the CPU backend, the slower kernel, "
                 "because the C++ 'cpu' kernel cannot be built: %s", error.splitlines()[0])
@@ -190,25 +192,28 @@ def cpu_candidates(softcap: float | None) -> tuple[str, ...]:
     return ("cpu", "xla")
 
 
-# A cache on purpose: the measurement runs once per shape class and process, and every later
-# call of the class runs the kernel it picked, so a run never switches kernels midway (its
-# results stay bitwise reproducible). `calibrated_cpu_impl.cache_clear()` forgets the choices.
+# A cache on purpose, in front of the on-disk store of `attention_calibration.decide`: the
+# decision is made once per shape class and process, and every later call of the class runs the
+# kernel it picked, so a run never switches kernels midway; the store makes a resume and a second
+# run on the same machine pick the same one (results stay bitwise reproducible).
+# `calibrated_cpu_impl.cache_clear()` forgets the process's choices (not the stored ones).
 @functools.lru_cache(maxsize=None)
 def calibrated_cpu_impl(shape: attention_calibration.ShapeClass,
                         candidates: tuple[str, ...]) -> str:
-    """The faster of `candidates` (forward + backward) on `shape`'s representative call,
-    measured now (`attention_calibration.measure`), ties to the earlier candidate; one log line
-    says what was measured and chosen."""
+    """The faster of `candidates` (forward + backward) on `shape`'s representative call, as
+    stored for this machine or measured now (`attention_calibration.decide`), ties to the earlier
+    candidate; one log line says the choice, the times and whether it was measured now or read
+    from the store (which file)."""
     def run(name, q, k, v, end):
         return tree_attention(q, k, v, TreeMask(end), impl=name)
 
-    times = attention_calibration.measure(shape, candidates, run)
-    choice = attention_calibration.pick_fastest(times, candidates)
+    decision = attention_calibration.decide(shape, candidates, run)
     rows, seq = shape.representative()
-    log.info("tree attention: 'auto' runs %r for %s (measured forward+backward at %d x %d: %s)",
-             choice, shape.describe(), rows, seq,
-             ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in times.items()))
-    return choice
+    log.info("tree attention: 'auto' runs %r for %s (forward+backward at %d x %d: %s; %s)",
+             decision.choice, shape.describe(), rows, seq,
+             ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in decision.times.items()),
+             decision.origin)
+    return decision.choice
 
 
 def tree_attention(

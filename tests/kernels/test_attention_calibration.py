@@ -1,7 +1,8 @@
 """`auto` on CPU by measurement: the choice logic with fake timings (the faster wins, ties go to
 the earlier candidate, a kernel that cannot run the call is never a candidate), one measurement
-and one log line per shape class, and the measurement itself at a tiny size (structure only, no
-timing asserted)."""
+and one log line per shape class, the on-disk store (first writer wins, keyed by machine, a stored
+decision is used without measuring, an unwritable store falls back to the process's own), and
+the measurement itself at a tiny size (structure only, no timing asserted)."""
 
 import importlib
 import logging
@@ -14,8 +15,14 @@ from jtree.kernels import attention_calibration, attention_cpu
 from jtree.kernels.attention_calibration import (
     MAX_TOKENS,
     MIN_TOKENS,
+    STORE_ENV,
+    Decision,
     ShapeClass,
+    decision_file,
+    machine_signature,
     pick_fastest,
+    read_decision,
+    store_decision,
     synthetic_end,
 )
 from jtree.kernels.tree_attention import calibrated_cpu_impl, cpu_candidates, resolve_impl
@@ -27,7 +34,9 @@ BIG = (4, 4096, 8, 4)  # rows, S, q heads, kv heads: large enough to be measured
 
 
 @pytest.fixture
-def fresh_choices():
+def fresh_choices(monkeypatch, tmp_path):
+    """No decision in the process nor in the store (an empty one of the test's own)."""
+    monkeypatch.setenv(STORE_ENV, str(tmp_path / "store"))
     dispatch._auto_on_cpu.cache_clear()
     calibrated_cpu_impl.cache_clear()
     yield
@@ -74,9 +83,9 @@ def test_auto_runs_the_faster_once_per_shape_class(times, chosen, fresh_choices,
     assert resolve_impl("auto", "cpu", dtype=jnp.float32, head_dim=32,
                         shape=(3, 4000, 8, 4)) == chosen
     assert len(calls) == 1 and calls[0][1] == ("cpu", "xla")
-    said = [r.getMessage() for r in caplog.records if r.name == LOGGER and "measured forward" in
-            r.getMessage()]
-    assert len(said) == 1 and f"'auto' runs {chosen!r}" in said[0]
+    said = [r.getMessage() for r in caplog.records if r.name == LOGGER and "'auto' runs" in
+            r.getMessage() and "forward+backward" in r.getMessage()]
+    assert len(said) == 1 and f"'auto' runs {chosen!r}" in said[0] and "measured now" in said[0]
     # another class is measured on its own
     resolve_impl("auto", "cpu", dtype=jnp.float32, head_dim=64, shape=BIG)
     assert len(calls) == 2 and calls[1][0].head_dim == 64
@@ -104,6 +113,54 @@ def test_small_calls_and_calls_without_a_shape_keep_the_static_rule(fresh_choice
     assert resolve_impl("auto", "cpu", dtype=jnp.float32, head_dim=32) == "cpu"
     assert resolve_impl("xla", "cpu", dtype=jnp.float32, head_dim=32, shape=BIG) == "xla"
     assert calls == []
+
+
+def test_store_keeps_the_first_decision_per_shape_class_and_machine(tmp_path):
+    shape = ShapeClass.of("cpu", jnp.float32, 1, 1280, 4, 2, 32)
+    here = machine_signature(("cpu", "xla"))
+    path = decision_file(tmp_path, shape, here)
+    assert path != decision_file(tmp_path, shape, {**here, "cpu": "another CPU model"})
+    assert path != decision_file(tmp_path, shape, {**here, "cpus": here["cpus"] + 1})
+    assert read_decision(path, ("cpu", "xla")) is None
+    # two processes measured the class at once and each stores its own: both run the first
+    first = store_decision(path, Decision("xla", {"cpu": 2.0, "xla": 1.0}, "measured now"), {},
+                           ("cpu", "xla"))
+    second = store_decision(path, Decision("cpu", {"cpu": 1.0, "xla": 2.0}, "measured now"), {},
+                            ("cpu", "xla"))
+    assert first.choice == second.choice == read_decision(path, ("cpu", "xla")).choice == "xla"
+    assert "another process stored its decision first" in second.origin
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left behind
+
+
+def test_a_stored_decision_is_used_without_measuring(fresh_choices, fake_timings, monkeypatch,
+                                                     caplog):
+    fake_timings({"cpu": 0.3, "xla": 0.2})
+    assert resolve_impl("auto", "cpu", dtype=jnp.float32, head_dim=32, shape=BIG) == "xla"
+    # a later process (a resume, a second run) on this machine: reads it, measures nothing
+    calibrated_cpu_impl.cache_clear()
+
+    def measure(*args, **kwargs):
+        raise AssertionError("measured although a decision is stored")
+    monkeypatch.setattr(attention_calibration, "measure", measure)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    assert resolve_impl("auto", "cpu", dtype=jnp.float32, head_dim=32, shape=BIG) == "xla"
+    assert any("'auto' runs 'xla'" in r.getMessage() and "read from" in r.getMessage()
+               for r in caplog.records if r.name == LOGGER)
+
+
+def test_an_unwritable_store_warns_once_and_keeps_the_process_decision(fresh_choices,
+                                                                       fake_timings, tmp_path,
+                                                                       monkeypatch, caplog):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv(STORE_ENV, str(blocker / "store"))  # below a file: cannot be made
+    calls = fake_timings({"cpu": 0.3, "xla": 0.2})
+    caplog.set_level(logging.INFO)
+    for head_dim in (32, 64):
+        assert resolve_impl("auto", "cpu", dtype=jnp.float32, head_dim=head_dim,
+                            shape=BIG) == "xla"
+    assert len(calls) == 2
+    assert len([r for r in caplog.records if "cannot store decisions" in r.getMessage()]) == 1
 
 
 def test_shape_classes_and_their_representative_call():
