@@ -383,8 +383,9 @@ def step_auto_attention(cfg: Qwen3Config, plan: StepPlan, dtype: Any = np.float3
     """What `auto` runs on CPU in the attention calls of a step laid out by `plan`: each call
     holds one micro-batch, q [plan.rows, plan.row_len, q heads, head_dim]
     (`jtree.models.attention`), resolved by the kernels' own rule (`resolve_impl`: measured once
-    per shape class and process, logged, cached), so the bench names the call's shape and
-    nothing else."""
+    per shape class and machine, logged, stored), so the bench names the call's shape and
+    nothing else. For a measurement in the same run, start with an empty decision store
+    (`JTREE_ATTENTION_CALIBRATION_DIR` pointed at a new directory)."""
     return resolve_impl("auto", "cpu", dtype=dtype, head_dim=cfg.head_dim,
                         shape=(plan.rows, plan.row_len, cfg.num_attention_heads,
                                cfg.num_key_value_heads))
