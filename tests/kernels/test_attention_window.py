@@ -290,7 +290,7 @@ def test_mgpu_interpreted_two_blocks(tmp_path):
 def test_mgpu_interpreted_prefix(tmp_path):
     """A part attending to 128 cached prefix keys (queries at key positions 128 + i), window 60
     below the paths' depth, GQA 2."""
-    end, pos = deep_end_pos(2, 384, rows=1, trees=2, seg=(4, 40))
+    end, pos = deep_end_pos(2, 256, rows=1, trees=2, seg=(4, 40))
     _mgpu_interpreted(tmp_path, end, pos, 60, prefix=128)
 
 
