@@ -195,10 +195,15 @@ def machine_signature(candidates: Sequence[str]) -> dict[str, Any]:
             "candidates": list(candidates)}
 
 
+def _key(shape: ShapeClass, machine: Mapping[str, Any]) -> dict[str, Any]:
+    """What a decision is for: its shape class and machine (the file's name hashes it, the file
+    holds it)."""
+    return {"shape": dataclasses.asdict(shape), "machine": dict(machine)}
+
+
 def decision_file(directory: Path, shape: ShapeClass, machine: Mapping[str, Any]) -> Path:
     """The file of the decision for `shape` on `machine`: named by a hash of both."""
-    key = json.dumps({"shape": dataclasses.asdict(shape), "machine": dict(machine)},
-                     sort_keys=True)
+    key = json.dumps(_key(shape, machine), sort_keys=True)
     return directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
@@ -262,6 +267,5 @@ def decide(shape: ShapeClass, candidates: Sequence[str],
     times = measure(shape, candidates, run)
     rows, seq = shape.representative()
     measured = Decision(pick_fastest(times, candidates), times, "measured now")
-    record = {"shape": dataclasses.asdict(shape), "machine": machine,
-              "representative": [rows, seq]}
+    record = {**_key(shape, machine), "representative": [rows, seq]}
     return store_decision(path, measured, record, candidates)
