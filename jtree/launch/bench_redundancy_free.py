@@ -206,7 +206,6 @@ def bench_tree(tree: TrajectoryTree, capacity: int, graphdef, params, repeats: i
     }
 
 
-
 def _per_method(header: str, cell: Any, names: tuple[str, ...] = NAMES) -> Column:
     """One column of `a/b/c` values, one per method in `names`."""
     return Column(f"{header} {'/'.join(names)}", "",
