@@ -36,10 +36,26 @@ namespace {
 constexpr float kMasked = -1e30f;  // finite, as in the xla kernel: exp(m_old - m_new) stays defined
 constexpr int32_t kFull = 2;
 
-typedef float vf __attribute__((vector_size(64), aligned(4)));  // 16 lanes, unaligned loads
+// The vector type of the machine the library is compiled for (-march=native): its width and how
+// many vector registers it has, which bound the micro-kernel's register tile.
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64, kRegisters = 32;
+#elif defined(__AVX__)
+constexpr int kVectorBytes = 32, kRegisters = 16;
+#else
+constexpr int kVectorBytes = 16, kRegisters = 16;
+#endif
+constexpr int kLanes = kVectorBytes / 4;
 
-inline vf load(const float* p) { vf x; std::memcpy(&x, p, sizeof(vf)); return x; }
-inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(vf)); }
+// Values (accumulators, operands) have the vector's natural alignment, so that GCC keeps them in
+// registers; memory is read and written through `vf_unaligned`. With an under-aligned value type
+// GCC kept every accumulator of `gemm_tile` on the stack and copied each load through it
+// (measured: the products ran at about a quarter of their speed).
+typedef float vf __attribute__((vector_size(kVectorBytes)));
+typedef float vf_unaligned __attribute__((vector_size(kVectorBytes), aligned(4)));
+
+inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
+inline void store(float* p, vf x) { *reinterpret_cast<vf_unaligned*>(p) = x; }
 
 // A matrix read element by element: A(r, c) = data[r * row_stride + c * col_stride], so a
 // transposed operand (dS^T, P^T in the backward) needs no copy.
@@ -50,45 +66,49 @@ struct StridedA {
   StridedA rows_from(long r) const { return {data + r * row_stride, row_stride, col_stride}; }
 };
 
-// C[R][16*NV] += A[R][k] B[k][16*NV] (B and C row-major with leading dimensions ldb / ldc).
+// C[R][kLanes*NV] += A[R][k] B[k][kLanes*NV] (B and C row-major, leading dimensions ldb / ldc).
 template <int NV, int R>
 inline void gemm_tile(StridedA A, const float* B, long ldb, float* C, long ldc, int k) {
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = load(C + r * ldc + 16 * v);
+    for (int v = 0; v < NV; ++v) acc[r][v] = load(C + r * ldc + kLanes * v);
   for (int kk = 0; kk < k; ++kk) {
     vf b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = load(B + kk * ldb + 16 * v);
+    for (int v = 0; v < NV; ++v) b[v] = load(B + kk * ldb + kLanes * v);
     for (int r = 0; r < R; ++r) {
       const float a = A.at(r, kk);
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) store(C + r * ldc + 16 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) store(C + r * ldc + kLanes * v, acc[r][v]);
 }
 
+// Rows of C[m][kLanes*NV] in tiles of R rows: R * NV accumulators, NV operands and the broadcast
+// A value fit in the registers.
 template <int NV>
-void gemm_vec(StridedA A, const float* B, long ldb, float* C, long ldc, int m, int k) {
-  constexpr int R = NV <= 4 ? 4 : 2;  // R * NV accumulators + NV operands fit in 32 registers
+void gemm_panel(StridedA A, const float* B, long ldb, float* C, long ldc, int m, int k) {
+  constexpr int R = std::max(1, std::min(4, (kRegisters - NV - 1) / NV));
   int i = 0;
   for (; i + R <= m; i += R) gemm_tile<NV, R>(A.rows_from(i), B, ldb, C + i * ldc, ldc, k);
   for (; i < m; ++i) gemm_tile<NV, 1>(A.rows_from(i), B, ldb, C + i * ldc, ldc, k);
 }
 
-// C[m][n] += A[m][k] B[k][n].
+constexpr int kPanelVectors = 4;  // columns of C per panel: kPanelVectors * kLanes
+
+// C[m][n] += A[m][k] B[k][n]: column panels of up to kPanelVectors vectors when n is a multiple
+// of the vector width, else a scalar loop.
 void gemm(StridedA A, const float* B, long ldb, float* C, long ldc, int m, int n, int k) {
-  if (n % 16 == 0 && n <= 128) {
-    switch (n / 16) {
-      case 1: return gemm_vec<1>(A, B, ldb, C, ldc, m, k);
-      case 2: return gemm_vec<2>(A, B, ldb, C, ldc, m, k);
-      case 3: return gemm_vec<3>(A, B, ldb, C, ldc, m, k);
-      case 4: return gemm_vec<4>(A, B, ldb, C, ldc, m, k);
-      case 5: return gemm_vec<5>(A, B, ldb, C, ldc, m, k);
-      case 6: return gemm_vec<6>(A, B, ldb, C, ldc, m, k);
-      case 7: return gemm_vec<7>(A, B, ldb, C, ldc, m, k);
-      case 8: return gemm_vec<8>(A, B, ldb, C, ldc, m, k);
+  if (n % kLanes == 0) {
+    for (int j = 0; j < n; j += kPanelVectors * kLanes) {
+      switch (std::min(kPanelVectors, (n - j) / kLanes)) {
+        case 1: gemm_panel<1>(A, B + j, ldb, C + j, ldc, m, k); break;
+        case 2: gemm_panel<2>(A, B + j, ldb, C + j, ldc, m, k); break;
+        case 3: gemm_panel<3>(A, B + j, ldb, C + j, ldc, m, k); break;
+        case 4: gemm_panel<4>(A, B + j, ldb, C + j, ldc, m, k); break;
+      }
     }
+    return;
   }
   for (int i = 0; i < m; ++i)
     for (int kk = 0; kk < k; ++kk) {
