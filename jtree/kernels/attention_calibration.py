@@ -2,10 +2,11 @@
 of shapes, timed once on the device at hand.
 
 On CPU two implementations run the same block-sparse schedule: the multi-threaded C++ `cpu`
-kernel and the plain-XLA `xla` block loop. Which one is faster depends on the shape (the C++
-kernel's register-tiled GEMMs pay off at head_dim 64 and above and with many work items; at head
-dim 32 with several rows the XLA loop can win), so `auto` times both on a representative call of
-the call's shape class and keeps the faster (`jtree.kernels.tree_attention.resolve_impl`).
+kernel and the plain-XLA `xla` block loop. Which one is faster depends on the machine (the C++
+kernel is compiled for its vector width and runs one thread per CPU; XLA runs the loop on one
+thread) and on the shape (head_dim, work items per thread), so `auto` times both on a
+representative call of the call's shape class and keeps the faster
+(`jtree.kernels.tree_attention.resolve_impl`).
 
 - `ShapeClass`: backend, dtype, head_dim, q and kv heads, rows and S rounded up to powers of two;
   the measured call is that class's representative (`rows x S`, with rows cut so that it holds
@@ -27,8 +28,8 @@ round would not be bitwise identical). The store is a directory (`store_dir`:
 `JTREE_ATTENTION_CALIBRATION_DIR`, else `$XDG_CACHE_HOME/jtree/attention_calibration`, else
 `~/.cache/jtree/attention_calibration`) of one small JSON file per key (`decision_file`): the
 shape class and the machine signature (`machine_signature`: CPU model, the CPUs this process may
-run on, the jax version and the candidates), so another machine, jax build or CPU count measures
-anew. A file is created whole and only once (a temp file hard-linked to its name: first writer
+run on, the jax version, the candidates and the C++ kernel's build key), so another machine, jax
+build, CPU count or kernel source measures anew. A file is created whole and only once (a temp file hard-linked to its name: first writer
 wins), so processes that calibrate the same class at once all run the first stored decision: a
 process that loses the race reads and runs the winner's. A directory that cannot be written logs
 one warning and the process keeps its own measurement. Delete a file (or the directory) to
@@ -186,13 +187,15 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_signature(candidates: Sequence[str]) -> dict[str, Any]:
+def machine_signature(candidates: Sequence[str],
+                      builds: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What a decision is valid for beyond its shape class: the CPU model, the CPUs this process
-    may run on (the `cpu` kernel runs one thread per CPU), the jax version (XLA's code) and the
-    candidates compared."""
+    may run on (the `cpu` kernel runs one thread per CPU), the jax version (XLA's code), the
+    candidates compared and the builds of the compiled ones (`builds`: name -> build key), so a
+    changed kernel is measured again rather than judged by its old build's times."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu": _cpu_model(), "cpus": cpus, "jax": jax.__version__,
-            "candidates": list(candidates)}
+            "candidates": list(candidates), "builds": dict(builds or {})}
 
 
 def _key(shape: ShapeClass, machine: Mapping[str, Any]) -> dict[str, Any]:
@@ -255,11 +258,12 @@ def store_decision(path: Path, decision: Decision, record: Mapping[str, Any],
 
 
 def decide(shape: ShapeClass, candidates: Sequence[str],
-           run: Callable[[str, jax.Array, jax.Array, jax.Array, np.ndarray], jax.Array]
-           ) -> Decision:
-    """The kernel for `shape` among `candidates`: the stored decision for this machine when there
-    is one, else measured now (`measure`, `pick_fastest`) and stored (`store_decision`)."""
-    machine = machine_signature(candidates)
+           run: Callable[[str, jax.Array, jax.Array, jax.Array, np.ndarray], jax.Array],
+           builds: Mapping[str, str] | None = None) -> Decision:
+    """The kernel for `shape` among `candidates` (compiled ones with their `builds`): the stored
+    decision for this machine when there is one, else measured now (`measure`, `pick_fastest`)
+    and stored (`store_decision`)."""
+    machine = machine_signature(candidates, builds)
     path = decision_file(store_dir(), shape, machine)
     stored = read_decision(path, candidates)
     if stored is not None:

@@ -60,19 +60,28 @@ def _cpu_model() -> str:
         return platform.processor()
 
 
-def _compile() -> Path:
-    """The kernel library for this machine: cached, else compiled (atomically, so concurrent
-    processes may race safely)."""
+def build_key() -> str:
+    """What identifies this machine's build of the kernel: a hash of the source, flags, compiler,
+    FFI headers, jax version and CPU (the library's file name; also part of `auto`'s stored
+    decisions, so that a changed kernel is measured again)."""
     cxx = os.environ.get("CXX", "g++")
-    include = jax.ffi.include_dir()
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                                  check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise RuntimeError(f"attention impl 'cpu': needs a C++ compiler ({cxx!r}: {e}); "
                            "set CXX or use attention impl 'xla'") from None
-    key = hashlib.sha256("\0".join((_SOURCE.read_text(), " ".join(_FLAGS), version, include,
-                                    jax.__version__, _cpu_model())).encode()).hexdigest()[:16]
+    return hashlib.sha256("\0".join((_SOURCE.read_text(), " ".join(_FLAGS), version,
+                                     jax.ffi.include_dir(), jax.__version__, _cpu_model())
+                                    ).encode()).hexdigest()[:16]
+
+
+def _compile() -> Path:
+    """The kernel library for this machine: cached, else compiled (atomically, so concurrent
+    processes may race safely)."""
+    cxx = os.environ.get("CXX", "g++")
+    include = jax.ffi.include_dir()
+    key = build_key()
     cache = Path(os.environ.get("JTREE_KERNEL_CACHE",
                                 Path.home() / ".cache" / "jtree" / "kernels"))
     lib = cache / f"tree_attention-{key}.so"

@@ -207,7 +207,8 @@ def calibrated_cpu_impl(shape: attention_calibration.ShapeClass,
     def run(name, q, k, v, end):
         return tree_attention(q, k, v, TreeMask(end), impl=name)
 
-    decision = attention_calibration.decide(shape, candidates, run)
+    builds = {"cpu": attention_cpu.build_key()} if "cpu" in candidates else {}
+    decision = attention_calibration.decide(shape, candidates, run, builds)
     rows, seq = shape.representative()
     log.info("tree attention: 'auto' runs %r for %s (forward+backward at %d x %d: %s; %s)",
              decision.choice, shape.describe(), rows, seq,

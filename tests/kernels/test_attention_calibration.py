@@ -121,6 +121,8 @@ def test_store_keeps_the_first_decision_per_shape_class_and_machine(tmp_path):
     path = decision_file(tmp_path, shape, here)
     assert path != decision_file(tmp_path, shape, {**here, "cpu": "another CPU model"})
     assert path != decision_file(tmp_path, shape, {**here, "cpus": here["cpus"] + 1})
+    changed = machine_signature(("cpu", "xla"), {"cpu": "another build of the C++ kernel"})
+    assert path != decision_file(tmp_path, shape, changed)
     assert read_decision(path, ("cpu", "xla")) is None
     # two processes measured the class at once and each stores its own: both run the first
     first = store_decision(path, Decision("xla", {"cpu": 2.0, "xla": 1.0}, "measured now"), {},
