@@ -6,11 +6,10 @@ loop on one thread, so the `xla` kernel's block loop leaves the other cores idle
 independent work to overlap (it does in the backward, never in the forward); this kernel splits
 the (q-block, kv-head) items over threads instead. FULL blocks skip the element mask.
 
-The library is compiled on first use with the system C++ compiler (`CXX`, default `g++`) against
-the FFI headers shipped with jaxlib, for this machine (`-march=native`), and cached under
-`$JTREE_KERNEL_CACHE` (default `~/.cache/jtree/kernels`) by a hash of the source, flags, compiler,
-jax version and CPU. Float32 compute (other dtypes are cast in and out); no soft-cap. Bitwise
-repeatable for a given thread count (the backward's dk/dv sums run in an order fixed by it).
+The library (`jtree.kernels.cpu_library`) is compiled on first use for this machine and
+cached; `build_error` and `build_key` are its. Float32 compute (other dtypes are cast in and
+out); no soft-cap. Bitwise repeatable for a given thread count (the backward's dk/dv sums run in
+an order fixed by it).
 
 Sliding window: the block tables skip the blocks outside every query's window and PARTIAL blocks
 test q_path[i] - k_path[j] < W in the element mask; sinks: `flash_vjp` (the `xla` lse layout).
@@ -19,12 +18,6 @@ test q_path[i] - k_path[j] < W in the element mask; sinks: `flash_vjp` (the `xla
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -42,79 +35,20 @@ from jtree.kernels.attention_xla import (
     default_blocks,
     flat_kv_lists,
 )
+from jtree.kernels import cpu_library
 from jtree.kernels.block_tables import block_tables
+from jtree.kernels.cpu_library import build_error, build_key, default_threads
 from jtree.kernels.flash_vjp import flash_vjp
 from jtree.kernels.flat_tokens import last_axis_dot
 from jtree.kernels.varying_axes import varying_like
 
-_SOURCE = Path(__file__).with_name("cpu") / "tree_attention.cc"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++20", "-shared", "-fPIC", "-pthread")
 _FORWARD, _BACKWARD = "jtree_tree_attention_fwd", "jtree_tree_attention_bwd"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("model name", "flags"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def build_key() -> str:
-    """What identifies this machine's build of the kernel: a hash of the source, flags, compiler,
-    FFI headers, jax version and CPU (the library's file name; also part of `auto`'s stored
-    decisions, so that a changed kernel is measured again)."""
-    cxx = os.environ.get("CXX", "g++")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                                 check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise RuntimeError(f"attention impl 'cpu': needs a C++ compiler ({cxx!r}: {e}); "
-                           "set CXX or use attention impl 'xla'") from None
-    return hashlib.sha256("\0".join((_SOURCE.read_text(), " ".join(_FLAGS), version,
-                                     jax.ffi.include_dir(), jax.__version__, _cpu_model())
-                                    ).encode()).hexdigest()[:16]
-
-
-def _compile() -> Path:
-    """The kernel library for this machine: cached, else compiled (atomically, so concurrent
-    processes may race safely)."""
-    cxx = os.environ.get("CXX", "g++")
-    include = jax.ffi.include_dir()
-    key = build_key()
-    cache = Path(os.environ.get("JTREE_KERNEL_CACHE",
-                                Path.home() / ".cache" / "jtree" / "kernels"))
-    lib = cache / f"tree_attention-{key}.so"
-    if lib.exists():
-        return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        built = Path(tmp) / lib.name
-        done = subprocess.run([cxx, *_FLAGS, "-isystem", include, str(_SOURCE), "-o", str(built)],
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"attention impl 'cpu': compiling {_SOURCE} failed:\n"
-                               f"{done.stderr[-4000:]}")
-        os.replace(built, lib)
-    return lib
-
-
-def build_error() -> str | None:
-    """Why the kernel cannot run on this machine (no compiler, a failed build), or None when its
-    library is built (now or before): what `auto` asks before choosing this kernel on CPU."""
-    try:
-        _compile()
-    except RuntimeError as e:
-        return str(e)
-    return None
 
 
 @functools.cache
 def _register() -> None:
     """Compile (or find) the library and register its two handlers with XLA, once per process."""
-    import ctypes
-
-    lib = ctypes.cdll.LoadLibrary(str(_compile()))
+    lib = cpu_library.library()
     jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(lib.JtreeTreeAttentionForward),
                                 platform="cpu")
     jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(lib.JtreeTreeAttentionBackward),
@@ -135,14 +69,6 @@ class _Schedule(NamedTuple):
     kv_index: jax.Array  # [rows * nq, L] int32 global kv-block ids
     kv_kind: jax.Array  # [rows * nq, L] int32 (FULL skips the element mask)
     count: jax.Array  # [rows * nq] int32
-
-
-def default_threads() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def tree_attention_cpu(

@@ -12,6 +12,7 @@ from flax import nnx
 
 from jtree.config.architectures import Llama3RopeScaling, YarnRopeScaling
 from jtree.kernels.flat_tokens import normalized_last_axis, scale_channels
+from jtree.kernels.weight_grad import linear_dot_general
 
 # `runtime.remat` names (`jtree.config.runtime.REMAT_POLICY_NAMES`, besides "none") -> jax policies.
 REMAT_POLICIES = {
@@ -74,7 +75,9 @@ def linear(
     din: int, dout: int, *, bias: bool, init_std: float, dtype: jnp.dtype, param_dtype: jnp.dtype,
     rngs: nnx.Rngs,
 ) -> nnx.Linear:
-    """A Linear layer with HF's normal(0, initializer_range) init; kernel is [in, out]."""
+    """A Linear layer with HF's normal(0, initializer_range) init; kernel is [in, out]. Its product
+    is `linear_dot_general` (on CPU the weight gradient runs in a C++ kernel, no transposed copy
+    of the input)."""
     return nnx.Linear(
         din,
         dout,
@@ -83,6 +86,7 @@ def linear(
         param_dtype=param_dtype,
         kernel_init=nnx.initializers.normal(init_std),
         bias_init=nnx.initializers.zeros_init(),
+        dot_general=linear_dot_general,
         rngs=rngs,
     )
 

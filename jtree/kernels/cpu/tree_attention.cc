@@ -27,95 +27,20 @@
 #include <thread>
 #include <vector>
 
+#include "gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using jtree_cpu::StridedA;
+using jtree_cpu::gemm;
+using jtree_cpu::rows;
+using jtree_cpu::transposed;
+
 constexpr float kMasked = -1e30f;  // finite, as in the xla kernel: exp(m_old - m_new) stays defined
 constexpr int32_t kFull = 2;
-
-// The vector type of the machine the library is compiled for (-march=native): its width and how
-// many vector registers it has, which bound the micro-kernel's register tile.
-#if defined(__AVX512F__)
-constexpr int kVectorBytes = 64, kRegisters = 32;
-#elif defined(__AVX__)
-constexpr int kVectorBytes = 32, kRegisters = 16;
-#else
-constexpr int kVectorBytes = 16, kRegisters = 16;
-#endif
-constexpr int kLanes = kVectorBytes / 4;
-
-// Values (accumulators, operands) have the vector's natural alignment, so that GCC keeps them in
-// registers; memory is read and written through `vf_unaligned`. With an under-aligned value type
-// GCC kept every accumulator of `gemm_tile` on the stack and copied each load through it
-// (measured: the products ran at about a quarter of their speed).
-typedef float vf __attribute__((vector_size(kVectorBytes)));
-typedef float vf_unaligned __attribute__((vector_size(kVectorBytes), aligned(4)));
-
-inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
-inline void store(float* p, vf x) { *reinterpret_cast<vf_unaligned*>(p) = x; }
-
-// A matrix read element by element: A(r, c) = data[r * row_stride + c * col_stride], so a
-// transposed operand (dS^T, P^T in the backward) needs no copy.
-struct StridedA {
-  const float* data;
-  long row_stride, col_stride;
-  float at(long r, long c) const { return data[r * row_stride + c * col_stride]; }
-  StridedA rows_from(long r) const { return {data + r * row_stride, row_stride, col_stride}; }
-};
-
-// C[R][kLanes*NV] += A[R][k] B[k][kLanes*NV] (B and C row-major, leading dimensions ldb / ldc).
-template <int NV, int R>
-inline void gemm_tile(StridedA A, const float* B, long ldb, float* C, long ldc, int k) {
-  vf acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = load(C + r * ldc + kLanes * v);
-  for (int kk = 0; kk < k; ++kk) {
-    vf b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = load(B + kk * ldb + kLanes * v);
-    for (int r = 0; r < R; ++r) {
-      const float a = A.at(r, kk);
-      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) store(C + r * ldc + kLanes * v, acc[r][v]);
-}
-
-// Rows of C[m][kLanes*NV] in tiles of R rows: R * NV accumulators, NV operands and the broadcast
-// A value fit in the registers.
-template <int NV>
-void gemm_panel(StridedA A, const float* B, long ldb, float* C, long ldc, int m, int k) {
-  constexpr int R = std::max(1, std::min(4, (kRegisters - NV - 1) / NV));
-  int i = 0;
-  for (; i + R <= m; i += R) gemm_tile<NV, R>(A.rows_from(i), B, ldb, C + i * ldc, ldc, k);
-  for (; i < m; ++i) gemm_tile<NV, 1>(A.rows_from(i), B, ldb, C + i * ldc, ldc, k);
-}
-
-constexpr int kPanelVectors = 4;  // columns of C per panel: kPanelVectors * kLanes
-
-// C[m][n] += A[m][k] B[k][n]: column panels of up to kPanelVectors vectors when n is a multiple
-// of the vector width, else a scalar loop.
-void gemm(StridedA A, const float* B, long ldb, float* C, long ldc, int m, int n, int k) {
-  if (n % kLanes == 0) {
-    for (int j = 0; j < n; j += kPanelVectors * kLanes) {
-      switch (std::min(kPanelVectors, (n - j) / kLanes)) {
-        case 1: gemm_panel<1>(A, B + j, ldb, C + j, ldc, m, k); break;
-        case 2: gemm_panel<2>(A, B + j, ldb, C + j, ldc, m, k); break;
-        case 3: gemm_panel<3>(A, B + j, ldb, C + j, ldc, m, k); break;
-        case 4: gemm_panel<4>(A, B + j, ldb, C + j, ldc, m, k); break;
-      }
-    }
-    return;
-  }
-  for (int i = 0; i < m; ++i)
-    for (int kk = 0; kk < k; ++kk) {
-      const float a = A.at(i, kk);
-      for (int j = 0; j < n; ++j) C[i * ldc + j] += a * B[kk * ldb + j];
-    }
-}
 
 // x = exp(x), a loop of nothing else so that GCC calls the vector exp (glibc libmvec); fused into a
 // loop with a compare or a select it fell back to scalar expf, 6-8x slower (measured).
@@ -127,9 +52,6 @@ __attribute__((noinline)) void exp_in_place(float* x, long n) {
 // vector exp takes its slow special-case path (results that underflow).
 constexpr float kExpFloor = -80.f;
 
-// A row-major matrix with `ld` floats per row, as a gemm operand; `transposed` reads it as A^T.
-StridedA rows(const float* data, long ld) { return {data, ld, 1}; }
-StridedA transposed(const float* data, long ld) { return {data, 1, ld}; }
 
 // dst[c][r] = src[r][c] for a rows x cols matrix.
 void transpose(const float* src, int rows, int cols, float* dst) {

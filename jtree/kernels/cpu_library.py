@@ -1,0 +1,102 @@
+"""The C++ library of the CPU backend's kernels (`jtree/kernels/cpu/`): compiled on first use,
+cached, loaded once per process.
+
+Every `cpu/*.cc` source (with the `cpu/*.h` headers they share) is compiled into one shared library
+with the system C++ compiler (`CXX`, default `g++`) against the FFI headers jaxlib ships, for this
+machine (`-march=native`), and cached under `$JTREE_KERNEL_CACHE` (default
+`~/.cache/jtree/kernels`) by a hash of the sources, flags, compiler, jax version and CPU
+(`build_key`). The kernels register their own FFI handlers from `library()`:
+`jtree.kernels.attention_cpu` (tree attention) and `jtree.kernels.weight_grad` (linear layers'
+weight gradients).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+_DIR = Path(__file__).with_name("cpu")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++20", "-shared", "-fPIC", "-pthread")
+
+
+def _sources() -> list[Path]:
+    return sorted(_DIR.glob("*.cc"))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("model name", "flags"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def build_key() -> str:
+    """What identifies this machine's build of the library: a hash of the sources and headers,
+    flags, compiler, FFI headers, jax version and CPU (the library's file name; also part of
+    `auto`'s stored attention decisions, so that a changed kernel is measured again)."""
+    cxx = os.environ.get("CXX", "g++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"the CPU kernels' library needs a C++ compiler ({cxx!r}: {e}); "
+                           "set CXX, or use attention impl 'xla'") from None
+    texts = [p.read_text() for p in sorted(_DIR.glob("*.h")) + _sources()]
+    return hashlib.sha256("\0".join((*texts, " ".join(_FLAGS), version, jax.ffi.include_dir(),
+                                     jax.__version__, _cpu_model())).encode()).hexdigest()[:16]
+
+
+def _compile() -> Path:
+    """The library for this machine: cached, else compiled (atomically, so concurrent processes
+    may race safely)."""
+    cxx = os.environ.get("CXX", "g++")
+    key = build_key()
+    cache = Path(os.environ.get("JTREE_KERNEL_CACHE",
+                                Path.home() / ".cache" / "jtree" / "kernels"))
+    lib = cache / f"jtree_cpu-{key}.so"
+    if lib.exists():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / lib.name
+        done = subprocess.run([cxx, *_FLAGS, "-isystem", jax.ffi.include_dir(),
+                               *map(str, _sources()), "-o", str(built)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"the CPU kernels: compiling {_DIR} failed:\n"
+                               f"{done.stderr[-4000:]}")
+        os.replace(built, lib)
+    return lib
+
+
+def build_error() -> str | None:
+    """Why the library cannot run on this machine (no compiler, a failed build), or None when it
+    is built (now or before): what `auto` asks before choosing a CPU kernel."""
+    try:
+        _compile()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded library (compiled or found once per process)."""
+    return ctypes.cdll.LoadLibrary(str(_compile()))
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on: the kernels' thread count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
