@@ -29,9 +29,10 @@ round would not be bitwise identical). The store is a directory (`store_dir`:
 `~/.cache/jtree/attention_calibration`) of one small JSON file per key (`decision_file`): the
 shape class and the machine signature (`machine_signature`: CPU model, the CPUs this process may
 run on, the jax version, the candidates and the C++ kernel's build key), so another machine, jax
-build, CPU count or kernel source measures anew. A file is created whole and only once (a temp file hard-linked to its name: first writer
-wins), so processes that calibrate the same class at once all run the first stored decision: a
-process that loses the race reads and runs the winner's. A directory that cannot be written logs
+build, CPU count or kernel source measures anew. A file is created whole and only once (a temp
+file hard-linked to its name: first writer wins), so processes that calibrate the same class at
+once all run the first stored decision: a process that loses the race reads and runs the
+winner's. A directory that cannot be written logs
 one warning and the process keeps its own measurement. Delete a file (or the directory) to
 measure again, e.g. after the machine's load changed for good.
 

@@ -88,7 +88,6 @@ inline void gemm(StridedA A, const float* B, long ldb, float* C, long ldc, int m
     }
 }
 
-
 // A row-major matrix with `ld` floats per row, as a gemm operand; `transposed` reads it as A^T.
 inline StridedA rows(const float* data, long ld) { return {data, ld, 1}; }
 inline StridedA transposed(const float* data, long ld) { return {data, 1, ld}; }
