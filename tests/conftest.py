@@ -27,7 +27,9 @@ Helpers (modules named for their concept, imported by the tests; no test file im
 - tests/mesh_worker.py: the subprocess that runs train steps on 8 forced host devices.
 - tests/covering.py: covering designs (all pairs of factors) for the sweeps of slow tests.
 
-Compiles are shared: a test session (and every subprocess it starts: launcher runs, mesh workers)
+Compiles are quick and shared: every test process compiles with `tests.run_util.CODEGEN_XLA_FLAGS`
+(XLA's backend optimization off: tiny programs compiled once spend more time compiling than
+running), set here for the session and passed to subprocesses. A test session (and every subprocess it starts: launcher runs, mesh workers)
 writes jax's persistent compilation cache into one fresh directory, removed at the end, so that a
 program compiled by one test is loaded, not compiled again, by the next test or subprocess that
 builds the same program. A cache hit returns the executable XLA compiled for that program, so no
@@ -46,7 +48,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from tests.run_util import WORKTREE, write_groups
+from tests.run_util import CODEGEN_XLA_FLAGS, WORKTREE, write_groups
 
 settings.register_profile("jtree", deadline=None)
 settings.load_profile("jtree")
@@ -73,6 +75,9 @@ def pytest_configure(config: pytest.Config) -> None:
             config.stash[_OWN_DIRS].append(os.environ[key])
     for key, value in _CACHE_ENV.items():
         os.environ.setdefault(key, value)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if CODEGEN_XLA_FLAGS not in flags:  # before any jax backend exists, here or in a worker
+        os.environ["XLA_FLAGS"] = f"{flags} {CODEGEN_XLA_FLAGS}".strip()
     import jax  # noqa: PLC0415 (after the variables: a run without xdist imports jax here first)
 
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])

@@ -16,6 +16,19 @@ from jtree.trees.jsonl import write_sequence_groups
 
 WORKTREE = Path(__file__).resolve().parent.parent
 VOCAB = 64
+# How every test process compiles: XLA:CPU's backend (LLVM) optimization off. The tests' programs
+# are tiny and most are compiled once, so compiling is most of the suites' time; at level 0 it is
+# about 1.4x faster. The HLO program XLA runs is the same, only how well LLVM optimizes its loops
+# changes, and both sides of a comparison are compiled alike (tests/conftest.py sets it for the
+# session, `xla_flags` for the subprocesses that set their own device count).
+CODEGEN_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a test subprocess: the session's code generation, and `devices` forced
+    host devices when given."""
+    forced = f" --xla_force_host_platform_device_count={devices}" if devices else ""
+    return CODEGEN_XLA_FLAGS + forced
 
 
 def write_groups(path: Path, n_groups: int = 12, seed: int = 0) -> Path:
@@ -43,8 +56,9 @@ def tiny_overrides(data: Path, **extra: object) -> list[str]:
 def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `python -m jtree.launch.train ARGS` from the worktree, output to `log`.out/.err (files,
     not pipes: a killed run's data workers must not keep the test waiting for end-of-file).
-    The test session's XLA_FLAGS are not passed on; `env` may set its own."""
-    full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    The run compiles as the tests do (`CODEGEN_XLA_FLAGS`); `env` may add its own XLA_FLAGS
+    (e.g. `xla_flags(devices)`), which replace the session's."""
+    full_env = dict(os.environ, XLA_FLAGS=CODEGEN_XLA_FLAGS)
     full_env.update(PYTHONPATH=str(WORKTREE), **(env or {}))
     with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
         return subprocess.Popen([sys.executable, "-m", "jtree.launch.train", *args], cwd=WORKTREE,

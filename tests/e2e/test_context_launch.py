@@ -17,7 +17,7 @@ from jtree.trees.synthetic import AgentShape, agent_rollout_group
 from jtree.trees.jsonl import write_sequence_groups
 from tests.models_util import rel_l2
 from tests.run_util import (
-    VOCAB, checkpoint_params, finish, launch, read_metrics, tiny_overrides,
+    VOCAB, checkpoint_params, finish, launch, read_metrics, tiny_overrides, xla_flags,
 )
 
 CONTEXT = 4
@@ -86,7 +86,7 @@ def _one_device_run(data, tmp_path, objective: str) -> list[dict]:
 
 def _context_run(data, tmp_path, objective: str, *extra: str) -> tuple[list[dict], str]:
     out, log = tmp_path / f"cp_{objective}.jsonl", tmp_path / f"cp_{objective}"
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {"XLA_FLAGS": xla_flags(8)}
     code, stdout, err = finish(launch([*_overrides(data, objective, **{
         "mesh.context": CONTEXT}), f"run.metrics_jsonl={out}",
         f"checkpoint.dir={tmp_path}/cp_{objective}_ckpt", *extra], log, env), log)

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from tests.run_util import WORKTREE
+from tests.run_util import WORKTREE, xla_flags
 
 # The train step's rules (jtree/parallel/sharding.py), written out independently, for Qwen3 and Qwen3-Next
 # (MoE experts, Gated DeltaNet, gated attention, shared expert). The tiny models have 2 kv heads,
@@ -147,7 +147,7 @@ print("OK")
 
 
 def _run_on_8_devices(script: str) -> None:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(WORKTREE))
     proc = subprocess.run([sys.executable, "-c", script], cwd=WORKTREE, env=env, capture_output=True,
                           text=True, timeout=600)

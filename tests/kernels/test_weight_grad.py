@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jtree.kernels.weight_grad import MIN_MACS, linear_dot_general, weight_grad
-from tests.run_util import WORKTREE
+from tests.run_util import WORKTREE, xla_flags
 
 TARGET = "jtree_weight_grad"
 LINEAR = (((2,), (0,)), ((), ()))
@@ -107,7 +107,7 @@ def test_gradients_inside_shard_map_equal_xla_autodiff():
     """Its own process with 4 host devices: the inputs vary over data, the kernel is replicated
     (its gradient summed over data) or split over model (the input's gradient summed over model,
     as XLA's dot would cast and sum them)."""
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": str(WORKTREE)}
+    env = {"XLA_FLAGS": xla_flags(4), "PYTHONPATH": str(WORKTREE)}
     proc = subprocess.run([sys.executable, "-c", MESH_CHECK], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)
     assert proc.returncode == 0 and "mesh ok" in proc.stdout, proc.stderr[-3000:]

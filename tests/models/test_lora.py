@@ -22,7 +22,7 @@ from jtree.step.optimizer import TrainState, make_optimizer
 from jtree.step.train_step import make_grad_fn, make_train_step
 from jtree.step.batches import stack_microbatches
 from tests.models_util import assert_grads_close, off_policy_ppo_inputs, tiny_model
-from tests.run_util import finish, launch, read_metrics, tiny_overrides
+from tests.run_util import finish, launch, read_metrics, tiny_overrides, xla_flags
 from tests.strategies import seeded_forests
 
 TARGETS = ("self_attn/(q|o)_proj", "mlp/down_proj", "lm_head")
@@ -150,7 +150,7 @@ def test_lora_run_on_an_fsdp_mesh_trains_like_one_device(few_groups_file, tmp_pa
     assert main(["--config", "configs/tiny.yaml", *overrides, f"run.metrics_jsonl={one}"]) == 0
     want = [r["loss"] for r in read_metrics(one)]
     assert want[-1] < want[0]
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {"XLA_FLAGS": xla_flags(2)}
     for mode in ("tree", "baseline"):
         out, log = tmp_path / f"fsdp_{mode}.jsonl", tmp_path / f"fsdp_{mode}"
         code, stdout, err = finish(launch(["--config", "configs/tiny.yaml", *overrides,

@@ -21,7 +21,7 @@ import pytest
 from jtree.partitioning.redundancy_free.layout import build_program
 from jtree.partitioning.redundancy_free.schedule import lockstep, part_calls
 from tests.covering import staggered
-from tests.run_util import finish, launch, run_worker, tiny_overrides, write_groups
+from tests.run_util import finish, launch, run_worker, tiny_overrides, write_groups, xla_flags
 from tests.strategies import multi_part_trees
 
 
@@ -155,7 +155,7 @@ def test_launcher_trains_redundancy_free_on_a_mesh(tmp_path):
             "mesh.data": 2, "mesh.model": 2, "run.mode": mode})]
         log = tmp_path / mode
         code, out, err = finish(launch(args, log, env={
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}), log)
+            "XLA_FLAGS": xla_flags(4)}), log)
         assert code == 0, err[-3000:]
         losses[mode] = [float(x) for x in re.findall(r"^step +\d+ +loss +([\d.]+)", out, re.M)]
         if mode == "redundancy_free":

@@ -13,7 +13,7 @@ from jtree.config import load_config
 from jtree.launch.train import main
 from jtree.training.trainer import Trainer
 from tests.models_util import rel_l2
-from tests.run_util import finish, launch, read_metrics, tiny_overrides
+from tests.run_util import finish, launch, read_metrics, tiny_overrides, xla_flags
 
 
 def _free_port() -> int:
@@ -30,7 +30,7 @@ def _two_processes(args: list[str], tmp_path, devices: int = 1) -> str:
     for pid in range(2):
         env = {"JTREE_COORDINATOR": f"localhost:{port}", "JTREE_NUM_PROCESSES": "2",
                "JTREE_PROCESS_ID": str(pid),
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+               "XLA_FLAGS": xla_flags(devices)}
         log = tmp_path / f"proc{pid}"
         procs.append((launch(["--config", "configs/tiny.yaml", *args], log, env), log))
     results = [finish(p, log) for p, log in procs]

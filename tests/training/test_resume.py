@@ -19,7 +19,7 @@ import pytest
 from jtree.launch.train import main
 from jtree.training.checkpoint import write_manifest
 from tests.checkpoint_damage import damage
-from tests.run_util import computed_metrics, finish, launch, read_metrics, tiny_overrides
+from tests.run_util import computed_metrics, finish, launch, read_metrics, tiny_overrides, xla_flags
 
 N = 3
 MOE_OVERRIDES = {
@@ -88,7 +88,7 @@ def test_killed_run_resumes_exactly(groups_file, tmp_path):
 @pytest.mark.slow  # the mechanics are the dense test's; this adds an expert-parallel state
 def test_killed_moe_run_resumes_exactly_on_an_expert_parallel_mesh(groups_file, tmp_path):
     common = tiny_overrides(groups_file, **{"run.steps": 2, "checkpoint.every": 1, **MOE_OVERRIDES})
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {"XLA_FLAGS": xla_flags(2)}
     straight = tmp_path / "straight"
     log = tmp_path / "straight_log"
     code, out, err = finish(launch(["--config", "configs/tiny.yaml", *common,

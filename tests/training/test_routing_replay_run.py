@@ -31,7 +31,7 @@ from jtree.training.run import TrainingRun, train
 from jtree.training.run_data import load_training_trees
 from jtree.training.trainer import Trainer
 from tests.models_util import assert_grads_close
-from tests.run_util import finish, launch, read_metrics, tiny_overrides
+from tests.run_util import finish, launch, read_metrics, tiny_overrides, xla_flags
 
 LAYERS, K, EXPERTS = 2, 2, 4
 SYSTEM = [1, 2, 3, 4, 5]
@@ -363,7 +363,7 @@ def test_a_context_parallel_run_replays_like_one_device(tmp_path):
 
     log = tmp_path / "cp"
     code, stdout, err = finish(launch(overrides("cp", **{"mesh.context": 2}), log, {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}), log)
+        "XLA_FLAGS": xla_flags(2)}), log)
     assert code == 0, err[-3000:]
     assert "context=2" in stdout and "routing replay: mean coverage 93.8%" in stdout  # G: 1 of 16
     assert main(overrides("one")) == 0
