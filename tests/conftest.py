@@ -28,7 +28,7 @@ Helpers (modules named for their concept, imported by the tests; no test file im
 - tests/covering.py: covering designs (all pairs of factors) for the sweeps of slow tests.
 
 Compiles are quick and shared: every test process compiles with `tests.run_util.CODEGEN_XLA_FLAGS`
-(XLA's backend optimization off: tiny programs compiled once spend more time compiling than
+(less of XLA's backend optimization: tiny programs compiled once spend more time compiling than
 running), set here for the session and passed to subprocesses. A test session (and every subprocess it starts: launcher runs, mesh workers)
 writes jax's persistent compilation cache into one fresh directory, removed at the end, so that a
 program compiled by one test is loaded, not compiled again, by the next test or subprocess that
