@@ -47,7 +47,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,6 +56,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jtree.kernels.cpu_library import cpu_identity
 
 MAX_TOKENS = 4096  # rows x S of the measured call, at most (keeps a calibration to a second or two)
 # Calls of fewer tokens (rows x S) keep the static rule. From about 1024 tokens on the kernels'
@@ -177,17 +178,6 @@ def store_dir() -> Path:
     return Path(cache) / "jtree" / "attention_calibration"
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_signature(candidates: Sequence[str],
                       builds: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What a decision is valid for beyond its shape class: the CPU model, the CPUs this process
@@ -195,7 +185,7 @@ def machine_signature(candidates: Sequence[str],
     candidates compared and the builds of the compiled ones (`builds`: name -> build key), so a
     changed kernel is measured again rather than judged by its old build's times."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": _cpu_model(), "cpus": cpus, "jax": jax.__version__,
+    return {"cpu": cpu_identity()[0], "cpus": cpus, "jax": jax.__version__,
             "candidates": list(candidates), "builds": dict(builds or {})}
 
 

@@ -4,8 +4,8 @@ cached, loaded once per process.
 Every `cpu/*.cc` source (with the `cpu/*.h` headers they share) is compiled into one shared library
 with the system C++ compiler (`CXX`, default `g++`) against the FFI headers jaxlib ships, for this
 machine (`-march=native`), and cached under `$JTREE_KERNEL_CACHE` (default
-`~/.cache/jtree/kernels`) by a hash of the sources, flags, compiler, jax version and CPU
-(`build_key`). The kernels register their own FFI handlers from `library()`:
+`~/.cache/jtree/kernels`) by a hash of the sources, flags, compiler, jax version and CPU (model
+and instruction set: `build_key`). The kernels register their own FFI handlers from `library()`:
 `jtree.kernels.attention_cpu` (tree attention) and `jtree.kernels.weight_grad` (linear layers'
 weight gradients).
 """
@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 
 _DIR = Path(__file__).with_name("cpu")
+_CPUINFO = Path("/proc/cpuinfo")
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++20", "-shared", "-fPIC", "-pthread")
 
 
@@ -31,17 +32,28 @@ def _sources() -> list[Path]:
     return sorted(_DIR.glob("*.cc"))
 
 
-def _cpu_model() -> str:
+def cpu_identity() -> tuple[str, str]:
+    """(model name, instruction set flags) of this machine's CPU, from `_CPUINFO` (the platform's
+    processor name and no flags where there is none). The flags belong to a build's identity:
+    virtual machines often report one generic model name over hosts with and without AVX-512,
+    and a `-march=native` library built on one would stop with an illegal instruction on the
+    other if a shared home directory handed it over."""
+    fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("model name", "flags"))), "")
+        with open(_CPUINFO, encoding="utf-8") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() in ("model name", "flags"):
+                    fields.setdefault(key.strip(), value.strip())
     except OSError:
-        return platform.processor()
+        pass
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    return model, fields.get("flags", "")
 
 
 def build_key() -> str:
     """What identifies this machine's build of the library: a hash of the sources and headers,
-    flags, compiler, FFI headers, jax version and CPU (the library's file name; also part of
+    flags, compiler, FFI headers, jax version and CPU (`cpu_identity`; the library's file name; also part of
     `auto`'s stored attention decisions, so that a changed kernel is measured again)."""
     cxx = os.environ.get("CXX", "g++")
     try:
@@ -52,7 +64,7 @@ def build_key() -> str:
                            "set CXX, or use attention impl 'xla'") from None
     texts = [p.read_text() for p in sorted(_DIR.glob("*.h")) + _sources()]
     return hashlib.sha256("\0".join((*texts, " ".join(_FLAGS), version, jax.ffi.include_dir(),
-                                     jax.__version__, _cpu_model())).encode()).hexdigest()[:16]
+                                     jax.__version__, *cpu_identity())).encode()).hexdigest()[:16]
 
 
 def _compile() -> Path:

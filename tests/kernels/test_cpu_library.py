@@ -1,0 +1,33 @@
+"""The C++ kernels' library is cached under a key of everything its machine code depends on:
+a CPU with another instruction set gets its own build, even under the same model name."""
+
+from jtree.kernels import cpu_library
+
+CPUINFO = """processor\t: {n}
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse2 avx avx2 fma{extra}
+"""
+
+
+def _write(path, extra: str):
+    path.write_text("\n".join(CPUINFO.format(n=n, extra=extra) for n in range(2)))
+    return path
+
+
+def test_cpu_identity_reads_the_model_name_and_the_instruction_set(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_library, "_CPUINFO", _write(tmp_path / "cpuinfo", " avx512f"))
+    assert cpu_library.cpu_identity() == ("Intel(R) Xeon(R) Processor",
+                                          "fpu sse2 avx avx2 fma avx512f")
+    monkeypatch.setattr(cpu_library, "_CPUINFO", tmp_path / "missing")
+    model, flags = cpu_library.cpu_identity()
+    assert model and flags == ""
+
+
+def test_the_same_model_name_with_another_instruction_set_is_another_build(tmp_path,
+                                                                           monkeypatch):
+    keys = []
+    for name, extra in (("a", " avx512f"), ("b", ""), ("c", " avx512f")):
+        monkeypatch.setattr(cpu_library, "_CPUINFO", _write(tmp_path / name, extra))
+        keys.append(cpu_library.build_key())
+    assert keys[0] != keys[1] and keys[0] == keys[2]
