@@ -24,10 +24,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "gemm.h"
+#include "threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -37,6 +37,7 @@ namespace {
 using jtree_cpu::StridedA;
 using jtree_cpu::gemm;
 using jtree_cpu::rows;
+using jtree_cpu::thread_count;
 using jtree_cpu::transposed;
 
 constexpr float kMasked = -1e30f;  // finite, as in the xla kernel: exp(m_old - m_new) stays defined
@@ -74,10 +75,7 @@ void parallel_items(int64_t n, const std::vector<int64_t>& cost, int threads, Fn
   auto work = [&](int t) {
     for (int64_t i = next++; i < n; i = next++) fn(order[i], t);
   };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work, t);
-  work(0);
-  for (auto& th : pool) th.join();
+  jtree_cpu::run_on_threads(threads, work);
 }
 
 // Runs fn(item, thread) over items 0..n-1 on `threads` threads, each running a fixed list: heaviest
@@ -103,10 +101,7 @@ void parallel_items_fixed(int64_t n, const std::vector<int64_t>& cost, int threa
   auto work = [&](int t) {
     for (int64_t i : lists[t]) fn(i, t);
   };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work, t);
-  work(0);
-  for (auto& th : pool) th.join();
+  jtree_cpu::run_on_threads(threads, work);
 }
 
 // The visible-score mask of one (q-block, kv-block) pair applied to scores S[M][bk] in place:
@@ -127,11 +122,6 @@ void apply_mask(float* S, const Shape& s, const int32_t* qpos, const int32_t* en
         row[j] = qh - kpath[j] < window ? row[j] : kMasked;
     }
   }
-}
-
-int thread_count(int64_t requested, int64_t items) {
-  int64_t t = requested > 0 ? requested : std::max(1u, std::thread::hardware_concurrency());
-  return static_cast<int>(std::max<int64_t>(1, std::min(t, items)));
 }
 
 // What both passes read: the shape, the operands' data, and the work items' costs (list lengths).

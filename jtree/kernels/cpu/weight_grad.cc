@@ -15,10 +15,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <thread>
-#include <vector>
 
 #include "gemm.h"
+#include "threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -37,7 +36,7 @@ ffi::Error WeightGrad(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dy, int64_t
   std::fill(C, C + m * n, 0.f);
   const int64_t row_blocks = (m + kBlock - 1) / kBlock, col_blocks = (n + kBlock - 1) / kBlock;
   const int64_t items = row_blocks * col_blocks;
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min(threads, items)));
+  const int nt = jtree_cpu::thread_count(threads, items);
   auto work = [&](int t) {
     for (int64_t item = t; item < items; item += nt) {
       const int64_t i0 = (item / col_blocks) * kBlock, j0 = (item % col_blocks) * kBlock;
@@ -50,10 +49,7 @@ ffi::Error WeightGrad(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dy, int64_t
       }
     }
   };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < nt; ++t) pool.emplace_back(work, t);
-  work(0);
-  for (auto& th : pool) th.join();
+  jtree_cpu::run_on_threads(nt, work);
   return ffi::Error::Success();
 }
 
