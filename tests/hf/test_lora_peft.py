@@ -8,9 +8,10 @@ with `jtree.models.lora` or `jtree.hf.peft_adapters`, so a wrong scale, transpos
 in jtree shows up as a mismatch: (a) peft vs jtree's LoRA forward, (b) peft vs transformers on
 jtree's merged export (what `export-hf --merge-lora` writes), (c) numpy vs the merged tensors,
 and the peft-format export loaded by `PeftModel.from_pretrained` vs the merged model.
-Architectures: Qwen3 (attention and MLP projections, the LM head; per layer and scanned) and
+Architectures: Qwen3 (attention and MLP projections, the LM head; per layer and scanned),
 Qwen3-Next, whose LoRA targets add the Gated DeltaNet projections and the shared expert's gate
-(Qwen3-MoE's targets are Qwen3's)."""
+(Qwen3-MoE's targets are Qwen3's), and gpt-oss (attention with biases, sinks and sliding windows,
+and the LM head; its experts are fused tensors, which peft's LoRA layers do not wrap)."""
 
 import json
 
@@ -36,7 +37,9 @@ from jtree.layout.linearize import linearize  # noqa: E402
 from jtree.models import CausalLM, create_model
 from jtree.models.lora import attach, model_params, with_trainable
 from jtree.trees.tree import TrajectoryTree  # noqa: E402
+from tests.hf.test_hf_gpt_oss import hf_config as gpt_oss_config  # noqa: E402
 from tests.hf.test_hf_moe_next import _hf_model as next_model  # noqa: E402
+from tests.hf_path_checks import write_random_checkpoint  # noqa: E402
 from tests.models_util import tiny_config, tiny_runtime  # noqa: E402
 from tests.run_util import tiny_overrides  # noqa: E402
 from tests.torch_util import write_qwen3_checkpoint  # noqa: E402
@@ -47,11 +50,12 @@ RANK, ALPHA = 4, 6.0  # scale 1.5: alpha / r, alpha, r / alpha and 1 all differ
 # transformers 5, peft maps targets named gate_proj, up_proj or down_proj of Qwen3-MoE and -Next
 # onto the fused experts; docs/lora.md).
 TARGETS = {"qwen3": ("proj", "lm_head"),
-           "next": ("self_attn", "linear_attn", "shared_expert_gate", "lm_head")}
+           "next": ("self_attn", "linear_attn", "shared_expert_gate", "lm_head"),
+           "gpt_oss": ("self_attn", "lm_head")}
 # float32 log-probs (about -5), jtree or merged weights vs peft's W x + s B (A x): 1e-5; on the
 # Qwen3-Next model (weights of std 0.3, through the Gated DeltaNet recurrence) rounding moves them
 # by up to 1e-4, the tolerance of its logits in tests/hf/test_hf_moe_next.py.
-ATOL = {"qwen3": 1e-5, "next": 1e-4}
+ATOL = {"qwen3": 1e-5, "next": 1e-4, "gpt_oss": 1e-5}
 RTOL = 1e-5
 
 
@@ -109,7 +113,7 @@ def jtree_log_probs(model, seq: np.ndarray) -> np.ndarray:
     return log_probs(hidden[0, :len(seq)] @ np.asarray(model.output_embedding()))
 
 
-CASES = [("qwen3", False), ("qwen3", True), ("next", False)]
+CASES = [("qwen3", False), ("qwen3", True), ("next", False), ("gpt_oss", False)]
 
 
 @pytest.fixture(scope="module", params=CASES,
@@ -121,6 +125,8 @@ def case(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"{kind}-{scan}")
     if kind == "qwen3":
         write_qwen3_checkpoint(tmp / "base", tie=False, bias=True)
+    elif kind == "gpt_oss":  # every parameter random: biases, sinks, norms
+        write_random_checkpoint(gpt_oss_config(), tmp / "base")
     else:
         next_model("next").save_pretrained(tmp / "base")
     config, model = jtree.hf.load(tmp / "base", tiny_runtime(scan_layers=scan))
