@@ -1,5 +1,6 @@
 """LoRA (`model.lora`): a step changes the adapters and nothing else, keeps optimizer state for
-the adapters only, the tree step equals the per-path step, the gradients a redundancy-free step
+the adapters only, the tree step equals the per-path step (Qwen3, and gpt-oss with adapters on
+its windowed attention), the gradients a redundancy-free step
 pulls back through the merge are the adapters', a bf16 base merges as stored, and a target that
 matches no kernel fails naming its key."""
 
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from jtree.layout.baseline import linearize_baseline
 from jtree.layout.batch import stack
@@ -21,18 +23,26 @@ from jtree.config.objective import Objective, OptimConfig
 from jtree.step.optimizer import TrainState, make_optimizer
 from jtree.step.train_step import make_grad_fn, make_train_step
 from jtree.step.batches import stack_microbatches
-from tests.models_util import assert_grads_close, off_policy_ppo_inputs, tiny_model
+from tests.models_util import (
+    assert_grads_close, off_policy_ppo_inputs, tiny_gpt_oss_config, tiny_lm, tiny_model,
+)
 from tests.run_util import finish, launch, read_metrics, tiny_overrides, xla_flags
 from tests.strategies import seeded_forests
 
 TARGETS = ("self_attn/(q|o)_proj", "mlp/down_proj", "lm_head")
+# gpt-oss: its attention (biases, sinks, sliding windows) and the head; the experts are fused.
+GPT_OSS_TARGETS = ("self_attn/(q|k|v|o)_proj", "lm_head")
 
 
-def lora_params(seed: int = 0, **cfg):
-    """(graphdef, LoraParams) of the tiny model with adapters on `TARGETS`; B drawn at random so
-    the adapters change the model."""
-    graphdef, params = tiny_model(seed=seed)
-    lora = attach(params, LoraConfig(rank=2, alpha=4.0, targets=TARGETS, **cfg),
+def lora_params(seed: int = 0, arch: str = "qwen3", **cfg):
+    """(graphdef, LoraParams) of the tiny model (Qwen3, or gpt-oss) with adapters on `TARGETS`
+    (`GPT_OSS_TARGETS`); B drawn at random so the adapters change the model."""
+    if arch == "gpt_oss":
+        graphdef, params = nnx.split(tiny_lm(tiny_gpt_oss_config(), seed))
+    else:
+        graphdef, params = tiny_model(seed=seed)
+    targets = GPT_OSS_TARGETS if arch == "gpt_oss" else TARGETS
+    lora = attach(params, LoraConfig(rank=2, alpha=4.0, targets=targets, **cfg),
                   jax.random.key(seed))
     keys = iter(jax.random.split(jax.random.key(seed + 1), 64))
     adapters = jax.tree_util.tree_map_with_path(
@@ -73,10 +83,11 @@ def test_a_step_changes_only_the_adapters():
             assert not np.array_equal(x2, x3), where
 
 
-def test_lora_tree_step_equals_per_path_step():
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss"])
+def test_lora_tree_step_equals_per_path_step(arch):
     """PPO (old log-probs off the policy, so the clip acts) on the merged model: tree loss and
     adapter gradients equal the per-path ones."""
-    graphdef, lora = lora_params(seed=2)
+    graphdef, lora = lora_params(seed=2, arch=arch)
     trees = seeded_forests(4, seed=3, max_nodes=6)
     tree = linearize(trees, 64, normalization="token_mean")
     base = linearize_baseline(trees, 64, normalization="token_mean")
