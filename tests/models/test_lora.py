@@ -1,8 +1,8 @@
-"""LoRA (`model.lora`): a step changes the adapters and nothing else, keeps optimizer state for
-the adapters only, the tree step equals the per-path step (Qwen3, and gpt-oss with adapters on
-its windowed attention), the gradients a redundancy-free step
-pulls back through the merge are the adapters', a bf16 base merges as stored, and a target that
-matches no kernel fails naming its key."""
+"""LoRA (`model.lora`): a step changes the adapters and nothing else, keeps optimizer state for the
+adapters only, the tree step equals the per-path step (Qwen3, and gpt-oss with adapters on its
+windowed attention), the gradients a redundancy-free step pulls back through the merge are the
+adapters', a bf16 base merges as stored, and a target that matches no kernel fails naming its
+key."""
 
 import jax
 import jax.numpy as jnp
