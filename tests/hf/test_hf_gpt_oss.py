@@ -36,27 +36,14 @@ from tests.hf_path_checks import (  # noqa: E402
 )
 from tests.hf_util import assert_same_params, copy_checkpoint  # noqa: E402
 from tests.models_util import tiny_lm, tiny_runtime  # noqa: E402
-from tests.torch_util import VOCAB  # noqa: E402
-
-YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 32.0,
-        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
-
-
-def hf_config(**overrides):
-    return transformers.GptOssConfig(**dict(dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.0, rms_norm_eps=1e-5,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        max_position_embeddings=256, rope_parameters=YARN, tie_word_embeddings=False,
-        output_router_logits=True, router_aux_loss_coef=0.01), **overrides))
+from tests.torch_util import GPT_OSS_YARN, VOCAB, gpt_oss_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(directory, transformers model, jtree config, jtree model)."""
     path = tmp_path_factory.mktemp("hf_gpt_oss")
-    ref = write_random_checkpoint(hf_config(), path)
+    ref = write_random_checkpoint(gpt_oss_config(), path)
     config, model = jtree.hf.load(path, tiny_runtime())
     return path, ref, config, model
 
@@ -90,15 +77,16 @@ def test_yarn_frequencies_equal_transformers():
     truncated or not, and the attention factor with and without `mscale`."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cases = [(8, YARN), (64, dict(YARN, rope_theta=150000.0, factor=32.0,
-                                  original_max_position_embeddings=4096)),
-             (64, dict(YARN, rope_theta=150000.0, factor=32.0, truncate=True,
+    cases = [(8, GPT_OSS_YARN),
+             (64, dict(GPT_OSS_YARN, rope_theta=150000.0, factor=32.0,
                        original_max_position_embeddings=4096)),
-             (16, dict(YARN, mscale=1.0, mscale_all_dim=0.5, beta_fast=8.0))]
+             (64, dict(GPT_OSS_YARN, rope_theta=150000.0, factor=32.0, truncate=True,
+                       original_max_position_embeddings=4096)),
+             (16, dict(GPT_OSS_YARN, mscale=1.0, mscale_all_dim=0.5, beta_fast=8.0))]
     for head_dim, params in cases:
-        hf = hf_config(head_dim=head_dim, rope_parameters=dict(params),
-                       max_position_embeddings=int(params["factor"]
-                                                   * params["original_max_position_embeddings"]))
+        hf = gpt_oss_config(head_dim=head_dim, rope_parameters=dict(params),
+                            max_position_embeddings=int(
+                                params["factor"] * params["original_max_position_embeddings"]))
         expected, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
         scaling = YarnRopeScaling(**{k: v for k, v in params.items()
                                      if k not in ("rope_type", "rope_theta")})
@@ -199,7 +187,7 @@ def test_rope_defaults_follow_transformers(tmp_path):
 
 
 def _small_checkpoint(path):
-    write_random_checkpoint(hf_config(num_hidden_layers=2, layer_types=None), path)
+    write_random_checkpoint(gpt_oss_config(num_hidden_layers=2, layer_types=None), path)
     return path
 
 

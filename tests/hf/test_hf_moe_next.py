@@ -15,41 +15,21 @@ from tests.models_util import tiny_lm
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-              num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
-              router_aux_loss_coef=0.01, output_router_logits=True, tie_word_embeddings=False)
-GDN = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=6,
-           linear_num_key_heads=2, linear_num_value_heads=4, shared_expert_intermediate_size=24)
-THETA, PARTIAL = 10_000.0, 0.5
-
-
-def _hf_model(kind: str):
-    rope = {"rope_type": "default", "rope_theta": THETA}
-    if kind == "moe":
-        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            **COMMON, mlp_only_layers=[1], rope_parameters=rope))
-    else:
-        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
-            **COMMON, **GDN, mlp_only_layers=[1],
-            rope_parameters=dict(rope, partial_rotary_factor=PARTIAL)))
-    torch.manual_seed(0)
-    with torch.no_grad():  # random everything, so zero-initialized norms cannot hide a mismatch
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if name.endswith("linear_attn.norm.weight") else 0))
-    return model.eval()
+from tests.torch_util import (  # noqa: E402
+    SPARSE_COMMON, SPARSE_GDN, SPARSE_PARTIAL, SPARSE_THETA, random_sparse_model,
+)
 
 
 def _jtree_model(kind: str):
-    kw = dict(COMMON, mlp_only_layers=(1,), rope_theta=THETA)
+    kw = dict(SPARSE_COMMON, mlp_only_layers=(1,), rope_theta=SPARSE_THETA)
     if kind == "moe":
         return tiny_lm(Qwen3MoeConfig(**kw), 0)
-    return tiny_lm(Qwen3NextConfig(**kw, **GDN, partial_rotary_factor=PARTIAL), 0)
+    return tiny_lm(Qwen3NextConfig(**kw, **SPARSE_GDN, partial_rotary_factor=SPARSE_PARTIAL), 0)
 
 
 @pytest.mark.parametrize("kind", ["moe", "next"])
 def test_logits_and_aux_loss_match_hugging_face(kind):
-    hf = _hf_model(kind)
+    hf = random_sparse_model(kind)
     ours = _jtree_model(kind)
     copy_hf_weights(ours, {k: v.numpy() for k, v in hf.state_dict().items()})
     seq = np.random.default_rng(0).integers(0, 64, size=23)
@@ -60,5 +40,5 @@ def test_logits_and_aux_loss_match_hugging_face(kind):
     with torch.no_grad():
         ref = hf(torch.tensor(seq[None]), output_router_logits=True)
     np.testing.assert_allclose(logits, ref.logits[0].numpy(), atol=1e-4, rtol=0)
-    assert float(out.aux_loss) == pytest.approx(COMMON["router_aux_loss_coef"] * float(ref.aux_loss),
-                                                rel=1e-5)
+    coef = SPARSE_COMMON["router_aux_loss_coef"]
+    assert float(out.aux_loss) == pytest.approx(coef * float(ref.aux_loss), rel=1e-5)

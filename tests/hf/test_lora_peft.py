@@ -37,12 +37,12 @@ from jtree.layout.linearize import linearize  # noqa: E402
 from jtree.models import CausalLM, create_model
 from jtree.models.lora import attach, model_params, with_trainable
 from jtree.trees.tree import TrajectoryTree  # noqa: E402
-from tests.hf.test_hf_gpt_oss import hf_config as gpt_oss_config  # noqa: E402
-from tests.hf.test_hf_moe_next import _hf_model as next_model  # noqa: E402
 from tests.hf_path_checks import write_random_checkpoint  # noqa: E402
 from tests.models_util import tiny_config, tiny_runtime  # noqa: E402
 from tests.run_util import tiny_overrides  # noqa: E402
-from tests.torch_util import write_qwen3_checkpoint  # noqa: E402
+from tests.torch_util import (  # noqa: E402
+    gpt_oss_config, random_sparse_model, write_qwen3_checkpoint,
+)
 
 RANK, ALPHA = 4, 6.0  # scale 1.5: alpha / r, alpha, r / alpha and 1 all differ
 # Qwen3: every Linear. Qwen3-Next: the Linears its LoRA adds over Qwen3's, with attention and the
@@ -128,7 +128,7 @@ def case(request, tmp_path_factory):
     elif kind == "gpt_oss":  # every parameter random: biases, sinks, norms
         write_random_checkpoint(gpt_oss_config(), tmp / "base")
     else:
-        next_model("next").save_pretrained(tmp / "base")
+        random_sparse_model("next").save_pretrained(tmp / "base")
     config, model = jtree.hf.load(tmp / "base", tiny_runtime(scan_layers=scan))
     graphdef, params = nnx.split(model)
     lora = attach(params, LoraConfig(rank=RANK, alpha=ALPHA, targets=TARGETS[kind]),
