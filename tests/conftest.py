@@ -29,16 +29,15 @@ Helpers (modules named for their concept, imported by the tests; no test file im
 
 Compiles are quick and shared: every test process compiles with `tests.run_util.CODEGEN_XLA_FLAGS`
 (less of XLA's backend optimization: tiny programs compiled once spend more time compiling than
-running), set here for the session and passed to subprocesses. A test session (and every subprocess it starts: launcher runs, mesh workers)
-writes jax's persistent compilation cache into one fresh directory, removed at the end, so that a
-program compiled by one test is loaded, not compiled again, by the next test or subprocess that
-builds the same program. A cache hit returns the executable XLA compiled for that program, so no
-result changes. `JAX_COMPILATION_CACHE_DIR` set before the session (CI shares one across the
-default and the slow suite) is used as it is and left in place. Likewise `auto`'s attention
-decisions on CPU go to one fresh store for the session (`JTREE_ATTENTION_CALIBRATION_DIR`, unless
-set before): each shape class is measured once per session, and the user's ~/.cache is left
-alone.
-"""
+running), set here for the session and passed to subprocesses. A test session (and every subprocess
+it starts: launcher runs, mesh workers) writes jax's persistent compilation cache into one fresh
+directory, removed at the end, so that a program compiled by one test is loaded, not compiled again,
+by the next test or subprocess that builds the same program. A cache hit returns the executable XLA
+compiled for that program, so no result changes. `JAX_COMPILATION_CACHE_DIR` set before the session
+(CI shares one across the default and the slow suite) is used as it is and left in place. Likewise
+`auto`'s attention decisions on CPU go to one fresh store for the session
+(`JTREE_ATTENTION_CALIBRATION_DIR`, unless set before): each shape class is measured once per
+session, and the user's ~/.cache is left alone."""
 
 import os
 import shutil

@@ -22,19 +22,18 @@ Only calls of at least `MIN_TOKENS` (1024) tokens are measured: from there the k
 real share of a step and repays a calibration; smaller calls (attention a small share of their
 step, and the many tiny calls of tests and toy runs) keep the static rule.
 
-Decisions persist so that a run, its resume and a second identical run on the same machine run
-the same kernel (the kernels differ in float32 last bits, so a run that measured the other way
-round would not be bitwise identical). The store is a directory (`store_dir`:
+Decisions persist so that a run, its resume and a second identical run on the same machine run the
+same kernel (the kernels differ in float32 last bits, so a run that measured the other way round
+would not be bitwise identical). The store is a directory (`store_dir`:
 `JTREE_ATTENTION_CALIBRATION_DIR`, else `$XDG_CACHE_HOME/jtree/attention_calibration`, else
-`~/.cache/jtree/attention_calibration`) of one small JSON file per key (`decision_file`): the
-shape class and the machine signature (`machine_signature`: CPU model, the CPUs this process may
-run on, the jax version, the candidates and the C++ kernel's build key), so another machine, jax
-build, CPU count or kernel source measures anew. A file is created whole and only once (a temp
-file hard-linked to its name: first writer wins), so processes that calibrate the same class at
-once all run the first stored decision: a process that loses the race reads and runs the
-winner's. A directory that cannot be written logs
-one warning and the process keeps its own measurement. Delete a file (or the directory) to
-measure again, e.g. after the machine's load changed for good.
+`~/.cache/jtree/attention_calibration`) of one small JSON file per key (`decision_file`): the shape
+class and the machine signature (`machine_signature`: CPU model, the CPUs this process may run on,
+the jax version, the candidates and the C++ kernel's build key), so another machine, jax build, CPU
+count or kernel source measures anew. A file is created whole and only once (a temp file hard-linked
+to its name: first writer wins), so processes that calibrate the same class at once all run the
+first stored decision: a process that loses the race reads and runs the winner's. A directory that
+cannot be written logs one warning and the process keeps its own measurement. Delete a file (or the
+directory) to measure again, e.g. after the machine's load changed for good.
 
 The per-process cache is the caller's (`tree_attention` keeps one decision per shape class in
 front of the store: the same shape class always runs the same kernel within a run).

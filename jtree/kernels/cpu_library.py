@@ -41,10 +41,12 @@ def cpu_identity() -> tuple[str, str]:
     fields: dict[str, str] = {}
     try:
         with open(_CPUINFO, encoding="utf-8") as f:
-            for line in f:
+            for line in f:  # the first processor's lines; every processor repeats them
                 key, sep, value = line.partition(":")
                 if sep and key.strip() in ("model name", "flags"):
                     fields.setdefault(key.strip(), value.strip())
+                    if len(fields) == 2:
+                        break
     except OSError:
         pass
     model = fields.get("model name") or platform.processor() or platform.machine()
@@ -53,8 +55,8 @@ def cpu_identity() -> tuple[str, str]:
 
 def build_key() -> str:
     """What identifies this machine's build of the library: a hash of the sources and headers,
-    flags, compiler, FFI headers, jax version and CPU (`cpu_identity`; the library's file name; also part of
-    `auto`'s stored attention decisions, so that a changed kernel is measured again)."""
+    flags, compiler, FFI headers, jax version and CPU (`cpu_identity`). It is the library's file
+    name, and part of `auto`'s stored attention decisions, so a changed kernel is measured again."""
     cxx = os.environ.get("CXX", "g++")
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
