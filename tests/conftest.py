@@ -55,7 +55,7 @@ settings.load_profile("jtree")
 # the directories this process made, removed at its end
 _OWN_DIRS = pytest.StashKey[list[str]]()
 # session-wide directories: jax's compilation cache and the store of `auto`'s attention decisions
-# (`jtree.kernels.attention_calibration`: measured once per shape class in the session, never
+# (`jtree.kernels.attention.calibration`: measured once per shape class in the session, never
 # read from or written to the user's ~/.cache)
 _SESSION_DIRS = {"JAX_COMPILATION_CACHE_DIR": "jtree-tests-jax-cache-",
                  "JTREE_ATTENTION_CALIBRATION_DIR": "jtree-tests-attention-calibration-"}

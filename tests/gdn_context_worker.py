@@ -30,8 +30,8 @@ from jtree.layout.batch import GdnTables  # noqa: E402
 from jtree.layout.context_gdn_tables import (  # noqa: E402
     context_chunk_tables, context_gdn_tables, conv_halo_positions,
 )
-from jtree.kernels.gdn import tree_gated_delta_rule  # noqa: E402
-from jtree.kernels.gdn_context import (  # noqa: E402
+from jtree.kernels.gdn.delta_rule import tree_gated_delta_rule  # noqa: E402
+from jtree.kernels.gdn.context import (  # noqa: E402
     context_conv_index, context_conv_source, context_gated_delta_rule,
 )
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d  # noqa: E402

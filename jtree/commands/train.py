@@ -1,6 +1,6 @@
 """`jtree train --config CFG [--resume] [key.path=value ...]`: train on trees from JSONL.
 
-One process or many (`jtree.parallel.distributed`: `jtree/launch/local_multihost.sh`, TPU pod and SLURM recipes
+One process or many (`jtree.parallel.distributed`: `launch/local_multihost.sh`, TPU pod and SLURM recipes
 in launch/). The step runs over the ('data', 'fsdp', 'context', 'model') mesh of the config: data
 parallel over rows, parameters and optimizer state sharded over `fsdp`, rows' tokens over
 `context`, tensor parallel inside shard_map. Prints one line per step (loss, baseline-equivalent and tree

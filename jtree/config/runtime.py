@@ -12,7 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jtree.kernels import available_impls
-from jtree.kernels.gdn import GDN_SCANS
+from jtree.kernels.gdn.delta_rule import GDN_SCANS
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -30,7 +30,7 @@ class RuntimeConfig:
     """`attention_impl` selects the `jtree.kernels.tree_attention` implementation; `dtype` is the
     compute dtype and `param_dtype` the storage dtype of the weights. `remat` is the activation
     rematerialization policy of each decoder layer (`REMAT_POLICIES`, or "none"). `gdn_scan` is how
-    the Gated DeltaNet layers route states over the tree's chunks (`jtree.kernels.gdn.pick_scan`:
+    the Gated DeltaNet layers route states over the tree's chunks (`jtree.kernels.gdn.delta_rule.pick_scan`:
     "sequential", "parallel", or "auto" to pick by the documented rule). `scan_layers` stacks the
     decoder layers and runs each repeated block of them with one `jax.lax.scan`
     (`jtree.parallel.layer_stack`), so compile time and program size do not grow with depth; the math is

@@ -22,7 +22,7 @@ least possible, the one with the fewest tokens on its fullest device (which sets
 device's memory and the bytes of every K/V gather). Exact balance can cost many tokens: the device
 holding a long prompt, whose tokens see few keys, takes far more tokens than the others (on
 ~128k-token agent trees over 8 devices, L is 1.5x the even split's at slack 0 and 1.2x at 0.05;
-`jtree.launch.bench_context`). `ContextSplit.place` maps packed positions to
+`jtree.launch.bench.context`). `ContextSplit.place` maps packed positions to
 gapped ones; `jtree.layout.linearize` writes every token and every index (`end`, `pred`, chunk tables,
 critic pairs, `score_index`) through it, so all tables are built in final coordinates.
 """

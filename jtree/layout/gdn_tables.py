@@ -1,4 +1,4 @@
-"""Chunk tables for the gated delta rule on DFS-laid-out trees (`jtree.kernels.gdn.tree_gated_delta_rule`).
+"""Chunk tables for the gated delta rule on DFS-laid-out trees (`jtree.kernels.gdn.delta_rule.tree_gated_delta_rule`).
 
 Every node segment is cut into chunks of at most C tokens (a chunk never spans two nodes), numbered
 per row in token (= DFS) order. A chunk enters with the state after the previous chunk of its node,

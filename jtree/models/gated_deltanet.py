@@ -17,7 +17,7 @@ start from the prefix's state (initial slot 1 of the chunk tables; slot 0 stays 
 trees of the row).
 
 Context parallelism (`RuntimeConfig.context_axis`: each device holds a slice of every row,
-`jtree.kernels.gdn_context`): the conv reads the left context that lives on earlier devices
+`jtree.kernels.gdn.context`): the conv reads the left context that lives on earlier devices
 through the tables' fixed-capacity halo (`GdnTables.conv_halo`, one all-gather of [c H, channels]
 per layer) and the recurrence exchanges only the composed maps of the chunks other devices start
 from (`GdnTables.context_exports`), by pointer jumping whatever `RuntimeConfig.gdn_scan` says
@@ -44,12 +44,12 @@ from flax import nnx
 from jtree.config.architectures import GdnProjections
 from jtree.config.runtime import RuntimeConfig
 from jtree.kernels.flat_tokens import scale_channels
-from jtree.kernels.gdn import tree_gated_delta_rule
-from jtree.kernels.gdn_context import (
+from jtree.kernels.gdn.context import (
     context_conv_index,
     context_conv_source,
     context_gated_delta_rule,
 )
+from jtree.kernels.gdn.delta_rule import tree_gated_delta_rule
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
 from jtree.layout.batch import GdnTables
 from jtree.models.layers import linear, rms_normalized, row_parallel

@@ -1,7 +1,7 @@
 """Multi-host start-up: `jax.distributed.initialize` from environment variables.
 
 `JTREE_COORDINATOR` (host:port of process 0), `JTREE_NUM_PROCESSES` and `JTREE_PROCESS_ID` start
-an explicit cluster (what `jtree/launch/local_multihost.sh` sets for several CPU processes on one
+an explicit cluster (what `launch/local_multihost.sh` sets for several CPU processes on one
 machine). `JTREE_DISTRIBUTED=auto` lets jax discover the cluster itself (Cloud TPU pods, SLURM).
 Nothing set: one process. CPU processes exchange collectives through gloo.
 """

@@ -14,7 +14,7 @@ Methods (docs/design.md section 5; seed 000 section 3.3 and Appendix A; seed 001
   up from its children are packed first-fit decreasing into as few parts as fit (deepest, longest
   first; merging two parts at node u saves the tokens root..u, so merging as deep as possible is
   what saves most), a part is closed as soon as nothing outside it could still join it. Runs in
-  time linear in the tree size for bounded branching (see jtree/launch/bench_partition.py).
+  time linear in the tree size for bounded branching (see launch/bench/partition.py).
 - `dp_single`, `dp_multi`: the exact programs of `jtree.partitioning.exact_dp` (ground truth for small trees;
   `dp_multi` is the true optimum and refuses trees too large to enumerate).
 

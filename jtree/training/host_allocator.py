@@ -4,7 +4,7 @@ On the CPU backend XLA allocates a step's temporaries (activations kept for the 
 buffers: hundreds of MiB) with `malloc` on its worker threads and frees them when the step ends.
 glibc serves allocations that large with a fresh `mmap` (worker-thread arenas cannot hold them) and
 returns them with `munmap`, so every step page-faults and zeroes all of its temporaries again:
-measured on the proj bench shape (2-core EPYC, `jtree/launch/bench.py`), ~144k minor faults and ~0.3 s
+measured on the proj bench shape (2-core EPYC, `launch/bench/step.py`), ~144k minor faults and ~0.3 s
 of kernel time per step at 563 MiB of temporaries, about 10% of a 3 s step. That cost follows a
 step's memory, not its FLOPs, so it also skews tree-vs-baseline comparisons toward the mode with
 more memory per FLOP. GPU and TPU runtimes keep a caching allocator and never pay it.

@@ -7,7 +7,7 @@ do. Two denominators:
 
 - **same-process matmul** (`matmul_probe`): one `[M, K] x [K, N]` float matmul at the step's
   dominant shape (its tokens x hidden x the MLP width), jitted and timed in the same process, on
-  the same device, ideally in the same alternating rounds as the step (`jtree.launch.harness`).
+  the same device, ideally in the same alternating rounds as the step (`jtree.launch.bench.harness`).
   On a shared CPU this is the only fair ceiling: the load both see is the same.
 - **datasheet peak** (`datasheet_peak`, GPU/TPU only): the vendor's dense peak for the device
   kind and dtype, from the table `PEAKS` (sources named there).
@@ -90,7 +90,7 @@ def matmul_call(shape: MatmulShape) -> Callable[[], jax.Array]:
 def matmul_probe(shape: MatmulShape, repeats: int = 5) -> float:
     """FLOP/s of the plain matmul `shape` here and now: the median of `repeats` timed calls after
     one warm-up call. For a fair MFU, time it in the same rounds as the step instead (the benches
-    add `matmul_call` as a variant of `jtree.launch.harness.alternate`); this is for one-off use
+    add `matmul_call` as a variant of `jtree.launch.bench.harness.alternate`); this is for one-off use
     (the trainer's summary)."""
     call = matmul_call(shape)
     jax.block_until_ready(call())
@@ -188,7 +188,7 @@ def device_peak(dtype: str) -> float | None:
 def mfu_from_rounds(model_flops_: float, step_times: np.ndarray, matmul: MatmulShape,
                     matmul_times: np.ndarray) -> float:
     """Median over rounds of (model FLOP/s of the step) / (matmul FLOP/s) with both timed in the
-    same round (`jtree.launch.harness.alternate`): the MFU that both sides' shared load cancels
+    same round (`jtree.launch.bench.harness.alternate`): the MFU that both sides' shared load cancels
     from."""
     per_round = (model_flops_ / np.asarray(step_times)) / (matmul.flops / np.asarray(matmul_times))
     return float(np.median(per_round))

@@ -7,33 +7,34 @@ import json
 import numpy as np
 import pytest
 
-from jtree.launch import bench
+from jtree.launch.bench import step as bench
+from jtree.launch.bench import workloads
 from jtree.trees.synthetic import por_forest
 from tests.models_util import tiny_config
 
 
 @pytest.fixture
 def tiny_shape(monkeypatch):
-    monkeypatch.setitem(bench.SHAPES, "tiny", tiny_config(head_dim=16, num_hidden_layers=1))
+    monkeypatch.setitem(workloads.SHAPES, "tiny", tiny_config(head_dim=16, num_hidden_layers=1))
     return "tiny"
 
 
-def _workload(shape: str, por: float) -> bench.Workload:
+def _workload(shape: str, por: float) -> workloads.Workload:
     def make():
         return por_forest(np.random.default_rng(3), 768, por, path_len=96, max_tree_tokens=256,
                           vocab_size=64, trained_fraction=0.5)
-    return bench.Workload(f"{shape}/synthetic POR {por:.1f}", shape, 256, make)
+    return workloads.Workload(f"{shape}/synthetic POR {por:.1f}", shape, 256, make)
 
 
 def test_measure_counts_both_modes_on_the_same_trees_and_writes_outputs(tiny_shape, tmp_path):
-    step, state = bench.make_step(bench.SHAPES[tiny_shape], "xla")
+    step, state = bench.make_step(workloads.SHAPES[tiny_shape], "xla")
     row, state = bench.measure(_workload(tiny_shape, 0.7), step, state, min_reps=1, max_reps=1,
                                budget_s=0.0)
     rows = [row]
     # The tree computes ~30% of the flat tokens; attention makes the FLOP ideal a bit lower.
     assert row["token_bound"] == pytest.approx(1 / (1 - row["por"]), rel=0.05)
     assert 1.0 < row["ideal_speedup"] <= row["token_bound"]
-    assert row["auto_mode"] == ("tree" if row["auto_predicted_gain"] >= bench.AUTO_MIN_GAIN
+    assert row["auto_mode"] == ("tree" if row["auto_predicted_gain"] >= workloads.AUTO_MIN_GAIN
                                 else "baseline")
     assert row["repeats"] == 1 and row["tree_device_s"] > 0 and row["base_device_s"] > 0
     assert len(row["fixed_times_s"]) == 1 and row["fixed_share_tree"] == pytest.approx(
@@ -57,7 +58,7 @@ def test_measure_counts_both_modes_on_the_same_trees_and_writes_outputs(tiny_sha
 def test_auto_check_compares_the_kernels_in_the_same_rounds():
     """--check-auto's verdict: the faster kernel by the median same-round ratio, and parity
     when the rounds' interval holds 1."""
-    from jtree.launch.harness import Timings
+    from jtree.launch.bench.harness import Timings
 
     def timings(cpu: list[float], xla: list[float]) -> Timings:
         return Timings({"tree": cpu, "tree xla": xla}, {}, {}, {}, {})
@@ -75,7 +76,7 @@ def test_op_profile_sums_xla_thunks_by_kind():
     import jax
     import jax.numpy as jnp
 
-    from jtree.launch.bench_split import op_profile
+    from jtree.launch.bench.split import op_profile
 
     x = jnp.ones((256, 256))
     f = jax.jit(lambda a: jnp.tanh(a @ a) + 1.0)
@@ -91,7 +92,7 @@ def test_peer_bench_smoke(tmp_path):
     weights with the same loss (equal first-step losses), and the outputs hold the speedup, the
     MFU and each half's MFU."""
     pytest.importorskip("transformers")
-    from jtree.launch import bench_peer
+    from jtree.launch.bench import peer as bench_peer
 
     assert bench_peer.main(["--quick", "--repeats", "1", "--ceiling", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "bench_peer.json").read_text())["result"]

@@ -1,11 +1,11 @@
-"""Every entry point under `jtree/launch/` and every `jtree` subcommand prints a usage line for `--help`,
+"""Every entry point under `launch/` and every `jtree` subcommand prints a usage line for `--help`,
 and every bench (and the sample-data script) runs at its smallest sizes and writes its outputs
-(`OUT/NAME.json|md|png`, `jtree.launch.harness`). Numbers are not checked: timings are benchmarks,
+(`OUT/NAME.json|md|png`, `jtree.launch.bench.harness`). Numbers are not checked: timings are benchmarks,
 not tests.
 
-Run elsewhere at their smallest sizes: `jtree/launch/train.py` (tests/e2e/test_launch_train.py),
-`jtree/launch/device_check.py` (tests/e2e/test_device_check.py),
-`jtree/launch/lower_step.py` (tests/e2e/test_lower.py), `jtree stats` (tests/e2e/test_cli.py),
+Run elsewhere at their smallest sizes: `launch/train.py` (tests/e2e/test_launch_train.py),
+`launch/device_check.py` (tests/e2e/test_device_check.py),
+`launch/lower_step.py` (tests/e2e/test_lower.py), `jtree stats` (tests/e2e/test_cli.py),
 `jtree compare-torch` (tests/hf/test_hf_torch.py), `jtree export-hf` (tests/hf/test_export_hf.py),
 `mgpu_interpret IN OUT` (tests/kernels/test_attention_mgpu.py).
 
@@ -22,11 +22,18 @@ import pytest
 
 from jtree.cli import main as jtree_main
 
-LAUNCH = ("bench", "bench_attention", "bench_attention_gpu", "bench_context", "bench_cross_group",
-          "bench_gdn",
-          "bench_partition", "bench_peer", "bench_redundancy_free", "bench_split", "bench_window",
+# Modules under jtree.launch; the benches' output files are named `bench` (the step bench) and
+# `bench_NAME` (module bench.NAME).
+LAUNCH = ("bench.step", "bench.attention", "bench.attention_gpu", "bench.context",
+          "bench.cross_group", "bench.gdn", "bench.partition", "bench.peer",
+          "bench.redundancy_free", "bench.split", "bench.window",
           "device_check", "make_sample_data", "lower_step", "memory_plan", "train")
 SUBCOMMANDS = ("stats", "compare-torch", "export-hf")
+
+
+def _module(output: str) -> str:
+    """The module under jtree.launch that writes `output`.json."""
+    return "bench.step" if output == "bench" else output.replace("bench_", "bench.", 1)
 
 
 @pytest.mark.parametrize("module", LAUNCH)
@@ -40,14 +47,14 @@ def test_launch_entry_point_prints_usage(module, capsys):
 
 def test_mgpu_interpret_prints_usage():
     """Its own process, as it is always run (it sizes jax's CPU thread pool at import)."""
-    proc = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", "--help"],
+    proc = subprocess.run([sys.executable, "-m", "jtree.launch.bench.mgpu_interpret", "--help"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: ")
 
 
 def test_mgpu_interpret_refuses_one_file():
-    proc = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", "in.npz"],
+    proc = subprocess.run([sys.executable, "-m", "jtree.launch.bench.mgpu_interpret", "in.npz"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "give IN.npz and OUT.npz, or neither" in proc.stderr
 
@@ -63,7 +70,7 @@ def test_jtree_subcommand_prints_usage(command, capsys):
 
 def _run(module: str, args: list[str], tmp_path) -> dict:
     """Run a bench's main on `args` with `--out tmp_path`; its JSON results."""
-    main = importlib.import_module(f"jtree.launch.{module}").main
+    main = importlib.import_module(f"jtree.launch.{_module(module)}").main
     assert main([*args, "--out", str(tmp_path)]) == 0
     assert (tmp_path / f"{module}.md").read_text().count("\n|") >= 2  # header + a row
     return json.loads((tmp_path / f"{module}.json").read_text())
@@ -101,7 +108,7 @@ def test_bench_split_quick(tmp_path):
 
 
 def test_bench_split_names_the_workloads_when_one_is_unknown():
-    from jtree.launch.bench_split import split
+    from jtree.launch.bench.split import split
 
     with pytest.raises(ValueError, match="no bench workload named 'nope'.*tiny/synthetic POR 0.3"):
         split("nope", 1, quick=True)
@@ -189,7 +196,7 @@ def test_bench_redundancy_free_quick(tmp_path):
 def test_mgpu_interpret_random_trees(tmp_path):
     # The table's path (the kernels' numerics are tests/kernels/test_attention_mgpu.py's): one
     # run, float16 with a cached prefix, within float16's rounding of the f32 reference.
-    proc = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", "--quick",
+    proc = subprocess.run([sys.executable, "-m", "jtree.launch.bench.mgpu_interpret", "--quick",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "mgpu_interpret.json").read_text())["rows"]
@@ -204,3 +211,13 @@ def test_make_sample_data_smallest(tmp_path):
     out = tmp_path / "groups.jsonl"
     assert main(["--groups", "1", "--out", str(out)]) == 0
     assert len(read_sequence_groups(out)) == 1
+
+
+@pytest.mark.parametrize("module", ("jtree.launch.train", "jtree.launch.bench"))
+def test_entry_points_run_from_any_directory(module, tmp_path):
+    """`python -m` finds the installed package outside the checkout (kernels/ and launch/ are
+    mapped into jtree by the install, not found beside it)."""
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: ")

@@ -1,4 +1,4 @@
-"""The bench harness (`jtree.launch.harness`): rounds alternate the variants in shuffled orders,
+"""The bench harness (`jtree.launch.bench.harness`): rounds alternate the variants in shuffled orders,
 comparisons are medians of same-round ratios (with a bootstrap interval), and every bench's
 outputs are named and written one way."""
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from jtree.launch.harness import Column, Output, Timings, alternate, figure, markdown_table
+from jtree.launch.bench.harness import Column, Output, Timings, alternate, figure, markdown_table
 
 
 def test_rounds_alternate_the_variants_after_the_warmup():

@@ -1,5 +1,5 @@
 """The sharded train step (data x tensor parallel, optax update) lowers for TPU and CUDA on this
-CPU machine (`jtree/launch/lower_step.py`); nothing is compiled for or run on the chips."""
+CPU machine (`launch/lower_step.py`); nothing is compiled for or run on the chips."""
 
 import os
 import subprocess

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtree.kernels import attention_calibration, attention_cpu
-from jtree.kernels.attention_calibration import (
+from jtree.kernels.attention import calibration as attention_calibration
+from jtree.kernels.attention import cpu as attention_cpu
+from jtree.kernels.attention.calibration import (
     MAX_TOKENS,
     MIN_TOKENS,
     STORE_ENV,

@@ -1,7 +1,7 @@
 """Mosaic GPU (Hopper) tree-attention kernels, checked without a GPU.
 
 - Numerics: the three kernels (forward, dQ, dK/dV) run end to end in the Mosaic GPU interpreter
-  with race detection on (in a child process with a hard timeout, see jtree/launch/mgpu_interpret.py),
+  with race detection on (in a child process with a hard timeout, see launch/bench/mgpu_interpret.py),
   through `tree_attention` (which pads the lengths), at the kernels' default blocks unless a test
   says otherwise, and are compared with the dense reference. Inputs are bfloat16 or float16 (what
   wgmma multiplies); the reference runs in float32 on the same values. Tolerance: max abs error
@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from jtree.kernels import TreeMask, tree_attention
-from jtree.kernels.attention_mgpu import SEQ_MULTIPLE, attention_mgpu
-from jtree.kernels.attention_reference import attention_reference
+from jtree.kernels.attention.mgpu import SEQ_MULTIPLE, attention_mgpu
+from jtree.kernels.attention.reference import attention_reference
 from jtree.kernels.block_tables import EMPTY, FULL, PARTIAL, classify_blocks
 from jtree.layout.linearize import linearize
 from jtree.trees.tree import TrajectoryTree
@@ -55,7 +55,7 @@ def _kernel(tmp_path, q, k, v, end, d_out, *, softcap=None, block_kv=0, prefix=0
              dtype=str(q.dtype), softcap=np.nan if softcap is None else softcap,
              block_kv=block_kv, prefix=prefix)
     env = dict(os.environ, PYTHONPATH=str(WORKTREE))
-    run = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", str(source), str(target)],
+    run = subprocess.run([sys.executable, "-m", "jtree.launch.bench.mgpu_interpret", str(source), str(target)],
                          cwd=WORKTREE, env=env, capture_output=True, text=True,
                          timeout=INTERPRETER_TIMEOUT_S)
     assert run.returncode == 0, f"interpreter run failed:\n{run.stderr[-5000:]}"

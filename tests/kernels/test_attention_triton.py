@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jtree.kernels import TreeMask, tree_attention
-from jtree.kernels.attention_triton import tree_attention_triton
+from jtree.kernels.attention.triton import tree_attention_triton
 from jtree.kernels.block_tables import EMPTY, FULL, PARTIAL, classify_blocks
 from jtree.layout.linearize import linearize
 from jtree.trees.tree import TrajectoryTree

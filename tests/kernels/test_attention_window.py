@@ -219,7 +219,7 @@ def test_tpu_exports_with_window_and_sinks(dtype):
 
 
 def _mgpu_interpreted(tmp_path, end, pos, window, *, prefix=0, seed=0, hq=4, hkv=2, d=64):
-    """Run the Mosaic GPU kernels in the interpreter (a child process, jtree.launch.mgpu_interpret)
+    """Run the Mosaic GPU kernels in the interpreter (a child process, jtree.launch.bench.mgpu_interpret)
     with window and sinks; compare with the dense oracle on the same bf16 values (relative to the
     largest oracle magnitude: the kernels round P, dS and the outputs to bf16)."""
     import os
@@ -242,7 +242,7 @@ def _mgpu_interpreted(tmp_path, end, pos, window, *, prefix=0, seed=0, hq=4, hkv
     np.savez(source, q=q, k=k, v=v, d_out=d_out, end=end, dtype="bfloat16", softcap=np.nan,
              block_kv=0, prefix=prefix, window=window, positions=pos, sinks=sinks)
     env = dict(os.environ, PYTHONPATH=str(WORKTREE))
-    run = subprocess.run([sys.executable, "-m", "jtree.launch.mgpu_interpret", str(source),
+    run = subprocess.run([sys.executable, "-m", "jtree.launch.bench.mgpu_interpret", str(source),
                           str(target)], cwd=WORKTREE, env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-5000:]

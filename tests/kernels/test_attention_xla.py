@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jtree.kernels.attention_xla import schedule_work, tree_attention_xla
+from jtree.kernels.attention.xla import schedule_work, tree_attention_xla
 from jtree.kernels.block_tables import classify_blocks
 from tests.attention_cases import max_errors, qkv, tree_end
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jtree.kernels.attention_reference import tree_mask
+from jtree.kernels.attention.reference import tree_mask
 from jtree.kernels.block_tables import (
     EMPTY,
     FULL,

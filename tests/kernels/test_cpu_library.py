@@ -1,7 +1,7 @@
 """The C++ kernels' library is cached under a key of everything its machine code depends on:
 a CPU with another instruction set gets its own build, even under the same model name."""
 
-from jtree.kernels import cpu_library
+from jtree.kernels.cpu import library as cpu_library
 
 CPUINFO = """processor\t: {n}
 vendor_id\t: GenuineIntel

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jtree.kernels.gdn import (
+from jtree.kernels.gdn.delta_rule import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
     pick_scan,

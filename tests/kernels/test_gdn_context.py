@@ -1,4 +1,4 @@
-"""Gated DeltaNet and its path conv1d under context parallelism (`jtree.kernels.gdn_context`)
+"""Gated DeltaNet and its path conv1d under context parallelism (`jtree.kernels.gdn.context`)
 equal the single-device kernels on the same trees, forward and gradients (float32, <= 1e-5
 relative), on rows spread with gaps over 2, 4 and 8 forced host devices; and so does the
 Qwen3-Next GatedDeltaNet layer with `RuntimeConfig.context_axis` (output, input and parameter

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jtree.kernels import TreeMask, tree_attention
-from jtree.kernels.attention_reference import tree_mask
+from jtree.kernels.attention.reference import tree_mask
 from jtree.layout.batch import DeviceBatch, concatenate_rows, padding, stack
 from jtree.layout.linearize import linearize
 from jtree.objectives.losses import ppo_loss, sft_loss

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jtree.kernels.attention_reference import tree_mask
+from jtree.kernels.attention.reference import tree_mask
 from jtree.layout.bin_packing import first_fit_decreasing
 from jtree.layout.linearize import linearize, unlinearize
 from jtree.trees.tree import TrajectoryTree

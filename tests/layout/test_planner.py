@@ -171,7 +171,7 @@ def test_bench_and_trainer_build_batches_with_the_same_function():
     """`make bench` times the trainer's batches: `prepare` goes through `jtree.training.step_builders.step_builder`,
     the function the trainer builds its steps with (`jtree.training.run_data`), and gets exactly its
     inputs."""
-    from jtree.launch import bench
+    from jtree.launch.bench import workloads as bench
     from jtree.training import run_data
 
     assert bench.step_builder is step_builder and run_data.step_builder is step_builder

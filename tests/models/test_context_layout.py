@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jtree.config.objective import Objective
-from jtree.kernels.attention_xla import DEFAULT_BLOCK
+from jtree.kernels.attention.xla import DEFAULT_BLOCK
 from jtree.kernels.block_tables import EMPTY, classify_blocks
 from jtree.layout.context_rows import ContextSplit
 from jtree.layout.linearize import linearize

@@ -16,7 +16,7 @@ from jtree.parallel.context import (
     context_batch, context_mask, halo_capacity, halo_positions, score_layout,
 )
 from jtree.kernels import TreeMask
-from jtree.kernels.gdn import tree_gated_delta_rule
+from jtree.kernels.gdn.delta_rule import tree_gated_delta_rule
 from jtree.layout.linearize import linearize
 from tests.strategies import seeded_forests
 

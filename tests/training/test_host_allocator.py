@@ -74,7 +74,7 @@ _STARTS_NO_BACKEND = """
 import json, sys
 from jax._src import xla_bridge
 from jtree.training.host_allocator import configure_host_malloc, platform_before_start
-from jtree.launch.harness import apply_host_malloc
+from jtree.launch.bench.harness import apply_host_malloc
 import argparse
 platform = platform_before_start()
 kept = configure_host_malloc("auto")
