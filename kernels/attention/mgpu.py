@@ -8,7 +8,7 @@ the backward is a dQ kernel over the kv lists and a dK/dV kernel over the transp
 See `mgpu_forward.py`, `mgpu_backward.py` and `mgpu_pipeline.py` for the kernels themselves.
 
 Rectangular layouts (a part attending to cached prefix keys): queries at key positions `q_pos`,
-read by the element mask and by the block tables, as in `attention_tpu`.
+read by the element mask and by the block tables, as in `attention.tpu`.
 
 Sliding window (`window` W, `key_pos`): `end` and `q_pos` travel as [rows, 2, S] stacks whose
 second row is the path positions (fetched with the same TMA tiles); the element mask adds

@@ -153,7 +153,7 @@ def tree_mask_tile(
 
 def positions_smem(lead: tuple[int, ...], n: int, window: int | None) -> Any:
     """SMEM of `end` / `q_pos` tiles of n positions: [*lead, n], or with a window [*lead, 2, n]
-    (the values, then the path positions: `attention_mgpu` stacks them in GMEM likewise)."""
+    (the values, then the path positions: `attention.mgpu` stacks them in GMEM likewise)."""
     return plgpu.SMEM((*lead, n) if window is None else (*lead, 2, n), jnp.int32)
 
 
