@@ -5,6 +5,7 @@ multi-process run prints each line once."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -49,6 +50,26 @@ def progress(label: str, after: float = 5.0, every: float = 10.0) -> Iterator[No
             say(f"{label}: done in {elapsed:.1f} s")
 
 
+class _Say(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        say(self.format(record))
+
+
+@contextlib.contextmanager
+def kernel_choices_said() -> Iterator[None]:
+    """Print the kernel dispatch's log lines while a run trains: which kernel `auto` runs for each
+    shape class, with the times it measured or read, said once per class."""
+    logger, handler = logging.getLogger("jtree.kernels.tree_attention"), _Say()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host_s: float,
                 device_s: float, compiles: Compiles, lr: float) -> dict[str, Any]:
     """One JSONL record: step metrics plus throughput and sharing numbers of the global batch.
@@ -85,14 +106,39 @@ def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host
     )
 
 
-def progress_line(r: dict[str, Any]) -> str:
-    """The printed line of a `step_record`: baseline-equivalent tokens/s counts every path token
-    (what a per-path trainer would have to process), tree tokens/s what was really computed."""
-    return (f"step {r['step']:4d}  loss {r['loss']:8.4f}  grad_norm {r['grad_norm']:7.3f}  "
-            f"tokens/s {r['tokens_per_s']:9.0f} (baseline-equivalent)  "
+LOG_LEGEND = (
+    "reading the log: step i/N; tokens/s counts every path token (what training each path on its "
+    "own would process: baseline-equivalent), tree tokens/s the tokens really computed; POR: the "
+    "share of path tokens that repeat a shared prefix; ERR: the share the step did not compute "
+    "(POR, less what partitioning recomputes); device time leaves out compiles; eta: the steps "
+    "left at the median step time so far")
+# The RL metrics of the step said on the console line, as they are named in its record.
+RL_FIELDS = (("clip_frac", "clip", ".3f"), ("approx_kl_old", "kl_old", ".2e"),
+             ("kl_ref", "kl_ref", ".2e"), ("entropy", "entropy", ".3f"))
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(round(seconds)), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{s:02d}s"
+
+
+def eta_seconds(history: list[dict[str, Any]], steps_left: int) -> float:
+    """The time the `steps_left` steps take at the median host + device time of the steps so far
+    that did not compile (all of them when every one did)."""
+    steady = [r for r in history if not r["compiles"]] or history
+    return steps_left * float(np.median([r["host_s"] + r["device_s"] for r in steady]))
+
+
+def progress_line(r: dict[str, Any], total: int, eta_s: float | None = None) -> str:
+    """The printed line of a `step_record` (`LOG_LEGEND` says how to read it), step `r['step']`
+    of `total`; the RL objectives' metrics follow the throughput."""
+    rl = "".join(f"  {label} {r[key]:{spec}}" for key, label, spec in RL_FIELDS if key in r)
+    return (f"step {r['step']:4d}/{total}  loss {r['loss']:8.4f}  grad_norm {r['grad_norm']:7.3f}"
+            f"{rl}  tokens/s {r['tokens_per_s']:9.0f}  "
             f"tree tokens/s {r['tree_tokens_per_s']:9.0f}  POR {r['por']:.3f}  ERR {r['err']:.3f}  "
             f"host {r['host_s'] * 1e3:6.1f} ms  device {r['device_s'] * 1e3:7.1f} ms"
-            + (f"  compile {r['compile_s']:.1f} s (not in device time)" if r["compiles"] else ""))
+            + (f"  compile {r['compile_s']:.1f} s" if r["compiles"] else "")
+            + (f"  eta {_duration(eta_s)}" if eta_s is not None else ""))
 
 
 def _pruned(history: list[dict[str, Any]]) -> str:

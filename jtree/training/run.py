@@ -38,7 +38,16 @@ from jtree.training.compile_log import Compiles, CompileWatch
 from jtree.training.host_allocator import configure_host_malloc
 from jtree.training.metrics import MetricsLog
 from jtree.training.pipeline import make_pipeline
-from jtree.training.report import progress, progress_line, say, step_record, summary
+from jtree.training.report import (
+    LOG_LEGEND,
+    eta_seconds,
+    kernel_choices_said,
+    progress,
+    progress_line,
+    say,
+    step_record,
+    summary,
+)
 from jtree.training.resume import check_resumable
 from jtree.training.run_data import (
     StepBuilders,
@@ -151,6 +160,8 @@ class TrainingRun:
                                  first_step=start, enabled=jax.process_index() == 0)
         schedule = make_schedule(cfg.optim)
         history = []
+        if start < cfg.run.steps:
+            say(LOG_LEGEND)
         for step in range(start, cfg.run.steps):
             state, metrics, info, host_s, device_s, compiles = self.train_step(state, step)
             record = step_record(step, metrics, info, host_s, device_s, compiles,
@@ -158,7 +169,8 @@ class TrainingRun:
             history.append(record)
             metrics_log.write(record)
             if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
-                say(progress_line(record))
+                say(progress_line(record, cfg.run.steps,
+                                  eta_seconds(history, cfg.run.steps - step - 1)))
                 if "mode_reason" in info:
                     say(f"           auto mode: {info['mode']} ({info['mode_reason']})")
             self.checkpoint(step + 1, state)
@@ -182,11 +194,10 @@ class TrainingRun:
             element = dict(element, inputs=trainer.laid_out(element["inputs"]))
         info = element["info"]
         new = {k: d for k, d in step_shapes(element).items() if k not in self.compiled_shapes}
-        shape = "; ".join(new.values())
+        shape = next(iter(new.values()), "") + (f" and {len(new) - 1} more" if len(new) > 1 else "")
         if new:
             say(f"compiling the step for shape {shape} ...")
             self.compiled_shapes.update(new)
-        before = self.compile_watch.total
         stale = old_logprobs_stale(bool(info["has_old_logprobs"]),
                                    float(info["old_logprob_disagreement"]), cfg.objective)
         if "program" in element:  # run.mode=redundancy_free
@@ -194,11 +205,11 @@ class TrainingRun:
                 raise ValueError(f"run.mode=redundancy_free: objective.kind="
                                  f"{cfg.objective.kind} needs old log-probs that the trees of "
                                  f"step {step} do not carry (or that disagree on shared tokens)")
-            t1 = time.perf_counter()
+            t1, before = time.perf_counter(), self.compile_watch.total
             state, metrics = trainer.rfree_step(state, element["program"])
         else:
             inputs = to_global(trainer.mesh, element["inputs"], len(self.shards))
-            t1 = time.perf_counter()
+            t1, before = time.perf_counter(), self.compile_watch.total
             if stale:
                 inputs = inputs.with_coefficients(
                     old_logprobs=trainer.logprob_fn(state.params, inputs))
@@ -211,9 +222,13 @@ class TrainingRun:
         compiles = self.compile_watch.total - before
         if compiles.n:
             say(f"compiling the step for shape {shape}: done in {compiles.seconds:.1f} s "
-                f"({compiles.n} program(s))" if new else
-                f"compiled the step again at shapes seen before: {compiles.n} program(s) in "
+                f"({compiles.n} XLA programs: the step and the small ones around it)" if new else
+                f"compiled the step again at shapes seen before: {compiles.n} XLA programs in "
                 f"{compiles.seconds:.1f} s")
+        if compiles.calibration_s:
+            say(f"attention calibration ('auto' timing the CPU kernels once per shape class): "
+                f"{compiles.calibration_s:.1f} s of that")
+        # Compile time is wall time inside [t1, now] (compile_log), so this is never negative.
         return state, metrics, info, t1 - t0, device_s - compiles.seconds, compiles
 
     def checkpoint(self, done: int, state: TrainState) -> None:
@@ -275,7 +290,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> None:
         say("host malloc: keeps freed memory (run.host_malloc; CPU steps reuse their temporaries)")
     run = TrainingRun.build(cfg)
     try:
-        with run.compile_watch:
+        with run.compile_watch, kernel_choices_said():
             state, start = run.restore(resume)
             say(run.describe(state))
             t_run = time.perf_counter()
@@ -290,11 +305,14 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> None:
                     before = run.compile_watch.total
                     compare_with_baseline(cfg, run.trainer, run.builders, run.trees, state)
                     done = run.compile_watch.total - before
-                    say(f"compare_baseline: {done.n} compile(s) in {done.seconds:.1f} s")
+                    say(f"compare_baseline: {done.n} XLA programs compiled in "
+                        f"{done.seconds:.1f} s")
                 else:
                     say("compare_baseline: skipped (single-process check)")
             if cfg.run.mode != "redundancy_free":  # its parts run their own functions
                 # The jit's own cache: one entry per step program this run compiled.
-                say(f"step programs compiled: {run.trainer.step_fn._cache_size()}")
+                say(f"train step programs: {run.trainer.step_fn._cache_size()} (one per step "
+                    f"shape; the XLA program counts above also count the small programs around "
+                    f"the step)")
     finally:
         run.close()

@@ -129,6 +129,9 @@ def synthetic_end(rows: int, seq: int) -> np.ndarray:
     return np.broadcast_to(end, (rows, seq)).copy()
 
 
+CALIBRATION_EVENT = "/jtree/attention/calibration_duration"  # the seconds `measure` took
+
+
 def measure(shape: ShapeClass, candidates: Sequence[str],
             run: Callable[[str, jax.Array, jax.Array, jax.Array, np.ndarray], jax.Array],
             repeats: int = REPEATS) -> dict[str, float]:
@@ -136,6 +139,7 @@ def measure(shape: ShapeClass, candidates: Sequence[str],
     class's representative shape (random operands, `synthetic_end`), outside any trace."""
     rows, seq = shape.representative()
     dtype = jnp.dtype(shape.dtype)
+    start = time.perf_counter()
     with jax.ensure_compile_time_eval():
         keys = jax.random.split(jax.random.key(0), 3)
         q = jax.random.normal(keys[0], (rows, seq, shape.q_heads, shape.head_dim), dtype)
@@ -155,6 +159,9 @@ def measure(shape: ShapeClass, candidates: Sequence[str],
                 jax.block_until_ready(grad(q, k, v))
                 samples.append(time.perf_counter() - t0)
             times[name] = float(np.median(samples))
+    # A trainer that keeps compile time out of step time reports this apart
+    # (jtree.training.compile_log listens for the event).
+    jax.monitoring.record_event_duration_secs(CALIBRATION_EVENT, time.perf_counter() - start)
     return times
 
 

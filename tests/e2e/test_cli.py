@@ -33,7 +33,7 @@ def test_train_runs_a_tiny_config(few_groups_file, tmp_path, capsys):
         "run.steps": 2, "data.trees_per_step": 2, "data.micro_batches": 1,
         "run.metrics_jsonl": metrics})]) == 0
     out = capsys.readouterr().out
-    assert len(re.findall(r"^step +\d+ +loss +[\d.]+ ", out, re.M)) == 2
+    assert len(re.findall(r"^step +\d+/\d+ +loss +[\d.]+ ", out, re.M)) == 2
     assert "summary: steps 0-1" in out
     records = read_metrics(metrics)
     assert [r["step"] for r in records] == [0, 1]

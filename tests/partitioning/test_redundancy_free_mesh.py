@@ -157,7 +157,7 @@ def test_launcher_trains_redundancy_free_on_a_mesh(tmp_path):
         code, out, err = finish(launch(args, log, env={
             "XLA_FLAGS": xla_flags(4)}), log)
         assert code == 0, err[-3000:]
-        losses[mode] = [float(x) for x in re.findall(r"^step +\d+ +loss +([\d.]+)", out, re.M)]
+        losses[mode] = [float(x) for x in re.findall(r"^step +\d+/\d+ +loss +([\d.]+)", out, re.M)]
         if mode == "redundancy_free":
             assert "part trees in lockstep over the row shards" in out
             por_err = re.findall(r"POR ([\d.]+)  ERR ([\d.]+)", out)
