@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test test-slow bench setup clean
+.PHONY: demo test test-slow bench setup clean aot-plugins
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m jtree.launch.bench
+
+# The production compilers (libtpu; jax's CUDA plugin) for `python -m jtree.launch.compile`, at the
+# versions the installed jax asks for, into their own folder: never on .venv's import path.
+aot-plugins: $(STAMP)
+	$(PY) -m jtree.launch.aot_plugins .aot
 
 clean:
 	rm -rf $(VENV) runs bench_out

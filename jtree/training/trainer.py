@@ -11,7 +11,7 @@ memory. The run itself (data, checkpoints, the loop) is `jtree.training.run`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -89,16 +89,18 @@ class Trainer:
     ref_logprob_fn: Any = None
 
     @classmethod
-    def build(cls, cfg: TrainConfig) -> Trainer:
+    def build(cls, cfg: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Trainer:
         """Compiles nothing: the model is built abstractly (shapes only) and the functions are
-        jitted wrappers that compile on their first call."""
+        jitted wrappers that compile on their first call. The mesh spans `devices` (default every
+        device of every process); `jtree.launch.compile` passes a target's compile-only devices,
+        so the same step is built for a chip this host does not have."""
         critic, network = cfg.objective.critic, cfg.critic_network
         if critic is not None and cfg.model.lora is not None:
             raise ValueError("model.lora: not available with objective.critic (only the "
                              "adapters would train: the critic's parameters would stay frozen)")
         context = cfg.mesh.context
         check_row_slices(cfg.data.seq_len, context, ("mesh.context", "data.seq_len"))
-        mesh = make_mesh(cfg.mesh)
+        mesh = make_mesh(cfg.mesh, devices)
         arch, mcfg = cfg.model.architecture, cfg.model.config
         check_reference(cfg)
         check_off_policy(cfg)

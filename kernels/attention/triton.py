@@ -46,6 +46,7 @@ from jax.experimental.pallas import triton as pltriton
 from jtree.kernels.attention.flash_vjp import flash_vjp
 from jtree.kernels.attention.pallas_common import MASKED, NN, NT, BlockConfig
 from jtree.kernels.block_tables import PARTIAL, block_padding, block_tables
+from jtree.kernels.varying_axes import varying_struct
 
 PAD_MULTIPLE = 64  # the dispatch pads S to this by default; every default block divides it
 MIN_BLOCK = 16  # tl.dot needs every matmul dimension >= 16
@@ -262,8 +263,8 @@ def _forward(q, k, v, end, q_pos, lists: _Lists, paths, cfg: BlockConfig):
                   *(path_specs if paths else [])],
         out_specs=[pl.BlockSpec((None, bq, None, d), lambda i, r, h: (r, i, h, 0)),
                    pl.BlockSpec((None, None, bq), lambda i, r, h: (r, h, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((rows, hq, sq), jnp.float32)],
+        out_shape=[varying_struct(q.shape, q.dtype, lists, q_pos, q, k, v, end, paths),
+                   varying_struct((rows, hq, sq), jnp.float32, lists, q_pos, q, k, v, end, paths)],
     )(lists.kv_blocks, lists.kv_kind, lists.kv_count, q_pos, q, k, v, end, *(paths or ()))
 
 
@@ -320,7 +321,8 @@ def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, paths,
                   *([pl.BlockSpec((None, bq), lambda i, r, h: (r, i)),
                      pl.BlockSpec((None, skv), lambda i, r, h: (r, 0))] if paths else [])],
         out_specs=q_block,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=varying_struct(q.shape, q.dtype, lists, q_pos, q, k, v, end, d_out, lse, delta,
+                                 paths),
     )(lists.kv_blocks, lists.kv_kind, lists.kv_count, q_pos, q, k, v, end, d_out, lse, delta,
       *(paths or ()))
 
@@ -390,7 +392,8 @@ def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, paths,
                   *([pl.BlockSpec((None, sq), lambda j, r, h: (r, 0)),
                      pl.BlockSpec((None, bk), lambda j, r, h: (r, j))] if paths else [])],
         out_specs=[kv_block, kv_block],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[varying_struct(x.shape, x.dtype, lists, q_pos, q, k, v, end, d_out, lse, delta,
+                                  paths) for x in (k, v)],
     )(lists.q_blocks, lists.q_kind, lists.q_count, q_pos, q, k, v, end, d_out, lse, delta,
       *(paths or ()))
 

@@ -26,6 +26,24 @@ def test_tiny_step_lowers_for_accelerators(platform):
     assert "attention xla;" in proc.stdout and "jtree_tree_attention" not in proc.stdout
 
 
+def test_triton_kernel_lowers_inside_the_sharded_cuda_step():
+    """`pallas_triton` (what `auto` picks on every GPU but Hopper) inside the sharded step's
+    shard_map, data x tensor parallel: its pallas_calls type their outputs as varying over the mesh
+    axes their inputs vary over (`check_vma` rejects untyped outputs), and the module holds them as
+    Triton custom calls."""
+    env = dict(os.environ, PYTHONPATH=str(WORKTREE))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jtree.launch.lower_step", "--config", "configs/tiny.yaml",
+         "--platform", "cuda", "--devices", "4", "mesh.model=2", "data.seq_len=128",
+         "model.num_hidden_layers=1", "runtime.attention_impl=pallas_triton"],
+        cwd=WORKTREE, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mesh data=2 x fsdp=1 x model=2" in proc.stdout, proc.stdout
+    assert "attention pallas_triton;" in proc.stdout, proc.stdout
+    assert "custom calls __gpu$xla.gpu.triton" in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("config, overrides", [
     ("qwen3_30b_a3b", ["model.num_hidden_layers=1", "mesh.fsdp=1"]),
     ("qwen3_next_80b_a3b", ["model.num_hidden_layers=2", "model.full_attention_interval=2",

@@ -1,0 +1,75 @@
+"""The sharded train step compiled by the production compilers (XLA:TPU from libtpu, XLA:GPU from
+jax's CUDA plugin) on compile-only devices (`jtree.launch.compile`): configs/tiny.yaml cut to one
+layer, one TPU and one GPU target. The compiler tests skip when `make aot-plugins` has not
+installed the plugins into .aot/; nothing runs on a chip."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.run_util import WORKTREE
+
+AOT = WORKTREE / ".aot"
+SMALL = ["data.seq_len=128", "model.num_hidden_layers=1"]
+
+
+def compile_step(target, *overrides, aot=AOT, json_path=None):
+    env = dict(os.environ, PYTHONPATH=str(WORKTREE), JTREE_AOT_DIR=str(aot))
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "jtree.launch.compile", "--config", "configs/tiny.yaml",
+           "--target", target, *(["--json", str(json_path)] if json_path else []), *overrides]
+    return subprocess.run(cmd, cwd=WORKTREE, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def needs(platform):
+    from jtree.launch.aot_plugins import installed
+
+    if installed(platform, AOT) is None:
+        pytest.skip(f"the {platform} compiler is not in {AOT / platform}: run `make aot-plugins`")
+
+
+def test_absent_plugins_are_one_line_and_status_2(tmp_path):
+    proc = compile_step("gpu-h100x8", aot=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.count("\n") == 1 and "make aot-plugins" in proc.stdout, proc.stdout
+
+
+def test_triton_step_compiles_for_a100(tmp_path):
+    """`auto` on an A100 is the Pallas Triton kernel: inside the sharded step it lowers and XLA:GPU
+    compiles it (a float32 config; Triton is also what `auto` runs for float32 on Hopper)."""
+    needs("cuda")
+    out = tmp_path / "a100.json"
+    proc = compile_step("gpu-a100x8", *SMALL, json_path=out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["attention_impl"] == "pallas_triton", report
+    assert report["device_kind"] == "NVIDIA A100-SXM4-80GB" and report["devices"] == 8
+    assert report["memory"]["fits"] and report["memory"]["temp"] > 0, report["memory"]
+    assert report["collectives"].get("all-reduce"), report  # the data-parallel gradient sum
+    assert "fits 79.26 GiB" in proc.stdout, proc.stdout
+
+
+def test_pallas_tpu_step_compiles_for_v5p(tmp_path):
+    """`auto` on TPU is the Pallas TPU kernel (head_dim 64: its lane layout's smallest); XLA:TPU
+    gives its cost analysis, optimal_seconds included."""
+    needs("tpu")
+    out = tmp_path / "v5p.json"
+    proc = compile_step("tpu-v5p-8", *SMALL, "model.head_dim=64", json_path=out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["attention_impl"] == "pallas_tpu" and report["devices"] == 4, report
+    assert report["memory"]["fits"], report["memory"]
+    assert report["cost"]["flops"] > 0 and report["cost"]["optimal_seconds"] > 0, report["cost"]
+
+
+def test_a_refused_step_is_one_line_and_status_1():
+    """The Pallas TPU kernel refuses tiny's head_dim of 32: reported with the reason, no trace."""
+    needs("tpu")
+    proc = compile_step("tpu-v5p-8", *SMALL)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("tpu-v5p-8: FAILED at lower: ValueError: pallas_tpu: head_dim=32")
+    assert proc.stdout.count("\n") == 1, proc.stdout
