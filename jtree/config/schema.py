@@ -87,13 +87,17 @@ class DomainError(ValueError):
 
 
 def check_domains(section: Any) -> None:
-    """Refuse the first field of dataclass instance `section` outside its declared domain; every
-    section with numeric settings calls this first in its `__post_init__`."""
+    """Refuse the first field of dataclass instance `section` outside its declared domain (a
+    list's every entry: layer indices); every section with numeric settings calls this first in
+    its `__post_init__`."""
     for field in dataclasses.fields(section):
         domain = field.metadata.get(DOMAIN)
         value = getattr(section, field.name)
-        if domain is not None and value is not None and not domain.holds(value):
-            raise DomainError(field.name, value, domain)
+        if domain is None or value is None:
+            continue
+        for i, item in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
+            if not domain.holds(item):
+                raise DomainError(field.name if i is None else f"{field.name}[{i}]", item, domain)
 
 
 def check_value(value: Any, hint: Any, path: str) -> Any:

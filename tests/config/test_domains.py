@@ -7,7 +7,7 @@ import typing
 import pytest
 import yaml
 
-from jtree.config import TrainConfig, load_config
+from jtree.config import ARCHITECTURE_CONFIGS, TrainConfig, load_config
 from jtree.config.schema import DOMAIN, DomainError
 
 
@@ -28,24 +28,29 @@ def _is_numeric(hint) -> bool:
     return any(a in (int, float) for a in typing.get_args(hint) or (hint,))
 
 
-SETTINGS = [(key, field, cls) for key, field, cls, hint in _settings(TrainConfig, "")
-            if _is_numeric(hint)]
+# The run config's sections, and the model section's fields of every architecture.
+ROOTS = [(TrainConfig, ""),
+         *((cls, f"model[{name}].") for name, cls in ARCHITECTURE_CONFIGS.items())]
+SETTINGS = [(key, field, cls) for root, prefix in ROOTS
+            for key, field, cls, hint in _settings(root, prefix) if _is_numeric(hint)]
 
 
 def test_every_numeric_setting_declares_a_domain_its_default_lies_in():
-    assert len(SETTINGS) > 40  # the walk reached every section, nested ones included
+    assert len(SETTINGS) > 150  # every section and architecture, nested ones included
     missing = [key for key, field, _ in SETTINGS if DOMAIN not in field.metadata]
     assert missing == []
     for key, field, _ in SETTINGS:
-        if field.default is not None:
-            assert field.metadata[DOMAIN].holds(field.default), key
+        values = field.default if isinstance(field.default, tuple) else [field.default]
+        assert all(field.metadata[DOMAIN].holds(v) for v in values if v is not None), key
 
 
 @pytest.mark.parametrize("key, field, cls", SETTINGS, ids=[k for k, _, _ in SETTINGS])
 def test_a_section_refuses_a_value_outside_the_domain(key, field, cls):
     domain = field.metadata[DOMAIN]
     outside = domain.low - 1 if domain.low is not None else domain.high + 1
-    with pytest.raises(DomainError, match=rf"^{field.name}: "):
+    if isinstance(field.default, tuple):  # a list setting: each entry in the domain
+        outside = (outside,)
+    with pytest.raises(DomainError, match=rf"^{field.name}(\[0\])?: "):
         cls(**{field.name: outside})
 
 
@@ -62,6 +67,8 @@ def test_a_section_refuses_a_value_outside_the_domain(key, field, cls):
     ("objective.kl_coef=-1", "objective.kl_coef=-1.0 (override): must be >= 0"),
     ("objective.critic={gamma: 1.5}", "objective.critic.gamma=1.5 (override): must be in [0, 1]"),
     ("model.lora={rank: 0, targets: [q_proj]}", "model.lora.rank=0 (override): must be >= 1"),
+    ("model.num_hidden_layers=0", "model.num_hidden_layers=0 (override): must be >= 1"),
+    ("model.rms_norm_eps=-1e-6", "model.rms_norm_eps=-1e-06 (override): must be > 0"),
 ])
 def test_a_bad_override_names_key_value_and_source(override, message):
     with pytest.raises(ValueError) as e:
