@@ -106,7 +106,8 @@ def vllm_chat_turn(response: dict[str, Any], prompt_ids: Sequence[int], *,
     for i, entry in enumerate(content):
         ids.append(_token_id(_field(entry, "token", f"{at}.logprobs.content[{i}].token"),
                              f"{at}.logprobs.content[{i}].token"))
-        lps.append(jv.number(entry.get("logprob"), f"{at}.logprobs.content[{i}].logprob", _LOGPROB))
+        lps.append(jv.number(entry.get("logprob"), f"{at}.logprobs.content[{i}].logprob",
+                             _LOGPROB))
     _agree(chosen.get("token_ids"), ids, f"{at}.token_ids")
     _agree(response.get("prompt_token_ids"), prompt_ids, "prompt_token_ids")
     return _turn(prompt_ids, ids, lps)

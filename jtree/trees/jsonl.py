@@ -84,7 +84,7 @@ def _path_kwargs(items: Sequence[dict[str, Any]], where: Sequence[str]) -> dict[
     return kwargs
 
 
-def check_path_fields(item: dict[str, Any], what: str) -> None:
+def _check_path_fields(item: dict[str, Any], what: str) -> None:
     """The JSON types of the optional per-path fields `item` has (`jtree.trees.json_values`)."""
     for field, check in _PATH_FIELD_TYPES.items():
         if field in item:
@@ -101,7 +101,7 @@ def check_group_line(where: str, rec: dict[str, Any]) -> None:
         raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}")
     jv.group(rec["group"], f"{where}: group")
     jv.integers(rec["tokens"], f"{where}: tokens")
-    check_path_fields(rec, where)
+    _check_path_fields(rec, where)
 
 
 def group_key(rec: dict[str, Any]) -> str:
@@ -192,7 +192,7 @@ def tree_from_record(where: str, rec: dict[str, Any], *, vocab_size: int | None 
             if "node" not in p:
                 raise ValueError(f"{where}: path {i}: missing field 'node'")
             jv.integer(p["node"], f"{where}: path {i}: node")
-            check_path_fields(p, f"{where}: path {i}")
+            _check_path_fields(p, f"{where}: path {i}")
         kwargs["path_nodes"] = [p["node"] for p in paths]
         kwargs.update(_path_kwargs(paths, [f"{where}: path {i}" for i in range(len(paths))]))
     try:

@@ -106,7 +106,8 @@ def test_a_field_that_is_not_a_number_is_named(tmp_path):
         load_trees(path, "groups", vocab_size=VOCAB)
     path = _write(tmp_path / "w.jsonl", [dict(GOOD_TREE, paths=[{"node": 1, "weight": 1},
                                                                 {"node": 2, "weight": "x"}])])
-    with pytest.raises(ValueError, match=rf'^{path}:1: path 1: weight: expected a number, got "x"$'):
+    with pytest.raises(ValueError, match=rf'^{path}:1: path 1: weight: expected a number, '
+                                         r'got "x"$'):
         load_trees(path, "trees", vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"^sequence 0: tokens: expected numbers"):
         TrajectoryTree.from_sequences([[1, [2, 3]]])
