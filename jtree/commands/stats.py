@@ -6,7 +6,8 @@ refused on trees too large for it). Method `redundancy_free` plans the parts of 
 prefix duplicated: N_computed == N_tree, ERR == POR, at any capacity, paths longer than it
 included). `--plot OUT.png` draws one tree (node size by tokens; with a
 capacity, colour by how many heuristic parts compute each node) and its overlap curve; `--json`
-writes every number. Files are read as training reads them (`jtree.training.tree_files.load_trees`): `--format
+writes every number; `--vocab-size` refuses token ids outside the model's vocabulary, as a run
+does. Files are read as training reads them (`jtree.training.tree_files.load_trees`): `--format
 chat` tokenizes conversations with `--tokenizer`, one tree per conversation, one node per message.
 """
 
@@ -28,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stats", help="sharing statistics of a JSONL file of groups, trees or chats")
     p.add_argument("file")
     add_data_arguments(p)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="refuse token ids outside a vocabulary of this size, as training does "
+                        "with model.vocab_size")
     p.add_argument("--json", dest="json_out", default=None, help="write the numbers here")
     p.add_argument("--capacity", type=int, default=None,
                    help="partition every tree into parts of at most this many tree tokens")
@@ -47,7 +51,7 @@ STATS_METHODS = METHODS + ("redundancy_free",)
 
 
 def run(args: argparse.Namespace) -> int:
-    trees = read_data(args.file, args)
+    trees = read_data(args.file, args, vocab_size=args.vocab_size)
     rows = [t.stats() for t in trees]
     total = sum(rows[1:], rows[0])
     header = f"{'tree':>6} {'paths':>6} {'nodes':>6} {'tree_tok':>9} {'flat_tok':>9} {'POR':>6} {'compr':>6}"

@@ -13,6 +13,15 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
+from jtree.config.schema import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    POSITIVE,
+    Domain,
+    check_domains,
+    within,
+)
+
 Mixer = Literal["attention", "sliding_attention", "gated_attention", "gated_deltanet"]
 
 
@@ -27,6 +36,10 @@ MIXERS: tuple[Mixer, ...] = ("attention", "sliding_attention", "gated_attention"
 
 
 FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared")
+
+
+# The share of a head's dimensions that partial RoPE rotates.
+_FRACTION = Domain(low=0, high=1, low_open=True)
 
 
 class LayerKind(NamedTuple):
@@ -122,20 +135,21 @@ class DenseConfig:
     Field names are Hugging Face's, so that `config.json` maps one to one; how to run the model is
     `jtree.config.runtime.RuntimeConfig`."""
 
-    vocab_size: int = 512
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    vocab_size: int = within(AT_LEAST_ONE, 512)
+    hidden_size: int = within(AT_LEAST_ONE, 128)
+    intermediate_size: int = within(AT_LEAST_ONE, 256)
+    num_hidden_layers: int = within(AT_LEAST_ONE, 2)
+    num_attention_heads: int = within(AT_LEAST_ONE, 4)
+    num_key_value_heads: int = within(AT_LEAST_ONE, 2)
+    head_dim: int = within(AT_LEAST_ONE, 32)
+    rms_norm_eps: float = within(POSITIVE, 1e-6)
+    rope_theta: float = within(POSITIVE, 1_000_000.0)
     tie_word_embeddings: bool = True
-    max_position_embeddings: int = 40960
-    initializer_range: float = 0.02
+    max_position_embeddings: int = within(AT_LEAST_ONE, 40960)
+    initializer_range: float = within(POSITIVE, 0.02)
 
     def __post_init__(self) -> None:
+        check_domains(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads ({self.num_key_value_heads}) must divide "
@@ -168,20 +182,16 @@ class Llama3RopeScaling:
     divided by `factor`, fast ones (wavelength below `... / high_freq_factor`) kept, and those in
     between interpolated (`jtree.models.layers.rope_inverse_frequencies`)."""
 
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    factor: float = within(POSITIVE, 8.0)
+    low_freq_factor: float = within(POSITIVE, 1.0)
+    high_freq_factor: float = within(POSITIVE, 4.0)
+    original_max_position_embeddings: int = within(AT_LEAST_ONE, 8192)
 
     def __post_init__(self) -> None:
-        if not self.factor > 0:
-            raise ValueError(f"rope_scaling.factor ({self.factor}) must be > 0")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
+        check_domains(self)
+        if not self.low_freq_factor < self.high_freq_factor:
             raise ValueError(f"rope_scaling: need 0 < low_freq_factor ({self.low_freq_factor}) "
                              f"< high_freq_factor ({self.high_freq_factor})")
-        if self.original_max_position_embeddings < 1:
-            raise ValueError("rope_scaling.original_max_position_embeddings must be >= 1, got "
-                             f"{self.original_max_position_embeddings}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,24 +205,17 @@ class YarnRopeScaling:
     `mscale_all_dim` forms when both are given), as transformers computes them
     (`jtree.models.layers.rope_inverse_frequencies`, `rope_attention_factor`)."""
 
-    factor: float = 32.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
+    factor: float = within(POSITIVE, 32.0)
+    original_max_position_embeddings: int = within(AT_LEAST_ONE, 4096)
+    beta_fast: float = within(POSITIVE, 32.0)
+    beta_slow: float = within(POSITIVE, 1.0)
     truncate: bool = True
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
+    attention_factor: float | None = within(POSITIVE, None)
+    mscale: float | None = within(NON_NEGATIVE, None)
+    mscale_all_dim: float | None = within(NON_NEGATIVE, None)
 
     def __post_init__(self) -> None:
-        if not self.factor > 0:
-            raise ValueError(f"rope_scaling.factor ({self.factor}) must be > 0")
-        if self.original_max_position_embeddings < 1:
-            raise ValueError("rope_scaling.original_max_position_embeddings must be >= 1, got "
-                             f"{self.original_max_position_embeddings}")
-        if not self.beta_fast > 0 or not self.beta_slow > 0:
-            raise ValueError(f"rope_scaling: beta_fast ({self.beta_fast}) and beta_slow "
-                             f"({self.beta_slow}) must be > 0")
+        check_domains(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,13 +251,13 @@ class Qwen3MoeConfig(Qwen3Config):
     when `output_router_logits` is true, as in HF's `*ForCausalLM.forward`.
     """
 
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 64
+    num_experts: int = within(NON_NEGATIVE, 8)
+    num_experts_per_tok: int = within(AT_LEAST_ONE, 2)
+    moe_intermediate_size: int = within(AT_LEAST_ONE, 64)
     norm_topk_prob: bool = False
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    router_aux_loss_coef: float = 0.001
+    decoder_sparse_step: int = within(AT_LEAST_ONE, 1)
+    mlp_only_layers: tuple[int, ...] = within(NON_NEGATIVE, ())
+    router_aux_loss_coef: float = within(NON_NEGATIVE, 0.001)
     output_router_logits: bool = False
 
     def __post_init__(self) -> None:
@@ -263,8 +266,6 @@ class Qwen3MoeConfig(Qwen3Config):
         if not 1 <= self.num_experts_per_tok <= max(self.num_experts, 1):
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
                              f"[1, num_experts={self.num_experts}]")
-        if self.decoder_sparse_step < 1:
-            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
 
     def sparse_layers(self) -> list[bool]:
         """Which decoder layers get a MoE block instead of a dense MLP (HF's rule)."""
@@ -284,13 +285,13 @@ class HybridFields:
     rest linear attention (HF's default); given, it wins. Mixed into an architecture config that
     holds `num_hidden_layers` and `head_dim`."""
 
-    partial_rotary_factor: float = 0.25
-    linear_conv_kernel_dim: int = 4
-    linear_key_head_dim: int = 16
-    linear_value_head_dim: int = 16
-    linear_num_key_heads: int = 2
-    linear_num_value_heads: int = 4
-    full_attention_interval: int = 4
+    partial_rotary_factor: float = within(_FRACTION, 0.25)
+    linear_conv_kernel_dim: int = within(AT_LEAST_ONE, 4)
+    linear_key_head_dim: int = within(AT_LEAST_ONE, 16)
+    linear_value_head_dim: int = within(AT_LEAST_ONE, 16)
+    linear_num_key_heads: int = within(AT_LEAST_ONE, 2)
+    linear_num_value_heads: int = within(AT_LEAST_ONE, 4)
+    full_attention_interval: int = within(AT_LEAST_ONE, 4)
     layer_types: tuple[str, ...] | None = None
 
     def check_hybrid(self) -> None:
@@ -300,8 +301,6 @@ class HybridFields:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"linear_num_key_heads ({self.linear_num_key_heads}) must divide "
                              f"linear_num_value_heads ({self.linear_num_value_heads})")
-        if self.linear_conv_kernel_dim < 1:
-            raise ValueError(f"linear_conv_kernel_dim must be >= 1, got {self.linear_conv_kernel_dim}")
         if self.rotary_dim % 2 or self.rotary_dim < 2:
             raise ValueError(f"partial_rotary_factor ({self.partial_rotary_factor}) x head_dim "
                              f"({self.head_dim}) must give an even rotary dimension >= 2")
@@ -325,8 +324,8 @@ class Qwen3NextConfig(Qwen3MoeConfig, HybridFields):
     expert (a dense SwiGLU where HF's rule says, as in Qwen3-MoE), fused GDN projections."""
 
     norm_topk_prob: bool = True
-    head_dim: int = 32
-    shared_expert_intermediate_size: int = 64
+    head_dim: int = within(AT_LEAST_ONE, 32)
+    shared_expert_intermediate_size: int = within(AT_LEAST_ONE, 64)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -344,7 +343,7 @@ class Qwen3_5Config(Qwen3Config, HybridFields):
     transformers' multimodal (mrope) form, which for text is 1-D RoPE (`jtree.models.
     architectures.qwen3_5`)."""
 
-    head_dim: int = 32
+    head_dim: int = within(AT_LEAST_ONE, 32)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -390,23 +389,23 @@ class GptOssConfig(DenseConfig):
     `swiglu_limit`; `DecoderSpec.swiglu_clamp`). `intermediate_size` is each expert's width
     (`moe_intermediate_size` reads it); `num_experts` is HF's `num_local_experts`."""
 
-    vocab_size: int = 512
-    hidden_size: int = 64
-    intermediate_size: int = 32
-    num_hidden_layers: int = 2
-    head_dim: int = 16
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 150000.0
+    vocab_size: int = within(AT_LEAST_ONE, 512)
+    hidden_size: int = within(AT_LEAST_ONE, 64)
+    intermediate_size: int = within(AT_LEAST_ONE, 32)
+    num_hidden_layers: int = within(AT_LEAST_ONE, 2)
+    head_dim: int = within(AT_LEAST_ONE, 16)
+    rms_norm_eps: float = within(POSITIVE, 1e-5)
+    rope_theta: float = within(POSITIVE, 150000.0)
     tie_word_embeddings: bool = False
-    max_position_embeddings: int = 131072
+    max_position_embeddings: int = within(AT_LEAST_ONE, 131072)
     attention_bias: bool = True
-    num_experts: int = 4
-    num_experts_per_tok: int = 2
-    router_aux_loss_coef: float = 0.001
+    num_experts: int = within(NON_NEGATIVE, 4)
+    num_experts_per_tok: int = within(AT_LEAST_ONE, 2)
+    router_aux_loss_coef: float = within(NON_NEGATIVE, 0.001)
     output_router_logits: bool = False
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    sliding_window: int = 128
+    swiglu_alpha: float = within(POSITIVE, 1.702)
+    swiglu_limit: float = within(POSITIVE, 7.0)
+    sliding_window: int = within(AT_LEAST_ONE, 128)
     layer_types: tuple[str, ...] | None = None
     # transformers' default for gpt-oss (the released models' scaling); None: plain RoPE
     rope_scaling: YarnRopeScaling | None = dataclasses.field(
@@ -417,13 +416,9 @@ class GptOssConfig(DenseConfig):
         super().__post_init__()
         fill_layer_types(self, GPT_OSS_LAYER_TYPES, lambda i: "sliding_attention" if (
             i + 1) % 2 else "full_attention")
-        if self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
                              f"[1, num_experts={self.num_experts}]")
-        if not self.swiglu_limit > 0:
-            raise ValueError(f"swiglu_limit must be > 0, got {self.swiglu_limit}")
 
     @property
     def moe_intermediate_size(self) -> int:

@@ -9,7 +9,14 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from jtree.config.architectures import Qwen3Config, architecture_config
-from jtree.config.schema import check_value, from_dict
+from jtree.config.schema import (
+    AT_LEAST_ONE,
+    POSITIVE,
+    check_domains,
+    check_value,
+    from_dict,
+    within,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +87,13 @@ class LoraConfig:
     parameter path one of `targets` (regexes) is found in; `base_dtype` stores the frozen base in
     that dtype (None: the model's parameter dtype)."""
 
-    rank: int = 8
-    alpha: float = 16.0
+    rank: int = within(AT_LEAST_ONE, 8)
+    alpha: float = within(POSITIVE, 16.0)
     targets: tuple[str, ...] = ()
     base_dtype: Literal["float32", "bfloat16"] | None = None
 
     def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"rank: {self.rank} must be >= 1")
+        check_domains(self)
         if not self.targets:
             raise ValueError("targets: name at least one parameter path regex "
                              "(e.g. ['self_attn/(q|v)_proj'])")

@@ -8,6 +8,19 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
+from jtree.config.schema import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    POSITIVE,
+    UNIT_INTERVAL,
+    Domain,
+    check_domains,
+    within,
+)
+
+# Adam's moment decay rates: 1 would never forget the first gradient.
+_DECAY_RATE = Domain(low=0, high=1, high_open=True)
+
 Estimator = Literal["given", "grpo", "dr_grpo", "rloo", "tree", "turn"]
 
 
@@ -41,11 +54,12 @@ class OffPolicyConfig:
     silently unused."""
 
     kind: OffPolicyKind = "none"
-    cap: float | None = None
-    low: float | None = None
-    high: float | None = None
+    cap: float | None = within(POSITIVE, None)
+    low: float | None = within(NON_NEGATIVE, None)
+    high: float | None = within(POSITIVE, None)
 
     def __post_init__(self) -> None:
+        check_domains(self)
         if self.kind not in OFF_POLICY_KINDS:
             raise ValueError(f"kind: {self.kind!r} is not one of {OFF_POLICY_KINDS}")
         wants = {"none": (), "tis": ("cap",), "seq_tis": ("cap",), "mis": ("low", "high"),
@@ -57,9 +71,7 @@ class OffPolicyConfig:
             if name not in wants and value is not None:
                 raise ValueError(f"{name}: not read by kind {self.kind!r} (truncation reads "
                                  "cap, masking reads low and high)")
-        if self.cap is not None and not self.cap > 0:
-            raise ValueError(f"cap: {self.cap} must be > 0")
-        if self.low is not None and not 0 <= self.low < self.high:
+        if self.low is not None and not self.low < self.high:
             raise ValueError(f"low, high: [{self.low}, {self.high}] must satisfy 0 <= low < high")
 
     @property
@@ -89,22 +101,17 @@ class CriticConfig:
     `learning_rate`: the peak learning rate of the critic's own parameters (the value head, or
     the separate critic), on the policy's warmup and decay schedule (unset: the policy's)."""
 
-    gamma: float = 1.0
-    lam: float = 1.0
-    value_coef: float = 0.5
-    value_clip: float = 0.2
+    gamma: float = within(UNIT_INTERVAL, 1.0)
+    lam: float = within(UNIT_INTERVAL, 1.0)
+    value_coef: float = within(NON_NEGATIVE, 0.5)
+    value_clip: float = within(NON_NEGATIVE, 0.2)
     model: Literal["head", "separate"] = "head"
     network: Any = None
     init_from: str = "policy"
-    learning_rate: float | None = None
+    learning_rate: float | None = within(POSITIVE, None)
 
     def __post_init__(self) -> None:
-        for name in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name}: {getattr(self, name)} is not in [0, 1]")
-        for name in ("value_coef", "value_clip"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: {getattr(self, name)} is negative")
+        check_domains(self)
         if self.model not in ("head", "separate"):
             raise ValueError(f"model: {self.model!r} is not 'head' (a value head on the policy "
                              "trunk) or 'separate' (a critic model of its own)")
@@ -116,8 +123,6 @@ class CriticConfig:
                 or dataclasses.is_dataclass(self.network)):
             raise ValueError(f"network: expected a mapping (architecture and config fields), "
                              f"got {type(self.network).__name__}")
-        if self.learning_rate is not None and self.learning_rate <= 0:
-            raise ValueError(f"learning_rate: {self.learning_rate} must be > 0")
 
     @property
     def separate(self) -> bool:
@@ -151,28 +156,27 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
 
     kind: Literal["sft", "ppo", "gspo"] = "sft"
     advantage: Estimator = "given"
-    turn_discount: float = 1.0
+    turn_discount: float = within(UNIT_INTERVAL, 1.0)
     critic: CriticConfig | None = None
     normalization: Normalization = "seq_mean_token_mean"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    logprob_chunk: int = 1024
-    old_logprob_tolerance: float = 1e-3
+    clip_low: float = within(NON_NEGATIVE, 0.2)
+    clip_high: float = within(NON_NEGATIVE, 0.2)
+    kl_coef: float = within(NON_NEGATIVE, 0.0)
+    entropy_coef: float = within(NON_NEGATIVE, 0.0)
+    logprob_chunk: int = within(AT_LEAST_ONE, 1024)
+    old_logprob_tolerance: float = within(NON_NEGATIVE, 1e-3)
     reference: str | None = None
     off_policy: OffPolicyConfig = OffPolicyConfig()
     routing_replay: bool = False
 
     def __post_init__(self) -> None:
+        check_domains(self)
         self._check_off_policy()
         if self.critic is not None and self.kind != "ppo":
             raise ValueError(f"critic: needs kind 'ppo', not {self.kind!r}")
         if self.critic is not None and self.advantage != "given":
             raise ValueError(f"advantage: {self.advantage!r} with a critic (the critic's GAE "
                              "gives the advantages; leave objective.advantage unset)")
-        if not 0.0 <= self.turn_discount <= 1.0:
-            raise ValueError(f"turn_discount: {self.turn_discount} must be in [0, 1]")
         if self.turn_discount != 1.0 and self.advantage != "turn":
             raise ValueError(f"turn_discount: {self.turn_discount} discounts the turns of "
                              f"advantage 'turn', not {self.advantage!r}")
@@ -203,12 +207,15 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
 class OptimConfig:
     """AdamW with global-norm clipping and a warmup + cosine learning-rate schedule."""
 
-    learning_rate: float = 3e-4
-    warmup_steps: int = 10
-    decay_steps: int = 1000
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float = 1.0
+    learning_rate: float = within(POSITIVE, 3e-4)
+    warmup_steps: int = within(NON_NEGATIVE, 10)
+    decay_steps: int = within(AT_LEAST_ONE, 1000)
+    min_lr_ratio: float = within(UNIT_INTERVAL, 0.1)
+    weight_decay: float = within(NON_NEGATIVE, 0.0)
+    b1: float = within(_DECAY_RATE, 0.9)
+    b2: float = within(_DECAY_RATE, 0.95)
+    eps: float = within(POSITIVE, 1e-8)
+    clip_norm: float = within(POSITIVE, 1.0)
+
+    def __post_init__(self) -> None:
+        check_domains(self)

@@ -23,7 +23,17 @@ import yaml
 from jtree.config.model import ModelSpec, critic_network
 from jtree.config.objective import Objective, OptimConfig
 from jtree.config.runtime import RuntimeConfig
-from jtree.config.schema import apply_overrides, from_dict
+from jtree.config.schema import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    POSITIVE,
+    Domain,
+    DomainError,
+    apply_overrides,
+    check_domains,
+    from_dict,
+    within,
+)
 
 # The Gated DeltaNet chunk length every GDN table uses unless `data.gdn_chunk_size` says otherwise.
 DEFAULT_CHUNK_SIZE = 64
@@ -67,32 +77,24 @@ class DataConfig:
 
     path: str = "data/sample_groups.jsonl"
     format: Literal["groups", "trees", "chat", "traces"] = "groups"
-    seq_len: int = 1024
-    trees_per_step: int = 8
-    micro_batches: int = 1
-    rows_per_micro_batch: int | None = None
-    shuffle_seed: int = 0
+    seq_len: int = within(AT_LEAST_ONE, 1024)
+    trees_per_step: int = within(AT_LEAST_ONE, 8)
+    micro_batches: int = within(AT_LEAST_ONE, 1)
+    rows_per_micro_batch: int | None = within(AT_LEAST_ONE, None)
+    shuffle_seed: int = within(NON_NEGATIVE, 0)
     partition_method: Literal["heuristic", "dp_single", "dp_multi"] = "heuristic"
     on_bad_record: Literal["raise", "skip"] = "raise"
     tokenizer: str = "bytes"
     trace_drift: Literal["reject", "branch"] = "reject"
-    worker_count: int = 0
-    gdn_chunk_size: int = DEFAULT_CHUNK_SIZE
-    gdn_chunks: int | None = None
-    row_steps_per_octave: int | None = None
+    worker_count: int = within(NON_NEGATIVE, 0)
+    gdn_chunk_size: int = within(AT_LEAST_ONE, DEFAULT_CHUNK_SIZE)
+    gdn_chunks: int | None = within(AT_LEAST_ONE, None)
+    row_steps_per_octave: int | None = within(AT_LEAST_ONE, None)
     prune_zero_gradient: bool = False
     share_prefixes: Literal["within_groups", "across_groups"] = "within_groups"
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "trees_per_step", "micro_batches", "gdn_chunk_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
-        if self.rows_per_micro_batch is not None and self.rows_per_micro_batch < 1:
-            raise ValueError(f"rows_per_micro_batch: {self.rows_per_micro_batch} must be >= 1")
-        if self.gdn_chunks is not None and self.gdn_chunks < 1:
-            raise ValueError(f"gdn_chunks: {self.gdn_chunks} must be >= 1")
-        if self.worker_count < 0:
-            raise ValueError(f"worker_count: {self.worker_count} must be >= 0")
+        check_domains(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,14 +105,13 @@ class CheckpointConfig:
     unreadable: `fallback` (log it and resume from the newest intact one) or `raise`."""
 
     dir: str | None = None
-    every: int = 100
-    keep: int = 3
+    every: int = within(AT_LEAST_ONE, 100)
+    keep: int = within(AT_LEAST_ONE, 3)
     async_save: bool = True
     on_corrupt: Literal["fallback", "raise"] = "fallback"
 
     def __post_init__(self) -> None:
-        if self.every < 1 or self.keep < 1:
-            raise ValueError(f"every ({self.every}) and keep ({self.keep}) must be >= 1")
+        check_domains(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,20 +134,23 @@ class RunConfig:
     resume tests, the process SIGKILLs itself once the checkpoint of that step is committed.
     """
 
-    steps: int = 20
-    seed: int = 0
+    steps: int = within(AT_LEAST_ONE, 20)
+    seed: int = within(NON_NEGATIVE, 0)
     mode: Literal["tree", "baseline", "auto", "redundancy_free"] = "tree"
-    auto_min_gain: float = 1.05
-    capacity: int | None = None
+    auto_min_gain: float = within(POSITIVE, 1.05)
+    capacity: int | None = within(AT_LEAST_ONE, None)
     prefix_backward: Literal["residuals", "recompute", "auto"] = "auto"
-    row_steps_per_octave: int = ROW_STEPS_PER_OCTAVE
+    row_steps_per_octave: int = within(AT_LEAST_ONE, ROW_STEPS_PER_OCTAVE)
     host_malloc: Literal["auto", "keep", "default"] = "auto"
-    log_every: int = 1
+    log_every: int = within(AT_LEAST_ONE, 1)
     compare_baseline: bool = True
-    timing_repeats: int = 5
+    timing_repeats: int = within(AT_LEAST_ONE, 5)
     metrics_jsonl: str | None = None
     tensorboard_dir: str | None = None
-    kill_after_checkpoint: int | None = None
+    kill_after_checkpoint: int | None = within(AT_LEAST_ONE, None)
+
+    def __post_init__(self) -> None:
+        check_domains(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,17 +159,13 @@ class MeshConfig:
     left over. `fsdp` > 1 shards parameters and optimizer state over that many data-parallel
     devices; `context` > 1 splits every row's tokens over that many devices."""
 
-    data: int = -1
-    fsdp: int = 1
-    context: int = 1
-    model: int = 1
+    data: int = within(Domain(low=1, also=(-1,)), -1)
+    fsdp: int = within(AT_LEAST_ONE, 1)
+    context: int = within(AT_LEAST_ONE, 1)
+    model: int = within(AT_LEAST_ONE, 1)
 
     def __post_init__(self) -> None:
-        for axis in ("fsdp", "context", "model"):
-            if getattr(self, axis) < 1:
-                raise ValueError(f"{axis}: {getattr(self, axis)} must be >= 1")
-        if self.data == 0 or self.data < -1:
-            raise ValueError(f"data: {self.data} must be >= 1 or -1 (all remaining devices)")
+        check_domains(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,8 +232,20 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
             data = yaml.safe_load(f) or {}
     try:
         return from_dict(TrainConfig, apply_overrides(data, overrides))
+    except DomainError as e:
+        raise e.sourced(_source(e.key, path, overrides)) from None
     except ValueError as e:
         raise ValueError(f"{path or 'config'}: {e}") from None
+
+
+def _source(key: str, path: str | Path | None, overrides: Sequence[str]) -> str:
+    """Where the setting `key` of a loaded config came from: `override` when a command-line
+    override sets it (or a section above it), else the YAML file's name."""
+    for item in overrides:
+        name = item.partition("=")[0]
+        if key == name or key.startswith(f"{name}."):
+            return "override"
+    return Path(path).name if path is not None else "defaults"
 
 
 def config_values(cfg: TrainConfig) -> dict[str, Any]:

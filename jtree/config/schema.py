@@ -1,9 +1,14 @@
 """Typed config parsing: mappings (YAML) into frozen dataclasses, checked key by key.
 
 Unknown keys and wrong types fail with the dotted key path, so a typo in a config never silently
-falls back to a default. A dataclass that needs more than its fields' types to be read (the model
-section, whose fields depend on the architecture it names) gives a `from_config(value, path)`
-classmethod, which the parser calls instead.
+falls back to a default. A numeric setting declares its domain beside its field (`within`, e.g.
+a learning rate > 0): a value outside it would still run, only wrongly (a negative learning rate
+climbs the loss), so it is refused when the section is built (`check_domains`), naming the key
+and, through `load_config`, where the value came from.
+
+A dataclass that needs more than its fields' types to be read (the model section, whose fields
+depend on the architecture it names) gives a `from_config(value, path)` classmethod, which the
+parser calls instead.
 """
 
 from __future__ import annotations
@@ -19,6 +24,81 @@ import yaml
 
 _YAML11_EXPONENT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
 
+# The field metadata key of a setting's domain.
+DOMAIN = "domain"
+
+
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """The values a numeric setting may take: an interval (either end open, closed or absent)
+    plus the single values in `also` (the mesh's -1: every device left over)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple[float, ...] = ()
+
+    def holds(self, value: float) -> bool:
+        if value in self.also:
+            return True
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            text = (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+                    f"{')' if self.high_open else ']'}")
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            text = f"{'<' if self.high_open else '<='} {self.high:g}"
+        return " or ".join([text, *(f"{v:g}" for v in self.also)])
+
+
+POSITIVE = Domain(low=0, low_open=True)
+NON_NEGATIVE = Domain(low=0)
+AT_LEAST_ONE = Domain(low=1)
+UNIT_INTERVAL = Domain(low=0, high=1)
+
+
+def within(domain: Domain, default: Any) -> Any:
+    """A dataclass field with `default` whose values must lie in `domain` (None, where the type
+    allows it, means unset and is always allowed)."""
+    return dataclasses.field(default=default, metadata={DOMAIN: domain})
+
+
+class DomainError(ValueError):
+    """A setting outside its domain: `key` (dotted, as far as it is known), `value`, `domain`."""
+
+    def __init__(self, key: str, value: Any, domain: Domain):
+        self.key, self.value, self.domain = key, value, domain
+        super().__init__(f"{key}: {value!r} must be {domain}")
+
+    def under(self, path: str) -> DomainError:
+        """The same error with `path` (the section's key) in front of the key."""
+        return DomainError(f"{path}.{self.key}" if path else self.key, self.value, self.domain)
+
+    def sourced(self, source: str) -> ValueError:
+        """The error as a run config reports it: key=value, where the value came from (a YAML
+        file's name or `override`), and the domain."""
+        return ValueError(f"{self.key}={self.value!r} ({source}): must be {self.domain}")
+
+
+def check_domains(section: Any) -> None:
+    """Refuse the first field of dataclass instance `section` outside its declared domain (a
+    list's every entry: layer indices); every section with numeric settings calls this first in
+    its `__post_init__`."""
+    for field in dataclasses.fields(section):
+        domain = field.metadata.get(DOMAIN)
+        value = getattr(section, field.name)
+        if domain is None or value is None:
+            continue
+        for i, item in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
+            if not domain.holds(item):
+                raise DomainError(field.name if i is None else f"{field.name}[{i}]", item, domain)
+
 
 def check_value(value: Any, hint: Any, path: str) -> Any:
     """`value` read as type `hint` (dataclasses through `from_dict`, unions, literals, tuples,
@@ -32,15 +112,17 @@ def check_value(value: Any, hint: Any, path: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors: list[ValueError] = []
         for a in args:
             if a is type(None):
                 continue
             try:
                 return check_value(value, a, path)
             except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches no type of {hint}")
+                errors.append(e)
+        if len(errors) == 1:
+            raise errors[0]
+        raise ValueError(f"{path}: {value!r} matches no type of {hint}")
     if origin is Literal:
         if value not in args:
             raise ValueError(f"{path}: {value!r} is not one of {args}")
@@ -90,6 +172,8 @@ def from_dict(cls: type, data: Mapping[str, Any] | None, path: str = "") -> Any:
     }
     try:
         return cls(**kwargs)
+    except DomainError as e:
+        raise e.under(path) from None
     except ValueError as e:
         raise ValueError(f"{path or '<root>'}: {e}") from None
 

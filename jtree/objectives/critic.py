@@ -40,10 +40,8 @@ def critic_update_scale(critic_learning_rate: float, learning_rate: float
     updates (the policy's schedule times the update direction) scaled by
     critic_learning_rate / learning_rate. The schedule (warmup from 0, cosine to a fixed ratio
     of the peak) is proportional to its peak, so this is AdamW at the critic's peak rate on the
-    same schedule, with no second optimizer state."""
-    if learning_rate <= 0:
-        raise ValueError(f"objective.critic.learning_rate: needs optim.learning_rate > 0, not "
-                         f"{learning_rate} (the critic's rate scales the policy's schedule)")
+    same schedule, with no second optimizer state. `learning_rate` > 0 is `OptimConfig`'s
+    domain."""
     ratio = critic_learning_rate / learning_rate
 
     def update_fn(updates: Any, state: Any, params: Any = None):

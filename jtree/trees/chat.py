@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jtree.trees import json_values as jv
 from jtree.trees.tree import TrajectoryTree
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -85,25 +86,23 @@ def _validate(record: Mapping[str, Any], where: str) -> list[Mapping[str, Any]]:
     if set(record) - {"messages", "id"}:
         raise ValueError(f"{where}: unknown field {sorted(set(record) - {'messages', 'id'})[0]!r}")
     messages = record.get("messages")
-    if not isinstance(messages, list) or not messages:
+    if not jv.json_list(messages, f"{where}: messages", "a non-empty list of messages"):
         raise ValueError(f"{where}: messages must be a non-empty list")
     for i, m in enumerate(messages):
         at = f"{where}: messages[{i}]"
-        if not isinstance(m, dict):
-            raise ValueError(f"{at}: expected an object")
+        jv.json_object(m, at)
         unknown = set(m) - {"role", "content", "reasoning_content"}
         if unknown:
             raise ValueError(f"{at}: unknown field {sorted(unknown)[0]!r}")
-        if m.get("role") not in ROLES:
-            raise ValueError(f"{at}.role: {m.get('role')!r} is not one of {ROLES}")
+        for field in ("role", "content"):
+            if field not in m:
+                raise ValueError(f"{at}.{field}: missing")
+        if jv.string(m["role"], f"{at}.role") not in ROLES:
+            raise ValueError(f"{at}.role: {m['role']!r} is not one of {ROLES}")
         for field in ("content", "reasoning_content"):
-            if field in m and not isinstance(m[field], str):
-                raise ValueError(f"{at}.{field}: expected a string")
-            if field in m and not _is_unicode(m[field]):
+            if field in m and not _is_unicode(jv.string(m[field], f"{at}.{field}")):
                 raise ValueError(f"{at}.{field}: not valid Unicode (a lone surrogate escape such "
                                  "as \\ud800, which no tokenizer can encode)")
-        if "content" not in m:
-            raise ValueError(f"{at}.content: missing")
         if "reasoning_content" in m and m["role"] != "assistant":
             raise ValueError(f"{at}.reasoning_content: only assistant messages have reasoning")
     if not any(m["role"] == "assistant" for m in messages):

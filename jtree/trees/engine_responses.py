@@ -27,9 +27,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jtree.trees import json_values as jv
 from jtree.trees.path_data import preview
 
 _TOKEN_ID_PREFIX = "token_id:"
+_LOGPROB = "a log-probability"
+_SGLANG_ENTRY = "[logprob, token_id, text]"
 
 
 def _field(obj: Any, key: str | int, at: str) -> Any:
@@ -51,12 +54,6 @@ def _token_id(token: Any, at: str) -> int:
     if not digits.isdigit():
         raise ValueError(f"{at}: {preview(token)} is not a 'token_id:<id>' string")
     return int(digits)
-
-
-def _logprob(value: Any, at: str) -> float:
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{at}: expected a log-probability, got {preview(value)}")
-    return float(value)
 
 
 def _agree(reported: Any, expected: Sequence[int], at: str) -> None:
@@ -89,7 +86,8 @@ def vllm_completion_turn(response: dict[str, Any], prompt_ids: Sequence[int], *,
         raise ValueError(f"{at}.logprobs.token_logprobs: {len(values)} values for "
                          f"{len(tokens)} tokens")
     ids = [_token_id(t, f"{at}.logprobs.tokens[{i}]") for i, t in enumerate(tokens)]
-    lps = [_logprob(v, f"{at}.logprobs.token_logprobs[{i}]") for i, v in enumerate(values)]
+    lps = [jv.number(v, f"{at}.logprobs.token_logprobs[{i}]", _LOGPROB)
+           for i, v in enumerate(values)]
     _agree(chosen.get("token_ids"), ids, f"{at}.token_ids")
     _agree(chosen.get("prompt_token_ids"), prompt_ids, f"{at}.prompt_token_ids")
     return _turn(prompt_ids, ids, lps)
@@ -108,7 +106,8 @@ def vllm_chat_turn(response: dict[str, Any], prompt_ids: Sequence[int], *,
     for i, entry in enumerate(content):
         ids.append(_token_id(_field(entry, "token", f"{at}.logprobs.content[{i}].token"),
                              f"{at}.logprobs.content[{i}].token"))
-        lps.append(_logprob(entry.get("logprob"), f"{at}.logprobs.content[{i}].logprob"))
+        lps.append(jv.number(entry.get("logprob"), f"{at}.logprobs.content[{i}].logprob",
+                             _LOGPROB))
     _agree(chosen.get("token_ids"), ids, f"{at}.token_ids")
     _agree(response.get("prompt_token_ids"), prompt_ids, "prompt_token_ids")
     return _turn(prompt_ids, ids, lps)
@@ -123,12 +122,10 @@ def sglang_generate_turn(response: dict[str, Any], prompt_ids: Sequence[int]
     ids, lps = [], []
     for i, entry in enumerate(entries):
         at = f"meta_info.output_token_logprobs[{i}]"
-        if not isinstance(entry, list) or len(entry) < 2:
-            raise ValueError(f"{at}: expected [logprob, token_id, text], got {preview(entry)}")
-        if isinstance(entry[1], bool) or not isinstance(entry[1], int):
-            raise ValueError(f"{at}[1]: expected a token id, got {preview(entry[1])}")
-        lps.append(_logprob(entry[0], f"{at}[0]"))
-        ids.append(entry[1])
+        if len(jv.json_list(entry, at, _SGLANG_ENTRY)) < 2:
+            raise jv.refuse(at, _SGLANG_ENTRY, entry)
+        lps.append(jv.number(entry[0], f"{at}[0]", _LOGPROB))
+        ids.append(jv.integer(entry[1], f"{at}[1]"))
     _agree(response.get("output_ids"), ids, "output_ids")
     inputs = meta.get("input_token_logprobs")
     if inputs is not None:  # the prompt's tail from logprob_start_len on

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from jtree.trees import json_values as jv
 from jtree.trees.tree import TrajectoryTree
 
 # What a reader runs on each tree it reads (advantages, objective checks); may raise ValueError.
@@ -32,6 +33,10 @@ Prepare = Callable[[TrajectoryTree], TrajectoryTree]
 
 _PATH_FIELDS = {"loss_mask": "loss_masks", "advantage": "advantages", "reward": "rewards",
                 "old_logprobs": "old_logprobs"}
+# The JSON type of every optional per-path field (of a group line and of a tree's path).
+_PATH_FIELD_TYPES = {"loss_mask": jv.integers, "advantage": jv.number_or_numbers,
+                     "reward": jv.number_or_numbers, "old_logprobs": jv.numbers,
+                     "weight": jv.number}
 
 
 def iter_lines(path: str | Path) -> Iterator[tuple[str, bytes]]:
@@ -79,14 +84,24 @@ def _path_kwargs(items: Sequence[dict[str, Any]], where: Sequence[str]) -> dict[
     return kwargs
 
 
+def _check_path_fields(item: dict[str, Any], what: str) -> None:
+    """The JSON types of the optional per-path fields `item` has (`jtree.trees.json_values`)."""
+    for field, check in _PATH_FIELD_TYPES.items():
+        if field in item:
+            check(item[field], f"{what}: {field}")
+
+
 def check_group_line(where: str, rec: dict[str, Any]) -> None:
-    """Field names of one sequence-group line."""
+    """Field names and JSON types of one sequence-group line."""
     for field in ("group", "tokens"):
         if field not in rec:
             raise ValueError(f"{where}: missing field {field!r}")
     unknown = set(rec) - {"group", "tokens", "weight", *_PATH_FIELDS}
     if unknown:
         raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+    jv.group(rec["group"], f"{where}: group")
+    jv.integers(rec["tokens"], f"{where}: tokens")
+    _check_path_fields(rec, where)
 
 
 def group_key(rec: dict[str, Any]) -> str:
@@ -167,14 +182,17 @@ def tree_from_record(where: str, rec: dict[str, Any], *, vocab_size: int | None 
     unknown = set(rec) - {"parents", "segments", "paths", "id"}
     if unknown:
         raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}")
-    paths = rec.get("paths")
+    jv.integers(rec["parents"], f"{where}: parents")
+    jv.integers(rec["segments"], f"{where}: segments", depth=2)
     kwargs: dict[str, Any] = {}
-    if paths is not None:
-        if not isinstance(paths, list) or not all(isinstance(p, dict) for p in paths):
-            raise ValueError(f"{where}: paths must be a list of objects")
+    if "paths" in rec:
+        paths = jv.json_list(rec["paths"], f"{where}: paths", "a list of paths")
         for i, p in enumerate(paths):
+            jv.json_object(p, f"{where}: path {i}")
             if "node" not in p:
                 raise ValueError(f"{where}: path {i}: missing field 'node'")
+            jv.integer(p["node"], f"{where}: path {i}: node")
+            _check_path_fields(p, f"{where}: path {i}")
         kwargs["path_nodes"] = [p["node"] for p in paths]
         kwargs.update(_path_kwargs(paths, [f"{where}: path {i}" for i in range(len(paths))]))
     try:

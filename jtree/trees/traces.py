@@ -52,14 +52,9 @@ from typing import Any
 
 import numpy as np
 
+from jtree.trees import json_values as jv
 from jtree.trees.jsonl import Prepare, group_key, iter_lines, parse_line, tree_from_group
-from jtree.trees.path_data import (
-    as_token_array,
-    check_log_probabilities,
-    path_reward,
-    per_token,
-    preview,
-)
+from jtree.trees.path_data import as_token_array, check_log_probabilities, per_token
 from jtree.trees.routed_experts import Experts, check_routing, routed_array
 from jtree.trees.tree import TrajectoryTree
 
@@ -96,15 +91,8 @@ class Rollout:
     routed: tuple[np.ndarray, ...] | None = None
 
 
-def _scalar(value: Any, what: str) -> float:
-    if isinstance(value, list):
-        raise ValueError(f"{what}: expected a number, got {preview(value)}")
-    return float(path_reward(value, what)[0])
-
-
 def _check_fields(rec: Any, allowed: Sequence[str], required: Sequence[str], what: str) -> None:
-    if not isinstance(rec, dict):
-        raise ValueError(f"{what}: expected an object")
+    jv.json_object(rec, what)
     for field in required:
         if field not in rec:
             raise ValueError(f"{what}: missing field {field!r}")
@@ -115,20 +103,22 @@ def _check_fields(rec: Any, allowed: Sequence[str], required: Sequence[str], wha
 
 def _read_turn(at: str, rec: Any, vocab_size: int | None, experts: Experts | None) -> _Turn:
     _check_fields(rec, _TURN_FIELDS, ("prompt_ids", "output_ids"), at)
-    prompt = as_token_array(rec["prompt_ids"], f"{at}.prompt_ids", vocab_size)
-    output = as_token_array(rec["output_ids"], f"{at}.output_ids", vocab_size)
+    prompt, output = (as_token_array(jv.integers(rec[field], f"{at}.{field}"), f"{at}.{field}",
+                                     vocab_size) for field in ("prompt_ids", "output_ids"))
     logprobs = None
     if "output_logprobs" in rec:
         what = f"{at}.output_logprobs"
-        logprobs = per_token(rec["output_logprobs"], len(output), what, allow_scalar=False)
+        logprobs = per_token(jv.numbers(rec["output_logprobs"], what), len(output), what,
+                             allow_scalar=False)
         check_log_probabilities(logprobs, what)
     routed = None
     if "routed_experts" in rec:
-        routed = routed_array(rec["routed_experts"], len(output), f"{at}.routed_experts")
+        what = f"{at}.routed_experts"
+        routed = routed_array(jv.integer_leaves(rec["routed_experts"], what), len(output), what)
         if experts is not None:
             check_routing(routed, f"{at}.routed_experts", num_experts=experts.num_experts,
                           layers=experts.layers, top_k=experts.top_k)
-    reward = _scalar(rec["reward"], f"{at}.reward") if "reward" in rec else None
+    reward = jv.number(rec["reward"], f"{at}.reward") if "reward" in rec else None
     return _Turn(prompt, output, logprobs, reward, routed)
 
 
@@ -184,9 +174,11 @@ def read_rollout(where: str, rec: dict[str, Any], *, vocab_size: int | None = No
     if drift not in DRIFT_POLICIES:
         raise ValueError(f"trace_drift: {drift!r} is not one of {DRIFT_POLICIES}")
     _check_fields(rec, _RECORD_FIELDS, ("group", "turns"), where)
-    if not isinstance(rec["turns"], list) or not rec["turns"]:
-        raise ValueError(f"{where}: turns: expected a non-empty list of turns, got "
-                         f"{preview(rec['turns'])}")
+    jv.group(rec["group"], f"{where}: group")
+    if "weight" in rec:
+        jv.number(rec["weight"], f"{where}: weight")
+    if not jv.json_list(rec["turns"], f"{where}: turns", "a non-empty list of turns"):
+        raise ValueError(f"{where}: turns: expected a non-empty list of turns, got []")
     turns = [_read_turn(f"{where}: turns[{i}]", t, vocab_size, experts)
              for i, t in enumerate(rec["turns"])]
     for field, present in (("output_logprobs", [t.logprobs is not None for t in turns]),
@@ -195,7 +187,7 @@ def read_rollout(where: str, rec: dict[str, Any], *, vocab_size: int | None = No
         if any(present) and not all(present):
             raise ValueError(f"{where}: turns[{present.index(False)}].{field}: missing, but "
                              f"turns[{present.index(True)}] has it (give it on every turn or none)")
-    outcome = _scalar(rec["reward"], f"{where}: reward") if "reward" in rec else None
+    outcome = jv.number(rec["reward"], f"{where}: reward") if "reward" in rec else None
     runs: list[list[_Turn]] = [[turns[0]]]
     drifts: list[str] = []
     for i in range(1, len(turns)):

@@ -26,6 +26,23 @@ def test_bad_file_is_a_clear_error(tmp_path, capsys):
     assert "bad.jsonl:1: tokens[1] = -1 is negative" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("line, args, error", [
+    ('{"group": 0, "tokens": [1, 2, true]}', [], "tokens[2]: expected an integer, got true"),
+    ('{"group": 0, "tokens": [1, 2], "weight": "2"}', [], 'weight: expected a number, got "2"'),
+    ('{"group": null, "tokens": [1, 2]}', [], "group: expected a string or an integer"),
+    ('{"group": 0, "tokens": [1, 600]}', ["--vocab-size", "512"],
+     "tokens[1] = 600 is outside the vocabulary (size 512)"),
+    ('{"group": 0, "tokens": [1, 2], "old_logprobs": [-1.0, 0.5]}', [],
+     "old_logprobs[1] = 0.5 is above 0"),
+])
+def test_stats_refuses_what_training_refuses(tmp_path, capsys, line, args, error):
+    """`jtree stats` reads a file as a run does (`jtree.training.tree_files.load_trees`)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(line + "\n")
+    assert main(["stats", str(bad), *args]) == 2
+    assert f"bad.jsonl:1: {error}" in capsys.readouterr().err
+
+
 def test_train_runs_a_tiny_config(few_groups_file, tmp_path, capsys):
     """`jtree train` reaches the trainer with the launcher's arguments: config, overrides."""
     metrics = tmp_path / "metrics.jsonl"

@@ -96,16 +96,18 @@ def test_utf8_text_of_a_chat_is_read_as_utf8(tmp_path):
 def test_a_field_that_is_not_a_number_is_named(tmp_path):
     tree = dict(GOOD_TREE, paths=[{"node": 1, "advantage": 1.0}, {"node": 2, "advantage": "high"}])
     path = _write(tmp_path / "t.jsonl", [tree])
-    with pytest.raises(ValueError, match=rf"^{path}:1: path 1: advantage: expected numbers, got "
-                                         r"'high'$"):
+    with pytest.raises(ValueError, match=rf"^{path}:1: path 1: advantage: expected a number or a "
+                                         r'list of numbers, got "high"$'):
         load_trees(path, "trees", vocab_size=VOCAB)
     path = _write(tmp_path / "g.jsonl", [{"group": 0, "tokens": [1, 2], "advantage": 1.0},
                                          {"group": 0, "tokens": [1, 3], "advantage": "high"}])
-    with pytest.raises(ValueError, match=rf"^{path}:2: advantage: expected numbers, got 'high'$"):
+    with pytest.raises(ValueError, match=rf"^{path}:2: advantage: expected a number or a list of "
+                                         r'numbers, got "high"$'):
         load_trees(path, "groups", vocab_size=VOCAB)
-    path = _write(tmp_path / "w.jsonl", [dict(GOOD_TREE, paths=[{"node": 1, "weight": [1]},
+    path = _write(tmp_path / "w.jsonl", [dict(GOOD_TREE, paths=[{"node": 1, "weight": 1},
                                                                 {"node": 2, "weight": "x"}])])
-    with pytest.raises(ValueError, match=rf"^{path}:1: path 1: weight: expected numbers, got 'x'$"):
+    with pytest.raises(ValueError, match=rf'^{path}:1: path 1: weight: expected a number, '
+                                         r'got "x"$'):
         load_trees(path, "trees", vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"^sequence 0: tokens: expected numbers"):
         TrajectoryTree.from_sequences([[1, [2, 3]]])

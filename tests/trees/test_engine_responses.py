@@ -114,6 +114,12 @@ def _with(response, *keys_and_value):
     (lambda: sglang_generate_turn(_with(SGLANG, "meta_info", "output_token_logprobs", 0,
                                         [-0.125]), PROMPT),
      r"meta_info\.output_token_logprobs\[0\]: expected \[logprob, token_id, text\]"),
+    (lambda: sglang_generate_turn(_with(SGLANG, "meta_info", "output_token_logprobs", 1,
+                                        [-0.5, True, None]), PROMPT),
+     r"^meta_info\.output_token_logprobs\[1\]\[1\]: expected an integer, got true$"),
+    (lambda: vllm_completion_turn(_with(VLLM_COMPLETION, "choices", 0, "logprobs",
+                                        "token_logprobs", [-0.25, "-1.5"]), PROMPT),
+     r'token_logprobs\[1\]: expected a log-probability, got "-1\.5"$'),
 ])
 def test_a_response_that_does_not_fit_names_the_field(call, match):
     with pytest.raises(ValueError, match=match):
