@@ -22,8 +22,14 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of a training run, shared by `jtree train` and `jtree.launch.train`."""
     parser.add_argument("--config", default=None, help="YAML config file")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in checkpoint.dir")
+    # `--resume=auto` is an option string of its own (argparse matches whole strings first), so
+    # `--resume` takes no value and overrides may follow it.
+    parser.add_argument("--resume", action="store_const", const="required", default="no",
+                        help="continue from the latest checkpoint in checkpoint.dir (an error "
+                             "without one)")
+    parser.add_argument("--resume=auto", action="store_const", const="auto", dest="resume",
+                        help="continue when checkpoint.dir holds a checkpoint, else start from "
+                             "scratch (what a launcher that restarts preempted jobs passes)")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
 
 
@@ -41,5 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from jtree.training.run import train
 
     initialize_from_env()  # before anything touches a device
+    if args.config is None:
+        print("no --config: training with the built-in defaults (jtree.config.TrainConfig) and "
+              "the overrides given", flush=True)
     train(load_config(args.config, args.overrides), resume=args.resume)
     return 0

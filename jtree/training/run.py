@@ -13,13 +13,18 @@ baseline step (`jtree.training.baseline_check`). `train` runs one config from st
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
+import threading
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jtree.config import TrainConfig
 from jtree.kernels.tree_attention import cpu_candidates, resolve_impl
@@ -62,6 +67,13 @@ from jtree.training.utilization import run_utilization
 from jtree.trees.tree import TrajectoryTree
 
 
+# How a run treats `checkpoint.dir`: "no" starts from scratch, "required" continues from its
+# latest checkpoint (an error without one), "auto" continues when there is one (pod launchers).
+Resume = Literal["no", "required", "auto"]
+# Where a run writes its outputs: a resumed run that leaves them unset keeps the stored ones.
+RESUME_KEEPS_OUTPUTS = ("run.metrics_jsonl", "run.tensorboard_dir")
+
+
 @dataclasses.dataclass
 class TrainingRun:
     """One run of a config: its trees, step functions, step builders, data iterator and
@@ -79,6 +91,9 @@ class TrainingRun:
     compile_watch: CompileWatch = dataclasses.field(default_factory=CompileWatch)
     compiled_shapes: set[tuple] = dataclasses.field(default_factory=set)
     reference: Any = None  # the reference model's parameters (objective.reference), on the mesh
+    # Set by SIGTERM (`preemption`): the loop saves at the next step boundary and stops.
+    preempted: threading.Event = dataclasses.field(default_factory=threading.Event)
+    saved_step: int | None = None  # the last step a checkpoint was saved at
 
     @classmethod
     def build(cls, cfg: TrainConfig) -> TrainingRun:
@@ -102,32 +117,51 @@ class TrainingRun:
                                 async_save=cfg.checkpoint.async_save)
         return cls(cfg, trees, report, trainer, shards, builders, iterator, layout, ckpt)
 
-    def restore(self, resume: bool) -> tuple[TrainState, int]:
-        """(state, first step): the latest checkpoint's, data order included, when `resume` and
-        one exists; otherwise a fresh state at step 0. Loads the reference model of
-        `objective.reference` too (its weights do not depend on the checkpoint)."""
+    def restore(self, resume: Resume) -> tuple[TrainState, int]:
+        """(state, first step): the latest checkpoint's, data order included, when resuming;
+        a fresh state at step 0 when not, or with `resume="auto"` when `checkpoint.dir` holds no
+        checkpoint (what a pod launcher that restarts preempted jobs wants). `resume="required"`
+        without a checkpoint is an error: a mistyped directory must not silently start over.
+        Loads the reference model of `objective.reference` too (its weights do not depend on the
+        checkpoint)."""
         if self.cfg.objective.reference is not None:
             with progress(f"loading the reference model ({self.cfg.objective.reference})"):
                 self.reference = self.trainer.reference_params()
-        ckpt = self.checkpointer
-        if resume and ckpt is None:
+        ckpt, stored = self.checkpointer, []  # stored: the config of each checkpoint checked
+        if resume != "no" and ckpt is None:
             raise ValueError("--resume: checkpoint.dir is not set")
         restored = ckpt.restore_latest(
             abstract_like(jax.eval_shape(self.trainer.init_fn), self.trainer.shardings),
             on_corrupt=self.cfg.checkpoint.on_corrupt, log=say,
             layer_groups=layer_groups(self.cfg.model.config.decoder().layers),
-            check_meta=lambda meta, where: check_resumable(meta, self.trainer.run_meta()["config"],
-                                                           where),
-        ) if resume else None
+            check_meta=lambda meta, where: (check_resumable(
+                meta, self.trainer.run_meta()["config"], where), stored.append(meta["config"])),
+        ) if resume != "no" else None
         if restored is None:
-            if resume:
-                say(f"--resume: no checkpoint in {ckpt.directory}, starting from scratch")
+            if resume == "required":
+                raise ValueError(f"--resume: no checkpoint in {ckpt.directory} (--resume=auto "
+                                 "starts from scratch when there is none)")
+            if resume == "auto":
+                say(f"--resume=auto: no checkpoint in {ckpt.directory}, starting from scratch")
             return self.trainer.initial_state(), 0
         state = restored.state
         self.iterator.set_state(restored.data_state)
         start = int(state.step)
         say(f"resumed from {ckpt.where(restored.step)} (step {start})")
+        self.keep_stored_outputs(stored[-1])
         return state, start
+
+    def keep_stored_outputs(self, stored: dict[str, Any]) -> None:
+        """A resumed run writes its metrics where the run it continues wrote them, unless this
+        run names its own (`RESUME_KEEPS_OUTPUTS`): resuming without repeating
+        `run.metrics_jsonl` must not drop the steps it trains from the log."""
+        kept = {key.split(".", 1)[1]: stored[key] for key in RESUME_KEEPS_OUTPUTS
+                if stored.get(key) is not None
+                and getattr(self.cfg.run, key.split(".", 1)[1]) is None}
+        for field, value in kept.items():
+            say(f"--resume: run.{field} kept from the checkpoint's run: {value}")
+        if kept:
+            self.cfg = dataclasses.replace(self.cfg, run=dataclasses.replace(self.cfg.run, **kept))
 
     def describe(self, state: TrainState) -> str:
         """The line that says what runs where: model, mode, objective, mesh, attention kernel (what
@@ -174,6 +208,8 @@ class TrainingRun:
                 if "mode_reason" in info:
                     say(f"           auto mode: {info['mode']} ({info['mode_reason']})")
             self.checkpoint(step + 1, state)
+            if self.stop_for_preemption(step + 1, state):
+                break
         if self.checkpointer is not None:
             self.checkpointer.wait()
         metrics_log.close()
@@ -239,10 +275,32 @@ class TrainingRun:
         if ckpt is None or (done % cfg.checkpoint.every != 0 and done != cfg.run.steps):
             return
         ckpt.save(done, state, self.iterator.get_state(), self.trainer.run_meta())
+        self.saved_step = done
         if cfg.run.kill_after_checkpoint == done:
             ckpt.wait()
             say(f"checkpoint {done} committed; fault injection: SIGKILL")
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def stop_for_preemption(self, done: int, state: TrainState) -> bool:
+        """After `done` steps: whether a SIGTERM asks the run to stop (on any process of a
+        multi-process run: every process stops at the same step), having saved and committed a
+        checkpoint of step `done` when `checkpoint.dir` is set."""
+        stop = self.preempted.is_set()
+        if jax.process_count() > 1:
+            stop = bool(np.any(multihost_utils.process_allgather(np.asarray(stop))))
+        if not stop:
+            return False
+        if self.checkpointer is None:
+            say(f"SIGTERM: stopping after step {done - 1}; nothing saved (checkpoint.dir is not "
+                "set)")
+            return True
+        if self.saved_step != done:
+            self.checkpointer.save(done, state, self.iterator.get_state(),
+                                   self.trainer.run_meta())
+            self.saved_step = done
+        self.checkpointer.wait()
+        say(f"SIGTERM: checkpoint {done} committed; stopping (continue with --resume)")
+        return True
 
     def close(self) -> None:
         """Release the checkpointer: waits for its background writes and stops its threads, so
@@ -282,17 +340,46 @@ def _describe(inputs: DeviceBatch) -> str:
     return ", ".join(["tokens " + "x".join(map(str, tokens)), *other])
 
 
-def train(cfg: TrainConfig, *, resume: bool = False) -> None:
+@contextlib.contextmanager
+def preemption(run: TrainingRun) -> Iterator[None]:
+    """While entered, SIGTERM (what spot GPUs and preemptible TPU slices send before they take the
+    machine) sets `run.preempted` instead of killing the process: the loop saves at the next step
+    boundary and the run exits 0 (`TrainingRun.stop_for_preemption`). Python takes signals on
+    the main thread only; elsewhere SIGTERM keeps its default."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        run.preempted.set()
+
+    previous = signal.signal(signal.SIGTERM, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def train(cfg: TrainConfig, *, resume: Resume = "no") -> None:
     """Run `cfg` from its trees to its summary (and the baseline comparison when
-    `run.compare_baseline`); with `resume`, continue from the latest checkpoint in
-    `checkpoint.dir`. A multi-process run calls `jtree.parallel.distributed.initialize_from_env` first."""
+    `run.compare_baseline`); with `resume` ("required" or "auto", see `TrainingRun.restore`),
+    continue from the latest checkpoint in `checkpoint.dir`. SIGTERM saves at the next step
+    boundary and returns (`preemption`). A multi-process run calls
+    `jtree.parallel.distributed.initialize_from_env` first."""
+    if resume == "required" and cfg.checkpoint.dir is not None and not os.path.isdir(
+            cfg.checkpoint.dir):  # before the checkpointer creates it
+        raise ValueError(f"--resume: {cfg.checkpoint.dir} does not exist (--resume=auto starts "
+                         "from scratch when there is no checkpoint)")
     if configure_host_malloc(cfg.run.host_malloc):  # before anything starts a jax backend
         say("host malloc: keeps freed memory (run.host_malloc; CPU steps reuse their temporaries)")
     run = TrainingRun.build(cfg)
     try:
-        with run.compile_watch, kernel_choices_said():
+        with run.compile_watch, kernel_choices_said(), preemption(run):
             state, start = run.restore(resume)
             say(run.describe(state))
+            if start >= cfg.run.steps:
+                say(f"no steps to run: the checkpoint is at step {start} and run.steps is "
+                    f"{cfg.run.steps} (raise run.steps to train on)")
             t_run = time.perf_counter()
             state, history = run.loop(state, start)
             checkpoint_dir = run.checkpointer.directory if run.checkpointer is not None else None
@@ -300,6 +387,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> None:
             util = run_utilization(cfg.model.config, history, cfg.runtime.dtype)
             say(summary(history, wall, run.load_report.n_bad, checkpoint_dir,
                         util.describe() if util is not None else ""))
+            if run.preempted.is_set():
+                return
             if cfg.run.compare_baseline and history:
                 if jax.process_count() == 1:
                     before = run.compile_watch.total

@@ -10,6 +10,8 @@ import json
 import re
 import shutil
 import signal
+import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -73,16 +75,65 @@ def _kill_resume_and_compare(tmp_path, common, straight, n, env=None, workers=1)
     return a
 
 
-def test_killed_run_resumes_exactly(groups_file, tmp_path):
+def _wait_for(log: Path, line: str, proc, timeout: float = 300) -> None:
+    """Wait until the run writing `log`.out has printed a line starting with `line`."""
+    deadline = time.monotonic() + timeout
+    while not any(x.startswith(line) for x in Path(f"{log}.out").read_text().splitlines()):
+        assert proc.poll() is None, Path(f"{log}.err").read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no {line!r} in {timeout} s"
+        time.sleep(0.05)
+
+
+def _sigterm_resume_and_compare(tmp_path, common, straight, steps):
+    """SIGTERM (a preemption) while step 0 compiles: the run saves a checkpoint after that step
+    and exits 0; `--resume` without repeating `run.metrics_jsonl` continues into the same
+    metrics file, and the result equals the uninterrupted run in `straight`, bit for bit."""
+    run_dir = tmp_path / "preempted"
+    args = ["--config", "configs/tiny.yaml", *common, f"checkpoint.dir={run_dir}"]
+    log = tmp_path / "sigterm"
+    proc = launch(args + [f"run.metrics_jsonl={run_dir}/metrics.jsonl"], log)
+    _wait_for(log, "compiling the step for shape", proc)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc, log)
+    assert code == 0, err[-3000:]
+    assert "SIGTERM: checkpoint 1 committed; stopping" in out
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0]
+
+    log = tmp_path / "after_sigterm"
+    code, out, err = finish(launch(args + ["--resume"], log), log)
+    assert code == 0, err[-3000:]
+    assert "(step 1)" in out and "run.metrics_jsonl kept from the checkpoint's run" in out
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(steps))
+    _assert_same_run(straight, run_dir, steps)
+
+
+def test_killed_or_preempted_run_resumes_exactly(groups_file, tmp_path):
     """With the `cpu` attention kernel, what `auto` runs on CPU (that its threads sum gradients
     in a fixed order is `tests/kernels/test_attention_cpu.py`'s test: here each one's work is too
-    short for their timing to vary)."""
+    short for their timing to vary). Killed after a checkpoint, and stopped by SIGTERM."""
     common = tiny_overrides(groups_file, **{"run.steps": 2 * N, "checkpoint.every": N,
                                             "runtime.attention_impl": "cpu"})
     straight = tmp_path / "straight"
     assert main(["--config", "configs/tiny.yaml", *common, f"checkpoint.dir={straight}",
                  f"run.metrics_jsonl={straight}/metrics.jsonl"]) == 0
     _kill_resume_and_compare(tmp_path, common, straight, N)
+    _sigterm_resume_and_compare(tmp_path, common, straight, 2 * N)
+
+
+def test_resume_without_a_checkpoint_is_an_error_unless_auto(few_groups_file, tmp_path, capsys):
+    """A mistyped checkpoint.dir under --resume must not start over (nor create the folder);
+    --resume=auto starts from scratch when there is no checkpoint, as pod launchers want."""
+    missing = tmp_path / "typo"
+    common = ["--config", "configs/tiny.yaml",
+              *tiny_overrides(few_groups_file, **{"run.steps": 1}), f"checkpoint.dir={missing}"]
+    assert main([*common, "--resume"]) == 2
+    assert f"--resume: {missing} does not exist" in capsys.readouterr().err
+    assert not missing.exists()
+    assert main([*common, "--resume=auto"]) == 0
+    assert "--resume=auto: no checkpoint in" in capsys.readouterr().out
+    assert main([*common, "--resume"]) == 0  # step 1 of 1 is saved: nothing left to run
+    assert "no steps to run: the checkpoint is at step 1 and run.steps is 1" in (
+        capsys.readouterr().out)
 
 
 @pytest.mark.slow  # the mechanics are the dense test's; this adds an expert-parallel state
