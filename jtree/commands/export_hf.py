@@ -47,9 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def restored_params(cfg: TrainConfig, checkpoint: str, step: int | None = None) -> Any:
-    """The parameters a checkpoint of the run `cfg` holds (its latest step or `step`), on the
-    default device: the model's own, or a `model.lora` run's `LoraParams` (base and adapters)."""
+def restored_params(cfg: TrainConfig, checkpoint: str, step: int | None = None
+                    ) -> tuple[Any, int]:
+    """(parameters, step) of a checkpoint of the run `cfg` (its latest step or `step`), on the
+    default device: the model's own, or a `model.lora` run's `LoraParams` (base and adapters). A
+    step the directory does not hold is refused, listing the steps it does."""
     arch, mcfg, lora = cfg.model.architecture, cfg.model.config, cfg.model.lora
     critic, critic_kw = cfg.objective.critic, cfg.critic_model_args
     optimizer = make_optimizer(cfg.optim, None if critic is None else critic.learning_rate)
@@ -61,22 +63,26 @@ def restored_params(cfg: TrainConfig, checkpoint: str, step: int | None = None) 
 
     ckpt = Checkpointer(checkpoint, async_save=False)
     try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
+        steps = ckpt.steps()
+        if not steps:
             raise ValueError(f"--checkpoint: no checkpoint in {ckpt.directory}")
+        if step is not None and step not in steps:
+            raise ValueError(f"--step {step}: {ckpt.directory} holds no checkpoint of step "
+                             f"{step} (its steps: {', '.join(map(str, steps))})")
+        step = steps[-1] if step is None else step
         shapes = jax.eval_shape(init)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         state = ckpt.restore(step, abstract_like(shapes, jax.tree.map(lambda _: device, shapes)),
                              layer_groups=layer_groups(mcfg.decoder().layers)).state
     finally:
         ckpt.close()
-    return state.params
+    return state.params, step
 
 
 def trained_model(config_path: str, overrides: list[str], checkpoint: str,
                   step: int | None = None, *, merge_lora: bool = False
-                  ) -> tuple[nnx.Module, object]:
-    """(model with the checkpoint's parameters, model config) on the default device; a
+                  ) -> tuple[nnx.Module, object, int]:
+    """(model with the checkpoint's parameters, model config, the step) on the default device; a
     `model.lora` run's adapters merged into the base (which `merge_lora` must ask for). A run
     with a critic has a value head or a separate critic, which the checkpoint holds and the HF
     export leaves out."""
@@ -86,16 +92,16 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
                          "--merge-lora: the checkpoint of a model.lora run holds adapters beside "
                          "the frozen base; pass --merge-lora to write the merged model, or "
                          "--peft-adapters to write the adapters alone")
-    params = restored_params(cfg, checkpoint, step)
+    params, step = restored_params(cfg, checkpoint, step)
     arch, mcfg = cfg.model.architecture, cfg.model.config
     graphdef = nnx.split(nnx.eval_shape(
         lambda: create_model(arch, mcfg, cfg.runtime, **cfg.critic_model_args)))[0]
-    return nnx.merge(graphdef, model_params(params)), mcfg
+    return nnx.merge(graphdef, model_params(params)), mcfg, step
 
 
 def export_peft_adapters(config_path: str, overrides: list[str], checkpoint: str, out: str, *,
                          step: int | None = None, dtype: str | None = None,
-                         base_model: str | None = None) -> None:
+                         base_model: str | None = None) -> int:
     """Write the adapters of a `model.lora` run's checkpoint to `out` in peft's format
     (`jtree.hf.peft_adapters`); `base_model` (default: the run's `model.init_from`) is recorded
     as the model they apply to."""
@@ -105,22 +111,23 @@ def export_peft_adapters(config_path: str, overrides: list[str], checkpoint: str
     if cfg.model.lora is None:
         raise ValueError(f"--peft-adapters: {config_path} has no model.lora, so its checkpoint "
                          "holds no adapters (export the model without --peft-adapters)")
-    params = restored_params(cfg, checkpoint, step)
+    params, step = restored_params(cfg, checkpoint, step)
     save_peft_adapters(params, cfg.model.lora, cfg.model.config, out, dtype=dtype,
                        base_model=base_model or cfg.model.init_from)
+    return step
 
 
 def run(args: argparse.Namespace) -> int:
     from jtree.hf import save
 
     if args.peft_adapters:
-        export_peft_adapters(args.config, args.overrides, args.checkpoint, args.out,
-                             step=args.step, dtype=args.dtype, base_model=args.copy_from)
-        print(f"wrote peft adapters to {args.out} from {args.checkpoint}")
+        step = export_peft_adapters(args.config, args.overrides, args.checkpoint, args.out,
+                                    step=args.step, dtype=args.dtype, base_model=args.copy_from)
+        print(f"wrote peft adapters to {args.out} from {args.checkpoint}, step {step}")
         return 0
-    model, mcfg = trained_model(args.config, args.overrides, args.checkpoint, args.step,
-                                merge_lora=args.merge_lora)
+    model, mcfg, step = trained_model(args.config, args.overrides, args.checkpoint, args.step,
+                                      merge_lora=args.merge_lora)
     model.value_head = model.critic = None  # the policy only: HF's *ForCausalLM has no critic
     save(model, mcfg, args.out, dtype=args.dtype, copy_from=args.copy_from)
-    print(f"wrote {args.out} from {args.checkpoint}")
+    print(f"wrote {args.out} from {args.checkpoint}, step {step}")
     return 0

@@ -154,6 +154,9 @@ def write_checkpoint(
             weight_map[name] = file
             total += arr.nbytes
         save_file(arrays, str(directory / file), metadata={"format": "pt"})
+        # safetensors creates its files owner-only (0600); a checkpoint to share or serve is
+        # read by other users and processes, as the config and index files beside it are.
+        (directory / file).chmod(0o644)
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

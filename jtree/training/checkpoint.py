@@ -119,6 +119,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """The steps the directory holds checkpoints of, oldest first."""
+        return sorted(self._manager.all_steps())
+
     def where(self, step: int) -> str:
         return f"checkpoint {self.directory}/{step}"
 

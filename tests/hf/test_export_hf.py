@@ -40,7 +40,7 @@ def test_checkpoint_exports_to_a_hugging_face_directory(arch, few_groups_file, t
     assert cli(["export-hf", "--config", "configs/tiny.yaml", "--checkpoint",
                 str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), *overrides]) == 0
     _, loaded = jtree.hf.load(tmp_path / "hf", tiny_runtime())
-    trained, config = trained_model("configs/tiny.yaml", overrides, str(tmp_path / "ckpt"))
+    trained, config, _ = trained_model("configs/tiny.yaml", overrides, str(tmp_path / "ckpt"))
     leaves = lambda m: jax.tree_util.tree_leaves(nnx.state(m, nnx.Param))  # noqa: E731
     for a, b in zip(leaves(loaded), leaves(trained), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -58,3 +58,19 @@ def test_checkpoint_exports_to_a_hugging_face_directory(arch, few_groups_file, t
             logits = ref(input_ids=torch.as_tensor(seq[None])).logits[0, :-1]
         theirs = torch.log_softmax(logits, -1)[torch.arange(len(seq) - 1), seq[1:]].numpy()
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_export_names_its_step_refuses_a_missing_one_and_writes_readable_files(
+        few_groups_file, tmp_path, capsys):
+    overrides = tiny_overrides(few_groups_file, **{"run.steps": 2, "checkpoint.every": 1})
+    assert main(["--config", "configs/tiny.yaml", *overrides,
+                 f"checkpoint.dir={tmp_path}/ckpt"]) == 0
+    export = ["export-hf", "--config", "configs/tiny.yaml", "--checkpoint",
+              str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), *overrides]
+    capsys.readouterr()
+    assert cli([*export, "--step", "999"]) == 2
+    assert (f"--step 999: {tmp_path / 'ckpt'} holds no checkpoint of step 999 (its steps: 1, 2)"
+            in capsys.readouterr().err)
+    assert cli([*export, "--step", "1"]) == 0
+    assert capsys.readouterr().out.strip().endswith(", step 1")
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777 == 0o644

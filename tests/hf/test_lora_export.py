@@ -61,7 +61,7 @@ def test_export_hf_merge_lora_writes_the_trained_merged_model(few_groups_file, t
     assert "pass --merge-lora" in capsys.readouterr().err
     assert cli([*args, "--merge-lora", *overrides]) == 0
     _, loaded = jtree.hf.load(tmp_path / "hf")
-    trained, _ = trained_model("configs/tiny.yaml", overrides, str(tmp_path / "ckpt"),
+    trained, _, _ = trained_model("configs/tiny.yaml", overrides, str(tmp_path / "ckpt"),
                                merge_lora=True)
     leaves = lambda m: jax.tree_util.tree_leaves(nnx.state(m, nnx.Param))  # noqa: E731
     for a, b in zip(leaves(loaded), leaves(trained), strict=True):

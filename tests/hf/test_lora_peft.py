@@ -258,7 +258,7 @@ def test_export_hf_peft_adapters_of_a_trained_run_load_in_peft(few_groups_file, 
     cfg = load_config("configs/tiny.yaml", overrides)  # the run's frozen base, as HF weights
     graphdef = nnx.split(nnx.eval_shape(lambda: create_model("qwen3", cfg.model.config,
                                                              cfg.runtime)))[0]
-    base = nnx.merge(graphdef, restored_params(cfg, str(ckpt)).base)
+    base = nnx.merge(graphdef, restored_params(cfg, str(ckpt))[0].base)
     jtree.hf.save(base, cfg.model.config, tmp_path / "base")
 
     loaded = peft.PeftModel.from_pretrained(load_torch_model(tmp_path / "base"),

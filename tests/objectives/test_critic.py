@@ -264,7 +264,7 @@ def test_a_critic_run_checkpoints_its_value_head_and_exports_the_policy(few_grou
     ckpt = tmp_path / "ckpt"
     assert train_main(["--config", "configs/tiny.yaml", *overrides,
                        f"checkpoint.dir={ckpt}"]) == 0
-    trained, config = trained_model("configs/tiny.yaml", overrides, str(ckpt))
+    trained, config, _ = trained_model("configs/tiny.yaml", overrides, str(ckpt))
     initial = create_model("qwen3", config, value_head=True)
     assert not np.array_equal(np.asarray(trained.value_head.kernel[...]),
                               np.asarray(initial.value_head.kernel[...]))
@@ -376,7 +376,7 @@ def test_a_separate_critic_run_checkpoints_resumes_and_exports_the_policy(few_gr
                        f"checkpoint.dir={ckpt}"]) == 0
     assert train_main(["--config", "configs/tiny.yaml", *overrides, "run.steps=3",
                        f"checkpoint.dir={ckpt}", "--resume"]) == 0
-    trained, config = trained_model("configs/tiny.yaml", overrides, str(ckpt))
+    trained, config, _ = trained_model("configs/tiny.yaml", overrides, str(ckpt))
     cfg = load_config("configs/tiny.yaml", overrides)
     initial = create_model("qwen3", config, **cfg.critic_model_args)
     assert trained.critic.config.hidden_size == 16
