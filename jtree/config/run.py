@@ -185,6 +185,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.objective.routing_replay:
             self._refuse_routing_replay()
+        if (self.data.format == "chat" and self.data.tokenizer == "bytes"
+                and self.model.init_from is not None):
+            # Byte ids fit inside any real vocabulary, so nothing downstream would notice.
+            raise ValueError(f"data.tokenizer: 'bytes' (the default) with model.init_from="
+                             f"{self.model.init_from}: chat text would be tokenized into byte ids "
+                             "the checkpoint never learned; set data.tokenizer to the "
+                             "checkpoint's tokenizer (its directory or tokenizer.json)")
         critic = self.objective.critic
         if critic is None or not critic.separate:
             return

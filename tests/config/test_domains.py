@@ -84,3 +84,14 @@ def test_a_bad_yaml_value_names_the_file(tmp_path):
     assert str(e.value) == "optim.learning_rate=-0.01 (run.yaml): must be > 0"
     cfg = load_config(path, ["optim.learning_rate=0.001"])  # the override wins: in the domain
     assert cfg.optim.learning_rate == 0.001 and cfg.optim.warmup_steps == 2
+
+
+def test_chat_data_from_a_checkpoint_needs_its_tokenizer():
+    """The byte tokenizer is the chat default; with a checkpoint its ids would fit the
+    vocabulary and train silently on the wrong tokens."""
+    with pytest.raises(ValueError, match=r"data.tokenizer: 'bytes' \(the default\) with "
+                                         r"model.init_from=/models/Qwen3-0.6B"):
+        load_config(None, ["data.format=chat", "model.init_from=/models/Qwen3-0.6B"])
+    cfg = load_config(None, ["data.format=chat", "model.init_from=/models/Qwen3-0.6B",
+                             "data.tokenizer=/models/Qwen3-0.6B"])
+    assert cfg.data.tokenizer == "/models/Qwen3-0.6B"
