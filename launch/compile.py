@@ -44,8 +44,8 @@ GIB = 1024**3
 SPECS = Path(__file__).resolve().parent / "gpu_specs"
 # Set in the worker's environment: the process that compiles (with the plugin importable).
 WORKER_ENV = "JTREE_AOT_WORKER"
-# The exit status when the target's plugin is not installed.
-PLUGINS_ABSENT = 2
+# The exit status when the target's plugin is not installed; when a worker ran past its time.
+PLUGINS_ABSENT, TIMED_OUT = 2, 124
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
@@ -112,11 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return in_worker("jtree.launch.compile", argv, args.target, log)
 
 
-def in_worker(module: str, argv: Sequence[str], target: str, log: Path) -> int:
+def in_worker(module: str, argv: Sequence[str], target: str, log: Path,
+              timeout: float | None = None) -> int:
     """Re-run `python -m module argv` as the worker of `target`'s platform: that platform's plugin
     folder on its PYTHONPATH, its stderr (the plugins' start-up noise) into `log`, shown only
-    when the worker dies without a report. Returns its exit status, or `PLUGINS_ABSENT` with one
-    line when the plugin is not installed."""
+    when the worker dies without a report. Returns its exit status, `PLUGINS_ABSENT` with one
+    line when the plugin is not installed, or `TIMED_OUT` when it ran past `timeout` seconds
+    (killed: a compile cannot be interrupted from inside)."""
     platform = TARGETS[target].platform
     folder = installed(platform)
     if folder is None:
@@ -131,8 +133,11 @@ def in_worker(module: str, argv: Sequence[str], target: str, log: Path) -> int:
     env.pop("XLA_FLAGS", None)  # forced host device counts are not the target's devices
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as err:
-        rc = subprocess.run([sys.executable, "-m", module, *argv], env=env,
-                            stderr=err).returncode
+        try:
+            rc = subprocess.run([sys.executable, "-m", module, *argv], env=env, stderr=err,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return TIMED_OUT
     if rc not in (0, 1):
         tail = log.read_text().strip().splitlines()[-20:]
         print(f"{target}: the compile worker exited with status {rc}; the end of {log}:\n"

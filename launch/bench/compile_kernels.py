@@ -11,10 +11,11 @@ row, 2 kv heads: the attention kernels `auto` runs per target (`pallas_tpu` on T
 with sinks and a prefix; and the Gated DeltaNet kernels (the tree recurrence with the parallel
 and the sequential scan, the path conv), which are XLA code, compiled for TPU and GPU.
 
-Each target compiles in a worker of `jtree.launch.compile.in_worker` (the plugin on its path);
-the worker writes runs/aot/kernels_TARGET.json, and the table of every target is printed as
-markdown. A refusal is the compiler's (or the kernel's own check's) first line. Exit status 0
-when every case compiled, 1 when one was refused, 2 when a plugin is missing.
+Cases compile in workers of `jtree.launch.compile.in_worker` (the plugin on their path), each
+batch stopped after `TIMEOUT` seconds; runs/aot/kernels_TARGET.json holds a target's results and
+the table of every target is printed as markdown. A refusal is the compiler's (or the kernel's
+own check's) first line. Exit status 0 when every case compiled, 1 when one was refused or
+stopped, 2 when a plugin is missing.
 """
 
 from __future__ import annotations
@@ -30,10 +31,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jtree.launch.compile import PLUGINS_ABSENT, TARGETS, WORKER_ENV, first_line, in_worker
+from jtree.launch.compile import (
+    PLUGINS_ABSENT,
+    TARGETS,
+    TIMED_OUT,
+    WORKER_ENV,
+    first_line,
+    in_worker,
+)
 
 SEQ, KV_HEADS, PREFIX, WINDOW, CHUNK = 4096, 2, 1024, 128, 64
 DEFAULT_TARGETS = ("tpu-v5p-8", "gpu-h100x8", "gpu-a100x8")
+TIMEOUT = 300  # seconds per worker batch: a compile past 5 minutes is stopped and reported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,21 +167,57 @@ def compile_case(case: Case, device: Any) -> dict[str, Any]:
             "custom_calls": {c: calls.count(c) for c in sorted(set(calls))}}
 
 
-def worker(target: str, path: Path) -> int:
-    """Compile `target`'s sweep and write its results to `path`."""
-    from jtree.launch.compile import compiler_name, target_devices
+def worker(target: str, indices: Sequence[int], path: Path) -> int:
+    """Compile the cases `indices` of `target`'s sweep, appending each result to `path` (JSON
+    lines) as it comes, so a batch stopped for time keeps what it compiled."""
+    from jtree.launch.compile import target_devices
 
     device = target_devices(TARGETS[target])[0]
-    results = []
-    for case in sweep(target):
-        results.append(compile_case(case, device))
-        r = results[-1]
-        print(f"{target}: {case.name}: " + (f"compiled in {r['seconds']} s" if r["compiled"]
-                                            else f"REFUSED: {r['reason']}"), flush=True)
-    path.write_text(json.dumps({"target": target, "device_kind": device.device_kind,
-                                "compiler": compiler_name(TARGETS[target].platform),
-                                "seq_len": SEQ, "results": results}, indent=1) + "\n")
-    return 0 if all(r["compiled"] for r in results) else 1
+    cases = sweep(target)
+    for i in indices:
+        r = {"index": i, "device_kind": device.device_kind, **compile_case(cases[i], device)}
+        with path.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        print(f"{target}: {r['case']}: " + (f"compiled in {r['seconds']} s" if r["compiled"]
+                                           else f"REFUSED: {r['reason']}"), flush=True)
+    return 0
+
+
+def batches(cases: Sequence[Case]) -> list[list[int]]:
+    """Worker batches: the attention cases together (each compiles in seconds), every GDN case
+    alone (the recurrence's compiles are the long ones), so a stop for time costs one case."""
+    attention = [i for i, c in enumerate(cases) if c not in gdn_cases()]
+    return [attention] + [[i] for i, c in enumerate(cases) if c in gdn_cases()]
+
+
+def run_target(target: str, out: Path) -> dict[str, Any] | None:
+    """Every batch of `target` in its own worker (at most `TIMEOUT` s each); the report, or None
+    without the plugin. A case with no result is reported as stopped, with its batch's time."""
+    from jtree.launch.compile import compiler_name
+
+    lines = out / f"kernels_{target}.jsonl"
+    lines.unlink(missing_ok=True)
+    cases, stopped = sweep(target), {}
+    for batch in batches(cases):
+        rc = in_worker("jtree.launch.bench.compile_kernels",
+                       ["--targets", target, "--out", str(out), "--cases", *map(str, batch)],
+                       target, out / f"kernels_{target}.log", timeout=TIMEOUT)
+        if rc == PLUGINS_ABSENT:
+            return None
+        why = (f"not compiled within {TIMEOUT} s (stopped)" if rc == TIMED_OUT
+               else f"the worker exited with status {rc}")
+        stopped.update({i: why for i in batch})
+    done = [json.loads(line) for line in lines.read_text().splitlines()] \
+        if lines.exists() else []
+    for r in done:
+        stopped.pop(r["index"])
+    results = done + [{"index": i, "case": cases[i].name, **dataclasses.asdict(cases[i]),
+                       "compiled": False, "reason": why, "seconds": None}
+                      for i, why in stopped.items()]
+    report = {"target": target, "compiler": compiler_name(TARGETS[target].platform),
+              "seq_len": SEQ, "results": sorted(results, key=lambda r: r["index"])}
+    (out / f"kernels_{target}.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
 
 
 def table(reports: Sequence[dict[str, Any]]) -> str:
@@ -182,9 +227,10 @@ def table(reports: Sequence[dict[str, Any]]) -> str:
     for rep in reports:
         for r in rep["results"]:
             result = "compiled" if r["compiled"] else f"refused: {r['reason']}"
+            seconds = "-" if r["seconds"] is None else f"{r['seconds']} s"
             lines.append(f"| `{rep['target']}` | `{r['kernel']}` | {r['head_dim']} | "
                          f"{r['dtype']} | {r['gqa']} | {r['variant'] or '-'} | "
-                         f"{'fwd+bwd' if r['backward'] else 'fwd'} | {result} | {r['seconds']} s |")
+                         f"{'fwd+bwd' if r['backward'] else 'fwd'} | {result} | {seconds} |")
     return "\n".join(lines)
 
 
@@ -194,24 +240,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS),
                         choices=sorted(TARGETS))
     parser.add_argument("--out", default="runs/aot", help="folder of the JSON reports")
+    parser.add_argument("--cases", nargs="*", type=int, help=argparse.SUPPRESS)  # a worker's
     args = parser.parse_args(argv)
     out = Path(args.out)
     if os.environ.get(WORKER_ENV):
         (target,) = args.targets
-        return worker(target, out / f"kernels_{target}.json")
-    status, reports = 0, []
+        return worker(target, args.cases, out / f"kernels_{target}.jsonl")
+    out.mkdir(parents=True, exist_ok=True)
+    reports = []
     for target in args.targets:
-        rc = in_worker("jtree.launch.bench.compile_kernels",
-                       ["--targets", target, "--out", str(out)], target,
-                       out / f"kernels_{target}.log")
-        if rc == PLUGINS_ABSENT:
-            return rc
-        status = max(status, rc)
-        path = out / f"kernels_{target}.json"
-        if rc in (0, 1) and path.exists():
-            reports.append(json.loads(path.read_text()))
+        report = run_target(target, out)
+        if report is None:
+            return PLUGINS_ABSENT
+        reports.append(report)
     print(table(reports))
-    return status
+    return 0 if all(r["compiled"] for rep in reports for r in rep["results"]) else 1
 
 
 if __name__ == "__main__":
