@@ -9,7 +9,7 @@ forward only where the docs claim no more) on one device of the target, at S = 4
 row, 2 kv heads: the attention kernels `auto` runs per target (`pallas_tpu` on TPU,
 `pallas_mosaic_gpu` on H100, `pallas_triton` on A100) over head_dim, GQA group, dtype, a window
 with sinks and a prefix; and the Gated DeltaNet kernels (the tree recurrence with the parallel
-and the sequential scan, the path conv), which are XLA code, compiled for TPU and GPU.
+and the sequential scan, the path conv), which are XLA code, compiled for TPU and the H100.
 
 Cases compile in workers of `jtree.launch.compile.in_worker` (the plugin on their path), each
 batch stopped after `TIMEOUT` seconds; runs/aot/kernels_TARGET.json holds a target's results and
@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from jtree.launch.aot_plugins import requirements
 from jtree.launch.compile import (
     PLUGINS_ABSENT,
     TARGETS,
@@ -88,6 +89,7 @@ def sweep(target: str) -> list[Case]:
                      for dt in ("float32", "bfloat16", "float16")]
         attention += [Case("pallas_triton", 128, "bfloat16", 4, v)
                       for v in ("window+sinks", "prefix")]
+        return attention  # the GDN code is XLA's on every GPU: compiled for the H100 only
     return attention + gdn_cases()
 
 
@@ -193,12 +195,9 @@ def batches(cases: Sequence[Case]) -> list[list[int]]:
 def run_target(target: str, out: Path) -> dict[str, Any] | None:
     """Every batch of `target` in its own worker (at most `TIMEOUT` s each); the report, or None
     without the plugin. A case with no result is reported as stopped, with its batch's time."""
-    from jtree.launch.compile import compiler_name
-
-    lines = out / f"kernels_{target}.jsonl"
-    lines.unlink(missing_ok=True)
-    cases, stopped = sweep(target), {}
-    for batch in batches(cases):
+    (out / f"kernels_{target}.jsonl").unlink(missing_ok=True)
+    stopped = {}
+    for batch in batches(sweep(target)):
         rc = in_worker("jtree.launch.bench.compile_kernels",
                        ["--targets", target, "--out", str(out), "--cases", *map(str, batch)],
                        target, out / f"kernels_{target}.log", timeout=TIMEOUT)
@@ -207,14 +206,20 @@ def run_target(target: str, out: Path) -> dict[str, Any] | None:
         why = (f"not compiled within {TIMEOUT} s (stopped)" if rc == TIMED_OUT
                else f"the worker exited with status {rc}")
         stopped.update({i: why for i in batch})
+    return target_report(target, out, stopped)
+
+
+def target_report(target: str, out: Path, stopped: dict[int, str]) -> dict[str, Any]:
+    """`target`'s results from its workers' JSON lines, the cases without one marked with the
+    reason in `stopped`; written to runs/aot/kernels_TARGET.json."""
+    lines, cases = out / f"kernels_{target}.jsonl", sweep(target)
     done = [json.loads(line) for line in lines.read_text().splitlines()] \
         if lines.exists() else []
-    for r in done:
-        stopped.pop(r["index"])
+    missing = {i: why for i, why in stopped.items() if i not in {r["index"] for r in done}}
     results = done + [{"index": i, "case": cases[i].name, **dataclasses.asdict(cases[i]),
                        "compiled": False, "reason": why, "seconds": None}
-                      for i, why in stopped.items()]
-    report = {"target": target, "compiler": compiler_name(TARGETS[target].platform),
+                      for i, why in missing.items()]
+    report = {"target": target, "compiler": " ".join(requirements(TARGETS[target].platform)),
               "seq_len": SEQ, "results": sorted(results, key=lambda r: r["index"])}
     (out / f"kernels_{target}.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
