@@ -12,7 +12,7 @@ Under `grouped_matmul_lowering()` the CPU lowering instead loops over the groups
 multiplying the rows of one group at a time into an output-sized accumulator (or
 stacking the per-group results when the ragged dimension is contracted, as in the weight
 gradient): the same result (`tests/memory/test_memory_plan.py` compares values and gradients),
-with an accelerator's buffer sizes. The step is only compiled under it, never run.
+with a TPU's buffer sizes. The step is only compiled under it, never run.
 """
 
 from __future__ import annotations
