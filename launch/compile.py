@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -43,6 +44,8 @@ GIB = 1024**3
 SPECS = Path(__file__).resolve().parent / "gpu_specs"
 # Set in the worker's environment: the process that compiles (with the plugin importable).
 WORKER_ENV = "JTREE_AOT_WORKER"
+# The exit status when the target's plugin is not installed; when a worker ran past its time.
+PLUGINS_ABSENT, TIMED_OUT = 2, 124
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
@@ -59,14 +62,25 @@ class Target:
     spec: str | None = None
     note: str = ""
 
+    @property
+    def device_count(self) -> int:
+        """Devices in the topology (one per chip on TPU, one per GPU): the product of its
+        dimensions, known without the plugin (the fallback plan forces this many host devices)."""
+        return math.prod(int(n) for n in self.topology.split(":")[-1].split("x"))
+
 
 TARGETS = {
     # v5p-8 counts TensorCores: 4 chips (2x2x1), one device each (megacore), 95 GiB HBM2e.
     "tpu-v5p-8": Target("tpu", "v5p:2x2x1", 95 * GIB, (2, 2, 1)),
+    # v5p-16: 8 chips (2x2x2) on 2 hosts; v5p-128: 64 chips (4x4x4) on 16 hosts.
+    "tpu-v5p-16": Target("tpu", "v5p:2x2x2", 95 * GIB, (2, 2, 1)),
+    "tpu-v5p-128": Target("tpu", "v5p:4x4x4", 95 * GIB, (2, 2, 1)),
     "tpu-v5e-8": Target("tpu", "v5e:2x4", 16 * GIB, (2, 4, 1)),
     "tpu-v6e-8": Target("tpu", "v6e:2x4", 32 * GIB, (2, 4, 1)),
     # A GPU's memory is its spec's device_memory_size (what the driver reports as total).
     "gpu-h100x8": Target("cuda", "1x1x8", 84978434048, spec="h100_sxm.txtpb"),
+    # The GPU topology is slices x hosts per slice x GPUs per host: 8 nodes of 8 H100s.
+    "gpu-h100x64": Target("cuda", "1x8x8", 84978434048, spec="h100_sxm.txtpb"),
     "gpu-a100x8": Target("cuda", "1x1x8", 85100068864, spec="a100_sxm_80.txtpb"),
     "gpu-h200x8": Target("cuda", "1x1x8", 141 * 10**9, spec="h200_sxm.txtpb",
                          note="H100 SXM spec with the H200's memory (XLA publishes no H200 spec)"),
@@ -89,32 +103,44 @@ def json_path(args: argparse.Namespace) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Check the plugin, then run the compile in a worker whose stderr (the plugins' start-up
-    noise) goes to a log beside the JSON, shown only when the worker dies without a report."""
+    """Compile in a worker process (`in_worker`), or be that worker."""
     args = parse_args(argv)
     if os.environ.get(WORKER_ENV):
         return worker(args)
-    platform = TARGETS[args.target].platform
+    argv = list(sys.argv[1:] if argv is None else argv)
+    log = json_path(args).with_suffix(".log")
+    return in_worker("jtree.launch.compile", argv, args.target, log)
+
+
+def in_worker(module: str, argv: Sequence[str], target: str, log: Path,
+              timeout: float | None = None) -> int:
+    """Re-run `python -m module argv` as the worker of `target`'s platform: that platform's plugin
+    folder on its PYTHONPATH, its stderr (the plugins' start-up noise) into `log`, shown only
+    when the worker dies without a report. Returns its exit status, `PLUGINS_ABSENT` with one
+    line when the plugin is not installed, or `TIMED_OUT` when it ran past `timeout` seconds
+    (killed: a compile cannot be interrupted from inside)."""
+    platform = TARGETS[target].platform
     folder = installed(platform)
     if folder is None:
-        print(f"{args.target}: the {platform} compiler is not installed in "
+        print(f"{target}: the {platform} compiler is not installed in "
               f"{plugin_root() / platform} ({' '.join(requirements(platform))}); run "
               "`make aot-plugins`")
-        return 2
+        return PLUGINS_ABSENT
     env = dict(os.environ, **{WORKER_ENV: "1"}, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
                JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(folder.resolve()), env.get("PYTHONPATH")) if p)
     env.pop("XLA_FLAGS", None)  # forced host device counts are not the target's devices
-    log = json_path(args).with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as err:
-        rc = subprocess.run([sys.executable, "-m", "jtree.launch.compile",
-                             *(sys.argv[1:] if argv is None else argv)],
-                            env=env, stderr=err).returncode
+        try:
+            rc = subprocess.run([sys.executable, "-m", module, *argv], env=env, stderr=err,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return TIMED_OUT
     if rc not in (0, 1):
         tail = log.read_text().strip().splitlines()[-20:]
-        print(f"{args.target}: the compile worker exited with status {rc}; the end of {log}:\n"
+        print(f"{target}: the compile worker exited with status {rc}; the end of {log}:\n"
               + "\n".join(tail))
     return rc
 

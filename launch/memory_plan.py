@@ -12,6 +12,12 @@ come from XLA's `memory_analysis()` of the step compiled on this host at two dep
 linearly to the full depth. Exits 1 when the plan does not fit `--device-gib`.
 `runtime.attention_impl=auto` compiles as `xla`, as `jtree.launch.lower_step` exports it (`auto`
 would pick this CPU host's own kernel).
+
+With `--target T` (a `jtree.launch.compile` target) the plan is the target compiler's instead:
+the full-depth step compiled by XLA:TPU or XLA:GPU through `jtree.launch.compile` (the same
+worker, the same report), its buffer assignment against the chip's memory; `--devices`,
+`--device-gib` and `--depth-blocks` do not apply. Without the plugins (`make aot-plugins`) it
+says so and falls back to the fitted XLA:CPU estimate on the target's device count and memory.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from pathlib import Path
 
 from jtree.config import load_config
 from jtree.config.run import MeshConfig
+from jtree.launch.compile import GIB, PLUGINS_ABSENT, TARGETS, json_path
+from jtree.launch.compile import main as compile_main
 
 # XLA:CPU's default scheduler orders for concurrency; its memory-minimizing scheduler is the closer
 # model of an accelerator's, which schedules within the device memory (docs/memory.md).
@@ -36,6 +44,19 @@ def mesh_devices(mesh: MeshConfig) -> int:
     """The devices a config's mesh names: the product of its axes, `data: -1` (all devices left
     over) counted as one replica."""
     return max(mesh.data, 1) * mesh.fsdp * mesh.context * mesh.model
+
+
+def target_plan(args: argparse.Namespace) -> int:
+    """The plan as the target's compiler allocates it: `jtree.launch.compile` run on the config at
+    full depth (it prints its report). Exits 0 when the step fits the chip, 1 when it does not
+    or a stage failed, `PLUGINS_ABSENT` without the plugins."""
+    report = json_path(args)
+    report.unlink(missing_ok=True)  # a stale report must not stand in for a failed compile
+    rc = compile_main(["--config", args.config, "--target", args.target, "--rows",
+                       str(args.rows), "--json", str(report), *args.overrides])
+    if rc != 0:
+        return rc
+    return 0 if json.loads(report.read_text())["memory"]["fits"] else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,9 +74,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "with runtime.scan_layers, else 1 2; scanned, the second may "
                              "be the full depth)")
     parser.add_argument("--json", default=None,
-                        help="also write the plan's fields (bytes) and its total to this file")
+                        help="also write the plan's fields (bytes) and its total to this file "
+                             "(with --target: the compile report)")
+    parser.add_argument("--target", default=None, choices=sorted(TARGETS),
+                        help="compile for this target with its own compiler (jtree.launch.compile)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    if args.target:
+        rc = target_plan(args)
+        if rc != PLUGINS_ABSENT:
+            return rc
+        target = TARGETS[args.target]
+        args.devices, args.device_gib = target.device_count, target.hbm_bytes / GIB
+        print(f"falling back to the XLA:CPU estimate on {args.devices} host devices and "
+              f"{args.device_gib:.2f} GiB (not the {args.target} compiler's)")
     cfg = load_config(args.config, args.overrides)  # reads no device: XLA_FLAGS can still be set
     args.devices = args.devices or mesh_devices(cfg.mesh)
     os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={args.devices} "

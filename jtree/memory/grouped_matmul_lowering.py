@@ -1,15 +1,18 @@
 """A CPU lowering of `jax.lax.ragged_dot` whose buffers are those of an accelerator's grouped
 matmul, for `jtree.memory.plan`'s compiles on a CPU host.
 
-On TPU and GPU, `ragged_dot` lowers to XLA's native ragged dot (a grouped matmul: temporaries the
-size of its output). On CPU, jax lowers it through a dense reference that expands the ragged
-operand to [groups, rows, features] (every group's mask of every row): for a MoE layer with 16
-experts per device and 32k x 8 assignments that is tens of GiB per layer, a buffer no accelerator
-allocates. Under `grouped_matmul_lowering()` the CPU lowering instead loops over the groups
-(`lax.scan`), multiplying the rows of one group at a time into an output-sized accumulator (or
+On TPU, `ragged_dot` lowers to XLA's native ragged dot (a grouped matmul: temporaries the size
+of its output). On CPU, jax lowers it through a dense reference that expands the ragged operand
+to [groups, rows, features] (every group's mask of every row): for a MoE layer with 16 experts per
+device and 32k x 8 assignments that is tens of GiB per layer. XLA:GPU (jax-cuda12-plugin 0.10.2)
+expands it the same way: compiled for an H100, no ragged dot is left in the module
+(docs/memory.md, "Every shipped config on the target its comment names"), so this lowering
+gives a TPU's buffer sizes, and a GPU's only once the experts run as a grouped matmul there.
+Under `grouped_matmul_lowering()` the CPU lowering instead loops over the groups (`lax.scan`),
+multiplying the rows of one group at a time into an output-sized accumulator (or
 stacking the per-group results when the ragged dimension is contracted, as in the weight
 gradient): the same result (`tests/memory/test_memory_plan.py` compares values and gradients),
-with an accelerator's buffer sizes. The step is only compiled under it, never run.
+with a TPU's buffer sizes. The step is only compiled under it, never run.
 """
 
 from __future__ import annotations

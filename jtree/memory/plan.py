@@ -31,9 +31,11 @@ config, and it grows with depth), so the plan takes each number from where it is
 The compile runs for this host's backend, so its buffer assignment is XLA:CPU's: fusion and
 scheduling differ on a GPU or TPU, so `T` is an estimate of the accelerator's, not a measurement
 of it. One CPU lowering would distort it beyond that: `jax.lax.ragged_dot` (the MoE experts)
-expands densely to [groups, rows, features] on CPU only, so the step is compiled with a grouped
-lowering of the accelerators' buffer sizes (`jtree.memory.grouped_matmul_lowering`). Everything except
-`T` is exact.
+expands densely to [groups, rows, features] on CPU, so the step is compiled with a grouped
+lowering of a TPU's buffer sizes (`jtree.memory.grouped_matmul_lowering`). XLA:GPU expands it
+densely too, so for a MoE model on GPU the plan is far below the compiler's (docs/memory.md);
+`python -m jtree.launch.memory_plan --target` gives the compiler's own. Everything except `T` is
+exact.
 """
 
 from __future__ import annotations

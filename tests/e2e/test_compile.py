@@ -1,7 +1,8 @@
 """The sharded train step compiled by the production compilers (XLA:TPU from libtpu, XLA:GPU from
 jax's CUDA plugin) on compile-only devices (`jtree.launch.compile`): configs/tiny.yaml cut to one
-layer, one TPU and one GPU target. The compiler tests skip when `make aot-plugins` has not
-installed the plugins into .aot/; nothing runs on a chip."""
+layer, one TPU and one GPU target; `jtree.launch.memory_plan --target` on the same path and
+without the plugins. The compiler tests skip when `make aot-plugins` has not installed the plugins
+into .aot/; nothing runs on a chip."""
 
 import json
 import os
@@ -73,3 +74,35 @@ def test_a_refused_step_is_one_line_and_status_1():
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.startswith("tpu-v5p-8: FAILED at lower: ValueError: pallas_tpu: head_dim=32")
     assert proc.stdout.count("\n") == 1, proc.stdout
+
+
+def memory_plan(target, *overrides, aot=AOT, json_path=None):
+    env = dict(os.environ, PYTHONPATH=str(WORKTREE), JTREE_AOT_DIR=str(aot))
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "jtree.launch.memory_plan", "--config", "configs/tiny.yaml",
+           "--target", target, *(["--json", str(json_path)] if json_path else []), *overrides]
+    return subprocess.run(cmd, cwd=WORKTREE, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_memory_plan_for_a_target_is_its_compilers(tmp_path):
+    """`memory_plan --target` is `jtree.launch.compile`'s full-depth compile, exit 0 for a fit."""
+    needs("cuda")
+    out = tmp_path / "plan.json"
+    proc = memory_plan("gpu-a100x8", *SMALL, json_path=out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "XLA:GPU" in proc.stdout and "fits 79.26 GiB" in proc.stdout, proc.stdout
+    assert "falling back" not in proc.stdout
+    assert json.loads(out.read_text())["memory"]["fits"]
+
+
+def test_memory_plan_without_plugins_falls_back_to_the_cpu_estimate(tmp_path):
+    """No plugins: one line saying so, then the XLA:CPU plan on the target's 4 devices and HBM."""
+    proc = memory_plan("tpu-v5p-8", "runtime.attention_impl=xla", "data.seq_len=128",
+                       "data.micro_batches=1", aot=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "make aot-plugins" in lines[0], proc.stdout
+    assert lines[1].startswith("falling back to the XLA:CPU estimate on 4 host devices and "
+                               "95.00 GiB"), proc.stdout
+    assert "fitted from XLA:CPU compiles" in proc.stdout and "fits 95 GiB" in proc.stdout
