@@ -134,7 +134,7 @@ class RunConfig:
     resume tests, the process SIGKILLs itself once the checkpoint of that step is committed.
     """
 
-    steps: int = within(AT_LEAST_ONE, 20)
+    steps: int = within(NON_NEGATIVE, 20)  # 0: read and check the data, train nothing
     seed: int = within(NON_NEGATIVE, 0)
     mode: Literal["tree", "baseline", "auto", "redundancy_free"] = "tree"
     auto_min_gain: float = within(POSITIVE, 1.05)

@@ -25,7 +25,14 @@ import jax
 
 _DIR = Path(__file__).parent
 _CPUINFO = Path("/proc/cpuinfo")
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++20", "-shared", "-fPIC", "-pthread")
+# -ffast-math's parts, spelled out: given at link time, -ffast-math (or its
+# -funsafe-math-optimizations) also links GCC's crtfastmath.o, whose constructor sets the CPU's
+# flush-to-zero and denormals-are-zero modes for the whole process when the library loads, so
+# numpy and XLA would silently flush subnormal floats to zero after the first `cpu` kernel call.
+_FAST_MATH = ("-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math", "-fassociative-math",
+              "-freciprocal-math", "-ffinite-math-only", "-fno-rounding-math",
+              "-fno-signaling-nans", "-fcx-limited-range", "-fexcess-precision=fast")
+_FLAGS = ("-O3", "-march=native", *_FAST_MATH, "-std=c++20", "-shared", "-fPIC", "-pthread")
 
 
 def _sources() -> list[Path]:

@@ -1,6 +1,9 @@
 """The C++ kernels' library is cached under a key of everything its machine code depends on:
 a CPU with another instruction set gets its own build, even under the same model name."""
 
+import subprocess
+import sys
+
 from jtree.kernels.cpu import library as cpu_library
 
 CPUINFO = """processor\t: {n}
@@ -31,3 +34,17 @@ def test_the_same_model_name_with_another_instruction_set_is_another_build(tmp_p
         monkeypatch.setattr(cpu_library, "_CPUINFO", _write(tmp_path / name, extra))
         keys.append(cpu_library.build_key())
     assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
+def test_loading_the_library_leaves_the_process_float_modes_alone():
+    """Built with -ffast-math at link time, the library would switch the process to
+    flush-to-zero when loaded, and numpy (and XLA) would then round subnormals to 0. Run in a
+    fresh process: a library loaded earlier in this one would have changed the modes already."""
+    probe = ("import numpy as np\n"
+             "from jtree.kernels.cpu import library\n"
+             "library.library()\n"
+             "print(float((np.array([1e-310]) * 1.0)[0]))\n")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.strip()) == 1e-310

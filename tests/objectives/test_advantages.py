@@ -123,7 +123,8 @@ def test_bad_reward_in_a_tree_record_names_line_and_path(tmp_path):
            "paths": [{"node": 1, "reward": 1.0}, {"node": 2, "reward": "high"}]}
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps(rec) + "\n")
-    with pytest.raises(ValueError, match=r"t\.jsonl:1: path 1: reward: expected numbers"):
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: path 1: reward: expected a number or a "
+                                         r"list of numbers"):
         load_trees(str(path), "trees", vocab_size=None, advantage="grpo")
     rec["paths"][1]["reward"] = 0.0
     path.write_text(json.dumps(rec) + "\n")
