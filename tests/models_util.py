@@ -205,7 +205,8 @@ U32 = float(np.finfo(np.float32).eps) / 2
 #   GDN dt_bias gradient on the context-parallel PPO mesh (tests/step/test_mesh.py, AMD Zen 5):
 #   e = 7.3e-6, e_ref = 6.7e-6, bound 2.7e-5, while the two float32 steps differ by 1.06e-5,
 #   past the old round 1e-5. Measured e / e_ref over the default mesh cases: up to 1.6 for
-#   gradients; up to 4.1 for updated parameters, whose errors (~2e-7) the floor holds.
+#   gradients. (Updated parameters have a model of their own: `tests.mesh_worker.
+#   update_rounding`.)
 # - LAMBDA * sqrt(n) * U32 is the probabilistic bound of an n-term float32 sum (Higham and Mary,
 #   SIAM J. Sci. Comput. 2019: it holds with probability >= 1 - 2 exp(-LAMBDA^2 / 2), 0.9993 at
 #   LAMBDA = 4) for a well-conditioned result (kappa ~ 1): 5.4e-6 at n = 512 tokens. It is the

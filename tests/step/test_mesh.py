@@ -58,9 +58,10 @@ def run_cases(cases: list[str]) -> list[dict]:
 
 def check(result: dict) -> None:
     # Every float32 result of the mesh step within its error model against the float64 step
-    # (`tests.models_util.rounding_bound`; the updates: `tests.mesh_worker.update_rounding`):
-    # loss, gradient norm, every gradient (Adam's first moment), updated parameter and update,
-    # CP PPO's log-probs from the sharded forward, the off-policy metrics. The worst of each kind
+    # (`tests.models_util.rounding_bound`; the updates, whose error is the updated parameters'
+    # too: `tests.mesh_worker.update_rounding`): loss, gradient norm, every gradient (Adam's
+    # first moment) and update, CP PPO's log-probs from the sharded forward, the off-policy
+    # metrics. The worst of each kind
     # is in `rounding`; the direct differences to the single-device float32 step (`*_rel*`), the
     # old round 1e-5 comparisons, are reported with it.
     for kind, worst in result["rounding"].items():
