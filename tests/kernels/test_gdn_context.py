@@ -4,7 +4,10 @@ over 2, 4 and 8 forced host devices; and so does the Qwen3-Next GatedDeltaNet la
 `RuntimeConfig.context_axis` (output, input and parameter gradients). Float32, both sides summing
 in their own orders: each context-parallel result is held to the error model of
 `tests.models_util.rounding_bound` against the single-device kernels in float64, and gap tokens
-hold exact zeros.
+hold exact zeros. Real bugs stay far past it (measured once, each undone, on `two_back:4`): the
+conv halo dropped puts the conv loss 0.56 off float64 (1.2e5 times its bound), the states
+entering from other devices zeroed or their cotangent's sign flipped put the gradient of g 0.3
+off (2.8e4 times), and the layer 0.18 to 0.36 off.
 
 The meshes run in a subprocess (`tests/gdn_context_worker.py`): the device count is fixed when
 jax starts. The default runs one case (a node whose parent is three devices back, on 4 devices);
