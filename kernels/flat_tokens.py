@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jtree.kernels.precision import accumulation_dtype
+
 
 def scale_channels(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x [..., *weight.shape] * weight (broadcast over x's leading axes), with the leading axes
@@ -33,19 +35,21 @@ def scale_channels(x: jax.Array, weight: jax.Array) -> jax.Array:
 
 
 def normalized_last_axis(x: jax.Array, eps: float, *, mean: bool) -> jax.Array:
-    """x / sqrt(m + eps) in float32, m the mean (RMS norm) or the sum (L2 norm) of x^2 over the
-    last axis, computed over the leading axes flattened into one."""
-    flat = x.astype(jnp.float32).reshape(-1, x.shape[-1])
+    """x / sqrt(m + eps) in float32 (float64 for float64 x: `accumulation_dtype`), m the mean
+    (RMS norm) or the sum (L2 norm) of x^2 over the last axis, computed over the leading axes
+    flattened into one."""
+    flat = x.astype(accumulation_dtype(x.dtype)).reshape(-1, x.shape[-1])
     reduce = jnp.mean if mean else jnp.sum
     flat = flat * jax.lax.rsqrt(reduce(flat * flat, axis=-1, keepdims=True) + eps)
     return flat.reshape(x.shape)
 
 
 def last_axis_dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """sum(a * b) over the last axis, in float32: [...] for a, b [..., C]. Written as a dot (an
-    einsum), which XLA:CPU does not lower to the slow reduce fusion whatever the leading axes;
-    flattening them does not help here (XLA moves the reshape out of the fusion again)."""
+    """sum(a * b) over the last axis, in float32 (`accumulation_dtype`): [...] for a, b
+    [..., C]. Written as a dot (an einsum), which XLA:CPU does not lower to the slow reduce
+    fusion whatever the leading axes; flattening them does not help here (XLA moves the reshape
+    out of the fusion again)."""
     if a.shape != b.shape:
         raise ValueError(f"a {a.shape} and b {b.shape} must have the same shape")
     return jnp.einsum("...c,...c->...", a, b, precision=jax.lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=accumulation_dtype(a.dtype, b.dtype))

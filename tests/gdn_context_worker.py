@@ -6,14 +6,19 @@ when jax starts.
 Each case lays trees out in one row per tree set (DFS order), then spreads the row over the
 c device slices with gaps (padding in the middle of the row: each slice holds a random number of
 the row's tokens). The reference runs the sequential chunk scan and the conv on the row without
-gaps. Prints one JSON line per (case, devices) with the largest relative differences.
+gaps, in float32 and in float64 (the exact values). Prints one JSON line per (case, devices) with
+the relative differences to the float32 reference, the largest value on a gap token (`leak`) and,
+per kernel, the result farthest past the error model against float64
+(`tests.models_util.worst_rounding`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
+from typing import Any
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
@@ -38,7 +43,9 @@ from jtree.kernels.tree_conv import path_context, tree_causal_conv1d  # noqa: E4
 from jtree.layout.linearize import linearize  # noqa: E402
 from jtree.models.gated_deltanet import GatedDeltaNet, gdn_routing  # noqa: E402
 from jtree.trees.tree import TrajectoryTree  # noqa: E402
-from tests.models_util import rel_l2, tiny_next_config, tiny_runtime  # noqa: E402
+from tests.models_util import (  # noqa: E402
+    rel_l2, tiny_next_config, tiny_runtime, worst_rounding,
+)
 from tests.strategies import explicit_tree, random_forest  # noqa: E402
 
 S, CHUNK, KERNEL, AXIS = 64, 4, 4, "context"
@@ -124,6 +131,10 @@ def _layer_case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
     tables = context_gdn_tables(node, pred, context, CHUNK, cfg.linear_conv_kernel_dim)
     layer = GatedDeltaNet(cfg, tiny_runtime(), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(layer)
+    with jax.enable_x64(True):
+        graphdef_64 = nnx.split(GatedDeltaNet(cfg, tiny_runtime(dtype="float64",
+                                                                param_dtype="float64"),
+                                              rngs=nnx.Rngs(0)))[0]
     graphdef_cp, _ = nnx.split(GatedDeltaNet(cfg, tiny_runtime(context_axis=AXIS),
                                              rngs=nnx.Rngs(0)))
     x = rng.normal(size=(1, S, cfg.hidden_size)).astype(np.float32)
@@ -137,10 +148,12 @@ def _layer_case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
     t_ref = np.zeros_like(target)
     t_ref[:, :n_real] = target[:, where]
 
-    def ref(params, x):
-        routing = gdn_routing(jnp.asarray(batch.pred), batch.gdn, cfg.linear_conv_kernel_dim)
-        out, _ = nnx.merge(graphdef, params)(x, routing)
-        return jnp.sum(jnp.square(out) * t_ref), out
+    def ref_of(graphdef):
+        def ref(params, x):
+            routing = gdn_routing(jnp.asarray(batch.pred), batch.gdn, cfg.linear_conv_kernel_dim)
+            out, _ = nnx.merge(graphdef, params)(x, routing)
+            return jnp.sum(jnp.square(out) * t_ref), out
+        return ref
 
     mesh = Mesh(np.array(jax.devices()[:context]), (AXIS,))
     tok = P(None, AXIS)
@@ -156,21 +169,30 @@ def _layer_case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
         return run(params, x, target, pred, tables.chunk_tokens, tables.chunk_src,
                    tables.token_slot, tables.context_exports, tables.conv_halo)
 
-    (l_ref, o_ref), (gp_ref, gx_ref) = jax.value_and_grad(ref, argnums=(0, 1), has_aux=True)(
-        params, x_ref)
+    (l_ref, o_ref), (gp_ref, gx_ref) = jax.value_and_grad(
+        ref_of(graphdef), argnums=(0, 1), has_aux=True)(params, x_ref)
     (l_cp, o_cp), (gp_cp, gx_cp) = jax.jit(jax.value_and_grad(cp, argnums=(0, 1), has_aux=True))(
         params, x)
-    o_cp, gx_cp = np.asarray(o_cp)[:, where], np.asarray(gx_cp)
-    params_diff = {jax.tree_util.keystr(path, simple=True, separator="."): rel_l2(a, b)
-                   for (path, a), (_, b) in zip(
-        jax.tree_util.tree_leaves_with_path(gp_cp), jax.tree_util.tree_leaves_with_path(gp_ref))}
-    return {
-        "layer_loss": abs(float(l_cp) - float(l_ref)) / max(abs(float(l_ref)), 1e-6),
-        "layer_out": rel_l2(o_cp, np.asarray(o_ref)[:, :n_real]),
-        "layer_grad_x": max(rel_l2(gx_cp[:, where], np.asarray(gx_ref)[:, :n_real]),
-                            float(np.abs(gx_cp[:, ~real]).max(initial=0.0))),
-        **{f"layer_grad_{name}": d for name, d in params_diff.items()},
-    }
+    with jax.enable_x64(True):
+        as_64 = functools.partial(jax.tree_util.tree_map, lambda a: np.asarray(a, np.float64))
+        (l_64, o_64), (gp_64, gx_64) = jax.jit(jax.value_and_grad(
+            ref_of(graphdef_64), argnums=(0, 1), has_aux=True))(as_64(params), as_64(x_ref))
+    gx_cp = np.asarray(gx_cp)
+
+    def named(loss, out, grad_x, grad_params) -> dict[str, Any]:
+        """The layer's results by name, on the tokens of the row without gaps."""
+        return {"layer_loss": loss, "layer_out": out, "layer_grad_x": grad_x, **{
+            "layer_grad_" + jax.tree_util.keystr(path, simple=True, separator="."): g
+            for path, g in jax.tree_util.tree_leaves_with_path(grad_params)}}
+
+    got = named(l_cp, np.asarray(o_cp)[:, where], gx_cp[:, where], gp_cp)
+    want, exact = (named(loss, np.asarray(out)[:, :n_real], np.asarray(gx)[:, :n_real], gp)
+                   for loss, out, gx, gp in ((l_ref, o_ref, gx_ref, gp_ref),
+                                             (l_64, o_64, gx_64, gp_64)))
+    # The loss sums every output feature of every token: the longest sum.
+    return {**{k: rel_l2(got[k], want[k]) for k in want},
+            "leak": float(np.abs(gx_cp[:, ~real]).max(initial=0.0)),
+            "rounding": {"layer": worst_rounding(got, want, exact, int(np.size(o_64)))}}
 
 
 def _case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
@@ -241,13 +263,33 @@ def _case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
         return run(x, w, x_target, pred, halo)
 
     lc_cp, gc_cp = jax.jit(jax.value_and_grad(cp_conv, argnums=(0, 1)))(x, weight)
-
-    def gapped_diff(cp, ref):
-        cp, ref = np.asarray(cp), np.asarray(ref)
-        leak = float(np.abs(cp[:, ~real]).max()) if (~real).any() else 0.0
-        return max(rel_l2(cp[:, where], ref[:, :n_real]), leak)
+    # The float64 values of the single-device kernels.
+    with jax.enable_x64(True):
+        (l_64, o_64), g_64 = jax.jit(jax.value_and_grad(ref_gdn, argnums=range(5),
+                                                        has_aux=True))(
+            *(ungapped(a).astype(np.float64) for a in gdn_in))
+        lc_64, gc_64 = jax.jit(jax.value_and_grad(ref_conv, argnums=(0, 1)))(
+            ungapped(x).astype(np.float64), weight.astype(np.float64))
 
     names = ("q", "k", "v", "g", "beta")
+
+    def named(gdn_loss, o, grads, conv_loss, conv_grads, gapped: bool) -> dict[str, Any]:
+        """The kernels' results by name, on the tokens of the row without gaps (`gapped`: picked
+        from the gapped row)."""
+        def tokens(a):
+            return np.asarray(a)[:, where] if gapped else np.asarray(a)[:, :n_real]
+        return {"gdn_loss": gdn_loss, "gdn_out": tokens(o),
+                **{f"gdn_grad_{n}": tokens(g) for n, g in zip(names, grads)},
+                "conv_loss": conv_loss, "conv_grad_x": tokens(conv_grads[0]),
+                "conv_grad_w": conv_grads[1]}
+
+    got = named(l_cp, o_cp, g_cp, lc_cp, gc_cp, True)
+    want, exact = (named(*r, False) for r in ((l_ref, o_ref, g_ref, lc_ref, gc_ref),
+                                              (l_64, o_64, g_64, lc_64, gc_64)))
+    # Each kernel's loss sums every output feature of every token: its longest sum.
+    rounding = {kernel: worst_rounding(*({k: v for k, v in d.items() if k.startswith(kernel)}
+                                         for d in (got, want, exact)), n)
+                for kernel, n in (("gdn", np.size(o_64)), ("conv", np.size(x)))}
     ncl = tables.chunk_src.shape[1] // context
     src = np.asarray(tables.chunk_src)[0]
     linked = src > 0
@@ -261,12 +303,12 @@ def _case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
         "chunks_per_device": int(ncl),
         "exports_per_device": int(tables.context_exports.shape[1] // context),
         "halo_per_device": int(halo.shape[1] // context),
-        "gdn_loss": abs(float(l_cp) - float(l_ref)) / max(abs(float(l_ref)), 1e-6),
-        "gdn_out": gapped_diff(o_cp, o_ref),
-        **{f"gdn_grad_{n}": gapped_diff(a, b) for n, a, b in zip(names, g_cp, g_ref)},
-        "conv_loss": abs(float(lc_cp) - float(lc_ref)) / max(abs(float(lc_ref)), 1e-6),
-        "conv_grad_x": gapped_diff(gc_cp[0], gc_ref[0]),
-        "conv_grad_w": rel_l2(gc_cp[1], gc_ref[1]),
+        # The direct differences to the single-device float32 kernels (the old 1e-5 checks).
+        **{k: rel_l2(got[k], want[k]) for k in want},
+        # Gap tokens are no tokens: their outputs and gradients are zeros.
+        "leak": max(float(np.abs(np.asarray(a)[:, ~real]).max(initial=0.0))
+                    for a in (o_cp, *g_cp, gc_cp[0])),
+        "rounding": rounding,
     }
 
 

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jtree.kernels import available_impls
 from jtree.kernels.gdn.delta_rule import GDN_SCANS
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# "float64" is for checking numerics, not for training: the tests run a single-device step in
+# float64 as the exact value their float32 comparisons measure rounding against (the kernels
+# accumulate in `jtree.kernels.precision.accumulation_dtype`, float64 for float64 operands). It
+# needs jax_enable_x64 (without it jax makes float64 arrays float32) and the `reference`
+# attention (the other attention kernels compute in float32).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+          "float64": jnp.float64}
 
 
 # Activation rematerialization policies by name (`jtree.models.layers.REMAT_POLICIES` maps them
@@ -83,11 +90,22 @@ class RuntimeConfig:
         if self.attention_impl not in available_impls():
             raise ValueError(f"attention_impl: {self.attention_impl!r} is not one of "
                              f"{available_impls()}")
+        if "float64" in (self.dtype, self.param_dtype) and self.attention_impl != "reference":
+            raise ValueError(f"dtype float64 runs the 'reference' attention only, not "
+                             f"{self.attention_impl!r} (it computes in float32)")
 
     @property
     def compute_dtype(self) -> jnp.dtype:
-        return DTYPES[self.dtype]
+        return _enabled(DTYPES[self.dtype])
 
     @property
     def weight_dtype(self) -> jnp.dtype:
-        return DTYPES[self.param_dtype]
+        return _enabled(DTYPES[self.param_dtype])
+
+
+def _enabled(dtype: jnp.dtype) -> jnp.dtype:
+    """`dtype`, refused if it is float64 while jax_enable_x64 is off (jax would silently make
+    its arrays float32, and a float64 reference with them would not be one)."""
+    if jnp.dtype(dtype) == jnp.float64 and not jax.config.jax_enable_x64:
+        raise ValueError("dtype float64 needs jax_enable_x64 (`with jax.enable_x64(True):`)")
+    return dtype

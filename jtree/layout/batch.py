@@ -151,7 +151,9 @@ class DeviceBatch:
 
 
 # Dtype of every field (by its path in the pytree); the row axes each field carries after the
-# leading [..., rows] axes: "S" a token axis, other letters free sizes.
+# leading [..., rows] axes: "S" a token axis, other letters free sizes. A float32 field may be
+# float64 under jax_enable_x64: in a float64 run (`jtree.config.runtime.DTYPES`) the step computes
+# coefficients from its float64 activations (the critic's advantages).
 _SCHEMA: dict[str, tuple[Any, str]] = {
     "tokens": (np.int32, "S"), "pos": (np.int32, "S"), "mask.end": (np.int32, "S"),
     "mask.prefix_end": (np.int32, "P"), "pred": (np.int32, "S"), "node": (np.int32, "S"),
@@ -217,7 +219,9 @@ def _check(batch: DeviceBatch) -> None:
         if name.startswith("router_load"):
             continue
         dtype, axes = _SCHEMA[name]
-        if np.dtype(x.dtype) != np.dtype(dtype):
+        float64_run = (np.dtype(dtype) == np.float32 and np.dtype(x.dtype) == np.float64
+                       and jax.config.jax_enable_x64)
+        if np.dtype(x.dtype) != np.dtype(dtype) and not float64_run:
             raise ValueError(f"DeviceBatch.{name}: dtype {np.dtype(x.dtype)}, expected "
                              f"{np.dtype(dtype).name}")
         shape = tuple(x.shape)

@@ -32,6 +32,7 @@ from flax import nnx
 from jtree.config.architectures import DecoderSpec
 from jtree.config.runtime import RuntimeConfig
 from jtree.kernels import TreeMask, tree_attention
+from jtree.kernels.precision import accumulation_dtype
 from jtree.models.layers import NORMS, apply_rope, linear, local_kv_heads, row_parallel
 from jtree.models.prefix import AttentionCache
 from jtree.parallel.context import gathered_keys
@@ -80,7 +81,8 @@ class Attention(nnx.Module):
         heads = (q.shape[2], cfg.num_attention_heads, cfg.num_key_value_heads, tp)
         k, v = local_kv_heads(k, *heads), local_kv_heads(v, *heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
+        sinks = (None if self.sinks is None
+                 else self.sinks[...].astype(accumulation_dtype(q.dtype)))
         if self.window is not None:
             mask = dataclasses.replace(mask, window=self.window)
         if self.runtime.context_axis is None:

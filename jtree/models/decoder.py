@@ -38,6 +38,7 @@ from flax import nnx
 from jtree.config.architectures import DecoderSpec, FeedForward, LayerKind
 from jtree.config.runtime import RuntimeConfig
 from jtree.kernels import TreeMask
+from jtree.kernels.precision import accumulation_dtype
 from jtree.layout.batch import DeviceBatch
 from jtree.models.attention import Attention
 from jtree.models.gated_deltanet import GatedDeltaNet, GdnRouting, gdn_routing
@@ -299,10 +300,10 @@ class CausalLM(nnx.Module):
         return [routed[..., m[i], :] if sparse else None for i, sparse in enumerate(moe)]
 
     def values(self, inputs: DeviceBatch, out: ModelOutput) -> tuple[jax.Array, jax.Array]:
-        """PPO's per-token values [..., S] float32 (the value of the state after each token)
-        and the critic's auxiliary loss, given this model's output `out` on `inputs`: the value
-        head on `out`'s hidden states, or the separate critic run on the same `inputs` (its
-        hidden states, like the policy's, once per tree token)."""
+        """PPO's per-token values [..., S] float32 (`accumulation_dtype`; the value of the state
+        after each token) and the critic's auxiliary loss, given this model's output `out` on
+        `inputs`: the value head on `out`'s hidden states, or the separate critic run on the same
+        `inputs` (its hidden states, like the policy's, once per tree token)."""
         if self.critic is not None:
             # The engine's routed experts are the policy's: the critic routes itself.
             critic_out = self.critic(dataclasses.replace(inputs, routed_experts=None))
@@ -310,7 +311,8 @@ class CausalLM(nnx.Module):
         if self.value_head is None:
             raise ValueError("model: no value head (build it with value_head=True or a "
                              "critic; objective.critic does)")
-        return (self.value_head(out.hidden)[..., 0].astype(jnp.float32),
+        values = self.value_head(out.hidden)[..., 0]
+        return (values.astype(accumulation_dtype(values.dtype)),
                 jnp.zeros((), jnp.float32))
 
     def output_embedding(self) -> jax.Array:

@@ -50,6 +50,7 @@ from jtree.kernels.gdn.context import (
     context_gated_delta_rule,
 )
 from jtree.kernels.gdn.delta_rule import tree_gated_delta_rule
+from jtree.kernels.precision import accumulation_dtype
 from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
 from jtree.layout.batch import GdnTables
 from jtree.models.layers import linear, rms_normalized, row_parallel
@@ -107,7 +108,7 @@ class GatedRMSNorm(nnx.Module):
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
         dtype = x.dtype
         out = scale_channels(rms_normalized(x, self.eps).astype(dtype), self.weight[...])
-        return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
+        return (out * jax.nn.silu(gate.astype(accumulation_dtype(dtype)))).astype(dtype)
 
 
 class DepthwiseConv1d(nnx.Module):
@@ -215,8 +216,9 @@ class GatedDeltaNet(nnx.Module):
         mixed = jax.nn.silu(self.conv1d(pre_conv, routing.conv_context, channels, source))
         q, k, v = jnp.split(mixed.reshape(r * s, -1), [nk * dk, 2 * nk * dk], axis=-1)
         beta = jax.nn.sigmoid(b)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        acc = accumulation_dtype(a.dtype)
+        g = -jnp.exp(self.A_log[...].astype(acc)) * jax.nn.softplus(
+            a.astype(acc) + self.dt_bias[...].astype(acc))
         g, beta = g.reshape(r, s, nv), beta.reshape(r, s, nv)
         q, k, v = q.reshape(r, s, nk, dk), k.reshape(r, s, nk, dk), v.reshape(r, s, nv, dv)
         if cp is not None:
@@ -226,7 +228,7 @@ class GatedDeltaNet(nnx.Module):
             states = jnp.zeros((r, 0, nv, dk, dv), jnp.float32)  # no exported states (routing)
         else:
             initial = None if prefix is None else jnp.stack(
-                [jnp.zeros_like(prefix.state), prefix.state], axis=1).astype(jnp.float32)
+                [jnp.zeros_like(prefix.state), prefix.state], axis=1).astype(acc)
             o, buffer = tree_gated_delta_rule(
                 q, k, v, g, beta, chunk_tokens=routing.chunk_tokens, chunk_src=routing.chunk_src,
                 token_slot=routing.token_slot, initial_states=initial, scan=self.runtime.gdn_scan)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from jtree.config.architectures import Llama3RopeScaling, YarnRopeScaling
 from jtree.kernels.flat_tokens import normalized_last_axis, scale_channels
+from jtree.kernels.precision import accumulation_dtype
 from jtree.kernels.weight_grad import linear_dot_general
 
 # `runtime.remat` names (`jtree.config.runtime.REMAT_POLICY_NAMES`, besides "none") -> jax policies.
@@ -51,7 +52,7 @@ class OffsetRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = 1.0 + self.weight[...].astype(jnp.float32)
+        scale = 1.0 + self.weight[...].astype(accumulation_dtype(x.dtype))
         return scale_channels(rms_normalized(x, self.eps), scale).astype(x.dtype)
 
 
@@ -64,7 +65,7 @@ class RMSNormScaledInFloat32(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.weight[...].astype(jnp.float32)
+        scale = self.weight[...].astype(accumulation_dtype(x.dtype))
         return scale_channels(rms_normalized(x, self.eps), scale).astype(x.dtype)
 
 

@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jtree.kernels.precision import accumulation_dtype
 from jtree.models.layers import SwiGLU, linear
 
 
@@ -104,7 +105,7 @@ class TopKRouter(nnx.Module):
         logits = x @ self.weight[...].astype(x.dtype).T
         if self.bias is not None:
             logits = logits + self.bias[...].astype(x.dtype)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        probs = jax.nn.softmax(logits.astype(accumulation_dtype(x.dtype)), axis=-1)
         own_w, own_e = jax.lax.top_k(probs, self.top_k)
         top_w, top_e = own_w, own_e
         if replay is not None:

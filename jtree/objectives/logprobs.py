@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jtree.kernels.precision import accumulation_dtype
 from jtree.layout.batch import DeviceBatch
 from jtree.parallel.context import scoring_view
 
@@ -70,7 +71,8 @@ def _row_logsumexp(h: jax.Array, w_out: jax.Array, chunk: int, with_entropy: boo
 
     @jax.checkpoint
     def one(hc: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = jnp.dot(hc, w_out, preferred_element_type=jnp.float32)
+        logits = jnp.dot(hc, w_out,
+                         preferred_element_type=accumulation_dtype(hc.dtype, w_out.dtype))
         return _logsumexp_entropy(logits, with_entropy, vocab_axis)
 
     lse, ent = jax.lax.map(one, padded)
@@ -97,7 +99,7 @@ def logprobs_from_hidden(
     h_src = jnp.take_along_axis(hidden, src[..., None], axis=1)
     target = jnp.einsum(
         "rsd,rsd->rs", h_src, _target_columns(w_out, tokens, vocab_axis),
-        preferred_element_type=jnp.float32,
+        preferred_element_type=accumulation_dtype(hidden.dtype, w_out.dtype),
     )
     if vocab_axis is not None:
         target = jax.lax.psum(target, vocab_axis)
@@ -133,7 +135,8 @@ def scored_logprobs(
     @jax.checkpoint
     def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         hc, tc = args
-        logits = jnp.dot(hc, w_out, preferred_element_type=jnp.float32)
+        logits = jnp.dot(hc, w_out,
+                         preferred_element_type=accumulation_dtype(hc.dtype, w_out.dtype))
         lse, ent = _logsumexp_entropy(logits, with_entropy, vocab_axis)
         if vocab_axis is None:
             target = jnp.take_along_axis(logits, tc[:, None], axis=1)[:, 0]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jtree.kernels.precision import accumulation_dtype
+
 
 def tree_mask(end: jax.Array, q_pos: jax.Array | None = None, *, window: int | None = None,
               key_pos: jax.Array | None = None) -> jax.Array:
@@ -54,7 +56,8 @@ def attention_reference(
     rows, sq, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(rows, sq, hkv, hq // hkv, d)
-    scores = jnp.einsum("rikgd,rjkd->rkgij", qg, k, preferred_element_type=jnp.float32) * scale
+    acc = accumulation_dtype(q.dtype, k.dtype, v.dtype)
+    scores = jnp.einsum("rikgd,rjkd->rkgij", qg, k, preferred_element_type=acc) * scale
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
     mask = tree_mask(end, q_pos, window=window, key_pos=key_pos)[:, None, None]
@@ -62,9 +65,9 @@ def attention_reference(
     if sinks is None:
         probs = jax.nn.softmax(scores, axis=-1)
     else:
-        sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32).reshape(hkv, hq // hkv)[
+        sink = jnp.broadcast_to(jnp.asarray(sinks, acc).reshape(hkv, hq // hkv)[
             None, :, :, None, None], (*scores.shape[:-1], 1))
         probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     probs = probs.astype(v.dtype)
-    out = jnp.einsum("rkgij,rjkd->rikgd", probs, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("rkgij,rjkd->rikgd", probs, v, preferred_element_type=acc)
     return out.reshape(rows, sq, hq, d).astype(q.dtype)

@@ -52,13 +52,15 @@ from jtree.kernels.gdn.tree_scan import (
     gather_slots,
     sum_into_slots,
 )
+from jtree.kernels.precision import accumulation_dtype
 from jtree.kernels.tree_conv import path_context
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _matmul(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a, b, precision=_HIGHEST,
+                      preferred_element_type=accumulation_dtype(a.dtype, b.dtype))
 
 
 def _gathered(x: jax.Array, axis: str) -> jax.Array:
@@ -153,7 +155,7 @@ def _context_backward(axis: str, n_bnd: int, res, d_o: jax.Array):
     remote = d_bnd + sum_into_slots(x, root_bnd, n_init)[:, 1:]
     n_own = own.shape[1]
     mine = jax.lax.dynamic_slice_in_dim(remote, _device(axis) * n_own, n_own, axis=1)
-    d_final = jnp.zeros(m.shape[:2] + mine.shape[2:], jnp.float32)
+    d_final = jnp.zeros(m.shape[:2] + mine.shape[2:], remote.dtype)
     d_final = d_final.at[jnp.arange(rows)[:, None], own].add(mine)
     d_entering = d_entering + accumulate_from_descendants(
         m, _matmul("...ij,...iv->...jv", m, d_final), src, n_init)

@@ -44,13 +44,15 @@ from jtree.kernels.gdn.tree_scan import (
     gather_slots,
     sum_into_slots,
 )
+from jtree.kernels.precision import accumulation_dtype
 from jtree.kernels.varying_axes import varying_like
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _einsum(spec: str, *args: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, *args, precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, *args, precision=_HIGHEST,
+                      preferred_element_type=accumulation_dtype(*(a.dtype for a in args)))
 
 
 def _check_shapes(q, k, v, g, beta, initial_state) -> None:
@@ -74,7 +76,7 @@ def _prepare_qk(q: jax.Array, k: jax.Array, n_v_heads: int) -> tuple[jax.Array, 
 
 
 def _zero_state(v: jax.Array, dk: int) -> jax.Array:
-    return jnp.zeros((v.shape[0], v.shape[2], dk, v.shape[3]), jnp.float32)
+    return jnp.zeros((v.shape[0], v.shape[2], dk, v.shape[3]), accumulation_dtype(v.dtype))
 
 
 def gated_delta_rule_recurrent(
@@ -88,11 +90,13 @@ def gated_delta_rule_recurrent(
     """Token-by-token reference. q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log decay, <= 0) and
     beta [B, T, Hv]; initial_state [B, Hv, dk, dv] (zeros if None).
 
-    Returns (o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] float32).
+    Returns (o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] float32; float64 for
+    float64 v, `accumulation_dtype`).
     """
     _check_shapes(q, k, v, g, beta, initial_state)
     q, k = _prepare_qk(q, k, v.shape[2])
-    state = _zero_state(v, q.shape[-1]) if initial_state is None else initial_state.astype(jnp.float32)
+    acc = accumulation_dtype(v.dtype)
+    state = _zero_state(v, q.shape[-1]) if initial_state is None else initial_state.astype(acc)
 
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs
@@ -101,7 +105,7 @@ def gated_delta_rule_recurrent(
         s = s + _einsum("bhk,bhv->bhkv", k_t, delta)
         return s, _einsum("bhkv,bhk->bhv", s, q_t)
 
-    xs = tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (q, k, v, g, beta))
+    xs = tuple(jnp.moveaxis(x.astype(acc), 1, 0) for x in (q, k, v, g, beta))
     state, o = jax.lax.scan(step, state, xs)
     return jnp.moveaxis(o, 0, 1).astype(v.dtype), state
 
@@ -202,13 +206,13 @@ def _chunks_first(terms: ChunkTerms) -> ChunkTerms:
 
 
 def _scan_forward(terms: ChunkTerms, src: jax.Array, initial_states: jax.Array):
-    """`initial_states` [B, NI, H, dk, dv] float32. Scan over chunks in order; chunk c enters with
-    buffer[src[:, c]] and stores its final state in buffer[NI + c]. Returns (o [B, NC, H, C, dv],
-    buffer [B, NI + NC, H, dk, dv]).
+    """`initial_states` [B, NI, H, dk, dv] (the terms' dtype). Scan over chunks in order; chunk c
+    enters with buffer[src[:, c]] and stores its final state in buffer[NI + c]. Returns
+    (o [B, NC, H, C, dv], buffer [B, NI + NC, H, dk, dv]).
     """
     b, nc = src.shape
     n_init = initial_states.shape[1]
-    buffer = jnp.zeros((b, n_init + nc) + initial_states.shape[2:], jnp.float32)
+    buffer = jnp.zeros((b, n_init + nc) + initial_states.shape[2:], initial_states.dtype)
     buffer = buffer.at[:, :n_init].set(initial_states)
     rows = jnp.arange(b)
 
@@ -258,7 +262,7 @@ def _route_bwd(res, cts):
 
     xs = (_chunks_first(terms), src.T, jnp.arange(nc, dtype=jnp.int32), entering,
           jnp.moveaxis(d_o, 1, 0))
-    d_buf = varying_like(d_buffer.astype(jnp.float32), terms, src, buffer, d_o)
+    d_buf = varying_like(d_buffer.astype(buffer.dtype), terms, src, buffer, d_o)
     d_buf, d_terms = jax.lax.scan(body, d_buf, xs, reverse=True)
     d_terms = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 1), d_terms)
     d_src = np.zeros(src.shape, jax.dtypes.float0)
@@ -272,7 +276,7 @@ def chunk_maps(t: ChunkTerms) -> tuple[jax.Array, jax.Array]:
     """Every chunk's affine map S_out = M S_in + N (M [.., dk, dk], N [.., dk, dv]), read off
     `chunk_step`: S_out = decay S_in + K_dec^T (U - W S_in), so M = decay I - K_dec^T W (the WY
     form, never a product of per-token matrices) and N = K_dec^T U."""
-    eye = jnp.eye(t.w.shape[-1], dtype=jnp.float32)
+    eye = jnp.eye(t.w.shape[-1], dtype=t.w.dtype)
     m = t.chunk_decay[..., None, None] * eye - _einsum("...ck,...cj->...kj", t.k_decayed, t.w)
     return m, _einsum("...ck,...cv->...kv", t.k_decayed, t.u)
 
@@ -304,7 +308,7 @@ def _parallel_bwd(res, cts):
     terms, src, buffer = res
     d_o, d_buffer = cts
     n_init = buffer.shape[1] - src.shape[1]
-    d_buffer = varying_like(d_buffer.astype(jnp.float32), terms, src, buffer, d_o)
+    d_buffer = varying_like(d_buffer.astype(buffer.dtype), terms, src, buffer, d_o)
     flat = jax.tree_util.tree_map(over_chunks, terms)
     entering = over_chunks(gather_slots(buffer, src))
     d_o_flat = over_chunks(d_o)
@@ -338,8 +342,10 @@ def tree_chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     filled = (chunk_tokens >= 0).reshape(r, nc * c)
     gather_idx = jnp.where(filled, chunk_tokens.reshape(r, nc * c), 0)
 
+    acc = accumulation_dtype(v.dtype)
+
     def to_chunks(x: jax.Array) -> jax.Array:
-        x = x.astype(jnp.float32)
+        x = x.astype(acc)
         idx = gather_idx.reshape(gather_idx.shape + (1,) * (x.ndim - 2))
         mask = filled.reshape(filled.shape + (1,) * (x.ndim - 2))
         picked = jnp.where(mask, jnp.take_along_axis(x, idx, axis=1), 0.0)
@@ -379,14 +385,15 @@ def gated_delta_rule_chunked(
     q, k = _prepare_qk(q, k, hv)
     pad = -t % chunk_size
     nc = (t + pad) // chunk_size
+    acc = accumulation_dtype(v.dtype)
 
     def chunked(x: jax.Array) -> jax.Array:
-        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = jnp.pad(x.astype(acc), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return x.reshape((b, nc, chunk_size) + x.shape[2:])
 
     terms = _chunk_terms(*(chunked(x) for x in (q, k, v, g, beta)))
     state = (_zero_state(v, q.shape[-1]) if initial_state is None
-             else initial_state.astype(jnp.float32))
+             else initial_state.astype(acc))
     src = jnp.broadcast_to(jnp.arange(nc, dtype=jnp.int32), (b, nc))
     o, buffer = _route_chunks(terms, src, varying_like(state, terms)[:, None])
     o = jnp.swapaxes(o, 2, 3).reshape(b, nc * chunk_size, hv, dv)[:, :t]
@@ -466,10 +473,11 @@ def tree_gated_delta_rule(
     if token_slot.shape != (r, s):
         raise ValueError(f"token_slot must be [R, S] = {(r, s)}; got {token_slot.shape}")
     terms = tree_chunk_terms(q, k, v, g, beta, chunk_tokens)
+    acc = accumulation_dtype(v.dtype)
     if initial_states is not None:
-        states = initial_states.astype(jnp.float32)
+        states = initial_states.astype(acc)
     elif initial_state is not None:
-        states = initial_state.astype(jnp.float32)[:, None]
+        states = initial_state.astype(acc)[:, None]
     else:
         states = _zero_state(v, q.shape[-1])[:, None]
     # Inside shard_map a zero initial state must vary like the chunks it meets, so that its

@@ -25,11 +25,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jtree.kernels.precision import accumulation_dtype
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _matmul(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a, b, precision=_HIGHEST,
+                      preferred_element_type=accumulation_dtype(a.dtype, b.dtype))
 
 
 def gather_slots(x: jax.Array, idx: jax.Array) -> jax.Array:

@@ -1,8 +1,13 @@
 """Gated DeltaNet and its path conv1d under context parallelism (`jtree.kernels.gdn.context`)
-equal the single-device kernels on the same trees, forward and gradients (float32, <= 1e-5
-relative), on rows spread with gaps over 2, 4 and 8 forced host devices; and so does the
-Qwen3-Next GatedDeltaNet layer with `RuntimeConfig.context_axis` (output, input and parameter
-gradients).
+equal the single-device kernels on the same trees, forward and gradients, on rows spread with gaps
+over 2, 4 and 8 forced host devices; and so does the Qwen3-Next GatedDeltaNet layer with
+`RuntimeConfig.context_axis` (output, input and parameter gradients). Float32, both sides summing
+in their own orders: each context-parallel result is held to the error model of
+`tests.models_util.rounding_bound` against the single-device kernels in float64, and gap tokens
+hold exact zeros. Real bugs stay far past it (measured once, each undone, on `two_back:4`): the
+conv halo dropped puts the conv loss 0.56 off float64 (1.2e5 times its bound), the states
+entering from other devices zeroed or their cotangent's sign flipped put the gradient of g 0.3
+off (2.8e4 times), and the layer 0.18 to 0.36 off.
 
 The meshes run in a subprocess (`tests/gdn_context_worker.py`): the device count is fixed when
 jax starts. The default runs one case (a node whose parent is three devices back, on 4 devices);
@@ -22,7 +27,6 @@ import pytest
 from jtree.layout.context_gdn_tables import context_chunk_tables, conv_halo_positions
 
 WORKTREE = Path(__file__).resolve().parents[2]
-TOL = 1e-5
 
 
 def _run(cases: list[str], timeout: int) -> list[dict]:
@@ -36,10 +40,13 @@ def _check(result: dict) -> None:
     kinds = ("layer_",) if result["case"].startswith("layer_") else ("gdn_", "conv_")
     diffs = {k: v for k, v in result.items() if k.startswith(kinds)}
     # Kernels: loss, output, 5 input gradients, conv loss and 2 gradients; the layer: loss,
-    # output, input gradient and its 7 parameters' gradients.
+    # output, input gradient and its 7 parameters' gradients. (`diffs`: the direct differences to
+    # the single-device float32 kernels, reported.)
     assert len(diffs) == 10
-    bad = {k: v for k, v in diffs.items() if not v <= TOL}
-    assert not bad, (result["case"], result["devices"], bad)
+    worst = result["rounding"]
+    assert all(w["excess"] <= 1.0 for w in worst.values()), (
+        result["case"], result["devices"], worst, diffs)
+    assert result["leak"] == 0.0, result
 
 
 def test_node_two_devices_back_equals_single_device():

@@ -78,6 +78,8 @@ def test_wrong_dtype_or_shape_names_the_field():
         dataclasses.replace(batch, pred=batch.pred.astype(np.int64))
     with pytest.raises(ValueError, match=r"DeviceBatch.coefficients.weight: dtype float64"):
         batch.with_coefficients(weight=batch.coefficients.weight.astype(np.float64))
+    with jax.enable_x64(True):  # a float64 run's step computes float64 coefficients
+        batch.with_coefficients(weight=batch.coefficients.weight.astype(np.float64))
     with pytest.raises(ValueError, match=r"DeviceBatch.mask.end: shape \(1, 7\), expected "
                                          r"\[1, S\] with S=8"):
         dataclasses.replace(batch, mask=TreeMask(batch.mask.end[:, :7]))

@@ -3,9 +3,9 @@
 The lockstep schedule and the uniform layout are checked in process (no compile). The steps run
 in a subprocess of 8 forced host devices (`tests/redundancy_free_mesh_worker.py`): a case
 `model:objective:DxFxM` trains one step on that mesh and compares it with the single-device
-redundancy-free step and the tree step on the same trees (float32, docs/design.md tolerances:
-loss, every gradient and the updated parameters within 1e-5 relative; against the tree step the
-gradients as `tests.models_util.assert_grads_close` compares them, with its floor). Trees: four
+redundancy-free step and the tree step on the same trees (float32: loss, every gradient and the
+updated parameters within the error model of docs/design.md, Numerics, against the tree step in
+float64; see `check`). Trees: four
 that need two to four levels of parts at capacity 5 and two small ones (rows of their own); the
 data 4 mesh runs one part tree per shard, data 2 two. The default case is the dense model with
 PPO on data 2 x fsdp 2 x model 2 (data parallel, FSDP gathers and tensor parallel in one run);
@@ -83,35 +83,20 @@ def test_lockstep_runs_part_trees_in_post_order_on_one_shard(shards):
         assert sum(len(v) for v in seen.values()) == n
 
 
-# Leaves of Qwen3-Next whose float32 gradient is ill-conditioned (see `check`).
-ILL_CONDITIONED = (r"\['embed_tokens'\]|\['layers'\]\[0\]\['(input_layernorm|linear_attn'\]"
-                   r"\['(conv1d|in_proj_qkvz))'\]")
-
-
 def run_cases(cases: list[str]) -> list[dict]:
     return run_worker("tests.redundancy_free_mesh_worker", cases)
 
 
 def check(result: dict) -> None:
-    for ref in ("rfree", "tree"):
-        assert result[f"{ref}_loss_rel"] <= 1e-5, result
-        assert result[f"{ref}_params_rel_l2"] <= 1e-5, result
-    assert result["rfree_grads_rel_l2"] <= 1e-5, result
-    # Against the tree step, leaves whose gradient nearly cancels are held to 1e-6 of the whole
-    # gradient's norm (`assert_grads_close`). The two single-device steps agree to 1e-5 except on
-    # Qwen3-Next, whose layer-0 GDN input path (conv1d, in_proj_qkvz, input_layernorm, the
-    # embedding) is ill-conditioned in float32 with PPO: in float64 the redundancy-free and tree
-    # steps agree to 4e-15, a relative 2^-24 noise on the parameters moves those exact gradients
-    # by 4e-6, and in float32 the tree step is 1.0e-5 and the redundancy-free step 2.1e-5 off the
-    # float64 gradient (1.2e-5 apart on conv1d). There the gap is bounded by 2.5e-5 on those
-    # leaves, and the mesh step may be as far from the tree step as the gap, not farther.
-    gap = result["rfree_vs_tree_grads_rel_l2"]
-    if result["case"].startswith("next:") and gap > 1e-5:
-        assert gap <= 2.5e-5 and re.search(ILL_CONDITIONED, result["rfree_vs_tree_worst_leaf"]), \
-            result
-    else:
-        assert gap <= 1e-5, result
-    assert result["tree_grads_floored"] <= max(1e-5, gap + result["rfree_grads_rel_l2"]), result
+    # Loss and every gradient within the error model of `tests.models_util.rounding_bound`
+    # against the tree step in float64: the mesh step measured by the single-device
+    # redundancy-free step's error (the same algorithm), and that step by the tree step's
+    # (Qwen3-Next's layer-0 GDN input path is ill-conditioned in float32 with PPO on these trees:
+    # both single-device steps are ~1e-5 off float64 there, and agree with each other only as
+    # closely). The updates, and so the updated parameters, by `tests.mesh_worker.
+    # update_rounding`. The direct differences (`*_rel*`, `rfree_vs_tree_*`) are reported.
+    for kind, worst in result["rounding"].items():
+        assert worst["excess"] <= 1.0, (kind, worst, result)
     data, fsdp, model = (int(x) for x in result["case"].split(":")[2].split("x"))
     assert len(result["loads"]) == data * fsdp and min(result["loads"]) > 0  # every shard ran
     assert result["levels"] >= 2  # parts with grandchildren: buffers on several levels

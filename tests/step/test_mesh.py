@@ -22,8 +22,15 @@ Qwen3-Next (the Gated DeltaNet chunk scan and conv across device slices, with th
 tables of `jtree.parallel.context.context_batch`), SFT, PPO, GSPO and PPO with a critic.
 Objectives `tis` and `seq_tis` are PPO and GSPO with off-policy weights formed in the step from
 the rows' pairs (their metrics compared too).
-docs/design.md tolerances: loss,
-gradient norm, every parameter's gradient and the updated parameters within 1e-5 relative. The
+Tolerances (docs/design.md, Numerics): the mesh step and the single-device step sum in different
+orders, so neither is exact; each float32 result of the mesh step (loss, gradient norm, every
+parameter's gradient, update and updated value) is held to an error model against the same step
+on one device in float64, scaled by how far the single-device float32 step is from it
+(`tests.models_util.rounding_bound`, `tests.mesh_worker.update_rounding`). Real bugs stay far
+past it: with the scoring halo dropped (`jtree.parallel.context.scoring_view`), the GDN conv halo
+dropped, the GDN states entering from other devices zeroed, or their cotangent's sign flipped,
+the Qwen3-Next context-parallel PPO case's worst gradient is 2.7e-2 to 1.3e-1 off float64, 5e3
+to 2.4e4 times its bound (measured once, each bug undone). The
 2 kv heads on a 4-way model axis exercise replicated KV heads; every case exercises the
 vocab-parallel embedding and loss. FSDP meshes mix the axes: (1, 8, 1), (2, 4, 1), (1, 4, 2) and
 (2, 2, 2), every parameter of two or more dimensions sharded over `fsdp` and gathered per layer.
@@ -41,7 +48,6 @@ from tests.run_util import WORKTREE
 
 MESHES = ("8x1x1", "4x1x2", "2x1x4")
 FSDP_MESHES = ("1x8x1", "2x4x1", "1x4x2", "2x2x2")
-UPDATE_TOL = 1e-3  # relative L2 of the parameter update (see `check`)
 
 
 def run_cases(cases: list[str]) -> list[dict]:
@@ -55,18 +61,16 @@ def run_cases(cases: list[str]) -> list[dict]:
 
 
 def check(result: dict) -> None:
-    assert result["loss_rel"] <= 1e-5, result
-    assert result["grad_norm_rel"] <= 1e-5, result
-    assert result["grads_rel_l2"] <= 1e-5, result
-    assert result["params_rel_l2"] <= 1e-5, result
-    assert result.get("offpolicy_rel", 0.0) <= 1e-5, result
-    # The update itself (new - initial parameters), which params_rel_l2 sees only against the
-    # parameters' size: Adam's first step is ~lr x sign(g) per entry with eps 1e-6, so rounding
-    # in entries whose gradient is near eps moves it; measured 1.3e-5 to 1.4e-4 (next) on the
-    # fast cases (the slow ones not measured here).
-    assert result["update_rel_l2"] <= UPDATE_TOL, result
+    # Every float32 result of the mesh step within its error model against the float64 step
+    # (`tests.models_util.rounding_bound`; the updates, whose error is the updated parameters'
+    # too: `tests.mesh_worker.update_rounding`): loss, gradient norm, every gradient (Adam's
+    # first moment) and update, CP PPO's log-probs from the sharded forward, the off-policy
+    # metrics. The worst of each kind
+    # is in `rounding`; the direct differences to the single-device float32 step (`*_rel*`), the
+    # old round 1e-5 comparisons, are reported with it.
+    for kind, worst in result["rounding"].items():
+        assert worst["excess"] <= 1.0, (kind, worst, result)
     assert result["frozen_equal"], result  # a LoRA step leaves the base as it was
-    assert result.get("logprobs_rel", 0.0) <= 1e-5, result  # CP PPO: the sharded log-prob forward
     sizes = [int(x) for x in result["case"].split(":")[3].split("x")]  # DxFxM or DxFxCxM
     fsdp, model = sizes[1], sizes[-1]
     if model > 1:
