@@ -19,10 +19,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m jtree.launch.train --config configs/tiny.yaml
 
-# The import layers first (pyproject.toml's contracts, on the layout as it installs), then the tests: two workers, one per core; a
+# The import layers first (lint-imports: tests/import_layers.toml on the layout as it installs), then the tests: two workers, one per core; a
 # test file stays on one worker so its compiled functions are shared.
 test: $(STAMP)
-	$(PY) -m tests.import_layers
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 # The heavier tests (CI runs them after `make test`): meshes, interpreters, full-depth lowering.

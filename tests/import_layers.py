@@ -1,14 +1,15 @@
-"""The package layers of docs/architecture.md, checked by `lint-imports` (pyproject.toml's
-contracts) on the layout as it installs.
+"""The package layers of docs/architecture.md, checked by a bare `lint-imports` on the layout as
+it installs.
 
 `kernels/` and `launch/` sit at the repository root and install as `jtree.kernels` and
 `jtree.launch` (a setuptools package-dir mapping). import-linter's graph builder (grimp) reads a
-root package's modules from its one folder and does not follow such a mapping, so run on the
-checkout it would find neither package. `stage` copies the Python sources into the shape they
-have once installed (`jtree/kernels/`, `jtree/launch/`) and `lint` runs lint-imports on that copy
-with the repository's own contracts.
+root package's modules from its one folder and does not follow such a mapping, so on the checkout
+it would find neither package. pyproject.toml therefore declares one contract of the type
+`InstalledLayout`: it `stage`s the Python sources into the shape they have once installed
+(`jtree/kernels/`, `jtree/launch/`) and `lint`s that copy with the real contracts, kept in
+tests/import_layers.toml.
 
-    python -m tests.import_layers     # what `make test` runs first
+    lint-imports      # from the repository root; what `make test` runs first
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from grimp import ImportGraph
+from importlinter.application import output
+from importlinter.domain import fields
+from importlinter.domain.contract import Contract, ContractCheck
+
 WORKTREE = Path(__file__).resolve().parent.parent
+CONTRACTS = WORKTREE / "tests" / "import_layers.toml"
 MAPPED = {"kernels": "jtree/kernels", "launch": "jtree/launch"}  # pyproject.toml's package-dir
 
 
@@ -33,21 +40,27 @@ def stage(root: Path, into: Path) -> Path:
     return into
 
 
-def lint(staged: Path, config: Path) -> subprocess.CompletedProcess:
+def lint(staged: Path, config: Path = CONTRACTS) -> subprocess.CompletedProcess:
     """lint-imports with `config`'s contracts over the staged copy (its exit status: 0 = kept)."""
     exe = Path(sys.executable).with_name("lint-imports")
     env = dict(os.environ, PYTHONPATH=str(staged))
-    return subprocess.run([str(exe), str(config), "--no-cache"], cwd=staged, env=env,
+    return subprocess.run([str(exe), str(config), "--no-cache", "--no-logo"], cwd=staged, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
-def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="jtree-layers-") as tmp:
-        run = lint(stage(WORKTREE, Path(tmp)), WORKTREE / "pyproject.toml")
-    sys.stdout.write(run.stdout)
-    sys.stderr.write(run.stderr)
-    return run.returncode
+class InstalledLayout(Contract):
+    """An import-linter contract type: the contracts of the file `contracts` (relative to the
+    repository root), kept by the sources staged as they install. The graph lint-imports built
+    from the checkout is not used: it lacks `jtree.kernels` and `jtree.launch`."""
 
+    contracts = fields.StringField()
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+    def check(self, graph: ImportGraph, verbose: bool) -> ContractCheck:
+        with tempfile.TemporaryDirectory(prefix="jtree-layers-") as tmp:
+            run = lint(stage(WORKTREE, Path(tmp)), WORKTREE / self.contracts)
+        output.verbose_print(verbose, run.stdout)
+        return ContractCheck(kept=run.returncode == 0,
+                             metadata={"report": run.stdout + run.stderr})
+
+    def render_broken_contract(self, check: ContractCheck) -> None:
+        output.print(check.metadata["report"])
