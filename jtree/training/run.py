@@ -246,13 +246,8 @@ class TrainingRun:
         else:
             inputs = to_global(trainer.mesh, element["inputs"], len(self.shards))
             t1, before = time.perf_counter(), self.compile_watch.total
-            if stale:
-                inputs = inputs.with_coefficients(
-                    old_logprobs=trainer.logprob_fn(state.params, inputs))
-            if self.reference is not None:  # the KL term's reference: a forward on this batch
-                inputs = inputs.with_coefficients(
-                    ref_logprobs=trainer.ref_logprob_fn(self.reference, inputs))
-            state, metrics = trainer.step_fn(state, inputs)
+            state, metrics = trainer.train_on(state, inputs, old_logprobs_stale=stale,
+                                              reference=self.reference)
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
         device_s = time.perf_counter() - t1
         compiles = self.compile_watch.total - before

@@ -83,12 +83,31 @@ def _experts(cfg: TrainConfig) -> Experts | None:
     return None if shape is None else Experts(*shape, cfg.model.config.num_experts)
 
 
-def _check_replay(cfg: TrainConfig, trees: Sequence[TrajectoryTree]) -> None:
+def _check_replay(cfg: TrainConfig, trees: Sequence[TrajectoryTree], source: str) -> None:
     """Refuse routing replay on data that carries no routed experts (their shape and ids were
     checked against the model as each record was read)."""
     if all(t.routed_experts is None for t in trees):
-        raise ValueError(f"objective.routing_replay: {cfg.data.path} carries no routed_experts "
+        raise ValueError(f"objective.routing_replay: {source} carries no routed_experts "
                          "(the traces' turns give none), so there is no engine routing to replay")
+
+
+def check_training_trees(cfg: TrainConfig, trees: Sequence[TrajectoryTree], source: str) -> None:
+    """Refuse trees that lack what the objective reads: a reward per path for the critic's GAE,
+    the engine's log-probs for the off-policy weights, routed experts for routing replay.
+    `source` names where the trees came from in the error."""
+    if cfg.objective.critic is not None:
+        missing = next((i for i, t in enumerate(trees) if t.rewards is None), None)
+        if missing is not None:
+            raise ValueError(f"{source}: tree {missing}: no reward (objective.critic computes "
+                             "GAE from one reward per path)")
+    if cfg.objective.off_policy.enabled:
+        missing = next((i for i, t in enumerate(trees) if t.old_logprobs is None), None)
+        if missing is not None:
+            raise ValueError(f"{source}: tree {missing}: no old_logprobs (objective.off_policy."
+                             f"kind={cfg.objective.off_policy.kind} weighs by the engine's "
+                             "behavior log-probs: records' old_logprobs, traces' output_logprobs)")
+    if cfg.objective.routing_replay:
+        _check_replay(cfg, trees, source)
 
 
 def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadReport]:
@@ -104,19 +123,7 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
                                turn_discount=cfg.objective.turn_discount,
                                shared_masks=cfg.objective.kind == "gspo",
                                experts=_experts(cfg))
-    if cfg.objective.critic is not None:
-        missing = next((i for i, t in enumerate(trees) if t.rewards is None), None)
-        if missing is not None:
-            raise ValueError(f"{d.path}: tree {missing}: no reward (objective.critic computes "
-                             "GAE from one reward per path)")
-    if cfg.objective.off_policy.enabled:
-        missing = next((i for i, t in enumerate(trees) if t.old_logprobs is None), None)
-        if missing is not None:
-            raise ValueError(f"{d.path}: tree {missing}: no old_logprobs (objective.off_policy."
-                             f"kind={cfg.objective.off_policy.kind} weighs by the engine's "
-                             "behavior log-probs: records' old_logprobs, traces' output_logprobs)")
-    if cfg.objective.routing_replay:
-        _check_replay(cfg, trees)
+    check_training_trees(cfg, trees, d.path)
     total = sum((t.stats() for t in trees[1:]), trees[0].stats())
     say(f"data: {len(trees)} trees from {d.path} ({d.format}): {total.n_flat_tokens} flat tokens, "
         f"{total.n_tree_tokens} tree tokens, POR {total.por:.3f}"

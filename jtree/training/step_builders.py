@@ -23,7 +23,7 @@ a row) is that bin's units, which the planner packs where they are (`plan_step(b
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import grain
@@ -465,8 +465,8 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
                  normalization: Normalization, n_shards: int, shards: Sequence[int], steps: int,
                  gdn_chunk_size: int | None = None, critic: bool = False, off_policy: bool = False,
                  context: int = 1, pruned: Sequence[PrunedTree] | None = None,
-                 shared_masks: bool = False, routing: tuple[int, int] | None = None
-                 ) -> StepBuilder:
+                 shared_masks: bool = False, routing: tuple[int, int] | None = None,
+                 round_up: Callable[[int], int] | None = None) -> StepBuilder:
     """The `StepBuilder` a run with data config `data` trains `mode` with, on `n_shards` data
     shards of which this host feeds `shards`: units from `all_units`, `data.rows_per_micro_batch`
     rows per micro-batch or else the fewest that hold the run's `steps` steps (`rows_for_run`),
@@ -482,7 +482,11 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
     laid out in their place with the unpruned normalizer.
     With `data.share_prefixes: across_groups` a tree-mode step merges its trees per bin
     (`CrossGroup`; `shared_masks`: only where the paths agree on the trained bit, for GSPO).
-    `routing` (the model's MoE layers and experts per token): routing replay (`StepConfig`)."""
+    `routing` (the model's MoE layers and experts per token): routing replay (`StepConfig`).
+    `round_up`: applied to each size the steps fix (rows unless `data.rows_per_micro_batch` gives
+    them, the score width, GDN chunks, pairs), so that a caller building each step on its own
+    trees (`jtree.training.online`) compiles a bounded number of shapes."""
+    grow = round_up or (lambda n: n)
     if data.row_steps_per_octave is not None:
         check_steps_per_octave(data.row_steps_per_octave, "data.row_steps_per_octave")
     cross = (CrossGroup(data.partition_method, shared_masks)
@@ -503,16 +507,17 @@ def step_builder(trees: Sequence[TrajectoryTree], data: DataConfig, mode: Mode, 
                              n_shards * data.micro_batches, data.shuffle_seed, steps)
                 if cross is None else StepBuilder(trees, None, config, pruned=pruned)
                 .rows_to_hold([index[k] for k in range(steps)]))
-        config = dataclasses.replace(config, layout=dataclasses.replace(layout, rows=rows))
+        config = dataclasses.replace(config, layout=dataclasses.replace(layout, rows=grow(rows)))
         layout = config.layout
     builder = StepBuilder(trees, units, config, pruned=pruned)
     plans = [builder.plan(index[k]) for k in range(steps)]
     if not plans:
         return builder
     fixed = dataclasses.replace(
-        layout, score_len=max(p.score_len for p in plans),
-        gdn_chunks=None if gdn_chunk_size is None else max(p.gdn_chunks for p in plans))
-    pair_len = max(builder.pair_len(index[k], p) for k, p in enumerate(plans)) \
+        layout, score_len=grow(max(p.score_len for p in plans)),
+        gdn_chunks=None if gdn_chunk_size is None else (
+            data.gdn_chunks or grow(max(p.gdn_chunks for p in plans))))
+    pair_len = grow(max(builder.pair_len(index[k], p) for k, p in enumerate(plans))) \
         if config.pairs else None
     return StepBuilder(trees, units, dataclasses.replace(config, layout=fixed,
                                                          pair_len=pair_len), builder.counts,

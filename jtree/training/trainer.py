@@ -178,6 +178,18 @@ class Trainer:
         the mesh, laid out for it (`laid_out`)."""
         return to_global(self.mesh, self.laid_out(local), n_local_shards)
 
+    def train_on(self, state: TrainState, inputs: DeviceBatch, *, old_logprobs_stale: bool,
+                 reference: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimizer step on placed `inputs`, with the forwards it needs first: the old
+        log-probs from the current parameters when the batch's are missing or stale
+        (`jtree.step.batches.old_logprobs_stale`), and the reference model's log-probs for the KL
+        term when `reference` (its parameters, `reference_params`) is given."""
+        if old_logprobs_stale:
+            inputs = inputs.with_coefficients(old_logprobs=self.logprob_fn(state.params, inputs))
+        if reference is not None:
+            inputs = inputs.with_coefficients(ref_logprobs=self.ref_logprob_fn(reference, inputs))
+        return self.step_fn(state, inputs)
+
     def initial_state(self) -> TrainState:
         """A fresh TrainState: random init, or the weights of `model.init_from` (and of a
         separate critic's `objective.critic.init_from` checkpoint) placed directly onto the mesh

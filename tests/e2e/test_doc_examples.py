@@ -2,11 +2,15 @@
 so no example can rot: a ```json block is JSONL (one record per line, as a user copies it into a
 file) read by `jtree.training.tree_files.load_trees` in the format its keys name; a ```yaml block
 is a config fragment read by `jtree.config.load_config` (unknown keys, wrong types and values
-outside a setting's domain are refused there)."""
+outside a setting's domain are refused there); a ```python block runs from the repository root
+in a fresh interpreter, and a ```python fragment (code that needs what the page around it
+defines, a model directory or a server) is compiled."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,7 @@ FORMATS = (("turns", "traces"), ("messages", "chat"), ("parents", "trees"), ("to
 
 
 def examples(language: str) -> list[tuple[str, str]]:
-    """(`file:line`, text) of every fenced block of `language` in the docs."""
+    """(`file:line`, text) of every fenced block whose info string is `language`."""
     found = []
     for doc in DOCS:
         text = doc.read_text()
@@ -56,5 +60,19 @@ def test_yaml_examples_load(where: str, text: str, tmp_path: Path) -> None:
     load_config(path)
 
 
+@pytest.mark.parametrize("where, text", examples("python"), ids=lambda x: str(x).split("\n")[0])
+def test_python_examples_run(where: str, text: str) -> None:
+    run = subprocess.run([sys.executable, "-c", text], cwd=WORKTREE, capture_output=True,
+                         text=True, timeout=600, check=False)
+    assert run.returncode == 0, f"{where}: {run.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("where, text", examples("python fragment"),
+                         ids=lambda x: str(x).split("\n")[0])
+def test_python_fragments_compile(where: str, text: str) -> None:
+    compile(text, where, "exec")
+
+
 def test_the_docs_have_examples() -> None:
     assert len(examples("json")) >= 5 and len(examples("yaml")) >= 4
+    assert len(examples("python")) >= 2 and len(examples("python fragment")) >= 5
