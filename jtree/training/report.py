@@ -112,6 +112,19 @@ LOG_LEGEND = (
     "share of path tokens that repeat a shared prefix; ERR: the share the step did not compute "
     "(POR, less what partitioning recomputes); device time leaves out compiles; eta: the steps "
     "left at the median step time so far")
+
+
+def warmup_notice(warmup_steps: int, steps: int) -> str:
+    """The line said at the start of a run that ends inside its learning-rate warmup
+    (`optim.warmup_steps` > `run.steps`): every step trains below `optim.learning_rate`, which
+    nothing else on the console shows (`jtree.step.optimizer.make_schedule`: the last step runs at
+    steps / warmup_steps of the peak). Empty when the warmup fits."""
+    if warmup_steps <= steps:
+        return ""
+    return (f"note: optim.warmup_steps {warmup_steps} > run.steps {steps}: the run ends inside "
+            f"its warmup, its last step at {steps / warmup_steps:.0%} of optim.learning_rate")
+
+
 # The RL metrics of the step said on the console line, as they are named in its record.
 RL_FIELDS = (("clip_frac", "clip", ".3f"), ("approx_kl_old", "kl_old", ".2e"),
              ("kl_ref", "kl_ref", ".2e"), ("entropy", "entropy", ".3f"))

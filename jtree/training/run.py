@@ -52,6 +52,7 @@ from jtree.training.report import (
     say,
     step_record,
     summary,
+    warmup_notice,
 )
 from jtree.training.resume import check_resumable
 from jtree.training.run_data import (
@@ -196,6 +197,8 @@ class TrainingRun:
         history = []
         if start < cfg.run.steps:
             say(LOG_LEGEND)
+            if notice := warmup_notice(cfg.optim.warmup_steps, cfg.run.steps):
+                say(notice)
         for step in range(start, cfg.run.steps):
             state, metrics, info, host_s, device_s, compiles = self.train_step(state, step)
             record = step_record(step, metrics, info, host_s, device_s, compiles,

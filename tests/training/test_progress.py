@@ -1,7 +1,7 @@
 import time
 
 from jtree.training.compile_log import CompileWatch
-from jtree.training.report import eta_seconds, progress, progress_line
+from jtree.training.report import eta_seconds, progress, progress_line, warmup_notice
 
 
 def test_progress_says_nothing_when_quick_and_ticks_when_slow(capsys):
@@ -77,3 +77,9 @@ def test_progress_line_reads_step_of_total_rl_metrics_and_eta():
     assert line.startswith("step    3/10  loss   0.5000")
     assert "clip 0.125" in line and "entropy 2.500" in line and "kl_ref" not in line
     assert line.endswith("eta 0m01s")  # 6 steps x 0.21 s
+
+
+def test_warmup_notice_only_for_a_run_that_ends_inside_its_warmup():
+    assert warmup_notice(5, 4) == ("note: optim.warmup_steps 5 > run.steps 4: the run ends inside "
+                                   "its warmup, its last step at 80% of optim.learning_rate")
+    assert warmup_notice(4, 4) == "" and warmup_notice(0, 0) == ""  # the last step at the peak
