@@ -47,6 +47,7 @@ from jtree.training.report import (
     LOG_LEGEND,
     eta_seconds,
     kernel_choices_said,
+    learned_means,
     progress,
     progress_line,
     say,
@@ -193,7 +194,7 @@ class TrainingRun:
         cfg = self.cfg
         metrics_log = MetricsLog(cfg.run.metrics_jsonl, cfg.run.tensorboard_dir,
                                  first_step=start, enabled=jax.process_index() == 0)
-        schedule = make_schedule(cfg.optim)
+        schedule, means = make_schedule(cfg.optim), learned_means(cfg.objective)
         history = []
         if start < cfg.run.steps:
             say(LOG_LEGEND)
@@ -202,7 +203,7 @@ class TrainingRun:
         for step in range(start, cfg.run.steps):
             state, metrics, info, host_s, device_s, compiles = self.train_step(state, step)
             record = step_record(step, metrics, info, host_s, device_s, compiles,
-                                 float(schedule(step)))
+                                 float(schedule(step)), means)
             history.append(record)
             metrics_log.write(record)
             if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
