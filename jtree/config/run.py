@@ -119,7 +119,13 @@ class RunConfig:
     """The training run: length, mode, seed, logging.
 
     `metrics_jsonl`: a file that gets one JSON object per step; `tensorboard_dir`: scalars for
-    TensorBoard (needs the `tensorboardX` package). `mode`: `tree`, `baseline` (every path its own
+    TensorBoard (needs the `tensorboardX` package); `wandb_project`: the same scalars to that
+    Weights & Biases project (needs the `wandb` package, `pip install 'jtree[wandb]'`; the run's
+    settings go in as its W&B config), as run `wandb_name` (None: W&B names it) in `wandb_mode`
+    (`online`, `offline`: files only, `wandb sync` later, `disabled`; None: the `WANDB_MODE`
+    environment variable, else online), its files under `wandb_dir` (None: W&B's default, the
+    working directory or `WANDB_DIR`); `wandb_id`: the W&B run to continue (None: a new one, its
+    id stored here in the run's checkpoints, so `--resume` continues the same W&B run). `mode`: `tree`, `baseline` (every path its own
     sequence), or `auto`: each step in tree mode unless the cost model predicts a gain below
     `auto_min_gain` over the baseline, then in baseline mode (same loss either way; the choice and
     its reason are logged per step), or `redundancy_free`: trees larger than `capacity` tokens
@@ -147,10 +153,20 @@ class RunConfig:
     timing_repeats: int = within(AT_LEAST_ONE, 5)
     metrics_jsonl: str | None = None
     tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_name: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    wandb_dir: str | None = None
+    wandb_id: str | None = None
     kill_after_checkpoint: int | None = within(AT_LEAST_ONE, None)
 
     def __post_init__(self) -> None:
         check_domains(self)
+        if self.wandb_project is None:
+            for field in ("wandb_name", "wandb_mode", "wandb_dir", "wandb_id"):
+                if getattr(self, field) is not None:
+                    raise ValueError(f"{field}: {getattr(self, field)!r} is a setting of the "
+                                     "W&B run, which wandb_project turns on (it is not set)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,7 @@ def critic_update_scale(critic_learning_rate: float, learning_rate: float
                         ) -> optax.GradientTransformation:
     """The critic's parameters (`is_critic_param`) at their own peak learning rate: their AdamW
     updates (the policy's schedule times the update direction) scaled by
-    critic_learning_rate / learning_rate. The schedule (warmup from 0, cosine to a fixed ratio
+    critic_learning_rate / learning_rate. The schedule (linear warmup, cosine to a fixed ratio
     of the peak) is proportional to its peak, so this is AdamW at the critic's peak rate on the
     same schedule, with no second optimizer state. `learning_rate` > 0 is `OptimConfig`'s
     domain."""

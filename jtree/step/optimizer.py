@@ -52,13 +52,21 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=max(cfg.decay_steps, cfg.warmup_steps + 1),
-        end_value=cfg.learning_rate * cfg.min_lr_ratio,
-    )
+    """The learning rate of each step: a linear warmup that trains from the first step, then a
+    cosine decay.
+
+    Step s < `warmup_steps` runs at `learning_rate` * (s + 1) / `warmup_steps`, so the last
+    warmup step reaches the peak and step 0 already moves the weights (a warmup from 0 spends its
+    first step on a zero update, and a run shorter than its warmup never reaches the configured
+    rate). From step `warmup_steps` the rate follows a cosine from the peak to `learning_rate` *
+    `min_lr_ratio` at step `decay_steps` (which counts the warmup; at least one step of decay)
+    and stays there. `warmup_steps` = 0 starts at the peak."""
+    peak, warmup = cfg.learning_rate, cfg.warmup_steps
+    decay = optax.cosine_decay_schedule(peak, decay_steps=max(cfg.decay_steps - warmup, 1),
+                                        alpha=cfg.min_lr_ratio)
+    if warmup == 0:
+        return decay
+    return optax.join_schedules([lambda step: peak * (step + 1) / warmup, decay], [warmup])
 
 
 class TrainState(NamedTuple):

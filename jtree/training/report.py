@@ -8,13 +8,14 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from jtree.config.objective import Objective
 from jtree.training.compile_log import Compiles
 
 
@@ -70,8 +71,21 @@ def kernel_choices_said() -> Iterator[None]:
         logger.setLevel(level)
 
 
+def learned_means(objective: Objective) -> tuple[str, ...]:
+    """The means of a step's info (`jtree.training.step_builders.signal_means`) that describe
+    what `objective` learns from, for its step records: the reward for the RL objectives, the
+    advantage when the trees carry the one the loss uses (`Objective.advantage_estimator`; a
+    critic's GAE advantages are formed on the device, and the records' own would mislead). SFT
+    learns from neither, whatever its records carry."""
+    if objective.kind == "sft":
+        return ()
+    host_advantages = objective.advantage_estimator is not None
+    return ("reward_mean",) + (("advantage_mean",) if host_advantages else ())
+
+
 def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host_s: float,
-                device_s: float, compiles: Compiles, lr: float) -> dict[str, Any]:
+                device_s: float, compiles: Compiles, lr: float, means: Sequence[str] = ()
+                ) -> dict[str, Any]:
     """One JSONL record: step metrics plus throughput and sharing numbers of the global batch.
     POR counts the trees' sharing, ERR what was really computed (parts of trees larger than a
     row recompute their shared prefixes; the baseline computes every path). `device_s` leaves
@@ -79,7 +93,9 @@ def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host
     XLA. With the off-policy weights the step's metrics carry their gauges (from the device)
     and the record adds the trees' `offpolicy_behavior_disagreement` (from the host); with
     routing replay it adds `routing_disagreement`, `routing_coverage` and
-    `routing_disagreeing_tokens` (from the host, `jtree.training.step_builders.routing_info`)."""
+    `routing_disagreeing_tokens` (from the host, `jtree.training.step_builders.routing_info`).
+    `means`: the info's reward and advantage means the record carries (`learned_means`; those
+    the step's info has)."""
     n_tree, n_flat = int(info["n_tree_tokens"]), int(info["n_flat_tokens"])
     n_computed = int(info["n_computed_tokens"])
     if "mode" in info:  # the automatic mode choice of this step
@@ -92,6 +108,7 @@ def step_record(step: int, metrics: dict[str, float], info: dict[str, Any], host
         metrics = dict(metrics, routing_disagreement=float(info["routing_disagreement"]),
                        routing_coverage=float(info["routing_coverage"]),
                        routing_disagreeing_tokens=int(info["routing_disagreeing_tokens"]))
+    metrics = dict(metrics, **{key: float(info[key]) for key in means if key in info})
     return dict(
         metrics, step=step, learning_rate=lr, n_trees=int(info["n_trees"]),
         n_tree_tokens=n_tree, n_flat_tokens=n_flat, n_computed_tokens=n_computed,
@@ -112,9 +129,23 @@ LOG_LEGEND = (
     "share of path tokens that repeat a shared prefix; ERR: the share the step did not compute "
     "(POR, less what partitioning recomputes); device time leaves out compiles; eta: the steps "
     "left at the median step time so far")
+
+
+def warmup_notice(warmup_steps: int, steps: int) -> str:
+    """The line said at the start of a run that ends inside its learning-rate warmup
+    (`optim.warmup_steps` > `run.steps`): every step trains below `optim.learning_rate`, which
+    nothing else on the console shows (`jtree.step.optimizer.make_schedule`: the last step runs at
+    steps / warmup_steps of the peak). Empty when the warmup fits."""
+    if warmup_steps <= steps:
+        return ""
+    return (f"note: optim.warmup_steps {warmup_steps} > run.steps {steps}: the run ends inside "
+            f"its warmup, its last step at {steps / warmup_steps:.0%} of optim.learning_rate")
+
+
 # The RL metrics of the step said on the console line, as they are named in its record.
 RL_FIELDS = (("clip_frac", "clip", ".3f"), ("approx_kl_old", "kl_old", ".2e"),
-             ("kl_ref", "kl_ref", ".2e"), ("entropy", "entropy", ".3f"))
+             ("kl_ref", "kl_ref", ".2e"), ("entropy", "entropy", ".3f"),
+             ("reward_mean", "reward", ".3f"), ("advantage_mean", "adv", ".3f"))
 
 
 def _duration(seconds: float) -> str:

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jtree.config import TrainConfig
+from jtree.config import TrainConfig, config_values
 from jtree.kernels.tree_attention import cpu_candidates, resolve_impl
 from jtree.layout.batch import DeviceBatch
 from jtree.models.lora import trainable
@@ -41,17 +41,19 @@ from jtree.training.baseline_check import compare_with_baseline
 from jtree.training.checkpoint import Checkpointer, abstract_like
 from jtree.training.compile_log import Compiles, CompileWatch
 from jtree.training.host_allocator import configure_host_malloc
-from jtree.training.metrics import MetricsLog
+from jtree.training.metrics import MetricsLog, WandbRun
 from jtree.training.pipeline import make_pipeline
 from jtree.training.report import (
     LOG_LEGEND,
     eta_seconds,
     kernel_choices_said,
+    learned_means,
     progress,
     progress_line,
     say,
     step_record,
     summary,
+    warmup_notice,
 )
 from jtree.training.resume import check_resumable
 from jtree.training.run_data import (
@@ -70,8 +72,10 @@ from jtree.trees.tree import TrajectoryTree
 # How a run treats `checkpoint.dir`: "no" starts from scratch, "required" continues from its
 # latest checkpoint (an error without one), "auto" continues when there is one (pod launchers).
 Resume = Literal["no", "required", "auto"]
-# Where a run writes its outputs: a resumed run that leaves them unset keeps the stored ones.
-RESUME_KEEPS_OUTPUTS = ("run.metrics_jsonl", "run.tensorboard_dir")
+# Where a run writes its outputs: a resumed run that leaves them unset keeps the stored ones (the
+# W&B run's id among them: a resumed run continues the W&B run).
+RESUME_KEEPS_OUTPUTS = ("run.metrics_jsonl", "run.tensorboard_dir", "run.wandb_project",
+                        "run.wandb_name", "run.wandb_dir", "run.wandb_id")
 
 
 @dataclasses.dataclass
@@ -161,7 +165,13 @@ class TrainingRun:
         for field, value in kept.items():
             say(f"--resume: run.{field} kept from the checkpoint's run: {value}")
         if kept:
-            self.cfg = dataclasses.replace(self.cfg, run=dataclasses.replace(self.cfg.run, **kept))
+            self.set_run_settings(**kept)
+
+    def set_run_settings(self, **fields: Any) -> None:
+        """Replace `run.*` settings of this run, in the config its checkpoints store too (the
+        trainer's run meta), so a run resumed from them keeps them in turn."""
+        self.cfg = dataclasses.replace(self.cfg, run=dataclasses.replace(self.cfg.run, **fields))
+        self.trainer.cfg = self.cfg
 
     def describe(self, state: TrainState) -> str:
         """The line that says what runs where: model, mode, objective, mesh, attention kernel (what
@@ -190,16 +200,23 @@ class TrainingRun:
         """Train steps `start` .. `run.steps - 1`: log each step's record, print every
         `run.log_every`-th, checkpoint every `checkpoint.every`-th. Returns the records."""
         cfg = self.cfg
+        wandb = None if cfg.run.wandb_project is None else WandbRun(
+            cfg.run.wandb_project, cfg.run.wandb_name, cfg.run.wandb_mode, cfg.run.wandb_dir,
+            cfg.run.wandb_id, config_values(cfg))
         metrics_log = MetricsLog(cfg.run.metrics_jsonl, cfg.run.tensorboard_dir,
-                                 first_step=start, enabled=jax.process_index() == 0)
-        schedule = make_schedule(cfg.optim)
+                                 first_step=start, enabled=jax.process_index() == 0, wandb=wandb)
+        if metrics_log.wandb_id is not None and cfg.run.wandb_id is None:  # a new W&B run
+            self.set_run_settings(wandb_id=metrics_log.wandb_id)
+        schedule, means = make_schedule(cfg.optim), learned_means(cfg.objective)
         history = []
         if start < cfg.run.steps:
             say(LOG_LEGEND)
+            if notice := warmup_notice(cfg.optim.warmup_steps, cfg.run.steps):
+                say(notice)
         for step in range(start, cfg.run.steps):
             state, metrics, info, host_s, device_s, compiles = self.train_step(state, step)
             record = step_record(step, metrics, info, host_s, device_s, compiles,
-                                 float(schedule(step)))
+                                 float(schedule(step)), means)
             history.append(record)
             metrics_log.write(record)
             if step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:

@@ -34,7 +34,7 @@ from jtree.config.objective import Normalization
 from jtree.config.run import ROW_STEPS_PER_OCTAVE
 from jtree.layout.baseline import flatten_paths
 from jtree.layout.batch import DeviceBatch, concatenate_rows, padding, stack
-from jtree.layout.coefficients import batch_normalizer
+from jtree.layout.coefficients import batch_normalizer, path_coefficients
 from jtree.layout.cross_group import merge_per_bin
 from jtree.layout.flop_model import FlopModel, choose_mode, tree_work
 from jtree.layout.linearize import linearize
@@ -156,14 +156,43 @@ def unit_routing(unit: TrajectoryTree, shape: tuple[int, int]) -> list[np.ndarra
     return [np.full((n, *shape), -1, np.int32) for n in unit.path_lengths]
 
 
+def signal_means(trees: Sequence[TrajectoryTree], normalization: Normalization
+                 ) -> dict[str, np.float64]:
+    """The mean reward (`reward_mean`) and advantage (`advantage_mean`) of a step's trees, each
+    weighted as the objective weighs it, so the log shows the signal the step learns from rather
+    than an average over records the loss counts differently: trained token t of path p counts
+    by its loss coefficient c[p, t] (`jtree.layout.coefficients.path_coefficients`: the path's
+    weight, over its trained tokens under `seq_mean_token_mean`), a path's reward by its share
+    sum_t c[p, t]. So under `seq_mean_token_mean` each path counts by its weight (its advantage
+    the mean over its trained tokens), under `token_mean` and `seq_mean_token_sum` each trained
+    token does. The batch normalizer cancels; off-policy importance weights are not applied.
+    A mean is left out when a tree lacks its data or the step trains no token."""
+    coefficients = [path_coefficients(t, normalization, 1.0) for t in trees]
+    shares = [np.array([c.sum(dtype=np.float64) for c in cs]) for cs in coefficients]
+    total = float(sum(s.sum() for s in shares))
+    means = {}
+    if total <= 0:
+        return means
+    if all(t.rewards is not None for t in trees):
+        means["reward_mean"] = np.float64(
+            sum(float(s @ t.rewards) for s, t in zip(shares, trees)) / total)
+    if all(t.advantages is not None for t in trees):
+        means["advantage_mean"] = np.float64(sum(
+            float(c.astype(np.float64) @ a) for cs, t in zip(coefficients, trees)
+            for c, a in zip(cs, t.advantages)) / total)
+    return means
+
+
 def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree],
-              pruned_tokens: int = 0, merge_saved: int = 0) -> dict[str, np.ndarray]:
+              normalization: Normalization, pruned_tokens: int = 0, merge_saved: int = 0
+              ) -> dict[str, np.ndarray]:
     """Global statistics of a step (every host computes them from the same trees, before any
-    pruning: the old log-probs' disagreement decides a recompute as in the unpruned step);
-    `pruned_tokens`: the tree tokens pruning left out (`jtree.layout.pruning`); `merge_saved`:
-    those merging across groups computes once instead of once per group
-    (`jtree.layout.cross_group`), whose units' old log-probs are judged too (a merged token takes
-    one value for the paths of several groups)."""
+    pruning: the old log-probs' disagreement decides a recompute as in the unpruned step, and
+    the zero-advantage paths pruning leaves out still count in `signal_means`, as in the
+    step's normalizer); `pruned_tokens`: the tree tokens pruning left out
+    (`jtree.layout.pruning`); `merge_saved`: those merging across groups computes once instead
+    of once per group (`jtree.layout.cross_group`), whose units' old log-probs are judged too (a
+    merged token takes one value for the paths of several groups)."""
     stats = sum((t.stats() for t in trees[1:]), trees[0].stats())
     has_old = all(t.old_logprobs is not None for t in trees)
     disagreement = 0.0
@@ -183,6 +212,7 @@ def step_info(trees: Sequence[TrajectoryTree], units: Sequence[TrajectoryTree],
         "n_merge_saved_tokens": np.int64(merge_saved),
         "has_old_logprobs": np.bool_(has_old),
         "old_logprob_disagreement": np.float64(disagreement),
+        **signal_means(trees, normalization),
     }
 
 
@@ -312,7 +342,7 @@ class StepBuilder:
             saved = sum(self.pruned[int(i)].saved_tokens for i in indices)
             micro[0] = self._with_dropped_shares(micro[0], indices, units)
         trees = [self.trees[int(i)] for i in indices]
-        info = step_info(trees, units, saved, step.merge_saved)
+        info = step_info(trees, units, self.config.normalization, saved, step.merge_saved)
         if self.config.off_policy:
             info["offpolicy_behavior_disagreement"] = np.float64(
                 max(behavior_disagreement(t) for t in trees))
@@ -439,7 +469,7 @@ class RfreeStepBuilder:
                                 gdn_chunk_size=config.gdn_chunk_size,
                                 row_steps_per_octave=config.row_steps_per_octave,
                                 uniform=config.uniform)
-        info = dict(step_info(trees, units, merge_saved=saved),
+        info = dict(step_info(trees, units, config.normalization, merge_saved=saved),
                     n_computed_tokens=np.int64(program.n_computed))
         return {"program": program, "info": info}
 

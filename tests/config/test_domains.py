@@ -76,6 +76,16 @@ def test_a_bad_override_names_key_value_and_source(override, message):
     assert str(e.value) == message
 
 
+def test_wandb_settings_need_the_project():
+    with pytest.raises(ValueError, match=r"run: wandb_name: 'x' is a setting of the W&B run, "
+                                         r"which wandb_project turns on \(it is not set\)$"):
+        load_config("configs/tiny.yaml", ["run.wandb_name=x"])
+    with pytest.raises(ValueError, match=r"run.wandb_mode: 'foo' is not one of"):
+        load_config("configs/tiny.yaml", ["run.wandb_project=p", "run.wandb_mode=foo"])
+    run = load_config("configs/tiny.yaml", ["run.wandb_project=p", "run.wandb_mode=offline"]).run
+    assert (run.wandb_project, run.wandb_mode, run.wandb_id) == ("p", "offline", None)
+
+
 def test_a_bad_yaml_value_names_the_file(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"optim": {"learning_rate": -0.01, "warmup_steps": 2}}))

@@ -7,7 +7,12 @@ from jtree.config.objective import Objective, OptimConfig
 from jtree.layout.coefficients import batch_normalizer
 from jtree.layout.linearize import linearize
 from jtree.step.batches import needs_old_logprobs, stack_microbatches
-from jtree.step.optimizer import TrainState, clip_by_global_norm, make_optimizer
+from jtree.step.optimizer import (
+    TrainState,
+    clip_by_global_norm,
+    make_optimizer,
+    make_schedule,
+)
 from jtree.step.train_step import make_grad_fn, make_train_step
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import rel_l2, tiny_model, tiny_runtime
@@ -46,6 +51,27 @@ def test_train_step_reduces_loss():
         losses.append(float(metrics["loss"]))
     assert int(state.step) == 8 and np.isfinite(float(metrics["grad_norm"]))
     assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 4])
+def test_schedule_warms_up_from_the_first_step_then_decays(warmup):
+    """Linear warmup to the peak that trains from step 0, cosine decay to peak * min_lr_ratio at
+    `decay_steps`, held after: the formula written out here, at step 0, the last warmup step,
+    the first decay step, the middle of the decay, its end and past it."""
+    cfg = OptimConfig(learning_rate=2e-3, warmup_steps=warmup, decay_steps=12, min_lr_ratio=0.1)
+    peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+
+    def want(step: int) -> float:
+        if step < warmup:
+            return peak * (step + 1) / warmup
+        progress = min(step - warmup, 12 - warmup) / (12 - warmup)
+        return floor + (peak - floor) * 0.5 * (1 + np.cos(np.pi * progress))
+
+    schedule = make_schedule(cfg)
+    steps = sorted({0, max(warmup - 1, 0), warmup, (warmup + 12) // 2, 12, 20})
+    got = [float(schedule(step)) for step in steps]
+    np.testing.assert_allclose(got, [want(step) for step in steps], rtol=1e-6)
+    assert got[0] == pytest.approx(peak / warmup if warmup else peak, rel=1e-6) and got[0] > 0
 
 
 def test_clip_by_global_norm_matches_optax():

@@ -1,7 +1,21 @@
+import json
+import re
 import time
 
+import numpy as np
+import pytest
+
+from jtree.config.objective import CriticConfig, Objective
+from jtree.launch.train import main
 from jtree.training.compile_log import CompileWatch
-from jtree.training.report import eta_seconds, progress, progress_line
+from jtree.training.report import (
+    eta_seconds,
+    learned_means,
+    progress,
+    progress_line,
+    warmup_notice,
+)
+from tests.run_util import read_metrics, tiny_overrides
 
 
 def test_progress_says_nothing_when_quick_and_ticks_when_slow(capsys):
@@ -77,3 +91,59 @@ def test_progress_line_reads_step_of_total_rl_metrics_and_eta():
     assert line.startswith("step    3/10  loss   0.5000")
     assert "clip 0.125" in line and "entropy 2.500" in line and "kl_ref" not in line
     assert line.endswith("eta 0m01s")  # 6 steps x 0.21 s
+
+
+def test_warmup_notice_only_for_a_run_that_ends_inside_its_warmup():
+    assert warmup_notice(5, 4) == ("note: optim.warmup_steps 5 > run.steps 4: the run ends inside "
+                                   "its warmup, its last step at 80% of optim.learning_rate")
+    assert warmup_notice(4, 4) == "" and warmup_notice(0, 0) == ""  # the last step at the peak
+
+
+def test_only_what_the_objective_learns_from_is_recorded():
+    """SFT records neither mean (its records may carry rewards and advantages it ignores); a
+    critic's advantages come from the device, so the host's (the records') are not recorded."""
+    assert learned_means(Objective()) == ()
+    assert learned_means(Objective(kind="ppo")) == ("reward_mean", "advantage_mean")
+    assert learned_means(Objective(kind="ppo", critic=CriticConfig())) == ("reward_mean",)
+
+
+@pytest.mark.parametrize("normalization", ["seq_mean_token_mean", "token_mean"])
+def test_rl_line_and_record_carry_the_objectives_reward_and_advantage_means(
+        few_groups_file, tmp_path, capsys, normalization):
+    """A PPO run on given advantages: every step's `reward_mean` and `advantage_mean` (record and
+    console line) are the means over its paths' records weighted as the loss weighs them, written
+    out here from the records: token t of path p by weight_p * mask_p[t] (position 0 never
+    trained), divided by the path's trained tokens under seq_mean_token_mean; a path's reward by
+    the sum of its tokens' weights. All 4 groups make every step, so every step has these means."""
+    rng = np.random.default_rng(5)
+    records = [json.loads(line) for line in few_groups_file.read_text().splitlines()]
+    for r in records:  # weights, rewards and per-token advantages that make the weighting show
+        r.update(weight=float(rng.uniform(0.5, 2.0)), reward=float(rng.normal()),
+                 advantage=rng.normal(size=len(r["tokens"])).round(3).tolist())
+    data = tmp_path / "groups.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    coefficients = []
+    for r in records:
+        mask = np.asarray(r["loss_mask"], float)
+        mask[0] = 0.0
+        c = r["weight"] * mask
+        coefficients.append(c / mask.sum() if normalization == "seq_mean_token_mean" else c)
+    total = sum(c.sum() for c in coefficients)
+    want_reward = sum(c.sum() * r["reward"] for c, r in zip(coefficients, records)) / total
+    want_adv = sum(c @ np.asarray(r["advantage"]) for c, r in zip(coefficients, records)) / total
+
+    out = tmp_path / "metrics.jsonl"
+    assert main(["--config", "configs/tiny.yaml", *tiny_overrides(
+        data, **{"run.steps": 2, "objective.kind": "ppo", "objective.advantage": "given",
+                 "objective.normalization": normalization, "run.metrics_jsonl": out})]) == 0
+    records = read_metrics(out)
+    assert len(records) == 2
+    for record in records:
+        assert record["reward_mean"] == pytest.approx(want_reward, rel=1e-6)
+        assert record["advantage_mean"] == pytest.approx(want_adv, rel=1e-5, abs=1e-7)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2
+    for line in lines:
+        said = dict(re.findall(r"(reward|adv) (-?[0-9.]+)", line))
+        assert float(said["reward"]) == pytest.approx(want_reward, abs=5e-4)
+        assert float(said["adv"]) == pytest.approx(want_adv, abs=5e-4)
