@@ -114,9 +114,17 @@ def _prompt_count(count: Any, prompt_ids: Sequence[int], at: str, how: str) -> N
 
 def _finish(reason: Any, known: Sequence[str], at: str) -> str:
     if reason not in known:
-        raise ValueError(f"{at}: {preview(reason)} is not a finish reason of a finished turn "
+        raise ValueError(f"{at}: {jv.shown(reason)} is not a finish reason of a finished turn "
                          f"({', '.join(known)})")
     return reason
+
+
+def _routing_rows(start: int, n_prompt: int, n_output: int, at: str) -> int:
+    """How many rows an engine sends from position `start` on: one per token but the last
+    sampled one; `start` inside the prompt, as both engines require."""
+    if not 0 <= start <= n_prompt:
+        raise ValueError(f"{at}: routing start {start} outside the prompt of {n_prompt} tokens")
+    return n_prompt + n_output - 1 - start
 
 
 def _placed_routing(rows: np.ndarray, start: int, n_prompt: int, n_output: int,
@@ -126,12 +134,10 @@ def _placed_routing(rows: np.ndarray, start: int, n_prompt: int, n_output: int,
     token at position start + j; a position before `start` and the last sampled token, which
     no row covers, get -1 (the trainer's routing)."""
     total = n_prompt + n_output
-    if not 0 <= start <= n_prompt:
-        raise ValueError(f"{at}: routing start {start} outside the prompt of {n_prompt} tokens")
-    if rows.ndim != 3 or rows.shape[0] != total - 1 - start or \
-            rows.shape[1] != len(sparse_layers):
+    n_rows = _routing_rows(start, n_prompt, n_output, at)
+    if rows.ndim != 3 or rows.shape[0] != n_rows or rows.shape[1] != len(sparse_layers):
         raise ValueError(f"{at}: routing of shape {list(rows.shape)}, expected "
-                         f"[{total - 1 - start}, {len(sparse_layers)}, k] (positions {start} to "
+                         f"[{n_rows}, {len(sparse_layers)}, k] (positions {start} to "
                          f"{total - 2} of {n_prompt} prompt + {n_output} output tokens, one row "
                          "per hidden layer)")
     moe = rows[:, np.asarray(sparse_layers, bool)].astype(np.int64)
@@ -151,8 +157,9 @@ def _decoded(text: Any, at: str) -> bytes:
 
 def _vllm_routing(encoded: Any, at: str) -> np.ndarray:
     """vLLM's routed experts: a base64 `.npy` array [rows, hidden layers, k] of integers."""
+    raw = _decoded(encoded, at)
     try:
-        rows = np.load(io.BytesIO(_decoded(encoded, at)), allow_pickle=False)
+        rows = np.load(io.BytesIO(raw), allow_pickle=False)
     except ValueError as e:
         raise ValueError(f"{at}: not an .npy array ({e})") from None
     if rows.dtype.kind not in "iu":
@@ -307,8 +314,8 @@ def sglang_generate_turn(response: dict[str, Any], prompt_ids: Sequence[int], *,
         if sparse_layers is None:
             raise ValueError(f"{where}: given, but no sparse_layers (the model's layer map) "
                              "to read them with")
-        n_rows = len(prompt_ids) + len(ids) - 1 - routed_start
-        rows = _sglang_routing(meta["routed_experts"], len(sparse_layers), max(n_rows, 0), where)
+        n_rows = _routing_rows(routed_start, len(prompt_ids), len(ids), where)
+        rows = _sglang_routing(meta["routed_experts"], len(sparse_layers), n_rows, where)
         routed = _placed_routing(rows, routed_start, len(prompt_ids), len(ids), sparse_layers,
                                  where)
     return _turn(prompt_ids, ids, lps, finish, routed)
