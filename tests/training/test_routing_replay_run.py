@@ -97,7 +97,6 @@ def reference_paths(records: list[dict]):
     [len, L, K] (-1: the trainer's own), written from the records: output tokens take their
     turn's routing; any other token the routing of the first rollout (file order, within the
     group) that generated the same token after the same prefix, else -1."""
-    generated: dict[tuple, list] = {}
     paths = []
     for rec in records:
         last = rec["turns"][-1]
@@ -109,17 +108,29 @@ def reference_paths(records: list[dict]):
             mask[start:start + len(turn["output_ids"])] = 1
             if "routed_experts" in turn:
                 routed[start:start + len(turn["output_ids"])] = turn["routed_experts"]
-        for i in range(len(tokens)):
-            key = (rec["group"], *tokens[:i + 1])
-            if mask[i] and routed[i, 0, 0] >= 0:
-                generated.setdefault(key, routed[i])
         paths.append((rec["group"], tokens, mask, routed))
+    return with_generated_routing(paths)
+
+
+def with_generated_routing(paths: list[tuple]) -> list[tuple]:
+    """(tokens, mask, routing) per path from (group, tokens, mask, own routing): a token the path
+    did not generate with a routing of its own (mask 0, or -1) takes the routing of the first
+    path (file order, within the group) that generated the same token after the same prefix,
+    else keeps its own."""
+    def sampled(mask, own, i):
+        return mask[i] and own[i, 0, 0] >= 0
+
+    generated: dict[tuple, np.ndarray] = {}
+    for group, tokens, mask, own in paths:
+        for i in range(len(tokens)):
+            if sampled(mask, own, i):
+                generated.setdefault((group, *tokens[:i + 1]), own[i])
     out = []
-    for group, tokens, mask, routed in paths:
-        routed = routed.copy()
+    for group, tokens, mask, own in paths:
+        routed = own.copy()
         for i in range(len(tokens)):
             key = (group, *tokens[:i + 1])
-            if routed[i, 0, 0] < 0 and key in generated:
+            if not sampled(mask, own, i) and key in generated:
                 routed[i] = generated[key]
         out.append((tokens, mask, routed))
     return out
@@ -385,7 +396,7 @@ def engine_reference_paths(records: list[dict], truths: list[list[tuple]]):
     token after the same prefix, else the first of its own calls whose prefill routes it, else
     -1."""
     moe = np.flatnonzero(HIDDEN_SPARSE)
-    paths, generated = [], {}
+    paths = []
     for rec, truth in zip(records, truths):
         prompt, output, _ = truth[-1]
         tokens = prompt + output
@@ -400,19 +411,8 @@ def engine_reference_paths(records: list[dict], truths: list[list[tuple]]):
             for p in range(len(prompt)):
                 if own[p, 0, 0] < 0 and p in rows:
                     own[p] = rows[p][moe]
-        for p in range(len(tokens)):
-            if mask[p] and own[p, 0, 0] >= 0:
-                generated.setdefault((rec["group"], *tokens[:p + 1]), own[p])
         paths.append((rec["group"], tokens, mask, own))
-    out = []
-    for group, tokens, mask, own in paths:
-        routed = own.copy()
-        for p in range(len(tokens)):
-            key = (group, *tokens[:p + 1])
-            if not (mask[p] and own[p, 0, 0] >= 0) and key in generated:
-                routed[p] = generated[key]
-        out.append((tokens, mask, routed))
-    return out
+    return with_generated_routing(paths)
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

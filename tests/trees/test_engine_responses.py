@@ -247,8 +247,8 @@ def test_a_second_turn_s_prefill_routes_the_tokens_its_first_turn_did_not(tmp_pa
     (lambda: vllm_completion_turn({"choices": [{"logprobs": {
         "tokens": ["token_id:10"], "token_logprobs": [-0.1]}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 4}}, [1, 2, 3, 4, 5, 6]),
-     r"^usage\.prompt_tokens: the engine read a prompt of 4 tokens, the turn records 6 ids "
-     r"\(a truncated prompt: truncate_prompt_tokens"),
+     (r"^usage\.prompt_tokens: the engine read a prompt of 4 tokens, the turn records 6 ids "
+      r"\(a truncated prompt: truncate_prompt_tokens")),
     (lambda: vllm_completion_turn(_with(VLLM_COMPLETION, "choices", 0, "prompt_token_ids", None),
                                   PROMPT[:4]),
      r"^usage\.prompt_tokens: the engine read a prompt of 5 tokens, the turn records 4"),
@@ -275,8 +275,8 @@ def test_a_second_turn_s_prefill_routes_the_tokens_its_first_turn_did_not(tmp_pa
     (lambda: sglang_generate_turn(_with(_with(SGLANG, "meta_info", "prompt_tokens", 4),
                                         "meta_info", "input_token_logprobs", None),
                                   [1, 2, 3, 4, 5, 6, 7]),
-     r"^meta_info\.prompt_tokens: the engine read a prompt of 4 tokens, the turn records 7 ids "
-     r"\(a truncated prompt: --allow-auto-truncate\)"),
+     (r"^meta_info\.prompt_tokens: the engine read a prompt of 4 tokens, the turn records 7 "
+      r"ids \(a truncated prompt: --allow-auto-truncate\)")),
     (lambda: sglang_generate_turn(_with(SGLANG, "meta_info", "prompt_tokens", None), PROMPT),
      r"^meta_info\.prompt_tokens: missing"),
     (lambda: sglang_generate_turn(_with(SGLANG, "meta_info", "output_token_logprobs", 0,

@@ -191,8 +191,8 @@ GOOD = {"group": 0, "turns": [_turn(ASK, [10, 11], [-0.1, -0.2])]}
      r't\.jsonl:1: turns\[0\]\.finish_reason: expected one of stop, length, abort, got "eos"'),
     ([{"group": 0, "turns": [_turn(ASK, [10], routed_experts=[[[1, 2]]],
                                    prompt_routed_experts=[[[1, 2]]] * 4)]}],
-     r"t\.jsonl:1: turns\[0\]\.prompt_routed_experts: expected a list of 5 entries \(one per "
-     r"prompt token\)"),
+     (r"t\.jsonl:1: turns\[0\]\.prompt_routed_experts: expected a list of 5 entries \(one "
+      r"per prompt token\)")),
     ([{"group": 0, "turns": [_turn(ASK, [10], prompt_routed_experts=[[[1, 2]]] * 5)]}],
      r"t\.jsonl:1: turns\[0\]\.prompt_routed_experts: given without routed_experts"),
     ([{"group": 0, "turns": [_turn(ASK, [10], routed_experts=[[[1, 2]]],
@@ -233,7 +233,7 @@ def test_a_length_truncated_turn_is_trained_masked_or_dropped(tmp_path, policy, 
     path = _write(tmp_path / "t.jsonl", FINISHED)
     [tree] = read_traces(path, truncated=policy)
     assert [m.tolist() for m in tree.loss_masks] == masks
-    trees, report = load_trees(path, "traces", vocab_size=VOCAB, truncated=policy)
+    _, report = load_trees(path, "traces", vocab_size=VOCAB, truncated=policy)
     assert report.n_truncated == 2 and report.truncated == policy
     assert report.n_dropped == (2 if policy == "drop" else 0)
     if policy == "drop":
