@@ -266,6 +266,10 @@ def test_the_run_logs_what_it_did_with_truncated_and_aborted_turns(tmp_path, cap
     load_training_trees(cfg)
     assert ("; 2 trace turn(s) cut at the engine's length limit (data.truncated=mask: not "
             "trained, kept as context)") in capsys.readouterr().out
+    capsys.readouterr()
+    # jtree stats reads as the run does: C's one turn was cut, so dropping leaves one rollout
+    assert jtree(["stats", str(data), "--format", "traces", "--truncated", "drop"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split()[:2] == ["total", "1"]
     with pytest.raises(ValueError, match=r"data\.truncated: 'cut' is not one of"):
         load_config("configs/tiny.yaml", tiny_overrides(data, **{"data.truncated": "cut"}))
     with pytest.raises(ValueError, match=r"data\.aborted: 'skip' is not one of"):
