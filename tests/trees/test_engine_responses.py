@@ -1,15 +1,18 @@
 """Engine responses into trace turns (`jtree.trees.engine_responses`), on responses built in the
 shapes the engines' own code produces:
 
-- vLLM's OpenAI-compatible server (vllm/entrypoints/openai/completion/protocol.py and the chat
-  protocol at vllm-project/vllm commit 002032ee, the release line with
-  `routed_experts_prompt_start` in `SamplingParams`): `return_tokens_as_token_ids` gives
-  "token_id:<id>" strings, `return_token_ids` adds `token_ids` and `prompt_token_ids`;
+- vLLM's OpenAI-compatible server, the release line whose `SamplingParams` has
+  `routed_experts_prompt_start` (`CompletionResponseChoice` read in
+  vllm/entrypoints/openai/completion/protocol.py at vllm-project/vllm commit 002032ee; the chat
+  choice carries `routed_experts` alike, `prompt_token_ids` on the response):
+  `return_tokens_as_token_ids` gives "token_id:<id>" strings, `return_token_ids` adds `token_ids` and `prompt_token_ids`;
   completions' `logprobs` {tokens, token_logprobs, top_logprobs, text_offset}, chat
   completions' `logprobs.content` [{token, logprob, bytes, top_logprobs}], `usage`,
   `finish_reason` (`stop`, `length`, `abort`, chat's `tool_calls`), and `routed_experts`: base64
   `np.save` bytes of a uint16 array (tokens - 1 - start, num_hidden_layers, k);
-- SGLang 0.5 native `/generate` with `return_logprob` (tokenizer manager's `meta_info`):
+- SGLang 0.5 native `/generate` with `return_logprob` (the tokenizer manager's `meta_info`;
+  `GenerateReqInput.routed_experts_start_len` in python/sglang/srt/managers/io_struct.py at
+  sgl-project/sglang commit f11d231c: the rows cover positions [start, tokens - 1)):
   `output_token_logprobs` [[logprob, token_id, text|null]] (tuples from the offline
   `Engine.generate`), `input_token_logprobs`, `prompt_tokens`, `finish_reason` {"type", ...},
   top-level `output_ids`, and `routed_experts`: base64 of raw int32 (tokens - 1 - start) x
