@@ -5,9 +5,10 @@ shapes the engines' own code produces:
   `routed_experts_prompt_start` (`CompletionResponseChoice` read in
   vllm/entrypoints/openai/completion/protocol.py at vllm-project/vllm commit 002032ee; the chat
   choice carries `routed_experts` alike, `prompt_token_ids` on the response):
-  `return_tokens_as_token_ids` gives "token_id:<id>" strings, `return_token_ids` adds `token_ids` and `prompt_token_ids`;
-  completions' `logprobs` {tokens, token_logprobs, top_logprobs, text_offset}, chat
-  completions' `logprobs.content` [{token, logprob, bytes, top_logprobs}], `usage`,
+  `return_tokens_as_token_ids` gives "token_id:<id>" strings, `return_token_ids` adds
+  `token_ids` and `prompt_token_ids`; completions' `logprobs` {tokens, token_logprobs,
+  top_logprobs, text_offset}, chat completions' `logprobs.content` [{token, logprob, bytes,
+  top_logprobs}], `usage`,
   `finish_reason` (`stop`, `length`, `abort`, chat's `tool_calls`), and `routed_experts`: base64
   `np.save` bytes of a uint16 array (tokens - 1 - start, num_hidden_layers, k);
 - SGLang 0.5 native `/generate` with `return_logprob` (the tokenizer manager's `meta_info`;
