@@ -51,7 +51,14 @@ class DataConfig:
     tokenizer.json or Hugging Face tokenizer directory) or `traces` (JSONL, one engine rollout
     per line, token-in / token-out; one tree per group; `jtree.trees.traces`). `trace_drift`: a
     trace whose turn does not extend the previous turn's tokens is `reject`ed as a bad record or
-    `branch`ed into a new path at the first difference. Each step trains on `trees_per_step`
+    `branch`ed into a new path at the first difference. `truncated`: what a trace turn the engine
+    cut at its length limit (`finish_reason: length`) gets: `train` (as any turn), `mask`
+    (default; DAPO's overlong masking: no loss on its output tokens, still context for the tokens
+    after them, since its reward scores an answer the limit cut off, not the policy's choice to
+    stop, and training on it teaches the model to stop short; the rollout stays in its group's
+    reward statistics) or `drop` (the rollout is left out); the count is logged. `aborted`: a
+    rollout with an aborted turn (`finish_reason: abort`) is never trained: a bad record
+    (`refuse`, default) or left out and counted (`drop`). Each step trains on `trees_per_step`
     trees, spread over the data-parallel shards and `micro_batches` per shard, each micro-batch
     packed into `rows_per_micro_batch` rows of `seq_len` tokens (None: the fewest rows that hold
     every step of the run); a tree larger than `seq_len` is cut into parts by `partition_method`
@@ -86,6 +93,8 @@ class DataConfig:
     on_bad_record: Literal["raise", "skip"] = "raise"
     tokenizer: str = "bytes"
     trace_drift: Literal["reject", "branch"] = "reject"
+    truncated: Literal["train", "mask", "drop"] = "mask"
+    aborted: Literal["refuse", "drop"] = "refuse"
     worker_count: int = within(NON_NEGATIVE, 0)
     gdn_chunk_size: int = within(AT_LEAST_ONE, DEFAULT_CHUNK_SIZE)
     gdn_chunks: int | None = within(AT_LEAST_ONE, None)

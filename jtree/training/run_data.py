@@ -26,6 +26,7 @@ from jtree.training.step_builders import (
 )
 from jtree.training.tree_files import LoadReport, load_trees
 from jtree.trees.routed_experts import Experts
+from jtree.trees.traces import TRUNCATED_POLICIES
 from jtree.trees.tree import TrajectoryTree
 
 
@@ -117,7 +118,8 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
     max_path_len = None if cfg.run.mode == "redundancy_free" else d.seq_len  # rfree splits paths
     trees, report = load_trees(d.path, d.format, vocab_size=cfg.model.config.vocab_size,
                                on_bad_record=d.on_bad_record, tokenizer=d.tokenizer,
-                               trace_drift=d.trace_drift,
+                               trace_drift=d.trace_drift, truncated=d.truncated,
+                               aborted=d.aborted,
                                max_path_len=max_path_len,
                                advantage=cfg.objective.advantage_estimator,
                                turn_discount=cfg.objective.turn_discount,
@@ -130,7 +132,12 @@ def load_training_trees(cfg: TrainConfig) -> tuple[list[TrajectoryTree], LoadRep
         + (f"; skipped {report.n_bad} bad record(s), first: {report.first_errors[0]}"
            if report.n_bad else "")
         + (f"; branched {report.n_branched} trace rollout(s) where their turns drift, first: "
-           f"{report.first_branches[0]}" if report.n_branched else ""))
+           f"{report.first_branches[0]}" if report.n_branched else "")
+        + (f"; {report.n_truncated} trace turn(s) cut at the engine's length limit "
+           f"(data.truncated={d.truncated}: {TRUNCATED_POLICIES[d.truncated]})"
+           if report.n_truncated else "")
+        + (f"; dropped {report.n_dropped} trace rollout(s) (data.truncated / data.aborted = "
+           f"drop), first: {report.first_dropped[0]}" if report.n_dropped else ""))
     return trees, report
 
 

@@ -6,7 +6,9 @@ rewards, GSPO's shared masks: `jtree.objectives.advantages.for_objective`). A ba
 stops the run with its `file:line` or, with `on_bad_record="skip"`, is skipped and counted. A
 record with a path longer than a row is bad in the modes that train whole paths in rows
 (`max_path_len`), not in `redundancy_free`, which splits long paths. A trace rollout whose turns
-drift and is branched (`trace_drift="branch"`) is not bad, but counted and reported.
+drift and is branched (`trace_drift="branch"`) is not bad, but counted and reported; so are the
+length-truncated turns (`truncated`) and the rollouts left out for a truncated or aborted turn
+(`truncated="drop"`, `aborted="drop"`).
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ from jtree.trees.tree import TrajectoryTree
 
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
-    """What loading read: records (lines), trees built, the skipped bad records, and the trace
-    rollouts branched where their turns drift (`n_branched`, the first few messages)."""
+    """What loading read: records (lines), trees built, the skipped bad records, the trace
+    rollouts branched where their turns drift (`n_branched`, the first few messages), the
+    trace turns the engine cut at its length limit (`n_truncated`, kept as `truncated` says) and
+    the rollouts left out for a truncated or aborted turn (`n_dropped`, the first few
+    messages)."""
 
     n_lines: int
     n_trees: int
@@ -48,6 +53,10 @@ class LoadReport:
     first_errors: tuple[str, ...]
     n_branched: int = 0
     first_branches: tuple[str, ...] = ()
+    n_truncated: int = 0
+    truncated: str = "mask"
+    n_dropped: int = 0
+    first_dropped: tuple[str, ...] = ()
 
 
 class _BadRecords:
@@ -119,6 +128,8 @@ class _Reading:
     trees: list[TrajectoryTree] = dataclasses.field(default_factory=list)
     n_lines: int = 0
     branched: list[str] = dataclasses.field(default_factory=list)
+    n_truncated: int = 0
+    dropped: list[str] = dataclasses.field(default_factory=list)
 
     def lines(self, path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
         """(where, record) of every line that parses as a JSON object; the others are bad."""
@@ -149,14 +160,19 @@ class _Reading:
             except ValueError as e:  # the group as a whole is bad: count all its lines
                 self.bad(e, lines=len(members))
 
-    def traces(self, path: str | Path, drift: str, experts: Experts | None) -> None:
+    def traces(self, path: str | Path, drift: str, experts: Experts | None, truncated: str,
+               aborted: str) -> None:
         rollouts: dict[str, list[Rollout]] = {}
         for where, rec in self.lines(path):
             try:
                 rollout = read_rollout(where, rec, vocab_size=self.vocab_size, drift=drift,
-                                       experts=experts)
+                                       experts=experts, truncated=truncated, aborted=aborted)
             except ValueError as e:
                 self.bad(e)
+                continue
+            self.n_truncated += rollout.truncated
+            if rollout.dropped is not None:
+                self.dropped.append(rollout.dropped)
                 continue
             self.branched.extend(rollout.drifts[:1])
             rollouts.setdefault(group_key(rec), []).append(rollout)
@@ -190,7 +206,8 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
                max_path_len: int | None = None, format_key: str = "data.format",
                advantage: Estimator | None = None, shared_masks: bool = False,
                turn_discount: float = 1.0, trace_drift: str = "reject",
-               experts: Experts | None = None) -> tuple[list[TrajectoryTree], LoadReport]:
+               experts: Experts | None = None, truncated: str = "mask",
+               aborted: str = "refuse") -> tuple[list[TrajectoryTree], LoadReport]:
     """Every tree of a JSONL file, validated; see the module docstring for bad records.
     `max_path_len`: the longest path a row holds in the run's mode (None: no limit). A file of
     another format is refused naming `format_key` (the option that sets `fmt`). `advantage`: the
@@ -199,7 +216,9 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
     advantages it needs (or whose per-turn rewards do not match its turns) is a bad record, and so
     is one whose paths disagree on the loss mask of a shared token when `shared_masks` (GSPO).
     `trace_drift`: what a trace rollout whose turns drift is (`jtree.trees.traces`); `experts`:
-    the model's routing, that traces' routed experts must fit (a bad record otherwise)."""
+    the model's routing, that traces' routed experts must fit (a bad record otherwise);
+    `truncated` and `aborted`: what a trace turn the engine cut at its length limit or aborted
+    makes of its rollout (`jtree.trees.traces.read_rollout`)."""
     _check_format(path, fmt, format_key)
     prepare = functools.partial(for_objective, advantage=advantage, shared_masks=shared_masks,
                                 turn_discount=turn_discount)
@@ -207,7 +226,7 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
     if fmt == "groups":
         reading.groups(path)
     elif fmt == "traces":
-        reading.traces(path, trace_drift, experts)
+        reading.traces(path, trace_drift, experts, truncated, aborted)
     elif fmt in ("trees", "chat"):
         tok = load_tokenizer(tokenizer) if fmt == "chat" else None
         if tok is not None and vocab_size is not None and tok.vocab_size > vocab_size:
@@ -216,10 +235,12 @@ def load_trees(path: str | Path, fmt: str, *, vocab_size: int | None,
         reading.records(path, tok, advantage)
     else:
         raise ValueError(f"format: {fmt!r} is not one of {tuple(FORMAT_FIELDS)}")
-    bad, branched = reading.bad, reading.branched
+    bad, branched, dropped = reading.bad, reading.branched, reading.dropped
     if not reading.trees:
-        raise ValueError(f"{path}: no usable records ({bad.count} bad)"
-                         + (f"; first: {bad.errors[0]}" if bad.errors else ""))
+        raise ValueError(f"{path}: no usable records ({bad.count} bad, {len(dropped)} dropped)"
+                         + (f"; first: {bad.errors[0]}" if bad.errors else "")
+                         + (f"; first dropped: {dropped[0]}" if dropped else ""))
     return reading.trees, LoadReport(reading.n_lines, len(reading.trees), bad.count,
                                      tuple(bad.errors), len(branched),
-                                     tuple(branched[:bad.keep]))
+                                     tuple(branched[:bad.keep]), reading.n_truncated, truncated,
+                                     len(dropped), tuple(dropped[:bad.keep]))

@@ -1,9 +1,10 @@
 """Routed experts of engine traces: per token, per MoE layer, the k experts the rollout engine's
 router chose (docs/rl.md, "Routing replay"), checked and held as int32 arrays [tokens, L, k].
 
-The format is what engines that "return routed experts" report (SGLang, vLLM): one entry per
-token, each a list of L lists (the model's MoE layers in order) of k expert ids. -1 on every id
-of a token means "no engine routing" (a prompt token): the trainer routes it itself. The checks
+The format: one entry per token, each a list of L lists (the model's MoE layers in order) of k
+expert ids, what the adapters of `jtree.trees.engine_responses` decode from the engines' own
+encodings. -1 on every id of a token means "no engine routing" (a token the engine reported no
+row for, such as the last sampled one): the trainer routes it itself. The checks
 that need the model (L, k and ids below `num_experts`) run where its config is known; the rest
 run when a trace is read.
 """
@@ -28,13 +29,14 @@ class Experts:
     num_experts: int
 
 
-def routed_array(value: Any, n_tokens: int, what: str) -> np.ndarray:
+def routed_array(value: Any, n_tokens: int, what: str, unit: str = "output token"
+                 ) -> np.ndarray:
     """`value` (one entry per token, each [L][k] expert ids) as an int32 array [n_tokens, L, k],
-    checked on its own: the count, one shape for every token, ids >= 0 and distinct within a
-    token's layer. Errors name `what` and the token."""
+    checked on its own: the count (one entry per `unit`), one shape for every token, ids >= 0
+    and distinct within a token's layer. Errors name `what` and the token."""
     if not isinstance(value, list) or len(value) != n_tokens:
         got = len(value) if isinstance(value, list) else preview(value)
-        raise ValueError(f"{what}: expected a list of {n_tokens} entries (one per output token), "
+        raise ValueError(f"{what}: expected a list of {n_tokens} entries (one per {unit}), "
                          f"got {got}")
     if not value:
         return np.zeros((0, 0, 0), np.int32)

@@ -9,8 +9,16 @@ A record (one JSONL line) is one rollout:
 `group`, `turns` and every turn's `prompt_ids` and `output_ids` are required. A turn's
 `output_logprobs` (one per output token, the engine's sampling log-probs) and `reward` are on
 every turn of a rollout or on none; so is `routed_experts` (per output token, per MoE layer, the
-k experts the engine's router chose: `jtree.trees.routed_experts`), one shape [L][k] per token
-across the rollout. `id` is allowed.
+k experts the engine's router chose: `jtree.trees.routed_experts`) and `prompt_routed_experts`
+(the same per prompt token: the engine's prefill routing; only beside `routed_experts`), one
+shape [L][k] per token across the rollout. `finish_reason` (`stop`, `length`, `abort`: why the
+engine ended the turn) is allowed on any turn, and `id` on the record.
+
+Finish reasons. A turn the engine cut at its length limit (`length`) is trained as any other under
+`truncated="train"`; under `mask` (DAPO's overlong masking) its output tokens are context only,
+with loss mask 0, since its reward scores an answer the limit cut off rather than the policy's;
+under `drop` the rollout is left out (`Rollout.dropped`). An aborted turn (`abort`) is never
+trained: the rollout is a bad record (`aborted="refuse"`) or left out (`drop`).
 
 Training on the tokens the engine produced, not on a retokenization, needs each turn's prompt to
 begin with the previous turn's `prompt_ids + output_ids`, token for token. Where it does not
@@ -32,9 +40,12 @@ that generated it (a later run, or another rollout whose prompt repeats an outpu
 paths agree on shared tokens and the old log-probs are not recomputed for a placeholder.
 
 Routed experts: each path carries its tokens' engine routing [tokens, L, k] (`Rollout.routed`),
-its run's output tokens as the turns give them and -1 (own routing) on every other token, prompt
-tokens included. In the group's tree (`TrajectoryTree.routed_experts`) a prompt token takes the
-routing of the same tree token from a path that generated it, as the old log-probs do, else stays
+its run's output tokens as the turns give them (the routing that sampled them), every other
+token as the first of its run's turns whose `prompt_routed_experts` routes it (the engine's
+prefill), and -1 (own routing) where none does. In the group's tree
+(`TrajectoryTree.routed_experts`) a token a path did not generate takes the routing of the same
+tree token from the first path that generated it, as the old log-probs do (so a token's replayed
+routing and its behaviour log-prob come from one rollout), else keeps its own prefill routing or
 -1; a rollout without routed experts in a group of rollouts with them routes every token itself
 (-1). The trainer replays them (docs/rl.md, "Routing replay").
 
@@ -59,8 +70,14 @@ from jtree.trees.routed_experts import Experts, check_routing, routed_array
 from jtree.trees.tree import TrajectoryTree
 
 DRIFT_POLICIES = ("reject", "branch")
+FINISH_REASONS = ("stop", "length", "abort")
+# What each `truncated` policy makes of a turn the engine cut at its length limit, as logged.
+TRUNCATED_POLICIES = {"train": "trained", "mask": "not trained, kept as context",
+                      "drop": "their rollouts left out"}
+ABORTED_POLICIES = ("refuse", "drop")
 _RECORD_FIELDS = ("group", "turns", "reward", "weight", "id")
-_TURN_FIELDS = ("prompt_ids", "output_ids", "output_logprobs", "reward", "routed_experts")
+_TURN_FIELDS = ("prompt_ids", "output_ids", "output_logprobs", "reward", "routed_experts",
+                "prompt_routed_experts", "finish_reason")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +87,8 @@ class _Turn:
     logprobs: np.ndarray | None
     reward: float | None
     routed: np.ndarray | None
+    prompt_routed: np.ndarray | None
+    finish: str | None
 
     @property
     def tokens(self) -> np.ndarray:
@@ -82,13 +101,17 @@ class Rollout:
     (`jtree.trees.jsonl`) whose `old_logprobs` are NaN on prompt tokens until the group's tree
     fills them; `drifts` the turns where the rollout was branched, one message each; `routed`
     each path's routed experts [tokens, L, k] (-1: own routing; module docstring), None when
-    the turns carry none."""
+    the turns carry none; `truncated` how many turns the engine cut at its length limit;
+    `dropped` why the rollout is left out of training (`truncated` or `aborted` `drop`; its
+    `paths` are then empty), None when it is kept."""
 
     where: str
     group: Any
     paths: tuple[dict[str, Any], ...]
     drifts: tuple[str, ...]
     routed: tuple[np.ndarray, ...] | None = None
+    truncated: int = 0
+    dropped: str | None = None
 
 
 def _check_fields(rec: Any, allowed: Sequence[str], required: Sequence[str], what: str) -> None:
@@ -111,15 +134,31 @@ def _read_turn(at: str, rec: Any, vocab_size: int | None, experts: Experts | Non
         logprobs = per_token(jv.numbers(rec["output_logprobs"], what), len(output), what,
                              allow_scalar=False)
         check_log_probabilities(logprobs, what)
-    routed = None
-    if "routed_experts" in rec:
-        what = f"{at}.routed_experts"
-        routed = routed_array(jv.integer_leaves(rec["routed_experts"], what), len(output), what)
-        if experts is not None:
-            check_routing(routed, f"{at}.routed_experts", num_experts=experts.num_experts,
-                          layers=experts.layers, top_k=experts.top_k)
+    routed, prompt_routed = (_read_routing(rec, field, at, tokens, unit, experts)
+                             for field, tokens, unit in (
+                                 ("routed_experts", output, "output token"),
+                                 ("prompt_routed_experts", prompt, "prompt token")))
     reward = jv.number(rec["reward"], f"{at}.reward") if "reward" in rec else None
-    return _Turn(prompt, output, logprobs, reward, routed)
+    finish = None
+    if "finish_reason" in rec:
+        finish = rec["finish_reason"]
+        if finish not in FINISH_REASONS:
+            raise jv.refuse(f"{at}.finish_reason", f"one of {', '.join(FINISH_REASONS)}", finish)
+    return _Turn(prompt, output, logprobs, reward, routed, prompt_routed, finish)
+
+
+def _read_routing(rec: dict[str, Any], field: str, at: str, tokens: np.ndarray, unit: str,
+                  experts: Experts | None) -> np.ndarray | None:
+    """A turn's routed experts `field` [len(tokens), L, k], one entry per `unit`, checked against
+    the model's `experts` where given; None when the turn has no such field."""
+    if field not in rec:
+        return None
+    what = f"{at}.{field}"
+    routed = routed_array(jv.integer_leaves(rec[field], what), len(tokens), what, unit)
+    if experts is not None:
+        check_routing(routed, what, num_experts=experts.num_experts, layers=experts.layers,
+                      top_k=experts.top_k)
+    return routed
 
 
 def divergence(before: np.ndarray, prompt: np.ndarray) -> int | None:
@@ -141,15 +180,16 @@ def _drift_message(at: str, i: int, before: np.ndarray, prompt: np.ndarray, pos:
             f"output_ids: first difference at position {pos} ({how})")
 
 
-def _path_line(rec: dict[str, Any], turns: Sequence[_Turn], outcome: float | None
-               ) -> dict[str, Any]:
-    """The sequence-group line of one run of turns that extend each other."""
+def _path_line(rec: dict[str, Any], turns: Sequence[_Turn], outcome: float | None,
+               truncated: str) -> dict[str, Any]:
+    """The sequence-group line of one run of turns that extend each other; a length-truncated
+    turn's outputs are context only under `truncated="mask"`."""
     tokens = turns[-1].tokens
     mask = np.zeros(len(tokens), np.float32)
     own = np.full(len(tokens), np.nan, np.float32)
     for t in turns:
         start, stop = len(t.prompt), len(t.prompt) + len(t.output)
-        mask[start:stop] = 1.0
+        mask[start:stop] = 0.0 if t.finish == "length" and truncated == "mask" else 1.0
         if t.logprobs is not None:
             own[start:stop] = t.logprobs
     line: dict[str, Any] = {"group": rec["group"], "tokens": tokens, "loss_mask": mask}
@@ -167,12 +207,18 @@ def _path_line(rec: dict[str, Any], turns: Sequence[_Turn], outcome: float | Non
 
 
 def read_rollout(where: str, rec: dict[str, Any], *, vocab_size: int | None = None,
-                 drift: str = "reject", experts: Experts | None = None) -> Rollout:
+                 drift: str = "reject", experts: Experts | None = None,
+                 truncated: str = "mask", aborted: str = "refuse") -> Rollout:
     """One trace record checked on its own and cut into paths (module docstring); errors name
     `where`, the turn and the field. `experts`: the model's routing, which the turns' routed
-    experts are checked against (layers, k, ids below its experts)."""
-    if drift not in DRIFT_POLICIES:
-        raise ValueError(f"trace_drift: {drift!r} is not one of {DRIFT_POLICIES}")
+    experts are checked against (layers, k, ids below its experts). `truncated` (`train`,
+    `mask`, `drop`) and `aborted` (`refuse`, `drop`): what a turn whose `finish_reason` is
+    `length` or `abort` makes of the rollout (module docstring)."""
+    for key, value, allowed in (("trace_drift", drift, DRIFT_POLICIES),
+                                ("truncated", truncated, TRUNCATED_POLICIES),
+                                ("aborted", aborted, ABORTED_POLICIES)):
+        if value not in allowed:
+            raise ValueError(f"{key}: {value!r} is not one of {tuple(allowed)}")
     _check_fields(rec, _RECORD_FIELDS, ("group", "turns"), where)
     jv.group(rec["group"], f"{where}: group")
     if "weight" in rec:
@@ -183,10 +229,27 @@ def read_rollout(where: str, rec: dict[str, Any], *, vocab_size: int | None = No
              for i, t in enumerate(rec["turns"])]
     for field, present in (("output_logprobs", [t.logprobs is not None for t in turns]),
                            ("reward", [t.reward is not None for t in turns]),
-                           ("routed_experts", [t.routed is not None for t in turns])):
+                           ("routed_experts", [t.routed is not None for t in turns]),
+                           ("prompt_routed_experts",
+                            [t.prompt_routed is not None for t in turns])):
         if any(present) and not all(present):
             raise ValueError(f"{where}: turns[{present.index(False)}].{field}: missing, but "
                              f"turns[{present.index(True)}] has it (give it on every turn or none)")
+    if turns[0].prompt_routed is not None and turns[0].routed is None:
+        raise ValueError(f"{where}: turns[0].prompt_routed_experts: given without "
+                         "routed_experts (the output tokens' routing)")
+    finishes = [t.finish for t in turns]
+    if "abort" in finishes:
+        message = (f"{where}: turns[{finishes.index('abort')}].finish_reason: 'abort' (the "
+                   "engine stopped the turn before it finished)")
+        if aborted == "refuse":
+            raise ValueError(f"{message}; data.aborted=drop leaves such rollouts out")
+        return Rollout(where, rec["group"], (), (), dropped=message)
+    n_truncated = finishes.count("length")
+    if n_truncated and truncated == "drop":
+        return Rollout(where, rec["group"], (), (), truncated=n_truncated, dropped=(
+            f"{where}: turns[{finishes.index('length')}].finish_reason: 'length' "
+            "(data.truncated=drop)"))
     outcome = jv.number(rec["reward"], f"{where}: reward") if "reward" in rec else None
     runs: list[list[_Turn]] = [[turns[0]]]
     drifts: list[str] = []
@@ -202,23 +265,28 @@ def read_rollout(where: str, rec: dict[str, Any], *, vocab_size: int | None = No
                              "path there)")
         drifts.append(f"{message}: branched")
         runs.append([turns[i]])
-    paths = tuple(_path_line(rec, run, outcome) for run in runs)
+    paths = tuple(_path_line(rec, run, outcome, truncated) for run in runs)
     routed = None if turns[0].routed is None else tuple(_path_routing(where, run) for run in runs)
-    return Rollout(where, rec["group"], paths, tuple(drifts), routed)
+    return Rollout(where, rec["group"], paths, tuple(drifts), routed, n_truncated)
 
 
 def _path_routing(where: str, turns: Sequence[_Turn]) -> np.ndarray:
     """A run's routed experts on its path's tokens [tokens, L, k]: its turns' output tokens
-    as given, -1 elsewhere; every turn's entries of one shape [L][k]."""
-    shapes = {t.routed.shape[1:] for t in turns if len(t.output)}
+    as the engine routed them when sampling; any other token as the first turn whose prompt
+    routing (the engine's prefill) gives it, else -1; every turn's entries of one shape [L][k]."""
+    spans = [(len(t.prompt), t.routed) for t in turns] + [(0, t.prompt_routed) for t in turns
+                                                          if t.prompt_routed is not None]
+    shapes = {routed.shape[1:] for _, routed in spans if len(routed)}
     if len(shapes) > 1:
         raise ValueError(f"{where}: routed_experts: turns give [layers][k] of shapes "
                          f"{sorted(shapes)}; one shape per rollout")
     tokens = turns[-1].tokens
     out = np.full((len(tokens), *(shapes.pop() if shapes else (0, 0))), -1, np.int32)
-    for t in turns:
-        if len(t.output):
-            out[len(t.prompt):len(t.prompt) + len(t.output)] = t.routed
+    for start, routed in spans:  # outputs first: a prefill row never replaces a sampling row
+        if len(routed):
+            span = out[start:start + len(routed)]
+            free = np.all(span == -1, axis=(1, 2))
+            span[free] = routed[free]
     return out
 
 
@@ -251,7 +319,7 @@ def tree_from_rollouts(rollouts: Sequence[Rollout], *, vocab_size: int | None = 
                            vocab_size=vocab_size, prepare=prepare)
     routed = _group_routing(rollouts)
     return tree if routed is None else tree.with_routed_experts(
-        _fill_prompt_routing(tree, routed))
+        _fill_prompt_routing(tree, routed, [line["loss_mask"] > 0 for line in lines]))
 
 
 def _group_routing(rollouts: Sequence[Rollout]) -> list[np.ndarray] | None:
@@ -274,20 +342,26 @@ def _group_routing(rollouts: Sequence[Rollout]) -> list[np.ndarray] | None:
                                            for line in r.paths])]
 
 
-def _fill_prompt_routing(tree: TrajectoryTree, routed: list[np.ndarray]) -> list[np.ndarray]:
-    """Each path's routing with its tokens that carry none (prompt tokens, -1) given the
-    routing of the same tree token on the first path that generated it, as the old log-probs
-    are (`_fill_prompt_logprobs`), so that paths agree on every shared token unless the engine
-    routed it differently for two of them."""
+def _fill_prompt_routing(tree: TrajectoryTree, routed: list[np.ndarray],
+                         trained: list[np.ndarray]) -> list[np.ndarray]:
+    """Each path's routing with the tokens it did not generate with a routing (prompt tokens,
+    `trained` False, or a sampled token without a row, -1) given the routing of the same tree
+    token on the first path that generated it, as the old log-probs are
+    (`_fill_prompt_logprobs`), else keeping their own (prefill or -1); so paths agree on every
+    shared token unless the engine routed it differently for two of them."""
     flat = np.concatenate(routed)
-    known = ~np.all(flat == -1, axis=(1, 2))
-    generated, first = np.unique(tree.flat_token_index[known], return_index=True)
+    sampled = np.concatenate(trained) & ~np.all(flat == -1, axis=(1, 2))
+    generated, first = np.unique(tree.flat_token_index[sampled], return_index=True)
     values = np.full((tree.n_tree_tokens, *flat.shape[1:]), -1, np.int32)
-    values[generated] = flat[known][first]
+    values[generated] = flat[sampled][first]
+    has = np.zeros(tree.n_tree_tokens, bool)
+    has[generated] = True
     filled = []
     for p, own in enumerate(routed):
-        none = np.all(own == -1, axis=(1, 2))
-        filled.append(np.where(none[:, None, None], values[tree.path_token_index(p)], own))
+        index = tree.path_token_index(p)
+        mine = trained[p] & ~np.all(own == -1, axis=(1, 2))
+        take = has[index] & ~mine
+        filled.append(np.where(take[:, None, None], values[index], own))
     return filled
 
 
@@ -296,15 +370,18 @@ def path_wheres(rollouts: Sequence[Rollout]) -> list[str]:
     return [r.where for r in rollouts for _ in r.paths]
 
 
-def read_traces(path: str | Path, *, vocab_size: int | None = None, drift: str = "reject"
-                ) -> list[TrajectoryTree]:
-    """One tree per group of a traces file, in order of first appearance; the first bad record
-    raises (training reads with a bad-record policy: `jtree.training.tree_files.load_trees`)."""
+def read_traces(path: str | Path, *, vocab_size: int | None = None, drift: str = "reject",
+                truncated: str = "mask", aborted: str = "refuse") -> list[TrajectoryTree]:
+    """One tree per group of a traces file, in order of first appearance, without the dropped
+    rollouts (`read_rollout`); the first bad record raises (training reads with a bad-record
+    policy and counts what it drops: `jtree.training.tree_files.load_trees`)."""
     groups: dict[str, list[Rollout]] = {}
     for where, line in iter_lines(path):
         rec = parse_line(where, line)
-        rollout = read_rollout(where, rec, vocab_size=vocab_size, drift=drift)
-        groups.setdefault(group_key(rec), []).append(rollout)
+        rollout = read_rollout(where, rec, vocab_size=vocab_size, drift=drift,
+                               truncated=truncated, aborted=aborted)
+        if rollout.dropped is None:
+            groups.setdefault(group_key(rec), []).append(rollout)
     if not groups:
         raise ValueError(f"{path}: no rollouts")
     return [tree_from_rollouts(rs, vocab_size=vocab_size) for rs in groups.values()]

@@ -9,8 +9,10 @@ gauges against a count written here, and the refusals."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
+import io
 import json
 
 import jax
@@ -30,6 +32,7 @@ from jtree.step.train_step import make_grad_fn
 from jtree.training.run import TrainingRun, train
 from jtree.training.run_data import load_training_trees
 from jtree.training.trainer import Trainer
+from jtree.trees.engine_responses import sglang_generate_turn, vllm_completion_turn
 from tests.models_util import assert_grads_close
 from tests.run_util import finish, launch, read_metrics, tiny_overrides, xla_flags
 
@@ -94,7 +97,6 @@ def reference_paths(records: list[dict]):
     [len, L, K] (-1: the trainer's own), written from the records: output tokens take their
     turn's routing; any other token the routing of the first rollout (file order, within the
     group) that generated the same token after the same prefix, else -1."""
-    generated: dict[tuple, list] = {}
     paths = []
     for rec in records:
         last = rec["turns"][-1]
@@ -106,17 +108,29 @@ def reference_paths(records: list[dict]):
             mask[start:start + len(turn["output_ids"])] = 1
             if "routed_experts" in turn:
                 routed[start:start + len(turn["output_ids"])] = turn["routed_experts"]
-        for i in range(len(tokens)):
-            key = (rec["group"], *tokens[:i + 1])
-            if mask[i] and routed[i, 0, 0] >= 0:
-                generated.setdefault(key, routed[i])
         paths.append((rec["group"], tokens, mask, routed))
+    return with_generated_routing(paths)
+
+
+def with_generated_routing(paths: list[tuple]) -> list[tuple]:
+    """(tokens, mask, routing) per path from (group, tokens, mask, own routing): a token the path
+    did not generate with a routing of its own (mask 0, or -1) takes the routing of the first
+    path (file order, within the group) that generated the same token after the same prefix,
+    else keeps its own."""
+    def sampled(mask, own, i):
+        return mask[i] and own[i, 0, 0] >= 0
+
+    generated: dict[tuple, np.ndarray] = {}
+    for group, tokens, mask, own in paths:
+        for i in range(len(tokens)):
+            if sampled(mask, own, i):
+                generated.setdefault((group, *tokens[:i + 1]), own[i])
     out = []
-    for group, tokens, mask, routed in paths:
-        routed = routed.copy()
+    for group, tokens, mask, own in paths:
+        routed = own.copy()
         for i in range(len(tokens)):
             key = (group, *tokens[:i + 1])
-            if routed[i, 0, 0] < 0 and key in generated:
+            if not sampled(mask, own, i) and key in generated:
                 routed[i] = generated[key]
         out.append((tokens, mask, routed))
     return out
@@ -297,6 +311,131 @@ def test_the_baseline_check_replays_and_shows_a_disagreement(tmp_path, capsys):
         train(cfg)
         diff = float(capsys.readouterr().out.split("over all path tokens = ")[1].split()[0])
         assert diff > 1e-4 if disagree else diff < 1e-5
+
+
+# The engines' own encodings (tests/trees/test_engine_responses.py names the versions), on a
+# model of three hidden layers whose middle one is dense: a row per hidden layer, the dense one
+# mapped out through the model's layer map.
+HIDDEN_SPARSE = [True, False, True]
+
+
+def _engine_rows(rng: np.random.Generator, prefill: dict, tokens: list[int], start: int,
+                 n_prompt: int) -> dict[int, np.ndarray]:
+    """One engine call's routing rows by position, [hidden layers, K] each, from `start` to the
+    last token but one: a prompt position as the prefill of its prefix routes it (one routing
+    per prefix: `prefill`, shared by every call), an output position a routing of its own (the
+    decode step's), the dense layer a placeholder."""
+    rows = {}
+    for p in range(start, len(tokens) - 1):
+        if p < n_prompt:
+            key = tuple(tokens[:p + 1])
+            if key not in prefill:
+                prefill[key] = np.array(_routes(rng, 1)[0])
+            moe = prefill[key]
+        else:
+            moe = np.array(_routes(rng, 1)[0])
+        rows[p] = np.stack([moe[0], np.full(K, 7), moe[1]])
+    return rows
+
+
+def _encoded_response(engine: str, prompt: list[int], output: list[int], rows: dict, start: int
+                      ) -> dict:
+    """The engine's response to one call, in its own shape and encoding of `rows`."""
+    stack = np.stack([rows[p] for p in sorted(rows)])
+    if engine == "vllm":
+        buf = io.BytesIO()
+        np.save(buf, stack.astype(np.uint16))
+        return {"choices": [{
+            "index": 0, "text": "", "finish_reason": "stop", "token_ids": output,
+            "prompt_token_ids": prompt, "routed_experts": base64.b64encode(buf.getvalue()).decode(),
+            "logprobs": {"tokens": [f"token_id:{t}" for t in output],
+                         "token_logprobs": [-0.5] * len(output),
+                         "top_logprobs": [None] * len(output), "text_offset": [0] * len(output)}}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(output),
+                      "total_tokens": len(prompt) + len(output)}}
+    return {"text": "", "output_ids": output, "meta_info": {
+        "prompt_tokens": len(prompt), "completion_tokens": len(output),
+        "finish_reason": {"type": "stop", "matched": output[-1]},
+        "output_token_logprobs": [[-0.5, t, None] for t in output],
+        "routed_experts": base64.b64encode(stack.astype(np.int32).tobytes()).decode()}}
+
+
+def engine_rollouts(engine: str, seed: int) -> tuple[list[dict], list[list[tuple]]]:
+    """Trace records adapted from engine responses, and per record its calls (prompt, output,
+    rows by position) for the reference. Group a: a two-turn rollout whose second call asks for
+    routing from the first call's last token on (`routed_experts_prompt_start` /
+    `routed_experts_start_len`), a sibling first turn, and a resampled second turn from the
+    first rollout's context, whose prompt repeats that rollout's outputs; group b: one turn."""
+    rng = np.random.default_rng(seed)
+    prefill: dict = {}
+    t1_prompt = SYSTEM + [6, 7]
+    t2_prompt = t1_prompt + [10, 11, 12, 20, 21]
+    calls = [[("a", t1_prompt, [10, 11, 12], 0), ("a", t2_prompt, [13, 14], len(t1_prompt) + 2)],
+             [("a", t1_prompt, [15, 16], 0)],
+             [("a", t2_prompt, [17, 18, 19], 0)],
+             [("b", SYSTEM + [8, 9], [22, 23, 24], 0)]]
+    adapt = vllm_completion_turn if engine == "vllm" else sglang_generate_turn
+    records, truths = [], []
+    for rollout in calls:
+        turns, truth = [], []
+        for group, prompt, output, start in rollout:
+            rows = _engine_rows(rng, prefill, prompt + output, start, len(prompt))
+            turns.append(adapt(_encoded_response(engine, prompt, output, rows, start), prompt,
+                               sparse_layers=HIDDEN_SPARSE, routed_start=start))
+            truth.append((prompt, output, rows))
+        records.append({"group": rollout[0][0], "turns": turns})
+        truths.append(truth)
+    return records, truths
+
+
+def engine_reference_paths(records: list[dict], truths: list[list[tuple]]):
+    """Per path (one per rollout: nothing drifts): tokens, loss mask and forced routing [len, L,
+    K] of the MoE layers, written from the engine's rows: an output token the row of its own
+    call (the decode step that fed it; the last sampled token of a call has none); any other
+    token the row of the first rollout (file order, within the group) that generated the same
+    token after the same prefix, else the first of its own calls whose prefill routes it, else
+    -1."""
+    moe = np.flatnonzero(HIDDEN_SPARSE)
+    paths = []
+    for rec, truth in zip(records, truths):
+        prompt, output, _ = truth[-1]
+        tokens = prompt + output
+        mask = np.zeros(len(tokens))
+        own = np.full((len(tokens), LAYERS, K), -1)
+        for prompt, output, rows in truth:
+            for p in range(len(prompt), len(prompt) + len(output)):
+                mask[p] = 1
+                if p in rows:
+                    own[p] = rows[p][moe]
+        for prompt, output, rows in truth:
+            for p in range(len(prompt)):
+                if own[p, 0, 0] < 0 and p in rows:
+                    own[p] = rows[p][moe]
+        paths.append((rec["group"], tokens, mask, own))
+    return with_generated_routing(paths)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_routing_from_each_engine_s_encoding_replays_as_each_path_alone(tmp_path, engine):
+    """Issue 48's acceptance: routed experts decoded from vLLM's `.npy` and SGLang's raw int32,
+    prompt rows kept, the last sampled token on the trainer's routing and the dense layer mapped
+    out, train a replay run whose first step equals every path alone with those experts."""
+    records, truths = engine_rollouts(engine, seed=1)
+    cfg = config(write(tmp_path / "t.jsonl", records),
+                 **{"model.num_hidden_layers": 3, "model.mlp_only_layers": "[1]"})
+    params, element, metrics, info = run_step(cfg)
+    loss, grads = step_grads(cfg, params, element["inputs"])
+    paths = engine_reference_paths(records, truths)
+    assert any((r[:5] >= 0).all() for _, _, r in paths)  # the prompt replays its prefill
+    want_loss, want_grads = per_path(cfg, params, paths, replay=True)
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    assert_grads_close(grads, want_grads)
+    assert metrics["loss"] == pytest.approx(want_loss, rel=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(_norm(want_grads), rel=1e-5)
+    assert float(info["routing_disagreement"]) == 0.0
+    # Not vacuous: the same paths on the trainer's own routing train other gradients.
+    own_loss, _ = per_path(cfg, params, paths, replay=False)
+    assert abs(own_loss - want_loss) > 1e-4
 
 
 def test_runs_refuse_what_cannot_replay(tmp_path):

@@ -187,6 +187,17 @@ GOOD = {"group": 0, "turns": [_turn(ASK, [10, 11], [-0.1, -0.2])]}
     ([{"group": 0, "turns": [_turn(ASK, [10], routed_experts=[[[1, 2]]]),
                              _turn(ASK + [10], [11], routed_experts=[[[1, 2, 3]]])]}],
      r"t\.jsonl:1: routed_experts: turns give \[layers\]\[k\] of shapes"),
+    ([{"group": 0, "turns": [_turn(ASK, [10], finish_reason="eos")]}],
+     r't\.jsonl:1: turns\[0\]\.finish_reason: expected one of stop, length, abort, got "eos"'),
+    ([{"group": 0, "turns": [_turn(ASK, [10], routed_experts=[[[1, 2]]],
+                                   prompt_routed_experts=[[[1, 2]]] * 4)]}],
+     (r"t\.jsonl:1: turns\[0\]\.prompt_routed_experts: expected a list of 5 entries \(one "
+      r"per prompt token\)")),
+    ([{"group": 0, "turns": [_turn(ASK, [10], prompt_routed_experts=[[[1, 2]]] * 5)]}],
+     r"t\.jsonl:1: turns\[0\]\.prompt_routed_experts: given without routed_experts"),
+    ([{"group": 0, "turns": [_turn(ASK, [10], routed_experts=[[[1, 2]]],
+                                   prompt_routed_experts=[[[1, 2, 3]]] * 5)]}],
+     r"t\.jsonl:1: routed_experts: turns give \[layers\]\[k\] of shapes"),
     ([{"group": 0, "reward": [1.0], "turns": [_turn(ASK, [10])]}],
      r"t\.jsonl:1: reward: expected a number"),
     ([GOOD, {"group": 0, "turns": [_turn(ASK, [12])]}],
@@ -196,6 +207,73 @@ def test_bad_records_name_line_turn_and_field(tmp_path, records, match):
     path = _write(tmp_path / "t.jsonl", records)
     with pytest.raises(ValueError, match=match):
         load_trees(path, "traces", vocab_size=VOCAB)
+
+
+# A group whose rollouts the engine ended differently: A's second turn hit the length limit
+# after B's shared first turn (a branch below a truncated turn's sibling), C was cut at once.
+FINISHED = [
+    {"group": "f", "reward": 0.0, "turns": [
+        _turn(ASK, [10, 11], [-0.1, -0.2], finish_reason="stop"),
+        _turn(AFTER_TOOL_A, [12, 13], [-0.3, -0.4], finish_reason="length")]},
+    {"group": "f", "reward": 1.0, "turns": [
+        _turn(ASK, [10, 11], [-0.1, -0.2], finish_reason="stop"),
+        _turn(AFTER_TOOL_A, [14], [-0.5], finish_reason="stop")]},
+    {"group": "f", "reward": 0.0, "turns": [_turn(ASK, [16, 17], [-0.7, -0.8],
+                                                  finish_reason="length")]},
+]
+
+
+@pytest.mark.parametrize("policy, masks", [
+    ("train", [[0] * 5 + [1, 1, 0, 0, 1, 1], [0] * 5 + [1, 1, 0, 0, 1], [0] * 5 + [1, 1]]),
+    # DAPO's overlong masking: the cut turn is context only, the rest of its rollout trains
+    ("mask", [[0] * 5 + [1, 1, 0, 0, 0, 0], [0] * 5 + [1, 1, 0, 0, 1], [0] * 7]),
+    ("drop", [[0] * 5 + [1, 1, 0, 0, 1]]),
+])
+def test_a_length_truncated_turn_is_trained_masked_or_dropped(tmp_path, policy, masks):
+    path = _write(tmp_path / "t.jsonl", FINISHED)
+    [tree] = read_traces(path, truncated=policy)
+    assert [m.tolist() for m in tree.loss_masks] == masks
+    _, report = load_trees(path, "traces", vocab_size=VOCAB, truncated=policy)
+    assert report.n_truncated == 2 and report.truncated == policy
+    assert report.n_dropped == (2 if policy == "drop" else 0)
+    if policy == "drop":
+        assert report.first_dropped[0] == (f"{path}:1: turns[1].finish_reason: 'length' "
+                                           "(data.truncated=drop)")
+
+
+def test_an_aborted_turn_is_refused_or_dropped_never_trained(tmp_path):
+    aborted = {"group": "f", "turns": [_turn(ASK, [10, 11], [-0.1, -0.2], finish_reason="stop"),
+                                       _turn(AFTER_TOOL_A, [12], [-0.3], finish_reason="abort")]}
+    path = _write(tmp_path / "t.jsonl", [FINISHED[1], aborted])
+    message = (f"{path}:2: turns[1].finish_reason: 'abort' (the engine stopped the turn before "
+               "it finished)")
+    with pytest.raises(ValueError) as e:
+        load_trees(path, "traces", vocab_size=VOCAB)
+    assert str(e.value) == f"{message}; data.aborted=drop leaves such rollouts out"
+    [tree], report = load_trees(path, "traces", vocab_size=VOCAB, aborted="drop")
+    assert tree.n_paths == 1 and report.n_dropped == 1 and report.first_dropped == (message,)
+    _, report = load_trees(path, "traces", vocab_size=VOCAB, on_bad_record="skip")
+    assert report.n_bad == 1  # refused: a bad record, skipped and counted
+    with pytest.raises(ValueError, match=r"t\.jsonl: no usable records \(0 bad, 1 dropped\); "
+                                         r"first dropped: .*'abort'"):
+        load_trees(_write(tmp_path / "t.jsonl", [aborted]), "traces", vocab_size=VOCAB,
+                   aborted="drop")
+
+
+def test_the_run_logs_what_it_did_with_truncated_and_aborted_turns(tmp_path, capsys):
+    data = _write(tmp_path / "traces.jsonl", FINISHED)
+    cfg = load_config("configs/tiny.yaml", tiny_overrides(data, **{"data.format": "traces"}))
+    load_training_trees(cfg)
+    assert ("; 2 trace turn(s) cut at the engine's length limit (data.truncated=mask: not "
+            "trained, kept as context)") in capsys.readouterr().out
+    capsys.readouterr()
+    # jtree stats reads as the run does: C's one turn was cut, so dropping leaves one rollout
+    assert jtree(["stats", str(data), "--format", "traces", "--truncated", "drop"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split()[:2] == ["total", "1"]
+    with pytest.raises(ValueError, match=r"data\.truncated: 'cut' is not one of"):
+        load_config("configs/tiny.yaml", tiny_overrides(data, **{"data.truncated": "cut"}))
+    with pytest.raises(ValueError, match=r"data\.aborted: 'skip' is not one of"):
+        load_config("configs/tiny.yaml", tiny_overrides(data, **{"data.aborted": "skip"}))
 
 
 def test_a_skipped_bad_record_is_counted_and_the_rest_trains(tmp_path):
