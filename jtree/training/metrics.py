@@ -15,6 +15,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
+
+from jtree.config import TrainConfig, config_values
+
 
 @dataclasses.dataclass(frozen=True)
 class WandbRun:
@@ -65,6 +69,17 @@ class MetricsLog:
             self._tb = SummaryWriter(tensorboard_dir)
         if wandb is not None:
             self._wandb = _wandb_init(wandb)
+
+    @classmethod
+    def of_run(cls, cfg: TrainConfig, first_step: int) -> MetricsLog:
+        """The outputs `cfg.run` names (`run.metrics_jsonl`, `run.tensorboard_dir`,
+        `run.wandb_*`), written by process 0, for a run whose first step is `first_step`."""
+        run = cfg.run
+        wandb = None if run.wandb_project is None else WandbRun(
+            run.wandb_project, run.wandb_name, run.wandb_mode, run.wandb_dir, run.wandb_id,
+            config_values(cfg))
+        return cls(run.metrics_jsonl, run.tensorboard_dir, first_step=first_step,
+                   enabled=jax.process_index() == 0, wandb=wandb)
 
     @property
     def wandb_id(self) -> str | None:

@@ -104,8 +104,7 @@ class OnlineTrainer:
             say(f"resumed from {ckpt.where(restored.step)} (step {int(state.step)})")
         if state is None:
             state = trainer.initial_state()
-        metrics_log = MetricsLog(cfg.run.metrics_jsonl, cfg.run.tensorboard_dir,
-                                 first_step=int(state.step), enabled=jax.process_index() == 0)
+        metrics_log = MetricsLog.of_run(cfg, int(state.step))
         reference = None if cfg.objective.reference is None else trainer.reference_params()
         return cls(cfg, trainer, state, host_data_shards(trainer.mesh), ckpt, metrics_log,
                    reference)

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jtree.config import TrainConfig, config_values
+from jtree.config import TrainConfig
 from jtree.kernels.tree_attention import cpu_candidates, resolve_impl
 from jtree.layout.batch import DeviceBatch
 from jtree.models.lora import trainable
@@ -41,7 +41,7 @@ from jtree.training.baseline_check import compare_with_baseline
 from jtree.training.checkpoint import Checkpointer, abstract_like
 from jtree.training.compile_log import Compiles, CompileWatch
 from jtree.training.host_allocator import configure_host_malloc
-from jtree.training.metrics import MetricsLog, WandbRun
+from jtree.training.metrics import MetricsLog
 from jtree.training.pipeline import make_pipeline
 from jtree.training.report import (
     LOG_LEGEND,
@@ -200,11 +200,7 @@ class TrainingRun:
         """Train steps `start` .. `run.steps - 1`: log each step's record, print every
         `run.log_every`-th, checkpoint every `checkpoint.every`-th. Returns the records."""
         cfg = self.cfg
-        wandb = None if cfg.run.wandb_project is None else WandbRun(
-            cfg.run.wandb_project, cfg.run.wandb_name, cfg.run.wandb_mode, cfg.run.wandb_dir,
-            cfg.run.wandb_id, config_values(cfg))
-        metrics_log = MetricsLog(cfg.run.metrics_jsonl, cfg.run.tensorboard_dir,
-                                 first_step=start, enabled=jax.process_index() == 0, wandb=wandb)
+        metrics_log = MetricsLog.of_run(cfg, start)
         if metrics_log.wandb_id is not None and cfg.run.wandb_id is None:  # a new W&B run
             self.set_run_settings(wandb_id=metrics_log.wandb_id)
         schedule, means = make_schedule(cfg.optim), learned_means(cfg.objective)
