@@ -43,7 +43,7 @@ from jtree.step.optimizer import TrainState, make_schedule
 from jtree.training.checkpoint import Checkpointer, abstract_like
 from jtree.training.compile_log import CompileWatch
 from jtree.training.metrics import MetricsLog
-from jtree.training.report import say, step_record
+from jtree.training.report import learned_means, say, step_record
 from jtree.training.run_data import (
     check_training_trees,
     gdn_chunk_size,
@@ -141,7 +141,8 @@ class OnlineTrainer:
             device_s = time.perf_counter() - t1
             compiles = self.compile_watch.total - before
         record = step_record(step, metrics, info, t1 - t0, device_s - compiles.seconds,
-                             compiles, float(make_schedule(cfg.optim)(step)))
+                             compiles, float(make_schedule(cfg.optim)(step)),
+                             learned_means(cfg.objective))
         self.history.append(record)
         self.metrics_log.write(record)
         return record
