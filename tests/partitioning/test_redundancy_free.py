@@ -18,7 +18,7 @@ from hypothesis import given, settings
 
 from jtree.config.objective import Objective
 from jtree.layout.linearize import linearize
-from jtree.layout.planner import octave_step_length
+from jtree.layout.planner import octave_step_length, row_length_ladder
 from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
 from jtree.partitioning.redundancy_free.layout import build_program, prefix_bucket, row_length
 from jtree.partitioning.redundancy_free.plan import plan_parts
@@ -39,6 +39,7 @@ from tests.models_util import (
 from tests.strategies import forests, multi_part_trees
 
 ROW, PREFIX, CHUNK = 16, [16], 3
+FITTED = (8, 16, 32, 64)  # part row lengths finer than the default ladder, for tiny trees
 
 
 def on_path_tokens(tree: TrajectoryTree) -> np.ndarray:
@@ -130,44 +131,52 @@ def test_program_computes_each_token_once_and_packs_small_trees():
     # tokens has no room, so it goes to an ordinary micro-batch.
     assert build_program(trees, 16, seq_len=ROW).whole is None
     assert build_program(trees, 3).whole_trees == (2,)
-    # Parts at the top of a tree get an all-padding prefix as long as the shortest other one, so
-    # with one prefix bucket and one row length every part row has the same shapes (one compile
-    # per jitted piece).
-    program = build_program(trees, 3, seq_len=ROW, prefix_buckets=PREFIX, row_lengths=[ROW])
+    # With one row length every part row has the same shapes (one compile per jitted piece).
+    program = build_program(trees, 3, seq_len=ROW, row_lengths=[ROW])
     shapes = [tuple(v.shape for v in jax.tree_util.tree_leaves(p.inputs)) for p in program.parts]
     assert set(shapes) == {shapes[0]}
-    program = build_program(trees, 3, seq_len=ROW)
-    lengths = [p.prefix_len for p in program.parts]
-    for p in program.parts:
-        if p.parent < 0:
-            assert p.prefix_len == min(q.prefix_len for q in program.parts if q.parent >= 0)
-            j = np.arange(p.prefix_len)
-            np.testing.assert_array_equal(p.inputs.mask.prefix_end[0], j + 1)  # padding only
-            np.testing.assert_array_equal(p.inputs.prefix_pred[0], -1)
-    assert len(set(lengths)) < len(lengths)
+    # Every part has the prefix region of the longest prefix; parts at the top of a tree read
+    # padding only.
+    for capacity in (5, 3, 2):
+        program = build_program(trees, capacity, seq_len=ROW)
+        longest = max(len(prefix_tokens(program, k)) for k in range(len(program.parts)))
+        assert {p.prefix_len for p in program.parts} == {prefix_bucket(longest)}
+        for p in program.parts:
+            if p.parent < 0:
+                j = np.arange(p.prefix_len)
+                np.testing.assert_array_equal(p.inputs.mask.prefix_end[0], j + 1)  # padding only
+                np.testing.assert_array_equal(p.inputs.prefix_pred[0], -1)
+
+
+def prefix_tokens(program, k: int) -> np.ndarray:
+    """The prefix slots of part k that hold tokens (the rest are padding)."""
+    part = program.parts[k]
+    return np.zeros(0, np.int32) if part.gather_index is None else np.flatnonzero(
+        part.gather_index[0] >= 0)
 
 
 def test_part_rows_fit_their_content():
     """A part row is the smallest allowed length holding its tokens (and the small trees packed
-    after them); `row_lengths=[seq_len]` gives every part row the full length."""
+    after them): by default tree mode's row lengths (`row_length_ladder`);
+    `row_lengths=[seq_len]` gives every part row the full length."""
     trees = multi_part_trees(seed=7)
-    assert [row_length(n, 64, steps_per_octave=2) for n in (1, 8, 9, 33, 100)] == [8, 8, 16, 48, 64]
-    assert [row_length(n, 256) for n in (1, 9, 100, 129, 199, 239, 300)] == [8, 16, 104, 144, 208,
-                                                                            240, 256]
+    assert [row_length(n, 256) for n in (1, 64, 65, 129, 193, 300)] == [64, 64, 128, 192, 256,
+                                                                       256]
+    assert [row_length(n, 256, steps_per_octave=1) for n in (65, 129)] == [128, 256]
+    assert [row_length(n, 1280) for n in (300, 600)] == [320, 640]
     assert [row_length(n, 64, [16, 32]) for n in (1, 20, 40)] == [16, 32, 64]
+    assert {row_length(n, 256) for n in range(1, 300)} == set(row_length_ladder(256, 8))
     for capacity in (16, 5, 2):
-        fitted = build_program(trees, capacity, seq_len=64)
+        fitted = build_program(trees, capacity, seq_len=64, row_lengths=FITTED)
         for p in fitted.parts:
             content = sum(len(m.tokens) for m in p.members)
-            assert p.inputs.shape[1] == row_length(content, 64)
+            assert p.inputs.shape[1] == row_length(content, 64, FITTED)
             assert p.inputs.valid[0, :content].all() and not p.inputs.valid[0, content:].any()
         fixed = build_program(trees, capacity, seq_len=64, row_lengths=[64])
         assert {p.inputs.shape[1] for p in fixed.parts} == {64}
         assert fitted.n_computed == fixed.n_computed
-        finer = build_program(trees, capacity, seq_len=64, row_steps_per_octave=16)
-        for p in finer.parts:
-            content = sum(len(m.tokens) for m in p.members)
-            assert p.inputs.shape[1] == row_length(content, 64, steps_per_octave=16)
+        ladder = build_program(trees, capacity, seq_len=256)
+        assert {p.inputs.shape[1] for p in ladder.parts} == {64}  # parts of <= 16 + 3 tokens
     for bad in (0, 3, 2.0, True):
         with pytest.raises(ValueError, match="row_steps_per_octave"):
             build_program(trees, 5, seq_len=64, row_steps_per_octave=bad)
@@ -263,18 +272,19 @@ def _reference(graphdef, params, trees, objective, chunk):
     return loss, grads, per_tree
 
 
-def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengths=None,
-           paired=False):
+def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengths=(8, ROW),
+           paired=False, trees=None, prefix_buckets=PREFIX):
     """Every mode at every capacity, or with `paired` mode k at capacity k mod len(capacities)
-    only (each shape of rows compiles its own program: half the compiles of two capacities)."""
-    trees = multi_part_trees(seed=7)
+    only (each shape of rows compiles its own program: half the compiles of two capacities).
+    `trees`: default `multi_part_trees(seed=7)`."""
+    trees = multi_part_trees(seed=7) if trees is None else trees
     loss_ref, grads_ref, logp_ref = _reference(graphdef, params, trees, objective, chunk)
     leaves_ref = jax.tree_util.tree_leaves(grads_ref)
     # One step per mode for all capacities: prefixes (and rows with `row_lengths=[ROW]`) keep
     # their shapes, compiled once.
     steps = {mode: RedundancyFreeStep(graphdef, objective, prefix_backward=mode) for mode in modes}
     for index, capacity in enumerate(capacities):
-        program = build_program(trees, capacity, seq_len=ROW, prefix_buckets=PREFIX,
+        program = build_program(trees, capacity, seq_len=ROW, prefix_buckets=prefix_buckets,
                                 row_lengths=row_lengths,
                                 normalization=objective.normalization, gdn_chunk_size=chunk,
                                 gdn_chunks=ROW if chunk else None,
