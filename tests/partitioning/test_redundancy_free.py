@@ -25,6 +25,7 @@ from jtree.partitioning.redundancy_free.plan import plan_parts
 from jtree.partitioning.redundancy_free.schedule import LiveBuffers, child_order, part_slots
 from jtree.step.batches import stack_microbatches
 from jtree.step.train_step import make_grad_fn
+from jtree.training.compile_log import CompileWatch
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import (
     four_expert_config,
@@ -318,6 +319,58 @@ def test_dense_equals_unpartitioned_tree():
 def test_moe_equals_unpartitioned_tree_with_pooled_router_loss():
     graphdef, params = perturbed_moe_model("moe")
     _check(graphdef, params, PPO, capacities=(5,), modes=("residuals",), row_lengths=[ROW])
+
+
+def test_padded_parts_of_branching_trees_equal_unpartitioned_tree():
+    """Trees that branch at several levels, with siblings and paths ending at internal nodes, cut
+    into parts whose rows and prefix regions are padded (parts of at most 5 or 3 tokens in rows
+    of 8 or 16; every prefix padded to the bucket of the program's longest one, a larger bucket
+    than some parts' own): loss, gradients and log-probs equal the unpartitioned trees' (tree
+    mode, `_reference`, which shares no redundancy-free code)."""
+    trees = multi_part_trees(seed=2)
+    for t in trees[:2]:  # the two split into parts (the third is packed whole)
+        assert int(t.node_levels.max()) >= 4
+        assert np.bincount(t.parents[t.parents >= 0]).max() >= 3  # siblings
+        assert np.isin(t.path_nodes, t.parents).any()  # a path ends at an internal node
+    for capacity in (5, 3):
+        program = build_program(trees, capacity, seq_len=ROW, row_lengths=(8, ROW))
+        (p_len,) = {p.prefix_len for p in program.parts}
+        own = [prefix_bucket(len(prefix_tokens(program, k))) for k, p in enumerate(program.parts)
+               if p.parent >= 0]
+        assert min(own) < p_len  # prefixes padded beyond their own bucket
+        assert any(not p.inputs.valid[0].all() for p in program.parts)  # padded rows
+    graphdef, params = tiny_model(seed=5)
+    _check(graphdef, params, SFT, capacities=(5, 3), modes=("auto",), trees=trees,
+           prefix_buckets=None)
+
+
+def test_compiles_are_bounded_by_row_lengths_and_prefix_regions():
+    """Steps of varied trees (other structures, capacities, numbers of parts and children,
+    prefix lengths): each jitted piece of the executor compiles at most once per (row length,
+    prefix region) pair, since a program has one prefix region and its part structure is data,
+    not shape; steps on new trees at shapes seen before compile nothing. Counted by jit cache
+    entries and XLA compiles (`CompileWatch`), not time."""
+    graphdef, params = tiny_model(seed=3)
+    step = RedundancyFreeStep(graphdef, SFT, prefix_backward="auto")
+    programs = [build_program(multi_part_trees(seed), capacity, seq_len=ROW,
+                              row_lengths=(8, ROW))
+                for seed in (7, 2, 3, 4) for capacity in (5, 3)]
+    assert all(len({p.prefix_len for p in prog.parts}) == 1 for prog in programs)
+    pairs = {(p.inputs.shape[1], p.prefix_len) for prog in programs for p in prog.parts}
+    assert len(pairs) <= 2 * 2  # row lengths (8, 16) x prefix regions (8, 12)
+    assert sum(len(prog.parts) for prog in programs) > 30 * len(pairs)
+    per_part = (step._leaf, step._forward, step._backward, step._outputs,
+                step._forward_backward, step._extend, step._extend_back, step._accumulate)
+    cached = [fn._cache_size() for fn in per_part]  # a jit of a module function shares its cache
+    compiles = []
+    with CompileWatch() as watch:
+        for prog in programs:
+            before = watch.total.n
+            step(params, prog)
+            compiles.append(watch.total.n - before)
+    for fn, n in zip(per_part, cached):
+        assert fn._cache_size() - n <= len(pairs)
+    assert compiles[4:] == [0] * 4, compiles  # seeds 3 and 4: new trees, no new shapes
 
 
 def gdn_only_model():
