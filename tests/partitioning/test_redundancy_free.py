@@ -37,7 +37,7 @@ from tests.models_util import (
     tiny_lm,
     tiny_model,
 )
-from tests.strategies import forests, multi_part_trees
+from tests.strategies import consistent_tree, forests, multi_part_trees
 
 ROW, PREFIX, CHUNK = 16, [16], 3
 FITTED = (8, 16, 32, 64)  # part row lengths finer than the default ladder, for tiny trees
@@ -274,7 +274,7 @@ def _reference(graphdef, params, trees, objective, chunk):
 
 
 def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengths=(8, ROW),
-           paired=False, trees=None, prefix_buckets=PREFIX):
+           paired=False, trees=None, prefix_buckets=PREFIX, seq_len=ROW):
     """Every mode at every capacity, or with `paired` mode k at capacity k mod len(capacities)
     only (each shape of rows compiles its own program: half the compiles of two capacities).
     `trees`: default `multi_part_trees(seed=7)`."""
@@ -285,7 +285,7 @@ def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengt
     # their shapes, compiled once.
     steps = {mode: RedundancyFreeStep(graphdef, objective, prefix_backward=mode) for mode in modes}
     for index, capacity in enumerate(capacities):
-        program = build_program(trees, capacity, seq_len=ROW, prefix_buckets=prefix_buckets,
+        program = build_program(trees, capacity, seq_len=seq_len, prefix_buckets=prefix_buckets,
                                 row_lengths=row_lengths,
                                 normalization=objective.normalization, gdn_chunk_size=chunk,
                                 gdn_chunks=ROW if chunk else None,
@@ -371,6 +371,23 @@ def test_compiles_are_bounded_by_row_lengths_and_prefix_regions():
     for fn, n in zip(per_part, cached):
         assert fn._cache_size() - n <= len(pairs)
     assert compiles[4:] == [0] * 4, compiles  # seeds 3 and 4: new trees, no new shapes
+
+
+def test_whole_tree_micro_batches_equal_unpartitioned_tree():
+    """Small trees that fit no part row run as whole micro-batches, one call each (three here),
+    with the MoE router load pooled over the whole program: loss and gradients equal the
+    unpartitioned trees'."""
+    rng = np.random.default_rng(3)
+    small = []
+    while len(small) < 4:
+        t = consistent_tree(rng, max_nodes=4, max_seg=3, roots=1)
+        if 4 <= t.n_tree_tokens <= 8:
+            small.append(t)
+    trees = multi_part_trees(seed=7)[:2] + small
+    assert len(build_program(trees, 8).whole.batches) == 3
+    graphdef, params = perturbed_moe_model("moe")
+    _check(graphdef, params, SFT, capacities=(8,), modes=("residuals",), trees=trees,
+           row_lengths=None, prefix_buckets=None, seq_len=8)
 
 
 def gdn_only_model():
