@@ -6,8 +6,10 @@ a few tokens (far below the longest shared prefix), with both prefix-backward mo
 Trees: `multi_part_trees` (two trees needing several parts, one small tree that fits whole and is
 packed into a part row's spare room or a whole micro-batch) with per-path old log-probs that agree
 on shared tokens, so PPO is one function of the tree. Rows are at most 16 tokens and the prefix has
-one bucket, so each model compiles a handful of shapes; part rows fit their content (the default)
-in the dense and GDN tests, and all have 16 tokens in the MoE test.
+one bucket, so each model compiles a handful of shapes; part rows fit their content (8 or 16
+tokens) in the dense and GDN tests, and all have 16 tokens in the MoE test. Further tests pad parts
+of branching trees to one prefix region per program, run several whole-tree micro-batches, and
+count the compiles over steps of varied trees.
 """
 
 import jax
