@@ -141,8 +141,8 @@ class RunConfig:
     (default `data.seq_len`) split into parts that reuse their ancestors' cached prefixes
     (`jtree.partitioning.redundancy_free`; single device only), `prefix_backward` choosing how a part with children gets
     its backward (`residuals`, `recompute` or `auto`) and `row_steps_per_octave` how finely part
-    rows are fitted to their tokens (`jtree.partitioning.redundancy_free.layout.row_length`: more steps, less padding,
-    more shapes to compile). `host_malloc`: `keep` makes glibc keep freed
+    rows are fitted to their tokens (`jtree.partitioning.redundancy_free.layout.row_length`, tree
+    mode's `row_length_ladder`: more steps, less padding, more shapes to compile). `host_malloc`: `keep` makes glibc keep freed
     host memory so CPU steps stop page-faulting their temporaries every step
     (`jtree.training.host_allocator`; the process keeps its peak host memory), `default` leaves malloc
     alone, `auto` keeps it on the CPU backend only. `kill_after_checkpoint`: fault injection for

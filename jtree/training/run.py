@@ -321,13 +321,14 @@ def step_shapes(element: dict[str, Any]) -> dict[tuple, str]:
     """What a pipeline element's step compiles for, each with its description: the shapes of its
     input arrays (a jit compiles once per distinct set), described by the micro-batches x rows x
     row length of `tokens` and every input of another shape. A redundancy-free program runs one
-    call per part and one for the trees that fit a row whole, each compiling per input shapes."""
+    call per part and one per micro-batch of the trees that fit a row whole, each compiling per
+    input shapes."""
     if "program" not in element:
         return {_shape_key(element["inputs"]): _describe(element["inputs"])}
     program = element["program"]
     calls = [part.inputs for part in program.parts]
     if program.whole is not None:
-        calls.append(program.whole.inputs())
+        calls.extend(batch.inputs for batch in program.whole.batches)
     return {_shape_key(inputs): _describe(inputs) for inputs in calls}
 
 

@@ -6,8 +6,10 @@ a few tokens (far below the longest shared prefix), with both prefix-backward mo
 Trees: `multi_part_trees` (two trees needing several parts, one small tree that fits whole and is
 packed into a part row's spare room or a whole micro-batch) with per-path old log-probs that agree
 on shared tokens, so PPO is one function of the tree. Rows are at most 16 tokens and the prefix has
-one bucket, so each model compiles a handful of shapes; part rows fit their content (the default)
-in the dense and GDN tests, and all have 16 tokens in the MoE test.
+one bucket, so each model compiles a handful of shapes; part rows fit their content (8 or 16
+tokens) in the dense and GDN tests, and all have 16 tokens in the MoE test. Further tests pad parts
+of branching trees to one prefix region per program, run several whole-tree micro-batches, and
+count the compiles over steps of varied trees.
 """
 
 import jax
@@ -18,13 +20,14 @@ from hypothesis import given, settings
 
 from jtree.config.objective import Objective
 from jtree.layout.linearize import linearize
-from jtree.layout.planner import octave_step_length
+from jtree.layout.planner import octave_step_length, row_length_ladder
 from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
 from jtree.partitioning.redundancy_free.layout import build_program, prefix_bucket, row_length
 from jtree.partitioning.redundancy_free.plan import plan_parts
 from jtree.partitioning.redundancy_free.schedule import LiveBuffers, child_order, part_slots
 from jtree.step.batches import stack_microbatches
 from jtree.step.train_step import make_grad_fn
+from jtree.training.compile_log import CompileWatch
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import (
     four_expert_config,
@@ -36,9 +39,10 @@ from tests.models_util import (
     tiny_lm,
     tiny_model,
 )
-from tests.strategies import forests, multi_part_trees
+from tests.strategies import consistent_tree, forests, multi_part_trees
 
 ROW, PREFIX, CHUNK = 16, [16], 3
+FITTED = (8, 16, 32, 64)  # part row lengths finer than the default ladder, for tiny trees
 
 
 def on_path_tokens(tree: TrajectoryTree) -> np.ndarray:
@@ -130,44 +134,52 @@ def test_program_computes_each_token_once_and_packs_small_trees():
     # tokens has no room, so it goes to an ordinary micro-batch.
     assert build_program(trees, 16, seq_len=ROW).whole is None
     assert build_program(trees, 3).whole_trees == (2,)
-    # Parts at the top of a tree get an all-padding prefix as long as the shortest other one, so
-    # with one prefix bucket and one row length every part row has the same shapes (one compile
-    # per jitted piece).
-    program = build_program(trees, 3, seq_len=ROW, prefix_buckets=PREFIX, row_lengths=[ROW])
+    # With one row length every part row has the same shapes (one compile per jitted piece).
+    program = build_program(trees, 3, seq_len=ROW, row_lengths=[ROW])
     shapes = [tuple(v.shape for v in jax.tree_util.tree_leaves(p.inputs)) for p in program.parts]
     assert set(shapes) == {shapes[0]}
-    program = build_program(trees, 3, seq_len=ROW)
-    lengths = [p.prefix_len for p in program.parts]
-    for p in program.parts:
-        if p.parent < 0:
-            assert p.prefix_len == min(q.prefix_len for q in program.parts if q.parent >= 0)
-            j = np.arange(p.prefix_len)
-            np.testing.assert_array_equal(p.inputs.mask.prefix_end[0], j + 1)  # padding only
-            np.testing.assert_array_equal(p.inputs.prefix_pred[0], -1)
-    assert len(set(lengths)) < len(lengths)
+    # Every part has the prefix region of the longest prefix; parts at the top of a tree read
+    # padding only.
+    for capacity in (5, 3, 2):
+        program = build_program(trees, capacity, seq_len=ROW)
+        longest = max(len(prefix_tokens(program, k)) for k in range(len(program.parts)))
+        assert {p.prefix_len for p in program.parts} == {prefix_bucket(longest)}
+        for p in program.parts:
+            if p.parent < 0:
+                j = np.arange(p.prefix_len)
+                np.testing.assert_array_equal(p.inputs.mask.prefix_end[0], j + 1)  # padding only
+                np.testing.assert_array_equal(p.inputs.prefix_pred[0], -1)
+
+
+def prefix_tokens(program, k: int) -> np.ndarray:
+    """The prefix slots of part k that hold tokens (the rest are padding)."""
+    part = program.parts[k]
+    return np.zeros(0, np.int32) if part.gather_index is None else np.flatnonzero(
+        part.gather_index[0] >= 0)
 
 
 def test_part_rows_fit_their_content():
     """A part row is the smallest allowed length holding its tokens (and the small trees packed
-    after them); `row_lengths=[seq_len]` gives every part row the full length."""
+    after them): by default tree mode's row lengths (`row_length_ladder`);
+    `row_lengths=[seq_len]` gives every part row the full length."""
     trees = multi_part_trees(seed=7)
-    assert [row_length(n, 64, steps_per_octave=2) for n in (1, 8, 9, 33, 100)] == [8, 8, 16, 48, 64]
-    assert [row_length(n, 256) for n in (1, 9, 100, 129, 199, 239, 300)] == [8, 16, 104, 144, 208,
-                                                                            240, 256]
+    assert [row_length(n, 256) for n in (1, 64, 65, 129, 193, 300)] == [64, 64, 128, 192, 256,
+                                                                       256]
+    assert [row_length(n, 256, steps_per_octave=1) for n in (65, 129)] == [128, 256]
+    assert [row_length(n, 1280) for n in (300, 600)] == [320, 640]
     assert [row_length(n, 64, [16, 32]) for n in (1, 20, 40)] == [16, 32, 64]
+    assert {row_length(n, 256) for n in range(1, 300)} == set(row_length_ladder(256, 8))
     for capacity in (16, 5, 2):
-        fitted = build_program(trees, capacity, seq_len=64)
+        fitted = build_program(trees, capacity, seq_len=64, row_lengths=FITTED)
         for p in fitted.parts:
             content = sum(len(m.tokens) for m in p.members)
-            assert p.inputs.shape[1] == row_length(content, 64)
+            assert p.inputs.shape[1] == row_length(content, 64, FITTED)
             assert p.inputs.valid[0, :content].all() and not p.inputs.valid[0, content:].any()
         fixed = build_program(trees, capacity, seq_len=64, row_lengths=[64])
         assert {p.inputs.shape[1] for p in fixed.parts} == {64}
         assert fitted.n_computed == fixed.n_computed
-        finer = build_program(trees, capacity, seq_len=64, row_steps_per_octave=16)
-        for p in finer.parts:
-            content = sum(len(m.tokens) for m in p.members)
-            assert p.inputs.shape[1] == row_length(content, 64, steps_per_octave=16)
+        ladder = build_program(trees, capacity, seq_len=256)
+        assert {p.inputs.shape[1] for p in ladder.parts} == {64}  # parts of <= 16 + 3 tokens
     for bad in (0, 3, 2.0, True):
         with pytest.raises(ValueError, match="row_steps_per_octave"):
             build_program(trees, 5, seq_len=64, row_steps_per_octave=bad)
@@ -263,18 +275,19 @@ def _reference(graphdef, params, trees, objective, chunk):
     return loss, grads, per_tree
 
 
-def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengths=None,
-           paired=False):
+def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengths=(8, ROW),
+           paired=False, trees=None, prefix_buckets=PREFIX, seq_len=ROW):
     """Every mode at every capacity, or with `paired` mode k at capacity k mod len(capacities)
-    only (each shape of rows compiles its own program: half the compiles of two capacities)."""
-    trees = multi_part_trees(seed=7)
+    only (each shape of rows compiles its own program: half the compiles of two capacities).
+    `trees`: default `multi_part_trees(seed=7)`."""
+    trees = multi_part_trees(seed=7) if trees is None else trees
     loss_ref, grads_ref, logp_ref = _reference(graphdef, params, trees, objective, chunk)
     leaves_ref = jax.tree_util.tree_leaves(grads_ref)
     # One step per mode for all capacities: prefixes (and rows with `row_lengths=[ROW]`) keep
     # their shapes, compiled once.
     steps = {mode: RedundancyFreeStep(graphdef, objective, prefix_backward=mode) for mode in modes}
     for index, capacity in enumerate(capacities):
-        program = build_program(trees, capacity, seq_len=ROW, prefix_buckets=PREFIX,
+        program = build_program(trees, capacity, seq_len=seq_len, prefix_buckets=prefix_buckets,
                                 row_lengths=row_lengths,
                                 normalization=objective.normalization, gdn_chunk_size=chunk,
                                 gdn_chunks=ROW if chunk else None,
@@ -308,6 +321,75 @@ def test_dense_equals_unpartitioned_tree():
 def test_moe_equals_unpartitioned_tree_with_pooled_router_loss():
     graphdef, params = perturbed_moe_model("moe")
     _check(graphdef, params, PPO, capacities=(5,), modes=("residuals",), row_lengths=[ROW])
+
+
+def test_padded_parts_of_branching_trees_equal_unpartitioned_tree():
+    """Trees that branch at several levels, with siblings and paths ending at internal nodes, cut
+    into parts whose rows and prefix regions are padded (parts of at most 5 or 3 tokens in rows
+    of 8 or 16; every prefix padded to the bucket of the program's longest one, a larger bucket
+    than some parts' own): loss, gradients and log-probs equal the unpartitioned trees' (tree
+    mode, `_reference`, which shares no redundancy-free code)."""
+    trees = multi_part_trees(seed=2)
+    for t in trees[:2]:  # the two split into parts (the third is packed whole)
+        assert int(t.node_levels.max()) >= 4
+        assert np.bincount(t.parents[t.parents >= 0]).max() >= 3  # siblings
+        assert np.isin(t.path_nodes, t.parents).any()  # a path ends at an internal node
+    for capacity in (5, 3):
+        program = build_program(trees, capacity, seq_len=ROW, row_lengths=(8, ROW))
+        (p_len,) = {p.prefix_len for p in program.parts}
+        own = [prefix_bucket(len(prefix_tokens(program, k))) for k, p in enumerate(program.parts)
+               if p.parent >= 0]
+        assert min(own) < p_len  # prefixes padded beyond their own bucket
+        assert any(not p.inputs.valid[0].all() for p in program.parts)  # padded rows
+    graphdef, params = tiny_model(seed=5)
+    _check(graphdef, params, SFT, capacities=(5, 3), modes=("auto",), trees=trees,
+           prefix_buckets=None)
+
+
+def test_compiles_are_bounded_by_row_lengths_and_prefix_regions():
+    """Steps of varied trees (other structures, capacities, numbers of parts and children,
+    prefix lengths): each jitted piece of the executor compiles at most once per (row length,
+    prefix region) pair, since a program has one prefix region and its part structure is data,
+    not shape; steps on new trees at shapes seen before compile nothing. Counted by jit cache
+    entries and XLA compiles (`CompileWatch`), not time."""
+    graphdef, params = tiny_model(seed=3)
+    step = RedundancyFreeStep(graphdef, SFT, prefix_backward="auto")
+    programs = [build_program(multi_part_trees(seed), capacity, seq_len=ROW,
+                              row_lengths=(8, ROW))
+                for seed in (7, 2, 3, 4) for capacity in (5, 3)]
+    assert all(len({p.prefix_len for p in prog.parts}) == 1 for prog in programs)
+    pairs = {(p.inputs.shape[1], p.prefix_len) for prog in programs for p in prog.parts}
+    assert len(pairs) <= 2 * 2  # row lengths (8, 16) x prefix regions (8, 12)
+    assert sum(len(prog.parts) for prog in programs) > 30 * len(pairs)
+    per_part = (step._leaf, step._forward, step._backward, step._outputs,
+                step._forward_backward, step._extend, step._extend_back, step._accumulate)
+    cached = [fn._cache_size() for fn in per_part]  # a jit of a module function shares its cache
+    compiles = []
+    with CompileWatch() as watch:
+        for prog in programs:
+            before = watch.total.n
+            step(params, prog)
+            compiles.append(watch.total.n - before)
+    for fn, n in zip(per_part, cached):
+        assert fn._cache_size() - n <= len(pairs)
+    assert compiles[4:] == [0] * 4, compiles  # seeds 3 and 4: new trees, no new shapes
+
+
+def test_whole_tree_micro_batches_equal_unpartitioned_tree():
+    """Small trees that fit no part row run as whole micro-batches, one call each (three here),
+    with the MoE router load pooled over the whole program: loss and gradients equal the
+    unpartitioned trees'."""
+    rng = np.random.default_rng(3)
+    small = []
+    while len(small) < 4:
+        t = consistent_tree(rng, max_nodes=4, max_seg=3, roots=1)
+        if 4 <= t.n_tree_tokens <= 8:
+            small.append(t)
+    trees = multi_part_trees(seed=7)[:2] + small
+    assert len(build_program(trees, 8).whole.batches) == 3
+    graphdef, params = perturbed_moe_model("moe")
+    _check(graphdef, params, SFT, capacities=(8,), modes=("residuals",), trees=trees,
+           row_lengths=None, prefix_buckets=None, seq_len=8)
 
 
 def gdn_only_model():

@@ -27,7 +27,8 @@ at every device call, `RedundancyFreeStep.live`).
 Parts without children always run forward and backward in one jitted call.
 
 Trees that fit in a row (`RfreeProgram.whole`) run as ordinary micro-batches through
-`jtree.step.train_step.make_grad_fn`. Gradients are summed in place as parts finish.
+`jtree.step.train_step.make_grad_fn`, one call each (so they compile per row shape, not per
+micro-batch count). Gradients are summed in place as parts finish.
 
 A MoE router load-balancing loss is pooled over the whole program (as one forward over the
 unpartitioned trees would compute it): a forward-only pass collects the routing counts first, and
@@ -46,6 +47,7 @@ import numpy as np
 from flax import nnx
 
 from jtree.config.objective import Objective
+from jtree.layout.batch import stack
 from jtree.models.prefix import AttentionCache, GdnCache, LayerCache
 from jtree.objectives.logprobs import logprobs_from_hidden
 from jtree.objectives.objective import finish_metrics, loss_from_hidden, zero_sums
@@ -186,12 +188,16 @@ class RedundancyFreeStep:
         pooled = self._router_load(params, program) if self._uses_router_load(params, program) \
             else None
         if program.whole is not None:
-            inputs = program.whole.inputs()
-            if pooled is not None:  # one copy per micro-batch, for the scan over them
-                m = inputs.shape[0]
-                inputs = dataclasses.replace(inputs, router_load=tuple(
-                    jnp.broadcast_to(v, (m,) + jnp.shape(v)) for v in pooled))
-            acc = _Accumulator(self._call("whole", self._whole, params, inputs))
+            total = None
+            # One call per micro-batch: it compiles per row shape, not per micro-batch count.
+            for batch in program.whole.batches:
+                inputs = stack([batch.inputs])
+                if pooled is not None:  # the micro-batch axis of the grad function's scan
+                    inputs = dataclasses.replace(inputs, router_load=tuple(
+                        v[None] for v in pooled))
+                result = self._call("whole", self._whole, params, inputs)
+                total = result if total is None else self._accumulate(total, result)
+            acc = _Accumulator(total)
         else:
             acc = _Accumulator(self._zero_total(params, program.parts[0], pooled))
         order = child_order(program)

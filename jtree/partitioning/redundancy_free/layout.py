@@ -15,14 +15,19 @@ of the row. In these coordinates the tree mask is still j <= i < end[j], so:
   and other trees from slot 0 (zeros); `gdn.export_slots` [1, E] lists the buffer slots of the
   states at the tokens this part's children hang below.
 
-A part row is as long as its content needs, rounded up to the same kind of steps as the prefix
-(`row_length`; at most `seq_len`): a part is often much shorter than the capacity (the top of a
-tree above its branch points, the last piece of a long node), and every slot of its row costs the
-projections, MLP and loss of a token.
+A part row is as long as its content needs, rounded up to tree mode's row lengths (`row_length`:
+`jtree.layout.planner.row_length_ladder`, multiples of the attention block, at most `seq_len`): a
+part is often much shorter than the capacity (the top of a tree above its branch points, the last
+piece of a long node), and every slot of its row costs the projections, MLP and loss of a token.
 
-Parts without a prefix (the top of a tree) get an empty prefix of P padding slots all the same
-(P: the shortest prefix region of the program's other parts), read as zeros and masked like any
-padding, so they share the other parts' prefix shapes (fewer shapes to compile).
+Every part of a program has the same prefix region P: the longest prefix's bucket
+(`prefix_bucket`). The executor compiles its per-part functions once per (row length, P) and its
+prefix gather (parent row length, P) rather than once per combination of a parent's and a child's
+prefix lengths, so a program compiles at most a handful of programs per row length. Shorter
+prefixes (and parts without one: the top of a tree) fill the end of the region and leave the
+start as padding, masked so that no query sees it (a part without a prefix reads zeros there):
+padding costs gathers and attention over masked keys, not the projections, MLP or loss.
+
 Every coefficient is the full tree's (W_t, P_t, N_t with the batch normalizer): each tree token is
 computed once, so it carries its whole weight.
 
@@ -45,7 +50,7 @@ from jtree.layout.coefficients import COEFFICIENT_FIELDS, batch_normalizer
 from jtree.layout.gdn_tables import default_chunk_count, node_chunk_tables
 from jtree.layout.linearize import tree_token_fields
 from jtree.layout.microbatches import MicroBatches, build_microbatches
-from jtree.layout.planner import check_steps_per_octave, octave_step_length
+from jtree.layout.planner import check_steps_per_octave, octave_step_length, row_length_ladder
 from jtree.partitioning.redundancy_free.plan import RfreePart, plan_parts
 from jtree.trees.tree import TrajectoryTree
 
@@ -127,13 +132,14 @@ def prefix_bucket(n: int, buckets: Sequence[int] | None = None) -> int:
 
 def row_length(n: int, seq_len: int, buckets: Sequence[int] | None = None,
                steps_per_octave: int = ROW_STEPS_PER_OCTAVE) -> int:
-    """Row length S >= n of a part row holding n tokens: the smallest of `buckets` (or of
-    `octave_step_length`'s grid) that holds them, never more than `seq_len`."""
-    if buckets:
-        if max(buckets) > seq_len:
-            raise ValueError(f"row_lengths: {max(buckets)} exceeds seq_len={seq_len}")
-        return min([b for b in buckets if b >= n] + [seq_len])
-    return min(octave_step_length(n, steps_per_octave), seq_len)
+    """Row length S >= n of a part row holding n tokens: the smallest of `buckets` (default: tree
+    mode's `row_length_ladder` of `steps_per_octave`, so part rows compile for as few lengths as
+    tree-mode rows) that holds them, never more than `seq_len`."""
+    if not buckets:
+        buckets = row_length_ladder(seq_len, steps_per_octave)
+    elif max(buckets) > seq_len:
+        raise ValueError(f"row_lengths: {max(buckets)} exceeds seq_len={seq_len}")
+    return min([b for b in buckets if b >= n] + [seq_len])
 
 
 def build_program(
@@ -155,10 +161,10 @@ def build_program(
     """Plan and lay out `trees` for redundancy-free training: parts of at most `capacity` tokens
     in rows of at most `seq_len` (default `capacity`) tokens.
 
-    `prefix_buckets` lists the allowed prefix lengths (default: `prefix_bucket`'s steps),
-    `row_lengths` the allowed lengths of part rows (default: `row_steps_per_octave` steps between
-    powers of two, `octave_step_length`; `[seq_len]` gives every part row the same length, fewer
-    shapes to compile for more padding);
+    `prefix_buckets` lists the allowed prefix lengths (default: `prefix_bucket`'s steps; the
+    program's one prefix region is the bucket of its longest prefix), `row_lengths` the allowed
+    lengths of part rows (default: `row_length_ladder(seq_len, row_steps_per_octave)`;
+    `[seq_len]` gives every part row the same length, fewer shapes to compile for more padding);
     `normalizer` defaults to the batch normalizer of `trees`; `gdn_chunk_size` adds the Gated
     DeltaNet chunk tables (hybrid models), `gdn_chunks` fixes their chunk count per row and
     `gdn_exports` the number of exported states per row (default: a power of two per part; fixed
@@ -166,8 +172,8 @@ def build_program(
     trees that do not fit into part rows go to micro-batches of `rows_per_microbatch` rows.
 
     `uniform` lays the program out for the mesh executor (`jtree.partitioning.redundancy_free.mesh_executor`), which stacks part
-    rows into one array: every part row gets the same shapes (the largest row length, prefix
-    region, GDN chunk count and export width of the program's rows) and the small trees that
+    rows into one array: every part row gets the same shapes (the largest row length, GDN chunk
+    count and export width of the program's rows) and the small trees that
     fit no part row get rows of their own (parts without prefix or children) instead of
     micro-batches.
     """
@@ -197,8 +203,7 @@ def build_program(
     rows = _rows(planned, tails, trees, fields, shape, row_lengths, row_steps_per_octave)
     if uniform:  # again, at the largest shapes of the first layout
         shape = dataclasses.replace(
-            shape, prefix_buckets=[max(r.prefix_len for r in rows)],
-            gdn_chunks=None if gdn_chunk_size is None else max(
+            shape, gdn_chunks=None if gdn_chunk_size is None else max(
                 r.inputs.gdn.chunk_tokens.shape[1] for r in rows),
             gdn_exports=None if gdn_chunk_size is None else max(
                 r.inputs.gdn.export_slots.shape[1] for r in rows))
@@ -217,17 +222,16 @@ def build_program(
 
 def _rows(planned, tails: list[list[int]], trees, fields, shape: _RowShape,
           row_lengths: Sequence[int] | None, row_steps_per_octave: int) -> list[_Row]:
-    """The rows of the planned parts (and the small trees packed after them); parts without a
-    prefix get the shortest prefix region of the others."""
-    lengths = [prefix_bucket(len(p.prefix), shape.prefix_buckets) for _, p in planned
-               if p.attach >= 0]
-    root_len = min(lengths) if lengths else prefix_bucket(1, shape.prefix_buckets)
+    """The rows of the planned parts (and the small trees packed after them), all with the
+    prefix region of the longest prefix (one P per program: see the module docstring)."""
+    prefix_len = max([prefix_bucket(len(p.prefix), shape.prefix_buckets) for _, p in planned],
+                     default=0) or prefix_bucket(1, shape.prefix_buckets)
     rows = []
     for k, (_, part) in enumerate(planned):
         content = len(part.own) + sum(trees[i].n_tree_tokens for i in tails[k])
         row_shape = dataclasses.replace(shape, seq_len=row_length(
             content, shape.seq_len, row_lengths, row_steps_per_octave))
-        rows.append(_part_row(planned, k, tails[k], trees, fields, row_shape, root_len))
+        rows.append(_part_row(planned, k, tails[k], trees, fields, row_shape, prefix_len))
     return rows
 
 
@@ -286,12 +290,11 @@ class _Row:
 
 
 def _part_row(planned, k: int, tail: list[int], trees, fields, shape: _RowShape,
-              root_len: int) -> _Row:
-    """Row of part k; a part without a prefix gets `root_len` padding slots."""
+              p: int) -> _Row:
+    """Row of part k with a prefix region of `p` slots (its prefix at the end, padding before)."""
     tree_index, part = planned[k]
     prefix = part.prefix
     n_prefix = len(prefix)
-    p = prefix_bucket(n_prefix, shape.prefix_buckets) if n_prefix else root_len
     members = [Member(tree_index, part.own, 0)]
     offset = len(part.own)
     for i in tail:
