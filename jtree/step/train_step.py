@@ -50,8 +50,11 @@ from jtree.step.optimizer import TrainState, apply_gradients
 
 def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *,
                  data_axes: Sequence[str] = (), context_axis: str | None = None,
-                 vocab_axis: str | None = None) -> Callable:
+                 vocab_axis: str | None = None, metric_sums: bool = False) -> Callable:
     """(params, inputs [M, rows, S]) -> (loss, metrics, grads), summed over the M micro-batches.
+    With `metric_sums` the metrics stay the sums they are accumulated as (`finish_metrics` turns
+    them into ratios and means): for a caller that adds the results of several calls, as the
+    redundancy-free executor adds whole-tree micro-batches to its parts.
 
     The gradients are those of the trainable parameters (`jtree.models.lora.trainable`: the
     adapters of a LoRA run, else all). Inside shard_map, `data_axes` names the mesh axes the rows
@@ -101,7 +104,7 @@ def make_grad_fn(graphdef: nnx.GraphDef, objective: Objective, *,
             loss, metrics = jax.lax.psum((loss, metrics), data_axes)
             grads = jax.tree_util.tree_map(
                 lambda g, axes: jax.lax.psum(g, axes) if axes else g, grads, sum_axes)
-        return loss, finish_metrics(metrics), grads
+        return loss, metrics if metric_sums else finish_metrics(metrics), grads
 
     return grad_fn
 

@@ -268,11 +268,12 @@ def test_child_order_minimizes_need_over_every_order():
 def _reference(graphdef, params, trees, objective, chunk):
     full = linearize(trees, 64, normalization=objective.normalization, gdn_chunk_size=chunk,
                      gdn_chunks=64 if chunk else None)
-    loss, _, grads = jax.jit(make_grad_fn(graphdef, objective))(params, stack_microbatches([full]))
+    loss, metrics, grads = jax.jit(make_grad_fn(graphdef, objective))(
+        params, stack_microbatches([full]))
     logp = np.asarray(logprob_fn(graphdef)(params, full.inputs))
     per_tree = [logp[r, o : o + t.n_tree_tokens]
                 for t, r, o in zip(full.layout.trees, full.layout.rows, full.layout.offsets)]
-    return loss, grads, per_tree
+    return loss, metrics, grads, per_tree
 
 
 def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengths=(8, ROW),
@@ -281,7 +282,8 @@ def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengt
     only (each shape of rows compiles its own program: half the compiles of two capacities).
     `trees`: default `multi_part_trees(seed=7)`."""
     trees = multi_part_trees(seed=7) if trees is None else trees
-    loss_ref, grads_ref, logp_ref = _reference(graphdef, params, trees, objective, chunk)
+    loss_ref, metrics_ref, grads_ref, logp_ref = _reference(graphdef, params, trees, objective,
+                                                            chunk)
     leaves_ref = jax.tree_util.tree_leaves(grads_ref)
     # One step per mode for all capacities: prefixes (and rows with `row_lengths=[ROW]`) keep
     # their shapes, compiled once.
@@ -295,9 +297,12 @@ def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengt
         for k, (mode, step) in enumerate(steps.items()):
             if paired and k % len(capacities) != index:
                 continue
-            loss, _, grads = step(params, program)
+            loss, metrics, grads = step(params, program)
             assert float(loss) == pytest.approx(float(loss_ref), rel=1e-5, abs=1e-7), (capacity,
                                                                                       mode)
+            assert metrics.keys() == metrics_ref.keys(), (metrics.keys(), metrics_ref.keys())
+            for key, want in metrics_ref.items():  # clip fraction, KL, aux loss: ratios of sums
+                assert float(metrics[key]) == pytest.approx(float(want), rel=1e-5, abs=1e-7), key
             leaves = jax.tree_util.tree_leaves(grads)
             assert len(leaves) == len(leaves_ref)
             for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), leaves_ref):
@@ -377,7 +382,8 @@ def test_compiles_are_bounded_by_row_lengths_and_prefix_regions():
 
 def test_whole_tree_micro_batches_equal_unpartitioned_tree():
     """Small trees that fit no part row run as whole micro-batches, one call each (three here),
-    with the MoE router load pooled over the whole program: loss and gradients equal the
+    with the MoE router load pooled over the whole program: PPO's loss, metrics (the clip
+    fraction a ratio of sums over the micro-batches and the parts) and gradients equal the
     unpartitioned trees'."""
     rng = np.random.default_rng(3)
     small = []
@@ -388,7 +394,7 @@ def test_whole_tree_micro_batches_equal_unpartitioned_tree():
     trees = multi_part_trees(seed=7)[:2] + small
     assert len(build_program(trees, 8).whole.batches) == 3
     graphdef, params = perturbed_moe_model("moe")
-    _check(graphdef, params, SFT, capacities=(8,), modes=("residuals",), trees=trees,
+    _check(graphdef, params, PPO, capacities=(8,), modes=("residuals",), trees=trees,
            row_lengths=None, prefix_buckets=None, seq_len=8)
 
 

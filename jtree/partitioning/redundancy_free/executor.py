@@ -108,7 +108,8 @@ class RedundancyFreeStep:
         self._extend = jax.jit(self._extend_prefix, static_argnums=(4,))
         self._extend_back = jax.jit(self._extend_transpose, static_argnums=(4,))
         self._accumulate = jax.jit(_add, donate_argnums=(0,))
-        self._whole = jax.jit(make_grad_fn(graphdef, objective))
+        # Sums, added to the parts' sums and finished once (a clip fraction is a ratio of sums).
+        self._whole = jax.jit(make_grad_fn(graphdef, objective, metric_sums=True))
         self._logprobs = jax.jit(self._part_logprobs)
         self._whole_logprobs = jax.jit(self._whole_batch_logprobs)
         self._pools_router: bool | None = None
