@@ -221,6 +221,10 @@ def test_kind_none_weighs_nothing():
     ({"kind": "seq_mis", "low": 2.0, "high": 1.0}, "must satisfy 0 <= low < high"),
     ({"kind": "mis", "low": 0.5, "high": 2.0, "cap": 2.0}, "cap: not read by kind 'mis'"),
     ({"cap": 2.0}, "cap: not read by kind 'none'"),
+    ({"kind": "seq_mask", "low": 0.5}, "high: needed by kind 'seq_mask'"),
+    ({"kind": "seq_mask", "low": 0.5, "high": 2.0, "cap": 2.0},
+     "cap: not read by kind 'seq_mask'"),
+    ({"kl_mask_delta": -0.1}, "kl_mask_delta: -0.1 must be >= 0"),
 ])
 def test_config_errors(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -231,10 +235,15 @@ def test_objective_refuses_what_the_weights_cannot_fold_into():
     tis = OffPolicyConfig(kind="tis", cap=2.0)
     with pytest.raises(ValueError, match="'sft' has none"):
         Objective(kind="sft", off_policy=tis)
-    with pytest.raises(ValueError, match="use seq_tis or seq_mis"):
+    with pytest.raises(ValueError, match="use seq_tis, seq_mis or seq_mask"):
         Objective(kind="gspo", off_policy=tis)
     with pytest.raises(ValueError, match="with a critic"):
         Objective(kind="ppo", critic=CriticConfig(), off_policy=tis)
+    kl_mask = OffPolicyConfig(kl_mask_delta=0.01)
+    assert kl_mask.enabled
+    Objective(kind="gspo", off_policy=kl_mask)  # a per-path mask: no token ratio to refuse
+    with pytest.raises(ValueError, match="off_policy.kl_mask_delta weighs a policy-gradient"):
+        Objective(kind="sft", off_policy=kl_mask)
     read = from_dict(Objective, {"kind": "gspo", "off_policy": {"kind": "seq_mis", "low": 0.5,
                                                                  "high": 2.0}})
     assert read.off_policy == OffPolicyConfig(kind="seq_mis", low=0.5, high=2.0)
