@@ -80,10 +80,15 @@ def path_weights(tree: TrajectoryTree, policy_old: np.ndarray, config: OffPolicy
                  ) -> list[np.ndarray]:
     """The importance weight of every token of every path (float64, 1 on untrained tokens,
     whose coefficient is 0 anyway): min(r, cap) under truncation, r inside [low, high] and 0
-    outside under masking, r the token's ratio (`tis`, `mis`) or its path's geometric mean
-    (`seq_tis`, `seq_mis`). All ones for kind `none`."""
+    outside under masking (`seq_mask`: 1 inside), r the token's ratio (`tis`, `mis`) or its
+    path's geometric mean (`seq_tis`, `seq_mis`, `seq_mask`). All ones for kind `none`.
+    `kl_mask_delta` needs each pair's advantage and is formed in the step only
+    (`jtree.objectives.off_policy`)."""
     masks = scored_masks(tree)
-    if not config.enabled:
+    if config.kl_mask_delta is not None:
+        raise ValueError("kl_mask_delta: the KL sequence mask is formed in the step "
+                         "(jtree.objectives.off_policy), not by the host fold")
+    if config.kind == "none":
         return [np.ones(m.shape) for m in masks]
     ratios = _ratios(tree, path_log_ratios(tree, policy_old), config.sequence_level)
     return [np.where(m > 0, ratio_weights(r, config)[0], 1.0) for r, m in zip(ratios, masks)]

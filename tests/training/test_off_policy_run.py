@@ -343,6 +343,11 @@ def test_runs_refuse_what_cannot_take_the_weights(tmp_path):
     with pytest.raises(ValueError, match="objective.off_policy.kind=tis: not available with "
                                          "run.mode=redundancy_free"):
         check_off_policy(load_config("configs/tiny.yaml", [*base, "run.mode=redundancy_free"]))
+    kl_mask = ["objective.kind=ppo", "objective.off_policy.kl_mask_delta=0.01"]
+    assert load_config("configs/tiny.yaml", kl_mask).objective.off_policy.kl_mask_delta == 0.01
+    with pytest.raises(ValueError, match="objective.off_policy.kl_mask_delta=0.01: not "
+                                         "available with run.mode=redundancy_free"):
+        check_off_policy(load_config("configs/tiny.yaml", [*kl_mask, "run.mode=redundancy_free"]))
     data = tmp_path / "trees.jsonl"
     data.write_text(json.dumps({"parents": [-1], "segments": [[1, 2, 3]], "paths": [
         {"node": 0, "loss_mask": [0, 1, 1], "advantage": 1.0}]}) + "\n")
