@@ -87,6 +87,13 @@ class OffPolicyConfig:
         return self.kind != "none" or self.kl_mask_delta is not None
 
     @property
+    def setting(self) -> str:
+        """The key that turns the correction on, as errors name it: `kind=...`, or
+        `kl_mask_delta=...` for the KL sequence mask alone."""
+        return f"kind={self.kind}" if self.kind != "none" else \
+            f"kl_mask_delta={self.kl_mask_delta}"
+
+    @property
     def sequence_level(self) -> bool:
         """Whether one weight per path (from the geometric-mean ratio) applies to all its
         tokens."""
@@ -194,7 +201,7 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
         kind = self.off_policy.kind
         if not self.off_policy.enabled:
             return
-        key = f"off_policy.kind: {kind!r}" if kind != "none" else "off_policy.kl_mask_delta"
+        key = f"off_policy.{self.off_policy.setting}"
         if self.kind == "sft":
             raise ValueError(f"{key} weighs a policy-gradient surrogate; objective.kind 'sft' "
                              "has none")

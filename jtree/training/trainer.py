@@ -295,12 +295,11 @@ def check_off_policy(cfg: TrainConfig) -> None:
     carry neither."""
     if not cfg.objective.off_policy.enabled:
         return
-    off = cfg.objective.off_policy
-    key = f"kind={off.kind}" if off.kind != "none" else f"kl_mask_delta={off.kl_mask_delta}"
     if cfg.run.mode == "redundancy_free":
-        raise ValueError(f"objective.off_policy.{key}: not available with "
-                         "run.mode=redundancy_free (its parts run no old log-prob forward and "
-                         "carry no per-path pairs); use run.mode tree, baseline or auto")
+        raise ValueError(f"objective.off_policy.{cfg.objective.off_policy.setting}: not "
+                         "available with run.mode=redundancy_free (its parts run no old "
+                         "log-prob forward and carry no per-path pairs); use run.mode tree, "
+                         "baseline or auto")
 
 
 def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any, *,

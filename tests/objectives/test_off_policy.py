@@ -246,7 +246,7 @@ def test_objective_refuses_what_the_weights_cannot_fold_into():
     kl_mask = OffPolicyConfig(kl_mask_delta=0.01)
     assert kl_mask.enabled
     Objective(kind="gspo", off_policy=kl_mask)  # a per-path mask: no token ratio to refuse
-    with pytest.raises(ValueError, match="off_policy.kl_mask_delta weighs a policy-gradient"):
+    with pytest.raises(ValueError, match="off_policy.kl_mask_delta=0.01 weighs a policy-gradient"):
         Objective(kind="sft", off_policy=kl_mask)
     read = from_dict(Objective, {"kind": "gspo", "off_policy": {"kind": "seq_mis", "low": 0.5,
                                                                  "high": 2.0}})
