@@ -315,7 +315,8 @@ def test_step_records_and_the_summary_carry_the_metrics():
 @pytest.mark.slow
 def test_a_run_trains_with_the_weights_and_logs_their_metrics(tmp_path, capsys):
     """`objective.off_policy` in a run: pi_old recomputed every step (the data's old log-probs
-    are mu), the weights' metrics in each step's record and in the summary."""
+    are mu), the weights' and the KL sequence mask's metrics in each step's record and in the
+    summary."""
     data = tmp_path / "trees.jsonl"
     write_trees(data, make_trees(np.random.default_rng(5), shared_masks=False))
     metrics = tmp_path / "metrics.jsonl"
@@ -323,14 +324,16 @@ def test_a_run_trains_with_the_weights_and_logs_their_metrics(tmp_path, capsys):
         "data.format": "trees", "data.seq_len": SEQ_LEN, "data.trees_per_step": 2,
         "run.steps": 2, "run.metrics_jsonl": metrics, "objective.kind": "ppo",
         "objective.old_logprob_tolerance": 10.0, "objective.off_policy.kind": "tis",
-        "objective.off_policy.cap": 1.05}))
+        "objective.off_policy.cap": 1.05, "objective.off_policy.kl_mask_delta": 0.0}))
     train(cfg)
     records = read_metrics(metrics)
     assert len(records) == 2
     for r in records:
         assert r["offpolicy_kl_k3"] > 0 and 0 < r["offpolicy_corrected_frac"] < 1
         assert np.isfinite(r["offpolicy_kl_k1"]) and r["offpolicy_behavior_disagreement"] > 0
-    assert "off-policy: mean kl_k3" in capsys.readouterr().out
+        assert 0 <= r["offpolicy_masked_seq_frac"] <= 1
+    out = capsys.readouterr().out
+    assert "off-policy: mean kl_k3" in out and "of sequences" in out
 
 
 def test_runs_refuse_what_cannot_take_the_weights(tmp_path):
