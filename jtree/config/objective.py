@@ -36,7 +36,7 @@ NORMALIZATIONS: tuple[str, ...] = get_args(Normalization)
 CRITIC_SOURCES = ("policy", "random")
 
 
-OffPolicyKind = Literal["none", "tis", "mis", "seq_tis", "seq_mis"]
+OffPolicyKind = Literal["none", "tis", "mis", "seq_tis", "seq_mis", "seq_mask"]
 
 
 OFF_POLICY_KINDS: tuple[str, ...] = get_args(OffPolicyKind)
@@ -49,21 +49,28 @@ class OffPolicyConfig:
     importance weight on each trained token's surrogate term (`jtree.layout.off_policy`,
     docs/rl.md "Off-policy correction"). With r = exp(pi_old - mu): `tis` weighs by min(r, cap),
     `mis` by r inside [low, high] and 0 outside; `seq_tis` / `seq_mis` do the same with one
-    ratio per path, the geometric mean of r over the path's trained tokens. Truncation reads
-    only `cap`, masking only `low` and `high`, so a key the kind ignores is refused rather than
-    silently unused."""
+    ratio per path, the geometric mean of r over the path's trained tokens; `seq_mask` keeps a
+    path (weight 1) while that geometric mean lies inside [low, high] and drops it (weight 0)
+    outside, a mask without reweighting. Truncation reads only `cap`, masking only `low` and
+    `high`, so a key the kind ignores is refused rather than silently unused.
+
+    `kl_mask_delta`: DeepSeek-V3.2's off-policy sequence masking, on top of any kind (also
+    `none`): a path's terms with a negative advantage are dropped when the path's mean
+    mu - pi_old over its trained tokens (the k1 estimate of KL(mu || pi_old)) exceeds delta,
+    so the policy is not pushed away from samples it has drifted far from."""
 
     kind: OffPolicyKind = "none"
     cap: float | None = within(POSITIVE, None)
     low: float | None = within(NON_NEGATIVE, None)
     high: float | None = within(POSITIVE, None)
+    kl_mask_delta: float | None = within(NON_NEGATIVE, None)
 
     def __post_init__(self) -> None:
         check_domains(self)
         if self.kind not in OFF_POLICY_KINDS:
             raise ValueError(f"kind: {self.kind!r} is not one of {OFF_POLICY_KINDS}")
         wants = {"none": (), "tis": ("cap",), "seq_tis": ("cap",), "mis": ("low", "high"),
-                 "seq_mis": ("low", "high")}[self.kind]
+                 "seq_mis": ("low", "high"), "seq_mask": ("low", "high")}[self.kind]
         for name in ("cap", "low", "high"):
             value = getattr(self, name)
             if name in wants and value is None:
@@ -76,12 +83,20 @@ class OffPolicyConfig:
 
     @property
     def enabled(self) -> bool:
-        """Whether any correction applies."""
-        return self.kind != "none"
+        """Whether any correction applies (a weighting kind or the KL sequence mask)."""
+        return self.kind != "none" or self.kl_mask_delta is not None
+
+    @property
+    def setting(self) -> str:
+        """The key that turns the correction on, as errors name it: `kind=...`, or
+        `kl_mask_delta=...` for the KL sequence mask alone."""
+        return f"kind={self.kind}" if self.kind != "none" else \
+            f"kl_mask_delta={self.kl_mask_delta}"
 
     @property
     def sequence_level(self) -> bool:
-        """Whether one weight per path (the geometric-mean ratio) applies to all its tokens."""
+        """Whether one weight per path (from the geometric-mean ratio) applies to all its
+        tokens."""
         return self.kind.startswith("seq_")
 
 
@@ -182,19 +197,20 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
                              f"advantage 'turn', not {self.advantage!r}")
 
     def _check_off_policy(self) -> None:
-        """The objectives the off-policy weights fold into exactly (docs/rl.md)."""
+        """The objectives the off-policy weights and masks fold into exactly (docs/rl.md)."""
         kind = self.off_policy.kind
-        if kind == "none":
+        if not self.off_policy.enabled:
             return
+        key = f"off_policy.{self.off_policy.setting}"
         if self.kind == "sft":
-            raise ValueError(f"off_policy.kind: {kind!r} weighs a policy-gradient surrogate; "
-                             "objective.kind 'sft' has none")
-        if self.kind == "gspo" and not self.off_policy.sequence_level:
-            raise ValueError(f"off_policy.kind: {kind!r} weighs single tokens, but gspo has one "
-                             "ratio per path; use seq_tis or seq_mis")
+            raise ValueError(f"{key} weighs a policy-gradient surrogate; objective.kind 'sft' "
+                             "has none")
+        if self.kind == "gspo" and kind != "none" and not self.off_policy.sequence_level:
+            raise ValueError(f"{key} weighs single tokens, but gspo has one ratio per path; use "
+                             "seq_tis, seq_mis or seq_mask")
         if self.critic is not None:
-            raise ValueError(f"off_policy.kind: {kind!r} with a critic: not implemented (the "
-                             "weights would multiply the GAE advantages the step forms per pair)")
+            raise ValueError(f"{key} with a critic: not implemented (the weights would multiply "
+                             "the GAE advantages the step forms per pair)")
 
     @property
     def advantage_estimator(self) -> Estimator | None:

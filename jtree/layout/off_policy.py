@@ -66,22 +66,29 @@ def _ratios(tree: TrajectoryTree, log_ratios: list[np.ndarray], sequence_level: 
 def ratio_weights(ratios: Any, config: OffPolicyConfig, xp: ModuleType = np) -> tuple[Any, Any]:
     """(weight, corrected) of importance ratios, in array module `xp` (numpy here, jax.numpy in
     the step, `jtree.objectives.off_policy`): min(r, cap) under truncation, r inside
-    [low, high] and 0 outside under masking; `corrected` where the weight is not the ratio
-    itself (above the cap, or outside [low, high])."""
+    [low, high] and 0 outside under masking, 1 inside and 0 outside under `seq_mask` (a mask
+    that keeps the surrogate unweighted); `corrected` where the weight is not the ratio itself
+    (above the cap, or outside [low, high])."""
     if config.kind in ("tis", "seq_tis"):
         return xp.minimum(ratios, config.cap), ratios > config.cap
     corrected = (ratios < config.low) | (ratios > config.high)
-    return xp.where(corrected, 0.0, ratios), corrected
+    kept = xp.ones_like(ratios) if config.kind == "seq_mask" else ratios
+    return xp.where(corrected, 0.0, kept), corrected
 
 
 def path_weights(tree: TrajectoryTree, policy_old: np.ndarray, config: OffPolicyConfig
                  ) -> list[np.ndarray]:
     """The importance weight of every token of every path (float64, 1 on untrained tokens,
     whose coefficient is 0 anyway): min(r, cap) under truncation, r inside [low, high] and 0
-    outside under masking, r the token's ratio (`tis`, `mis`) or its path's geometric mean
-    (`seq_tis`, `seq_mis`). All ones for kind `none`."""
+    outside under masking (`seq_mask`: 1 inside), r the token's ratio (`tis`, `mis`) or its
+    path's geometric mean (`seq_tis`, `seq_mis`, `seq_mask`). All ones for kind `none`.
+    `kl_mask_delta` needs each pair's advantage and is formed in the step only
+    (`jtree.objectives.off_policy`)."""
     masks = scored_masks(tree)
-    if not config.enabled:
+    if config.kl_mask_delta is not None:
+        raise ValueError("kl_mask_delta: the KL sequence mask is formed in the step "
+                         "(jtree.objectives.off_policy), not by the host fold")
+    if config.kind == "none":
         return [np.ones(m.shape) for m in masks]
     ratios = _ratios(tree, path_log_ratios(tree, policy_old), config.sequence_level)
     return [np.where(m > 0, ratio_weights(r, config)[0], 1.0) for r, m in zip(ratios, masks)]
@@ -116,7 +123,7 @@ def off_policy_metrics(trees: Sequence[TrajectoryTree], policy_olds: Sequence[np
         x = path_log_ratios(tree, policy_old)
         ratios = _ratios(tree, x, config.sequence_level)
         log_r += [xp[m] for xp, m in zip(x, masks)]
-        if config.enabled:
+        if config.kind != "none":
             corrected += [ratio_weights(r[m], config)[1] for r, m in zip(ratios, masks)]
         disagreement = max(disagreement, behavior_disagreement(tree))
     x = np.concatenate(log_r) if log_r else np.zeros(0)

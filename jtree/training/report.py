@@ -196,13 +196,15 @@ def _merged(history: list[dict[str, Any]]) -> str:
 
 def _off_policy(history: list[dict[str, Any]]) -> str:
     """The summary's account of the off-policy weights (empty without them): the engine-vs-
-    trainer KL and the corrected fraction averaged over the steps, the largest disagreement."""
+    trainer KL and the corrected and masked fractions averaged over the steps, the largest
+    disagreement."""
     if "offpolicy_kl_k3" not in history[-1]:
         return ""
     return (f"; off-policy: mean kl_k3 {np.mean([r['offpolicy_kl_k3'] for r in history]):.2e}, "
             f"corrected {np.mean([r['offpolicy_corrected_frac'] for r in history]):.1%} of "
             f"pairs, max behavior disagreement "
-            f"{max(r['offpolicy_behavior_disagreement'] for r in history):.2e}")
+            f"{max(r['offpolicy_behavior_disagreement'] for r in history):.2e}, masked "
+            f"{np.mean([r['offpolicy_masked_seq_frac'] for r in history]):.1%} of sequences")
 
 
 def _routing(history: list[dict[str, Any]]) -> str:

@@ -105,7 +105,7 @@ def check_training_trees(cfg: TrainConfig, trees: Sequence[TrajectoryTree], sour
         missing = next((i for i, t in enumerate(trees) if t.old_logprobs is None), None)
         if missing is not None:
             raise ValueError(f"{source}: tree {missing}: no old_logprobs (objective.off_policy."
-                             f"kind={cfg.objective.off_policy.kind} weighs by the engine's "
+                             f"{cfg.objective.off_policy.setting} weighs by the engine's "
                              "behavior log-probs: records' old_logprobs, traces' output_logprobs)")
     if cfg.objective.routing_replay:
         _check_replay(cfg, trees, source)

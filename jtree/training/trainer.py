@@ -293,13 +293,13 @@ def check_off_policy(cfg: TrainConfig) -> None:
     """`objective.off_policy` needs the step's (path, trained token) pairs and the trainer's old
     log-probs recomputed on the batch (`jtree.objectives.off_policy`): redundancy-free parts
     carry neither."""
-    kind = cfg.objective.off_policy.kind
-    if kind == "none":
+    if not cfg.objective.off_policy.enabled:
         return
     if cfg.run.mode == "redundancy_free":
-        raise ValueError(f"objective.off_policy.kind={kind}: not available with "
-                         "run.mode=redundancy_free (its parts run no old log-prob forward and "
-                         "carry no per-path pairs); use run.mode tree, baseline or auto")
+        raise ValueError(f"objective.off_policy.{cfg.objective.off_policy.setting}: not "
+                         "available with run.mode=redundancy_free (its parts run no old "
+                         "log-prob forward and carry no per-path pairs); use run.mode tree, "
+                         "baseline or auto")
 
 
 def make_rfree_step(cfg: TrainConfig, mesh: Mesh, graphdef: Any, optimizer: Any, *,

@@ -24,6 +24,7 @@ CONFIGS = {
     "mis": OffPolicyConfig(kind="mis", low=0.8, high=1.25),
     "seq_tis": OffPolicyConfig(kind="seq_tis", cap=1.05),
     "seq_mis": OffPolicyConfig(kind="seq_mis", low=0.9, high=1.1),
+    "seq_mask": OffPolicyConfig(kind="seq_mask", low=0.9, high=1.1),
 }
 CLIP_LOW, CLIP_HIGH = 0.1, 0.15
 
@@ -79,7 +80,7 @@ def reference_weight(kind, cfg, log_ratio, m):
     if kind.endswith("tis"):
         return np.minimum(r, cfg.cap), r > cfg.cap
     outside = (r < cfg.low) | (r > cfg.high)
-    return np.where(outside, 0.0, r), outside
+    return np.where(outside, 0.0, 1.0 if kind == "seq_mask" else r), outside
 
 
 def reference_loss(trees, logp, pi_old, normalization, kind, sequence):
@@ -151,13 +152,13 @@ def check_case(seed, normalization, kind, objective):
     assert np.linalg.norm(flat_got - flat_want) <= 1e-5 * np.linalg.norm(flat_want)
 
 
-@pytest.mark.parametrize("kind", ["tis", "mis", "seq_tis", "seq_mis"])
+@pytest.mark.parametrize("kind", ["tis", "mis", "seq_tis", "seq_mis", "seq_mask"])
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
 def test_ppo_with_off_policy_weights_equals_per_path_reference(kind, normalization):
     check_case(3, normalization, kind, "ppo")
 
 
-@pytest.mark.parametrize("kind", ["seq_tis", "seq_mis"])
+@pytest.mark.parametrize("kind", ["seq_tis", "seq_mis", "seq_mask"])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_gspo_with_off_policy_weights_equals_per_path_reference(kind, seed):
     check_case(seed, "seq_mean_token_mean", kind, "gspo")
@@ -208,6 +209,9 @@ def test_kind_none_weighs_nothing():
     rng = np.random.default_rng(0)
     tree, pi_old = engine_tree(rng, shared_mask=False)
     assert all(np.all(w == 1.0) for w in path_weights(tree, pi_old, OffPolicyConfig()))
+    with pytest.raises(ValueError, match="kl_mask_delta: the KL sequence mask is formed in "
+                                         "the step"):
+        path_weights(tree, pi_old, OffPolicyConfig(kl_mask_delta=0.1))
     with pytest.raises(ValueError, match="one old log-prob per tree token"):
         path_weights(tree, pi_old[:-1], CONFIGS["tis"])
 
@@ -221,6 +225,10 @@ def test_kind_none_weighs_nothing():
     ({"kind": "seq_mis", "low": 2.0, "high": 1.0}, "must satisfy 0 <= low < high"),
     ({"kind": "mis", "low": 0.5, "high": 2.0, "cap": 2.0}, "cap: not read by kind 'mis'"),
     ({"cap": 2.0}, "cap: not read by kind 'none'"),
+    ({"kind": "seq_mask", "low": 0.5}, "high: needed by kind 'seq_mask'"),
+    ({"kind": "seq_mask", "low": 0.5, "high": 2.0, "cap": 2.0},
+     "cap: not read by kind 'seq_mask'"),
+    ({"kl_mask_delta": -0.1}, "kl_mask_delta: -0.1 must be >= 0"),
 ])
 def test_config_errors(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -231,10 +239,15 @@ def test_objective_refuses_what_the_weights_cannot_fold_into():
     tis = OffPolicyConfig(kind="tis", cap=2.0)
     with pytest.raises(ValueError, match="'sft' has none"):
         Objective(kind="sft", off_policy=tis)
-    with pytest.raises(ValueError, match="use seq_tis or seq_mis"):
+    with pytest.raises(ValueError, match="use seq_tis, seq_mis or seq_mask"):
         Objective(kind="gspo", off_policy=tis)
     with pytest.raises(ValueError, match="with a critic"):
         Objective(kind="ppo", critic=CriticConfig(), off_policy=tis)
+    kl_mask = OffPolicyConfig(kl_mask_delta=0.01)
+    assert kl_mask.enabled
+    Objective(kind="gspo", off_policy=kl_mask)  # a per-path mask: no token ratio to refuse
+    with pytest.raises(ValueError, match="off_policy.kl_mask_delta=0.01 weighs a policy-gradient"):
+        Objective(kind="sft", off_policy=kl_mask)
     read = from_dict(Objective, {"kind": "gspo", "off_policy": {"kind": "seq_mis", "low": 0.5,
                                                                  "high": 2.0}})
     assert read.off_policy == OffPolicyConfig(kind="seq_mis", low=0.5, high=2.0)

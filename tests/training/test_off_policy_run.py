@@ -46,6 +46,20 @@ OBJECTIVES = {
                               normalization="seq_mean_token_sum",
                               off_policy=OffPolicyConfig(kind="seq_tis", cap=1.02)),
 }
+# The sequence masks: the geometric-mean ratio mask, DeepSeek-V3.2's KL mask, alone and on top
+# of a weighting kind.
+MASKS = {
+    "ppo_seq_mask": Objective(kind="ppo", clip_low=CLIP, clip_high=CLIP,
+                              off_policy=OffPolicyConfig(kind="seq_mask", low=0.99, high=1.01)),
+    "gspo_seq_mask": Objective(kind="gspo", clip_low=CLIP, clip_high=CLIP,
+                               off_policy=OffPolicyConfig(kind="seq_mask", low=0.99, high=1.01)),
+    "ppo_kl_mask": Objective(kind="ppo", clip_low=CLIP, clip_high=CLIP,
+                             normalization="seq_mean_token_sum",
+                             off_policy=OffPolicyConfig(kl_mask_delta=0.005)),
+    "gspo_seq_tis_kl_mask": Objective(kind="gspo", clip_low=CLIP, clip_high=CLIP,
+                                      off_policy=OffPolicyConfig(kind="seq_tis", cap=1.02,
+                                                                 kl_mask_delta=0.005)),
+}
 SEQ_LEN = 32  # a tree larger than this is split into capacity parts in tree mode
 
 
@@ -127,7 +141,9 @@ def make_trees(rng: np.random.Generator, shared_masks: bool) -> list[TrajectoryT
 
 def reference(trees: list[TrajectoryTree], objective: Objective):
     """Per-path loss, gradients and metrics, from the paths alone: every path run by itself,
-    pi_old its own forward under the old parameters; c[p,t] by the normalization's formula."""
+    pi_old its own forward under the old parameters; c[p,t] by the normalization's formula;
+    the sequence masks from each path's own mean over its trained tokens. Also which paths
+    (in `trees`' order) a mask drops any term of."""
     graphdef, params, old_params = model()
     flat = [(t, p) for t in trees for p in range(t.n_paths)]
     tokens = [t.path_tokens(p) for t, p in flat]
@@ -156,11 +172,19 @@ def reference(trees: list[TrajectoryTree], objective: Objective):
     cfg = objective.off_policy
     r = jnp.exp(x) if not cfg.sequence_level else \
         jnp.broadcast_to(jnp.exp(x.sum(1, keepdims=True) / jnp.maximum(n, 1)), x.shape)
-    if cfg.kind.endswith("tis"):
+    if cfg.kind == "none":
+        weight, corrected = jnp.ones_like(r), jnp.zeros(r.shape, bool)
+    elif cfg.kind.endswith("tis"):
         weight, corrected = jnp.minimum(r, cfg.cap), r > cfg.cap
     else:
         corrected = (r < cfg.low) | (r > cfg.high)
-        weight = jnp.where(corrected, 0.0, r)
+        weight = jnp.where(corrected, 0.0, 1.0 if cfg.kind == "seq_mask" else r)
+    masked = corrected if cfg.kind in ("mis", "seq_mis", "seq_mask") else \
+        jnp.zeros(r.shape, bool)
+    if cfg.kl_mask_delta is not None:  # DeepSeek-V3.2: mean over the path of mu - pi_old
+        kl = jnp.sum(m * (mu - pi_old), 1, keepdims=True) / jnp.maximum(n, 1)
+        dropped = (m > 0) & (a < 0) & (kl > cfg.kl_mask_delta)
+        weight, masked = jnp.where(dropped, 0.0, weight), masked | dropped
 
     def loss(p):
         logp = path_logprobs(graphdef, p, inputs)
@@ -170,15 +194,17 @@ def reference(trees: list[TrajectoryTree], objective: Objective):
             return -jnp.sum(c * weight * jnp.minimum(rho * a, clipped * a))
         s = jnp.exp(jnp.sum(m * (logp - pi_old), 1) / jnp.maximum(n[:, 0], 1))
         clipped = jnp.clip(s, 1 - CLIP, 1 + CLIP)
-        cp, ap, wp = c.sum(1), a[:, 0], weight[:, 0]  # one advantage and weight per path
-        return -jnp.sum(cp * wp * jnp.minimum(s * ap, clipped * ap))
+        cwp, ap = jnp.sum(c * weight, 1), a[:, 0]  # one advantage per path
+        return -jnp.sum(cwp * jnp.minimum(s * ap, clipped * ap))
 
     value, grads = jax.value_and_grad(loss)(params)
     live = np.asarray(m) > 0
     xs = np.asarray(x, np.float64)[live]
     metrics = {"offpolicy_kl_k1": np.mean(-xs), "offpolicy_kl_k3": np.mean(np.expm1(xs) - xs),
                "offpolicy_corrected_frac": np.asarray(corrected)[live].mean()}
-    return float(value), grads, metrics, float(jnp.sum(jnp.abs(c * a)))
+    path_masked = np.any(np.asarray(masked) & live, axis=1)
+    metrics["offpolicy_masked_seq_frac"] = path_masked[live.any(1)].mean()
+    return float(value), grads, metrics, float(jnp.sum(jnp.abs(c * a))), path_masked
 
 
 def run_step(trees: list[TrajectoryTree], objective: Objective, mode: str):
@@ -210,16 +236,11 @@ def grad_fn(graphdef, objective: Objective):
     return jax.jit(make_grad_fn(graphdef, objective))
 
 
-@pytest.mark.parametrize("case", list(OBJECTIVES))
-def test_run_step_with_off_policy_weights_equals_per_path_reference(case):
+def assert_step_equals(trees: list[TrajectoryTree], objective: Objective, want) -> None:
     """Loss, every gradient and the metrics of the run's step, in tree mode (a tree split into
-    parts) and baseline mode, equal the per-path reference; the weights really truncate or
-    mask some pairs and not others, and paths really disagree on shared tokens' mu."""
-    objective = OBJECTIVES[case]
-    trees = make_trees(np.random.default_rng(3), shared_masks=objective.kind == "gspo")
-    assert branching(trees)
-    want_loss, want_grads, want_metrics, scale = reference(trees, objective)
-    assert 0.05 < want_metrics["offpolicy_corrected_frac"] < 0.95
+    parts) and baseline mode, equal the per-path reference `want`; paths really disagree on
+    shared tokens' mu."""
+    want_loss, want_grads, want_metrics, scale, _ = want
     for mode in ("tree", "baseline"):
         loss, metrics, grads, info = run_step(trees, objective, mode)
         assert abs(loss - want_loss) <= 1e-5 * max(abs(want_loss), scale), (mode, loss, want_loss)
@@ -231,20 +252,62 @@ def test_run_step_with_off_policy_weights_equals_per_path_reference(case):
             assert 0 < metrics["clip_frac"] < 1  # the PPO clip acts too
 
 
+@pytest.mark.parametrize("case", list(OBJECTIVES))
+def test_run_step_with_off_policy_weights_equals_per_path_reference(case):
+    """The run's step equals the per-path reference; the weights really truncate or mask some
+    pairs and not others."""
+    objective = OBJECTIVES[case]
+    trees = make_trees(np.random.default_rng(3), shared_masks=objective.kind == "gspo")
+    assert branching(trees)
+    want = reference(trees, objective)
+    assert 0.05 < want[2]["offpolicy_corrected_frac"] < 0.95
+    assert_step_equals(trees, objective, want)
+
+
+def masked_beside_kept(trees: list[TrajectoryTree], path_masked: np.ndarray) -> bool:
+    """Whether some tree token is trained by a path a mask drops and by a path it keeps: the
+    mask is per path, so that shared token keeps the kept path's term."""
+    i = 0
+    for tree in trees:
+        by = {True: set(), False: set()}
+        for p in range(tree.n_paths):
+            trained = tree.path_token_index(p)[np.asarray(tree.loss_masks[p]) > 0]
+            by[bool(path_masked[i])].update(trained[trained > 0].tolist())
+            i += 1
+        if by[True] & by[False]:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("case", list(MASKS))
+def test_run_step_with_sequence_masks_equals_per_path_reference(case):
+    """The sequence masks (docs/rl.md, "Sequence masks") in the run's step equal the per-path
+    reference, each path run alone with its mask from its own tokens; the masks drop some paths
+    and keep others, including paths that share trained tokens with a dropped one."""
+    objective = MASKS[case]
+    trees = make_trees(np.random.default_rng(3), shared_masks=objective.kind == "gspo")
+    assert branching(trees)
+    want = reference(trees, objective)
+    assert 0.05 < want[2]["offpolicy_masked_seq_frac"] < 0.95
+    assert masked_beside_kept(trees, want[4])
+    assert_step_equals(trees, objective, want)
+
+
 def test_step_records_and_the_summary_carry_the_metrics():
     """The step's device metrics and the host's behavior disagreement go into the step's
     record; the summary gives their means over the steps and the largest disagreement."""
     info = {"n_trees": 2, "n_tree_tokens": 10, "n_flat_tokens": 20, "n_computed_tokens": 10,
             "n_pruned_tokens": 0, "offpolicy_behavior_disagreement": np.float64(0.25)}
     history = [step_record(k, {"loss": 1.0, "grad_norm": 1.0, "offpolicy_kl_k1": 0.1,
-                               "offpolicy_kl_k3": 0.02 * (k + 1), "offpolicy_corrected_frac": 0.5},
+                               "offpolicy_kl_k3": 0.02 * (k + 1), "offpolicy_corrected_frac": 0.5,
+                               "offpolicy_masked_seq_frac": 0.25},
                            dict(info, offpolicy_behavior_disagreement=0.25 * (k + 1)), 0.1, 0.1,
                            Compiles(), 1e-3) for k in range(2)]
     assert history[1]["offpolicy_behavior_disagreement"] == 0.5
     assert history[0]["offpolicy_kl_k3"] == 0.02
     line = summary(history, 1.0, 0, None)
     assert ("off-policy: mean kl_k3 3.00e-02, corrected 50.0% of pairs, max behavior "
-            "disagreement 5.00e-01") in line
+            "disagreement 5.00e-01, masked 25.0% of sequences") in line
     plain = {k: v for k, v in history[0].items() if not k.startswith("offpolicy")}
     assert "off-policy" not in summary([plain], 1.0, 0, None)
 
@@ -252,7 +315,8 @@ def test_step_records_and_the_summary_carry_the_metrics():
 @pytest.mark.slow
 def test_a_run_trains_with_the_weights_and_logs_their_metrics(tmp_path, capsys):
     """`objective.off_policy` in a run: pi_old recomputed every step (the data's old log-probs
-    are mu), the weights' metrics in each step's record and in the summary."""
+    are mu), the weights' and the KL sequence mask's metrics in each step's record and in the
+    summary."""
     data = tmp_path / "trees.jsonl"
     write_trees(data, make_trees(np.random.default_rng(5), shared_masks=False))
     metrics = tmp_path / "metrics.jsonl"
@@ -260,14 +324,16 @@ def test_a_run_trains_with_the_weights_and_logs_their_metrics(tmp_path, capsys):
         "data.format": "trees", "data.seq_len": SEQ_LEN, "data.trees_per_step": 2,
         "run.steps": 2, "run.metrics_jsonl": metrics, "objective.kind": "ppo",
         "objective.old_logprob_tolerance": 10.0, "objective.off_policy.kind": "tis",
-        "objective.off_policy.cap": 1.05}))
+        "objective.off_policy.cap": 1.05, "objective.off_policy.kl_mask_delta": 0.0}))
     train(cfg)
     records = read_metrics(metrics)
     assert len(records) == 2
     for r in records:
         assert r["offpolicy_kl_k3"] > 0 and 0 < r["offpolicy_corrected_frac"] < 1
         assert np.isfinite(r["offpolicy_kl_k1"]) and r["offpolicy_behavior_disagreement"] > 0
-    assert "off-policy: mean kl_k3" in capsys.readouterr().out
+        assert 0 <= r["offpolicy_masked_seq_frac"] <= 1
+    out = capsys.readouterr().out
+    assert "off-policy: mean kl_k3" in out and "of sequences" in out
 
 
 def test_runs_refuse_what_cannot_take_the_weights(tmp_path):
@@ -280,6 +346,11 @@ def test_runs_refuse_what_cannot_take_the_weights(tmp_path):
     with pytest.raises(ValueError, match="objective.off_policy.kind=tis: not available with "
                                          "run.mode=redundancy_free"):
         check_off_policy(load_config("configs/tiny.yaml", [*base, "run.mode=redundancy_free"]))
+    kl_mask = ["objective.kind=ppo", "objective.off_policy.kl_mask_delta=0.01"]
+    assert load_config("configs/tiny.yaml", kl_mask).objective.off_policy.kl_mask_delta == 0.01
+    with pytest.raises(ValueError, match="objective.off_policy.kl_mask_delta=0.01: not "
+                                         "available with run.mode=redundancy_free"):
+        check_off_policy(load_config("configs/tiny.yaml", [*kl_mask, "run.mode=redundancy_free"]))
     data = tmp_path / "trees.jsonl"
     data.write_text(json.dumps({"parents": [-1], "segments": [[1, 2, 3]], "paths": [
         {"node": 0, "loss_mask": [0, 1, 1], "advantage": 1.0}]}) + "\n")
