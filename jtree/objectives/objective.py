@@ -98,7 +98,8 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
     """`objective_loss` from final hidden states: token i is scored by row `pred[i]` of `hidden`
     (a part of a partitioned tree puts the hidden state of the token above it first). With
     `context_axis`, `hidden` is this device's slice of the row and the states of other devices
-    that its tokens are scored by come through the halo (`jtree.parallel.context.scoring_view`)."""
+    that its tokens are scored by come through the halo (`jtree.parallel.context.scoring_view`).
+    Log-probs and entropies are at `objective.temperature` (`jtree.objectives.logprobs`)."""
     want_entropy = objective.kind != "sft" and objective.entropy_coef != 0
     coefficients = inputs.coefficients
     score_index = inputs.score_index
@@ -109,7 +110,7 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
         logp, entropy = scored_logprobs(
             hidden, w_out, inputs.tokens, pred,
             score_index, chunk=objective.logprob_chunk, with_entropy=want_entropy,
-            vocab_axis=vocab_axis,
+            vocab_axis=vocab_axis, temperature=objective.temperature,
         )
         if objective.kind == "gspo":  # path sums run over the layout: the scored values at [.., S]
             logp, entropy = (None if x is None else
@@ -121,6 +122,7 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
         logp, entropy = logprobs_from_hidden(
             hidden, w_out, inputs.tokens, pred,
             chunk=objective.logprob_chunk, with_entropy=want_entropy, vocab_axis=vocab_axis,
+            temperature=objective.temperature,
         )
     if objective.kind == "sft":
         loss = sft_loss(logp, coefficients)

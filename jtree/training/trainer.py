@@ -134,14 +134,15 @@ class Trainer:
         step = make_train_step(graphdef, optimizer, cfg.objective, grad_fn=grad_fn)
         replicated = NamedSharding(mesh, P())
         step_fn = jax.jit(step, out_shardings=(shardings, replicated), donate_argnums=0)
-        chunk = cfg.objective.logprob_chunk
-        logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, step_specs, chunk))
+        chunk, temperature = cfg.objective.logprob_chunk, cfg.objective.temperature
+        logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, step_specs, chunk,
+                                                     temperature))
         ref_logprob_fn = None
         if cfg.objective.reference is not None:  # the policy alone, without the critic
             policy = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime))
             ref_specs = policy_params(model_specs)
             ref_logprob_fn = jax.jit(make_sharded_logprob_fn(
-                sharded_graphdef(policy, ref_specs, mesh), mesh, ref_specs, chunk))
+                sharded_graphdef(policy, ref_specs, mesh), mesh, ref_specs, chunk, temperature))
 
         def init() -> TrainState:
             params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed,
