@@ -164,6 +164,12 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
     data, `initial` runs the run's starting weights and a directory runs that Hugging Face
     checkpoint, on each step's batch (`jtree.training.trainer`; docs/training.md).
 
+    `temperature`: the rollout engine's sampling temperature T. The RL objectives' log-probs,
+    ratios, KL and entropy are those of softmax(logits / T), the distribution the engine sampled
+    from and (set to report processed log-probs) scored; with T != 1 the raw softmax would put
+    every ratio off by the tempering (docs/rl.md, "Sampling temperature"). SFT refuses T != 1:
+    its NLL fits the model's own distribution, which sampling settings do not change.
+
     `routing_replay`: MoE layers use the rollout engine's expert choice per token (the traces'
     `routed_experts`) instead of their own top-k (docs/rl.md, "Routing replay"); off by default,
     checked against the model, data format and mode in `jtree.config.run.TrainConfig`
@@ -179,6 +185,7 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
     kl_coef: float = within(NON_NEGATIVE, 0.0)
     entropy_coef: float = within(NON_NEGATIVE, 0.0)
     logprob_chunk: int = within(AT_LEAST_ONE, 1024)
+    temperature: float = within(POSITIVE, 1.0)
     old_logprob_tolerance: float = within(NON_NEGATIVE, 1e-3)
     reference: str | None = None
     off_policy: OffPolicyConfig = OffPolicyConfig()
@@ -187,6 +194,9 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
     def __post_init__(self) -> None:
         check_domains(self)
         self._check_off_policy()
+        if self.kind == "sft" and self.temperature != 1.0:
+            raise ValueError(f"temperature: {self.temperature} tempers the log-probs of the RL "
+                             "objectives; sft fits the model's own distribution (leave it 1)")
         if self.critic is not None and self.kind != "ppo":
             raise ValueError(f"critic: needs kind 'ppo', not {self.kind!r}")
         if self.critic is not None and self.advantage != "given":

@@ -14,6 +14,11 @@ or the backward.
 Vocab-parallel (`vocab_axis`, inside `shard_map`): `w_out` holds this device's contiguous slice of
 the vocabulary columns; the log-sum-exp combines per-device sums under a shared max, and the target
 logit is taken on the device that owns the token and summed over the axis.
+
+Temperature T (`objective.temperature`): every logit is divided by T before the log-softmax, so the
+log-probs and entropies are those of the tempered distribution a rollout engine sampled from and
+reports (docs/rl.md, "Sampling temperature"). The division happens on the float32 logits (and
+target logits), so T = 1 leaves every value bit for bit as it was.
 """
 
 from __future__ import annotations
@@ -45,6 +50,13 @@ def _chunked(x: jax.Array, chunk: int) -> jax.Array:
     return jnp.pad(x, pad).reshape(n_chunks, size, *x.shape[1:])
 
 
+def _logits(h: jax.Array, w_out: jax.Array, temperature: float) -> jax.Array:
+    """The tempered logits h @ w_out / T, accumulated in float32 (or wider) so that dividing by T
+    costs no precision."""
+    logits = jnp.dot(h, w_out, preferred_element_type=accumulation_dtype(h.dtype, w_out.dtype))
+    return logits / temperature
+
+
 def _logsumexp_entropy(logits: jax.Array, with_entropy: bool, vocab_axis: str | None
                        ) -> tuple[jax.Array, jax.Array]:
     """log-sum-exp of each row of `logits` [n, V] (V this device's slice of the vocabulary when
@@ -64,16 +76,15 @@ def _logsumexp_entropy(logits: jax.Array, with_entropy: bool, vocab_axis: str | 
 
 
 def _row_logsumexp(h: jax.Array, w_out: jax.Array, chunk: int, with_entropy: bool,
-                   vocab_axis: str | None):
-    """log-sum-exp (and entropy) of the logits of each row of h [N, d], chunk rows at a time."""
+                   vocab_axis: str | None, temperature: float):
+    """log-sum-exp (and entropy) of the tempered logits of each row of h [N, d], chunk rows at a
+    time."""
     n = h.shape[0]
     padded = _chunked(h, chunk)
 
     @jax.checkpoint
     def one(hc: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = jnp.dot(hc, w_out,
-                         preferred_element_type=accumulation_dtype(hc.dtype, w_out.dtype))
-        return _logsumexp_entropy(logits, with_entropy, vocab_axis)
+        return _logsumexp_entropy(_logits(hc, w_out, temperature), with_entropy, vocab_axis)
 
     lse, ent = jax.lax.map(one, padded)
     return lse.reshape(-1)[:n], ent.reshape(-1)[:n]
@@ -88,11 +99,14 @@ def logprobs_from_hidden(
     chunk: int = DEFAULT_CHUNK,
     with_entropy: bool = False,
     vocab_axis: str | None = None,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, jax.Array | None]:
     """log p(tokens | path context) [rows, S] (0 where pred < 0), and optionally the entropy of
-    the distribution that scores each token. `vocab_axis`: see the module docstring."""
+    the distribution that scores each token, both at `temperature`. `vocab_axis`: see the module
+    docstring."""
     rows, s, d = hidden.shape
-    lse, ent = _row_logsumexp(hidden.reshape(rows * s, d), w_out, chunk, with_entropy, vocab_axis)
+    lse, ent = _row_logsumexp(hidden.reshape(rows * s, d), w_out, chunk, with_entropy, vocab_axis,
+                              temperature)
     lse, ent = lse.reshape(rows, s), ent.reshape(rows, s)
     has_pred = pred >= 0
     src = jnp.where(has_pred, pred, 0)
@@ -101,6 +115,7 @@ def logprobs_from_hidden(
         "rsd,rsd->rs", h_src, _target_columns(w_out, tokens, vocab_axis),
         preferred_element_type=accumulation_dtype(hidden.dtype, w_out.dtype),
     )
+    target = target / temperature
     if vocab_axis is not None:
         target = jax.lax.psum(target, vocab_axis)
     logp = jnp.where(has_pred, target - jnp.take_along_axis(lse, src, axis=1), 0.0)
@@ -118,10 +133,12 @@ def scored_logprobs(
     chunk: int = DEFAULT_CHUNK,
     with_entropy: bool = False,
     vocab_axis: str | None = None,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, jax.Array | None]:
     """log p of the tokens at `score_index` [rows, K] (row-local positions, -1 = empty slot):
     [rows, K] float32, 0 on empty slots and for tokens without a scoring row; optionally their
-    entropies. Same values as `logprobs_from_hidden` gathered at `score_index`."""
+    entropies; both at `temperature`. Same values as `logprobs_from_hidden` gathered at
+    `score_index`."""
     rows, s, d = hidden.shape
     k = score_index.shape[1]
     at = jnp.where(score_index >= 0, score_index, 0)
@@ -135,8 +152,7 @@ def scored_logprobs(
     @jax.checkpoint
     def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         hc, tc = args
-        logits = jnp.dot(hc, w_out,
-                         preferred_element_type=accumulation_dtype(hc.dtype, w_out.dtype))
+        logits = _logits(hc, w_out, temperature)
         lse, ent = _logsumexp_entropy(logits, with_entropy, vocab_axis)
         if vocab_axis is None:
             target = jnp.take_along_axis(logits, tc[:, None], axis=1)[:, 0]
@@ -172,8 +188,10 @@ def token_logprobs(
     chunk: int = DEFAULT_CHUNK,
     with_entropy: bool = False,
     vocab_axis: str | None = None,
+    temperature: float = 1.0,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """For every token of `inputs`, log p(token | its path context): a [rows, S] float32 array.
+    """For every token of `inputs`, log p(token | its path context) at `temperature`: a
+    [rows, S] float32 array.
 
     Positions with no scoring row (a sequence's first token, padding) hold 0. With
     `with_entropy=True` also returns the entropy of each token's predictive distribution. Under
@@ -186,6 +204,6 @@ def token_logprobs(
                                        model.runtime.context_axis)
     logp, entropy = logprobs_from_hidden(
         hidden, model.output_embedding(), inputs.tokens, pred, chunk=chunk,
-        with_entropy=with_entropy, vocab_axis=vocab_axis,
+        with_entropy=with_entropy, vocab_axis=vocab_axis, temperature=temperature,
     )
     return (logp, entropy) if with_entropy else logp

@@ -98,7 +98,8 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
     """`objective_loss` from final hidden states: token i is scored by row `pred[i]` of `hidden`
     (a part of a partitioned tree puts the hidden state of the token above it first). With
     `context_axis`, `hidden` is this device's slice of the row and the states of other devices
-    that its tokens are scored by come through the halo (`jtree.parallel.context.scoring_view`)."""
+    that its tokens are scored by come through the halo (`jtree.parallel.context.scoring_view`).
+    Log-probs and entropies are at `objective.temperature` (`jtree.objectives.logprobs`)."""
     want_entropy = objective.kind != "sft" and objective.entropy_coef != 0
     coefficients = inputs.coefficients
     score_index = inputs.score_index
@@ -109,7 +110,7 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
         logp, entropy = scored_logprobs(
             hidden, w_out, inputs.tokens, pred,
             score_index, chunk=objective.logprob_chunk, with_entropy=want_entropy,
-            vocab_axis=vocab_axis,
+            vocab_axis=vocab_axis, temperature=objective.temperature,
         )
         if objective.kind == "gspo":  # path sums run over the layout: the scored values at [.., S]
             logp, entropy = (None if x is None else
@@ -121,6 +122,7 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
         logp, entropy = logprobs_from_hidden(
             hidden, w_out, inputs.tokens, pred,
             chunk=objective.logprob_chunk, with_entropy=want_entropy, vocab_axis=vocab_axis,
+            temperature=objective.temperature,
         )
     if objective.kind == "sft":
         loss = sft_loss(logp, coefficients)
@@ -136,8 +138,22 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
             loss, metrics = ppo_loss(logp, coefficients, **rl)
             pos, neg = coefficients.adv_pos, coefficients.adv_neg
         abs_adv = jnp.sum(jnp.abs(pos) + jnp.abs(neg))
-        metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv)
+        metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv,
+                       **logprob_gap_sums(logp, coefficients.old_logprobs, coefficients.weight))
     return loss + aux_loss, dict(metrics, aux_loss=aux_loss)
+
+
+def logprob_gap_sums(logp: jax.Array, old_logprobs: jax.Array, weight: jax.Array
+                     ) -> dict[str, jax.Array]:
+    """|trainer - engine| log-prob summed over the trained tokens (weight > 0), and their count
+    (`finish_metrics` makes it the mean `engine_logprob_gap`). On on-policy data the old
+    log-probs are the engine's, and before the step's update the trainer's are those of the same
+    policy: a gap far above numerical noise means the engine scored another distribution (a
+    sampling temperature other than `objective.temperature`, or raw instead of processed
+    log-probs; docs/rl.md, "Sampling temperature")."""
+    trained = weight > 0
+    return {"engine_logprob_gap": jnp.sum(jnp.where(trained, jnp.abs(logp - old_logprobs), 0.0)),
+            "engine_gap_tokens": jnp.sum(trained.astype(jnp.float32))}
 
 
 def path_level_loss(logp: jax.Array, coefficients: LossCoefficients, end: jax.Array,
@@ -193,8 +209,13 @@ def normalize_coefficients(inputs: DeviceBatch, data_axes: Sequence[str] = ()) -
 
 def finish_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Turn summed metrics into reported ones (the clip fraction as a ratio of sums, the
-    off-policy metrics as means over pairs)."""
+    off-policy metrics as means over pairs, the engine log-prob gap as a mean over trained
+    tokens)."""
     metrics = finish_off_policy_metrics(metrics)
+    if "engine_gap_tokens" in metrics:
+        metrics = dict(metrics)
+        n = jnp.maximum(metrics.pop("engine_gap_tokens"), 1.0)
+        metrics["engine_logprob_gap"] = metrics["engine_logprob_gap"] / n
     if "clipped_adv" not in metrics:
         return metrics
     metrics = dict(metrics)

@@ -187,28 +187,33 @@ def make_train_step(
     return step
 
 
-def make_logprob_fn(graphdef: nnx.GraphDef, chunk: int = 1024
+def make_logprob_fn(graphdef: nnx.GraphDef, chunk: int = 1024, temperature: float = 1.0
                     ) -> Callable[[Any, DeviceBatch], jax.Array]:
-    """(params, inputs [rows, S]) -> token log-probs [rows, S]; no gradient, for old/ref policies."""
+    """(params, inputs [rows, S]) -> token log-probs [rows, S] at `temperature` (the objective's,
+    so they compare with the loss's); no gradient, for old/ref policies."""
 
     def fn(params: Any, inputs: DeviceBatch) -> jax.Array:
         model = nnx.merge(graphdef, model_params(params))
-        return jax.lax.stop_gradient(token_logprobs(model, inputs, chunk=chunk))
+        return jax.lax.stop_gradient(token_logprobs(model, inputs, chunk=chunk,
+                                                    temperature=temperature))
 
     return fn
 
 
 def make_sharded_logprob_fn(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, specs: Any,
-                            chunk: int = 1024) -> Callable[[Any, DeviceBatch], jax.Array]:
-    """(params, inputs [M, rows, S]) -> token log-probs [M, rows, S] over the mesh, no gradient
-    (old/reference policies, equivalence checks). `graphdef` is `sharded_graphdef`'s."""
+                            chunk: int = 1024, temperature: float = 1.0
+                            ) -> Callable[[Any, DeviceBatch], jax.Array]:
+    """(params, inputs [M, rows, S]) -> token log-probs [M, rows, S] at `temperature` over the
+    mesh, no gradient (old/reference policies, equivalence checks). `graphdef` is
+    `sharded_graphdef`'s."""
 
     def local(params: Any, inputs: DeviceBatch) -> jax.Array:
         # The model is merged inside the map's body: an FSDP layer's gather runs under
         # `nnx.remat`, which cannot update variables created outside the trace it runs in.
         def one(x: DeviceBatch) -> jax.Array:
             model = merged_model(graphdef, model_params(params))
-            return token_logprobs(model, x, chunk=chunk, vocab_axis=MODEL)
+            return token_logprobs(model, x, chunk=chunk, vocab_axis=MODEL,
+                                  temperature=temperature)
 
         return jax.lax.map(one, inputs)
 

@@ -136,6 +136,7 @@ class OnlineTrainer:
             t1, before = time.perf_counter(), self.compile_watch.total
             step = self.steps_done
             self.state, metrics = trainer.train_on(self.state, inputs, old_logprobs_stale=stale,
+                                                   engine_logprobs=bool(info["has_old_logprobs"]),
                                                    reference=self.reference)
             metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
             device_s = time.perf_counter() - t1

@@ -260,6 +260,7 @@ class TrainingRun:
             inputs = to_global(trainer.mesh, element["inputs"], len(self.shards))
             t1, before = time.perf_counter(), self.compile_watch.total
             state, metrics = trainer.train_on(state, inputs, old_logprobs_stale=stale,
+                                              engine_logprobs=bool(info["has_old_logprobs"]),
                                               reference=self.reference)
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
         device_s = time.perf_counter() - t1

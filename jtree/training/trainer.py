@@ -25,6 +25,7 @@ from jtree.layout.batch import DeviceBatch
 from jtree.layout.planner import check_row_slices, check_steps_per_octave
 from jtree.models import create_model
 from jtree.models.lora import lora_specs, model_params, trainable, trainable_grads, with_lora
+from jtree.objectives.objective import finish_metrics, logprob_gap_sums
 from jtree.parallel.context import (
     ContextCapacities,
     agreed,
@@ -61,6 +62,12 @@ from jtree.training.run_data import (
     rfree_capacity,
     to_global,
 )
+
+
+@jax.jit
+def _engine_gap(trainer: jax.Array, engine: jax.Array, weight: jax.Array) -> jax.Array:
+    """The mean |trainer - engine| log-prob over the trained tokens of a whole step's inputs."""
+    return finish_metrics(logprob_gap_sums(trainer, engine, weight))["engine_logprob_gap"]
 
 
 @dataclasses.dataclass
@@ -134,14 +141,15 @@ class Trainer:
         step = make_train_step(graphdef, optimizer, cfg.objective, grad_fn=grad_fn)
         replicated = NamedSharding(mesh, P())
         step_fn = jax.jit(step, out_shardings=(shardings, replicated), donate_argnums=0)
-        chunk = cfg.objective.logprob_chunk
-        logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, step_specs, chunk))
+        chunk, temperature = cfg.objective.logprob_chunk, cfg.objective.temperature
+        logprob_fn = jax.jit(make_sharded_logprob_fn(graphdef, mesh, step_specs, chunk,
+                                                     temperature))
         ref_logprob_fn = None
         if cfg.objective.reference is not None:  # the policy alone, without the critic
             policy = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime))
             ref_specs = policy_params(model_specs)
             ref_logprob_fn = jax.jit(make_sharded_logprob_fn(
-                sharded_graphdef(policy, ref_specs, mesh), mesh, ref_specs, chunk))
+                sharded_graphdef(policy, ref_specs, mesh), mesh, ref_specs, chunk, temperature))
 
         def init() -> TrainState:
             params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed,
@@ -179,16 +187,31 @@ class Trainer:
         return to_global(self.mesh, self.laid_out(local), n_local_shards)
 
     def train_on(self, state: TrainState, inputs: DeviceBatch, *, old_logprobs_stale: bool,
-                 reference: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
+                 engine_logprobs: bool, reference: Any = None
+                 ) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on placed `inputs`, with the forwards it needs first: the old
         log-probs from the current parameters when the batch's are missing or stale
         (`jtree.step.batches.old_logprobs_stale`), and the reference model's log-probs for the KL
-        term when `reference` (its parameters, `reference_params`) is given."""
+        term when `reference` (its parameters, `reference_params`) is given.
+
+        `engine_logprobs`: whether the batch's old log-probs are the rollout engine's. The RL
+        metric `engine_logprob_gap` compares them with the trainer's: the step's own when it
+        trains on them, the recomputed ones when they are stale; without them it is left out."""
+        gap = None
         if old_logprobs_stale:
-            inputs = inputs.with_coefficients(old_logprobs=self.logprob_fn(state.params, inputs))
+            recomputed = self.logprob_fn(state.params, inputs)
+            if engine_logprobs:
+                c = inputs.coefficients
+                gap = _engine_gap(recomputed, c.old_logprobs, c.weight)
+            inputs = inputs.with_coefficients(old_logprobs=recomputed)
         if reference is not None:
             inputs = inputs.with_coefficients(ref_logprobs=self.ref_logprob_fn(reference, inputs))
-        return self.step_fn(state, inputs)
+        state, metrics = self.step_fn(state, inputs)
+        if "engine_logprob_gap" in metrics and old_logprobs_stale:
+            metrics = {k: v for k, v in metrics.items() if k != "engine_logprob_gap"}
+            if gap is not None:
+                metrics["engine_logprob_gap"] = gap
+        return state, metrics
 
     def initial_state(self) -> TrainState:
         """A fresh TrainState: random init, or the weights of `model.init_from` (and of a

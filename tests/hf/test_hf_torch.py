@@ -62,20 +62,25 @@ def test_logits_on_single_sequences_match_transformers(checkpoint):
         np.testing.assert_allclose(logits, expected, atol=TOL, rtol=0)
 
 
-def test_tree_logprobs_equal_transformers_per_path(checkpoint):
+@pytest.mark.parametrize("temperature,chunk", [(1.0, 1024), (0.7, 1024), (0.7, 8)],
+                         ids=["T=1", "T=0.7", "T=0.7-chunked"])
+def test_tree_logprobs_equal_transformers_per_path(checkpoint, temperature, chunk):
+    """Tree log-probs at `objective.temperature` T are log_softmax(logits / T) of each path run
+    alone in transformers, also when the log-sum-exp runs in several chunks."""
     _, ref, _, model = checkpoint
     trees = one_row_forests(VOCAB)
     batch = linearize(trees, 128)
     assert batch.shape[0] == 1  # several trees share the row
-    ours = unlinearize(batch, np.asarray(token_logprobs(model, batch.inputs)))
+    ours = unlinearize(batch, np.asarray(token_logprobs(model, batch.inputs, chunk=chunk,
+                                                        temperature=temperature)))
     for tree, tree_logp in zip(trees, ours):
         for p in range(tree.n_paths):
             tokens = tree.path_tokens(p)
             logits = torch.as_tensor(torch_logits(ref, tokens))
-            expected = torch.log_softmax(logits[:-1], -1).gather(
+            expected = torch.log_softmax(logits[:-1] / temperature, -1).gather(
                 1, torch.as_tensor(tokens[1:, None], dtype=torch.int64))[:, 0].numpy()
             assert tree_logp[p][0] == 0.0
-            np.testing.assert_allclose(tree_logp[p][1:], expected, atol=TOL, rtol=0)
+            np.testing.assert_allclose(tree_logp[p][1:], expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("normalization", ["seq_mean_token_mean", "token_mean"])

@@ -144,3 +144,42 @@ def test_chunks_are_balanced_and_bounded(n, chunk):
     assert n_chunks * size - n <= 8 * n_chunks
     np.testing.assert_array_equal(out.reshape(-1, 1)[:n], x)
     assert not np.asarray(out.reshape(-1)[n:]).any()
+
+
+@pytest.mark.parametrize("chunk", [4, 1024])
+def test_logprobs_at_a_temperature_are_those_of_the_tempered_logits(chunk):
+    """At temperature T every path (all tokens, scored tokens, the vocabulary split over a
+    'model' axis) gives log_softmax(h @ w / T) of the scoring row and the entropy of that
+    softmax, formed here from the logits."""
+    t = 0.7
+    h, w, tokens, pred, index = _scored_case(3)
+    logp = jax.nn.log_softmax(jnp.einsum("rsd,dv->rsv", h, w) / t, axis=-1)
+    src = jnp.maximum(pred, 0)
+    row_logp = jnp.take_along_axis(logp, src[..., None], axis=1)
+    want = jnp.where(pred >= 0, jnp.take_along_axis(row_logp, tokens[..., None], axis=2)[..., 0],
+                     0.0)
+    want_ent = jnp.where(pred >= 0, -jnp.sum(jnp.exp(row_logp) * row_logp, axis=-1), 0.0)
+    got, ent = logprobs_from_hidden(h, w, tokens, pred, chunk=chunk, with_entropy=True,
+                                    temperature=t)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=2e-5)
+
+    at = jnp.maximum(index, 0)
+    want_scored = jnp.where(index >= 0, jnp.take_along_axis(want, at, axis=1), 0.0)
+    scored, _ = scored_logprobs(h, w, tokens, pred, index, chunk=chunk, temperature=t)
+    np.testing.assert_allclose(scored, want_scored, atol=2e-5)
+
+    mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    P = jax.sharding.PartitionSpec
+
+    def local(h, w, tokens, pred, index):
+        return (logprobs_from_hidden(h, w, tokens, pred, chunk=chunk, vocab_axis="model",
+                                     temperature=t)[0],
+                scored_logprobs(h, w, tokens, pred, index, chunk=chunk, vocab_axis="model",
+                                temperature=t)[0])
+
+    split_all, split_scored = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P(None, "model"), P(), P(), P()), out_specs=P(),
+        check_vma=False)(h, w, tokens, pred, index)
+    np.testing.assert_allclose(split_all, want, atol=2e-5)
+    np.testing.assert_allclose(split_scored, want_scored, atol=2e-5)

@@ -12,6 +12,8 @@ of branching trees to one prefix region per program, run several whole-tree micr
 count the compiles over steps of varied trees.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -26,12 +28,11 @@ from jtree.partitioning.redundancy_free.layout import build_program, prefix_buck
 from jtree.partitioning.redundancy_free.plan import plan_parts
 from jtree.partitioning.redundancy_free.schedule import LiveBuffers, child_order, part_slots
 from jtree.step.batches import stack_microbatches
-from jtree.step.train_step import make_grad_fn
+from jtree.step.train_step import make_grad_fn, make_logprob_fn
 from jtree.training.compile_log import CompileWatch
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import (
     four_expert_config,
-    logprob_fn,
     perturbed,
     perturbed_moe_model,
     rel_l2,
@@ -270,7 +271,8 @@ def _reference(graphdef, params, trees, objective, chunk):
                      gdn_chunks=64 if chunk else None)
     loss, metrics, grads = jax.jit(make_grad_fn(graphdef, objective))(
         params, stack_microbatches([full]))
-    logp = np.asarray(logprob_fn(graphdef)(params, full.inputs))
+    logp = np.asarray(jax.jit(make_logprob_fn(graphdef, temperature=objective.temperature))(
+        params, full.inputs))
     per_tree = [logp[r, o : o + t.n_tree_tokens]
                 for t, r, o in zip(full.layout.trees, full.layout.rows, full.layout.offsets)]
     return loss, metrics, grads, per_tree
@@ -321,6 +323,14 @@ SFT = Objective(kind="sft", normalization="seq_mean_token_mean")
 def test_dense_equals_unpartitioned_tree():
     graphdef, params = tiny_model(seed=3)
     _check(graphdef, params, SFT, capacities=(16, 5, 2), modes=("residuals", "auto"))
+
+
+def test_temperature_equals_unpartitioned_tree():
+    """At `objective.temperature` 0.7 the parts' loss, gradients and log-probs equal the
+    unpartitioned tree's, whose log-probs tests/hf/test_hf_torch.py holds to transformers'."""
+    graphdef, params = tiny_model(seed=3)
+    _check(graphdef, params, dataclasses.replace(PPO, temperature=0.7), capacities=(5,),
+           modes=("residuals",))
 
 
 def test_moe_equals_unpartitioned_tree_with_pooled_router_loss():

@@ -316,7 +316,8 @@ def test_step_records_and_the_summary_carry_the_metrics():
 def test_a_run_trains_with_the_weights_and_logs_their_metrics(tmp_path, capsys):
     """`objective.off_policy` in a run: pi_old recomputed every step (the data's old log-probs
     are mu), the weights' and the KL sequence mask's metrics in each step's record and in the
-    summary."""
+    summary; the engine log-prob gap compares mu with the recomputed pi_old (not pi_old with
+    itself)."""
     data = tmp_path / "trees.jsonl"
     write_trees(data, make_trees(np.random.default_rng(5), shared_masks=False))
     metrics = tmp_path / "metrics.jsonl"
@@ -332,6 +333,7 @@ def test_a_run_trains_with_the_weights_and_logs_their_metrics(tmp_path, capsys):
         assert r["offpolicy_kl_k3"] > 0 and 0 < r["offpolicy_corrected_frac"] < 1
         assert np.isfinite(r["offpolicy_kl_k1"]) and r["offpolicy_behavior_disagreement"] > 0
         assert 0 <= r["offpolicy_masked_seq_frac"] <= 1
+        assert 1e-3 < r["engine_logprob_gap"] < 1
     out = capsys.readouterr().out
     assert "off-policy: mean kl_k3" in out and "of sequences" in out
 

@@ -126,7 +126,8 @@ class RedundancyFreeStep:
         model = nnx.merge(self.graphdef, params)
         out, hidden, pred = part_hidden(model, inputs, prefix)
         logp, _ = logprobs_from_hidden(hidden, model.output_embedding(), inputs.tokens, pred,
-                                       chunk=self.objective.logprob_chunk)
+                                       chunk=self.objective.logprob_chunk,
+                                       temperature=self.objective.temperature)
         return (jax.lax.stop_gradient(logp), PartOutput(out.exports, out.hidden),
                 jax.lax.stop_gradient(out.router_load))
 
@@ -134,7 +135,8 @@ class RedundancyFreeStep:
         model = nnx.merge(self.graphdef, params)
         out = model(inputs)
         logp, _ = logprobs_from_hidden(out.hidden, model.output_embedding(), inputs.tokens,
-                                       inputs.pred, chunk=self.objective.logprob_chunk)
+                                       inputs.pred, chunk=self.objective.logprob_chunk,
+                                       temperature=self.objective.temperature)
         return jax.lax.stop_gradient(logp), jax.lax.stop_gradient(out.router_load)
 
     def _forward_saving_residuals(self, params, inputs, prefix):
