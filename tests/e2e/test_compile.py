@@ -67,6 +67,7 @@ def test_pallas_tpu_step_compiles_for_v5p(tmp_path):
     assert report["cost"]["flops"] > 0 and report["cost"]["optimal_seconds"] > 0, report["cost"]
 
 
+@pytest.mark.slow
 def test_a_refused_step_is_one_line_and_status_1():
     """The Pallas TPU kernel refuses tiny's head_dim of 32: reported with the reason, no trace."""
     needs("tpu")
@@ -85,6 +86,7 @@ def memory_plan(target, *overrides, aot=AOT, json_path=None):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_memory_plan_for_a_target_is_its_compilers(tmp_path):
     """`memory_plan --target` is `jtree.launch.compile`'s full-depth compile, exit 0 for a fit."""
     needs("cuda")

@@ -14,6 +14,7 @@ from jtree.launch import device_check, device_numerics, device_report
 dispatch = importlib.import_module("jtree.kernels.tree_attention")  # the module, not the function
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_quick_check_runs_every_section_on_cpu(tmp_path):
     """Its own process, as on a device (the Mosaic GPU interpreter runs in a child of it)."""

@@ -136,6 +136,7 @@ def test_bench_attention_smallest(tmp_path):
     _png(tmp_path, "bench_attention")
 
 
+@pytest.mark.slow
 def test_bench_window_smallest_with_model_steps(tmp_path):
     # One layer and gpt-oss train steps on one tree of 512 tokens: the window's blocks are a
     # subset of full attention's, fewer once paths outgrow it; the steps' blocks add the layers'.

@@ -107,6 +107,7 @@ def test_gqa_head_pairs_forward_backward_in_interpreter(tmp_path, dtype):
     _assert_close(_kernel(tmp_path, q, k, v, end, d_out), _reference(q, k, v, end, d_out))
 
 
+@pytest.mark.slow
 def test_prefix_calls_forward_backward_in_interpreter(tmp_path):
     """A redundancy-free part: the first 70 tokens are cached prefix keys (the first tree's prompt
     and part of its branches), the rest queries; Sq and Skv are padded separately (58 -> 128

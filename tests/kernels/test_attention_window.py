@@ -266,6 +266,7 @@ def _mgpu_interpreted(tmp_path, end, pos, window, *, prefix=0, seed=0, hq=4, hkv
     assert err.max() <= 1e-2, ("dsinks", err)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_mgpu_interpreted(tmp_path):
     """One row of 128 tokens (one forward block; dQ and dK/dV blocks of 64): two trees with

@@ -59,6 +59,7 @@ def test_depth_rule_predicts_a_third_compile():
     assert plan.fits(1.0) and not plan.fits(plan.total / 2**30 / 2)
 
 
+@pytest.mark.slow
 def test_scanned_depth_rule_predicts_a_third_scanned_compile():
     scanned = [*TINY, "runtime.scan_layers=true", "model.num_hidden_layers=4"]
     plan = memory_plan("configs/tiny.yaml", scanned)

@@ -65,6 +65,7 @@ def test_context_batch_names_what_it_cannot_split():
         context_batch(with_gdn, 2)
 
 
+@pytest.mark.slow
 def test_gdn_tables_are_rebuilt_per_device_on_ladders_and_run_on_one_device():
     """`context_batch` replaces the one-device chunk tables by per-device ones (chunks never
     span a slice; capacities on ladders, one for every micro-batch); they are valid one-device

@@ -431,7 +431,8 @@ def scanned_model(kind: str):
     return graphdef, perturbed(params, scale=0.2)
 
 
-@pytest.mark.parametrize("kind", ["dense", pytest.param("gdn", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense", "gdn"])
 def test_scanned_layers_equal_unpartitioned_tree(kind):
     graphdef, params = scanned_model(kind)
     _check(graphdef, params, SFT, capacities=(5,),

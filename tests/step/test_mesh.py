@@ -90,18 +90,17 @@ def check(result: dict) -> None:
 
 
 def test_dense_and_moe_tree_and_baseline_steps_on_every_mesh(tmp_path):
-    # Dense/MoE x tree/baseline with the SFT objective on the three data x model meshes, plus
-    # PPO on MoE (data x FSDP x tensor parallel), Qwen3-Next on one tensor-parallel mesh, FSDP alone and FSDP mixed with
-    # data and tensor parallelism, and a checkpoint resharded across tensor-parallel and FSDP
-    # meshes, LoRA on an FSDP x tensor-parallel mesh, and Qwen3-Next PPO (MoE, Gated DeltaNet
-    # and attention) under FSDP x context x tensor parallelism (its old log-probs recomputed by
-    # the sharded forward, FSDP gathers included). Next and LoRA on every data x model mesh,
-    # the FSDP and context-parallel sweeps and the critic run in the slow tests below.
-    cases = ["dense:tree:sft:8x1x1", "dense:baseline:sft:4x1x2", "moe:tree:sft:4x1x2",
-             "moe:baseline:sft:2x1x4"]
-    cases += ["next:tree:sft:2x1x4",
-              "dense_cpu:tree:sft:4x1x2", "dense:tree:sft:1x8x1", "moe:tree:ppo:2x2x2",
-              "dense_tpu:tree:sft:1x1x2", "dense_lora:tree:ppo:2x2x2", "next:cp:ppo:1x2x2x2"]
+    # Dense tree and baseline and MoE tree with the SFT objective on the data x model meshes,
+    # PPO on MoE (data x FSDP x tensor parallel), Qwen3-Next on one tensor-parallel mesh, a
+    # checkpoint resharded across tensor-parallel and FSDP meshes, LoRA on an FSDP x
+    # tensor-parallel mesh, and Qwen3-Next PPO (MoE, Gated DeltaNet and attention) under FSDP x
+    # context x tensor parallelism (its old log-probs recomputed by the sharded forward, FSDP
+    # gathers included). MoE's baseline, FSDP alone, the CPU and TPU kernels, Next and LoRA on
+    # every data x model mesh, the FSDP and context-parallel sweeps and the critic run in the
+    # slow tests below.
+    cases = ["dense:tree:sft:8x1x1", "dense:baseline:sft:4x1x2", "moe:tree:sft:4x1x2"]
+    cases += ["next:tree:sft:2x1x4", "moe:tree:ppo:2x2x2", "dense_lora:tree:ppo:2x2x2",
+              "next:cp:ppo:1x2x2x2"]
     step_results = run_cases(cases + [f"restore:{tmp_path}/ckpt"])
     for result in step_results[:-1]:
         check(result)
@@ -117,7 +116,10 @@ def test_lora_on_every_mesh_and_more_kernels_layouts_and_objectives():
     # meshes in the sweeps below, where every model also runs PPO).
     cases = [f"dense_lora:{mode}:sft:{mesh}"
              for mesh, mode in zip(MESHES, ("tree", "baseline", "tree"))]
-    cases += ["dense_tpu:tree:sft:2x1x1", "dense_tpu:baseline:sft:1x1x2"]
+    cases += ["dense_tpu:tree:sft:2x1x1", "dense_tpu:baseline:sft:1x1x2",
+              "dense_tpu:tree:sft:1x1x2", "dense_cpu:tree:sft:4x1x2"]
+    # MoE's baseline on the widest tensor-parallel mesh, and FSDP alone over all eight devices
+    cases += ["moe:baseline:sft:2x1x4", "dense:tree:sft:1x8x1"]
     cases += ["dense_scan:tree:sft:2x1x4", "dense_scan:tree:ppo:2x2x2"]
     # off-policy weights, PPO and GSPO, on a data x FSDP x tensor mesh and context-parallel
     # meshes (the weights' sums over pairs split over rows and gathered over the context axis)
