@@ -6,13 +6,13 @@ parameters."""
 import socket
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from jtree.training.checkpoint import Checkpointer, abstract_like
 from jtree.config import load_config
 from jtree.launch.train import main
 from jtree.training.trainer import Trainer
-from tests.models_util import rel_l2
 from tests.run_util import finish, launch, read_metrics, tiny_overrides, xla_flags
 
 
@@ -55,7 +55,12 @@ def test_two_processes_match_one(groups_file, tmp_path):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
         assert y["n_tree_tokens"] == x["n_tree_tokens"]
     # Both checkpoints restored in this process (its own devices, the default mesh): the joint
-    # one equals the single-process run's parameters (float32 tolerances of docs/design.md).
+    # one equals the single-process run's parameters. Measured against how far training moved
+    # them from their initial values, not against their size: Adam normalizes each element's
+    # update, so where a gradient is near zero the two runs' float32 sums (in another order) can
+    # move an element by different fractions of the learning rate. A process's gradients dropped
+    # or counted twice moves every parameter by a share of the update itself (measured here:
+    # 3.4e-5 of the distance trained; a learning rate 1% off fails the loss check first).
     trainer = Trainer.build(load_config("configs/tiny.yaml", common))
     abstract = abstract_like(jax.eval_shape(trainer.init_fn), trainer.shardings)
     params = {}
@@ -63,9 +68,11 @@ def test_two_processes_match_one(groups_file, tmp_path):
         ckpt = Checkpointer(tmp_path / name)
         params[name] = ckpt.restore(3, abstract).state.params
         ckpt.close()
-    pairs = list(zip(jax.tree_util.tree_leaves(params["ckpt"]),
-                     jax.tree_util.tree_leaves(params["single_ckpt"])))
-    assert pairs and max(rel_l2(a, b) for a, b in pairs) <= 1e-5
+    initial = jax.tree_util.tree_leaves(trainer.init_fn().params)
+    leaves = zip(jax.tree_util.tree_leaves(params["ckpt"]),
+                 jax.tree_util.tree_leaves(params["single_ckpt"]), initial, strict=True)
+    moved = [float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b - p0)) for a, b, p0 in leaves]
+    assert moved and max(moved) <= 1e-3, moved
 
 
 def test_distributed_environment_is_validated():
