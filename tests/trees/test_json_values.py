@@ -92,6 +92,9 @@ def trace_files(draw) -> list[dict]:
                                                      max_size=len(output)))}
             if routed:
                 turn["routed_experts"] = [[[0, 1]]] * len(output)
+                turn["prompt_routed_experts"] = [[[1, 2]]] * len(prompt)
+            if draw(st.booleans()):
+                turn["finish_reason"] = draw(st.sampled_from(["stop", "length"]))
             turns.append(turn)
             before = prompt + output
         records.append({"group": 3, "turns": turns, "reward": draw(floats),
@@ -185,7 +188,7 @@ STRATEGIES = {"groups": group_files(), "trees": tree_files(), "chat": chat_files
 
 
 @pytest.mark.parametrize("fmt", list(STRATEGIES))
-@settings(max_examples=30)
+@settings(max_examples=200)  # one field per example: enough that every field is drawn
 @given(data=st.data())
 def test_a_wrong_json_type_is_refused_by_name_or_read_as_documented(fmt, data):
     check_every_replacement(data.draw(STRATEGIES[fmt], label="records"), fmt, data)
