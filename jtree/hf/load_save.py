@@ -56,6 +56,13 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
     return out
 
 
+def read_model_config(directory: str | Path) -> Any:
+    """The architecture config (an instance of the record's config class) of the model the
+    checkpoint directory's config.json describes."""
+    hf_config = read_hf_config(directory)
+    return architectures.architecture_of_hf_config(hf_config).hf.config_from_hf(hf_config)
+
+
 class Param(NamedTuple):
     """A jtree parameter (dotted name, shape) and the ways it may be stored, the saved one first."""
 
@@ -164,9 +171,8 @@ def load(
     if mesh is not None and shardings is not None:
         raise ValueError("load: pass mesh or shardings, not both")
     directory = Path(path)
-    hf_config = read_hf_config(directory)
-    arch = architectures.architecture_of_hf_config(hf_config).hf
-    config = arch.config_from_hf(hf_config)
+    config = read_model_config(directory)
+    arch = architectures.architecture_of_config(config).hf
     _, per_layer = _abstract_params(config, dataclasses.replace(runtime, scan_layers=False))
     params = _param_table(arch, config, per_layer)
     graphdef, flat = _abstract_params(config, runtime)
