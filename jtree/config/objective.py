@@ -150,6 +150,43 @@ class CriticConfig:
         return None if self.init_from in CRITIC_SOURCES else self.init_from
 
 
+DistillEstimator = Literal["sampled", "full"]
+
+
+DISTILL_ESTIMATORS: tuple[str, ...] = get_args(DistillEstimator)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """`objective.distill`: on-policy distillation, the per-token reverse KL from the policy pi_s
+    to a teacher pi_t, KL(pi_s || pi_t), on the trained tokens (sampled by the policy), added to
+    the objective's loss with weight `coef` (`jtree.objectives.losses.distill_loss`; docs/rl.md,
+    "On-policy distillation"). `teacher` is a Hugging Face checkpoint directory with the
+    policy's vocabulary (the same tokenizer): its log-probs of the batch's tokens come from one
+    forward over the step's tree batch, each shared prefix scored once, as the reference
+    model's do. Reverse KL because the samples are the policy's: it is the expectation under
+    them, and it pulls the policy toward the teacher's modes rather than spreading it over
+    everything the teacher allows.
+
+    `estimator`: `sampled` (default) scores the sampled token alone, k_t = log pi_s(y_t) -
+    log pi_t(y_t), with the policy-gradient gradient; the teacher gives one log-prob per token.
+    `full` sums over the whole vocabulary, sum_v pi_s(v) (log pi_s(v) - log pi_t(v)), exact
+    rather than sampled and differentiated directly; the teacher gives its whole log-softmax
+    per token of the batch (vocab floats each), so it is for small vocabularies and rows, on a
+    mesh without tensor or context parallelism."""
+
+    teacher: str
+    coef: float = within(POSITIVE, 1.0)
+    estimator: DistillEstimator = "sampled"
+
+    def __post_init__(self) -> None:
+        check_domains(self)
+        if not self.teacher:
+            raise ValueError("teacher: expected a Hugging Face checkpoint directory")
+        if self.estimator not in DISTILL_ESTIMATORS:
+            raise ValueError(f"estimator: {self.estimator!r} is not one of {DISTILL_ESTIMATORS}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """What the step minimizes. `sft`: weighted NLL. `ppo`: clipped token-level surrogate (+ KL,
@@ -163,6 +200,10 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
     `reference`: where the KL term's reference log-probs come from: None reads them from the
     data, `initial` runs the run's starting weights and a directory runs that Hugging Face
     checkpoint, on each step's batch (`jtree.training.trainer`; docs/training.md).
+
+    `distill`: on-policy distillation toward a teacher model (`DistillConfig`), a term of the
+    RL objectives' loss like the KL term: alone when the data's advantages are 0, else mixed
+    with the reward objective.
 
     `temperature`: the rollout engine's sampling temperature T. The RL objectives' log-probs,
     ratios, KL and entropy are those of softmax(logits / T), the distribution the engine sampled
@@ -189,6 +230,7 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
     old_logprob_tolerance: float = within(NON_NEGATIVE, 1e-3)
     reference: str | None = None
     off_policy: OffPolicyConfig = OffPolicyConfig()
+    distill: DistillConfig | None = None
     routing_replay: bool = False
 
     def __post_init__(self) -> None:
@@ -197,6 +239,10 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
         if self.kind == "sft" and self.temperature != 1.0:
             raise ValueError(f"temperature: {self.temperature} tempers the log-probs of the RL "
                              "objectives; sft fits the model's own distribution (leave it 1)")
+        if self.distill is not None and self.kind == "sft":
+            raise ValueError("distill: needs an RL objective (kind ppo or gspo): its KL is an "
+                             "expectation under the policy, so the trained tokens must be the "
+                             "policy's samples, not sft's given text")
         if self.critic is not None and self.kind != "ppo":
             raise ValueError(f"critic: needs kind 'ppo', not {self.kind!r}")
         if self.critic is not None and self.advantage != "given":

@@ -14,7 +14,7 @@ back to paths. Fields, dtypes and padding values (what an all-padding row holds:
   (`jtree.kernels.TreeMask.real`), so a padding token's attention output is not the mask's
 - `path_count` int32 (0): paths through the token (its multiplicity in the per-path baseline)
 - `coefficients`: the loss coefficients W, P, N, the sequence-level P/N at the paths' last tokens,
-  old (and optional reference) log-probs, float32 (0)
+  old (and optional reference and distillation teacher) log-probs, float32 (0)
 - `score_index` [rows, K] int32 (-1): the row-local positions the loss reads (None: every token)
 - `gdn`: gated-delta-rule chunk tables (`GdnTables`), None for models without linear attention
 - `row_norm` [rows] float32 (0): each row's share of the batch normalizer when the coefficients
@@ -31,6 +31,9 @@ back to paths. Fields, dtypes and padding values (what an all-padding row holds:
 - `routed_experts` [rows, S, L, k] int32 (-1): routing replay (docs/rl.md, "Routing replay"):
   per token and per MoE layer (the model's MoE layers in order), the k experts the rollout
   engine chose; -1 where the token keeps the trainer's own top-k. None: no replay
+- `teacher_dist` [rows, S, V] float32 (0): the full-vocabulary distillation estimator's teacher
+  log-softmax over the vocabulary V for every token (`objective.distill.estimator: full`,
+  `jtree.objectives.logprobs.token_distributions`); None otherwise
 
 Index-valued fields (`mask.end`, `pred`, `score_index`, `halo`, ...) hold positions in the whole
 row, also when the row is split over the `context` mesh axis (docs/context_parallel.md).
@@ -56,8 +59,8 @@ from jtree.kernels import TreeMask
 @dataclasses.dataclass(frozen=True, eq=False)
 class LossCoefficients:
     """Per-token loss inputs (`jtree.objectives.losses`): W, P, N, the sequence-level `seq_pos` / `seq_neg`
-    (each path's summed c*A, at the path's last token: GSPO's P/N) and the old / reference
-    policy log-probs."""
+    (each path's summed c*A, at the path's last token: GSPO's P/N) and the old / reference /
+    distillation teacher (`objective.distill`) policy log-probs."""
 
     weight: Any
     adv_pos: Any
@@ -66,6 +69,7 @@ class LossCoefficients:
     seq_neg: Any
     old_logprobs: Any
     ref_logprobs: Any = None
+    teacher_logprobs: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -131,6 +135,7 @@ class DeviceBatch:
     pairs: PathPairs | None = None
     halo: Any = None
     routed_experts: Any = None
+    teacher_dist: Any = None
 
     def __post_init__(self) -> None:
         leaves = jax.tree_util.tree_leaves(self)
@@ -161,7 +166,8 @@ _SCHEMA: dict[str, tuple[Any, str]] = {
     "coefficients.weight": (np.float32, "S"), "coefficients.adv_pos": (np.float32, "S"),
     "coefficients.adv_neg": (np.float32, "S"), "coefficients.seq_pos": (np.float32, "S"),
     "coefficients.seq_neg": (np.float32, "S"), "coefficients.old_logprobs": (np.float32, "S"),
-    "coefficients.ref_logprobs": (np.float32, "S"), "score_index": (np.int32, "K"),
+    "coefficients.ref_logprobs": (np.float32, "S"),
+    "coefficients.teacher_logprobs": (np.float32, "S"), "score_index": (np.int32, "K"),
     "gdn.chunk_tokens": (np.int32, "NC"), "gdn.chunk_src": (np.int32, "N"),
     "gdn.token_slot": (np.int32, "S"), "gdn.export_slots": (np.int32, "E"),
     "gdn.context_exports": (np.int32, "X"), "gdn.conv_halo": (np.int32, "W"),
@@ -171,6 +177,7 @@ _SCHEMA: dict[str, tuple[Any, str]] = {
     "pairs.advantage": (np.float32, "Q"), "pairs.behavior": (np.float32, "Q"),
     "pairs.end": (np.int32, "Q"),
     "halo": (np.int32, "H"), "routed_experts": (np.int32, "SLk"),
+    "teacher_dist": (np.float32, "SV"),
 }
 
 

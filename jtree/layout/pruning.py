@@ -51,6 +51,8 @@ def pruning_blocker(objective: Objective, router_aux_loss: bool = False) -> str 
         return "objective.kl_coef > 0 weighs every trained token"
     if objective.entropy_coef > 0:
         return "objective.entropy_coef > 0 weighs every trained token"
+    if objective.distill is not None:
+        return "objective.distill weighs every trained token"
     if router_aux_loss:
         return "the model's router loss (output_router_logits) counts every computed token"
     return None

@@ -139,12 +139,9 @@ def scored_logprobs(
     [rows, K] float32, 0 on empty slots and for tokens without a scoring row; optionally their
     entropies; both at `temperature`. Same values as `logprobs_from_hidden` gathered at
     `score_index`."""
-    rows, s, d = hidden.shape
+    rows, _, d = hidden.shape
     k = score_index.shape[1]
-    at = jnp.where(score_index >= 0, score_index, 0)
-    src = jnp.take_along_axis(pred, at, axis=1)
-    live = (score_index >= 0) & (src >= 0)
-    h = jnp.take_along_axis(hidden, jnp.where(live, src, 0)[..., None], axis=1)
+    at, live, h = scoring_hidden(hidden, pred, score_index)
     tok = jnp.take_along_axis(tokens, at, axis=1)
     n = rows * k
     h_chunks, tok_chunks = _chunked(h.reshape(n, d), chunk), _chunked(tok.reshape(n), chunk)
@@ -168,6 +165,72 @@ def scored_logprobs(
     logp = jnp.where(live, logp.reshape(-1)[:n].reshape(rows, k), 0.0)
     entropy = jnp.where(live, ent.reshape(-1)[:n].reshape(rows, k), 0.0) if with_entropy else None
     return logp, entropy
+
+
+def scoring_hidden(hidden: jax.Array, pred: jax.Array, index: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For the tokens at `index` [rows, K] (row-local positions, -1 = empty slot): the positions
+    clamped to 0 on empty slots, whether each slot is scored (`live`: a token with a scoring
+    row), and the hidden state that scores it [rows, K, d] (row `pred` of the token)."""
+    at = jnp.where(index >= 0, index, 0)
+    src = jnp.take_along_axis(pred, at, axis=1)
+    live = (index >= 0) & (src >= 0)
+    return at, live, jnp.take_along_axis(hidden, jnp.where(live, src, 0)[..., None], axis=1)
+
+
+def _log_softmax(logits: jax.Array, vocab_axis: str | None) -> jax.Array:
+    """The log-softmax of each row of `logits` [n, V] (V this device's slice of the vocabulary
+    when `vocab_axis` is set: the normalizer is the whole vocabulary's)."""
+    lse, _ = _logsumexp_entropy(logits, False, vocab_axis)
+    return logits - lse[:, None]
+
+
+def token_distributions(model: Any, inputs: DeviceBatch, *, temperature: float = 1.0,
+                        vocab_axis: str | None = None) -> jax.Array:
+    """For every token of `inputs`, the whole log-softmax at `temperature` of the distribution
+    that scores it (the logits at its row `pred`): [rows, S, vocab] float32 (with `vocab_axis`,
+    this device's slice of the vocabulary), 0 where a token has no scoring row. What a
+    distillation teacher gives for the full-vocabulary KL (`full_reverse_kl`); one vocabulary
+    row per token, so it is for rows short enough to hold it."""
+    hidden, pred = model(inputs).hidden, inputs.pred
+    rows, s = pred.shape
+    index = jnp.broadcast_to(jnp.arange(s, dtype=pred.dtype), (rows, s))
+    _, live, h = scoring_hidden(hidden, pred, index)
+    logits = _logits(h.reshape(rows * s, h.shape[-1]), model.output_embedding(), temperature)
+    logp = _log_softmax(logits, vocab_axis).reshape(rows, s, -1)
+    return jnp.where(live[..., None], logp, 0.0)
+
+
+def full_reverse_kl(hidden: jax.Array, w_out: jax.Array, pred: jax.Array, teacher: jax.Array,
+                    index: jax.Array, *, chunk: int = DEFAULT_CHUNK, temperature: float = 1.0,
+                    vocab_axis: str | None = None) -> jax.Array:
+    """KL(p || p_teacher) = sum_v p(v) (log p(v) - log p_teacher(v)) of each token at `index`
+    [rows, K] (-1 = empty slot): p the tempered softmax of the distribution scoring it (row
+    `pred` of `hidden` through `w_out`), `teacher` [rows, S, vocab] the teacher's log-softmax
+    over the whole vocabulary for every token (`token_distributions`). [rows, K] float32, 0 on
+    empty slots. The tokens' logits form `chunk` tokens at a time under `jax.checkpoint`, as in
+    `scored_logprobs`; with `vocab_axis` each device sums over its slice of the vocabulary and
+    the sums are added over the axis."""
+    rows, k = index.shape
+    at, live, h = scoring_hidden(hidden, pred, index)
+    vocab = teacher.shape[-1]
+    t = jnp.take_along_axis(teacher, at[..., None], axis=1)
+    n = rows * k
+    h_chunks = _chunked(h.reshape(n, h.shape[-1]), chunk)
+    t_chunks = _chunked(t.reshape(n, vocab), chunk)
+
+    @jax.checkpoint
+    def one(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+        hc, tc = args
+        logp = _log_softmax(_logits(hc, w_out, temperature), vocab_axis)
+        if vocab_axis is None:
+            return jnp.sum(jnp.exp(logp) * (logp - tc), axis=-1)
+        cols = logp.shape[1]
+        tc = jax.lax.dynamic_slice_in_dim(tc, jax.lax.axis_index(vocab_axis) * cols, cols, 1)
+        return jax.lax.psum(jnp.sum(jnp.exp(logp) * (logp - tc), axis=-1), vocab_axis)
+
+    kl = jax.lax.map(one, (h_chunks, t_chunks))
+    return jnp.where(live, kl.reshape(-1)[:n].reshape(rows, k), 0.0)
 
 
 def _target_columns(w_out: jax.Array, tokens: jax.Array, vocab_axis: str | None) -> jax.Array:

@@ -36,6 +36,23 @@ def _regularizers(loss: jax.Array, metrics: dict[str, jax.Array], logprobs: jax.
     return loss
 
 
+def distill_loss(logprobs: jax.Array, coefficients: LossCoefficients) -> jax.Array:
+    """On-policy distillation's reverse KL, KL(pi || teacher), by its sampled-token estimate:
+    sum_t W_t k_t with k_t = log pi(y_t) - log pi_teacher(y_t) at the policy's own sampled
+    token y_t. The value is that estimate; the gradient is the policy-gradient form
+    sum_t W_t k_t grad log pi(y_t) (advantage -k_t, per token, no later tokens), the score
+    function's unbiased estimate of the per-token reverse KL's gradient. The direct surrogate's
+    gradient, sum_t W_t grad log pi(y_t), has expectation 0 under the samples, so it would not
+    move the policy toward the teacher. One term per tree token weighted by W_t (the sum over
+    the paths through it of c[p,t]) is the per-path sum, since k_t depends on the prefix
+    only."""
+    weight = coefficients.weight
+    k = jax.lax.stop_gradient(jnp.where(weight != 0, logprobs - coefficients.teacher_logprobs,
+                                        0.0))
+    # logprobs - stop_gradient(logprobs) is 0 in value and carries grad log pi.
+    return jnp.sum(weight * k * (1.0 + logprobs - jax.lax.stop_gradient(logprobs)))
+
+
 def sft_loss(logprobs: jax.Array, coefficients: LossCoefficients) -> jax.Array:
     """Weighted negative log-likelihood: sum_t W_t * (-log p_t)."""
     return -jnp.sum(coefficients.weight * logprobs)

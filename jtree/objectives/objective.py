@@ -23,8 +23,8 @@ from jtree.config.objective import CriticConfig, Objective
 from jtree.layout.batch import DeviceBatch, LossCoefficients
 from jtree.layout.coefficients import COEFFICIENT_FIELDS
 from jtree.objectives.critic import gae, pair_values
-from jtree.objectives.logprobs import logprobs_from_hidden, scored_logprobs
-from jtree.objectives.losses import gspo_loss, ppo_loss, sft_loss, value_loss
+from jtree.objectives.logprobs import full_reverse_kl, logprobs_from_hidden, scored_logprobs
+from jtree.objectives.losses import distill_loss, gspo_loss, ppo_loss, sft_loss, value_loss
 from jtree.objectives.off_policy import finish_off_policy_metrics, off_policy_coefficients
 from jtree.objectives.pairs import pair_token_sums
 from jtree.parallel.context import gathered_row, local_index, owned, scoring_view
@@ -99,7 +99,8 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
     (a part of a partitioned tree puts the hidden state of the token above it first). With
     `context_axis`, `hidden` is this device's slice of the row and the states of other devices
     that its tokens are scored by come through the halo (`jtree.parallel.context.scoring_view`).
-    Log-probs and entropies are at `objective.temperature` (`jtree.objectives.logprobs`)."""
+    Log-probs and entropies are at `objective.temperature` (`jtree.objectives.logprobs`); with
+    `objective.distill` the loss adds its reverse KL to the teacher (`distill_term`)."""
     want_entropy = objective.kind != "sft" and objective.entropy_coef != 0
     coefficients = inputs.coefficients
     score_index = inputs.score_index
@@ -140,7 +141,40 @@ def loss_from_hidden(w_out: jax.Array, hidden: jax.Array, pred: jax.Array, aux_l
         abs_adv = jnp.sum(jnp.abs(pos) + jnp.abs(neg))
         metrics = dict(metrics, abs_adv=abs_adv, clipped_adv=metrics.pop("clip_frac") * abs_adv,
                        **logprob_gap_sums(logp, coefficients.old_logprobs, coefficients.weight))
+        if objective.distill is not None:
+            metrics["distill_kl"] = distill_term(w_out, hidden, pred, score_index, logp,
+                                                 coefficients, inputs, objective, vocab_axis)
+            loss = loss + objective.distill.coef * metrics["distill_kl"]
     return loss + aux_loss, dict(metrics, aux_loss=aux_loss)
+
+
+def distill_term(w_out: jax.Array, hidden: jax.Array, pred: jax.Array,
+                 score_index: jax.Array | None, logp: jax.Array,
+                 coefficients: LossCoefficients, inputs: DeviceBatch, objective: Objective,
+                 vocab_axis: str | None = None) -> jax.Array:
+    """`objective.distill`'s reverse KL to the teacher, sum_t W_t KL_t over the trained tokens
+    (the per-path sum: KL_t depends on the token's prefix only). `sampled`: the sampled-token
+    estimate from the loss's own log-probs `logp` and the coefficients they align with
+    (`jtree.objectives.losses.distill_loss`). `full`: each scored token's whole-vocabulary KL
+    against the batch's `teacher_dist` (`jtree.objectives.logprobs.full_reverse_kl`; over the
+    vocabulary slices of `vocab_axis`), weighted by W read at the scored positions of the
+    batch's own [rows, S] coefficients."""
+    if objective.distill.estimator == "sampled":
+        if coefficients.teacher_logprobs is None:
+            raise ValueError("objective.distill: the batch carries no teacher log-probs (the "
+                             "trainer's teacher forward sets them)")
+        return distill_loss(logp, coefficients)
+    if inputs.teacher_dist is None:
+        raise ValueError("objective.distill: estimator full, but the batch carries no teacher "
+                         "distributions (the trainer's teacher forward sets them)")
+    rows, s = pred.shape
+    index = (jnp.broadcast_to(jnp.arange(s, dtype=pred.dtype), (rows, s))
+             if score_index is None else score_index)
+    kl = full_reverse_kl(hidden, w_out, pred, inputs.teacher_dist, index,
+                         chunk=objective.logprob_chunk, temperature=objective.temperature,
+                         vocab_axis=vocab_axis)
+    weight = gather_scored(inputs.coefficients, index).weight
+    return jnp.sum(weight * kl)
 
 
 def logprob_gap_sums(logp: jax.Array, old_logprobs: jax.Array, weight: jax.Array

@@ -26,7 +26,7 @@ from jtree.layout.batch import DeviceBatch
 from jtree.models.decoder import CausalLM
 from jtree.models.layers import FSDP_GATHER, fsdp_gathered
 from jtree.models.lora import model_params, trainable, with_trainable
-from jtree.objectives.logprobs import token_logprobs
+from jtree.objectives.logprobs import token_distributions, token_logprobs
 from jtree.objectives.objective import (
     finish_metrics,
     normalize_coefficients,
@@ -201,10 +201,13 @@ def make_logprob_fn(graphdef: nnx.GraphDef, chunk: int = 1024, temperature: floa
 
 
 def make_sharded_logprob_fn(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, specs: Any,
-                            chunk: int = 1024, temperature: float = 1.0
+                            chunk: int = 1024, temperature: float = 1.0, *,
+                            full_vocabulary: bool = False
                             ) -> Callable[[Any, DeviceBatch], jax.Array]:
     """(params, inputs [M, rows, S]) -> token log-probs [M, rows, S] at `temperature` over the
-    mesh, no gradient (old/reference policies, equivalence checks). `graphdef` is
+    mesh, no gradient (old/reference policies, distillation teachers, equivalence checks).
+    `full_vocabulary`: each token's whole log-softmax instead, [M, rows, S, vocab]
+    (`jtree.objectives.logprobs.token_distributions`). `graphdef` is
     `sharded_graphdef`'s."""
 
     def local(params: Any, inputs: DeviceBatch) -> jax.Array:
@@ -212,14 +215,21 @@ def make_sharded_logprob_fn(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, spe
         # `nnx.remat`, which cannot update variables created outside the trace it runs in.
         def one(x: DeviceBatch) -> jax.Array:
             model = merged_model(graphdef, model_params(params))
+            if full_vocabulary:
+                return token_distributions(model, x, temperature=temperature,
+                                           vocab_axis=MODEL)
             return token_logprobs(model, x, chunk=chunk, vocab_axis=MODEL,
                                   temperature=temperature)
 
         return jax.lax.map(one, inputs)
 
+    # Each device's slice of the vocabulary, laid over `model`.
+    out_specs = (jax.sharding.PartitionSpec(*token_spec(), MODEL) if full_vocabulary
+                 else token_spec())
+
     def fn(params: Any, inputs: DeviceBatch) -> jax.Array:
         in_specs = (specs, batch_specs(inputs))
-        out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=token_spec())(
+        out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
             params, inputs)
         return jax.lax.stop_gradient(out)
 

@@ -77,6 +77,7 @@ class OnlineTrainer:
     checkpointer: Checkpointer | None
     metrics_log: MetricsLog
     reference: Any = None
+    teacher: Any = None
     compile_watch: CompileWatch = dataclasses.field(default_factory=CompileWatch)
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
@@ -106,8 +107,9 @@ class OnlineTrainer:
             state = trainer.initial_state()
         metrics_log = MetricsLog.of_run(cfg, int(state.step))
         reference = None if cfg.objective.reference is None else trainer.reference_params()
+        teacher = None if trainer.teacher is None else trainer.teacher.params()
         return cls(cfg, trainer, state, host_data_shards(trainer.mesh), ckpt, metrics_log,
-                   reference)
+                   reference, teacher)
 
     @property
     def steps_done(self) -> int:
@@ -137,7 +139,8 @@ class OnlineTrainer:
             step = self.steps_done
             self.state, metrics = trainer.train_on(self.state, inputs, old_logprobs_stale=stale,
                                                    engine_logprobs=bool(info["has_old_logprobs"]),
-                                                   reference=self.reference)
+                                                   reference=self.reference,
+                                                   teacher=self.teacher)
             metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
             device_s = time.perf_counter() - t1
             compiles = self.compile_watch.total - before

@@ -95,6 +95,7 @@ class TrainingRun:
     compile_watch: CompileWatch = dataclasses.field(default_factory=CompileWatch)
     compiled_shapes: set[tuple] = dataclasses.field(default_factory=set)
     reference: Any = None  # the reference model's parameters (objective.reference), on the mesh
+    teacher: Any = None  # the distillation teacher's parameters (objective.distill), on the mesh
     # Set by SIGTERM (`preemption`): the loop saves at the next step boundary and stops.
     preempted: threading.Event = dataclasses.field(default_factory=threading.Event)
     saved_step: int | None = None  # the last step a checkpoint was saved at
@@ -126,11 +127,14 @@ class TrainingRun:
         a fresh state at step 0 when not, or with `resume="auto"` when `checkpoint.dir` holds no
         checkpoint (what a pod launcher that restarts preempted jobs wants). `resume="required"`
         without a checkpoint is an error: a mistyped directory must not silently start over.
-        Loads the reference model of `objective.reference` too (its weights do not depend on the
-        checkpoint)."""
+        Loads the reference model of `objective.reference` and the teacher of
+        `objective.distill` too (their weights do not depend on the checkpoint)."""
         if self.cfg.objective.reference is not None:
             with progress(f"loading the reference model ({self.cfg.objective.reference})"):
                 self.reference = self.trainer.reference_params()
+        if self.trainer.teacher is not None:
+            with progress(f"loading the distillation teacher ({self.trainer.teacher.path})"):
+                self.teacher = self.trainer.teacher.params()
         ckpt, stored = self.checkpointer, []  # stored: the config of each checkpoint checked
         if resume != "no" and ckpt is None:
             raise ValueError("--resume: checkpoint.dir is not set")
@@ -261,7 +265,8 @@ class TrainingRun:
             t1, before = time.perf_counter(), self.compile_watch.total
             state, metrics = trainer.train_on(state, inputs, old_logprobs_stale=stale,
                                               engine_logprobs=bool(info["has_old_logprobs"]),
-                                              reference=self.reference)
+                                              reference=self.reference,
+                                              teacher=self.teacher)
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
         device_s = time.perf_counter() - t1
         compiles = self.compile_watch.total - before

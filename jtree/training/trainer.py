@@ -24,6 +24,7 @@ from jtree.config import TrainConfig, config_values
 from jtree.layout.batch import DeviceBatch
 from jtree.layout.planner import check_row_slices, check_steps_per_octave
 from jtree.models import create_model
+from jtree.models.architectures import architecture_of_config
 from jtree.models.lora import lora_specs, model_params, trainable, trainable_grads, with_lora
 from jtree.objectives.objective import finish_metrics, logprob_gap_sums
 from jtree.parallel.context import (
@@ -80,7 +81,8 @@ class Trainer:
     and their optimizer state (the step reads LoRA adapters in another layout,
     `jtree.models.lora.lora_specs`), `model_specs` the model's own (what a Hugging Face
     checkpoint loads into and the reference model runs on). `ref_logprob_fn` runs the reference
-    model of `objective.reference` (None when the data carries the reference log-probs)."""
+    model of `objective.reference` (None when the data carries the reference log-probs);
+    `teacher` is the distillation teacher of `objective.distill` (None without one)."""
 
     cfg: TrainConfig
     mesh: Mesh
@@ -94,6 +96,7 @@ class Trainer:
     rfree_step: Any = None  # (state, RfreeProgram) -> (state, metrics), run.mode=redundancy_free
     model_specs: Any = None
     ref_logprob_fn: Any = None
+    teacher: Teacher | None = None
 
     @classmethod
     def build(cls, cfg: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Trainer:
@@ -110,6 +113,7 @@ class Trainer:
         mesh = make_mesh(cfg.mesh, devices)
         arch, mcfg = cfg.model.architecture, cfg.model.config
         check_reference(cfg)
+        check_distill(cfg)
         check_off_policy(cfg)
         abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed,
                                                        **cfg.critic_model_args))
@@ -150,6 +154,7 @@ class Trainer:
             ref_specs = policy_params(model_specs)
             ref_logprob_fn = jax.jit(make_sharded_logprob_fn(
                 sharded_graphdef(policy, ref_specs, mesh), mesh, ref_specs, chunk, temperature))
+        teacher = None if cfg.objective.distill is None else Teacher.build(cfg, mesh)
 
         def init() -> TrainState:
             params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed,
@@ -166,7 +171,7 @@ class Trainer:
             rfree_step = make_rfree_step(cfg, mesh, nnx.split(abstract)[0], optimizer,
                                          sharded=(graphdef, step_specs, shardings))
         return cls(cfg, mesh, graphdef, specs, shardings, optimizer, step_fn, logprob_fn, init_fn,
-                   rfree_step, model_specs, ref_logprob_fn)
+                   rfree_step, model_specs, ref_logprob_fn, teacher)
 
     def laid_out(self, local: DeviceBatch, capacities: ContextCapacities | None = None
                  ) -> DeviceBatch:
@@ -187,12 +192,13 @@ class Trainer:
         return to_global(self.mesh, self.laid_out(local), n_local_shards)
 
     def train_on(self, state: TrainState, inputs: DeviceBatch, *, old_logprobs_stale: bool,
-                 engine_logprobs: bool, reference: Any = None
+                 engine_logprobs: bool, reference: Any = None, teacher: Any = None
                  ) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on placed `inputs`, with the forwards it needs first: the old
         log-probs from the current parameters when the batch's are missing or stale
-        (`jtree.step.batches.old_logprobs_stale`), and the reference model's log-probs for the KL
-        term when `reference` (its parameters, `reference_params`) is given.
+        (`jtree.step.batches.old_logprobs_stale`), the reference model's log-probs for the KL
+        term when `reference` (its parameters, `reference_params`) is given, and the
+        distillation teacher's scores when `teacher` (its parameters, `Teacher.params`) is.
 
         `engine_logprobs`: whether the batch's old log-probs are the rollout engine's. The RL
         metric `engine_logprob_gap` compares them with the trainer's: the step's own when it
@@ -206,6 +212,8 @@ class Trainer:
             inputs = inputs.with_coefficients(old_logprobs=recomputed)
         if reference is not None:
             inputs = inputs.with_coefficients(ref_logprobs=self.ref_logprob_fn(reference, inputs))
+        if teacher is not None:
+            inputs = self.teacher.score(teacher, inputs)
         state, metrics = self.step_fn(state, inputs)
         if "engine_logprob_gap" in metrics and old_logprobs_stale:
             metrics = {k: v for k, v in metrics.items() if k != "engine_logprob_gap"}
@@ -265,11 +273,8 @@ class Trainer:
 
         mcfg = self.cfg.model.config if config is None else config
         section = "model" if config is None else "objective.critic.network"
-        by_name = {param_path(p).replace("/", "."): s for p, s in
-                   jax.tree_util.tree_flatten_with_path(named(self.mesh, self.model_specs))[0]}
-        replicated = NamedSharding(self.mesh, P())
-        loaded, model = load(path, self.cfg.runtime, shardings=lambda name, shape: by_name.get(
-            prefix + name, replicated))
+        loaded, model = load(path, self.cfg.runtime,
+                             shardings=shardings_by_name(self.mesh, self.model_specs, prefix))
         for field in dataclasses.fields(mcfg):
             ours, theirs = getattr(mcfg, field.name), getattr(loaded, field.name)
             # initializer_range only shapes a random init, which a loaded model does not have.
@@ -294,6 +299,92 @@ class Trainer:
         a resume says what changed and refuses what would not continue the same run
         (`check_resumable`)."""
         return {"config": config_values(self.cfg)}
+
+
+def shardings_by_name(mesh: Mesh, specs: Any, prefix: str = ""
+                      ) -> Callable[[str, tuple[int, ...]], NamedSharding]:
+    """A checkpoint loader's placement (`jtree.hf.load`'s `shardings`): the sharding `specs`
+    give the parameter named `prefix` + name on `mesh`; a parameter they do not hold is
+    replicated."""
+    by_name = {param_path(p).replace("/", "."): s for p, s in
+               jax.tree_util.tree_flatten_with_path(named(mesh, specs))[0]}
+    replicated = NamedSharding(mesh, P())
+    return lambda name, shape: by_name.get(prefix + name, replicated)
+
+
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+    """The distillation teacher of `objective.distill`: its checkpoint directory, its
+    parameters' specs on the run's mesh (its own sharding rules, from its own config.json, so a
+    teacher larger than the policy, or of another architecture, runs as itself), and the jitted
+    forward that scores a step's batch with it at `objective.temperature`, no gradient: the
+    log-prob of every token [M, rows, S] for the `sampled` estimator, its whole log-softmax
+    [M, rows, S, vocab] for `full`. One forward over the tree batch scores each shared prefix
+    once, as the reference model's does."""
+
+    path: str
+    specs: Any
+    mesh: Mesh
+    runtime: Any
+    full_vocabulary: bool
+    logprob_fn: Any
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, mesh: Mesh) -> Teacher:
+        """Reads the teacher's config.json only (no weights); refuses a vocabulary other than
+        the policy's, whose token ids the teacher would score as other tokens."""
+        from jtree.hf import read_model_config
+
+        distill = cfg.objective.distill
+        path, full = distill.teacher, distill.estimator == "full"
+        if full and (mesh.shape[MODEL] > 1 or context_size(mesh) > 1):
+            raise ValueError(f"objective.distill.estimator: full carries the teacher's whole "
+                             f"vocabulary per token, on one device's rows (mesh.model="
+                             f"{mesh.shape[MODEL]}, mesh.context={context_size(mesh)}; set both "
+                             "to 1 or use estimator sampled)")
+        config = read_model_config(path)
+        if config.vocab_size != cfg.model.config.vocab_size:
+            raise ValueError(f"objective.distill.teacher: {path} has vocab_size "
+                             f"{config.vocab_size}, the policy {cfg.model.config.vocab_size} "
+                             "(the teacher must share the policy's tokenizer)")
+        abstract = nnx.eval_shape(lambda: create_model(
+            architecture_of_config(config).name, config, cfg.runtime))
+        try:
+            specs = param_specs(nnx.split(abstract)[1], param_rules(config, mesh.shape[MODEL]),
+                                mesh)
+            graphdef = sharded_graphdef(abstract, specs, mesh)
+        except ValueError as e:
+            raise ValueError(f"objective.distill.teacher ({path}) on mesh "
+                             f"{describe_mesh(mesh)}: {e}") from None
+        obj = cfg.objective
+        return cls(path, specs, mesh, cfg.runtime, full, jax.jit(make_sharded_logprob_fn(
+            graphdef, mesh, specs, obj.logprob_chunk, obj.temperature, full_vocabulary=full)))
+
+    def score(self, params: Any, inputs: DeviceBatch) -> DeviceBatch:
+        """`inputs` with the teacher's scores of its tokens, where the loss reads them: the
+        log-probs as `coefficients.teacher_logprobs`, or the whole log-softmax as
+        `teacher_dist`."""
+        scores = self.logprob_fn(params, inputs)
+        if self.full_vocabulary:
+            return dataclasses.replace(inputs, teacher_dist=scores)
+        return inputs.with_coefficients(teacher_logprobs=scores)
+
+    def params(self) -> Any:
+        """The teacher's weights placed directly onto the mesh by its specs (each host reads
+        only what its devices hold)."""
+        from jtree.hf import load
+
+        _, model = load(self.path, self.runtime,
+                        shardings=shardings_by_name(self.mesh, self.specs))
+        return nnx.split(model)[1]
+
+
+def check_distill(cfg: TrainConfig) -> None:
+    """`objective.distill` needs the teacher's forward on the step's batch, which
+    redundancy-free parts do not run."""
+    if cfg.objective.distill is not None and cfg.run.mode == "redundancy_free":
+        raise ValueError("objective.distill: run.mode=redundancy_free runs no teacher forward on "
+                         "its parts; use run.mode tree, baseline or auto")
 
 
 def check_reference(cfg: TrainConfig) -> None:
