@@ -175,7 +175,7 @@ class DistillConfig:
     per token of the batch (vocab floats each), so it is for small vocabularies and rows, on a
     mesh without tensor or context parallelism."""
 
-    teacher: str
+    teacher: str = ""  # required: the section is refused without it
     coef: float = within(POSITIVE, 1.0)
     estimator: DistillEstimator = "sampled"
 

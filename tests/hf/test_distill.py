@@ -207,11 +207,12 @@ def test_trainer_step_scores_the_teacher_and_reports_the_per_path_kl(models, est
 @pytest.mark.parametrize("extra, match", [
     ({"objective.kind": "sft"}, r"distill: needs an RL objective"),
     ({"objective.distill": "{teacher: x, estimator: forward}"}, r"estimator: 'forward'"),
+    ({"objective.distill": "{coef: 1.0}"}, r"teacher: expected a Hugging Face checkpoint"),
     ({"run.mode": "redundancy_free"}, r"objective\.distill: run\.mode=redundancy_free"),
     ({"model.vocab_size": VOCAB + 1}, r"objective\.distill\.teacher: .* vocab_size"),
 ])
 def test_distillation_refused_where_it_cannot_run(models, extra, match):
-    """No distillation on sft's given text, with an unknown estimator, on redundancy-free parts
-    (no teacher forward), or with a teacher of another vocabulary."""
+    """No distillation on sft's given text, with an unknown estimator or no teacher, on
+    redundancy-free parts (no teacher forward), or with a teacher of another vocabulary."""
     with pytest.raises(ValueError, match=match):
         Trainer.build(distill_config(models[2], **extra))
