@@ -97,7 +97,8 @@ _IMPLS: dict[str, _Impl] = {
                  value_head_dim=True),
     # The `xla` kernel's blocks and schedule, run by a multi-threaded C++ custom call (CPU only).
     "cpu": _Impl(attention_cpu.tree_attention_cpu, attention_xla.padded_length,
-                 attention_xla.padded_lengths, context_parallel=True, window=True, sinks=True),
+                 attention_xla.padded_lengths, context_parallel=True, window=True, sinks=True,
+                 value_head_dim=True),
     "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length,
                         attention_tpu.padded_lengths, context_parallel=True, window=True,
                         sinks=True),

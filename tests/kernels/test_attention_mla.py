@@ -2,7 +2,7 @@
 
 Ground truth: a dense formula written here (keys repeated per GQA group, the mask j <= i < end[j]
 built from `end`, softmax over the masked scores, Dk**-0.5 as the default scale) and its jax
-gradients; `reference` and `xla` must match it on random branching forests, with GQA, and through
+gradients; `reference`, `xla` and the C++ `cpu` kernel must match it on random branching forests, with GQA, and through
 the prefix API (checked against `reference` on the square layout). The registry says which
 implementations run Dv != Dk; the others raise naming themselves and both dims, and `auto` never
 picks them.
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jtree.kernels import TreeMask, tree_attention
+from jtree.kernels.attention import calibration as attention_calibration
 from tests.attention_cases import assert_elementwise_close, max_errors, qkv, tree_end
 from tests.kernels.test_attention_prefix import prefix_errors
 
@@ -42,9 +43,10 @@ def _value_and_grads(f, q, k, v, cot):
 @pytest.mark.parametrize("impl, options", [
     ("reference", {}),
     ("xla", {"block_q": 16, "block_kv": 32, "group": 2}),
+    ("cpu", {"block_q": 16, "block_kv": 32, "threads": 2}),
 ])
 @pytest.mark.parametrize("hq, hkv, dk, dv, s", [
-    (4, 2, 48, 32, 80),   # GQA 2, S padded to the blocks
+    (4, 2, 40, 24, 80),   # GQA 2, S padded to the blocks, widths off the C++ vector tiles
     (2, 1, 192, 128, 64),  # DeepSeek-V3's dims (128 nope + 64 rope, v 128), GQA 2
 ])
 def test_matches_dense_formula(impl, options, hq, hkv, dk, dv, s):
@@ -67,13 +69,13 @@ def test_xla_matches_reference_traced_end_and_softcap():
     max_errors(end, q, k, v, impl="xla", block_q=32, block_kv=16, softcap=15.0)
 
 
-@pytest.mark.parametrize("dk, dv", [(48, 32), (192, 128)])
-def test_xla_prefix(dk, dv):
+@pytest.mark.parametrize("impl, dk, dv", [("xla", 48, 32), ("xla", 192, 128), ("cpu", 48, 32)])
+def test_prefix(impl, dk, dv):
     """Own queries over [prefix | own keys]: prefix_v carries Dv."""
     p, s = 40, 56
     end = jnp.asarray(tree_end(seed=dk, s=p + s, max_seg=12))
     q, k, v = qkv(2, end.shape[0], p + s, 4, 2, dk, dv=dv)
-    prefix_errors(end, q, k, v, p, impl="xla", block_q=16, block_kv=16)
+    prefix_errors(end, q, k, v, p, impl=impl, block_q=16, block_kv=16)
 
 
 def test_impl_without_value_head_dim_raises(monkeypatch):
@@ -116,3 +118,18 @@ def test_bad_shapes():
     with pytest.raises(ValueError, match=r"prefix_k, prefix_v must be"):
         tree_attention(q[:, 8:], k[:, 8:], v[:, 8:], TreeMask(end[:, 8:], end[:, :8]),
                        impl="xla", prefix_k=k[:, :8], prefix_v=k[:, :8])  # prefix_v has Dk
+
+
+def test_calibration_class_carries_the_value_head_dim():
+    """An MLA call is measured on its own class, with v of Dv."""
+    mla = attention_calibration.ShapeClass.of("cpu", jnp.float32, 1, 64, 2, 1, 48, 32)
+    assert mla != attention_calibration.ShapeClass.of("cpu", jnp.float32, 1, 64, 2, 1, 48)
+    assert "head_dim 48 (v 32)" in mla.describe()
+    shapes = []
+
+    def run(name, q, k, v, end):
+        shapes.append((q.shape[3], k.shape[3], v.shape[3]))
+        return tree_attention(q, k, v, TreeMask(end), impl=name)
+
+    attention_calibration.measure(mla, ("reference",), run, repeats=1)
+    assert set(shapes) == {(48, 48, 32)}
