@@ -101,7 +101,7 @@ _IMPLS: dict[str, _Impl] = {
                  value_head_dim=True),
     "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length,
                         attention_tpu.padded_lengths, context_parallel=True, window=True,
-                        sinks=True),
+                        sinks=True, value_head_dim=True),
     "pallas_mosaic_gpu": _Impl(attention_mgpu.attention_mgpu, attention_mgpu.padded_length,
                                attention_mgpu.padded_lengths, window=True, sinks=True),
     "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
@@ -257,10 +257,11 @@ def tree_attention(
     `pallas_tpu`). `mask.end` [rows, S] int32 must satisfy j < end[j] <= S (checked when it is a
     host array).
 
-    With a prefix (`prefix_k` [rows, P, Hkv, Dk], `prefix_v` [rows, P, Hkv, Dv] and `mask.prefix_end` [rows, P]; see
-    the module docstring), the mask is in combined coordinates: P + i < end[i] <= P + S and
-    j < prefix_end[j] <= P + S. With `mask.query_offset` (context parallelism), q holds L <= S
-    queries at key positions offset + i and k, v, `mask.end` the whole row's S keys.
+    With a prefix (`prefix_k` [rows, P, Hkv, Dk], `prefix_v` [rows, P, Hkv, Dv] and
+    `mask.prefix_end` [rows, P]; see the module docstring), the mask is in combined coordinates: P +
+    i < end[i] <= P + S and j < prefix_end[j] <= P + S. With `mask.query_offset` (context
+    parallelism), q holds L <= S queries at key positions offset + i and k, v, `mask.end` the whole
+    row's S keys.
     `mask.real` [rows, queries] bool marks the real queries (see the module docstring).
     `mask.window` (with `mask.positions`) adds the sliding window along the path; `sinks` [Hq]
     (float) the per-head attention-sink logits.

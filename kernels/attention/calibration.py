@@ -8,9 +8,9 @@ thread) and on the shape (head_dim, work items per thread), so `auto` times both
 representative call of the call's shape class and keeps the faster
 (`jtree.kernels.tree_attention.resolve_impl`).
 
-- `ShapeClass`: backend, dtype, head_dim (and v's, for MLA), q and kv heads, rows and S rounded up to powers of two;
-  the measured call is that class's representative (`rows x S`, with rows cut so that it holds
-  at most `MAX_TOKENS` tokens) on a synthetic tree mask (`synthetic_end`).
+- `ShapeClass`: backend, dtype, head_dim (and v's: MLA), q and kv heads, rows and S rounded up to
+  powers of two; the measured call is that class's representative (`rows x S`, with rows cut so that
+  it holds at most `MAX_TOKENS` tokens) on a synthetic tree mask (`synthetic_end`).
 - `pick_fastest`: the smallest time wins; equal times go to the earlier candidate in the given
   order (deterministic).
 - `measure`: fwd + bwd of each candidate, one warm-up call (compiles) then the median of

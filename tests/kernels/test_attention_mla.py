@@ -2,10 +2,10 @@
 
 Ground truth: a dense formula written here (keys repeated per GQA group, the mask j <= i < end[j]
 built from `end`, softmax over the masked scores, Dk**-0.5 as the default scale) and its jax
-gradients; `reference`, `xla` and the C++ `cpu` kernel must match it on random branching forests, with GQA, and through
-the prefix API (checked against `reference` on the square layout). The registry says which
-implementations run Dv != Dk; the others raise naming themselves and both dims, and `auto` never
-picks them.
+gradients; `reference`, `xla` and the C++ `cpu` kernel must match it on random branching forests,
+with GQA, and through the prefix API (checked against `reference` on the square layout). The
+registry says which implementations run Dv != Dk; the others raise naming themselves and both dims,
+and `auto` never picks them.
 """
 
 import importlib
