@@ -105,7 +105,8 @@ _IMPLS: dict[str, _Impl] = {
     "pallas_mosaic_gpu": _Impl(attention_mgpu.attention_mgpu, attention_mgpu.padded_length,
                                attention_mgpu.padded_lengths, window=True, sinks=True),
     "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
-                           attention_triton.padded_lengths, window=True, sinks=True),
+                           attention_triton.padded_lengths, window=True, sinks=True,
+                           value_head_dim=True),
 }
 
 # NVIDIA Hopper (sm_90) device kinds: the GPUs with wgmma, which the Mosaic kernel is built on

@@ -21,10 +21,16 @@ lists are ordinary int32 inputs read one scalar at a time.
 Rectangular layouts (`q_pos`, a part attending to cached prefix keys): query i sits at key
 position q_pos[i], and the mask is read from the q-block's slice of `q_pos` instead of an iota.
 
+MLA: v's head dim Dv may differ from q's and k's Dk; the out, dO and dV tiles have Dv, the q, k,
+dQ and dK tiles Dk.
+
 Limits (each checked, raising ValueError with the reason): q, k, v all float32, bfloat16 or
-float16; head_dim a power of two from 16 to 256 (Triton tensors have power-of-two sizes and
-`tl.dot` needs K >= 16; 256 is the largest tile the default blocks keep in registers); blocks
-powers of two of at least 16 dividing the (padded) lengths. float32 matmuls run in IEEE float32
+float16; each head dim a power of two from 16 to 256 (Triton tensors have power-of-two sizes and
+`tl.dot` needs K >= 16; 256 is the largest tile the default blocks keep in registers), or a
+multiple of 64 below 256 (DeepSeek-V3's Dk 192), which runs zero-padded to the next power of two
+around the kernels: exact (zero q/k columns add nothing to a score, zero v columns give output
+columns that are dropped), at the cost of the padded columns' work; blocks powers of two of at
+least 16 dividing the (padded) lengths. float32 matmuls run in IEEE float32
 on the GPU (Pallas Triton picks IEEE, not TF32, for float32 operands at default precision).
 
 `interpret=True` runs the same kernels in the Pallas interpreter (any backend), which is how they
@@ -84,18 +90,21 @@ def tree_attention_triton(
     key_pos: jax.Array | None = None,
     sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] (see `tree_attention`;
-    Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query; q-blocks without a
-    real query in `q_real` run only their own key blocks, `classify_blocks`: one set of tables
-    serves the forward and both backward passes).
+    """Tree attention of q [rows, Sq, Hq, Dk] over k [rows, Skv, Hkv, Dk], v [rows, Skv, Hkv, Dv]
+    (see `tree_attention`; Dv != Dk is MLA; Sq = Skv unless `q_pos` [rows, Sq] gives the key
+    position of every query; q-blocks without a real query in `q_real` run only their own key
+    blocks, `classify_blocks`: one set of tables serves the forward and both backward passes).
 
-    `block_q`, `block_kv` default to `default_blocks`; `num_warps` (default 4 up to head_dim 64,
-    else 8) and `num_stages` go to the Triton compiler. `interpret` runs the kernels in the
-    Pallas interpreter instead of lowering them for a GPU. `window` with `key_pos` [rows, Skv]:
-    the sliding window along the path (PARTIAL blocks test q_path[i] - k_path[j] < W; the tables
-    drop blocks outside every window); `sinks` [Hq]: attention sinks (`flash_vjp`).
+    `block_q`, `block_kv` default to `default_blocks` (of the larger head dim as it runs);
+    `num_warps` (default 4 up to head_dim 64, else 8) and `num_stages` go to the Triton
+    compiler. `interpret` runs the kernels in the Pallas interpreter instead of lowering them for
+    a GPU. `window` with `key_pos` [rows, Skv]: the sliding window along the path (PARTIAL blocks
+    test q_path[i] - k_path[j] < W; the tables drop blocks outside every window); `sinks` [Hq]:
+    attention sinks (`flash_vjp`).
     """
-    rows, sq, hq, d = q.shape
+    rows, sq = q.shape[:2]
+    dk, dv = q.shape[3], v.shape[3]
+    d = max(_run_dim(dk), _run_dim(dv))
     defaults = default_blocks(q.dtype, d)
     block_q, block_kv = block_q or defaults[0], block_kv or defaults[1]
     _check_supported(q, k, v, block_q, block_kv)
@@ -114,8 +123,24 @@ def tree_attention_triton(
     if window is not None:
         k_path = jnp.asarray(key_pos, jnp.int32)
         paths = (jnp.take_along_axis(k_path, q_pos, axis=1), k_path)
-    return _attention(q, k, v, jnp.asarray(end, jnp.int32), q_pos, lists, paths, cfg,
-                      sinks=sinks)
+    q, k = _pad_last(q, _run_dim(dk)), _pad_last(k, _run_dim(dk))
+    v = _pad_last(v, _run_dim(dv))
+    out = _attention(q, k, v, jnp.asarray(end, jnp.int32), q_pos, lists, paths, cfg, sinks=sinks)
+    return out[..., :dv]
+
+
+def _run_dim(d: int) -> int:
+    """The head dim the kernels run for a head dim `d`: `d` when it is a power of two, the next
+    power of two for another multiple of 64 (zero-padded around the kernels: exact), else `d`
+    (which `_check_supported` refuses)."""
+    return 1 << (d - 1).bit_length() if d % 64 == 0 else d
+
+
+def _pad_last(x: jax.Array, d: int) -> jax.Array:
+    """`x` with zero columns appended to its last axis up to `d` (itself when it has `d`)."""
+    if x.shape[-1] == d:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
 
 
 def _check_supported(q, k, v, block_q: int, block_kv: int) -> None:
@@ -123,11 +148,13 @@ def _check_supported(q, k, v, block_q: int, block_kv: int) -> None:
     if len(dtypes) != 1 or not dtypes <= set(_DTYPES):
         raise ValueError(f"pallas_triton: q, k, v must all be float32, bfloat16 or float16; got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
-    d = q.shape[3]
-    if d < MIN_BLOCK or d > MAX_HEAD_DIM or d & (d - 1):
-        raise ValueError(f"pallas_triton: head_dim={d} must be a power of two from {MIN_BLOCK} to "
-                         f"{MAX_HEAD_DIM} (Triton tiles have power-of-two sizes, tl.dot needs "
-                         f">= {MIN_BLOCK}; larger tiles do not fit the registers)")
+    for name, given in (("head_dim", q.shape[3]), ("value head_dim", v.shape[3])):
+        d = _run_dim(given)
+        if d < MIN_BLOCK or d > MAX_HEAD_DIM or d & (d - 1):
+            raise ValueError(f"pallas_triton: {name}={given} must be a power of two from "
+                             f"{MIN_BLOCK} to {MAX_HEAD_DIM} (Triton tiles have power-of-two "
+                             f"sizes, tl.dot needs >= {MIN_BLOCK}; larger tiles do not fit the "
+                             "registers), or a multiple of 64 that pads to one")
     for name, b, label, s in (("block_q", block_q, "Sq", q.shape[1]),
                               ("block_kv", block_kv, "Skv", k.shape[1])):
         if b < MIN_BLOCK or b & (b - 1):
@@ -234,8 +261,8 @@ def _fwd_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
         acc = acc * alpha[:, None] + pv
         return acc, m_next, alpha * l_prev + jnp.sum(p, axis=1)
 
-    bq, d = q.shape
-    init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), MASKED, jnp.float32),
+    bq, dv = q.shape[0], v_ref.shape[-1]
+    init = (jnp.zeros((bq, dv), jnp.float32), jnp.full((bq,), MASKED, jnp.float32),
             jnp.zeros((bq,), jnp.float32))
     acc, m, l = lax.fori_loop(0, count_ref[pl.program_id(0)],
                               lambda n, c: _by_kind(kinds_ref[n], step, n, c), init)
@@ -245,8 +272,9 @@ def _fwd_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
 
 
 def _forward(q, k, v, end, q_pos, lists: _Lists, paths, cfg: BlockConfig):
-    """-> out [rows, Sq, Hq, D], lse [rows, Hq, Sq] float32."""
+    """-> out [rows, Sq, Hq, Dv], lse [rows, Hq, Sq] float32."""
     rows, sq, hq, d = q.shape
+    dv = v.shape[3]
     skv, group = k.shape[1], hq // k.shape[2]
     bq, nq = cfg.block_q, sq // cfg.block_q
     path_specs = [pl.BlockSpec((None, bq), lambda i, r, h: (r, i)),
@@ -258,12 +286,13 @@ def _forward(q, k, v, end, q_pos, lists: _Lists, paths, cfg: BlockConfig):
                   pl.BlockSpec((None, bq), lambda i, r, h: (r, i)),
                   pl.BlockSpec((None, bq, None, d), lambda i, r, h: (r, i, h, 0)),
                   pl.BlockSpec((None, skv, None, d), lambda i, r, h: (r, 0, h // group, 0)),
-                  pl.BlockSpec((None, skv, None, d), lambda i, r, h: (r, 0, h // group, 0)),
+                  pl.BlockSpec((None, skv, None, dv), lambda i, r, h: (r, 0, h // group, 0)),
                   pl.BlockSpec((None, skv), lambda i, r, h: (r, 0)),
                   *(path_specs if paths else [])],
-        out_specs=[pl.BlockSpec((None, bq, None, d), lambda i, r, h: (r, i, h, 0)),
+        out_specs=[pl.BlockSpec((None, bq, None, dv), lambda i, r, h: (r, i, h, 0)),
                    pl.BlockSpec((None, None, bq), lambda i, r, h: (r, h, i))],
-        out_shape=[varying_struct(q.shape, q.dtype, lists, q_pos, q, k, v, end, paths),
+        out_shape=[varying_struct((rows, sq, hq, dv), q.dtype, lists, q_pos, q, k, v, end,
+                                  paths),
                    varying_struct((rows, hq, sq), jnp.float32, lists, q_pos, q, k, v, end, paths)],
     )(lists.kv_blocks, lists.kv_kind, lists.kv_count, q_pos, q, k, v, end, *(paths or ()))
 
@@ -307,17 +336,20 @@ def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, paths,
     rows, sq, hq, d = q.shape
     skv, group = k.shape[1], hq // k.shape[2]
     bq, nq = cfg.block_q, sq // cfg.block_q
+    dv = v.shape[3]
     q_block = pl.BlockSpec((None, bq, None, d), lambda i, r, h: (r, i, h, 0))
-    kv_all = pl.BlockSpec((None, skv, None, d), lambda i, r, h: (r, 0, h // group, 0))
+    do_block = pl.BlockSpec((None, bq, None, dv), lambda i, r, h: (r, i, h, 0))
+    k_all = pl.BlockSpec((None, skv, None, d), lambda i, r, h: (r, 0, h // group, 0))
+    v_all = pl.BlockSpec((None, skv, None, dv), lambda i, r, h: (r, 0, h // group, 0))
     row = pl.BlockSpec((None, None, bq), lambda i, r, h: (r, h, i))
     return _call(
         functools.partial(_dq_kernel, cfg=cfg), "tree_attention_triton_dq",
         grid=(nq, rows, hq), cfg=cfg,
         in_specs=[*_list_specs(lists.kv_blocks),
                   pl.BlockSpec((None, bq), lambda i, r, h: (r, i)),
-                  q_block, kv_all, kv_all,
+                  q_block, k_all, v_all,
                   pl.BlockSpec((None, skv), lambda i, r, h: (r, 0)),
-                  q_block, row, row,
+                  do_block, row, row,
                   *([pl.BlockSpec((None, bq), lambda i, r, h: (r, i)),
                      pl.BlockSpec((None, skv), lambda i, r, h: (r, 0))] if paths else [])],
         out_specs=q_block,
@@ -365,9 +397,9 @@ def _dkv_kernel(blocks_ref, kinds_ref, count_ref, qpos_ref, q_ref, k_ref, v_ref,
 
         return lax.fori_loop(0, group, head, carry)
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = lax.fori_loop(0, count_ref[pl.program_id(0)],
-                           lambda n, c: _by_kind(kinds_ref[n], step, n, c), (zeros, zeros))
+                           lambda n, c: _by_kind(kinds_ref[n], step, n, c), zeros)
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -378,20 +410,23 @@ def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, lists: _Lists, paths,
     skv, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
     bk, nk = cfg.block_kv, skv // cfg.block_kv
+    dv = v.shape[3]
     q_all = pl.BlockSpec((None, sq, group, d), lambda j, r, h: (r, 0, h, 0))
-    kv_block = pl.BlockSpec((None, bk, None, d), lambda j, r, h: (r, j, h, 0))
+    do_all = pl.BlockSpec((None, sq, group, dv), lambda j, r, h: (r, 0, h, 0))
+    k_block = pl.BlockSpec((None, bk, None, d), lambda j, r, h: (r, j, h, 0))
+    v_block = pl.BlockSpec((None, bk, None, dv), lambda j, r, h: (r, j, h, 0))
     rows_all = pl.BlockSpec((None, group, sq), lambda j, r, h: (r, h, 0))
     return _call(
         functools.partial(_dkv_kernel, cfg=cfg, group=group), "tree_attention_triton_dkv",
         grid=(nk, rows, hkv), cfg=cfg,
         in_specs=[*_list_specs(lists.q_blocks),
                   pl.BlockSpec((None, sq), lambda j, r, h: (r, 0)),
-                  q_all, kv_block, kv_block,
+                  q_all, k_block, v_block,
                   pl.BlockSpec((None, bk), lambda j, r, h: (r, j)),
-                  q_all, rows_all, rows_all,
+                  do_all, rows_all, rows_all,
                   *([pl.BlockSpec((None, sq), lambda j, r, h: (r, 0)),
                      pl.BlockSpec((None, bk), lambda j, r, h: (r, j))] if paths else [])],
-        out_specs=[kv_block, kv_block],
+        out_specs=[k_block, v_block],
         out_shape=[varying_struct(x.shape, x.dtype, lists, q_pos, q, k, v, end, d_out, lse, delta,
                                   paths) for x in (k, v)],
     )(lists.q_blocks, lists.q_kind, lists.q_count, q_pos, q, k, v, end, d_out, lse, delta,

@@ -94,20 +94,33 @@ def test_impl_without_value_head_dim_raises(monkeypatch):
 
 
 def test_auto_picks_only_implementations_that_run_mla(monkeypatch):
-    """On CPU `auto` offers only kernels whose registry entry runs Dv != Dk; on a Hopper GPU an
-    MLA call leaves the Mosaic kernel unless its entry runs it."""
+    """On CPU `auto` offers only kernels whose registry entry runs Dv != Dk (a kernel without it
+    leaves the candidates); on a Hopper GPU an MLA call goes to the Triton kernel, since the
+    Mosaic kernel does not run it."""
     mla_cpu = dispatch.cpu_candidates(None, mla=True)
     assert mla_cpu and all(dispatch._IMPLS[n].value_head_dim for n in mla_cpu)
+    hopper = "NVIDIA H100 80GB HBM3"
+    assert dispatch.gpu_impl(hopper, jnp.bfloat16, 128) == "pallas_mosaic_gpu"
+    assert dispatch.gpu_impl(hopper, jnp.bfloat16, 128, 64) == "pallas_triton"
+    assert dispatch.resolve_impl("auto", "gpu", dtype=jnp.bfloat16, head_dim=192,
+                                 value_head_dim=128, device_kind=hopper) == "pallas_triton"
     impls = dict(dispatch._IMPLS)
     impls["cpu"] = impls["cpu"]._replace(value_head_dim=False)
-    impls["pallas_mosaic_gpu"] = impls["pallas_mosaic_gpu"]._replace(value_head_dim=False)
     monkeypatch.setattr(dispatch, "_IMPLS", impls)
     assert dispatch.cpu_candidates(None, mla=True) == ("xla",)
     assert dispatch.resolve_impl("auto", "cpu", dtype=jnp.float32, head_dim=192,
                                  value_head_dim=128, shape=(8, 1024, 4, 4)) == "xla"
-    hopper = "NVIDIA H100 80GB HBM3"
-    assert dispatch.gpu_impl(hopper, jnp.bfloat16, 128) == "pallas_mosaic_gpu"
-    assert dispatch.gpu_impl(hopper, jnp.bfloat16, 128, 64) == "pallas_triton"
+
+
+def test_mosaic_gpu_refuses_mla_by_name():
+    """wgmma's Mosaic kernel is built for one head dim (64 or 128) of q, k and v alike."""
+    q, k, v = qkv(0, 1, 128, 2, 1, 128, dtype=jnp.bfloat16, dv=64)
+    end = np.arange(1, 129, dtype=np.int32)[None]
+    with pytest.raises(ValueError, match=r"'pallas_mosaic_gpu': value head dim 64 != query/key "
+                                         r"head dim 128 \(MLA\) not supported; use one of "
+                                         r"'reference', 'xla', 'cpu', 'pallas_tpu', "
+                                         r"'pallas_triton'"):
+        tree_attention(q, k, v, TreeMask(end), impl="pallas_mosaic_gpu")
 
 
 def test_bad_shapes():

@@ -3,7 +3,8 @@
 - numerics in the Pallas interpreter (`interpret=True`) against the float32 dense reference on
   the same (rounded) input values, forward output and q/k/v gradients (prefix k/v too), on random
   forests of several rows: GQA 1/2/4, head_dim 64/128/256, S not a multiple of the block, prefix
-  calls, soft-cap. Errors are relative to the largest reference magnitude of each array:
+  calls, soft-cap, MLA (v's head dim 128 under q/k's 192, which runs zero-padded to 256). Errors
+  are relative to the largest reference magnitude of each array:
   <= 1e-5 in float32; in bf16 / f16 <= 4 units of the dtype's rounding (4 x 2^-8, 4 x 2^-11: the
   kernels round P and dS to the dtype before their matmuls and the results once more);
 - EMPTY blocks are never loaded (NaN in a branch no query of the other branch sees);
@@ -67,7 +68,8 @@ def _reference_run(p: int, softcap: float | None):
 
 def relative_errors(end, q, k, v, *, p: int = 0, softcap=None, **options) -> list[float]:
     """max |kernel - reference| / max |reference| of out, dq, dk, dv (dk, dv over every key)."""
-    cot = jnp.asarray(np.random.default_rng(1).normal(size=q[:, p:].shape), jnp.float32)
+    cot = jnp.asarray(np.random.default_rng(1).normal(size=(*q[:, p:].shape[:3], v.shape[3])),
+                      jnp.float32)
     end = jnp.asarray(end)
     got = _kernel_run(p, softcap, tuple(sorted(options.items())))(q, k, v, end, cot)
     want = _reference_run(p, softcap)(*(x.astype(jnp.float32) for x in (q, k, v)), end, cot)
@@ -88,10 +90,10 @@ SWEEP = [(hq, hkv, d, dtype, 200, 0, None) for d, dtype, (hq, hkv) in latin(
 ]
 
 
-def _check(hq, hkv, d, dtype, s, p, softcap, **options):
+def _check(hq, hkv, d, dtype, s, p, softcap, dv=None, **options):
     end = tree_end(seed=s + p + d, s=p + s, max_trees=16, max_nodes=12, max_seg=40)
     assert end.shape[0] >= 2 and (np.diff(end, axis=1) < 0).any()  # several rows, branches
-    q, k, v = qkv(hkv, end.shape[0], p + s, hq, hkv, d, dtype)
+    q, k, v = qkv(hkv, end.shape[0], p + s, hq, hkv, d, dtype, dv=dv)
     errs = relative_errors(end, q, k, v, p=p, softcap=softcap, **options)
     assert max(errs) <= TOLERANCE[dtype], errs
 
@@ -100,6 +102,12 @@ def _check(hq, hkv, d, dtype, s, p, softcap, **options):
 @pytest.mark.parametrize("hq, hkv, d, dtype, s, p, softcap", CASES)
 def test_interpret_matches_reference(hq, hkv, d, dtype, s, p, softcap):
     _check(hq, hkv, d, dtype, s, p, softcap)
+
+
+@pytest.mark.timeout(300)
+def test_interpret_mla_matches_reference():
+    """DeepSeek-V3's head dims (q/k 192, v 128) with a prefix and GQA 2."""
+    _check(2, 1, 192, jnp.float32, 60, 30, None, dv=128)
 
 
 @pytest.mark.slow
@@ -162,13 +170,17 @@ def triton_modules(monkeypatch):
     return modules
 
 
-@pytest.mark.parametrize("dtype, hq, hkv, softcap", [(jnp.bfloat16, 8, 2, 30.0),
-                                                     (jnp.float32, 4, 4, None)])
-def test_lowers_for_cuda_at_8k(triton_modules, dtype, hq, hkv, softcap):
+@pytest.mark.parametrize("dtype, hq, hkv, softcap, d, dv", [
+    (jnp.bfloat16, 8, 2, 30.0, 128, 128),
+    (jnp.float32, 4, 4, None, 128, 128),
+    (jnp.bfloat16, 4, 4, None, 192, 128),  # MLA (DeepSeek-V3's dims), q/k padded to 256
+])
+def test_lowers_for_cuda_at_8k(triton_modules, dtype, hq, hkv, softcap, d, dv):
     """Forward: one Triton kernel call; forward + backward: three (forward, dQ, dK/dV). The
     backward's Triton IR has no atomic operations: each gradient tile is written once."""
-    rows, s, d = 1, 8192, 128
-    shapes = [jax.ShapeDtypeStruct((rows, s, h, d), dtype) for h in (hq, hkv, hkv)]
+    rows, s = 1, 8192
+    shapes = [jax.ShapeDtypeStruct((rows, s, h, dim), dtype)
+              for h, dim in ((hq, d), (hkv, d), (hkv, dv))]
     shapes.append(jax.ShapeDtypeStruct((rows, s), jnp.int32))
     attend = lambda q, k, v, e: tree_attention(q, k, v, TreeMask(e), impl="pallas_triton",
                                                softcap=softcap)
@@ -188,6 +200,8 @@ def test_lowers_for_cuda_at_8k(triton_modules, dtype, hq, hkv, softcap):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(d=96), "head_dim=96 must be a power of two from 16 to 256"),
+    (dict(dv=80), "value head_dim=80 must be a power of two from 16 to 256"),
+    (dict(d=320), "head_dim=320 must be a power of two from 16 to 256"),  # pads to 512
     (dict(d=512), "head_dim=512 must be a power of two from 16 to 256"),
     (dict(d=8), "head_dim=8 must be a power of two from 16 to 256"),
     (dict(dtype=jnp.int32), "must all be float32, bfloat16 or float16"),
@@ -196,7 +210,8 @@ def test_lowers_for_cuda_at_8k(triton_modules, dtype, hq, hkv, softcap):
     (dict(block_kv=8), "block_kv=8 must be a power of two >= 16"),
 ])
 def test_rejects_what_it_cannot_run(kw, match):
-    q, k, v = qkv(0, 1, 128, 2, 1, kw.get("d", 64), dtype=kw.get("dtype", jnp.float32))
+    q, k, v = qkv(0, 1, 128, 2, 1, kw.get("d", 64), dtype=kw.get("dtype", jnp.float32),
+                  dv=kw.get("dv"))
     if kw.get("mixed"):
         q = q.astype(jnp.bfloat16)
     end = np.arange(1, 129, dtype=np.int32)[None]
