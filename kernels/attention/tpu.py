@@ -27,10 +27,10 @@ Inputs are transposed to head-major [rows, heads, S, head_dim] so every block is
 (block, head_dim) tile. MLA: v's head dim Dv may differ from q's and k's Dk; the output, d_out and
 dv tiles have Dv, the q, k, dq, dk tiles Dk. Constraints (checked, with the reason, in
 `tree_attention_tpu`): float32 or bfloat16, block sizes multiples of 128 that divide S, block
-tables that fit in SMEM, and each head dim 64 or a multiple of 64: one that is neither 64 nor a
-multiple of 128 (DeepSeek-V3's Dk 192) is zero-padded to the next multiple of 128 around the
-kernels, which is exact (zero q/k columns add nothing to a score, zero v columns give output
-columns that are dropped) and costs the padded columns' work.
+tables that fit in SMEM, and each head dim a multiple of 64: a (block, head_dim) tile fills whole
+128-lane vregs for multiples of 128 and half of one at 64; Mosaic TPU (libtpu 0.0.42.1) also
+compiled the forward and backward with DeepSeek-V3's Dk 192 (Dv 128) and with 320 for v5p and
+v5e, so such dims run as they are, unpadded (docs/kernels.md, "MLA").
 """
 
 from __future__ import annotations
@@ -120,27 +120,11 @@ def tree_attention_tpu(
         q_path = jnp.take_along_axis(k_path, qpos3[:, 0], axis=1)
         end3 = jnp.concatenate([end3, k_path[:, None, :]], axis=1)
         qpos3 = jnp.concatenate([qpos3, q_path[:, None, :]], axis=1)
-    dk, dv = q.shape[3], v.shape[3]
-    q, k = _pad_last(q, _lane_dim(dk)), _pad_last(k, _lane_dim(dk))
-    v = _pad_last(v, _lane_dim(dv))
-    out = _attention(q, k, v, end3, qpos3, kv_table, q_table, cfg, sinks=sinks)[..., :dv]
+    out = _attention(q, k, v, end3, qpos3, kv_table, q_table, cfg, sinks=sinks)
     if isinstance(tables.kv_count, np.ndarray) or (max_kv_blocks is None and max_q_blocks is None):
         return out
     overflow = (jnp.max(tables.kv_count) > max_kv) | (jnp.max(tables.q_count) > max_q)
     return jnp.where(overflow, jnp.nan, out).astype(out.dtype)
-
-
-def _lane_dim(d: int) -> int:
-    """The head dim the kernels run for a head dim `d` (a multiple of 64): `d` itself when it is
-    64 or a multiple of LANES, else the next multiple of LANES (zero-padded around the kernels)."""
-    return d if d == 64 else -(-d // LANES) * LANES
-
-
-def _pad_last(x: jax.Array, d: int) -> jax.Array:
-    """`x` with zero columns appended to its last axis up to `d` (itself when it has `d`)."""
-    if x.shape[-1] == d:
-        return x
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
 
 
 def _check_supported(q, k, v, block_q: int, block_kv: int, rectangular: bool) -> None:
@@ -150,9 +134,8 @@ def _check_supported(q, k, v, block_q: int, block_kv: int, rectangular: bool) ->
                          f"input types); got {q.dtype}, {k.dtype}, {v.dtype}")
     for name, d in (("head_dim", q.shape[3]), ("value head_dim", v.shape[3])):
         if d % 64:
-            raise ValueError(f"pallas_tpu: {name}={d} must be 64 or a multiple of {LANES} (the "
-                             "lane width: the kernel's (block, head_dim) tiles are laid out for "
-                             "these), or another multiple of 64, zero-padded to one")
+            raise ValueError(f"pallas_tpu: {name}={d} must be a multiple of 64 (the kernel's "
+                             f"(block, head_dim) tiles fill whole or half {LANES}-lane vregs)")
     # Without q_pos both blocks tile the one sequence; with it, block_q tiles Sq, block_kv Skv.
     lengths = {"block_q": ("Sq", sq), "block_kv": ("Skv", skv)} if rectangular else {
         "block_q": ("S", sq), "block_kv": ("S", sq)}
