@@ -34,6 +34,11 @@ float): one logit per query head added to every softmax denominator, with no val
 (`jtree.kernels.attention.flash_vjp`). An implementation takes either only where its registry entry says
 so (`window`, `sinks`); the others raise naming the implementation and the option.
 
+Multi-head latent attention (MLA: DeepSeek-V3, Kimi-K2): v (and `prefix_v`) may have a head dim
+Dv other than q's and k's Dk; the output then has Dv and the default scale stays Dk**-0.5. An
+implementation runs it only where its registry entry says so (`value_head_dim`); the others raise
+naming the implementation and both dims, and `auto` picks only implementations that run it.
+
 What `auto` runs (the table in docs/kernels.md): `pallas_tpu` on TPU; on a GPU the rule of
 `gpu_impl` (Hopper's Mosaic kernel where wgmma takes the operands, else the Pallas Triton kernel);
 on CPU, among the kernels that can run the call (`cpu_candidates`: the C++ `cpu` kernel when it
@@ -76,6 +81,8 @@ class _Impl(NamedTuple):
     # Whether it runs a sliding window (`window`, `key_pos` keywords of `run`) and sinks (`sinks`).
     window: bool = False
     sinks: bool = False
+    # Whether it runs a value head dim Dv other than the query/key head dim Dk (MLA).
+    value_head_dim: bool = False
 
 
 def _any_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
@@ -84,15 +91,17 @@ def _any_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
 
 _IMPLS: dict[str, _Impl] = {
     "reference": _Impl(attention_reference, None, _any_lengths, context_parallel=True,
-                       window=True, sinks=True),
+                       window=True, sinks=True, value_head_dim=True),
     "xla": _Impl(attention_xla.tree_attention_xla, attention_xla.padded_length,
-                 attention_xla.padded_lengths, context_parallel=True, window=True, sinks=True),
+                 attention_xla.padded_lengths, context_parallel=True, window=True, sinks=True,
+                 value_head_dim=True),
     # The `xla` kernel's blocks and schedule, run by a multi-threaded C++ custom call (CPU only).
     "cpu": _Impl(attention_cpu.tree_attention_cpu, attention_xla.padded_length,
-                 attention_xla.padded_lengths, context_parallel=True, window=True, sinks=True),
+                 attention_xla.padded_lengths, context_parallel=True, window=True, sinks=True,
+                 value_head_dim=True),
     "pallas_tpu": _Impl(attention_tpu.tree_attention_tpu, attention_tpu.padded_length,
                         attention_tpu.padded_lengths, context_parallel=True, window=True,
-                        sinks=True),
+                        sinks=True, value_head_dim=True),
     "pallas_mosaic_gpu": _Impl(attention_mgpu.attention_mgpu, attention_mgpu.padded_length,
                                attention_mgpu.padded_lengths, window=True, sinks=True),
     "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
@@ -111,16 +120,20 @@ def available_impls() -> tuple[str, ...]:
     return ("auto",) + tuple(_IMPLS)
 
 
-def gpu_impl(device_kind: str, dtype: Any, head_dim: int) -> str:
-    """What `auto` runs on the GPU `device_kind` for operands of `dtype` and `head_dim`.
+def gpu_impl(device_kind: str, dtype: Any, head_dim: int, value_head_dim: int | None = None) -> str:
+    """What `auto` runs on the GPU `device_kind` for operands of `dtype` and `head_dim` (q, k)
+    and `value_head_dim` (v; default `head_dim`).
 
     Hopper with bf16/f16 operands and a head_dim whose forward and backward fit shared memory (64,
     128): the Mosaic GPU kernel (wgmma, TMA, warp specialization). Every other case, any GPU or
     dtype: the Pallas Triton kernel, which raises ValueError naming its limits for operands it
     cannot run. Never the `xla` fallback: a GPU always gets a GPU kernel or an error. Prefix
-    calls and soft-caps do not change the choice: both kernels take them.
+    calls and soft-caps do not change the choice: both kernels take them. MLA calls (value head
+    dim != head_dim) go to the Mosaic kernel only if its registry entry runs them.
     """
-    if _HOPPER.search(device_kind) and attention_mgpu.handles(dtype, head_dim):
+    mla = value_head_dim is not None and value_head_dim != head_dim
+    if (_HOPPER.search(device_kind) and attention_mgpu.handles(dtype, head_dim)
+            and (not mla or _IMPLS["pallas_mosaic_gpu"].value_head_dim)):
         return "pallas_mosaic_gpu"
     return "pallas_triton"
 
@@ -128,9 +141,11 @@ def gpu_impl(device_kind: str, dtype: Any, head_dim: int) -> str:
 def resolve_impl(impl: str, backend: str | None = None, *, dtype: Any = None,
                  head_dim: int | None = None, softcap: float | None = None,
                  device_kind: str | None = None,
-                 shape: tuple[int, int, int, int] | None = None) -> str:
+                 shape: tuple[int, int, int, int] | None = None,
+                 value_head_dim: int | None = None) -> str:
     """Map `auto` to the implementation for `backend` (default: jax's default backend; lowering
-    for another platform must name it), the operand `dtype` and `head_dim`, and the soft-cap.
+    for another platform must name it), the operand `dtype` and `head_dim`, the soft-cap and
+    `value_head_dim` (v's head dim, default `head_dim`; MLA when they differ).
 
     On a GPU `dtype` and `head_dim` are required (`gpu_impl`); `device_kind` defaults to the
     first local device's and must be given when resolving for a GPU from a host without one.
@@ -146,12 +161,14 @@ def resolve_impl(impl: str, backend: str | None = None, *, dtype: Any = None,
     if backend == "tpu":
         return "pallas_tpu"
     if backend == "cpu":
-        candidates = cpu_candidates(softcap)
+        mla = value_head_dim is not None and value_head_dim != head_dim
+        candidates = cpu_candidates(softcap, mla)
         if (shape is None or dtype is None or head_dim is None or len(candidates) == 1
                 or shape[0] * shape[1] < attention_calibration.MIN_TOKENS):
             return candidates[0]
         return calibrated_cpu_impl(attention_calibration.ShapeClass.of(
-            "cpu", dtype, shape[0], shape[1], shape[2], shape[3], head_dim), candidates)
+            "cpu", dtype, shape[0], shape[1], shape[2], shape[3], head_dim,
+            value_head_dim or head_dim), candidates)
     if backend != "gpu":
         return "xla"  # the portable block-sparse kernel: the same masked attention everywhere
     if dtype is None or head_dim is None:
@@ -161,7 +178,7 @@ def resolve_impl(impl: str, backend: str | None = None, *, dtype: Any = None,
             raise ValueError("attention impl 'auto' for a GPU from a host without one needs the "
                              "target's device_kind (e.g. 'NVIDIA H100 80GB HBM3')")
         device_kind = jax.devices()[0].device_kind
-    return gpu_impl(device_kind, dtype, head_dim)
+    return gpu_impl(device_kind, dtype, head_dim, value_head_dim)
 
 
 @functools.cache
@@ -181,11 +198,13 @@ def _auto_on_cpu() -> str:
     return "xla"
 
 
-def cpu_candidates(softcap: float | None) -> tuple[str, ...]:
+def cpu_candidates(softcap: float | None, mla: bool = False) -> tuple[str, ...]:
     """The kernels `auto` may run on the CPU backend, the static choice first: `cpu` and `xla`
-    when the C++ kernel builds and the call has no soft-cap (which `cpu` does not take), else
-    `xla` alone. Never a kernel that cannot run the call."""
-    if softcap is not None or _auto_on_cpu() != "cpu":
+    when the C++ kernel builds and the call has no soft-cap (which `cpu` does not take) and, for
+    an MLA call (`mla`: value head dim != query/key head dim), `cpu` runs MLA; else `xla` alone.
+    Never a kernel that cannot run the call."""
+    if (softcap is not None or (mla and not _IMPLS["cpu"].value_head_dim)
+            or _auto_on_cpu() != "cpu"):
         return ("xla",)
     return ("cpu", "xla")
 
@@ -229,18 +248,20 @@ def tree_attention(
     sinks: jax.Array | None = None,
     **options: Any,
 ) -> jax.Array:
-    """Attention of q [rows, S, Hq, D] over k, v [rows, S, Hkv, D] under the tree mask `mask`.
+    """Attention of q [rows, S, Hq, Dk] over k [rows, S, Hkv, Dk], v [rows, S, Hkv, Dv] under the
+    tree mask `mask`; the output is [rows, S, Hq, Dv]. Dv != Dk is MLA (module docstring).
 
     GQA: Hkv must divide Hq; query head h reads kv head h // (Hq // Hkv). `scale` defaults to
-    D**-0.5; `softcap` applies cap * tanh(score / cap) before the softmax. `options` go to the
+    Dk**-0.5; `softcap` applies cap * tanh(score / cap) before the softmax. `options` go to the
     implementation (e.g. `block_q`, `block_kv` for `xla` and `pallas_tpu`, `interpret` for
     `pallas_tpu`). `mask.end` [rows, S] int32 must satisfy j < end[j] <= S (checked when it is a
     host array).
 
-    With a prefix (`prefix_k`, `prefix_v` [rows, P, Hkv, D] and `mask.prefix_end` [rows, P]; see
-    the module docstring), the mask is in combined coordinates: P + i < end[i] <= P + S and
-    j < prefix_end[j] <= P + S. With `mask.query_offset` (context parallelism), q holds L <= S
-    queries at key positions offset + i and k, v, `mask.end` the whole row's S keys.
+    With a prefix (`prefix_k` [rows, P, Hkv, Dk], `prefix_v` [rows, P, Hkv, Dv] and
+    `mask.prefix_end` [rows, P]; see the module docstring), the mask is in combined coordinates: P +
+    i < end[i] <= P + S and j < prefix_end[j] <= P + S. With `mask.query_offset` (context
+    parallelism), q holds L <= S queries at key positions offset + i and k, v, `mask.end` the whole
+    row's S keys.
     `mask.real` [rows, queries] bool marks the real queries (see the module docstring).
     `mask.window` (with `mask.positions`) adds the sliding window along the path; `sinks` [Hq]
     (float) the per-head attention-sink logits.
@@ -250,7 +271,7 @@ def tree_attention(
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [rows, S, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
     windowed = mask.query_offset is not None
-    if (k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]
+    if (k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]
             or (q.shape[1] > k.shape[1] if windowed else q.shape[1] != k.shape[1])):
         raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
     if q.shape[2] % k.shape[2]:
@@ -269,20 +290,22 @@ def tree_attention(
         options["sinks"] = sinks
     if windowed:
         mask.check()
-        name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)
+        name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap,
+                            value_head_dim=v.shape[3])
         if not _IMPLS[name].context_parallel:
             raise ValueError(f"attention impl {name!r} does not run under context parallelism "
                              "(mesh.context > 1): set runtime.attention_impl to 'xla', 'cpu' or "
                              "'pallas_tpu', or mesh.context=1")
-        _check_options(name, mask, options)
+        _check_options(name, mask, options, q.shape[3], v.shape[3])
         return _rectangular(q, k, v, mask, name, scale=scale, softcap=softcap, **options)
     if mask.prefix_end is not None or prefix_k is not None or prefix_v is not None:
         return _with_prefix(q, k, v, mask, prefix_k, prefix_v, impl=impl, scale=scale,
                             softcap=softcap, **options)
     mask.check()
     name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap,
-                        shape=(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
-    _check_options(name, mask, options)
+                        shape=(q.shape[0], q.shape[1], q.shape[2], k.shape[2]),
+                        value_head_dim=v.shape[3])
+    _check_options(name, mask, options, q.shape[3], v.shape[3])
     chosen = _IMPLS[name]
     s = q.shape[1]
     target = s if chosen.padded_length is None else chosen.padded_length(s, **options)
@@ -304,19 +327,21 @@ def _with_prefix(q, k, v, mask: TreeMask, prefix_k, prefix_v, *, impl: str, scal
         raise ValueError("prefix: give all of prefix_k, prefix_v and mask.prefix_end, or none")
     rows, s = q.shape[:2]
     p = prefix_k.shape[1]
-    if (prefix_k.shape != prefix_v.shape or prefix_k.shape[0] != rows
-            or prefix_k.shape[2:] != k.shape[2:]):
-        raise ValueError(f"prefix_k, prefix_v must be [rows, P, Hkv, D] = [{rows}, P, "
-                         f"{k.shape[2]}, {k.shape[3]}]; got {prefix_k.shape}, {prefix_v.shape}")
+    if (prefix_k.shape[:3] != prefix_v.shape[:3] or prefix_k.shape[0] != rows
+            or prefix_k.shape[2:] != k.shape[2:] or prefix_v.shape[2:] != v.shape[2:]):
+        raise ValueError(f"prefix_k, prefix_v must be [rows, P, Hkv, Dk], [rows, P, Hkv, Dv] = "
+                         f"[{rows}, P, {k.shape[2]}, {k.shape[3]}], [.., {v.shape[3]}]; got "
+                         f"{prefix_k.shape}, {prefix_v.shape}")
     if mask.prefix_end.shape != (rows, p):
         raise ValueError(f"prefix_end: shape {mask.prefix_end.shape} does not match prefix_k's "
                          f"[rows, P] {(rows, p)}")
     mask.check()
-    name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap)
+    name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap,
+                        value_head_dim=v.shape[3])
     if _IMPLS[name].padded_lengths is None:
         raise ValueError(f"attention impl {name!r}: prefix not supported (it cannot attend to "
                          "cached keys of earlier parts; use 'xla' or 'reference')")
-    _check_options(name, mask, options)
+    _check_options(name, mask, options, q.shape[3], v.shape[3])
     return _rectangular(q, jnp.concatenate([prefix_k, k], axis=1),
                         jnp.concatenate([prefix_v, v], axis=1), mask, name, scale=scale,
                         softcap=softcap, **options)
@@ -338,9 +363,15 @@ def _rectangular(q, k, v, mask: TreeMask, name: str, *, scale: float, softcap: f
     return out[:, :s]
 
 
-def _check_options(name: str, mask: TreeMask, options: dict) -> None:
-    """Raise if implementation `name` cannot run the mask's window or the call's sinks."""
+def _check_options(name: str, mask: TreeMask, options: dict, head_dim: int,
+                   value_head_dim: int) -> None:
+    """Raise if implementation `name` cannot run the mask's window, the call's sinks or its value
+    head dim."""
     chosen = _IMPLS[name]
+    if value_head_dim != head_dim and not chosen.value_head_dim:
+        supported = ", ".join(repr(n) for n, i in _IMPLS.items() if i.value_head_dim)
+        raise ValueError(f"attention impl {name!r}: value head dim {value_head_dim} != query/key "
+                         f"head dim {head_dim} (MLA) not supported; use one of {supported}")
     if mask.window is not None and not chosen.window:
         supported = ", ".join(repr(n) for n, i in _IMPLS.items() if i.window)
         raise ValueError(f"attention impl {name!r}: sliding window (TreeMask.window) not "

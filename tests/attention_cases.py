@@ -93,9 +93,11 @@ def recorded_tpu_races(monkeypatch) -> list:
     return launches
 
 
-def qkv(seed: int, rows: int, s: int, hq: int, hkv: int, d: int, dtype=jnp.float32):
+def qkv(seed: int, rows: int, s: int, hq: int, hkv: int, d: int, dtype=jnp.float32,
+        dv: int | None = None):
+    """Random q, k [.., d] and v [.., dv] (default d; MLA when they differ)."""
     rng = np.random.default_rng(seed)
-    shapes = [(rows, s, hq, d), (rows, s, hkv, d), (rows, s, hkv, d)]
+    shapes = [(rows, s, hq, d), (rows, s, hkv, d), (rows, s, hkv, dv or d)]
     return [jnp.asarray(rng.normal(size=sh), dtype) for sh in shapes]
 
 
@@ -118,7 +120,7 @@ def max_errors(end: np.ndarray, q, k, v, *, impl: str, jit_end: bool = True,
     """Max abs difference of the output and of dq, dk, dv (for a random output cotangent)
     between `impl` and `reference`. With `jit_end`, `end` is a traced argument (as in the model);
     otherwise the host array is a constant of the jitted function (block tables built by numpy)."""
-    cot = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), q.dtype)
+    cot = jnp.asarray(np.random.default_rng(1).normal(size=(*q.shape[:3], v.shape[3])), q.dtype)
     run, run_jit = _value_and_vjp(impl, softcap, tuple(sorted(options.items())))
     if jit_end:
         got = run_jit(q, k, v, jnp.asarray(end), cot)

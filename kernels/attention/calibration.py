@@ -8,9 +8,9 @@ thread) and on the shape (head_dim, work items per thread), so `auto` times both
 representative call of the call's shape class and keeps the faster
 (`jtree.kernels.tree_attention.resolve_impl`).
 
-- `ShapeClass`: backend, dtype, head_dim, q and kv heads, rows and S rounded up to powers of two;
-  the measured call is that class's representative (`rows x S`, with rows cut so that it holds
-  at most `MAX_TOKENS` tokens) on a synthetic tree mask (`synthetic_end`).
+- `ShapeClass`: backend, dtype, head_dim (and v's: MLA), q and kv heads, rows and S rounded up to
+  powers of two; the measured call is that class's representative (`rows x S`, with rows cut so that
+  it holds at most `MAX_TOKENS` tokens) on a synthetic tree mask (`synthetic_end`).
 - `pick_fastest`: the smallest time wins; equal times go to the earlier candidate in the given
   order (deterministic).
 - `measure`: fwd + bwd of each candidate, one warm-up call (compiles) then the median of
@@ -86,12 +86,13 @@ class ShapeClass:
     kv_heads: int
     rows: int  # a power of two >= the call's rows
     seq: int  # a power of two >= the call's S (at least 64)
+    value_head_dim: int  # v's head dim (MLA: not head_dim)
 
     @classmethod
     def of(cls, backend: str, dtype: Any, rows: int, seq: int, q_heads: int, kv_heads: int,
-           head_dim: int) -> ShapeClass:
+           head_dim: int, value_head_dim: int | None = None) -> ShapeClass:
         return cls(backend, jnp.dtype(dtype).name, int(head_dim), int(q_heads), int(kv_heads),
-                   _pow2(rows), max(64, _pow2(seq)))
+                   _pow2(rows), max(64, _pow2(seq)), int(value_head_dim or head_dim))
 
     def representative(self) -> tuple[int, int]:
         """(rows, S) of the measured call: the class's rows x S, rows halved while it holds more
@@ -104,7 +105,9 @@ class ShapeClass:
         return rows, seq
 
     def describe(self) -> str:
-        return (f"head_dim {self.head_dim}, {self.q_heads}/{self.kv_heads} q/kv heads, rows <= "
+        dims = (f"{self.head_dim}" if self.value_head_dim == self.head_dim else
+                f"{self.head_dim} (v {self.value_head_dim})")
+        return (f"head_dim {dims}, {self.q_heads}/{self.kv_heads} q/kv heads, rows <= "
                 f"{self.rows} x S <= {self.seq}, {self.dtype}, {self.backend}")
 
 
@@ -144,7 +147,7 @@ def measure(shape: ShapeClass, candidates: Sequence[str],
         keys = jax.random.split(jax.random.key(0), 3)
         q = jax.random.normal(keys[0], (rows, seq, shape.q_heads, shape.head_dim), dtype)
         k = jax.random.normal(keys[1], (rows, seq, shape.kv_heads, shape.head_dim), dtype)
-        v = jax.random.normal(keys[2], (rows, seq, shape.kv_heads, shape.head_dim), dtype)
+        v = jax.random.normal(keys[2], (rows, seq, shape.kv_heads, shape.value_head_dim), dtype)
         end = synthetic_end(rows, seq)
         times = {}
         for name in candidates:

@@ -90,7 +90,8 @@ def tree_attention_cpu(
     key_pos: jax.Array | None = None,
     sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D]; the contract of
+    """Tree attention of q [rows, Sq, Hq, Dk] over k [rows, Skv, Hkv, Dk], v [rows, Skv, Hkv, Dv]
+    (Dv may differ from Dk: MLA); the contract of
     `jtree.kernels.attention.xla.tree_attention_xla` (S a multiple of the blocks, optional
     `q_pos`, `q_real`, `window` with `key_pos`, `sinks`).
     `threads` defaults to the CPUs this process may use."""
@@ -144,7 +145,8 @@ def _block_inputs(q, k, v, end, q_pos, k_path, q_path, sched: _Schedule, cfg: _C
 def _forward(q, k, v, end, q_pos, k_path, q_path, sched: _Schedule, cfg: _Config):
     args = _block_inputs(q, k, v, end, q_pos, k_path, q_path, sched, cfg)
     qb = args[0]
-    out, lse = jax.ffi.ffi_call(_FORWARD, (jax.ShapeDtypeStruct(qb.shape, jnp.float32),
+    out_shape = (*qb.shape[:3], v.shape[3])  # the value head dim (MLA: not q's)
+    out, lse = jax.ffi.ffi_call(_FORWARD, (jax.ShapeDtypeStruct(out_shape, jnp.float32),
                                            jax.ShapeDtypeStruct(qb.shape[:3], jnp.float32)))(
         *args, **_attrs(cfg, k.shape[1] // cfg.block_kv))
     out, lse = varying_like((out, lse), *args)  # inside shard_map: per-device like the inputs
@@ -159,7 +161,7 @@ def _backward(cfg, q, k, v, end, q_pos, k_path, q_path, sched, out, lse, d_out):
     args += (_q_to_blocks(d_out, hkv, cfg.block_q), lse, _q_to_blocks(delta, hkv, cfg.block_q))
     grads = jax.ffi.ffi_call(_BACKWARD, (jax.ShapeDtypeStruct(args[0].shape, jnp.float32),
                                          jax.ShapeDtypeStruct(args[1].shape, jnp.float32),
-                                         jax.ShapeDtypeStruct(args[1].shape, jnp.float32)))(
+                                         jax.ShapeDtypeStruct(args[2].shape, jnp.float32)))(
         *args, **_attrs(cfg, k.shape[1] // cfg.block_kv))
     dq, dk, dv = varying_like(grads, *args)
     return (_q_from_blocks(dq, rows, hq, cfg.block_q), _kv_from_blocks(dk, rows),

@@ -48,12 +48,14 @@ def attention_reference(
     key_pos: jax.Array | None = None,
     sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Dense attention under the mask, the check every kernel is tested against. `q_real` (the
+    """Dense attention under the mask, the check every kernel is tested against: q, k
+    [.., head_dim Dk], v [.., Dv] (Dv may differ from Dk, as in MLA), output [.., Dv]. `q_real` (the
     real queries) has no work to skip here: every query's output is the mask's. `window` and
     `key_pos`: the sliding window along the path (`tree_mask`); `sinks` [Hq]: one extra logit per
     query head in every softmax denominator, with no value."""
     del q_real
     rows, sq, hq, d = q.shape
+    dv = v.shape[3]  # may differ from d (MLA)
     hkv = k.shape[2]
     qg = q.reshape(rows, sq, hkv, hq // hkv, d)
     acc = accumulation_dtype(q.dtype, k.dtype, v.dtype)
@@ -70,4 +72,4 @@ def attention_reference(
         probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     probs = probs.astype(v.dtype)
     out = jnp.einsum("rkgij,rjkd->rikgd", probs, v, preferred_element_type=acc)
-    return out.reshape(rows, sq, hq, d).astype(q.dtype)
+    return out.reshape(rows, sq, hq, dv).astype(q.dtype)

@@ -24,9 +24,13 @@ q_path[i] - k_path[j] < W to the element mask; the block tables drop the blocks 
 query's window. Sinks: `jtree.kernels.attention.flash_vjp` (lse [rows, Hq, 1, Sq]).
 
 Inputs are transposed to head-major [rows, heads, S, head_dim] so every block is a lane-dense
-(block, head_dim) tile. Constraints (checked, with the reason, in `tree_attention_tpu`): float32 or
-bfloat16, head_dim 64 or a multiple of 128, block sizes multiples of 128 that divide S, and block
-tables that fit in SMEM.
+(block, head_dim) tile. MLA: v's head dim Dv may differ from q's and k's Dk; the output, d_out and
+dv tiles have Dv, the q, k, dq, dk tiles Dk. Constraints (checked, with the reason, in
+`tree_attention_tpu`): float32 or bfloat16, block sizes multiples of 128 that divide S, block
+tables that fit in SMEM, and each head dim 64 or a multiple of 64: one that is neither 64 nor a
+multiple of 128 (DeepSeek-V3's Dk 192) is zero-padded to the next multiple of 128 around the
+kernels, which is exact (zero q/k columns add nothing to a score, zero v columns give output
+columns that are dropped) and costs the padded columns' work.
 """
 
 from __future__ import annotations
@@ -72,9 +76,10 @@ def tree_attention_tpu(
     key_pos: jax.Array | None = None,
     sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] (see `tree_attention`;
-    Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query; q-blocks without a
-    real query in `q_real` run only their own key blocks, `classify_blocks`).
+    """Tree attention of q [rows, Sq, Hq, Dk] over k [rows, Skv, Hkv, Dk], v [rows, Skv, Hkv, Dv]
+    (see `tree_attention`; Dv != Dk is MLA; Sq = Skv unless `q_pos` [rows, Sq] gives the key
+    position of every query; q-blocks without a real query in `q_real` run only their own key
+    blocks, `classify_blocks`).
 
     `max_kv_blocks` / `max_q_blocks` shrink the grid's block-list axis from S / block to a budget
     computed on the host (`jtree.kernels.block_tables.required_blocks`); each skipped grid step still
@@ -84,7 +89,7 @@ def tree_attention_tpu(
     `window` with `key_pos` [rows, Skv]: the sliding window along the path; `sinks` [Hq]: the
     attention sinks.
     """
-    rows, sq, hq, d = q.shape
+    rows, sq = q.shape[:2]
     skv = k.shape[1]
     block_q, block_kv = block_q or DEFAULT_BLOCK, block_kv or DEFAULT_BLOCK
     _check_supported(q, k, v, block_q, block_kv, rectangular=q_pos is not None)
@@ -115,21 +120,39 @@ def tree_attention_tpu(
         q_path = jnp.take_along_axis(k_path, qpos3[:, 0], axis=1)
         end3 = jnp.concatenate([end3, k_path[:, None, :]], axis=1)
         qpos3 = jnp.concatenate([qpos3, q_path[:, None, :]], axis=1)
-    out = _attention(q, k, v, end3, qpos3, kv_table, q_table, cfg, sinks=sinks)
+    dk, dv = q.shape[3], v.shape[3]
+    q, k = _pad_last(q, _lane_dim(dk)), _pad_last(k, _lane_dim(dk))
+    v = _pad_last(v, _lane_dim(dv))
+    out = _attention(q, k, v, end3, qpos3, kv_table, q_table, cfg, sinks=sinks)[..., :dv]
     if isinstance(tables.kv_count, np.ndarray) or (max_kv_blocks is None and max_q_blocks is None):
         return out
     overflow = (jnp.max(tables.kv_count) > max_kv) | (jnp.max(tables.q_count) > max_q)
     return jnp.where(overflow, jnp.nan, out).astype(out.dtype)
 
 
+def _lane_dim(d: int) -> int:
+    """The head dim the kernels run for a head dim `d` (a multiple of 64): `d` itself when it is
+    64 or a multiple of LANES, else the next multiple of LANES (zero-padded around the kernels)."""
+    return d if d == 64 else -(-d // LANES) * LANES
+
+
+def _pad_last(x: jax.Array, d: int) -> jax.Array:
+    """`x` with zero columns appended to its last axis up to `d` (itself when it has `d`)."""
+    if x.shape[-1] == d:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
+
+
 def _check_supported(q, k, v, block_q: int, block_kv: int, rectangular: bool) -> None:
-    sq, skv, d = q.shape[1], k.shape[1], q.shape[3]
+    sq, skv = q.shape[1], k.shape[1]
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"pallas_tpu: q, k, v must all be float32 or all bfloat16 (the MXU "
                          f"input types); got {q.dtype}, {k.dtype}, {v.dtype}")
-    if d != 64 and d % LANES:
-        raise ValueError(f"pallas_tpu: head_dim={d} must be 64 or a multiple of {LANES} (the "
-                         "lane width: the kernel's (block, head_dim) tiles are laid out for these)")
+    for name, d in (("head_dim", q.shape[3]), ("value head_dim", v.shape[3])):
+        if d % 64:
+            raise ValueError(f"pallas_tpu: {name}={d} must be 64 or a multiple of {LANES} (the "
+                             "lane width: the kernel's (block, head_dim) tiles are laid out for "
+                             "these), or another multiple of 64, zero-padded to one")
     # Without q_pos both blocks tile the one sequence; with it, block_q tiles Sq, block_kv Skv.
     lengths = {"block_q": ("Sq", sq), "block_kv": ("Skv", skv)} if rectangular else {
         "block_q": ("S", sq), "block_kv": ("S", sq)}
@@ -204,17 +227,20 @@ def _on_kind(kind, body):
 
 
 class _Specs(NamedTuple):
-    """BlockSpecs of one grid: q-like tiles (q, out, dq, d_out), k/v tiles, the kv-block's slice
-    of `end`, per-query rows (lse, delta), and the q-block's slice of `q_pos`."""
+    """BlockSpecs of one grid: q-like tiles (q, dq: head dim Dk), out-like tiles (out, d_out: Dv),
+    k tiles (k, dk: Dk), v tiles (v, dv: Dv), the kv-block's slice of `end`, per-query rows (lse,
+    delta), and the q-block's slice of `q_pos`."""
 
     q: pl.BlockSpec
-    kv: pl.BlockSpec
+    o: pl.BlockSpec
+    k: pl.BlockSpec
+    v: pl.BlockSpec
     end: pl.BlockSpec
     row: pl.BlockSpec
     qpos: pl.BlockSpec
 
 
-def _specs(q_map, kv_map, end_map, row_map, d: int, cfg: BlockConfig) -> _Specs:
+def _specs(q_map, kv_map, end_map, row_map, d: int, dv: int, cfg: BlockConfig) -> _Specs:
     bq, bk = cfg.block_q, cfg.block_kv
     depth = 1 if cfg.window is None else 2  # `end` / `q_pos` rows: values (and path positions)
 
@@ -222,13 +248,16 @@ def _specs(q_map, kv_map, end_map, row_map, d: int, cfg: BlockConfig) -> _Specs:
         r, _, _, i = row_map(*idx)
         return r, 0, i
 
-    return _Specs(pl.BlockSpec((None, None, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
+    return _Specs(pl.BlockSpec((None, None, bq, d), q_map),
+                  pl.BlockSpec((None, None, bq, dv), q_map),
+                  pl.BlockSpec((None, None, bk, d), kv_map),
+                  pl.BlockSpec((None, None, bk, dv), kv_map),
                   pl.BlockSpec((None, depth, bk), end_map),
                   pl.BlockSpec((None, None, 1, bq), row_map),
                   pl.BlockSpec((None, depth, bq), qpos_map))
 
 
-def _per_q_block_specs(group: int, d: int, cfg: BlockConfig) -> _Specs:
+def _per_q_block_specs(group: int, d: int, dv: int, cfg: BlockConfig) -> _Specs:
     """Grid (rows, Hq, nq, steps): step n of q-block i reads the n-th kv-block of its list."""
 
     def q_map(r, h, i, n, tab):
@@ -243,10 +272,10 @@ def _per_q_block_specs(group: int, d: int, cfg: BlockConfig) -> _Specs:
     def row_map(r, h, i, n, tab):
         return r, h, 0, i
 
-    return _specs(q_map, kv_map, end_map, row_map, d, cfg)
+    return _specs(q_map, kv_map, end_map, row_map, d, dv, cfg)
 
 
-def _per_kv_block_specs(group: int, d: int, cfg: BlockConfig) -> _Specs:
+def _per_kv_block_specs(group: int, d: int, dv: int, cfg: BlockConfig) -> _Specs:
     """Grid (rows, Hkv, nk, group, steps): query head hk * group + gi, step n of kv-block j reads
     the n-th q-block of its list."""
 
@@ -262,7 +291,7 @@ def _per_kv_block_specs(group: int, d: int, cfg: BlockConfig) -> _Specs:
     def row_map(r, hk, j, gi, n, tab):
         return r, hk * group + gi, 0, _block(tab[r, j, n])
 
-    return _specs(q_map, kv_map, end_map, row_map, d, cfg)
+    return _specs(q_map, kv_map, end_map, row_map, d, dv, cfg)
 
 
 def _call(kernel, name: str, *, grid, cfg: BlockConfig, in_specs, out_specs, out_shape, scratch,
@@ -328,20 +357,21 @@ def _fwd_kernel(kv_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, o_ref, lse_ref
 
 
 def _forward(q, k, v, end, q_pos, kv_table, cfg: BlockConfig):
-    """q [rows, Hq, Sq, D], k, v [rows, Hkv, Skv, D], end [rows, 1, Skv], q_pos [rows, 1, Sq]
-    -> out, lse [rows, Hq, 1, Sq]."""
+    """q [rows, Hq, Sq, Dk], k [rows, Hkv, Skv, Dk], v [rows, Hkv, Skv, Dv], end [rows, 1, Skv],
+    q_pos [rows, 1, Sq] -> out [rows, Hq, Sq, Dv], lse [rows, Hq, 1, Sq]."""
     rows, hq, s, d = q.shape
-    specs = _per_q_block_specs(hq // k.shape[1], d, cfg)
+    dv = v.shape[3]
+    specs = _per_q_block_specs(hq // k.shape[1], d, dv, cfg)
     bq = cfg.block_q
     return _call(
         functools.partial(_fwd_kernel, cfg=cfg, steps=kv_table.shape[2]), "tree_attention_fwd",
         grid=(rows, hq, s // bq, kv_table.shape[2]), cfg=cfg,
-        in_specs=[specs.q, specs.kv, specs.kv, specs.end, specs.qpos],
-        out_specs=[specs.q, specs.row],
-        out_shape=[varying_struct(q.shape, q.dtype, kv_table, q, k, v, end, q_pos),
+        in_specs=[specs.q, specs.k, specs.v, specs.end, specs.qpos],
+        out_specs=[specs.o, specs.row],
+        out_shape=[varying_struct((rows, hq, s, dv), q.dtype, kv_table, q, k, v, end, q_pos),
                    varying_struct((rows, hq, 1, s), jnp.float32, kv_table, q, k, v, end, q_pos)],
         scratch=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
-                 pltpu.VMEM((bq, d), jnp.float32)],
+                 pltpu.VMEM((bq, dv), jnp.float32)],
     )(kv_table, q, k, v, end, q_pos)
 
 
@@ -383,11 +413,11 @@ def _dq_kernel(kv_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, do_ref, lse_ref
 
 def _backward_dq(q, k, v, end, q_pos, d_out, lse, delta, kv_table, cfg: BlockConfig):
     rows, hq, s, d = q.shape
-    specs = _per_q_block_specs(hq // k.shape[1], d, cfg)
+    specs = _per_q_block_specs(hq // k.shape[1], d, v.shape[3], cfg)
     return _call(
         functools.partial(_dq_kernel, cfg=cfg, steps=kv_table.shape[2]), "tree_attention_dq",
         grid=(rows, hq, s // cfg.block_q, kv_table.shape[2]), cfg=cfg,
-        in_specs=[specs.q, specs.kv, specs.kv, specs.end, specs.qpos, specs.q, specs.row,
+        in_specs=[specs.q, specs.k, specs.v, specs.end, specs.qpos, specs.o, specs.row,
                   specs.row],
         out_specs=specs.q,
         out_shape=varying_struct(q.shape, q.dtype, kv_table, q, k, v, end, q_pos, d_out, lse,
@@ -439,18 +469,18 @@ def _dkv_kernel(q_table, q_ref, k_ref, v_ref, end_ref, qpos_ref, do_ref, lse_ref
 
 def _backward_dkv(q, k, v, end, q_pos, d_out, lse, delta, q_table, cfg: BlockConfig):
     rows, hq, _, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    specs = _per_kv_block_specs(hq // hkv, d, cfg)
+    hkv, s, dv = k.shape[1], k.shape[2], v.shape[3]
+    specs = _per_kv_block_specs(hq // hkv, d, dv, cfg)
     bk = cfg.block_kv
     return _call(
         functools.partial(_dkv_kernel, cfg=cfg, steps=q_table.shape[2], group=hq // hkv),
         "tree_attention_dkv", grid=(rows, hkv, s // bk, hq // hkv, q_table.shape[2]), cfg=cfg,
-        in_specs=[specs.q, specs.kv, specs.kv, specs.end, specs.qpos, specs.q, specs.row,
+        in_specs=[specs.q, specs.k, specs.v, specs.end, specs.qpos, specs.o, specs.row,
                   specs.row],
-        out_specs=[specs.kv, specs.kv],
+        out_specs=[specs.k, specs.v],
         out_shape=[varying_struct(x.shape, x.dtype, q_table, q, k, v, end, q_pos, d_out, lse, delta)
                    for x in (k, v)],
-        scratch=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)],
+        scratch=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)],
         accumulating=2,  # the query heads of the group and the q-block list
     )(q_table, q, k, v, end, q_pos, d_out, lse, delta)
 
@@ -464,7 +494,7 @@ def _head_major(x):
 
 def _attention_forward(q, k, v, end3, qpos3, kv_table, q_table, cfg):
     """end3 [rows, 1 | 2, Skv], qpos3 [rows, 1 | 2, Sq] (values, and path positions with a
-    window) -> out [rows, Sq, Hq, D], lse [rows, Hq, 1, Sq]."""
+    window) -> out [rows, Sq, Hq, Dv], lse [rows, Hq, 1, Sq]."""
     del q_table
     out, lse = _forward(_head_major(q), _head_major(k), _head_major(v), end3, qpos3, kv_table,
                         cfg)

@@ -110,7 +110,8 @@ def tree_attention_xla(
     key_pos: jax.Array | None = None,
     sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] (see `tree_attention`).
+    """Tree attention of q [rows, Sq, Hq, Dk] over k [rows, Skv, Hkv, Dk], v [rows, Skv, Hkv, Dv]
+    (Dv may differ from Dk: MLA), output [rows, Sq, Hq, Dv] (see `tree_attention`).
 
     Without `q_pos`, Sq = Skv = S and query i sits at key position i; S must be a multiple of
     both block sizes (`tree_attention` pads it). With `q_pos` [rows, Sq] (non-decreasing key
@@ -230,9 +231,9 @@ def _kv_from_blocks(x: jax.Array, rows: int) -> jax.Array:
 class _Blocks(NamedTuple):
     """Everything the per-block step needs, in block layout."""
 
-    q: jax.Array  # [rows * nq, Hkv, M, D]
-    k: jax.Array  # [rows * nk, Hkv, bk, D]
-    v: jax.Array
+    q: jax.Array  # [rows * nq, Hkv, M, Dk]
+    k: jax.Array  # [rows * nk, Hkv, bk, Dk]
+    v: jax.Array  # [rows * nk, Hkv, bk, Dv]
     end: jax.Array  # [rows * nk, bk]
     path: jax.Array | None  # [rows * nk, bk] the keys' path positions (window only)
 
@@ -312,8 +313,9 @@ def _forward(q, k, v, end, q_pos, path, q_path, sched: _Schedule, cfg: _Config):
             acc = alpha.reshape(qg.shape[:3])[..., None] * acc + pv
             return m_new, alpha * l + p.sum(axis=-1), acc
 
+        acc_shape = (*qg.shape[:3], v.shape[3])  # the value head dim (MLA: not q's)
         init = varying_like((jnp.full(stat_shape, _MASKED, jnp.float32),
-                             jnp.zeros(stat_shape, jnp.float32), jnp.zeros(qg.shape, jnp.float32)),
+                             jnp.zeros(stat_shape, jnp.float32), jnp.zeros(acc_shape, jnp.float32)),
                             qg, blocks, sched)
         m, l, acc = jax.lax.fori_loop(0, sched.count[gid].max(), step, init)
         l = jnp.where(l > 0, l, 1.0).reshape(qg.shape[:3])
@@ -370,8 +372,9 @@ def _backward(cfg, q, k, v, end, q_pos, path, q_path, sched, out, lse, d_out):
                                                (dq0, dk_acc, dv_acc))
         return (dk_acc, dv_acc), dq.astype(q.dtype)
 
-    acc0 = varying_like(jnp.zeros(blocks.k.shape, jnp.float32), blocks, do_blocks, sched)
-    (dk, dv), dq = jax.lax.scan(group_body, (acc0, acc0), sched.groups)
+    acc0 = varying_like((jnp.zeros(blocks.k.shape, jnp.float32),
+                         jnp.zeros(blocks.v.shape, jnp.float32)), blocks, do_blocks, sched)
+    (dk, dv), dq = jax.lax.scan(group_body, acc0, sched.groups)
     inverse = jnp.argsort(sched.groups.reshape(-1), stable=True)[: rows * nq]
     dq = dq.reshape(-1, *dq.shape[2:])[inverse]
     return (_q_from_blocks(dq, rows, hq, cfg.block_q),

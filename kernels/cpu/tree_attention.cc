@@ -6,9 +6,11 @@
 // matmuls are small register-tiled GEMMs over GCC vector types.
 //
 // Layouts (the `xla` kernel's block layout, see kernels/attention_xla.py):
-//   q, out, d_out, dq : [NQ, H, M, D]   M = g * bq rows; row m is query head h*g + m / bq at
+//   q, dq             : [NQ, H, M, D]   M = g * bq rows; row m is query head h*g + m / bq at
 //                                       position m % bq of the q-block
-//   k, v, dk, dv      : [NK, H, bk, D]  global kv-block ids (row r's blocks are r*nk .. r*nk+nk-1)
+//   out, d_out        : [NQ, H, M, DV]
+//   k, dk             : [NK, H, bk, D]  global kv-block ids (row r's blocks are r*nk .. r*nk+nk-1)
+//   v, dv             : [NK, H, bk, DV] DV: the value head dim, D's or not (MLA)
 //   lse, delta        : [NQ, H, M]
 //   end               : [NK, bk]        subtree end of every key (row coordinates)
 //   q_pos             : [NQ, bq]        key position of every query
@@ -62,6 +64,7 @@ void transpose(const float* src, int rows, int cols, float* dst) {
 
 struct Shape {
   int64_t nq, h, m, d, nk, bk, bq, max_kv, nk_row;
+  int64_t dv;  // the value head dim (MLA: not d)
 };
 
 // Runs fn(item, thread) over items 0..n-1 (heaviest first by `cost`) on up to `threads` threads.
@@ -139,7 +142,7 @@ Operands operands_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Bu
                      ffi::Buffer<ffi::S32>& q_path, int64_t nk_row) {
   auto qd = q.dimensions(), kd = k.dimensions();
   const Shape s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[2], q_pos.dimensions()[1],
-                kv_index.dimensions()[1], nk_row};
+                kv_index.dimensions()[1], nk_row, v.dimensions()[3]};
   const int32_t* C = count.typed_data();
   std::vector<int64_t> cost(s.nq * s.h);
   for (int64_t i = 0; i < s.nq * s.h; ++i) cost[i] = C[i / s.h];
@@ -165,24 +168,24 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   parallel_items(items, cost, nt, [&](int64_t item, int t) {
     const int64_t qb = item / s.h, h = item % s.h;
     auto& buf = scratch[t];
-    buf.resize(s.d * s.bk + 2 * s.m * s.bk + 2 * s.m * s.d + 3 * s.m);  // once per thread
+    buf.resize(s.d * s.bk + 2 * s.m * s.bk + s.m * s.d + s.m * s.dv + 3 * s.m);  // per thread
     float* qs = buf.data();  // the q-block times `scale`: scores come out of the matmul scaled
     float* kt = qs + s.m * s.d;
     float* sc = kt + s.d * s.bk;
     float* visible = sc + s.m * s.bk;
     float* acc = visible + s.m * s.bk;
-    float* mx = acc + s.m * s.d;
+    float* mx = acc + s.m * s.dv;
     float* sum = mx + s.m;
     float* alpha = sum + s.m;
     std::fill(mx, mx + s.m, kMasked);
-    std::fill(acc, acc + s.m * s.d, 0.f);
+    std::fill(acc, acc + s.m * s.dv, 0.f);
     std::fill(sum, sum + s.m, 0.f);
     const float* qblk = Q + (qb * s.h + h) * s.m * s.d;
     for (int64_t i = 0; i < s.m * s.d; ++i) qs[i] = qblk[i] * scale;
     for (int32_t n = 0; n < C[qb]; ++n) {
       const int64_t kid = KI[qb * s.max_kv + n];
       const float* kblk = K + (kid * s.h + h) * s.bk * s.d;
-      const float* vblk = V + (kid * s.h + h) * s.bk * s.d;
+      const float* vblk = V + (kid * s.h + h) * s.bk * s.dv;
       transpose(kblk, s.bk, s.d, kt);
       std::fill(sc, sc + s.m * s.bk, 0.f);
       gemm(rows(qs, s.d), kt, s.bk, sc, s.bk, s.m, s.bk, s.d);
@@ -212,16 +215,16 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
           for (int64_t j = 0; j < s.bk; ++j) row[j] *= vis[j];
         for (int64_t j = 0; j < s.bk; ++j) total += row[j];
         if (alpha[i] != 1.f)
-          for (int64_t c = 0; c < s.d; ++c) acc[i * s.d + c] *= alpha[i];
+          for (int64_t c = 0; c < s.dv; ++c) acc[i * s.dv + c] *= alpha[i];
         sum[i] = alpha[i] * sum[i] + total;
       }
-      gemm(rows(sc, s.bk), vblk, s.d, acc, s.d, s.m, s.d, s.bk);
+      gemm(rows(sc, s.bk), vblk, s.dv, acc, s.dv, s.m, s.dv, s.bk);
     }
-    float* oblk = O + (qb * s.h + h) * s.m * s.d;
+    float* oblk = O + (qb * s.h + h) * s.m * s.dv;
     float* lblk = L + (qb * s.h + h) * s.m;
     for (int64_t i = 0; i < s.m; ++i) {
       const float l = sum[i] > 0.f ? sum[i] : 1.f;
-      for (int64_t c = 0; c < s.d; ++c) oblk[i * s.d + c] = acc[i * s.d + c] / l;
+      for (int64_t c = 0; c < s.dv; ++c) oblk[i * s.dv + c] = acc[i * s.dv + c] / l;
       lblk[i] = mx[i] + std::log(l);
     }
   });
@@ -244,36 +247,36 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
   const float* DL = delta.typed_data();
   const int64_t items = s.nq * s.h;
   const int nt = thread_count(threads, items);
-  const int64_t kv_size = s.nk * s.h * s.bk * s.d;
+  const int64_t k_size = s.nk * s.h * s.bk * s.d, v_size = s.nk * s.h * s.bk * s.dv;
   // dk / dv: thread 0 writes the outputs, the others their own accumulators, summed at the end in
   // thread order; with the items' fixed assignment (`parallel_items_fixed`) every sum runs in the
   // same order on every call with the same thread count.
   std::vector<std::vector<float>> dk_part(nt - 1), dv_part(nt - 1);
   float* DK = dk->typed_data();
   float* DV = dv->typed_data();
-  std::fill(DK, DK + kv_size, 0.f);
-  std::fill(DV, DV + kv_size, 0.f);
+  std::fill(DK, DK + k_size, 0.f);
+  std::fill(DV, DV + v_size, 0.f);
   std::vector<std::vector<float>> scratch(nt);
   parallel_items_fixed(items, cost, nt, [&](int64_t item, int t) {
     const int64_t qb = item / s.h, h = item % s.h;
     if (t > 0 && dk_part[t - 1].empty()) {
-      dk_part[t - 1].assign(kv_size, 0.f);
-      dv_part[t - 1].assign(kv_size, 0.f);
+      dk_part[t - 1].assign(k_size, 0.f);
+      dv_part[t - 1].assign(v_size, 0.f);
     }
     float* dk_acc = t == 0 ? DK : dk_part[t - 1].data();
     float* dv_acc = t == 0 ? DV : dv_part[t - 1].data();
     auto& buf = scratch[t];
-    buf.resize(2 * s.d * s.bk + 3 * s.m * s.bk + 2 * s.m * s.d);  // once per thread
+    buf.resize((s.d + s.dv) * s.bk + 3 * s.m * s.bk + 2 * s.m * s.d);  // once per thread
     float* qs = buf.data();  // the q-block times `scale`, for the scores
     float* kt = qs + s.m * s.d;
     float* vt = kt + s.d * s.bk;
-    float* p = vt + s.d * s.bk;
+    float* p = vt + s.dv * s.bk;
     float* ds = p + s.m * s.bk;
     float* visible = ds + s.m * s.bk;
     float* dq_acc = visible + s.m * s.bk;
     const int64_t off = (qb * s.h + h);
     const float* qblk = Q + off * s.m * s.d;
-    const float* doblk = DO + off * s.m * s.d;
+    const float* doblk = DO + off * s.m * s.dv;
     const float* lblk = LS + off * s.m;
     const float* dlblk = DL + off * s.m;
     for (int64_t i = 0; i < s.m * s.d; ++i) qs[i] = qblk[i] * scale;
@@ -281,15 +284,16 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
     for (int32_t n = 0; n < C[qb]; ++n) {
       const int64_t kid = KI[qb * s.max_kv + n];
       const int64_t koff = (kid * s.h + h) * s.bk * s.d;
+      const int64_t voff = (kid * s.h + h) * s.bk * s.dv;
       transpose(K + koff, s.bk, s.d, kt);
-      transpose(V + koff, s.bk, s.d, vt);
+      transpose(V + voff, s.bk, s.dv, vt);
       std::fill(p, p + 2 * s.m * s.bk, 0.f);  // p and ds (ds holds dP first)
       gemm(rows(qs, s.d), kt, s.bk, p, s.bk, s.m, s.bk, s.d);
       const bool full = KK[qb * s.max_kv + n] == kFull;
       if (!full)
         apply_mask(p, s, QP + qb * s.bq, E + kid * s.bk, kid, QH + qb * s.bq, KP + kid * s.bk,
                    window);
-      gemm(rows(doblk, s.d), vt, s.bk, ds, s.bk, s.m, s.bk, s.d);
+      gemm(rows(doblk, s.dv), vt, s.bk, ds, s.bk, s.m, s.bk, s.dv);
       for (int64_t i = 0; i < s.m; ++i) {  // p = exp(score - lse) where visible, in passes
         float* prow = p + i * s.bk;
         if (!full)
@@ -307,16 +311,16 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
       }
       gemm(rows(ds, s.bk), K + koff, s.d, dq_acc, s.d, s.m, s.d, s.bk);
       gemm(transposed(ds, s.bk), qblk, s.d, dk_acc + koff, s.d, s.bk, s.d, s.m);
-      gemm(transposed(p, s.bk), doblk, s.d, dv_acc + koff, s.d, s.bk, s.d, s.m);
+      gemm(transposed(p, s.bk), doblk, s.dv, dv_acc + voff, s.dv, s.bk, s.dv, s.m);
     }
     std::memcpy(dq->typed_data() + off * s.m * s.d, dq_acc, sizeof(float) * s.m * s.d);
   });
   for (auto& part : dk_part)
     if (!part.empty())
-      for (int64_t i = 0; i < kv_size; ++i) DK[i] += part[i];
+      for (int64_t i = 0; i < k_size; ++i) DK[i] += part[i];
   for (auto& part : dv_part)
     if (!part.empty())
-      for (int64_t i = 0; i < kv_size; ++i) DV[i] += part[i];
+      for (int64_t i = 0; i < v_size; ++i) DV[i] += part[i];
   return ffi::Error::Success();
 }
 

@@ -51,7 +51,7 @@ def _square_run(p: int, softcap: float | None):
 
 
 def prefix_errors(end, q, k, v, p: int, *, impl: str, softcap=None, **options):
-    cot = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), q.dtype)
+    cot = jnp.asarray(np.random.default_rng(1).normal(size=(*q.shape[:3], v.shape[3])), q.dtype)
     got = _prefix_run(impl, p, softcap, tuple(sorted(options.items())))(q, k, v, end, cot)
     want = _square_run(p, softcap)(q, k, v, end, cot)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):

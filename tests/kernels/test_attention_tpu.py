@@ -2,7 +2,8 @@
 
 - numerics in the Pallas interpreter (`interpret=True`) against the dense reference: forward and
   q/k/v gradients on random forests, GQA 1/2/4, head_dim 64 and 128, S padded to the block,
-  differing block sizes, soft-cap, a tight block budget; float32 tolerance 2e-5;
+  differing block sizes, soft-cap, a tight block budget; MLA value head dims (Dv != Dk: 64/128,
+  and DeepSeek-V3's 192/128 with Dk zero-padded to 256); float32 tolerance 2e-5;
 - one small case in the TPU interpreter with race detection (simulated DMAs, two cores) at the
   default blocks, in float32 and in bfloat16 (the production dtype; tolerance BF16_TOL x the
   largest reference magnitude: P and the outputs are rounded to bf16 once each, against the
@@ -53,6 +54,18 @@ def test_interpret_matches_reference(hq, hkv, d, s, blocks, softcap, budget):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("hq, hkv, dk, dv, s, softcap", [
+    (4, 2, 64, 128, 256, 20.0),    # Dv > Dk, both lane-tiled as they are; soft-cap
+    (2, 1, 192, 128, 200, None),   # DeepSeek-V3: Dk 192 runs zero-padded to 256
+])
+def test_interpret_mla_matches_reference(hq, hkv, dk, dv, s, softcap):
+    end = tree_end(seed=s + dk, s=s, max_trees=16, max_nodes=12, max_seg=40)
+    q, k, v = qkv(0, end.shape[0], s, hq, hkv, dk, dv=dv)
+    max_errors(end, q, k, v, impl="pallas_tpu", softcap=softcap, block_q=128, block_kv=128,
+               interpret=True)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_no_races_in_tpu_interpreter(monkeypatch, dtype):
     """Forward, dq and dkv kernels under the TPU interpreter's race detector with two cores (the
@@ -97,19 +110,25 @@ def test_budget_too_small():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(d=96), "head_dim=96 must be 64 or a multiple of 128"),
+    (dict(dv=96), "value head_dim=96 must be 64 or a multiple of 128"),
     (dict(dtype=jnp.float16), "must all be float32 or all bfloat16"),
     (dict(block_q=64), "block_q=64 must be a multiple of 128"),
 ])
 def test_rejects_what_it_cannot_run(kw, match):
-    q, k, v = qkv(0, 1, 256, 2, 1, kw.get("d", 64), dtype=kw.get("dtype", jnp.float32))
+    q, k, v = qkv(0, 1, 256, 2, 1, kw.get("d", 64), dtype=kw.get("dtype", jnp.float32),
+                  dv=kw.get("dv"))
     end = np.arange(1, 257, dtype=np.int32)[None]
     options = {"block_q": kw["block_q"]} if "block_q" in kw else {}
     with pytest.raises(ValueError, match=match):
         tree_attention(q, k, v, TreeMask(end), impl="pallas_tpu", **options)
 
 
-@pytest.mark.parametrize("d, dtype, hq, hkv", [(128, jnp.bfloat16, 8, 2), (64, jnp.float32, 4, 4)])
-def test_exports_for_tpu(d, dtype, hq, hkv):
+@pytest.mark.parametrize("d, dv, dtype, hq, hkv", [
+    (128, 128, jnp.bfloat16, 8, 2),
+    (64, 64, jnp.float32, 4, 4),
+    (192, 128, jnp.bfloat16, 4, 4),  # MLA (DeepSeek-V3's dims), Dk padded to 256
+])
+def test_exports_for_tpu(d, dv, dtype, hq, hkv):
     """Forward + backward lowers for the TPU platform at S=8192: three Mosaic kernels."""
     rows, s = 2, 8192
 
@@ -119,7 +138,7 @@ def test_exports_for_tpu(d, dtype, hq, hkv):
 
     shapes = [jax.ShapeDtypeStruct((rows, s, hq, d), dtype),
               jax.ShapeDtypeStruct((rows, s, hkv, d), dtype),
-              jax.ShapeDtypeStruct((rows, s, hkv, d), dtype),
+              jax.ShapeDtypeStruct((rows, s, hkv, dv), dtype),
               jax.ShapeDtypeStruct((rows, s), jnp.int32)]
     exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))),
                                  platforms=["tpu"])(*shapes)
