@@ -20,9 +20,8 @@ Queries and keys are both permuted alike, so the scores do not depend on the lay
 
 The tree mask, prefixes and context parallelism are those of `jtree.models.attention`: each token
 attends to its ancestors only; the cache of a redundancy-free part holds the expanded keys and
-values at their own widths. `jtree.kernels.tree_attention` takes one head width for q, k and v,
-so q, k and v are zero-padded to the larger of the two widths for the call and the output cut
-back: zero features add nothing to a score or to the output's kept features, so this is exact.
+values at their own widths. `jtree.kernels.tree_attention` takes the value width apart from the
+q/k width; an implementation that cannot run Dv != Dk raises naming itself (docs/kernels.md).
 
 Tensor parallelism splits the heads: `q_b_proj` (or `q_proj`) and `kv_b_proj` are
 column-parallel in whole heads, `o_proj` row-parallel, the bottleneck projections and norms
@@ -103,8 +102,8 @@ class MultiHeadLatentAttention(nnx.Module):
             k_all, v_all = k, v
         else:
             k_all, v_all = gathered_keys(k, v, self.runtime.context_axis)
-        out = attend_widths(q, k_all, v_all, mask, prefix, self.runtime.attention_impl,
-                            cfg.softmax_scale)
+        out = attend(q, k_all, v_all, mask, prefix, self.runtime.attention_impl,
+                     scale=cfg.softmax_scale)
         return (row_parallel(self.o_proj, out.reshape(rows, s, -1),
                              self.runtime.tensor_parallel_axis), AttentionCache(k, v))
 
@@ -113,21 +112,3 @@ def rotate_half_layout(x: jax.Array) -> jax.Array:
     """Interleaved RoPE pairs (x0, x1), (x2, x3), ... on the last axis -> [x0, x2, ... | x1, x3,
     ...], the layout `apply_rope` (rotate-half) turns pair by pair."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-
-
-def attend_widths(q: jax.Array, k: jax.Array, v: jax.Array, mask: TreeMask,
-                  prefix: AttentionCache | None, impl: str, scale: float) -> jax.Array:
-    """`attend` for q/k heads of one width and value heads of another [rows, S, H, Dv] (and a
-    prefix cache of those widths): all zero-padded to the larger width, the output cut back to
-    Dv (module docstring)."""
-    dk, dv = q.shape[-1], v.shape[-1]
-    width = max(dk, dv)
-
-    def padded(a: jax.Array) -> jax.Array:
-        extra = width - a.shape[-1]
-        return a if not extra else jnp.pad(a, ((0, 0),) * (a.ndim - 1) + ((0, extra),))
-
-    if prefix is not None:
-        prefix = AttentionCache(padded(prefix.k), padded(prefix.v))
-    out = attend(padded(q), padded(k), padded(v), mask, prefix, impl, scale=scale)
-    return out[..., :dv]

@@ -87,8 +87,12 @@ def test_load_reads_the_architecture_fields(checkpoint):
     assert mlp.shared_expert_gate is None
 
 
-def test_tree_logprobs_equal_transformers_per_path(checkpoint):
-    _, ref, _, model = checkpoint
+@pytest.mark.parametrize("impl", ["reference", "xla", "auto"])
+def test_tree_logprobs_equal_transformers_per_path(checkpoint, impl):
+    """With v heads narrower than q/k heads in each attention implementation this host runs
+    (`auto`: the one it picks here, the C++ `cpu` kernel or `xla`)."""
+    path, ref, _, _ = checkpoint
+    _, model = jtree.hf.load(path, tiny_runtime(attention_impl=impl))
     assert_tree_logprobs_equal_per_path(ref, model)
 
 
