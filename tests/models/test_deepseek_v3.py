@@ -4,10 +4,9 @@ over cached MLA prefixes (keys and values of different widths) == the unpartitio
 group-limited router against a numpy formula written here (routing replay too), and the optimizer
 leaving the expert-selection bias alone.
 
-The tiny model has a dense first layer and two DeepSeekMoE layers (8 experts in 4 groups, 2
-eligible, top 3, 2 shared), MLA with a query bottleneck, q/k heads 16 + 8 wide and value heads
-12 wide, YaRN; its parameters are perturbed and its selection biases random, so the bias changes
-the routing.
+The tiny model is `tests.models_util.tiny_deepseek_v3_config`'s (a dense layer, two DeepSeekMoE
+layers, MLA with value heads narrower than q/k heads, YaRN); its parameters are perturbed and
+its selection biases random, so the bias changes the routing.
 """
 
 import jax
@@ -17,23 +16,15 @@ import optax
 import pytest
 from flax import nnx
 
-from jtree.config.architectures import DeepseekV3Config, YarnRopeScaling
 from jtree.config.objective import OptimConfig
 from jtree.models.moe import GroupLimitedRouter
 from jtree.step.optimizer import make_optimizer
 from tests.models.test_equivalence import _assert_equal_baseline_under_ppo
-from tests.models_util import perturbed, tiny_lm
+from tests.models_util import perturbed, tiny_deepseek_v3_config, tiny_lm
 from tests.partitioning.test_redundancy_free import SFT, _check
 from tests.strategies import one_row_forests
 
-CONFIG = DeepseekV3Config(
-    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2,
-    num_experts=8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
-    qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=3,
-    first_k_dense_replace=1, rope_theta=100.0,
-    rope_scaling=YarnRopeScaling(factor=4.0, original_max_position_embeddings=16, mscale=1.0,
-                                 mscale_all_dim=0.7))
+CONFIG = tiny_deepseek_v3_config()
 
 
 def _model(**runtime):
