@@ -27,7 +27,7 @@ from tests.hf_path_checks import (  # noqa: E402
     assert_tree_logprobs_equal_per_path,
     write_random_checkpoint,
 )
-from tests.hf_util import assert_same_params, copy_checkpoint  # noqa: E402
+from tests.hf_util import assert_same_params, copy_checkpoint, param_arrays  # noqa: E402
 from tests.models_util import tiny_runtime  # noqa: E402
 from tests.torch_util import VOCAB  # noqa: E402
 
@@ -126,6 +126,18 @@ def test_save_then_from_pretrained_gives_the_same_model(checkpoint, tmp_path):
     again_config, again = jtree.hf.load(tmp_path, tiny_runtime())
     assert again_config == config
     assert_same_params(again, model)
+
+
+def test_scanned_load_saves_back_bit_identical(checkpoint, tmp_path):
+    """Into stacked layers (the dense layer alone, the two MoE layers one scanned block) and
+    back: the same files as the unscanned save."""
+    _, _, config, model = checkpoint
+    jtree.hf.save(model, config, tmp_path / "a")
+    _, scanned = jtree.hf.load(tmp_path / "a", tiny_runtime(scan_layers=True))
+    assert "model.blocks.1.0.mlp.gate.e_score_correction_bias" in param_arrays(scanned)
+    jtree.hf.save(scanned, config, tmp_path / "b")
+    assert ({f.name: f.read_bytes() for f in (tmp_path / "b").iterdir()}
+            == {f.name: f.read_bytes() for f in (tmp_path / "a").iterdir()})
 
 
 def test_mtp_layer_of_hub_checkpoints_is_skipped(checkpoint, tmp_path):
