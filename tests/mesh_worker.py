@@ -101,8 +101,9 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     `qwen3_5` and `qwen3_5_moe` are Qwen3.5 (Qwen3-Next's hybrid with separate GDN projections),
     dense and MoE; `gpt_oss` (`gpt_oss_a2a`: token dispatch) is gpt-oss (sliding-window and
     full layers with sinks, experts with biases and the clamped SwiGLU) on the block-sparse
-    `xla` kernel, whose block tables skip what the windows exclude; `deepseek_v3` is DeepSeek-V3
-    (MLA with value heads narrower than q/k heads, DeepSeekMoE) on the `xla` kernel."""
+    `xla` kernel, whose block tables skip what the windows exclude; `deepseek_v3`
+    (`deepseek_v3_a2a`: token dispatch) is DeepSeek-V3 (MLA with value heads narrower than q/k
+    heads, DeepSeekMoE) on the `xla` kernel."""
     dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
     if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan", "dense_xla",
                 "dense_critic", "dense_critic_model"):
@@ -124,8 +125,9 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
                                                               expert_dispatch=dispatch)
     if kind == "qwen3_5_moe":
         return "qwen3_5_moe", tiny_qwen3_5_moe_config(), tiny_runtime(expert_dispatch=dispatch)
-    if kind == "deepseek_v3":
-        return "deepseek_v3", tiny_deepseek_v3_config(), tiny_runtime(attention_impl="xla")
+    if kind in ("deepseek_v3", "deepseek_v3_a2a"):
+        return "deepseek_v3", tiny_deepseek_v3_config(), tiny_runtime(attention_impl="xla",
+                                                                      expert_dispatch=dispatch)
     return "qwen3_next", tiny_next_config(), tiny_runtime(expert_dispatch=dispatch)
 
 
