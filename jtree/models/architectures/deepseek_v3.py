@@ -22,13 +22,12 @@ FP8 checkpoints, ...) are refused by name, like every key jtree does not impleme
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jtree.config.architectures import DeepseekV3Config, YarnRopeScaling
+from jtree.config.architectures import DeepseekV3Config
 from jtree.models.architectures import qwen3
-from jtree.models.architectures.gpt_oss import ROPE_TYPES
+from jtree.models.architectures.gpt_oss import ROPE_TYPES, yarn_scaling, yarn_to_hf
 from jtree.models.architectures.qwen3_moe import EXPERT_TENSORS
 from jtree.models.hf_config import ROPE_KEYS, equals, read_config, renamed, rope_config, whole_head
 from jtree.models.hf_mapping import NNX_TO_TORCH, TRANSPOSED, HfMapping, TensorRule
@@ -110,10 +109,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> DeepseekV3Config:
     whole_head(partial)
     values["rope_theta"] = theta
     if rope_type == "yarn":
-        if "factor" not in params or "original_max_position_embeddings" not in params:
-            raise ValueError("config.json: rope_scaling needs factor and "
-                             "original_max_position_embeddings (rope_type 'yarn')")
-        values["rope_scaling"] = YarnRopeScaling(**params)
+        values["rope_scaling"] = yarn_scaling(params)
     return DeepseekV3Config(**values)
 
 
@@ -126,11 +122,7 @@ def config_to_hf(cfg: DeepseekV3Config) -> dict[str, Any]:
     out.update(
         model_type="deepseek_v3",
         rope_theta=cfg.rope_theta,
-        # (`truncate` only when off: transformers' default, which DeepSeek's configs omit)
-        rope_scaling=None if scaling is None else {
-            "rope_type": "yarn",
-            **{k: v for k, v in dataclasses.asdict(scaling).items()
-               if v is not None and (k, v) != ("truncate", True)}},
+        rope_scaling=None if scaling is None else yarn_to_hf(scaling),
         hidden_act="silu",
         attention_dropout=0.0,
         pretraining_tp=1,
