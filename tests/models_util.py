@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from jtree.config.architectures import (
+    DeepseekV3Config,
     GptOssConfig,
     Llama3RopeScaling,
     LlamaConfig,
@@ -108,6 +109,23 @@ TINY_GPT_OSS = dict(vocab_size=64, hidden_size=32, intermediate_size=16, num_hid
 
 def tiny_gpt_oss_config(**overrides) -> GptOssConfig:
     return GptOssConfig(**dict(TINY_GPT_OSS, **overrides))
+
+
+# DeepSeek-V3 at test scale: a dense first layer and two DeepSeekMoE layers (8 experts in 4
+# groups, 2 eligible, top 3, 2 shared), MLA with a query bottleneck, q/k heads of 16 + 8 (RoPE)
+# features and value heads of 12, YaRN with mscale != mscale_all_dim.
+TINY_DEEPSEEK_V3 = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2,
+    num_experts=8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
+    qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=3,
+    first_k_dense_replace=1, rope_theta=100.0,
+    rope_scaling=YarnRopeScaling(factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+                                 mscale_all_dim=0.7))
+
+
+def tiny_deepseek_v3_config(**overrides) -> DeepseekV3Config:
+    return DeepseekV3Config(**dict(TINY_DEEPSEEK_V3, **overrides))
 
 
 def tiny_moe_config(**overrides) -> Qwen3MoeConfig:

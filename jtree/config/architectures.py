@@ -10,6 +10,7 @@ run config is read, the FLOP model counted and the sharding rules chosen without
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -22,20 +23,20 @@ from jtree.config.schema import (
     within,
 )
 
-Mixer = Literal["attention", "sliding_attention", "gated_attention", "gated_deltanet"]
+Mixer = Literal["attention", "sliding_attention", "gated_attention", "gated_deltanet", "mla"]
 
 
 GdnProjections = Literal["qkvz_ba", "qkv_z_b_a"]
 
 
-FeedForward = Literal["mlp", "moe", "moe_shared"]
+FeedForward = Literal["mlp", "moe", "moe_shared", "deepseek_moe"]
 
 
 MIXERS: tuple[Mixer, ...] = ("attention", "sliding_attention", "gated_attention",
-                             "gated_deltanet")
+                             "gated_deltanet", "mla")
 
 
-FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared")
+FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared", "deepseek_moe")
 
 
 # The share of a head's dimensions that partial RoPE rotates.
@@ -438,6 +439,113 @@ class GptOssConfig(DenseConfig):
                                    else "attention", "moe") for t in self.layer_types))
 
 
+@dataclasses.dataclass(frozen=True)
+class DeepseekV3Config:
+    """DeepSeek-V3 (HF `DeepseekV3ForCausalLM`; Kimi-K2 has the same architecture): multi-head
+    latent attention ("mla", `jtree.models.mla`) in every layer, a dense SwiGLU of
+    `intermediate_size` in the first `first_k_dense_replace` layers and DeepSeekMoE
+    ("deepseek_moe", `jtree.models.moe`) in the others.
+
+    MLA: queries through a low-rank `q_lora_rank` bottleneck (None: one `q_proj`), keys and
+    values from a `kv_lora_rank` latent, per-head q/k of `qk_nope_head_dim` + `qk_rope_head_dim`
+    features whose RoPE part of the key is one vector shared by all heads, values of
+    `v_head_dim`; `rope_interleave` says the RoPE features are stored as interleaved pairs (HF's
+    default). YaRN's `mscale_all_dim` also scales the softmax (`softmax_scale`).
+
+    DeepSeekMoE: sigmoid router scores, `num_experts` (HF `n_routed_experts`) split into
+    `n_group` groups of which the `topk_group` best (by the sum of their two best scores plus
+    the selection bias `e_score_correction_bias`) are eligible, top-`num_experts_per_tok` among
+    those, weights = the chosen scores (renormalized when `norm_topk_prob`) times
+    `routed_scaling_factor`, plus `n_shared_experts` always-on experts (one SwiGLU of
+    `n_shared_experts * moe_intermediate_size`, no gate). There is no router loss (HF computes
+    none; DeepSeek balances with the selection bias), so `output_router_logits` is always
+    false."""
+
+    vocab_size: int = within(AT_LEAST_ONE, 512)
+    hidden_size: int = within(AT_LEAST_ONE, 64)
+    intermediate_size: int = within(AT_LEAST_ONE, 128)
+    moe_intermediate_size: int = within(AT_LEAST_ONE, 32)
+    num_hidden_layers: int = within(AT_LEAST_ONE, 3)
+    num_attention_heads: int = within(AT_LEAST_ONE, 4)
+    num_key_value_heads: int = within(AT_LEAST_ONE, 4)
+    n_shared_experts: int = within(AT_LEAST_ONE, 1)
+    num_experts: int = within(AT_LEAST_ONE, 8)
+    routed_scaling_factor: float = within(POSITIVE, 2.5)
+    kv_lora_rank: int = within(AT_LEAST_ONE, 32)
+    q_lora_rank: int | None = within(AT_LEAST_ONE, 48)
+    qk_rope_head_dim: int = within(AT_LEAST_ONE, 8)
+    v_head_dim: int = within(AT_LEAST_ONE, 16)
+    qk_nope_head_dim: int = within(AT_LEAST_ONE, 16)
+    n_group: int = within(AT_LEAST_ONE, 4)
+    topk_group: int = within(AT_LEAST_ONE, 2)
+    num_experts_per_tok: int = within(AT_LEAST_ONE, 2)
+    first_k_dense_replace: int = within(NON_NEGATIVE, 1)
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = within(POSITIVE, 1e-6)
+    rope_theta: float = within(POSITIVE, 10000.0)
+    rope_scaling: YarnRopeScaling | None = None
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = within(AT_LEAST_ONE, 4096)
+    initializer_range: float = within(POSITIVE, 0.02)
+
+    def __post_init__(self) -> None:
+        check_domains(self)
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(f"num_key_value_heads ({self.num_key_value_heads}) must equal "
+                             f"num_attention_heads ({self.num_attention_heads}): MLA expands "
+                             "its latent into one key and value per query head")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE")
+        if self.num_experts % self.n_group or self.num_experts // self.n_group < 2:
+            raise ValueError(f"n_group ({self.n_group}) must divide n_routed_experts "
+                             f"({self.num_experts}) into groups of at least 2 experts (a "
+                             "group's score is the sum of its two best)")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be in [1, n_group="
+                             f"{self.n_group}]")
+        eligible = self.topk_group * (self.num_experts // self.n_group)
+        if not 1 <= self.num_experts_per_tok <= eligible:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, "
+                             f"{eligible}] (the experts of topk_group groups)")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of a query or key head: its RoPE-free and RoPE features."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared when the
+        scaling gives `mscale_all_dim` (transformers' `yarn_apply_mscale`)."""
+        scale = self.qk_head_dim ** -0.5
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.mscale_all_dim and scaling.factor > 1:
+            m = 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
+            scale = scale * m * m
+        return scale
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.n_shared_experts * self.moe_intermediate_size
+
+    @property
+    def output_router_logits(self) -> bool:
+        return False
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        return 0.0
+
+    def decoder(self) -> DecoderSpec:
+        return DecoderSpec(
+            tuple(LayerKind("mla", "mlp" if i < self.first_k_dense_replace else "deepseek_moe")
+                  for i in range(self.num_hidden_layers)),
+            "rms", self.qk_rope_head_dim, rope_scaling=self.rope_scaling, qk_norm=False,
+            qkv_bias=self.attention_bias, o_bias=self.attention_bias)
+
+
 GPT_OSS_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -449,7 +557,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 ARCHITECTURE_CONFIGS: dict[str, type] = {
     "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "qwen3_next": Qwen3NextConfig,
     "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_5": Qwen3_5Config,
-    "qwen3_5_moe": Qwen3_5MoeConfig, "gpt_oss": GptOssConfig}
+    "qwen3_5_moe": Qwen3_5MoeConfig, "gpt_oss": GptOssConfig, "deepseek_v3": DeepseekV3Config}
 
 
 def architecture_config(name: str) -> type:

@@ -103,6 +103,8 @@ def _layer_macs(cfg: Any, kind: LayerKind) -> tuple[float, float]:
         state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
         token = d * (2 * hk + 2 * hv + 2 * cfg.linear_num_value_heads) + hv * d + 4 * state
         pair = 0.0
+    elif kind.mixer == "mla":
+        token, pair = _mla_macs(cfg)
     else:
         q = cfg.num_attention_heads * cfg.head_dim
         kv = cfg.num_key_value_heads * cfg.head_dim
@@ -113,7 +115,22 @@ def _layer_macs(cfg: Any, kind: LayerKind) -> tuple[float, float]:
     token += d * cfg.num_experts + cfg.num_experts_per_tok * 3.0 * d * cfg.moe_intermediate_size
     if kind.ffn == "moe_shared":
         token += 3.0 * d * cfg.shared_expert_intermediate_size + d
+    if kind.ffn == "deepseek_moe":
+        token += 3.0 * d * cfg.shared_expert_intermediate_size
     return token, pair
+
+
+def _mla_macs(cfg: Any) -> tuple[float, float]:
+    """MLA (`jtree.models.mla`) per token: the query path (through the `q_lora_rank`
+    bottleneck or one q_proj), the latent and shared RoPE key, the latent's expansion into every
+    head's key part and value, o_proj; per pair H (qk_head_dim + v_head_dim) (scores and the
+    weighted values; the expanded keys, not the absorbed-latent form)."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    q = h * cfg.qk_head_dim
+    query = d * q if cfg.q_lora_rank is None else cfg.q_lora_rank * (d + q)
+    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (
+        cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return query + kv + h * cfg.v_head_dim * d, 2.0 * h * (cfg.qk_head_dim + cfg.v_head_dim)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,6 +104,7 @@ class MemoryPlan:
     activations: int
     largest_temporary: int
     compiled: tuple[Compiled, ...]
+    leading: int = 0  # `leading_layers`: their activations are in `largest_temporary`
 
     @property
     def total(self) -> int:
@@ -116,7 +117,7 @@ class MemoryPlan:
     def report(self, device_gib: float) -> str:
         """The plan as printed by `python -m jtree.launch.memory_plan`."""
         gib = lambda n: f"{n / GIB:9.2f} GiB"  # noqa: E731
-        blocks = self.layers // self.block
+        blocks = (self.layers - self.leading) // self.block
         unit = "layer" if self.block == 1 else f"block of {self.block} layers"
         slope = self.activations / blocks
         depths = " and ".join(f"{c.layers} ({c.seconds:.0f} s)" for c in self.compiled)
@@ -155,9 +156,20 @@ def activations_and_temps(cfg: TrainConfig, rows: int) -> Compiled:
                     time.perf_counter() - start)
 
 
-def fit_linear(samples: Sequence[Compiled], block: int) -> tuple[float, float]:
-    """(a, b) of T = a + b * blocks through two compiled depths."""
-    (l0, t0), (l1, t1) = [(c.layers // block, c.activations_and_temps) for c in samples]
+def leading_layers(config: Any) -> int:
+    """Layers before the repeated blocks, compiled at every depth: DeepSeek-V3's
+    `first_k_dense_replace` dense layers ahead of its MoE layers (0 for the other
+    architectures). Each compiled depth is these plus whole blocks, so the fit's slope is the
+    blocks' and its intercept holds the leading layers."""
+    return getattr(config, "first_k_dense_replace", 0)
+
+
+def fit_linear(samples: Sequence[Compiled], block: int, leading: int = 0
+               ) -> tuple[float, float]:
+    """(a, b) of T = a + b * blocks through two compiled depths (each `leading` layers plus
+    whole blocks)."""
+    (l0, t0), (l1, t1) = [((c.layers - leading) // block, c.activations_and_temps)
+                          for c in samples]
     b = (t1 - t0) / (l1 - l0)
     return t0 - b * l0, b
 
@@ -170,6 +182,7 @@ def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
     cfg = load_config(config, overrides)
     layers = cfg.model.config.num_hidden_layers
     block = layer_block(getattr(cfg.model.config, "layer_types", None))
+    leading = leading_layers(cfg.model.config)
     scanned = cfg.runtime.scan_layers
     depth_blocks = depth_blocks or (SCANNED_DEPTHS if scanned else UNROLLED_DEPTHS)
     lowest = min(SCANNED_DEPTHS if scanned else UNROLLED_DEPTHS)
@@ -178,20 +191,21 @@ def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
             f"depth_blocks: {depth_blocks} must be two different depths >= {lowest}"
             + (" with runtime.scan_layers (a stack of one block is not scanned)"
                if scanned else ""))
-    if max(depth_blocks) * block > layers:
+    if leading + max(depth_blocks) * block > layers:
         raise ValueError(f"{config}: model.num_hidden_layers={layers} is below the compiled depth "
-                         f"{max(depth_blocks) * block}")
+                         f"{leading + max(depth_blocks) * block}")
     trainer = Trainer.build(cfg)
     state, inputs = abstract_step_args(trainer, rows)
     samples = tuple(
         activations_and_temps(
-            load_config(config, [*overrides, f"model.num_hidden_layers={n * block}"]), rows)
+            load_config(config, [*overrides,
+                                 f"model.num_hidden_layers={leading + n * block}"]), rows)
         for n in depth_blocks)
-    a, b = fit_linear(samples, block)
+    a, b = fit_linear(samples, block, leading)
     return MemoryPlan(
         config=config, mesh=describe_mesh(trainer.mesh), layers=layers, block=block,
         seq_len=cfg.data.seq_len, micro_batches=cfg.data.micro_batches, rows=rows,
         remat=cfg.runtime.remat, scanned=scanned, params=shard_bytes(state.params),
         grads=shard_bytes(trainable(state.params)), opt_state=shard_bytes(state.opt_state),
-        inputs=shard_bytes(inputs), activations=round(b * layers / block),
-        largest_temporary=round(a), compiled=samples)
+        inputs=shard_bytes(inputs), activations=round(b * (layers - leading) / block),
+        largest_temporary=round(a), compiled=samples, leading=leading)

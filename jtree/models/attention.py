@@ -97,10 +97,12 @@ class Attention(nnx.Module):
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: TreeMask,
-           prefix: AttentionCache | None, impl: str, sinks: jax.Array | None = None) -> jax.Array:
+           prefix: AttentionCache | None, impl: str, sinks: jax.Array | None = None,
+           scale: float | None = None) -> jax.Array:
     """`tree_attention`, over the cached prefix keys too when there is a prefix (whose key ends
-    the mask carries); `sinks` [Hq]: per-head attention-sink logits (None: none)."""
+    the mask carries); `sinks` [Hq]: per-head attention-sink logits (None: none); `scale`: the
+    softmax scale (None: head_dim ** -0.5)."""
     if prefix is None:
-        return tree_attention(q, k, v, mask, impl=impl, sinks=sinks)
+        return tree_attention(q, k, v, mask, impl=impl, sinks=sinks, scale=scale)
     return tree_attention(q, k, v, mask, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v,
-                          sinks=sinks)
+                          sinks=sinks, scale=scale)

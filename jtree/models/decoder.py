@@ -3,11 +3,12 @@ an (optionally tied) head, on tree batches. Returns final hidden states, not log
 
 Each layer's kind comes from the architecture config (`config.decoder()`, a `DecoderSpec`): its
 token mixer is attention (Qwen3), sliding-window attention (gpt-oss), gated attention
-(Qwen3-Next) or a Gated DeltaNet, its feed-forward a dense SwiGLU, a sparse MoE block, or a MoE
-block with a gated shared expert. Module and parameter names mirror Hugging Face's
-`*ForCausalLM` (`model.layers.N.self_attn.q_proj`, `...linear_attn.in_proj_qkvz` or
-`in_proj_qkv`, `...mlp.experts.gate_up_proj`; NNX `kernel` is HF `weight` transposed), so
-checkpoints map by name.
+(Qwen3-Next), multi-head latent attention (DeepSeek-V3, `jtree.models.mla`) or a Gated
+DeltaNet, its feed-forward a dense SwiGLU, a sparse MoE block, a MoE block with a gated shared
+expert, or DeepSeekMoE (group-limited sigmoid router, ungated shared experts). Module and
+parameter names mirror Hugging Face's `*ForCausalLM` (`model.layers.N.self_attn.q_proj`,
+`...linear_attn.in_proj_qkvz` or `in_proj_qkv`, `...mlp.experts.gate_up_proj`; NNX `kernel` is
+HF `weight` transposed), so checkpoints map by name.
 
 `CausalLM.__call__` is the only place that reads the batch (a `jtree.layout.batch.DeviceBatch`: tokens,
 positions, the `TreeMask`, GDN tables, prefix layout, router-loss inputs): it builds the
@@ -52,6 +53,7 @@ from jtree.models.layers import (
     rope_inverse_frequencies,
     vocab_parallel_embed,
 )
+from jtree.models.mla import MultiHeadLatentAttention
 from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
 from jtree.models.output import ModelOutput
 from jtree.models.prefix import LayerCache, prefix_inputs
@@ -78,12 +80,16 @@ def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, spec: Decod
               param_dtype=runtime.weight_dtype, rngs=rngs, tp_axis=runtime.tensor_parallel_axis)
     if ffn == "mlp":
         return SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=spec.mlp_bias, **kw)
+    deepseek = ffn == "deepseek_moe"  # its group-limited router, its shared experts ungated
     return SparseMoeBlock(
         cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
         moe_intermediate=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
-        shared_intermediate=cfg.shared_expert_intermediate_size if ffn == "moe_shared" else None,
+        shared_intermediate=(cfg.shared_expert_intermediate_size
+                             if ffn in ("moe_shared", "deepseek_moe") else None),
         expert_dispatch=runtime.expert_dispatch, router_bias=spec.router_bias,
-        expert_bias=spec.expert_bias, clamp=spec.swiglu_clamp, **kw)
+        expert_bias=spec.expert_bias, clamp=spec.swiglu_clamp,
+        grouped=(cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) if deepseek else None,
+        shared_gate=not deepseek, **kw)
 
 
 class DecoderLayer(nnx.Module):
@@ -95,6 +101,8 @@ class DecoderLayer(nnx.Module):
         if kind.mixer == "gated_deltanet":
             self.linear_attn = GatedDeltaNet(cfg, runtime, projections=spec.gdn_projections,
                                             rngs=rngs)
+        elif kind.mixer == "mla":
+            self.self_attn = MultiHeadLatentAttention(cfg, runtime, rngs=rngs)
         else:
             self.self_attn = Attention(
                 cfg, runtime, spec, gated=kind.mixer == "gated_attention",

@@ -117,6 +117,54 @@ class TopKRouter(nnx.Module):
         return top_w.astype(x.dtype), top_e, RouterStats(probs, own_e)
 
 
+class GroupLimitedRouter(nnx.Module):
+    """DeepSeek-V3's router (HF `DeepseekV3TopkRouter`), in float32 whatever the compute dtype
+    (HF keeps it in float32): sigmoid scores s = sigmoid(x W^T); the choice adds the selection
+    bias b (`e_score_correction_bias`, which DeepSeek tunes outside the gradient to balance the
+    load); the experts split into `n_group` contiguous groups, each group scored by the sum of
+    its two best s + b, and the top-`num_experts_per_tok` of s + b are taken among the experts
+    of the `topk_group` best groups only. The weights are the chosen experts' s (not s + b),
+    divided by their sum (+ 1e-20, as HF) when `norm_topk_prob`, times `scaling`
+    (`routed_scaling_factor`). The bias never receives a gradient (it only orders experts); it
+    is a parameter so that checkpoints load and save it, and the optimizer leaves it as it is
+    (`jtree.step.optimizer`).
+
+    `replay` [N, k] (routing replay, docs/rl.md): a replayed token's weights are the same
+    function of the replayed experts' scores, so the router's gradient flows through them."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, *,
+                 n_group: int, topk_group: int, scaling: float, init_std: float,
+                 param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(init_std)
+        self.weight = nnx.Param(init(rngs.params(), (num_experts, hidden), param_dtype))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), param_dtype))
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.n_group, self.topk_group, self.scaling = n_group, topk_group, scaling
+
+    def __call__(self, x: jax.Array, replay: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, RouterStats]:
+        """x [N, hidden] -> (weights [N, k] in x's dtype, experts [N, k], stats: the sigmoid
+        scores and the router's own choice)."""
+        f32 = accumulation_dtype(x.dtype)
+        scores = jax.nn.sigmoid(x.astype(f32) @ self.weight[...].astype(f32).T)
+        choice = jax.lax.stop_gradient(
+            scores + self.e_score_correction_bias[...].astype(f32))
+        n, experts = choice.shape
+        grouped = choice.reshape(n, self.n_group, experts // self.n_group)
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        best_groups = jax.lax.top_k(group_score, self.topk_group)[1]
+        eligible = jnp.any(jax.nn.one_hot(best_groups, self.n_group, dtype=jnp.bool_), axis=1)
+        masked = jnp.where(eligible[:, :, None], grouped, -jnp.inf).reshape(n, experts)
+        own_e = jax.lax.top_k(masked, self.top_k)[1]
+        top_e = own_e
+        if replay is not None:
+            top_e = jnp.where(replay[:, :1] >= 0, replay, own_e).astype(own_e.dtype)
+        top_w = jnp.take_along_axis(scores, top_e, axis=-1)
+        if self.norm_topk_prob:
+            top_w = top_w / (jnp.sum(top_w, axis=-1, keepdims=True) + 1e-20)
+        return (top_w * self.scaling).astype(x.dtype), top_e, RouterStats(scores, own_e)
+
+
 class Experts(nnx.Module):
     """E SwiGLU experts stored as 3-D tensors (HF `*Experts`). gpt-oss's form: `bias` adds
     `gate_up_proj_bias` [E, 2 * intermediate] (gate first, like the rows of gate_up_proj) and
@@ -212,6 +260,8 @@ def dispatch_to_experts(experts: Experts, x: jax.Array, top_e: jax.Array, top_w:
 class SparseMoeBlock(nnx.Module):
     """Router + experts, plus (Qwen3-Next) a shared SwiGLU expert scaled by sigmoid(shared gate).
     gpt-oss: `router_bias`, `expert_bias` and the experts' clamped SwiGLU (`clamp`, `Experts`).
+    DeepSeekMoE: `grouped` = (n_group, topk_group, routed_scaling_factor) swaps in its router
+    (`GroupLimitedRouter`) and `shared_gate=False` adds the shared expert ungated.
     `tp_axis`: expert parallel over that mesh axis, the experts run as `expert_dispatch` says
     ("psum" or "all_to_all", module docstring)."""
 
@@ -220,10 +270,17 @@ class SparseMoeBlock(nnx.Module):
                  dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
                  tp_axis: str | None = None, expert_dispatch: str = "psum",
                  router_bias: bool = False, expert_bias: bool = False,
-                 clamp: tuple[float, float] | None = None):
+                 clamp: tuple[float, float] | None = None,
+                 grouped: tuple[int, int, float] | None = None, shared_gate: bool = True):
         kw = dict(init_std=init_std, param_dtype=param_dtype, rngs=rngs)
-        self.gate = TopKRouter(hidden, num_experts, top_k, norm_topk_prob, bias=router_bias,
-                               **kw)
+        if grouped is None:
+            self.gate = TopKRouter(hidden, num_experts, top_k, norm_topk_prob, bias=router_bias,
+                                   **kw)
+        else:
+            n_group, topk_group, scaling = grouped
+            self.gate = GroupLimitedRouter(hidden, num_experts, top_k, norm_topk_prob,
+                                           n_group=n_group, topk_group=topk_group,
+                                           scaling=scaling, **kw)
         self.experts = Experts(hidden, moe_intermediate, num_experts, bias=expert_bias,
                                clamp=clamp, **kw)
         if shared_intermediate is None:
@@ -231,7 +288,8 @@ class SparseMoeBlock(nnx.Module):
         else:
             self.shared_expert = SwiGLU(hidden, shared_intermediate, dtype=dtype, tp_axis=tp_axis,
                                         **kw)
-            self.shared_expert_gate = linear(hidden, 1, bias=False, dtype=dtype, **kw)
+            self.shared_expert_gate = (linear(hidden, 1, bias=False, dtype=dtype, **kw)
+                                       if shared_gate else None)
         self.tp_axis = tp_axis
         self.expert_dispatch = expert_dispatch
 
@@ -254,7 +312,10 @@ class SparseMoeBlock(nnx.Module):
             out = jax.lax.psum(out, self.tp_axis)
         return out.reshape(shape), stats
 
-    def _shared_gate(self, x: jax.Array) -> jax.Array:
+    def _shared_gate(self, x: jax.Array) -> jax.Array | float:
+        """Qwen3-Next's sigmoid gate on the shared expert's output (DeepSeek's has none: 1)."""
+        if self.shared_expert_gate is None:
+            return 1.0
         return jax.nn.sigmoid(self.shared_expert_gate(x))
 
     def _dispatched(self, flat: jax.Array, axis: str, replay: jax.Array | None

@@ -179,6 +179,28 @@ def _shared_expert_moe_rules(cfg: Any, model: int) -> Rules:
             + _swiglu_rules("mlp/shared_expert"))
 
 
+def _mla_rules(cfg: Any, model: int) -> Rules:
+    """MLA (`jtree.models.mla`): heads split, q_b_proj (or q_proj) and kv_b_proj column-parallel
+    in whole heads, o_proj row-parallel; the bottleneck projections (and their norms, by the
+    norm rule) replicated."""
+    _divides("num_attention_heads", cfg.num_attention_heads, model)
+    return [
+        (r"self_attn/(q_b_proj|q_proj|kv_b_proj)/kernel$", P(None, MODEL)),
+        (r"self_attn/(q_a_proj|kv_a_proj_with_mqa)/(kernel|bias)$", P()),
+        (r"self_attn/o_proj/kernel$", P(MODEL, None)),
+        (r"self_attn/o_proj/bias$", P()),
+    ]
+
+
+def _deepseek_moe_rules(cfg: Any, model: int) -> Rules:
+    """DeepSeekMoE: expert parallel with a replicated router (weight and selection bias), its
+    ungated shared experts a Megatron SwiGLU."""
+    _divides("n_shared_experts * moe_intermediate_size", cfg.shared_expert_intermediate_size,
+             model)
+    return (_moe_rules(cfg, model) + [(r"mlp/gate/e_score_correction_bias$", P())]
+            + _swiglu_rules("mlp/shared_expert"))
+
+
 def _gated_deltanet_rules(cfg: Any, model: int) -> Rules:
     """Key heads split (with their value heads): the input projections of either layout
     (Qwen3-Next's in_proj_qkvz / in_proj_ba, Qwen3.5's in_proj_qkv / _z / _b / _a) are held grouped
@@ -203,9 +225,11 @@ LAYER_KIND_RULES: dict[str, Callable[[Any, int], Rules]] = {
     "sliding_attention": _attention_rules,
     "gated_attention": _attention_rules,
     "gated_deltanet": _gated_deltanet_rules,
+    "mla": _mla_rules,
     "mlp": _dense_mlp_rules,
     "moe": _moe_rules,
     "moe_shared": _shared_expert_moe_rules,
+    "deepseek_moe": _deepseek_moe_rules,
 }
 
 

@@ -24,10 +24,25 @@ def make_optimizer(cfg: OptimConfig, critic_learning_rate: float | None = None
     critic_update_scale`)."""
     steps = [clip_by_global_norm(cfg.clip_norm),
              optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                         weight_decay=cfg.weight_decay)]
+                         weight_decay=cfg.weight_decay, mask=decayed)]
     if critic_learning_rate is not None:
         steps.append(critic_update_scale(critic_learning_rate, cfg.learning_rate))
     return optax.chain(*steps)
+
+
+# Parameters no gradient reaches, which the decoupled weight decay must leave as they are:
+# DeepSeek-V3's expert-selection bias (`jtree.models.moe.GroupLimitedRouter`), held as a parameter
+# only so that checkpoints load and save it.
+UNDECAYED = frozenset({"e_score_correction_bias"})
+
+
+def decayed(params: Any) -> Any:
+    """AdamW's weight-decay mask: True for every parameter but those named in `UNDECAYED`."""
+
+    def decay(path: tuple[Any, ...], _: Any) -> bool:
+        return not any(getattr(key, "key", None) in UNDECAYED for key in path)
+
+    return jax.tree_util.tree_map_with_path(decay, params)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:

@@ -177,3 +177,27 @@ def test_flop_model_prices_gpt_oss_windows_per_token():
     assert fm.flops(work) == (fm.per_token + fm.per_window_token) * 10 + fm.per_pair * 40 + \
         fm.per_scored * 3
     assert sum(fm.shares(work).values()) == pytest.approx(1.0)
+
+
+def test_flop_model_counts_deepseek_v3_layers_as_their_kernels():
+    """DeepSeek-V3: per token, every MLA and dense kernel's weights once, the router, the shared
+    experts and top-k of the routed experts' weights (3 passes of 2 FLOPs), counted from the
+    model's own parameters; per pair, the scores over q/k heads and the weighted value heads."""
+    from flax import nnx
+
+    from jtree.models import create_model
+    from tests.models_util import tiny_deepseek_v3_config
+
+    cfg = tiny_deepseek_v3_config()
+    params = nnx.state(nnx.eval_shape(lambda: create_model("deepseek_v3", cfg)), nnx.Param)
+    sizes = {".".join(map(str, p)): int(np.prod(v.shape)) for p, v in params.flat_state()
+             if p[0] == "model" and p[1] == "layers"}
+    kernels = sum(n for name, n in sizes.items() if name.endswith("kernel"))
+    routers = sum(n for name, n in sizes.items() if name.endswith("gate.weight"))
+    experts = sum(n for name, n in sizes.items() if ".experts." in name)
+    per_token = kernels + routers + experts * cfg.num_experts_per_tok / cfg.num_experts
+    assert any("kv_b_proj" in name for name in sizes) and experts > 0
+    fm = FlopModel.for_config(cfg)
+    assert fm.per_token == 6 * per_token
+    h = cfg.num_attention_heads
+    assert fm.per_pair == 3.5 * 3 * 2 * h * (cfg.qk_head_dim + cfg.v_head_dim)

@@ -36,8 +36,8 @@ TOLERANCE = 0.05
 def assert_rule_predicts(plan: MemoryPlan, actual: Compiled) -> None:
     """The plan's a + b * layers at the depth of `actual` is within TOLERANCE of its compile."""
     a = plan.largest_temporary
-    b = plan.activations / plan.layers
-    predicted = a + actual.layers * b
+    b = plan.activations / (plan.layers - plan.leading)
+    predicted = a + (actual.layers - plan.leading) * b
     assert b > 0 and a > 0
     error = abs(predicted - actual.activations_and_temps) / actual.activations_and_temps
     assert error <= TOLERANCE, (predicted, actual)
@@ -57,6 +57,27 @@ def test_depth_rule_predicts_a_third_compile():
     assert plan.grads == plan.params  # AdamW: mu and nu like the parameters, plus scalar counts
     assert 2 * plan.params < plan.opt_state < 2 * plan.params + 64
     assert plan.fits(1.0) and not plan.fits(plan.total / 2**30 / 2)
+
+
+# configs/deepseek_v3_671b.yaml cut to test scale, with 2 leading dense layers.
+TINY_DEEPSEEK = [f"model.{key}={value}" for key, value in dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_attention_heads=4, num_key_value_heads=4, num_experts=8, kv_lora_rank=16,
+    q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4,
+    topk_group=2, num_experts_per_tok=2, first_k_dense_replace=2, num_hidden_layers=6).items()
+] + ["mesh.fsdp=1", "mesh.model=1"]
+
+
+@pytest.mark.slow
+def test_leading_dense_layers_are_compiled_at_every_depth():
+    """DeepSeek-V3's first dense layers: the depths compiled are 2 + 2 and 2 + 3 layers (scanned
+    MoE blocks after them), and the rule predicts the whole 6-layer model's compile."""
+    config = "configs/deepseek_v3_671b.yaml"
+    plan = memory_plan(config, [*TINY, *TINY_DEEPSEEK])
+    assert plan.leading == 2 and [c.layers for c in plan.compiled] == [4, 5]
+    actual = activations_and_temps(load_config(config, [*TINY, *TINY_DEEPSEEK]), rows=1)
+    assert actual.layers == 6
+    assert_rule_predicts(plan, actual)
 
 
 @pytest.mark.slow

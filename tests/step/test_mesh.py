@@ -224,6 +224,18 @@ def test_gpt_oss_step_on_fsdp_context_and_model_axes():
 
 
 @pytest.mark.slow
+def test_deepseek_v3_step_on_fsdp_context_and_model_axes():
+    # DeepSeek-V3 (MLA heads split over `model` with the latent projections replicated, value
+    # heads narrower than q/k heads gathered over the context axis; DeepSeekMoE's experts split
+    # over `model`, its group-limited router and selection bias replicated, its shared experts a
+    # Megatron SwiGLU) under FSDP x context x tensor parallelism, PPO, on the `xla` kernel.
+    # With token dispatch (all_to_all), the router variant and the ungated shared experts on the
+    # dispatched tokens.
+    for result in run_cases(["deepseek_v3:cp:ppo:1x2x2x2", "deepseek_v3_a2a:tree:sft:2x2x2"]):
+        check(result)
+
+
+@pytest.mark.slow
 def test_gpt_oss_token_dispatch_step():
     # gpt-oss's experts with token dispatch (all_to_all): the expert biases travel with the
     # experts' shards.

@@ -19,6 +19,7 @@ from flax import nnx
 from jtree.config.architectures import ARCHITECTURE_CONFIGS, architecture_config
 from jtree.config.runtime import RuntimeConfig
 from jtree.models.architectures import (
+    deepseek_v3,
     gpt_oss,
     llama,
     qwen2,
@@ -45,7 +46,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     name: Architecture(name, ARCHITECTURE_CONFIGS[name], module.HF)
     for name, module in (("qwen3", qwen3), ("qwen3_moe", qwen3_moe), ("qwen3_next", qwen3_next),
                          ("llama", llama), ("qwen2", qwen2), ("qwen3_5", qwen3_5),
-                         ("qwen3_5_moe", qwen3_5_moe), ("gpt_oss", gpt_oss))}
+                         ("qwen3_5_moe", qwen3_5_moe), ("gpt_oss", gpt_oss),
+                         ("deepseek_v3", deepseek_v3))}
 
 
 def architecture(name: str) -> Architecture:

@@ -90,6 +90,25 @@ CHECKS = {
 INERT = frozenset({"hidden_act", "initial_context_length"}) | ROPE_KEYS
 
 
+def yarn_scaling(params: Mapping[str, Any]) -> YarnRopeScaling:
+    """The YaRN scaling of a config.json's `rope_scaling` / `rope_parameters` of type 'yarn'
+    (its keys as `rope_config` returns them); `factor` and `original_max_position_embeddings`
+    are required, as transformers requires them."""
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in params:
+            raise ValueError(f"config.json: rope_scaling.{key} is missing (rope_type 'yarn' "
+                             "needs it)")
+    return YarnRopeScaling(**params)
+
+
+def yarn_to_hf(scaling: YarnRopeScaling) -> dict[str, Any]:
+    """`scaling` as config.json's `rope_scaling`: its given keys, `truncate` only when off
+    (transformers' default is on, and configs that leave it on omit it)."""
+    return {"rope_type": "yarn",
+            **{k: v for k, v in dataclasses.asdict(scaling).items()
+               if v is not None and (k, v) != ("truncate", True)}}
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> GptOssConfig:
     hf = renamed(hf, _ALIASES)
     values = read_config(hf, HF_NAME, fields=FIELDS, checks=CHECKS, inert=INERT)
@@ -104,11 +123,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> GptOssConfig:
     elif rope_type == "default":
         values["rope_scaling"] = None
     elif rope_type == "yarn":
-        for key in ("factor", "original_max_position_embeddings"):
-            if key not in params:
-                raise ValueError(f"config.json: rope_scaling.{key} is missing (rope_type "
-                                 "'yarn' needs it)")
-        values["rope_scaling"] = YarnRopeScaling(**params)
+        values["rope_scaling"] = yarn_scaling(params)
     if values["layer_types"] is not None:
         values["layer_types"] = tuple(values["layer_types"])
     return GptOssConfig(**values)
@@ -125,9 +140,7 @@ def config_to_hf(cfg: GptOssConfig) -> dict[str, Any]:
         model_type="gpt_oss",
         rope_theta=cfg.rope_theta,
         # (an absent or null rope_scaling means transformers' default YaRN, not plain RoPE)
-        rope_scaling={"rope_type": "default"} if scaling is None else {
-            "rope_type": "yarn",
-            **{k: v for k, v in dataclasses.asdict(scaling).items() if v is not None}},
+        rope_scaling={"rope_type": "default"} if scaling is None else yarn_to_hf(scaling),
         hidden_act="silu",
         attention_dropout=0.0,
         use_cache=True,

@@ -1,0 +1,174 @@
+"""DeepSeek-V3 against transformers (a tiny random `DeepseekV3ForCausalLM`, CPU, float32).
+
+The checkpoint is written by transformers itself with every parameter random (norms of the query
+and latent bottlenecks too; `tests.hf_path_checks`) and the router's selection bias
+(`e_score_correction_bias`, a buffer the writer leaves at zero) set random on the scale of the
+sigmoid scores, so it changes which experts are chosen. Its shape: 3 layers, the first dense
+(`first_k_dense_replace` 1), then DeepSeekMoE with 8 routed experts in 4 groups of which 2 are
+eligible, top 3, 2 shared experts; MLA with a query bottleneck, q/k heads of 16 + 8 (RoPE)
+features and value heads of 12 (Dv != Dk), interleaved RoPE, YaRN with `mscale` and
+`mscale_all_dim` both given and different (the cos/sin factor and the softmax correction both
+act). The checks: tree log-probs and PPO gradients per path within 1e-4, save ->
+`from_pretrained` bit-exact, load of save identical, the variant without the query bottleneck and
+with rotate-half RoPE, and refusals.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jtree.hf  # noqa: E402
+from jtree.config.architectures import DeepseekV3Config, YarnRopeScaling  # noqa: E402
+from tests.hf_path_checks import (  # noqa: E402
+    assert_from_pretrained_gives_the_same_model,
+    assert_ppo_gradients_equal_per_path,
+    assert_tree_logprobs_equal_per_path,
+    write_random_checkpoint,
+)
+from tests.hf_util import assert_same_params, copy_checkpoint, param_arrays  # noqa: E402
+from tests.models_util import tiny_runtime  # noqa: E402
+from tests.torch_util import VOCAB  # noqa: E402
+
+YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7,
+        "original_max_position_embeddings": 16}
+
+
+def deepseek_config(**overrides):
+    """The tiny transformers `DeepseekV3Config` of these tests (module docstring)."""
+    return transformers.DeepseekV3Config(**dict(dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2,
+        n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4, topk_group=2,
+        num_experts_per_tok=3, first_k_dense_replace=1, norm_topk_prob=True,
+        max_position_embeddings=64, rope_parameters=YARN, tie_word_embeddings=False),
+        **overrides))
+
+
+def write_deepseek_checkpoint(config, path):
+    """`write_random_checkpoint`, then the routers' selection biases random too (saved again)."""
+    ref = write_random_checkpoint(config, path)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.3)
+    ref.save_pretrained(path)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory, transformers model, jtree config, jtree model)."""
+    path = tmp_path_factory.mktemp("hf_deepseek_v3")
+    ref = write_deepseek_checkpoint(deepseek_config(), path)
+    config, model = jtree.hf.load(path, tiny_runtime())
+    return path, ref, config, model
+
+
+def test_load_reads_the_architecture_fields(checkpoint):
+    _, ref, config, model = checkpoint
+    assert type(config) is DeepseekV3Config and model.config == config
+    assert [(k.mixer, k.ffn) for k in config.decoder().layers] == [
+        ("mla", "mlp"), ("mla", "deepseek_moe"), ("mla", "deepseek_moe")]
+    assert config.rope_scaling == YarnRopeScaling(
+        factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.7)
+    assert config.softmax_scale == pytest.approx(ref.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert config.softmax_scale != config.qk_head_dim ** -0.5
+    mlp = model.model.layers[1].mlp
+    np.testing.assert_array_equal(
+        np.asarray(mlp.gate.e_score_correction_bias[...]),
+        ref.model.layers[1].mlp.gate.e_score_correction_bias.numpy())
+    assert np.abs(np.asarray(mlp.gate.e_score_correction_bias[...])).min() > 0
+    assert mlp.shared_expert.gate_proj.kernel.shape == (32, 32)  # 2 shared x 16
+    assert mlp.shared_expert_gate is None
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "auto"])
+def test_tree_logprobs_equal_transformers_per_path(checkpoint, impl):
+    """With v heads narrower than q/k heads in each attention implementation this host runs
+    (`auto`: the one it picks here, the C++ `cpu` kernel or `xla`)."""
+    path, ref, _, _ = checkpoint
+    _, model = jtree.hf.load(path, tiny_runtime(attention_impl=impl))
+    assert_tree_logprobs_equal_per_path(ref, model)
+
+
+def test_tree_ppo_gradient_equals_transformers_per_path(checkpoint):
+    """Every tensor's gradient (the selection biases' are zero on both sides: they only order
+    the experts) within 1e-4 of the per-path PPO losses in torch."""
+    _, ref, config, model = checkpoint
+    assert_ppo_gradients_equal_per_path(ref, config, model)
+
+
+def test_without_query_bottleneck_and_with_rotate_half_rope(tmp_path):
+    """q_lora_rank null (one q_proj) and rope_interleave false, plain RoPE."""
+    ref = write_deepseek_checkpoint(deepseek_config(
+        q_lora_rank=None, rope_interleave=False, num_hidden_layers=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0}), tmp_path)
+    config, model = jtree.hf.load(tmp_path, tiny_runtime())
+    assert config.q_lora_rank is None and not config.rope_interleave
+    assert model.model.layers[0].self_attn.q_a_proj is None
+    assert_tree_logprobs_equal_per_path(ref, model)
+
+
+def test_save_then_from_pretrained_gives_the_same_model(checkpoint, tmp_path):
+    _, ref, config, model = checkpoint
+    jtree.hf.save(model, config, tmp_path)
+    assert_from_pretrained_gives_the_same_model(ref, tmp_path, (
+        "rope_parameters", "tie_word_embeddings", "num_key_value_heads", "rms_norm_eps",
+        "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+        "routed_scaling_factor", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank",
+        "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+        "norm_topk_prob"))
+    again_config, again = jtree.hf.load(tmp_path, tiny_runtime())
+    assert again_config == config
+    assert_same_params(again, model)
+
+
+def test_scanned_load_saves_back_bit_identical(checkpoint, tmp_path):
+    """Into stacked layers (the dense layer alone, the two MoE layers one scanned block) and
+    back: the same files as the unscanned save."""
+    _, _, config, model = checkpoint
+    jtree.hf.save(model, config, tmp_path / "a")
+    _, scanned = jtree.hf.load(tmp_path / "a", tiny_runtime(scan_layers=True))
+    assert "model.blocks.1.0.mlp.gate.e_score_correction_bias" in param_arrays(scanned)
+    jtree.hf.save(scanned, config, tmp_path / "b")
+    assert ({f.name: f.read_bytes() for f in (tmp_path / "b").iterdir()}
+            == {f.name: f.read_bytes() for f in (tmp_path / "a").iterdir()})
+
+
+def test_mtp_layer_of_hub_checkpoints_is_skipped(checkpoint, tmp_path):
+    """The Hub's MTP layer (`model.layers.61.*`) is not read, as in transformers."""
+    path, _, _, model = checkpoint
+
+    def add_mtp(tensors):
+        tensors["model.layers.61.enorm.weight"] = np.ones(32, np.float32)
+
+    copy_checkpoint(path, tmp_path, edit_tensors=add_mtp)
+    _, loaded = jtree.hf.load(tmp_path, tiny_runtime())
+    assert_same_params(loaded, model)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (dict(num_key_value_heads=2), "num_key_value_heads"),
+    (dict(n_group=3), "n_group"),
+    (dict(topk_method="greedy"), "topk_method"),
+    (dict(head_dim=16), "head_dim"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_type"),
+])
+def test_refuses_what_it_does_not_implement(checkpoint, tmp_path, edit, match):
+    path = copy_checkpoint(checkpoint[0], tmp_path, edit_config=lambda c: c.update(edit))
+    with pytest.raises(ValueError, match=match):
+        jtree.hf.load(path, tiny_runtime())
+
+
+def test_config_refuses_bad_routing_shapes():
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        DeepseekV3Config(num_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3)
+    with pytest.raises(ValueError, match="topk_group"):
+        DeepseekV3Config(topk_group=5)
+    with pytest.raises(ValueError, match="n_group"):
+        DeepseekV3Config(num_experts=8, n_group=8)
