@@ -112,12 +112,14 @@ class GatedRMSNorm(nnx.Module):
 
 
 class DepthwiseConv1d(nnx.Module):
-    """Holds HF's `conv1d.weight` [channels, 1, K] (no bias)."""
+    """Holds HF's `conv1d.weight` [channels, 1, K] and, with `bias` (Mamba2's `use_conv_bias`),
+    `conv1d.bias` [channels] (the Gated DeltaNet's conv has none)."""
 
     def __init__(self, channels: int, kernel: int, *, init_std: float, param_dtype: jnp.dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, bias: bool = False):
         self.weight = nnx.Param(
             nnx.initializers.normal(init_std)(rngs.params(), (channels, 1, kernel), param_dtype))
+        self.bias = nnx.data(nnx.Param(jnp.zeros((channels,), param_dtype)) if bias else None)
 
     def __call__(self, x: jax.Array, context: jax.Array, channels: jax.Array | None = None,
                  source: jax.Array | None = None) -> jax.Array:
@@ -125,8 +127,12 @@ class DepthwiseConv1d(nnx.Module):
         (all of them by default); `source` holds the context tokens when they are not x's own
         (a cached prefix before them, `tree_causal_conv1d`)."""
         weight = self.weight[...][:, 0, :]
-        return tree_causal_conv1d(x, weight if channels is None else weight[channels], context,
-                                  source)
+        out = tree_causal_conv1d(x, weight if channels is None else weight[channels], context,
+                                 source)
+        if self.bias is None:
+            return out
+        bias = self.bias[...] if channels is None else self.bias[...][channels]
+        return out + bias.astype(out.dtype)
 
 
 def local_conv_channels(key_dim: int, value_dim: int, local_key_dim: int, local_value_dim: int,

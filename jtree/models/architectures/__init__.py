@@ -21,6 +21,7 @@ from jtree.config.runtime import RuntimeConfig
 from jtree.models.architectures import (
     gpt_oss,
     llama,
+    nemotron_h,
     qwen2,
     qwen3,
     qwen3_5,
@@ -45,7 +46,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     name: Architecture(name, ARCHITECTURE_CONFIGS[name], module.HF)
     for name, module in (("qwen3", qwen3), ("qwen3_moe", qwen3_moe), ("qwen3_next", qwen3_next),
                          ("llama", llama), ("qwen2", qwen2), ("qwen3_5", qwen3_5),
-                         ("qwen3_5_moe", qwen3_5_moe), ("gpt_oss", gpt_oss))}
+                         ("qwen3_5_moe", qwen3_5_moe), ("gpt_oss", gpt_oss),
+                         ("nemotron_h", nemotron_h))}
 
 
 def architecture(name: str) -> Architecture:
