@@ -67,7 +67,7 @@ def test_tree_logprobs_equal_transformers_per_path(checkpoint):
     assert assert_tree_logprobs_equal_per_path(ref, model, gdn_chunk_size=CHUNK) > 0
 
 
-@pytest.mark.parametrize("scan", ["sequential", "parallel"])
+@pytest.mark.parametrize("scan", ["sequential", pytest.param("parallel", marks=pytest.mark.slow)])
 def test_tree_ppo_gradient_equals_transformers_per_path(checkpoint, scan):
     """Both tree scans of the Mamba2 state (the parallel one composes the chunks' affine maps
     along the parent pointers)."""

@@ -1,0 +1,117 @@
+"""Nemotron-H (Mamba2 / attention / MLP single-block layers) in tree mode equals the per-path
+baseline: log-probs, and PPO loss and gradients, with both tree scans of the Mamba2 state; the
+layer kinds' sharding rules, FLOPs and the refusals of what is not wired yet.
+
+Random forests branch on several levels, have single-token nodes (shorter than the conv kernel),
+paths ending at internal nodes and several trees per row; 3-token chunks put chunk boundaries
+inside nodes. Every parameter is perturbed (conv bias, D, dt_bias, the gated norm included).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+from jtree.config.architectures import NemotronHConfig
+from jtree.config.objective import Objective
+from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
+from jtree.layout.flop_model import FlopModel
+from jtree.layout.linearize import linearize, unlinearize
+from jtree.models.mamba2 import Mamba2
+from jtree.parallel.sharding import AXES, param_rules, param_specs
+from tests.models_util import (
+    assert_loss_and_grads_match,
+    logprob_fn,
+    off_policy_ppo_inputs,
+    perturbed,
+    tiny_lm,
+    tiny_runtime,
+)
+from tests.strategies import forests
+
+S, TREE_ROWS, BASE_ROWS, CHUNK = 64, 3, 40, 3
+CONFIG = NemotronHConfig(
+    vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    intermediate_size=48, ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=6, n_groups=2,
+    conv_kernel=4, use_bias=True, time_step_min=0.01,
+    layers_block_type=("linear_attention", "full_attention", "mlp"))
+PPO = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01)
+
+
+def _model(scan: str):
+    graphdef, params = nnx.split(tiny_lm(CONFIG, 0, gdn_scan=scan))
+    return graphdef, perturbed(params, scale=0.2)
+
+
+def _batches(trees):
+    tree = linearize(trees, S, normalization="token_mean", n_rows=TREE_ROWS,
+                     gdn_chunk_size=CHUNK, gdn_chunks=S)
+    base = linearize_baseline(trees, S, normalization="token_mean", n_rows=BASE_ROWS,
+                              gdn_chunk_size=CHUNK, gdn_chunks=S)
+    return tree, base
+
+
+# (the parallel scan against per-path references: tests/kernels/test_gdn.py, and against
+# transformers: tests/hf/test_hf_nemotron_h.py)
+@pytest.mark.parametrize("scan", ["sequential", pytest.param("parallel", marks=pytest.mark.slow)])
+@settings(max_examples=2, derandomize=True, deadline=None)
+@given(trees=forests(n_trees=(1, 3), max_nodes=8, max_seg=5))
+def test_ppo_loss_and_grads_equal_baseline(trees, scan):
+    """The PPO loss and every gradient (1e-5 relative) of the tree equal those of each path
+    run alone (off-policy, so the clip acts)."""
+    graphdef, params = _model(scan)
+    tree, base = _batches(trees)
+    tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=len(trees))
+    assert_loss_and_grads_match(graphdef, params, tree_in, base_in, PPO)
+
+
+@pytest.mark.slow  # the default suite's log-probs are checked against transformers per path
+@settings(max_examples=2, derandomize=True, deadline=None)
+@given(trees=forests(n_trees=(1, 3), max_nodes=8, max_seg=5))
+def test_logprobs_equal_baseline(trees):
+    graphdef, params = _model("sequential")
+    tree, base = _batches(trees)
+    fn = logprob_fn(graphdef)
+    lp_tree = unlinearize(tree, np.asarray(fn(params, tree.inputs)))
+    lp_base = unlinearize_baseline(base, np.asarray(fn(params, base.inputs)), trees)
+    for a_paths, b_paths in zip(lp_tree, lp_base):
+        for a, b in zip(a_paths, b_paths):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_sharding_rules_cover_every_parameter_and_refuse_tensor_parallel():
+    _, params = nnx.split(tiny_lm(CONFIG), nnx.Param)
+    mesh = AbstractMesh((1, 2, 1, 1), AXES)  # FSDP over 2: the Mamba2 weights are split by it
+    specs = param_specs(params, param_rules(CONFIG, 1), mesh)
+    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(
+        specs, is_leaf=lambda x: isinstance(x, P))}
+    assert flat["['model']['layers'][0]['mixer']['in_proj']['kernel'].value"] == P("fsdp", None)
+    assert flat["['model']['layers'][2]['mlp']['up_proj']['kernel'].value"] == P("fsdp", "model")
+    with pytest.raises(ValueError, match="mesh.model=2 with mamba2 layers"):
+        param_rules(CONFIG, 2)
+    with pytest.raises(ValueError, match="mesh.model > 1 with mamba2 layers"):
+        tiny_lm(CONFIG, tensor_parallel_axis="model")
+
+
+def test_context_parallel_and_prefix_are_refused_by_name():
+    x = jnp.zeros((1, 4, CONFIG.hidden_size))
+    layer = Mamba2(CONFIG, tiny_runtime(context_axis="context"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="mesh.context with mamba2 layers is not supported yet"):
+        layer(x, None)
+    layer = Mamba2(CONFIG, tiny_runtime(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="redundancy_free with mamba2"):
+        layer(x, None, prefix=object())
+
+
+def test_flops_count_each_single_block_layer_once():
+    d, inner, gn, h = 32, 24, 16, 4
+    mamba = d * (2 * inner + 2 * gn + h) + inner * d + 2 * h * 8 * 6
+    attention = d * 32 + 2 * d * 16 + 32 * d
+    mlp = 2 * d * 48
+    flops = FlopModel.for_config(CONFIG)
+    assert flops.per_token == 3.0 * 2.0 * (mamba + attention + mlp)
+    assert flops.per_pair == 3.5 * 4.0 * 32  # the one attention layer
