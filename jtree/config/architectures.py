@@ -515,6 +515,12 @@ class NemotronHConfig:
         return len(self.layers_block_type)
 
     @property
+    def layer_types(self) -> tuple[str, ...]:
+        """`layers_block_type` under transformers' alias (what the memory plan's layer block
+        reads, `jtree.memory.plan.layer_block`)."""
+        return self.layers_block_type
+
+    @property
     def rms_norm_eps(self) -> float:
         """`layer_norm_epsilon` under the name the shared decoder's norms read."""
         return self.layer_norm_epsilon

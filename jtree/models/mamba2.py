@@ -62,8 +62,6 @@ class Mamba2(nnx.Module):
     `out_proj`)."""
 
     def __init__(self, cfg: Any, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
-        if runtime.tensor_parallel_axis is not None:
-            raise ValueError("mesh.model > 1 with mamba2 layers is not supported yet")
         h, p, n, g = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
         inner, pdt = h * p, runtime.weight_dtype
         conv_dim = inner + 2 * g * n
@@ -83,6 +81,9 @@ class Mamba2(nnx.Module):
                  ) -> tuple[jax.Array, GdnCache]:
         """Output, and the pre-conv activations of these tokens with the states after the
         routing's export slots (as `jtree.models.gated_deltanet.GatedDeltaNet` returns them)."""
+        tp = self.runtime.tensor_parallel_axis
+        if tp is not None and jax.lax.axis_size(tp) > 1:  # (its weights are replicated)
+            raise ValueError("mesh.model > 1 with mamba2 layers is not supported yet")
         if self.runtime.context_axis is not None:
             raise ValueError("mesh.context with mamba2 layers is not supported yet")
         if prefix is not None:

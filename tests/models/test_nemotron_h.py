@@ -7,6 +7,8 @@ paths ending at internal nodes and several trees per row; 3-token chunks put chu
 inside nodes. Every parameter is perturbed (conv bias, D, dt_bias, the gated norm included).
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,13 +18,16 @@ from hypothesis import given, settings
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from jtree.config import load_config
 from jtree.config.architectures import NemotronHConfig
 from jtree.config.objective import Objective
 from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
 from jtree.layout.flop_model import FlopModel
 from jtree.layout.linearize import linearize, unlinearize
+from jtree.memory.plan import activations_and_temps, depth_override, layer_block, memory_plan
 from jtree.models.mamba2 import Mamba2
 from jtree.parallel.sharding import AXES, param_rules, param_specs
+from tests.memory.test_memory_plan import assert_rule_predicts
 from tests.models_util import (
     assert_loss_and_grads_match,
     logprob_fn,
@@ -93,8 +98,6 @@ def test_sharding_rules_cover_every_parameter_and_refuse_tensor_parallel():
     assert flat["['model']['layers'][2]['mlp']['up_proj']['kernel'].value"] == P("fsdp", "model")
     with pytest.raises(ValueError, match="mesh.model=2 with mamba2 layers"):
         param_rules(CONFIG, 2)
-    with pytest.raises(ValueError, match="mesh.model > 1 with mamba2 layers"):
-        tiny_lm(CONFIG, tensor_parallel_axis="model")
 
 
 def test_context_parallel_and_prefix_are_refused_by_name():
@@ -115,3 +118,28 @@ def test_flops_count_each_single_block_layer_once():
     flops = FlopModel.for_config(CONFIG)
     assert flops.per_token == 3.0 * 2.0 * (mamba + attention + mlp)
     assert flops.per_pair == 3.5 * 4.0 * 32  # the one attention layer
+
+
+BLOCK = ["linear_attention", "mlp", "full_attention", "mlp"]
+MEMORY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=256",
+          "data.micro_batches=1", "data.gdn_chunk_size=32", "mesh.data=1",
+          f"model.layers_block_type={json.dumps(BLOCK * 3)}"]
+
+
+def test_memory_plan_cuts_the_layer_list_by_whole_blocks():
+    cfg = load_config("configs/tiny_nemotron_h.yaml", MEMORY).model.config
+    assert layer_block(cfg.layer_types) == 4
+    cut = load_config("configs/tiny_nemotron_h.yaml", [*MEMORY, depth_override(cfg, 8)])
+    assert cut.model.config.layers_block_type == tuple(BLOCK * 2)
+
+
+@pytest.mark.slow
+def test_memory_plan_rule_predicts_a_third_compile():
+    """The memory plan of a Nemotron-H config (compiles at 1 and 2 blocks of [Mamba2, MLP,
+    attention, MLP]) predicts the compile at 3 blocks: the Mamba2 layers' activations grow with
+    depth like the others'."""
+    plan = memory_plan("configs/tiny_nemotron_h.yaml", MEMORY, depth_blocks=(1, 2))
+    assert (plan.block, plan.layers) == (4, 12)
+    actual = activations_and_temps(load_config("configs/tiny_nemotron_h.yaml", MEMORY), rows=1)
+    assert actual.layers == 12
+    assert_rule_predicts(plan, actual)
