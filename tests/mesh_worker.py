@@ -1,7 +1,8 @@
 """Run one train step on several meshes of 8 forced host devices and compare with one device.
 
 Run in a subprocess (`tests/step/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
-(model `dense`, `moe`, `next`, `llama`, `qwen2`, `qwen3_5`, `qwen3_5_moe` or `gpt_oss`; `dense_lora`: `dense`
+(model `dense`, `moe`, `next`, `llama`, `qwen2`, `qwen3_5`, `qwen3_5_moe`, `gpt_oss` or `nemotron_h`
+(no tensor parallelism: its meshes have model 1); `dense_lora`: `dense`
 training LoRA adapters; `dense_critic` and
 `dense_critic_model`: `dense` with PPO's critic, a value head or a separate smaller critic model;
 mesh data x fsdp x model, or data x fsdp x context x model; mode `cp`: the context-parallel trees
@@ -63,7 +64,7 @@ from jtree.step.train_step import (
 )
 from tests.models_util import (  # noqa: E402
     U32, max_rel, perturbed, rel_l2, tiny_config, tiny_gpt_oss_config, tiny_llama_config,
-    tiny_moe_config, tiny_next_config,
+    tiny_moe_config, tiny_nemotron_h_config, tiny_next_config,
     tiny_qwen2_config, tiny_qwen3_5_config, tiny_qwen3_5_moe_config, tiny_runtime,
     worst_rounding,
 )
@@ -100,7 +101,8 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     `qwen3_5` and `qwen3_5_moe` are Qwen3.5 (Qwen3-Next's hybrid with separate GDN projections),
     dense and MoE; `gpt_oss` (`gpt_oss_a2a`: token dispatch) is gpt-oss (sliding-window and
     full layers with sinks, experts with biases and the clamped SwiGLU) on the block-sparse
-    `xla` kernel, whose block tables skip what the windows exclude."""
+    `xla` kernel, whose block tables skip what the windows exclude; `nemotron_h` is Nemotron-H
+    (Mamba2, attention and MLP single-block layers)."""
     dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
     if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan", "dense_xla",
                 "dense_critic", "dense_critic_model"):
@@ -122,6 +124,8 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
                                                               expert_dispatch=dispatch)
     if kind == "qwen3_5_moe":
         return "qwen3_5_moe", tiny_qwen3_5_moe_config(), tiny_runtime(expert_dispatch=dispatch)
+    if kind == "nemotron_h":
+        return "nemotron_h", tiny_nemotron_h_config(), tiny_runtime()
     return "qwen3_next", tiny_next_config(), tiny_runtime(expert_dispatch=dispatch)
 
 

@@ -16,11 +16,12 @@ The recurrence is the gated delta rule's chunked machinery without the delta rul
 v = dt x, g = dt A, `beta=None` of `jtree.kernels.gdn.delta_rule.tree_gated_delta_rule`): the same
 chunk tables route each node's first chunk from its parent's last chunk, by the sequential or the
 parallel tree scan (`RuntimeConfig.gdn_scan`), and the conv reads the parent chain (`GdnRouting`,
-built once per forward for the Gated DeltaNet and Mamba2 layers alike).
+built once per forward for the Gated DeltaNet and Mamba2 layers alike). Under context parallelism
+(`RuntimeConfig.context_axis`) the conv reads the gathered halo and the states cross devices as
+composed chunk maps, exactly as the Gated DeltaNet's (`conv_source`, `routed_recurrence`).
 
-Not supported yet, refused by name: context parallelism, tensor parallelism and a redundancy-free
-prefix (the kernels have what the first and last need: `context_gated_delta_rule` and the initial
-slots take `beta=None` too; the layer does not wire them).
+Not supported yet, refused by name: tensor parallelism (the weights are replicated) and a
+redundancy-free prefix.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ from flax import nnx
 
 from jtree.config.runtime import RuntimeConfig
 from jtree.kernels.flat_tokens import scale_channels
-from jtree.kernels.gdn.delta_rule import tree_gated_delta_rule
 from jtree.kernels.precision import accumulation_dtype
-from jtree.models.gated_deltanet import DepthwiseConv1d, GdnRouting
+from jtree.models.gated_deltanet import (
+    DepthwiseConv1d,
+    GdnRouting,
+    conv_source,
+    routed_recurrence,
+)
 from jtree.models.layers import linear, rms_normalized
 from jtree.models.prefix import GdnCache
 
@@ -84,11 +89,8 @@ class Mamba2(nnx.Module):
         tp = self.runtime.tensor_parallel_axis
         if tp is not None and jax.lax.axis_size(tp) > 1:  # (its weights are replicated)
             raise ValueError("mesh.model > 1 with mamba2 layers is not supported yet")
-        if self.runtime.context_axis is not None:
-            raise ValueError("mesh.context with mamba2 layers is not supported yet")
         if prefix is not None:
-            raise ValueError("run.mode=redundancy_free with mamba2 layers is not supported yet "
-                             "(a prefix's state and conv context are not wired)")
+            raise ValueError("run.mode=redundancy_free with mamba2 layers is not supported yet")
         cfg = self.cfg
         r, s, _ = x.shape
         h, p, n, g = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
@@ -97,21 +99,17 @@ class Mamba2(nnx.Module):
         proj = self.in_proj(x.reshape(r * s, -1))
         gate, pre_conv, dt = jnp.split(proj, [inner, proj.shape[-1] - h], axis=-1)
         pre_conv = pre_conv.reshape(r, s, -1)
-        mixed = jax.nn.silu(self.conv1d(pre_conv, routing.conv_context))
+        mixed = jax.nn.silu(self.conv1d(pre_conv, routing.conv_context, None, conv_source(
+            pre_conv, routing, prefix, self.runtime.context_axis)))
         xs, b, c = jnp.split(mixed.reshape(r * s, -1), [inner, inner + g * n], axis=-1)
         acc = accumulation_dtype(x.dtype)
         dt = jnp.maximum(jax.nn.softplus(dt.astype(acc) + self.dt_bias[...].astype(acc)),
                          cfg.time_step_min)
         a = -jnp.exp(self.A_log[...].astype(acc))
         xs = xs.astype(acc).reshape(r * s, h, p)
-        y, buffer = tree_gated_delta_rule(
+        y, states = routed_recurrence(
             c.reshape(r, s, g, n), b.reshape(r, s, g, n), (xs * dt[..., None]).reshape(r, s, h, p),
-            (dt * a).reshape(r, s, h), None, chunk_tokens=routing.chunk_tokens,
-            chunk_src=routing.chunk_src, token_slot=routing.token_slot,
-            scan=self.runtime.gdn_scan)
+            (dt * a).reshape(r, s, h), None, routing, self.runtime)
         y = y.reshape(r * s, h, p) + self.D[...].astype(acc)[:, None] * xs
         out = self.out_proj(self.norm(y.reshape(r * s, inner), gate).astype(x.dtype))
-        slots = (jnp.zeros((r, 0), jnp.int32) if routing.export_slots is None
-                 else routing.export_slots)
-        states = jnp.take_along_axis(buffer, slots[:, :, None, None, None], axis=1)
         return out.reshape(r, s, -1), GdnCache(pre_conv, states)

@@ -19,7 +19,6 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jtree.config import load_config
-from jtree.config.architectures import NemotronHConfig
 from jtree.config.objective import Objective
 from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
 from jtree.layout.flop_model import FlopModel
@@ -34,16 +33,13 @@ from tests.models_util import (
     off_policy_ppo_inputs,
     perturbed,
     tiny_lm,
+    tiny_nemotron_h_config,
     tiny_runtime,
 )
 from tests.strategies import forests
 
 S, TREE_ROWS, BASE_ROWS, CHUNK = 64, 3, 40, 3
-CONFIG = NemotronHConfig(
-    vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-    intermediate_size=48, ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=6, n_groups=2,
-    conv_kernel=4, use_bias=True, time_step_min=0.01,
-    layers_block_type=("linear_attention", "full_attention", "mlp"))
+CONFIG = tiny_nemotron_h_config()
 PPO = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01)
 
 
@@ -100,11 +96,8 @@ def test_sharding_rules_cover_every_parameter_and_refuse_tensor_parallel():
         param_rules(CONFIG, 2)
 
 
-def test_context_parallel_and_prefix_are_refused_by_name():
+def test_a_prefix_is_refused_by_name():
     x = jnp.zeros((1, 4, CONFIG.hidden_size))
-    layer = Mamba2(CONFIG, tiny_runtime(context_axis="context"), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="mesh.context with mamba2 layers is not supported yet"):
-        layer(x, None)
     layer = Mamba2(CONFIG, tiny_runtime(), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="redundancy_free with mamba2"):
         layer(x, None, prefix=object())
@@ -143,3 +136,4 @@ def test_memory_plan_rule_predicts_a_third_compile():
     actual = activations_and_temps(load_config("configs/tiny_nemotron_h.yaml", MEMORY), rows=1)
     assert actual.layers == 12
     assert_rule_predicts(plan, actual)
+
