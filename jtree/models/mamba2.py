@@ -20,8 +20,10 @@ built once per forward for the Gated DeltaNet and Mamba2 layers alike). Under co
 (`RuntimeConfig.context_axis`) the conv reads the gathered halo and the states cross devices as
 composed chunk maps, exactly as the Gated DeltaNet's (`conv_source`, `routed_recurrence`).
 
-Not supported yet, refused by name: tensor parallelism (the weights are replicated) and a
-redundancy-free prefix.
+With a prefix (a part of a tree below tokens an earlier part computed) the conv reads the
+prefix's cached pre-conv activations and the part's subtrees start from the prefix's state, as in
+the Gated DeltaNet. Not supported yet, refused by name: tensor parallelism (the weights are
+replicated).
 """
 
 from __future__ import annotations
@@ -89,8 +91,6 @@ class Mamba2(nnx.Module):
         tp = self.runtime.tensor_parallel_axis
         if tp is not None and jax.lax.axis_size(tp) > 1:  # (its weights are replicated)
             raise ValueError("mesh.model > 1 with mamba2 layers is not supported yet")
-        if prefix is not None:
-            raise ValueError("run.mode=redundancy_free with mamba2 layers is not supported yet")
         cfg = self.cfg
         r, s, _ = x.shape
         h, p, n, g = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
@@ -109,7 +109,7 @@ class Mamba2(nnx.Module):
         xs = xs.astype(acc).reshape(r * s, h, p)
         y, states = routed_recurrence(
             c.reshape(r, s, g, n), b.reshape(r, s, g, n), (xs * dt[..., None]).reshape(r, s, h, p),
-            (dt * a).reshape(r, s, h), None, routing, self.runtime)
+            (dt * a).reshape(r, s, h), None, routing, self.runtime, prefix)
         y = y.reshape(r * s, h, p) + self.D[...].astype(acc)[:, None] * xs
         out = self.out_proj(self.norm(y.reshape(r * s, inner), gate).astype(x.dtype))
         return out.reshape(r, s, -1), GdnCache(pre_conv, states)

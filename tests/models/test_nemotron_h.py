@@ -1,7 +1,7 @@
 """Nemotron-H (Mamba2 / attention / MLP single-block layers) in tree mode equals the per-path
 baseline: PPO loss and gradients, with both tree scans of the Mamba2 state (the log-probs against
 transformers per path: tests/hf/test_hf_nemotron_h.py); the layer kinds' sharding rules and FLOPs,
-the memory plan, and the refusal of what is not wired yet.
+the memory plan, and redundancy-free parts.
 
 Random forests branch on several levels, have single-token nodes (shorter than the conv kernel),
 paths ending at internal nodes and several trees per row; 3-token chunks put chunk boundaries
@@ -11,7 +11,6 @@ inside nodes. Every parameter is perturbed (conv bias, D, dt_bias, the gated nor
 import json
 
 import jax
-import jax.numpy as jnp
 import pytest
 from flax import nnx
 from hypothesis import given, settings
@@ -24,7 +23,6 @@ from jtree.layout.baseline import linearize_baseline
 from jtree.layout.flop_model import FlopModel
 from jtree.layout.linearize import linearize
 from jtree.memory.plan import activations_and_temps, depth_override, layer_block, memory_plan
-from jtree.models.mamba2 import Mamba2
 from jtree.parallel.sharding import AXES, param_rules, param_specs
 from tests.memory.test_memory_plan import assert_rule_predicts
 from tests.models_util import (
@@ -33,8 +31,9 @@ from tests.models_util import (
     perturbed,
     tiny_lm,
     tiny_nemotron_h_config,
-    tiny_runtime,
 )
+from tests.partitioning.test_redundancy_free import SFT
+from tests.partitioning.test_redundancy_free import _check as check_parts
 from tests.strategies import forests
 
 S, TREE_ROWS, BASE_ROWS, CHUNK = 64, 3, 40, 3
@@ -81,11 +80,13 @@ def test_sharding_rules_cover_every_parameter_and_refuse_tensor_parallel():
         param_rules(CONFIG, 2)
 
 
-def test_a_prefix_is_refused_by_name():
-    x = jnp.zeros((1, 4, CONFIG.hidden_size))
-    layer = Mamba2(CONFIG, tiny_runtime(), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="redundancy_free with mamba2"):
-        layer(x, None, prefix=object())
+@pytest.mark.slow  # about 40 s of compiles on 2 cores
+def test_redundancy_free_parts_equal_the_unpartitioned_tree():
+    """Parts of trees below prefixes that other parts computed: the Mamba2 layer starts the
+    part's subtrees from the prefix's state at the attach token and reads the prefix's cached
+    conv inputs; the MLP-only layer caches nothing. Loss, gradients and log-probs equal the whole
+    tree's."""
+    check_parts(*_model("sequential"), SFT, capacities=(5,), modes=("recompute",), chunk=CHUNK)
 
 
 def test_flops_count_each_single_block_layer_once():
