@@ -18,6 +18,7 @@ from jtree.config.architectures import (
     GptOssConfig,
     Llama3RopeScaling,
     LlamaConfig,
+    NemotronHConfig,
     Qwen2Config,
     Qwen3_5Config,
     Qwen3_5MoeConfig,
@@ -134,6 +135,19 @@ def tiny_moe_config(**overrides) -> Qwen3MoeConfig:
 
 def tiny_next_config(**overrides) -> Qwen3NextConfig:
     return Qwen3NextConfig(**dict(TINY_NEXT, **overrides))
+
+
+# Nemotron-H's three single-block layers, 4 Mamba2 heads in 2 groups, biases on the Mamba2
+# projections and conv, dt floored at 0.01.
+TINY_NEMOTRON_H = {
+    "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 8, "intermediate_size": 48, "ssm_state_size": 8, "mamba_num_heads": 4,
+    "mamba_head_dim": 6, "n_groups": 2, "conv_kernel": 4, "use_bias": True,
+    "time_step_min": 0.01, "layers_block_type": ("linear_attention", "full_attention", "mlp")}
+
+
+def tiny_nemotron_h_config(**overrides) -> NemotronHConfig:
+    return NemotronHConfig(**{**TINY_NEMOTRON_H, **overrides})
 
 
 def four_expert_config(kind: str, **overrides) -> Qwen3MoeConfig | Qwen3NextConfig:

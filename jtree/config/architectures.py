@@ -23,20 +23,30 @@ from jtree.config.schema import (
     within,
 )
 
-Mixer = Literal["attention", "sliding_attention", "gated_attention", "gated_deltanet", "mla"]
+Mixer = Literal["attention", "sliding_attention", "gated_attention", "gated_deltanet", "mla",
+                "mamba2", "none"]
 
 
 GdnProjections = Literal["qkvz_ba", "qkv_z_b_a"]
 
 
-FeedForward = Literal["mlp", "moe", "moe_shared", "deepseek_moe"]
+FeedForward = Literal["mlp", "moe", "moe_shared", "deepseek_moe", "relu2_mlp", "none"]
 
 
 MIXERS: tuple[Mixer, ...] = ("attention", "sliding_attention", "gated_attention",
-                             "gated_deltanet", "mla")
+                             "gated_deltanet", "mla", "mamba2", "none")
 
 
-FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared", "deepseek_moe")
+FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared", "deepseek_moe", "relu2_mlp",
+                                          "none")
+
+
+# The feed-forwards that route tokens to experts (router statistics, routing replay).
+MOE_FEED_FORWARDS: tuple[FeedForward, ...] = ("moe", "moe_shared", "deepseek_moe")
+
+# The token mixers whose recurrence runs on the chunk tables of `jtree.layout.linearize`
+# (`gdn_chunk_size`), with the short path convolution in front.
+RECURRENT_MIXERS: tuple[Mixer, ...] = ("gated_deltanet", "mamba2")
 
 
 # The share of a head's dimensions that partial RoPE rotates.
@@ -44,7 +54,9 @@ _FRACTION = Domain(low=0, high=1, low_open=True)
 
 
 class LayerKind(NamedTuple):
-    """What one decoder layer is made of: its token mixer and its feed-forward."""
+    """What one decoder layer is made of: its token mixer and its feed-forward. One of them may
+    be "none" (Nemotron-H: every layer is a single Mamba2, attention or MLP block): the layer is
+    then one pre-norm residual branch with a single norm."""
 
     mixer: Mixer
     ffn: FeedForward
@@ -94,14 +106,16 @@ class DecoderSpec:
             if kind.mixer not in MIXERS or kind.ffn not in FEED_FORWARDS:
                 raise ValueError(f"layer {i}: {kind} is not a (mixer in {MIXERS}, feed-forward "
                                  f"in {FEED_FORWARDS}) pair")
+            if kind.mixer == "none" and kind.ffn == "none":
+                raise ValueError(f"layer {i}: a layer needs a mixer or a feed-forward")
             if kind.mixer == "sliding_attention" and self.sliding_window is None:
                 raise ValueError(f"layer {i}: a sliding_attention layer needs sliding_window")
 
     @property
     def needs_gdn_tables(self) -> bool:
         """Whether batches need the gated-delta-rule chunk tables (`linearize(gdn_chunk_size=)`):
-        only Gated DeltaNet layers read them."""
-        return any(kind.mixer == "gated_deltanet" for kind in self.layers)
+        only the recurrent layers (Gated DeltaNet, Mamba2) read them."""
+        return any(kind.mixer in RECURRENT_MIXERS for kind in self.layers)
 
     def kinds(self) -> set[str]:
         """Every mixer and feed-forward kind some layer uses."""
@@ -546,6 +560,95 @@ class DeepseekV3Config:
             qkv_bias=self.attention_bias, o_bias=self.attention_bias)
 
 
+# Nemotron-H's layer types (transformers 5 `layers_block_type`; the Hub's older
+# `hybrid_override_pattern` letters M, *, - in `jtree.models.architectures.nemotron_h`) and their
+# layer kinds. Its MoE layers ("moe", E) are not supported yet.
+NEMOTRON_H_LAYER_KINDS: dict[str, LayerKind] = {
+    "linear_attention": LayerKind("mamba2", "none"),
+    "full_attention": LayerKind("attention", "none"),
+    "mlp": LayerKind("none", "relu2_mlp"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class NemotronHConfig:
+    """Nemotron-H (HF `NemotronHForCausalLM`): a stack of single-block layers, each one RMSNorm
+    and one residual branch of a Mamba2 mixer (`jtree.models.mamba2`), GQA attention without
+    RoPE, biases or q/k norm, or a non-gated MLP with squared-ReLU (`layers_block_type`). Field
+    names are HF's; `num_hidden_layers` is the length of `layers_block_type`, as in
+    transformers 5."""
+
+    vocab_size: int = within(AT_LEAST_ONE, 512)
+    hidden_size: int = within(AT_LEAST_ONE, 64)
+    layers_block_type: tuple[str, ...] = ("linear_attention", "full_attention", "mlp")
+    num_attention_heads: int = within(AT_LEAST_ONE, 4)
+    num_key_value_heads: int = within(AT_LEAST_ONE, 2)
+    head_dim: int = within(AT_LEAST_ONE, 16)
+    intermediate_size: int = within(AT_LEAST_ONE, 128)
+    mlp_bias: bool = False
+    ssm_state_size: int = within(AT_LEAST_ONE, 16)
+    mamba_num_heads: int = within(AT_LEAST_ONE, 4)
+    mamba_head_dim: int = within(AT_LEAST_ONE, 16)
+    n_groups: int = within(AT_LEAST_ONE, 2)
+    conv_kernel: int = within(AT_LEAST_ONE, 4)
+    time_step_min: float = within(NON_NEGATIVE, 0.001)
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    layer_norm_epsilon: float = within(POSITIVE, 1e-5)
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = within(AT_LEAST_ONE, 4096)
+    initializer_range: float = within(POSITIVE, 0.02)
+    # transformers' chunk length of its Mamba2 scan: it changes transformers' rounding, not the
+    # math, so jtree keeps it only to write it back (its own chunks: `gdn_chunk_size`)
+    chunk_size: int = within(AT_LEAST_ONE, 128)
+
+    def __post_init__(self) -> None:
+        check_domains(self)
+        object.__setattr__(self, "layers_block_type", tuple(self.layers_block_type))
+        if not self.layers_block_type:
+            raise ValueError("layers_block_type: needs at least one layer")
+        for i, t in enumerate(self.layers_block_type):
+            if t not in NEMOTRON_H_LAYER_KINDS:
+                raise ValueError(f"layers_block_type[{i}]: {t!r} is not one of "
+                                 f"{tuple(NEMOTRON_H_LAYER_KINDS)} (MoE layers are not supported "
+                                 "yet)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads ({self.num_key_value_heads}) must divide "
+                             f"num_attention_heads ({self.num_attention_heads})")
+        if self.mamba_num_heads % self.n_groups:
+            raise ValueError(f"n_groups ({self.n_groups}) must divide mamba_num_heads "
+                             f"({self.mamba_num_heads})")
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layers_block_type)
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """`layers_block_type` under transformers' alias (what the memory plan's layer block
+        reads, `jtree.memory.plan.layer_block`)."""
+        return self.layers_block_type
+
+    @property
+    def rms_norm_eps(self) -> float:
+        """`layer_norm_epsilon` under the name the shared decoder's norms read."""
+        return self.layer_norm_epsilon
+
+    @property
+    def linear_conv_kernel_dim(self) -> int:
+        """`conv_kernel` under the name the shared recurrent routing reads (`gdn_routing`)."""
+        return self.conv_kernel
+
+    @property
+    def rope_theta(self) -> float:
+        """Never used: the attention has no RoPE (`DecoderSpec.rotary_dim` 0 rotates nothing)."""
+        return 1.0
+
+    def decoder(self) -> DecoderSpec:
+        return DecoderSpec(tuple(NEMOTRON_H_LAYER_KINDS[t] for t in self.layers_block_type),
+                           "rms_f32_scale", 0, qk_norm=False, mlp_bias=self.mlp_bias)
+
+
 GPT_OSS_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -557,7 +660,8 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 ARCHITECTURE_CONFIGS: dict[str, type] = {
     "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "qwen3_next": Qwen3NextConfig,
     "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_5": Qwen3_5Config,
-    "qwen3_5_moe": Qwen3_5MoeConfig, "gpt_oss": GptOssConfig, "deepseek_v3": DeepseekV3Config}
+    "qwen3_5_moe": Qwen3_5MoeConfig, "gpt_oss": GptOssConfig, "deepseek_v3": DeepseekV3Config,
+    "nemotron_h": NemotronHConfig}
 
 
 def architecture_config(name: str) -> type:

@@ -174,6 +174,11 @@ def compare(
     `gdn_chunk_size` is the chunk length of the gated delta rule on trees (linear-attention
     layers only)."""
     spec = config.decoder()
+    unnamed = ({k.mixer for k in spec.layers} - set(MIXER_GROUP)
+               | {k.ffn for k in spec.layers} - set(FFN_GROUP))
+    if unnamed:
+        raise ValueError(f"compare-torch: layer kind {min(unnamed)!r} is not supported yet (its "
+                         "blocks are not named as transformers names them)")
     layer_types = [MIXER_GROUP[kind.mixer] for kind in spec.layers]
     ffn_types = [FFN_GROUP[kind.ffn] for kind in spec.layers]
     seq_len = -(-max(t.n_tree_tokens for t in trees) // 16) * 16

@@ -92,9 +92,11 @@ def _layer_macs(cfg: Any, kind: LayerKind) -> tuple[float, float]:
 
     Attention: q/k/v/o (the gated form's q_proj is twice as wide) and 4 x query width per pair
     (for a sliding-window layer, per pair inside the window: `FlopModel.per_window_token`).
-    Gated DeltaNet: its projections and the per-token state update, no pairs. Dense SwiGLU:
-    gate/up/down. MoE: the router and the `num_experts_per_tok` experts a token visits, plus the
-    shared expert and its gate.
+    Gated DeltaNet: its projections and the per-token state update, no pairs. Mamba2: in_proj,
+    out_proj and the state update and read-out (2 x heads x state x head dim), no pairs. Dense
+    SwiGLU: gate/up/down; squared-ReLU MLP: up/down. MoE: the router and the
+    `num_experts_per_tok` experts a token visits, plus the shared expert and its gate. A "none"
+    half (Nemotron-H's single-block layers) costs nothing.
     """
     d = cfg.hidden_size
     if kind.mixer == "gated_deltanet":
@@ -105,13 +107,25 @@ def _layer_macs(cfg: Any, kind: LayerKind) -> tuple[float, float]:
         pair = 0.0
     elif kind.mixer == "mla":
         token, pair = _mla_macs(cfg)
+    elif kind.mixer == "mamba2":
+        heads, state = cfg.mamba_num_heads, cfg.ssm_state_size
+        inner = heads * cfg.mamba_head_dim
+        token = d * (2 * inner + 2 * cfg.n_groups * state + heads) + inner * d
+        token += 2 * heads * state * cfg.mamba_head_dim
+        pair = 0.0
+    elif kind.mixer == "none":
+        token = pair = 0.0
     else:
         q = cfg.num_attention_heads * cfg.head_dim
         kv = cfg.num_key_value_heads * cfg.head_dim
         token = d * q * (2 if kind.mixer == "gated_attention" else 1) + 2 * d * kv + q * d
         pair = 4.0 * q
+    if kind.ffn == "none":
+        return token, pair
     if kind.ffn == "mlp":
         return token + 3.0 * d * cfg.intermediate_size, pair
+    if kind.ffn == "relu2_mlp":
+        return token + 2.0 * d * cfg.intermediate_size, pair
     token += d * cfg.num_experts + cfg.num_experts_per_tok * 3.0 * d * cfg.moe_intermediate_size
     if kind.ffn == "moe_shared":
         token += 3.0 * d * cfg.shared_expert_intermediate_size + d

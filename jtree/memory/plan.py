@@ -41,6 +41,7 @@ exact.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -72,6 +73,16 @@ def layer_block(layer_types: Sequence[str] | None) -> int:
     types = tuple(layer_types or ("layer",))
     return next(p for p in range(1, len(types) + 1)
                 if len(types) % p == 0 and types == types[:p] * (len(types) // p))
+
+
+def depth_override(model_config: Any, layers: int) -> str:
+    """The override that builds `model_config` at its first `layers` layers: `num_hidden_layers`,
+    or, where the depth is the length of the layer list (Nemotron-H's `layers_block_type`), that
+    list cut."""
+    types = getattr(model_config, "layers_block_type", None)
+    if types is None:
+        return f"model.num_hidden_layers={layers}"
+    return f"model.layers_block_type={json.dumps(list(types[:layers]))}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,8 +209,8 @@ def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
     state, inputs = abstract_step_args(trainer, rows)
     samples = tuple(
         activations_and_temps(
-            load_config(config, [*overrides,
-                                 f"model.num_hidden_layers={leading + n * block}"]), rows)
+            load_config(config, [*overrides, depth_override(cfg.model.config, leading + n * block)]),
+            rows)
         for n in depth_blocks)
     a, b = fit_linear(samples, block, leading)
     return MemoryPlan(

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jtree.config.architectures import DecoderSpec, FeedForward, LayerKind
+from jtree.config.architectures import MOE_FEED_FORWARDS, DecoderSpec, FeedForward, LayerKind
 from jtree.config.runtime import RuntimeConfig
 from jtree.kernels import TreeMask
 from jtree.kernels.precision import accumulation_dtype
@@ -45,6 +45,7 @@ from jtree.models.attention import Attention
 from jtree.models.gated_deltanet import GatedDeltaNet, GdnRouting, gdn_routing
 from jtree.models.layers import (
     NORMS,
+    ReluSquaredMLP,
     SwiGLU,
     call_layer,
     linear,
@@ -54,6 +55,7 @@ from jtree.models.layers import (
     vocab_parallel_embed,
 )
 from jtree.models.mla import MultiHeadLatentAttention
+from jtree.models.mamba2 import Mamba2
 from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
 from jtree.models.output import ModelOutput
 from jtree.models.prefix import LayerCache, prefix_inputs
@@ -73,13 +75,15 @@ class LayerInputs(NamedTuple):
 
 
 def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, spec: DecoderSpec, *,
-                 rngs: nnx.Rngs) -> SwiGLU | SparseMoeBlock:
+                 rngs: nnx.Rngs) -> SwiGLU | ReluSquaredMLP | SparseMoeBlock:
     """The feed-forward block of kind `ffn`, with the biases and activation `spec` says (Llama's
     `mlp_bias` on a dense MLP; gpt-oss's router and expert biases and clamped SwiGLU)."""
     kw = dict(init_std=cfg.initializer_range, dtype=runtime.compute_dtype,
               param_dtype=runtime.weight_dtype, rngs=rngs, tp_axis=runtime.tensor_parallel_axis)
     if ffn == "mlp":
         return SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=spec.mlp_bias, **kw)
+    if ffn == "relu2_mlp":
+        return ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, bias=spec.mlp_bias, **kw)
     deepseek = ffn == "deepseek_moe"  # its group-limited router, its shared experts ungated
     return SparseMoeBlock(
         cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
@@ -94,7 +98,9 @@ def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, spec: Decod
 
 class DecoderLayer(nnx.Module):
     """Pre-norm residual layer: x + mixer(norm(x)), then + ffn(norm(x)). The mixer is
-    `self_attn` (attention, gated or not) or `linear_attn` (Gated DeltaNet), as HF names them."""
+    `self_attn` (attention, gated or not), `linear_attn` (Gated DeltaNet) or `mixer` (Mamba2), as
+    HF names them. A layer whose mixer or feed-forward is "none" (Nemotron-H's) is the one other
+    branch after `input_layernorm` alone."""
 
     def __init__(self, cfg: Any, runtime: RuntimeConfig, kind: LayerKind, spec: DecoderSpec, *,
                  rngs: nnx.Rngs):
@@ -103,17 +109,21 @@ class DecoderLayer(nnx.Module):
                                             rngs=rngs)
         elif kind.mixer == "mla":
             self.self_attn = MultiHeadLatentAttention(cfg, runtime, rngs=rngs)
-        else:
+        elif kind.mixer == "mamba2":
+            self.mixer = Mamba2(cfg, runtime, rngs=rngs)
+        elif kind.mixer != "none":
             self.self_attn = Attention(
                 cfg, runtime, spec, gated=kind.mixer == "gated_attention",
                 window=spec.sliding_window if kind.mixer == "sliding_attention" else None,
                 rngs=rngs)
-        self.mlp = feed_forward(cfg, runtime, kind.ffn, spec, rngs=rngs)
+        if kind.ffn != "none":
+            self.mlp = feed_forward(cfg, runtime, kind.ffn, spec, rngs=rngs)
         norm_cls = NORMS[spec.norm]
         self.input_layernorm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                         param_dtype=runtime.weight_dtype)
-        self.post_attention_layernorm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps,
-                                                 param_dtype=runtime.weight_dtype)
+        if "none" not in kind:
+            self.post_attention_layernorm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps,
+                                                     param_dtype=runtime.weight_dtype)
         self.kind = kind
 
     def __call__(self, x: jax.Array, inputs: LayerInputs, prefix: LayerCache | None = None,
@@ -122,16 +132,26 @@ class DecoderLayer(nnx.Module):
         """Output, router statistics (MoE layers) and what later parts read (`ModelOutput`).
         `replay` [..., S, k]: a MoE layer's replayed experts (`SparseMoeBlock`)."""
         h = self.input_layernorm(x)
+        if self.kind.mixer == "none":  # a feed-forward-only layer caches nothing
+            y, stats = self._feed_forward(h, replay)
+            return x + y, stats, None
         if self.kind.mixer == "gated_deltanet":
             h, cache = self.linear_attn(h, inputs.routing, prefix)
+        elif self.kind.mixer == "mamba2":
+            h, cache = self.mixer(h, inputs.routing, prefix)
         else:
             h, cache = self.self_attn(h, inputs.cos, inputs.sin, inputs.mask, prefix)
         x = x + h
-        h = self.post_attention_layernorm(x)
-        if self.kind.ffn == "mlp":
-            return x + self.mlp(h), None, cache
-        y, stats = self.mlp(h, replay)
+        if self.kind.ffn == "none":
+            return x, None, cache
+        y, stats = self._feed_forward(self.post_attention_layernorm(x), replay)
         return x + y, stats, cache
+
+    def _feed_forward(self, h: jax.Array, replay: jax.Array | None
+                      ) -> tuple[jax.Array, RouterStats | None]:
+        if self.kind.ffn in MOE_FEED_FORWARDS:
+            return self.mlp(h, replay)
+        return self.mlp(h), None
 
 
 class Decoder(nnx.Module):
@@ -298,7 +318,7 @@ class CausalLM(nnx.Module):
         model's."""
         if routed is None:
             return None
-        moe = [kind.ffn != "mlp" for kind in self.spec.layers]
+        moe = [kind.ffn in MOE_FEED_FORWARDS for kind in self.spec.layers]
         want = (sum(moe), getattr(self.config, "num_experts_per_tok", 0))
         if not want[0] or tuple(routed.shape[-2:]) != want:
             raise ValueError(f"inputs.routed_experts: [..., S, {routed.shape[-2]}, "

@@ -98,6 +98,43 @@ def gdn_routing(pred: jax.Array, tables: GdnTables, conv_kernel: int,
                       tables.export_slots, tables.context_exports, tables.conv_halo)
 
 
+def conv_source(pre_conv: jax.Array, routing: GdnRouting, prefix: GdnCache | None,
+                context_axis: str | None) -> jax.Array | None:
+    """What the path conv reads its left context from (`tree_causal_conv1d`'s `source`): the
+    tokens' own pre-conv activations (None), behind a prefix's cached ones, or, under context
+    parallelism over `context_axis`, followed by the gathered conv halo. Shared by the Gated
+    DeltaNet and Mamba2 layers."""
+    if context_axis is not None:
+        return context_conv_source(pre_conv, routing.conv_halo, context_axis)
+    if prefix is None:
+        return None
+    return jnp.concatenate([prefix.conv.astype(pre_conv.dtype), pre_conv], axis=1)
+
+
+def routed_recurrence(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                      beta: jax.Array | None, routing: GdnRouting, runtime: RuntimeConfig,
+                      prefix: GdnCache | None = None) -> tuple[jax.Array, jax.Array]:
+    """The chunked recurrence (`tree_gated_delta_rule`; `beta=None`: Mamba2's, without the delta
+    rule) over the routing's chunk tables: on this device, the subtrees below a prefix starting
+    from its state (initial slot 1; slot 0 zeros), or over the context axis
+    (`context_gated_delta_rule`). Returns (o [R, S, H, dv], the states after the routing's
+    export slots [R, E, H, dk, dv]; none under context parallelism, whose routing has none)."""
+    r, h = v.shape[0], v.shape[2]
+    tables = {"chunk_tokens": routing.chunk_tokens, "chunk_src": routing.chunk_src,
+              "token_slot": routing.token_slot}
+    if runtime.context_axis is not None:
+        o = context_gated_delta_rule(q, k, v, g, beta, **tables,
+                                     context_exports=routing.context_exports,
+                                     axis=runtime.context_axis)
+        return o, jnp.zeros((r, 0, h, q.shape[-1], v.shape[-1]), jnp.float32)
+    initial = None if prefix is None else jnp.stack(
+        [jnp.zeros_like(prefix.state), prefix.state], axis=1).astype(accumulation_dtype(v.dtype))
+    o, buffer = tree_gated_delta_rule(q, k, v, g, beta, **tables, initial_states=initial,
+                                      scan=runtime.gdn_scan)
+    slots = jnp.zeros((r, 0), jnp.int32) if routing.export_slots is None else routing.export_slots
+    return o, jnp.take_along_axis(buffer, slots[:, :, None, None, None], axis=1)
+
+
 class GatedRMSNorm(nnx.Module):
     """RMSNorm(x) * weight * SiLU(gate) (HF `Qwen3NextRMSNormGated`; norm before gate)."""
 
@@ -112,12 +149,14 @@ class GatedRMSNorm(nnx.Module):
 
 
 class DepthwiseConv1d(nnx.Module):
-    """Holds HF's `conv1d.weight` [channels, 1, K] (no bias)."""
+    """Holds HF's `conv1d.weight` [channels, 1, K] and, with `bias` (Mamba2's `use_conv_bias`),
+    `conv1d.bias` [channels] (the Gated DeltaNet's conv has none)."""
 
     def __init__(self, channels: int, kernel: int, *, init_std: float, param_dtype: jnp.dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, bias: bool = False):
         self.weight = nnx.Param(
             nnx.initializers.normal(init_std)(rngs.params(), (channels, 1, kernel), param_dtype))
+        self.bias = nnx.data(nnx.Param(jnp.zeros((channels,), param_dtype)) if bias else None)
 
     def __call__(self, x: jax.Array, context: jax.Array, channels: jax.Array | None = None,
                  source: jax.Array | None = None) -> jax.Array:
@@ -125,8 +164,12 @@ class DepthwiseConv1d(nnx.Module):
         (all of them by default); `source` holds the context tokens when they are not x's own
         (a cached prefix before them, `tree_causal_conv1d`)."""
         weight = self.weight[...][:, 0, :]
-        return tree_causal_conv1d(x, weight if channels is None else weight[channels], context,
-                                  source)
+        out = tree_causal_conv1d(x, weight if channels is None else weight[channels], context,
+                                 source)
+        if self.bias is None:
+            return out
+        bias = self.bias[...] if channels is None else self.bias[...][channels]
+        return out + bias.astype(out.dtype)
 
 
 def local_conv_channels(key_dim: int, value_dim: int, local_key_dim: int, local_value_dim: int,
@@ -205,15 +248,11 @@ class GatedDeltaNet(nnx.Module):
 
         pre_conv = jnp.concatenate([q.reshape(r * s, -1), k.reshape(r * s, -1),
                                     v.reshape(r * s, -1)], -1).reshape(r, s, -1)
-        cp = self.runtime.context_axis
-        if cp is not None:
-            source = context_conv_source(pre_conv, routing.conv_halo, cp)
-        else:
-            source = None if prefix is None else jnp.concatenate(
-                [prefix.conv.astype(pre_conv.dtype), pre_conv], axis=1)
         channels = local_conv_channels(cfg.linear_num_key_heads * dk,
                                        cfg.linear_num_value_heads * dv, nk * dk, nv * dv, tp)
-        mixed = jax.nn.silu(self.conv1d(pre_conv, routing.conv_context, channels, source))
+        mixed = jax.nn.silu(self.conv1d(
+            pre_conv, routing.conv_context, channels,
+            conv_source(pre_conv, routing, prefix, self.runtime.context_axis)))
         q, k, v = jnp.split(mixed.reshape(r * s, -1), [nk * dk, 2 * nk * dk], axis=-1)
         beta = jax.nn.sigmoid(b)
         acc = accumulation_dtype(a.dtype)
@@ -221,20 +260,7 @@ class GatedDeltaNet(nnx.Module):
             a.astype(acc) + self.dt_bias[...].astype(acc))
         g, beta = g.reshape(r, s, nv), beta.reshape(r, s, nv)
         q, k, v = q.reshape(r, s, nk, dk), k.reshape(r, s, nk, dk), v.reshape(r, s, nv, dv)
-        if cp is not None:
-            o = context_gated_delta_rule(
-                q, k, v, g, beta, chunk_tokens=routing.chunk_tokens, chunk_src=routing.chunk_src,
-                token_slot=routing.token_slot, context_exports=routing.context_exports, axis=cp)
-            states = jnp.zeros((r, 0, nv, dk, dv), jnp.float32)  # no exported states (routing)
-        else:
-            initial = None if prefix is None else jnp.stack(
-                [jnp.zeros_like(prefix.state), prefix.state], axis=1).astype(acc)
-            o, buffer = tree_gated_delta_rule(
-                q, k, v, g, beta, chunk_tokens=routing.chunk_tokens, chunk_src=routing.chunk_src,
-                token_slot=routing.token_slot, initial_states=initial, scan=self.runtime.gdn_scan)
-            slots = (jnp.zeros((r, 0), jnp.int32) if routing.export_slots is None
-                     else routing.export_slots)
-            states = jnp.take_along_axis(buffer, slots[:, :, None, None, None], axis=1)
+        o, states = routed_recurrence(q, k, v, g, beta, routing, self.runtime, prefix)
         o = self.norm(o.reshape(r * s, nv, dv), z.reshape(r * s, nv, dv))
         out = row_parallel(self.out_proj, o.reshape(r * s, nv * dv), tp)
         return out.reshape(r, s, -1), GdnCache(pre_conv, states)

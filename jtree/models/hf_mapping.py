@@ -110,7 +110,31 @@ class PerExpertRule:
         return [per_expert, fused]
 
 
-Rule = TensorRule | PerExpertRule
+@dataclasses.dataclass(frozen=True)
+class SavedPrefixRule:
+    """`rule`, except that checkpoints store the names it gives under `memory_prefix` (the
+    module names of transformers' model in memory) with `saved_prefix` instead: transformers
+    writes Nemotron-H's `model.*` as `backbone.*`, the Hub's form. That form is saved (and
+    read); the in-memory names are read too, and are what `to_hf_tensors(names=)` picks when
+    comparing with a transformers model."""
+
+    rule: TensorRule
+    memory_prefix: str
+    saved_prefix: str
+
+    @property
+    def pattern(self) -> str:
+        return self.rule.pattern
+
+    def storages(self, path: str, shape: tuple[int, ...], config: Any) -> list[Storage]:
+        in_memory = self.rule.storages(path, shape, config)
+        saved = [dataclasses.replace(s, hf_names=tuple(
+            self.saved_prefix + n[len(self.memory_prefix):] if n.startswith(self.memory_prefix)
+            else n for n in s.hf_names)) for s in in_memory]
+        return saved + in_memory
+
+
+Rule = TensorRule | PerExpertRule | SavedPrefixRule
 
 
 @dataclasses.dataclass(frozen=True)

@@ -216,6 +216,24 @@ class SwiGLU(nnx.Module):
         return jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
 
 
+class ReluSquaredMLP(nnx.Module):
+    """down(relu(up(x))^2), with biases on both when `bias` (Nemotron-H's non-gated MLP, HF
+    `NemotronHMLP` with `mlp_hidden_act: relu2`). Under tensor parallelism (`tp_axis`) up is a
+    column shard and down the matching row shard, as in `SwiGLU`."""
+
+    def __init__(self, hidden: int, intermediate: int, *, init_std: float, dtype: jnp.dtype,
+                 param_dtype: jnp.dtype, rngs: nnx.Rngs, tp_axis: str | None = None,
+                 bias: bool = False):
+        kw = dict(bias=bias, init_std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.up_proj = linear(hidden, intermediate, **kw)
+        self.down_proj = linear(intermediate, hidden, **kw)
+        self.tp_axis = tp_axis
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return row_parallel(self.down_proj, jnp.square(jax.nn.relu(self.up_proj(x))),
+                            self.tp_axis)
+
+
 # ---------------------------------------------------------------------- tensor-parallel hooks
 # Megatron-style tensor parallelism inside `shard_map` (jtree.parallel.sharding decides the splits): the
 # model sees only its shard of each weight. Column-parallel projections (q/k/v, gate/up) need no

@@ -10,7 +10,9 @@ the next parts' prefixes are gathered:
 - Gated DeltaNet layers: `GdnCache` — the pre-conv activations (the conv's left context) and the
   recurrent state: for a prefix, the state after its last token (what the part's subtrees start
   from) and the activations of its last K - 1 tokens; as exports, every own token's activations
-  and the states after the tokens listed in the batch's `gdn.export_slots`.
+  and the states after the tokens listed in the batch's `gdn.export_slots` (Mamba2 layers alike:
+  their pre-conv [x, B, C] and state);
+- layers without a token mixer (Nemotron-H's MLP layers): None.
 
 The layout of the prefix comes with the batch (`jtree.partitioning.redundancy_free.layout`): `mask.prefix_end` [R, P]
 and `prefix_pred` [R, P] in the part's combined coordinates (prefix token j at j, own token i at

@@ -217,6 +217,16 @@ def _gated_deltanet_rules(cfg: Any, model: int) -> Rules:
     ]
 
 
+def _mamba2_rules(cfg: Any, model: int) -> Rules:
+    """Replicated (FSDP still shards them): the Mamba2 layer has no tensor-parallel split yet
+    (`jtree.models.mamba2`); its norm weight is the shared norm rule's."""
+    if model > 1:
+        raise ValueError(f"mesh.model={model} with mamba2 layers is not supported yet")
+    return [(r"mixer/(in_proj|out_proj)/(kernel|bias)$", P()),
+            (r"mixer/conv1d/(weight|bias)$", P()),
+            (r"mixer/(dt_bias|A_log|D)$", P())]
+
+
 # The rules of each layer kind (`jtree.config.architectures.MIXERS`, `FEED_FORWARDS`); the gated
 # attention's q_proj columns are [query, gate] per head, so the query-head split keeps each
 # head's gate with it.
@@ -226,7 +236,10 @@ LAYER_KIND_RULES: dict[str, Callable[[Any, int], Rules]] = {
     "gated_attention": _attention_rules,
     "gated_deltanet": _gated_deltanet_rules,
     "mla": _mla_rules,
+    "mamba2": _mamba2_rules,
+    "none": lambda cfg, model: [],  # the missing half of a single-block layer (Nemotron-H)
     "mlp": _dense_mlp_rules,
+    "relu2_mlp": _dense_mlp_rules,  # up/down split as the SwiGLU's (there is no gate)
     "moe": _moe_rules,
     "moe_shared": _shared_expert_moe_rules,
     "deepseek_moe": _deepseek_moe_rules,

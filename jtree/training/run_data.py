@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jtree.config import TrainConfig
+from jtree.config.architectures import MOE_FEED_FORWARDS
 from jtree.layout.batch import DeviceBatch
 from jtree.layout.flop_model import FlopModel
 from jtree.layout.pruning import PrunedTree, prune_trees, pruning_blocker
@@ -73,7 +74,7 @@ def replay_shape(cfg: TrainConfig) -> tuple[int, int] | None:
     the shape of each token's routed experts; else None."""
     if not cfg.objective.routing_replay:
         return None
-    layers = sum(kind.ffn != "mlp" for kind in cfg.model.config.decoder().layers)
+    layers = sum(kind.ffn in MOE_FEED_FORWARDS for kind in cfg.model.config.decoder().layers)
     return layers, cfg.model.config.num_experts_per_tok
 
 

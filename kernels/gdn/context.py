@@ -80,13 +80,14 @@ def _slot_of(listing: jax.Array, values: jax.Array) -> jax.Array:
 
 
 def context_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
-                             beta: jax.Array, *, chunk_tokens: jax.Array, chunk_src: jax.Array,
-                             token_slot: jax.Array, context_exports: jax.Array, axis: str
-                             ) -> jax.Array:
+                             beta: jax.Array | None, *, chunk_tokens: jax.Array,
+                             chunk_src: jax.Array, token_slot: jax.Array,
+                             context_exports: jax.Array, axis: str) -> jax.Array:
     """`jtree.kernels.gdn.delta_rule.tree_gated_delta_rule` (roots starting from zeros) on this device's
     slice of rows split over mesh axis `axis`; call inside `shard_map`.
 
-    q, k [R, L, Hk, dk], v [R, L, Hv, dv], g, beta [R, L, Hv]: the slice's tokens. The device's
+    q, k [R, L, Hk, dk], v [R, L, Hv, dv], g, beta [R, L, Hv]: the slice's tokens (`beta=None`:
+    the recurrence without the delta rule, Mamba2's, as in `tree_chunk_terms`). The device's
     blocks of `jtree.layout.context_gdn_tables.context_gdn_tables`: `chunk_tokens` [R, NCL, C] (global
     positions), `chunk_src` [R, NCL] (0 or 1 + a global chunk), `token_slot` [R, L] (global),
     `context_exports` [R, E]. Returns o [R, L, Hv, dv] in v's dtype (0 on padding)."""

@@ -61,8 +61,9 @@ def _check_shapes(q, k, v, g, beta, initial_state) -> None:
                          f"k {k.shape}, v {v.shape}")
     if v.shape[2] % q.shape[2]:
         raise ValueError(f"key heads ({q.shape[2]}) must divide value heads ({v.shape[2]})")
-    if g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
-        raise ValueError(f"g and beta must be [B, T, Hv] = {v.shape[:3]}; got {g.shape}, {beta.shape}")
+    if g.shape != v.shape[:3] or (beta is not None and beta.shape != v.shape[:3]):
+        raise ValueError(f"g and beta must be [B, T, Hv] = {v.shape[:3]}; got {g.shape}, "
+                         f"{None if beta is None else beta.shape}")
     want = (v.shape[0], v.shape[2], q.shape[3], v.shape[3])
     if initial_state is not None and initial_state.shape != want:
         raise ValueError(f"initial_state must be [B, Hv, dk, dv] = {want}; got {initial_state.shape}")
@@ -142,12 +143,36 @@ class ChunkTerms(NamedTuple):
     """State-independent quantities of every chunk, [..., H, C, ...] ([B, NC] or [B * NC] chunks
     of C tokens in front)."""
 
-    u: jax.Array  # UT-transformed beta * v                 [.., C, dv]
-    w: jax.Array  # UT-transformed beta * k * decay-to-token [.., C, dk]
+    u: jax.Array  # UT-transformed beta * v (v without the delta rule) [.., C, dv]
+    w: jax.Array | None  # UT-transformed beta * k * decay-to-token [.., C, dk]; None without
+    #                      the delta rule (the state enters no v_new: `linear_chunk_terms`)
     q_decayed: jax.Array  # q * decay from chunk start       [.., C, dk]
     k_decayed: jax.Array  # k * decay to chunk end           [.., C, dk]
     attn: jax.Array  # causal q k^T with pairwise decays     [.., C, C]
     chunk_decay: jax.Array  # decay over the whole chunk    [..]
+
+
+def _decays(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Cumulative log decay [..., H, C] of g [..., H, C] and the pairwise decays
+    exp(cum_i - cum_j) for j <= i (0 above the diagonal; masked before exp so it never
+    overflows)."""
+    c = g.shape[-1]
+    cum = jnp.cumsum(g, axis=-1)
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    return cum, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+
+
+def _terms(q, k, cum, pair_decay, u, w) -> ChunkTerms:
+    """The chunk terms shared by both recurrences, from q, k [..., H, C, dk] and the decays."""
+    last = cum[..., -1:]
+    return ChunkTerms(
+        u=u,
+        w=w,
+        q_decayed=q * jnp.exp(cum)[..., None],
+        k_decayed=k * jnp.exp(last - cum)[..., None],
+        attn=_einsum("...id,...jd->...ij", q, k) * pair_decay,
+        chunk_decay=jnp.exp(last[..., 0]),
+    )
 
 
 def _chunk_terms(q, k, v, g, beta) -> ChunkTerms:
@@ -159,10 +184,7 @@ def _chunk_terms(q, k, v, g, beta) -> ChunkTerms:
     q, k, v = (jnp.swapaxes(x, -3, -2) for x in (q, k, v))  # [..., H, C, d]
     g, beta = jnp.swapaxes(g, -2, -1), jnp.swapaxes(beta, -2, -1)  # [..., H, C]
     c = g.shape[-1]
-    cum = jnp.cumsum(g, axis=-1)
-    lower = jnp.tril(jnp.ones((c, c), bool))
-    # exp(cum_i - cum_j) for j <= i; masked before exp so it never overflows.
-    pair_decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    cum, pair_decay = _decays(g)
     k_beta = k * beta[..., None]
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
     ut = jnp.where(strict, _einsum("...id,...jd->...ij", k_beta, k) * pair_decay, 0.0)
@@ -170,16 +192,18 @@ def _chunk_terms(q, k, v, g, beta) -> ChunkTerms:
     inv = _unit_lower_inverse(ut)
     u = _einsum("...ij,...jd->...id", inv, v * beta[..., None])
     w = _einsum("...ij,...jd->...id", inv, k_beta * jnp.exp(cum)[..., None])
-    attn = _einsum("...id,...jd->...ij", q, k) * pair_decay
-    last = cum[..., -1:]
-    return ChunkTerms(
-        u=u,
-        w=w,
-        q_decayed=q * jnp.exp(cum)[..., None],
-        k_decayed=k * jnp.exp(last - cum)[..., None],
-        attn=attn,
-        chunk_decay=jnp.exp(last[..., 0]),
-    )
+    return _terms(q, k, cum, pair_decay, u, w)
+
+
+def linear_chunk_terms(q, k, v, g) -> ChunkTerms:
+    """The chunk terms of the gated linear recurrence without the delta rule,
+    S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = S_t^T q_t (Mamba2's SSD with q = C, k = B,
+    v = dt x, g = dt A): the delta rule's terms with no UT transform (u = v, w = None), so
+    `chunk_step`, `chunk_maps` and every route below run it unchanged. Same axes as
+    `_chunk_terms`, without beta."""
+    q, k, v = (jnp.swapaxes(x, -3, -2) for x in (q, k, v))  # [..., H, C, d]
+    cum, pair_decay = _decays(jnp.swapaxes(g, -2, -1))
+    return _terms(q, k, cum, pair_decay, v, None)
 
 
 def chunk_step(t: ChunkTerms, s: jax.Array):
@@ -193,9 +217,9 @@ def chunk_step(t: ChunkTerms, s: jax.Array):
     def merged(x: jax.Array) -> jax.Array:
         return x.reshape((-1,) + x.shape[2:])
 
-    w, u, q_dec, k_dec, attn = map(merged, (t.w, t.u, t.q_decayed, t.k_decayed, t.attn))
+    u, q_dec, k_dec, attn = map(merged, (t.u, t.q_decayed, t.k_decayed, t.attn))
     s = merged(s)
-    v_new = u - _einsum("nck,nkv->ncv", w, s)
+    v_new = u if t.w is None else u - _einsum("nck,nkv->ncv", merged(t.w), s)
     o = _einsum("nck,nkv->ncv", q_dec, s) + _einsum("ncd,ndv->ncv", attn, v_new)
     s_out = s * t.chunk_decay.reshape(-1, 1, 1) + _einsum("nck,ncv->nkv", k_dec, v_new)
     return tuple(x.reshape(lead + x.shape[1:]) for x in (o, s_out, v_new))
@@ -275,9 +299,12 @@ _route_chunks = _buffer_route(_scan_forward, _route_bwd)
 def chunk_maps(t: ChunkTerms) -> tuple[jax.Array, jax.Array]:
     """Every chunk's affine map S_out = M S_in + N (M [.., dk, dk], N [.., dk, dv]), read off
     `chunk_step`: S_out = decay S_in + K_dec^T (U - W S_in), so M = decay I - K_dec^T W (the WY
-    form, never a product of per-token matrices) and N = K_dec^T U."""
-    eye = jnp.eye(t.w.shape[-1], dtype=t.w.dtype)
-    m = t.chunk_decay[..., None, None] * eye - _einsum("...ck,...cj->...kj", t.k_decayed, t.w)
+    form, never a product of per-token matrices) and N = K_dec^T U. Without the delta rule
+    (w None) M = decay I."""
+    eye = jnp.eye(t.k_decayed.shape[-1], dtype=t.k_decayed.dtype)
+    m = t.chunk_decay[..., None, None] * eye
+    if t.w is not None:
+        m = m - _einsum("...ck,...cj->...kj", t.k_decayed, t.w)
     return m, _einsum("...ck,...cv->...kv", t.k_decayed, t.u)
 
 
@@ -330,15 +357,23 @@ def _parallel_bwd(res, cts):
 _route_chunks_parallel = _buffer_route(_parallel_forward, _parallel_bwd)
 
 
-def tree_chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                     chunk_tokens: jax.Array) -> ChunkTerms:
+def tree_chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                     beta: jax.Array | None, chunk_tokens: jax.Array) -> ChunkTerms:
     """The state-independent terms of every chunk of a chunk table: q, k [R, S, Hk, dk] (raw,
     normalised here), v [R, S, Hv, dv], g, beta [R, S, Hv]; `chunk_tokens` [R, NC, C] the token
     (an index into S) of each chunk slot, -1 for an empty one (its slot is zeros, which leaves the
     state unchanged). Shared by the single-device routes and the context-parallel one
-    (`jtree.kernels.gdn.context`), which gives its slice's tokens."""
+    (`jtree.kernels.gdn.context`), which gives its slice's tokens.
+
+    `beta=None`: the gated linear recurrence without the delta rule (`linear_chunk_terms`,
+    Mamba2's SSD), q and k used as given (no normalisation or scale), each of the Hk groups
+    shared by Hv // Hk consecutive heads."""
     r, (nc, c) = v.shape[0], chunk_tokens.shape[1:]
-    q, k = _prepare_qk(q, k, v.shape[2])
+    if beta is None:
+        rep = v.shape[2] // q.shape[2]
+        q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+    else:
+        q, k = _prepare_qk(q, k, v.shape[2])
     filled = (chunk_tokens >= 0).reshape(r, nc * c)
     gather_idx = jnp.where(filled, chunk_tokens.reshape(r, nc * c), 0)
 
@@ -353,8 +388,11 @@ def tree_chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
 
     # The chunk terms are per chunk: computed over one flat chunk axis, which XLA:CPU runs faster
     # than [R, NC] when R = 1 (one tree row; see `jtree.kernels.flat_tokens`).
-    return jax.tree_util.tree_map(lambda x: x.reshape((r, nc) + x.shape[1:]),
-                                  _chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta))))
+    if beta is None:
+        terms = linear_chunk_terms(*(to_chunks(x) for x in (q, k, v, g)))
+    else:
+        terms = _chunk_terms(*(to_chunks(x) for x in (q, k, v, g, beta)))
+    return jax.tree_util.tree_map(lambda x: x.reshape((r, nc) + x.shape[1:]), terms)
 
 
 def tokens_from_chunks(o: jax.Array, token_slot: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -428,7 +466,7 @@ def tree_gated_delta_rule(
     k: jax.Array,
     v: jax.Array,
     g: jax.Array,
-    beta: jax.Array,
+    beta: jax.Array | None,
     *,
     chunk_tokens: jax.Array,
     chunk_src: jax.Array,
@@ -439,7 +477,10 @@ def tree_gated_delta_rule(
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule on rows of DFS-ordered trees, each token seeing only its path.
 
-    q, k [R, S, Hk, dk], v [R, S, Hv, dv], g, beta [R, S, Hv] per row token. The chunk tables (see
+    q, k [R, S, Hk, dk], v [R, S, Hv, dv], g, beta [R, S, Hv] per row token; `beta=None` runs
+    the gated linear recurrence without the delta rule instead, S_t = exp(g_t) S_{t-1} +
+    k_t v_t^T, o_t = S_t^T q_t with q, k as given (Mamba2's SSD: `tree_chunk_terms`), through the
+    same routes. The chunk tables (see
     `jtree.layout.linearize`): `chunk_tokens` [R, NC, C] row-local token of each chunk slot (-1: empty;
     a chunk holds tokens of one node), `chunk_src` [R, NC] the buffer slot a chunk's entering state
     comes from (0: `initial_state` or zeros; c' + 1: the state after chunk c', i.e. the previous

@@ -356,3 +356,78 @@ def test_backward_residuals_grow_with_chunks_not_chunks_times_buffer(scan):
     # One entering state per chunk plus O(C) per-token terms (C x C intra-chunk matrices).
     assert per_chunk <= 2 * state_bytes + 16 * HV * chunk_tokens * (chunk_tokens + DK + DV) * 4
     assert m32 < 32 * 33 * state_bytes / 8
+
+
+# ------------------------------------------------- without the delta rule (Mamba2's SSD, beta=None)
+
+
+def _ssd_recurrent(q, k, v, g, s0):
+    """Mamba2's recurrence token by token, written here as the oracle: per head h (group
+    h // (H // G)), S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = S_t^T q_t. q, k [P, T, G, n]."""
+    rep = v.shape[2] // q.shape[2]
+    q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t = xs
+        s = s * jnp.exp(g_t)[..., None, None] + k_t[..., :, None] * v_t[..., None, :]
+        return s, jnp.einsum("phkv,phk->phv", s, q_t, precision="highest")
+
+    _, o = jax.lax.scan(step, s0, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g)))
+    return jnp.moveaxis(o, 0, 1)
+
+
+@functools.cache
+def _ssd_tree_and_path_grads(scan):
+    def tree_loss(q, k, v, g, s0, tables, weight, target):
+        o, _ = tree_gated_delta_rule(q, k, v, g, None, chunk_tokens=tables[0],
+                                     chunk_src=tables[1], token_slot=tables[2], initial_state=s0,
+                                     scan=scan)
+        return jnp.sum(weight[..., None, None] * o * target), o
+
+    def path_loss(q, k, v, g, s0, rows, idx, coeff, target):
+        o = _ssd_recurrent(*(_gather_paths(x, rows, idx) for x in (q, k, v, g)), s0[rows])
+        return jnp.sum(coeff[..., None, None] * o * _gather_paths(target, rows, idx)), o
+
+    def grads(fn):
+        return jax.jit(jax.value_and_grad(fn, argnums=range(5), has_aux=True))
+
+    return grads(tree_loss), grads(path_loss)
+
+
+@pytest.mark.parametrize("scan", SCANS)
+@pytest.mark.parametrize("shape", ["random", "deep_chain"])
+def test_ssd_on_trees_equals_per_path_recurrence(shape, scan):
+    """The recurrence without the delta rule (Mamba2's SSD; q, k unnormalised, 2 groups for 4
+    heads) by both scans: every path's outputs and the gradients of a weighted tree loss equal the
+    token-by-token recurrence on each path alone (from its row's initial state)."""
+    trees = {"random": lambda: [
+        TrajectoryTree.from_nodes([-1, 0, 1, 1, 0, -1, 5], [[1] * 4, [2] * 7, [3], [4] * 5,
+                                                             [5] * 2, [6] * 3, [7] * 8]),
+        TrajectoryTree.from_nodes([-1, 0, 0, 2, 2], [[1] * 2, [2] * 3, [3], [4] * 4, [5]])],
+        "deep_chain": _deep_chain}[shape]()
+    batch = linearize(trees, TREE_S, gdn_chunk_size=3, n_rows=TREE_ROWS, gdn_chunks=TREE_S)
+    rng = np.random.default_rng(11)
+    r, s = batch.shape
+    q, k, v, g, _ = _inputs(rng, (r, s))
+    args = (q, k, v, g, _state(rng, r))
+    gdn = batch.inputs.gdn
+    tables = (gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot)
+    rows, idx = _path_index(batch, TREE_S)
+    real = idx >= 0
+    coeff = rng.uniform(0.5, 2.0, size=idx.shape).astype(np.float32) * real
+    target = rng.normal(size=(r, s, HV, DV)).astype(np.float32)
+    weight = np.zeros((r, s), np.float32)
+    np.add.at(weight, (np.broadcast_to(rows[:, None], idx.shape)[real], idx[real]), coeff[real])
+    tree_fn, path_fn = _ssd_tree_and_path_grads(scan)
+    (l_t, o_t), g_t = tree_fn(*args, tables, weight, target)
+    (l_p, o_p), g_p = path_fn(*args, rows, idx, coeff, target)
+    assert_elementwise_close(np.asarray(o_t)[rows[:, None], idx][real], np.asarray(o_p)[real],
+                             jnp.float32, f"{scan} ssd tree out vs paths")
+    # The state is not normalised here, so the loss is a sum of large terms of both signs:
+    # compared relative to the sum of their magnitudes.
+    mass = np.abs(coeff[..., None, None] * np.asarray(o_p)
+                  * np.asarray(_gather_paths(target, rows, idx))).sum()
+    assert abs(float(l_t) - float(l_p)) <= 1e-6 * mass
+    for name, a, b in zip(("q", "k", "v", "g", "initial_state"), g_t, g_p):
+        assert rel_l2(a, b) <= 1e-5, name
+        assert float(jnp.linalg.norm(b)) > 0, name

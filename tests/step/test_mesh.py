@@ -241,3 +241,13 @@ def test_gpt_oss_token_dispatch_step():
     # experts' shards.
     for result in run_cases(["gpt_oss_a2a:tree:sft:2x2x2"]):
         check(result)
+
+
+@pytest.mark.slow
+def test_nemotron_h_steps_on_data_fsdp_and_context_axes():
+    # Nemotron-H (Mamba2, attention and MLP single-block layers) under data x FSDP x context
+    # parallelism, PPO: the Mamba2 conv's halo and its states crossing devices as composed chunk
+    # maps, shared with the Gated DeltaNet; and data x FSDP, SFT. No tensor parallelism yet (its
+    # Mamba2 weights are replicated; mesh.model > 1 is refused).
+    for result in run_cases(["nemotron_h:cp:ppo:2x2x2x1", "nemotron_h:tree:sft:2x4x1"]):
+        check(result)

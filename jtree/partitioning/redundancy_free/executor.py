@@ -380,7 +380,9 @@ def zero_prefix(exports: tuple[LayerCache, ...], hidden: Any, rows: int, p: int,
     masked in attention, no query reads their conv context or state)."""
     layers = []
     for e in exports:
-        if isinstance(e, AttentionCache):
+        if e is None:  # a layer without a token mixer (Nemotron-H's MLP layers) caches nothing
+            layers.append(None)
+        elif isinstance(e, AttentionCache):
             layers.append(AttentionCache(*(jnp.zeros((rows, p) + a.shape[2:], a.dtype)
                                            for a in e)))
         else:
@@ -418,7 +420,9 @@ def extend_prefix(prefix: PartPrefix, out: PartOutput, index: jax.Array,
     safe = jnp.maximum(index, 0)
     layers = []
     for above, own in zip(prefix.layers, out.exports):
-        if isinstance(own, AttentionCache):
+        if own is None:
+            layers.append(None)
+        elif isinstance(own, AttentionCache):
             k = jnp.concatenate([above.k, own.k], 1)
             v = jnp.concatenate([above.v, own.v], 1)
             layers.append(AttentionCache(_take(k, safe), _take(v, safe)))

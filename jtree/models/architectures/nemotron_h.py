@@ -1,0 +1,147 @@
+"""Nemotron-H (HF `NemotronHForCausalLM`): single-block layers of Mamba2, attention without RoPE
+or a squared-ReLU MLP (the config is `jtree.config.architectures.NemotronHConfig`): its Hugging
+Face mapping.
+
+Tensors. transformers names every layer's block `mixer` and its one norm `norm`
+(`model.layers.N.mixer.in_proj.weight`, `model.layers.N.norm.weight`), the embedding
+`model.embeddings` and the final norm `model.norm_f`, and saves `model.*` as `backbone.*` (the
+Hub's names; both are read, `SavedPrefixRule`). jtree keeps the shared decoder's names for
+the blocks it shares (`self_attn`, `mlp`, `input_layernorm`, `embed_tokens`, `norm`; the Mamba2
+block is `mixer` already), so the tables below only rename; no tensor is permuted. Hub
+checkpoints with multi-token-prediction layers carry `mtp.*`, which the causal LM does not use
+(transformers skips them too).
+
+Config. Field names and defaults follow transformers 5.24's `NemotronHConfig`. The layer layout is
+`layers_block_type` ("linear_attention" = Mamba2, "full_attention", "mlp"); the older
+`hybrid_override_pattern` string (M, *, -) is read when it is absent. MoE layers ("moe", E) are
+refused. Fields that the forward pass does not read are accepted as inert: the initialisation's
+(`time_step_max`, `time_step_floor`, `rescale_prenorm_residual`), the kernels'
+(`use_mamba_kernels`, `mamba_ssm_cache_dtype`; `chunk_size` is kept and written back, since it
+sets transformers' rounding), `time_step_limit` (transformers' mixer clamps dt
+by `time_step_min` only), `expand` and `mamba_proj_bias` (its widths come from
+`mamba_num_heads * mamba_head_dim`, its biases from `use_bias`), `residual_in_fp32`, and the MoE
+and multi-token-prediction fields (no MoE layer runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jtree.config.architectures import NemotronHConfig
+from jtree.models.hf_config import REQUIRED, equals, read_config
+from jtree.models.hf_mapping import (
+    NNX_TO_TORCH,
+    TRANSPOSED,
+    HfMapping,
+    SavedPrefixRule,
+    TensorRule,
+)
+
+HF_NAME = "NemotronHForCausalLM"
+
+# HF key -> default when absent (transformers 5.24's NemotronHConfig defaults).
+_FIELDS: dict[str, Any] = {
+    "vocab_size": REQUIRED,
+    "hidden_size": REQUIRED,
+    "layers_block_type": None,  # None: from hybrid_override_pattern
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,  # None: num_attention_heads, as in transformers
+    "head_dim": 128,
+    "intermediate_size": 21504,
+    "mlp_bias": False,
+    "ssm_state_size": 128,
+    "mamba_num_heads": 128,
+    "mamba_head_dim": 64,
+    "n_groups": 8,
+    "conv_kernel": 4,
+    "time_step_min": 0.001,
+    "use_conv_bias": True,
+    "use_bias": False,
+    "layer_norm_epsilon": 1e-5,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.02,
+    "chunk_size": 128,
+}
+_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def _layer_count(value: Any, hf: Mapping[str, Any]) -> str | None:
+    types = hf.get("layers_block_type") or hf.get("hybrid_override_pattern") or ()
+    if value is not None and value != len(types):
+        return f"does not match the {len(types)} layers of layers_block_type"
+    return None
+
+
+_CHECKS = {
+    "mlp_hidden_act": equals("relu2"),
+    "mamba_hidden_act": equals("silu"),
+    "attention_bias": equals(False),
+    "attention_dropout": equals(0.0),
+    "hidden_dropout": equals(0.0),
+    "sliding_window": equals(None),
+    "num_hidden_layers": _layer_count,
+}
+_INERT = frozenset({
+    "hybrid_override_pattern", "time_step_max", "time_step_floor", "time_step_limit",
+    "rescale_prenorm_residual", "use_mamba_kernels", "mamba_ssm_cache_dtype",
+    "expand", "mamba_proj_bias", "residual_in_fp32", "num_logits_to_keep",
+    "n_routed_experts", "n_shared_experts", "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size", "moe_latent_size", "moe_shared_expert_overlap",
+    "num_experts_per_tok", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob",
+    "output_router_logits", "num_nextn_predict_layers", "mtp_layers_block_type",
+    "mtp_hybrid_override_pattern"})
+
+# jtree's shared-decoder names -> transformers' (`mixer` for every block, one `norm` per layer);
+# the Mamba2 block's bare parameters stay as they are; the rest is the NNX -> torch rule. Saved
+# as transformers saves them, `model.*` as `backbone.*`.
+_IN_MEMORY = (
+    TensorRule(r"model\.embed_tokens\.embedding", "model.embeddings.weight"),
+    TensorRule(r"model\.norm\.weight", "model.norm_f.weight"),
+    TensorRule(r"(model\.layers\.\d+)\.input_layernorm\.weight", r"\1.norm.weight"),
+    TensorRule(r"(model\.layers\.\d+)\.(?:self_attn|mlp)\.(\w+)\.kernel", r"\1.mixer.\2.weight",
+               TRANSPOSED),
+    TensorRule(r"(model\.layers\.\d+)\.(?:self_attn|mlp)\.(\w+)\.bias", r"\1.mixer.\2.bias"),
+    TensorRule(r".*\.mixer\.(A_log|dt_bias|D)", r"\g<0>"),
+) + NNX_TO_TORCH
+TENSORS = tuple(SavedPrefixRule(rule, "model.", "backbone.") for rule in _IN_MEMORY)
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> NemotronHConfig:
+    values = read_config(hf, HF_NAME, fields=_FIELDS, checks=_CHECKS, inert=_INERT)
+    if values["layers_block_type"] is None:
+        pattern = hf.get("hybrid_override_pattern")
+        if pattern is None:
+            raise ValueError(f"config.json: missing field 'layers_block_type' ({HF_NAME})")
+        unknown = sorted(set(pattern) - set(_PATTERN))
+        if unknown:
+            raise ValueError(f"config.json: hybrid_override_pattern: {unknown[0]!r} is not one "
+                             f"of {sorted(_PATTERN)}")
+        values["layers_block_type"] = [_PATTERN[c] for c in pattern]
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    return NemotronHConfig(**values)
+
+
+def config_to_hf(cfg: NemotronHConfig) -> dict[str, Any]:
+    out = {key: getattr(cfg, key) for key in _FIELDS}
+    out.update(model_type="nemotron_h", layers_block_type=list(cfg.layers_block_type),
+               mlp_hidden_act="relu2", mamba_hidden_act="silu", attention_bias=False,
+               num_nextn_predict_layers=0, use_cache=True)
+    return out
+
+
+def tied_head(cfg: NemotronHConfig) -> dict[str, str]:
+    return {"lm_head.weight": "backbone.embeddings.weight"} if cfg.tie_word_embeddings else {}
+
+
+HF = HfMapping(
+    hf_name=HF_NAME,
+    model_type="nemotron_h",
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    tensors=TENSORS,
+    tied=tied_head,
+    ignored=(r"mtp\..*",),
+)

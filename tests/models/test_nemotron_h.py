@@ -1,0 +1,125 @@
+"""Nemotron-H (Mamba2 / attention / MLP single-block layers) in tree mode equals the per-path
+baseline: PPO loss and gradients, with both tree scans of the Mamba2 state (the log-probs against
+transformers per path: tests/hf/test_hf_nemotron_h.py); the layer kinds' sharding rules and FLOPs,
+the memory plan, and redundancy-free parts.
+
+Random forests branch on several levels, have single-token nodes (shorter than the conv kernel),
+paths ending at internal nodes and several trees per row; 3-token chunks put chunk boundaries
+inside nodes. Every parameter is perturbed (conv bias, D, dt_bias, the gated norm included).
+"""
+
+import json
+
+import jax
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+from jtree.config import load_config
+from jtree.config.objective import Objective
+from jtree.layout.baseline import linearize_baseline
+from jtree.layout.flop_model import FlopModel
+from jtree.layout.linearize import linearize
+from jtree.memory.plan import activations_and_temps, depth_override, layer_block, memory_plan
+from jtree.parallel.sharding import AXES, param_rules, param_specs
+from tests.memory.test_memory_plan import assert_rule_predicts
+from tests.models_util import (
+    assert_loss_and_grads_match,
+    off_policy_ppo_inputs,
+    perturbed,
+    tiny_lm,
+    tiny_nemotron_h_config,
+)
+from tests.partitioning.test_redundancy_free import SFT
+from tests.partitioning.test_redundancy_free import _check as check_parts
+from tests.strategies import forests
+
+S, TREE_ROWS, BASE_ROWS, CHUNK = 64, 3, 40, 3
+CONFIG = tiny_nemotron_h_config()
+PPO = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01)
+
+
+def _model(scan: str):
+    graphdef, params = nnx.split(tiny_lm(CONFIG, 0, gdn_scan=scan))
+    return graphdef, perturbed(params, scale=0.2)
+
+
+def _batches(trees):
+    tree = linearize(trees, S, normalization="token_mean", n_rows=TREE_ROWS,
+                     gdn_chunk_size=CHUNK, gdn_chunks=S)
+    base = linearize_baseline(trees, S, normalization="token_mean", n_rows=BASE_ROWS,
+                              gdn_chunk_size=CHUNK, gdn_chunks=S)
+    return tree, base
+
+
+# (the parallel scan against per-path references: tests/kernels/test_gdn.py, and against
+# transformers: tests/hf/test_hf_nemotron_h.py)
+@pytest.mark.parametrize("scan", ["sequential", pytest.param("parallel", marks=pytest.mark.slow)])
+@settings(max_examples=2, derandomize=True, deadline=None)
+@given(trees=forests(n_trees=(1, 3), max_nodes=8, max_seg=5))
+def test_ppo_loss_and_grads_equal_baseline(trees, scan):
+    """The PPO loss and every gradient (1e-5 relative) of the tree equal those of each path
+    run alone (off-policy, so the clip acts)."""
+    graphdef, params = _model(scan)
+    tree, base = _batches(trees)
+    tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=len(trees))
+    assert_loss_and_grads_match(graphdef, params, tree_in, base_in, PPO)
+
+
+def test_sharding_rules_cover_every_parameter_and_refuse_tensor_parallel():
+    _, params = nnx.split(tiny_lm(CONFIG), nnx.Param)
+    mesh = AbstractMesh((1, 2, 1, 1), AXES)  # FSDP over 2: the Mamba2 weights are split by it
+    specs = param_specs(params, param_rules(CONFIG, 1), mesh)
+    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(
+        specs, is_leaf=lambda x: isinstance(x, P))}
+    assert flat["['model']['layers'][0]['mixer']['in_proj']['kernel'].value"] == P("fsdp", None)
+    assert flat["['model']['layers'][2]['mlp']['up_proj']['kernel'].value"] == P("fsdp", "model")
+    with pytest.raises(ValueError, match="mesh.model=2 with mamba2 layers"):
+        param_rules(CONFIG, 2)
+
+
+@pytest.mark.slow  # about 40 s of compiles on 2 cores
+def test_redundancy_free_parts_equal_the_unpartitioned_tree():
+    """Parts of trees below prefixes that other parts computed: the Mamba2 layer starts the
+    part's subtrees from the prefix's state at the attach token and reads the prefix's cached
+    conv inputs; the MLP-only layer caches nothing. Loss, gradients and log-probs equal the whole
+    tree's."""
+    check_parts(*_model("sequential"), SFT, capacities=(5,), modes=("recompute",), chunk=CHUNK)
+
+
+def test_flops_count_each_single_block_layer_once():
+    d, inner, gn, h = 32, 24, 16, 4
+    mamba = d * (2 * inner + 2 * gn + h) + inner * d + 2 * h * 8 * 6
+    attention = d * 32 + 2 * d * 16 + 32 * d
+    mlp = 2 * d * 48
+    flops = FlopModel.for_config(CONFIG)
+    assert flops.per_token == 3.0 * 2.0 * (mamba + attention + mlp)
+    assert flops.per_pair == 3.5 * 4.0 * 32  # the one attention layer
+
+
+BLOCK = ["linear_attention", "mlp", "full_attention", "mlp"]
+MEMORY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=256",
+          "data.micro_batches=1", "data.gdn_chunk_size=32", "mesh.data=1",
+          f"model.layers_block_type={json.dumps(BLOCK * 3)}"]
+
+
+def test_memory_plan_cuts_the_layer_list_by_whole_blocks():
+    cfg = load_config("configs/tiny_nemotron_h.yaml", MEMORY).model.config
+    assert layer_block(cfg.layer_types) == 4
+    cut = load_config("configs/tiny_nemotron_h.yaml", [*MEMORY, depth_override(cfg, 8)])
+    assert cut.model.config.layers_block_type == tuple(BLOCK * 2)
+
+
+@pytest.mark.slow
+def test_memory_plan_rule_predicts_a_third_compile():
+    """The memory plan of a Nemotron-H config (compiles at 1 and 2 blocks of [Mamba2, MLP,
+    attention, MLP]) predicts the compile at 3 blocks: the Mamba2 layers' activations grow with
+    depth like the others'."""
+    plan = memory_plan("configs/tiny_nemotron_h.yaml", MEMORY, depth_blocks=(1, 2))
+    assert (plan.block, plan.layers) == (4, 12)
+    actual = activations_and_temps(load_config("configs/tiny_nemotron_h.yaml", MEMORY), rows=1)
+    assert actual.layers == 12
+    assert_rule_predicts(plan, actual)
+
