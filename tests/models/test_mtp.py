@@ -18,13 +18,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 
 from jtree.config.objective import Objective
+from jtree.hf import load, save
+from jtree.hf.safetensors_io import SINGLE_FILE
 from jtree.layout.baseline import linearize_baseline
 from jtree.layout.linearize import linearize
 from jtree.models import CausalLM
 from jtree.objectives.objective import objective_loss
-from tests.models_util import assert_grads_close, perturbed, tiny_config, tiny_runtime
+from tests.hf_util import copy_checkpoint
+from tests.models_util import (
+    assert_grads_close,
+    perturbed,
+    tiny_config,
+    tiny_next_config,
+    tiny_qwen3_5_config,
+    tiny_qwen3_5_moe_config,
+    tiny_runtime,
+)
 from tests.strategies import one_row_forests
 
 S, VOCAB, MTP_WEIGHT = 128, 64, 0.7
@@ -165,3 +177,64 @@ def test_mtp_refusals():
                        Objective(kind="sft", mtp_weight=1.0, mtp_depth=2))
     with pytest.raises(ValueError, match="mtp_depth: 2 is read only"):
         Objective(mtp_depth=2)
+
+
+# ---------------------------------------------------------------- Hugging Face checkpoints
+# Hub checkpoints of Qwen3-Next and Qwen3.5 carry one MTP layer (`mtp_num_hidden_layers: 1`)
+# named like a full-attention decoder layer under `mtp.layers.0.`, plus these four tensors
+# (vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py read the same names).
+MTP_EXTRA = {"mtp.fc.weight": "fc", "mtp.norm.weight": "norm",
+             "mtp.pre_fc_norm_hidden.weight": "hidden",
+             "mtp.pre_fc_norm_embedding.weight": "embedding"}
+HF_CONFIGS = {"qwen3_next": lambda: tiny_next_config(mlp_only_layers=(), num_experts=4),
+              "qwen3_5": tiny_qwen3_5_config,
+              "qwen3_5_moe": lambda: tiny_qwen3_5_moe_config(num_experts=4)}
+
+
+def with_mtp_tensors(tensors: dict, hidden: int, seed: int = 5) -> None:
+    """Add random Hub-named MTP tensors: the last (full-attention) layer's tensors renamed to
+    `mtp.layers.0.`, and the fc [hidden, 2 hidden] and three norms."""
+    rng = np.random.default_rng(seed)
+    last = max(int(n.split(".")[2]) for n in tensors if n.startswith("model.layers."))
+    for name in [n for n in tensors if n.startswith(f"model.layers.{last}.")]:
+        tensors[name.replace(f"model.layers.{last}.", "mtp.layers.0.")] = rng.normal(
+            size=tensors[name].shape).astype(np.float32)
+    for name in MTP_EXTRA:
+        shape = (hidden, 2 * hidden) if name == "mtp.fc.weight" else (hidden,)
+        tensors[name] = rng.normal(size=shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
+def test_hf_mtp_round_trip(arch, tmp_path):
+    """A checkpoint with Hub-named `mtp.*` tensors loads into the MTP modules (mtp_depth=1),
+    each tensor where its name says, saves back bit for bit, and loads without them
+    (mtp_depth=0: skipped) as before."""
+    cfg = HF_CONFIGS[arch]()
+    save(CausalLM(cfg, tiny_runtime(), rngs=nnx.Rngs(0)), cfg, tmp_path / "plain")
+    src = copy_checkpoint(tmp_path / "plain", tmp_path / "mtp", edit_tensors=lambda t:
+                          with_mtp_tensors(t, cfg.hidden_size))
+    tensors = load_file(str(src / SINGLE_FILE))
+    _, lm = load(src, tiny_runtime(), mtp_depth=1)
+    mtp = lm.mtp
+    np.testing.assert_array_equal(np.asarray(mtp.fc.kernel[...]), tensors["mtp.fc.weight"].T)
+    for name, attr in (("norm", "norm"), ("hidden", "pre_fc_norm_hidden"),
+                       ("embedding", "pre_fc_norm_embedding")):
+        hf = next(n for n, a in MTP_EXTRA.items() if a == name)
+        np.testing.assert_array_equal(np.asarray(getattr(mtp, attr).weight[...]), tensors[hf])
+    np.testing.assert_array_equal(np.asarray(mtp.layers[0].self_attn.o_proj.kernel[...]),
+                                  tensors["mtp.layers.0.self_attn.o_proj.weight"].T)
+    save(lm, cfg, tmp_path / "saved")
+    saved = load_file(str(tmp_path / "saved" / SINGLE_FILE))
+    assert saved.keys() == tensors.keys()
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(saved[name], value, err_msg=name)
+    _, plain = load(src, tiny_runtime())
+    assert plain.mtp is None
+    with pytest.raises(ValueError, match="missing tensor.*mtp.layers.1"):
+        load(src, tiny_runtime(), mtp_depth=2)
+
+
+def test_hf_mtp_refused_without_mtp_tensors(tmp_path):
+    save(CausalLM(CONFIG, tiny_runtime(), rngs=nnx.Rngs(0)), CONFIG, tmp_path)
+    with pytest.raises(ValueError, match="mtp_depth: Qwen3Config checkpoints carry no"):
+        load(tmp_path, tiny_runtime(), mtp_depth=1)
