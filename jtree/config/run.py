@@ -210,6 +210,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.objective.routing_replay:
             self._refuse_routing_replay()
+        if self.objective.mtp_weight:
+            # The run's model building, checkpoint loading, sharding rules and export do not
+            # carry MTP modules yet; the library does (docs/rl.md, "Config keys").
+            raise ValueError("objective.mtp_weight: not available in jtree train runs yet; "
+                             "train MTP through the library (CausalLM(mtp_depth=...), "
+                             "jtree.step.train_step.make_grad_fn)")
         if (self.data.format == "chat" and self.data.tokenizer == "bytes"
                 and self.model.init_from is not None):
             # Byte ids fit inside any real vocabulary, so nothing downstream would notice.

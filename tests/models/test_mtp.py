@@ -21,15 +21,19 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from jtree.config.objective import Objective
+from jtree.config.run import load_config
 from jtree.hf import load, save
 from jtree.hf.safetensors_io import SINGLE_FILE
+from jtree.kernels import TreeMask
 from jtree.layout.baseline import linearize_baseline
 from jtree.layout.linearize import linearize
 from jtree.models import CausalLM
+from jtree.models.mtp import without_short_paths
 from jtree.objectives.objective import objective_loss
 from tests.hf_util import copy_checkpoint
 from tests.models_util import (
     assert_grads_close,
+    four_expert_config,
     perturbed,
     tiny_config,
     tiny_next_config,
@@ -170,6 +174,32 @@ def test_tree_mtp_equals_per_path_reference(depth):
     assert float(base_mtp) == pytest.approx(float(ref_mtp), rel=1e-5)
 
 
+@pytest.mark.slow
+def test_qwen3_next_mtp_tree_equals_baseline():
+    """Qwen3-Next (GDN and gated attention, (1 + w) norms, MoE with a shared expert in every
+    layer, the MTP layer too), depth 2: the tree's loss, MTP loss and gradients equal the
+    baseline rows'."""
+    cfg = four_expert_config("next", mlp_only_layers=())
+    graphdef, params = nnx.split(CausalLM(cfg, tiny_runtime(), rngs=nnx.Rngs(4), mtp_depth=2))
+    params = perturbed(params, scale=0.2)
+    tree = linearize(TREES, S, n_rows=1, gdn_chunk_size=3, gdn_chunks=S)
+    base = linearize_baseline(TREES, S, gdn_chunk_size=3, gdn_chunks=S)
+    objective = Objective(kind="sft", mtp_weight=MTP_WEIGHT, mtp_depth=2)
+
+    @jax.jit
+    @functools.partial(jax.value_and_grad, has_aux=True)
+    def f(params, inputs):
+        loss, metrics = objective_loss(nnx.merge(graphdef, params), inputs, objective)
+        return loss, metrics["mtp_nll"]
+
+    (loss_t, mtp_t), g_t = f(params, tree.inputs)
+    (loss_b, mtp_b), g_b = f(params, base.inputs)
+    assert float(mtp_b) > 0.1
+    assert float(mtp_t) == pytest.approx(float(mtp_b), rel=1e-5)
+    assert float(loss_t) == pytest.approx(float(loss_b), rel=1e-5)
+    assert_grads_close(g_t, g_b)
+
+
 def test_mtp_refusals():
     graphdef, params = model(1)
     with pytest.raises(ValueError, match="mtp_depth"):
@@ -177,6 +207,17 @@ def test_mtp_refusals():
                        Objective(kind="sft", mtp_weight=1.0, mtp_depth=2))
     with pytest.raises(ValueError, match="mtp_depth: 2 is read only"):
         Objective(mtp_depth=2)
+    with pytest.raises(ValueError, match="objective.mtp_weight: not available in jtree train"):
+        load_config("configs/tiny.yaml", ["objective.mtp_weight=0.5"])
+    # A redundancy-free part's mask (cached prefix keys), context parallelism.
+    with pytest.raises(ValueError, match="mtp_weight: not available with run.mode=redundancy"):
+        without_short_paths(TreeMask(np.ones((1, 4), np.int32), prefix_end=np.ones((1, 2),
+                                                                                  np.int32)),
+                            np.zeros((1, 4), np.int32), 1)
+    lm = nnx.merge(graphdef, params)
+    lm.mtp.runtime = tiny_runtime(context_axis="context")
+    with pytest.raises(ValueError, match="mtp_weight: not available under context"):
+        lm.mtp(*(None,) * 5)
 
 
 # ---------------------------------------------------------------- Hugging Face checkpoints
