@@ -152,7 +152,11 @@ def sharded_graphdef(model: CausalLM, specs: Any, mesh: jax.sharding.Mesh) -> nn
     split over (`data_parallel_axis`: 'data', 'fsdp' and, under context parallelism,
     'context'), and every parameter that `specs` shards over `fsdp` marked with the dimension to
     gather (`jtree.models.layers.FSDP_GATHER`, counted from the end). Built abstractly: no
-    weights."""
+    weights. Refuses a model with MTP modules (`jtree.models.mtp`), which have no sharding
+    rules yet."""
+    if model.mtp is not None:
+        raise ValueError("objective.mtp_weight: MTP modules do not run on a mesh yet (no "
+                         "sharding rule for mtp.fc); train them with make_grad_fn on one device")
     context = CONTEXT if context_size(mesh) > 1 else None
     runtime = dataclasses.replace(
         model.runtime, tensor_parallel_axis=MODEL, context_axis=context,

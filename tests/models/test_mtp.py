@@ -30,6 +30,7 @@ from jtree.layout.linearize import linearize
 from jtree.models import CausalLM
 from jtree.models.mtp import without_short_paths
 from jtree.objectives.objective import objective_loss
+from jtree.step.train_step import sharded_graphdef
 from tests.hf_util import copy_checkpoint
 from tests.models_util import (
     assert_grads_close,
@@ -215,6 +216,8 @@ def test_mtp_refusals():
                                                                                   np.int32)),
                             np.zeros((1, 4), np.int32), 1)
     lm = nnx.merge(graphdef, params)
+    with pytest.raises(ValueError, match="mtp_weight: MTP modules do not run on a mesh"):
+        sharded_graphdef(lm, None, None)
     lm.mtp.runtime = tiny_runtime(context_axis="context")
     with pytest.raises(ValueError, match="mtp_weight: not available under context"):
         lm.mtp(*(None,) * 5)
