@@ -176,6 +176,24 @@ def test_tree_mtp_equals_per_path_reference(depth):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("impl", ["xla", "cpu"])
+def test_tree_mtp_through_block_sparse_kernels(impl):
+    """The MTP layer's mask (the paths' first tokens hidden as keys) through the block-sparse
+    kernels' block tables, traced (jit) and from host arrays (eager): the reference's MTP loss."""
+    graphdef = nnx.split(CausalLM(CONFIG, tiny_runtime(attention_impl=impl), rngs=nnx.Rngs(3),
+                                  mtp_depth=1))[0]
+    _, params = model(1)
+    (_, ref_mtp), _ = reference_fn(1)(params)
+    objective = Objective(kind="sft", mtp_weight=MTP_WEIGHT)
+
+    def mtp_nll(params, inputs):
+        return objective_loss(nnx.merge(graphdef, params), inputs, objective)[1]["mtp_nll"]
+
+    for got in (jax.jit(mtp_nll)(params, TREE.inputs), mtp_nll(params, TREE.inputs)):
+        assert float(got) == pytest.approx(float(ref_mtp), rel=1e-5)
+
+
+@pytest.mark.slow
 def test_qwen3_next_mtp_tree_equals_baseline():
     """Qwen3-Next (GDN and gated attention, (1 + w) norms, MoE with a shared expert in every
     layer, the MTP layer too), depth 2: the tree's loss, MTP loss and gradients equal the
