@@ -40,6 +40,8 @@ def objective_loss(model: Any, inputs: DeviceBatch, objective: Objective, *,
     slice of the rows and the sums are the slice's (`jtree.parallel.context`).
     With `objective.off_policy`, the policy's coefficients are first weighted per (path, token)
     (`jtree.objectives.off_policy`), and its metrics join the step's.
+    With `objective.mtp_weight`, the multi-token-prediction loss (`mtp_loss`, on the batch's
+    own W, before any off-policy weighting) is added and reported as `mtp_nll`.
     """
     context_axis = model.runtime.context_axis
     out = model(inputs)
@@ -82,9 +84,8 @@ def mtp_loss(model: Any, out: Any, inputs: DeviceBatch, objective: Objective, *,
     w_out, tokens, pred = model.output_embedding(), inputs.tokens, inputs.pred
     weight, pos, index = inputs.coefficients.weight, jnp.asarray(inputs.pos), inputs.score_index
     if index is not None:  # only the tokens the main loss scores can carry a weight
-        at = jnp.where(index >= 0, index, 0)
-        weight = jnp.where(index >= 0, jnp.take_along_axis(weight, at, axis=-1), 0.0)
-        pos = jnp.take_along_axis(pos, at, axis=-1)
+        weight = gather_scored(inputs.coefficients, index).weight
+        pos = jnp.take_along_axis(pos, jnp.where(index >= 0, index, 0), axis=-1)
     total = jnp.zeros((), jnp.float32)
     for d, states in enumerate(out.mtp, start=1):
         if index is None:
