@@ -152,11 +152,7 @@ def sharded_graphdef(model: CausalLM, specs: Any, mesh: jax.sharding.Mesh) -> nn
     split over (`data_parallel_axis`: 'data', 'fsdp' and, under context parallelism,
     'context'), and every parameter that `specs` shards over `fsdp` marked with the dimension to
     gather (`jtree.models.layers.FSDP_GATHER`, counted from the end). Built abstractly: no
-    weights. Refuses a model with MTP modules (`jtree.models.mtp`), which have no sharding
-    rules yet."""
-    if model.mtp is not None:
-        raise ValueError("objective.mtp_weight: MTP modules do not run on a mesh yet (no "
-                         "sharding rule for mtp.fc); train them with make_grad_fn on one device")
+    weights."""
     context = CONTEXT if context_size(mesh) > 1 else None
     runtime = dataclasses.replace(
         model.runtime, tensor_parallel_axis=MODEL, context_axis=context,
@@ -164,7 +160,9 @@ def sharded_graphdef(model: CausalLM, specs: Any, mesh: jax.sharding.Mesh) -> nn
     critic = None if model.critic is None else model.critic.config
     abstract = nnx.eval_shape(lambda: CausalLM(model.config, runtime, rngs=nnx.Rngs(0),
                                                value_head=model.value_head is not None,
-                                               critic=critic))
+                                               critic=critic,
+                                               mtp_depth=0 if model.mtp is None
+                                               else model.mtp.depth))
     by_name = {param_path(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(
         specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
     for path, var in nnx.iter_graph(abstract):

@@ -12,6 +12,10 @@ siblings, paths ending at internal nodes, duplicate paths, several trees in one 
 
 import dataclasses
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +34,6 @@ from jtree.layout.linearize import linearize
 from jtree.models import CausalLM
 from jtree.models.mtp import without_short_paths
 from jtree.objectives.objective import objective_loss
-from jtree.step.train_step import sharded_graphdef
 from tests.hf_util import copy_checkpoint
 from tests.models_util import (
     assert_grads_close,
@@ -42,6 +45,7 @@ from tests.models_util import (
     tiny_qwen3_5_moe_config,
     tiny_runtime,
 )
+from tests.run_util import WORKTREE
 from tests.strategies import one_row_forests
 
 S, VOCAB, MTP_WEIGHT = 128, 64, 0.7
@@ -219,6 +223,21 @@ def test_qwen3_next_mtp_tree_equals_baseline():
     assert_grads_close(g_t, g_b)
 
 
+@pytest.mark.slow
+def test_mtp_on_a_mesh_equals_one_device():
+    """SFT + depth-2 MTP over a (data, fsdp, model) = (2, 2, 2) mesh of 8 host devices: loss,
+    MTP loss and every gradient within the error model against one device
+    (`tests/mtp_mesh_worker.py`)."""
+    env = dict(os.environ, PYTHONPATH=str(WORKTREE))
+    proc = subprocess.run([sys.executable, "-m", "tests.mtp_mesh_worker"], cwd=WORKTREE,
+                          env=env, capture_output=True, text=True, timeout=1200, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["mtp_nll"] > 0.1
+    for kind in ("scalars", "grads"):
+        assert result[kind]["excess"] <= 1.0, result[kind]
+
+
 def test_mtp_refusals():
     graphdef, params = model(1)
     with pytest.raises(ValueError, match="mtp_depth"):
@@ -234,8 +253,6 @@ def test_mtp_refusals():
                                                                                   np.int32)),
                             np.zeros((1, 4), np.int32), 1)
     lm = nnx.merge(graphdef, params)
-    with pytest.raises(ValueError, match="mtp_weight: MTP modules do not run on a mesh"):
-        sharded_graphdef(lm, None, None)
     lm.mtp.runtime = tiny_runtime(context_axis="context")
     with pytest.raises(ValueError, match="mtp_weight: not available under context"):
         lm.mtp(*(None,) * 5)
