@@ -75,14 +75,33 @@ def _abstract_params(config: Any, runtime: RuntimeConfig, mtp_depth: int = 0
                      ) -> tuple[nnx.GraphDef, list]:
     """Graph definition and flat abstract parameters of `config`'s model (with MTP modules of
     `mtp_depth`), with no weights made."""
-    if mtp_depth and not architectures.architecture_of_config(config).hf.is_ignored(
-            "mtp.fc.weight"):
+    if mtp_depth and not carries_mtp(config):
         raise ValueError(f"mtp_depth: {type(config).__name__} checkpoints carry no "
                          "multi-token-prediction tensors (mtp.*)")
     abstract = nnx.eval_shape(lambda: CausalLM(config, runtime, rngs=nnx.Rngs(0),
                                                mtp_depth=mtp_depth))
     graphdef, params = nnx.split(abstract, nnx.Param)  # fails if the model has other state
     return graphdef, list(nnx.to_flat_state(params))
+
+
+def carries_mtp(config: Any) -> bool:
+    """Whether checkpoints of `config`'s architecture have a place for multi-token-prediction
+    tensors (`mtp.*`: Qwen3-Next, Qwen3.5), which `load(..., mtp_depth=...)` reads and `save`
+    writes."""
+    return architectures.architecture_of_config(config).hf.is_ignored("mtp.fc.weight")
+
+
+def mtp_depth_in(path: str | Path) -> int:
+    """How many MTP layers (`mtp.layers.N`) the checkpoint directory `path` carries beside its
+    shared `mtp.fc`: the largest `mtp_depth` `load` can read from it (0: none)."""
+    with CheckpointTensors(path) as ckpt:
+        names = set(ckpt.names())
+    if "mtp.fc.weight" not in names:
+        return 0
+    depth = 0
+    while any(n.startswith(f"mtp.layers.{depth}.") for n in names):
+        depth += 1
+    return depth
 
 
 def _param_table(arch: HfMapping, config: Any, flat: list) -> list[Param]:

@@ -25,7 +25,6 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from jtree.config.objective import Objective
-from jtree.config.run import load_config
 from jtree.hf import load, save
 from jtree.hf.safetensors_io import SINGLE_FILE
 from jtree.kernels import TreeMask
@@ -34,7 +33,7 @@ from jtree.layout.linearize import linearize
 from jtree.models import CausalLM
 from jtree.models.mtp import without_short_paths
 from jtree.objectives.objective import objective_loss
-from tests.hf_util import copy_checkpoint
+from tests.hf_util import MTP_EXTRA, copy_checkpoint, with_mtp_tensors
 from tests.models_util import (
     assert_grads_close,
     four_expert_config,
@@ -245,8 +244,6 @@ def test_mtp_refusals():
                        Objective(kind="sft", mtp_weight=1.0, mtp_depth=2))
     with pytest.raises(ValueError, match="mtp_depth: 2 is read only"):
         Objective(mtp_depth=2)
-    with pytest.raises(ValueError, match="objective.mtp_weight: not available in jtree train"):
-        load_config("configs/tiny.yaml", ["objective.mtp_weight=0.5"])
     # A redundancy-free part's mask (cached prefix keys), context parallelism.
     with pytest.raises(ValueError, match="mtp_weight: not available with run.mode=redundancy"):
         without_short_paths(TreeMask(np.ones((1, 4), np.int32), prefix_end=np.ones((1, 2),
@@ -259,28 +256,10 @@ def test_mtp_refusals():
 
 
 # ---------------------------------------------------------------- Hugging Face checkpoints
-# Hub checkpoints of Qwen3-Next and Qwen3.5 carry one MTP layer (`mtp_num_hidden_layers: 1`)
-# named like a full-attention decoder layer under `mtp.layers.0.`, plus these four tensors
-# (vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py read the same names).
-MTP_EXTRA = {"mtp.fc.weight": "fc", "mtp.norm.weight": "norm",
-             "mtp.pre_fc_norm_hidden.weight": "hidden",
-             "mtp.pre_fc_norm_embedding.weight": "embedding"}
 HF_CONFIGS = {"qwen3_next": lambda: tiny_next_config(mlp_only_layers=(), num_experts=4),
               "qwen3_5": tiny_qwen3_5_config,
               "qwen3_5_moe": lambda: tiny_qwen3_5_moe_config(num_experts=4)}
 
-
-def with_mtp_tensors(tensors: dict, hidden: int, seed: int = 5) -> None:
-    """Add random Hub-named MTP tensors: the last (full-attention) layer's tensors renamed to
-    `mtp.layers.0.`, and the fc [hidden, 2 hidden] and three norms."""
-    rng = np.random.default_rng(seed)
-    last = max(int(n.split(".")[2]) for n in tensors if n.startswith("model.layers."))
-    for name in [n for n in tensors if n.startswith(f"model.layers.{last}.")]:
-        tensors[name.replace(f"model.layers.{last}.", "mtp.layers.0.")] = rng.normal(
-            size=tensors[name].shape).astype(np.float32)
-    for name in MTP_EXTRA:
-        shape = (hidden, 2 * hidden) if name == "mtp.fc.weight" else (hidden,)
-        tensors[name] = rng.normal(size=shape).astype(np.float32)
 
 
 @pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
