@@ -56,7 +56,7 @@ def test_mtp_run_trains_and_checkpoints_mtp_modules(few_groups_file, tmp_path, c
     """One step: the MTP loss in the JSONL and the printed line, the MTP modules in the
     checkpoint, moved by the step from the seeded init."""
     out = tmp_path / "run"
-    assert main(_run_args(few_groups_file, out, **{"run.steps": 1})) == 0
+    assert main(_run_args(few_groups_file, out, **{"run.steps": 1, "data.micro_batches": 1})) == 0
     printed = capsys.readouterr().out
     assert "mtp_nll" in next(x for x in printed.splitlines() if x.startswith("step"))
     _check_records(read_metrics(out / "metrics.jsonl"))
