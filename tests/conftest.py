@@ -25,6 +25,8 @@ Helpers (modules named for their concept, imported by the tests; no test file im
 - tests/hf_path_checks.py: an architecture's tiny random transformers checkpoint against jtree
   path by path (compare-torch, log-probs, PPO gradients, save -> from_pretrained; needs torch).
 - tests/mesh_worker.py: the subprocess that runs train steps on 8 forced host devices.
+- tests/mtp_mesh_worker.py: the subprocess that runs an MTP objective's gradient on 8 forced
+  host devices.
 - tests/covering.py: covering designs (all pairs of factors) for the sweeps of slow tests.
 
 Compiles are quick and shared: every test process compiles with `tests.run_util.CODEGEN_XLA_FLAGS`

@@ -93,3 +93,24 @@ def copy_hf_weights(model: nnx.Module, hf_state: dict[str, np.ndarray]) -> None:
     if unused:
         raise ValueError(f"HF parameters without a jtree counterpart: {sorted(unused)}")
     nnx.update(model, nnx.from_flat_state(flat))
+
+
+# Hub checkpoints of Qwen3-Next and Qwen3.5 carry one MTP layer (`mtp_num_hidden_layers: 1`)
+# named like a full-attention decoder layer under `mtp.layers.0.`, plus these four tensors
+# (vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py read the same names).
+MTP_EXTRA = {"mtp.fc.weight": "fc", "mtp.norm.weight": "norm",
+             "mtp.pre_fc_norm_hidden.weight": "hidden",
+             "mtp.pre_fc_norm_embedding.weight": "embedding"}
+
+
+def with_mtp_tensors(tensors: dict, hidden: int, seed: int = 5) -> None:
+    """Add random Hub-named MTP tensors: the last (full-attention) layer's tensors renamed to
+    `mtp.layers.0.`, and the fc [hidden, 2 hidden] and three norms."""
+    rng = np.random.default_rng(seed)
+    last = max(int(n.split(".")[2]) for n in tensors if n.startswith("model.layers."))
+    for name in [n for n in tensors if n.startswith(f"model.layers.{last}.")]:
+        tensors[name.replace(f"model.layers.{last}.", "mtp.layers.0.")] = rng.normal(
+            size=tensors[name].shape).astype(np.float32)
+    for name in MTP_EXTRA:
+        shape = (hidden, 2 * hidden) if name == "mtp.fc.weight" else (hidden,)
+        tensors[name] = rng.normal(size=shape).astype(np.float32)

@@ -7,7 +7,9 @@ the run) and writes it with `jtree.hf.save`, which transformers' `from_pretraine
 checkpoint of a `model.lora` run holds the frozen base and the adapters: `--merge-lora` writes the
 merged model W + (alpha / r) A B, the very parameters the run trained (`jtree.models.lora`);
 `--peft-adapters` writes the adapters unmerged, as peft saves them (`jtree.hf.peft_adapters`), for
-`peft.PeftModel.from_pretrained` or a server to apply to the base model.
+`peft.PeftModel.from_pretrained` or a server to apply to the base model. The multi-token-prediction
+modules of an `objective.mtp_weight` run are written as the `mtp.*` tensors where the
+architecture's checkpoints have them (Qwen3-Next, Qwen3.5), else left out, which is printed.
 """
 
 from __future__ import annotations
@@ -53,11 +55,11 @@ def restored_params(cfg: TrainConfig, checkpoint: str, step: int | None = None
     default device: the model's own, or a `model.lora` run's `LoraParams` (base and adapters). A
     step the directory does not hold is refused, listing the steps it does."""
     arch, mcfg, lora = cfg.model.architecture, cfg.model.config, cfg.model.lora
-    critic, critic_kw = cfg.objective.critic, cfg.critic_model_args
+    critic, model_kw = cfg.objective.critic, cfg.model_args
     optimizer = make_optimizer(cfg.optim, None if critic is None else critic.learning_rate)
 
     def init() -> TrainState:
-        params = nnx.split(create_model(arch, mcfg, cfg.runtime, **critic_kw))[1]
+        params = nnx.split(create_model(arch, mcfg, cfg.runtime, **model_kw))[1]
         params = with_lora(params, lora, cfg.run.seed)
         return TrainState(params, optimizer.init(trainable(params)), jnp.zeros((), jnp.int32))
 
@@ -95,7 +97,7 @@ def trained_model(config_path: str, overrides: list[str], checkpoint: str,
     params, step = restored_params(cfg, checkpoint, step)
     arch, mcfg = cfg.model.architecture, cfg.model.config
     graphdef = nnx.split(nnx.eval_shape(
-        lambda: create_model(arch, mcfg, cfg.runtime, **cfg.critic_model_args)))[0]
+        lambda: create_model(arch, mcfg, cfg.runtime, **cfg.model_args)))[0]
     return nnx.merge(graphdef, model_params(params)), mcfg, step
 
 
@@ -118,7 +120,7 @@ def export_peft_adapters(config_path: str, overrides: list[str], checkpoint: str
 
 
 def run(args: argparse.Namespace) -> int:
-    from jtree.hf import save
+    from jtree.hf import carries_mtp, save
 
     if args.peft_adapters:
         step = export_peft_adapters(args.config, args.overrides, args.checkpoint, args.out,
@@ -128,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
     model, mcfg, step = trained_model(args.config, args.overrides, args.checkpoint, args.step,
                                       merge_lora=args.merge_lora)
     model.value_head = model.critic = None  # the policy only: HF's *ForCausalLM has no critic
+    if model.mtp is not None and not carries_mtp(mcfg):
+        model.mtp = None
+        print(f"{type(mcfg).__name__} checkpoints have no multi-token-prediction tensors: the "
+              "run's MTP modules are not written")
     save(model, mcfg, args.out, dtype=args.dtype, copy_from=args.copy_from)
     print(f"wrote {args.out} from {args.checkpoint}, step {step}")
     return 0

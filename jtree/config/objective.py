@@ -214,7 +214,12 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
     `routing_replay`: MoE layers use the rollout engine's expert choice per token (the traces'
     `routed_experts`) instead of their own top-k (docs/rl.md, "Routing replay"); off by default,
     checked against the model, data format and mode in `jtree.config.run.TrainConfig`
-    and against the data in `jtree.training.run_data`."""
+    and against the data in `jtree.training.run_data`.
+
+    `mtp_weight`: multi-token prediction (`jtree.models.mtp`, docs/design.md): the loss adds
+    mtp_weight / mtp_depth times the MTP heads' cross-entropies, each token weighted by its SFT
+    weight W (DeepSeek-V3's lambda / D); 0 (the default) builds no MTP modules. `mtp_depth`:
+    how many tokens past the next one the heads predict (one MTP layer each)."""
 
     kind: Literal["sft", "ppo", "gspo"] = "sft"
     advantage: Estimator = "given"
@@ -232,6 +237,8 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
     off_policy: OffPolicyConfig = OffPolicyConfig()
     distill: DistillConfig | None = None
     routing_replay: bool = False
+    mtp_weight: float = within(NON_NEGATIVE, 0.0)
+    mtp_depth: int = within(AT_LEAST_ONE, 1)
 
     def __post_init__(self) -> None:
         check_domains(self)
@@ -248,6 +255,8 @@ engine-vs-trainer gap (`OffPolicyConfig`). See docs/rl.md.
         if self.critic is not None and self.advantage != "given":
             raise ValueError(f"advantage: {self.advantage!r} with a critic (the critic's GAE "
                              "gives the advantages; leave objective.advantage unset)")
+        if self.mtp_depth != 1 and not self.mtp_weight:
+            raise ValueError(f"mtp_depth: {self.mtp_depth} is read only with mtp_weight > 0")
         if self.turn_discount != 1.0 and self.advantage != "turn":
             raise ValueError(f"turn_discount: {self.turn_discount} discounts the turns of "
                              f"advantage 'turn', not {self.advantage!r}")

@@ -210,6 +210,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.objective.routing_replay:
             self._refuse_routing_replay()
+        if self.objective.mtp_weight:
+            self._refuse_mtp()
         if (self.data.format == "chat" and self.data.tokenizer == "bytes"
                 and self.model.init_from is not None):
             # Byte ids fit inside any real vocabulary, so nothing downstream would notice.
@@ -240,13 +242,32 @@ class TrainConfig:
                              "and cached prefixes carry no routed experts); use run.mode tree, "
                              "baseline or auto")
 
+    def _refuse_mtp(self) -> None:
+        """`objective.mtp_weight` gathers each token's MTP input at its parent's position in the
+        same row (`jtree.models.mtp`): not where a parent sits on another device (context
+        parallelism) or in a cached prefix (redundancy-free parts). LoRA runs (their frozen
+        base, adapter targets and peft export) do not carry MTP modules."""
+        key = "objective.mtp_weight"
+        if self.run.mode == "redundancy_free":
+            raise ValueError(f"{key}: not available with run.mode=redundancy_free (a part's "
+                             "first tokens read their parent's state from a cached prefix); use "
+                             "run.mode tree, baseline or auto")
+        if self.mesh.context > 1:
+            raise ValueError(f"{key}: not available with mesh.context={self.mesh.context} (a "
+                             "token's parent may sit on another device); set mesh.context=1")
+        if self.model.lora is not None:
+            raise ValueError(f"{key}: not available with model.lora (LoRA runs do not carry "
+                             "MTP modules)")
+
     @property
-    def critic_model_args(self) -> dict[str, Any]:
-        """`jtree.models.create_model`'s critic arguments for this run: a `value_head` on the
-        policy trunk (`objective.critic.model: head`) or a separate `critic` network."""
-        critic = self.objective.critic
-        return dict(value_head=critic is not None and not critic.separate,
-                    critic=self.critic_network)
+    def model_args(self) -> dict[str, Any]:
+        """`jtree.models.create_model`'s arguments beyond the architecture for this run: a
+        `value_head` on the policy trunk (`objective.critic.model: head`) or a separate `critic`
+        network, and the MTP modules of `objective.mtp_depth` when `objective.mtp_weight` > 0."""
+        critic, objective = self.objective.critic, self.objective
+        return {"value_head": critic is not None and not critic.separate,
+                "critic": self.critic_network,
+                "mtp_depth": objective.mtp_depth if objective.mtp_weight else 0}
 
     @property
     def critic_network(self) -> Any:

@@ -6,6 +6,15 @@ torch and transformers are never imported here (only by `jtree.hf.torch_referenc
 `jtree compare-torch` and the tests).
 """
 
-from jtree.hf.load_save import load, read_hf_config, read_model_config, save, to_hf_tensors
+from jtree.hf.load_save import (
+    carries_mtp,
+    load,
+    mtp_depth_in,
+    read_hf_config,
+    read_model_config,
+    save,
+    to_hf_tensors,
+)
 
-__all__ = ["load", "read_hf_config", "read_model_config", "save", "to_hf_tensors"]
+__all__ = ["carries_mtp", "load", "mtp_depth_in", "read_hf_config", "read_model_config", "save",
+           "to_hf_tensors"]

@@ -71,11 +71,37 @@ class Param(NamedTuple):
     storages: list[Storage]
 
 
-def _abstract_params(config: Any, runtime: RuntimeConfig) -> tuple[nnx.GraphDef, list]:
-    """Graph definition and flat abstract parameters of `config`'s model, with no weights made."""
-    abstract = nnx.eval_shape(lambda: CausalLM(config, runtime, rngs=nnx.Rngs(0)))
+def _abstract_params(config: Any, runtime: RuntimeConfig, mtp_depth: int = 0
+                     ) -> tuple[nnx.GraphDef, list]:
+    """Graph definition and flat abstract parameters of `config`'s model (with MTP modules of
+    `mtp_depth`), with no weights made."""
+    if mtp_depth and not carries_mtp(config):
+        raise ValueError(f"mtp_depth: {type(config).__name__} checkpoints carry no "
+                         "multi-token-prediction tensors (mtp.*)")
+    abstract = nnx.eval_shape(lambda: CausalLM(config, runtime, rngs=nnx.Rngs(0),
+                                               mtp_depth=mtp_depth))
     graphdef, params = nnx.split(abstract, nnx.Param)  # fails if the model has other state
     return graphdef, list(nnx.to_flat_state(params))
+
+
+def carries_mtp(config: Any) -> bool:
+    """Whether checkpoints of `config`'s architecture have a place for multi-token-prediction
+    tensors (`mtp.*`: Qwen3-Next, Qwen3.5), which `load(..., mtp_depth=...)` reads and `save`
+    writes."""
+    return architectures.architecture_of_config(config).hf.is_ignored("mtp.fc.weight")
+
+
+def mtp_depth_in(path: str | Path) -> int:
+    """How many MTP layers (`mtp.layers.N`) the checkpoint directory `path` carries beside its
+    shared `mtp.fc`: the largest `mtp_depth` `load` can read from it (0: none)."""
+    with CheckpointTensors(path) as ckpt:
+        names = set(ckpt.names())
+    if "mtp.fc.weight" not in names:
+        return 0
+    depth = 0
+    while any(n.startswith(f"mtp.layers.{depth}.") for n in names):
+        depth += 1
+    return depth
 
 
 def _param_table(arch: HfMapping, config: Any, flat: list) -> list[Param]:
@@ -157,6 +183,7 @@ def load(
     *,
     mesh: Mesh | None = None,
     shardings: ShardingFn | None = None,
+    mtp_depth: int = 0,
 ) -> tuple[Any, CausalLM]:
     """Read a Hugging Face checkpoint directory into `(config, model)`: the architecture config
     of the record config.json names, and the model run as `runtime` says
@@ -166,16 +193,19 @@ def load(
     tensors, detected per parameter from the tensor names. With `mesh`, parameters are placed by
     the train step's sharding rules (tensor parallel over the axis "model", `jtree.parallel.sharding`), so
     a loaded model is where training expects it; `shardings` instead gives any
-    `jax.sharding.Sharding` per (jtree parameter name, shape).
+    `jax.sharding.Sharding` per (jtree parameter name, shape). `mtp_depth` > 0 also reads
+    the multi-token-prediction modules (`jtree.models.mtp`) from the checkpoint's `mtp.*`
+    tensors (Qwen3-Next, Qwen3.5); otherwise those are skipped.
     """
     if mesh is not None and shardings is not None:
         raise ValueError("load: pass mesh or shardings, not both")
     directory = Path(path)
     config = read_model_config(directory)
     arch = architectures.architecture_of_config(config).hf
-    _, per_layer = _abstract_params(config, dataclasses.replace(runtime, scan_layers=False))
+    _, per_layer = _abstract_params(config, dataclasses.replace(runtime, scan_layers=False),
+                                    mtp_depth)
     params = _param_table(arch, config, per_layer)
-    graphdef, flat = _abstract_params(config, runtime)
+    graphdef, flat = _abstract_params(config, runtime, mtp_depth)
     groups = layer_groups(config.decoder().layers)
     sharding_fn = mesh_shardings(config, mesh) if mesh is not None else shardings
     leaves = []
@@ -306,8 +336,9 @@ def save(
                          f"{type(config).__name__}")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"save: dtype = {dtype!r} is not one of {tuple(DTYPES)}")
-    _, flat_expected = _abstract_params(config, dataclasses.replace(model.runtime,
-                                                                    scan_layers=False))
+    _, flat_expected = _abstract_params(
+        config, dataclasses.replace(model.runtime, scan_layers=False),
+        0 if model.mtp is None else model.mtp.depth)
     expected = _param_table(arch, config, flat_expected)
     params = {dotted(p): var for p, var in _per_layer(nnx.state(model, nnx.Param), config)}
     extra = sorted(set(params) - {t.name for t in expected})

@@ -57,6 +57,7 @@ from jtree.models.layers import (
 from jtree.models.mla import MultiHeadLatentAttention
 from jtree.models.mamba2 import Mamba2
 from jtree.models.moe import RouterStats, SparseMoeBlock, load_balancing_loss, router_load
+from jtree.models.mtp import MultiTokenPredictor, mtp_layer_kind
 from jtree.models.output import ModelOutput
 from jtree.models.prefix import LayerCache, prefix_inputs
 from jtree.parallel.context import context_mask
@@ -249,11 +250,14 @@ class CausalLM(nnx.Module):
     config (`jtree.models.architectures`), `runtime` how to run it."""
 
     def __init__(self, config: Any, runtime: RuntimeConfig, *, rngs: nnx.Rngs,
-                 value_head: bool = False, critic: Any = None, lm_head: bool = True):
+                 value_head: bool = False, critic: Any = None, lm_head: bool = True,
+                 mtp_depth: int = 0):
         """`value_head`: PPO's critic as a value head on this model's trunk; `critic`: PPO's
         critic as a model of its own, of that architecture config (a `CausalLM` with a value
         head and no LM head, built after this model's parameters, so the policy's initial
-        weights do not depend on it); `lm_head=False` leaves out the untied LM head."""
+        weights do not depend on it); `lm_head=False` leaves out the untied LM head;
+        `mtp_depth` > 0 adds multi-token-prediction modules of that depth
+        (`jtree.models.mtp`, `objective.mtp_weight`), built after every other parameter."""
         self.config, self.runtime, self.spec = config, runtime, config.decoder()
         self.model = Decoder(config, runtime, self.spec, rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings or not lm_head else linear(
@@ -267,6 +271,10 @@ class CausalLM(nnx.Module):
             rngs=rngs) if value_head else None
         self.critic = None if critic is None else CausalLM(
             critic, runtime, rngs=rngs, value_head=True, lm_head=False)
+        self.mtp = None if mtp_depth <= 0 else MultiTokenPredictor(
+            config, runtime, self.spec,
+            [DecoderLayer(config, runtime, mtp_layer_kind(self.spec), self.spec, rngs=rngs)
+             for _ in range(mtp_depth)], rngs=rngs)
 
     def __call__(self, inputs: DeviceBatch,
                  prefix: Sequence[LayerCache] | None = None) -> ModelOutput:
@@ -288,15 +296,20 @@ class CausalLM(nnx.Module):
         cos, sin = rope_cos_sin(inputs.pos, rope_inverse_frequencies(
             spec.rotary_dim, cfg.rope_theta, spec.rope_scaling),
             rope_attention_factor(spec.rope_scaling))
-        hidden, stats, exports = self.model(inputs.tokens, LayerInputs(cos, sin, mask, routing),
-                                            prefix, self._replay(inputs.routed_experts))
+        layer_inputs = LayerInputs(cos, sin, mask, routing)
+        hidden, stats, exports = self.model(inputs.tokens, layer_inputs, prefix,
+                                            self._replay(inputs.routed_experts))
+        mtp = None if self.mtp is None else self.mtp(
+            hidden, vocab_parallel_embed(self.model.embed_tokens, inputs.tokens,
+                                         self.runtime.tensor_parallel_axis),
+            inputs.pred, inputs.pos, layer_inputs)
         if not stats or not cfg.output_router_logits:
-            return ModelOutput(hidden, jnp.zeros((), jnp.float32), exports)
+            return ModelOutput(hidden, jnp.zeros((), jnp.float32), exports, mtp=mtp)
         aux = cfg.router_aux_loss_coef * load_balancing_loss(
             stats, inputs.path_count, cfg.num_experts, self.runtime.data_parallel_axis,
             inputs.router_load)
         return ModelOutput(hidden, aux, exports,
-                           router_load(stats, inputs.path_count, cfg.num_experts))
+                           router_load(stats, inputs.path_count, cfg.num_experts), mtp)
 
     def _with_positions(self, mask: TreeMask, inputs: DeviceBatch,
                         prefix: Sequence[LayerCache] | None) -> TreeMask:

@@ -149,7 +149,8 @@ class HfMapping:
     - `tied(config)`: HF tensors that the HF model ties to another one (alias -> source), which a
       checkpoint may omit or contain as an exact copy.
     - `ignored`: HF tensors a checkpoint may hold that the causal LM does not use (Qwen3-Next's
-      multi-token-prediction head `mtp.*`, which transformers skips too); they are not read.
+      multi-token-prediction modules `mtp.*`, which transformers skips too); they are not read
+      unless a model parameter maps to them (a model built with MTP modules).
     """
 
     hf_name: str

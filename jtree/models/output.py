@@ -13,9 +13,11 @@ class ModelOutput(NamedTuple):
     for mixture-of-experts models). `exports`: per decoder layer, what later parts of a
     partitioned tree read from these tokens (`jtree.models.prefix`; unused values cost nothing
     under jit). `router_load`: (counts [E], total) of the router load-balancing loss when it is on
-    (`jtree.models.moe.router_load`), None otherwise."""
+    (`jtree.models.moe.router_load`), None otherwise. `mtp`: per depth, the multi-token-prediction
+    states [rows, S, hidden] (`jtree.models.mtp`; None without MTP modules)."""
 
     hidden: jax.Array
     aux_loss: jax.Array
     exports: tuple[Any, ...] | None = None
     router_load: tuple[jax.Array, jax.Array] | None = None
+    mtp: tuple[jax.Array, ...] | None = None

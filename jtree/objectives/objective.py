@@ -40,24 +40,62 @@ def objective_loss(model: Any, inputs: DeviceBatch, objective: Objective, *,
     slice of the rows and the sums are the slice's (`jtree.parallel.context`).
     With `objective.off_policy`, the policy's coefficients are first weighted per (path, token)
     (`jtree.objectives.off_policy`), and its metrics join the step's.
+    With `objective.mtp_weight`, the multi-token-prediction loss (`mtp_loss`, on the batch's
+    own W, before any off-policy weighting) is added and reported as `mtp_nll`.
     """
     context_axis = model.runtime.context_axis
     out = model(inputs)
+    extra = {}
+    if objective.mtp_weight:
+        extra["mtp_nll"] = mtp_loss(model, out, inputs, objective, vocab_axis=vocab_axis)
+    mtp = objective.mtp_weight * extra.get("mtp_nll", 0.0)
     if objective.critic is None:
-        extra = {}
         if objective.off_policy.enabled:
-            inputs, extra = off_policy_coefficients(inputs, objective, context_axis=context_axis)
+            inputs, off_policy = off_policy_coefficients(inputs, objective,
+                                                         context_axis=context_axis)
+            extra.update(off_policy)
         loss, metrics = loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred,
                                          out.aux_loss, inputs, objective, vocab_axis=vocab_axis,
                                          context_axis=context_axis)
-        return loss, dict(metrics, **extra)
+        return loss + mtp, dict(metrics, **extra)
     values, critic_aux = model.values(inputs, out)
     inputs, v_loss = critic_objective(values, inputs, objective.critic,
                                       context_axis=context_axis)
     loss, metrics = loss_from_hidden(model.output_embedding(), out.hidden, inputs.pred,
                                      out.aux_loss + critic_aux, inputs, objective,
                                      vocab_axis=vocab_axis, context_axis=context_axis)
-    return loss + objective.critic.value_coef * v_loss, dict(metrics, value_loss=v_loss)
+    return (loss + objective.critic.value_coef * v_loss + mtp,
+            dict(metrics, value_loss=v_loss, **extra))
+
+
+def mtp_loss(model: Any, out: Any, inputs: DeviceBatch, objective: Objective, *,
+             vocab_axis: str | None = None) -> jax.Array:
+    """The multi-token-prediction loss, averaged over the depths (docs/design.md, "Multi-token
+    prediction on trees"): depth d's state at pred(k) scores token k with the main head, at
+    temperature 1, and the term -W_k log q_d(t_k) counts where k has at least d + 1 tokens above
+    it on its path (pos_k > d; the first d + 1 tokens of a path have no depth-d prediction).
+    W is the main loss's weight of the token (its SFT weight under any objective), so the sum
+    over tree tokens is the sum over paths of each path's MTP loss. `out`: the model's
+    `ModelOutput`, whose `mtp` holds each depth's states."""
+    if out.mtp is None or len(out.mtp) != objective.mtp_depth:
+        have = 0 if out.mtp is None else len(out.mtp)
+        raise ValueError(f"objective.mtp_weight: needs a model with MTP modules of depth "
+                         f"{objective.mtp_depth} (mtp_depth of CausalLM), this one has {have}")
+    w_out, tokens, pred = model.output_embedding(), inputs.tokens, inputs.pred
+    weight, pos, index = inputs.coefficients.weight, jnp.asarray(inputs.pos), inputs.score_index
+    if index is not None:  # only the tokens the main loss scores can carry a weight
+        weight = gather_scored(inputs.coefficients, index).weight
+        pos = jnp.take_along_axis(pos, jnp.where(index >= 0, index, 0), axis=-1)
+    total = jnp.zeros((), jnp.float32)
+    for d, states in enumerate(out.mtp, start=1):
+        if index is None:
+            logp, _ = logprobs_from_hidden(states, w_out, tokens, pred,
+                                           chunk=objective.logprob_chunk, vocab_axis=vocab_axis)
+        else:
+            logp, _ = scored_logprobs(states, w_out, tokens, pred, index,
+                                      chunk=objective.logprob_chunk, vocab_axis=vocab_axis)
+        total = total - jnp.sum(jnp.where(pos > d, weight * logp, 0.0))
+    return total / len(out.mtp)
 
 
 def critic_objective(token_values: jax.Array, inputs: DeviceBatch, critic: CriticConfig, *,

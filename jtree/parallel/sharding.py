@@ -115,6 +115,8 @@ def _embedding_rules(cfg: Any, model: int) -> Rules:
         (r"embed_tokens/embedding$", P(MODEL, None)),
         (r"lm_head/kernel$", P(None, MODEL)),
         (r"value_head/(kernel|bias)$", P()),  # the critic's hidden -> 1 head (jtree.objectives.critic)
+        # MTP's [embedding; hidden] -> hidden and its input norms (jtree.models.mtp)
+        (r"^mtp/(fc/kernel|pre_fc_norm_(embedding|hidden)/weight)$", P()),
         (r"(norm|layernorm)/weight$", P()),
     ]
 

@@ -27,6 +27,7 @@ from jtree.parallel.sharding import param_path
 
 TRUNK = "model/"  # the decoder's parameters (embedding, layers, final norm), policy or critic
 CRITIC = "critic/"
+MTP = "mtp/"  # the multi-token-prediction modules (jtree.models.mtp)
 
 
 def flat_params(params: Any) -> dict[str, jax.Array]:
@@ -49,7 +50,11 @@ def as_critic_trunk(params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def policy_params(params: Any) -> Any:
-    """The policy's parameters of a model state: without the value head or the separate critic
-    (what a reference model runs on and an HF export writes)."""
-    return nnx.filter_state(params, lambda path, _: not is_critic_param(
-        "/".join(str(k) for k in path)))
+    """The policy's parameters of a model state: without the value head, the separate critic or
+    the multi-token-prediction modules (what a reference model runs on: the main head's
+    log-probs)."""
+    def kept(path: tuple, _: Any) -> bool:
+        name = "/".join(str(k) for k in path)
+        return not is_critic_param(name) and not name.startswith(MTP)
+
+    return nnx.filter_state(params, kept)

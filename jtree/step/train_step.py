@@ -160,7 +160,9 @@ def sharded_graphdef(model: CausalLM, specs: Any, mesh: jax.sharding.Mesh) -> nn
     critic = None if model.critic is None else model.critic.config
     abstract = nnx.eval_shape(lambda: CausalLM(model.config, runtime, rngs=nnx.Rngs(0),
                                                value_head=model.value_head is not None,
-                                               critic=critic))
+                                               critic=critic,
+                                               mtp_depth=0 if model.mtp is None
+                                               else model.mtp.depth))
     by_name = {param_path(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(
         specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
     for path, var in nnx.iter_graph(abstract):

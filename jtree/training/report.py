@@ -143,9 +143,12 @@ def warmup_notice(warmup_steps: int, steps: int) -> str:
 
 
 # The RL metrics of the step said on the console line, as they are named in its record.
-RL_FIELDS = (("clip_frac", "clip", ".3f"), ("approx_kl_old", "kl_old", ".2e"),
-             ("kl_ref", "kl_ref", ".2e"), ("entropy", "entropy", ".3f"),
-             ("reward_mean", "reward", ".3f"), ("advantage_mean", "adv", ".3f"))
+# The objectives' own metrics a step line shows when the step has them: RL's, and the
+# multi-token-prediction loss (`objective.mtp_weight`).
+OBJECTIVE_FIELDS = (("clip_frac", "clip", ".3f"), ("approx_kl_old", "kl_old", ".2e"),
+                    ("kl_ref", "kl_ref", ".2e"), ("entropy", "entropy", ".3f"),
+                    ("reward_mean", "reward", ".3f"), ("advantage_mean", "adv", ".3f"),
+                    ("mtp_nll", "mtp_nll", ".4f"))
 
 
 def _duration(seconds: float) -> str:
@@ -162,8 +165,9 @@ def eta_seconds(history: list[dict[str, Any]], steps_left: int) -> float:
 
 def progress_line(r: dict[str, Any], total: int, eta_s: float | None = None) -> str:
     """The printed line of a `step_record` (`LOG_LEGEND` says how to read it), step `r['step']`
-    of `total`; the RL objectives' metrics follow the throughput."""
-    rl = "".join(f"  {label} {r[key]:{spec}}" for key, label, spec in RL_FIELDS if key in r)
+    of `total`; the objectives' metrics (`OBJECTIVE_FIELDS`) follow the loss."""
+    rl = "".join(f"  {label} {r[key]:{spec}}" for key, label, spec in OBJECTIVE_FIELDS
+                 if key in r)
     return (f"step {r['step']:4d}/{total}  loss {r['loss']:8.4f}  grad_norm {r['grad_norm']:7.3f}"
             f"{rl}  tokens/s {r['tokens_per_s']:9.0f}  "
             f"tree tokens/s {r['tree_tokens_per_s']:9.0f}  POR {r['por']:.3f}  ERR {r['err']:.3f}  "

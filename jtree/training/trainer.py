@@ -116,7 +116,7 @@ class Trainer:
         check_distill(cfg)
         check_off_policy(cfg)
         abstract = nnx.eval_shape(lambda: create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed,
-                                                       **cfg.critic_model_args))
+                                                       **cfg.model_args))
         _, abstract_model_params = nnx.split(abstract)
         abstract_params = jax.eval_shape(
             lambda p: with_lora(p, cfg.model.lora, cfg.run.seed), abstract_model_params)
@@ -158,7 +158,7 @@ class Trainer:
 
         def init() -> TrainState:
             params = nnx.split(create_model(arch, mcfg, cfg.runtime, seed=cfg.run.seed,
-                                            **cfg.critic_model_args))[1]
+                                            **cfg.model_args))[1]
             if network is not None and critic.init_from == "policy":
                 params = with_named(params, as_critic_trunk(flat_params(params)))
             params = with_lora(params, cfg.model.lora, cfg.run.seed)
@@ -229,8 +229,11 @@ class Trainer:
         critic = self.cfg.objective.critic
         if path is None and (critic is None or critic.checkpoint_dir is None):
             return self.init_fn()
-        params = self.load_hf(path, "model.init_from") if critic is None else \
-            self.critic_start_params()
+        depth = self.cfg.model_args["mtp_depth"]
+        if critic is None and self.loaded_mtp_depth(path) == depth:
+            params = self.load_hf(path, "model.init_from", mtp_depth=depth)
+        else:
+            params = self.start_params()
         if self.cfg.model.lora is not None:
             params = jax.jit(lambda p: with_lora(p, self.cfg.model.lora, self.cfg.run.seed),
                              out_shardings=self.shardings.params)(params)
@@ -239,19 +242,32 @@ class Trainer:
         return TrainState(params, opt_state,
                           jax.device_put(jnp.zeros((), jnp.int32), self.shardings.step))
 
-    def critic_start_params(self) -> Any:
-        """The starting parameters of a run with a critic and a Hugging Face checkpoint to load
-        (`model.init_from`, a separate critic's `init_from`): what the checkpoints hold from
-        them, the rest (value heads, a `random` critic, an unloaded policy) from the seeded
-        init, of which only those parameters are computed (`jtree.step.critic_params`)."""
+    def loaded_mtp_depth(self, path: str | None) -> int:
+        """How many of the run's MTP layers (`objective.mtp_depth` with `objective.mtp_weight`)
+        the Hugging Face checkpoint `path` supplies, with the MTP modules' shared fc and norms
+        (0: all MTP modules start from the seeded init)."""
+        from jtree.hf import carries_mtp, mtp_depth_in
+
+        depth = self.cfg.model_args["mtp_depth"]
+        if path is None or not depth or not carries_mtp(self.cfg.model.config):
+            return 0
+        return min(depth, mtp_depth_in(path))
+
+    def start_params(self) -> Any:
+        """The starting parameters of a run with a Hugging Face checkpoint to load that does not
+        hold all of them (`model.init_from` without all the run's MTP layers, a critic's
+        `init_from`): what the checkpoints hold, the rest (value heads, a `random` critic, an
+        unloaded policy, MTP modules) from the seeded init, of which only those parameters are
+        computed (`jtree.step.critic_params`)."""
         cfg = self.cfg
         critic, path = cfg.objective.critic, cfg.model.init_from
         loaded = {}
         if path is not None:
-            loaded = flat_params(self.load_hf(path, "model.init_from"))
-            if critic.separate and critic.init_from == "policy":
+            loaded = flat_params(self.load_hf(path, "model.init_from",
+                                              mtp_depth=self.loaded_mtp_depth(path)))
+            if critic is not None and critic.separate and critic.init_from == "policy":
                 loaded |= as_critic_trunk(loaded)
-        if critic.checkpoint_dir is not None:
+        if critic is not None and critic.checkpoint_dir is not None:
             loaded |= as_critic_trunk(flat_params(self.load_hf(
                 critic.checkpoint_dir, "objective.critic.init_from", cfg.critic_network,
                 "critic.")))
@@ -263,17 +279,19 @@ class Trainer:
         return jax.jit(lambda values: with_named(fresh, values),
                        out_shardings=self.shardings.params)(loaded | seeded)
 
-    def load_hf(self, path: str, key: str, config: Any = None, prefix: str = "") -> Any:
+    def load_hf(self, path: str, key: str, config: Any = None, prefix: str = "", *,
+                mtp_depth: int = 0) -> Any:
         """The model parameters of Hugging Face checkpoint `path` placed directly onto the mesh
         (each host reads only what its devices hold), laid out as the parameters under `prefix`
-        ('critic.': the separate critic's; what the run does not hold, replicated); its
-        config.json must agree with `config` (default: `model`; an error names `key`, the
-        config key that gave `path`, and the field)."""
+        ('critic.': the separate critic's; what the run does not hold, replicated), with its
+        first `mtp_depth` MTP layers (`jtree.hf.load`); its config.json must agree with
+        `config` (default: `model`; an error names `key`, the config key that gave `path`, and
+        the field)."""
         from jtree.hf import load
 
         mcfg = self.cfg.model.config if config is None else config
         section = "model" if config is None else "objective.critic.network"
-        loaded, model = load(path, self.cfg.runtime,
+        loaded, model = load(path, self.cfg.runtime, mtp_depth=mtp_depth,
                              shardings=shardings_by_name(self.mesh, self.model_specs, prefix))
         for field in dataclasses.fields(mcfg):
             ours, theirs = getattr(mcfg, field.name), getattr(loaded, field.name)

@@ -378,7 +378,7 @@ def test_a_separate_critic_run_checkpoints_resumes_and_exports_the_policy(few_gr
                        f"checkpoint.dir={ckpt}", "--resume"]) == 0
     trained, config, _ = trained_model("configs/tiny.yaml", overrides, str(ckpt))
     cfg = load_config("configs/tiny.yaml", overrides)
-    initial = create_model("qwen3", config, **cfg.critic_model_args)
+    initial = create_model("qwen3", config, **cfg.model_args)
     assert trained.critic.config.hidden_size == 16
     for part in ("value_head", "model"):
         got, was = (flat_params(nnx.state(getattr(m.critic, part), nnx.Param))

@@ -85,12 +85,15 @@ def architecture_of_hf_config(hf_config: Mapping[str, Any]) -> Architecture:
 
 
 def create_model(name: str, config: Any, runtime: RuntimeConfig = RuntimeConfig(), *,
-                 seed: int = 0, value_head: bool = False, critic: Any = None) -> CausalLM:
+                 seed: int = 0, value_head: bool = False, critic: Any = None,
+                 mtp_depth: int = 0) -> CausalLM:
     """A randomly initialized model of architecture `name` with `config` (an instance of the
     record's config class), run as `runtime` says; `value_head` adds PPO's critic head,
-    `critic` (an architecture config) PPO's critic as a model of its own (`CausalLM`)."""
+    `critic` (an architecture config) PPO's critic as a model of its own (`CausalLM`),
+    `mtp_depth` > 0 multi-token-prediction modules of that depth (`jtree.models.mtp`)."""
     arch = architecture(name)
     if not isinstance(config, arch.config_class):
         raise ValueError(f"architecture {name!r} needs a {arch.config_class.__name__}, "
                          f"got {type(config).__name__}")
-    return CausalLM(config, runtime, rngs=nnx.Rngs(seed), value_head=value_head, critic=critic)
+    return CausalLM(config, runtime, rngs=nnx.Rngs(seed), value_head=value_head, critic=critic,
+                    mtp_depth=mtp_depth)

@@ -23,7 +23,8 @@ does (for text they change nothing).
 
 Config. Field names and defaults are HF's `Qwen3_5TextConfig`'s; keys of released checkpoints that
 do not change the text model's math are accepted: the multi-token-prediction keys (`mtp_*`; its
-`mtp.*` tensors are skipped, as transformers skips them), `mamba_ssm_dtype` (only float32, which
+`mtp.*` tensors are read into a model built with MTP modules, `jtree.models.mtp`, and skipped
+otherwise, as transformers skips them), `mamba_ssm_dtype` (only float32, which
 is what jtree's recurrence state uses), `attn_output_gate` (only true: transformers always gates)
 and an empty `mlp_only_layers`. The multimodal checkpoints (`Qwen3_5ForConditionalGeneration`,
 text under `text_config` and `model.language_model.*`) are not read: extract the text model first.

@@ -8,8 +8,10 @@ The Gated DeltaNet projections `linear_attn.in_proj_qkvz` and `in_proj_ba` are k
 HF's own layout, grouped per key head ([q, k, v-group, z-group] and [b-group, a-group] per key
 head, see `jtree.models.gated_deltanet`), so they map without a permutation, and a contiguous split
 of their output features is a split by key heads. Hub checkpoints also carry the multi-token-
-prediction head (`mtp.*`), which the causal LM does not use: it is skipped, as transformers skips
-it.
+prediction modules (`mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`,
+`mtp.layers.0.*` named like a decoder layer, `mtp.norm`): `jtree.hf.load(..., mtp_depth=1)` reads
+them into `jtree.models.mtp` (the same name rules map them); without MTP modules they are skipped,
+as transformers skips them.
 
 Config. Field names and defaults follow HF's `Qwen3NextConfig`, except that RoPE's `rope_theta` and
 `partial_rotary_factor` are flat fields instead of HF's `rope_parameters` dict. transformers 5
@@ -62,7 +64,8 @@ DEFAULT_PARTIAL_ROTARY = 0.25
 
 # Bare parameters (no `.weight`) of the Gated DeltaNet, stored as they are.
 GDN_TENSORS = (TensorRule(r".*\.linear_attn\.(A_log|dt_bias)", r"\g<0>"),)
-# The multi-token-prediction head of Hub checkpoints, which the causal LM does not use.
+# The multi-token-prediction modules of Hub checkpoints: read when the model has MTP modules
+# (`jtree.models.mtp`), skipped otherwise.
 IGNORED = (r"mtp\..*",)
 
 
