@@ -6,16 +6,18 @@ FlashAttention-2 structure and block lists as `pallas_triton`: forward with an o
 deterministic dQ and dK/dV passes recomputing P from the saved log-sum-exp), launched by
 `jax_triton.triton_call` inside the custom VJP of `flash_vjp`.
 
-Supported: GQA, Dv != Dk (MLA), float32 / bfloat16 / float16 operands with float32
+Supported: GQA, Dv != Dk (MLA, DeepSeek-V3's 192/128 included), float32 / bfloat16 / float16 operands with float32
 accumulation (float32 matmuls in IEEE float32, not TF32), soft-cap, a prefix and other
 rectangular calls (`q_pos`), the sliding window (`window`, `key_pos`) and sinks (`flash_vjp`).
 Not supported: context parallelism and `shard_map` (jax-triton's outputs carry no varying-axes
 type); the registry says so.
 
-Limits (each checked, raising ValueError naming it): q, k, v one of the three dtypes; each head
-dim a power of two from 16 to 256 (Triton tiles have power-of-two sizes, `tl.dot` needs K >= 16);
-blocks powers of two >= 16 dividing the lengths; fewer than 2^31 elements per operand (the kernels
-index with int32).
+Limits (`pallas_triton`'s, checked by the same function, raising ValueError naming
+`triton_lang` and the limit): q, k, v one of the three dtypes; each head dim a power of two from
+16 to 256, or a multiple of 64 below 256 (DeepSeek-V3's Dk 192) run zero-padded to the next power
+of two around the kernels (exact); blocks powers of two >= 16 dividing the lengths; and fewer
+than 2^31 elements per operand (the kernels index with int32). Block, warp and stage defaults
+are `pallas_triton`'s too (not tuned on hardware).
 
 jax-triton and triton are the optional `gpu` extra: without them the entry point raises naming
 the extra. The jax-triton call runs only on a CUDA GPU; on a CPU host it lowers for CUDA (given
@@ -25,7 +27,6 @@ interpreter (`launch_specs` gives their grids and constants to such a driver).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -33,12 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.kernels.attention.flash_vjp import flash_vjp
+from jtree.kernels.attention.triton import (
+    PAD_MULTIPLE,
+    check_supported,
+    default_blocks,
+    lse_rows,
+    pad_last,
+    rows_lse,
+    run_dim,
+)
 from jtree.kernels.block_tables import block_padding, block_tables
-
-PAD_MULTIPLE = 64
-MIN_BLOCK = 16
-MAX_HEAD_DIM = 256
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 padded_length, padded_lengths = block_padding(PAD_MULTIPLE)
 
@@ -63,13 +68,6 @@ class LaunchSpec(NamedTuple):
     constants: dict[str, Any]
 
 
-def default_blocks(dtype: Any, head_dim: int) -> tuple[int, int]:
-    """(block_q, block_kv): 64 x 64 for 16-bit operands up to head dim 128, narrower tiles for
-    float32 and head dim 256 (twice the bytes per tile). Not tuned on hardware."""
-    wide = jnp.dtype(dtype).itemsize > 2 or head_dim > 128
-    return (32 if head_dim > 128 else 64), (32 if wide else 64)
-
-
 def launch_specs(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dv: int, dtype: Any,
                  cfg: Config, max_kv: int, max_q: int) -> dict[str, LaunchSpec]:
     """The grids and constants of the `forward`, `dq` and `dkv` kernels for q [rows, Sq, Hq, D],
@@ -84,27 +82,6 @@ def launch_specs(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dv: int, dt
     per_q = LaunchSpec((sq // cfg.block_q, rows, hq), {**common, "MAX_KV": max_kv})
     return {"forward": per_q, "dq": per_q,
             "dkv": LaunchSpec((skv // cfg.block_kv, rows, hkv), {**common, "MAX_Q": max_q})}
-
-
-def _check_supported(q, k, v, block_q: int, block_kv: int) -> None:
-    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
-    if len(dtypes) != 1 or not dtypes <= set(_DTYPES):
-        raise ValueError(f"triton_lang: q, k, v must all be float32, bfloat16 or float16; got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
-    for name, d in (("head_dim", q.shape[3]), ("value head_dim", v.shape[3])):
-        if d < MIN_BLOCK or d > MAX_HEAD_DIM or d & (d - 1):
-            raise ValueError(f"triton_lang: {name}={d} must be a power of two from {MIN_BLOCK} "
-                             f"to {MAX_HEAD_DIM} (Triton tiles have power-of-two sizes)")
-    for name, b, label, s in (("block_q", block_q, "Sq", q.shape[1]),
-                              ("block_kv", block_kv, "Skv", k.shape[1])):
-        if b < MIN_BLOCK or b & (b - 1):
-            raise ValueError(f"triton_lang: {name}={b} must be a power of two >= {MIN_BLOCK}")
-        if s % b:
-            raise ValueError(f"triton_lang: {label}={s} must be a multiple of {name}={b} "
-                             "(tree_attention pads S; call it instead)")
-    if max(x.size for x in (q, k, v)) >= 2 ** 31:
-        raise ValueError("triton_lang: an operand has 2^31 or more elements (the kernels index "
-                         "with int32)")
 
 
 def _modules():
@@ -142,10 +119,14 @@ def tree_attention_triton_lang(
     (see `tree_attention`): the `pallas_triton` call's arguments, with `compute_capability`
     (e.g. 80, 90; default: GPU 0's) for lowering from a host without a GPU."""
     rows, sq = q.shape[:2]
-    d = max(q.shape[3], v.shape[3])
+    dk, dv = q.shape[3], v.shape[3]
+    d = max(run_dim(dk), run_dim(dv))
     defaults = default_blocks(q.dtype, d)
     block_q, block_kv = block_q or defaults[0], block_kv or defaults[1]
-    _check_supported(q, k, v, block_q, block_kv)
+    check_supported("triton_lang", q, k, v, block_q, block_kv)
+    if max(x.size for x in (q, k, v)) >= 2 ** 31:
+        raise ValueError("triton_lang: an operand has 2^31 or more elements (the kernels index "
+                         "with int32)")
     _modules()
     cfg = Config(float(scale), None if softcap is None else float(softcap), block_q, block_kv,
                  window, num_warps or (4 if d <= 64 else 8), num_stages, compute_capability)
@@ -161,8 +142,11 @@ def tree_attention_triton_lang(
         paths = (jnp.take_along_axis(k_path, q_pos, axis=1), k_path)
     lists = tuple(jnp.asarray(x, jnp.int32) for x in (tables.kv_blocks, tables.kv_count,
                                                       tables.q_blocks, tables.q_count))
-    return _attention(q, k, v, jnp.asarray(end, jnp.int32), q_pos, *paths, *lists, cfg,
-                      sinks=sinks)
+    q, k = pad_last(q, run_dim(dk)), pad_last(k, run_dim(dk))
+    v = pad_last(v, run_dim(dv))
+    out = _attention(q, k, v, jnp.asarray(end, jnp.int32), q_pos, *paths, *lists, cfg,
+                     sinks=sinks)
+    return out[..., :dv]
 
 
 def _call(kernel: str, spec: LaunchSpec, cfg: Config, args: tuple, out_shape: list) -> Any:
@@ -203,23 +187,5 @@ def _backward(cfg: Config, q, k, v, end, q_pos, q_path, k_path, kv_blocks, kv_co
     return dq, dk, dv
 
 
-def _lse_rows(lse, cfg, q):
-    """lse [rows, Hq, Sq] as [rows, Sq, Hq]."""
-    return lse.transpose(0, 2, 1)
+_attention = flash_vjp(_forward, _backward, 11, lse_rows=lse_rows, rows_lse=rows_lse)
 
-
-def _rows_lse(x, cfg, q, lse):
-    return x.transpose(0, 2, 1)
-
-
-_attention = flash_vjp(_forward, _backward, 11, lse_rows=_lse_rows, rows_lse=_rows_lse)
-
-
-@functools.cache
-def available() -> bool:
-    """Whether jax-triton and triton import here (the `gpu` extra is installed)."""
-    try:
-        _modules()
-    except ValueError:
-        return False
-    return True

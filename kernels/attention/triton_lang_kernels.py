@@ -50,6 +50,35 @@ def _visible(kj, qp, key_end, qpath, kpath, WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _q_block(qb, r, h, q_ptr, q_pos, q_path, SQ: tl.constexpr, HQ: tl.constexpr,
+             D: tl.constexpr, BLOCK_Q: tl.constexpr, WINDOW: tl.constexpr):
+    """Query block `qb` of row r, head h: its rows' indices, q tile, key positions and (with a
+    window) path positions (else the key positions again, unread)."""
+    rq = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q = tl.load(q_ptr + ((r * SQ + rq[:, None]) * HQ + h) * D + tl.arange(0, D)[None, :])
+    qp = tl.load(q_pos + r * SQ + rq)
+    qpath = qp
+    if WINDOW > 0:
+        qpath = tl.load(q_path + r * SQ + rq)
+    return rq, q, qp, qpath
+
+
+@triton.jit
+def _kv_block(kb, r, kvh, k_ptr, v_ptr, end, k_path, SKV: tl.constexpr, HKV: tl.constexpr,
+              D: tl.constexpr, DV: tl.constexpr, BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr):
+    """Key block `kb` of row r, kv head kvh: key indices, k and v tiles, the keys' ends and (with
+    a window) path positions (else the key indices, unread)."""
+    kj = kb * BLOCK_KV + tl.arange(0, BLOCK_KV)
+    rows = (r * SKV + kj[:, None]) * HKV + kvh
+    k = tl.load(k_ptr + rows * D + tl.arange(0, D)[None, :])
+    v = tl.load(v_ptr + rows * DV + tl.arange(0, DV)[None, :])
+    kpath = kj
+    if WINDOW > 0:
+        kpath = tl.load(k_path + r * SKV + kj)
+    return kj, k, v, tl.load(end + r * SKV + kj), kpath
+
+
+@triton.jit
 def forward_kernel(kv_blocks, kv_count, q_pos, q_ptr, k_ptr, v_ptr, end, q_path, k_path,
                    o_ptr, lse_ptr,
                    SQ: tl.constexpr, SKV: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
@@ -62,14 +91,7 @@ def forward_kernel(kv_blocks, kv_count, q_pos, q_ptr, k_ptr, v_ptr, end, q_path,
     r = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // (HQ // HKV)
-    rq = i * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    cd = tl.arange(0, D)
-    cv = tl.arange(0, DV)
-    q = tl.load(q_ptr + ((r * SQ + rq[:, None]) * HQ + h) * D + cd[None, :])
-    qp = tl.load(q_pos + r * SQ + rq)
-    qpath = qp
-    if WINDOW > 0:
-        qpath = tl.load(q_path + r * SQ + rq)
+    rq, q, qp, qpath = _q_block(i, r, h, q_ptr, q_pos, q_path, SQ, HQ, D, BLOCK_Q, WINDOW)
     acc = tl.zeros((BLOCK_Q, DV), tl.float32)
     m = tl.full((BLOCK_Q,), MASKED, tl.float32)
     l = tl.zeros((BLOCK_Q,), tl.float32)
@@ -77,13 +99,9 @@ def forward_kernel(kv_blocks, kv_count, q_pos, q_ptr, k_ptr, v_ptr, end, q_path,
     count = tl.load(kv_count + r * n_qblocks + i)
     for n in range(count):
         kb = tl.load(kv_blocks + (r * n_qblocks + i) * MAX_KV + n)
-        kj = kb * BLOCK_KV + tl.arange(0, BLOCK_KV)
-        k = tl.load(k_ptr + ((r * SKV + kj[:, None]) * HKV + kvh) * D + cd[None, :])
-        v = tl.load(v_ptr + ((r * SKV + kj[:, None]) * HKV + kvh) * DV + cv[None, :])
-        kpath = kj
-        if WINDOW > 0:
-            kpath = tl.load(k_path + r * SKV + kj)
-        vis = _visible(kj, qp, tl.load(end + r * SKV + kj), qpath, kpath, WINDOW)
+        kj, k, v, key_end, kpath = _kv_block(kb, r, kvh, k_ptr, v_ptr, end, k_path, SKV, HKV, D,
+                                             DV, BLOCK_KV, WINDOW)
+        vis = _visible(kj, qp, key_end, qpath, kpath, WINDOW)
         s, _ = _scores(q, k, SCALE, SOFTCAP, PRECISION)
         s = tl.where(vis, s, MASKED)
         m_next = tl.maximum(m, tl.max(s, axis=1))
@@ -93,7 +111,7 @@ def forward_kernel(kv_blocks, kv_count, q_pos, q_ptr, k_ptr, v_ptr, end, q_path,
         l = l * alpha + tl.sum(p, axis=1)
         m = m_next
     l = tl.where(l == 0.0, 1.0, l)
-    tl.store(o_ptr + ((r * SQ + rq[:, None]) * HQ + h) * DV + cv[None, :],
+    tl.store(o_ptr + ((r * SQ + rq[:, None]) * HQ + h) * DV + tl.arange(0, DV)[None, :],
              (acc / l[:, None]).to(o_ptr.dtype.element_ty))
     tl.store(lse_ptr + (r * HQ + h) * SQ + rq, m + tl.log(l))
 
@@ -128,34 +146,23 @@ def dq_kernel(kv_blocks, kv_count, q_pos, q_ptr, k_ptr, v_ptr, end, q_path, k_pa
     r = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // (HQ // HKV)
-    rq = i * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    cd = tl.arange(0, D)
-    cv = tl.arange(0, DV)
-    q = tl.load(q_ptr + ((r * SQ + rq[:, None]) * HQ + h) * D + cd[None, :])
-    do = tl.load(do_ptr + ((r * SQ + rq[:, None]) * HQ + h) * DV + cv[None, :])
+    rq, q, qp, qpath = _q_block(i, r, h, q_ptr, q_pos, q_path, SQ, HQ, D, BLOCK_Q, WINDOW)
+    do = tl.load(do_ptr + ((r * SQ + rq[:, None]) * HQ + h) * DV + tl.arange(0, DV)[None, :])
     lse = tl.load(lse_ptr + (r * HQ + h) * SQ + rq)
     delta = tl.load(delta_ptr + (r * HQ + h) * SQ + rq)
-    qp = tl.load(q_pos + r * SQ + rq)
-    qpath = qp
-    if WINDOW > 0:
-        qpath = tl.load(q_path + r * SQ + rq)
     dq = tl.zeros((BLOCK_Q, D), tl.float32)
     n_qblocks = SQ // BLOCK_Q
     count = tl.load(kv_count + r * n_qblocks + i)
     for n in range(count):
         kb = tl.load(kv_blocks + (r * n_qblocks + i) * MAX_KV + n)
-        kj = kb * BLOCK_KV + tl.arange(0, BLOCK_KV)
-        k = tl.load(k_ptr + ((r * SKV + kj[:, None]) * HKV + kvh) * D + cd[None, :])
-        v = tl.load(v_ptr + ((r * SKV + kj[:, None]) * HKV + kvh) * DV + cv[None, :])
-        kpath = kj
-        if WINDOW > 0:
-            kpath = tl.load(k_path + r * SKV + kj)
-        p, t = _probabilities(q, k, kj, qp, tl.load(end + r * SKV + kj), qpath, kpath, lse,
-                              SCALE, SOFTCAP, WINDOW, PRECISION)
+        kj, k, v, key_end, kpath = _kv_block(kb, r, kvh, k_ptr, v_ptr, end, k_path, SKV, HKV, D,
+                                             DV, BLOCK_KV, WINDOW)
+        p, t = _probabilities(q, k, kj, qp, key_end, qpath, kpath, lse, SCALE, SOFTCAP, WINDOW,
+                              PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = _score_grad(p, dp, delta, t, SOFTCAP)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(dq_ptr + ((r * SQ + rq[:, None]) * HQ + h) * D + cd[None, :],
+    tl.store(dq_ptr + ((r * SQ + rq[:, None]) * HQ + h) * D + tl.arange(0, D)[None, :],
              (dq * SCALE).to(dq_ptr.dtype.element_ty))
 
 
@@ -172,30 +179,20 @@ def dkv_kernel(q_blocks, q_count, q_pos, q_ptr, k_ptr, v_ptr, end, q_path, k_pat
     r = tl.program_id(1)
     kvh = tl.program_id(2)
     group = HQ // HKV
-    kj = j * BLOCK_KV + tl.arange(0, BLOCK_KV)
-    cd = tl.arange(0, D)
-    cv = tl.arange(0, DV)
-    k = tl.load(k_ptr + ((r * SKV + kj[:, None]) * HKV + kvh) * D + cd[None, :])
-    v = tl.load(v_ptr + ((r * SKV + kj[:, None]) * HKV + kvh) * DV + cv[None, :])
-    key_end = tl.load(end + r * SKV + kj)
-    kpath = kj
-    if WINDOW > 0:
-        kpath = tl.load(k_path + r * SKV + kj)
+    kj, k, v, key_end, kpath = _kv_block(j, r, kvh, k_ptr, v_ptr, end, k_path, SKV, HKV, D, DV,
+                                         BLOCK_KV, WINDOW)
     dk = tl.zeros((BLOCK_KV, D), tl.float32)
     dv = tl.zeros((BLOCK_KV, DV), tl.float32)
     n_kvblocks = SKV // BLOCK_KV
     count = tl.load(q_count + r * n_kvblocks + j)
     for n in range(count):
         qb = tl.load(q_blocks + (r * n_kvblocks + j) * MAX_Q + n)
-        rq = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        qp = tl.load(q_pos + r * SQ + rq)
-        qpath = qp
-        if WINDOW > 0:
-            qpath = tl.load(q_path + r * SQ + rq)
         for g in range(group):
             h = kvh * group + g
-            q = tl.load(q_ptr + ((r * SQ + rq[:, None]) * HQ + h) * D + cd[None, :])
-            do = tl.load(do_ptr + ((r * SQ + rq[:, None]) * HQ + h) * DV + cv[None, :])
+            rq, q, qp, qpath = _q_block(qb, r, h, q_ptr, q_pos, q_path, SQ, HQ, D, BLOCK_Q,
+                                        WINDOW)
+            do = tl.load(do_ptr + ((r * SQ + rq[:, None]) * HQ + h) * DV
+                         + tl.arange(0, DV)[None, :])
             lse = tl.load(lse_ptr + (r * HQ + h) * SQ + rq)
             delta = tl.load(delta_ptr + (r * HQ + h) * SQ + rq)
             p, t = _probabilities(q, k, kj, qp, key_end, qpath, kpath, lse, SCALE, SOFTCAP,
@@ -204,7 +201,6 @@ def dkv_kernel(q_blocks, q_count, q_pos, q_ptr, k_ptr, v_ptr, end, q_path, k_pat
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = _score_grad(p, dp, delta, t, SOFTCAP)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-    tl.store(dk_ptr + ((r * SKV + kj[:, None]) * HKV + kvh) * D + cd[None, :],
-             (dk * SCALE).to(dk_ptr.dtype.element_ty))
-    tl.store(dv_ptr + ((r * SKV + kj[:, None]) * HKV + kvh) * DV + cv[None, :],
-             dv.to(dv_ptr.dtype.element_ty))
+    rows = (r * SKV + kj[:, None]) * HKV + kvh
+    tl.store(dk_ptr + rows * D + tl.arange(0, D)[None, :], (dk * SCALE).to(dk_ptr.dtype.element_ty))
+    tl.store(dv_ptr + rows * DV + tl.arange(0, DV)[None, :], dv.to(dv_ptr.dtype.element_ty))

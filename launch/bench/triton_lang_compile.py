@@ -13,7 +13,7 @@ held the kernel). A table is printed as markdown and the rows are written as JSO
 (default runs/aot/triton_lang_kernels.json). Exit status 0 when every configuration compiled.
 
 `--lower CAPABILITY` instead lowers forward + backward of `tree_attention(impl="triton_lang")`
-(bf16, GQA 4, soft-cap, a window and sinks) for CUDA through `jax_triton.triton_call`, which
+(bf16: GQA 4 with soft-cap, a window and sinks; MLA 192/128 with a prefix) for CUDA through `jax_triton.triton_call`, which
 compiles each kernel to PTX for that capability while lowering; it runs as a worker with jax's
 CUDA plugin on its path (`make aot-plugins`; jax-triton needs a jax with CUDA support to import)
 and writes the number of Triton kernel calls in the lowered module.
@@ -117,28 +117,47 @@ def ptxas_usage(ptx: str, capability: int) -> dict[str, Any]:
 
 def lower_forward_backward(capability: int, seq: int = 1024) -> dict[str, Any]:
     """Lower the gradient of a loss over `tree_attention(impl="triton_lang")` for CUDA from this
-    host; -> the Triton kernel calls in the module and the seconds it took."""
+    host, twice: bf16 GQA 4 head dim 64 with a soft-cap, a window and sinks, and MLA (q/k 192,
+    v 128, zero-padded to 256 around the kernels) with a prefix; -> per case the Triton kernel
+    calls in the module, and the seconds both took."""
     import jax
 
     from jtree.kernels import TreeMask, tree_attention
 
-    head_dim = 64
-    shapes = [jax.ShapeDtypeStruct((1, seq, h, head_dim), jnp.bfloat16)
-              for h in (Q_HEADS, KV_HEADS, KV_HEADS)]
-    shapes += [jax.ShapeDtypeStruct((1, seq), jnp.int32), jax.ShapeDtypeStruct((1, seq), jnp.int32),
-               jax.ShapeDtypeStruct((Q_HEADS,), jnp.float32)]
+    def struct(*shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype)
 
-    def loss(q, k, v, end, positions, sinks):
+    def window_loss(q, k, v, end, positions, sinks):
         out = tree_attention(q, k, v, TreeMask(end, positions=positions, window=128),
                              impl="triton_lang", softcap=30.0, sinks=sinks,
                              compute_capability=capability)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
+    def mla_loss(q, k, v, prefix_k, prefix_v, end, prefix_end):
+        out = tree_attention(q, k, v, TreeMask(end, prefix_end), impl="triton_lang",
+                             prefix_k=prefix_k, prefix_v=prefix_v, compute_capability=capability)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    prefix = seq // 4
+    cases = {
+        "window+sinks": (window_loss, (0, 1, 2, 5), [
+            struct(1, seq, Q_HEADS, 64), struct(1, seq, KV_HEADS, 64),
+            struct(1, seq, KV_HEADS, 64), struct(1, seq, dtype=jnp.int32),
+            struct(1, seq, dtype=jnp.int32), struct(Q_HEADS, dtype=jnp.float32)]),
+        "mla 192/128 + prefix": (mla_loss, (0, 1, 2, 3, 4), [
+            struct(1, seq, Q_HEADS, 192), struct(1, seq, KV_HEADS, 192),
+            struct(1, seq, KV_HEADS, 128), struct(1, prefix, KV_HEADS, 192),
+            struct(1, prefix, KV_HEADS, 128), struct(1, seq, dtype=jnp.int32),
+            struct(1, prefix, dtype=jnp.int32)]),
+    }
     start = time.perf_counter()
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 5))).trace(*shapes).lower(
-        lowering_platforms=("cuda",)).as_text()
-    return dict(capability=capability, seq=seq, seconds=round(time.perf_counter() - start, 1),
-                triton_calls=text.count("custom_call @triton_kernel_call"))
+    calls = {}
+    for name, (loss, argnums, shapes) in cases.items():
+        text = jax.jit(jax.grad(loss, argnums=argnums)).trace(*shapes).lower(
+            lowering_platforms=("cuda",)).as_text()
+        calls[name] = text.count("custom_call @triton_kernel_call")
+    return dict(capability=capability, seq=seq, triton_calls=calls,
+                seconds=round(time.perf_counter() - start, 1))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
