@@ -186,3 +186,13 @@ def test_context_parallel_is_refused():
     mask = TreeMask(np.arange(1, 65, dtype=np.int32)[None], query_offset=jnp.int32(0))
     with pytest.raises(ValueError, match="'triton_lang' does not run under context parallelism"):
         tree_attention(q[:, :32], k, v, mask, impl="triton_lang")
+
+
+def test_without_jax_triton_the_call_names_the_extra(monkeypatch):
+    """No silent fallback when jax-triton cannot be imported (not installed, or a jax without
+    CUDA support): the call raises naming the `gpu` extra."""
+    monkeypatch.setitem(sys.modules, "jax_triton", None)  # makes `import jax_triton` fail
+    q, k, v = (jnp.zeros((1, 64, 2, 32)) for _ in range(3))
+    with pytest.raises(ValueError, match=r"'triton_lang' needs jax-triton .* 'jtree\[gpu\]'"):
+        tree_attention(q, k, v, TreeMask(np.arange(1, 65, dtype=np.int32)[None]),
+                       impl="triton_lang")
