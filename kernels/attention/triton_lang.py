@@ -9,8 +9,9 @@ deterministic dQ and dK/dV passes recomputing P from the saved log-sum-exp), lau
 Supported: GQA, Dv != Dk (MLA, DeepSeek-V3's 192/128 included), float32 / bfloat16 / float16 operands with float32
 accumulation (float32 matmuls in IEEE float32, not TF32), soft-cap, a prefix and other
 rectangular calls (`q_pos`), the sliding window (`window`, `key_pos`) and sinks (`flash_vjp`).
-Not supported: context parallelism and `shard_map` (jax-triton's outputs carry no varying-axes
-type); the registry says so.
+Inside `shard_map` the kernels' outputs are cast to vary like their inputs (jax-triton types
+them as invariant). Not supported: context parallelism (a traced query offset; untested here), as
+the registry says.
 
 Limits (`pallas_triton`'s, checked by the same function, raising ValueError naming
 `triton_lang` and the limit): q, k, v one of the three dtypes; each head dim a power of two from
@@ -44,6 +45,7 @@ from jtree.kernels.attention.triton import (
     run_dim,
 )
 from jtree.kernels.block_tables import block_padding, block_tables
+from jtree.kernels.varying_axes import varying_like
 
 padded_length, padded_lengths = block_padding(PAD_MULTIPLE)
 
@@ -150,11 +152,15 @@ def tree_attention_triton_lang(
 
 
 def _call(kernel: str, spec: LaunchSpec, cfg: Config, args: tuple, out_shape: list) -> Any:
+    """The kernel's outputs, typed (inside `shard_map`) as varying over the axes its inputs vary
+    over: jax-triton's outputs carry no such type, and the custom VJP rejects cotangents whose
+    type differs from its primal inputs'."""
     jax_triton, kernels = _modules()
-    return jax_triton.triton_call(
+    outputs = jax_triton.triton_call(
         *args, kernel=getattr(kernels, f"{kernel}_kernel"), out_shape=out_shape, grid=spec.grid,
         name=f"tree_attention_{kernel}", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         compute_capability=cfg.compute_capability, **spec.constants)
+    return varying_like(outputs, *args)
 
 
 def _specs(q, k, v, kv_blocks, q_blocks, cfg: Config) -> dict[str, LaunchSpec]:

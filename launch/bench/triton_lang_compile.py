@@ -117,9 +117,10 @@ def ptxas_usage(ptx: str, capability: int) -> dict[str, Any]:
 
 def lower_forward_backward(capability: int, seq: int = 1024) -> dict[str, Any]:
     """Lower the gradient of a loss over `tree_attention(impl="triton_lang")` for CUDA from this
-    host, twice: bf16 GQA 4 head dim 64 with a soft-cap, a window and sinks, and MLA (q/k 192,
-    v 128, zero-padded to 256 around the kernels) with a prefix; -> per case the Triton kernel
-    calls in the module, and the seconds both took."""
+    host: bf16 GQA 4 head dim 64 with a soft-cap, a window and sinks; MLA (q/k 192, v 128,
+    zero-padded to 256 around the kernels) with a prefix; and forward + backward inside
+    `shard_map` on a one-device mesh, as the train step calls attention; -> per case the Triton
+    kernel calls in the module, and the seconds all took."""
     import jax
 
     from jtree.kernels import TreeMask, tree_attention
@@ -138,6 +139,20 @@ def lower_forward_backward(capability: int, seq: int = 1024) -> dict[str, Any]:
                              prefix_k=prefix_k, prefix_v=prefix_v, compute_capability=capability)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
+    mesh = jax.make_mesh((1,), ("data",))
+    rows = jax.NamedSharding(mesh, jax.P("data"))
+
+    def sharded_loss(q, k, v, end):  # the train step's form: the kernels inside shard_map
+        grads = jax.shard_map(lambda *a: jax.grad(plain_loss, argnums=(0, 1, 2))(*a),
+                              mesh=mesh, in_specs=(jax.P("data"),) * 4,
+                              out_specs=(jax.P("data"),) * 3)(q, k, v, end)
+        return sum(jnp.sum(g.astype(jnp.float32)) for g in grads)
+
+    def plain_loss(q, k, v, end):
+        out = tree_attention(q, k, v, TreeMask(end), impl="triton_lang",
+                             compute_capability=capability)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
     prefix = seq // 4
     cases = {
         "window+sinks": (window_loss, (0, 1, 2, 5), [
@@ -149,11 +164,16 @@ def lower_forward_backward(capability: int, seq: int = 1024) -> dict[str, Any]:
             struct(1, seq, KV_HEADS, 128), struct(1, prefix, KV_HEADS, 192),
             struct(1, prefix, KV_HEADS, 128), struct(1, seq, dtype=jnp.int32),
             struct(1, prefix, dtype=jnp.int32)]),
+        "shard_map": (sharded_loss, None, [
+            jax.ShapeDtypeStruct((1, seq, h, 64), jnp.bfloat16, sharding=rows)
+            for h in (Q_HEADS, KV_HEADS, KV_HEADS)]
+            + [jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=rows)]),
     }
     start = time.perf_counter()
     calls = {}
     for name, (loss, argnums, shapes) in cases.items():
-        text = jax.jit(jax.grad(loss, argnums=argnums)).trace(*shapes).lower(
+        f = loss if argnums is None else jax.grad(loss, argnums=argnums)
+        text = jax.jit(f).trace(*shapes).lower(
             lowering_platforms=("cuda",)).as_text()
         calls[name] = text.count("custom_call @triton_kernel_call")
     return dict(capability=capability, seq=seq, triton_calls=calls,

@@ -152,7 +152,7 @@ def test_forward_compiles_for_sm80():
 
 def test_forward_and_backward_lower_for_cuda(tmp_path):
     """Forward + backward of `tree_attention(impl="triton_lang")` (GQA, soft-cap, window, sinks;
-    MLA 192/128 with a prefix) lower for CUDA through jax_triton.triton_call from this host: three Triton kernel calls
+    MLA 192/128 with a prefix; inside `shard_map`) lower for CUDA through jax_triton.triton_call from this host: three Triton kernel calls
     (forward, dQ, dK/dV), each compiled to PTX for sm_80 while lowering. Runs in a worker with
     jax's CUDA plugin on its path: jax-triton does not import without it."""
     from jtree.launch.compile import PLUGINS_ABSENT, in_worker
@@ -163,8 +163,8 @@ def test_forward_and_backward_lower_for_cuda(tmp_path):
     if rc == PLUGINS_ABSENT:
         pytest.skip("jax's CUDA plugin is not installed (make aot-plugins)")
     assert rc == 0, (tmp_path / "worker.log").read_text()[-3000:]
-    assert json.loads(out.read_text())["triton_calls"] == {"window+sinks": 3,
-                                                          "mla 192/128 + prefix": 3}
+    assert json.loads(out.read_text())["triton_calls"] == {
+        "window+sinks": 3, "mla 192/128 + prefix": 3, "shard_map": 3}
 
 
 @pytest.mark.parametrize("options, match", [
