@@ -119,12 +119,12 @@ def check(cases: list, tmp_path) -> None:
 def test_interpreter_matches_reference(tmp_path):
     """Branching forests in several rows (and a padding row), blocks of 16: GQA 2 with a soft-cap
     in float32; GQA 2 in bf16 with queries after 16 cached prefix keys (rectangular block tables)
-    and key blocks of 32; a window of 9 path tokens."""
+    and key blocks of 32; GQA 2 over 2 kv heads with a window of 9 path tokens."""
     end, pos = tree_end_pos(5, 64)
     check([case(tree_end(seed=6, s=64, max_nodes=8, max_seg=10), 2, 1, 16, jnp.float32,
                 softcap=20.0),
            case(end, 2, 1, 16, jnp.bfloat16, prefix=16, block_kv=32),
-           case(end, 2, 2, 16, jnp.float32, window=9, key_pos=pos)], tmp_path)
+           case(end, 4, 2, 16, jnp.float32, window=9, key_pos=pos)], tmp_path)
 
 
 @pytest.mark.slow
