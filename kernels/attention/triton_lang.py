@@ -6,9 +6,10 @@ FlashAttention-2 structure and block lists as `pallas_triton`: forward with an o
 deterministic dQ and dK/dV passes recomputing P from the saved log-sum-exp), launched by
 `jax_triton.triton_call` inside the custom VJP of `flash_vjp`.
 
-Supported: GQA, Dv != Dk (MLA, DeepSeek-V3's 192/128 included), float32 / bfloat16 / float16 operands with float32
-accumulation (float32 matmuls in IEEE float32, not TF32), soft-cap, a prefix and other
-rectangular calls (`q_pos`), the sliding window (`window`, `key_pos`) and sinks (`flash_vjp`).
+Supported: GQA, Dv != Dk (MLA, DeepSeek-V3's 192/128 included), float32 / bfloat16 / float16
+operands with float32 accumulation (float32 matmuls in IEEE float32, not TF32), soft-cap, a
+prefix and other rectangular calls (`q_pos`), the sliding window (`window`, `key_pos`) and sinks
+(`flash_vjp`).
 Inside `shard_map` the kernels' outputs are cast to vary like their inputs (jax-triton types
 them as invariant). Not supported: context parallelism (a traced query offset; untested here), as
 the registry says.
@@ -126,9 +127,11 @@ def tree_attention_triton_lang(
     defaults = default_blocks(q.dtype, d)
     block_q, block_kv = block_q or defaults[0], block_kv or defaults[1]
     check_supported("triton_lang", q, k, v, block_q, block_kv)
+    q, k = pad_last(q, run_dim(dk)), pad_last(k, run_dim(dk))
+    v = pad_last(v, run_dim(dv))
     if max(x.size for x in (q, k, v)) >= 2 ** 31:
-        raise ValueError("triton_lang: an operand has 2^31 or more elements (the kernels index "
-                         "with int32)")
+        raise ValueError("triton_lang: an operand has 2^31 or more elements as the kernels run it "
+                         "(they index with int32)")
     _modules()
     cfg = Config(float(scale), None if softcap is None else float(softcap), block_q, block_kv,
                  window, num_warps or (4 if d <= 64 else 8), num_stages, compute_capability)
@@ -144,8 +147,6 @@ def tree_attention_triton_lang(
         paths = (jnp.take_along_axis(k_path, q_pos, axis=1), k_path)
     lists = tuple(jnp.asarray(x, jnp.int32) for x in (tables.kv_blocks, tables.kv_count,
                                                       tables.q_blocks, tables.q_count))
-    q, k = pad_last(q, run_dim(dk)), pad_last(k, run_dim(dk))
-    v = pad_last(v, run_dim(dv))
     out = _attention(q, k, v, jnp.asarray(end, jnp.int32), q_pos, *paths, *lists, cfg,
                      sinks=sinks)
     return out[..., :dv]

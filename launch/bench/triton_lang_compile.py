@@ -13,10 +13,11 @@ held the kernel). A table is printed as markdown and the rows are written as JSO
 (default runs/aot/triton_lang_kernels.json). Exit status 0 when every configuration compiled.
 
 `--lower CAPABILITY` instead lowers forward + backward of `tree_attention(impl="triton_lang")`
-(bf16: GQA 4 with soft-cap, a window and sinks; MLA 192/128 with a prefix) for CUDA through `jax_triton.triton_call`, which
-compiles each kernel to PTX for that capability while lowering; it runs as a worker with jax's
-CUDA plugin on its path (`make aot-plugins`; jax-triton needs a jax with CUDA support to import)
-and writes the number of Triton kernel calls in the lowered module.
+(bf16: GQA 4 with soft-cap, a window and sinks; MLA 192/128 with a prefix; inside `shard_map`) for
+CUDA through `jax_triton.triton_call`, which compiles each kernel to PTX for that capability while
+lowering; it runs as a worker with jax's CUDA plugin on its path (`make aot-plugins`; jax-triton
+needs a jax with CUDA support to import) and writes the number of Triton kernel calls in the
+lowered module.
 
 What this does not show: speed, or that the kernels run on a GPU (never tried on one).
 """

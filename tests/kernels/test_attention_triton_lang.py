@@ -151,10 +151,11 @@ def test_forward_compiles_for_sm80():
 
 
 def test_forward_and_backward_lower_for_cuda(tmp_path):
-    """Forward + backward of `tree_attention(impl="triton_lang")` (GQA, soft-cap, window, sinks;
-    MLA 192/128 with a prefix; inside `shard_map`) lower for CUDA through jax_triton.triton_call from this host: three Triton kernel calls
-    (forward, dQ, dK/dV), each compiled to PTX for sm_80 while lowering. Runs in a worker with
-    jax's CUDA plugin on its path: jax-triton does not import without it."""
+    """Forward + backward of `tree_attention(impl="triton_lang")` (GQA, soft-cap, window, sinks; MLA
+    192/128 with a prefix; inside `shard_map`) lower for CUDA through jax_triton.triton_call from
+    this host: three Triton kernel calls (forward, dQ, dK/dV), each compiled to PTX for sm_80 while
+    lowering. Runs in a worker with jax's CUDA plugin on its path: jax-triton does not import
+    without it."""
     from jtree.launch.compile import PLUGINS_ABSENT, in_worker
 
     out = tmp_path / "lowered.json"
