@@ -64,6 +64,7 @@ from jtree.kernels.attention import cpu as attention_cpu
 from jtree.kernels.attention import mgpu as attention_mgpu
 from jtree.kernels.attention import tpu as attention_tpu
 from jtree.kernels.attention import triton as attention_triton
+from jtree.kernels.attention import triton_lang as attention_triton_lang
 from jtree.kernels.attention import xla as attention_xla
 from jtree.kernels.attention.reference import attention_reference
 from jtree.kernels.tree_mask import TreeMask
@@ -107,6 +108,10 @@ _IMPLS: dict[str, _Impl] = {
     "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
                            attention_triton.padded_lengths, window=True, sinks=True,
                            value_head_dim=True),
+    # Triton-language kernels through jax-triton (the `gpu` extra); not picked by `auto` yet.
+    "triton_lang": _Impl(attention_triton_lang.tree_attention_triton_lang,
+                         attention_triton_lang.padded_length, attention_triton_lang.padded_lengths,
+                         window=True, sinks=True, value_head_dim=True),
 }
 
 # NVIDIA Hopper (sm_90) device kinds: the GPUs with wgmma, which the Mosaic kernel is built on

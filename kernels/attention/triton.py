@@ -104,10 +104,10 @@ def tree_attention_triton(
     """
     rows, sq = q.shape[:2]
     dk, dv = q.shape[3], v.shape[3]
-    d = max(_run_dim(dk), _run_dim(dv))
+    d = max(run_dim(dk), run_dim(dv))
     defaults = default_blocks(q.dtype, d)
     block_q, block_kv = block_q or defaults[0], block_kv or defaults[1]
-    _check_supported(q, k, v, block_q, block_kv)
+    check_supported("pallas_triton", q, k, v, block_q, block_kv)
     cfg = BlockConfig(float(scale), None if softcap is None else float(softcap), block_q,
                       block_kv, bool(interpret), num_warps or (4 if d <= 64 else 8), num_stages,
                       window)
@@ -123,45 +123,47 @@ def tree_attention_triton(
     if window is not None:
         k_path = jnp.asarray(key_pos, jnp.int32)
         paths = (jnp.take_along_axis(k_path, q_pos, axis=1), k_path)
-    q, k = _pad_last(q, _run_dim(dk)), _pad_last(k, _run_dim(dk))
-    v = _pad_last(v, _run_dim(dv))
+    q, k = pad_last(q, run_dim(dk)), pad_last(k, run_dim(dk))
+    v = pad_last(v, run_dim(dv))
     out = _attention(q, k, v, jnp.asarray(end, jnp.int32), q_pos, lists, paths, cfg, sinks=sinks)
     return out[..., :dv]
 
 
-def _run_dim(d: int) -> int:
+def run_dim(d: int) -> int:
     """The head dim the kernels run for a head dim `d`: `d` when it is a power of two, the next
     power of two for another multiple of 64 (zero-padded around the kernels: exact), else `d`
-    (which `_check_supported` refuses)."""
+    (which `check_supported` refuses)."""
     return 1 << (d - 1).bit_length() if d % 64 == 0 else d
 
 
-def _pad_last(x: jax.Array, d: int) -> jax.Array:
+def pad_last(x: jax.Array, d: int) -> jax.Array:
     """`x` with zero columns appended to its last axis up to `d` (itself when it has `d`)."""
     if x.shape[-1] == d:
         return x
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
 
 
-def _check_supported(q, k, v, block_q: int, block_kv: int) -> None:
+def check_supported(impl: str, q, k, v, block_q: int, block_kv: int) -> None:
+    """Raise ValueError, naming `impl` and the limit, for operands or blocks the Triton kernels
+    (Pallas' and the Triton-language ones share these limits) cannot run."""
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1 or not dtypes <= set(_DTYPES):
-        raise ValueError(f"pallas_triton: q, k, v must all be float32, bfloat16 or float16; got "
+        raise ValueError(f"{impl}: q, k, v must all be float32, bfloat16 or float16; got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     for name, given in (("head_dim", q.shape[3]), ("value head_dim", v.shape[3])):
-        d = _run_dim(given)
+        d = run_dim(given)
         if d < MIN_BLOCK or d > MAX_HEAD_DIM or d & (d - 1):
-            raise ValueError(f"pallas_triton: {name}={given} must be a power of two from "
+            raise ValueError(f"{impl}: {name}={given} must be a power of two from "
                              f"{MIN_BLOCK} to {MAX_HEAD_DIM} (Triton tiles have power-of-two "
                              f"sizes, tl.dot needs >= {MIN_BLOCK}; larger tiles do not fit the "
                              "registers), or a multiple of 64 that pads to one")
     for name, b, label, s in (("block_q", block_q, "Sq", q.shape[1]),
                               ("block_kv", block_kv, "Skv", k.shape[1])):
         if b < MIN_BLOCK or b & (b - 1):
-            raise ValueError(f"pallas_triton: {name}={b} must be a power of two >= {MIN_BLOCK} "
+            raise ValueError(f"{impl}: {name}={b} must be a power of two >= {MIN_BLOCK} "
                              "(a Triton tile dimension and a tl.dot operand dimension)")
         if s % b:
-            raise ValueError(f"pallas_triton: {label}={s} must be a multiple of {name}={b} "
+            raise ValueError(f"{impl}: {label}={s} must be a multiple of {name}={b} "
                              "(tree_attention pads S; call it instead)")
 
 
@@ -445,13 +447,14 @@ def _backward(cfg, q, k, v, end, q_pos, lists, paths, out, lse, d_out):
     return dq, dk, dv
 
 
-def _lse_rows(lse, cfg, q):
-    """lse [rows, Hq, Sq] as [rows, Sq, Hq]."""
+def lse_rows(lse, cfg, q):
+    """lse [rows, Hq, Sq] as [rows, Sq, Hq] (`flash_vjp`'s sinks; the Triton-language kernels
+    keep the same layout)."""
     return lse.transpose(0, 2, 1)
 
 
-def _rows_lse(x, cfg, q, lse):
+def rows_lse(x, cfg, q, lse):
     return x.transpose(0, 2, 1)
 
 
-_attention = flash_vjp(_forward, _backward, 7, lse_rows=_lse_rows, rows_lse=_rows_lse)
+_attention = flash_vjp(_forward, _backward, 7, lse_rows=lse_rows, rows_lse=rows_lse)
