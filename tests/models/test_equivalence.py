@@ -7,7 +7,7 @@ trees per row, single-token nodes, several roots), float32, docs/design.md secti
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 
 from jtree.config.objective import NORMALIZATIONS, Objective
 from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
@@ -96,6 +96,12 @@ def _assert_equal_baseline_under_ppo(graphdef, params, trees):
         for a, b in zip(a_paths, b_paths):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=len(trees))
+    # A forest that scores no token (one-token paths) trains nothing: its only loss is a MoE
+    # router's, which on a single token is constant when the router normalizes over the chosen
+    # experts (gpt-oss), so both gradients are float32 rounding alone (~1e-7) and no relative
+    # comparison means anything. The router loss on real forests is compared in every other draw.
+    c = tree_in.coefficients
+    assume(any(np.abs(x).sum() > 0 for x in (c.weight, c.adv_pos, c.adv_neg)))
     objective = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05,
                           entropy_coef=0.01)
     assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective)
