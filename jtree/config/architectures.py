@@ -44,6 +44,9 @@ FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared", "deepseek_
 # The feed-forwards that route tokens to experts (router statistics, routing replay).
 MOE_FEED_FORWARDS: tuple[FeedForward, ...] = ("moe", "moe_shared", "deepseek_moe")
 
+# The token mixers that attend under the tree mask (what an MTP layer may be, `jtree.models.mtp`).
+ATTENTION_MIXERS: tuple[Mixer, ...] = ("attention", "sliding_attention", "gated_attention", "mla")
+
 # The token mixers whose recurrence runs on the chunk tables of `jtree.layout.linearize`
 # (`gdn_chunk_size`), with the short path convolution in front.
 RECURRENT_MIXERS: tuple[Mixer, ...] = ("gated_deltanet", "mamba2")

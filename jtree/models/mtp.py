@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jtree.config.architectures import DecoderSpec, LayerKind
+from jtree.config.architectures import ATTENTION_MIXERS, DecoderSpec, LayerKind
 from jtree.config.runtime import RuntimeConfig
 from jtree.kernels import TreeMask
 from jtree.models.layers import NORMS, call_layer, linear
@@ -40,11 +40,15 @@ from jtree.models.layers import NORMS, call_layer, linear
 
 def mtp_layer_kind(spec: DecoderSpec) -> LayerKind:
     """The kind of an MTP layer: that of the model's last attention layer (Qwen3-Next's MTP layer
-    is a gated full-attention layer with its MoE block; Qwen3.5 dense's has a dense MLP), since a
-    recurrent mixer would need its state routed too."""
-    attention = [kind for kind in spec.layers if kind.mixer != "gated_deltanet"]
+    is a gated full-attention layer with its MoE block; Qwen3.5 dense's has a dense MLP). Only
+    an attention mixer (`ATTENTION_MIXERS`) keeps the tree MTP loss the per-path one: a
+    recurrent mixer would carry the hidden path starts' inputs into every descendant's state,
+    and a layer without a mixer (Nemotron-H's MLP-only layers) mixes no tokens at all."""
+    attention = [kind for kind in spec.layers
+                 if kind.mixer in ATTENTION_MIXERS and kind.ffn != "none"]
     if not attention:
-        raise ValueError("mtp: the model has no attention layer to build MTP layers from")
+        raise ValueError("mtp: the model has no attention layer with a feed-forward to build MTP "
+                         "layers from (objective.mtp_weight needs one)")
     return attention[-1]
 
 

@@ -39,6 +39,7 @@ from tests.models_util import (
     four_expert_config,
     perturbed,
     tiny_config,
+    tiny_nemotron_h_config,
     tiny_next_config,
     tiny_qwen3_5_config,
     tiny_qwen3_5_moe_config,
@@ -253,6 +254,10 @@ def test_mtp_refusals():
     lm.mtp.runtime = tiny_runtime(context_axis="context")
     with pytest.raises(ValueError, match="mtp_weight: not available under context"):
         lm.mtp(*(None,) * 5)
+    # Nemotron-H: its attention layers have no feed-forward, and a Mamba2 or MLP-only MTP layer
+    # would not keep the tree loss the per-path one (a recurrence carries hidden path starts).
+    with pytest.raises(ValueError, match="no attention layer with a feed-forward"):
+        CausalLM(tiny_nemotron_h_config(), tiny_runtime(), rngs=nnx.Rngs(0), mtp_depth=1)
 
 
 # ---------------------------------------------------------------- Hugging Face checkpoints
