@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -356,7 +357,8 @@ def save(
         if tuple(var.shape) != t.shape:
             raise ValueError(f"save: parameter {t.name!r} has shape {tuple(var.shape)}, config "
                              f"implies {t.shape}")
-        out_dtype = np.dtype(DTYPES[dtype] if dtype else var.dtype)
+        strict = any(re.fullmatch(p, t.name) for p in arch.float32)
+        out_dtype = np.dtype(DTYPES[dtype] if dtype and not strict else var.dtype)
         for i, (hf_name, hf_shape) in enumerate(zip(storage.hf_names, storage.hf_shapes)):
 
             def produce(name=t.name, var=var, storage=storage, i=i, out_dtype=out_dtype):

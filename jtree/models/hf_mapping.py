@@ -151,6 +151,8 @@ class HfMapping:
     - `ignored`: HF tensors a checkpoint may hold that the causal LM does not use (Qwen3-Next's
       multi-token-prediction modules `mtp.*`, which transformers skips too); they are not read
       unless a model parameter maps to them (a model built with MTP modules).
+    - `float32`: jtree parameter names (regexes) that `save` writes in float32 whatever dtype it
+      is asked for (transformers' `_keep_in_fp32_modules_strict`: DeepSeek-V3's router).
     """
 
     hf_name: str
@@ -160,6 +162,7 @@ class HfMapping:
     tensors: tuple[Rule, ...]
     tied: Callable[[Any], Mapping[str, str]]
     ignored: tuple[str, ...] = ()
+    float32: tuple[str, ...] = ()
 
     def storages(self, path: str, shape: tuple[int, ...], config: Any) -> list[Storage]:
         """The ways the jtree parameter at dotted `path` may be stored, the saved one first."""

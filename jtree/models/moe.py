@@ -278,9 +278,12 @@ class SparseMoeBlock(nnx.Module):
                                    **kw)
         else:
             n_group, topk_group, scaling = grouped
+            # stored in float32 whatever the run's weight dtype, as transformers keeps them
+            # (`_keep_in_fp32_modules_strict`): a bf16 selection bias would reorder near-tied
+            # experts
             self.gate = GroupLimitedRouter(hidden, num_experts, top_k, norm_topk_prob,
                                            n_group=n_group, topk_group=topk_group,
-                                           scaling=scaling, **kw)
+                                           scaling=scaling, **{**kw, "param_dtype": jnp.float32})
         self.experts = Experts(hidden, moe_intermediate, num_experts, bias=expert_bias,
                                clamp=clamp, **kw)
         if shared_intermediate is None:

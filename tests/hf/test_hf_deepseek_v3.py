@@ -13,6 +13,7 @@ act). The checks: tree log-probs and PPO gradients per path within 1e-4, save ->
 with rotate-half RoPE, and refusals.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -126,6 +127,26 @@ def test_save_then_from_pretrained_gives_the_same_model(checkpoint, tmp_path):
     again_config, again = jtree.hf.load(tmp_path, tiny_runtime())
     assert again_config == config
     assert_same_params(again, model)
+
+
+def test_router_stays_float32_in_bfloat16_runs_and_saves(checkpoint, tmp_path):
+    """transformers keeps DeepSeek's router weight and selection bias in float32 whatever the
+    model's dtype: so does jtree, in a bfloat16 run and in a bfloat16 save (a bf16 bias would
+    reorder near-tied experts)."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    path, _, _, _ = checkpoint
+    config, model = jtree.hf.load(path, tiny_runtime(param_dtype="bfloat16"))
+    arrays = param_arrays(model)
+    for name, value in arrays.items():
+        router = name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))
+        assert value.dtype == (np.float32 if router else jnp.bfloat16), name
+    jtree.hf.save(model, config, tmp_path, dtype="bfloat16")
+    with safe_open(str(next(tmp_path.glob("*.safetensors"))), "np") as f:
+        dtypes = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == "F32"
+    assert dtypes["model.layers.1.mlp.gate.weight"] == "F32"
+    assert dtypes["model.layers.1.mlp.experts.0.up_proj.weight"] == "BF16"
 
 
 def test_scanned_load_saves_back_bit_identical(checkpoint, tmp_path):

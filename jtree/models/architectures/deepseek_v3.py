@@ -147,4 +147,5 @@ HF = HfMapping(
     tied=qwen3.tied_head,
     # the Hub's MTP layer (transformers' `_keys_to_ignore_on_load_unexpected`)
     ignored=(r"model\.layers\.61\..*",),
+    float32=(r".*\.mlp\.gate\.(weight|e_score_correction_bias)",),
 )
