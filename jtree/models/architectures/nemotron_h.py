@@ -46,7 +46,7 @@ _FIELDS: dict[str, Any] = {
     "hidden_size": REQUIRED,
     "layers_block_type": None,  # None: from hybrid_override_pattern
     "num_attention_heads": 32,
-    "num_key_value_heads": None,  # None: num_attention_heads, as in transformers
+    "num_key_value_heads": 8,  # an explicit null: num_attention_heads, as in transformers
     "head_dim": 128,
     "intermediate_size": 21504,
     "mlp_bias": False,
