@@ -137,11 +137,16 @@ def gpu_impl(device_kind: str, dtype: Any, head_dim: int, value_head_dim: int | 
     calls and soft-caps do not change the choice: both kernels take them. MLA calls (value head
     dim != head_dim) go to the Mosaic kernel only if its registry entry runs them.
     """
-    mla = value_head_dim is not None and value_head_dim != head_dim
+    mla = _is_mla(head_dim, value_head_dim)
     if (_HOPPER.search(device_kind) and attention_mgpu.handles(dtype, head_dim)
             and (not mla or _IMPLS["pallas_mosaic_gpu"].value_head_dim)):
         return "pallas_mosaic_gpu"
     return "pallas_triton"
+
+
+def _is_mla(head_dim: int | None, value_head_dim: int | None) -> bool:
+    """Whether v's head dim differs from q/k's (MLA); None: the same as q/k's."""
+    return value_head_dim is not None and value_head_dim != head_dim
 
 
 def resolve_impl(impl: str, backend: str | None = None, *, dtype: Any = None,
@@ -167,7 +172,7 @@ def resolve_impl(impl: str, backend: str | None = None, *, dtype: Any = None,
     if backend == "tpu":
         return "pallas_tpu"
     if backend == "cpu":
-        mla = value_head_dim is not None and value_head_dim != head_dim
+        mla = _is_mla(head_dim, value_head_dim)
         candidates = cpu_candidates(softcap, mla)
         if (shape is None or dtype is None or head_dim is None or len(candidates) == 1
                 or shape[0] * shape[1] < attention_calibration.MIN_TOKENS):
