@@ -137,6 +137,14 @@ class SavedPrefixRule:
 Rule = TensorRule | PerExpertRule | SavedPrefixRule
 
 
+def tied_lm_head(embedding: str) -> Callable[[Any], dict[str, str]]:
+    """`HfMapping.tied` for a model whose `lm_head.weight` is tied to the embedding tensor
+    `embedding` when its config says `tie_word_embeddings`."""
+    def tied(cfg: Any) -> dict[str, str]:
+        return {"lm_head.weight": embedding} if cfg.tie_word_embeddings else {}
+    return tied
+
+
 @dataclasses.dataclass(frozen=True)
 class HfMapping:
     """One HF architecture (the `architectures[0]` of config.json) against its jtree record.

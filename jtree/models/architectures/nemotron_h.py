@@ -36,6 +36,7 @@ from jtree.models.hf_mapping import (
     HfMapping,
     SavedPrefixRule,
     TensorRule,
+    tied_lm_head,
 )
 
 HF_NAME = "NemotronHForCausalLM"
@@ -132,16 +133,12 @@ def config_to_hf(cfg: NemotronHConfig) -> dict[str, Any]:
     return out
 
 
-def tied_head(cfg: NemotronHConfig) -> dict[str, str]:
-    return {"lm_head.weight": "backbone.embeddings.weight"} if cfg.tie_word_embeddings else {}
-
-
 HF = HfMapping(
     hf_name=HF_NAME,
     model_type="nemotron_h",
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     tensors=TENSORS,
-    tied=tied_head,
+    tied=tied_lm_head("backbone.embeddings.weight"),
     ignored=(r"mtp\..*",),
 )

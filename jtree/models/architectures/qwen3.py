@@ -9,7 +9,7 @@ from typing import Any
 
 from jtree.config.architectures import Qwen3Config
 from jtree.models.hf_config import REQUIRED, ROPE_KEYS, equals, read_config, rope_theta
-from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping
+from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping, tied_lm_head
 
 # ---------------------------------------------------------------------- Hugging Face mapping
 
@@ -76,8 +76,7 @@ def config_to_hf(cfg: Qwen3Config) -> dict[str, Any]:
     return out
 
 
-def tied_head(cfg: Qwen3Config) -> dict[str, str]:
-    return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
+tied_head = tied_lm_head("model.embed_tokens.weight")
 
 
 HF = HfMapping(
