@@ -167,14 +167,16 @@ def target_overrides(config: str, overrides: Sequence[str], target: Target,
     import jax.numpy as jnp
 
     from jtree.config import load_config
+    from jtree.config.architectures import attention_head_dims
     from jtree.kernels.gdn.delta_rule import pick_scan
     from jtree.kernels.tree_attention import resolve_impl
 
     runtime, model = (cfg := load_config(config, overrides)).runtime, cfg.model.config
-    head_dim = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
+    head_dim, value_head_dim = attention_head_dims(model)
     backend = "tpu" if target.platform == "tpu" else "gpu"
     impl = resolve_impl(runtime.attention_impl, backend, dtype=jnp.dtype(runtime.dtype),
-                        head_dim=head_dim, device_kind=device_kind)
+                        head_dim=head_dim, value_head_dim=value_head_dim,
+                        device_kind=device_kind)
     return [*overrides, f"runtime.attention_impl={impl}",
             f"runtime.gdn_scan={pick_scan(runtime.gdn_scan, backend)}"]
 

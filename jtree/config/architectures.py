@@ -44,6 +44,16 @@ FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared", "deepseek_
 # The feed-forwards that route tokens to experts (router statistics, routing replay).
 MOE_FEED_FORWARDS: tuple[FeedForward, ...] = ("moe", "moe_shared", "deepseek_moe")
 
+def attention_head_dims(cfg: Any) -> tuple[int, int]:
+    """(query/key, value) head dims of the attention layers of architecture config `cfg`, what
+    `auto` resolves its kernel on: MLA's differ (`qk_head_dim`, `v_head_dim`); the others'
+    are one `head_dim` (or hidden_size / heads where the config has none)."""
+    if hasattr(cfg, "qk_head_dim"):
+        return cfg.qk_head_dim, cfg.v_head_dim
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return d, d
+
+
 # The token mixers that attend under the tree mask (what an MTP layer may be, `jtree.models.mtp`).
 ATTENTION_MIXERS: tuple[Mixer, ...] = ("attention", "sliding_attention", "gated_attention", "mla")
 

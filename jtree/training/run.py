@@ -27,6 +27,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jtree.config import TrainConfig
+from jtree.config.architectures import attention_head_dims
 from jtree.kernels.tree_attention import cpu_candidates, resolve_impl
 from jtree.layout.batch import DeviceBatch
 from jtree.models.lora import trainable
@@ -188,7 +189,9 @@ class TrainingRun:
         else:
             n_params = f"{n_params:,}"
         rt = cfg.runtime
-        attention = resolve_impl(rt.attention_impl, dtype=rt.dtype, head_dim=mcfg.head_dim)
+        qk_dim, v_dim = attention_head_dims(mcfg)
+        attention = resolve_impl(rt.attention_impl, dtype=rt.dtype, head_dim=qk_dim,
+                                 value_head_dim=v_dim)
         if rt.attention_impl == "auto" and jax.default_backend() == "cpu":
             candidates = cpu_candidates(None)
             if len(candidates) > 1:  # measured per shape class at the first trace (logged)

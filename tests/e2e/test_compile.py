@@ -108,3 +108,22 @@ def test_memory_plan_without_plugins_falls_back_to_the_cpu_estimate(tmp_path):
     assert lines[1].startswith("falling back to the XLA:CPU estimate on 4 host devices and "
                                "95.00 GiB"), proc.stdout
     assert "fitted from XLA:CPU compiles" in proc.stdout and "fits 95 GiB" in proc.stdout
+
+
+def test_auto_resolves_mla_configs_on_their_value_head_dim():
+    """`auto` for a target resolves on q/k and value head dims: DeepSeek-V3's MLA (192 / 128)
+    on Hopper goes to the Pallas Triton kernel, not the Mosaic GPU kernel that refuses it; a
+    plain config on Hopper still gets the Mosaic kernel. Needs no plugin."""
+    from jtree.launch.compile import TARGETS, target_overrides  # noqa: PLC0415
+
+    def impl(config: str, *overrides: str) -> str:
+        out = target_overrides(config, ["runtime.attention_impl=auto", *overrides],
+                               TARGETS["gpu-h100x8"], "NVIDIA H100 80GB HBM3")
+        return next(o for o in reversed(out) if o.startswith("runtime.attention_impl="))
+
+    # hidden_size / heads = 128, a head dim the Mosaic kernel takes: only MLA's own dims say no
+    assert impl("configs/deepseek_v3_671b.yaml", "model.hidden_size=1024",
+                "model.num_attention_heads=8", "model.num_key_value_heads=8") == (
+        "runtime.attention_impl=pallas_triton")
+    assert impl("configs/tiny.yaml", "runtime.dtype=bfloat16", "model.head_dim=128") == (
+        "runtime.attention_impl=pallas_mosaic_gpu")
