@@ -69,7 +69,6 @@ from jtree.training.tree_files import LoadReport
 from jtree.training.utilization import run_utilization
 from jtree.trees.tree import TrajectoryTree
 
-
 # How a run treats `checkpoint.dir`: "no" starts from scratch, "required" continues from its
 # latest checkpoint (an error without one), "auto" continues when there is one (pod launchers).
 Resume = Literal["no", "required", "auto"]

@@ -114,7 +114,7 @@ def test_auto_resolves_mla_configs_on_their_value_head_dim():
     """`auto` for a target resolves on q/k and value head dims: DeepSeek-V3's MLA (192 / 128)
     on Hopper goes to the Pallas Triton kernel, not the Mosaic GPU kernel that refuses it; a
     plain config on Hopper still gets the Mosaic kernel. Needs no plugin."""
-    from jtree.launch.compile import TARGETS, target_overrides  # noqa: PLC0415
+    from jtree.launch.compile import TARGETS, target_overrides
 
     def impl(config: str, *overrides: str) -> str:
         out = target_overrides(config, ["runtime.attention_impl=auto", *overrides],
