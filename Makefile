@@ -26,8 +26,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 # The heavier tests (CI runs them after `make test`): meshes, interpreters, full-depth lowering.
+# SLOW_ARGS: more pytest options (CI passes a start budget: tests/conftest.py).
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m slow --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile -m slow --durations=25 $(SLOW_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m jtree.launch.bench

@@ -39,11 +39,16 @@ compiled for that program, so no result changes. `JAX_COMPILATION_CACHE_DIR` set
 (CI shares one across the default and the slow suite) is used as it is and left in place. Likewise
 `auto`'s attention decisions on CPU go to one fresh store for the session
 (`JTREE_ATTENTION_CALIBRATION_DIR`, unless set before): each shape class is measured once per
-session, and the user's ~/.cache is left alone."""
+session, and the user's ~/.cache is left alone.
+
+`--start-budget-s=N` (CI's slow suite, `.ci/run`): a test due to start more than N seconds after
+its process began is skipped, and the summary counts those tests as not run for time, so that a
+suite on a slow machine ends inside CI's limit rather than being killed there."""
 
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -56,6 +61,9 @@ settings.load_profile("jtree")
 
 # the directories this process made, removed at its end
 _OWN_DIRS = pytest.StashKey[list[str]]()
+# when this process (the controller or an xdist worker) began, for `--start-budget-s`
+_STARTED = pytest.StashKey[float]()
+_BUDGET_REASON = "not started: past the suite's start budget"
 # session-wide directories: jax's compilation cache and the store of `auto`'s attention decisions
 # (`jtree.kernels.attention.calibration`: measured once per shape class in the session, never
 # read from or written to the user's ~/.cache)
@@ -65,11 +73,18 @@ _CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--start-budget-s", type=float, default=None,
+                     help="skip every test due to start later than this many seconds after the "
+                          "session began (CI's time limit); the summary counts them")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Point this session (the xdist controller, whose environment its workers and subprocesses
     inherit) at a shared compilation cache and attention calibration store; workers find the
     variables already set. A directory already set before the session is used as it is."""
     config.stash[_OWN_DIRS] = []
+    config.stash[_STARTED] = time.monotonic()
     for key, prefix in _SESSION_DIRS.items():
         if key not in os.environ:
             os.environ[key] = tempfile.mkdtemp(prefix=prefix)
@@ -86,6 +101,25 @@ def pytest_configure(config: pytest.Config) -> None:
                       float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes",
                       int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+
+
+@pytest.hookimpl(tryfirst=True)  # before any fixture of the test is set up
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    budget = item.config.getoption("--start-budget-s")
+    if budget is not None and time.monotonic() - item.config.stash[_STARTED] > budget:
+        pytest.skip(f"{_BUDGET_REASON} ({budget:.0f} s)")
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """One line saying how many tests the start budget left out (none: no line)."""
+    budget = config.getoption("--start-budget-s")
+    if budget is None:
+        return
+    left_out = sum(_BUDGET_REASON in str(report.longrepr)
+                   for report in terminalreporter.stats.get("skipped", []))
+    if left_out:
+        terminalreporter.write_line(f"{left_out} tests NOT run: they were due to start after "
+                                    f"the start budget of {budget:.0f} s (--start-budget-s)")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
