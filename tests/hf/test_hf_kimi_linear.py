@@ -42,7 +42,7 @@ def kimi_config(**overrides):
         qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4, topk_group=2,
         num_experts_per_tok=3, linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4,
         layer_types=LAYER_TYPES, mlp_layer_types=MLP_LAYER_TYPES, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2), **overrides))
+        pad_token_id=None, bos_token_id=1, eos_token_id=2), **overrides))
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_save_writes_the_files_transformers_wrote(checkpoint, tmp_path):
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
     # (jtree writes no token ids; transformers' default pad id is past the tiny vocabulary)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
-                                                             pad_token_id=0)
+                                                             pad_token_id=None)
     for key in ("layer_types", "mlp_layer_types", "n_group", "topk_group", "num_local_experts",
                 "num_experts_per_tok", "n_shared_experts", "norm_topk_prob", "q_lora_rank",
                 "linear_head_dim", "linear_num_heads", "rms_norm_eps", "routed_scaling_factor"):
