@@ -24,6 +24,10 @@ import jtree.hf  # noqa: E402
 from jtree.config.architectures import KimiLinearConfig, LayerKind  # noqa: E402
 from jtree.hf.safetensors_io import SINGLE_FILE  # noqa: E402
 from tests.hf.test_hf_deepseek_v3 import write_deepseek_checkpoint  # noqa: E402
+from tests.hf_path_checks import (  # noqa: E402
+    assert_ppo_gradients_equal_per_path,
+    assert_tree_logprobs_equal_per_path,
+)
 from tests.hf_util import assert_same_params, copy_checkpoint, param_arrays  # noqa: E402
 from tests.models_util import tiny_runtime  # noqa: E402
 from tests.torch_util import VOCAB  # noqa: E402
@@ -71,6 +75,21 @@ def test_load_reads_the_architecture_fields(checkpoint):
     np.testing.assert_array_equal(
         np.asarray(mlp.gate.e_score_correction_bias[...]),
         ref.model.layers[1].mlp.gate.e_score_correction_bias.numpy())
+
+
+def test_tree_logprobs_equal_transformers_per_path(checkpoint):
+    _, ref, _, model = checkpoint
+    assert assert_tree_logprobs_equal_per_path(ref, model, gdn_chunk_size=CHUNK) > 0
+
+
+@pytest.mark.parametrize("scan", ["sequential", pytest.param("parallel", marks=pytest.mark.slow)])
+def test_tree_ppo_gradient_equals_transformers_per_path(checkpoint, scan):
+    """Every tensor's gradient (the selection biases' are zero on both sides) with both tree
+    scans of the KDA state (the parallel one composes the chunks' affine maps along the parent
+    pointers)."""
+    path, ref, config, _ = checkpoint
+    _, model = jtree.hf.load(path, tiny_runtime(gdn_scan=scan))
+    assert_ppo_gradients_equal_per_path(ref, config, model, gdn_chunk_size=CHUNK)
 
 
 def test_save_writes_the_files_transformers_wrote(checkpoint, tmp_path):

@@ -13,15 +13,46 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from jtree.config.objective import Objective
+from jtree.layout.baseline import linearize_baseline
 from jtree.layout.flop_model import FlopModel
+from jtree.layout.linearize import linearize
 from jtree.models.kda import ForgetGate, SigmoidGatedRMSNorm
 from jtree.parallel.sharding import AXES, param_rules, param_specs
-from tests.models_util import tiny_kimi_linear_config, tiny_lm, tiny_runtime
+from tests.models_util import (
+    assert_loss_and_grads_match,
+    off_policy_ppo_inputs,
+    perturbed,
+    tiny_kimi_linear_config,
+    tiny_lm,
+    tiny_runtime,
+)
+from tests.strategies import forests
 
+S, TREE_ROWS, BASE_ROWS, CHUNK = 64, 3, 40, 3
 CONFIG = tiny_kimi_linear_config()
+PPO = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01)
+
+
+@pytest.mark.slow  # about 40 s of compiles on 2 cores
+@settings(max_examples=2, derandomize=True, deadline=None)
+@given(trees=forests(n_trees=(1, 3), max_nodes=8, max_seg=5))
+def test_ppo_loss_and_grads_equal_baseline(trees):
+    """The PPO loss and every gradient (1e-5 relative) of the tree equal those of each path run
+    alone (off-policy, so the clip acts), with the sequential scan of the KDA state (the
+    parallel one against transformers: tests/hf/test_hf_kimi_linear.py, slow)."""
+    graphdef, params = nnx.split(tiny_lm(CONFIG, 0))
+    params = perturbed(params, scale=0.2)
+    tree = linearize(trees, S, normalization="token_mean", n_rows=TREE_ROWS,
+                     gdn_chunk_size=CHUNK, gdn_chunks=S)
+    base = linearize_baseline(trees, S, normalization="token_mean", n_rows=BASE_ROWS,
+                              gdn_chunk_size=CHUNK, gdn_chunks=S)
+    tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=len(trees))
+    assert_loss_and_grads_match(graphdef, params, tree_in, base_in, PPO)
 
 
 def test_forget_gate_and_gated_norm_equal_transformers_modules():
