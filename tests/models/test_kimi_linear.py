@@ -31,6 +31,8 @@ from tests.models_util import (
     tiny_lm,
     tiny_runtime,
 )
+from tests.partitioning.test_redundancy_free import SFT
+from tests.partitioning.test_redundancy_free import _check as check_parts
 from tests.strategies import forests
 
 S, TREE_ROWS, BASE_ROWS, CHUNK = 64, 3, 40, 3
@@ -53,6 +55,17 @@ def test_ppo_loss_and_grads_equal_baseline(trees):
                               gdn_chunk_size=CHUNK, gdn_chunks=S)
     tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=len(trees))
     assert_loss_and_grads_match(graphdef, params, tree_in, base_in, PPO)
+
+
+@pytest.mark.slow  # about a minute of compiles on 2 cores
+def test_redundancy_free_parts_equal_the_unpartitioned_tree():
+    """Parts of trees below prefixes that other parts computed: the KDA layers start the part's
+    subtrees from the prefix's state at the attach token (per-channel decays included) and read
+    the prefix's cached conv inputs, the MLA layer its cached keys and values. Loss, gradients
+    and log-probs equal the whole tree's."""
+    graphdef, params = nnx.split(tiny_lm(CONFIG, 0))
+    check_parts(graphdef, perturbed(params, scale=0.2), SFT, capacities=(5,),
+                modes=("recompute",), chunk=CHUNK)
 
 
 def test_forget_gate_and_gated_norm_equal_transformers_modules():
