@@ -100,8 +100,8 @@ def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, spec: Decod
 
 class DecoderLayer(nnx.Module):
     """Pre-norm residual layer: x + mixer(norm(x)), then + ffn(norm(x)). The mixer is
-    `self_attn` (attention, gated or not), `linear_attn` (Gated DeltaNet) or `mixer` (Mamba2), as
-    HF names them. A layer whose mixer or feed-forward is "none" (Nemotron-H's) is the one other
+    `self_attn` (attention, gated or not, MLA, or Kimi-Linear's KDA), `linear_attn` (Gated
+    DeltaNet) or `mixer` (Mamba2), as HF names them. A layer whose mixer or feed-forward is "none" (Nemotron-H's) is the one other
     branch after `input_layernorm` alone."""
 
     def __init__(self, cfg: Any, runtime: RuntimeConfig, kind: LayerKind, spec: DecoderSpec, *,
