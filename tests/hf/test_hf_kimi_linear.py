@@ -9,7 +9,7 @@ KDA + DeepSeekMoE; KDA with 2 heads of 8 and a conv of 4; 8 routed experts in 4 
 boundaries inside nodes and every node's first chunk reads its parent's state. The checks: tree
 log-probs and PPO gradients per path within 1e-4, save -> the very files transformers wrote
 (its Hub names: `block_sparse_moe`, `q/k/v_conv1d`, per-expert `w1/w2/w3`), load of save
-identical, float32 router and dt_bias in bfloat16 runs, the Hub's `linear_attn_config`, and
+identical, transformers' in-memory names read too, float32 router and dt_bias in bfloat16 runs, the Hub's `linear_attn_config`, and
 refusals.
 """
 
@@ -112,6 +112,21 @@ def test_save_writes_the_files_transformers_wrote(checkpoint, tmp_path):
     again_config, again = jtree.hf.load(tmp_path, tiny_runtime())
     assert again_config == config
     assert_same_params(again, model)
+
+
+def test_transformers_in_memory_names_load_too(checkpoint, tmp_path):
+    """A checkpoint holding transformers' in-memory tensors (`mlp.*`, fused experts, one
+    `conv1d`, `forget_gate.*`, A_log [1, 1, H, 1]) loads as the same model."""
+    path, ref, _, model = checkpoint
+
+    def in_memory(tensors):
+        tensors.clear()
+        tensors.update({n: t.detach().numpy() for n, t in ref.state_dict().items()})
+
+    assert "model.layers.0.self_attn.forget_gate.A_log" in ref.state_dict()
+    _, loaded = jtree.hf.load(copy_checkpoint(path, tmp_path, edit_tensors=in_memory),
+                              tiny_runtime())
+    assert_same_params(loaded, model)
 
 
 def test_router_and_dt_bias_stay_float32_in_bfloat16_runs_and_saves(checkpoint, tmp_path):
