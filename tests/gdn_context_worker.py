@@ -195,7 +195,9 @@ def _layer_case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
             "rounding": {"layer": worst_rounding(got, want, exact, int(np.size(o_64)))}}
 
 
-def _case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
+def _case(trees: list[TrajectoryTree], context: int, seed: int, per_channel: bool = False) -> dict:
+    """The kernels on CASE's trees; `per_channel`: KDA's log decay per key channel, g [1, S, Hv,
+    dk], instead of one per head."""
     rng = np.random.default_rng(seed)
     batch, where, node, pred = _gapped_row(trees, context, rng)
     n_real = len(where)
@@ -206,7 +208,7 @@ def _case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
     gdn_in = (rng.normal(size=(1, S, HK, DK)).astype(f32),
               rng.normal(size=(1, S, HK, DK)).astype(f32),
               rng.normal(size=(1, S, HV, DV)).astype(f32),
-              -rng.uniform(0.0, 1.5, size=(1, S, HV)).astype(f32),
+              -rng.uniform(0.0, 1.5, size=(1, S, HV) + (DK,) * per_channel).astype(f32),
               rng.uniform(size=(1, S, HV)).astype(f32))
     target = rng.normal(size=(1, S, HV, DV)).astype(f32)
     x = rng.normal(size=(1, S, D)).astype(f32)
@@ -314,11 +316,16 @@ def _case(trees: list[TrajectoryTree], context: int, seed: int) -> dict:
 
 def main(args: list[str]) -> None:
     """Arguments: CASE:DEVICES ... (e.g. chain:8 random0:2; layer_CASE:DEVICES runs the
-    GatedDeltaNet layer on CASE's trees)."""
+    GatedDeltaNet layer on CASE's trees, kda_CASE:DEVICES the kernels with KDA's per-channel
+    decays)."""
     for arg in args:
         name, devices = arg.split(":")
-        run = _layer_case if name.startswith("layer_") else _case
-        result = run(CASES[name.removeprefix("layer_")](), int(devices), seed=int(devices))
+        if name.startswith("layer_"):
+            run = _layer_case
+        else:
+            run = functools.partial(_case, per_channel=name.startswith("kda_"))
+        trees = CASES[name.removeprefix("layer_").removeprefix("kda_")]()
+        result = run(trees, int(devices), seed=int(devices))
         print(json.dumps({"case": name, "devices": int(devices), **result}), flush=True)
 
 

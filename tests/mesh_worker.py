@@ -2,7 +2,7 @@
 
 Run in a subprocess (`tests/step/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
 (model `dense`, `moe`, `next`, `llama`, `qwen2`, `qwen3_5`, `qwen3_5_moe`, `gpt_oss`,
-`deepseek_v3` or `nemotron_h` (no tensor parallelism: its meshes have model 1); `dense_lora`: `dense`
+`deepseek_v3`, `nemotron_h` (no tensor parallelism: its meshes have model 1) or `kimi_linear`; `dense_lora`: `dense`
 training LoRA adapters; `dense_critic` and
 `dense_critic_model`: `dense` with PPO's critic, a value head or a separate smaller critic model;
 mesh data x fsdp x model, or data x fsdp x context x model; mode `cp`: the context-parallel trees
@@ -64,7 +64,8 @@ from jtree.step.train_step import (
 )
 from tests.models_util import (  # noqa: E402
     U32, max_rel, perturbed, rel_l2, tiny_config, tiny_deepseek_v3_config, tiny_gpt_oss_config,
-    tiny_llama_config, tiny_moe_config, tiny_nemotron_h_config, tiny_next_config,
+    tiny_kimi_linear_config, tiny_llama_config, tiny_moe_config, tiny_nemotron_h_config,
+    tiny_next_config,
     tiny_qwen2_config, tiny_qwen3_5_config, tiny_qwen3_5_moe_config, tiny_runtime,
     worst_rounding,
 )
@@ -104,7 +105,8 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     `xla` kernel, whose block tables skip what the windows exclude; `deepseek_v3`
     (`deepseek_v3_a2a`: token dispatch) is DeepSeek-V3 (MLA with value heads narrower than q/k
     heads, DeepSeekMoE) on the `xla` kernel; `nemotron_h` is Nemotron-H
-    (Mamba2, attention and MLP single-block layers)."""
+    (Mamba2, attention and MLP single-block layers); `kimi_linear` is Kimi-Linear (KDA and MLA
+    without RoPE, DeepSeekMoE) on the `xla` kernel."""
     dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
     if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan", "dense_xla",
                 "dense_critic", "dense_critic_model"):
@@ -131,6 +133,8 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
                                                                       expert_dispatch=dispatch)
     if kind == "nemotron_h":
         return "nemotron_h", tiny_nemotron_h_config(), tiny_runtime()
+    if kind == "kimi_linear":
+        return "kimi_linear", tiny_kimi_linear_config(), tiny_runtime(attention_impl="xla")
     return "qwen3_next", tiny_next_config(), tiny_runtime(expert_dispatch=dispatch)
 
 

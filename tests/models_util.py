@@ -15,6 +15,7 @@ from flax import nnx
 
 from jtree.config.architectures import (
     DeepseekV3Config,
+    KimiLinearConfig,
     GptOssConfig,
     Llama3RopeScaling,
     LlamaConfig,
@@ -127,6 +128,21 @@ TINY_DEEPSEEK_V3 = dict(
 
 def tiny_deepseek_v3_config(**overrides) -> DeepseekV3Config:
     return DeepseekV3Config(**dict(TINY_DEEPSEEK_V3, **overrides))
+
+
+# Kimi-Linear's hybrid: KDA + dense, MLA (no RoPE) + DeepSeekMoE, KDA + DeepSeekMoE; 2 KDA
+# heads of 8, 8 experts in 4 groups.
+TINY_KIMI_LINEAR = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2,
+    num_experts=8, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16,
+    n_group=4, topk_group=2, num_experts_per_tok=3, linear_head_dim=8, linear_num_heads=2,
+    layer_types=("linear_attention", "full_attention", "linear_attention"),
+    mlp_layer_types=("dense", "sparse", "sparse"))
+
+
+def tiny_kimi_linear_config(**overrides) -> KimiLinearConfig:
+    return KimiLinearConfig(**dict(TINY_KIMI_LINEAR, **overrides))
 
 
 def tiny_moe_config(**overrides) -> Qwen3MoeConfig:

@@ -24,7 +24,7 @@ from jtree.config.schema import (
 )
 
 Mixer = Literal["attention", "sliding_attention", "gated_attention", "gated_deltanet", "mla",
-                "mamba2", "none"]
+                "mamba2", "kda", "none"]
 
 
 GdnProjections = Literal["qkvz_ba", "qkv_z_b_a"]
@@ -34,7 +34,7 @@ FeedForward = Literal["mlp", "moe", "moe_shared", "deepseek_moe", "relu2_mlp", "
 
 
 MIXERS: tuple[Mixer, ...] = ("attention", "sliding_attention", "gated_attention",
-                             "gated_deltanet", "mla", "mamba2", "none")
+                             "gated_deltanet", "mla", "mamba2", "kda", "none")
 
 
 FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared", "deepseek_moe", "relu2_mlp",
@@ -59,7 +59,7 @@ ATTENTION_MIXERS: tuple[Mixer, ...] = ("attention", "sliding_attention", "gated_
 
 # The token mixers whose recurrence runs on the chunk tables of `jtree.layout.linearize`
 # (`gdn_chunk_size`), with the short path convolution in front.
-RECURRENT_MIXERS: tuple[Mixer, ...] = ("gated_deltanet", "mamba2")
+RECURRENT_MIXERS: tuple[Mixer, ...] = ("gated_deltanet", "mamba2", "kda")
 
 
 # The share of a head's dimensions that partial RoPE rotates.
@@ -466,8 +466,52 @@ class GptOssConfig(DenseConfig):
                                    else "attention", "moe") for t in self.layer_types))
 
 
+class MlaMoeFields:
+    """The derived fields of the MLA + DeepSeekMoE configs (DeepSeek-V3, Kimi-Linear), mixed into
+    a config holding their HF fields. There is no router loss (HF computes none; DeepSeek
+    balances with the selection bias)."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of a query or key head: its RoPE-free and RoPE (or, without RoPE,
+        shared) features."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.n_shared_experts * self.moe_intermediate_size
+
+    @property
+    def output_router_logits(self) -> bool:
+        return False
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        return 0.0
+
+
+def check_mla_and_group_routing(cfg: Any) -> None:
+    """The checks shared by the MLA + DeepSeekMoE configs (DeepSeek-V3, Kimi-Linear): one key
+    and value head per query head, and group-limited routing shapes that leave enough experts."""
+    if cfg.num_key_value_heads != cfg.num_attention_heads:
+        raise ValueError(f"num_key_value_heads ({cfg.num_key_value_heads}) must equal "
+                         f"num_attention_heads ({cfg.num_attention_heads}): MLA expands "
+                         "its latent into one key and value per query head")
+    if cfg.num_experts % cfg.n_group or cfg.num_experts // cfg.n_group < 2:
+        raise ValueError(f"n_group ({cfg.n_group}) must divide n_routed_experts "
+                         f"({cfg.num_experts}) into groups of at least 2 experts (a "
+                         "group's score is the sum of its two best)")
+    if not 1 <= cfg.topk_group <= cfg.n_group:
+        raise ValueError(f"topk_group ({cfg.topk_group}) must be in [1, n_group="
+                         f"{cfg.n_group}]")
+    eligible = cfg.topk_group * (cfg.num_experts // cfg.n_group)
+    if not 1 <= cfg.num_experts_per_tok <= eligible:
+        raise ValueError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) must be in [1, "
+                         f"{eligible}] (the experts of topk_group groups)")
+
+
 @dataclasses.dataclass(frozen=True)
-class DeepseekV3Config:
+class DeepseekV3Config(MlaMoeFields):
     """DeepSeek-V3 (HF `DeepseekV3ForCausalLM`; Kimi-K2 has the same architecture): multi-head
     latent attention ("mla", `jtree.models.mla`) in every layer, a dense SwiGLU of
     `intermediate_size` in the first `first_k_dense_replace` layers and DeepSeekMoE
@@ -519,28 +563,9 @@ class DeepseekV3Config:
 
     def __post_init__(self) -> None:
         check_domains(self)
-        if self.num_key_value_heads != self.num_attention_heads:
-            raise ValueError(f"num_key_value_heads ({self.num_key_value_heads}) must equal "
-                             f"num_attention_heads ({self.num_attention_heads}): MLA expands "
-                             "its latent into one key and value per query head")
+        check_mla_and_group_routing(self)
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE")
-        if self.num_experts % self.n_group or self.num_experts // self.n_group < 2:
-            raise ValueError(f"n_group ({self.n_group}) must divide n_routed_experts "
-                             f"({self.num_experts}) into groups of at least 2 experts (a "
-                             "group's score is the sum of its two best)")
-        if not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(f"topk_group ({self.topk_group}) must be in [1, n_group="
-                             f"{self.n_group}]")
-        eligible = self.topk_group * (self.num_experts // self.n_group)
-        if not 1 <= self.num_experts_per_tok <= eligible:
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, "
-                             f"{eligible}] (the experts of topk_group groups)")
-
-    @property
-    def qk_head_dim(self) -> int:
-        """The width of a query or key head: its RoPE-free and RoPE features."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def softmax_scale(self) -> float:
@@ -553,17 +578,6 @@ class DeepseekV3Config:
             scale = scale * m * m
         return scale
 
-    @property
-    def shared_expert_intermediate_size(self) -> int:
-        return self.n_shared_experts * self.moe_intermediate_size
-
-    @property
-    def output_router_logits(self) -> bool:
-        return False
-
-    @property
-    def router_aux_loss_coef(self) -> float:
-        return 0.0
 
     def decoder(self) -> DecoderSpec:
         return DecoderSpec(
@@ -662,6 +676,90 @@ class NemotronHConfig:
                            "rms_f32_scale", 0, qk_norm=False, mlp_bias=self.mlp_bias)
 
 
+# Kimi-Linear's `layer_types` and `mlp_layer_types` (transformers' names) and their layer kinds.
+KIMI_LINEAR_MIXERS: dict[str, Mixer] = {"linear_attention": "kda", "full_attention": "mla"}
+KIMI_LINEAR_FFNS: dict[str, FeedForward] = {"dense": "mlp", "sparse": "deepseek_moe"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KimiLinearConfig(MlaMoeFields):
+    """Kimi-Linear (HF `KimiLinearForCausalLM`): Kimi Delta Attention ("kda",
+    `jtree.models.kda`) on the "linear_attention" layers of `layer_types` and MLA without RoPE
+    ("mla" with `DecoderSpec.rotary_dim` 0: the shared key part is used as it is, the softmax
+    scale is qk_head_dim ** -0.5) on the "full_attention" ones; a dense SwiGLU on the "dense"
+    layers of `mlp_layer_types` and DeepSeekMoE ("deepseek_moe", as in DeepSeek-V3) on the
+    "sparse" ones.
+
+    KDA: `linear_num_heads` heads of `linear_head_dim` for q, k and v alike, a short path conv
+    of `linear_conv_kernel_dim` over [q | k | v], and the gated delta rule with one log decay
+    per key channel. Field names are transformers' in-memory ones (`num_experts` is its
+    `num_local_experts`); `layer_types` defaults to transformers' pattern (layers 4, 8, ... are
+    full attention), `mlp_layer_types` to a dense first layer and sparse ones after (HF's
+    `first_k_dense_replace` of 1). No router loss (as DeepSeek-V3's)."""
+
+    vocab_size: int = within(AT_LEAST_ONE, 512)
+    hidden_size: int = within(AT_LEAST_ONE, 64)
+    intermediate_size: int = within(AT_LEAST_ONE, 128)
+    moe_intermediate_size: int = within(AT_LEAST_ONE, 32)
+    num_hidden_layers: int = within(AT_LEAST_ONE, 4)
+    num_attention_heads: int = within(AT_LEAST_ONE, 4)
+    num_key_value_heads: int = within(AT_LEAST_ONE, 4)
+    n_shared_experts: int = within(AT_LEAST_ONE, 1)
+    num_experts: int = within(AT_LEAST_ONE, 8)
+    routed_scaling_factor: float = within(POSITIVE, 2.446)
+    kv_lora_rank: int = within(AT_LEAST_ONE, 32)
+    q_lora_rank: int | None = within(AT_LEAST_ONE, None)
+    qk_rope_head_dim: int = within(AT_LEAST_ONE, 8)
+    v_head_dim: int = within(AT_LEAST_ONE, 16)
+    qk_nope_head_dim: int = within(AT_LEAST_ONE, 16)
+    n_group: int = within(AT_LEAST_ONE, 1)
+    topk_group: int = within(AT_LEAST_ONE, 1)
+    num_experts_per_tok: int = within(AT_LEAST_ONE, 2)
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = within(POSITIVE, 1e-5)
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = within(AT_LEAST_ONE, 1048576)
+    initializer_range: float = within(POSITIVE, 0.02)
+    linear_head_dim: int = within(AT_LEAST_ONE, 16)
+    linear_num_heads: int = within(AT_LEAST_ONE, 2)
+    linear_conv_kernel_dim: int = within(AT_LEAST_ONE, 4)
+    layer_types: tuple[str, ...] | None = None
+    mlp_layer_types: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        check_domains(self)
+        check_mla_and_group_routing(self)
+        fill_layer_types(self, tuple(KIMI_LINEAR_MIXERS), lambda i: "full_attention" if (
+            i and i % 4 == 0) else "linear_attention")
+        n = self.num_hidden_layers
+        mlp = tuple(("dense",) + ("sparse",) * (n - 1) if self.mlp_layer_types is None
+                    else self.mlp_layer_types)
+        object.__setattr__(self, "mlp_layer_types", mlp)
+        if len(mlp) != n:
+            raise ValueError(f"mlp_layer_types: {len(mlp)} entries for num_hidden_layers={n}")
+        for i, t in enumerate(mlp):
+            if t not in KIMI_LINEAR_FFNS:
+                raise ValueError(f"mlp_layer_types[{i}]: {t!r} is not one of "
+                                 f"{tuple(KIMI_LINEAR_FFNS)}")
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5
+
+
+    @property
+    def rope_theta(self) -> float:
+        """Never used: no layer has RoPE (`DecoderSpec.rotary_dim` 0 rotates nothing)."""
+        return 1.0
+
+    def decoder(self) -> DecoderSpec:
+        return DecoderSpec(
+            tuple(LayerKind(KIMI_LINEAR_MIXERS[t], KIMI_LINEAR_FFNS[f])
+                  for t, f in zip(self.layer_types, self.mlp_layer_types)),
+            "rms", 0, qk_norm=False, qkv_bias=self.attention_bias, o_bias=self.attention_bias)
+
+
 GPT_OSS_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -674,7 +772,7 @@ ARCHITECTURE_CONFIGS: dict[str, type] = {
     "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "qwen3_next": Qwen3NextConfig,
     "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_5": Qwen3_5Config,
     "qwen3_5_moe": Qwen3_5MoeConfig, "gpt_oss": GptOssConfig, "deepseek_v3": DeepseekV3Config,
-    "nemotron_h": NemotronHConfig}
+    "nemotron_h": NemotronHConfig, "kimi_linear": KimiLinearConfig}
 
 
 def architecture_config(name: str) -> type:

@@ -92,9 +92,9 @@ def _layer_macs(cfg: Any, kind: LayerKind) -> tuple[float, float]:
 
     Attention: q/k/v/o (the gated form's q_proj is twice as wide) and 4 x query width per pair
     (for a sliding-window layer, per pair inside the window: `FlopModel.per_window_token`).
-    Gated DeltaNet: its projections and the per-token state update, no pairs. Mamba2: in_proj,
-    out_proj and the state update and read-out (2 x heads x state x head dim), no pairs. Dense
-    SwiGLU: gate/up/down; squared-ReLU MLP: up/down. MoE: the router and the
+    Gated DeltaNet and Kimi Delta Attention: their projections and the per-token state update,
+    no pairs. Mamba2: in_proj, out_proj and the state update and read-out (2 x heads x state x
+    head dim), no pairs. Dense SwiGLU: gate/up/down; squared-ReLU MLP: up/down. MoE: the router and the
     `num_experts_per_tok` experts a token visits, plus the shared expert and its gate. A "none"
     half (Nemotron-H's single-block layers) costs nothing.
     """
@@ -112,6 +112,9 @@ def _layer_macs(cfg: Any, kind: LayerKind) -> tuple[float, float]:
         inner = heads * cfg.mamba_head_dim
         token = d * (2 * inner + 2 * cfg.n_groups * state + heads) + inner * d
         token += 2 * heads * state * cfg.mamba_head_dim
+        pair = 0.0
+    elif kind.mixer == "kda":
+        token = _kda_macs(cfg)
         pair = 0.0
     elif kind.mixer == "none":
         token = pair = 0.0
@@ -132,6 +135,14 @@ def _layer_macs(cfg: Any, kind: LayerKind) -> tuple[float, float]:
     if kind.ffn == "deepseek_moe":
         token += 3.0 * d * cfg.shared_expert_intermediate_size
     return token, pair
+
+
+def _kda_macs(cfg: Any) -> float:
+    """Kimi Delta Attention (`jtree.models.kda`) per token: q/k/v/o projections of H heads of d,
+    b_proj, the rank-d forget-gate and output-gate projections (each hidden -> d -> H d), and
+    the state update and read-out (4 H d^2, as the Gated DeltaNet's)."""
+    d, h, dk = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim
+    return 4.0 * d * h * dk + d * h + 2.0 * (d * dk + dk * h * dk) + 4.0 * h * dk * dk
 
 
 def _mla_macs(cfg: Any) -> tuple[float, float]:

@@ -3,9 +3,9 @@ an (optionally tied) head, on tree batches. Returns final hidden states, not log
 
 Each layer's kind comes from the architecture config (`config.decoder()`, a `DecoderSpec`): its
 token mixer is attention (Qwen3), sliding-window attention (gpt-oss), gated attention
-(Qwen3-Next), multi-head latent attention (DeepSeek-V3, `jtree.models.mla`) or a Gated
-DeltaNet, its feed-forward a dense SwiGLU, a sparse MoE block, a MoE block with a gated shared
-expert, or DeepSeekMoE (group-limited sigmoid router, ungated shared experts). Module and
+(Qwen3-Next), multi-head latent attention (DeepSeek-V3, `jtree.models.mla`), a Gated
+DeltaNet, Mamba2 or Kimi Delta Attention (Kimi-Linear, `jtree.models.kda`), its feed-forward a
+dense SwiGLU, a sparse MoE block, a MoE block with a gated shared expert, or DeepSeekMoE (group-limited sigmoid router, ungated shared experts). Module and
 parameter names mirror Hugging Face's `*ForCausalLM` (`model.layers.N.self_attn.q_proj`,
 `...linear_attn.in_proj_qkvz` or `in_proj_qkv`, `...mlp.experts.gate_up_proj`; NNX `kernel` is
 HF `weight` transposed), so checkpoints map by name.
@@ -43,6 +43,7 @@ from jtree.kernels.precision import accumulation_dtype
 from jtree.layout.batch import DeviceBatch
 from jtree.models.attention import Attention
 from jtree.models.gated_deltanet import GatedDeltaNet, GdnRouting, gdn_routing
+from jtree.models.kda import KimiDeltaAttention
 from jtree.models.layers import (
     NORMS,
     ReluSquaredMLP,
@@ -99,8 +100,8 @@ def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, spec: Decod
 
 class DecoderLayer(nnx.Module):
     """Pre-norm residual layer: x + mixer(norm(x)), then + ffn(norm(x)). The mixer is
-    `self_attn` (attention, gated or not), `linear_attn` (Gated DeltaNet) or `mixer` (Mamba2), as
-    HF names them. A layer whose mixer or feed-forward is "none" (Nemotron-H's) is the one other
+    `self_attn` (attention, gated or not, MLA, or Kimi-Linear's KDA), `linear_attn` (Gated
+    DeltaNet) or `mixer` (Mamba2), as HF names them. A layer whose mixer or feed-forward is "none" (Nemotron-H's) is the one other
     branch after `input_layernorm` alone."""
 
     def __init__(self, cfg: Any, runtime: RuntimeConfig, kind: LayerKind, spec: DecoderSpec, *,
@@ -108,8 +109,11 @@ class DecoderLayer(nnx.Module):
         if kind.mixer == "gated_deltanet":
             self.linear_attn = GatedDeltaNet(cfg, runtime, projections=spec.gdn_projections,
                                             rngs=rngs)
-        elif kind.mixer == "mla":
-            self.self_attn = MultiHeadLatentAttention(cfg, runtime, rngs=rngs)
+        elif kind.mixer == "mla":  # (Kimi-Linear's has no RoPE: rotary_dim 0)
+            self.self_attn = MultiHeadLatentAttention(cfg, runtime, rngs=rngs,
+                                                      rope=spec.rotary_dim > 0)
+        elif kind.mixer == "kda":  # (HF names Kimi-Linear's KDA `self_attn` too)
+            self.self_attn = KimiDeltaAttention(cfg, runtime, rngs=rngs)
         elif kind.mixer == "mamba2":
             self.mixer = Mamba2(cfg, runtime, rngs=rngs)
         elif kind.mixer != "none":
@@ -140,6 +144,8 @@ class DecoderLayer(nnx.Module):
             h, cache = self.linear_attn(h, inputs.routing, prefix)
         elif self.kind.mixer == "mamba2":
             h, cache = self.mixer(h, inputs.routing, prefix)
+        elif self.kind.mixer == "kda":
+            h, cache = self.self_attn(h, inputs.routing, prefix)
         else:
             h, cache = self.self_attn(h, inputs.cos, inputs.sin, inputs.mask, prefix)
         x = x + h

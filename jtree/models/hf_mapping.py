@@ -134,7 +134,60 @@ class SavedPrefixRule:
         return saved + in_memory
 
 
-Rule = TensorRule | PerExpertRule | SavedPrefixRule
+@dataclasses.dataclass(frozen=True)
+class SavedRenamedRule:
+    """`rule`, except that checkpoints store the names it gives (transformers' names in memory)
+    with the regex substitutions `renames` applied in order: transformers converts Kimi-Linear's
+    Hub names (`block_sparse_moe.*`, the forget gate's tensors directly under `self_attn`) on
+    load and back on save. The saved form is written (and read); the in-memory names are read
+    too, and are what `to_hf_tensors(names=)` picks when comparing with a transformers model."""
+
+    rule: TensorRule | PerExpertRule
+    renames: tuple[tuple[str, str], ...]
+
+    @property
+    def pattern(self) -> str:
+        return self.rule.pattern
+
+    def storages(self, path: str, shape: tuple[int, ...], config: Any) -> list[Storage]:
+        def saved_name(name: str) -> str:
+            for pattern, replacement in self.renames:
+                name = re.sub(pattern, replacement, name)
+            return name
+
+        in_memory = self.rule.storages(path, shape, config)
+        saved = [dataclasses.replace(s, hf_names=tuple(map(saved_name, s.hf_names)))
+                 for s in in_memory]
+        return [s for s, m in zip(saved, in_memory) if s.hf_names != m.hf_names] + in_memory
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRule:
+    """A jtree parameter stored as `len(hf_names)` equal blocks of its axis 0, HF tensor i being
+    `re.sub(pattern, hf_names[i], path)` (Kimi-Linear's conv weight over [q | k | v], which the
+    Hub holds as `q_conv1d`, `k_conv1d`, `v_conv1d`), or whole as `re.sub(pattern, whole_name,
+    path)` (transformers' in-memory form). Saving writes the blocks."""
+
+    pattern: str
+    hf_names: tuple[str, ...]
+    whole_name: str
+
+    def storages(self, path: str, shape: tuple[int, ...], config: Any) -> list[Storage]:
+        n = len(self.hf_names)
+        if shape[0] % n:
+            raise ValueError(f"parameter {path!r}: axis 0 of {shape} does not split into {n} "
+                             "parts")
+        rows = shape[0] // n
+        split = Storage(
+            tuple(re.sub(self.pattern, name, path) for name in self.hf_names),
+            ((rows,) + tuple(shape[1:]),) * n,
+            part=lambda a, i: a[i * rows:(i + 1) * rows],
+            join=lambda tensors: np.concatenate(tensors, axis=0))
+        whole = TensorRule(self.pattern, self.whole_name).storages(path, shape, config)[0]
+        return [split, whole]
+
+
+Rule = TensorRule | PerExpertRule | SavedPrefixRule | SavedRenamedRule | SplitRule
 
 
 def tied_lm_head(embedding: str) -> Callable[[Any], dict[str, str]]:

@@ -1,5 +1,5 @@
-"""Multi-head latent attention (MLA, DeepSeek-V2/V3 and Kimi-K2; HF `DeepseekV3Attention`) under
-the tree mask.
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3 and Kimi-K2; HF `DeepseekV3Attention`; and
+Kimi-Linear's `KimiLinearAttention`, the same without RoPE) under the tree mask.
 
 Per token x: the query is `q_b_proj(q_a_layernorm(q_a_proj(x)))` (or `q_proj(x)` without a query
 bottleneck), split per head into `qk_nope_head_dim` features without position and
@@ -48,9 +48,11 @@ BOTTLENECK_NORM_EPS = 1e-6
 
 
 class MultiHeadLatentAttention(nnx.Module):
-    """MLA of one decoder layer (module docstring); `cfg` is a `DeepseekV3Config`."""
+    """MLA of one decoder layer (module docstring); `cfg` is a `DeepseekV3Config` or a
+    `KimiLinearConfig`. `rope=False` (Kimi-Linear, whose model has no rotary embedding) uses the
+    shared key part and the queries' matching features as they are, unrotated."""
 
-    def __init__(self, cfg: Any, runtime: RuntimeConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Any, runtime: RuntimeConfig, *, rngs: nnx.Rngs, rope: bool = True):
         d, heads = cfg.hidden_size, cfg.num_attention_heads
         kw = dict(init_std=cfg.initializer_range, dtype=runtime.compute_dtype,
                   param_dtype=runtime.weight_dtype, rngs=rngs)
@@ -73,7 +75,7 @@ class MultiHeadLatentAttention(nnx.Module):
         self.kv_b_proj = linear(cfg.kv_lora_rank,
                                 heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **kw)
         self.o_proj = linear(heads * cfg.v_head_dim, d, bias=cfg.attention_bias, **kw)
-        self.cfg, self.runtime = cfg, runtime
+        self.cfg, self.runtime, self.rope = cfg, runtime, rope
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: TreeMask,
                  prefix: AttentionCache | None = None) -> tuple[jax.Array, AttentionCache]:
@@ -92,11 +94,13 @@ class MultiHeadLatentAttention(nnx.Module):
         latent, k_rot = compressed[..., :cfg.kv_lora_rank], compressed[..., cfg.kv_lora_rank:]
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).reshape(rows, s, -1, nope + cfg.v_head_dim)
         k_nope, v = kv[..., :nope], kv[..., nope:]
-        q_rot, k_rot = q[..., nope:], k_rot[:, :, None, :]
-        if cfg.rope_interleave:
-            q_rot, k_rot = rotate_half_layout(q_rot), rotate_half_layout(k_rot)
-        q = jnp.concatenate([q[..., :nope], apply_rope(q_rot, cos, sin)], axis=-1)
-        k_rot = apply_rope(k_rot, cos, sin)
+        k_rot = k_rot[:, :, None, :]
+        if self.rope:
+            q_rot = q[..., nope:]
+            if cfg.rope_interleave:
+                q_rot, k_rot = rotate_half_layout(q_rot), rotate_half_layout(k_rot)
+            q = jnp.concatenate([q[..., :nope], apply_rope(q_rot, cos, sin)], axis=-1)
+            k_rot = apply_rope(k_rot, cos, sin)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (*k_nope.shape[:3], rope))], axis=-1)
         if self.runtime.context_axis is None:
             k_all, v_all = k, v

@@ -229,6 +229,22 @@ def _mamba2_rules(cfg: Any, model: int) -> Rules:
             (r"mixer/(dt_bias|A_log|D)$", P())]
 
 
+def _kda_rules(cfg: Any, model: int) -> Rules:
+    """Kimi Delta Attention (`jtree.models.kda`, HF's `self_attn` like MLA's): heads split,
+    q/k/v_proj, b_proj, f_b_proj and g_b_proj column-parallel in whole heads, dt_bias (per
+    channel) and A_log (per head) split alike, o_proj row-parallel; the rank-`head_dim`
+    f_a_proj and g_a_proj replicated, and the conv weight ([q | k | v] channels of all heads:
+    `local_conv_channels`)."""
+    _divides("linear_num_heads", cfg.linear_num_heads, model)
+    return [
+        (r"self_attn/([qkv]_proj|b_proj|g_b_proj|forget_gate/f_b_proj)/kernel$", P(None, MODEL)),
+        (r"self_attn/(g_a_proj|forget_gate/f_a_proj)/kernel$", P()),
+        (r"self_attn/forget_gate/(dt_bias|A_log)$", P(MODEL)),
+        (r"self_attn/conv1d/weight$", P()),
+        (r"self_attn/o_proj/kernel$", P(MODEL, None)),
+    ]
+
+
 # The rules of each layer kind (`jtree.config.architectures.MIXERS`, `FEED_FORWARDS`); the gated
 # attention's q_proj columns are [query, gate] per head, so the query-head split keeps each
 # head's gate with it.
@@ -239,6 +255,7 @@ LAYER_KIND_RULES: dict[str, Callable[[Any, int], Rules]] = {
     "gated_deltanet": _gated_deltanet_rules,
     "mla": _mla_rules,
     "mamba2": _mamba2_rules,
+    "kda": _kda_rules,
     "none": lambda cfg, model: [],  # the missing half of a single-block layer (Nemotron-H)
     "mlp": _dense_mlp_rules,
     "relu2_mlp": _dense_mlp_rules,  # up/down split as the SwiGLU's (there is no gate)

@@ -7,6 +7,12 @@ Per value head, with state S [d_k, d_v] and L2-normalised q, k (q also scaled by
 (Hugging Face `torch_recurrent_gated_delta_rule` / `torch_chunk_gated_delta_rule` with
 `use_qk_l2norm_in_kernel=True`). Key heads are shared by `Hv // Hk` consecutive value heads.
 
+KDA (Kimi Delta Attention, Kimi-Linear) is the same rule with one log decay per key channel,
+g_t [d_k] instead of a scalar: S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T
+(Hugging Face `recurrent_kimi_delta_attention` / `chunk_kimi_delta_attention`). Every entry point
+takes g [..., Hv] (one decay per head) or [..., Hv, dk] (per key channel); only the decays inside
+a chunk differ (`_channel_pairs`), and the scans, routes and maps below run both unchanged.
+
 The chunked form cuts the sequence into chunks of C tokens. Everything inside a chunk that does
 not depend on the entering state (decays, the UT transform of the delta rule, the masked q k^T) is
 computed for all chunks at once; a `lax.scan` over chunks then applies the entering state. The
@@ -31,6 +37,8 @@ start from zeros.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -61,9 +69,14 @@ def _check_shapes(q, k, v, g, beta, initial_state) -> None:
                          f"k {k.shape}, v {v.shape}")
     if v.shape[2] % q.shape[2]:
         raise ValueError(f"key heads ({q.shape[2]}) must divide value heads ({v.shape[2]})")
-    if g.shape != v.shape[:3] or (beta is not None and beta.shape != v.shape[:3]):
-        raise ValueError(f"g and beta must be [B, T, Hv] = {v.shape[:3]}; got {g.shape}, "
+    heads = v.shape[:3]
+    if g.shape not in (heads, heads + (q.shape[3],)) or (beta is not None and beta.shape != heads):
+        raise ValueError(f"g must be [B, T, Hv] = {heads} or [B, T, Hv, dk] = "
+                         f"{heads + (q.shape[3],)} and beta [B, T, Hv]; got {g.shape}, "
                          f"{None if beta is None else beta.shape}")
+    if beta is None and g.shape != heads:
+        raise ValueError(f"g: a decay per key channel {g.shape} needs beta (the delta rule); "
+                         f"without it (beta=None) g must be [B, T, Hv] = {heads}")
     want = (v.shape[0], v.shape[2], q.shape[3], v.shape[3])
     if initial_state is not None and initial_state.shape != want:
         raise ValueError(f"initial_state must be [B, Hv, dk, dv] = {want}; got {initial_state.shape}")
@@ -88,8 +101,9 @@ def gated_delta_rule_recurrent(
     beta: jax.Array,
     initial_state: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Token-by-token reference. q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log decay, <= 0) and
-    beta [B, T, Hv]; initial_state [B, Hv, dk, dv] (zeros if None).
+    """Token-by-token reference. q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log decay, <= 0)
+    [B, T, Hv] or, one per key channel (KDA), [B, T, Hv, dk]; beta [B, T, Hv]; initial_state
+    [B, Hv, dk, dv] (zeros if None).
 
     Returns (o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] float32; float64 for
     float64 v, `accumulation_dtype`).
@@ -98,10 +112,12 @@ def gated_delta_rule_recurrent(
     q, k = _prepare_qk(q, k, v.shape[2])
     acc = accumulation_dtype(v.dtype)
     state = _zero_state(v, q.shape[-1]) if initial_state is None else initial_state.astype(acc)
+    per_channel = g.ndim == 4
 
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs
-        s = s * jnp.exp(g_t)[..., None, None]
+        decay = jnp.exp(g_t)
+        s = s * (decay[..., None] if per_channel else decay[..., None, None])  # rows: key channels
         delta = (v_t - _einsum("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]
         s = s + _einsum("bhk,bhv->bhkv", k_t, delta)
         return s, _einsum("bhkv,bhk->bhv", s, q_t)
@@ -149,50 +165,107 @@ class ChunkTerms(NamedTuple):
     q_decayed: jax.Array  # q * decay from chunk start       [.., C, dk]
     k_decayed: jax.Array  # k * decay to chunk end           [.., C, dk]
     attn: jax.Array  # causal q k^T with pairwise decays     [.., C, C]
-    chunk_decay: jax.Array  # decay over the whole chunk    [..]
+    chunk_decay: jax.Array  # decay over the whole chunk    [.., dk] per key channel, or [..]
 
 
-def _decays(g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Cumulative log decay [..., H, C] of g [..., H, C] and the pairwise decays
-    exp(cum_i - cum_j) for j <= i (0 above the diagonal; masked before exp so it never
-    overflows)."""
+Pairs = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _decays(g: jax.Array, per_channel: bool) -> tuple[jax.Array, Pairs]:
+    """Cumulative log decay of g [..., H, C] (or [..., H, C, dk] `per_channel`) along C, and
+    `pairs(a, b)` [..., H, C, C]: sum_d a_id b_jd exp(cum_i - cum_j) (cum_id - cum_jd per
+    channel) for j <= i, 0 above the diagonal. Every exponent is <= 0: masked before exp, so
+    nothing overflows however strongly g decays."""
+    if per_channel:
+        cum = jnp.cumsum(g, axis=-2)
+        return cum, functools.partial(_channel_pairs, cum=cum)
     c = g.shape[-1]
     cum = jnp.cumsum(g, axis=-1)
     lower = jnp.tril(jnp.ones((c, c), bool))
-    return cum, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    pair_decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    return cum, lambda a, b: _einsum("...id,...jd->...ij", a, b) * pair_decay
 
 
-def _terms(q, k, cum, pair_decay, u, w) -> ChunkTerms:
+def _sub_block(c: int) -> int:
+    """The sub-block size of `_channel_pairs` for chunks of c tokens: the power of two nearest
+    below sqrt(c) (8 for C = 64), which minimises its C (C / s + s) dk decay terms."""
+    return 1 << ((c.bit_length() - 1) // 2)
+
+
+def _channel_pairs(a: jax.Array, b: jax.Array, *, cum: jax.Array) -> jax.Array:
+    """`_decays`'s pairs with one decay per key channel: a, b, cum [..., C, dk] -> [..., C, C].
+
+    The direct form weights each pair's product channel by channel, a [C, C, dk] tensor of
+    decays (Hugging Face's chunk reference): chunks x heads x C^2 x dk floats, too many at C = 64.
+    Instead the chunk is cut into sub-blocks of s tokens. A pair i > j in different sub-blocks
+    factors through the last token e of j's sub-block, cum_i - cum_j = (cum_i - cum_e) +
+    (cum_e - cum_j) with both parts <= 0 (cum decreases along C): b_j exp(cum_e - cum_j) per key,
+    a_i exp(cum_i - cum_e) per (query, earlier sub-block), [C, C / s, dk]; one contraction over d
+    then gives every off-diagonal sub-block. Only the diagonal sub-blocks take the direct form,
+    [C, s, dk]. So C (C / s + s) dk decay terms (16 C dk at C = 64, s = 8, four times fewer)
+    for the same C^2 dk multiply-adds as the direct form, and no exponent is ever positive.
+    """
+    c, dk = cum.shape[-2:]
+    s = _sub_block(c)
+    nb = -(-c // s)
+    pad = [(0, 0)] * (cum.ndim - 2) + [(0, nb * s - c), (0, 0)]
+    # Padding tokens (dropped at the end) repeat the last cum, keeping cum non-increasing.
+    a, b = (jnp.pad(x, pad).reshape(x.shape[:-2] + (nb, s, dk)) for x in (a, b))
+    cum = jnp.pad(cum, pad, mode="edge").reshape(cum.shape[:-2] + (nb, s, dk))
+    lower = jnp.tril(jnp.ones((s, s), bool))[..., None]
+    inside = jnp.exp(jnp.where(lower, cum[..., :, None, :] - cum[..., None, :, :], -jnp.inf))
+    diagonal = _einsum("...xid,...xjd,...xijd->...xij", a, b, inside)  # [..., nb, s, s]
+    end = cum[..., -1, :]  # [..., nb, dk] cum at each sub-block's last token
+    later = (jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :])[:, None, :, None]
+    a_to_end = a[..., :, :, None, :] * jnp.exp(jnp.where(
+        later, cum[..., :, :, None, :] - end[..., None, None, :, :], -jnp.inf))
+    b_from_end = b * jnp.exp(end[..., :, None, :] - cum)
+    pairs = _einsum("...xiyd,...yjd->...xiyj", a_to_end, b_from_end)  # [..., nb, s, nb, s]
+    same = jnp.eye(nb, dtype=bool)[:, None, :, None]
+    pairs = jnp.where(same, diagonal[..., :, :, None, :], pairs)
+    return pairs.reshape(pairs.shape[:-4] + (nb * s, nb * s))[..., :c, :c]
+
+
+def _on_keys(x: jax.Array, per_channel: bool) -> jax.Array:
+    """Decays [..., C] (one per head) or [..., C, dk] (per key channel) made to multiply keys
+    [..., C, dk]."""
+    return x if per_channel else x[..., None]
+
+
+def _terms(q, k, cum, pairs: Pairs, u, w) -> ChunkTerms:
     """The chunk terms shared by both recurrences, from q, k [..., H, C, dk] and the decays."""
-    last = cum[..., -1:]
+    per_channel = cum.ndim == q.ndim
+    last = cum[..., -1:, :] if per_channel else cum[..., -1:]
     return ChunkTerms(
         u=u,
         w=w,
-        q_decayed=q * jnp.exp(cum)[..., None],
-        k_decayed=k * jnp.exp(last - cum)[..., None],
-        attn=_einsum("...id,...jd->...ij", q, k) * pair_decay,
-        chunk_decay=jnp.exp(last[..., 0]),
+        q_decayed=q * _on_keys(jnp.exp(cum), per_channel),
+        k_decayed=k * _on_keys(jnp.exp(last - cum), per_channel),
+        attn=pairs(q, k),
+        chunk_decay=jnp.exp(last[..., 0, :] if per_channel else last[..., 0]),
     )
 
 
 def _chunk_terms(q, k, v, g, beta) -> ChunkTerms:
-    """q, k [..., C, H, dk] (prepared), v [.., dv], g, beta [..., C, H]; all fp32; the leading
-    axes (chunks) are batch axes.
+    """q, k [..., C, H, dk] (prepared), v [.., dv], g [..., C, H] or [..., C, H, dk] (per key
+    channel), beta [..., C, H]; all fp32; the leading axes (chunks) are batch axes.
 
     Empty slots (g = beta = k = 0) leave the state unchanged, so chunks may be padded at the end.
     """
+    per_channel = g.ndim == q.ndim
     q, k, v = (jnp.swapaxes(x, -3, -2) for x in (q, k, v))  # [..., H, C, d]
-    g, beta = jnp.swapaxes(g, -2, -1), jnp.swapaxes(beta, -2, -1)  # [..., H, C]
-    c = g.shape[-1]
-    cum, pair_decay = _decays(g)
+    g = jnp.swapaxes(g, -3, -2) if per_channel else jnp.swapaxes(g, -2, -1)  # [..., H, C(, dk)]
+    beta = jnp.swapaxes(beta, -2, -1)  # [..., H, C]
+    c = beta.shape[-1]
+    cum, pairs = _decays(g, per_channel)
     k_beta = k * beta[..., None]
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    ut = jnp.where(strict, _einsum("...id,...jd->...ij", k_beta, k) * pair_decay, 0.0)
+    ut = jnp.where(strict, pairs(k_beta, k), 0.0)
     # (I + ut)^-1 applied to beta*v and to beta*k*exp(cum): the WY form of the delta rule.
     inv = _unit_lower_inverse(ut)
     u = _einsum("...ij,...jd->...id", inv, v * beta[..., None])
-    w = _einsum("...ij,...jd->...id", inv, k_beta * jnp.exp(cum)[..., None])
-    return _terms(q, k, cum, pair_decay, u, w)
+    w = _einsum("...ij,...jd->...id", inv, k_beta * _on_keys(jnp.exp(cum), per_channel))
+    return _terms(q, k, cum, pairs, u, w)
 
 
 def linear_chunk_terms(q, k, v, g) -> ChunkTerms:
@@ -202,8 +275,8 @@ def linear_chunk_terms(q, k, v, g) -> ChunkTerms:
     `chunk_step`, `chunk_maps` and every route below run it unchanged. Same axes as
     `_chunk_terms`, without beta."""
     q, k, v = (jnp.swapaxes(x, -3, -2) for x in (q, k, v))  # [..., H, C, d]
-    cum, pair_decay = _decays(jnp.swapaxes(g, -2, -1))
-    return _terms(q, k, cum, pair_decay, v, None)
+    cum, pairs = _decays(jnp.swapaxes(g, -2, -1), per_channel=False)
+    return _terms(q, k, cum, pairs, v, None)
 
 
 def chunk_step(t: ChunkTerms, s: jax.Array):
@@ -221,7 +294,8 @@ def chunk_step(t: ChunkTerms, s: jax.Array):
     s = merged(s)
     v_new = u if t.w is None else u - _einsum("nck,nkv->ncv", merged(t.w), s)
     o = _einsum("nck,nkv->ncv", q_dec, s) + _einsum("ncd,ndv->ncv", attn, v_new)
-    s_out = s * t.chunk_decay.reshape(-1, 1, 1) + _einsum("nck,ncv->nkv", k_dec, v_new)
+    decay = merged(t.chunk_decay).reshape(s.shape[0], -1, 1)  # over the key channels, or one
+    s_out = s * decay + _einsum("nck,ncv->nkv", k_dec, v_new)
     return tuple(x.reshape(lead + x.shape[1:]) for x in (o, s_out, v_new))
 
 
@@ -298,11 +372,11 @@ _route_chunks = _buffer_route(_scan_forward, _route_bwd)
 
 def chunk_maps(t: ChunkTerms) -> tuple[jax.Array, jax.Array]:
     """Every chunk's affine map S_out = M S_in + N (M [.., dk, dk], N [.., dk, dv]), read off
-    `chunk_step`: S_out = decay S_in + K_dec^T (U - W S_in), so M = decay I - K_dec^T W (the WY
-    form, never a product of per-token matrices) and N = K_dec^T U. Without the delta rule
-    (w None) M = decay I."""
+    `chunk_step`: S_out = Diag(decay) S_in + K_dec^T (U - W S_in), so M = Diag(decay) - K_dec^T W
+    (the WY form, never a product of per-token matrices; decay per key channel, or one scalar)
+    and N = K_dec^T U. Without the delta rule (w None) M = Diag(decay)."""
     eye = jnp.eye(t.k_decayed.shape[-1], dtype=t.k_decayed.dtype)
-    m = t.chunk_decay[..., None, None] * eye
+    m = t.chunk_decay.reshape(t.k_decayed.shape[:-2] + (-1, 1)) * eye
     if t.w is not None:
         m = m - _einsum("...ck,...cj->...kj", t.k_decayed, t.w)
     return m, _einsum("...ck,...cv->...kv", t.k_decayed, t.u)
@@ -360,7 +434,8 @@ _route_chunks_parallel = _buffer_route(_parallel_forward, _parallel_bwd)
 def tree_chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
                      beta: jax.Array | None, chunk_tokens: jax.Array) -> ChunkTerms:
     """The state-independent terms of every chunk of a chunk table: q, k [R, S, Hk, dk] (raw,
-    normalised here), v [R, S, Hv, dv], g, beta [R, S, Hv]; `chunk_tokens` [R, NC, C] the token
+    normalised here), v [R, S, Hv, dv], g [R, S, Hv] or [R, S, Hv, dk] (per key channel), beta
+    [R, S, Hv]; `chunk_tokens` [R, NC, C] the token
     (an index into S) of each chunk slot, -1 for an empty one (its slot is zeros, which leaves the
     state unchanged). Shared by the single-device routes and the context-parallel one
     (`jtree.kernels.gdn.context`), which gives its slice's tokens.
@@ -368,6 +443,7 @@ def tree_chunk_terms(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
     `beta=None`: the gated linear recurrence without the delta rule (`linear_chunk_terms`,
     Mamba2's SSD), q and k used as given (no normalisation or scale), each of the Hk groups
     shared by Hv // Hk consecutive heads."""
+    _check_shapes(q, k, v, g, beta, None)
     r, (nc, c) = v.shape[0], chunk_tokens.shape[1:]
     if beta is None:
         rep = v.shape[2] // q.shape[2]
@@ -477,7 +553,8 @@ def tree_gated_delta_rule(
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule on rows of DFS-ordered trees, each token seeing only its path.
 
-    q, k [R, S, Hk, dk], v [R, S, Hv, dv], g, beta [R, S, Hv] per row token; `beta=None` runs
+    q, k [R, S, Hk, dk], v [R, S, Hv, dv], g [R, S, Hv] (or [R, S, Hv, dk]: KDA's decay per
+    key channel), beta [R, S, Hv] per row token; `beta=None` runs
     the gated linear recurrence without the delta rule instead, S_t = exp(g_t) S_{t-1} +
     k_t v_t^T, o_t = S_t^T q_t with q, k as given (Mamba2's SSD: `tree_chunk_terms`), through the
     same routes. The chunk tables (see

@@ -191,26 +191,35 @@ def test_flat_and_deep_trees_equal_per_path(shape, scan):
     _assert_tree_equals_paths(trees, 3, scan)
 
 
+def path_losses(batch, rng, n_paths: int | None = None):
+    """The chunk tables of `batch` and a weighted loss on its paths, for comparing the tree kernel
+    with a per-path reference: (tables, rows, idx, coeff, target, weight). rows, idx
+    (`_path_index`, padded to `n_paths` paths if given); coeff [P, T] a random coefficient per
+    path token (0 on padding); target [R, S, HV, DV]; weight [R, S] the tree's per-token weight,
+    W_t = the sum over the paths through t of the path's coefficient at t."""
+    gdn = batch.inputs.gdn
+    tables = (gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot)
+    rows, idx = _path_index(batch, TREE_S)
+    if n_paths is not None:
+        assert len(rows) <= n_paths
+        rows = np.pad(rows, (0, n_paths - len(rows)))
+        idx = np.pad(idx, ((0, n_paths - len(idx)), (0, 0)), constant_values=-1)
+    real = idx >= 0
+    coeff = rng.uniform(0.5, 2.0, size=idx.shape).astype(np.float32) * real
+    target = rng.normal(size=batch.shape + (HV, DV)).astype(np.float32)
+    weight = np.zeros(batch.shape, np.float32)
+    np.add.at(weight, (np.broadcast_to(rows[:, None], idx.shape)[real], idx[real]), coeff[real])
+    return tables, rows, idx, coeff, target, weight
+
+
 def _assert_tree_equals_paths(trees, chunk, scan):
     batch = linearize(trees, TREE_S, gdn_chunk_size=chunk, n_rows=TREE_ROWS,
                       gdn_chunks=TREE_S)
     rng = np.random.default_rng(chunk)
     r, s = batch.shape
     args = _inputs(rng, (r, s)) + (_state(rng, r),)
-    gdn = batch.inputs.gdn
-    tables = (gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot)
-    rows, idx = _path_index(batch, TREE_S)
-    n_paths = len(rows)
-    assert n_paths <= MAX_PATHS
-    rows = np.pad(rows, (0, MAX_PATHS - n_paths))
-    idx = np.pad(idx, ((0, MAX_PATHS - n_paths), (0, 0)), constant_values=-1)
-    coeff = rng.uniform(0.5, 2.0, size=idx.shape).astype(np.float32) * (idx >= 0)
-    target = rng.normal(size=(r, s, HV, DV)).astype(np.float32)
-    # W_t = sum over paths through t of the path's coefficient at t.
-    weight = np.zeros((r, s), np.float32)
+    tables, rows, idx, coeff, target, weight = path_losses(batch, rng, MAX_PATHS)
     real = idx >= 0
-    np.add.at(weight, (np.broadcast_to(rows[:, None], idx.shape)[real], idx[real]), coeff[real])
-
     tree_fn, path_fn = _tree_and_path_grads(scan)
     (l_t, o_t), g_t = tree_fn(*args, tables, weight, target)
     (l_p, o_p), g_p = path_fn(*args, rows, idx, coeff, target)
@@ -410,14 +419,8 @@ def test_ssd_on_trees_equals_per_path_recurrence(shape, scan):
     r, s = batch.shape
     q, k, v, g, _ = _inputs(rng, (r, s))
     args = (q, k, v, g, _state(rng, r))
-    gdn = batch.inputs.gdn
-    tables = (gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot)
-    rows, idx = _path_index(batch, TREE_S)
+    tables, rows, idx, coeff, target, weight = path_losses(batch, rng)
     real = idx >= 0
-    coeff = rng.uniform(0.5, 2.0, size=idx.shape).astype(np.float32) * real
-    target = rng.normal(size=(r, s, HV, DV)).astype(np.float32)
-    weight = np.zeros((r, s), np.float32)
-    np.add.at(weight, (np.broadcast_to(rows[:, None], idx.shape)[real], idx[real]), coeff[real])
     tree_fn, path_fn = _ssd_tree_and_path_grads(scan)
     (l_t, o_t), g_t = tree_fn(*args, tables, weight, target)
     (l_p, o_p), g_p = path_fn(*args, rows, idx, coeff, target)

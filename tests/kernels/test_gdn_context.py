@@ -55,6 +55,19 @@ def test_node_two_devices_back_equals_single_device():
     _check(result)
 
 
+@pytest.mark.slow
+def test_kda_equals_single_device():
+    """KDA's log decay per key channel (g [R, L, Hv, dk]: diagonal chunk maps) through the same
+    exchange of maps: a parent three devices back on 4, random trees on 2, the chain crossing
+    every boundary of 8. Slow (about 35 s per case); the per-channel maps themselves are in the
+    default suite through the parallel scan (tests/kernels/test_kda.py)."""
+    results = _run(["kda_two_back:4", "kda_random1:2", "kda_chain:8"], timeout=900)
+    assert results[0]["parent_distance"] >= 2 and results[0]["crossing_devices"] == 3
+    assert results[2]["crossing_devices"] == 7
+    for r in results:
+        _check(r)
+
+
 CASES = ("two_back", "flat", "random0", "random1", "random2", "layer_two_back", "layer_random0")
 
 

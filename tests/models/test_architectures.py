@@ -70,7 +70,7 @@ def test_the_stack_builds_the_chosen_modules_under_hugging_face_names():
 def test_registry_looks_records_up_by_name_hf_name_and_config_class():
     assert set(ARCHITECTURES) == {"qwen3", "qwen3_moe", "qwen3_next", "llama", "qwen2",
                                   "qwen3_5", "qwen3_5_moe", "gpt_oss", "deepseek_v3",
-                                  "nemotron_h"}
+                                  "nemotron_h", "kimi_linear"}
     for name, arch in ARCHITECTURES.items():
         assert architecture(name) is arch and arch.name == name
         assert architecture_of_config(arch.config_class()) is arch

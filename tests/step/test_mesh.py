@@ -236,6 +236,15 @@ def test_deepseek_v3_step_on_fsdp_context_and_model_axes():
 
 
 @pytest.mark.slow
+def test_kimi_linear_step_on_fsdp_context_and_model_axes():
+    # Kimi-Linear (KDA heads split over `model`, its conv halo and per-channel-decay states
+    # crossing the context axis as composed chunk maps; MLA without RoPE; DeepSeekMoE) under
+    # FSDP x context x tensor parallelism, PPO, on the `xla` kernel.
+    for result in run_cases(["kimi_linear:cp:ppo:1x2x2x2"]):
+        check(result)
+
+
+@pytest.mark.slow
 def test_gpt_oss_token_dispatch_step():
     # gpt-oss's experts with token dispatch (all_to_all): the expert biases travel with the
     # experts' shards.

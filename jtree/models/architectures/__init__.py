@@ -21,6 +21,7 @@ from jtree.config.runtime import RuntimeConfig
 from jtree.models.architectures import (
     deepseek_v3,
     gpt_oss,
+    kimi_linear,
     llama,
     nemotron_h,
     qwen2,
@@ -48,7 +49,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     for name, module in (("qwen3", qwen3), ("qwen3_moe", qwen3_moe), ("qwen3_next", qwen3_next),
                          ("llama", llama), ("qwen2", qwen2), ("qwen3_5", qwen3_5),
                          ("qwen3_5_moe", qwen3_5_moe), ("gpt_oss", gpt_oss),
-                         ("deepseek_v3", deepseek_v3), ("nemotron_h", nemotron_h))}
+                         ("deepseek_v3", deepseek_v3), ("nemotron_h", nemotron_h),
+                         ("kimi_linear", kimi_linear))}
 
 
 def architecture(name: str) -> Architecture:
