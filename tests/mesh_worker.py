@@ -2,8 +2,7 @@
 
 Run in a subprocess (`tests/step/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
 (model `dense`, `moe`, `next`, `llama`, `qwen2`, `qwen3_5`, `qwen3_5_moe`, `gpt_oss`,
-`deepseek_v3` or `nemotron_h` (no tensor parallelism: its meshes have model 1); `dense_lora`: `dense`
-training LoRA adapters; `dense_critic` and
+`deepseek_v3` or `nemotron_h`; `dense_lora`: `dense` training LoRA adapters; `dense_critic` and
 `dense_critic_model`: `dense` with PPO's critic, a value head or a separate smaller critic model;
 mesh data x fsdp x model, or data x fsdp x context x model; mode `cp`: the context-parallel trees
 of `cp_inputs`; objective `sft`, `ppo`, and with mode `cp` also `gspo` and `critic`: PPO with a

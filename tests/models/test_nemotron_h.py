@@ -11,6 +11,7 @@ inside nodes. Every parameter is perturbed (conv bias, D, dt_bias, the gated nor
 import json
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 from hypothesis import given, settings
@@ -23,6 +24,10 @@ from jtree.layout.baseline import linearize_baseline
 from jtree.layout.flop_model import FlopModel
 from jtree.layout.linearize import linearize
 from jtree.memory.plan import activations_and_temps, depth_override, layer_block, memory_plan
+from jtree.models.architectures.nemotron_h import (
+    grouped_conv_channels,
+    grouped_in_proj_columns,
+)
 from jtree.parallel.sharding import AXES, param_rules, param_specs
 from tests.memory.test_memory_plan import assert_rule_predicts
 from tests.models_util import (
@@ -68,16 +73,52 @@ def test_ppo_loss_and_grads_equal_baseline(trees, scan):
     assert_loss_and_grads_match(graphdef, params, tree_in, base_in, PPO)
 
 
-def test_sharding_rules_cover_every_parameter_and_refuse_tensor_parallel():
+def test_sharding_rules_split_mamba2_groups_over_the_model_axis():
+    """Every parameter has a rule on a FSDP x model mesh; the Mamba2 weights split by group
+    (in_proj column-parallel, out_proj row-parallel, the per-head and per-channel vectors with
+    their groups); a model axis that does not divide n_groups is refused by name."""
     _, params = nnx.split(tiny_lm(CONFIG), nnx.Param)
-    mesh = AbstractMesh((1, 2, 1, 1), AXES)  # FSDP over 2: the Mamba2 weights are split by it
-    specs = param_specs(params, param_rules(CONFIG, 1), mesh)
+    mesh = AbstractMesh((1, 2, 1, 2), AXES)
+    specs = param_specs(params, param_rules(CONFIG, 2), mesh)
     flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(
         specs, is_leaf=lambda x: isinstance(x, P))}
-    assert flat["['model']['layers'][0]['mixer']['in_proj']['kernel'].value"] == P("fsdp", None)
+    mixer = "['model']['layers'][0]['mixer']"
+    assert flat[f"{mixer}['in_proj']['kernel'].value"] == P("fsdp", "model")
+    assert flat[f"{mixer}['in_proj']['bias'].value"] == P("model")
+    assert flat[f"{mixer}['conv1d']['weight'].value"] == P("model", None, "fsdp")
+    assert flat[f"{mixer}['out_proj']['kernel'].value"] == P("model", "fsdp")
+    assert flat[f"{mixer}['out_proj']['bias'].value"] == P()
+    for vector in ("['dt_bias']", "['A_log']", "['D']", "['norm']['weight']",
+                   "['conv1d']['bias']"):
+        assert flat[f"{mixer}{vector}.value"] == P("model"), vector
     assert flat["['model']['layers'][2]['mlp']['up_proj']['kernel'].value"] == P("fsdp", "model")
-    with pytest.raises(ValueError, match="mesh.model=2 with mamba2 layers"):
-        param_rules(CONFIG, 2)
+    with pytest.raises(ValueError, match=r"mesh.model=4 .*n_groups \(2"):
+        param_rules(CONFIG, 4)
+
+
+def test_grouped_layout_gives_each_shard_whole_groups_of_every_component():
+    """Written from HF's row order ([z | x | B | C | dt], heads and groups in order): the HF
+    rows behind each contiguous half of jtree's in_proj columns (and of its conv channels) are
+    exactly group i's: its heads' z, x and dt rows and its B and C rows, each component in HF
+    order."""
+    cfg = tiny_nemotron_h_config(mamba_num_heads=8, n_groups=4)
+    h, p, n, g = 8, cfg.mamba_head_dim, cfg.ssm_state_size, 4
+    inner, per = h * p, h // g
+    for model in (2, 4):
+        columns = np.split(grouped_in_proj_columns(cfg), model)
+        channels = np.split(grouped_conv_channels(cfg), model)
+        for i in range(model):
+            groups = range(i * g // model, (i + 1) * g // model)
+            heads = [head for q in groups for head in range(q * per, (q + 1) * per)]
+            x = [inner + head * p + j for head in heads for j in range(p)]
+            b = [2 * inner + q * n + j for q in groups for j in range(n)]
+            c = [2 * inner + g * n + q * n + j for q in groups for j in range(n)]
+            dt = [2 * inner + 2 * g * n + head for head in heads]
+            z = [head * p + j for head in heads for j in range(p)]
+            assert sorted(columns[i]) == sorted(z + x + b + c + dt)
+            assert sorted(channels[i]) == sorted(v - inner for v in x + b + c)
+            for component in (z, x, b, c, dt):  # each component in HF's order within the shard
+                assert [v for v in columns[i] if v in set(component)] == component
 
 
 @pytest.mark.slow  # about 40 s of compiles on 2 cores

@@ -7,7 +7,11 @@ Tensors. transformers names every layer's block `mixer` and its one norm `norm`
 `model.embeddings` and the final norm `model.norm_f`, and saves `model.*` as `backbone.*` (the
 Hub's names; both are read, `SavedPrefixRule`). jtree keeps the shared decoder's names for
 the blocks it shares (`self_attn`, `mlp`, `input_layernorm`, `embed_tokens`, `norm`; the Mamba2
-block is `mixer` already), so the tables below only rename; no tensor is permuted. Hub
+block is `mixer` already), so the tables below mostly rename. Two Mamba2 tensors are permuted:
+HF's in_proj rows are [z | x | B | C | dt], each component of all heads (or groups) in turn, and
+the conv's channels [x | B | C]; jtree holds both grouped by B/C group (`jtree.models.mamba2`,
+so that a tensor-parallel split is a split by groups), and the tables permute on load and back
+on save, bit-exact. Hub
 checkpoints with multi-token-prediction layers carry `mtp.*`, which the causal LM does not use
 (transformers skips them too).
 
@@ -25,15 +29,19 @@ and multi-token-prediction fields (no MoE layer runs).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import numpy as np
 
 from jtree.config.architectures import NemotronHConfig
 from jtree.models.hf_config import REQUIRED, equals, read_config
 from jtree.models.hf_mapping import (
     NNX_TO_TORCH,
+    SAME,
     TRANSPOSED,
     HfMapping,
+    Layout,
     SavedPrefixRule,
     TensorRule,
     tied_lm_head,
@@ -94,6 +102,53 @@ _INERT = frozenset({
     "output_router_logits", "num_nextn_predict_layers", "mtp_layers_block_type",
     "mtp_hybrid_override_pattern"})
 
+
+def grouped_conv_channels(cfg: NemotronHConfig) -> np.ndarray:
+    """The HF channel ([x of all heads | B of all groups | C of all groups]) behind each of
+    jtree's conv channels ([x of the group's heads | B_g | C_g] for each group g)."""
+    p, n, g = cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
+    width, inner = cfg.mamba_num_heads // g * p, cfg.mamba_num_heads * p
+    return np.concatenate([np.concatenate([
+        i * width + np.arange(width), inner + i * n + np.arange(n),
+        inner + g * n + i * n + np.arange(n)]) for i in range(g)])
+
+
+def grouped_in_proj_columns(cfg: NemotronHConfig) -> np.ndarray:
+    """The HF row of in_proj ([z | x B C | dt], each over all heads or groups) behind each of
+    jtree's columns ([z of the group's heads | its conv channels | dt of its heads] for each
+    group)."""
+    g, per = cfg.n_groups, cfg.mamba_num_heads // cfg.n_groups
+    inner = cfg.mamba_num_heads * cfg.mamba_head_dim
+    conv = grouped_conv_channels(cfg).reshape(g, -1)
+    dt = inner + conv.size
+    return np.concatenate([np.concatenate([
+        i * per * cfg.mamba_head_dim + np.arange(per * cfg.mamba_head_dim), inner + conv[i],
+        dt + i * per + np.arange(per)]) for i in range(g)])
+
+
+def _grouped(index: Callable[[NemotronHConfig], np.ndarray], axis: int, base: Layout) -> Layout:
+    """`base` (the NNX -> torch layout) with jtree's `axis` holding HF's in `index(cfg)` order."""
+    def to_hf(a: Any, cfg: NemotronHConfig) -> Any:
+        order = np.argsort(index(cfg))
+        return base.to_hf(a[order] if axis == 0 else a[:, order], cfg)
+
+    def from_hf(a: Any, cfg: NemotronHConfig) -> Any:
+        a = base.from_hf(a, cfg)
+        return a[index(cfg)] if axis == 0 else a[:, index(cfg)]
+
+    return Layout(f"grouped by B/C group, {base.name}", to_hf, from_hf)
+
+
+# The Mamba2 tensors jtree holds grouped by B/C group (module docstring).
+_MAMBA2_GROUPED = (
+    TensorRule(r"(.*\.mixer\.in_proj)\.kernel", r"\1.weight",
+               _grouped(grouped_in_proj_columns, 1, TRANSPOSED)),
+    TensorRule(r"(.*\.mixer\.in_proj)\.bias", r"\1.bias",
+               _grouped(grouped_in_proj_columns, 0, SAME)),
+    TensorRule(r"(.*\.mixer\.conv1d)\.(weight|bias)", r"\1.\2",
+               _grouped(grouped_conv_channels, 0, SAME)),
+)
+
 # jtree's shared-decoder names -> transformers' (`mixer` for every block, one `norm` per layer);
 # the Mamba2 block's bare parameters stay as they are; the rest is the NNX -> torch rule. Saved
 # as transformers saves them, `model.*` as `backbone.*`.
@@ -105,6 +160,7 @@ _IN_MEMORY = (
                TRANSPOSED),
     TensorRule(r"(model\.layers\.\d+)\.(?:self_attn|mlp)\.(\w+)\.bias", r"\1.mixer.\2.bias"),
     TensorRule(r".*\.mixer\.(A_log|dt_bias|D)", r"\g<0>"),
+    *_MAMBA2_GROUPED,
 ) + NNX_TO_TORCH
 TENSORS = tuple(SavedPrefixRule(rule, "model.", "backbone.") for rule in _IN_MEMORY)
 
