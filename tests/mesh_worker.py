@@ -102,8 +102,8 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     full layers with sinks, experts with biases and the clamped SwiGLU) on the block-sparse
     `xla` kernel, whose block tables skip what the windows exclude; `deepseek_v3`
     (`deepseek_v3_a2a`: token dispatch) is DeepSeek-V3 (MLA with value heads narrower than q/k
-    heads, DeepSeekMoE) on the `xla` kernel; `nemotron_h` is Nemotron-H
-    (Mamba2, attention and MLP single-block layers)."""
+    heads, DeepSeekMoE) on the `xla` kernel; `nemotron_h` (`nemotron_h_a2a`: token dispatch) is
+    Nemotron-H (Mamba2, MoE, attention and MLP single-block layers)."""
     dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
     if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan", "dense_xla",
                 "dense_critic", "dense_critic_model"):
@@ -128,8 +128,8 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     if kind in ("deepseek_v3", "deepseek_v3_a2a"):
         return "deepseek_v3", tiny_deepseek_v3_config(), tiny_runtime(attention_impl="xla",
                                                                       expert_dispatch=dispatch)
-    if kind == "nemotron_h":
-        return "nemotron_h", tiny_nemotron_h_config(), tiny_runtime()
+    if kind in ("nemotron_h", "nemotron_h_a2a"):
+        return "nemotron_h", tiny_nemotron_h_config(), tiny_runtime(expert_dispatch=dispatch)
     return "qwen3_next", tiny_next_config(), tiny_runtime(expert_dispatch=dispatch)
 
 

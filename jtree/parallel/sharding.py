@@ -168,7 +168,7 @@ def _moe_rules(cfg: Any, model: int) -> Rules:
     _divides("num_experts", cfg.num_experts, model)
     return [
         (r"mlp/gate/(weight|bias)$", P()),
-        (r"mlp/experts/(gate_up_proj|down_proj)$", P(MODEL, None, None)),
+        (r"mlp/experts/(gate_up_proj|up_proj|down_proj)$", P(MODEL, None, None)),
         (r"mlp/experts/(gate_up_proj|down_proj)_bias$", P(MODEL, None)),
     ]
 
@@ -196,8 +196,10 @@ def _mla_rules(cfg: Any, model: int) -> Rules:
 
 def _deepseek_moe_rules(cfg: Any, model: int) -> Rules:
     """DeepSeekMoE: expert parallel with a replicated router (weight and selection bias), its
-    ungated shared experts a Megatron SwiGLU."""
-    _divides("n_shared_experts * moe_intermediate_size", cfg.shared_expert_intermediate_size,
+    ungated shared experts a Megatron SwiGLU. Nemotron 3's MoE ("relu2_moe") alike: its
+    squared-ReLU experts (`up_proj`, no gate) split on the expert axis, its shared expert a
+    Megatron up/down pair (the SwiGLU's rules without a gate)."""
+    _divides("the shared experts' intermediate size", cfg.shared_expert_intermediate_size,
              model)
     return (_moe_rules(cfg, model) + [(r"mlp/gate/e_score_correction_bias$", P())]
             + _swiglu_rules("mlp/shared_expert"))
@@ -254,6 +256,7 @@ LAYER_KIND_RULES: dict[str, Callable[[Any, int], Rules]] = {
     "moe": _moe_rules,
     "moe_shared": _shared_expert_moe_rules,
     "deepseek_moe": _deepseek_moe_rules,
+    "relu2_moe": _deepseek_moe_rules,
 }
 
 

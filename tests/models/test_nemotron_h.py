@@ -1,5 +1,5 @@
-"""Nemotron-H (Mamba2 / attention / MLP single-block layers) in tree mode equals the per-path
-baseline: PPO loss and gradients, with both tree scans of the Mamba2 state (the log-probs against
+"""Nemotron-H (Mamba2 / MoE / attention / MLP single-block layers) in tree mode equals the
+per-path baseline: PPO loss and gradients, with both tree scans of the Mamba2 state (the log-probs against
 transformers per path: tests/hf/test_hf_nemotron_h.py); the layer kinds' sharding rules and FLOPs,
 the memory plan, and redundancy-free parts.
 
@@ -91,7 +91,11 @@ def test_sharding_rules_split_mamba2_groups_over_the_model_axis():
     for vector in ("['dt_bias']", "['A_log']", "['D']", "['norm']['weight']",
                    "['conv1d']['bias']"):
         assert flat[f"{mixer}{vector}.value"] == P("model"), vector
-    assert flat["['model']['layers'][2]['mlp']['up_proj']['kernel'].value"] == P("fsdp", "model")
+    assert flat["['model']['layers'][3]['mlp']['up_proj']['kernel'].value"] == P("fsdp", "model")
+    moe = "['model']['layers'][1]['mlp']"  # expert parallel, the router replicated
+    assert flat[f"{moe}['experts']['up_proj'].value"] == P("model", "fsdp", None)
+    assert flat[f"{moe}['gate']['e_score_correction_bias'].value"] == P()
+    assert flat[f"{moe}['shared_expert']['down_proj']['kernel'].value"] == P("model", "fsdp")
     with pytest.raises(ValueError, match=r"mesh.model=4 .*n_groups \(2"):
         param_rules(CONFIG, 4)
 
@@ -135,8 +139,9 @@ def test_flops_count_each_single_block_layer_once():
     mamba = d * (2 * inner + 2 * gn + h) + inner * d + 2 * h * 8 * 6
     attention = d * 32 + 2 * d * 16 + 32 * d
     mlp = 2 * d * 48
+    moe = d * 4 + 2 * d * (2 * 16 + 24)  # router, 2 of 4 experts and the shared expert, no gates
     flops = FlopModel.for_config(CONFIG)
-    assert flops.per_token == 3.0 * 2.0 * (mamba + attention + mlp)
+    assert flops.per_token == 3.0 * 2.0 * (mamba + attention + mlp + moe)
     assert flops.per_pair == 3.5 * 4.0 * 32  # the one attention layer
 
 
