@@ -145,7 +145,7 @@ def test_flops_count_each_single_block_layer_once():
     assert flops.per_pair == 3.5 * 4.0 * 32  # the one attention layer
 
 
-BLOCK = ["linear_attention", "mlp", "full_attention", "mlp"]
+BLOCK = ["linear_attention", "moe", "full_attention", "mlp"]
 MEMORY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=256",
           "data.micro_batches=1", "data.gdn_chunk_size=32", "mesh.data=1",
           f"model.layers_block_type={json.dumps(BLOCK * 3)}"]
@@ -156,13 +156,17 @@ def test_memory_plan_cuts_the_layer_list_by_whole_blocks():
     assert layer_block(cfg.layer_types) == 4
     cut = load_config("configs/tiny_nemotron_h.yaml", [*MEMORY, depth_override(cfg, 8)])
     assert cut.model.config.layers_block_type == tuple(BLOCK * 2)
+    irregular = [*MEMORY, 'model.layers_block_type=["linear_attention", "moe", "linear_attention", '
+                 '"full_attention", "moe"]']
+    with pytest.raises(ValueError, match="do not repeat a block"):
+        memory_plan("configs/tiny_nemotron_h.yaml", irregular)
 
 
 @pytest.mark.slow
 def test_memory_plan_rule_predicts_a_third_compile():
-    """The memory plan of a Nemotron-H config (compiles at 1 and 2 blocks of [Mamba2, MLP,
-    attention, MLP]) predicts the compile at 3 blocks: the Mamba2 layers' activations grow with
-    depth like the others'."""
+    """The memory plan of a Nemotron-H config (compiles at 1 and 2 blocks of [Mamba2, MoE,
+    attention, MLP]) predicts the compile at 3 blocks: the Mamba2 and MoE layers' activations
+    grow with depth like the others'."""
     plan = memory_plan("configs/tiny_nemotron_h.yaml", MEMORY, depth_blocks=(1, 2))
     assert (plan.block, plan.layers) == (4, 12)
     actual = activations_and_temps(load_config("configs/tiny_nemotron_h.yaml", MEMORY), rows=1)
