@@ -2,8 +2,8 @@
 
 Run in a subprocess (`tests/step/test_mesh.py`): XLA_FLAGS must be set before jax creates its CPU
 (model `dense`, `moe`, `next`, `llama`, `qwen2`, `qwen3_5`, `qwen3_5_moe`, `gpt_oss`,
-`deepseek_v3`, `nemotron_h` (no tensor parallelism: its meshes have model 1) or `kimi_linear`; `dense_lora`: `dense`
-training LoRA adapters; `dense_critic` and
+`deepseek_v3`, `nemotron_h` or `kimi_linear`; `dense_lora`: `dense` training LoRA adapters;
+`dense_critic` and
 `dense_critic_model`: `dense` with PPO's critic, a value head or a separate smaller critic model;
 mesh data x fsdp x model, or data x fsdp x context x model; mode `cp`: the context-parallel trees
 of `cp_inputs`; objective `sft`, `ppo`, and with mode `cp` also `gspo` and `critic`: PPO with a
@@ -104,9 +104,9 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     full layers with sinks, experts with biases and the clamped SwiGLU) on the block-sparse
     `xla` kernel, whose block tables skip what the windows exclude; `deepseek_v3`
     (`deepseek_v3_a2a`: token dispatch) is DeepSeek-V3 (MLA with value heads narrower than q/k
-    heads, DeepSeekMoE) on the `xla` kernel; `nemotron_h` is Nemotron-H
-    (Mamba2, attention and MLP single-block layers); `kimi_linear` is Kimi-Linear (KDA and MLA
-    without RoPE, DeepSeekMoE) on the `xla` kernel."""
+    heads, DeepSeekMoE) on the `xla` kernel; `nemotron_h` (`nemotron_h_a2a`: token dispatch) is
+    Nemotron-H (Mamba2, MoE, attention and MLP single-block layers); `kimi_linear` is Kimi-Linear
+    (KDA and MLA without RoPE, DeepSeekMoE) on the `xla` kernel."""
     dispatch = "all_to_all" if kind.endswith("_a2a") else "psum"
     if kind in ("dense", "dense_cpu", "dense_tpu", "dense_lora", "dense_scan", "dense_xla",
                 "dense_critic", "dense_critic_model"):
@@ -131,8 +131,8 @@ def case_model(kind: str) -> tuple[str, Any, RuntimeConfig]:
     if kind in ("deepseek_v3", "deepseek_v3_a2a"):
         return "deepseek_v3", tiny_deepseek_v3_config(), tiny_runtime(attention_impl="xla",
                                                                       expert_dispatch=dispatch)
-    if kind == "nemotron_h":
-        return "nemotron_h", tiny_nemotron_h_config(), tiny_runtime()
+    if kind in ("nemotron_h", "nemotron_h_a2a"):
+        return "nemotron_h", tiny_nemotron_h_config(), tiny_runtime(expert_dispatch=dispatch)
     if kind == "kimi_linear":
         return "kimi_linear", tiny_kimi_linear_config(), tiny_runtime(attention_impl="xla")
     return "qwen3_next", tiny_next_config(), tiny_runtime(expert_dispatch=dispatch)

@@ -153,13 +153,17 @@ def tiny_next_config(**overrides) -> Qwen3NextConfig:
     return Qwen3NextConfig(**dict(TINY_NEXT, **overrides))
 
 
-# Nemotron-H's three single-block layers, 4 Mamba2 heads in 2 groups, biases on the Mamba2
-# projections and conv, dt floored at 0.01.
+# Nemotron-H's four single-block layers (Mamba2, MoE, attention, MLP), 4 Mamba2 heads in 2
+# groups, biases on the Mamba2 projections and conv, dt floored at 0.01; the MoE layer's 4
+# squared-ReLU experts in 2 groups of which 1 is eligible, top 2, and a shared expert.
 TINY_NEMOTRON_H = {
     "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 8, "intermediate_size": 48, "ssm_state_size": 8, "mamba_num_heads": 4,
     "mamba_head_dim": 6, "n_groups": 2, "conv_kernel": 4, "use_bias": True,
-    "time_step_min": 0.01, "layers_block_type": ("linear_attention", "full_attention", "mlp")}
+    "time_step_min": 0.01, "num_experts": 4, "n_group": 2, "topk_group": 1,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 16, "moe_shared_expert_intermediate_size": 24,
+    "routed_scaling_factor": 2.0,
+    "layers_block_type": ("linear_attention", "moe", "full_attention", "mlp")}
 
 
 def tiny_nemotron_h_config(**overrides) -> NemotronHConfig:

@@ -30,7 +30,8 @@ Mixer = Literal["attention", "sliding_attention", "gated_attention", "gated_delt
 GdnProjections = Literal["qkvz_ba", "qkv_z_b_a"]
 
 
-FeedForward = Literal["mlp", "moe", "moe_shared", "deepseek_moe", "relu2_mlp", "none"]
+FeedForward = Literal["mlp", "moe", "moe_shared", "deepseek_moe", "relu2_mlp", "relu2_moe",
+                      "none"]
 
 
 MIXERS: tuple[Mixer, ...] = ("attention", "sliding_attention", "gated_attention",
@@ -38,11 +39,11 @@ MIXERS: tuple[Mixer, ...] = ("attention", "sliding_attention", "gated_attention"
 
 
 FEED_FORWARDS: tuple[FeedForward, ...] = ("mlp", "moe", "moe_shared", "deepseek_moe", "relu2_mlp",
-                                          "none")
+                                          "relu2_moe", "none")
 
 
 # The feed-forwards that route tokens to experts (router statistics, routing replay).
-MOE_FEED_FORWARDS: tuple[FeedForward, ...] = ("moe", "moe_shared", "deepseek_moe")
+MOE_FEED_FORWARDS: tuple[FeedForward, ...] = ("moe", "moe_shared", "deepseek_moe", "relu2_moe")
 
 def attention_head_dims(cfg: Any) -> tuple[int, int]:
     """(query/key, value) head dims of the attention layers of architecture config `cfg`, what
@@ -466,10 +467,23 @@ class GptOssConfig(DenseConfig):
                                    else "attention", "moe") for t in self.layer_types))
 
 
-class MlaMoeFields:
+class WithoutRouterLoss:
+    """The MoE architectures whose transformers model adds no router loss (DeepSeek-V3 balances
+    with its selection bias; Nemotron 3 and Kimi-Linear likewise): `output_router_logits` is
+    always false."""
+
+    @property
+    def output_router_logits(self) -> bool:
+        return False
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        return 0.0
+
+
+class MlaMoeFields(WithoutRouterLoss):
     """The derived fields of the MLA + DeepSeekMoE configs (DeepSeek-V3, Kimi-Linear), mixed into
-    a config holding their HF fields. There is no router loss (HF computes none; DeepSeek
-    balances with the selection bias)."""
+    a config holding their HF fields."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -481,29 +495,26 @@ class MlaMoeFields:
     def shared_expert_intermediate_size(self) -> int:
         return self.n_shared_experts * self.moe_intermediate_size
 
-    @property
-    def output_router_logits(self) -> bool:
-        return False
-
-    @property
-    def router_aux_loss_coef(self) -> float:
-        return 0.0
-
 
 def check_mla_and_group_routing(cfg: Any) -> None:
     """The checks shared by the MLA + DeepSeekMoE configs (DeepSeek-V3, Kimi-Linear): one key
-    and value head per query head, and group-limited routing shapes that leave enough experts."""
+    and value head per query head, and `check_group_limited_routing`."""
     if cfg.num_key_value_heads != cfg.num_attention_heads:
         raise ValueError(f"num_key_value_heads ({cfg.num_key_value_heads}) must equal "
                          f"num_attention_heads ({cfg.num_attention_heads}): MLA expands "
                          "its latent into one key and value per query head")
+    check_group_limited_routing(cfg)
+
+
+def check_group_limited_routing(cfg: Any) -> None:
+    """The group-limited router's fields (`jtree.models.moe.GroupLimitedRouter`: DeepSeek-V3's,
+    Kimi-Linear's, Nemotron 3's) fit their expert count."""
     if cfg.num_experts % cfg.n_group or cfg.num_experts // cfg.n_group < 2:
         raise ValueError(f"n_group ({cfg.n_group}) must divide n_routed_experts "
                          f"({cfg.num_experts}) into groups of at least 2 experts (a "
                          "group's score is the sum of its two best)")
     if not 1 <= cfg.topk_group <= cfg.n_group:
-        raise ValueError(f"topk_group ({cfg.topk_group}) must be in [1, n_group="
-                         f"{cfg.n_group}]")
+        raise ValueError(f"topk_group ({cfg.topk_group}) must be in [1, n_group={cfg.n_group}]")
     eligible = cfg.topk_group * (cfg.num_experts // cfg.n_group)
     if not 1 <= cfg.num_experts_per_tok <= eligible:
         raise ValueError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) must be in [1, "
@@ -588,22 +599,30 @@ class DeepseekV3Config(MlaMoeFields):
 
 
 # Nemotron-H's layer types (transformers 5 `layers_block_type`; the Hub's older
-# `hybrid_override_pattern` letters M, *, - in `jtree.models.architectures.nemotron_h`) and their
-# layer kinds. Its MoE layers ("moe", E) are not supported yet.
+# `hybrid_override_pattern` letters M, *, -, E in `jtree.models.architectures.nemotron_h`) and
+# their layer kinds.
 NEMOTRON_H_LAYER_KINDS: dict[str, LayerKind] = {
     "linear_attention": LayerKind("mamba2", "none"),
     "full_attention": LayerKind("attention", "none"),
     "mlp": LayerKind("none", "relu2_mlp"),
+    "moe": LayerKind("none", "relu2_moe"),
 }
 
 
 @dataclasses.dataclass(frozen=True)
-class NemotronHConfig:
+class NemotronHConfig(WithoutRouterLoss):
     """Nemotron-H (HF `NemotronHForCausalLM`): a stack of single-block layers, each one RMSNorm
     and one residual branch of a Mamba2 mixer (`jtree.models.mamba2`), GQA attention without
-    RoPE, biases or q/k norm, or a non-gated MLP with squared-ReLU (`layers_block_type`). Field
-    names are HF's; `num_hidden_layers` is the length of `layers_block_type`, as in
-    transformers 5."""
+    RoPE, biases or q/k norm, a non-gated MLP with squared-ReLU, or (Nemotron 3) a MoE block
+    ("relu2_moe", `jtree.models.moe`) (`layers_block_type`). Field names are HF's but for
+    `num_experts` (HF `n_routed_experts`); `num_hidden_layers` is the length of
+    `layers_block_type`, as in transformers 5.
+
+    The MoE block is DeepSeekMoE's routing (`GroupLimitedRouter`: sigmoid scores, the selection
+    bias `e_score_correction_bias`, `n_group` / `topk_group`, `norm_topk_prob`,
+    `routed_scaling_factor`) over squared-ReLU experts without a gate (up, down), plus one
+    always-on squared-ReLU shared expert of `moe_shared_expert_intermediate_size`. transformers
+    computes no router loss for it, so `output_router_logits` is always false."""
 
     vocab_size: int = within(AT_LEAST_ONE, 512)
     hidden_size: int = within(AT_LEAST_ONE, 64)
@@ -628,6 +647,15 @@ class NemotronHConfig:
     # transformers' chunk length of its Mamba2 scan: it changes transformers' rounding, not the
     # math, so jtree keeps it only to write it back (its own chunks: `gdn_chunk_size`)
     chunk_size: int = within(AT_LEAST_ONE, 128)
+    # the MoE layers' (read only where layers_block_type has "moe")
+    num_experts: int = within(AT_LEAST_ONE, 8)
+    num_experts_per_tok: int = within(AT_LEAST_ONE, 2)
+    moe_intermediate_size: int = within(AT_LEAST_ONE, 32)
+    moe_shared_expert_intermediate_size: int = within(AT_LEAST_ONE, 32)
+    n_group: int = within(AT_LEAST_ONE, 1)
+    topk_group: int = within(AT_LEAST_ONE, 1)
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = within(POSITIVE, 1.0)
 
     def __post_init__(self) -> None:
         check_domains(self)
@@ -637,18 +665,27 @@ class NemotronHConfig:
         for i, t in enumerate(self.layers_block_type):
             if t not in NEMOTRON_H_LAYER_KINDS:
                 raise ValueError(f"layers_block_type[{i}]: {t!r} is not one of "
-                                 f"{tuple(NEMOTRON_H_LAYER_KINDS)} (MoE layers are not supported "
-                                 "yet)")
+                                 f"{tuple(NEMOTRON_H_LAYER_KINDS)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_key_value_heads ({self.num_key_value_heads}) must divide "
                              f"num_attention_heads ({self.num_attention_heads})")
         if self.mamba_num_heads % self.n_groups:
             raise ValueError(f"n_groups ({self.n_groups}) must divide mamba_num_heads "
                              f"({self.mamba_num_heads})")
+        if "moe" in self.layers_block_type:
+            check_group_limited_routing(self)
+            if self.mlp_bias:
+                raise ValueError("mlp_bias: the MoE layers' shared expert takes no biases in "
+                                 "jtree (only without MoE layers)")
 
     @property
     def num_hidden_layers(self) -> int:
         return len(self.layers_block_type)
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        """The shared expert's width under the name the MoE block reads."""
+        return self.moe_shared_expert_intermediate_size
 
     @property
     def layer_types(self) -> tuple[str, ...]:

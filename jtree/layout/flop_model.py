@@ -94,8 +94,9 @@ def _layer_macs(cfg: Any, kind: LayerKind) -> tuple[float, float]:
     (for a sliding-window layer, per pair inside the window: `FlopModel.per_window_token`).
     Gated DeltaNet and Kimi Delta Attention: their projections and the per-token state update,
     no pairs. Mamba2: in_proj, out_proj and the state update and read-out (2 x heads x state x
-    head dim), no pairs. Dense SwiGLU: gate/up/down; squared-ReLU MLP: up/down. MoE: the router and the
-    `num_experts_per_tok` experts a token visits, plus the shared expert and its gate. A "none"
+    head dim), no pairs. Dense SwiGLU: gate/up/down; squared-ReLU MLP: up/down. MoE: the router
+    and the `num_experts_per_tok` experts a token visits, plus the shared expert and its gate
+    (Nemotron 3's squared-ReLU experts and shared expert: up/down, no gates). A "none"
     half (Nemotron-H's single-block layers) costs nothing.
     """
     d = cfg.hidden_size
@@ -129,6 +130,11 @@ def _layer_macs(cfg: Any, kind: LayerKind) -> tuple[float, float]:
         return token + 3.0 * d * cfg.intermediate_size, pair
     if kind.ffn == "relu2_mlp":
         return token + 2.0 * d * cfg.intermediate_size, pair
+    if kind.ffn == "relu2_moe":  # up/down experts and shared expert, no gates
+        token += d * cfg.num_experts + 2.0 * d * (
+            cfg.num_experts_per_tok * cfg.moe_intermediate_size
+            + cfg.shared_expert_intermediate_size)
+        return token, pair
     token += d * cfg.num_experts + cfg.num_experts_per_tok * 3.0 * d * cfg.moe_intermediate_size
     if kind.ffn == "moe_shared":
         token += 3.0 * d * cfg.shared_expert_intermediate_size + d

@@ -202,6 +202,10 @@ def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
             f"depth_blocks: {depth_blocks} must be two different depths >= {lowest}"
             + (" with runtime.scan_layers (a stack of one block is not scanned)"
                if scanned else ""))
+    if block == layers - leading and block > 1:
+        raise ValueError(f"{config}: the layer kinds (model.layer_types or layers_block_type) do "
+                         "not repeat a block, which the plan's depth rule needs (a list such as "
+                         "Nemotron 3 Nano's has no memory plan)")
     if leading + max(depth_blocks) * block > layers:
         raise ValueError(f"{config}: model.num_hidden_layers={layers} is below the compiled depth "
                          f"{leading + max(depth_blocks) * block}")

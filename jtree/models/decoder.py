@@ -5,7 +5,9 @@ Each layer's kind comes from the architecture config (`config.decoder()`, a `Dec
 token mixer is attention (Qwen3), sliding-window attention (gpt-oss), gated attention
 (Qwen3-Next), multi-head latent attention (DeepSeek-V3, `jtree.models.mla`), a Gated
 DeltaNet, Mamba2 or Kimi Delta Attention (Kimi-Linear, `jtree.models.kda`), its feed-forward a
-dense SwiGLU, a sparse MoE block, a MoE block with a gated shared expert, or DeepSeekMoE (group-limited sigmoid router, ungated shared experts). Module and
+dense SwiGLU, a sparse MoE block, a MoE block with a gated shared expert, DeepSeekMoE
+(group-limited sigmoid router, ungated shared experts) or Nemotron 3's MoE (that router over
+squared-ReLU experts without a gate). Module and
 parameter names mirror Hugging Face's `*ForCausalLM` (`model.layers.N.self_attn.q_proj`,
 `...linear_attn.in_proj_qkvz` or `in_proj_qkv`, `...mlp.experts.gate_up_proj`; NNX `kernel` is
 HF `weight` transposed), so checkpoints map by name.
@@ -86,16 +88,17 @@ def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, spec: Decod
         return SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=spec.mlp_bias, **kw)
     if ffn == "relu2_mlp":
         return ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, bias=spec.mlp_bias, **kw)
-    deepseek = ffn == "deepseek_moe"  # its group-limited router, its shared experts ungated
+    # DeepSeekMoE and Nemotron 3's: the group-limited router, the shared experts ungated
+    deepseek = ffn in ("deepseek_moe", "relu2_moe")
     return SparseMoeBlock(
         cfg.hidden_size, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
         moe_intermediate=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
         shared_intermediate=(cfg.shared_expert_intermediate_size
-                             if ffn in ("moe_shared", "deepseek_moe") else None),
+                             if ffn in ("moe_shared", "deepseek_moe", "relu2_moe") else None),
         expert_dispatch=runtime.expert_dispatch, router_bias=spec.router_bias,
         expert_bias=spec.expert_bias, clamp=spec.swiglu_clamp,
         grouped=(cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) if deepseek else None,
-        shared_gate=not deepseek, **kw)
+        shared_gate=not deepseek, relu2=ffn == "relu2_moe", **kw)
 
 
 class DecoderLayer(nnx.Module):

@@ -230,8 +230,15 @@ class ReluSquaredMLP(nnx.Module):
         self.tp_axis = tp_axis
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return row_parallel(self.down_proj, jnp.square(jax.nn.relu(self.up_proj(x))),
-                            self.tp_axis)
+        return row_parallel(self.down_proj, self._hidden(x), self.tp_axis)
+
+    def unreduced(self, x: jax.Array) -> jax.Array:
+        """This device's partial output, before the sum over `tp_axis` (as `SwiGLU.unreduced`:
+        Nemotron 3's shared expert inside the MoE block's sum)."""
+        return self.down_proj(self._hidden(x))
+
+    def _hidden(self, x: jax.Array) -> jax.Array:
+        return jnp.square(jax.nn.relu(self.up_proj(x)))
 
 
 # ---------------------------------------------------------------------- tensor-parallel hooks

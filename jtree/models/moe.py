@@ -3,13 +3,14 @@ shared expert `Qwen3NextSparseMoeBlock`) and the router load-balancing loss on t
 
 Parameters keep HF's names and layouts: `gate.weight` [E, hidden], `experts.gate_up_proj`
 [E, 2 * moe_intermediate, hidden] (gate rows first), `experts.down_proj` [E, hidden,
-moe_intermediate]. gpt-oss's block is the same module with a router bias, expert biases and the
-clamped SwiGLU; its HF tensors (`mlp.router`, gate/up interleaved, per-expert transposes) are
-mapped by its record (`jtree.models.architectures.gpt_oss`). Experts run dropless: the (token,
-expert) assignments are sorted by expert and multiplied with `jax.lax.ragged_dot`, so no token is
-ever dropped and the math equals HF's loop. Routing replay (docs/rl.md) hands the block the rollout
-engine's experts per token: the router then weighs those instead of its own top-k (`TopKRouter`),
-on every dispatch path below.
+moe_intermediate]; Nemotron 3's squared-ReLU experts have no gate (`experts.up_proj`
+[E, moe_intermediate, hidden]). gpt-oss's block is the same module with a router bias, expert
+biases and the clamped SwiGLU; its HF tensors (`mlp.router`, gate/up interleaved, per-expert
+transposes) are mapped by its record (`jtree.models.architectures.gpt_oss`). Experts run
+dropless: the (token, expert) assignments are sorted by expert and multiplied with
+`jax.lax.ragged_dot`, so no token is ever dropped and the math equals HF's loop. Routing replay
+(docs/rl.md) hands the block the rollout engine's experts per token: the router then weighs
+those instead of its own top-k (`TopKRouter`), on every dispatch path below.
 
 Load-balancing loss on a tree. HF (`load_balancing_loss_func` with the attention mask) pools all
 MoE layers and all non-padding tokens of the forward batch:
@@ -67,7 +68,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtree.kernels.precision import accumulation_dtype
-from jtree.models.layers import SwiGLU, linear
+from jtree.models.layers import ReluSquaredMLP, SwiGLU, linear
 
 
 class RouterStats(NamedTuple):
@@ -169,14 +170,21 @@ class Experts(nnx.Module):
     """E SwiGLU experts stored as 3-D tensors (HF `*Experts`). gpt-oss's form: `bias` adds
     `gate_up_proj_bias` [E, 2 * intermediate] (gate first, like the rows of gate_up_proj) and
     `down_proj_bias` [E, hidden]; `clamp` = (alpha, limit) replaces silu(gate) * up by the
-    clamped SwiGLU (`clamped_swiglu`)."""
+    clamped SwiGLU (`clamped_swiglu`). Nemotron 3's form (`relu2`): down(relu(up x)^2), no gate,
+    `up_proj` [E, intermediate, hidden] in place of gate_up_proj (HF `NemotronHExperts`)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, *, init_std: float,
                  param_dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False,
-                 clamp: tuple[float, float] | None = None):
+                 clamp: tuple[float, float] | None = None, relu2: bool = False):
         init = nnx.initializers.normal(init_std)
-        self.gate_up_proj = nnx.Param(
-            init(rngs.params(), (num_experts, 2 * intermediate, hidden), param_dtype))
+        if relu2:
+            self.up_proj = nnx.Param(
+                init(rngs.params(), (num_experts, intermediate, hidden), param_dtype))
+            self.gate_up_proj = nnx.data(None)
+        else:
+            self.gate_up_proj = nnx.Param(
+                init(rngs.params(), (num_experts, 2 * intermediate, hidden), param_dtype))
+            self.up_proj = nnx.data(None)
         self.down_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, intermediate), param_dtype))
         if bias:
             self.gate_up_proj_bias = nnx.Param(jnp.zeros((num_experts, 2 * intermediate),
@@ -192,7 +200,7 @@ class Experts(nnx.Module):
         parallel) this device holds experts [i * E_local, (i + 1) * E_local) and the sum runs over
         those only: the caller sums the partial outputs over `axis`."""
         n, k = top_e.shape
-        local = self.gate_up_proj.shape[0]  # experts stored on this device
+        local = self.down_proj.shape[0]  # experts stored on this device
         flat_e = top_e.reshape(-1)
         if axis is not None:
             flat_e = flat_e - jax.lax.axis_index(axis) * local
@@ -204,15 +212,19 @@ class Experts(nnx.Module):
         _, order = jax.lax.sort((key, jnp.arange(key.shape[0], dtype=key.dtype)), num_keys=1)
         token = order // k
         group_sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
+        w_in = self.gate_up_proj if self.up_proj is None else self.up_proj
         gate_up = jax.lax.ragged_dot(
-            x[token], jnp.swapaxes(self.gate_up_proj[...].astype(x.dtype), 1, 2), group_sizes)
+            x[token], jnp.swapaxes(w_in[...].astype(x.dtype), 1, 2), group_sizes)
         # each sorted row's expert (others' assignments: any local one, masked below)
         row_expert = jnp.minimum(key[order], local - 1)
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + self.gate_up_proj_bias[...].astype(x.dtype)[row_expert]
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        hidden = (jax.nn.silu(gate) * up if self.clamp is None
-                  else clamped_swiglu(gate, up, *self.clamp))
+        if self.up_proj is not None:
+            hidden = jnp.square(jax.nn.relu(gate_up))
+        else:
+            gate, up = jnp.split(gate_up, 2, axis=-1)
+            hidden = (jax.nn.silu(gate) * up if self.clamp is None
+                      else clamped_swiglu(gate, up, *self.clamp))
         y = jax.lax.ragged_dot(hidden, jnp.swapaxes(self.down_proj[...].astype(x.dtype), 1, 2),
                                group_sizes)
         if self.down_proj_bias is not None:
@@ -238,7 +250,7 @@ def dispatch_to_experts(experts: Experts, x: jax.Array, top_e: jax.Array, top_w:
     combined here. Unused slots carry expert id `local` (no expert), so they compute nothing."""
     t, k = top_e.shape
     devices = jax.lax.axis_size(axis)
-    local = experts.gate_up_proj.shape[0]
+    local = experts.down_proj.shape[0]
     capacity = t * min(k, local)  # a token has at most min(k, local) experts on one device
     flat_e = top_e.reshape(-1)
     dest = flat_e // local
@@ -261,7 +273,9 @@ class SparseMoeBlock(nnx.Module):
     """Router + experts, plus (Qwen3-Next) a shared SwiGLU expert scaled by sigmoid(shared gate).
     gpt-oss: `router_bias`, `expert_bias` and the experts' clamped SwiGLU (`clamp`, `Experts`).
     DeepSeekMoE: `grouped` = (n_group, topk_group, routed_scaling_factor) swaps in its router
-    (`GroupLimitedRouter`) and `shared_gate=False` adds the shared expert ungated.
+    (`GroupLimitedRouter`) and `shared_gate=False` adds the shared expert ungated. Nemotron 3:
+    that router and ungated shared expert, with `relu2` making the experts and the shared
+    expert squared-ReLU MLPs without a gate (`Experts`, `ReluSquaredMLP`).
     `tp_axis`: expert parallel over that mesh axis, the experts run as `expert_dispatch` says
     ("psum" or "all_to_all", module docstring)."""
 
@@ -271,7 +285,8 @@ class SparseMoeBlock(nnx.Module):
                  tp_axis: str | None = None, expert_dispatch: str = "psum",
                  router_bias: bool = False, expert_bias: bool = False,
                  clamp: tuple[float, float] | None = None,
-                 grouped: tuple[int, int, float] | None = None, shared_gate: bool = True):
+                 grouped: tuple[int, int, float] | None = None, shared_gate: bool = True,
+                 relu2: bool = False):
         kw = dict(init_std=init_std, param_dtype=param_dtype, rngs=rngs)
         if grouped is None:
             self.gate = TopKRouter(hidden, num_experts, top_k, norm_topk_prob, bias=router_bias,
@@ -285,12 +300,12 @@ class SparseMoeBlock(nnx.Module):
                                            n_group=n_group, topk_group=topk_group,
                                            scaling=scaling, **{**kw, "param_dtype": jnp.float32})
         self.experts = Experts(hidden, moe_intermediate, num_experts, bias=expert_bias,
-                               clamp=clamp, **kw)
+                               clamp=clamp, relu2=relu2, **kw)
         if shared_intermediate is None:
             self.shared_expert = self.shared_expert_gate = None
         else:
-            self.shared_expert = SwiGLU(hidden, shared_intermediate, dtype=dtype, tp_axis=tp_axis,
-                                        **kw)
+            self.shared_expert = (ReluSquaredMLP if relu2 else SwiGLU)(
+                hidden, shared_intermediate, dtype=dtype, tp_axis=tp_axis, **kw)
             self.shared_expert_gate = (linear(hidden, 1, bias=False, dtype=dtype, **kw)
                                        if shared_gate else None)
         self.tp_axis = tp_axis

@@ -6,8 +6,8 @@ fully sharded data parallelism (FSDP, ZeRO-3) also splits every parameter, its g
 optimizer state over `fsdp` (`fsdp_spec`), and the step gathers each decoder layer's weights
 right before the layer runs (`jtree.models.layers.call_layer`; docs/training.md, "Fully sharded
 data parallel"); tensor parallelism splits over `model`: Megatron-style attention heads, MLP
-columns, Gated DeltaNet heads and the vocabulary, and whole MoE experts (expert parallel). The
-model side of it is a small hook in the models (`RuntimeConfig.tensor_parallel_axis`;
+columns, Gated DeltaNet heads, Mamba2 groups and the vocabulary, and whole MoE experts (expert
+parallel). The model side of it is a small hook in the models (`RuntimeConfig.tensor_parallel_axis`;
 `row_parallel`, `vocab_parallel_embed`, `local_kv_heads` in `jtree.models.layers`, the expert
 split in `jtree.models.moe`). Parameter layouts come from rule
 lists (`param_rules`): ordered (regex over the '/'-joined parameter path, PartitionSpec) pairs,
@@ -168,7 +168,7 @@ def _moe_rules(cfg: Any, model: int) -> Rules:
     _divides("num_experts", cfg.num_experts, model)
     return [
         (r"mlp/gate/(weight|bias)$", P()),
-        (r"mlp/experts/(gate_up_proj|down_proj)$", P(MODEL, None, None)),
+        (r"mlp/experts/(gate_up_proj|up_proj|down_proj)$", P(MODEL, None, None)),
         (r"mlp/experts/(gate_up_proj|down_proj)_bias$", P(MODEL, None)),
     ]
 
@@ -196,8 +196,10 @@ def _mla_rules(cfg: Any, model: int) -> Rules:
 
 def _deepseek_moe_rules(cfg: Any, model: int) -> Rules:
     """DeepSeekMoE: expert parallel with a replicated router (weight and selection bias), its
-    ungated shared experts a Megatron SwiGLU."""
-    _divides("n_shared_experts * moe_intermediate_size", cfg.shared_expert_intermediate_size,
+    ungated shared experts a Megatron SwiGLU. Nemotron 3's MoE ("relu2_moe") alike: its
+    squared-ReLU experts (`up_proj`, no gate) split on the expert axis, its shared expert a
+    Megatron up/down pair (the SwiGLU's rules without a gate)."""
+    _divides("the shared experts' intermediate size", cfg.shared_expert_intermediate_size,
              model)
     return (_moe_rules(cfg, model) + [(r"mlp/gate/e_score_correction_bias$", P())]
             + _swiglu_rules("mlp/shared_expert"))
@@ -220,13 +222,22 @@ def _gated_deltanet_rules(cfg: Any, model: int) -> Rules:
 
 
 def _mamba2_rules(cfg: Any, model: int) -> Rules:
-    """Replicated (FSDP still shards them): the Mamba2 layer has no tensor-parallel split yet
-    (`jtree.models.mamba2`); its norm weight is the shared norm rule's."""
-    if model > 1:
-        raise ValueError(f"mesh.model={model} with mamba2 layers is not supported yet")
-    return [(r"mixer/(in_proj|out_proj)/(kernel|bias)$", P()),
-            (r"mixer/conv1d/(weight|bias)$", P()),
-            (r"mixer/(dt_bias|A_log|D)$", P())]
+    """B/C groups split, each with its heads (`jtree.models.mamba2`): in_proj and the conv are
+    held grouped (per group: [z | x | B | C | dt] columns, [x | B | C] channels), so a
+    contiguous split of their columns, channels and biases is whole groups of every component;
+    the per-head dt_bias, A_log, D and the per-group gated norm's weight split alike; out_proj
+    row-parallel (its bias added once after the sum)."""
+    if cfg.n_groups % model:
+        raise ValueError(f"mesh.model={model} must divide the Mamba2 n_groups ({cfg.n_groups}; "
+                         f"mamba_num_heads {cfg.mamba_num_heads}): tensor parallelism splits "
+                         "whole B/C groups with their heads")
+    return [(r"mixer/in_proj/kernel$", P(None, MODEL)),
+            (r"mixer/in_proj/bias$", P(MODEL)),
+            (r"mixer/conv1d/weight$", P(MODEL, None, None)),
+            (r"mixer/conv1d/bias$", P(MODEL)),
+            (r"mixer/(dt_bias|A_log|D|norm/weight)$", P(MODEL)),
+            (r"mixer/out_proj/kernel$", P(MODEL, None)),
+            (r"mixer/out_proj/bias$", P())]
 
 
 def _kda_rules(cfg: Any, model: int) -> Rules:
@@ -262,6 +273,7 @@ LAYER_KIND_RULES: dict[str, Callable[[Any, int], Rules]] = {
     "moe": _moe_rules,
     "moe_shared": _shared_expert_moe_rules,
     "deepseek_moe": _deepseek_moe_rules,
+    "relu2_moe": _deepseek_moe_rules,
 }
 
 

@@ -1,5 +1,5 @@
-"""Nemotron-H (Mamba2 / attention / MLP single-block layers) in tree mode equals the per-path
-baseline: PPO loss and gradients, with both tree scans of the Mamba2 state (the log-probs against
+"""Nemotron-H (Mamba2 / MoE / attention / MLP single-block layers) in tree mode equals the
+per-path baseline: PPO loss and gradients, with both tree scans of the Mamba2 state (the log-probs against
 transformers per path: tests/hf/test_hf_nemotron_h.py); the layer kinds' sharding rules and FLOPs,
 the memory plan, and redundancy-free parts.
 
@@ -11,6 +11,7 @@ inside nodes. Every parameter is perturbed (conv bias, D, dt_bias, the gated nor
 import json
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 from hypothesis import given, settings
@@ -23,6 +24,10 @@ from jtree.layout.baseline import linearize_baseline
 from jtree.layout.flop_model import FlopModel
 from jtree.layout.linearize import linearize
 from jtree.memory.plan import activations_and_temps, depth_override, layer_block, memory_plan
+from jtree.models.architectures.nemotron_h import (
+    grouped_conv_channels,
+    grouped_in_proj_columns,
+)
 from jtree.parallel.sharding import AXES, param_rules, param_specs
 from tests.memory.test_memory_plan import assert_rule_predicts
 from tests.models_util import (
@@ -68,16 +73,56 @@ def test_ppo_loss_and_grads_equal_baseline(trees, scan):
     assert_loss_and_grads_match(graphdef, params, tree_in, base_in, PPO)
 
 
-def test_sharding_rules_cover_every_parameter_and_refuse_tensor_parallel():
+def test_sharding_rules_split_mamba2_groups_over_the_model_axis():
+    """Every parameter has a rule on a FSDP x model mesh; the Mamba2 weights split by group
+    (in_proj column-parallel, out_proj row-parallel, the per-head and per-channel vectors with
+    their groups); a model axis that does not divide n_groups is refused by name."""
     _, params = nnx.split(tiny_lm(CONFIG), nnx.Param)
-    mesh = AbstractMesh((1, 2, 1, 1), AXES)  # FSDP over 2: the Mamba2 weights are split by it
-    specs = param_specs(params, param_rules(CONFIG, 1), mesh)
+    mesh = AbstractMesh((1, 2, 1, 2), AXES)
+    specs = param_specs(params, param_rules(CONFIG, 2), mesh)
     flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(
         specs, is_leaf=lambda x: isinstance(x, P))}
-    assert flat["['model']['layers'][0]['mixer']['in_proj']['kernel'].value"] == P("fsdp", None)
-    assert flat["['model']['layers'][2]['mlp']['up_proj']['kernel'].value"] == P("fsdp", "model")
-    with pytest.raises(ValueError, match="mesh.model=2 with mamba2 layers"):
-        param_rules(CONFIG, 2)
+    mixer = "['model']['layers'][0]['mixer']"
+    assert flat[f"{mixer}['in_proj']['kernel'].value"] == P("fsdp", "model")
+    assert flat[f"{mixer}['in_proj']['bias'].value"] == P("model")
+    assert flat[f"{mixer}['conv1d']['weight'].value"] == P("model", None, "fsdp")
+    assert flat[f"{mixer}['out_proj']['kernel'].value"] == P("model", "fsdp")
+    assert flat[f"{mixer}['out_proj']['bias'].value"] == P()
+    for vector in ("['dt_bias']", "['A_log']", "['D']", "['norm']['weight']",
+                   "['conv1d']['bias']"):
+        assert flat[f"{mixer}{vector}.value"] == P("model"), vector
+    assert flat["['model']['layers'][3]['mlp']['up_proj']['kernel'].value"] == P("fsdp", "model")
+    moe = "['model']['layers'][1]['mlp']"  # expert parallel, the router replicated
+    assert flat[f"{moe}['experts']['up_proj'].value"] == P("model", "fsdp", None)
+    assert flat[f"{moe}['gate']['e_score_correction_bias'].value"] == P()
+    assert flat[f"{moe}['shared_expert']['down_proj']['kernel'].value"] == P("model", "fsdp")
+    with pytest.raises(ValueError, match=r"mesh.model=4 .*n_groups \(2"):
+        param_rules(CONFIG, 4)
+
+
+def test_grouped_layout_gives_each_shard_whole_groups_of_every_component():
+    """Written from HF's row order ([z | x | B | C | dt], heads and groups in order): the HF
+    rows behind each contiguous half of jtree's in_proj columns (and of its conv channels) are
+    exactly group i's: its heads' z, x and dt rows and its B and C rows, each component in HF
+    order."""
+    cfg = tiny_nemotron_h_config(mamba_num_heads=8, n_groups=4)
+    h, p, n, g = 8, cfg.mamba_head_dim, cfg.ssm_state_size, 4
+    inner, per = h * p, h // g
+    for model in (2, 4):
+        columns = np.split(grouped_in_proj_columns(cfg), model)
+        channels = np.split(grouped_conv_channels(cfg), model)
+        for i in range(model):
+            groups = range(i * g // model, (i + 1) * g // model)
+            heads = [head for q in groups for head in range(q * per, (q + 1) * per)]
+            x = [inner + head * p + j for head in heads for j in range(p)]
+            b = [2 * inner + q * n + j for q in groups for j in range(n)]
+            c = [2 * inner + g * n + q * n + j for q in groups for j in range(n)]
+            dt = [2 * inner + 2 * g * n + head for head in heads]
+            z = [head * p + j for head in heads for j in range(p)]
+            assert sorted(columns[i]) == sorted(z + x + b + c + dt)
+            assert sorted(channels[i]) == sorted(v - inner for v in x + b + c)
+            for component in (z, x, b, c, dt):  # each component in HF's order within the shard
+                assert [v for v in columns[i] if v in set(component)] == component
 
 
 @pytest.mark.slow  # about 40 s of compiles on 2 cores
@@ -94,12 +139,13 @@ def test_flops_count_each_single_block_layer_once():
     mamba = d * (2 * inner + 2 * gn + h) + inner * d + 2 * h * 8 * 6
     attention = d * 32 + 2 * d * 16 + 32 * d
     mlp = 2 * d * 48
+    moe = d * 4 + 2 * d * (2 * 16 + 24)  # router, 2 of 4 experts and the shared expert, no gates
     flops = FlopModel.for_config(CONFIG)
-    assert flops.per_token == 3.0 * 2.0 * (mamba + attention + mlp)
+    assert flops.per_token == 3.0 * 2.0 * (mamba + attention + mlp + moe)
     assert flops.per_pair == 3.5 * 4.0 * 32  # the one attention layer
 
 
-BLOCK = ["linear_attention", "mlp", "full_attention", "mlp"]
+BLOCK = ["linear_attention", "moe", "full_attention", "mlp"]
 MEMORY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=256",
           "data.micro_batches=1", "data.gdn_chunk_size=32", "mesh.data=1",
           f"model.layers_block_type={json.dumps(BLOCK * 3)}"]
@@ -110,13 +156,17 @@ def test_memory_plan_cuts_the_layer_list_by_whole_blocks():
     assert layer_block(cfg.layer_types) == 4
     cut = load_config("configs/tiny_nemotron_h.yaml", [*MEMORY, depth_override(cfg, 8)])
     assert cut.model.config.layers_block_type == tuple(BLOCK * 2)
+    irregular = [*MEMORY, 'model.layers_block_type=["linear_attention", "moe", "linear_attention", '
+                 '"full_attention", "moe"]']
+    with pytest.raises(ValueError, match="do not repeat a block"):
+        memory_plan("configs/tiny_nemotron_h.yaml", irregular)
 
 
 @pytest.mark.slow
 def test_memory_plan_rule_predicts_a_third_compile():
-    """The memory plan of a Nemotron-H config (compiles at 1 and 2 blocks of [Mamba2, MLP,
-    attention, MLP]) predicts the compile at 3 blocks: the Mamba2 layers' activations grow with
-    depth like the others'."""
+    """The memory plan of a Nemotron-H config (compiles at 1 and 2 blocks of [Mamba2, MoE,
+    attention, MLP]) predicts the compile at 3 blocks: the Mamba2 and MoE layers' activations
+    grow with depth like the others'."""
     plan = memory_plan("configs/tiny_nemotron_h.yaml", MEMORY, depth_blocks=(1, 2))
     assert (plan.block, plan.layers) == (4, 12)
     actual = activations_and_temps(load_config("configs/tiny_nemotron_h.yaml", MEMORY), rows=1)
