@@ -257,6 +257,26 @@ def test_mtp_layer_skipped_without_mtp_modules(checkpoint, mtp_checkpoint, tmp_p
         jtree.hf.load(stray, tiny_runtime())
 
 
+def test_mtp_layer_of_a_tied_model_round_trips(mtp_checkpoint, tmp_path):
+    """With `tie_word_embeddings` the head is the embedding, and so is the MTP layer's copy of
+    the head: it is checked against, and saved from, the embedding (no `lm_head.weight`)."""
+    path, _, prefix, _, _ = mtp_checkpoint
+
+    def tie(t):
+        del t["lm_head.weight"]
+        t[prefix + "shared_head.head.weight"] = t["model.embed_tokens.weight"].copy()
+
+    tied = copy_checkpoint(path, tmp_path / "tied", edit_tensors=tie,
+                           edit_config=lambda c: c.update(tie_word_embeddings=True))
+    tensors = load_file(str(tied / SINGLE_FILE))
+    config, model = jtree.hf.load(tied, tiny_runtime(), mtp_depth=1)
+    jtree.hf.save(model, config, tmp_path / "saved")
+    saved = load_file(str(tmp_path / "saved" / SINGLE_FILE))
+    assert saved.keys() == tensors.keys()
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(saved[name], value, err_msg=name)
+
+
 @pytest.mark.parametrize("copy", sorted(MTP_COPIES))
 def test_mtp_layer_copy_that_differs_is_refused(mtp_checkpoint, tmp_path, copy):
     """The MTP layer's embedding and head must be the main ones (jtree's MTP modules use the
