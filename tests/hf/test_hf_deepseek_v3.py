@@ -29,9 +29,9 @@ transformers = pytest.importorskip("transformers")
 
 import jtree.hf  # noqa: E402
 from jtree.config.architectures import DeepseekV3Config, YarnRopeScaling  # noqa: E402
-from jtree.hf.safetensors_io import SINGLE_FILE  # noqa: E402
-from jtree.layout.linearize import linearize, unlinearize  # noqa: E402
-from jtree.models import CausalLM  # noqa: E402
+from jtree.hf.safetensors_io import SINGLE_FILE
+from jtree.layout.linearize import linearize, unlinearize
+from jtree.models import CausalLM
 from tests.hf_path_checks import (  # noqa: E402
     assert_from_pretrained_gives_the_same_model,
     assert_ppo_gradients_equal_per_path,
