@@ -339,7 +339,8 @@ def test_mtp_depth_two_is_refused(mtp_checkpoint, tmp_path):
     path, _, _, config, _ = mtp_checkpoint
     with pytest.raises(ValueError, match="mtp_depth: 2 > 1.*own fc"):
         jtree.hf.load(path, tiny_runtime(), mtp_depth=2)
-    deeper = CausalLM(config, tiny_runtime(), rngs=nnx.Rngs(0), mtp_depth=2)
+    deeper = nnx.eval_shape(lambda: CausalLM(config, tiny_runtime(), rngs=nnx.Rngs(0),
+                                              mtp_depth=2))  # refused before any weight is read
     with pytest.raises(ValueError, match="mtp_depth: 2 > 1"):
         jtree.hf.save(deeper, config, tmp_path)
 
