@@ -231,15 +231,20 @@ def test_mtp_layer_loads_where_its_names_say(checkpoint, mtp_checkpoint, tmp_pat
 
 def test_mtp_layer_saves_back_bit_exact(mtp_checkpoint, tmp_path):
     """load -> save writes every tensor of the checkpoint, the MTP layer's copies of the
-    embedding and head included, bit for bit, and config.json counts one MTP layer."""
-    _, tensors, _, config, model = mtp_checkpoint
-    jtree.hf.save(model, config, tmp_path)
-    saved = load_file(str(tmp_path / SINGLE_FILE))
+    embedding and head included, bit for bit, and config.json counts one MTP layer; a scanned
+    model (the shipped 671B config scans) loads and saves the same files."""
+    path, tensors, _, config, model = mtp_checkpoint
+    jtree.hf.save(model, config, tmp_path / "a")
+    saved = load_file(str(tmp_path / "a" / SINGLE_FILE))
     assert saved.keys() == tensors.keys()
     for name, value in tensors.items():
         np.testing.assert_array_equal(saved[name], value, err_msg=name)
-    assert json.loads((tmp_path / "config.json").read_text())["num_mtp_layers"] == 1
-    assert jtree.hf.mtp_depth_in(tmp_path) == 1
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["num_mtp_layers"] == 1
+    assert jtree.hf.mtp_depth_in(tmp_path / "a") == 1
+    _, scanned = jtree.hf.load(path, tiny_runtime(scan_layers=True), mtp_depth=1)
+    jtree.hf.save(scanned, config, tmp_path / "b")
+    assert ({f.name: f.read_bytes() for f in (tmp_path / "b").iterdir()}
+            == {f.name: f.read_bytes() for f in (tmp_path / "a").iterdir()})
 
 
 def test_mtp_layer_skipped_without_mtp_modules(checkpoint, mtp_checkpoint, tmp_path):
