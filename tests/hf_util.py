@@ -103,14 +103,47 @@ MTP_EXTRA = {"mtp.fc.weight": "fc", "mtp.norm.weight": "norm",
              "mtp.pre_fc_norm_embedding.weight": "embedding"}
 
 
+def _with_random_mtp(tensors: dict, layer_prefix: str, extras: list[str], fc: str, hidden: int,
+                     seed: int) -> None:
+    """Add random MTP tensors: the last decoder layer's tensors renamed to `layer_prefix`, the
+    fc `fc` [hidden, 2 hidden] and the norms `extras` [hidden]."""
+    rng = np.random.default_rng(seed)
+    last = decoder_layers(tensors) - 1
+    for name in [n for n in tensors if n.startswith(f"model.layers.{last}.")]:
+        tensors[name.replace(f"model.layers.{last}.", layer_prefix)] = rng.normal(
+            size=tensors[name].shape).astype(np.float32)
+    for name in extras:
+        tensors[name] = rng.normal(size=(hidden, 2 * hidden) if name == fc else (hidden,)
+                                   ).astype(np.float32)
+
+
+def decoder_layers(tensors: dict) -> int:
+    """How many decoder layers `model.layers.N` the checkpoint's tensors hold."""
+    return 1 + max(int(n.split(".")[2]) for n in tensors if n.startswith("model.layers."))
+
+
 def with_mtp_tensors(tensors: dict, hidden: int, seed: int = 5) -> None:
     """Add random Hub-named MTP tensors: the last (full-attention) layer's tensors renamed to
     `mtp.layers.0.`, and the fc [hidden, 2 hidden] and three norms."""
-    rng = np.random.default_rng(seed)
-    last = max(int(n.split(".")[2]) for n in tensors if n.startswith("model.layers."))
-    for name in [n for n in tensors if n.startswith(f"model.layers.{last}.")]:
-        tensors[name.replace(f"model.layers.{last}.", "mtp.layers.0.")] = rng.normal(
-            size=tensors[name].shape).astype(np.float32)
-    for name in MTP_EXTRA:
-        shape = (hidden, 2 * hidden) if name == "mtp.fc.weight" else (hidden,)
-        tensors[name] = rng.normal(size=shape).astype(np.float32)
+    _with_random_mtp(tensors, "mtp.layers.0.", list(MTP_EXTRA), "mtp.fc.weight", hidden, seed)
+
+
+# DeepSeek-V3's MTP module is one more decoder layer, `model.layers.{num_hidden_layers}.`, with
+# these tensors (HF name under that prefix -> jtree's `mtp.` module) beside the layer's own, and
+# copies of the main embedding and head (`embed_tokens`, `shared_head.head`): the DeepSeek-V3
+# repository's README_WEIGHTS.md; vLLM's deepseek_mtp.py reads the same names.
+DEEPSEEK_MTP_EXTRA = {"enorm.weight": "pre_fc_norm_embedding",
+                      "hnorm.weight": "pre_fc_norm_hidden", "eh_proj.weight": "fc",
+                      "shared_head.norm.weight": "norm"}
+
+
+def with_deepseek_mtp_layer(tensors: dict, hidden: int, seed: int = 5) -> str:
+    """Add a random Hub-form DeepSeek-V3 MTP layer: the last (MoE) decoder layer's tensors, the
+    four of `DEEPSEEK_MTP_EXTRA` and the two copies, under `model.layers.{num_hidden_layers}.`,
+    which is returned."""
+    prefix = f"model.layers.{decoder_layers(tensors)}."
+    _with_random_mtp(tensors, prefix, [prefix + n for n in DEEPSEEK_MTP_EXTRA],
+                     prefix + "eh_proj.weight", hidden, seed)
+    tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].copy()
+    tensors[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].copy()
+    return prefix

@@ -28,7 +28,7 @@ from jtree.hf.placement import ShardingFn, mesh_shardings, place
 from jtree.hf.safetensors_io import INDEX_FILE, CheckpointTensors, write_checkpoint
 from jtree.models import architectures
 from jtree.models.decoder import CausalLM
-from jtree.models.hf_mapping import HfMapping, Storage, dotted
+from jtree.models.hf_mapping import HfMapping, Storage, dotted, with_config_fields
 from jtree.parallel.layer_stack import layer_groups, layer_paths, layer_sharding, unstack_flat
 
 CONFIG_FILE = "config.json"
@@ -76,9 +76,14 @@ def _abstract_params(config: Any, runtime: RuntimeConfig, mtp_depth: int = 0
                      ) -> tuple[nnx.GraphDef, list]:
     """Graph definition and flat abstract parameters of `config`'s model (with MTP modules of
     `mtp_depth`), with no weights made."""
-    if mtp_depth and not carries_mtp(config):
+    mtp = architectures.architecture_of_config(config).hf.mtp
+    if mtp_depth and mtp is None:
         raise ValueError(f"mtp_depth: {type(config).__name__} checkpoints carry no "
-                         "multi-token-prediction tensors (mtp.*)")
+                         "multi-token-prediction tensors that jtree reads")
+    if mtp_depth and mtp.max_depth is not None and mtp_depth > mtp.max_depth:
+        raise ValueError(f"mtp_depth: {mtp_depth} > {mtp.max_depth}, the most MTP depths "
+                         f"{type(config).__name__} checkpoints give jtree (each of their depths "
+                         "has its own fc and input norms; jtree's depths share one)")
     abstract = nnx.eval_shape(lambda: CausalLM(config, runtime, rngs=nnx.Rngs(0),
                                                mtp_depth=mtp_depth))
     graphdef, params = nnx.split(abstract, nnx.Param)  # fails if the model has other state
@@ -87,22 +92,42 @@ def _abstract_params(config: Any, runtime: RuntimeConfig, mtp_depth: int = 0
 
 def carries_mtp(config: Any) -> bool:
     """Whether checkpoints of `config`'s architecture have a place for multi-token-prediction
-    tensors (`mtp.*`: Qwen3-Next, Qwen3.5), which `load(..., mtp_depth=...)` reads and `save`
-    writes."""
-    return architectures.architecture_of_config(config).hf.is_ignored("mtp.fc.weight")
+    tensors (Qwen3-Next's and Qwen3.5's `mtp.*`, DeepSeek-V3's layer `num_hidden_layers`;
+    `HfMapping.mtp`), which `load(..., mtp_depth=...)` reads and `save` writes."""
+    return architectures.architecture_of_config(config).hf.mtp is not None
 
 
 def mtp_depth_in(path: str | Path) -> int:
-    """How many MTP layers (`mtp.layers.N`) the checkpoint directory `path` carries beside its
-    shared `mtp.fc`: the largest `mtp_depth` `load` can read from it (0: none)."""
+    """How many MTP layers the checkpoint directory `path` carries beside its shared fc, up to
+    the most its architecture maps (`MtpTensors.max_depth`): the largest `mtp_depth` `load` can
+    read from it (0: none)."""
+    config = read_model_config(path)
+    mtp = architectures.architecture_of_config(config).hf.mtp
+    if mtp is None:
+        return 0
     with CheckpointTensors(path) as ckpt:
         names = set(ckpt.names())
-    if "mtp.fc.weight" not in names:
+    if with_config_fields(mtp.fc, config) not in names:
         return 0
     depth = 0
-    while any(n.startswith(f"mtp.layers.{depth}.") for n in names):
+    while mtp.max_depth is None or depth < mtp.max_depth:
+        layer = with_config_fields(mtp.layer, config, depth=depth)
+        if not any(n.startswith(layer) for n in names):
+            break
         depth += 1
     return depth
+
+
+def _mtp_copies(arch: HfMapping, config: Any) -> dict[str, str]:
+    """The MTP modules' copies of main-model tensors (copy -> the stored tensor it equals)."""
+    if arch.mtp is None:
+        return {}
+    tied = arch.tied(config)
+    out = {}
+    for copy, source in arch.mtp.copies.items():
+        source = with_config_fields(source, config)
+        out[with_config_fields(copy, config)] = tied.get(source, source)
+    return out
 
 
 def _param_table(arch: HfMapping, config: Any, flat: list) -> list[Param]:
@@ -139,10 +164,10 @@ def _closest_storage(param: Param, available: set[str]) -> Storage:
     return max(param.storages, key=lambda s: sum(n in available for n in s.hf_names))
 
 
-def _validate(ckpt: CheckpointTensors, arch: HfMapping, config: Any,
-              params: list[Param]) -> list[Storage]:
-    """The storage of every parameter in this checkpoint, after checking names, shapes, dtypes
-    and tied tensors."""
+def _validate(ckpt: CheckpointTensors, arch: HfMapping, config: Any, params: list[Param],
+              mtp_depth: int) -> list[Storage]:
+    """The storage of every parameter in this checkpoint, after checking names, shapes, dtypes,
+    tied tensors and (with MTP modules, `mtp_depth` > 0) the MTP modules' copies."""
     where = ckpt.directory
     tied = arch.tied(config)
     present = set(ckpt.names())
@@ -157,7 +182,7 @@ def _validate(ckpt: CheckpointTensors, arch: HfMapping, config: Any,
         raise ValueError(f"{where}: {arch.hf_name} checkpoint is missing tensor(s) "
                          f"{_names_list(missing)}")
     used = {n for s in chosen for n in s.hf_names}
-    extra = sorted(n for n in present - used - set(tied) if not arch.is_ignored(n))
+    extra = sorted(n for n in present - used - set(tied) if not arch.is_ignored(n, config))
     if extra:
         raise ValueError(f"{where}: unexpected tensor(s) {_names_list(extra)} for "
                          f"{arch.hf_name} with this config.json")
@@ -175,6 +200,10 @@ def _validate(ckpt: CheckpointTensors, arch: HfMapping, config: Any,
         if alias in present and not np.array_equal(ckpt.read(alias), ckpt.read(source)):
             raise ValueError(f"{where}: tensor {alias!r} differs from {source!r}, but config.json "
                              "ties them (tie_word_embeddings)")
+    for copy, source in (_mtp_copies(arch, config) if mtp_depth else {}).items():
+        if copy in present and not np.array_equal(ckpt.read(copy), ckpt.read(source)):
+            raise ValueError(f"{where}: tensor {copy!r} differs from {source!r}, of which the "
+                             "multi-token-prediction module holds a copy")
     return chosen
 
 
@@ -196,7 +225,8 @@ def load(
     a loaded model is where training expects it; `shardings` instead gives any
     `jax.sharding.Sharding` per (jtree parameter name, shape). `mtp_depth` > 0 also reads
     the multi-token-prediction modules (`jtree.models.mtp`) from the checkpoint's `mtp.*`
-    tensors (Qwen3-Next, Qwen3.5); otherwise those are skipped.
+    tensors (Qwen3-Next's and Qwen3.5's `mtp.*`, DeepSeek-V3's layer `num_hidden_layers`,
+    `HfMapping.mtp`); otherwise those are skipped.
     """
     if mesh is not None and shardings is not None:
         raise ValueError("load: pass mesh or shardings, not both")
@@ -212,7 +242,7 @@ def load(
     leaves = []
     with CheckpointTensors(directory) as ckpt:
         stored = {param.name: (param, storage) for param, storage
-                  in zip(params, _validate(ckpt, arch, config, params))}
+                  in zip(params, _validate(ckpt, arch, config, params, mtp_depth))}
 
         def read(name: str, dtype: np.dtype, sharding: jax.sharding.Sharding | None) -> jax.Array:
             param, storage = stored[name]
@@ -329,7 +359,9 @@ def save(
     Weights are stored in `dtype` (default: the model's parameter dtype), in one
     `model.safetensors` or in shards of at most `max_shard_size` bytes with an index. `copy_from`
     names the directory the model was loaded from: its tokenizer and generation files and token
-    ids are carried over, so the result is a complete model for transformers.
+    ids are carried over, so the result is a complete model for transformers. MTP modules are
+    written where the architecture's checkpoints keep them (`HfMapping.mtp`), with the copies
+    of main-model tensors those hold.
     """
     arch = architectures.architecture_of_config(config).hf
     if type(model.config) is not type(config):
@@ -337,9 +369,9 @@ def save(
                          f"{type(config).__name__}")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"save: dtype = {dtype!r} is not one of {tuple(DTYPES)}")
+    mtp_depth = 0 if model.mtp is None else model.mtp.depth
     _, flat_expected = _abstract_params(
-        config, dataclasses.replace(model.runtime, scan_layers=False),
-        0 if model.mtp is None else model.mtp.depth)
+        config, dataclasses.replace(model.runtime, scan_layers=False), mtp_depth)
     expected = _param_table(arch, config, flat_expected)
     params = {dotted(p): var for p, var in _per_layer(nnx.state(model, nnx.Param), config)}
     extra = sorted(set(params) - {t.name for t in expected})
@@ -365,8 +397,14 @@ def save(
                 return np.asarray(storage.part(host(name, var), i)).astype(out_dtype)
 
             tensors.append((hf_name, hf_shape, out_dtype, produce))
+    if mtp_depth:
+        written = {t[0]: t[1:] for t in tensors}
+        tensors += [(copy, *written[source])
+                    for copy, source in _mtp_copies(arch, config).items()]
     hf_config = {"architectures": [arch.hf_name], **arch.config_to_hf(config),
                  "torch_dtype": tensors[0][2].name}
+    if mtp_depth and arch.mtp.count_key is not None:
+        hf_config[arch.mtp.count_key] = mtp_depth
     if copy_from is not None:
         source_config = read_hf_config(copy_from)
         hf_config.update({k: source_config[k] for k in _CARRIED_KEYS if k in source_config})

@@ -2,8 +2,8 @@
 
 Each architecture record (`jtree.models.architectures`) holds one `HfMapping`: how its
 `config.json` becomes the jtree architecture config (and back), which HF tensor every jtree
-parameter is stored as and in which layout (transposed, permuted, ...) and which HF tensors are
-tied to others. Placement on a device mesh is not here: it follows the train step's rules
+parameter is stored as and in which layout (transposed, permuted, ...), which HF tensors are
+tied to others, and where the multi-token-prediction modules are kept. Placement on a device mesh is not here: it follows the train step's rules
 (`jtree.parallel.sharding`, via `jtree.hf.placement`). Loader, saver and the PyTorch comparison only read
 these tables, so adding an architecture (or a per-architecture permutation such as a grouped
 projection) is a new record, not a new code path.
@@ -187,7 +187,73 @@ class SplitRule:
         return [split, whole]
 
 
-Rule = TensorRule | PerExpertRule | SavedPrefixRule | SavedRenamedRule | SplitRule
+class _ConfigFields(dict):
+    """`str.format_map` mapping: `{name}` is the architecture config's field `name`."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+
+    def __missing__(self, key: str) -> Any:
+        return getattr(self.config, key)
+
+
+def with_config_fields(template: str, config: Any, **extra: Any) -> str:
+    """`template` with each `{field}` replaced by `config`'s field of that name, or by `extra`'s
+    value (names that depend on the config, such as DeepSeek-V3's MTP layer index
+    `{num_hidden_layers}`)."""
+    fields = _ConfigFields(config)
+    fields.update(extra)
+    return template.format_map(fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredAs:
+    """jtree parameters whose dotted path fully matches `pattern` are stored as the parameter
+    `re.sub(pattern, as_path, path)` (its `{field}`s filled from the config,
+    `with_config_fields`) is stored by the rules after this one: a module that the checkpoint
+    keeps under another module's names, e.g. DeepSeek-V3's MTP layer `mtp.layers.0.*` as the
+    decoder layer `model.layers.{num_hidden_layers}.*`, with every layout that layer has."""
+
+    pattern: str
+    as_path: str
+
+    def stored_path(self, path: str, config: Any) -> str:
+        return with_config_fields(re.sub(self.pattern, self.as_path, path), config)
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpTensors:
+    """Where an architecture's checkpoints keep the multi-token-prediction modules
+    (`jtree.models.mtp`), which its causal LM does not use. Names are templates: `{field}` is
+    the architecture config's field, `{depth}` the MTP layer's index (0 for depth 1). The
+    tensor rules (`HfMapping.tensors`) say which tensor each MTP parameter is; this says where
+    they all are, so that `jtree.hf` reads and writes them without knowing any name.
+
+    - `prefix`: every MTP tensor's name starts with it; skipped unless the model being loaded
+      has MTP modules.
+    - `fc`: the tensor of the shared input projection; a checkpoint without it has none.
+    - `layer`: the name prefix of the MTP layer of index `{depth}`.
+    - `max_depth`: the most depths a jtree model can take from such a checkpoint (None: as
+      many as it holds). jtree's depths share one fc and its input norms (Qwen3-Next's
+      layout); where every depth has its own (DeepSeek-V3), only the first one maps.
+    - `copies`: tensors of the MTP modules that are exact copies of main-model tensors
+      (copy -> source; a source that `HfMapping.tied` ties to another tensor means that
+      one). Loading checks the copies it finds; saving writes them all, as the Hub's
+      checkpoints hold them.
+    - `count_key`: the config.json key holding the number of MTP layers, which `save` sets to
+      the saved model's depth (None: no such key is written).
+    """
+
+    prefix: str
+    fc: str
+    layer: str
+    max_depth: int | None = None
+    copies: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    count_key: str | None = None
+
+
+Rule = TensorRule | PerExpertRule | SavedPrefixRule | SavedRenamedRule | SplitRule | StoredAs
 
 
 def tied_lm_head(embedding: str) -> Callable[[Any], dict[str, str]]:
@@ -209,9 +275,11 @@ class HfMapping:
       `PerExpertRule`: one per expert and part).
     - `tied(config)`: HF tensors that the HF model ties to another one (alias -> source), which a
       checkpoint may omit or contain as an exact copy.
-    - `ignored`: HF tensors a checkpoint may hold that the causal LM does not use (Qwen3-Next's
-      multi-token-prediction modules `mtp.*`, which transformers skips too); they are not read
-      unless a model parameter maps to them (a model built with MTP modules).
+    - `ignored`: HF tensors a checkpoint may hold that the causal LM does not use (Nemotron-H's
+      multi-token-prediction modules `mtp.*`, which transformers skips too); never read.
+    - `mtp`: where the checkpoints keep the multi-token-prediction modules that jtree reads
+      into a model built with them (`MtpTensors`); None: jtree reads none. Skipped, as
+      transformers skips them, when the model has no MTP modules.
     - `float32`: jtree parameter names (regexes) that `save` writes in float32 whatever dtype it
       is asked for (transformers' `_keep_in_fp32_modules_strict`: DeepSeek-V3's router).
     """
@@ -223,16 +291,26 @@ class HfMapping:
     tensors: tuple[Rule, ...]
     tied: Callable[[Any], Mapping[str, str]]
     ignored: tuple[str, ...] = ()
+    mtp: MtpTensors | None = None
     float32: tuple[str, ...] = ()
 
     def storages(self, path: str, shape: tuple[int, ...], config: Any) -> list[Storage]:
         """The ways the jtree parameter at dotted `path` may be stored, the saved one first."""
+        stored = path
         for rule in self.tensors:
-            if re.fullmatch(rule.pattern, path):
-                return rule.storages(path, tuple(shape), config)
+            if not re.fullmatch(rule.pattern, stored):
+                continue
+            if isinstance(rule, StoredAs):  # the new path goes on through the rules after it
+                stored = rule.stored_path(stored, config)
+                continue
+            return rule.storages(stored, tuple(shape), config)
         raise ValueError(f"{self.hf_name}: jtree parameter {path!r} matches no tensor rule")
 
-    def is_ignored(self, hf_name: str) -> bool:
+    def is_ignored(self, hf_name: str, config: Any) -> bool:
+        """Whether the HF tensor `hf_name` is one the causal LM of `config` does not read."""
+        if self.mtp is not None and hf_name.startswith(
+                with_config_fields(self.mtp.prefix, config)):
+            return True
         return any(re.fullmatch(p, hf_name) for p in self.ignored)
 
 

@@ -5,10 +5,13 @@ baseline mode's. The MTP loss itself is checked against a per-path reference wri
 tests/models/test_mtp.py; here the run's wiring is."""
 
 import argparse
+import dataclasses
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from safetensors.numpy import load_file
 
 from jtree.commands import export_hf
@@ -20,7 +23,8 @@ from jtree.models import create_model
 from jtree.step.critic_params import flat_params
 from jtree.training.checkpoint import Checkpointer
 from jtree.training.trainer import Trainer
-from tests.hf_util import copy_checkpoint, with_mtp_tensors
+from tests.hf_util import copy_checkpoint, with_deepseek_mtp_layer, with_mtp_tensors
+from tests.models_util import TINY_DEEPSEEK_V3
 from tests.run_util import (
     checkpoint_params,
     computed_metrics,
@@ -159,5 +163,45 @@ def test_mtp_run_starts_from_and_exports_hf_mtp_tensors(tmp_path, depth):
     extra = {n for n in written if n.startswith("mtp.layers.1.")}
     assert bool(extra) == (depth == 2)
     assert written.keys() - extra == tensors.keys()
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+
+
+def test_mtp_run_starts_from_and_exports_a_deepseek_mtp_layer(tmp_path):
+    """The same for DeepSeek-V3, whose checkpoints keep the MTP module as decoder layer
+    `num_hidden_layers` (`tests.hf_util.with_deepseek_mtp_layer`): the run's MTP modules start
+    from that layer, and export-hf writes it back bit for bit, its copies of the embedding and
+    head included. The run config is configs/tiny.yaml with the tiny DeepSeek-V3 model section
+    of the model tests. No step is compiled."""
+    config_path = tmp_path / "deepseek.yaml"
+    run_config = yaml.safe_load(Path("configs/tiny.yaml").read_text())
+    rope = dataclasses.asdict(TINY_DEEPSEEK_V3["rope_scaling"])
+    run_config["model"] = {"architecture": "deepseek_v3",
+                           **dict(TINY_DEEPSEEK_V3, rope_scaling=rope)}
+    config_path.write_text(yaml.safe_dump(run_config))
+    mcfg = load_config(str(config_path), []).model.config
+    save(create_model("deepseek_v3", mcfg, seed=11), mcfg, tmp_path / "plain")
+    prefix = []
+    src = copy_checkpoint(tmp_path / "plain", tmp_path / "src", edit_tensors=lambda t:
+                          prefix.append(with_deepseek_mtp_layer(t, mcfg.hidden_size)))
+    overrides = [f"data.path={tmp_path / 'none'}", "runtime.attention_impl=reference",
+                 f"objective.mtp_weight={WEIGHT}", f"model.init_from={src}"]
+    cfg = load_config(str(config_path), overrides)
+    trainer = Trainer.build(cfg)
+    state = trainer.initial_state()
+    params, tensors = flat_params(state.params), load_file(str(src / SINGLE_FILE))
+    np.testing.assert_array_equal(params["mtp/fc/kernel"], tensors[prefix[0] + "eh_proj.weight"].T)
+    np.testing.assert_array_equal(params["mtp/layers/0/self_attn/o_proj/kernel"],
+                                  tensors[prefix[0] + "self_attn.o_proj.weight"].T)
+
+    ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
+    ckpt.save(0, state, {}, trainer.run_meta())
+    ckpt.close()
+    export_hf.run(argparse.Namespace(
+        config=str(config_path), overrides=overrides, checkpoint=str(tmp_path / "ckpt"),
+        step=None, out=str(tmp_path / "out"), dtype=None, copy_from=None, peft_adapters=False,
+        merge_lora=False))
+    written = load_file(str(tmp_path / "out" / SINGLE_FILE))
+    assert written.keys() == tensors.keys()
     for name, value in tensors.items():
         np.testing.assert_array_equal(written[name], value, err_msg=name)

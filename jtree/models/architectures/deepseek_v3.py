@@ -9,9 +9,18 @@ transformers 5's fused layout or the Hub's per-expert tensors (`qwen3_moe.EXPERT
 shared experts are HF's `mlp.shared_experts.*` (jtree's MoE block calls its shared SwiGLU
 `shared_expert`).
 
-The Hub's checkpoints carry a multi-token-prediction layer as `model.layers.61.*`
-(`num_nextn_predict_layers`); the causal LM does not use it, so, as transformers does, it is not
-read, and `save` writes no MTP layer (`num_mtp_layers: 0`).
+Multi-token prediction. The Hub's checkpoints carry their MTP module as one more decoder layer,
+`model.layers.{num_hidden_layers}.*` (61 for DeepSeek-V3 and Kimi-K2; `num_nextn_predict_layers`
+is 1): `enorm` (the embedding's norm), `hnorm` (the hidden state's), `eh_proj` (input
+[enorm(emb); hnorm(h)], the embedding first), the layer's own attention, MoE and norms,
+`shared_head.norm` (the output norm), and `embed_tokens` and `shared_head.head`, copies of the
+main embedding and head. These are jtree's MTP modules (`jtree.models.mtp`) under other names:
+`pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`, `layers.0`, `norm`, with the main model's
+embedding and head. `jtree.hf.load(..., mtp_depth=1)` reads them (the two copies must equal
+their sources) and `save` writes them back with the copies and `num_mtp_layers: 1`; without MTP
+modules the layer is skipped, as transformers skips it, and `save` writes `num_mtp_layers: 0`.
+Only depth 1 maps: each further DeepSeek depth has its own `eh_proj` and norms, while jtree's
+depths share one fc and its norms.
 
 Config. `n_routed_experts` is jtree's `num_experts`. RoPE is plain or YaRN (read as for gpt-oss,
 `mscale` / `mscale_all_dim` included). A `q_lora_rank` of null means one `q_proj` (no query
@@ -30,7 +39,14 @@ from jtree.models.architectures import qwen3
 from jtree.models.architectures.gpt_oss import ROPE_TYPES, yarn_scaling, yarn_to_hf
 from jtree.models.architectures.qwen3_moe import EXPERT_TENSORS
 from jtree.models.hf_config import ROPE_KEYS, equals, read_config, renamed, rope_config, whole_head
-from jtree.models.hf_mapping import NNX_TO_TORCH, TRANSPOSED, HfMapping, TensorRule
+from jtree.models.hf_mapping import (
+    NNX_TO_TORCH,
+    TRANSPOSED,
+    HfMapping,
+    MtpTensors,
+    StoredAs,
+    TensorRule,
+)
 
 HF_NAME = "DeepseekV3ForCausalLM"
 
@@ -94,7 +110,7 @@ CHECKS = {
     "qk_head_dim": _derived("qk_head_dim", _qk_dim),
 }
 # `output_router_logits` only returns the router logits in transformers (no loss is added);
-# the MTP layers are not part of the causal LM (module docstring).
+# the MTP layers are not part of the causal LM (module docstring; `save` writes their count).
 INERT = frozenset({"output_router_logits", "num_mtp_layers"}) | ROPE_KEYS
 
 
@@ -115,7 +131,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> DeepseekV3Config:
 
 def config_to_hf(cfg: DeepseekV3Config) -> dict[str, Any]:
     """config.json fields in transformers' form (top-level `rope_theta`, `rope_scaling` with its
-    `rope_type`, `n_routed_experts`), without MTP layers."""
+    `rope_type`, `n_routed_experts`); `num_mtp_layers` 0, the causal LM's (`save` writes the
+    saved model's MTP depth)."""
     out = {key: getattr(cfg, key) for key in FIELDS}
     out["n_routed_experts"] = out.pop("num_experts")
     scaling = cfg.rope_scaling
@@ -132,7 +149,23 @@ def config_to_hf(cfg: DeepseekV3Config) -> dict[str, Any]:
     return out
 
 
-TENSORS = (
+# The Hub's MTP layer (module docstring): jtree's MTP parameters stored as the decoder layer
+# after the last one, its extra tensors named as DeepSeek names them.
+MTP_LAYER = "model.layers.{num_hidden_layers}."
+MTP_TENSORS = (
+    StoredAs(r"mtp\.pre_fc_norm_embedding\.(\w+)", MTP_LAYER + r"enorm.\1"),
+    StoredAs(r"mtp\.pre_fc_norm_hidden\.(\w+)", MTP_LAYER + r"hnorm.\1"),
+    StoredAs(r"mtp\.fc\.(\w+)", MTP_LAYER + r"eh_proj.\1"),
+    StoredAs(r"mtp\.norm\.(\w+)", MTP_LAYER + r"shared_head.norm.\1"),
+    StoredAs(r"mtp\.layers\.0\.(.*)", MTP_LAYER + r"\1"),
+)
+MTP = MtpTensors(
+    prefix=MTP_LAYER, fc=MTP_LAYER + "eh_proj.weight", layer=MTP_LAYER, max_depth=1,
+    copies={MTP_LAYER + "embed_tokens.weight": "model.embed_tokens.weight",
+            MTP_LAYER + "shared_head.head.weight": "lm_head.weight"},
+    count_key="num_mtp_layers")
+
+TENSORS = MTP_TENSORS + (
     TensorRule(r"(.*)\.mlp\.shared_expert\.(\w+)\.kernel", r"\1.mlp.shared_experts.\2.weight",
                TRANSPOSED),
     TensorRule(r".*\.e_score_correction_bias", r"\g<0>"),
@@ -145,7 +178,6 @@ HF = HfMapping(
     config_to_hf=config_to_hf,
     tensors=TENSORS,
     tied=qwen3.tied_head,
-    # the Hub's MTP layer (transformers' `_keys_to_ignore_on_load_unexpected`)
-    ignored=(r"model\.layers\.61\..*",),
+    mtp=MTP,
     float32=(r".*\.mlp\.gate\.(weight|e_score_correction_bias)",),
 )

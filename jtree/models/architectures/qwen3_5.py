@@ -156,5 +156,5 @@ HF = HfMapping(
     config_to_hf=config_to_hf,
     tensors=GDN_TENSORS + NNX_TO_TORCH,
     tied=qwen3.tied_head,
-    ignored=qwen3_next.IGNORED,
+    mtp=qwen3_next.MTP,
 )

@@ -51,5 +51,5 @@ HF = HfMapping(
     config_to_hf=config_to_hf,
     tensors=qwen3_moe.EXPERT_TENSORS + qwen3_5.GDN_TENSORS + NNX_TO_TORCH,
     tied=qwen3.tied_head,
-    ignored=qwen3_next.IGNORED,
+    mtp=qwen3_next.MTP,
 )

@@ -29,7 +29,7 @@ from typing import Any
 from jtree.config.architectures import Qwen3NextConfig
 from jtree.models.architectures import qwen3, qwen3_moe
 from jtree.models.hf_config import equals, read_config, rope_settings
-from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping, TensorRule
+from jtree.models.hf_mapping import NNX_TO_TORCH, HfMapping, MtpTensors, TensorRule
 
 # ---------------------------------------------------------------------- Hugging Face mapping
 
@@ -64,9 +64,10 @@ DEFAULT_PARTIAL_ROTARY = 0.25
 
 # Bare parameters (no `.weight`) of the Gated DeltaNet, stored as they are.
 GDN_TENSORS = (TensorRule(r".*\.linear_attn\.(A_log|dt_bias)", r"\g<0>"),)
-# The multi-token-prediction modules of Hub checkpoints: read when the model has MTP modules
-# (`jtree.models.mtp`), skipped otherwise.
-IGNORED = (r"mtp\..*",)
+# The multi-token-prediction modules of Hub checkpoints (`mtp_num_hidden_layers` layers, one on
+# the Hub): read when the model has MTP modules (`jtree.models.mtp`, whose parameter names they
+# are), skipped otherwise.
+MTP = MtpTensors(prefix="mtp.", fc="mtp.fc.weight", layer="mtp.layers.{depth}.")
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> Qwen3NextConfig:
@@ -99,5 +100,5 @@ HF = HfMapping(
     config_to_hf=config_to_hf,
     tensors=qwen3_moe.EXPERT_TENSORS + GDN_TENSORS + NNX_TO_TORCH,
     tied=qwen3.tied_head,
-    ignored=IGNORED,
+    mtp=MTP,
 )
