@@ -62,6 +62,7 @@ import jax.numpy as jnp
 from jtree.kernels.attention import calibration as attention_calibration
 from jtree.kernels.attention import cpu as attention_cpu
 from jtree.kernels.attention import mgpu as attention_mgpu
+from jtree.kernels.attention import mgpu_blackwell as attention_blackwell
 from jtree.kernels.attention import tpu as attention_tpu
 from jtree.kernels.attention import triton as attention_triton
 from jtree.kernels.attention import triton_lang as attention_triton_lang
@@ -84,6 +85,9 @@ class _Impl(NamedTuple):
     sinks: bool = False
     # Whether it runs a value head dim Dv other than the query/key head dim Dk (MLA).
     value_head_dim: bool = False
+    # Whether it can be differentiated; one without a backward raises naming itself when it is,
+    # and `auto` never picks it (a train step needs the backward).
+    backward: bool = True
 
 
 def _any_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
@@ -108,6 +112,11 @@ _IMPLS: dict[str, _Impl] = {
     "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
                            attention_triton.padded_lengths, window=True, sinks=True,
                            value_head_dim=True),
+    # Blackwell (tcgen05, tensor memory): forward only, so `auto` does not pick it yet.
+    "mosaic_gpu_blackwell": _Impl(attention_blackwell.attention_blackwell,
+                                  attention_blackwell.padded_length,
+                                  attention_blackwell.padded_lengths, window=True, sinks=True,
+                                  backward=False),
     # Triton-language kernels through jax-triton (the `gpu` extra); not picked by `auto` yet.
     "triton_lang": _Impl(attention_triton_lang.tree_attention_triton_lang,
                          attention_triton_lang.padded_length, attention_triton_lang.padded_lengths,
@@ -118,6 +127,10 @@ _IMPLS: dict[str, _Impl] = {
 # (Blackwell replaced it with tcgen05). jax reports e.g. "NVIDIA H100 80GB HBM3", "NVIDIA GH200
 # 480GB", "NVIDIA H20".
 _HOPPER = re.compile(r"\b(GH200|H100|H200|H800|H20)\b")
+# NVIDIA datacenter Blackwell (sm_100) device kinds: the GPUs with tcgen05 and tensor memory
+# ("NVIDIA B200", "NVIDIA GB200", "NVIDIA B300 SXM6 AC"); the consumer RTX 50 series (sm_120)
+# has neither.
+_BLACKWELL = re.compile(r"\b(GB200|GB300|B200|B300)\b")
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +144,9 @@ def gpu_impl(device_kind: str, dtype: Any, head_dim: int, value_head_dim: int | 
     and `value_head_dim` (v; default `head_dim`).
 
     Hopper with bf16/f16 operands and a head_dim whose forward and backward fit shared memory (64,
-    128): the Mosaic GPU kernel (wgmma, TMA, warp specialization). Every other case, any GPU or
+    128): the Mosaic GPU kernel (wgmma, TMA, warp specialization). Blackwell with the operands
+    `mosaic_gpu_blackwell` takes: that kernel, once its registry entry has a backward (until then
+    Blackwell trains on the Triton kernel). Every other case, any GPU or
     dtype: the Pallas Triton kernel, which raises ValueError naming its limits for operands it
     cannot run. Never the `xla` fallback: a GPU always gets a GPU kernel or an error. Prefix
     calls and soft-caps do not change the choice: both kernels take them. MLA calls (value head
@@ -141,7 +156,20 @@ def gpu_impl(device_kind: str, dtype: Any, head_dim: int, value_head_dim: int | 
     if (_HOPPER.search(device_kind) and attention_mgpu.handles(dtype, head_dim)
             and (not mla or _IMPLS["pallas_mosaic_gpu"].value_head_dim)):
         return "pallas_mosaic_gpu"
+    if (is_blackwell(device_kind) and attention_blackwell.handles(dtype, head_dim)
+            and not mla and _IMPLS["mosaic_gpu_blackwell"].backward):
+        return "mosaic_gpu_blackwell"
     return "pallas_triton"
+
+
+def is_blackwell(device_kind: str) -> bool:
+    """Whether `device_kind` is a datacenter Blackwell GPU (sm_100: tcgen05, tensor memory)."""
+    return bool(_BLACKWELL.search(device_kind))
+
+
+def has_backward(impl: str) -> bool:
+    """Whether implementation `impl` can be differentiated (its registry entry's `backward`)."""
+    return _IMPLS[impl].backward
 
 
 def _is_mla(head_dim: int | None, value_head_dim: int | None) -> bool:

@@ -82,6 +82,8 @@ TARGETS = {
     # The GPU topology is slices x hosts per slice x GPUs per host: 8 nodes of 8 H100s.
     "gpu-h100x64": Target("cuda", "1x8x8", 84978434048, spec="h100_sxm.txtpb"),
     "gpu-a100x8": Target("cuda", "1x1x8", 85100068864, spec="a100_sxm_80.txtpb"),
+    # Blackwell (sm_100a): XLA's B200 spec.
+    "gpu-b200x8": Target("cuda", "1x1x8", 191514411008, spec="b200.txtpb"),
     "gpu-h200x8": Target("cuda", "1x1x8", 141 * 10**9, spec="h200_sxm.txtpb",
                          note="H100 SXM spec with the H200's memory (XLA publishes no H200 spec)"),
 }

@@ -56,7 +56,8 @@ class Report:
 
 def execution(impl: str, platform: str) -> str:
     """'native' or 'interpreted': the Pallas kernels run interpreted off their own platform."""
-    native = {"pallas_tpu": "tpu", "pallas_mosaic_gpu": "gpu", "pallas_triton": "gpu"}
+    native = {"pallas_tpu": "tpu", "pallas_mosaic_gpu": "gpu", "pallas_triton": "gpu",
+              "mosaic_gpu_blackwell": "gpu"}
     return "interpreted" if impl in native and native[impl] != platform else "native"
 
 

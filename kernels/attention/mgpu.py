@@ -47,10 +47,10 @@ from jtree.kernels.attention.mgpu_pipeline import (
     WG_ROWS,
     smem_bytes,
 )
-from jtree.kernels.block_tables import block_tables, round_up_to_blocks
+from jtree.kernels.block_tables import BlockTables, block_tables, round_up_to_blocks
 
 SEQ_MULTIPLE = CONSUMERS * WG_ROWS  # every kernel's block sizes divide this
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MMA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # what wgmma / tcgen05 multiply
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +97,9 @@ def attention_mgpu(
     sliding window along the path; `sinks` [Hq]: attention sinks.
     """
     del q_real  # see above
-    rows, sq, _, head_dim = q.shape
+    sq, head_dim = q.shape[1], q.shape[3]
     skv = k.shape[1]
-    _check_operands(q, k, v)
+    check_operands(q, k, v)
     if q_pos is None and sq != skv:
         raise ValueError(f"pallas_mosaic_gpu: {sq} queries over {skv} keys need q_pos")
     if sq % SEQ_MULTIPLE or skv % SEQ_MULTIPLE:
@@ -116,6 +116,15 @@ def attention_mgpu(
     group = q.shape[2] // k.shape[2]
     static = _Static(float(scale), None if softcap is None else float(softcap), block_kv, stages,
                      2 if group % 2 == 0 else 1, interpret, window)
+    end, q_pos = stacked_positions(end, q_pos, sq, window, key_pos)
+    return _attention(q, k, v, end, q_pos, static, sinks=sinks)
+
+
+def stacked_positions(end: jax.Array, q_pos: jax.Array | None, sq: int, window: int | None,
+                      key_pos: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(`end`, `q_pos`) as the kernels' TMA tiles read them: int32 [rows, S] (`q_pos` defaults
+    to 0..Sq-1), or with a window [rows, 2, S] stacks of the values and the path positions."""
+    rows = end.shape[0]
     if q_pos is None:
         q_pos = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (rows, sq))
     end, q_pos = jnp.asarray(end, jnp.int32), jnp.asarray(q_pos, jnp.int32)
@@ -123,7 +132,7 @@ def attention_mgpu(
         k_path = jnp.asarray(key_pos, jnp.int32)
         end = jnp.stack([end, k_path], axis=1)
         q_pos = jnp.stack([q_pos, jnp.take_along_axis(k_path, q_pos, axis=1)], axis=1)
-    return _attention(q, k, v, end, q_pos, static, sinks=sinks)
+    return end, q_pos
 
 
 def padded_length(s: int, **_options) -> int:
@@ -139,19 +148,23 @@ def padded_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
 def handles(dtype: Any, head_dim: int) -> bool:
     """Whether forward and backward both run for these operands (what `auto` asks on a GPU):
     wgmma takes bf16/f16, and the backward's shared memory fits for head_dim 64 and 128."""
-    return jnp.dtype(dtype) in {jnp.dtype(d) for d in _DTYPES} and head_dim in (64, 128)
+    return jnp.dtype(dtype) in set(MMA_DTYPES) and head_dim in (64, 128)
 
 
-def _check_operands(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+def check_operands(q: jax.Array, k: jax.Array, v: jax.Array, impl: str = "pallas_mosaic_gpu",
+                   mma: str = "wgmma") -> None:
+    """Raise unless q, k, v are all bf16 or all f16 with a head_dim that is a multiple of 64: what
+    the tensor-core instruction `mma` (wgmma on Hopper, tcgen05 on Blackwell) of kernel `impl`
+    reads from 128-byte swizzled SMEM tiles."""
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
-    if len(dtypes) != 1 or not dtypes <= set(_DTYPES):
+    if len(dtypes) != 1 or not dtypes <= set(MMA_DTYPES):
         raise ValueError(
-            f"pallas_mosaic_gpu: q, k, v must all be bfloat16 or float16 (wgmma operands), got "
+            f"{impl}: q, k, v must all be bfloat16 or float16 ({mma} operands), got "
             f"{q.dtype}, {k.dtype}, {v.dtype}; cast them or use impl='xla'")
     head_dim = q.shape[-1]
     if head_dim % 64:
-        raise ValueError(f"pallas_mosaic_gpu: head_dim={head_dim} must be a multiple of 64 (the "
-                         "128-byte swizzled SMEM tile wgmma reads)")
+        raise ValueError(f"{impl}: head_dim={head_dim} must be a multiple of 64 (the "
+                         f"128-byte swizzled SMEM tile {mma} reads)")
 
 
 def _check_smem(kernel: str, buffers: dict[str, Any]) -> None:
@@ -166,7 +179,7 @@ def _check_smem(kernel: str, buffers: dict[str, Any]) -> None:
             "head_dim, block_kv or stages")
 
 
-def _list_table(blocks: jax.Array, kinds: jax.Array) -> jax.Array:
+def list_table(blocks: jax.Array, kinds: jax.Array) -> jax.Array:
     """[rows, n, 2, chunks, LIST_CHUNK] (block, kind) lists, one TMA tile per list (see
     `mgpu_pipeline.list_entry`). Padding repeats the last entry; the kernels stop at the count."""
     table = jnp.stack([blocks, kinds], axis=2)
@@ -180,19 +193,20 @@ def _transposed(x: jax.Array) -> jax.Array:
     return jnp.transpose(x, (0, 2, 3, 1))
 
 
-def _tables(end, q_pos, block_q: int, block_kv: int, st: _Static):
-    """`block_tables` of the (possibly path-stacked, see `attention_mgpu`) `end` and `q_pos`."""
-    if st.window is None:
+def stacked_tables(end: jax.Array, q_pos: jax.Array, block_q: int, block_kv: int,
+                   window: int | None) -> BlockTables:
+    """`block_tables` of the (possibly path-stacked, `stacked_positions`) `end` and `q_pos`."""
+    if window is None:
         return block_tables(end, block_q, block_kv, q_pos=q_pos)
-    return block_tables(end[:, 0], block_q, block_kv, q_pos=q_pos[:, 0], window=st.window,
+    return block_tables(end[:, 0], block_q, block_kv, q_pos=q_pos[:, 0], window=window,
                         key_pos=end[:, 1])
 
 
 def _forward(q, k, v, end, q_pos, st: _Static):
     block_q = SEQ_MULTIPLE // st.heads_per_cta
-    tables = _tables(end, q_pos, block_q, st.block_kv, st)
+    tables = stacked_tables(end, q_pos, block_q, st.block_kv, st.window)
     return forward_call(
-        q, _transposed(k), v, end, q_pos, _list_table(tables.kv_blocks, tables.kv_kind),
+        q, _transposed(k), v, end, q_pos, list_table(tables.kv_blocks, tables.kv_kind),
         tables.kv_count, block_kv=st.block_kv, stages=st.stages, heads_per_cta=st.heads_per_cta,
         scale=st.scale, softcap=st.softcap, interpret=st.interpret, window=st.window)
 
@@ -205,16 +219,16 @@ def _backward(st: _Static, q, k, v, end, q_pos, out, lse, d_out):
     # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: the softmax Jacobian's row term, O(S) memory.
     delta = jnp.einsum("rshd,rshd->rhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
     block_q = SEQ_MULTIPLE // st.heads_per_cta
-    kv_lists = _tables(end, q_pos, block_q, DQ_BLOCK_KV, st)
+    kv_lists = stacked_tables(end, q_pos, block_q, DQ_BLOCK_KV, st.window)
     d_q = dq_call(
         q, d_out, lse, delta, _transposed(k), _transposed(v), k, end, q_pos,
-        _list_table(kv_lists.kv_blocks, kv_lists.kv_kind), kv_lists.kv_count,
+        list_table(kv_lists.kv_blocks, kv_lists.kv_kind), kv_lists.kv_count,
         stages=st.stages, heads_per_cta=st.heads_per_cta, scale=st.scale, softcap=st.softcap,
         interpret=st.interpret, window=st.window)
-    q_lists = _tables(end, q_pos, DKV_BLOCK_Q, DKV_BLOCK_KV, st)
+    q_lists = stacked_tables(end, q_pos, DKV_BLOCK_Q, DKV_BLOCK_KV, st.window)
     d_k, d_v = dkv_call(
         _transposed(q), _transposed(d_out), q, d_out, lse, delta, k, v, end, q_pos,
-        _list_table(q_lists.q_blocks, q_lists.q_kind), q_lists.q_count,
+        list_table(q_lists.q_blocks, q_lists.q_kind), q_lists.q_count,
         stages=st.stages, scale=st.scale, softcap=st.softcap, interpret=st.interpret,
         window=st.window)
     return d_q, d_k, d_v
@@ -223,13 +237,14 @@ def _backward(st: _Static, q, k, v, end, q_pos, out, lse, d_out):
 _LN2 = 0.6931471805599453
 
 
-def _lse_rows(lse, st, q):
-    """The kernels' base-2 lse [rows, Hq, Sq] as a natural-log [rows, Sq, Hq]."""
+def lse_rows(lse: jax.Array, st: Any, q: jax.Array) -> jax.Array:
+    """The kernels' base-2 lse [rows, Hq, Sq] as a natural-log [rows, Sq, Hq] (`flash_vjp`)."""
     return lse.transpose(0, 2, 1) * _LN2
 
 
-def _rows_lse(x, st, q, lse):
+def rows_lse(x: jax.Array, st: Any, q: jax.Array, lse: jax.Array) -> jax.Array:
+    """The inverse of `lse_rows`."""
     return x.transpose(0, 2, 1) * (1.0 / _LN2)
 
 
-_attention = flash_vjp(_forward, _backward, 5, lse_rows=_lse_rows, rows_lse=_rows_lse)
+_attention = flash_vjp(_forward, _backward, 5, lse_rows=lse_rows, rows_lse=rows_lse)

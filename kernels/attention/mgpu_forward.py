@@ -38,16 +38,14 @@ from jtree.kernels.attention.mgpu_pipeline import (
     list_entry,
     logits_base2,
     matmul,
+    online_softmax_block,
     positions_smem,
     positions_tile,
     produce,
     read_positions,
     store_tiles,
     tiled_smem,
-    tree_mask_tile,
-    window_mask_tile,
 )
-from jtree.kernels.block_tables import PARTIAL
 
 
 def forward_buffers(kv_len: int, head_dim: int, block_kv: int, stages: int,
@@ -142,18 +140,9 @@ def _forward_kernel(*, group: int, head_dim: int, block_kv: int, stages: int, he
                 t = logits_base2(matmul(q_tile, buf["kt"].at[slot], shape), scale, softcap)
                 rendezvous()
 
-                def masked(t):
-                    plgpu.barrier_wait(bar["end"].at[slot])
-                    ends, k_path = read_positions(buf["end"], slot, window)
-                    mask = tree_mask_tile(q_pos, kv_block * block_kv, ends, shape, key_axis=1)
-                    mask = window_mask_tile(mask, q_path, k_path, shape, 1, window)
-                    return jnp.where(mask, t, -jnp.inf)
-
-                t = lax.cond(kind == PARTIAL, masked, lambda t: t, t)
-                m_new = jnp.maximum(m, t.max(axis=1))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(t - lax.broadcast_in_dim(m_new, shape, [0]))
-                l = l * alpha + p.sum(axis=1)
+                p, alpha, m_new, l = online_softmax_block(
+                    t, kind, m, l, end_ready=bar["end"].at[slot], end_smem=buf["end"], slot=slot,
+                    q_pos=q_pos, q_path=q_path, k_start=kv_block * block_kv, window=window)
                 p_tile[...] = p.astype(p_tile.dtype)
                 plgpu.commit_smem()  # make the register -> SMEM store visible to wgmma
                 rendezvous()

@@ -77,9 +77,15 @@ Entry = Callable[[jax.Array], tuple[tuple[jax.Array, ...], jax.Array]]
 """Step n of a CTA's work list -> (coordinates of its tiles, block kind)."""
 
 
-def produce(steps: jax.Array, entry: Entry, streams: Sequence[Stream], free: Any, stages: int):
-    """Producer warpgroup: TMA every stream's tile of work-list steps 0..steps-1 into the ring."""
-    plgpu.set_max_registers(40, action="decrease")  # it only issues copies: registers to consumers
+def produce(steps: jax.Array, entry: Entry, streams: Sequence[Stream], free: Any, stages: int,
+            max_registers: int | None = 40):
+    """Producer warpgroup: TMA every stream's tile of work-list steps 0..steps-1 into the ring.
+
+    It only issues copies, so it gives its registers up to `max_registers` per thread for the
+    consumers to take (None: keep them; a CTA of two warpgroups has nothing to redistribute, and
+    ptxas then spills the producer's code into local memory)."""
+    if max_registers is not None:
+        plgpu.set_max_registers(max_registers, action="decrease")
 
     @pl.loop(0, steps)
     def _(n):
@@ -181,6 +187,30 @@ def window_mask_tile(mask: jax.Array, q_path: Any, k_path: Any, shape: tuple[int
     return mask & (qp - kp < window)
 
 
+def online_softmax_block(t: jax.Array, kind: jax.Array, m: jax.Array, l: jax.Array, *,
+                         end_ready: Any, end_smem: Any, slot: jax.Array, q_pos: jax.Array,
+                         q_path: Any, k_start: jax.Array, window: int | None
+                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One kv-block of the base-2 online softmax over the rows of logits `t` [rows, keys]: on a
+    PARTIAL block the element mask (after waiting for its `end` tile, slot `slot` of `end_smem`)
+    sets hidden pairs to -inf; then (p, alpha, m_new, l_new) with p = exp2(t - m_new), alpha =
+    exp2(m - m_new) the factor that rescales what was accumulated, l_new = l alpha + sum p."""
+    shape = t.shape
+
+    def masked(t):
+        plgpu.barrier_wait(end_ready)
+        ends, k_path = read_positions(end_smem, slot, window)
+        mask = tree_mask_tile(q_pos, k_start, ends, shape, key_axis=1)
+        mask = window_mask_tile(mask, q_path, k_path, shape, 1, window)
+        return jnp.where(mask, t, -jnp.inf)
+
+    t = lax.cond(kind == PARTIAL, masked, lambda t: t, t)
+    m_new = jnp.maximum(m, t.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(t - lax.broadcast_in_dim(m_new, shape, [0]))
+    return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+
 def logits_base2(s: jax.Array, scale: float, softcap: float | None) -> jax.Array:
     """Raw q.k scores -> logits in base-2 units (scale, optional soft-cap, times log2 e)."""
     if softcap is None:
@@ -207,10 +237,11 @@ def list_entry(table: Any, n: jax.Array) -> tuple[jax.Array, jax.Array]:
     return table[0, chunk, i], table[1, chunk, i]
 
 
-def fetch_table(src: Any, dst: Any, ready: Any, wg: jax.Array) -> None:
-    """The producer TMAs the CTA's block list into SMEM; every warpgroup waits for it."""
+def fetch_table(src: Any, dst: Any, ready: Any, wg: jax.Array, producer: int = PRODUCER) -> None:
+    """The producer warpgroup (index `producer`) TMAs the CTA's block list into SMEM; every
+    warpgroup waits for it."""
 
-    @pl.when(wg == PRODUCER)
+    @pl.when(wg == producer)
     def _():
         plgpu.copy_gmem_to_smem(src, dst, ready.at[0])
 
@@ -234,8 +265,10 @@ def store_tiles(pairs: Sequence[tuple[Any, Any]]) -> None:
 
 
 def launch(kernel: Callable[..., None], out_type: Any, scratch: Sequence[Any],
-           grid: tuple[int, int, int], grid_names: tuple[str, str, str], interpret: Any) -> Any:
-    """A warp-specialized plgpu.kernel: CONSUMERS compute warpgroups plus one TMA warpgroup.
+           grid: tuple[int, int, int], grid_names: tuple[str, str, str], interpret: Any,
+           warpgroups: int = CONSUMERS + 1) -> Any:
+    """A warp-specialized plgpu.kernel of `warpgroups` warpgroups: the compute warpgroups plus
+    one TMA warpgroup (Hopper: CONSUMERS + 1; the Blackwell forward: 1 + 1).
 
     `plgpu.kernel` types its outputs as invariant across mesh axes whatever its inputs are; inside
     `shard_map` they are cast to vary like the inputs (`jtree.kernels.varying_axes`), which the custom_vjp
@@ -248,7 +281,7 @@ def launch(kernel: Callable[..., None], out_type: Any, scratch: Sequence[Any],
             scratch_types=list(scratch),
             grid=grid,
             grid_names=grid_names,
-            num_threads=CONSUMERS + 1,
+            num_threads=warpgroups,
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(
                 approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

@@ -7,8 +7,8 @@ compiler (Mosaic TPU inside XLA:TPU, Triton and Mosaic GPU inside XLA:GPU) says 
 the chip's VMEM, shared memory and layouts. Each case is one kernel's forward + backward (or
 forward only where the docs claim no more) on one device of the target, at S = 4096 tokens, one
 row, 2 kv heads: the attention kernels `auto` runs per target (`pallas_tpu` on TPU,
-`pallas_mosaic_gpu` on H100, `pallas_triton` on A100) over head_dim, GQA group, dtype, a window
-with sinks and a prefix; and the Gated DeltaNet kernels (the tree recurrence with the parallel
+`pallas_mosaic_gpu` on H100, `pallas_triton` on A100 and B200) over head_dim, GQA group, dtype, a
+window with sinks and a prefix, and on B200 the tcgen05 forward `mosaic_gpu_blackwell`; and the Gated DeltaNet kernels (the tree recurrence with the parallel
 and the sequential scan, the path conv), which are XLA code, compiled for TPU and the H100.
 
 Cases compile in workers of `jtree.launch.compile.in_worker` (the plugin on their path), each
@@ -84,6 +84,14 @@ def sweep(target: str) -> list[Case]:
         attention += [Case("pallas_mosaic_gpu", 128, "bfloat16", 4, v)
                       for v in ("window+sinks", "prefix")]
         attention.append(Case("pallas_mosaic_gpu", 256, "bfloat16", 4, backward=False))
+    elif target.startswith("gpu-b200"):
+        # The tcgen05 forward (it has no backward yet), then what `auto` trains with there.
+        attention = [Case("mosaic_gpu_blackwell", d, "bfloat16", g, backward=False)
+                     for d in (64, 128) for g in (1, 4)]
+        attention += [Case("mosaic_gpu_blackwell", 128, dt, 4, v, backward=False)
+                      for dt, v in (("float16", ""), ("bfloat16", "window+sinks"),
+                                    ("bfloat16", "prefix"))]
+        return attention + [Case("pallas_triton", 128, "bfloat16", 4)]
     else:
         attention = [Case("pallas_triton", d, dt, 4) for d in (64, 128)
                      for dt in ("float32", "bfloat16", "float16")]
@@ -166,7 +174,25 @@ def compile_case(case: Case, device: Any) -> dict[str, Any]:
     calls = re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())
     return {"case": case.name, **dataclasses.asdict(case), "compiled": True,
             "seconds": round(time.perf_counter() - start, 1),
-            "custom_calls": {c: calls.count(c) for c in sorted(set(calls))}}
+            "custom_calls": {c: calls.count(c) for c in sorted(set(calls))},
+            **kernel_resources(case)}
+
+
+def kernel_resources(case: Case) -> dict[str, int]:
+    """Per-CTA shared memory (KiB) and tensor memory (32-bit columns) of the Blackwell forward,
+    from the buffers it allocates (the compile does not report them); {} for other kernels."""
+    if case.kernel != "mosaic_gpu_blackwell":
+        return {}
+    import jax.numpy as jnp
+
+    from jtree.kernels.attention.mgpu_blackwell_forward import forward_buffers, tmem_columns
+    from jtree.kernels.attention.mgpu_pipeline import smem_bytes
+
+    keys = SEQ + (PREFIX if case.variant == "prefix" else 0)
+    window = WINDOW if case.variant == "window+sinks" else None
+    buffers = forward_buffers(keys, case.head_dim, 2, jnp.dtype(case.dtype), window)
+    return {"smem_kib": round(sum(smem_bytes(b.shape, b.dtype) for b in buffers.values()) / 1024),
+            "tmem_columns": tmem_columns(case.head_dim)}
 
 
 def worker(target: str, indices: Sequence[int], path: Path) -> int:
@@ -232,6 +258,8 @@ def table(reports: Sequence[dict[str, Any]]) -> str:
     for rep in reports:
         for r in rep["results"]:
             result = "compiled" if r["compiled"] else f"refused: {r['reason']}"
+            if r.get("smem_kib"):
+                result += f" (SMEM {r['smem_kib']} KiB, TMEM {r['tmem_columns']} columns)"
             seconds = "-" if r["seconds"] is None else f"{r['seconds']} s"
             lines.append(f"| `{rep['target']}` | `{r['kernel']}` | {r['head_dim']} | "
                          f"{r['dtype']} | {r['gqa']} | {r['variant'] or '-'} | "

@@ -38,7 +38,7 @@ H100 = "NVIDIA H100 80GB HBM3"
     ("NVIDIA A100-SXM4-80GB", jnp.bfloat16, 128, "pallas_triton"),  # no wgmma before Hopper
     ("NVIDIA L40S", jnp.float16, 64, "pallas_triton"),
     ("NVIDIA GeForce RTX 4090", jnp.float32, 256, "pallas_triton"),
-    ("NVIDIA B200", jnp.bfloat16, 128, "pallas_triton"),  # Blackwell: tcgen05, not wgmma
+    ("NVIDIA B200", jnp.bfloat16, 128, "pallas_triton"),  # mosaic_gpu_blackwell: no backward yet
 ])
 def test_gpu_rule(device_kind, dtype, head_dim, impl):
     """What `auto` runs on each GPU (the table in docs/kernels.md): never the `xla` fallback."""

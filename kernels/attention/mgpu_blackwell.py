@@ -1,0 +1,138 @@
+"""Tree attention on Blackwell (sm_100: B200, GB200, B300) as a Pallas Mosaic GPU kernel
+(`impl="mosaic_gpu_blackwell"`): tcgen05 MMAs with their accumulators in tensor memory.
+
+The Hopper kernels (`attention.mgpu`) are built on wgmma, which sm_100 does not have (compiled
+for it they stop at `'nvvm.wgmma.fence.aligned' op is not supported on sm_100a`). This is the
+forward pass rewritten for tcgen05 (`mgpu_blackwell_forward.py`) around the same pieces: the
+block lists of `jtree.kernels.block_tables` (EMPTY blocks never fetched nor computed, FULL blocks
+without the mask, PARTIAL blocks with the element test), the TMA producer and element mask of
+`mgpu_pipeline`, the `end` / `q_pos` stacking, list tiles and base-2 log-sum-exp layout of
+`attention.mgpu`, and the sinks of `flash_vjp`.
+
+Forward only: there is no Blackwell backward kernel yet, so differentiating a call raises
+ValueError naming this implementation (it never falls back to another kernel). `auto` therefore
+keeps Blackwell on `pallas_triton`, which trains (`tree_attention.gpu_impl`).
+
+Limits (each a ValueError): q, k, v all bf16 or all f16, head_dim 64 or 128 (v's too), the SMEM
+of one CTA (227 KiB). Prefix calls (`q_pos`), GQA, soft-cap, the sliding window and sinks run
+as in the Hopper kernel. Sq and Skv must be multiples of 128 (`tree_attention` pads them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jtree.kernels.attention.flash_vjp import flash_vjp
+from jtree.kernels.attention.mgpu import (
+    MMA_DTYPES,
+    check_operands,
+    list_table,
+    lse_rows,
+    rows_lse,
+    stacked_positions,
+    stacked_tables,
+)
+from jtree.kernels.attention.mgpu_blackwell_forward import (
+    BLOCK_KV,
+    BLOCK_Q,
+    forward_buffers,
+    forward_call,
+)
+from jtree.kernels.attention.mgpu_pipeline import SMEM_LIMIT, smem_bytes
+from jtree.kernels.block_tables import round_up_to_blocks
+
+NAME = "mosaic_gpu_blackwell"
+HEAD_DIMS = (64, 128)
+SEQ_MULTIPLE = BLOCK_Q  # = BLOCK_KV: the query and key lengths must be multiples of it
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything static about one call (hashable: it is a custom_vjp nondiff argument)."""
+
+    scale: float
+    softcap: float | None
+    stages: int
+    window: int | None
+
+
+def attention_blackwell(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    end: jax.Array,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    stages: int = 2,
+    q_pos: jax.Array | None = None,
+    q_real: jax.Array | None = None,
+    window: int | None = None,
+    key_pos: jax.Array | None = None,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
+    """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] on Blackwell (see
+    `tree_attention`; Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query).
+
+    `q_real` is not used: every query's output is the mask's (as in `attention.mgpu`, so that a
+    backward with other query tiles can be added without changing what the forward computes).
+    `stages` is the depth of the TMA ring; `window` with `key_pos` [rows, Skv] the sliding
+    window along the path; `sinks` [Hq] attention sinks. Forward only: differentiating raises.
+    """
+    del q_real  # see above
+    sq, skv, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    check_operands(q, k, v, NAME, "tcgen05")
+    if head_dim not in HEAD_DIMS or v.shape[3] != head_dim:
+        raise ValueError(f"{NAME}: head_dim {head_dim} (v's {v.shape[3]}) must be one of "
+                         f"{HEAD_DIMS} for q, k and v alike (the SMEM rings and TMEM columns "
+                         "are sized for them)")
+    if q_pos is None and sq != skv:
+        raise ValueError(f"{NAME}: {sq} queries over {skv} keys need q_pos")
+    if sq % SEQ_MULTIPLE or skv % SEQ_MULTIPLE:
+        raise ValueError(f"{NAME}: Sq={sq} and Skv={skv} must be multiples of {SEQ_MULTIPLE} "
+                         "(tree_attention pads them; call it instead)")
+    if stages < 1:
+        raise ValueError(f"{NAME}: stages={stages}: need at least one pipeline stage")
+    buffers = forward_buffers(skv, head_dim, stages, q.dtype, window)
+    total = sum(smem_bytes(b.shape, b.dtype) for b in buffers.values())
+    if total > SMEM_LIMIT:
+        raise ValueError(f"{NAME}: the forward needs {total // 1024} KiB of shared memory, more "
+                         f"than the {SMEM_LIMIT // 1024} KiB of a CTA; use fewer stages")
+    static = _Static(float(scale), None if softcap is None else float(softcap), stages, window)
+    end, q_pos = stacked_positions(end, q_pos, sq, window, key_pos)
+    return _attention(q, k, v, end, q_pos, static, sinks=sinks)
+
+
+def handles(dtype: Any, head_dim: int) -> bool:
+    """Whether the kernel runs operands of `dtype` with q, k and v of `head_dim`."""
+    return jnp.dtype(dtype) in MMA_DTYPES and head_dim in HEAD_DIMS
+
+
+def padded_length(s: int, **_options) -> int:
+    """The length `tree_attention` pads S to: a multiple of the kernel's blocks."""
+    return round_up_to_blocks(s, SEQ_MULTIPLE, SEQ_MULTIPLE)
+
+
+def padded_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
+    """(Sq', Skv') `tree_attention` pads a call with a prefix to."""
+    return padded_length(sq), padded_length(skv)
+
+
+def _forward(q, k, v, end, q_pos, st: _Static):
+    tables = stacked_tables(end, q_pos, BLOCK_Q, BLOCK_KV, st.window)
+    return forward_call(q, k, v, end, q_pos, list_table(tables.kv_blocks, tables.kv_kind),
+                        tables.kv_count, stages=st.stages, scale=st.scale, softcap=st.softcap,
+                        window=st.window)
+
+
+def _backward(st: _Static, q, k, v, end, q_pos, out, lse, d_out):
+    """Refuses by name: reached only when a call is differentiated (at trace time)."""
+    raise ValueError(f"attention impl {NAME!r} has no backward kernel yet (forward only); "
+                     "differentiate with impl='pallas_triton', which 'auto' picks on Blackwell")
+
+
+_attention = flash_vjp(_forward, _backward, 5, lse_rows=lse_rows, rows_lse=rows_lse)
