@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtree.kernels.gdn.delta_rule import (
+from jtree.kernels.gdn.chunks import (
     ChunkTerms,
     chunk_maps,
     chunk_step,
