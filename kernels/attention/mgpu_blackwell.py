@@ -16,8 +16,8 @@ lists, P recomputed from the forward's base-2 log-sum-exp, through the same cust
 for what it handles (`tree_attention.gpu_impl`).
 
 Limits (each a ValueError): q, k, v all bf16 or all f16, head_dim 64 or 128 (v's too), the SMEM
-of one CTA (227 KiB) in each kernel. Prefix calls (`q_pos`), GQA, soft-cap, the sliding window and sinks run
-as in the Hopper kernel. Sq and Skv must be multiples of 128 (`tree_attention` pads them).
+of one CTA (227 KiB) in each kernel. Prefix calls (`q_pos`), GQA, soft-cap, the sliding window
+and sinks run as in the Hopper kernel. Sq and Skv must be multiples of 128 (`tree_attention` pads them).
 """
 
 from __future__ import annotations
@@ -91,8 +91,9 @@ def attention_blackwell(
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] on Blackwell (see
     `tree_attention`; Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query).
 
-    `q_real` is not used: every query's output is the mask's (as in `attention.mgpu`, so that a
-    backward with other query tiles can be added without changing what the forward computes).
+    `q_real` is not used: every query's output is the mask's (as in `attention.mgpu`: the dQ
+    and dK/dV kernels tile the queries differently from the forward, so skipping padding
+    q-blocks would let a padding query's backward meet keys its forward never saw).
     `stages` is the depth of the TMA ring; `window` with `key_pos` [rows, Skv] the sliding
     window along the path; `sinks` [Hq] attention sinks.
     """
