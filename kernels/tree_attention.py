@@ -112,11 +112,10 @@ _IMPLS: dict[str, _Impl] = {
     "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
                            attention_triton.padded_lengths, window=True, sinks=True,
                            value_head_dim=True),
-    # Blackwell (tcgen05, tensor memory): forward only, so `auto` does not pick it yet.
+    # Blackwell (tcgen05, tensor memory): forward and backward; `auto` picks it on Blackwell.
     "mosaic_gpu_blackwell": _Impl(attention_blackwell.attention_blackwell,
                                   attention_blackwell.padded_length,
-                                  attention_blackwell.padded_lengths, window=True, sinks=True,
-                                  backward=False),
+                                  attention_blackwell.padded_lengths, window=True, sinks=True),
     # Triton-language kernels through jax-triton (the `gpu` extra); not picked by `auto` yet.
     "triton_lang": _Impl(attention_triton_lang.tree_attention_triton_lang,
                          attention_triton_lang.padded_length, attention_triton_lang.padded_lengths,
@@ -145,8 +144,8 @@ def gpu_impl(device_kind: str, dtype: Any, head_dim: int, value_head_dim: int | 
 
     Hopper with bf16/f16 operands and a head_dim whose forward and backward fit shared memory (64,
     128): the Mosaic GPU kernel (wgmma, TMA, warp specialization). Blackwell with the operands
-    `mosaic_gpu_blackwell` takes: that kernel, once its registry entry has a backward (until then
-    Blackwell trains on the Triton kernel). Every other case, any GPU or
+    `mosaic_gpu_blackwell` takes (bf16/f16, head_dim 64 or 128, not MLA): that kernel (tcgen05,
+    tensor memory), forward and backward. Every other case, any GPU or
     dtype: the Pallas Triton kernel, which raises ValueError naming its limits for operands it
     cannot run. Never the `xla` fallback: a GPU always gets a GPU kernel or an error. Prefix
     calls and soft-caps do not change the choice: both kernels take them. MLA calls (value head

@@ -93,8 +93,7 @@ MGPU_QUICK_SKIP = ("skipped with --quick off a GPU (the Mosaic GPU interpreter t
 def value_and_grads(impl: str, q, k, v, end, d_out, case: AttentionCase,
                     **options: Any) -> list[jax.Array]:
     """[out, dq, dk, dv] (float32) of `tree_attention` on the layout [rows, P + S]: with a prefix
-    P the keys [:P] are cached (`prefix_k`, `prefix_v`) and only [P:] are queries. For an impl
-    without a backward (`mosaic_gpu_blackwell`), [out] alone: the gradients are not its."""
+    P the keys [:P] are cached (`prefix_k`, `prefix_v`) and only [P:] are queries."""
     p = case.prefix
     window = {}
     if case.window is not None:
@@ -107,8 +106,6 @@ def value_and_grads(impl: str, q, k, v, end, d_out, case: AttentionCase,
         return tree_attention(q_own, k_own, v_own, mask, impl=impl, softcap=case.softcap,
                               **cached, **options).astype(jnp.float32)
 
-    if not dispatch.has_backward(impl):
-        return [attend(q[:, p:], k[:, p:], v[:, p:], k[:, :p], v[:, :p])]
     out, pull = jax.vjp(attend, q[:, p:], k[:, p:], v[:, p:], k[:, :p], v[:, :p])
     dq, dk, dv, dpk, dpv = (g.astype(jnp.float32) for g in pull(d_out[:, p:]))
     return [out, dq, jnp.concatenate([dpk, dk], 1), jnp.concatenate([dpv, dv], 1)]
@@ -158,7 +155,7 @@ def impl_dtypes(platform: str, device_kind: str) -> dict[str, tuple[str, ...]]:
         impls.update(pallas_triton=DTYPES)
         if dispatch.gpu_impl(device_kind, jnp.bfloat16, 128) == "pallas_mosaic_gpu":  # Hopper
             impls["pallas_mosaic_gpu"] = ("bfloat16", "float16")
-        if dispatch.is_blackwell(device_kind):  # the tcgen05 forward (no interpreter runs it)
+        if dispatch.is_blackwell(device_kind):  # the tcgen05 kernels (no interpreter runs them)
             impls["mosaic_gpu_blackwell"] = ("bfloat16", "float16")
     elif platform == "tpu":  # no float16 on a TPU
         impls.update(xla=("float32", "bfloat16"), pallas_tpu=("float32", "bfloat16"))

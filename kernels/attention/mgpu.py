@@ -216,8 +216,7 @@ def _backward(st: _Static, q, k, v, end, q_pos, out, lse, d_out):
     _check_smem("dq", dq_buffers(skv, head_dim, st.stages, q.dtype, st.window))
     _check_smem("dkv", dkv_buffers(sq, head_dim, st.stages, q.dtype, st.window))
     d_out = d_out.astype(q.dtype)
-    # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: the softmax Jacobian's row term, O(S) memory.
-    delta = jnp.einsum("rshd,rshd->rhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = softmax_delta(d_out, out)
     block_q = SEQ_MULTIPLE // st.heads_per_cta
     kv_lists = stacked_tables(end, q_pos, block_q, DQ_BLOCK_KV, st.window)
     d_q = dq_call(
@@ -232,6 +231,12 @@ def _backward(st: _Static, q, k, v, end, q_pos, out, lse, d_out):
         stages=st.stages, scale=st.scale, softcap=st.softcap, interpret=st.interpret,
         window=st.window)
     return d_q, d_k, d_v
+
+
+def softmax_delta(d_out: jax.Array, out: jax.Array) -> jax.Array:
+    """delta [rows, Hq, Sq], delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: the softmax
+    Jacobian's row term every backward kernel subtracts from dP, in O(S) memory."""
+    return jnp.einsum("rshd,rshd->rhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
 
 _LN2 = 0.6931471805599453

@@ -9,13 +9,15 @@ without the mask, PARTIAL blocks with the element test), the TMA producer and el
 `mgpu_pipeline`, the `end` / `q_pos` stacking, list tiles and base-2 log-sum-exp layout of
 `attention.mgpu`, and the sinks of `flash_vjp`.
 
-Forward only: there is no Blackwell backward kernel yet, so differentiating a call raises
-ValueError naming this implementation (it never falls back to another kernel). `auto` therefore
-keeps Blackwell on `pallas_triton`, which trains (`tree_attention.gpu_impl`).
+The backward (`mgpu_blackwell_backward.py`) is the Hopper backward's two kernels rewritten for
+tcgen05: dQ over the 128-query blocks' kv lists, dK/dV over the 128-key blocks' transposed q
+lists, P recomputed from the forward's base-2 log-sum-exp, through the same custom VJP
+(`flash_vjp`, which also carries the sinks' gradient). `auto` picks this kernel on Blackwell
+for what it handles (`tree_attention.gpu_impl`).
 
 Limits (each a ValueError): q, k, v all bf16 or all f16, head_dim 64 or 128 (v's too), the SMEM
-of one CTA (227 KiB). Prefix calls (`q_pos`), GQA, soft-cap, the sliding window and sinks run
-as in the Hopper kernel. Sq and Skv must be multiples of 128 (`tree_attention` pads them).
+of one CTA (227 KiB) in each kernel. Prefix calls (`q_pos`), GQA, soft-cap, the sliding window
+and sinks run as in the Hopper kernel. Sq and Skv must be multiples of 128 (`tree_attention` pads them).
 """
 
 from __future__ import annotations
@@ -33,8 +35,19 @@ from jtree.kernels.attention.mgpu import (
     list_table,
     lse_rows,
     rows_lse,
+    softmax_delta,
     stacked_positions,
     stacked_tables,
+)
+from jtree.kernels.attention.mgpu_blackwell_backward import (
+    DKV_BLOCK_KV,
+    DKV_BLOCK_Q,
+    DQ_BLOCK_KV,
+    DQ_BLOCK_Q,
+    dkv_buffers,
+    dkv_call,
+    dq_buffers,
+    dq_call,
 )
 from jtree.kernels.attention.mgpu_blackwell_forward import (
     BLOCK_KV,
@@ -78,10 +91,11 @@ def attention_blackwell(
     """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] on Blackwell (see
     `tree_attention`; Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query).
 
-    `q_real` is not used: every query's output is the mask's (as in `attention.mgpu`, so that a
-    backward with other query tiles can be added without changing what the forward computes).
+    `q_real` is not used: every query's output is the mask's (as in `attention.mgpu`: the dQ
+    and dK/dV kernels tile the queries differently from the forward, so skipping padding
+    q-blocks would let a padding query's backward meet keys its forward never saw).
     `stages` is the depth of the TMA ring; `window` with `key_pos` [rows, Skv] the sliding
-    window along the path; `sinks` [Hq] attention sinks. Forward only: differentiating raises.
+    window along the path; `sinks` [Hq] attention sinks.
     """
     del q_real  # see above
     sq, skv, head_dim = q.shape[1], k.shape[1], q.shape[3]
@@ -97,11 +111,14 @@ def attention_blackwell(
                          "(tree_attention pads them; call it instead)")
     if stages < 1:
         raise ValueError(f"{NAME}: stages={stages}: need at least one pipeline stage")
-    buffers = forward_buffers(skv, head_dim, stages, q.dtype, window)
-    total = sum(smem_bytes(b.shape, b.dtype) for b in buffers.values())
-    if total > SMEM_LIMIT:
-        raise ValueError(f"{NAME}: the forward needs {total // 1024} KiB of shared memory, more "
-                         f"than the {SMEM_LIMIT // 1024} KiB of a CTA; use fewer stages")
+    for kernel, buffers in (("forward", forward_buffers(skv, head_dim, stages, q.dtype, window)),
+                            ("dq", dq_buffers(skv, head_dim, stages, q.dtype, window)),
+                            ("dkv", dkv_buffers(sq, head_dim, stages, q.dtype, window))):
+        total = sum(smem_bytes(b.shape, b.dtype) for b in buffers.values())
+        if total > SMEM_LIMIT:
+            raise ValueError(f"{NAME}: the {kernel} kernel needs {total // 1024} KiB of shared "
+                             f"memory, more than the {SMEM_LIMIT // 1024} KiB of a CTA; use "
+                             "fewer stages")
     static = _Static(float(scale), None if softcap is None else float(softcap), stages, window)
     end, q_pos = stacked_positions(end, q_pos, sq, window, key_pos)
     return _attention(q, k, v, end, q_pos, static, sinks=sinks)
@@ -130,9 +147,16 @@ def _forward(q, k, v, end, q_pos, st: _Static):
 
 
 def _backward(st: _Static, q, k, v, end, q_pos, out, lse, d_out):
-    """Refuses by name: reached only when a call is differentiated (at trace time)."""
-    raise ValueError(f"attention impl {NAME!r} has no backward kernel yet (forward only); "
-                     "differentiate with impl='pallas_triton', which 'auto' picks on Blackwell")
+    d_out = d_out.astype(q.dtype)
+    delta = softmax_delta(d_out, out)
+    options = {"stages": st.stages, "scale": st.scale, "softcap": st.softcap, "window": st.window}
+    kv_lists = stacked_tables(end, q_pos, DQ_BLOCK_Q, DQ_BLOCK_KV, st.window)
+    d_q = dq_call(q, d_out, lse, delta, k, v, end, q_pos,
+                  list_table(kv_lists.kv_blocks, kv_lists.kv_kind), kv_lists.kv_count, **options)
+    q_lists = stacked_tables(end, q_pos, DKV_BLOCK_Q, DKV_BLOCK_KV, st.window)
+    d_k, d_v = dkv_call(q, d_out, lse, delta, k, v, end, q_pos,
+                        list_table(q_lists.q_blocks, q_lists.q_kind), q_lists.q_count, **options)
+    return d_q, d_k, d_v
 
 
 _attention = flash_vjp(_forward, _backward, 5, lse_rows=lse_rows, rows_lse=rows_lse)

@@ -84,30 +84,44 @@ def tmem_columns(head_dim: int) -> int:
     return BLOCK_KV + head_dim
 
 
+def kv_list_cta(k_ref: Any, v_ref: Any, end_ref: Any, table_ref: Any, count_ref: Any, buf: Any,
+                bar: Any, *, group: int, block_kv: int, stages: int, window: int | None
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, Any, jax.Array]:
+    """The part of a query-block CTA (forward, dQ) that walks its kv list: every warpgroup
+    waits for the list; the producer streams K, V (and `end` on PARTIAL blocks) of `block_kv`
+    keys into `buf`'s "k", "v", "end" rings. (q_block, head, r, wg, entry, n_blocks) for the
+    compute warpgroup's `consume`."""
+    q_block, head, r = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("r")
+    wg = lax.axis_index("wg")
+    kv_head = head // group
+    fetch_table(table_ref.at[r, q_block], buf["table"], bar["table"], wg, producer=PRODUCER)
+    n_blocks = count_ref[r, q_block]
+
+    def entry(n):
+        block, kind = list_entry(buf["table"], n)
+        return (block,), kind
+
+    @pl.when(wg == PRODUCER)
+    def _():
+        keys = lambda b: pl.ds(b * block_kv, block_kv)
+        produce(n_blocks, entry, [
+            Stream(lambda b: k_ref.at[r, keys(b), kv_head], buf["k"], bar["k"]),
+            Stream(lambda b: v_ref.at[r, keys(b), kv_head], buf["v"], bar["v"]),
+            Stream(lambda b: positions_tile(end_ref, r, keys(b), window), buf["end"],
+                   bar["end"], partial_only=True),
+        ], bar["free"], stages, max_registers=None)
+
+    return q_block, head, r, wg, entry, n_blocks
+
+
 def _forward_kernel(*, group: int, head_dim: int, stages: int, scale: float,
                     softcap: float | None, window: int | None) -> Callable[..., None]:
     """The body every CTA of `forward_call` runs (see the module docstring)."""
     def kernel(q_ref, k_ref, v_ref, end_ref, qpos_ref, table_ref, count_ref, o_ref, lse_ref, buf,
                tmem, bar):
-        q_block, head, r = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("r")
-        wg = lax.axis_index("wg")
-        kv_head = head // group
-        fetch_table(table_ref.at[r, q_block], buf["table"], bar["table"], wg, producer=PRODUCER)
-        n_blocks = count_ref[r, q_block]
-
-        def entry(n):
-            block, kind = list_entry(buf["table"], n)
-            return (block,), kind
-
-        @pl.when(wg == PRODUCER)
-        def _():
-            keys = lambda b: pl.ds(b * BLOCK_KV, BLOCK_KV)
-            produce(n_blocks, entry, [
-                Stream(lambda b: k_ref.at[r, keys(b), kv_head], buf["k"], bar["k"]),
-                Stream(lambda b: v_ref.at[r, keys(b), kv_head], buf["v"], bar["v"]),
-                Stream(lambda b: positions_tile(end_ref, r, keys(b), window), buf["end"],
-                       bar["end"], partial_only=True),
-            ], bar["free"], stages, max_registers=None)
+        q_block, head, r, wg, entry, n_blocks = kv_list_cta(
+            k_ref, v_ref, end_ref, table_ref, count_ref, buf, bar, group=group,
+            block_kv=BLOCK_KV, stages=stages, window=window)
 
         @pl.when(wg == SOFTMAX)
         def _():

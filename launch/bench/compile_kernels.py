@@ -7,9 +7,10 @@ compiler (Mosaic TPU inside XLA:TPU, Triton and Mosaic GPU inside XLA:GPU) says 
 the chip's VMEM, shared memory and layouts. Each case is one kernel's forward + backward (or
 forward only where the docs claim no more) on one device of the target, at S = 4096 tokens, one
 row, 2 kv heads: the attention kernels `auto` runs per target (`pallas_tpu` on TPU,
-`pallas_mosaic_gpu` on H100, `pallas_triton` on A100 and B200) over head_dim, GQA group, dtype, a
-window with sinks and a prefix, and on B200 the tcgen05 forward `mosaic_gpu_blackwell`; and the Gated DeltaNet kernels (the tree recurrence with the parallel
-and the sequential scan, the path conv), which are XLA code, compiled for TPU and the H100.
+`pallas_mosaic_gpu` on H100, `mosaic_gpu_blackwell` on B200, `pallas_triton` on A100 and for
+B200 operands the tcgen05 kernel does not take) over head_dim, GQA group, dtype, a
+window with sinks and a prefix; and the Gated DeltaNet kernels (the tree recurrence with the
+parallel and the sequential scan, the path conv), which are XLA code, compiled for TPU and the H100.
 
 Cases compile in workers of `jtree.launch.compile.in_worker` (the plugin on their path), each
 batch stopped after `TIMEOUT` seconds; runs/aot/kernels_TARGET.json holds a target's results and
@@ -85,10 +86,11 @@ def sweep(target: str) -> list[Case]:
                       for v in ("window+sinks", "prefix")]
         attention.append(Case("pallas_mosaic_gpu", 256, "bfloat16", 4, backward=False))
     elif target.startswith("gpu-b200"):
-        # The tcgen05 forward (it has no backward yet), then what `auto` trains with there.
-        attention = [Case("mosaic_gpu_blackwell", d, "bfloat16", g, backward=False)
+        # The tcgen05 kernel `auto` trains with there, then the Triton kernel it takes for the
+        # operands the tcgen05 kernel does not handle (fp32, other head dims).
+        attention = [Case("mosaic_gpu_blackwell", d, "bfloat16", g)
                      for d in (64, 128) for g in (1, 4)]
-        attention += [Case("mosaic_gpu_blackwell", 128, dt, 4, v, backward=False)
+        attention += [Case("mosaic_gpu_blackwell", 128, dt, 4, v)
                       for dt, v in (("float16", ""), ("bfloat16", "window+sinks"),
                                     ("bfloat16", "prefix"))]
         return attention + [Case("pallas_triton", 128, "bfloat16", 4)]
@@ -178,21 +180,29 @@ def compile_case(case: Case, device: Any) -> dict[str, Any]:
             **kernel_resources(case)}
 
 
-def kernel_resources(case: Case) -> dict[str, int]:
-    """Per-CTA shared memory (KiB) and tensor memory (32-bit columns) of the Blackwell forward,
-    from the buffers it allocates (the compile does not report them); {} for other kernels."""
+def kernel_resources(case: Case) -> dict[str, str]:
+    """Per-CTA shared memory (KiB) and tensor memory (32-bit columns) of the Blackwell kernels
+    (forward, and dQ, dK/dV when the case has a backward), from the buffers they allocate (the
+    compile does not report them); {} for other kernels."""
     if case.kernel != "mosaic_gpu_blackwell":
         return {}
     import jax.numpy as jnp
 
+    from jtree.kernels.attention import mgpu_blackwell_backward as backward
     from jtree.kernels.attention.mgpu_blackwell_forward import forward_buffers, tmem_columns
     from jtree.kernels.attention.mgpu_pipeline import smem_bytes
 
     keys = SEQ + (PREFIX if case.variant == "prefix" else 0)
     window = WINDOW if case.variant == "window+sinks" else None
-    buffers = forward_buffers(keys, case.head_dim, 2, jnp.dtype(case.dtype), window)
-    return {"smem_kib": round(sum(smem_bytes(b.shape, b.dtype) for b in buffers.values()) / 1024),
-            "tmem_columns": tmem_columns(case.head_dim)}
+    d, dt = case.head_dim, jnp.dtype(case.dtype)
+    kernels = {"fwd": (forward_buffers(keys, d, 2, dt, window), tmem_columns(d))}
+    if case.backward:
+        columns = backward.tmem_columns(d)
+        kernels["dq"] = (backward.dq_buffers(keys, d, 2, dt, window), columns["dq"])
+        kernels["dkv"] = (backward.dkv_buffers(SEQ, d, 2, dt, window), columns["dkv"])
+    kib = lambda buffers: round(sum(smem_bytes(b.shape, b.dtype) for b in buffers.values()) / 1024)
+    return {"smem_kib": "/".join(str(kib(b)) for b, _ in kernels.values()),
+            "tmem_columns": "/".join(str(c) for _, c in kernels.values())}
 
 
 def worker(target: str, indices: Sequence[int], path: Path) -> int:

@@ -38,7 +38,8 @@ H100 = "NVIDIA H100 80GB HBM3"
     ("NVIDIA A100-SXM4-80GB", jnp.bfloat16, 128, "pallas_triton"),  # no wgmma before Hopper
     ("NVIDIA L40S", jnp.float16, 64, "pallas_triton"),
     ("NVIDIA GeForce RTX 4090", jnp.float32, 256, "pallas_triton"),
-    ("NVIDIA B200", jnp.bfloat16, 128, "pallas_triton"),  # mosaic_gpu_blackwell: no backward yet
+    ("NVIDIA B200", jnp.bfloat16, 128, "mosaic_gpu_blackwell"),  # tcgen05, forward + backward
+    ("NVIDIA B200", jnp.float32, 128, "pallas_triton"),  # tcgen05 has no fp32 operands
 ])
 def test_gpu_rule(device_kind, dtype, head_dim, impl):
     """What `auto` runs on each GPU (the table in docs/kernels.md): never the `xla` fallback."""
