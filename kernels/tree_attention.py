@@ -40,7 +40,8 @@ implementation runs it only where its registry entry says so (`value_head_dim`);
 naming the implementation and both dims, and `auto` picks only implementations that run it.
 
 What `auto` runs (the table in docs/kernels.md): `pallas_tpu` on TPU; on a GPU the rule of
-`gpu_impl` (Hopper's Mosaic kernel where wgmma takes the operands, else the Pallas Triton kernel);
+`gpu_impl` (Hopper's Mosaic kernel where wgmma takes the operands, the Triton-language kernel on
+GPUs that are neither Hopper nor Blackwell, else the Pallas Triton kernel);
 on CPU, among the kernels that can run the call (`cpu_candidates`: the C++ `cpu` kernel when it
 builds and the call has no soft-cap, and `xla`), the faster one measured on the call's shape class
 (`jtree.kernels.attention.calibration`: once per class and machine, kept on disk, logged); calls
@@ -78,7 +79,8 @@ class _Impl(NamedTuple):
     # None: the implementation does not support a prefix.
     padded_lengths: Callable[..., tuple[int, int]] | None = None
     # Whether it runs a query offset (context parallelism): the rectangular call with a traced
-    # `q_pos`, checked against the reference on this machine (the GPU kernels are not yet).
+    # `q_pos`, checked against the reference on this machine (`triton_lang`'s kernels in Triton's
+    # interpreter at a query window; the Mosaic GPU and Pallas Triton kernels are not yet).
     context_parallel: bool = False
     # Whether it runs a sliding window (`window`, `key_pos` keywords of `run`) and sinks (`sinks`).
     window: bool = False
@@ -88,6 +90,10 @@ class _Impl(NamedTuple):
     # Whether it can be differentiated; one without a backward raises naming itself when it is,
     # and `auto` never picks it (a train step needs the backward).
     backward: bool = True
+    # Whether its kernels are compiled while lowering, for the CUDA compute capability given as
+    # `run`'s `compute_capability` keyword (jax-triton); the others are compiled by XLA, which
+    # knows its target.
+    compute_capability: bool = False
 
 
 def _any_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
@@ -116,10 +122,12 @@ _IMPLS: dict[str, _Impl] = {
     "mosaic_gpu_blackwell": _Impl(attention_blackwell.attention_blackwell,
                                   attention_blackwell.padded_length,
                                   attention_blackwell.padded_lengths, window=True, sinks=True),
-    # Triton-language kernels through jax-triton (the `gpu` extra); not picked by `auto` yet.
+    # Triton-language kernels through jax-triton (the `gpu` extra): `auto` on GPUs that are
+    # neither Hopper nor Blackwell.
     "triton_lang": _Impl(attention_triton_lang.tree_attention_triton_lang,
                          attention_triton_lang.padded_length, attention_triton_lang.padded_lengths,
-                         window=True, sinks=True, value_head_dim=True),
+                         context_parallel=True, window=True, sinks=True, value_head_dim=True,
+                         compute_capability=True),
 }
 
 # NVIDIA Hopper (sm_90) device kinds: the GPUs with wgmma, which the Mosaic kernel is built on
@@ -145,9 +153,12 @@ def gpu_impl(device_kind: str, dtype: Any, head_dim: int, value_head_dim: int | 
     Hopper with bf16/f16 operands and a head_dim whose forward and backward fit shared memory (64,
     128): the Mosaic GPU kernel (wgmma, TMA, warp specialization). Blackwell with the operands
     `mosaic_gpu_blackwell` takes (bf16/f16, head_dim 64 or 128, not MLA): that kernel (tcgen05,
-    tensor memory), forward and backward. Every other case, any GPU or
-    dtype: the Pallas Triton kernel, which raises ValueError naming its limits for operands it
-    cannot run. Never the `xla` fallback: a GPU always gets a GPU kernel or an error. Prefix
+    tensor memory), forward and backward. Every other GPU (Ampere, Ada, consumer Blackwell...),
+    any dtype: the Triton-language kernel through jax-triton (`triton_lang`: the `gpu` extra),
+    whose full sharded train step XLA:GPU compiles for sm_80 (docs/memory.md). The operands
+    Hopper's and Blackwell's own kernels cannot take: the Pallas Triton kernel. Both Triton
+    kernels raise ValueError naming their (shared) limits for operands they cannot run. Never the
+    `xla` fallback: a GPU always gets a GPU kernel or an error. Prefix
     calls and soft-caps do not change the choice: both kernels take them. MLA calls (value head
     dim != head_dim) go to the Mosaic kernel only if its registry entry runs them.
     """
@@ -158,6 +169,8 @@ def gpu_impl(device_kind: str, dtype: Any, head_dim: int, value_head_dim: int | 
     if (is_blackwell(device_kind) and attention_blackwell.handles(dtype, head_dim)
             and not mla and _IMPLS["mosaic_gpu_blackwell"].backward):
         return "mosaic_gpu_blackwell"
+    if not (_HOPPER.search(device_kind) or is_blackwell(device_kind)):
+        return "triton_lang"
     return "pallas_triton"
 
 
@@ -284,6 +297,7 @@ def tree_attention(
     prefix_k: jax.Array | None = None,
     prefix_v: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    compute_capability: int | None = None,
     **options: Any,
 ) -> jax.Array:
     """Attention of q [rows, S, Hq, Dk] over k [rows, S, Hkv, Dk], v [rows, S, Hkv, Dv] under the
@@ -302,7 +316,10 @@ def tree_attention(
     row's S keys.
     `mask.real` [rows, queries] bool marks the real queries (see the module docstring).
     `mask.window` (with `mask.positions`) adds the sliding window along the path; `sinks` [Hq]
-    (float) the per-head attention-sink logits.
+    (float) the per-head attention-sink logits. `compute_capability` (e.g. 80) is the CUDA target
+    of an implementation compiled while lowering (registry `compute_capability`: `triton_lang`),
+    needed to lower it on a host without a GPU; the others ignore it (XLA compiles them for the
+    devices it compiles for).
     """
     if not isinstance(mask, TreeMask):
         raise TypeError(f"mask: expected a jtree.kernels.TreeMask, got {type(mask).__name__}")
@@ -326,14 +343,18 @@ def tree_attention(
             raise ValueError(f"sinks: shape {tuple(jnp.shape(sinks))}, expected [Hq] = "
                              f"({q.shape[2]},)")
         options["sinks"] = sinks
+    if compute_capability is not None:
+        options["compute_capability"] = compute_capability
     if windowed:
         mask.check()
         name = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[3], softcap=softcap,
                             value_head_dim=v.shape[3])
         if not _IMPLS[name].context_parallel:
+            supported = ", ".join(repr(n) for n, i in _IMPLS.items()
+                                  if i.context_parallel and n != "reference")
             raise ValueError(f"attention impl {name!r} does not run under context parallelism "
-                             "(mesh.context > 1): set runtime.attention_impl to 'xla', 'cpu' or "
-                             "'pallas_tpu', or mesh.context=1")
+                             f"(mesh.context > 1): set runtime.attention_impl to one of "
+                             f"{supported}, or mesh.context=1")
         _check_options(name, mask, options, q.shape[3], v.shape[3])
         return _rectangular(q, k, v, mask, name, scale=scale, softcap=softcap, **options)
     if mask.prefix_end is not None or prefix_k is not None or prefix_v is not None:
@@ -404,8 +425,10 @@ def _rectangular(q, k, v, mask: TreeMask, name: str, *, scale: float, softcap: f
 def _check_options(name: str, mask: TreeMask, options: dict, head_dim: int,
                    value_head_dim: int) -> None:
     """Raise if implementation `name` cannot run the mask's window, the call's sinks or its value
-    head dim."""
+    head dim; drop a compute capability it does not take."""
     chosen = _IMPLS[name]
+    if not chosen.compute_capability:
+        options.pop("compute_capability", None)
     if value_head_dim != head_dim and not chosen.value_head_dim:
         supported = ", ".join(repr(n) for n, i in _IMPLS.items() if i.value_head_dim)
         raise ValueError(f"attention impl {name!r}: value head dim {value_head_dim} != query/key "

@@ -163,9 +163,11 @@ def target_devices(target: Target) -> list[Any]:
 
 
 def target_overrides(config: str, overrides: Sequence[str], target: Target,
-                     device_kind: str) -> list[str]:
-    """`overrides` with `auto` attention and GDN scan resolved as they would be on the target
-    (this host's backend is the CPU, whose `auto` would pick CPU kernels)."""
+                     device: Any) -> list[str]:
+    """`overrides` with `auto` attention and GDN scan resolved as they would be on the target's
+    `device` (this host's backend is the CPU, whose `auto` would pick CPU kernels) and, for a GPU,
+    its compute capability ("8.0" -> `runtime.gpu_compute_capability=80`): kernels compiled while
+    lowering (jax-triton's) would otherwise ask this host's absent GPU for it."""
     import jax.numpy as jnp
 
     from jtree.config import load_config
@@ -178,9 +180,11 @@ def target_overrides(config: str, overrides: Sequence[str], target: Target,
     backend = "tpu" if target.platform == "tpu" else "gpu"
     impl = resolve_impl(runtime.attention_impl, backend, dtype=jnp.dtype(runtime.dtype),
                         head_dim=head_dim, value_head_dim=value_head_dim,
-                        device_kind=device_kind)
+                        device_kind=device.device_kind)
+    capability = ([] if backend == "tpu" else
+                  [f"runtime.gpu_compute_capability={round(float(device.compute_capability) * 10)}"])
     return [*overrides, f"runtime.attention_impl={impl}",
-            f"runtime.gdn_scan={pick_scan(runtime.gdn_scan, backend)}"]
+            f"runtime.gdn_scan={pick_scan(runtime.gdn_scan, backend)}", *capability]
 
 
 def compiler_name(platform: str) -> str:
@@ -212,7 +216,7 @@ def worker(args: argparse.Namespace) -> int:
     try:
         devices = target_devices(target)
         stage = "build"
-        overrides = target_overrides(args.config, args.overrides, target, devices[0].device_kind)
+        overrides = target_overrides(args.config, args.overrides, target, devices[0])
         cfg = load_config(args.config, overrides)
         trainer = Trainer.build(cfg, devices=devices)
         state, inputs = abstract_step_args(trainer, args.rows)

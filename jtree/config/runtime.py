@@ -63,6 +63,11 @@ class RuntimeConfig:
     the partial outputs; "all_to_all" splits the tokens over the group and exchanges the
     (token, expert) assignments with the devices owning the experts. Same math either way; it
     changes nothing on one device.
+
+    `gpu_compute_capability` (e.g. 80, 90, 100) is the CUDA target of the kernels that are compiled
+    while the step is lowered rather than by XLA (`triton_lang`: Triton compiles them inside
+    jax-triton's lowering): None reads GPU 0's, which only a GPU host has; `jtree.launch.compile`
+    sets it from its target's devices so that the step lowers on a host without one.
     """
 
     attention_impl: str = "auto"
@@ -75,6 +80,7 @@ class RuntimeConfig:
     data_parallel_axis: str | tuple[str, ...] | None = None
     context_axis: str | None = None
     expert_dispatch: str = "psum"
+    gpu_compute_capability: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("dtype", "param_dtype"):
@@ -85,6 +91,12 @@ class RuntimeConfig:
         if self.expert_dispatch not in EXPERT_DISPATCHES:
             raise ValueError(f"expert_dispatch: {self.expert_dispatch!r} is not one of "
                              f"{EXPERT_DISPATCHES}")
+        if self.gpu_compute_capability is not None and (
+                isinstance(self.gpu_compute_capability, bool)
+                or not isinstance(self.gpu_compute_capability, int)
+                or self.gpu_compute_capability < 10):
+            raise ValueError(f"gpu_compute_capability: {self.gpu_compute_capability!r} is not a "
+                             "CUDA compute capability as an int (e.g. 80, 90, 100) or None")
         if self.gdn_scan not in GDN_SCANS:
             raise ValueError(f"gdn_scan: {self.gdn_scan!r} is not one of {GDN_SCANS}")
         if self.attention_impl not in available_impls():

@@ -86,10 +86,10 @@ class Attention(nnx.Module):
         if self.window is not None:
             mask = dataclasses.replace(mask, window=self.window)
         if self.runtime.context_axis is None:
-            out = attend(q, k, v, mask, prefix, self.runtime.attention_impl, sinks)
+            out = attend(q, k, v, mask, prefix, self.runtime, sinks)
         else:
             k_row, v_row = gathered_keys(k, v, self.runtime.context_axis)
-            out = attend(q, k_row, v_row, mask, prefix, self.runtime.attention_impl, sinks)
+            out = attend(q, k_row, v_row, mask, prefix, self.runtime, sinks)
         out = out.reshape(rows, s, -1)
         if self.gated:
             out = out * jax.nn.sigmoid(gate.reshape(rows, s, -1))
@@ -97,12 +97,11 @@ class Attention(nnx.Module):
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: TreeMask,
-           prefix: AttentionCache | None, impl: str, sinks: jax.Array | None = None,
+           prefix: AttentionCache | None, runtime: RuntimeConfig, sinks: jax.Array | None = None,
            scale: float | None = None) -> jax.Array:
-    """`tree_attention`, over the cached prefix keys too when there is a prefix (whose key ends
-    the mask carries); `sinks` [Hq]: per-head attention-sink logits (None: none); `scale`: the
-    softmax scale (None: head_dim ** -0.5)."""
-    if prefix is None:
-        return tree_attention(q, k, v, mask, impl=impl, sinks=sinks, scale=scale)
-    return tree_attention(q, k, v, mask, impl=impl, prefix_k=prefix.k, prefix_v=prefix.v,
-                          sinks=sinks, scale=scale)
+    """`tree_attention` with the runtime's implementation and GPU target, over the cached prefix
+    keys too when there is a prefix (whose key ends the mask carries); `sinks` [Hq]: per-head
+    attention-sink logits (None: none); `scale`: the softmax scale (None: head_dim ** -0.5)."""
+    prefix_kv = {} if prefix is None else {"prefix_k": prefix.k, "prefix_v": prefix.v}
+    return tree_attention(q, k, v, mask, impl=runtime.attention_impl, sinks=sinks, scale=scale,
+                          compute_capability=runtime.gpu_compute_capability, **prefix_kv)

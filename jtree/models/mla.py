@@ -106,8 +106,7 @@ class MultiHeadLatentAttention(nnx.Module):
             k_all, v_all = k, v
         else:
             k_all, v_all = gathered_keys(k, v, self.runtime.context_axis)
-        out = attend(q, k_all, v_all, mask, prefix, self.runtime.attention_impl,
-                     scale=cfg.softmax_scale)
+        out = attend(q, k_all, v_all, mask, prefix, self.runtime, scale=cfg.softmax_scale)
         return (row_parallel(self.o_proj, out.reshape(rows, s, -1),
                              self.runtime.tensor_parallel_axis), AttentionCache(k, v))
 

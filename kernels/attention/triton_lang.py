@@ -9,10 +9,10 @@ deterministic dQ and dK/dV passes recomputing P from the saved log-sum-exp), lau
 Supported: GQA, Dv != Dk (MLA, DeepSeek-V3's 192/128 included), float32 / bfloat16 / float16
 operands with float32 accumulation (float32 matmuls in IEEE float32, not TF32), soft-cap, a
 prefix and other rectangular calls (`q_pos`), the sliding window (`window`, `key_pos`) and sinks
-(`flash_vjp`).
+(`flash_vjp`), context parallelism (a traced query offset: the same rectangular call, its block
+tables built from the traced `q_pos` by `block_tables`, a fixed width per shape).
 Inside `shard_map` the kernels' outputs are cast to vary like their inputs (jax-triton types
-them as invariant). Not supported: context parallelism (a traced query offset; untested here), as
-the registry says.
+them as invariant).
 
 Limits (`pallas_triton`'s, checked by the same function, raising ValueError naming
 `triton_lang` and the limit): q, k, v one of the three dtypes; each head dim a power of two from
@@ -23,8 +23,10 @@ are `pallas_triton`'s too (not tuned on hardware).
 
 jax-triton and triton are the optional `gpu` extra: without them the entry point raises naming
 the extra. The jax-triton call runs only on a CUDA GPU; on a CPU host it lowers for CUDA (given
-`compute_capability`, which otherwise is read from GPU 0), and the kernels run in Triton's CPU
-interpreter (`launch_specs` gives their grids and constants to such a driver).
+`compute_capability`, which otherwise is read from GPU 0: the train step passes
+`runtime.gpu_compute_capability`, which `jtree.launch.compile` sets from its target), and the
+kernels run in Triton's CPU interpreter (`launch_specs` gives their grids and constants to such a
+driver).
 """
 
 from __future__ import annotations

@@ -69,8 +69,7 @@ def step_cost(config: str, overrides: Sequence[str], rows: int, target: Target,
     from jtree.memory.step_shapes import abstract_step_args
     from jtree.training.trainer import Trainer
 
-    cfg = load_config(config, target_overrides(config, overrides, target,
-                                               devices[0].device_kind))
+    cfg = load_config(config, target_overrides(config, overrides, target, devices[0]))
     trainer = Trainer.build(cfg, devices=devices)
     state, inputs = abstract_step_args(trainer, rows)
     analysis = cost(trainer.step_fn.lower(state, inputs).compile().cost_analysis())

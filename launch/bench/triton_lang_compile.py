@@ -119,8 +119,9 @@ def ptxas_usage(ptx: str, capability: int) -> dict[str, Any]:
 def lower_forward_backward(capability: int, seq: int = 1024) -> dict[str, Any]:
     """Lower the gradient of a loss over `tree_attention(impl="triton_lang")` for CUDA from this
     host: bf16 GQA 4 head dim 64 with a soft-cap, a window and sinks; MLA (q/k 192, v 128,
-    zero-padded to 256 around the kernels) with a prefix; and forward + backward inside
-    `shard_map` on a one-device mesh, as the train step calls attention; -> per case the Triton
+    zero-padded to 256 around the kernels) with a prefix; forward + backward inside
+    `shard_map` on a one-device mesh, as the train step calls attention; half the queries at a
+    traced offset (context parallelism); -> per case the Triton
     kernel calls in the module, and the seconds all took."""
     import jax
 
@@ -149,6 +150,11 @@ def lower_forward_backward(capability: int, seq: int = 1024) -> dict[str, Any]:
                               out_specs=(jax.P("data"),) * 3)(q, k, v, end)
         return sum(jnp.sum(g.astype(jnp.float32)) for g in grads)
 
+    def offset_loss(q, k, v, end, offset):  # context parallelism: a traced query offset
+        out = tree_attention(q, k, v, TreeMask(end, query_offset=offset), impl="triton_lang",
+                             compute_capability=capability)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
     def plain_loss(q, k, v, end):
         out = tree_attention(q, k, v, TreeMask(end), impl="triton_lang",
                              compute_capability=capability)
@@ -169,6 +175,10 @@ def lower_forward_backward(capability: int, seq: int = 1024) -> dict[str, Any]:
             jax.ShapeDtypeStruct((1, seq, h, 64), jnp.bfloat16, sharding=rows)
             for h in (Q_HEADS, KV_HEADS, KV_HEADS)]
             + [jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=rows)]),
+        "context offset": (offset_loss, (0, 1, 2), [
+            struct(1, seq // 2, Q_HEADS, 64), struct(1, seq, KV_HEADS, 64),
+            struct(1, seq, KV_HEADS, 64), struct(1, seq, dtype=jnp.int32),
+            struct(dtype=jnp.int32)]),
     }
     start = time.perf_counter()
     calls = {}

@@ -39,15 +39,18 @@ def test_absent_plugins_are_one_line_and_status_2(tmp_path):
     assert proc.stdout.count("\n") == 1 and "make aot-plugins" in proc.stdout, proc.stdout
 
 
-def test_triton_step_compiles_for_a100(tmp_path):
-    """`auto` on an A100 is the Pallas Triton kernel: inside the sharded step it lowers and XLA:GPU
-    compiles it (a float32 config; Triton is also what `auto` runs for float32 on Hopper)."""
+def test_triton_lang_step_compiles_for_a100(tmp_path):
+    """`auto` on an A100 is the jax-triton kernel: inside the sharded step Triton compiles its
+    kernels for sm_80 while the step lowers (the target's compute capability passed down from
+    the compile-only devices: this host has no GPU to ask) and XLA:GPU compiles the step around
+    them (a float32 config)."""
     needs("cuda")
     out = tmp_path / "a100.json"
     proc = compile_step("gpu-a100x8", *SMALL, json_path=out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    assert report["attention_impl"] == "pallas_triton", report
+    assert report["attention_impl"] == "triton_lang", report
+    assert "runtime.gpu_compute_capability=80" in report["overrides"], report
     assert report["device_kind"] == "NVIDIA A100-SXM4-80GB" and report["devices"] == 8
     assert report["memory"]["fits"] and report["memory"]["temp"] > 0, report["memory"]
     assert report["collectives"].get("all-reduce"), report  # the data-parallel gradient sum
@@ -110,15 +113,52 @@ def test_memory_plan_without_plugins_falls_back_to_the_cpu_estimate(tmp_path):
     assert "fitted from XLA:CPU compiles" in proc.stdout and "fits 95 GiB" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["gpu-h100x8", "gpu-b200x8"])
+def test_triton_lang_step_compiles_for_hopper_and_blackwell(tmp_path, target):
+    """The jax-triton kernel named in the step compiles for sm_90 and sm_100 too (bf16)."""
+    needs("cuda")
+    out = tmp_path / "step.json"
+    proc = compile_step(target, *SMALL, "runtime.dtype=bfloat16",
+                        "runtime.attention_impl=triton_lang", json_path=out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(out.read_text())["memory"]["fits"]
+
+
+def test_gpu_targets_pass_their_compute_capability():
+    """The compile-only device's compute capability ("8.0") becomes the runtime's
+    `gpu_compute_capability` (80), which jax-triton compiles for while lowering; TPU targets get
+    none. Needs no plugin."""
+    from types import SimpleNamespace
+
+    from jtree.config import load_config
+    from jtree.launch.compile import TARGETS, target_overrides
+
+    for target, kind, capability in (("gpu-a100x8", "NVIDIA A100-SXM4-80GB", "8.0"),
+                                     ("gpu-h100x8", "NVIDIA H100 80GB HBM3", "9.0"),
+                                     ("gpu-b200x8", "NVIDIA B200", "10.0")):
+        device = SimpleNamespace(device_kind=kind, compute_capability=capability)
+        out = target_overrides("configs/tiny.yaml", [], TARGETS[target], device)
+        runtime = load_config("configs/tiny.yaml", out).runtime
+        assert runtime.gpu_compute_capability == round(float(capability) * 10), out
+    tpu = SimpleNamespace(device_kind="TPU v5")
+    out = target_overrides("configs/tiny.yaml", [], TARGETS["tpu-v5p-8"], tpu)
+    assert load_config("configs/tiny.yaml", out).runtime.gpu_compute_capability is None
+
+
 def test_auto_resolves_mla_configs_on_their_value_head_dim():
     """`auto` for a target resolves on q/k and value head dims: DeepSeek-V3's MLA (192 / 128)
     on Hopper goes to the Pallas Triton kernel, not the Mosaic GPU kernel that refuses it; a
     plain config on Hopper still gets the Mosaic kernel. Needs no plugin."""
+    from types import SimpleNamespace
+
     from jtree.launch.compile import TARGETS, target_overrides
+
+    h100 = SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
 
     def impl(config: str, *overrides: str) -> str:
         out = target_overrides(config, ["runtime.attention_impl=auto", *overrides],
-                               TARGETS["gpu-h100x8"], "NVIDIA H100 80GB HBM3")
+                               TARGETS["gpu-h100x8"], h100)
         return next(o for o in reversed(out) if o.startswith("runtime.attention_impl="))
 
     # hidden_size / heads = 128, a head dim the Mosaic kernel takes: only MLA's own dims say no

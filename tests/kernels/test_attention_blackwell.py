@@ -394,5 +394,5 @@ def test_auto_trains_on_blackwell_with_the_tcgen05_kernel(device_kind):
     assert dispatch.gpu_impl(device_kind, jnp.float32, 128) == "pallas_triton"
     assert dispatch.gpu_impl(device_kind, jnp.bfloat16, 256) == "pallas_triton"
     assert dispatch.gpu_impl(device_kind, jnp.bfloat16, 192, 128) == "pallas_triton"  # MLA
-    assert dispatch.gpu_impl("NVIDIA GeForce RTX 5090", jnp.bfloat16, 128) == "pallas_triton"
+    assert dispatch.gpu_impl("NVIDIA GeForce RTX 5090", jnp.bfloat16, 128) == "triton_lang"
     assert dispatch.gpu_impl("NVIDIA H100 80GB HBM3", jnp.bfloat16, 128) == "pallas_mosaic_gpu"

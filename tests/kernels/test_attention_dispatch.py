@@ -1,6 +1,8 @@
 """`tree_attention` dispatch: what `auto` picks (on a GPU by device kind and operands; on CPU the
 C++ kernel when it builds, else `xla`, logged), validation of a host `end`, padding of S."""
 
+import dataclasses
+import importlib
 import logging
 
 import jax
@@ -35,15 +37,49 @@ H100 = "NVIDIA H100 80GB HBM3"
     ("NVIDIA H20", jnp.bfloat16, 128, "pallas_mosaic_gpu"),
     (H100, jnp.float32, 128, "pallas_triton"),  # wgmma has no fp32 operands
     (H100, jnp.bfloat16, 256, "pallas_triton"),  # the Mosaic backward does not fit shared memory
-    ("NVIDIA A100-SXM4-80GB", jnp.bfloat16, 128, "pallas_triton"),  # no wgmma before Hopper
-    ("NVIDIA L40S", jnp.float16, 64, "pallas_triton"),
-    ("NVIDIA GeForce RTX 4090", jnp.float32, 256, "pallas_triton"),
+    # neither Hopper nor Blackwell: the jax-triton kernel, off Pallas' deprecated Triton backend
+    ("NVIDIA A100-SXM4-80GB", jnp.bfloat16, 128, "triton_lang"),  # no wgmma before Hopper
+    ("NVIDIA L40S", jnp.float16, 64, "triton_lang"),
+    ("NVIDIA GeForce RTX 4090", jnp.float32, 256, "triton_lang"),
+    ("NVIDIA A100-SXM4-80GB", jnp.bfloat16, 192, "triton_lang"),  # MLA (Dv 128 below)
+    ("NVIDIA GeForce RTX 5090", jnp.bfloat16, 128, "triton_lang"),  # sm_120: no tcgen05
     ("NVIDIA B200", jnp.bfloat16, 128, "mosaic_gpu_blackwell"),  # tcgen05, forward + backward
     ("NVIDIA B200", jnp.float32, 128, "pallas_triton"),  # tcgen05 has no fp32 operands
 ])
 def test_gpu_rule(device_kind, dtype, head_dim, impl):
     """What `auto` runs on each GPU (the table in docs/kernels.md): never the `xla` fallback."""
-    assert gpu_impl(device_kind, dtype, head_dim) == impl
+    assert gpu_impl(device_kind, dtype, head_dim, 128 if head_dim == 192 else None) == impl
+
+
+def test_the_runtimes_compute_capability_reaches_only_triton_lang(monkeypatch):
+    """A model's `attend` passes `runtime.gpu_compute_capability` down to the kernel that jax-triton
+    compiles while lowering (a host without a GPU has none to ask); the kernels XLA compiles
+    never see it. `triton_lang`'s registry entry is replaced by a recorder (no jax-triton here)."""
+    from jtree.config.runtime import RuntimeConfig
+    from jtree.models.attention import attend
+
+    dispatch = importlib.import_module("jtree.kernels.tree_attention")  # the module
+
+    seen = []
+
+    def record(q, k, v, end, **options):
+        seen.append(options.get("compute_capability"))
+        return jnp.zeros((*q.shape[:3], v.shape[3]), q.dtype)
+
+    entry = dispatch._IMPLS["triton_lang"]
+    monkeypatch.setitem(dispatch._IMPLS, "triton_lang", entry._replace(run=record))
+    q, k, v = qkv(1, 1, 64, 2, 1, 16)
+    mask = TreeMask(jnp.arange(1, 65, dtype=jnp.int32)[None])
+    attend(q, k, v, mask, None, RuntimeConfig(attention_impl="triton_lang",
+                                              gpu_compute_capability=90))
+    attend(q[:, 32:], k, v, dataclasses.replace(mask, query_offset=jnp.int32(32)), None,
+           RuntimeConfig(attention_impl="triton_lang", gpu_compute_capability=80))
+    assert seen == [90, 80]
+    out = attend(q, k, v, mask, None, RuntimeConfig(attention_impl="xla",
+                                                    gpu_compute_capability=80))
+    assert out.shape == q.shape
+    with pytest.raises(ValueError, match="gpu_compute_capability: '8.0'"):
+        RuntimeConfig(gpu_compute_capability="8.0")
 
 
 def test_auto_per_backend():

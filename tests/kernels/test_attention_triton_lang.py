@@ -89,17 +89,19 @@ def reference(q, k, v, end, d_out, *, scale, q_pos=None, softcap=None, window=No
     return [np.asarray(x) for x in (out, *vjp(jnp.asarray(d_out, jnp.float32)))]
 
 
-def case(end, hq, hkv, d, dtype, *, dv=None, prefix=0, softcap=None, window=None,
+def case(end, hq, hkv, d, dtype, *, dv=None, prefix=0, queries=None, softcap=None, window=None,
          key_pos=None, **blocks) -> tuple[dict, list[np.ndarray], float]:
     """(interpreter call, reference (out, dq, dk, dv), tolerance) of the own queries (after
-    `prefix` cached keys) of the layout `end`."""
+    `prefix` cached keys) of the layout `end`; with `queries`, only that many from `prefix` on
+    (context parallelism's window: keys after the last query too)."""
     rows, s = end.shape
     assert rows >= 2 and (np.diff(end, axis=1) < 0).any()  # several rows, real branching
     q, k, v = qkv(d + hq, rows, s, hq, hkv, d, dtype, dv=dv)
     q_pos = None
-    if prefix:
-        q = q[:, prefix:]
-        q_pos = np.broadcast_to(np.arange(prefix, s, dtype=np.int32), (rows, s - prefix))
+    if prefix or queries:
+        stop = s if queries is None else prefix + queries
+        q = q[:, prefix:stop]
+        q_pos = np.broadcast_to(np.arange(prefix, stop, dtype=np.int32), (rows, stop - prefix))
     d_out = np.random.default_rng(1).normal(size=(*q.shape[:3], v.shape[3])).astype(np.float32)
     kw = dict(scale=d ** -0.5, q_pos=q_pos, softcap=softcap, window=window, key_pos=key_pos)
     return (interpreter_call(q, k, v, end, d_out, **kw, **blocks),
@@ -119,12 +121,14 @@ def check(cases: list, tmp_path) -> None:
 def test_interpreter_matches_reference(tmp_path):
     """Branching forests in several rows (and a padding row), blocks of 16: GQA 2 with a soft-cap
     in float32; GQA 2 in bf16 with queries after 16 cached prefix keys (rectangular block tables)
-    and key blocks of 32; GQA 2 over 2 kv heads with a window of 9 path tokens."""
+    and key blocks of 32; GQA 2 over 2 kv heads with a window of 9 path tokens; a context-parallel
+    window (queries 16-47 of 64 keys: keys before and after them) in float32."""
     end, pos = tree_end_pos(5, 64)
     check([case(tree_end(seed=6, s=64, max_nodes=8, max_seg=10), 2, 1, 16, jnp.float32,
                 softcap=20.0),
            case(end, 2, 1, 16, jnp.bfloat16, prefix=16, block_kv=32),
-           case(end, 4, 2, 16, jnp.float32, window=9, key_pos=pos)], tmp_path)
+           case(end, 4, 2, 16, jnp.float32, window=9, key_pos=pos),
+           case(end, 2, 1, 16, jnp.float32, prefix=16, queries=32)], tmp_path)
 
 
 @pytest.mark.slow
@@ -154,7 +158,7 @@ def test_forward_and_backward_lower_for_cuda(tmp_path):
     """Forward + backward of `tree_attention(impl="triton_lang")` (GQA, soft-cap, window, sinks; MLA
     192/128 with a prefix; inside `shard_map`) lower for CUDA through jax_triton.triton_call from
     this host: three Triton kernel calls (forward, dQ, dK/dV), each compiled to PTX for sm_80 while
-    lowering. Runs in a worker with jax's CUDA plugin on its path: jax-triton does not import
+    lowering; and at a traced query offset (context parallelism). Runs in a worker with jax's CUDA plugin on its path: jax-triton does not import
     without it."""
     from jtree.launch.compile import PLUGINS_ABSENT, in_worker
 
@@ -165,7 +169,7 @@ def test_forward_and_backward_lower_for_cuda(tmp_path):
         pytest.skip("jax's CUDA plugin is not installed (make aot-plugins)")
     assert rc == 0, (tmp_path / "worker.log").read_text()[-3000:]
     assert json.loads(out.read_text())["triton_calls"] == {
-        "window+sinks": 3, "mla 192/128 + prefix": 3, "shard_map": 3}
+        "window+sinks": 3, "mla 192/128 + prefix": 3, "shard_map": 3, "context offset": 3}
 
 
 @pytest.mark.parametrize("options, match", [
@@ -180,13 +184,6 @@ def test_refusals_name_the_limit(options, match):
     end = np.arange(1, 65, dtype=np.int32)[None]
     with pytest.raises(ValueError, match=match):
         tree_attention(q, k, v, TreeMask(end), impl="triton_lang", **options)
-
-
-def test_context_parallel_is_refused():
-    q, k, v = (jnp.zeros((1, 64, 2, 32)) for _ in range(3))
-    mask = TreeMask(np.arange(1, 65, dtype=np.int32)[None], query_offset=jnp.int32(0))
-    with pytest.raises(ValueError, match="'triton_lang' does not run under context parallelism"):
-        tree_attention(q[:, :32], k, v, mask, impl="triton_lang")
 
 
 def test_without_jax_triton_the_call_names_the_extra(monkeypatch):
