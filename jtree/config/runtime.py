@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jtree.config.schema import Domain, check_domains, within
 from jtree.kernels import available_impls
 from jtree.kernels.gdn.delta_rule import GDN_SCANS
 
@@ -31,6 +32,9 @@ REMAT_POLICY_NAMES = ("none", "full", "dots", "dots_no_batch")
 
 EXPERT_DISPATCHES = ("psum", "all_to_all")
 
+
+# CUDA compute capabilities as jax-triton takes them: major * 10 + minor (80, 90, 100).
+_COMPUTE_CAPABILITY = Domain(low=10)
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
@@ -80,7 +84,7 @@ class RuntimeConfig:
     data_parallel_axis: str | tuple[str, ...] | None = None
     context_axis: str | None = None
     expert_dispatch: str = "psum"
-    gpu_compute_capability: int | None = None
+    gpu_compute_capability: int | None = within(_COMPUTE_CAPABILITY, None)
 
     def __post_init__(self) -> None:
         for field in ("dtype", "param_dtype"):
@@ -93,10 +97,10 @@ class RuntimeConfig:
                              f"{EXPERT_DISPATCHES}")
         if self.gpu_compute_capability is not None and (
                 isinstance(self.gpu_compute_capability, bool)
-                or not isinstance(self.gpu_compute_capability, int)
-                or self.gpu_compute_capability < 10):
+                or not isinstance(self.gpu_compute_capability, int)):
             raise ValueError(f"gpu_compute_capability: {self.gpu_compute_capability!r} is not a "
                              "CUDA compute capability as an int (e.g. 80, 90, 100) or None")
+        check_domains(self)
         if self.gdn_scan not in GDN_SCANS:
             raise ValueError(f"gdn_scan: {self.gdn_scan!r} is not one of {GDN_SCANS}")
         if self.attention_impl not in available_impls():
