@@ -35,9 +35,10 @@ whether it ran natively or interpreted.
 
 Time on one H100, full run (estimated from compiles and FLOPs; it has not run on one):
 - start, info (jax and CUDA init, nvidia-smi): ~15 s;
-- numerics: 24 attention rows (xla and Triton in 3 dtypes, Mosaic GPU in 2, x 3 cases), each one
-  forward+backward compile of ~2-5 s on tiny shapes (the float32 reference compiles once per
-  case), plus 5 GDN and 4 tiny-model compiles: ~2.5 min; the FLOPs are negligible (S 200);
+- numerics: 33 attention rows (xla and both Triton kernels in 3 dtypes, Mosaic GPU in 2, x 3
+  cases), each one forward+backward compile of ~2-5 s on tiny shapes (the float32 reference
+  compiles once per case), plus 5 GDN and 4 tiny-model compiles: ~3 min; the FLOPs are
+  negligible (S 200);
 - memory: one compile of the scanned 0.6B step (~40 s) while the plan's two XLA:CPU compiles run
   in a child process (26-31 s each on 2 cores at S 16384 per docs/memory.md, fewer at 8192):
   ~1 min;
@@ -50,7 +51,8 @@ Time on one H100, full run (estimated from compiles and FLOPs; it has not run on
   baseline step holds 16k flat tokens, 6 x 0.6e9 x 16384 = 6e13 FLOPs plus attention, well under
   a second at 30% MFU: ~1.5 min;
 - speed, GDN: two compiles at S 8192 (~20 s).
-Total about 7.5 minutes, under the 8 the docs' recipe allows (`timeout 480`).
+Total about 8 minutes, at the 8 the docs' recipe allows (`timeout 480`): the numerics
+and memory sections come first, so a timeout cuts only speed rows.
 
     python -m jtree.launch.device_check --out device_out          # full check (GPU/TPU)
     python -m jtree.launch.device_check --quick --out device_out  # smallest sizes (2-core CPU: 2-5 min)

@@ -151,8 +151,8 @@ def impl_dtypes(platform: str, device_kind: str) -> dict[str, tuple[str, ...]]:
     if platform == "cpu":
         impls.update(cpu=("float32",), pallas_triton=DTYPES, pallas_tpu=("float32", "bfloat16"),
                      pallas_mosaic_gpu=("bfloat16", "float16"))
-    elif platform == "gpu":
-        impls.update(pallas_triton=DTYPES)
+    elif platform == "gpu":  # both Triton kernels: `auto` runs triton_lang off Hopper/Blackwell
+        impls.update(pallas_triton=DTYPES, triton_lang=DTYPES)
         if dispatch.gpu_impl(device_kind, jnp.bfloat16, 128) == "pallas_mosaic_gpu":  # Hopper
             impls["pallas_mosaic_gpu"] = ("bfloat16", "float16")
         if dispatch.is_blackwell(device_kind):  # the tcgen05 kernels (no interpreter runs them)

@@ -57,7 +57,7 @@ class Report:
 def execution(impl: str, platform: str) -> str:
     """'native' or 'interpreted': the Pallas kernels run interpreted off their own platform."""
     native = {"pallas_tpu": "tpu", "pallas_mosaic_gpu": "gpu", "pallas_triton": "gpu",
-              "mosaic_gpu_blackwell": "gpu"}
+              "mosaic_gpu_blackwell": "gpu", "triton_lang": "gpu"}
     return "interpreted" if impl in native and native[impl] != platform else "native"
 
 

@@ -88,11 +88,15 @@ def test_peak_flops_by_device_kind():
 def test_each_device_checks_the_kernels_it_runs_natively():
     hopper = device_numerics.impl_dtypes("gpu", "NVIDIA H100 80GB HBM3")
     assert hopper == {"xla": device_numerics.DTYPES, "pallas_triton": device_numerics.DTYPES,
+                      "triton_lang": device_numerics.DTYPES,
                       "pallas_mosaic_gpu": ("bfloat16", "float16")}
-    assert set(device_numerics.impl_dtypes("gpu", "NVIDIA A100-SXM4-80GB")) == {"xla",
-                                                                            "pallas_triton"}
+    # auto's kernel there (triton_lang), and Pallas' Triton kernel for what it still serves
+    assert set(device_numerics.impl_dtypes("gpu", "NVIDIA A100-SXM4-80GB")) == {
+        "xla", "pallas_triton", "triton_lang"}
+    assert device_report.execution("triton_lang", "gpu") == "native"
     blackwell = device_numerics.impl_dtypes("gpu", "NVIDIA B200")
     assert blackwell == {"xla": device_numerics.DTYPES, "pallas_triton": device_numerics.DTYPES,
+                         "triton_lang": device_numerics.DTYPES,
                          "mosaic_gpu_blackwell": ("bfloat16", "float16")}
     assert device_report.execution("mosaic_gpu_blackwell", "gpu") == "native"
     assert device_numerics.impl_dtypes("tpu", "TPU v5 lite") == {
