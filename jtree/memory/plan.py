@@ -31,13 +31,13 @@ config, and it grows with depth), so the plan takes each number from where it is
   + 1 MLA, two KDA layers; Nemotron 3 Nano's pattern): no depth holds whole blocks, so the rule
   takes one slope per repeated block instead, T = a + sum_g b_g * repeats_g, over the groups
   the scanned model is cut into (`jtree.parallel.layer_stack.layer_groups`: Kimi-Linear's
-  [KDA, KDA, KDA, MLA] x 6 and [KDA] x 2). A base model holds every group at `depth_blocks[0]`
-  repeats, one more compile per group holds that group at `depth_blocks[1]`, and b_g is the
-  difference per repeat (`group_plan`); a layer outside any repeated block (Kimi-Linear's dense
-  first layer) is compiled as it is every time, in `a`. Scanned, each compile keeps the full
-  model's groups (checked), so each group is one scan in every compile, as at full depth. One
-  slope per layer kind instead (stacks of one kind each) predicted a scanned irregular test
-  model's T 71% low: its layers outside repeated blocks run unrolled, not as a stack.
+  [KDA, KDA, KDA, MLA] x 6 and [KDA] x 2), each group's slope from two compiles that differ
+  by repeats of that group only (`group_compiles` says which); a layer outside any repeated
+  block (Kimi-Linear's dense first layer) is compiled as it is every time, in `a`. Scanned,
+  each compile keeps the full model's groups (checked), so each group is one scan in every
+  compile, as at full depth. One slope per layer kind instead (stacks of one kind each)
+  predicted a scanned irregular test model's T 71% low: its layers outside repeated blocks run
+  unrolled, not as a stack.
 
 The compile runs for this host's backend, so its buffer assignment is XLA:CPU's: fusion and
 scheduling differ on a GPU or TPU, so `T` is an estimate of the accelerator's, not a measurement
@@ -271,34 +271,47 @@ def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
         largest_temporary=round(a), compiled=samples, leading=leading)
 
 
+def group_compiles(config: str, overrides: Sequence[str], depth_blocks: tuple[int, int],
+                   scanned: bool) -> tuple[tuple[LayerGroup, ...], list[int], list[TrainConfig]]:
+    """What `group_plan` compiles: the full model's groups, each group's repeats in the base
+    compile, and the configs of the base and of one compile per repeated group with
+    `depth_blocks[1] - depth_blocks[0]` more repeats of it. In the base each group has
+    `depth_blocks[0]` repeats unscanned; scanned (where a compile costs the same at any depth),
+    its full repeats less that step, at least `depth_blocks[0]`. A group of one repeat is
+    compiled whole every time. Scanned, every compile must be cut into the same groups, each
+    one scan as at full depth; a list that would regroup is refused."""
+    model_config = load_config(config, overrides).model.config
+    groups = layer_groups(model_config.decoder().layers)
+    low, high = depth_blocks
+    base = [g.repeats if g.repeats == 1 else max(low, g.repeats - (high - low)) if scanned
+            else low for g in groups]
+    configs = []
+    for more in [None, *(i for i, g in enumerate(groups) if g.repeats > 1)]:
+        repeats = [n + (high - low) * (i == more) for i, n in enumerate(base)]
+        cfg = load_config(config, [*overrides, *layers_override(
+            model_config, group_picks(groups, repeats))])
+        got = layer_groups(cfg.model.config.decoder().layers)
+        if scanned and [(g.block, g.repeats) for g in got] != [
+                (g.block, n) for g, n in zip(groups, repeats)]:
+            raise ValueError(f"depth_blocks: {depth_blocks} regroups the scanned layers of "
+                             f"{config} (the compile would not be the same program); a larger "
+                             "first depth keeps more repeats of each group")
+        configs.append(cfg)
+    return groups, base, configs
+
+
 def group_plan(config: str, overrides: Sequence[str], rows: int, depth_blocks: tuple[int, int],
                exact: dict[str, Any]) -> MemoryPlan:
     """The plan of a layer list that repeats no single block (module docstring): T = a +
-    sum_g b_g * repeats_g over its scanned groups (`layer_groups`), from a base compile with
-    every such group at `depth_blocks[0]` repeats and one compile per group at
-    `depth_blocks[1]`; a group of one repeat is compiled whole every time (in `a`)."""
-    model_config = load_config(config, overrides).model.config
-    groups = layer_groups(model_config.decoder().layers)
+    sum_g b_g * repeats_g over its repeated groups (`layer_groups`), b_g from the compiles of
+    `group_compiles`, per repeat."""
+    groups, base_repeats, configs = group_compiles(config, overrides, depth_blocks,
+                                                   exact["scanned"])
     varied = [g for g, group in enumerate(groups) if group.repeats > 1]
-    low, high = depth_blocks
-
-    def compile_with(more: int | None) -> Compiled:
-        repeats = [g.repeats if g.repeats == 1 else high if i == more else low
-                   for i, g in enumerate(groups)]
-        picks = group_picks(groups, repeats)
-        cfg = load_config(config, [*overrides, *layers_override(model_config, picks)])
-        got = layer_groups(cfg.model.config.decoder().layers)
-        if exact["scanned"] and [(g.block, g.repeats > 1) for g in got] != [
-                (g.block, n > 1) for g, n in zip(groups, repeats)]:
-            raise ValueError(f"depth_blocks: {depth_blocks} regroups the scanned layers of "
-                             f"{config} (the compile would not be the same program)")
-        return activations_and_temps(cfg, rows)
-
-    base = compile_with(None)
-    samples = (base, *(compile_with(g) for g in varied))
-    slopes = [(c.activations_and_temps - base.activations_and_temps) / (high - low)
-              for c in samples[1:]]
-    a = base.activations_and_temps - low * sum(slopes)
+    samples = tuple(activations_and_temps(cfg, rows) for cfg in configs)
+    base, step = samples[0], depth_blocks[1] - depth_blocks[0]
+    slopes = [(c.activations_and_temps - base.activations_and_temps) / step for c in samples[1:]]
+    a = base.activations_and_temps - sum(b * base_repeats[g] for g, b in zip(varied, slopes))
     return MemoryPlan(
         **exact, block=exact["layers"], largest_temporary=round(a),
         activations=round(sum(b * groups[g].repeats for g, b in zip(varied, slopes))),
