@@ -69,6 +69,7 @@ class Target:
         return math.prod(int(n) for n in self.topology.split(":")[-1].split("x"))
 
 
+H200_NOTE = "H100 SXM spec with the H200's memory (XLA publishes no H200 spec)"
 TARGETS = {
     # v5p-8 counts TensorCores: 4 chips (2x2x1), one device each (megacore), 95 GiB HBM2e.
     "tpu-v5p-8": Target("tpu", "v5p:2x2x1", 95 * GIB, (2, 2, 1)),
@@ -85,7 +86,12 @@ TARGETS = {
     # Blackwell (sm_100a): XLA's B200 spec.
     "gpu-b200x8": Target("cuda", "1x1x8", 191514411008, spec="b200.txtpb"),
     "gpu-h200x8": Target("cuda", "1x1x8", 141 * 10**9, spec="h200_sxm.txtpb",
-                         note="H100 SXM spec with the H200's memory (XLA publishes no H200 spec)"),
+                         note=H200_NOTE),
+    # 2 and 64 nodes of 8 H200s: Kimi-Linear-48B's and DeepSeek-V3's / Kimi-K2's targets.
+    "gpu-h200x16": Target("cuda", "1x2x8", 141 * 10**9, spec="h200_sxm.txtpb",
+                          note=H200_NOTE),
+    "gpu-h200x512": Target("cuda", "1x64x8", 141 * 10**9, spec="h200_sxm.txtpb",
+                           note=H200_NOTE),
 }
 
 

@@ -9,7 +9,9 @@ config's mesh resolves as on the target; default: the devices the config's mesh 
 depend on how many data-parallel replicas there are); activations and the largest temporary
 come from XLA's `memory_analysis()` of the step compiled on this host at two depths
 (`--depth-blocks`, in repeated layer blocks; scanned when the config scans its layers), scaled
-linearly to the full depth. Exits 1 when the plan does not fit `--device-gib`.
+linearly to the full depth (a layer list that repeats no single block, such as Nemotron 3 Nano's:
+one slope per repeated block, each block compiled at both depths). Exits 1 when the plan does not
+fit `--device-gib`.
 `runtime.attention_impl=auto` compiles as `xla`, as `jtree.launch.lower_step` exports it (`auto`
 would pick this CPU host's own kernel).
 

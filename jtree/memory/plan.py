@@ -27,6 +27,17 @@ config, and it grows with depth), so the plan takes each number from where it is
   A scanned compile costs the same at any depth, so the upper depth may be the full one
   (`depth_blocks=(2, layers // block)`): the total is then the full-depth compile's, where the
   default depths can understate it at long `seq_len` (docs/memory.md has the checks).
+- **Layer lists that repeat no single block** (Kimi-Linear: one dense layer, six blocks of 3 KDA
+  + 1 MLA, two KDA layers; Nemotron 3 Nano's pattern): no depth holds whole blocks, so the rule
+  takes one slope per repeated block instead, T = a + sum_g b_g * repeats_g, over the groups
+  the scanned model is cut into (`jtree.parallel.layer_stack.layer_groups`: Kimi-Linear's
+  [KDA, KDA, KDA, MLA] x 6 and [KDA] x 2), each group's slope from two compiles that differ
+  by repeats of that group only (`group_compiles` says which); a layer outside any repeated
+  block (Kimi-Linear's dense first layer) is compiled as it is every time, in `a`. Scanned,
+  each compile keeps the full model's groups (checked), so each group is one scan in every
+  compile, as at full depth. One slope per layer kind instead (stacks of one kind each)
+  predicted a scanned irregular test model's T 71% low: its layers outside repeated blocks run
+  unrolled, not as a stack.
 
 The compile runs for this host's backend, so its buffer assignment is XLA:CPU's: fusion and
 scheduling differ on a GPU or TPU, so `T` is an estimate of the accelerator's, not a measurement
@@ -53,6 +64,7 @@ from jtree.config import TrainConfig, load_config
 from jtree.memory.grouped_matmul_lowering import grouped_matmul_lowering
 from jtree.memory.step_shapes import abstract_step_args
 from jtree.models.lora import trainable
+from jtree.parallel.layer_stack import LayerGroup, layer_groups
 from jtree.parallel.sharding import describe_mesh
 from jtree.training.trainer import Trainer
 
@@ -83,6 +95,35 @@ def depth_override(model_config: Any, layers: int) -> str:
     if types is None:
         return f"model.num_hidden_layers={layers}"
     return f"model.layers_block_type={json.dumps(list(types[:layers]))}"
+
+
+# The model-config fields that hold one entry per decoder layer (the architectures' layer lists).
+PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "layers_block_type")
+
+
+def layers_override(model_config: Any, picks: Sequence[int]) -> list[str]:
+    """The overrides that build `model_config` from its layers `picks` (indices, in that order,
+    repeats allowed): every per-layer list cut to those entries, and the depth."""
+    names = {f.name for f in dataclasses.fields(model_config)}
+    out = [f"model.num_hidden_layers={len(picks)}"] if "num_hidden_layers" in names else []
+    for name in PER_LAYER_FIELDS:
+        values = getattr(model_config, name, None) if name in names else None
+        if values is not None:
+            out.append(f"model.{name}={json.dumps([values[i] for i in picks])}")
+    return out
+
+
+def group_name(group: LayerGroup) -> str:
+    """How the report names a group's block: each layer's mixer and feed-forward ("none" left
+    out)."""
+    return "[" + ", ".join("+".join(p for p in kind if p != "none") for kind in group.block) + "]"
+
+
+def group_picks(groups: Sequence[LayerGroup], repeats: Sequence[int]) -> list[int]:
+    """Layer indices of the model whose group g repeats its block `repeats[g]` times: each
+    group's first repeat, copied."""
+    return [g.layer(0, j) for g, n in zip(groups, repeats) for _ in range(n)
+            for j in range(len(g.block))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +157,8 @@ class MemoryPlan:
     largest_temporary: int
     compiled: tuple[Compiled, ...]
     leading: int = 0  # `leading_layers`: their activations are in `largest_temporary`
+    # `group_plan`'s (group's block, its repeats at full depth, bytes per repeat); () otherwise
+    groups: tuple[tuple[str, int, float], ...] = ()
 
     @property
     def total(self) -> int:
@@ -131,6 +174,7 @@ class MemoryPlan:
         blocks = (self.layers - self.leading) // self.block
         unit = "layer" if self.block == 1 else f"block of {self.block} layers"
         slope = self.activations / blocks
+        rule = ", one slope per repeated block" if self.groups else ""
         depths = " and ".join(f"{c.layers} ({c.seconds:.0f} s)" for c in self.compiled)
         free = device_gib * GIB - self.total
         lines = [
@@ -141,14 +185,15 @@ class MemoryPlan:
             f"  gradients          {gib(self.grads)}",
             f"  optimizer state    {gib(self.opt_state)}",
             f"  batch inputs       {gib(self.inputs)}",
-            f"  activations        {gib(self.activations)}  ({blocks} x {slope / GIB:.3f} GiB "
-            f"per {unit})",
+            f"  activations        {gib(self.activations)}  ("
+            + (" + ".join(f"{n} x {b / GIB:.3f} GiB per {block}" for block, n, b in self.groups)
+               if self.groups else f"{blocks} x {slope / GIB:.3f} GiB per {unit}") + ")",
             f"  largest temporary  {gib(self.largest_temporary)}",
             f"  total              {gib(self.total)}  per device: "
             + (f"fits {device_gib:g} GiB ({free / GIB:.2f} GiB free)" if free >= 0 else
                f"does NOT fit {device_gib:g} GiB ({-free / GIB:.2f} GiB over)"),
             f"  activations and temporaries fitted from XLA:CPU compiles at {depths} layers, "
-            + ("scanned" if self.scanned else "unrolled"),
+            + ("scanned" if self.scanned else "unrolled") + rule,
         ]
         return "\n".join(lines)
 
@@ -202,15 +247,19 @@ def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
             f"depth_blocks: {depth_blocks} must be two different depths >= {lowest}"
             + (" with runtime.scan_layers (a stack of one block is not scanned)"
                if scanned else ""))
+    trainer = Trainer.build(cfg)
+    state, inputs = abstract_step_args(trainer, rows)
+    exact = {  # the fields both rules share, exact at full depth
+        "config": config, "mesh": describe_mesh(trainer.mesh), "layers": layers,
+        "seq_len": cfg.data.seq_len, "micro_batches": cfg.data.micro_batches, "rows": rows,
+        "remat": cfg.runtime.remat, "scanned": scanned, "params": shard_bytes(state.params),
+        "grads": shard_bytes(trainable(state.params)),
+        "opt_state": shard_bytes(state.opt_state), "inputs": shard_bytes(inputs)}
     if block == layers - leading and block > 1:
-        raise ValueError(f"{config}: the layer kinds (model.layer_types or layers_block_type) do "
-                         "not repeat a block, which the plan's depth rule needs (a list such as "
-                         "Nemotron 3 Nano's has no memory plan)")
+        return group_plan(config, overrides, rows, depth_blocks, exact)
     if leading + max(depth_blocks) * block > layers:
         raise ValueError(f"{config}: model.num_hidden_layers={layers} is below the compiled depth "
                          f"{leading + max(depth_blocks) * block}")
-    trainer = Trainer.build(cfg)
-    state, inputs = abstract_step_args(trainer, rows)
     samples = tuple(
         activations_and_temps(
             load_config(config, [*overrides, depth_override(cfg.model.config, leading + n * block)]),
@@ -218,9 +267,53 @@ def memory_plan(config: str, overrides: Sequence[str] = (), rows: int = 1,
         for n in depth_blocks)
     a, b = fit_linear(samples, block, leading)
     return MemoryPlan(
-        config=config, mesh=describe_mesh(trainer.mesh), layers=layers, block=block,
-        seq_len=cfg.data.seq_len, micro_batches=cfg.data.micro_batches, rows=rows,
-        remat=cfg.runtime.remat, scanned=scanned, params=shard_bytes(state.params),
-        grads=shard_bytes(trainable(state.params)), opt_state=shard_bytes(state.opt_state),
-        inputs=shard_bytes(inputs), activations=round(b * (layers - leading) / block),
+        **exact, block=block, activations=round(b * (layers - leading) / block),
         largest_temporary=round(a), compiled=samples, leading=leading)
+
+
+def group_compiles(config: str, overrides: Sequence[str], depth_blocks: tuple[int, int],
+                   scanned: bool) -> tuple[tuple[LayerGroup, ...], list[int], list[TrainConfig]]:
+    """What `group_plan` compiles: the full model's groups, each group's repeats in the base
+    compile, and the configs of the base and of one compile per repeated group with
+    `depth_blocks[1] - depth_blocks[0]` more repeats of it. In the base each group has
+    `depth_blocks[0]` repeats unscanned; scanned (where a compile costs the same at any depth),
+    its full repeats less that step, at least `depth_blocks[0]`. A group of one repeat is
+    compiled whole every time. Scanned, every compile must be cut into the same groups, each
+    one scan as at full depth; a list that would regroup is refused."""
+    model_config = load_config(config, overrides).model.config
+    groups = layer_groups(model_config.decoder().layers)
+    low, high = depth_blocks
+    base = [g.repeats if g.repeats == 1 else max(low, g.repeats - (high - low)) if scanned
+            else low for g in groups]
+    configs = []
+    for more in [None, *(i for i, g in enumerate(groups) if g.repeats > 1)]:
+        repeats = [n + (high - low) * (i == more) for i, n in enumerate(base)]
+        cfg = load_config(config, [*overrides, *layers_override(
+            model_config, group_picks(groups, repeats))])
+        got = layer_groups(cfg.model.config.decoder().layers)
+        if scanned and [(g.block, g.repeats) for g in got] != [
+                (g.block, n) for g, n in zip(groups, repeats)]:
+            raise ValueError(f"depth_blocks: {depth_blocks} regroups the scanned layers of "
+                             f"{config} (the compile would not be the same program); a larger "
+                             "first depth keeps more repeats of each group")
+        configs.append(cfg)
+    return groups, base, configs
+
+
+def group_plan(config: str, overrides: Sequence[str], rows: int, depth_blocks: tuple[int, int],
+               exact: dict[str, Any]) -> MemoryPlan:
+    """The plan of a layer list that repeats no single block (module docstring): T = a +
+    sum_g b_g * repeats_g over its repeated groups (`layer_groups`), b_g from the compiles of
+    `group_compiles`, per repeat."""
+    groups, base_repeats, configs = group_compiles(config, overrides, depth_blocks,
+                                                   exact["scanned"])
+    varied = [g for g, group in enumerate(groups) if group.repeats > 1]
+    samples = tuple(activations_and_temps(cfg, rows) for cfg in configs)
+    base, step = samples[0], depth_blocks[1] - depth_blocks[0]
+    slopes = [(c.activations_and_temps - base.activations_and_temps) / step for c in samples[1:]]
+    a = base.activations_and_temps - sum(b * base_repeats[g] for g, b in zip(varied, slopes))
+    return MemoryPlan(
+        **exact, block=exact["layers"], largest_temporary=round(a),
+        activations=round(sum(b * groups[g].repeats for g, b in zip(varied, slopes))),
+        compiled=samples, groups=tuple((group_name(groups[g]), groups[g].repeats, b)
+                                       for g, b in zip(varied, slopes)))

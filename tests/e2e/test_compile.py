@@ -167,3 +167,17 @@ def test_auto_resolves_mla_configs_on_their_value_head_dim():
         "runtime.attention_impl=pallas_triton")
     assert impl("configs/tiny.yaml", "runtime.dtype=bfloat16", "model.head_dim=128") == (
         "runtime.attention_impl=pallas_mosaic_gpu")
+
+
+def test_the_h200_configs_have_targets_of_their_device_count():
+    """Each H200 config's mesh names as many devices as the target its header names (the
+    `jtree.launch.compile` target it is compiled for, deviceless). Needs no plugin."""
+    from jtree.config import load_config
+    from jtree.launch.compile import TARGETS
+    from jtree.launch.memory_plan import mesh_devices
+
+    for config, target in [("nemotron3_nano_30b_a3b", "gpu-h200x8"),
+                           ("kimi_linear_48b", "gpu-h200x16"),
+                           ("deepseek_v3_671b", "gpu-h200x512"), ("kimi_k2", "gpu-h200x512")]:
+        mesh = load_config(f"configs/{config}.yaml").mesh
+        assert mesh_devices(mesh) == TARGETS[target].device_count, config

@@ -21,10 +21,14 @@ from jtree.memory.plan import (
     Compiled,
     MemoryPlan,
     activations_and_temps,
+    group_compiles,
+    group_picks,
     layer_block,
+    layers_override,
     memory_plan,
     shard_bytes,
 )
+from jtree.parallel.layer_stack import layer_groups
 
 TINY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=128",
         "data.micro_batches=1", "mesh.data=1"]
@@ -88,6 +92,57 @@ def test_scanned_depth_rule_predicts_a_third_scanned_compile():
     actual = activations_and_temps(load_config("configs/tiny.yaml", scanned), rows=1)
     assert actual.layers == 4
     assert_rule_predicts(plan, actual)
+
+
+# A Nemotron-H layer list that repeats no single block: [Mamba2, MoE] x 3, attention, Mamba2 x 4,
+# attention, MoE (scanned: two stacks and three single layers).
+M, E, A = "linear_attention", "moe", "full_attention"
+IRREGULAR = [M, E, M, E, M, E, A, M, M, M, M, A, E]
+
+
+@pytest.mark.slow
+def test_a_layer_list_without_a_block_is_planned_per_repeated_block():
+    """The rule's a + sum_g b_g * repeats_g, fitted through compiles with each stack one repeat
+    short of the full model's and at it, against XLA:CPU's compile of the whole irregular model (`remat: none`, so the
+    layers' activations, not the intercept, are most of T)."""
+    config = "configs/tiny_nemotron_h.yaml"
+    overrides = [*TINY, "runtime.remat=none", "data.seq_len=256", "runtime.scan_layers=true",
+                 f"model.layers_block_type={json.dumps(IRREGULAR)}"]
+    plan = memory_plan(config, overrides)
+    # base ([M, E] x 2, [M] x 3), then [M, E] x 3 and [M] x 4: the whole model is not compiled
+    assert [c.layers for c in plan.compiled] == [10, 12, 11]
+    assert [(block, n) for block, n, _ in plan.groups] == [
+        ("[mamba2, relu2_moe]", 3), ("[mamba2]", 4)]
+    actual = activations_and_temps(load_config(config, overrides), rows=1)
+    assert actual.layers == len(IRREGULAR)
+    predicted = plan.largest_temporary + plan.activations
+    assert plan.activations > plan.largest_temporary
+    error = abs(predicted - actual.activations_and_temps) / actual.activations_and_temps
+    assert error <= TOLERANCE, (predicted, actual)
+
+
+def test_the_compiled_layer_lists_keep_the_full_models_stacks():
+    """Nemotron 3 Nano's pattern: each compile copies every stack's first repeat and keeps the
+    single layers, and is cut into the same stacks (`layer_groups`); at 2 repeats its [M, E]
+    stack would merge with the layers after it into another [M, E, M, E, M, *, E], so the
+    default depths are refused and 3 and 4 compile."""
+    config = "configs/nemotron3_nano_30b_a3b.yaml"
+    cfg = load_config(config).model.config
+    groups = layer_groups(cfg.decoder().layers)
+    assert [(len(g.block), g.repeats) for g in groups] == [(7, 5), (2, 3), (1, 1), (1, 1),
+                                                           (2, 4), (1, 1)]
+    assert group_picks(groups, [2, 3, 1, 1, 2, 1]) == [
+        *range(7), *range(7), 35, 36, 35, 36, 35, 36, 41, 42, 43, 44, 43, 44, 51]
+    _, base, configs = group_compiles(config, [], (3, 4), scanned=True)
+    assert base == [4, 3, 1, 1, 3, 1]
+    assert [c.model.config.num_hidden_layers for c in configs] == [43, 50, 45, 45]
+    with pytest.raises(ValueError, match=r"depth_blocks: \(2, 3\) regroups"):
+        group_compiles(config, [], (2, 3), scanned=True)
+    kimi = load_config("configs/kimi_linear_48b.yaml").model.config
+    cut = load_config("configs/kimi_linear_48b.yaml", layers_override(kimi, [0, 4, 4])).model.config
+    assert cut.num_hidden_layers == 3 and cut.layer_types == ("linear_attention",
+                                                              "full_attention", "full_attention")
+    assert cut.mlp_layer_types == ("dense", "sparse", "sparse")
 
 
 def test_a_scanned_plan_refuses_a_depth_that_would_not_scan():
