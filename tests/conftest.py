@@ -9,7 +9,8 @@ Fixtures (here): what several test files set up the same way.
 - `groups_file`, `few_groups_file`: branching agent-rollout groups written for a tiny training
   run (12 groups: several steps; 4 groups: a step or two).
 
-Helpers (modules named for their concept, imported by the tests; no test file imports another):
+Helpers (modules named for their concept, imported by the tests; a test file should import these,
+not another test file, though nine still do: their shared pieces belong in helpers here):
 - tests/models_util.py: tiny configs and models, jitted log-prob and loss-and-gradient functions,
   tree-vs-baseline loss and gradient comparison.
 - tests/strategies.py: random trees and forests (hypothesis strategies) and the fixed tree sets
