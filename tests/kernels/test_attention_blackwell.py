@@ -331,6 +331,26 @@ def test_lowers_for_cuda(head_dim, value_head_dim):
     assert _export(jax.grad(loss, argnums=(0, 1, 2, 5)), *shapes) == ["mosaic_gpu_v2"] * 3
 
 
+@pytest.mark.parametrize("dims, smem_kib, tmem_columns", [
+    ((64, 64), "114/82/82", "192/192/256"),
+    ((128, 128), "194/146/146", "256/256/384"),
+    # MLA, by hand: forward Q 48 + K ring 2 x 64 x 192 x 2 B = 48 + V ring 32 + P 128 x 64 x 2 B
+    # = 16 + O 32 KiB, plus 2 KiB of lists, positions and lse; TMEM S 64 + O 128. dQ: Q 48 +
+    # dO 32 + K ring 48 + V ring 32 + dS 16 (+2); S 64 + dP 64 + dQ 192. dK/dV: K 48 + V 32 +
+    # Q ring 48 + dO ring 32 + P^T 16 (+2); S^T 64 + dP^T 64 + dK 192 + dV 128.
+    ((192, 128), "178/178/178", "192/320/448"),
+])
+def test_each_kernel_fits_a_cta(dims, smem_kib, tmem_columns):
+    """Forward / dQ / dK-dV buffers at S = 4096, bf16, two stages: what `compile_kernels`
+    reports, within a CTA's 227 KiB of SMEM and 512 TMEM columns."""
+    from jtree.launch.bench.compile_kernels import Case, kernel_resources
+
+    got = kernel_resources(Case(IMPL, dims[0], "bfloat16", value_head_dim=dims[1]))
+    assert got == {"smem_kib": smem_kib, "tmem_columns": tmem_columns}
+    assert max(map(int, smem_kib.split("/"))) <= 227
+    assert max(map(int, tmem_columns.split("/"))) <= 512
+
+
 @pytest.mark.parametrize("dtype, hd, dv, match", [
     (jnp.float32, 64, 64, r"must all be bfloat16 or float16 \(tcgen05 operands\)"),
     (jnp.bfloat16, 256, 256, r"^mosaic_gpu_blackwell: head dims q/k 256, v 256: .* must be one "
