@@ -19,7 +19,7 @@ their SMEM tiles: no transposed copies in HBM. The 64-wide streamed blocks keep 
 
 Head dims: Q, K, dQ, dK have Dk columns, V, dO, dV Dv (MLA: Dk = 192, Dv = 128). Every SMEM tile
 and TMEM accumulator is sized by its own dim; at 192 / 128 with a two-stage ring both kernels take
-176 KiB of SMEM, dQ 320 TMEM columns (S, dP, dQ) and dK/dV 448 (S^T, dP^T, dK, dV) of the 512.
+~178 KiB of SMEM, dQ 320 TMEM columns (S, dP, dQ) and dK/dV 448 (S^T, dP^T, dK, dV) of the 512.
 
 As in the forward, each MMA arrives on a tensor-core-ordered barrier that the compute warpgroup
 waits on before it reads the result or reuses an operand: one MMA at a time per CTA.
