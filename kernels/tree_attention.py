@@ -155,14 +155,14 @@ def gpu_impl(device_kind: str, dtype: Any, head_dim: int, value_head_dim: int | 
     Hopper with bf16/f16 operands and a head_dim whose forward and backward fit shared memory (64,
     128): the Mosaic GPU kernel (wgmma, TMA, warp specialization). Blackwell with the operands
     `mosaic_gpu_blackwell` takes (bf16/f16, q/k and v head dims 64 / 64, 128 / 128 or MLA's
-    192 / 128): that kernel (tcgen05, tensor memory), forward and backward. Every other GPU (Ampere, Ada, consumer Blackwell...),
-    any dtype: the Triton-language kernel through jax-triton (`triton_lang`: the `gpu` extra),
-    whose full sharded train step XLA:GPU compiles for sm_80 (docs/memory.md). The operands
-    Hopper's and Blackwell's own kernels cannot take: the Pallas Triton kernel. Both Triton
-    kernels raise ValueError naming their (shared) limits for operands they cannot run. Never the
-    `xla` fallback: a GPU always gets a GPU kernel or an error. Prefix
-    calls and soft-caps do not change the choice: both kernels take them. MLA calls (value head
-    dim != head_dim) go to a Mosaic kernel only if its registry entry runs them.
+    192 / 128): that kernel (tcgen05, tensor memory), forward and backward. Every other GPU
+    (Ampere, Ada, consumer Blackwell...), any dtype: the Triton-language kernel through
+    jax-triton (`triton_lang`: the `gpu` extra), whose full sharded train step XLA:GPU compiles
+    for sm_80 (docs/memory.md). The operands Hopper's and Blackwell's own kernels cannot take:
+    the Pallas Triton kernel. Both Triton kernels raise ValueError naming their (shared) limits
+    for operands they cannot run. Never the `xla` fallback: a GPU always gets a GPU kernel or an
+    error. Prefix calls and soft-caps do not change the choice: both kernels take them. MLA calls
+    (value head dim != head_dim) go to a Mosaic kernel only if its registry entry runs them.
     """
     mla = _is_mla(head_dim, value_head_dim)
     if (_HOPPER.search(device_kind) and attention_mgpu.handles(dtype, head_dim)

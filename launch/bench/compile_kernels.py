@@ -9,8 +9,9 @@ forward only where the docs claim no more) on one device of the target, at S = 4
 row, 2 kv heads: the attention kernels `auto` runs per target (`pallas_tpu` on TPU,
 `pallas_mosaic_gpu` on H100, `mosaic_gpu_blackwell` on B200, `pallas_triton` on A100 and for
 B200 operands the tcgen05 kernel does not take) over head_dim (on B200 also MLA's q/k 192,
-v 128), GQA group, dtype, a window with sinks and a prefix; and the Gated DeltaNet kernels (the tree recurrence with the
-parallel and the sequential scan, the path conv), which are XLA code, compiled for TPU and the H100.
+v 128), GQA group, dtype, a window with sinks and a prefix; and the Gated DeltaNet kernels (the
+tree recurrence with the parallel and the sequential scan, the path conv), which are XLA code,
+compiled for TPU and the H100.
 
 Cases compile in workers of `jtree.launch.compile.in_worker` (the plugin on their path), each
 batch stopped after `TIMEOUT` seconds; runs/aot/kernels_TARGET.json holds a target's results and

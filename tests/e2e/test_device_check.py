@@ -82,7 +82,9 @@ def test_the_mla_row_checks_the_value_head_dim(monkeypatch):
     (row,) = device_numerics.attention_numerics("cpu", "cpu", ["xla"], quick=True)
     assert row["check"] == "attention xla float32 mla+prefix" and row["passed"], row
     entry = dispatch._IMPLS["xla"]
-    half_v = lambda q, k, v, *a, **kw: entry.run(q, k, v.at[..., 64:].set(0), *a, **kw)  # noqa: E731
+    def half_v(q, k, v, *args, **kwargs):
+        return entry.run(q, k, v.at[..., 64:].set(0), *args, **kwargs)
+
     monkeypatch.setitem(dispatch._IMPLS, "xla", entry._replace(run=half_v))
     (row,) = device_numerics.attention_numerics("cpu", "cpu", ["xla"], quick=True)
     assert not row["passed"] and row["errors"]["out"]["max_scaled"] > 0.1, row
