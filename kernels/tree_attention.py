@@ -118,10 +118,12 @@ _IMPLS: dict[str, _Impl] = {
     "pallas_triton": _Impl(attention_triton.tree_attention_triton, attention_triton.padded_length,
                            attention_triton.padded_lengths, window=True, sinks=True,
                            value_head_dim=True),
-    # Blackwell (tcgen05, tensor memory): forward and backward; `auto` picks it on Blackwell.
+    # Blackwell (tcgen05, tensor memory): forward and backward, MLA's 192 / 128 head dims
+    # among its `HEAD_DIMS`; `auto` picks it on Blackwell.
     "mosaic_gpu_blackwell": _Impl(attention_blackwell.attention_blackwell,
                                   attention_blackwell.padded_length,
-                                  attention_blackwell.padded_lengths, window=True, sinks=True),
+                                  attention_blackwell.padded_lengths, window=True, sinks=True,
+                                  value_head_dim=True),
     # Triton-language kernels through jax-triton (the `gpu` extra): `auto` on GPUs that are
     # neither Hopper nor Blackwell.
     "triton_lang": _Impl(attention_triton_lang.tree_attention_triton_lang,
@@ -152,22 +154,23 @@ def gpu_impl(device_kind: str, dtype: Any, head_dim: int, value_head_dim: int | 
 
     Hopper with bf16/f16 operands and a head_dim whose forward and backward fit shared memory (64,
     128): the Mosaic GPU kernel (wgmma, TMA, warp specialization). Blackwell with the operands
-    `mosaic_gpu_blackwell` takes (bf16/f16, head_dim 64 or 128, not MLA): that kernel (tcgen05,
-    tensor memory), forward and backward. Every other GPU (Ampere, Ada, consumer Blackwell...),
-    any dtype: the Triton-language kernel through jax-triton (`triton_lang`: the `gpu` extra),
-    whose full sharded train step XLA:GPU compiles for sm_80 (docs/memory.md). The operands
-    Hopper's and Blackwell's own kernels cannot take: the Pallas Triton kernel. Both Triton
-    kernels raise ValueError naming their (shared) limits for operands they cannot run. Never the
-    `xla` fallback: a GPU always gets a GPU kernel or an error. Prefix
-    calls and soft-caps do not change the choice: both kernels take them. MLA calls (value head
-    dim != head_dim) go to the Mosaic kernel only if its registry entry runs them.
+    `mosaic_gpu_blackwell` takes (bf16/f16, q/k and v head dims 64 / 64, 128 / 128 or MLA's
+    192 / 128): that kernel (tcgen05, tensor memory), forward and backward. Every other GPU
+    (Ampere, Ada, consumer Blackwell...), any dtype: the Triton-language kernel through
+    jax-triton (`triton_lang`: the `gpu` extra), whose full sharded train step XLA:GPU compiles
+    for sm_80 (docs/memory.md). The operands Hopper's and Blackwell's own kernels cannot take:
+    the Pallas Triton kernel. Both Triton kernels raise ValueError naming their (shared) limits
+    for operands they cannot run. Never the `xla` fallback: a GPU always gets a GPU kernel or an
+    error. Prefix calls and soft-caps do not change the choice: both kernels take them. MLA calls
+    (value head dim != head_dim) go to a Mosaic kernel only if its registry entry runs them.
     """
     mla = _is_mla(head_dim, value_head_dim)
     if (_HOPPER.search(device_kind) and attention_mgpu.handles(dtype, head_dim)
             and (not mla or _IMPLS["pallas_mosaic_gpu"].value_head_dim)):
         return "pallas_mosaic_gpu"
-    if (is_blackwell(device_kind) and attention_blackwell.handles(dtype, head_dim)
-            and not mla and _IMPLS["mosaic_gpu_blackwell"].backward):
+    if (is_blackwell(device_kind) and attention_blackwell.handles(dtype, head_dim, value_head_dim)
+            and (not mla or _IMPLS["mosaic_gpu_blackwell"].value_head_dim)
+            and _IMPLS["mosaic_gpu_blackwell"].backward):
         return "mosaic_gpu_blackwell"
     if not (_HOPPER.search(device_kind) or is_blackwell(device_kind)):
         return "triton_lang"

@@ -65,11 +65,16 @@ class AttentionCase:
     prefix: int  # the first `prefix` tokens of every row are cached keys of an earlier part
     softcap: float | None
     window: int | None = None  # sliding window along the path, with attention sinks (constants)
+    dims: tuple[int, int] | None = None  # (q/k, v) head dims; None: HEADS' head_dim for both
 
 
 # --quick runs the last case an impl takes, so the window case is not last.
 CASES = (AttentionCase("tree", 0, None), AttentionCase("window+sinks", 0, None, window=24),
          AttentionCase("prefix+softcap", 40, 30.0))
+# MLA (DeepSeek-V3's q/k head dim 192, v 128) with a cached prefix, for the kernels in
+# `MLA_IMPLS`: the ones whose MLA path runs nowhere but on their device.
+MLA = AttentionCase("mla+prefix", 40, None, dims=(192, 128))
+MLA_IMPLS = ("mosaic_gpu_blackwell",)
 SINKS = np.asarray([0.5, -1.0, 2.0, 0.0], np.float32)  # one logit per q head (HEADS[0])
 
 
@@ -145,6 +150,14 @@ def checked(row: dict[str, Any], compute: Callable[[], dict[str, dict[str, float
     return row
 
 
+def attention_cases(impl: str) -> list[AttentionCase]:
+    """The cases `impl` is checked on: `CASES` (the C++ `cpu` kernel has no soft-cap: it raises,
+    docs/kernels.md), after `MLA` for the kernels in `MLA_IMPLS` (first, so that --quick still
+    runs the last case: every feature of the layout at once)."""
+    cases = [c for c in CASES if impl != "cpu" or c.softcap is None]
+    return [MLA, *cases] if impl in MLA_IMPLS else cases
+
+
 def impl_dtypes(platform: str, device_kind: str) -> dict[str, tuple[str, ...]]:
     """Implementation -> the dtypes it is checked in, on this platform."""
     impls = {"xla": DTYPES}
@@ -194,9 +207,14 @@ def attention_numerics(platform: str, device_kind: str, impls: Sequence[str] | N
     """One row per (impl, dtype, case): errors against the float32 reference, pass/fail."""
     end = attention_layout()
     hq, hkv, d = HEADS
-    rng = np.random.default_rng(1)
-    shape = lambda h: (*end.shape, h, d)  # noqa: E731
-    normal = [rng.normal(size=shape(h)).astype(np.float32) for h in (hq, hkv, hkv, hq)]
+
+    def operands(dims: tuple[int, int] | None) -> list[np.ndarray]:  # q, k, v, d_out
+        rng = np.random.default_rng(1 if dims is None else 4)
+        dk, dv = dims or (d, d)
+        return [rng.normal(size=(*end.shape, h, x)).astype(np.float32)
+                for h, x in ((hq, dk), (hkv, dk), (hkv, dv), (hq, dv))]
+
+    normal = {dims: operands(dims) for dims in (None, MLA.dims)}
     # The oracle runs on the CPU backend (IEEE float32), whatever the device.
     reference = jax.jit(value_and_grads, static_argnames=("impl", "case"))
     cpu = jax.devices("cpu")[0]
@@ -205,19 +223,18 @@ def attention_numerics(platform: str, device_kind: str, impls: Sequence[str] | N
         if impls and impl not in impls:
             continue
         for dtype in dtypes[:1] if quick else dtypes:
-            # Rounded to the dtype first, so the reference sees exactly the kernel's inputs.
-            q, k, v, d_out = (np.asarray(jnp.asarray(x, dtype), np.float32) for x in normal)
-            # The C++ `cpu` kernel has no soft-cap (it raises; docs/kernels.md). --quick runs
-            # the last case an impl takes: every feature of the layout at once.
-            cases = [c for c in CASES if impl != "cpu" or c.softcap is None]
+            cases = attention_cases(impl)
             for case in cases[-1:] if quick else cases:
+                # Rounded to the dtype first, so the reference sees exactly the kernel's inputs.
+                q, k, v, d_out = (np.asarray(jnp.asarray(x, dtype), np.float32)
+                                  for x in normal[case.dims])
                 row = {"check": f"attention {impl} {dtype} {case.name}", "impl": impl,
                        "dtype": dtype, "case": case.name, "execution": execution(impl, platform)}
                 if impl == "pallas_mosaic_gpu" and platform != "gpu" and quick:
                     rows.append({**row, "passed": None, "skipped": MGPU_QUICK_SKIP})
                     continue
 
-                def compute(impl=impl, dtype=dtype, case=case, q=q, k=k, v=v):
+                def compute(impl=impl, dtype=dtype, case=case, q=q, k=k, v=v, d_out=d_out):
                     want = reference("reference", *jax.device_put((q, k, v, end, d_out), cpu),
                                      case)
                     if impl == "pallas_mosaic_gpu" and platform != "gpu":

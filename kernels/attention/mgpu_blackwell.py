@@ -15,9 +15,14 @@ lists, P recomputed from the forward's base-2 log-sum-exp, through the same cust
 (`flash_vjp`, which also carries the sinks' gradient). `auto` picks this kernel on Blackwell
 for what it handles (`tree_attention.gpu_impl`).
 
-Limits (each a ValueError): q, k, v all bf16 or all f16, head_dim 64 or 128 (v's too), the SMEM
-of one CTA (227 KiB) in each kernel. Prefix calls (`q_pos`), GQA, soft-cap, the sliding window
-and sinks run as in the Hopper kernel. Sq and Skv must be multiples of 128 (`tree_attention` pads them).
+Head dims (q/k, v): 64 / 64, 128 / 128 and MLA's 192 / 128 (DeepSeek-V3, Kimi-K2: 128 no-RoPE +
+64 RoPE dims for q and k, 128 for v). Each kernel sizes its SMEM tiles and TMEM accumulators by
+the dim of the operand they hold; at 192 the forward streams 64-key blocks instead of 128
+(`forward_block_kv`) so its rings fit.
+
+Limits (each a ValueError): q, k, v all bf16 or all f16, the head dims above, the SMEM of one CTA
+(227 KiB) in each kernel. Prefix calls (`q_pos`), GQA, soft-cap, the sliding window and sinks run
+as in the Hopper kernel. Sq and Skv must be multiples of 128 (`tree_attention` pads them).
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ from jtree.kernels.attention.mgpu_blackwell_backward import (
     dq_call,
 )
 from jtree.kernels.attention.mgpu_blackwell_forward import (
-    BLOCK_KV,
     BLOCK_Q,
+    forward_block_kv,
     forward_buffers,
     forward_call,
 )
@@ -59,8 +64,9 @@ from jtree.kernels.attention.mgpu_pipeline import SMEM_LIMIT, smem_bytes
 from jtree.kernels.block_tables import round_up_to_blocks
 
 NAME = "mosaic_gpu_blackwell"
-HEAD_DIMS = (64, 128)
-SEQ_MULTIPLE = BLOCK_Q  # = BLOCK_KV: the query and key lengths must be multiples of it
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128))  # (q/k, v) head dims the kernels are sized for
+# A multiple of every kernel's blocks: the query and key lengths must be multiples of it.
+SEQ_MULTIPLE = BLOCK_Q
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +94,9 @@ def attention_blackwell(
     key_pos: jax.Array | None = None,
     sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Tree attention of q [rows, Sq, Hq, D] over k, v [rows, Skv, Hkv, D] on Blackwell (see
-    `tree_attention`; Sq = Skv unless `q_pos` [rows, Sq] gives the key position of every query).
+    """Tree attention of q [rows, Sq, Hq, Dk] over k [rows, Skv, Hkv, Dk], v [rows, Skv, Hkv, Dv]
+    on Blackwell, (Dk, Dv) one of `HEAD_DIMS` (see `tree_attention`; Sq = Skv unless `q_pos`
+    [rows, Sq] gives the key position of every query).
 
     `q_real` is not used: every query's output is the mask's (as in `attention.mgpu`: the dQ
     and dK/dV kernels tile the queries differently from the forward, so skipping padding
@@ -98,12 +105,12 @@ def attention_blackwell(
     window along the path; `sinks` [Hq] attention sinks.
     """
     del q_real  # see above
-    sq, skv, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    sq, skv, head_dim, value_head_dim = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
     check_operands(q, k, v, NAME, "tcgen05")
-    if head_dim not in HEAD_DIMS or v.shape[3] != head_dim:
-        raise ValueError(f"{NAME}: head_dim {head_dim} (v's {v.shape[3]}) must be one of "
-                         f"{HEAD_DIMS} for q, k and v alike (the SMEM rings and TMEM columns "
-                         "are sized for them)")
+    if (head_dim, value_head_dim) not in HEAD_DIMS:
+        raise ValueError(f"{NAME}: head dims q/k {head_dim}, v {value_head_dim}: (q/k, v) must be "
+                         f"one of {HEAD_DIMS} (the SMEM rings and TMEM columns are sized for "
+                         "them)")
     if q_pos is None and sq != skv:
         raise ValueError(f"{NAME}: {sq} queries over {skv} keys need q_pos")
     if sq % SEQ_MULTIPLE or skv % SEQ_MULTIPLE:
@@ -111,9 +118,9 @@ def attention_blackwell(
                          "(tree_attention pads them; call it instead)")
     if stages < 1:
         raise ValueError(f"{NAME}: stages={stages}: need at least one pipeline stage")
-    for kernel, buffers in (("forward", forward_buffers(skv, head_dim, stages, q.dtype, window)),
-                            ("dq", dq_buffers(skv, head_dim, stages, q.dtype, window)),
-                            ("dkv", dkv_buffers(sq, head_dim, stages, q.dtype, window))):
+    dims = (head_dim, value_head_dim, stages, q.dtype, window)
+    for kernel, buffers in (("forward", forward_buffers(skv, *dims)),
+                            ("dq", dq_buffers(skv, *dims)), ("dkv", dkv_buffers(sq, *dims))):
         total = sum(smem_bytes(b.shape, b.dtype) for b in buffers.values())
         if total > SMEM_LIMIT:
             raise ValueError(f"{NAME}: the {kernel} kernel needs {total // 1024} KiB of shared "
@@ -124,9 +131,11 @@ def attention_blackwell(
     return _attention(q, k, v, end, q_pos, static, sinks=sinks)
 
 
-def handles(dtype: Any, head_dim: int) -> bool:
-    """Whether the kernel runs operands of `dtype` with q, k and v of `head_dim`."""
-    return jnp.dtype(dtype) in MMA_DTYPES and head_dim in HEAD_DIMS
+def handles(dtype: Any, head_dim: int, value_head_dim: int | None = None) -> bool:
+    """Whether the kernel runs operands of `dtype` with q, k of `head_dim` and v of
+    `value_head_dim` (default `head_dim`)."""
+    dims = (head_dim, head_dim if value_head_dim is None else value_head_dim)
+    return jnp.dtype(dtype) in MMA_DTYPES and dims in HEAD_DIMS
 
 
 def padded_length(s: int, **_options) -> int:
@@ -140,7 +149,7 @@ def padded_lengths(sq: int, skv: int, **_options) -> tuple[int, int]:
 
 
 def _forward(q, k, v, end, q_pos, st: _Static):
-    tables = stacked_tables(end, q_pos, BLOCK_Q, BLOCK_KV, st.window)
+    tables = stacked_tables(end, q_pos, BLOCK_Q, forward_block_kv(q.shape[3]), st.window)
     return forward_call(q, k, v, end, q_pos, list_table(tables.kv_blocks, tables.kv_kind),
                         tables.kv_count, stages=st.stages, scale=st.scale, softcap=st.softcap,
                         window=st.window)

@@ -17,6 +17,10 @@ K (dQ) and dO, Q (dK/dV) are read as the transposed B operands through `transpos
 their SMEM tiles: no transposed copies in HBM. The 64-wide streamed blocks keep both kernels at
 ~144 KiB of SMEM at head_dim 128 with a two-stage ring, and S, dP at 64 TMEM columns each.
 
+Head dims: Q, K, dQ, dK have Dk columns, V, dO, dV Dv (MLA: Dk = 192, Dv = 128). Every SMEM tile
+and TMEM accumulator is sized by its own dim; at 192 / 128 with a two-stage ring both kernels take
+~178 KiB of SMEM, dQ 320 TMEM columns (S, dP, dQ) and dK/dV 448 (S^T, dP^T, dK, dV) of the 512.
+
 As in the forward, each MMA arrives on a tensor-core-ordered barrier that the compute warpgroup
 waits on before it reads the result or reuses an operand: one MMA at a time per CTA.
 """
@@ -65,33 +69,33 @@ DKV_BLOCK_KV = BLOCK_KV  # keys per dK/dV CTA (one per TMEM lane)
 DKV_BLOCK_Q = 64  # queries per streamed block of the dK/dV kernel
 
 
-def dq_buffers(kv_len: int, head_dim: int, stages: int, dtype: Any,
+def dq_buffers(kv_len: int, head_dim: int, value_head_dim: int, stages: int, dtype: Any,
                window: int | None = None) -> dict[str, Any]:
     """SMEM buffers of the dQ kernel (also what the SMEM budget check adds up)."""
     return {
         "table": list_buffer(kv_len // DQ_BLOCK_KV),
         "q": tiled_smem((DQ_BLOCK_Q, head_dim), dtype),  # reused for the dQ output
-        "do": tiled_smem((DQ_BLOCK_Q, head_dim), dtype),
+        "do": tiled_smem((DQ_BLOCK_Q, value_head_dim), dtype),
         "lse": plgpu.SMEM((DQ_BLOCK_Q,), jnp.float32),
         "delta": plgpu.SMEM((DQ_BLOCK_Q,), jnp.float32),
         "qpos": positions_smem((1,), DQ_BLOCK_Q, window),
         "k": tiled_smem((stages, DQ_BLOCK_KV, head_dim), dtype),
-        "v": tiled_smem((stages, DQ_BLOCK_KV, head_dim), dtype),
+        "v": tiled_smem((stages, DQ_BLOCK_KV, value_head_dim), dtype),
         "end": positions_smem((stages,), DQ_BLOCK_KV, window),
         "ds": tiled_smem((DQ_BLOCK_Q, DQ_BLOCK_KV), dtype),
     }
 
 
-def dkv_buffers(q_len: int, head_dim: int, stages: int, dtype: Any,
+def dkv_buffers(q_len: int, head_dim: int, value_head_dim: int, stages: int, dtype: Any,
                 window: int | None = None) -> dict[str, Any]:
     """SMEM buffers of the dK/dV kernel."""
     return {
         "table": list_buffer(q_len // DKV_BLOCK_Q),
         "k": tiled_smem((DKV_BLOCK_KV, head_dim), dtype),  # reused for the dK output
-        "v": tiled_smem((DKV_BLOCK_KV, head_dim), dtype),  # reused for the dV output
+        "v": tiled_smem((DKV_BLOCK_KV, value_head_dim), dtype),  # reused for the dV output
         "end": positions_smem((1,), DKV_BLOCK_KV, window),
         "q": tiled_smem((stages, DKV_BLOCK_Q, head_dim), dtype),
-        "do": tiled_smem((stages, DKV_BLOCK_Q, head_dim), dtype),
+        "do": tiled_smem((stages, DKV_BLOCK_Q, value_head_dim), dtype),
         "lse": plgpu.SMEM((stages, DKV_BLOCK_Q), jnp.float32),
         "delta": plgpu.SMEM((stages, DKV_BLOCK_Q), jnp.float32),
         "qpos": positions_smem((stages,), DKV_BLOCK_Q, window),
@@ -99,10 +103,11 @@ def dkv_buffers(q_len: int, head_dim: int, stages: int, dtype: Any,
     }
 
 
-def tmem_columns(head_dim: int) -> dict[str, int]:
+def tmem_columns(head_dim: int, value_head_dim: int) -> dict[str, int]:
     """TMEM columns (float32) each backward kernel allocates: dQ's S, dP and dQ; dK/dV's S^T,
     dP^T, dK and dV."""
-    return {"dq": 2 * DQ_BLOCK_KV + head_dim, "dkv": 2 * DKV_BLOCK_Q + 2 * head_dim}
+    return {"dq": 2 * DQ_BLOCK_KV + head_dim,
+            "dkv": 2 * DKV_BLOCK_Q + head_dim + value_head_dim}
 
 
 def _barriers(streams: tuple[str, ...], stages: int, resident: int) -> dict[str, Any]:
@@ -149,10 +154,11 @@ def _zero(acc: Any, columns: int) -> None:
 
 def dq_call(q, do, lse, delta, k, v, end, q_pos, table, count, *, stages: int, scale: float,
             softcap: float | None, window: int | None = None) -> jax.Array:
-    """dQ [rows, Sq, Hq, D]; `lse` (base 2), `delta` [rows, Hq, Sq]; `table`, `count` the
-    kv-block lists of 128-query blocks at kv-block size DQ_BLOCK_KV (`mgpu.list_table`)."""
+    """dQ [rows, Sq, Hq, Dk] (`do` [rows, Sq, Hq, Dv]); `lse` (base 2), `delta` [rows, Hq, Sq];
+    `table`, `count` the kv-block lists of 128-query blocks at kv-block size DQ_BLOCK_KV
+    (`mgpu.list_table`)."""
     rows, _, q_heads, head_dim = q.shape
-    group = q_heads // k.shape[2]
+    group, value_head_dim = q_heads // k.shape[2], v.shape[3]
 
     def kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, end_ref, qpos_ref, table_ref,
                count_ref, dq_ref, buf, tmem, bar):
@@ -200,7 +206,7 @@ def dq_call(q, do, lse, delta, k, v, end, q_pos, table, count, *, stages: int, s
     tmem = {"s": plgpu.TMEM((DQ_BLOCK_Q, DQ_BLOCK_KV), jnp.float32),
             "dp": plgpu.TMEM((DQ_BLOCK_Q, DQ_BLOCK_KV), jnp.float32),
             "dq": plgpu.TMEM((DQ_BLOCK_Q, head_dim), jnp.float32)}
-    scratch = [dq_buffers(k.shape[1], head_dim, stages, q.dtype, window), tmem,
+    scratch = [dq_buffers(k.shape[1], head_dim, value_head_dim, stages, q.dtype, window), tmem,
                _barriers(("k", "v", "end"), stages, resident=5)]
     return launch(kernel, jax.ShapeDtypeStruct(q.shape, q.dtype), scratch,
                   (table.shape[1], q_heads, rows), ("q", "h", "r"), None,
@@ -209,10 +215,10 @@ def dq_call(q, do, lse, delta, k, v, end, q_pos, table, count, *, stages: int, s
 
 def dkv_call(q, do, lse, delta, k, v, end, q_pos, table, count, *, stages: int, scale: float,
              softcap: float | None, window: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """dK, dV [rows, Skv, Hkv, D]; `table`, `count` the q-block lists of 128-key blocks at
-    q-block size DKV_BLOCK_Q (the block tables' transposed lists)."""
+    """dK [rows, Skv, Hkv, Dk], dV [rows, Skv, Hkv, Dv]; `table`, `count` the q-block lists of
+    128-key blocks at q-block size DKV_BLOCK_Q (the block tables' transposed lists)."""
     rows, q_len, q_heads, head_dim = q.shape
-    kv_heads = k.shape[2]
+    kv_heads, value_head_dim = k.shape[2], v.shape[3]
     group = q_heads // kv_heads
 
     def kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, end_ref, qpos_ref, table_ref,
@@ -249,7 +255,7 @@ def dkv_call(q, do, lse, delta, k, v, end, q_pos, table, count, *, stages: int, 
             own = read_positions(buf["end"], 0, window)
             shape = (DKV_BLOCK_KV, DKV_BLOCK_Q)
             _zero(tmem["dk"], head_dim)
-            _zero(tmem["dv"], head_dim)
+            _zero(tmem["dv"], value_head_dim)
 
             def block(slot, coords, kind, carry):
                 plgpu.barrier_wait(bar["q"].at[slot])
@@ -283,9 +289,9 @@ def dkv_call(q, do, lse, delta, k, v, end, q_pos, table, count, *, stages: int, 
     tmem = {"st": plgpu.TMEM((DKV_BLOCK_KV, DKV_BLOCK_Q), jnp.float32),
             "dpt": plgpu.TMEM((DKV_BLOCK_KV, DKV_BLOCK_Q), jnp.float32),
             "dk": plgpu.TMEM((DKV_BLOCK_KV, head_dim), jnp.float32),
-            "dv": plgpu.TMEM((DKV_BLOCK_KV, head_dim), jnp.float32)}
-    scratch = [dkv_buffers(q_len, head_dim, stages, q.dtype, window), tmem,
+            "dv": plgpu.TMEM((DKV_BLOCK_KV, value_head_dim), jnp.float32)}
+    scratch = [dkv_buffers(q_len, head_dim, value_head_dim, stages, q.dtype, window), tmem,
                _barriers(("q", "do", "lse", "delta", "qpos"), stages, resident=3)]
-    out = jax.ShapeDtypeStruct(k.shape, k.dtype)
-    return launch(kernel, (out, out), scratch, (table.shape[1], kv_heads, rows), ("k", "h", "r"),
+    out = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    return launch(kernel, out, scratch, (table.shape[1], kv_heads, rows), ("k", "h", "r"),
                   None, warpgroups=2)(q, do, lse, delta, k, v, end, q_pos, table, count)

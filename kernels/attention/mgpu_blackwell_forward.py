@@ -19,7 +19,12 @@ TMA ring and from other CTAs on the SM). That is the simple, safe schedule; Flas
 (two softmax warpgroups ping-ponging over two S tiles, a correction warpgroup that rescales O
 only when the max grows by more than a threshold, a dedicated MMA warp) is the tuning left.
 
-TMEM: S takes `BLOCK_KV` columns and O `head_dim` columns of the 512 (256 at head_dim 128).
+Head dims: q and k have `head_dim` (Dk), v and O `value_head_dim` (Dv); Dv < Dk is MLA
+(DeepSeek-V3's Dk = 192, Dv = 128). SMEM holds Q (and O, in Q's tile when Dv = Dk, else its own),
+the K and V rings and P. At Dk = 192 the kv-blocks are 64 keys (`forward_block_kv`): 128-key
+rings with a two-stage ring and a 192-wide Q would need 240 KiB, more than a CTA's 227.
+TMEM: S takes the kv-block's columns and O Dv columns of the 512 (256 at 128 / 128, 192 at
+192 / 128).
 """
 
 from __future__ import annotations
@@ -56,32 +61,43 @@ BLOCK_Q = 128  # query rows per CTA: one per TMEM lane, one per thread of the so
 BLOCK_KV = 128  # keys per kv-block: the N of S = Q K^T and the K of O += P V
 SOFTMAX, PRODUCER = 0, 1  # warpgroup indices
 RESCALE_COLUMNS = 32  # columns of O rescaled per TMEM load / store
+WIDE_BLOCK_KV = 64  # keys per kv-block at a head_dim over 128 (`forward_block_kv`)
 
 
-def forward_buffers(kv_len: int, head_dim: int, stages: int, dtype: Any,
+def forward_block_kv(head_dim: int) -> int:
+    """Keys per kv-block of the forward for q/k `head_dim`: `BLOCK_KV`, or `WIDE_BLOCK_KV` over
+    128 (MLA's 192), where 128-key K and V rings do not fit a CTA's SMEM next to Q."""
+    return BLOCK_KV if head_dim <= 128 else WIDE_BLOCK_KV
+
+
+def forward_buffers(kv_len: int, head_dim: int, value_head_dim: int, stages: int, dtype: Any,
                     window: int | None = None) -> dict[str, Any]:
     """SMEM buffers of the forward kernel (also what the SMEM budget check adds up)."""
-    return {
-        "table": list_buffer(kv_len // BLOCK_KV),
-        "q": tiled_smem((BLOCK_Q, head_dim), dtype),  # the Q tile, reused for O
+    block_kv = forward_block_kv(head_dim)
+    buffers = {
+        "table": list_buffer(kv_len // block_kv),
+        "q": tiled_smem((BLOCK_Q, head_dim), dtype),  # the Q tile, reused for O when Dv = Dk
         "qpos": positions_smem((1,), BLOCK_Q, window),  # its key (and path) positions
-        "k": tiled_smem((stages, BLOCK_KV, head_dim), dtype),  # K ring (read as K^T by the MMA)
-        "v": tiled_smem((stages, BLOCK_KV, head_dim), dtype),  # V ring
-        "end": positions_smem((stages,), BLOCK_KV, window),  # end ring (PARTIAL blocks only)
-        "p": tiled_smem((BLOCK_Q, BLOCK_KV), dtype),  # P, the LHS of O += P V
+        "k": tiled_smem((stages, block_kv, head_dim), dtype),  # K ring (read as K^T by the MMA)
+        "v": tiled_smem((stages, block_kv, value_head_dim), dtype),  # V ring
+        "end": positions_smem((stages,), block_kv, window),  # end ring (PARTIAL blocks only)
+        "p": tiled_smem((BLOCK_Q, block_kv), dtype),  # P, the LHS of O += P V
         "lse": plgpu.SMEM((BLOCK_Q,), jnp.float32),
     }
+    if value_head_dim != head_dim:  # MLA: O has its own tile
+        buffers["o"] = tiled_smem((BLOCK_Q, value_head_dim), dtype)
+    return buffers
 
 
-def tmem_buffers(head_dim: int) -> dict[str, Any]:
+def tmem_buffers(head_dim: int, value_head_dim: int) -> dict[str, Any]:
     """TMEM accumulators: the scores S and the output O, float32 (`tmem_columns` counts them)."""
-    return {"s": plgpu.TMEM((BLOCK_Q, BLOCK_KV), jnp.float32),
-            "o": plgpu.TMEM((BLOCK_Q, head_dim), jnp.float32)}
+    return {"s": plgpu.TMEM((BLOCK_Q, forward_block_kv(head_dim)), jnp.float32),
+            "o": plgpu.TMEM((BLOCK_Q, value_head_dim), jnp.float32)}
 
 
-def tmem_columns(head_dim: int) -> int:
+def tmem_columns(head_dim: int, value_head_dim: int) -> int:
     """TMEM columns the forward allocates (S and O, float32: one column per element of a row)."""
-    return BLOCK_KV + head_dim
+    return forward_block_kv(head_dim) + value_head_dim
 
 
 def kv_list_cta(k_ref: Any, v_ref: Any, end_ref: Any, table_ref: Any, count_ref: Any, buf: Any,
@@ -114,14 +130,17 @@ def kv_list_cta(k_ref: Any, v_ref: Any, end_ref: Any, table_ref: Any, count_ref:
     return q_block, head, r, wg, entry, n_blocks
 
 
-def _forward_kernel(*, group: int, head_dim: int, stages: int, scale: float,
-                    softcap: float | None, window: int | None) -> Callable[..., None]:
+def _forward_kernel(*, group: int, head_dim: int, value_head_dim: int, stages: int,
+                    scale: float, softcap: float | None, window: int | None
+                    ) -> Callable[..., None]:
     """The body every CTA of `forward_call` runs (see the module docstring)."""
+    block_kv = forward_block_kv(head_dim)
+
     def kernel(q_ref, k_ref, v_ref, end_ref, qpos_ref, table_ref, count_ref, o_ref, lse_ref, buf,
                tmem, bar):
         q_block, head, r, wg, entry, n_blocks = kv_list_cta(
             k_ref, v_ref, end_ref, table_ref, count_ref, buf, bar, group=group,
-            block_kv=BLOCK_KV, stages=stages, window=window)
+            block_kv=block_kv, stages=stages, window=window)
 
         @pl.when(wg == SOFTMAX)
         def _():
@@ -131,7 +150,7 @@ def _forward_kernel(*, group: int, head_dim: int, stages: int, scale: float,
                         bar["q"], 0)
             q_pos, q_path = read_positions(buf["qpos"], 0, window)
             # O starts at zero, so every block can rescale and accumulate alike.
-            plgpu.async_store_tmem(tmem["o"], jnp.zeros((BLOCK_Q, head_dim), jnp.float32))
+            plgpu.async_store_tmem(tmem["o"], jnp.zeros((BLOCK_Q, value_head_dim), jnp.float32))
             plgpu.commit_tmem()
 
             def block(slot, coords, kind, carry):
@@ -146,11 +165,11 @@ def _forward_kernel(*, group: int, head_dim: int, stages: int, scale: float,
 
                 p, alpha, m_new, l = online_softmax_block(
                     t, kind, m, l, end_ready=bar["end"].at[slot], end_smem=buf["end"], slot=slot,
-                    q_pos=q_pos, q_path=q_path, k_start=kv_block * BLOCK_KV, window=window)
+                    q_pos=q_pos, q_path=q_path, k_start=kv_block * block_kv, window=window)
                 buf["p"][...] = p.astype(buf["p"].dtype)
                 # O *= alpha in TMEM, a slice of columns at a time (a whole row of O next to S
                 # and P is more than a thread's 255 registers).
-                for c in range(0, head_dim, RESCALE_COLUMNS):
+                for c in range(0, value_head_dim, RESCALE_COLUMNS):
                     o_slice = tmem["o"].at[:, pl.ds(c, RESCALE_COLUMNS)]
                     o = plgpu.async_load_tmem(o_slice)
                     plgpu.async_store_tmem(o_slice,
@@ -169,10 +188,11 @@ def _forward_kernel(*, group: int, head_dim: int, stages: int, scale: float,
             init = (jnp.full((BLOCK_Q,), NEG, jnp.float32), jnp.zeros((BLOCK_Q,), jnp.float32))
             m, l = consume(n_blocks, entry, block, init, bar["free"], stages)
             o = plgpu.async_load_tmem(tmem["o"])
-            buf["q"][...] = (o / lax.broadcast_in_dim(l, o.shape, [0])).astype(buf["q"].dtype)
+            o_tile = buf["o"] if "o" in buf else buf["q"]
+            o_tile[...] = (o / lax.broadcast_in_dim(l, o.shape, [0])).astype(o_tile.dtype)
             buf["lse"][...] = m + jnp.log2(l)
             plgpu.wait_load_tmem()
-            store_tiles([(buf["q"], o_ref.at[r, queries, head]),
+            store_tiles([(o_tile, o_ref.at[r, queries, head]),
                          (buf["lse"], lse_ref.at[r, head, queries])])
 
     return kernel
@@ -192,17 +212,18 @@ def forward_call(
     softcap: float | None,
     window: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """O [rows, Sq, Hq, D] and base-2 LSE [rows, Hq, Sq] of q over k, v [rows, Skv, Hkv, D] under
-    the tree mask, query i at key position q_pos[i] (`end`, `q_pos` as `mgpu.stacked_positions`
-    makes them).
+    """O [rows, Sq, Hq, Dv] and base-2 LSE [rows, Hq, Sq] of q [rows, Sq, Hq, Dk] over k
+    [rows, Skv, Hkv, Dk], v [rows, Skv, Hkv, Dv] under the tree mask, query i at key position
+    q_pos[i] (`end`, `q_pos` as `mgpu.stacked_positions` makes them).
 
-    `table` holds each 128-query block's (kv-block, kind) list (layout:
-    `mgpu_pipeline.list_entry`) and `count` [rows, nq] its length.
+    `table` holds each 128-query block's (kv-block, kind) list at kv-blocks of
+    `forward_block_kv(Dk)` keys (layout: `mgpu_pipeline.list_entry`) and `count` [rows, nq] its
+    length.
     """
     rows, seq, q_heads, head_dim = q.shape
-    group = q_heads // v.shape[2]
-    kernel = _forward_kernel(group=group, head_dim=head_dim, stages=stages, scale=scale,
-                             softcap=softcap, window=window)
+    group, value_head_dim = q_heads // v.shape[2], v.shape[3]
+    kernel = _forward_kernel(group=group, head_dim=head_dim, value_head_dim=value_head_dim,
+                             stages=stages, scale=scale, softcap=softcap, window=window)
     barriers = {
         "table": plgpu.Barrier(num_barriers=1),
         "q": plgpu.Barrier(num_barriers=2),
@@ -212,9 +233,9 @@ def forward_call(
         "free": plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         "mma": plgpu.Barrier(orders_tensor_core=True),
     }
-    out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+    out_type = (jax.ShapeDtypeStruct((rows, seq, q_heads, value_head_dim), q.dtype),
                 jax.ShapeDtypeStruct((rows, q_heads, seq), jnp.float32))
-    scratch = [forward_buffers(v.shape[1], head_dim, stages, q.dtype, window),
-               tmem_buffers(head_dim), barriers]
+    scratch = [forward_buffers(v.shape[1], head_dim, value_head_dim, stages, q.dtype, window),
+               tmem_buffers(head_dim, value_head_dim), barriers]
     return launch(kernel, out_type, scratch, (table.shape[1], q_heads, rows), ("q", "h", "r"),
                   None, warpgroups=2)(q, k, v, end, q_pos, table, count)

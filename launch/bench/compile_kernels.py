@@ -8,9 +8,10 @@ the chip's VMEM, shared memory and layouts. Each case is one kernel's forward + 
 forward only where the docs claim no more) on one device of the target, at S = 4096 tokens, one
 row, 2 kv heads: the attention kernels `auto` runs per target (`pallas_tpu` on TPU,
 `pallas_mosaic_gpu` on H100, `mosaic_gpu_blackwell` on B200, `pallas_triton` on A100 and for
-B200 operands the tcgen05 kernel does not take) over head_dim, GQA group, dtype, a
-window with sinks and a prefix; and the Gated DeltaNet kernels (the tree recurrence with the
-parallel and the sequential scan, the path conv), which are XLA code, compiled for TPU and the H100.
+B200 operands the tcgen05 kernel does not take) over head_dim (on B200 also MLA's q/k 192,
+v 128), GQA group, dtype, a window with sinks and a prefix; and the Gated DeltaNet kernels (the
+tree recurrence with the parallel and the sequential scan, the path conv), which are XLA code,
+compiled for TPU and the H100.
 
 Cases compile in workers of `jtree.launch.compile.in_worker` (the plugin on their path), each
 batch stopped after `TIMEOUT` seconds; runs/aot/kernels_TARGET.json holds a target's results and
@@ -51,7 +52,8 @@ TIMEOUT = 300  # seconds per worker batch: a compile past 5 minutes is stopped a
 class Case:
     """One compile: `kernel` (an attention impl, or `gdn_parallel`, `gdn_sequential`,
     `tree_conv`) at `head_dim` (the key head dim for GDN), `dtype` and GQA group `gqa`, with
-    `variant` "" (plain), "window+sinks" or "prefix"; `backward` False compiles the forward only."""
+    `variant` "" (plain), "window+sinks" or "prefix"; `backward` False compiles the forward only;
+    `value_head_dim` v's head dim (MLA) where it is not `head_dim`."""
 
     kernel: str
     head_dim: int
@@ -59,10 +61,16 @@ class Case:
     gqa: int = 1
     variant: str = ""
     backward: bool = True
+    value_head_dim: int | None = None
+
+    @property
+    def dims(self) -> str:
+        """The head dims as the name and the table give them: "128", or "192/128" (MLA)."""
+        return str(self.head_dim) + (f"/{self.value_head_dim}" if self.value_head_dim else "")
 
     @property
     def name(self) -> str:
-        parts = [self.kernel, f"d{self.head_dim}", self.dtype, f"gqa{self.gqa}", self.variant,
+        parts = [self.kernel, f"d{self.dims}", self.dtype, f"gqa{self.gqa}", self.variant,
                  "fwd+bwd" if self.backward else "fwd"]
         return " ".join(p for p in parts if p)
 
@@ -86,13 +94,16 @@ def sweep(target: str) -> list[Case]:
                       for v in ("window+sinks", "prefix")]
         attention.append(Case("pallas_mosaic_gpu", 256, "bfloat16", 4, backward=False))
     elif target.startswith("gpu-b200"):
-        # The tcgen05 kernel `auto` trains with there, then the Triton kernel it takes for the
-        # operands the tcgen05 kernel does not handle (fp32, other head dims).
+        # The tcgen05 kernel `auto` trains with there (MLA's 192 / 128 too), then the Triton
+        # kernel it takes for the operands the tcgen05 kernel does not handle (fp32, other head
+        # dims).
         attention = [Case("mosaic_gpu_blackwell", d, "bfloat16", g)
                      for d in (64, 128) for g in (1, 4)]
         attention += [Case("mosaic_gpu_blackwell", 128, dt, 4, v)
                       for dt, v in (("float16", ""), ("bfloat16", "window+sinks"),
                                     ("bfloat16", "prefix"))]
+        attention += [Case("mosaic_gpu_blackwell", 192, "bfloat16", g, v, value_head_dim=128)
+                      for g, v in ((1, ""), (1, "prefix"), (4, "window+sinks"))]
         return attention + [Case("pallas_triton", 128, "bfloat16", 4)]
     else:
         attention = [Case("pallas_triton", d, dt, 4) for d in (64, 128)
@@ -109,9 +120,11 @@ def attention_program(case: Case) -> tuple[Callable, list[tuple[tuple[int, ...],
     from jtree.kernels import TreeMask, tree_attention
 
     hq, d, dt, i32 = KV_HEADS * case.gqa, case.head_dim, case.dtype, "int32"
-    shapes = [((1, SEQ, hq, d), dt), ((1, SEQ, KV_HEADS, d), dt), ((1, SEQ, KV_HEADS, d), dt)]
+    dv = case.value_head_dim or d
+    shapes = [((1, SEQ, hq, d), dt), ((1, SEQ, KV_HEADS, d), dt), ((1, SEQ, KV_HEADS, dv), dt)]
     if case.variant == "prefix":
-        shapes += [((1, PREFIX, KV_HEADS, d), dt)] * 2 + [((1, SEQ), i32), ((1, PREFIX), i32)]
+        shapes += [((1, PREFIX, KV_HEADS, d), dt), ((1, PREFIX, KV_HEADS, dv), dt),
+                   ((1, SEQ), i32), ((1, PREFIX), i32)]
 
         def loss(q, k, v, pk, pv, end, pend):
             return tree_attention(q, k, v, TreeMask(end, pend), impl=case.kernel, prefix_k=pk,
@@ -194,12 +207,12 @@ def kernel_resources(case: Case) -> dict[str, str]:
 
     keys = SEQ + (PREFIX if case.variant == "prefix" else 0)
     window = WINDOW if case.variant == "window+sinks" else None
-    d, dt = case.head_dim, jnp.dtype(case.dtype)
-    kernels = {"fwd": (forward_buffers(keys, d, 2, dt, window), tmem_columns(d))}
+    d, dv, dt = case.head_dim, case.value_head_dim or case.head_dim, jnp.dtype(case.dtype)
+    kernels = {"fwd": (forward_buffers(keys, d, dv, 2, dt, window), tmem_columns(d, dv))}
     if case.backward:
-        columns = backward.tmem_columns(d)
-        kernels["dq"] = (backward.dq_buffers(keys, d, 2, dt, window), columns["dq"])
-        kernels["dkv"] = (backward.dkv_buffers(SEQ, d, 2, dt, window), columns["dkv"])
+        columns = backward.tmem_columns(d, dv)
+        kernels["dq"] = (backward.dq_buffers(keys, d, dv, 2, dt, window), columns["dq"])
+        kernels["dkv"] = (backward.dkv_buffers(SEQ, d, dv, 2, dt, window), columns["dkv"])
     kib = lambda buffers: round(sum(smem_bytes(b.shape, b.dtype) for b in buffers.values()) / 1024)
     return {"smem_kib": "/".join(str(kib(b)) for b, _ in kernels.values()),
             "tmem_columns": "/".join(str(c) for _, c in kernels.values())}
@@ -271,7 +284,9 @@ def table(reports: Sequence[dict[str, Any]]) -> str:
             if r.get("smem_kib"):
                 result += f" (SMEM {r['smem_kib']} KiB, TMEM {r['tmem_columns']} columns)"
             seconds = "-" if r["seconds"] is None else f"{r['seconds']} s"
-            lines.append(f"| `{rep['target']}` | `{r['kernel']}` | {r['head_dim']} | "
+            dims = Case(**{f.name: r[f.name] for f in dataclasses.fields(Case)
+                           if f.name in r}).dims
+            lines.append(f"| `{rep['target']}` | `{r['kernel']}` | {dims} | "
                          f"{r['dtype']} | {r['gqa']} | {r['variant'] or '-'} | "
                          f"{'fwd+bwd' if r['backward'] else 'fwd'} | {result} | {seconds} |")
     return "\n".join(lines)

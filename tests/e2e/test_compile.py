@@ -17,10 +17,10 @@ AOT = WORKTREE / ".aot"
 SMALL = ["data.seq_len=128", "model.num_hidden_layers=1"]
 
 
-def compile_step(target, *overrides, aot=AOT, json_path=None):
+def compile_step(target, *overrides, aot=AOT, json_path=None, config="configs/tiny.yaml"):
     env = dict(os.environ, PYTHONPATH=str(WORKTREE), JTREE_AOT_DIR=str(aot))
     env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "jtree.launch.compile", "--config", "configs/tiny.yaml",
+    cmd = [sys.executable, "-m", "jtree.launch.compile", "--config", config,
            "--target", target, *(["--json", str(json_path)] if json_path else []), *overrides]
     return subprocess.run(cmd, cwd=WORKTREE, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -148,25 +148,55 @@ def test_gpu_targets_pass_their_compute_capability():
 
 def test_auto_resolves_mla_configs_on_their_value_head_dim():
     """`auto` for a target resolves on q/k and value head dims: DeepSeek-V3's MLA (192 / 128)
-    on Hopper goes to the Pallas Triton kernel, not the Mosaic GPU kernel that refuses it; a
-    plain config on Hopper still gets the Mosaic kernel. Needs no plugin."""
+    on Hopper goes to the Pallas Triton kernel, not the Mosaic GPU kernel that refuses it, and
+    on Blackwell to the tcgen05 kernel, which runs it; a plain config on Hopper still gets the
+    Mosaic kernel. Needs no plugin."""
     from types import SimpleNamespace
 
     from jtree.launch.compile import TARGETS, target_overrides
 
     h100 = SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+    b200 = SimpleNamespace(device_kind="NVIDIA B200", compute_capability="10.0")
 
-    def impl(config: str, *overrides: str) -> str:
+    def impl(config: str, *overrides: str, target="gpu-h100x8", device=h100) -> str:
         out = target_overrides(config, ["runtime.attention_impl=auto", *overrides],
-                               TARGETS["gpu-h100x8"], h100)
+                               TARGETS[target], device)
         return next(o for o in reversed(out) if o.startswith("runtime.attention_impl="))
 
     # hidden_size / heads = 128, a head dim the Mosaic kernel takes: only MLA's own dims say no
-    assert impl("configs/deepseek_v3_671b.yaml", "model.hidden_size=1024",
-                "model.num_attention_heads=8", "model.num_key_value_heads=8") == (
+    reduced = ("model.hidden_size=1024", "model.num_attention_heads=8",
+               "model.num_key_value_heads=8")
+    assert impl("configs/deepseek_v3_671b.yaml", *reduced) == (
         "runtime.attention_impl=pallas_triton")
+    assert impl("configs/deepseek_v3_671b.yaml", *reduced, target="gpu-b200x8",
+                device=b200) == "runtime.attention_impl=mosaic_gpu_blackwell"
     assert impl("configs/tiny.yaml", "runtime.dtype=bfloat16", "model.head_dim=128") == (
         "runtime.attention_impl=pallas_mosaic_gpu")
+
+
+# DeepSeek-V3 at 2 layers (one dense, one MoE of 16 experts), hidden 1024, 8 heads of MLA's
+# q/k 192 and v 128, sharded over model 8: one head and two experts per device.
+REDUCED_DEEPSEEK_V3 = [
+    "model.num_hidden_layers=2", "model.first_k_dense_replace=1", "model.hidden_size=1024",
+    "model.intermediate_size=2048", "model.moe_intermediate_size=256",
+    "model.num_attention_heads=8", "model.num_key_value_heads=8", "model.num_experts=16",
+    "model.n_group=4", "model.topk_group=2", "model.num_experts_per_tok=4",
+    "model.q_lora_rank=384", "model.kv_lora_rank=256", "mesh.fsdp=1", "mesh.model=8",
+    "data.seq_len=4096", "data.micro_batches=1"]
+
+
+@pytest.mark.slow
+def test_reduced_deepseek_v3_step_compiles_for_blackwell_with_the_tcgen05_kernel(tmp_path):
+    """MLA's train step for a B200: `auto` resolves to `mosaic_gpu_blackwell` (q/k 192, v 128)
+    and XLA:GPU compiles the sharded step with its forward and backward kernels."""
+    needs("cuda")
+    out = tmp_path / "step.json"
+    proc = compile_step("gpu-b200x8", *REDUCED_DEEPSEEK_V3, "runtime.attention_impl=auto",
+                        json_path=out, config="configs/deepseek_v3_671b.yaml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["attention_impl"] == "mosaic_gpu_blackwell", report
+    assert report["memory"]["fits"], report
 
 
 def test_the_h200_configs_have_targets_of_their_device_count():

@@ -71,6 +71,25 @@ def test_a_wrong_kernel_output_fails_the_check(tmp_path, monkeypatch):
     assert "FAILED: attention xla float32 prefix+softcap" in md
 
 
+def test_the_mla_row_checks_the_value_head_dim(monkeypatch):
+    """The MLA row (q/k head dim 192, v 128, a cached prefix) that `mosaic_gpu_blackwell` gets
+    on a Blackwell GPU, run here on `xla` alone: it passes, and a kernel that reads only v's
+    first 64 columns fails it."""
+    assert device_numerics.attention_cases("mosaic_gpu_blackwell")[0] == device_numerics.MLA
+    assert device_numerics.MLA not in device_numerics.attention_cases("pallas_triton")
+    monkeypatch.setattr(device_numerics, "MLA_IMPLS", ("xla",))
+    monkeypatch.setattr(device_numerics, "CASES", ())
+    (row,) = device_numerics.attention_numerics("cpu", "cpu", ["xla"], quick=True)
+    assert row["check"] == "attention xla float32 mla+prefix" and row["passed"], row
+    entry = dispatch._IMPLS["xla"]
+    def half_v(q, k, v, *args, **kwargs):
+        return entry.run(q, k, v.at[..., 64:].set(0), *args, **kwargs)
+
+    monkeypatch.setitem(dispatch._IMPLS, "xla", entry._replace(run=half_v))
+    (row,) = device_numerics.attention_numerics("cpu", "cpu", ["xla"], quick=True)
+    assert not row["passed"] and row["errors"]["out"]["max_scaled"] > 0.1, row
+
+
 def test_errors_scale_by_the_largest_reference_value():
     got, want = [[1.0, 2.02, 0.0]], [[1.0, 2.0, 0.001]]
     errs = device_numerics.errors(got, want)["out"]
@@ -99,6 +118,8 @@ def test_each_device_checks_the_kernels_it_runs_natively():
                          "triton_lang": device_numerics.DTYPES,
                          "mosaic_gpu_blackwell": ("bfloat16", "float16")}
     assert device_report.execution("mosaic_gpu_blackwell", "gpu") == "native"
+    # and at MLA's head dims (q/k 192, v 128) there, before the other cases
+    assert device_numerics.attention_cases("mosaic_gpu_blackwell")[0].dims == (192, 128)
     assert device_numerics.impl_dtypes("tpu", "TPU v5 lite") == {
         "xla": ("float32", "bfloat16"), "pallas_tpu": ("float32", "bfloat16")}
     assert device_report.execution("pallas_triton", "gpu") == "native"

@@ -14,7 +14,8 @@ for tcgen05_mma or the TMEM loads and stores. What runs:
   FULL, a misplaced position tile or a wrong lse layout or scale fails against the dense
   reference and its jax gradients.
 - The lowering for CUDA (`jax.export`), which runs Pallas' Mosaic GPU lowering of the kernels.
-- The refusals: dtypes, head dims, MLA, context parallelism.
+- MLA (q/k head dim 192, v 128): the same models at Dk != Dv, forward and backward.
+- The refusals: dtypes, head dims, context parallelism.
 - `auto`'s rule for Blackwell device kinds.
 - With `make aot-plugins`: the production compiler (XLA:GPU, Mosaic GPU's NVVM pipeline, ptxas)
   compiles forward + backward for sm_100a (a B200) deviceless; skipped without the plugin.
@@ -42,7 +43,7 @@ from jtree.kernels.attention.mgpu_blackwell_backward import (
     DQ_BLOCK_KV,
     DQ_BLOCK_Q,
 )
-from jtree.kernels.attention.mgpu_blackwell_forward import BLOCK_KV, BLOCK_Q
+from jtree.kernels.attention.mgpu_blackwell_forward import BLOCK_Q, forward_block_kv
 from jtree.kernels.attention.reference import attention_reference
 from jtree.kernels.block_tables import PARTIAL
 from tests.attention_cases import qkv
@@ -101,20 +102,23 @@ def _callback(run, shapes, *args):
 
 def _modelled_forward(q, k, v, end, q_pos, table, count, *, stages, scale, softcap, window):
     """What `forward_call` computes from its inputs, in numpy float64: per 128-query block, the
-    listed kv-blocks only, the element mask only on PARTIAL ones. (O, base-2 lse)."""
+    listed kv-blocks (of the kernel's `forward_block_kv` keys) only, the element mask only on
+    PARTIAL ones. (O [.., Dv], base-2 lse)."""
     del stages
+    block_kv = forward_block_kv(q.shape[3])
+    out_shape = (*q.shape[:3], v.shape[3])
 
     def run(q, k, v, end, q_pos, table, count):
         q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
         rows, sq, hq, _ = q.shape
         skv, g = k.shape[1], hq // k.shape[2]
         ends, kpath, qpos, qpath = _positions(end, q_pos, window)
-        out, lse = np.zeros_like(q), np.zeros((rows, hq, sq))
+        out, lse = np.zeros(out_shape), np.zeros((rows, hq, sq))
         for r in range(rows):
             visible = _visible(r, ends, kpath, qpos, qpath, window)
             for qb in range(table.shape[1]):
                 qs = slice(qb * BLOCK_Q, (qb + 1) * BLOCK_Q)
-                seen = _computed(table, count, r, qb, qs, BLOCK_KV, skv, visible)
+                seen = _computed(table, count, r, qb, qs, block_kv, skv, visible)
                 for h in range(hq):
                     s = np.where(seen, _logits(q[r, qs, h] @ k[r, :, h // g].T, scale,
                                                softcap)[0], -np.inf)
@@ -124,7 +128,7 @@ def _modelled_forward(q, k, v, end, q_pos, table, count, *, stages, scale, softc
                     lse[r, h, qs] = (m[:, 0] + np.log(p.sum(axis=1))) / np.log(2.0)
         return out, lse
 
-    out, lse = _callback(run, (q.shape, (q.shape[0], q.shape[2], q.shape[1])),
+    out, lse = _callback(run, (out_shape, (q.shape[0], q.shape[2], q.shape[1])),
                          q, k, v, end, q_pos, table, count)
     return out.astype(q.dtype), lse
 
@@ -266,21 +270,24 @@ def _reference_grads(q, k, v, end, d_out, *, softcap=None, q_pos=None, window=No
     return (out, *pull(f32(d_out)))
 
 
-@pytest.mark.parametrize("hq, hkv, d, window, sinks, softcap, prefix", [
-    (4, 1, 64, None, False, None, 0),  # GQA 4
-    (2, 2, 128, 40, True, None, 0),  # window + sinks
-    (4, 2, 64, None, False, 20.0, 0),  # soft-cap
-    (4, 2, 64, 70, False, None, 130),  # a cached prefix (q_pos) with a window
+@pytest.mark.parametrize("hq, hkv, d, dv, window, sinks, softcap, prefix", [
+    (4, 1, 64, 64, None, False, None, 0),  # GQA 4
+    (2, 2, 128, 128, 40, True, None, 0),  # window + sinks
+    (4, 2, 64, 64, None, False, 20.0, 0),  # soft-cap
+    (4, 2, 64, 64, 70, False, None, 130),  # a cached prefix (q_pos) with a window
+    (4, 2, 192, 128, 40, True, None, 0),  # MLA (64-key forward blocks), GQA 2, window + sinks
+    pytest.param(2, 2, 192, 128, 70, False, None, 130, marks=pytest.mark.slow),  # MLA + prefix
 ])
-def test_backward_block_lists_through_tree_attention(modelled_kernel, hq, hkv, d, window, sinks,
-                                                     softcap, prefix):
+def test_backward_block_lists_through_tree_attention(modelled_kernel, hq, hkv, d, dv, window,
+                                                     sinks, softcap, prefix):
     """Forward and backward at S = 300 (a deep, branching forest): the custom VJP, the delta
     and lse residuals, the transposed q lists and the kv lists at the backward's block sizes,
-    read by the models of the kernels' contracts, give the dense reference's gradients."""
+    read by the models of the kernels' contracts, give the dense reference's gradients (MLA:
+    q, k of head dim d, v, out, dO of dv)."""
     s = 300
     end, pos = deep_end_pos(seed=d + hq + prefix, s=s, rows=2, trees=3, seg=(3, 24))
-    q, k, v = qkv(hq + 7, 2, s, hq, hkv, d, jnp.bfloat16)
-    d_out = qkv(hq + 8, 2, s - prefix, hq, hkv, d, jnp.bfloat16)[0]
+    q, k, v = qkv(hq + 7, 2, s, hq, hkv, d, jnp.bfloat16, dv=dv)
+    d_out = qkv(hq + 8, 2, s - prefix, hq, hkv, dv, jnp.bfloat16)[0]
     sk = jnp.asarray(np.linspace(-1.0, 1.0, hq), jnp.float32) if sinks else None
     p = prefix
 
@@ -297,6 +304,7 @@ def test_backward_block_lists_through_tree_attention(modelled_kernel, hq, hkv, d
                             window=window, key_pos=None if window is None else jnp.asarray(pos),
                             sinks=sk)
     for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+        assert g.shape == w.shape, (name, g.shape, w.shape)
         _assert_close(g, w, name)
 
 
@@ -306,10 +314,10 @@ def _export(fn, *shapes):
     return re.findall(r"custom_call @(\w+)", exported.mlir_module())
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_lowers_for_cuda(head_dim):
+@pytest.mark.parametrize("head_dim, value_head_dim", [(64, 64), (128, 128), (192, 128)])
+def test_lowers_for_cuda(head_dim, value_head_dim):
     """Pallas' Mosaic GPU lowering of the tcgen05 kernels, forward, dQ and dK/dV, through
-    `tree_attention` (S padded), GQA 4, with a window and sinks."""
+    `tree_attention` (S padded), GQA 4, with a window and sinks (192 / 128: MLA)."""
     s, bf16, i32 = 1000, jnp.bfloat16, jnp.int32
 
     def loss(q, k, v, end, pos, sinks):
@@ -318,15 +326,38 @@ def test_lowers_for_cuda(head_dim):
         return out.astype(jnp.float32).sum()
 
     shapes = [((1, s, 8, head_dim), bf16), ((1, s, 2, head_dim), bf16),
-              ((1, s, 2, head_dim), bf16), ((1, s), i32), ((1, s), i32), ((8,), jnp.float32)]
+              ((1, s, 2, value_head_dim), bf16), ((1, s), i32), ((1, s), i32),
+              ((8,), jnp.float32)]
     assert _export(jax.grad(loss, argnums=(0, 1, 2, 5)), *shapes) == ["mosaic_gpu_v2"] * 3
+
+
+@pytest.mark.parametrize("dims, smem_kib, tmem_columns", [
+    ((64, 64), "114/82/82", "192/192/256"),
+    ((128, 128), "194/146/146", "256/256/384"),
+    # MLA, by hand: forward Q 48 + K ring 2 x 64 x 192 x 2 B = 48 + V ring 32 + P 128 x 64 x 2 B
+    # = 16 + O 32 KiB, plus 2 KiB of lists, positions and lse; TMEM S 64 + O 128. dQ: Q 48 +
+    # dO 32 + K ring 48 + V ring 32 + dS 16 (+2); S 64 + dP 64 + dQ 192. dK/dV: K 48 + V 32 +
+    # Q ring 48 + dO ring 32 + P^T 16 (+2); S^T 64 + dP^T 64 + dK 192 + dV 128.
+    ((192, 128), "178/178/178", "192/320/448"),
+])
+def test_each_kernel_fits_a_cta(dims, smem_kib, tmem_columns):
+    """Forward / dQ / dK-dV buffers at S = 4096, bf16, two stages: what `compile_kernels`
+    reports, within a CTA's 227 KiB of SMEM and 512 TMEM columns."""
+    from jtree.launch.bench.compile_kernels import Case, kernel_resources
+
+    got = kernel_resources(Case(IMPL, dims[0], "bfloat16", value_head_dim=dims[1]))
+    assert got == {"smem_kib": smem_kib, "tmem_columns": tmem_columns}
+    assert max(map(int, smem_kib.split("/"))) <= 227
+    assert max(map(int, tmem_columns.split("/"))) <= 512
 
 
 @pytest.mark.parametrize("dtype, hd, dv, match", [
     (jnp.float32, 64, 64, r"must all be bfloat16 or float16 \(tcgen05 operands\)"),
-    (jnp.bfloat16, 256, 256, "head_dim 256 .* must be one of \\(64, 128\\)"),
+    (jnp.bfloat16, 256, 256, r"^mosaic_gpu_blackwell: head dims q/k 256, v 256: .* must be one "
+                             r"of \(\(64, 64\), \(128, 128\), \(192, 128\)\)"),
     (jnp.float16, 96, 96, "head_dim=96 must be a multiple of 64"),
-    (jnp.bfloat16, 128, 64, "'mosaic_gpu_blackwell': value head dim 64 != query/key head dim 128"),
+    (jnp.bfloat16, 128, 64, "^mosaic_gpu_blackwell: head dims q/k 128, v 64: "),  # other MLA dims
+    (jnp.bfloat16, 192, 192, "^mosaic_gpu_blackwell: head dims q/k 192, v 192: "),
 ])
 def test_rejects_what_the_kernel_cannot_honour(dtype, hd, dv, match):
     end = jnp.broadcast_to(jnp.arange(1, 129, dtype=jnp.int32), (1, 128))
@@ -356,17 +387,20 @@ def _aot_cuda():
     return folder
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_compiles_for_sm100a_deviceless(tmp_path, head_dim):
+@pytest.mark.parametrize("head_dim, gqa, variant", [
+    (64, 4, ""), (128, 4, ""),
+    pytest.param(192, 1, "", marks=pytest.mark.slow),  # MLA: v's head dim 128
+])
+def test_compiles_for_sm100a_deviceless(tmp_path, head_dim, gqa, variant):
     """The production compiler compiles forward + backward (three kernels) for a B200 at
-    S = 4096, bf16, GQA 4 (that case of `compile_kernels`' gpu-b200x8 sweep, in its worker)."""
+    S = 4096, bf16 (that case of `compile_kernels`' gpu-b200x8 sweep, in its worker)."""
     from jtree.launch.bench.compile_kernels import sweep
     from jtree.launch.compile import WORKER_ENV
 
     folder = _aot_cuda()
     index = sweep("gpu-b200x8").index(
         next(c for c in sweep("gpu-b200x8") if c.kernel == IMPL and c.head_dim == head_dim
-             and c.gqa == 4 and not c.variant and c.backward))
+             and c.gqa == gqa and c.variant == variant and c.backward))
     env = dict(os.environ, **{WORKER_ENV: "1"}, JAX_PLATFORMS="cpu",
                JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=os.pathsep.join([str(folder), str(WORKTREE)]))
@@ -386,13 +420,20 @@ def test_compiles_for_sm100a_deviceless(tmp_path, head_dim):
 @pytest.mark.parametrize("device_kind", ["NVIDIA B200", "NVIDIA GB200", "NVIDIA B300 SXM6 AC"])
 def test_auto_trains_on_blackwell_with_the_tcgen05_kernel(device_kind):
     """With its backward, `auto` picks this kernel on Blackwell for what it runs (training
-    too), and only that: fp32, other head dims and MLA stay on the Triton kernel."""
+    too, MLA's 192 / 128 included), and only that: fp32 and other head dims stay on the Triton
+    kernel."""
     assert dispatch.gpu_impl(device_kind, jnp.bfloat16, 128) == IMPL
     assert dispatch.has_backward(IMPL)
     assert dispatch.gpu_impl(device_kind, jnp.bfloat16, 128) == IMPL
     assert dispatch.gpu_impl(device_kind, jnp.float16, 64) == IMPL
     assert dispatch.gpu_impl(device_kind, jnp.float32, 128) == "pallas_triton"
     assert dispatch.gpu_impl(device_kind, jnp.bfloat16, 256) == "pallas_triton"
-    assert dispatch.gpu_impl(device_kind, jnp.bfloat16, 192, 128) == "pallas_triton"  # MLA
+    assert dispatch.gpu_impl(device_kind, jnp.bfloat16, 192, 128) == IMPL  # MLA
+    assert dispatch.gpu_impl(device_kind, jnp.float16, 192, 128) == IMPL
+    assert dispatch.gpu_impl(device_kind, jnp.float32, 192, 128) == "pallas_triton"
+    assert dispatch.gpu_impl(device_kind, jnp.bfloat16, 192, 192) == "pallas_triton"
+    assert dispatch.gpu_impl(device_kind, jnp.bfloat16, 128, 64) == "pallas_triton"
+    assert dispatch.resolve_impl("auto", "gpu", dtype=jnp.bfloat16, head_dim=192,
+                                 value_head_dim=128, device_kind=device_kind) == IMPL
     assert dispatch.gpu_impl("NVIDIA GeForce RTX 5090", jnp.bfloat16, 128) == "triton_lang"
     assert dispatch.gpu_impl("NVIDIA H100 80GB HBM3", jnp.bfloat16, 128) == "pallas_mosaic_gpu"
