@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtree.kernels.gdn.delta_rule import gated_delta_rule_recurrent, tree_gated_delta_rule
+from jtree.layout.linearize import TreeBatch
 from jtree.trees.tree import TrajectoryTree
 
 HK, HV, DK, DV = 2, 4, 8, 6  # key heads, value heads, key and value head dims
@@ -21,7 +22,7 @@ TREE_S, TREE_ROWS, MAX_PATHS = 64, 4, 48
 SCANS = ("sequential", "parallel")
 
 
-def path_index(batch, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+def path_index(batch: TreeBatch, max_len: int) -> tuple[np.ndarray, np.ndarray]:
     """[P, max_len] row-local token index of every path (-1 pad) and its row."""
     rows, idx = [], []
     for t, r, off in zip(batch.layout.trees, batch.layout.rows, batch.layout.offsets):
@@ -32,7 +33,7 @@ def path_index(batch, max_len: int) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(rows), np.stack(idx)
 
 
-def gather_paths(x, rows, idx):
+def gather_paths(x, rows: np.ndarray, idx: np.ndarray) -> jax.Array:
     """Per-path inputs [P, T, ...]; padding slots are zero (k = beta = g = 0: state unchanged)."""
     picked = x[rows[:, None], jnp.maximum(idx, 0)]
     return jnp.where((idx >= 0).reshape(idx.shape + (1,) * (x.ndim - 2)), picked, 0)
@@ -53,7 +54,7 @@ def deep_chain() -> list[TrajectoryTree]:
     return [chain, TrajectoryTree.from_nodes([-1, 0, 0], [[7, 7], [8], [9, 9, 9]])]
 
 
-def path_losses(batch, rng, n_paths: int | None = None):
+def path_losses(batch: TreeBatch, rng: np.random.Generator, n_paths: int | None = None) -> tuple:
     """The chunk tables of `batch` and a weighted loss on its paths, for comparing the tree kernel
     with a per-path reference: (tables, rows, idx, coeff, target, weight). rows, idx
     (`path_index`, padded to `n_paths` paths if given); coeff [P, T] a random coefficient per
@@ -75,7 +76,7 @@ def path_losses(batch, rng, n_paths: int | None = None):
 
 
 @functools.lru_cache(maxsize=None)
-def tree_and_path_grads(scan):
+def tree_and_path_grads(scan: str):
     """Jitted (loss, outputs, grads) of the tree kernel (with `scan`) and of the per-path
     recurrent reference, for fixed shapes so hypothesis examples reuse one compilation per chunk
     size."""

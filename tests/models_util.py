@@ -350,7 +350,8 @@ def assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective: O
 EQUIVALENCE_SEQ, EQUIVALENCE_TREE_ROWS, EQUIVALENCE_BASE_ROWS = 64, 3, 40
 
 
-def tree_and_baseline(trees, normalization: str, gdn_chunk_size: int | None = None):
+def tree_and_baseline(trees, normalization: str,
+                      gdn_chunk_size: int | None = None) -> tuple[TreeBatch, TreeBatch]:
     """(tree batch, baseline batch) of `trees` in the equivalence tests' layouts; with
     `gdn_chunk_size`, GDN chunk tables of chunks that many tokens long on both sides."""
     gdn = {} if gdn_chunk_size is None else dict(gdn_chunk_size=gdn_chunk_size,

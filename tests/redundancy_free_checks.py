@@ -8,6 +8,8 @@ architectures' tests (tests/models/test_deepseek_v3.py, test_kimi_linear.py, tes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import numpy as np
 import pytest
@@ -23,8 +25,9 @@ from jtree.trees.tree import TrajectoryTree
 from tests.models_util import rel_l2
 from tests.strategies import multi_part_trees
 
-ROW, PREFIX = 16, [16]  # part rows of at most 16 tokens, one prefix bucket
+ROW, PREFIX = 16, [16]  # rows of 16 tokens, one prefix bucket
 
+# The checks' objectives: PPO with a KL term (reference log-probs count) and SFT.
 PPO = Objective(kind="ppo", normalization="token_mean", clip_low=0.1, clip_high=0.1,
                 kl_coef=0.05)
 SFT = Objective(kind="sft", normalization="seq_mean_token_mean")
@@ -76,7 +79,8 @@ def check_schedule(program, live: LiveBuffers, mode: str) -> None:
 
 
 def subtree_need(program, order, k: int) -> int:
-    """need(k) of `jtree.partitioning.redundancy_free.schedule` for the given child order, recomputed recursively."""
+    """need(k) of `jtree.partitioning.redundancy_free.schedule` for the given child order,
+    recomputed recursively."""
     kids = order[k]
     slots = part_slots(program, k)
     return slots + max([subtree_need(program, order, c) + (slots if i else 0)
@@ -97,15 +101,18 @@ def _reference(graphdef, params, trees, objective, chunk):
     return loss, metrics, grads, per_tree
 
 
-def check_parts(graphdef, params, objective, capacities, modes, chunk=None, row_lengths=(8, ROW),
-           paired=False, trees=None, prefix_buckets=PREFIX, seq_len=ROW):
-    """The redundancy-free step (`RedundancyFreeStep`, every prefix-backward mode of `modes`) on
-    `trees` cut into parts of at most each of `capacities` tokens: loss, metrics and every
-    gradient within 1e-5 relative of the unpartitioned tree's (`_reference`), the schedule
-    (`check_schedule`), and the log-probs of every on-path token within 1e-5. Every mode at
-    every capacity, or with `paired` mode k at capacity k mod len(capacities)
-    only (each shape of rows compiles its own program: half the compiles of two capacities).
-    `trees`: default `multi_part_trees(seed=7)`."""
+def check_parts(graphdef, params, objective: Objective, capacities: Sequence[int],
+                modes: Sequence[str], chunk: int | None = None,
+                row_lengths: Sequence[int] | None = (8, ROW), paired: bool = False,
+                trees: list[TrajectoryTree] | None = None,
+                prefix_buckets: list[int] | None = PREFIX, seq_len: int = ROW) -> None:
+    """The redundancy-free step (`RedundancyFreeStep`, each prefix-backward mode of `modes`) on
+    `trees` (default `multi_part_trees(seed=7)`) cut into parts of at most each of `capacities`
+    tokens equals the unpartitioned trees' step (`_reference`): loss, metrics and every gradient
+    within 1e-5 relative, the log-probs of every on-path token within 1e-5; the executor keeps
+    its schedule (`check_schedule`). Every mode runs at every capacity, or with `paired` mode k
+    at capacity k mod len(capacities) only (each shape of rows compiles its own program: half
+    the compiles of two capacities). `chunk`: GDN chunks of that many tokens."""
     trees = multi_part_trees(seed=7) if trees is None else trees
     loss_ref, metrics_ref, grads_ref, logp_ref = _reference(graphdef, params, trees, objective,
                                                             chunk)
