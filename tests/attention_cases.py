@@ -1,6 +1,7 @@
 """Random tree masks and inputs for the attention kernel tests, the comparison against the
-dense `reference` implementation (forward output and q/k/v gradients), and the element-wise bound
-every kernel comparison applies next to its max-scaled one (`assert_elementwise_close`)."""
+dense `reference` implementation (forward output and q/k/v gradients; with a cached prefix,
+`prefix_errors`), and the element-wise bound every kernel comparison applies next to its
+max-scaled one (`assert_elementwise_close`)."""
 
 from __future__ import annotations
 
@@ -132,3 +133,45 @@ def max_errors(end: np.ndarray, q, k, v, *, impl: str, jit_end: bool = True,
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert_elementwise_close(a, b, q.dtype, f"{impl} {name}")
     return diffs[0], diffs[1:]
+
+
+@functools.lru_cache(maxsize=None)
+def _prefix_run(impl: str, p: int, softcap: float | None, options: tuple):
+    """(q, k, v, end, cot) on the whole layout -> out and grads of the own-query part, computed
+    with the prefix API (keys [:p] cached, queries only for [p:])."""
+
+    def run(q, k, v, end, cot):
+        def f(q_own, k_own, v_own, pk, pv):
+            return tree_attention(q_own, k_own, v_own, TreeMask(end[:, p:], end[:, :p]), impl=impl,
+                                  softcap=softcap, prefix_k=pk, prefix_v=pv, **dict(options))
+
+        out, vjp = jax.vjp(f, q[:, p:], k[:, p:], v[:, p:], k[:, :p], v[:, :p])
+        dq, dk, dv, dpk, dpv = vjp(cot[:, p:])
+        return out, dq, jnp.concatenate([dpk, dk], 1), jnp.concatenate([dpv, dv], 1)
+
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=None)
+def _square_run(p: int, softcap: float | None):
+    def run(q, k, v, end, cot):
+        cot = cot.at[:, :p].set(0.0)  # only the own queries' outputs count
+        out, vjp = jax.vjp(lambda q, k, v: tree_attention(q, k, v, TreeMask(end), impl="reference",
+                                                          softcap=softcap), q, k, v)
+        dq, dk, dv = vjp(cot)
+        return out[:, p:], dq[:, p:], dk, dv
+
+    return jax.jit(run)
+
+
+def prefix_errors(end, q, k, v, p: int, *, impl: str, softcap=None, **options) -> list[float]:
+    """Max abs difference of the output and of dq, dk, dv (for a random output cotangent) between
+    `impl` through the prefix API (the first `p` keys a cached prefix, queries only after it) and
+    `reference` on the whole square layout of the same tokens, restricted to the queries after
+    the prefix; every element within the element-wise bound."""
+    cot = jnp.asarray(np.random.default_rng(1).normal(size=(*q.shape[:3], v.shape[3])), q.dtype)
+    got = _prefix_run(impl, p, softcap, tuple(sorted(options.items())))(q, k, v, end, cot)
+    want = _square_run(p, softcap)(q, k, v, end, cot)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_elementwise_close(a, b, q.dtype, f"{impl} prefix {name}")
+    return [float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, want)]

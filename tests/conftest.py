@@ -9,25 +9,40 @@ Fixtures (here): what several test files set up the same way.
 - `groups_file`, `few_groups_file`: branching agent-rollout groups written for a tiny training
   run (12 groups: several steps; 4 groups: a step or two).
 
-Helpers (modules named for their concept, imported by the tests; a test file should import these,
-not another test file, though nine still do: their shared pieces belong in helpers here):
+Helpers (modules named for their concept, imported by the tests; a test file imports these, never
+another test file: no module imports a test file, a contract `lint-imports` checks,
+tests/import_layers.py's `TestFilesAreLeaves`):
 - tests/models_util.py: tiny configs and models, jitted log-prob and loss-and-gradient functions,
-  tree-vs-baseline loss and gradient comparison.
-- tests/strategies.py: random trees and forests (hypothesis strategies) and the fixed tree sets
-  several files share.
+  tree-vs-baseline layouts, log-probs, loss and gradient comparison, the per-path inputs of dense
+  references.
+- tests/strategies.py: random trees and forests (hypothesis strategies), trees whose paths agree
+  on shared tokens (`consistent_tree`, `gspo_tree`), and the fixed tree sets several files share.
 - tests/attention_cases.py: random tree masks and q/k/v for the attention kernels, errors against
-  the dense reference.
+  the dense reference (with a cached prefix too).
+- tests/window_cases.py: sliding-window and attention-sink cases and their dense oracle.
+- tests/gdn_cases.py: the gated delta rule kernels' tree cases (shapes, the deep chain, paths
+  gathered, tree kernel vs per-path recurrence as losses with gradients).
+- tests/redundancy_free_checks.py: redundancy-free parts against the unpartitioned tree (loss,
+  metrics, gradients, log-probs, the executor's schedule).
+- tests/memory_plan_checks.py: the memory plan's depth rule against an actual compile.
 - tests/run_util.py: training runs (launcher subprocess, tiny config overrides, groups files,
   metrics) and the repository root.
 - tests/checkpoint_damage.py: the ways a saved checkpoint step can be damaged.
 - tests/hf_util.py: HF checkpoints on the jtree side (random models, parameters by name, edited
   copies of a checkpoint, weights copied in by HF name); no torch.
 - tests/torch_util.py: tiny transformers checkpoints and their logits (needs torch).
-- tests/hf_path_checks.py: an architecture's tiny random transformers checkpoint against jtree
+- tests/hf_path_checks.py: an architecture's tiny random transformers checkpoint (every parameter
+  random; `write_deepseek_checkpoint`: the routers' selection biases too) against jtree
   path by path (compare-torch, log-probs, PPO gradients, save -> from_pretrained; needs torch).
 - tests/mesh_worker.py: the subprocess that runs train steps on 8 forced host devices.
 - tests/mtp_mesh_worker.py: the subprocess that runs an MTP objective's gradient on 8 forced
   host devices.
+- tests/moe_dispatch_worker.py, tests/redundancy_free_mesh_worker.py, tests/gdn_context_worker.py:
+  the subprocesses that compare the MoE dispatch, the redundancy-free step and Gated DeltaNet on
+  forced host devices with one device.
+- tests/triton_interpreter.py: the process that runs the `triton_lang` kernels in Triton's CPU
+  interpreter.
+- tests/import_layers.py: the import contracts `lint-imports` checks.
 - tests/covering.py: covering designs (all pairs of factors) for the sweeps of slow tests.
 
 Compiles are quick and shared: every test process compiles with `tests.run_util.CODEGEN_XLA_FLAGS`

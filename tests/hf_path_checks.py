@@ -44,6 +44,21 @@ def write_random_checkpoint(config: Any, path: Path) -> torch.nn.Module:
     return model.eval()
 
 
+def write_deepseek_checkpoint(config: Any, path: Path) -> torch.nn.Module:
+    """`write_random_checkpoint`, then the routers' selection biases random too (saved again): a
+    DeepSeek-style router's `e_score_correction_bias`, a buffer the writer leaves at zero, set on
+    the scale of the sigmoid scores so that it changes which experts are chosen (DeepSeek-V3,
+    Kimi-Linear, Nemotron-H)."""
+    ref = write_random_checkpoint(config, path)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.3)
+    ref.save_pretrained(path)
+    return ref
+
+
 def compare_trees() -> list[TrajectoryTree]:
     """Branching trees and a single sequence longer than the others (up to position 40)."""
     rng = np.random.default_rng(2)

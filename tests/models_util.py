@@ -1,4 +1,7 @@
-"""Tiny models and jitted helpers shared by model-level tests."""
+"""Tiny models and jitted helpers shared by model-level tests: tiny configs and models, jitted
+log-prob and loss-and-gradient functions, tree-vs-baseline comparisons (layouts, log-probs, loss
+and gradients), the float32 rounding model of sharded results, and the per-path inputs of dense
+references."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import assume
 
 from jtree.config.architectures import (
     DeepseekV3Config,
@@ -30,7 +34,10 @@ from jtree.config.architectures import (
 )
 from jtree.config.objective import Objective
 from jtree.config.runtime import RuntimeConfig
-from jtree.layout.linearize import TreeBatch, unlinearize
+from jtree.kernels import TreeMask
+from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
+from jtree.layout.batch import DeviceBatch, LossCoefficients
+from jtree.layout.linearize import TreeBatch, linearize, unlinearize
 from jtree.models import CausalLM
 from jtree.objectives.objective import objective_loss
 from jtree.step.train_step import make_logprob_fn
@@ -336,3 +343,73 @@ def assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective: O
         scale = sum(float(np.abs(x).sum()) for x in (c.weight, c.adv_pos, c.adv_neg))
         assert abs(float(loss_t) - float(loss_b)) <= 1e-6 * max(abs(float(loss_b)), scale)
     assert_grads_close(g_t, g_b)
+
+
+# The equivalence tests' layouts: rows of 64 tokens, 3 rows in tree mode and 40 for the per-path
+# baseline (a row per path at most).
+EQUIVALENCE_SEQ, EQUIVALENCE_TREE_ROWS, EQUIVALENCE_BASE_ROWS = 64, 3, 40
+
+
+def tree_and_baseline(trees, normalization: str,
+                      gdn_chunk_size: int | None = None) -> tuple[TreeBatch, TreeBatch]:
+    """(tree batch, baseline batch) of `trees` in the equivalence tests' layouts; with
+    `gdn_chunk_size`, GDN chunk tables of chunks that many tokens long on both sides."""
+    gdn = {} if gdn_chunk_size is None else dict(gdn_chunk_size=gdn_chunk_size,
+                                                 gdn_chunks=EQUIVALENCE_SEQ)
+    tree = linearize(trees, EQUIVALENCE_SEQ, normalization=normalization,
+                     n_rows=EQUIVALENCE_TREE_ROWS, **gdn)
+    base = linearize_baseline(trees, EQUIVALENCE_SEQ, normalization=normalization,
+                              n_rows=EQUIVALENCE_BASE_ROWS, **gdn)
+    return tree, base
+
+
+def path_logprob_pairs(graphdef, params, trees, tree: TreeBatch,
+                       base: TreeBatch) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every path of `trees`: (its log-probs read from the tree batch, from the baseline)."""
+    fn = logprob_fn(graphdef)
+    lp_tree = unlinearize(tree, np.asarray(fn(params, tree.inputs)))
+    lp_base = unlinearize_baseline(base, np.asarray(fn(params, base.inputs)), trees)
+    return [(a, b) for a_paths, b_paths in zip(lp_tree, lp_base)
+            for a, b in zip(a_paths, b_paths)]
+
+
+def assert_logprobs_equal_baseline(graphdef, params, trees, tree: TreeBatch,
+                                   base: TreeBatch) -> None:
+    """Every path's tree log-probs within 1e-5 of the baseline's."""
+    for a, b in path_logprob_pairs(graphdef, params, trees, tree, base):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def assert_equal_baseline_under_ppo(graphdef, params, trees) -> None:
+    """Tree log-probs, PPO loss and gradients == the per-path baseline's."""
+    tree, base = tree_and_baseline(trees, "seq_mean_token_mean")
+    assert_logprobs_equal_baseline(graphdef, params, trees, tree, base)
+    tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=len(trees))
+    # A forest that scores no token (one-token paths) trains nothing: its only loss is a MoE
+    # router's, which on a single token is constant when the router normalizes over the chosen
+    # experts (gpt-oss), so both gradients are float32 rounding alone (~1e-7) and no relative
+    # comparison means anything. The router loss on real forests is compared in every other draw.
+    c = tree_in.coefficients
+    assume(any(np.abs(x).sum() > 0 for x in (c.weight, c.adv_pos, c.adv_neg)))
+    objective = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05,
+                          entropy_coef=0.01)
+    assert_loss_and_grads_match(graphdef, params, tree_in, base_in, objective)
+
+
+def path_inputs(tokens: list[np.ndarray], length: int) -> DeviceBatch:
+    """Each path alone in its own row: plain causal attention over its tokens, padding after (the
+    inputs of the dense per-path references the training tests compare a run's step with)."""
+    k = len(tokens)
+    arrays = {n: np.zeros((k, length), np.int32) for n in ("tokens", "pos", "path_count")}
+    end = np.tile(np.arange(1, length + 1, dtype=np.int32), (k, 1))
+    pred = np.full((k, length), -1, np.int32)
+    node = np.full((k, length), -1, np.int32)
+    valid = np.zeros((k, length), bool)
+    for i, t in enumerate(tokens):
+        n = len(t)
+        arrays["tokens"][i, :n], arrays["pos"][i, :n], arrays["path_count"][i, :n] = \
+            t, np.arange(n), 1
+        end[i, :n], pred[i, 1:n], node[i, :n], valid[i, :n] = n, np.arange(n - 1), 0, True
+    zeros = np.zeros((k, length), np.float32)
+    return DeviceBatch(arrays["tokens"], arrays["pos"], TreeMask(end), pred, node, valid,
+                       arrays["path_count"], LossCoefficients(*[zeros] * 6))

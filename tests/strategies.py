@@ -1,5 +1,6 @@
-"""Random branching trees for property tests (hypothesis strategies and plain generators), and
-the fixed tree sets several test files share (`one_row_forests`, `multi_part_trees`).
+"""Random branching trees for property tests (hypothesis strategies and plain generators), trees
+whose per-path data agree on shared tokens (`consistent_tree`, `gspo_tree`), and the fixed tree
+sets several test files share (`one_row_forests`, `multi_part_trees`).
 
 Trees are generated as explicit random forests (several levels, many siblings, single-token nodes),
 then paths are chosen to end at leaves *and* internal nodes, with duplicates. `sequences_tree`
@@ -135,6 +136,20 @@ def consistent_tree(rng: np.random.Generator, **kw) -> TrajectoryTree:
         loss_masks=list(t.loss_masks), advantages=list(t.advantages), old_logprobs=olds,
         weights=t.weights,
     )
+
+
+def gspo_tree(rng: np.random.Generator, **kw) -> TrajectoryTree:
+    """A random multi-level tree (internal and duplicate path ends) whose paths agree on the loss
+    mask and old log-prob of every token they share, one advantage per path."""
+    shape = TrajectoryTree.from_nodes(**random_forest(rng, with_rl=False, **kw))
+    mask = (rng.random(shape.n_tree_tokens) < 0.75).astype(int)
+    old = -rng.uniform(0.5, 3.0, size=shape.n_tree_tokens)
+    paths = [shape.path_token_index(p) for p in range(shape.n_paths)]
+    return TrajectoryTree.from_nodes(
+        shape.parents.tolist(), list(shape.segments), path_nodes=shape.path_nodes.tolist(),
+        loss_masks=[mask[i] for i in paths], old_logprobs=[old[i] for i in paths],
+        advantages=rng.normal(size=shape.n_paths).tolist(),
+        weights=rng.uniform(0.5, 2.0, size=shape.n_paths).tolist())
 
 
 def multi_part_trees(seed: int) -> list[TrajectoryTree]:

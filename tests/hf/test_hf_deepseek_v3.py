@@ -37,7 +37,7 @@ from tests.hf_path_checks import (  # noqa: E402
     assert_ppo_gradients_equal_per_path,
     assert_tree_logprobs_equal_per_path,
     compare_trees,
-    write_random_checkpoint,
+    write_deepseek_checkpoint,
 )
 from tests.hf_util import (  # noqa: E402
     DEEPSEEK_MTP_EXTRA,
@@ -64,18 +64,6 @@ def deepseek_config(**overrides):
         num_experts_per_tok=3, first_k_dense_replace=1, norm_topk_prob=True,
         max_position_embeddings=64, rope_parameters=YARN, tie_word_embeddings=False),
         **overrides))
-
-
-def write_deepseek_checkpoint(config, path):
-    """`write_random_checkpoint`, then the routers' selection biases random too (saved again)."""
-    ref = write_random_checkpoint(config, path)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, b in ref.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.3)
-    ref.save_pretrained(path)
-    return ref
 
 
 @pytest.fixture(scope="module")

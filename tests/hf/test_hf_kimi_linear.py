@@ -23,10 +23,10 @@ transformers = pytest.importorskip("transformers")
 import jtree.hf  # noqa: E402
 from jtree.config.architectures import KimiLinearConfig, LayerKind  # noqa: E402
 from jtree.hf.safetensors_io import SINGLE_FILE  # noqa: E402
-from tests.hf.test_hf_deepseek_v3 import write_deepseek_checkpoint  # noqa: E402
 from tests.hf_path_checks import (  # noqa: E402
     assert_ppo_gradients_equal_per_path,
     assert_tree_logprobs_equal_per_path,
+    write_deepseek_checkpoint,
 )
 from tests.hf_util import assert_same_params, copy_checkpoint, param_arrays  # noqa: E402
 from tests.models_util import tiny_runtime  # noqa: E402

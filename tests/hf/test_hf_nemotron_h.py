@@ -21,11 +21,11 @@ transformers = pytest.importorskip("transformers")
 import jtree.hf
 from jtree.config.architectures import LayerKind, NemotronHConfig
 from jtree.hf.safetensors_io import SINGLE_FILE
-from tests.hf.test_hf_deepseek_v3 import write_deepseek_checkpoint
 from tests.hf_path_checks import (
     assert_from_pretrained_gives_the_same_model,
     assert_ppo_gradients_equal_per_path,
     assert_tree_logprobs_equal_per_path,
+    write_deepseek_checkpoint,
 )
 from tests.hf_util import assert_same_params, copy_checkpoint
 from tests.models_util import tiny_runtime

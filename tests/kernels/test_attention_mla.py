@@ -17,8 +17,13 @@ import pytest
 
 from jtree.kernels import TreeMask, tree_attention
 from jtree.kernels.attention import calibration as attention_calibration
-from tests.attention_cases import assert_elementwise_close, max_errors, qkv, tree_end
-from tests.kernels.test_attention_prefix import prefix_errors
+from tests.attention_cases import (
+    assert_elementwise_close,
+    max_errors,
+    prefix_errors,
+    qkv,
+    tree_end,
+)
 
 dispatch = importlib.import_module("jtree.kernels.tree_attention")  # the module, not the function
 

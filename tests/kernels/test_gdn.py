@@ -20,10 +20,23 @@ from jtree.kernels.tree_conv import path_context, tree_causal_conv1d
 from jtree.layout.linearize import linearize
 from jtree.trees.tree import TrajectoryTree
 from tests.attention_cases import assert_elementwise_close
+from tests.gdn_cases import (
+    DK,
+    DV,
+    HK,
+    HV,
+    MAX_PATHS,
+    SCANS,
+    TREE_ROWS,
+    TREE_S,
+    deep_chain,
+    gather_paths,
+    path_losses,
+    tree_and_path_grads,
+)
 from tests.models_util import rel_l2
 from tests.strategies import forests
 
-HK, HV, DK, DV = 2, 4, 8, 6
 recurrent = jax.jit(gated_delta_rule_recurrent)
 chunked = jax.jit(gated_delta_rule_chunked, static_argnames="chunk_size")
 
@@ -107,50 +120,6 @@ def test_gradients_match_between_forms():
 # ----------------------------------------------------------------------------- trees
 
 
-def _path_index(batch, max_len):
-    """[P, max_len] row-local token index of every path (-1 pad) and its row."""
-    rows, idx = [], []
-    for t, r, off in zip(batch.layout.trees, batch.layout.rows, batch.layout.offsets):
-        for p in range(t.n_paths):
-            chain = t.path_token_index(p) + off
-            idx.append(np.pad(chain, (0, max_len - len(chain)), constant_values=-1))
-            rows.append(r)
-    return np.asarray(rows), np.stack(idx)
-
-
-def _gather_paths(x, rows, idx):
-    """Per-path inputs [P, T, ...]; padding slots are zero (k = beta = g = 0: state unchanged)."""
-    picked = x[rows[:, None], jnp.maximum(idx, 0)]
-    return jnp.where((idx >= 0).reshape(idx.shape + (1,) * (x.ndim - 2)), picked, 0)
-
-
-TREE_S, TREE_ROWS, MAX_PATHS = 64, 4, 48
-SCANS = ("sequential", "parallel")
-
-
-@functools.lru_cache(maxsize=None)
-def _tree_and_path_grads(scan):
-    """Jitted (loss, outputs, grads) of the tree kernel (with `scan`) and of the per-path
-    recurrent reference, for fixed shapes so hypothesis examples reuse one compilation per chunk
-    size."""
-
-    def tree_loss(q, k, v, g, beta, s0, tables, weight, target):
-        o, _ = tree_gated_delta_rule(q, k, v, g, beta, chunk_tokens=tables[0],
-                                     chunk_src=tables[1], token_slot=tables[2], initial_state=s0,
-                                     scan=scan)
-        return jnp.sum(weight[..., None, None] * o * target), o
-
-    def path_loss(q, k, v, g, beta, s0, rows, idx, coeff, target):
-        per_path = [_gather_paths(x, rows, idx) for x in (q, k, v, g, beta)]
-        o, _ = gated_delta_rule_recurrent(*per_path, s0[rows])
-        return jnp.sum(coeff[..., None, None] * o * _gather_paths(target, rows, idx)), o
-
-    def grads(fn):
-        return jax.jit(jax.value_and_grad(fn, argnums=range(6), has_aux=True))
-
-    return grads(tree_loss), grads(path_loss)
-
-
 @pytest.mark.parametrize("scan", SCANS)
 @pytest.mark.parametrize("chunk", [1, 3])
 @settings(max_examples=8)
@@ -167,49 +136,13 @@ def _flat_forest() -> list[TrajectoryTree]:
     return [TrajectoryTree.from_nodes([-1], [[t] * (1 + t % 3)]) for t in range(1, 21)]
 
 
-def _deep_chain() -> list[TrajectoryTree]:
-    """A chain of 12 nodes (chunk boundaries inside nodes: 17 chunks of 3 deep) with a leaf
-    under every other chain node, and a small branching tree in the same row."""
-    parents, segments = [], []
-    for i in range(12):
-        node = len(parents)
-        parents.append(node - 2 if i % 2 == 0 and i else node - 1)  # after the previous leaf
-        segments.append([i + 1] * (5 if i == 0 else 1 + i % 4))
-        if i % 2:
-            parents.append(node)
-            segments.append([50 + i])
-    chain = TrajectoryTree.from_nodes(parents, segments)
-    return [chain, TrajectoryTree.from_nodes([-1, 0, 0], [[7, 7], [8], [9, 9, 9]])]
-
-
 @pytest.mark.parametrize("scan", SCANS)
 @pytest.mark.parametrize("shape", ["flat", "deep_chain"])
 def test_flat_and_deep_trees_equal_per_path(shape, scan):
     """The extremes of the parallel scan's pointer jumping: no chunk has a parent (no round) and
     a chain of 17 chunks (five rounds)."""
-    trees = _flat_forest() if shape == "flat" else _deep_chain()
+    trees = _flat_forest() if shape == "flat" else deep_chain()
     _assert_tree_equals_paths(trees, 3, scan)
-
-
-def path_losses(batch, rng, n_paths: int | None = None):
-    """The chunk tables of `batch` and a weighted loss on its paths, for comparing the tree kernel
-    with a per-path reference: (tables, rows, idx, coeff, target, weight). rows, idx
-    (`_path_index`, padded to `n_paths` paths if given); coeff [P, T] a random coefficient per
-    path token (0 on padding); target [R, S, HV, DV]; weight [R, S] the tree's per-token weight,
-    W_t = the sum over the paths through t of the path's coefficient at t."""
-    gdn = batch.inputs.gdn
-    tables = (gdn.chunk_tokens, gdn.chunk_src, gdn.token_slot)
-    rows, idx = _path_index(batch, TREE_S)
-    if n_paths is not None:
-        assert len(rows) <= n_paths
-        rows = np.pad(rows, (0, n_paths - len(rows)))
-        idx = np.pad(idx, ((0, n_paths - len(idx)), (0, 0)), constant_values=-1)
-    real = idx >= 0
-    coeff = rng.uniform(0.5, 2.0, size=idx.shape).astype(np.float32) * real
-    target = rng.normal(size=batch.shape + (HV, DV)).astype(np.float32)
-    weight = np.zeros(batch.shape, np.float32)
-    np.add.at(weight, (np.broadcast_to(rows[:, None], idx.shape)[real], idx[real]), coeff[real])
-    return tables, rows, idx, coeff, target, weight
 
 
 def _assert_tree_equals_paths(trees, chunk, scan):
@@ -220,7 +153,7 @@ def _assert_tree_equals_paths(trees, chunk, scan):
     args = _inputs(rng, (r, s)) + (_state(rng, r),)
     tables, rows, idx, coeff, target, weight = path_losses(batch, rng, MAX_PATHS)
     real = idx >= 0
-    tree_fn, path_fn = _tree_and_path_grads(scan)
+    tree_fn, path_fn = tree_and_path_grads(scan)
     (l_t, o_t), g_t = tree_fn(*args, tables, weight, target)
     (l_p, o_p), g_p = path_fn(*args, rows, idx, coeff, target)
     np.testing.assert_allclose(np.asarray(o_t)[rows[:, None], idx][real], np.asarray(o_p)[real],
@@ -273,7 +206,7 @@ def test_parallel_scan_equals_sequential_with_initial_slots(shape):
     rng = np.random.default_rng(7)
     trees = {"random": lambda: [TrajectoryTree.from_nodes(
                  [-1, 0, 1, 1, 0, -1, 5], [[1] * 4, [2] * 7, [3], [4] * 5, [5] * 2, [6] * 3, [7] * 8])],
-             "flat": _flat_forest, "deep_chain": _deep_chain}[shape]()
+             "flat": _flat_forest, "deep_chain": deep_chain}[shape]()
     batch = linearize(trees, TREE_S, gdn_chunk_size=3, n_rows=TREE_ROWS, gdn_chunks=TREE_S)
     gdn = batch.inputs.gdn
     r, s = batch.shape
@@ -386,7 +319,7 @@ def _ssd_recurrent(q, k, v, g, s0):
 
 
 @functools.cache
-def _ssd_tree_and_path_grads(scan):
+def _ssdtree_and_path_grads(scan):
     def tree_loss(q, k, v, g, s0, tables, weight, target):
         o, _ = tree_gated_delta_rule(q, k, v, g, None, chunk_tokens=tables[0],
                                      chunk_src=tables[1], token_slot=tables[2], initial_state=s0,
@@ -394,8 +327,8 @@ def _ssd_tree_and_path_grads(scan):
         return jnp.sum(weight[..., None, None] * o * target), o
 
     def path_loss(q, k, v, g, s0, rows, idx, coeff, target):
-        o = _ssd_recurrent(*(_gather_paths(x, rows, idx) for x in (q, k, v, g)), s0[rows])
-        return jnp.sum(coeff[..., None, None] * o * _gather_paths(target, rows, idx)), o
+        o = _ssd_recurrent(*(gather_paths(x, rows, idx) for x in (q, k, v, g)), s0[rows])
+        return jnp.sum(coeff[..., None, None] * o * gather_paths(target, rows, idx)), o
 
     def grads(fn):
         return jax.jit(jax.value_and_grad(fn, argnums=range(5), has_aux=True))
@@ -413,7 +346,7 @@ def test_ssd_on_trees_equals_per_path_recurrence(shape, scan):
         TrajectoryTree.from_nodes([-1, 0, 1, 1, 0, -1, 5], [[1] * 4, [2] * 7, [3], [4] * 5,
                                                              [5] * 2, [6] * 3, [7] * 8]),
         TrajectoryTree.from_nodes([-1, 0, 0, 2, 2], [[1] * 2, [2] * 3, [3], [4] * 4, [5]])],
-        "deep_chain": _deep_chain}[shape]()
+        "deep_chain": deep_chain}[shape]()
     batch = linearize(trees, TREE_S, gdn_chunk_size=3, n_rows=TREE_ROWS, gdn_chunks=TREE_S)
     rng = np.random.default_rng(11)
     r, s = batch.shape
@@ -421,7 +354,7 @@ def test_ssd_on_trees_equals_per_path_recurrence(shape, scan):
     args = (q, k, v, g, _state(rng, r))
     tables, rows, idx, coeff, target, weight = path_losses(batch, rng)
     real = idx >= 0
-    tree_fn, path_fn = _ssd_tree_and_path_grads(scan)
+    tree_fn, path_fn = _ssdtree_and_path_grads(scan)
     (l_t, o_t), g_t = tree_fn(*args, tables, weight, target)
     (l_p, o_p), g_p = path_fn(*args, rows, idx, coeff, target)
     assert_elementwise_close(np.asarray(o_t)[rows[:, None], idx][real], np.asarray(o_p)[real],
@@ -429,7 +362,7 @@ def test_ssd_on_trees_equals_per_path_recurrence(shape, scan):
     # The state is not normalised here, so the loss is a sum of large terms of both signs:
     # compared relative to the sum of their magnitudes.
     mass = np.abs(coeff[..., None, None] * np.asarray(o_p)
-                  * np.asarray(_gather_paths(target, rows, idx))).sum()
+                  * np.asarray(gather_paths(target, rows, idx))).sum()
     assert abs(float(l_t) - float(l_p)) <= 1e-6 * mass
     for name, a, b in zip(("q", "k", "v", "g", "initial_state"), g_t, g_p):
         assert rel_l2(a, b) <= 1e-5, name

@@ -18,7 +18,7 @@ from jtree.kernels.gdn.delta_rule import (
 )
 from jtree.layout.linearize import linearize
 from jtree.trees.tree import TrajectoryTree
-from tests.kernels.test_gdn import (
+from tests.gdn_cases import (
     DK,
     DV,
     HK,
@@ -26,9 +26,9 @@ from tests.kernels.test_gdn import (
     SCANS,
     TREE_ROWS,
     TREE_S,
-    _deep_chain,
-    _tree_and_path_grads,
+    deep_chain,
     path_losses,
+    tree_and_path_grads,
 )
 from tests.models_util import rel_l2
 
@@ -184,13 +184,13 @@ def test_tree_equals_the_numpy_recurrence_per_path(shape, scan):
     """Each path's outputs equal the numpy oracle on that path alone (from its row's initial
     state); the gradients of a weighted tree loss equal those of the per-path recurrent kernel.
     Chunks of 4 tokens (two sub-blocks), boundaries inside nodes, a 17-chunk chain."""
-    trees = _random_forest() if shape == "random" else _deep_chain()
+    trees = _random_forest() if shape == "random" else deep_chain()
     batch = linearize(trees, TREE_S, gdn_chunk_size=4, n_rows=TREE_ROWS, gdn_chunks=TREE_S)
     rng = np.random.default_rng(5)
     args = _inputs(rng, batch.shape)
     tables, rows, idx, coeff, target, weight = path_losses(batch, rng)
     real = idx >= 0
-    tree_fn, path_fn = _tree_and_path_grads(scan)
+    tree_fn, path_fn = tree_and_path_grads(scan)
     (_, o_t), g_t = tree_fn(*args, tables, weight, target)
     (_, o_p), g_p = path_fn(*args, rows, idx, coeff, target)
 

@@ -18,8 +18,6 @@ from jax.sharding import PartitionSpec as P
 from jtree.config import load_config
 from jtree.memory.grouped_matmul_lowering import grouped_matmul_lowering
 from jtree.memory.plan import (
-    Compiled,
-    MemoryPlan,
     activations_and_temps,
     group_compiles,
     group_picks,
@@ -29,22 +27,10 @@ from jtree.memory.plan import (
     shard_bytes,
 )
 from jtree.parallel.layer_stack import layer_groups
+from tests.memory_plan_checks import assert_predicts, assert_rule_predicts
 
 TINY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=128",
         "data.micro_batches=1", "mesh.data=1"]
-# XLA's buffer assignment is not exactly affine in depth (fusion and buffer reuse shift by a few
-# buffers): the stated tolerance of the rule, relative to the compiled temporaries.
-TOLERANCE = 0.05
-
-
-def assert_rule_predicts(plan: MemoryPlan, actual: Compiled) -> None:
-    """The plan's a + b * layers at the depth of `actual` is within TOLERANCE of its compile."""
-    a = plan.largest_temporary
-    b = plan.activations / (plan.layers - plan.leading)
-    predicted = a + (actual.layers - plan.leading) * b
-    assert b > 0 and a > 0
-    error = abs(predicted - actual.activations_and_temps) / actual.activations_and_temps
-    assert error <= TOLERANCE, (predicted, actual)
 
 
 @pytest.mark.slow  # the scanned rule below runs by default
@@ -117,8 +103,7 @@ def test_a_layer_list_without_a_block_is_planned_per_repeated_block():
     assert actual.layers == len(IRREGULAR)
     predicted = plan.largest_temporary + plan.activations
     assert plan.activations > plan.largest_temporary
-    error = abs(predicted - actual.activations_and_temps) / actual.activations_and_temps
-    assert error <= TOLERANCE, (predicted, actual)
+    assert_predicts(predicted, actual)
 
 
 def test_the_compiled_layer_lists_keep_the_full_models_stacks():

@@ -19,9 +19,13 @@ from flax import nnx
 from jtree.config.objective import OptimConfig
 from jtree.models.moe import GroupLimitedRouter
 from jtree.step.optimizer import make_optimizer
-from tests.models.test_equivalence import _assert_equal_baseline_under_ppo
-from tests.models_util import perturbed, tiny_deepseek_v3_config, tiny_lm
-from tests.partitioning.test_redundancy_free import SFT, _check
+from tests.models_util import (
+    assert_equal_baseline_under_ppo,
+    perturbed,
+    tiny_deepseek_v3_config,
+    tiny_lm,
+)
+from tests.redundancy_free_checks import SFT, check_parts
 from tests.strategies import one_row_forests
 
 CONFIG = tiny_deepseek_v3_config()
@@ -39,13 +43,13 @@ MODEL = _model()
 @pytest.mark.slow
 def test_equals_baseline_under_ppo():
     """On `one_row_forests` (several levels, siblings, internal path ends, duplicate paths)."""
-    _assert_equal_baseline_under_ppo(*MODEL, one_row_forests(CONFIG.vocab_size))
+    assert_equal_baseline_under_ppo(*MODEL, one_row_forests(CONFIG.vocab_size))
 
 
 @pytest.mark.slow
 def test_redundancy_free_parts_equal_unpartitioned_tree():
     """Parts of at most 5 tokens over cached prefixes (MLA's k [.., 24] and v [.., 12])."""
-    _check(*MODEL, SFT, capacities=(5,), modes=("residuals",))
+    check_parts(*MODEL, SFT, capacities=(5,), modes=("residuals",))
 
 
 def _router_reference(x, w, bias, n_group, topk_group, k, scaling):

@@ -11,31 +11,25 @@ signs) carries fp32 noise of up to ~7e-6 relative even between two chunkings of 
 close to the 1e-5 bound, so a fixed set of random forests keeps the suite deterministic.
 """
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 
 from jtree.config.objective import Objective
-from jtree.layout.baseline import linearize_baseline, unlinearize_baseline
-from jtree.layout.linearize import linearize, unlinearize
 from tests.models_util import (
+    assert_logprobs_equal_baseline,
     assert_loss_and_grads_match,
-    logprob_fn,
     off_policy_ppo_inputs,
     perturbed_moe_model,
+    tree_and_baseline,
 )
 from tests.strategies import forests
 
-S, TREE_ROWS, BASE_ROWS, CHUNK = 64, 3, 40, 3
+CHUNK = 3
 FORESTS = forests(n_trees=(1, 3), max_nodes=8, max_seg=5)
 
 
 def _batches(trees, normalization):
-    tree = linearize(trees, S, normalization=normalization, n_rows=TREE_ROWS,
-                     gdn_chunk_size=CHUNK, gdn_chunks=S)
-    base = linearize_baseline(trees, S, normalization=normalization, n_rows=BASE_ROWS,
-                              gdn_chunk_size=CHUNK, gdn_chunks=S)
-    return tree, base
+    return tree_and_baseline(trees, normalization, gdn_chunk_size=CHUNK)
 
 
 @pytest.mark.parametrize("kind", ["moe", "next"])
@@ -44,12 +38,7 @@ def _batches(trees, normalization):
 def test_logprobs_equal_baseline(trees, kind):
     graphdef, params = perturbed_moe_model(kind)
     tree, base = _batches(trees, "seq_mean_token_mean")
-    fn = logprob_fn(graphdef)
-    lp_tree = unlinearize(tree, np.asarray(fn(params, tree.inputs)))
-    lp_base = unlinearize_baseline(base, np.asarray(fn(params, base.inputs)), trees)
-    for a_paths, b_paths in zip(lp_tree, lp_base):
-        for a, b in zip(a_paths, b_paths):
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert_logprobs_equal_baseline(graphdef, params, trees, tree, base)
 
 
 @pytest.mark.parametrize("kind, gdn_scan", [

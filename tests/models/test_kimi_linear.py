@@ -18,9 +18,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jtree.config.objective import Objective
-from jtree.layout.baseline import linearize_baseline
 from jtree.layout.flop_model import FlopModel
-from jtree.layout.linearize import linearize
 from jtree.models.kda import ForgetGate, SigmoidGatedRMSNorm
 from jtree.parallel.sharding import AXES, param_rules, param_specs
 from tests.models_util import (
@@ -30,12 +28,12 @@ from tests.models_util import (
     tiny_kimi_linear_config,
     tiny_lm,
     tiny_runtime,
+    tree_and_baseline,
 )
-from tests.partitioning.test_redundancy_free import SFT
-from tests.partitioning.test_redundancy_free import _check as check_parts
+from tests.redundancy_free_checks import SFT, check_parts
 from tests.strategies import forests
 
-S, TREE_ROWS, BASE_ROWS, CHUNK = 64, 3, 40, 3
+CHUNK = 3
 CONFIG = tiny_kimi_linear_config()
 PPO = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01)
 
@@ -49,10 +47,7 @@ def test_ppo_loss_and_grads_equal_baseline(trees):
     parallel one against transformers: tests/hf/test_hf_kimi_linear.py, slow)."""
     graphdef, params = nnx.split(tiny_lm(CONFIG, 0))
     params = perturbed(params, scale=0.2)
-    tree = linearize(trees, S, normalization="token_mean", n_rows=TREE_ROWS,
-                     gdn_chunk_size=CHUNK, gdn_chunks=S)
-    base = linearize_baseline(trees, S, normalization="token_mean", n_rows=BASE_ROWS,
-                              gdn_chunk_size=CHUNK, gdn_chunks=S)
+    tree, base = tree_and_baseline(trees, "token_mean", gdn_chunk_size=CHUNK)
     tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=len(trees))
     assert_loss_and_grads_match(graphdef, params, tree_in, base_in, PPO)
 

@@ -20,28 +20,26 @@ from jax.sharding import PartitionSpec as P
 
 from jtree.config import load_config
 from jtree.config.objective import Objective
-from jtree.layout.baseline import linearize_baseline
 from jtree.layout.flop_model import FlopModel
-from jtree.layout.linearize import linearize
 from jtree.memory.plan import activations_and_temps, depth_override, layer_block, memory_plan
 from jtree.models.architectures.nemotron_h import (
     grouped_conv_channels,
     grouped_in_proj_columns,
 )
 from jtree.parallel.sharding import AXES, param_rules, param_specs
-from tests.memory.test_memory_plan import assert_rule_predicts
+from tests.memory_plan_checks import assert_rule_predicts
 from tests.models_util import (
     assert_loss_and_grads_match,
     off_policy_ppo_inputs,
     perturbed,
     tiny_lm,
     tiny_nemotron_h_config,
+    tree_and_baseline,
 )
-from tests.partitioning.test_redundancy_free import SFT
-from tests.partitioning.test_redundancy_free import _check as check_parts
+from tests.redundancy_free_checks import SFT, check_parts
 from tests.strategies import forests
 
-S, TREE_ROWS, BASE_ROWS, CHUNK = 64, 3, 40, 3
+CHUNK = 3
 CONFIG = tiny_nemotron_h_config()
 PPO = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01)
 
@@ -49,14 +47,6 @@ PPO = Objective(kind="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_
 def _model(scan: str):
     graphdef, params = nnx.split(tiny_lm(CONFIG, 0, gdn_scan=scan))
     return graphdef, perturbed(params, scale=0.2)
-
-
-def _batches(trees):
-    tree = linearize(trees, S, normalization="token_mean", n_rows=TREE_ROWS,
-                     gdn_chunk_size=CHUNK, gdn_chunks=S)
-    base = linearize_baseline(trees, S, normalization="token_mean", n_rows=BASE_ROWS,
-                              gdn_chunk_size=CHUNK, gdn_chunks=S)
-    return tree, base
 
 
 # (the parallel scan against per-path references: tests/kernels/test_gdn.py, and against
@@ -68,7 +58,7 @@ def test_ppo_loss_and_grads_equal_baseline(trees, scan):
     """The PPO loss and every gradient (1e-5 relative) of the tree equal those of each path
     run alone (off-policy, so the clip acts)."""
     graphdef, params = _model(scan)
-    tree, base = _batches(trees)
+    tree, base = tree_and_baseline(trees, "token_mean", gdn_chunk_size=CHUNK)
     tree_in, base_in = off_policy_ppo_inputs(params, graphdef, tree, base, seed=len(trees))
     assert_loss_and_grads_match(graphdef, params, tree_in, base_in, PPO)
 

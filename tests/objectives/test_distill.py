@@ -21,7 +21,7 @@ from tests.models_util import (
     perturbed,
     tiny_model,
 )
-from tests.objectives.test_gspo import gspo_tree
+from tests.strategies import gspo_tree
 
 
 @pytest.mark.parametrize("estimator", ["sampled", "full"])

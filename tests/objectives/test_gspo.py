@@ -17,21 +17,7 @@ from jtree.training.tree_files import load_trees
 from jtree.trees.loss_masks import check_shared_masks
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import assert_loss_and_grads_match, off_policy_ppo_inputs, tiny_model
-from tests.strategies import random_forest
-
-
-def gspo_tree(rng: np.random.Generator, **kw) -> TrajectoryTree:
-    """A random multi-level tree (internal and duplicate path ends) whose paths agree on the loss
-    mask and old log-prob of every token they share, one advantage per path."""
-    shape = TrajectoryTree.from_nodes(**random_forest(rng, with_rl=False, **kw))
-    mask = (rng.random(shape.n_tree_tokens) < 0.75).astype(int)
-    old = -rng.uniform(0.5, 3.0, size=shape.n_tree_tokens)
-    paths = [shape.path_token_index(p) for p in range(shape.n_paths)]
-    return TrajectoryTree.from_nodes(
-        shape.parents.tolist(), list(shape.segments), path_nodes=shape.path_nodes.tolist(),
-        loss_masks=[mask[i] for i in paths], old_logprobs=[old[i] for i in paths],
-        advantages=rng.normal(size=shape.n_paths).tolist(),
-        weights=rng.uniform(0.5, 2.0, size=shape.n_paths).tolist())
+from tests.strategies import gspo_tree
 
 
 def reference_gspo(trees, logp, normalization, clip_low, clip_high):

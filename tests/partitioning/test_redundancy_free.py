@@ -20,35 +20,33 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 
-from jtree.config.objective import Objective
-from jtree.layout.linearize import linearize
 from jtree.layout.planner import octave_step_length, row_length_ladder
 from jtree.partitioning.redundancy_free.executor import RedundancyFreeStep
 from jtree.partitioning.redundancy_free.layout import build_program, prefix_bucket, row_length
 from jtree.partitioning.redundancy_free.plan import plan_parts
-from jtree.partitioning.redundancy_free.schedule import LiveBuffers, child_order, part_slots
-from jtree.step.batches import stack_microbatches
-from jtree.step.train_step import make_grad_fn, make_logprob_fn
+from jtree.partitioning.redundancy_free.schedule import child_order
 from jtree.training.compile_log import CompileWatch
 from jtree.trees.tree import TrajectoryTree
 from tests.models_util import (
     four_expert_config,
     perturbed,
     perturbed_moe_model,
-    rel_l2,
     tiny_config,
     tiny_lm,
     tiny_model,
 )
+from tests.redundancy_free_checks import (
+    PPO,
+    ROW,
+    SFT,
+    check_parts,
+    on_path_tokens,
+    subtree_need,
+)
 from tests.strategies import consistent_tree, forests, multi_part_trees
 
-ROW, PREFIX, CHUNK = 16, [16], 3
+CHUNK = 3
 FITTED = (8, 16, 32, 64)  # part row lengths finer than the default ladder, for tiny trees
-
-
-def on_path_tokens(tree: TrajectoryTree) -> np.ndarray:
-    """Tree tokens on at least one path (the ones training computes)."""
-    return np.unique(np.concatenate([tree.path_token_index(p) for p in range(tree.n_paths)]))
 
 
 def check_plan(tree: TrajectoryTree, capacity: int) -> None:
@@ -204,54 +202,6 @@ def test_octave_step_lengths_bound_padding_and_count(steps, min_step):
     assert {256, 512, 4096} <= set(grid)  # powers of two are on every grid
 
 
-def check_schedule(program, live: LiveBuffers, mode: str) -> None:
-    """The executor ran parts in post-order, children in `child_order` (largest need first), and
-    at every device call only the parts on the chain above the running part held buffers (in
-    modes other than `residuals`, at most one part its residuals)."""
-    parts = program.parts
-    order = child_order(program)
-    for k, kids in enumerate(order):
-        assert sorted(kids) == sorted(parts[k].children)
-        needs = [subtree_need(program, order, c) for c in kids]
-        assert needs == sorted(needs, reverse=True)
-    calls = [(name, k) for name, k, _, _ in live.events if k >= 0]
-    ends = {"leaf", "backward", "forward_backward"}
-    backward = {k: i for i, (name, k) in enumerate(calls) if name in ends}
-    assert sorted(backward) == list(range(len(parts)))  # every part's backward, once
-    assert sum(name in ends for name, _ in calls) == len(parts)
-    for k, part in enumerate(parts):
-        span = [i for i, (_, j) in enumerate(calls) if j == k]
-        first = {c: min(i for i, (_, j) in enumerate(calls) if j == c) for c in part.children}
-        for c in part.children:  # the child's whole subtree runs between k's calls
-            assert span[0] < first[c] and backward[c] < backward[k]
-        assert sorted(first, key=first.get) == list(order[k])
-        for a, b in zip(order[k], order[k][1:]):  # subtree a finishes before b starts
-            assert backward[a] < first[b]
-    for name, k, held, nbytes in live.events:
-        if k < 0:
-            continue
-        chain = {k}
-        while parts[k].parent >= 0:
-            k = parts[k].parent
-            chain.add(k)
-        assert {j for _, j in held} <= chain, (name, held, chain)
-        assert 0 < nbytes <= live.peak_bytes
-        if mode != "residuals":
-            assert sum(kind == "residuals" for kind, _ in held) <= 1, (name, held)
-    if mode == "auto":  # residuals kept exactly by the parts whose children are all leaves
-        kept = {j for _, _, held, _ in live.events for kind, j in held if kind == "residuals"}
-        assert kept == {k for k, p in enumerate(parts)
-                        if p.children and not any(parts[c].children for c in p.children)}
-
-
-def subtree_need(program, order, k: int) -> int:
-    """need(k) of `jtree.partitioning.redundancy_free.schedule` for the given child order, recomputed recursively."""
-    kids = order[k]
-    slots = part_slots(program, k)
-    return slots + max([subtree_need(program, order, c) + (slots if i else 0)
-                        for i, c in enumerate(kids)], default=0)
-
-
 def test_child_order_minimizes_need_over_every_order():
     import itertools
 
@@ -266,76 +216,22 @@ def test_child_order_minimizes_need_over_every_order():
             assert subtree_need(program, order, k) == best
 
 
-def _reference(graphdef, params, trees, objective, chunk):
-    full = linearize(trees, 64, normalization=objective.normalization, gdn_chunk_size=chunk,
-                     gdn_chunks=64 if chunk else None)
-    loss, metrics, grads = jax.jit(make_grad_fn(graphdef, objective))(
-        params, stack_microbatches([full]))
-    logp = np.asarray(jax.jit(make_logprob_fn(graphdef, temperature=objective.temperature))(
-        params, full.inputs))
-    per_tree = [logp[r, o : o + t.n_tree_tokens]
-                for t, r, o in zip(full.layout.trees, full.layout.rows, full.layout.offsets)]
-    return loss, metrics, grads, per_tree
-
-
-def _check(graphdef, params, objective, capacities, modes, chunk=None, row_lengths=(8, ROW),
-           paired=False, trees=None, prefix_buckets=PREFIX, seq_len=ROW):
-    """Every mode at every capacity, or with `paired` mode k at capacity k mod len(capacities)
-    only (each shape of rows compiles its own program: half the compiles of two capacities).
-    `trees`: default `multi_part_trees(seed=7)`."""
-    trees = multi_part_trees(seed=7) if trees is None else trees
-    loss_ref, metrics_ref, grads_ref, logp_ref = _reference(graphdef, params, trees, objective,
-                                                            chunk)
-    leaves_ref = jax.tree_util.tree_leaves(grads_ref)
-    # One step per mode for all capacities: prefixes (and rows with `row_lengths=[ROW]`) keep
-    # their shapes, compiled once.
-    steps = {mode: RedundancyFreeStep(graphdef, objective, prefix_backward=mode) for mode in modes}
-    for index, capacity in enumerate(capacities):
-        program = build_program(trees, capacity, seq_len=seq_len, prefix_buckets=prefix_buckets,
-                                row_lengths=row_lengths,
-                                normalization=objective.normalization, gdn_chunk_size=chunk,
-                                gdn_chunks=ROW if chunk else None,
-                                gdn_exports=4 if chunk else None)
-        for k, (mode, step) in enumerate(steps.items()):
-            if paired and k % len(capacities) != index:
-                continue
-            loss, metrics, grads = step(params, program)
-            assert float(loss) == pytest.approx(float(loss_ref), rel=1e-5, abs=1e-7), (capacity,
-                                                                                      mode)
-            assert metrics.keys() == metrics_ref.keys(), (metrics.keys(), metrics_ref.keys())
-            for key, want in metrics_ref.items():  # clip fraction, KL, aux loss: ratios of sums
-                assert float(metrics[key]) == pytest.approx(float(want), rel=1e-5, abs=1e-7), key
-            leaves = jax.tree_util.tree_leaves(grads)
-            assert len(leaves) == len(leaves_ref)
-            for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), leaves_ref):
-                assert rel_l2(a, b) <= 1e-5, (capacity, mode, jax.tree_util.keystr(path))
-            check_schedule(program, step.live, mode)
-        for got, want, tree in zip(step.logprobs(params, program), logp_ref, trees):
-            on = on_path_tokens(tree)
-            np.testing.assert_allclose(got[on], want[on], rtol=0, atol=1e-5)
-
-
-PPO = Objective(kind="ppo", normalization="token_mean", clip_low=0.1, clip_high=0.1,
-                kl_coef=0.05)
-SFT = Objective(kind="sft", normalization="seq_mean_token_mean")
-
-
 def test_dense_equals_unpartitioned_tree():
     graphdef, params = tiny_model(seed=3)
-    _check(graphdef, params, SFT, capacities=(16, 5, 2), modes=("residuals", "auto"))
+    check_parts(graphdef, params, SFT, capacities=(16, 5, 2), modes=("residuals", "auto"))
 
 
 def test_temperature_equals_unpartitioned_tree():
     """At `objective.temperature` 0.7 the parts' loss, gradients and log-probs equal the
     unpartitioned tree's, whose log-probs tests/hf/test_hf_torch.py holds to transformers'."""
     graphdef, params = tiny_model(seed=3)
-    _check(graphdef, params, dataclasses.replace(PPO, temperature=0.7), capacities=(5,),
+    check_parts(graphdef, params, dataclasses.replace(PPO, temperature=0.7), capacities=(5,),
            modes=("residuals",))
 
 
 def test_moe_equals_unpartitioned_tree_with_pooled_router_loss():
     graphdef, params = perturbed_moe_model("moe")
-    _check(graphdef, params, PPO, capacities=(5,), modes=("residuals",), row_lengths=[ROW])
+    check_parts(graphdef, params, PPO, capacities=(5,), modes=("residuals",), row_lengths=[ROW])
 
 
 def test_padded_parts_of_branching_trees_equal_unpartitioned_tree():
@@ -343,7 +239,7 @@ def test_padded_parts_of_branching_trees_equal_unpartitioned_tree():
     into parts whose rows and prefix regions are padded (parts of at most 5 or 3 tokens in rows
     of 8 or 16; every prefix padded to the bucket of the program's longest one, a larger bucket
     than some parts' own): loss, gradients and log-probs equal the unpartitioned trees' (tree
-    mode, `_reference`, which shares no redundancy-free code)."""
+    mode, which shares no redundancy-free code)."""
     trees = multi_part_trees(seed=2)
     for t in trees[:2]:  # the two split into parts (the third is packed whole)
         assert int(t.node_levels.max()) >= 4
@@ -357,7 +253,7 @@ def test_padded_parts_of_branching_trees_equal_unpartitioned_tree():
         assert min(own) < p_len  # prefixes padded beyond their own bucket
         assert any(not p.inputs.valid[0].all() for p in program.parts)  # padded rows
     graphdef, params = tiny_model(seed=5)
-    _check(graphdef, params, SFT, capacities=(5, 3), modes=("auto",), trees=trees,
+    check_parts(graphdef, params, SFT, capacities=(5, 3), modes=("auto",), trees=trees,
            prefix_buckets=None)
 
 
@@ -404,7 +300,7 @@ def test_whole_tree_micro_batches_equal_unpartitioned_tree():
     trees = multi_part_trees(seed=7)[:2] + small
     assert len(build_program(trees, 8).whole.batches) == 3
     graphdef, params = perturbed_moe_model("moe")
-    _check(graphdef, params, PPO, capacities=(8,), modes=("residuals",), trees=trees,
+    check_parts(graphdef, params, PPO, capacities=(8,), modes=("residuals",), trees=trees,
            row_lengths=None, prefix_buckets=None, seq_len=8)
 
 
@@ -418,7 +314,7 @@ def gdn_only_model():
 
 def test_gdn_equals_unpartitioned_tree():
     graphdef, params = gdn_only_model()
-    _check(graphdef, params, SFT, capacities=(5,), modes=("recompute",), chunk=CHUNK)
+    check_parts(graphdef, params, SFT, capacities=(5,), modes=("recompute",), chunk=CHUNK)
 
 
 def scanned_model(kind: str):
@@ -435,7 +331,7 @@ def scanned_model(kind: str):
 @pytest.mark.parametrize("kind", ["dense", "gdn"])
 def test_scanned_layers_equal_unpartitioned_tree(kind):
     graphdef, params = scanned_model(kind)
-    _check(graphdef, params, SFT, capacities=(5,),
+    check_parts(graphdef, params, SFT, capacities=(5,),
            modes=("residuals",) if kind == "dense" else ("recompute",),
            chunk=CHUNK if kind == "gdn" else None)
 
@@ -451,6 +347,6 @@ def test_equals_unpartitioned_tree_slow(kind, objective):
     # GDN-only model (the default test's) at every capacity and mode.
     graphdef, params = {"dense": lambda: tiny_model(seed=3)}.get(
         kind, lambda: perturbed_moe_model(kind))()
-    _check(graphdef, params, objective, capacities=(16, 3) if objective is SFT else (5, 2),
+    check_parts(graphdef, params, objective, capacities=(16, 3) if objective is SFT else (5, 2),
            modes=("residuals", "recompute", "auto"),
            chunk=CHUNK if kind == "hybrid" else None, paired=True)

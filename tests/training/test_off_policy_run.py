@@ -17,8 +17,7 @@ from flax import nnx
 from jtree.config import load_config
 from jtree.config.objective import Objective, OffPolicyConfig
 from jtree.config.run import DataConfig
-from jtree.kernels import TreeMask
-from jtree.layout.batch import DeviceBatch, LossCoefficients
+from jtree.layout.batch import DeviceBatch
 from jtree.memory.step_shapes import abstract_step_args
 from jtree.objectives.logprobs import token_logprobs
 from jtree.step.batches import old_logprobs_stale
@@ -31,7 +30,7 @@ from jtree.training.step_builders import step_builder, step_indices
 from jtree.training.trainer import Trainer, check_off_policy
 from jtree.trees.jsonl import write_trees
 from jtree.trees.tree import TrajectoryTree
-from tests.models_util import assert_grads_close, perturbed, tiny_model
+from tests.models_util import assert_grads_close, path_inputs, perturbed, tiny_model
 from tests.run_util import read_metrics, tiny_overrides
 from tests.strategies import random_forest
 
@@ -70,24 +69,6 @@ def model():
     graphdef, params = tiny_model(num_hidden_layers=1)
     params = perturbed(params)
     return graphdef, params, perturbed(params, scale=0.02, seed=7)
-
-
-def path_inputs(tokens: list[np.ndarray], length: int) -> DeviceBatch:
-    """Each path alone in its own row: plain causal attention over its tokens, padding after."""
-    k = len(tokens)
-    arrays = {n: np.zeros((k, length), np.int32) for n in ("tokens", "pos", "path_count")}
-    end = np.tile(np.arange(1, length + 1, dtype=np.int32), (k, 1))
-    pred = np.full((k, length), -1, np.int32)
-    node = np.full((k, length), -1, np.int32)
-    valid = np.zeros((k, length), bool)
-    for i, t in enumerate(tokens):
-        n = len(t)
-        arrays["tokens"][i, :n], arrays["pos"][i, :n], arrays["path_count"][i, :n] = \
-            t, np.arange(n), 1
-        end[i, :n], pred[i, 1:n], node[i, :n], valid[i, :n] = n, np.arange(n - 1), 0, True
-    zeros = np.zeros((k, length), np.float32)
-    return DeviceBatch(arrays["tokens"], arrays["pos"], TreeMask(end), pred, node, valid,
-                       arrays["path_count"], LossCoefficients(*[zeros] * 6))
 
 
 @functools.partial(jax.jit, static_argnums=0)

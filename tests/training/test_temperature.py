@@ -18,9 +18,8 @@ from jtree.config.run import DataConfig
 from jtree.step.train_step import make_grad_fn, make_logprob_fn
 from jtree.training.step_builders import step_builder, step_indices
 from jtree.trees.tree import TrajectoryTree
-from tests.models_util import assert_grads_close, perturbed, tiny_model
+from tests.models_util import assert_grads_close, path_inputs, perturbed, tiny_model
 from tests.strategies import random_forest
-from tests.training.test_off_policy_run import path_inputs
 
 T = 0.7
 CLIP = 0.2
