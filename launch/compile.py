@@ -19,8 +19,8 @@ allocates; it says nothing of its speed or numerics.
 
 Exit status: 0 compiled (whether or not it fits: see the verdict), 1 a stage failed (the worker
 prints `FAILED` with the stage and the compiler's first line), 2 the plugins are not installed.
-`runtime.attention_impl=auto` and `runtime.gdn_scan=auto` resolve for the target, as they would on
-the chip.
+`runtime.attention_impl=auto`, `runtime.gdn_scan=auto` and `runtime.expert_matmul=auto` resolve for
+the target, as they would on the chip.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def target_devices(target: Target) -> list[Any]:
 
 def target_overrides(config: str, overrides: Sequence[str], target: Target,
                      device: Any) -> list[str]:
-    """`overrides` with `auto` attention and GDN scan resolved as they would be on the target's
+    """`overrides` with `auto` attention, GDN scan and expert matmul resolved as they would be on the target's
     `device` (this host's backend is the CPU, whose `auto` would pick CPU kernels) and, for a GPU,
     its compute capability ("8.0" -> `runtime.gpu_compute_capability=80`): kernels compiled while
     lowering (jax-triton's) would otherwise ask this host's absent GPU for it."""
@@ -179,6 +179,7 @@ def target_overrides(config: str, overrides: Sequence[str], target: Target,
     from jtree.config import load_config
     from jtree.config.architectures import attention_head_dims
     from jtree.kernels.gdn.delta_rule import pick_scan
+    from jtree.kernels.grouped_matmul import pick_grouped_matmul
     from jtree.kernels.tree_attention import resolve_impl
 
     runtime, model = (cfg := load_config(config, overrides)).runtime, cfg.model.config
@@ -190,7 +191,9 @@ def target_overrides(config: str, overrides: Sequence[str], target: Target,
     capability = ([] if backend == "tpu" else
                   [f"runtime.gpu_compute_capability={round(float(device.compute_capability) * 10)}"])
     return [*overrides, f"runtime.attention_impl={impl}",
-            f"runtime.gdn_scan={pick_scan(runtime.gdn_scan, backend)}", *capability]
+            f"runtime.gdn_scan={pick_scan(runtime.gdn_scan, backend)}",
+            f"runtime.expert_matmul={pick_grouped_matmul(runtime.expert_matmul, backend)}",
+            *capability]
 
 
 def compiler_name(platform: str) -> str:

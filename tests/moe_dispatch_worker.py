@@ -2,13 +2,14 @@
 
 Run in a subprocess (`tests/models/test_moe_dispatch.py`); importing `tests.mesh_worker` first sets
 its XLA flags (8 host devices), and train-step cases are that module's. A layer case is
-`layer:KIND:ROUTING:SHARDS`: KIND `moe` (Qwen3-MoE block), `shared` (Qwen3-Next's, with the
+`layer:KIND:ROUTING:SHARDS[:DISPATCH[:MATMUL]]`: KIND `moe` (Qwen3-MoE block), `shared` (Qwen3-Next's, with the
 Megatron-split shared expert) or `gptoss` (gpt-oss's: biased router and experts, clamped
 SwiGLU), ROUTING `random`, `uneven` (the router biased so that almost
 every assignment goes to the first expert shard) or `replay` (routing replay: random engine
 experts given for two tokens in three, the others routed by the router), on a ('data', 'model') mesh of 8 / SHARDS x
 SHARDS devices with the block's experts split over `model` and run with
-`expert_dispatch="all_to_all"`. The loss is a fixed projection of the output plus the router
+`expert_dispatch` DISPATCH (default "all_to_all") and `expert_matmul` MATMUL (default "auto"; the
+single-device block always runs `ragged_dot`). The loss is a fixed projection of the output plus the router
 load-balancing loss (token-weighted, pooled over the data shards); 7 tokens per row, so 14 tokens
 per data shard, which 4 expert shards split with padding. Prints one JSON line per case: the
 largest relative differences of the output, router probabilities, loss, and every gradient
@@ -53,7 +54,9 @@ class Layer(nnx.Module):
 
 
 def layer_case(case: str) -> dict:
-    _, kind, routing, shards = case.split(":")
+    _, kind, routing, shards, *how = case.split(":")
+    dispatch = how[0] if how else "all_to_all"
+    matmul = how[1] if len(how) > 1 else "auto"
     shards = int(shards)
     ffn = {"moe": "moe", "shared": "moe_shared", "gptoss": "moe"}[kind]
     cfg = {"moe": tiny_moe_config, "shared": tiny_next_config,
@@ -98,7 +101,7 @@ def layer_case(case: str) -> dict:
     mesh = make_mesh(MeshConfig(data=data, model=shards))
     specs = param_specs(params, LAYER_KIND_RULES[ffn](cfg, shards), mesh)
     runtime = tiny_runtime(tensor_parallel_axis=MODEL, data_parallel_axis=DATA,
-                           expert_dispatch="all_to_all")
+                           expert_dispatch=dispatch, expert_matmul=matmul)
     tp_graph = nnx.split(nnx.eval_shape(lambda: Layer(cfg, runtime, ffn)))[0]
     rows = P(DATA)
     sharded_loss = jax.shard_map(loss_fn(tp_graph, DATA), mesh=mesh,

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jtree.config.schema import Domain, check_domains, within
 from jtree.kernels import available_impls
 from jtree.kernels.gdn.delta_rule import GDN_SCANS
+from jtree.kernels.grouped_matmul import GROUPED_MATMULS
 
 # "float64" is for checking numerics, not for training: the tests run a single-device step in
 # float64 as the exact value their float32 comparisons measure rounding against (the kernels
@@ -66,7 +67,9 @@ class RuntimeConfig:
     (`jtree.models.moe`): "psum" routes every token on every device of the model group and sums
     the partial outputs; "all_to_all" splits the tokens over the group and exchanges the
     (token, expert) assignments with the devices owning the experts. Same math either way; it
-    changes nothing on one device.
+    changes nothing on one device. `expert_matmul` is how the experts multiply their sorted
+    assignments (`jtree.kernels.grouped_matmul.pick_grouped_matmul`): "ragged_dot", "tiled" (a
+    loop over row tiles, what GPUs run: XLA:GPU expands `ragged_dot` densely), or "auto".
 
     `gpu_compute_capability` (e.g. 80, 90, 100) is the CUDA target of the kernels that are compiled
     while the step is lowered rather than by XLA (`triton_lang`: Triton compiles them inside
@@ -84,6 +87,7 @@ class RuntimeConfig:
     data_parallel_axis: str | tuple[str, ...] | None = None
     context_axis: str | None = None
     expert_dispatch: str = "psum"
+    expert_matmul: str = "auto"
     gpu_compute_capability: int | None = within(_COMPUTE_CAPABILITY, None)
 
     def __post_init__(self) -> None:
@@ -95,6 +99,9 @@ class RuntimeConfig:
         if self.expert_dispatch not in EXPERT_DISPATCHES:
             raise ValueError(f"expert_dispatch: {self.expert_dispatch!r} is not one of "
                              f"{EXPERT_DISPATCHES}")
+        if self.expert_matmul not in GROUPED_MATMULS:
+            raise ValueError(f"expert_matmul: {self.expert_matmul!r} is not one of "
+                             f"{GROUPED_MATMULS}")
         if self.gpu_compute_capability is not None and (
                 isinstance(self.gpu_compute_capability, bool)
                 or not isinstance(self.gpu_compute_capability, int)):

@@ -6,8 +6,10 @@ of its output). On CPU, jax lowers it through a dense reference that expands the
 to [groups, rows, features] (every group's mask of every row): for a MoE layer with 16 experts per
 device and 32k x 8 assignments that is tens of GiB per layer. XLA:GPU (jax-cuda12-plugin 0.10.2)
 expands it the same way: compiled for an H100, no ragged dot is left in the module
-(docs/memory.md, "Every shipped config on the target its comment names"), so this lowering
-gives a TPU's buffer sizes, and a GPU's only once the experts run as a grouped matmul there.
+(docs/memory.md, "Every shipped config on the target its comment names"), which is why GPUs
+run the experts as a loop over row tiles instead (`jtree.kernels.grouped_matmul`, buffers of the
+rows' size as here): this lowering gives a TPU's buffer sizes and, up to that loop's padding, a
+GPU's.
 Under `grouped_matmul_lowering()` the CPU lowering instead loops over the groups (`lax.scan`),
 multiplying the rows of one group at a time into an output-sized accumulator (or
 stacking the per-group results when the ragged dimension is contracted, as in the weight

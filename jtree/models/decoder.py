@@ -95,7 +95,8 @@ def feed_forward(cfg: Any, runtime: RuntimeConfig, ffn: FeedForward, spec: Decod
         moe_intermediate=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
         shared_intermediate=(cfg.shared_expert_intermediate_size
                              if ffn in ("moe_shared", "deepseek_moe", "relu2_moe") else None),
-        expert_dispatch=runtime.expert_dispatch, router_bias=spec.router_bias,
+        expert_dispatch=runtime.expert_dispatch, expert_matmul=runtime.expert_matmul,
+        router_bias=spec.router_bias,
         expert_bias=spec.expert_bias, clamp=spec.swiglu_clamp,
         grouped=(cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) if deepseek else None,
         shared_gate=not deepseek, relu2=ffn == "relu2_moe", **kw)

@@ -8,7 +8,8 @@ moe_intermediate]; Nemotron 3's squared-ReLU experts have no gate (`experts.up_p
 biases and the clamped SwiGLU; its HF tensors (`mlp.router`, gate/up interleaved, per-expert
 transposes) are mapped by its record (`jtree.models.architectures.gpt_oss`). Experts run
 dropless: the (token, expert) assignments are sorted by expert and multiplied with
-`jax.lax.ragged_dot`, so no token is ever dropped and the math equals HF's loop. Routing replay
+`jax.lax.ragged_dot` (on GPUs, whose XLA expands it densely, with the tile loop of
+`jtree.kernels.grouped_matmul`), so no token is ever dropped and the math equals HF's loop. Routing replay
 (docs/rl.md) hands the block the rollout engine's experts per token: the router then weighs
 those instead of its own top-k (`TopKRouter`), on every dispatch path below.
 
@@ -67,6 +68,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jtree.kernels.grouped_matmul import TILE, pick_grouped_matmul, tile_layout, tiled_matmul
 from jtree.kernels.precision import accumulation_dtype
 from jtree.models.layers import ReluSquaredMLP, SwiGLU, linear
 
@@ -171,11 +173,15 @@ class Experts(nnx.Module):
     `gate_up_proj_bias` [E, 2 * intermediate] (gate first, like the rows of gate_up_proj) and
     `down_proj_bias` [E, hidden]; `clamp` = (alpha, limit) replaces silu(gate) * up by the
     clamped SwiGLU (`clamped_swiglu`). Nemotron 3's form (`relu2`): down(relu(up x)^2), no gate,
-    `up_proj` [E, intermediate, hidden] in place of gate_up_proj (HF `NemotronHExperts`)."""
+    `up_proj` [E, intermediate, hidden] in place of gate_up_proj (HF `NemotronHExperts`).
+    `matmul` ("auto", "ragged_dot", "tiled"; `jtree.kernels.grouped_matmul.pick_grouped_matmul`)
+    is how the sorted assignments meet their experts' weights: `jax.lax.ragged_dot`, or the
+    tile loop that GPUs run instead of XLA:GPU's dense expansion of it (same values)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, *, init_std: float,
                  param_dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False,
-                 clamp: tuple[float, float] | None = None, relu2: bool = False):
+                 clamp: tuple[float, float] | None = None, relu2: bool = False,
+                 matmul: str = "auto"):
         init = nnx.initializers.normal(init_std)
         if relu2:
             self.up_proj = nnx.Param(
@@ -193,6 +199,7 @@ class Experts(nnx.Module):
         else:
             self.gate_up_proj_bias = self.down_proj_bias = nnx.data(None)
         self.clamp = clamp
+        self.matmul = matmul
 
     def __call__(self, x: jax.Array, top_e: jax.Array, top_w: jax.Array,
                  axis: str | None = None) -> jax.Array:
@@ -205,18 +212,33 @@ class Experts(nnx.Module):
         if axis is not None:
             flat_e = flat_e - jax.lax.axis_index(axis) * local
         mine = (flat_e >= 0) & (flat_e < local)
-        # Other devices' assignments sort last, past the end of every ragged_dot group.
+        # Other devices' assignments sort last, past the end of every expert's group.
         key = jnp.where(mine, flat_e, local)
         # A stable argsort through lax.sort: jnp.argsort's result loses the varying-over-mesh-axes
         # type of its key inside shard_map (jax 0.10), which silently breaks the gradient of x.
         _, order = jax.lax.sort((key, jnp.arange(key.shape[0], dtype=key.dtype)), num_keys=1)
-        token = order // k
         group_sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
+        valid, weight = mine[order], top_w.reshape(-1)[order]
+        if pick_grouped_matmul(self.matmul, jax.default_backend()) == "tiled":
+            # every expert's rows padded to whole tiles (kernels/grouped_matmul.py); a padding
+            # row reads the last sorted row, masked below
+            layout = tile_layout(group_sizes, n * k)
+            source = jnp.minimum(layout.source, n * k - 1)
+            order = order[source]
+            valid, weight = valid[source] & (layout.source < n * k), weight[source]
+            row_expert = jnp.repeat(layout.expert, TILE)
+
+            def matmul(a: jax.Array, w: jax.Array) -> jax.Array:
+                return tiled_matmul(a, w.astype(x.dtype), layout.expert, layout.used)
+        else:
+            # each sorted row's expert (others' assignments: any local one, masked below)
+            row_expert = jnp.minimum(key[order], local - 1)
+
+            def matmul(a: jax.Array, w: jax.Array) -> jax.Array:
+                return jax.lax.ragged_dot(a, jnp.swapaxes(w.astype(x.dtype), 1, 2), group_sizes)
+        token = order // k
         w_in = self.gate_up_proj if self.up_proj is None else self.up_proj
-        gate_up = jax.lax.ragged_dot(
-            x[token], jnp.swapaxes(w_in[...].astype(x.dtype), 1, 2), group_sizes)
-        # each sorted row's expert (others' assignments: any local one, masked below)
-        row_expert = jnp.minimum(key[order], local - 1)
+        gate_up = matmul(x[token], w_in[...])
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + self.gate_up_proj_bias[...].astype(x.dtype)[row_expert]
         if self.up_proj is not None:
@@ -225,11 +247,10 @@ class Experts(nnx.Module):
             gate, up = jnp.split(gate_up, 2, axis=-1)
             hidden = (jax.nn.silu(gate) * up if self.clamp is None
                       else clamped_swiglu(gate, up, *self.clamp))
-        y = jax.lax.ragged_dot(hidden, jnp.swapaxes(self.down_proj[...].astype(x.dtype), 1, 2),
-                               group_sizes)
+        y = matmul(hidden, self.down_proj[...])
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias[...].astype(x.dtype)[row_expert]
-        y = jnp.where(mine[order][:, None], y * top_w.reshape(-1)[order][:, None], 0)
+        y = jnp.where(valid[:, None], y * weight[:, None], 0)
         return jnp.zeros_like(x).at[token].add(y)
 
 
@@ -277,7 +298,7 @@ class SparseMoeBlock(nnx.Module):
     that router and ungated shared expert, with `relu2` making the experts and the shared
     expert squared-ReLU MLPs without a gate (`Experts`, `ReluSquaredMLP`).
     `tp_axis`: expert parallel over that mesh axis, the experts run as `expert_dispatch` says
-    ("psum" or "all_to_all", module docstring)."""
+    ("psum" or "all_to_all", module docstring); `expert_matmul` is the experts' `matmul`."""
 
     def __init__(self, hidden: int, *, num_experts: int, top_k: int, moe_intermediate: int,
                  norm_topk_prob: bool, shared_intermediate: int | None, init_std: float,
@@ -286,7 +307,7 @@ class SparseMoeBlock(nnx.Module):
                  router_bias: bool = False, expert_bias: bool = False,
                  clamp: tuple[float, float] | None = None,
                  grouped: tuple[int, int, float] | None = None, shared_gate: bool = True,
-                 relu2: bool = False):
+                 relu2: bool = False, expert_matmul: str = "auto"):
         kw = dict(init_std=init_std, param_dtype=param_dtype, rngs=rngs)
         if grouped is None:
             self.gate = TopKRouter(hidden, num_experts, top_k, norm_topk_prob, bias=router_bias,
@@ -300,7 +321,7 @@ class SparseMoeBlock(nnx.Module):
                                            n_group=n_group, topk_group=topk_group,
                                            scaling=scaling, **{**kw, "param_dtype": jnp.float32})
         self.experts = Experts(hidden, moe_intermediate, num_experts, bias=expert_bias,
-                               clamp=clamp, relu2=relu2, **kw)
+                               clamp=clamp, relu2=relu2, matmul=expert_matmul, **kw)
         if shared_intermediate is None:
             self.shared_expert = self.shared_expert_gate = None
         else:

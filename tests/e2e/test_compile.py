@@ -141,9 +141,12 @@ def test_gpu_targets_pass_their_compute_capability():
         out = target_overrides("configs/tiny.yaml", [], TARGETS[target], device)
         runtime = load_config("configs/tiny.yaml", out).runtime
         assert runtime.gpu_compute_capability == round(float(capability) * 10), out
+        # XLA:GPU expands `ragged_dot` densely: the experts run the tile loop there
+        assert runtime.expert_matmul == "tiled", out
     tpu = SimpleNamespace(device_kind="TPU v5")
     out = target_overrides("configs/tiny.yaml", [], TARGETS["tpu-v5p-8"], tpu)
-    assert load_config("configs/tiny.yaml", out).runtime.gpu_compute_capability is None
+    runtime = load_config("configs/tiny.yaml", out).runtime
+    assert runtime.gpu_compute_capability is None and runtime.expert_matmul == "ragged_dot"
 
 
 def test_auto_resolves_mla_configs_on_their_value_head_dim():
@@ -201,7 +204,8 @@ def test_reduced_deepseek_v3_step_compiles_for_blackwell_with_the_tcgen05_kernel
 
 def test_the_h200_configs_have_targets_of_their_device_count():
     """Each H200 config's mesh names as many devices as the target its header names (the
-    `jtree.launch.compile` target it is compiled for, deviceless). Needs no plugin."""
+    `jtree.launch.compile` target it is compiled for, deviceless), and its header names that
+    target as `(gpu-...)`, where it says what the compile found. Needs no plugin."""
     from jtree.config import load_config
     from jtree.launch.compile import TARGETS
     from jtree.launch.memory_plan import mesh_devices
@@ -211,3 +215,6 @@ def test_the_h200_configs_have_targets_of_their_device_count():
                            ("deepseek_v3_671b", "gpu-h200x512"), ("kimi_k2", "gpu-h200x512")]:
         mesh = load_config(f"configs/{config}.yaml").mesh
         assert mesh_devices(mesh) == TARGETS[target].device_count, config
+        header = "".join(line for line in open(f"configs/{config}.yaml")
+                         if line.startswith("#"))
+        assert f"({target})" in header, f"{config}: its comment does not name {target}"

@@ -16,16 +16,17 @@ from jtree.trees.tree import TrajectoryTree
 from tests.models_util import tiny_lm
 
 
-def _block(shared=None, norm=True):
+def _block(shared=None, norm=True, matmul="auto"):
     return SparseMoeBlock(16, num_experts=5, top_k=2, moe_intermediate=8, norm_topk_prob=norm,
                           shared_intermediate=shared, init_std=0.5, dtype=jnp.float32,
-                          param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+                          param_dtype=jnp.float32, rngs=nnx.Rngs(0), expert_matmul=matmul)
 
 
-@pytest.mark.parametrize("shared", [None, 12])
-@pytest.mark.parametrize("norm", [False, True])
-def test_dropless_experts_equal_a_dense_loop(shared, norm):
-    block = _block(shared, norm)
+@pytest.mark.parametrize("shared,norm,matmul", [
+    (None, False, "ragged_dot"), (None, True, "ragged_dot"), (12, False, "ragged_dot"),
+    (12, True, "ragged_dot"), (None, True, "tiled"), (12, False, "tiled")])
+def test_dropless_experts_equal_a_dense_loop(shared, norm, matmul):
+    block = _block(shared, norm, matmul)
     x = jax.random.normal(jax.random.key(1), (3, 7, 16))
     out, stats = block(x)
     flat = x.reshape(-1, 16)

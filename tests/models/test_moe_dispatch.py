@@ -46,8 +46,11 @@ def check(result: dict) -> None:
 
 def test_dispatch_equals_one_device_on_2_and_4_expert_shards():
     # (gptoss: gpt-oss's block, router and expert biases and the clamped SwiGLU)
+    # (gptoss...:psum:tiled: the GPU form of the experts' matmul, `expert_matmul="tiled"`, against
+    # the single-device block on `ragged_dot`: other devices' tiles skipped, gradients summed
+    # over the right mesh axes)
     cases = ["layer:moe:uneven:2", "layer:shared:uneven:4", "layer:moe:replay:4",
-             "layer:gptoss:replay:4", "moe_a2a:tree:sft:4x1x2"]
+             "layer:gptoss:replay:4", "layer:gptoss:replay:4:psum:tiled", "moe_a2a:tree:sft:4x1x2"]
     for result in run_worker(cases):
         check(result)
 
@@ -56,6 +59,7 @@ def test_dispatch_equals_one_device_on_2_and_4_expert_shards():
 def test_dispatch_every_block_routing_and_mesh():
     cases = [f"layer:{kind}:{routing}:{shards}" for kind in ("moe", "shared")
              for routing in ("random", "uneven") for shards in (2, 4)]
+    cases += ["layer:shared:uneven:2:psum:tiled", "layer:moe:random:4:all_to_all:tiled"]
     cases += ["moe_a2a:baseline:sft:2x1x4", "moe_a2a:tree:ppo:2x1x4", "next_a2a:tree:sft:4x1x2",
               "next_a2a:baseline:sft:2x1x4", "moe_a2a:tree:sft:2x2x2"]
     for result in run_worker(cases):

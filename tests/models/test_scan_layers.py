@@ -1,7 +1,7 @@
 """Scanned decoder layers (`RuntimeConfig.scan_layers`, `jtree.parallel.layer_stack`): how layers are cut
 into repeated blocks, and a scanned model equal to the unscanned one — loss, gradients, router
-statistics and per-layer exports — for dense, MoE (router loss on) and Qwen3-Next models, with
-and without rematerialization. The redundancy-free executor on a scanned model:
+statistics and per-layer exports — for dense, MoE (router loss on), Qwen3-Next and Kimi-Linear
+models, with and without rematerialization. The redundancy-free executor on a scanned model:
 tests/partitioning/test_redundancy_free.py."""
 
 import jax
@@ -19,6 +19,7 @@ from tests.models_util import (
     four_expert_config,
     perturbed,
     tiny_config,
+    tiny_kimi_linear_config,
     tiny_lm,
 )
 from tests.strategies import seeded_forests
@@ -55,6 +56,11 @@ CASES = {  # config, remat: a one-layer block; a dense + MoE block (router loss 
                                        decoder_sparse_step=2), "none"),
     "next": (lambda: four_expert_config("next", num_hidden_layers=4, mlp_only_layers=(),
                                         layer_types=NEXT * 2), "dots"),
+    # Kimi-Linear's irregular list (configs/kimi_linear_48b.yaml scans it): a dense KDA layer,
+    # [KDA, MLA] x 2 with DeepSeekMoE, one more KDA layer
+    "kimi_linear": (lambda: tiny_kimi_linear_config(
+        num_hidden_layers=6, layer_types=("linear_attention",) + NEXT * 2 + ("linear_attention",),
+        mlp_layer_types=("dense",) + ("sparse",) * 5), "full"),
 }
 
 
@@ -69,7 +75,8 @@ def _loss_grads_and_output(graphdef, params, batch):
     return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", pytest.param("next", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["dense", "moe", pytest.param("next", marks=pytest.mark.slow),
+                                  pytest.param("kimi_linear", marks=pytest.mark.slow)])
 def test_scanned_model_equals_unscanned(kind):
     make_config, remat = CASES[kind]
     cfg = make_config()
