@@ -94,9 +94,10 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def checkpoint_params(ckpt_dir: Path, step: int) -> dict[str, np.ndarray]:
-    """The parameters of `jtree.training.checkpoint` checkpoint `step` under `ckpt_dir` (whatever mesh
-    wrote them), read onto this process's first device: {leaf path: array}."""
+def checkpoint_params(ckpt_dir: Path, step: int, part: str = "params") -> dict[str, np.ndarray]:
+    """The parameters (or another `part` of the train state: "opt_state") of
+    `jtree.training.checkpoint` checkpoint `step` under `ckpt_dir` (whatever mesh wrote them), read
+    onto this process's first device: {leaf path: array}."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -106,9 +107,9 @@ def checkpoint_params(ckpt_dir: Path, step: int) -> dict[str, np.ndarray]:
     target = jax.tree_util.tree_map(
         lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
         checkpointer.metadata(path).item_metadata)
-    params = checkpointer.restore(path, target)["params"]
+    leaves = checkpointer.restore(path, target)[part]
     return {jax.tree_util.keystr(k): np.asarray(a)
-            for k, a in jax.tree_util.tree_leaves_with_path(params)}
+            for k, a in jax.tree_util.tree_leaves_with_path(leaves)}
 
 # The fields of a metrics record that measure time (and the compiles a step waited for: a resumed
 # run compiles at its first step), so differ between identical runs; every other field is computed.
