@@ -5,6 +5,7 @@ hybrid model; per-device bytes from shardings; the grouped CPU lowering of `ragg
 compiles with equals jax's own (values and gradients)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -28,6 +29,7 @@ from jtree.memory.plan import (
 )
 from jtree.parallel.layer_stack import layer_groups
 from tests.memory_plan_checks import assert_predicts, assert_rule_predicts
+from tests.run_util import WORKTREE
 
 TINY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=128",
         "data.micro_batches=1", "mesh.data=1"]
@@ -37,16 +39,16 @@ TINY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=128",
 def test_depth_rule_predicts_a_third_compile():
     # Unrolled at 128 tokens a tiny layer adds about 1-6% to the step's temporaries, no more than
     # XLA's buffer reuse moves them by from one depth to the next; at 256 the layers' term is the
-    # larger part, as in a real config.
-    unrolled = [*TINY, "data.seq_len=256"]
-    plan = memory_plan("configs/tiny.yaml", unrolled, depth_blocks=(1, 2))
-    actual = activations_and_temps(
-        load_config("configs/tiny.yaml", [*unrolled, "model.num_hidden_layers=3"]), rows=1)
-    assert not plan.scanned
-    assert_rule_predicts(plan, actual)
-    assert plan.grads == plan.params  # AdamW: mu and nu like the parameters, plus scalar counts
-    assert 2 * plan.params < plan.opt_state < 2 * plan.params + 64
-    assert plan.fits(1.0) and not plan.fits(plan.total / 2**30 / 2)
+    # larger part, as in a real config. In a process of its own at XLA's default code generation,
+    # which a user's plan compiles with: at the tests' (`tests.run_util.CODEGEN_XLA_FLAGS`) the
+    # 3-layer step's temporaries fall 12% below the line through 1 and 2 layers (7.05 MB against
+    # 7.96 predicted), where the fused default program follows it.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.memory_plan_checks", json.dumps([*TINY, "data.seq_len=256"])],
+        cwd=WORKTREE, env=dict(env, PYTHONPATH=str(WORKTREE)), capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 # configs/deepseek_v3_671b.yaml cut to test scale, with 2 leading dense layers.
