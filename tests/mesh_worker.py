@@ -14,8 +14,8 @@ the mesh shards over `model` and over `fsdp`; and, in `rounding`, for each kind 
 farthest past its error model against the single-device step in float64 (what the test checks).
 
 Compiles dominate the cost (two per case, ~10 s each at XLA's default backend optimization), so the
-worker compiles with `--xla_backend_optimization_level=0` (both sides of every comparison use the
-same flags; it changes code generation speed, not the float semantics) and computes the
+worker compiles as the test session does (the XLA_FLAGS it inherits: `tests.run_util.
+CODEGEN_XLA_FLAGS`; both sides of every comparison use the same flags) and computes the
 single-device reference (float32 and float64: one compile more) once per model, mode and objective
 rather than once per mesh.
 """
@@ -30,8 +30,7 @@ import sys
 from typing import Any
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0").strip()
+                           " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -9,8 +9,7 @@ backend. Prints one JSON line: the worst loss, MTP loss and gradient results pas
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0").strip()
+                           " --xla_force_host_platform_device_count=8").strip()
 
 import dataclasses
 import json
