@@ -39,6 +39,14 @@ def xla_flags(devices: int | None = None) -> str:
     return CODEGEN_XLA_FLAGS + forced
 
 
+def default_codegen_env() -> dict[str, str]:
+    """The environment of a subprocess that compiles as a user's process does (XLA's default
+    flags, not `CODEGEN_XLA_FLAGS`) and imports the worktree: for checks whose numbers are a
+    user's (`compare-torch`'s tolerance, the memory plan's fit)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return dict(env, PYTHONPATH=str(WORKTREE))
+
+
 def write_groups(path: Path, n_groups: int = 12, seed: int = 0) -> Path:
     """Branching agent-rollout groups small enough for a 128-token row."""
     rng = np.random.default_rng(seed)

@@ -9,7 +9,6 @@ reference checked against hand-written transformers calls).
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -30,7 +29,7 @@ from jtree.trees.jsonl import write_sequence_groups  # noqa: E402
 from jtree.trees.tree import TrajectoryTree  # noqa: E402
 from tests.hf_util import assert_same_params, copy_checkpoint, param_arrays  # noqa: E402
 from tests.models_util import tiny_runtime  # noqa: E402
-from tests.run_util import WORKTREE  # noqa: E402
+from tests.run_util import WORKTREE, default_codegen_env  # noqa: E402
 from tests.strategies import one_row_forests  # noqa: E402
 from tests.torch_util import TOL, VOCAB, torch_logits  # noqa: E402
 
@@ -105,12 +104,11 @@ def report(checkpoint, tmp_path_factory):
     # tolerance (1e-4) is for that, and Qwen3-Next's largest relative gradient difference moves
     # with XLA:CPU's backend level (1.4e-5 at level 1, 6.5e-5 at the tests' level 0,
     # `tests.run_util.CODEGEN_XLA_FLAGS`, AMD EPYC Zen 5).
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
         [sys.executable, "-m", "jtree.cli", "compare-torch", "--hf-dir", str(path), "--data",
          str(work / "d.jsonl"), "--attention-impl", "reference", "--gdn-chunk-size", "4",
-         "--json", str(out)], cwd=WORKTREE, env=dict(env, PYTHONPATH=str(WORKTREE)),
-        capture_output=True, text=True, timeout=600)
+         "--json", str(out)], cwd=WORKTREE, env=default_codegen_env(), capture_output=True,
+        text=True, timeout=600)
     return proc.returncode, json.loads(out.read_text()), proc.stdout + proc.stderr
 
 

@@ -5,7 +5,6 @@ hybrid model; per-device bytes from shardings; the grouped CPU lowering of `ragg
 compiles with equals jax's own (values and gradients)."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -29,7 +28,7 @@ from jtree.memory.plan import (
 )
 from jtree.parallel.layer_stack import layer_groups
 from tests.memory_plan_checks import assert_predicts, assert_rule_predicts
-from tests.run_util import WORKTREE
+from tests.run_util import WORKTREE, default_codegen_env
 
 TINY = ["runtime.attention_impl=xla", "runtime.remat=full", "data.seq_len=128",
         "data.micro_batches=1", "mesh.data=1"]
@@ -43,11 +42,9 @@ def test_depth_rule_predicts_a_third_compile():
     # which a user's plan compiles with: at the tests' (`tests.run_util.CODEGEN_XLA_FLAGS`) the
     # 3-layer step's temporaries fall 12% below the line through 1 and 2 layers (7.05 MB against
     # 7.96 predicted), where the fused default program follows it.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.memory_plan_checks", json.dumps([*TINY, "data.seq_len=256"])],
-        cwd=WORKTREE, env=dict(env, PYTHONPATH=str(WORKTREE)), capture_output=True, text=True,
-        timeout=600)
+        cwd=WORKTREE, env=default_codegen_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

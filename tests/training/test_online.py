@@ -70,8 +70,8 @@ def assert_same_training(filed: Path, online: Path, records: list[dict], optim: 
             if want.ndim and name.startswith(("[1][0]['mu']", "[1][0]['nu']")):
                 bound = (4 if "['nu']" in name else 2) * ROUNDING_LAMBDA * np.sqrt(n) * U32
                 assert rel_l2(moments[online][name], want) <= bound, (step, name)
+        lr = record["learning_rate"]
         for name in carried:
-            lr = record["learning_rate"]
             d_filed, d_online = (adam_direction(moments[run], name, step, optim)
                                  for run in (filed, online))
             carried[name] += lr * np.abs(d_filed - d_online)
